@@ -1,0 +1,99 @@
+"""Request, sampling and SLO types shared by the engine, the schedulers, the router and the simulator.
+
+A `Request` enters the engine through `Engine.add_request`, is owned by the scheduler while it
+runs (its `num_computed_tokens` and `output_token_ids` advance every step), and leaves as a
+`RequestOutput`. Plain dataclasses only: they travel between actors.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"            # queued, no KV allocated (or freed by preemption)
+    RUNNING = "running"            # has KV blocks; prefilling or decoding
+    FINISHED_STOPPED = "stop"      # EOS or stop string
+    FINISHED_LENGTH = "length"     # max_tokens or context limit
+    FINISHED_ABORTED = "abort"
+
+    @property
+    def finished(self) -> bool:
+        return self in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH,
+                        RequestStatus.FINISHED_ABORTED)
+
+
+@dataclass
+class SamplingParams:
+    max_tokens: int = 16
+    temperature: float = 0.0        # 0 means greedy
+    top_p: float = 1.0
+    top_k: int = 0                  # 0 disables top-k
+    seed: int | None = None         # per-request generator: reproducible regardless of batching
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+
+    def validate(self) -> None:
+        """Raise ValueError naming the field a user got wrong."""
+        if self.max_tokens <= 0:
+            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+
+
+@dataclass
+class SLO:
+    """Latency targets of one request, in seconds. None: the deployment default applies."""
+    ttft_s: float | None = None
+    tpot_s: float | None = None
+
+
+@dataclass
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    arrival_time: float = 0.0
+    slo: SLO = field(default_factory=SLO)
+    priority: int = 0               # larger is more important (used by priority classes)
+    tenant: str = "default"
+    app_id: str | None = None
+    expected_output_tokens: int | None = None   # a predictor's or the client's estimate
+    eos_token_ids: tuple[int, ...] = ()
+
+    # Mutable state advanced by the scheduler/engine.
+    status: RequestStatus = RequestStatus.WAITING
+    output_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0    # tokens whose KV is in the cache
+    num_preemptions: int = 0
+    first_token_time: float | None = None
+    finish_time: float | None = None
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        """Prompt plus generated tokens: everything that needs KV eventually."""
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        """Known tokens without KV. A decode step has exactly one (the last sampled token);
+        a prefill (or a recompute after preemption) has more, or has produced no token yet."""
+        return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def is_prefill(self) -> bool:
+        return not self.output_token_ids or self.num_uncomputed_tokens > 1

@@ -1,0 +1,1 @@
+"""Priority policies, one module each; `raycluster.sched.registry` maps names to classes."""
