@@ -1,0 +1,182 @@
+"""The `raycluster` command line.
+
+  raycluster up [--model tiny|PATH] [--policy NAME] [--host H] [--port P] [--detach]
+  raycluster down
+  raycluster tiny-model PATH
+  raycluster bench engine [--out FILE.json] ...
+
+`up` serves one engine behind the OpenAI-compatible HTTP API; `--detach` starts it in the
+background, records its PID under the cache directory and returns once /health answers;
+`down` stops it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from raycluster.model.registry import cache_dir
+
+
+def _pid_file() -> Path:
+    return cache_dir() / "up.json"
+
+
+def _serve(args: argparse.Namespace) -> None:
+    import uvicorn
+
+    from raycluster.engine.config import EngineConfig
+    from raycluster.engine.engine import LLMEngine
+    from raycluster.server.app import build_app
+    from raycluster.server.async_engine import AsyncEngine
+
+    cfg = EngineConfig(model=args.model, policy=args.policy, num_threads=args.threads)
+    engine = LLMEngine.from_config(cfg)
+    async_engine = AsyncEngine(engine)
+    name = "tiny" if args.model == "tiny" else Path(args.model).name
+    app = build_app(async_engine, engine.tokenizer, name)
+    print(f"raycluster: serving {name} on http://{args.host}:{args.port} (policy {args.policy})", flush=True)
+    try:
+        uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
+    finally:
+        async_engine.shutdown()
+
+
+def _wait_healthy(url: str, proc: subprocess.Popen, timeout: float) -> bool:
+    import httpx
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            return False
+        try:
+            if httpx.get(url, timeout=1.0).status_code == 200:
+                return True
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.3)
+    return False
+
+
+def cmd_up(args: argparse.Namespace) -> int:
+    if not args.detach:
+        _serve(args)
+        return 0
+    pf = _pid_file()
+    if pf.exists():
+        info = json.loads(pf.read_text())
+        if _alive(info["pid"]):
+            print(f"raycluster: already running (pid {info['pid']}, {info['url']}); run `raycluster down` first")
+            return 1
+    pf.parent.mkdir(parents=True, exist_ok=True)
+    log = pf.parent / "up.log"
+    cmd = [sys.executable, "-m", "raycluster.cli", "up", "--model", args.model, "--policy", args.policy,
+           "--host", args.host, "--port", str(args.port)]
+    if args.threads:
+        cmd += ["--threads", str(args.threads)]
+    with open(log, "ab") as fh:
+        proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, start_new_session=True)
+    url = f"http://{args.host}:{args.port}"
+    pf.write_text(json.dumps({"pid": proc.pid, "url": url, "log": str(log)}))
+    if not _wait_healthy(url + "/health", proc, timeout=args.timeout):
+        print(f"raycluster: server did not become healthy; see {log}", file=sys.stderr)
+        _stop(proc.pid)
+        pf.unlink(missing_ok=True)
+        return 1
+    print(f"raycluster: up at {url} (pid {proc.pid}, log {log})")
+    return 0
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+        return True
+    except OSError:
+        return False
+
+
+def _stop(pid: int, timeout: float = 15.0) -> None:
+    try:
+        os.killpg(pid, signal.SIGTERM)
+    except OSError:
+        return
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and _alive(pid):
+        time.sleep(0.1)
+    if _alive(pid):
+        os.killpg(pid, signal.SIGKILL)
+
+
+def cmd_down(args: argparse.Namespace) -> int:
+    pf = _pid_file()
+    if not pf.exists():
+        print("raycluster: nothing is running")
+        return 0
+    info = json.loads(pf.read_text())
+    _stop(info["pid"])
+    pf.unlink(missing_ok=True)
+    print(f"raycluster: stopped pid {info['pid']}")
+    return 0
+
+
+def cmd_tiny_model(args: argparse.Namespace) -> int:
+    from raycluster.model.tiny import write_tiny_model
+
+    write_tiny_model(args.path, seed=args.seed)
+    print(f"raycluster: wrote tiny model to {args.path}")
+    return 0
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from raycluster.bench.engine_bench import main as engine_bench
+
+    return engine_bench(args.rest)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="raycluster", description=__doc__.split("\n\n")[0])
+    sub = p.add_subparsers(dest="cmd", required=True)
+
+    up = sub.add_parser("up", help="serve the model over HTTP")
+    up.add_argument("--model", default="tiny", help="'tiny' (embedded default) or a checkpoint directory")
+    up.add_argument("--policy", default="fcfs", help="scheduling policy name")
+    up.add_argument("--host", default="127.0.0.1")
+    up.add_argument("--port", type=int, default=8000)
+    up.add_argument("--threads", type=int, default=None, help="torch threads of the engine")
+    up.add_argument("--detach", action="store_true", help="run in the background; stop with `down`")
+    up.add_argument("--timeout", type=float, default=300.0, help="seconds to wait for health with --detach")
+    up.set_defaults(fn=cmd_up)
+
+    down = sub.add_parser("down", help="stop what `up --detach` started")
+    down.set_defaults(fn=cmd_down)
+
+    tm = sub.add_parser("tiny-model", help="write the tiny deterministic Llama checkpoint")
+    tm.add_argument("path")
+    tm.add_argument("--seed", type=int, default=0)
+    tm.set_defaults(fn=cmd_tiny_model)
+
+    bench = sub.add_parser("bench", help="benchmarks that write JSON (`raycluster bench engine --help`)")
+    bench.add_argument("rest", nargs=argparse.REMAINDER)
+    bench.set_defaults(fn=cmd_bench)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.cmd == "up":
+        from raycluster.sched.registry import policy_names
+        if args.policy not in policy_names():
+            print(f"raycluster: --policy {args.policy!r} unknown; choose one of {', '.join(policy_names())}",
+                  file=sys.stderr)
+            return 2
+    return args.fn(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""One instance's engine: paged KV manager, scheduler, model runner, sampler, step loop."""

@@ -1,0 +1,193 @@
+"""The engine of one instance: validate and admit requests, run step after step, emit outputs.
+
+`add_request` turns a prompt (token ids) and sampling parameters into a `Request` owned by the
+scheduler; `step()` asks the scheduler what to run, runs it through the model runner, samples,
+detokenizes incrementally (stop strings), and returns a `StepResult` with one `RequestOutput`
+per request that produced tokens or finished. `abort_request` frees a request's blocks at once.
+Single-threaded: callers serialise access (the async server runs steps on one thread).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from raycluster.clock import WallClock
+from raycluster.engine.config import EngineConfig
+from raycluster.engine.kv_manager import KVCacheManager
+from raycluster.engine.model_runner import ModelRunner
+from raycluster.engine.sampler import Sampler
+from raycluster.engine.scheduler import Scheduler, SchedulerConfig
+from raycluster.engine.text import TextStream
+from raycluster.request import SLO, Request, RequestStatus, SamplingParams
+from raycluster.sched.base import Clock, PolicyContext
+from raycluster.sched.registry import make_policy
+from raycluster.sched.token_packer import TokenBudgetPacker
+
+
+class InvalidRequestError(ValueError):
+    """A request a user sent that cannot run; `field` names the offending input."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(f"{field}: {message}")
+        self.field = field
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    new_token_ids: list[int]
+    new_text: str
+    finished: bool
+    finish_reason: str | None          # "stop" | "length" | "abort" once finished
+    num_prompt_tokens: int
+    num_output_tokens: int
+
+
+@dataclass
+class StepResult:
+    outputs: list[RequestOutput] = field(default_factory=list)
+    num_prefill_tokens: int = 0
+    num_decode_tokens: int = 0
+    num_preempted: int = 0
+    duration_s: float = 0.0
+
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, model, tokenizer=None, clock: Clock | None = None) -> None:
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
+        self.config = config
+        self.model = model
+        self.tokenizer = tokenizer
+        self.clock = clock or WallClock()
+        mcfg = model.config
+        self.max_model_len = min(config.max_model_len or mcfg.max_model_len, mcfg.max_model_len)
+        self.vocab_size = mcfg.vocab_size
+        self.eos_token_ids = tuple(tokenizer.eos_token_ids) if tokenizer is not None else tuple(mcfg.eos_token_id)
+        self.kv = KVCacheManager(config.kv_cache_tokens // config.block_size, config.block_size)
+        self.runner = ModelRunner(model, self.kv, _DTYPES[config.dtype], config.device)
+        self.policy_ctx = PolicyContext(clock=self.clock)
+        self.scheduler = Scheduler(
+            SchedulerConfig(config.max_num_batched_tokens, config.max_num_seqs, self.max_model_len),
+            self.kv, make_policy(config.policy, self.policy_ctx), TokenBudgetPacker(config.chunk_size),
+            self.clock)
+        self.sampler = Sampler(config.seed)
+        self._texts: dict[str, TextStream] = {}
+
+    @classmethod
+    def from_config(cls, config: EngineConfig, clock: Clock | None = None) -> "LLMEngine":
+        from raycluster.model.loader import load_model
+        from raycluster.model.registry import resolve_model_path
+        from raycluster.model.tokenizer import Tokenizer
+
+        path = resolve_model_path(config.model)
+        model, mcfg = load_model(path, dtype=_DTYPES[config.dtype], device=config.device)
+        return cls(config, model, Tokenizer(path, mcfg.eos_token_id), clock)
+
+    # ---- requests --------------------------------------------------------------------------
+    def add_request(self, request_id: str, prompt_token_ids: list[int],
+                    sampling: SamplingParams | None = None, *, slo: SLO | None = None,
+                    priority: int = 0, tenant: str = "default", app_id: str | None = None,
+                    arrival_time: float | None = None) -> Request:
+        sampling = sampling or SamplingParams()
+        self._validate(prompt_token_ids, sampling)
+        req = Request(request_id=request_id, prompt_token_ids=list(prompt_token_ids), sampling=sampling,
+                      arrival_time=self.clock.now() if arrival_time is None else arrival_time,
+                      slo=slo or SLO(), priority=priority, tenant=tenant, app_id=app_id,
+                      expected_output_tokens=sampling.max_tokens, eos_token_ids=self.eos_token_ids)
+        self.scheduler.add_request(req)
+        if self.tokenizer is not None:
+            self._texts[request_id] = TextStream(self.tokenizer, req.prompt_token_ids, sampling.stop)
+        return req
+
+    def _validate(self, ids: list[int], sp: SamplingParams) -> None:
+        if not ids:
+            raise InvalidRequestError("prompt", "must not be empty")
+        if len(ids) >= self.max_model_len:
+            raise InvalidRequestError(
+                "prompt", f"{len(ids)} tokens leave no room to generate within the context of "
+                f"{self.max_model_len} tokens")
+        if len(ids) > self.kv.capacity_tokens() - 1:
+            raise InvalidRequestError(
+                "prompt", f"{len(ids)} tokens exceed this instance's KV capacity of "
+                f"{self.kv.capacity_tokens()} tokens")
+        if min(ids) < 0 or max(ids) >= self.vocab_size:
+            raise InvalidRequestError("prompt", f"token ids must be in [0, {self.vocab_size})")
+        try:
+            sp.validate()
+        except ValueError as e:
+            field_name = str(e).split(" ", 1)[0]
+            raise InvalidRequestError(field_name, str(e).split(" ", 1)[1]) from None
+
+    def abort_request(self, request_id: str) -> bool:
+        self._texts.pop(request_id, None)
+        self.sampler.forget(request_id)
+        return self.scheduler.abort(request_id) is not None
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # ---- the step loop ---------------------------------------------------------------------
+    def step(self) -> StepResult:
+        t0 = time.perf_counter()
+        out = self.scheduler.schedule()
+        result = StepResult(num_prefill_tokens=out.num_prefill_tokens, num_decode_tokens=len(out.decodes),
+                            num_preempted=len(out.preempted))
+        sampled_reqs: list[Request] = []
+        tokens: list[int] = []
+        if not out.is_empty:
+            step = self.runner.execute(out)
+            if step.requests:
+                sampled_reqs = step.requests
+                tokens = self.sampler.sample(step.logits, [r.request_id for r in sampled_reqs],
+                                             [r.sampling for r in sampled_reqs])
+        sampled = {r.request_id: t for r, t in zip(sampled_reqs, tokens)}
+        finished = {r.request_id for r in self.scheduler.update(out, sampled)}
+        for req in out.finished:
+            finished.add(req.request_id)
+            result.outputs.append(self._output(req, [], True, self._flush(req.request_id)))
+        for req, token in zip(sampled_reqs, tokens):
+            rid = req.request_id
+            text = ""
+            stream = self._texts.get(rid)
+            if stream is not None:
+                text, hit = stream.add(token)
+                if hit and rid not in finished:
+                    self.scheduler.finish(rid, RequestStatus.FINISHED_STOPPED)
+                    finished.add(rid)
+            if rid in finished:
+                text += self._flush(rid)
+            result.outputs.append(self._output(req, [token], rid in finished, text))
+        for rid in finished:
+            self.sampler.forget(rid)
+        result.duration_s = time.perf_counter() - t0
+        return result
+
+    def _flush(self, rid: str) -> str:
+        stream = self._texts.pop(rid, None)
+        return stream.flush() if stream is not None else ""
+
+    def _output(self, req: Request, tokens: list[int], finished: bool, text: str = "") -> RequestOutput:
+        reason = req.status.value if finished else None
+        return RequestOutput(req.request_id, tokens, text, finished, reason,
+                             req.num_prompt_tokens, len(req.output_token_ids))
+
+    # ---- convenience -----------------------------------------------------------------------
+    def generate(self, prompts: list[list[int]], sampling: SamplingParams | list[SamplingParams],
+                 max_steps: int = 1_000_000) -> list[list[int]]:
+        """Run prompts to completion; returns each request's output token ids in input order."""
+        params = sampling if isinstance(sampling, list) else [sampling] * len(prompts)
+        reqs = [self.add_request(f"gen-{id(self)}-{i}", p, sp) for i, (p, sp) in enumerate(zip(prompts, params))]
+        for _ in range(max_steps):
+            if not self.has_unfinished():
+                break
+            self.step()
+        else:
+            raise RuntimeError(f"generate did not finish within {max_steps} steps")
+        return [list(r.output_token_ids) for r in reqs]

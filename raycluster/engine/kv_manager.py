@@ -1,0 +1,127 @@
+"""Paged KV bookkeeping: which fixed-size blocks of the KV tensor belong to which request.
+
+`BlockAllocator` owns the free list and reference counts of physical blocks; `KVCacheManager`
+maps request ids to block tables and grows them as tokens are scheduled. The KV tensor itself
+lives in the model runner; this module only hands out block ids. `check()` verifies
+free + used == total and that every table's refcounts add up, and tests call it after every
+scenario.
+"""
+
+from __future__ import annotations
+
+from collections import Counter, deque
+
+from raycluster.request import Request
+
+
+class OutOfBlocks(RuntimeError):
+    pass
+
+
+class BlockAllocator:
+    def __init__(self, num_blocks: int) -> None:
+        if num_blocks <= 0:
+            raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
+        self.num_blocks = num_blocks
+        self._free: deque[int] = deque(range(num_blocks))
+        self._refs = [0] * num_blocks
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    @property
+    def num_used(self) -> int:
+        return self.num_blocks - len(self._free)
+
+    def allocate(self, n: int) -> list[int]:
+        if n > len(self._free):
+            raise OutOfBlocks(f"need {n} blocks, {len(self._free)} free")
+        blocks = [self._free.popleft() for _ in range(n)]
+        for b in blocks:
+            self._refs[b] = 1
+        return blocks
+
+    def incref(self, block: int) -> None:
+        if self._refs[block] <= 0:
+            raise ValueError(f"block {block} is free; cannot share it")
+        self._refs[block] += 1
+
+    def free(self, block: int) -> None:
+        if self._refs[block] <= 0:
+            raise ValueError(f"double free of block {block}")
+        self._refs[block] -= 1
+        if self._refs[block] == 0:
+            self._free.append(block)
+
+    def refcount(self, block: int) -> int:
+        return self._refs[block]
+
+
+class KVCacheManager:
+    def __init__(self, num_blocks: int, block_size: int) -> None:
+        if block_size <= 0:
+            raise ValueError(f"block_size must be >= 1, got {block_size}")
+        self.block_size = block_size
+        self.allocator = BlockAllocator(num_blocks)
+        self.block_tables: dict[str, list[int]] = {}
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.allocator.num_free
+
+    @property
+    def num_blocks(self) -> int:
+        return self.allocator.num_blocks
+
+    def usage(self) -> float:
+        return self.allocator.num_used / self.allocator.num_blocks
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def capacity_tokens(self) -> int:
+        return self.allocator.num_blocks * self.block_size
+
+    def try_allocate(self, req: Request, num_new_tokens: int) -> bool:
+        """Grow `req`'s table to hold its computed tokens plus `num_new_tokens`."""
+        table = self.block_tables.get(req.request_id, [])
+        need = self.blocks_needed(req.num_computed_tokens + num_new_tokens) - len(table)
+        if need <= 0:
+            self.block_tables.setdefault(req.request_id, table)
+            return True
+        if need > self.allocator.num_free:
+            return False
+        table = self.block_tables.setdefault(req.request_id, table)
+        table.extend(self.allocator.allocate(need))
+        return True
+
+    def fork(self, src_id: str, dst_id: str) -> None:
+        """Share all of `src_id`'s blocks with a new request (e.g. parallel samples of one prompt).
+        Shared blocks are read-only by convention; a writer must own its last block."""
+        if dst_id in self.block_tables:
+            raise ValueError(f"request {dst_id!r} already has blocks")
+        table = self.block_tables[src_id]
+        for b in table:
+            self.allocator.incref(b)
+        self.block_tables[dst_id] = list(table)
+
+    def free(self, request_id: str) -> None:
+        for b in self.block_tables.pop(request_id, ()):
+            self.allocator.free(b)
+
+    def holds(self, request_id: str) -> bool:
+        return request_id in self.block_tables
+
+    def check(self) -> None:
+        """Raise AssertionError if the bookkeeping is inconsistent."""
+        a = self.allocator
+        free = list(a._free)
+        free_set = set(free)
+        assert len(free_set) == len(free), "a block is on the free list twice"
+        refs = Counter(b for table in self.block_tables.values() for b in table)
+        for b in range(a.num_blocks):
+            assert a._refs[b] == refs.get(b, 0), f"block {b}: refcount {a._refs[b]} != {refs.get(b, 0)} tables"
+            assert (a._refs[b] == 0) == (b in free_set), f"block {b}: refcount {a._refs[b]}, on free list: {b in free_set}"
+        used = sum(1 for r in a._refs if r > 0)
+        assert a.num_free + used == a.num_blocks, f"free {a.num_free} + used {used} != total {a.num_blocks}"

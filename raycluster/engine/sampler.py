@@ -1,0 +1,52 @@
+"""Token sampling from the logits rows of one step.
+
+Greedy rows are one batched argmax. Random rows apply temperature, top-k and top-p, then draw
+with the request's own `torch.Generator` when it has a seed, so a seeded request yields the same
+tokens whatever it is batched with. Logits enter as [n, vocab] float tensors; token ids leave as
+a Python list.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from raycluster.request import SamplingParams
+
+
+class Sampler:
+    def __init__(self, seed: int = 0) -> None:
+        self._default = torch.Generator().manual_seed(seed)
+        self._per_request: dict[str, torch.Generator] = {}
+
+    def forget(self, request_id: str) -> None:
+        self._per_request.pop(request_id, None)
+
+    def _generator(self, request_id: str, params: SamplingParams) -> torch.Generator:
+        if params.seed is None:
+            return self._default
+        gen = self._per_request.get(request_id)
+        if gen is None:
+            gen = self._per_request[request_id] = torch.Generator().manual_seed(params.seed)
+        return gen
+
+    def sample(self, logits: torch.Tensor, request_ids: list[str], params: list[SamplingParams]) -> list[int]:
+        out = logits.argmax(dim=-1).tolist()
+        for i, (rid, sp) in enumerate(zip(request_ids, params)):
+            if sp.temperature > 0:
+                out[i] = self._sample_row(logits[i], sp, self._generator(rid, sp))
+        return out
+
+    @staticmethod
+    def _sample_row(row: torch.Tensor, sp: SamplingParams, gen: torch.Generator) -> int:
+        row = row.float() / sp.temperature
+        if 0 < sp.top_k < row.numel():
+            kth = torch.topk(row, sp.top_k).values[-1]
+            row = row.masked_fill(row < kth, float("-inf"))
+        probs = torch.softmax(row, dim=-1)
+        if sp.top_p < 1.0:
+            sorted_p, idx = torch.sort(probs, descending=True)
+            # Keep the smallest prefix whose mass reaches top_p (always at least one token).
+            drop = torch.cumsum(sorted_p, dim=-1) - sorted_p >= sp.top_p
+            sorted_p = sorted_p.masked_fill(drop, 0.0)
+            probs = torch.zeros_like(probs).scatter_(0, idx, sorted_p)
+        return int(torch.multinomial(probs, 1, generator=gen).item())

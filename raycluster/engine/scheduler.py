@@ -1,0 +1,231 @@
+"""Iteration-level scheduler of one engine instance (Orca/Sarathi continuous batching).
+
+Every step: the decode selector picks decode-phase requests (one token each, KV grown by one
+slot, preempting by recompute when blocks run out), then the packer fills the rest of the step
+with prefill chunks taken in policy order. `schedule()` returns a `SchedulerOutput` (what to run);
+after the model ran, `update()` advances each request by what was computed and appends sampled
+tokens, returning the requests that finished. `abort()` frees a request's blocks at once.
+
+Request states: WAITING (queued, no KV), RUNNING (holds KV blocks: prefilling, or decoding),
+finished. A request needing prefill sits in the policy whether or not it holds blocks, so a more
+urgent arrival can overtake a long prefill between its chunks (Medha's preemptive chunking).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Sequence
+
+from raycluster.engine.kv_manager import KVCacheManager
+from raycluster.request import Request, RequestStatus
+from raycluster.sched.base import AllDecodes, Clock, DecodeSelector, PackLimits, Packer, Policy
+
+
+@dataclass
+class SchedulerOutput:
+    prefills: list[tuple[Request, int]] = field(default_factory=list)   # (request, chunk tokens)
+    decodes: list[Request] = field(default_factory=list)
+    preempted: list[str] = field(default_factory=list)
+    finished: list[Request] = field(default_factory=list)   # ended while scheduling (KV exhausted)
+
+    @property
+    def num_prefill_tokens(self) -> int:
+        return sum(n for _, n in self.prefills)
+
+    @property
+    def num_tokens(self) -> int:
+        return self.num_prefill_tokens + len(self.decodes)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.prefills and not self.decodes
+
+
+@dataclass
+class SchedulerConfig:
+    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 128
+    max_model_len: int = 32768
+
+
+class _StepAllocator:
+    """KV reservations for one step. When blocks run out it evicts (recompute) requests that hold
+    blocks but are still inside the policy: they were not popped yet, so they rank below the
+    request asking."""
+
+    def __init__(self, sched: "Scheduler") -> None:
+        self.sched = sched
+        self.in_step: set[str] = set()
+
+    def try_allocate(self, req: Request, num_new_tokens: int) -> bool:
+        kv = self.sched.kv
+        while not kv.try_allocate(req, num_new_tokens):
+            victim = self.sched._queued_holder(exclude=self.in_step | {req.request_id})
+            if victim is None:
+                return False
+            self.sched._preempt(victim)
+        self.in_step.add(req.request_id)
+        if req.status is RequestStatus.WAITING:
+            req.status = RequestStatus.RUNNING
+        self.sched._holders[req.request_id] = req
+        return True
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager, policy: Policy, packer: Packer,
+                 clock: Clock, decode_selector: DecodeSelector | None = None) -> None:
+        self.config = config
+        self.kv = kv
+        self.policy = policy
+        self.packer = packer
+        self.clock = clock
+        self.decode_selector = decode_selector or AllDecodes()
+        self.requests: dict[str, Request] = {}
+        self.decoding: dict[str, Request] = {}      # decode phase, in admission order
+        self._holders: dict[str, Request] = {}      # hold KV blocks, in admission order
+        self.preempted_total = 0
+
+    # ---- interface -------------------------------------------------------------------------
+    def add_request(self, req: Request) -> None:
+        if req.request_id in self.requests:
+            raise ValueError(f"request_id {req.request_id!r} is already in use")
+        req.status = RequestStatus.WAITING
+        self.requests[req.request_id] = req
+        self.policy.push(req)
+
+    def abort(self, request_id: str) -> Request | None:
+        req = self.requests.get(request_id)
+        if req is None:
+            return None
+        self._finish(req, RequestStatus.FINISHED_ABORTED)
+        return req
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        alloc = _StepAllocator(self)
+        now = self.clock.now()
+        selected = self.decode_selector.select(list(self.decoding.values()), now)
+        selected = selected[: self.config.max_num_seqs]
+        for req in selected:
+            if req.status is not RequestStatus.RUNNING:
+                continue                # preempted while making room for an earlier decode
+            if self._allocate_decode(req, selected, alloc, out):
+                out.decodes.append(req)
+        limits = PackLimits(self.config.max_num_batched_tokens, self.config.max_num_seqs)
+        out.prefills = self.packer.plan(out.decodes, self.policy, limits, alloc)
+        return out
+
+    def update(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
+        """Advance requests by the step `out` that ran; `sampled` maps request id -> new token for
+        every request whose known tokens are now all computed. Returns finished requests."""
+        now = self.clock.now()
+        finished: list[Request] = []
+        for req, n in out.prefills:
+            if req.status.finished:
+                continue        # aborted while the step ran
+            req.num_computed_tokens += n
+            self.policy.on_progress(req, n)
+            if req.num_computed_tokens < req.num_tokens:
+                self.policy.push(req)
+                continue
+            self.decoding[req.request_id] = req
+            if self._append(req, sampled[req.request_id], now):
+                finished.append(req)
+        for req in out.decodes:
+            if req.status.finished:
+                continue
+            req.num_computed_tokens += 1
+            self.policy.on_progress(req, 1)
+            if self._append(req, sampled[req.request_id], now):
+                finished.append(req)
+        return finished
+
+    def finish(self, request_id: str, status: RequestStatus) -> None:
+        """End a request for a reason the engine detected (e.g. a stop string)."""
+        req = self.requests.get(request_id)
+        if req is not None:
+            self._finish(req, status)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.requests)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.policy)
+
+    @property
+    def num_running(self) -> int:
+        return len(self._holders)
+
+    # ---- internals -------------------------------------------------------------------------
+    def _append(self, req: Request, token: int, now: float) -> bool:
+        req.output_token_ids.append(token)
+        if req.first_token_time is None:
+            req.first_token_time = now
+        status = self._stop_status(req, token)
+        if status is not None:
+            self._finish(req, status)
+            return True
+        return False
+
+    def _stop_status(self, req: Request, token: int) -> RequestStatus | None:
+        sp = req.sampling
+        if not sp.ignore_eos and token in req.eos_token_ids:
+            return RequestStatus.FINISHED_STOPPED
+        if token in sp.stop_token_ids:
+            return RequestStatus.FINISHED_STOPPED
+        if len(req.output_token_ids) >= sp.max_tokens or req.num_tokens >= self.config.max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+    def _finish(self, req: Request, status: RequestStatus) -> None:
+        req.status = status
+        req.finish_time = self.clock.now()
+        self.requests.pop(req.request_id, None)
+        self.decoding.pop(req.request_id, None)
+        self._holders.pop(req.request_id, None)
+        self.policy.remove(req.request_id)
+        self.policy.on_finish(req)
+        self.kv.free(req.request_id)
+
+    def _allocate_decode(self, req: Request, selected: Sequence[Request], alloc: _StepAllocator,
+                         out: SchedulerOutput) -> bool:
+        while not self.kv.try_allocate(req, 1):
+            victim = self._queued_holder(exclude={req.request_id}) or self._latest_decode(req)
+            if victim is None:
+                # Alone and out of blocks: this request can never grow, so it ends here.
+                self._finish(req, RequestStatus.FINISHED_LENGTH)
+                out.finished.append(req)
+                return False
+            self._preempt(victim)
+            out.preempted.append(victim.request_id)
+            if victim in out.decodes:
+                out.decodes.remove(victim)
+        alloc.in_step.add(req.request_id)
+        return True
+
+    def _queued_holder(self, exclude: set[str]) -> Request | None:
+        """The latest-admitted request that holds blocks but is waiting in the policy."""
+        for rid in reversed(self._holders):
+            if rid not in exclude and rid not in self.decoding:
+                return self._holders[rid]
+        return None
+
+    def _latest_decode(self, asking: Request) -> Request | None:
+        for rid in reversed(self.decoding):
+            if rid != asking.request_id:
+                return self.decoding[rid]
+        return None
+
+    def _preempt(self, req: Request) -> None:
+        """Preempt by recompute: drop its KV; it re-enters the policy and later recomputes
+        prompt + generated tokens as one prefill."""
+        self.kv.free(req.request_id)
+        self._holders.pop(req.request_id, None)
+        was_decoding = self.decoding.pop(req.request_id, None) is not None
+        req.num_computed_tokens = 0
+        req.num_preemptions += 1
+        req.status = RequestStatus.WAITING
+        self.preempted_total += 1
+        if was_decoding:
+            self.policy.push(req)

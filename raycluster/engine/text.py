@@ -1,0 +1,49 @@
+"""Per-request output text: incremental detokenization plus stop strings.
+
+`TextStream.add(token)` returns (text delta safe to emit, stop string hit). Text that could be
+the start of a stop string is held back until it is known not to be one, so a client never sees
+any part of the stop string; `flush()` releases what is held back when the request ends for
+another reason.
+"""
+
+from __future__ import annotations
+
+from raycluster.model.tokenizer import IncrementalDetokenizer
+
+
+class TextStream:
+    def __init__(self, tokenizer, prompt_token_ids: list[int], stop: list[str]) -> None:
+        self._detok = IncrementalDetokenizer(tokenizer, prompt_token_ids)
+        self._stop = [s for s in stop if s]
+        self._hold = max((len(s) for s in self._stop), default=1) - 1
+        self._text = ""        # everything decoded so far
+        self._emitted = 0      # characters of _text already returned
+        self.stopped = False
+
+    def add(self, token_id: int) -> tuple[str, bool]:
+        if self.stopped:
+            return "", True
+        delta = self._detok.add(token_id)
+        if not delta:
+            return "", False
+        search_from = max(0, len(self._text) - self._hold)
+        self._text += delta
+        for s in self._stop:
+            at = self._text.find(s, search_from)
+            if at >= 0:
+                self._text = self._text[:at]
+                self.stopped = True
+                return self._take(len(self._text)), True
+        return self._take(len(self._text) - self._hold), False
+
+    def flush(self) -> str:
+        if not self.stopped:
+            self._text += self._detok.flush()
+        return self._take(len(self._text))
+
+    def _take(self, upto: int) -> str:
+        if upto <= self._emitted:
+            return ""
+        out = self._text[self._emitted:upto]
+        self._emitted = upto
+        return out

@@ -1,0 +1,50 @@
+"""Resolves a `--model` value to a checkpoint directory.
+
+"tiny" is the embedded default: written once by `write_tiny_model` into a cache directory
+(`$RAYCLUSTER_CACHE` or ~/.cache/raycluster) and reused; anything else must be a directory
+holding config.json. Writing goes to a temporary sibling first and is renamed into place, so
+several processes (Ray actors) asking at once never see a half-written checkpoint.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+TINY = "tiny"
+TINY_VERSION = "v1"
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("RAYCLUSTER_CACHE", Path.home() / ".cache" / "raycluster"))
+
+
+def resolve_model_path(model: str) -> str:
+    if model == TINY:
+        return str(ensure_tiny_model())
+    path = Path(model).expanduser()
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(f"model: {model!r} is neither 'tiny' nor a checkpoint directory with config.json")
+    return str(path)
+
+
+def ensure_tiny_model() -> Path:
+    from raycluster.model.tiny import write_tiny_model
+
+    target = cache_dir() / f"tiny-{TINY_VERSION}"
+    if (target / "config.json").is_file():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".tiny-", dir=target.parent))
+    try:
+        write_tiny_model(tmp)
+        try:
+            os.rename(tmp, target)
+        except OSError:
+            if not (target / "config.json").is_file():   # lost a race only if the winner finished
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target

@@ -1,0 +1,178 @@
+"""Single-instance OpenAI-compatible HTTP server: one engine behind FastAPI.
+
+Routes: POST /v1/completions, POST /v1/chat/completions (both with `stream` over SSE),
+GET /v1/models, GET /health, GET /metrics (Prometheus text). Prompts are tokenized once here;
+token ids go to the `AsyncEngine`, text deltas come back. Errors a client causes are 400 in
+OpenAI's error shape with `param` naming the field.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import AsyncIterator
+
+from fastapi import FastAPI, Request as HTTPRequest
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, StreamingResponse
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest, CONTENT_TYPE_LATEST
+
+from raycluster.engine.engine import InvalidRequestError
+from raycluster.request import SLO
+from raycluster.server.async_engine import AsyncEngine
+from raycluster.server.protocol import ChatCompletionRequest, CompletionRequest, error_body, now_s
+
+
+class _Metrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter("raycluster_requests", "Finished requests", ["finish_reason"], registry=r)
+        self.tokens = Counter("raycluster_generated_tokens", "Generated tokens", registry=r)
+        self.ttft = Histogram("raycluster_ttft_seconds", "Time to first token", registry=r,
+                              buckets=(.005, .01, .025, .05, .1, .25, .5, 1, 2.5, 5, 10, 30, 60))
+        self.tpot = Histogram("raycluster_tpot_seconds", "Time per output token after the first", registry=r,
+                              buckets=(.001, .0025, .005, .01, .025, .05, .1, .25, .5, 1))
+        self.waiting = Gauge("raycluster_queue_waiting", "Requests waiting for prefill", registry=r)
+        self.running = Gauge("raycluster_queue_running", "Requests holding KV", registry=r)
+        self.kv_usage = Gauge("raycluster_kv_usage", "Fraction of KV blocks in use", registry=r)
+
+
+def _bad_request(message: str, param: str | None, status: int = 400) -> JSONResponse:
+    return JSONResponse(error_body(message, param), status_code=status)
+
+
+def build_app(engine: AsyncEngine, tokenizer, model_name: str) -> FastAPI:
+    app = FastAPI(title="raycluster", version="0.1.0")
+    metrics = _Metrics()
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(_, exc: RequestValidationError):
+        err = exc.errors()[0] if exc.errors() else {"loc": (), "msg": "invalid request"}
+        loc = [str(p) for p in err.get("loc", ()) if p != "body"]
+        param = ".".join(loc) or None
+        return _bad_request(f"{param}: {err.get('msg')}" if param else str(err.get("msg")), param)
+
+    @app.get("/health")
+    async def health():
+        return {"status": "ok", **engine.stats()}
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": now_s(),
+                                            "owned_by": "raycluster",
+                                            "max_model_len": engine.engine.max_model_len}]}
+
+    @app.get("/metrics")
+    async def prom():
+        s = engine.stats()
+        metrics.waiting.set(s["waiting"])
+        metrics.running.set(s["running"])
+        metrics.kv_usage.set(s["kv_used_blocks"] / max(1, s["kv_total_blocks"]))
+        from fastapi import Response
+        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    def _encode_prompt(prompt) -> list[int]:
+        if isinstance(prompt, str):
+            return tokenizer.encode(prompt)
+        if prompt and all(isinstance(t, int) for t in prompt):
+            return list(prompt)
+        if isinstance(prompt, list) and len(prompt) == 1:
+            return _encode_prompt(prompt[0])
+        raise InvalidRequestError("prompt", "must be a string or a list of token ids (batches of prompts are not supported)")
+
+    async def _run(body, prompt_ids: list[int], kind: str, http: HTTPRequest):
+        max_tokens = getattr(body, "max_completion_tokens", None) or body.max_tokens
+        sampling = body.to_sampling()
+        if max_tokens is not None:
+            sampling.max_tokens = max_tokens
+        slo = SLO(ttft_s=body.ttft_slo_ms / 1e3 if body.ttft_slo_ms else None,
+                  tpot_s=body.tpot_slo_ms / 1e3 if body.tpot_slo_ms else None)
+        rid = engine.next_id("cmpl" if kind == "text_completion" else "chatcmpl")
+        gen = engine.generate(rid, prompt_ids, sampling, slo=slo, priority=body.priority,
+                              tenant=body.tenant or "default", app_id=body.app_id)
+        t0 = time.perf_counter()
+        try:
+            first = await gen.__anext__()      # surfaces validation errors before any byte is sent
+        except InvalidRequestError as e:
+            return _bad_request(str(e), e.field)
+        stream = _Stream(gen, first, t0, metrics)
+        if body.stream:
+            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            return StreamingResponse(_sse(stream, rid, kind, model_name, len(prompt_ids), include_usage),
+                                     media_type="text/event-stream")
+        text, n_out, reason = await stream.collect()
+        usage = {"prompt_tokens": len(prompt_ids), "completion_tokens": n_out,
+                 "total_tokens": len(prompt_ids) + n_out}
+        if kind == "text_completion":
+            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": reason}
+        else:
+            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": reason}
+        return {"id": rid, "object": kind, "created": now_s(), "model": model_name,
+                "choices": [choice], "usage": usage}
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, http: HTTPRequest):
+        try:
+            ids = _encode_prompt(body.prompt)
+        except InvalidRequestError as e:
+            return _bad_request(str(e), e.field)
+        return await _run(body, ids, "text_completion", http)
+
+    @app.post("/v1/chat/completions")
+    async def chat(body: ChatCompletionRequest, http: HTTPRequest):
+        prompt = tokenizer.apply_chat_template([m.model_dump() for m in body.messages])
+        return await _run(body, tokenizer.encode(prompt), "chat.completion", http)
+
+    return app
+
+
+class _Stream:
+    """Consumes one request's outputs, recording TTFT/TPOT metrics."""
+
+    def __init__(self, gen, first, t0: float, metrics: _Metrics) -> None:
+        self.gen, self.first, self.t0, self.metrics = gen, first, t0, metrics
+        self.n_out = 0
+
+    async def outputs(self):
+        t_first = time.perf_counter()
+        self.metrics.ttft.observe(t_first - self.t0)
+        out = self.first
+        try:
+            while True:
+                self.n_out = out.num_output_tokens
+                yield out
+                if out.finished:
+                    self.metrics.requests.labels(out.finish_reason).inc()
+                    self.metrics.tokens.inc(out.num_output_tokens)
+                    if out.num_output_tokens > 1:
+                        self.metrics.tpot.observe((time.perf_counter() - t_first) / (out.num_output_tokens - 1))
+                    return
+                out = await self.gen.__anext__()
+        finally:
+            await self.gen.aclose()     # aborts the request if it has not finished
+
+    async def collect(self) -> tuple[str, int, str | None]:
+        parts, reason = [], None
+        async for out in self.outputs():
+            parts.append(out.new_text)
+            reason = out.finish_reason
+        return "".join(parts), self.n_out, reason
+
+
+async def _sse(stream: _Stream, rid: str, kind: str, model: str, n_prompt: int,
+               include_usage: bool) -> AsyncIterator[str]:
+    obj = "text_completion" if kind == "text_completion" else "chat.completion.chunk"
+    created = now_s()
+    async for out in stream.outputs():
+        if kind == "text_completion":
+            choice = {"index": 0, "text": out.new_text, "logprobs": None, "finish_reason": out.finish_reason}
+        else:
+            choice = {"index": 0, "delta": {"content": out.new_text}, "finish_reason": out.finish_reason}
+        chunk = {"id": rid, "object": obj, "created": created, "model": model, "choices": [choice]}
+        yield f"data: {json.dumps(chunk)}\n\n"
+    if include_usage:
+        usage = {"prompt_tokens": n_prompt, "completion_tokens": stream.n_out,
+                 "total_tokens": n_prompt + stream.n_out}
+        yield f"data: {json.dumps({'id': rid, 'object': obj, 'created': created, 'model': model, 'choices': [], 'usage': usage})}\n\n"
+    yield "data: [DONE]\n\n"

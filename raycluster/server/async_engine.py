@@ -1,0 +1,130 @@
+"""Runs an `LLMEngine` on its own thread and exposes it to asyncio code.
+
+Requests and aborts enter through a thread-safe inbox that the step thread drains between
+steps; each step's outputs go back to the event loop in one `call_soon_threadsafe` call and are
+fanned out to per-request queues. `generate()` yields `RequestOutput`s until the request
+finishes; if the consumer stops early (client disconnect), the request is aborted and its KV
+freed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import queue
+import threading
+from dataclasses import dataclass
+from typing import AsyncIterator
+
+from raycluster.engine.engine import LLMEngine, RequestOutput
+from raycluster.request import SLO, SamplingParams
+
+
+@dataclass
+class _Add:
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: SamplingParams
+    slo: SLO
+    priority: int
+    tenant: str
+    app_id: str | None
+    out: asyncio.Queue
+    loop: asyncio.AbstractEventLoop
+
+
+@dataclass
+class _Abort:
+    request_id: str
+
+
+class AsyncEngine:
+    def __init__(self, engine: LLMEngine) -> None:
+        self.engine = engine
+        self._inbox: queue.Queue = queue.Queue()
+        self._queues: dict[str, tuple[asyncio.Queue, asyncio.AbstractEventLoop]] = {}
+        self._ids = itertools.count()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="engine-steps", daemon=True)
+        self._thread.start()
+        self.steps = 0
+
+    def next_id(self, prefix: str = "req") -> str:
+        return f"{prefix}-{next(self._ids)}"
+
+    async def generate(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams,
+                       *, slo: SLO | None = None, priority: int = 0, tenant: str = "default",
+                       app_id: str | None = None) -> AsyncIterator[RequestOutput]:
+        """Validation errors (InvalidRequestError) are raised before the first output."""
+        q: asyncio.Queue = asyncio.Queue()
+        self._inbox.put(_Add(request_id, prompt_token_ids, sampling, slo or SLO(), priority, tenant,
+                             app_id, q, asyncio.get_running_loop()))
+        finished = False
+        try:
+            while True:
+                item = await q.get()
+                if isinstance(item, Exception):
+                    raise item
+                yield item
+                if item.finished:
+                    finished = True
+                    return
+        finally:
+            if not finished:
+                self._inbox.put(_Abort(request_id))
+
+    def shutdown(self) -> None:
+        self._stop.set()
+        self._inbox.put(None)
+        self._thread.join(timeout=10)
+
+    def stats(self) -> dict:
+        kv = self.engine.kv
+        return {"waiting": self.engine.scheduler.num_waiting, "running": self.engine.scheduler.num_running,
+                "kv_used_blocks": kv.allocator.num_used, "kv_total_blocks": kv.num_blocks,
+                "steps": self.steps}
+
+    # ---- step thread -----------------------------------------------------------------------
+    def _drain(self, block: bool) -> None:
+        while True:
+            try:
+                item = self._inbox.get(block=block, timeout=0.5 if block else None)
+            except queue.Empty:
+                return
+            block = False
+            if item is None:
+                return
+            if isinstance(item, _Add):
+                try:
+                    self.engine.add_request(item.request_id, item.prompt_token_ids, item.sampling,
+                                            slo=item.slo, priority=item.priority, tenant=item.tenant,
+                                            app_id=item.app_id)
+                    self._queues[item.request_id] = (item.out, item.loop)
+                except Exception as e:      # a bad request must never kill the step thread
+                    item.loop.call_soon_threadsafe(item.out.put_nowait, e)
+            else:
+                self.engine.abort_request(item.request_id)
+                self._queues.pop(item.request_id, None)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self._drain(block=not self.engine.has_unfinished())
+            if not self.engine.has_unfinished():
+                continue
+            result = self.engine.step()
+            self.steps += 1
+            by_loop: dict[asyncio.AbstractEventLoop, list] = {}
+            for out in result.outputs:
+                target = self._queues.get(out.request_id)
+                if target is None:
+                    continue
+                if out.finished:
+                    del self._queues[out.request_id]
+                by_loop.setdefault(target[1], []).append((target[0], out))
+            for loop, items in by_loop.items():
+                loop.call_soon_threadsafe(_deliver, items)
+
+
+def _deliver(items: list) -> None:
+    for q, out in items:
+        q.put_nowait(out)

@@ -1,0 +1,79 @@
+"""OpenAI-compatible HTTP schemas (pydantic) and the error shape.
+
+Requests enter as JSON and are validated here; `to_sampling()` turns them into the engine's
+`SamplingParams`. Extra fields beyond OpenAI's (`ttft_slo_ms`, `tpot_slo_ms`, `priority`,
+`tenant`, `app_id`, vLLM's `ignore_eos`, `min_tokens`-free) are optional. Unknown fields are
+ignored, as OpenAI clients send many we do not use.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from raycluster.request import SamplingParams
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class _GenerationFields(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    max_tokens: int | None = Field(None, description="default 16; must be >= 1")
+    temperature: float = Field(1.0, ge=0.0, le=100.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = Field(0, ge=0)
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    ignore_eos: bool = False
+    n: int = Field(1, ge=1, le=1)
+    # Scheduling hints (all optional).
+    ttft_slo_ms: float | None = Field(None, gt=0)
+    tpot_slo_ms: float | None = Field(None, gt=0)
+    priority: int = 0
+    tenant: str | None = None
+    app_id: str | None = None
+
+    def to_sampling(self, default_max_tokens: int = 16) -> SamplingParams:
+        stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        return SamplingParams(
+            max_tokens=default_max_tokens if self.max_tokens is None else self.max_tokens,
+            temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, seed=self.seed,
+            stop=stop, ignore_eos=self.ignore_eos)
+
+
+class CompletionRequest(_GenerationFields):
+    prompt: str | list[int] | list[str] | list[list[int]]
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    role: Literal["system", "user", "assistant", "tool", "developer"]
+    content: str
+
+
+class ChatCompletionRequest(_GenerationFields):
+    messages: list[ChatMessage] = Field(..., min_length=1)
+    max_completion_tokens: int | None = None
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+def now_s() -> int:
+    return int(time.time())
+
+
+def error_body(message: str, param: str | None, type_: str = "invalid_request_error",
+               code: str | None = None) -> dict:
+    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
