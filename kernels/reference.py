@@ -1,0 +1,29 @@
+"""Plain-formula attention used only by tests: dense per-request K/V,
+softmax(Q K^T * scale + bottom-right causal mask) V, with the LSE converted to base 2."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                        causal: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """q [n,Hq,D] (the last n tokens of the request), k/v [L,Hkv,D] (all its KV, L >= n).
+    Returns out [n,Hq,D] and base-2 lse [n,Hq], computed in fp64."""
+    n, hq, d = q.shape
+    L, hkv, _ = k.shape
+    g = hq // hkv
+    kk = k.double().repeat_interleave(g, dim=1)  # [L,Hq,D]
+    vv = v.double().repeat_interleave(g, dim=1)
+    scores = torch.einsum("nhd,lhd->hnl", q.double(), kk) * scale
+    if causal:
+        # Query i sits at absolute position L - n + i and sees keys 0..L-n+i.
+        qpos = torch.arange(L - n, L)[:, None]
+        mask = torch.arange(L)[None, :] > qpos
+        scores = scores.masked_fill(mask[None], float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)  # [Hq, n]
+    p = torch.softmax(scores, dim=-1)
+    out = torch.einsum("hnl,lhd->nhd", p, vv)
+    return out.to(q.dtype), (lse.T / math.log(2.0)).float()

@@ -1,0 +1,181 @@
+"""ModelConfig: the subset of a Hugging Face config.json (Llama / Qwen2 / Mistral) that the
+from-scratch model needs, validated with errors that name the offending field.
+
+Accepts both transformers-5 files (`rope_parameters`, `dtype`) and older ones (top-level
+`rope_theta` / `rope_scaling` with `rope_type` or `type`, `torch_dtype`). Sliding-window
+attention is not implemented: an active window smaller than max_position_embeddings caps
+`max_model_len` at the window, where full attention is still exact.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+
+
+class ModelConfigError(ValueError):
+    """config.json is missing a field or uses something this model does not implement."""
+
+
+@dataclass
+class ModelConfig:
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict[str, Any] | None  # None for default rope; else has "rope_type"
+    max_position_embeddings: int
+    max_model_len: int
+    tie_word_embeddings: bool = False
+    qkv_bias: bool = False
+    o_bias: bool = False
+    mlp_bias: bool = False
+    bos_token_id: int | None = None
+    eos_token_id: tuple[int, ...] = ()
+    dtype: str | None = None
+    sliding_window: int | None = None  # active window, if any
+    raw: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
+
+    @property
+    def architectures(self) -> list[str]:
+        return [self.architecture]
+
+    @property
+    def num_kv_groups(self) -> int:
+        return self.num_attention_heads // self.num_key_value_heads
+
+    @classmethod
+    def from_pretrained(cls, path: str | os.PathLike) -> "ModelConfig":
+        path = os.fspath(path)
+        cfg_path = os.path.join(path, "config.json") if os.path.isdir(path) else path
+        if not os.path.exists(cfg_path):
+            raise FileNotFoundError(f"no config.json found at {cfg_path!r}")
+        try:
+            with open(cfg_path) as f:
+                data = json.load(f)
+        except json.JSONDecodeError as e:
+            raise ModelConfigError(f"{cfg_path}: invalid JSON: {e}") from e
+        return cls.from_dict(data)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "ModelConfig":
+        archs = d.get("architectures")
+        if not archs or not isinstance(archs, list):
+            raise ModelConfigError(f"config field 'architectures' missing or not a list: {archs!r}")
+        arch = archs[0]
+        if arch not in SUPPORTED_ARCHITECTURES:
+            raise ModelConfigError(
+                f"config field 'architectures' = {archs!r} is not supported "
+                f"(supported: {', '.join(SUPPORTED_ARCHITECTURES)})")
+
+        def req(name: str, typ=int):
+            if name not in d or d[name] is None:
+                raise ModelConfigError(f"config field {name!r} is required but missing")
+            try:
+                return typ(d[name])
+            except (TypeError, ValueError) as e:
+                raise ModelConfigError(f"config field {name!r} has invalid value {d[name]!r}") from e
+
+        hidden = req("hidden_size")
+        heads = req("num_attention_heads")
+        vocab = req("vocab_size")
+        inter = req("intermediate_size")
+        layers = req("num_hidden_layers")
+        max_pos = req("max_position_embeddings")
+        kv_heads = int(d.get("num_key_value_heads") or heads)
+        head_dim = int(d.get("head_dim") or hidden // heads)
+        if heads % kv_heads:
+            raise ModelConfigError(
+                f"config field 'num_key_value_heads' = {kv_heads} does not divide num_attention_heads = {heads}")
+        eps = float(d.get("rms_norm_eps", 1e-6))
+
+        theta, scaling = _parse_rope(d)
+
+        if arch == "Qwen2ForCausalLM":
+            # Qwen2 always has q/k/v biases and never o_proj/MLP biases.
+            qkv_bias, o_bias, mlp_bias = True, False, False
+        elif arch == "LlamaForCausalLM":
+            ab = bool(d.get("attention_bias", False))
+            qkv_bias, o_bias, mlp_bias = ab, ab, bool(d.get("mlp_bias", False))
+        else:  # Mistral
+            qkv_bias = o_bias = mlp_bias = False
+
+        window = _active_sliding_window(arch, d, layers)
+        max_len = min(max_pos, window) if window else max_pos
+
+        eos = d.get("eos_token_id")
+        if eos is None:
+            eos_t: tuple[int, ...] = ()
+        elif isinstance(eos, (list, tuple)):
+            eos_t = tuple(int(x) for x in eos)
+        else:
+            eos_t = (int(eos),)
+        bos = d.get("bos_token_id")
+
+        return cls(
+            architecture=arch, vocab_size=vocab, hidden_size=hidden, intermediate_size=inter,
+            num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
+            head_dim=head_dim, rms_norm_eps=eps, rope_theta=theta, rope_scaling=scaling,
+            max_position_embeddings=max_pos, max_model_len=max_len,
+            tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+            qkv_bias=qkv_bias, o_bias=o_bias, mlp_bias=mlp_bias,
+            bos_token_id=int(bos) if bos is not None else None, eos_token_id=eos_t,
+            dtype=d.get("dtype") or d.get("torch_dtype"), sliding_window=window, raw=dict(d))
+
+
+def _parse_rope(d: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
+    params = d.get("rope_parameters")
+    if params is None:
+        params = dict(d.get("rope_scaling") or {})
+        if "rope_theta" in d:
+            params.setdefault("rope_theta", d["rope_theta"])
+    else:
+        params = dict(params)
+    theta = float(params.get("rope_theta", d.get("rope_theta", 10000.0)))
+    rtype = params.get("rope_type", params.get("type")) or "default"
+    if rtype not in SUPPORTED_ROPE_TYPES:
+        raise ModelConfigError(
+            f"config field 'rope_scaling.rope_type' = {rtype!r} is not supported "
+            f"(supported: {', '.join(SUPPORTED_ROPE_TYPES)}; 'dynamic' depends on the batch's "
+            "longest sequence and cannot be served per request)")
+    if rtype == "default":
+        return theta, None
+    scaling = {k: v for k, v in params.items() if k not in ("type", "rope_theta")}
+    scaling["rope_type"] = rtype
+    if "factor" not in scaling:
+        raise ModelConfigError(f"config field 'rope_scaling.factor' is required for rope_type {rtype!r}")
+    if rtype == "llama3":
+        for k in ("low_freq_factor", "high_freq_factor"):
+            if k not in scaling:
+                raise ModelConfigError(f"config field 'rope_scaling.{k}' is required for rope_type 'llama3'")
+        scaling.setdefault("original_max_position_embeddings", d.get("max_position_embeddings"))
+    return theta, scaling
+
+
+def _active_sliding_window(arch: str, d: dict[str, Any], layers: int) -> int | None:
+    window = d.get("sliding_window")
+    if not window:
+        return None
+    layer_types = d.get("layer_types")
+    if isinstance(layer_types, list) and layer_types:
+        return int(window) if "sliding_attention" in layer_types else None
+    if arch == "Qwen2ForCausalLM":
+        if not d.get("use_sliding_window", False):
+            return None
+        # HF Qwen2 slides only on layers i >= max_window_layers.
+        if int(d.get("max_window_layers", layers)) >= layers:
+            return None
+    if arch == "LlamaForCausalLM":
+        return None
+    return int(window)

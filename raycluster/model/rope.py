@@ -1,0 +1,77 @@
+"""Rotary position embeddings matching transformers (default, linear, llama3 scaling):
+inv_freq, an fp32 cos/sin cache cast to the model dtype, and rotate_half application at
+per-token positions."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from raycluster.model.config import ModelConfig
+
+
+def compute_inv_freq(head_dim: int, theta: float, scaling: dict | None = None) -> torch.Tensor:
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").float() / head_dim))
+    if not scaling:
+        return inv_freq
+    rtype = scaling["rope_type"]
+    factor = float(scaling["factor"])
+    if rtype == "linear":
+        return inv_freq / factor
+    if rtype == "llama3":
+        low = float(scaling["low_freq_factor"])
+        high = float(scaling["high_freq_factor"])
+        orig = float(scaling["original_max_position_embeddings"])
+        low_wavelen = orig / low
+        high_wavelen = orig / high
+        wavelen = 2 * math.pi / inv_freq
+        out = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+        smooth = (orig / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * out / factor + smooth * out
+        medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
+        return torch.where(medium, smoothed, out)
+    raise ValueError(f"unsupported rope_type {rtype!r}")
+
+
+class RotaryEmbedding:
+    """Holds inv_freq; builds the [max_len, head_dim] cos/sin cache lazily per (device, dtype)
+    and grows it if a position exceeds it."""
+
+    def __init__(self, head_dim: int, theta: float, scaling: dict | None, max_positions: int):
+        self.head_dim = head_dim
+        self.inv_freq = compute_inv_freq(head_dim, theta, scaling)
+        self.max_positions = max_positions
+        self._cache: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    @classmethod
+    def from_config(cls, cfg: ModelConfig) -> "RotaryEmbedding":
+        return cls(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, cfg.max_position_embeddings)
+
+    def _build(self, n: int, device, dtype):
+        t = torch.arange(n, dtype=torch.float32, device=device)
+        freqs = torch.outer(t, self.inv_freq.to(device))
+        emb = torch.cat([freqs, freqs], dim=-1)
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+
+    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype):
+        key = (positions.device, dtype)
+        cached = self._cache.get(key)
+        need = int(positions.max().item()) + 1 if positions.numel() else 1
+        if cached is None or cached[0].shape[0] < need:
+            n = max(need, self.max_positions)
+            cached = self._build(n, positions.device, dtype)
+            self._cache[key] = cached
+        return cached[0][positions], cached[1][positions]
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    h = x.shape[-1] // 2
+    return torch.cat([-x[..., h:], x[..., :h]], dim=-1)
+
+
+def apply_rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+    """q [T,Hq,D], k [T,Hkv,D], cos/sin [T,D] (already gathered at the tokens' positions)."""
+    cos = cos.unsqueeze(1)
+    sin = sin.unsqueeze(1)
+    return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin

@@ -1,0 +1,144 @@
+"""A deterministic tiny Llama checkpoint in Hugging Face format, for tests and CPU benchmarks.
+
+write_tiny_model(path, seed=0, **overrides) writes config.json (transformers-5 style, loadable by
+AutoModelForCausalLM), model.safetensors (fp32, seeded), tokenizer.json (byte-level BPE trained
+on the bundled corpus) and tokenizer_config.json (bos/eos, chat template). Same arguments ->
+byte-identical files. `tiny_config(**overrides)` returns the config dict for variants (other
+head counts, tied embeddings, llama3 rope, Qwen2 with q/k/v biases...); an override of None
+removes the key.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+from importlib import resources
+
+import torch
+from safetensors.torch import save_file
+
+from raycluster.model.config import ModelConfig
+
+SPECIAL_TOKENS = ["<|bos|>", "<|eos|>", "<|pad|>", "<|user|>", "<|assistant|>", "<|system|>"]
+BOS_ID, EOS_ID, PAD_ID = 0, 1, 2
+TOKENIZER_VOCAB = 4096
+
+CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% for message in messages %}"
+    "{{ '<|' + message['role'] + '|>\\n' + message['content'] + eos_token + '\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|assistant|>\\n' }}{% endif %}"
+)
+
+
+def tiny_config(**overrides) -> dict:
+    cfg = {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "vocab_size": TOKENIZER_VOCAB,
+        "hidden_size": 256,
+        "intermediate_size": 768,
+        "num_hidden_layers": 4,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 2,
+        "head_dim": 32,
+        "hidden_act": "silu",
+        "max_position_embeddings": 32768,
+        "rms_norm_eps": 1e-5,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 500000.0},
+        "tie_word_embeddings": False,
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "mlp_bias": False,
+        "initializer_range": 0.02,
+        "bos_token_id": BOS_ID,
+        "eos_token_id": EOS_ID,
+        "pad_token_id": PAD_ID,
+        "use_cache": True,
+        "dtype": "float32",
+    }
+    if overrides.get("architectures") == ["Qwen2ForCausalLM"]:
+        cfg["model_type"] = "qwen2"
+        for k in ("attention_bias", "mlp_bias", "head_dim"):
+            cfg.pop(k)
+        cfg.update(use_sliding_window=False, sliding_window=None, max_window_layers=cfg["num_hidden_layers"])
+    for k, v in overrides.items():
+        if v is None:
+            cfg.pop(k, None)
+        else:
+            cfg[k] = v
+    return cfg
+
+
+def corpus_text() -> str:
+    return resources.files("raycluster.model").joinpath("data/corpus.txt").read_text(encoding="utf-8")
+
+
+@functools.lru_cache(maxsize=1)
+def _tokenizer_json() -> str:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=TOKENIZER_VOCAB, min_frequency=1, special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(corpus_text().split("\n\n"), trainer=trainer)
+    tok.post_processor = processors.TemplateProcessing(
+        single="<|bos|> $A", pair="<|bos|> $A <|bos|> $B:1", special_tokens=[("<|bos|>", BOS_ID)])
+    return tok.to_str(pretty=True)
+
+
+def _init_weights(cfg: dict, seed: int) -> dict[str, torch.Tensor]:
+    from raycluster.model.llama import LlamaForCausalLM
+
+    mc = ModelConfig.from_dict(cfg)
+    with torch.device("meta"):
+        shapes = {n: tuple(p.shape) for n, p in LlamaForCausalLM(mc).named_parameters()}
+    g = torch.Generator().manual_seed(seed)
+    out = {}
+    for name in sorted(shapes):
+        shape = shapes[name]
+        if name.endswith("norm.weight"):
+            # Near-one norms: exercised by the HF comparison, harmless for the output.
+            t = 1.0 + 0.1 * torch.randn(shape, generator=g)
+        elif name.endswith(".bias"):
+            t = 0.02 * torch.randn(shape, generator=g)
+        elif name == "model.embed_tokens.weight":
+            # Unit-scale embeddings keep token identity strong against the small block updates,
+            # so greedy output varies with the input instead of collapsing to one token.
+            t = torch.randn(shape, generator=g)
+        elif name.endswith(("q_proj.weight", "k_proj.weight")):
+            t = 0.1 * torch.randn(shape, generator=g)  # sharper attention than std 0.02
+        else:
+            t = 0.02 * torch.randn(shape, generator=g)
+        out[name] = t.contiguous()
+    return out
+
+
+def write_tiny_model(path: str | os.PathLike, seed: int = 0, **overrides) -> str:
+    path = os.fspath(path)
+    os.makedirs(path, exist_ok=True)
+    cfg = tiny_config(**overrides)
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(cfg, f, indent=2, sort_keys=True)
+        f.write("\n")
+    save_file(_init_weights(cfg, seed), os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
+    with open(os.path.join(path, "tokenizer.json"), "w", encoding="utf-8") as f:
+        f.write(_tokenizer_json())
+    tok_cfg = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": "<|bos|>",
+        "eos_token": "<|eos|>",
+        "pad_token": "<|pad|>",
+        "add_bos_token": True,
+        "model_max_length": cfg["max_position_embeddings"],
+        "chat_template": CHAT_TEMPLATE,
+    }
+    with open(os.path.join(path, "tokenizer_config.json"), "w", encoding="utf-8") as f:
+        json.dump(tok_cfg, f, indent=2, sort_keys=True)
+        f.write("\n")
+    return path

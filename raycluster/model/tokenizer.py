@@ -1,0 +1,126 @@
+"""Tokenizer: a `tokenizers.Tokenizer` loaded from tokenizer.json plus tokenizer_config.json
+(special tokens, add_bos, chat template), and streaming detokenization that never emits a
+broken multi-byte character."""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+from tokenizers import Tokenizer as HFTokenizer
+
+DEFAULT_CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|' + message['role'] + '|>\\n' + message['content'] + '\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|assistant|>\\n' }}{% endif %}"
+)
+
+
+def _token_str(tok: Any) -> str | None:
+    if isinstance(tok, dict):  # older files store AddedToken dicts
+        return tok.get("content")
+    return tok
+
+
+class Tokenizer:
+    def __init__(self, path: str | os.PathLike, model_eos_token_ids: tuple[int, ...] | list[int] = ()):
+        path = os.fspath(path)
+        tj = os.path.join(path, "tokenizer.json")
+        if not os.path.exists(tj):
+            raise FileNotFoundError(f"no tokenizer.json in {path!r}")
+        self._tok = HFTokenizer.from_file(tj)
+        cfg: dict[str, Any] = {}
+        cfg_path = os.path.join(path, "tokenizer_config.json")
+        if os.path.exists(cfg_path):
+            with open(cfg_path, encoding="utf-8") as f:
+                cfg = json.load(f)
+        self.bos_token = _token_str(cfg.get("bos_token"))
+        self.eos_token = _token_str(cfg.get("eos_token"))
+        self.bos_token_id = self._tok.token_to_id(self.bos_token) if self.bos_token else None
+        eos_id = self._tok.token_to_id(self.eos_token) if self.eos_token else None
+        ids = set(model_eos_token_ids)
+        if eos_id is not None:
+            ids.add(eos_id)
+        self.eos_token_ids: tuple[int, ...] = tuple(sorted(ids))
+        self.add_bos = bool(cfg.get("add_bos_token", False))
+        template = cfg.get("chat_template")
+        jinja_file = os.path.join(path, "chat_template.jinja")
+        if template is None and os.path.exists(jinja_file):
+            with open(jinja_file, encoding="utf-8") as f:
+                template = f.read()
+        if isinstance(template, list):  # named templates: take "default"
+            template = next((t["template"] for t in template if t.get("name") == "default"), None)
+        self.chat_template: str | None = template
+        self._compiled = None
+
+    @property
+    def vocab_size(self) -> int:
+        return self._tok.get_vocab_size()
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        ids = self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+        # tokenizer_config may ask for BOS even when tokenizer.json's post-processor does not add it.
+        if (add_special_tokens and self.add_bos and self.bos_token_id is not None
+                and (not ids or ids[0] != self.bos_token_id)):
+            ids = [self.bos_token_id] + ids
+        return ids
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def apply_chat_template(self, messages: list[dict[str, str]], add_generation_prompt: bool = True,
+                            tokenize: bool = False):
+        if self._compiled is None:
+            from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+            def raise_exception(msg):
+                raise ValueError(msg)
+
+            env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+            env.globals["raise_exception"] = raise_exception
+            self._compiled = env.from_string(self.chat_template or DEFAULT_CHAT_TEMPLATE)
+        text = self._compiled.render(messages=messages, add_generation_prompt=add_generation_prompt,
+                                     bos_token=self.bos_token or "", eos_token=self.eos_token or "")
+        if tokenize:
+            return self.encode(text, add_special_tokens=False)  # the template places BOS itself
+        return text
+
+    def incremental_detokenizer(self, prompt_ids: list[int] | None = None,
+                                skip_special_tokens: bool = True) -> "IncrementalDetokenizer":
+        return IncrementalDetokenizer(self, prompt_ids, skip_special_tokens)
+
+
+class IncrementalDetokenizer:
+    """Streams text token by token. Decodes a small window [prefix_offset:] and emits only text
+    beyond the already-emitted part [prefix_offset:read_offset], holding back while it ends in
+    U+FFFD (an incomplete multi-byte character)."""
+
+    def __init__(self, tokenizer: Tokenizer, prompt_ids: list[int] | None = None,
+                 skip_special_tokens: bool = True):
+        self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
+        self.ids: list[int] = list(prompt_ids or [])
+        self.read_offset = len(self.ids)
+        self.prefix_offset = max(self.read_offset - 5, 0)
+
+    def _decode(self, ids):
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
+
+    def add(self, token_id: int) -> str:
+        self.ids.append(int(token_id))
+        prefix_text = self._decode(self.ids[self.prefix_offset:self.read_offset])
+        new_text = self._decode(self.ids[self.prefix_offset:])
+        if len(new_text) > len(prefix_text) and not new_text.endswith("\ufffd"):
+            self.prefix_offset = self.read_offset
+            self.read_offset = len(self.ids)
+            return new_text[len(prefix_text):]
+        return ""
+
+    def flush(self) -> str:
+        """Whatever is still held back (e.g. a truncated character at the end of generation)."""
+        prefix_text = self._decode(self.ids[self.prefix_offset:self.read_offset])
+        new_text = self._decode(self.ids[self.prefix_offset:])
+        self.prefix_offset = self.read_offset = len(self.ids)
+        return new_text[len(prefix_text):]

@@ -1,0 +1,18 @@
+"""Shared fixtures: the tiny checkpoint, written once per session."""
+
+import os
+import sys
+
+import pytest
+
+# Make the repo's top-level packages (raycluster, kernels) importable under plain `pytest` too.
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if _ROOT not in sys.path:
+    sys.path.insert(0, _ROOT)
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory):
+    from raycluster.model.tiny import write_tiny_model
+
+    return write_tiny_model(tmp_path_factory.mktemp("tiny_model"), seed=0)
