@@ -67,7 +67,9 @@ def _add_client_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("client")
     g.add_argument("--url", required=True, help="server base URL, e.g. http://127.0.0.1:8000")
     g.add_argument("--model", default=None, help="default: first entry of GET /v1/models")
-    g.add_argument("--concurrency", type=int, default=None, help="closed loop with C requests in flight")
+    g.add_argument("--concurrency", type=int, default=None,
+                   help="closed loop with C requests in flight: requests go in workload order as slots "
+                        "free; --qps then only sets how many requests --duration yields")
     g.add_argument("--timeout", type=float, default=300.0, help="per-request timeout (s)")
     g.add_argument("--run-timeout", type=float, default=None,
                    help="whole-run timeout (s); default last arrival + --timeout + 30")

@@ -128,6 +128,8 @@ async def _stream(client: httpx.AsyncClient, body: dict, rec: RequestRecord, cfg
                 usage = obj.get("usage")
                 if usage and usage.get("completion_tokens") is not None:
                     usage_tokens = int(usage["completion_tokens"])
+                    if usage.get("prompt_tokens") is not None:
+                        rec.server_prompt_tokens = int(usage["prompt_tokens"])
             rec.finish_s = clock()
             rec.token_times_s = times if cfg.keep_token_times else None
             rec.num_output_tokens = usage_tokens if usage_tokens is not None else len(times)

@@ -52,7 +52,8 @@ class RequestRecord:
     tenant: str = "default"
     app_id: str | None = None
     app_type: str | None = None
-    prompt_tokens: int = 0
+    prompt_tokens: int = 0               # as generated (the workload's target)
+    server_prompt_tokens: int | None = None   # as the server counted them (usage), if reported
     expected_output_tokens: int | None = None
     ttft_slo_ms: float | None = None
     tpot_slo_ms: float | None = None

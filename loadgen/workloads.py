@@ -96,7 +96,7 @@ class WorkloadRequest:
             return self.prompt
         if self.prompt is not None:
             raise ValueError(f"{self.request_id}: prompt is token ids; use prompt_token_ids()")
-        return " ".join(t for t in (segment_text(s, n) for s, n in self.segments) if t)
+        return "".join(segment_text(s, n) for s, n in self.segments)
 
     def prompt_token_ids(self, id_range: tuple[int, int] = (100, 1000)) -> list[int]:
         if isinstance(self.prompt, list):

@@ -137,7 +137,7 @@ def test_ttft_and_tbt_measured_within_tolerance(server):
     recs = run(_wl(3, out=6, gap_s=0.05), _cfg(url, "timed"))
     for r in recs:
         assert r.status == "ok", r.error
-        assert r.num_output_tokens == 6 and len(r.token_times_s) == 6
+        assert r.num_output_tokens == 6 and len(r.token_times_s) == 6 and r.server_prompt_tokens == 5
         assert abs(r.ttft_s - FIRST_S) < TOL_S, r.ttft_s
         assert abs(float(np.median(r.tbt_s)) - GAP_S) < TOL_S, r.tbt_s
         assert abs(r.tpot_s - GAP_S) < TOL_S

@@ -75,6 +75,18 @@ def test_prompt_text_has_one_word_per_token_and_ids_the_exact_length():
     assert w.requests[0].prompt_text() == w.requests[0].prompt_text()
 
 
+def test_prompt_length_is_exact_for_the_tiny_model_tokenizer():
+    """n words -> n tokens (+ BOS) with the project's tiny-model BPE (skipped if unavailable)."""
+    try:
+        from raycluster.model.tiny import _tokenizer_json
+        from tokenizers import Tokenizer
+    except ImportError as e:
+        pytest.skip(f"tiny tokenizer unavailable: {e}")
+    tok = Tokenizer.from_str(_tokenizer_json())
+    w = make_workload("multiturn", seed=0, qps=1.0, num_requests=30)
+    assert [len(tok.encode(r.prompt_text()).ids) - 1 for r in w] == [r.prompt_tokens for r in w]
+
+
 def test_multiturn_resends_history_plus_a_new_message():
     w = make_workload("multiturn", seed=2, qps=1.0, num_requests=400)
     by_id = {r.request_id: r for r in w}
