@@ -73,7 +73,7 @@ def test_multi_prefill_batching_packs_several_shorts():
 def test_at_most_one_long_prefill_and_second_is_pushed_back():
     clock, pol = setup([mk("L1", 5000, arrival=0), mk("L2", 5000, arrival=1), mk("s", 50, arrival=2)])
     packer = MedhaPacker(PER_TOKEN, clock, t_target_s=0.05, long_threshold=1000, rho_max=0.0)
-    plan = packer.plan([], pol, LimitsSmall := PackLimits(100_000, 256), FreeKV())
+    plan = packer.plan([], pol, LIMITS, FreeKV())
     assert [(r.request_id, n) for r, n in plan] == [("L1", 500)]
     assert len(pol) == 2
     assert pol.pop().request_id == "L2"          # order kept after push-back

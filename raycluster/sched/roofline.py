@@ -1,0 +1,202 @@
+"""Analytic roofline batch-time model for GPU clusters (a `BatchPredictor` without a GPU).
+
+Owns: hardware figures (A100 / H100 / H200: dense bf16 peak, HBM and NVLink bandwidth per GPU,
+inter-node bandwidth per GPU), Llama-3 8B / 70B shapes, and the step-time formulas below. Data
+enters as a `RooflinePredictor(gpu, model, tp, spp, kvp, mfu, mbu, ...)`; it leaves through
+`batch_time(prefills, decode_kv_lens)` and `prefill_time(num_tokens, kv_before)` in seconds, so
+the simulator and the Medha packer can plan for hardware this project never runs on.
+
+Notation: L layers, h hidden, H_q / H_kv heads, d = h / H_q head dim, I intermediate, V vocab,
+b = 2 bytes (bf16). A batch has prefill chunks (q_i tokens after kv_i cached) and decodes
+(1 token after kv_j cached); T = sum q_i + n_dec new tokens, S = number of sequences.
+  P_layer  = 2 h^2 + 2 h (H_kv d) + 3 h I                      matmul params per layer
+  F_lin    = 2 L P_layer T + 2 V h S                           GEMM FLOPs (lm_head once per seq)
+  pairs    = sum q_i (kv_i + (q_i + 1) / 2) + sum (kv_j + 1)   causal query-key pairs
+             (non-causal: q_i (kv_i + q_i), the count behind the seed's "1M tokens, 70B = 2.8 EFLOP")
+  F_attn   = 4 L h pairs                                       QK^T and AV
+  W        = b (L P_layer + V h)                               weight bytes read per step
+  B_kv     = 2 b L (H_kv d) (sum (kv_i + q_i) + sum (kv_j + 1))    KV read + written
+Per GPU with tensor parallel t, stream-pipeline stages p, KV-parallel groups k
+(t_kv = min(t, H_kv): KV heads stop splitting once every GPU holds one):
+  lin   = max(F_lin / (p t P_peak MFU),  W / (p t BW_hbm MBU))
+  attn  = max(F_attn / (p t k P_peak MFU),  B_kv / (p t_kv k BW_hbm MBU))
+  tp    = (L/p) * 2 * [2 (t-1)/t * T h b / BW_nvlink + lat_ar]          two all-reduces per layer
+  kvp   = (L/p) * [(k-1) * T (h b + 4 H_q) / (t BW_link) + lat_p2p]    partial outputs + softmax
+                                                                       stats merged (online softmax)
+  stage = lin + attn + tp + kvp
+  send  = T h b / BW_link + lat_p2p                                    activations between stages
+  batch_time = p * stage + (p - 1) * send + overhead                   a token's trip through all
+                                                                       stages (what TPOT sees)
+SPP prefill of one long request in chunks c_1..c_n (stage times s_1 <= ... <= s_n, chunk j+1
+enters stage 1 as soon as chunk j leaves it):
+  prefill_time = sum_j (s_j + send_j) + (p - 1) (s_n + send_n) + overhead
+KVP: the query is replicated to the k groups, each attends over its 1/k of the KV, so attention
+FLOPs and KV bytes divide by k; the linear layers do not speed up. BW_link is NVLink while
+t * k * p GPUs fit in one node, else the inter-node (InfiniBand) bandwidth per GPU.
+Ignored: activation traffic, kernel launch gaps (fold them into `overhead_s`), MoE, quantization.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Sequence
+
+
+@dataclass(frozen=True)
+class GPUSpec:
+    name: str
+    peak_flops: float          # dense bf16 FLOP/s
+    hbm_bw: float              # bytes/s
+    nvlink_bw: float           # bytes/s per direction per GPU
+    internode_bw: float        # bytes/s per GPU (InfiniBand NIC share)
+    memory_bytes: float
+    gpus_per_node: int = 8
+
+
+# Vendor datasheet figures (SXM parts). NVLink: A100 600 GB/s, H100/H200 900 GB/s total, halved
+# per direction. Inter-node: one 200 Gb/s HDR (A100) or 400 Gb/s NDR (H100/H200) NIC per GPU.
+A100 = GPUSpec("A100-SXM4-80GB", 312e12, 2.039e12, 300e9, 25e9, 80e9)
+H100 = GPUSpec("H100-SXM5-80GB", 989e12, 3.35e12, 450e9, 50e9, 80e9)
+H200 = GPUSpec("H200-SXM-141GB", 989e12, 4.8e12, 450e9, 50e9, 141e9)
+GPUS = {g.name.split("-")[0]: g for g in (A100, H100, H200)}
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    name: str
+    layers: int
+    hidden: int
+    heads: int
+    kv_heads: int
+    intermediate: int
+    vocab: int
+    dtype_bytes: int = 2
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden // self.heads
+
+    @property
+    def layer_params(self) -> int:
+        h, kvd = self.hidden, self.kv_heads * self.head_dim
+        return 2 * h * h + 2 * h * kvd + 3 * h * self.intermediate
+
+    @property
+    def params(self) -> int:
+        """Including input embedding and untied lm_head (Llama-3 8B: 8.03e9)."""
+        return self.layers * self.layer_params + 2 * self.vocab * self.hidden
+
+    @property
+    def weight_bytes(self) -> float:
+        """Bytes a step reads: layers + lm_head (the embedding is only gathered)."""
+        return self.dtype_bytes * (self.layers * self.layer_params + self.vocab * self.hidden)
+
+    def kv_bytes_per_token(self) -> float:
+        return 2 * self.dtype_bytes * self.layers * self.kv_heads * self.head_dim
+
+
+LLAMA3_8B = ModelShape("llama-3-8b", 32, 4096, 32, 8, 14336, 128256)
+LLAMA3_70B = ModelShape("llama-3-70b", 80, 8192, 64, 8, 28672, 128256)
+MODELS = {m.name: m for m in (LLAMA3_8B, LLAMA3_70B)}
+
+
+@dataclass(frozen=True)
+class StepCost:
+    """One pipeline stage's time, split by term (seconds)."""
+    linear: float
+    attention: float
+    tp_comm: float
+    kvp_comm: float
+    send: float
+    compute_bound: bool
+
+    @property
+    def stage(self) -> float:
+        return self.linear + self.attention + self.tp_comm + self.kvp_comm
+
+
+@dataclass
+class RooflinePredictor:
+    gpu: GPUSpec = A100
+    model: ModelShape = LLAMA3_8B
+    tp: int = 1
+    spp: int = 1
+    kvp: int = 1
+    mfu: float = 0.5            # Medha reports 50-60 % MFU for prefill
+    mbu: float = 0.8            # and up to 92 % MBU for decode
+    allreduce_latency_s: float = 10e-6
+    p2p_latency_s: float = 10e-6
+    overhead_s: float = 0.0
+    causal: bool = True
+    chunk_size: int | None = None     # prefill_time chunking (SPP streams these chunks)
+
+    def __post_init__(self) -> None:
+        for name in ("tp", "spp", "kvp"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if not (0 < self.mfu <= 1 and 0 < self.mbu <= 1):
+            raise ValueError("mfu and mbu must be in (0, 1]")
+
+    @property
+    def link_bw(self) -> float:
+        same_node = self.tp * self.kvp * self.spp <= self.gpu.gpus_per_node
+        return self.gpu.nvlink_bw if same_node else self.gpu.internode_bw
+
+    # -- work counts ------------------------------------------------------------------------------
+    def flops(self, prefills: Sequence[tuple[int, int]], decode_kv_lens: Sequence[int]) -> tuple[float, float]:
+        """(linear FLOPs, attention FLOPs) of the whole batch on the whole model."""
+        m = self.model
+        tokens = sum(q for q, _ in prefills) + len(decode_kv_lens)
+        seqs = len(prefills) + len(decode_kv_lens)
+        if self.causal:
+            pairs = sum(q * (kv + (q + 1) / 2.0) for q, kv in prefills) + sum(kv + 1 for kv in decode_kv_lens)
+        else:
+            pairs = sum(q * (kv + q) for q, kv in prefills) + sum(kv + 1 for kv in decode_kv_lens)
+        f_lin = 2.0 * m.layers * m.layer_params * tokens + 2.0 * m.vocab * m.hidden * seqs
+        return f_lin, 4.0 * m.layers * m.hidden * pairs
+
+    def cost(self, prefills: Sequence[tuple[int, int]], decode_kv_lens: Sequence[int]) -> StepCost:
+        m, g = self.model, self.gpu
+        t, p, k = self.tp, self.spp, self.kvp
+        tokens = sum(q for q, _ in prefills) + len(decode_kv_lens)
+        f_lin, f_attn = self.flops(prefills, decode_kv_lens)
+        kv_tokens = sum(kv + q for q, kv in prefills) + sum(kv + 1 for kv in decode_kv_lens)
+        lin_c = f_lin / (p * t * g.peak_flops * self.mfu)
+        lin_m = m.weight_bytes / (p * t * g.hbm_bw * self.mbu)
+        t_kv = min(t, m.kv_heads)
+        attn_c = f_attn / (p * t * k * g.peak_flops * self.mfu)
+        attn_m = m.kv_bytes_per_token() * kv_tokens / (p * t_kv * k * g.hbm_bw * self.mbu)
+        layers = m.layers / p
+        act = tokens * m.hidden * m.dtype_bytes
+        tp_comm = 0.0
+        if t > 1 and tokens:
+            tp_comm = layers * 2 * (2 * (t - 1) / t * act / g.nvlink_bw + self.allreduce_latency_s)
+        kvp_comm = 0.0
+        if k > 1 and tokens:
+            merge = tokens * (m.hidden * m.dtype_bytes + 4 * m.heads) / t
+            kvp_comm = layers * ((k - 1) * merge / self.link_bw + self.p2p_latency_s)
+        send = (act / self.link_bw + self.p2p_latency_s) if p > 1 and tokens else 0.0
+        return StepCost(max(lin_c, lin_m), max(attn_c, attn_m), tp_comm, kvp_comm, send,
+                        compute_bound=lin_c + attn_c >= lin_m + attn_m)
+
+    # -- BatchPredictor -----------------------------------------------------------------------
+    def batch_time(self, prefills: Sequence[tuple[int, int]], decode_kv_lens: Sequence[int]) -> float:
+        if not prefills and not decode_kv_lens:
+            return 0.0
+        c = self.cost(prefills, decode_kv_lens)
+        return self.spp * c.stage + (self.spp - 1) * c.send + self.overhead_s
+
+    def prefill_time(self, num_tokens: int, kv_before: int = 0) -> float:
+        """Isolated prefill, streamed through the SPP stages in `chunk_size` chunks."""
+        if num_tokens <= 0:
+            return 0.0
+        size = self.chunk_size or num_tokens
+        total, done, last = 0.0, 0, 0.0
+        for _ in range(math.ceil(num_tokens / size)):
+            q = min(size, num_tokens - done)
+            c = self.cost([(q, kv_before + done)], [])
+            last = c.stage + c.send
+            total += last
+            done += q
+        return total + (self.spp - 1) * last + self.overhead_s
