@@ -73,6 +73,8 @@ def build_app(engine: AsyncEngine, tokenizer, model_name: str) -> FastAPI:
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     def _encode_prompt(prompt) -> list[int]:
+        if isinstance(prompt, str) and not prompt:
+            raise InvalidRequestError("prompt", "must not be empty")
         if isinstance(prompt, str):
             return tokenizer.encode(prompt)
         if prompt and all(isinstance(t, int) for t in prompt):

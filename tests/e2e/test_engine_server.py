@@ -1,0 +1,149 @@
+"""The single-engine OpenAI server over real HTTP on 127.0.0.1 (uvicorn in a thread)."""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import time
+
+import httpx
+import pytest
+import uvicorn
+
+from raycluster.engine.config import EngineConfig
+from raycluster.engine.engine import LLMEngine
+from raycluster.model.loader import load_model
+from raycluster.model.tokenizer import Tokenizer
+from raycluster.request import SamplingParams
+from raycluster.server.app import build_app
+from raycluster.server.async_engine import AsyncEngine
+
+pytestmark = pytest.mark.e2e
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model_dir):
+    model, mcfg = load_model(tiny_model_dir)
+    tok = Tokenizer(tiny_model_dir, mcfg.eos_token_id)
+    engine = LLMEngine(EngineConfig(kv_cache_tokens=8192), model, tok)
+    aeng = AsyncEngine(engine)
+    port = _free_port()
+    srv = uvicorn.Server(uvicorn.Config(build_app(aeng, tok, "tiny"), host="127.0.0.1", port=port,
+                                        log_level="warning"))
+    th = threading.Thread(target=srv.run, daemon=True)
+    th.start()
+    deadline = time.monotonic() + 30
+    while not srv.started and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert srv.started
+    # A reference engine on the same weights, for exact greedy comparisons.
+    ref = LLMEngine(EngineConfig(kv_cache_tokens=8192), model, tok)
+    yield f"http://127.0.0.1:{port}", aeng, tok, ref
+    srv.should_exit = True
+    th.join(timeout=10)
+    aeng.shutdown()
+
+
+def _all_free(aeng: AsyncEngine, timeout: float = 5.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        kv = aeng.engine.kv
+        if kv.num_free_blocks == kv.num_blocks and not aeng.engine.has_unfinished():
+            kv.check()
+            return True
+        time.sleep(0.02)
+    return False
+
+
+def test_completion_matches_engine_greedy(server):
+    url, aeng, tok, ref = server
+    prompt = "Once upon a time, a small robot"
+    r = httpx.post(f"{url}/v1/completions", json={"prompt": prompt, "max_tokens": 12, "temperature": 0,
+                                                    "ignore_eos": True}, timeout=30)
+    assert r.status_code == 200, r.text
+    body = r.json()
+    expected = ref.generate([tok.encode(prompt)], SamplingParams(max_tokens=12, ignore_eos=True))[0]
+    assert body["choices"][0]["text"] == tok.decode(expected)
+    assert body["usage"] == {"prompt_tokens": len(tok.encode(prompt)), "completion_tokens": 12,
+                             "total_tokens": len(tok.encode(prompt)) + 12}
+    assert body["choices"][0]["finish_reason"] == "length"
+    assert _all_free(aeng)
+
+
+def test_streaming_sse_concatenates_to_same_text(server):
+    url, aeng, tok, _ = server
+    payload = {"prompt": [5, 6, 7, 8], "max_tokens": 10, "temperature": 0, "ignore_eos": True}
+    full = httpx.post(f"{url}/v1/completions", json=payload, timeout=30).json()["choices"][0]["text"]
+    chunks, usage = [], None
+    with httpx.stream("POST", f"{url}/v1/completions", timeout=30,
+                      json={**payload, "stream": True, "stream_options": {"include_usage": True}}) as r:
+        assert r.headers["content-type"].startswith("text/event-stream")
+        for line in r.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            ev = json.loads(line[6:])
+            if ev["choices"]:
+                chunks.append(ev["choices"][0]["text"])
+            else:
+                usage = ev["usage"]
+    assert "".join(chunks) == full
+    assert usage["completion_tokens"] == 10
+    assert _all_free(aeng)
+
+
+def test_chat_and_models_and_health_and_metrics(server):
+    url, aeng, _, _ = server
+    r = httpx.post(f"{url}/v1/chat/completions", timeout=30,
+                   json={"messages": [{"role": "user", "content": "hi there"}], "max_tokens": 5, "temperature": 0})
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["message"]["role"] == "assistant"
+    assert httpx.get(f"{url}/v1/models").json()["data"][0]["id"] == "tiny"
+    assert httpx.get(f"{url}/health").json()["status"] == "ok"
+    metrics = httpx.get(f"{url}/metrics").text
+    assert "raycluster_ttft_seconds_bucket" in metrics and "raycluster_kv_usage" in metrics
+    assert httpx.get(f"{url}/openapi.json").status_code == 200
+
+
+@pytest.mark.parametrize("payload, param", [
+    ({"prompt": "x", "max_tokens": 0}, "max_tokens"),
+    ({"prompt": "", "max_tokens": 3}, "prompt"),
+    ({"prompt": "x", "temperature": -1}, "temperature"),
+    ({"max_tokens": 3}, "prompt"),
+    ({"prompt": [1, 2, 10 ** 9]}, "prompt"),
+    ({"prompt": "x" * 1, "top_p": 2}, "top_p"),
+])
+def test_bad_requests_are_400_naming_the_field(server, payload, param):
+    url, aeng, _, _ = server
+    r = httpx.post(f"{url}/v1/completions", json=payload, timeout=30)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == param
+    assert _all_free(aeng)
+
+
+def test_client_disconnect_aborts_and_frees_kv(server):
+    url, aeng, _, _ = server
+    with httpx.stream("POST", f"{url}/v1/completions", timeout=30,
+                      json={"prompt": [5] * 300, "max_tokens": 2000, "ignore_eos": True, "stream": True}) as r:
+        for i, line in enumerate(r.iter_lines()):
+            if i >= 6:
+                break           # hang up mid-stream
+    assert _all_free(aeng, timeout=10)
+
+
+def test_openai_client_works(server):
+    openai = pytest.importorskip("openai")
+    url, aeng, _, _ = server
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", timeout=30)
+    out = client.completions.create(model="tiny", prompt="hello", max_tokens=4, temperature=0)
+    assert out.usage.completion_tokens <= 4 and out.choices[0].finish_reason in ("length", "stop")
+    stream = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hey"}],
+                                            max_tokens=4, stream=True)
+    assert sum(1 for _ in stream) >= 1
+    assert _all_free(aeng)
