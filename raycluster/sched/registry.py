@@ -3,12 +3,28 @@
 from __future__ import annotations
 
 from raycluster.sched.base import Policy, PolicyContext
+from raycluster.sched.policies.edf import EDFPolicy
 from raycluster.sched.policies.fcfs import FCFSPolicy
+from raycluster.sched.policies.justitia import JustitiaPolicy
+from raycluster.sched.policies.kairos import KairosPolicy
+from raycluster.sched.policies.lars import LARSPolicy
+from raycluster.sched.policies.lrs import LRSPolicy
+from raycluster.sched.policies.srjf import SRJFPolicy
+from raycluster.sched.policies.srpt import SRPTPolicy
+from raycluster.sched.policies.vtc import VTCPolicy
 
 POLICIES: dict[str, type[Policy]] = {
     cls.name: cls
     for cls in (
         FCFSPolicy,
+        EDFPolicy,
+        SRPTPolicy,
+        LRSPolicy,
+        LARSPolicy,
+        KairosPolicy,
+        JustitiaPolicy,
+        VTCPolicy,
+        SRJFPolicy,
     )
 }
 

@@ -1,0 +1,1 @@
+"""Benchmarks: scheduler decision time (`policy_bench`)."""

@@ -1,0 +1,71 @@
+"""Length-aware relative slack (Medha's LARS): serve the least rho = slack / total work.
+
+rho_i(t) = (D_i - R_i - t) / W_i with D the TTFT deadline, R the remaining and W the total
+predicted prefill work. Unlike plain slack, the order depends on now: a waiting request's rho
+falls at rate 1/W_i, so short requests become urgent quickly and long ones slowly, and two
+requests can swap order while neither is touched. A static-key heap is therefore wrong, and a
+re-sort per decision is O(n log n).
+
+Structure: a kinetic tournament tree (`common.KineticLineTree`) over the lines
+(A_i - t) / B_i with A_i = D_i - R_i (fixed between progress events, refreshed on every push)
+and B_i = W_i. It is exact: any two lines cross at most once and every internal node is
+re-checked at the crossing time of its children's winners, and comparisons at time t use
+cross-multiplication, so there is no bucketing of W. Each push/pop/remove is O(log n); a query
+additionally pays O(log n) per order change that happened since the previous query.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+from raycluster.request import Request
+from raycluster.sched.base import Policy, PolicyContext
+from raycluster.sched.policies.common import KineticLineTree
+from raycluster.sched.slo import SLOTracker, remaining_prefill_tokens
+
+
+class LARSPolicy(Policy):
+    name = "lars"
+
+    def __init__(self, ctx: PolicyContext) -> None:
+        super().__init__(ctx)
+        self.slo = SLOTracker(ctx)
+        self._tree = KineticLineTree(sign=1)
+        self._reqs: dict[str, Request] = {}
+        self._seq: dict[str, int] = {}          # first-push order: the arrival tie-break
+        self._counter = itertools.count()
+
+    def push(self, req: Request) -> None:
+        rid = req.request_id
+        seq = self._seq.setdefault(rid, next(self._counter))
+        self._reqs[rid] = req
+        self._tree.insert(rid, self.slo.static_slack(req), self.slo.total_work(req),
+                          (req.arrival_time, seq), self.ctx.clock.now())
+
+    def pop(self) -> Request | None:
+        now = self.ctx.clock.now()
+        rid = self._tree.top(now)
+        if rid is None:
+            return None
+        self._tree.delete(rid, now)
+        return self._reqs.pop(rid)
+
+    def remove(self, request_id: str) -> None:
+        if self._tree.delete(request_id, self.ctx.clock.now()):
+            del self._reqs[request_id]
+        self._seq.pop(request_id, None)
+        self.slo.forget(request_id)
+
+    def __len__(self) -> int:
+        return len(self._tree)
+
+    def relative_slack(self, req: Request) -> float:
+        return self.slo.relative_slack(req, self.ctx.clock.now())
+
+    def on_progress(self, req: Request, num_tokens: int) -> None:
+        if remaining_prefill_tokens(req) == 0:   # prefill over (count already advanced)
+            self._seq.pop(req.request_id, None)
+            self.slo.forget(req.request_id)
+
+    def on_finish(self, req: Request) -> None:
+        self.remove(req.request_id)

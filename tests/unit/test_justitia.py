@@ -1,0 +1,142 @@
+"""Justitia: finish tags and order equal GPS's on hand-computed cases, and the delay bound
+f_j <= GPS f_j + 2 c_max + C_max / M holds on random workloads served by M non-preemptive
+slots (an inference of KV token-time c holds one slot for c time units)."""
+
+from __future__ import annotations
+
+import heapq
+
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from raycluster.clock import VirtualClock
+from raycluster.request import Request
+from raycluster.sched.base import PolicyContext
+from raycluster.sched.policies.justitia import JustitiaPolicy, kv_token_time, request_cost
+from raycluster.sched.registry import make_policy
+
+
+def req(rid: str, app: str, p: int, d: int, t: float = 0.0) -> Request:
+    return Request(rid, [1] * p, arrival_time=t, app_id=app, expected_output_tokens=d)
+
+
+def test_cost_formula():
+    assert kv_token_time(100, 10) == 100 * 10 + 50
+    assert request_cost(req("x", "a", 9, 2)) == 20.0
+    r = Request("y", [1] * 3)          # no app, no expectation: max_tokens (16)
+    assert request_cost(r) == 3 * 16 + 128
+
+
+def test_simultaneous_apps_follow_gps_finish_order():
+    clock = VirtualClock()
+    pol = make_policy("justitia", PolicyContext(clock, num_slots=1))
+    # Costs 2p + 2: A = 20 (two inferences of 10), B = 10, C = 30.
+    for r in [req("a1", "A", 4, 2), req("a2", "A", 4, 2), req("b1", "B", 4, 2), req("c1", "C", 14, 2)]:
+        pol.push(r)
+    assert {a: pol.finish_tag(a) for a in "ABC"} == {"A": 20.0, "B": 10.0, "C": 30.0}
+    assert [pol.pop().request_id for _ in range(4)] == ["b1", "a1", "a2", "c1"]
+    # GPS with M = 1: three apps share until V = 10 at t = 30, two until V = 20 at t = 50.
+    assert pol.gps.advance(30.0) == 10.0 and set(pol.gps.finish) == {"A", "C"}
+    assert pol.gps.advance(50.0) == 20.0 and set(pol.gps.finish) == {"C"}
+    assert pol.gps.advance(60.0) == 30.0 and not pol.gps.finish
+
+
+def test_late_short_app_overtakes_by_virtual_time():
+    clock = VirtualClock()
+    pol = make_policy("justitia", PolicyContext(clock, num_slots=1))
+    pol.push(req("a1", "A", 19, 2))            # C = 40 at t = 0: F = 40
+    clock.advance_to(10.0)                     # V(10) = 10 (A alone at rate 1)
+    pol.push(req("b1", "B", 4, 2))             # C = 10: F = 20 < 40
+    assert (pol.finish_tag("A"), pol.finish_tag("B")) == (40.0, 20.0)
+    assert pol.pop().request_id == "b1"
+    assert pol.gps.advance(30.0) == 20.0       # two apps at rate 1/2: B leaves GPS at t = 30
+    clock.advance_to(35.0)
+    pol.push(req("b2", "B", 4, 2))             # B idle in GPS: F = V(35) + 10 = 25 + 10
+    assert pol.finish_tag("B") == 35.0
+    assert [pol.pop().request_id for _ in range(2)] == ["b2", "a1"]
+
+
+def gps_reference(apps, m):
+    """Exact fluid GPS: apps [(arrival, total cost)] -> finish times."""
+    events = sorted((a, j) for j, (a, _) in enumerate(apps))
+    rem: dict[int, float] = {}
+    fin = [0.0] * len(apps)
+    t, k = 0.0, 0
+    while k < len(events) or rem:
+        nxt_arr = events[k][0] if k < len(events) else float("inf")
+        if rem:
+            rate = m / len(rem)
+            j_min = min(rem, key=rem.get)
+            t_dep = t + rem[j_min] / rate
+        else:
+            t_dep = float("inf")
+        t_next = min(nxt_arr, t_dep)
+        if rem:
+            for j in rem:
+                rem[j] -= (t_next - t) * rate
+        t = t_next
+        for j in [j for j, r in rem.items() if r <= 1e-9]:
+            fin[j] = t
+            del rem[j]
+        while k < len(events) and events[k][0] <= t:
+            rem[events[k][1]] = apps[events[k][1]][1]
+            k += 1
+    return fin
+
+
+def simulate(apps_inferences, arrivals, m):
+    """M slots, non-preemptive; returns each app's finish time under Justitia."""
+    clock = VirtualClock()
+    pol = JustitiaPolicy(PolicyContext(clock, num_slots=m))
+    running: list[tuple[float, int, Request]] = []
+    left = [len(inf) for inf in apps_inferences]
+    fin = [0.0] * len(arrivals)
+    order = sorted(range(len(arrivals)), key=lambda j: arrivals[j])
+    k, seq = 0, 0
+    while k < len(order) or running or len(pol):
+        t_next = min(arrivals[order[k]] if k < len(order) else float("inf"),
+                     running[0][0] if running else float("inf"))
+        clock.advance_to(t_next)
+        while running and running[0][0] <= t_next:
+            _, _, r = heapq.heappop(running)
+            pol.on_finish(r)
+            j = int(r.app_id)
+            left[j] -= 1
+            if left[j] == 0:
+                fin[j] = t_next
+        while k < len(order) and arrivals[order[k]] <= t_next:
+            j = order[k]
+            for i, (p, d) in enumerate(apps_inferences[j]):
+                pol.push(req(f"{j}.{i}", str(j), p, d, t_next))
+            k += 1
+        while len(running) < m and len(pol):
+            r = pol.pop()
+            heapq.heappush(running, (t_next + request_cost(r), seq, r))
+            seq += 1
+    return fin
+
+
+inference = st.tuples(st.integers(1, 12), st.integers(1, 6))
+app = st.tuples(st.integers(0, 60), st.lists(inference, min_size=1, max_size=4))
+
+
+@settings(max_examples=150, deadline=None)
+@given(apps=st.lists(app, min_size=1, max_size=8), m=st.integers(1, 3))
+def test_delay_bound_against_fluid_gps(apps, m):
+    arrivals = [float(a) for a, _ in apps]
+    inferences = [inf for _, inf in apps]
+    costs = [[kv_token_time(p, d) for p, d in inf] for inf in inferences]
+    gps = gps_reference([(a, sum(c)) for a, c in zip(arrivals, costs)], m)
+    real = simulate(inferences, arrivals, m)
+    c_max = max(max(c) for c in costs)
+    big_c = max(sum(c) for c in costs)
+    for j in range(len(apps)):
+        assert real[j] <= gps[j] + 2 * c_max + big_c / m + 1e-6, (j, real, gps)
+
+
+def test_single_slot_sequential_arrivals_match_gps_order():
+    # Non-overlapping GPS lifetimes: Justitia's order is arrival order, finish times exact.
+    inf = [[(4, 2)], [(9, 2)], [(1, 2)]]          # costs 10, 20, 4
+    arrivals = [0.0, 10.0, 30.0]
+    assert simulate(inf, arrivals, 1) == gps_reference([(0.0, 10.0), (10.0, 20.0), (30.0, 4.0)], 1) \
+        == pytest.approx([10.0, 30.0, 34.0])
