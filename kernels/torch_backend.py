@@ -92,11 +92,9 @@ def _attend(q, k, v, causal: bool, scale: float):
 
 
 def _gather(kv_layer: torch.Tensor, table: torch.Tensor, length: int):
-    """Dense K, V [length, Hkv, D] of one request from its block ids."""
-    blocks = kv_layer.index_select(0, table)  # [nb, 2, B, Hkv, D]
-    nb, _, bs, h, d = blocks.shape
-    k = blocks[:, 0].reshape(nb * bs, h, d)[:length]
-    v = blocks[:, 1].reshape(nb * bs, h, d)[:length]
+    """Dense K, V [length, Hkv, D] of one request from its block ids (one copy each)."""
+    k = kv_layer[:, 0][table].flatten(0, 1)[:length]
+    v = kv_layer[:, 1][table].flatten(0, 1)[:length]
     return k, v
 
 
@@ -143,18 +141,26 @@ def paged_decode_attention(q: torch.Tensor, kv_layer: torch.Tensor, meta: Attent
     if td == 0:
         return q.new_empty(q.shape), (q.new_empty((0, hq), dtype=torch.float32) if return_lse else None)
     table, pad = c["decode_table"], c["decode_pad_mask"]
-    blocks = kv_layer[table]  # [Td, nb, 2, B, Hkv, D]
-    _, nb, _, bs, hkv, _ = blocks.shape
-    L = nb * bs
+    # Gather K and V separately: each result is contiguous [Td, nb, B, Hkv, D], so the view to
+    # [Td, L, Hkv, D] is free (gathering kv_layer[table] whole would need another copy).
+    k = kv_layer[:, 0][table].flatten(1, 2)
+    v = kv_layer[:, 1][table].flatten(1, 2)
+    if k.dtype != torch.float32:
+        k, v = k.float(), v.float()
+    L, hkv = k.shape[1], k.shape[2]
     g = hq // hkv
-    k = blocks[:, :, 0].reshape(td, L, hkv, d).permute(0, 2, 3, 1).float()  # [Td,Hkv,D,L]
-    v = blocks[:, :, 1].reshape(td, L, hkv, d).permute(0, 2, 1, 3).float()  # [Td,Hkv,L,D]
     qg = q.float().view(td, hkv, g, d)
-    sc = torch.matmul(qg, k) * scale  # [Td,Hkv,g,L]
-    sc = sc.masked_fill(pad[:, None, None, :], float("-inf"))
+    sc = q.new_empty((td, hkv, g, L), dtype=torch.float32)
+    # A short loop over KV heads keeps bmm on strided views (no K/V transposed copies).
+    for h in range(hkv):
+        torch.bmm(qg[:, h], k[:, :, h].transpose(1, 2), out=sc[:, h])
+    sc.mul_(scale).masked_fill_(pad[:, None, None, :], float("-inf"))
     lse = torch.logsumexp(sc, dim=-1)
     p = torch.exp(sc - lse[..., None])
-    out = torch.matmul(p, v).reshape(td, hq, d).to(q.dtype)
+    out = q.new_empty((td, hkv, g, d), dtype=torch.float32)
+    for h in range(hkv):
+        torch.bmm(p[:, h], v[:, :, h], out=out[:, h])
+    out = out.view(td, hq, d).to(q.dtype)
     return out, (lse.reshape(td, hq) * LOG2E if return_lse else None)
 
 

@@ -87,4 +87,5 @@ def load_model(path: str | os.PathLike, dtype: torch.dtype = torch.float32,
         more = f" (and {len(missing) - 5} more)" if len(missing) > 5 else ""
         raise CheckpointError(f"missing tensors in checkpoint: {', '.join(missing[:5])}{more}")
     model.eval()
+    model.requires_grad_(False)  # inference only; avoids autograd bookkeeping outside inference_mode
     return model, config
