@@ -1,6 +1,6 @@
 """Synthetic prompt text of a target token length, built from a shipped word list.
 
-Owns WORDS -- 162 frequent English words that byte-level BPE tokenizers encode as one token
+Owns WORDS -- 161 frequent English words that byte-level BPE tokenizers encode as one token
 each when preceded by a space (checked against the project's tiny-model tokenizer, where a text
 of n words is exactly n tokens plus BOS; such frequent words are single tokens in GPT-2 / Llama-3 /
 Qwen vocabularies too) -- and the two functions that turn a prompt *segment*, a (seed, n_tokens)
@@ -20,7 +20,7 @@ the of and to in is was for on that with as by at from it an were are which this
 but one their its after new who first two they more time she when her would into over only there
 most during up can may some out years many about three world where then year under he them both
 city early through made than while school used part later between any being back use before how
-what four will so like people could just long until found should home end day music including
+what four will so like people could just long until found should home end day music
 did set good best number right large make small own power little house south water times become
 still very several much system without case book never order river line late least history left
 does down data side open light short next body free local must build less need play old past

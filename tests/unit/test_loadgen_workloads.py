@@ -76,7 +76,10 @@ def test_prompt_text_has_one_word_per_token_and_ids_the_exact_length():
 
 
 def test_prompt_length_is_exact_for_the_tiny_model_tokenizer():
-    """n words -> n tokens (+ BOS) with the project's tiny-model BPE (skipped if unavailable)."""
+    """n words -> n tokens (+ BOS) with the project's tiny-model BPE (skipped if unavailable).
+
+    Exact today; the tokenizer is retrained when the model's corpus changes, so allow 2%.
+    """
     try:
         from raycluster.model.tiny import _tokenizer_json
         from tokenizers import Tokenizer
@@ -84,7 +87,9 @@ def test_prompt_length_is_exact_for_the_tiny_model_tokenizer():
         pytest.skip(f"tiny tokenizer unavailable: {e}")
     tok = Tokenizer.from_str(_tokenizer_json())
     w = make_workload("multiturn", seed=0, qps=1.0, num_requests=30)
-    assert [len(tok.encode(r.prompt_text()).ids) - 1 for r in w] == [r.prompt_tokens for r in w]
+    got = np.array([len(tok.encode(r.prompt_text()).ids) - 1 for r in w])
+    want = np.array([r.prompt_tokens for r in w])
+    assert np.all(np.abs(got - want) <= 0.02 * want + 1), list(zip(got, want))
 
 
 def test_multiturn_resends_history_plus_a_new_message():
