@@ -64,6 +64,11 @@ def tiny_config(**overrides) -> dict:
         for k in ("attention_bias", "mlp_bias", "head_dim"):
             cfg.pop(k)
         cfg.update(use_sliding_window=False, sliding_window=None, max_window_layers=cfg["num_hidden_layers"])
+    elif overrides.get("architectures") == ["MistralForCausalLM"]:
+        cfg["model_type"] = "mistral"
+        for k in ("attention_bias", "mlp_bias"):
+            cfg.pop(k)
+        cfg["sliding_window"] = None
     for k, v in overrides.items():
         if v is None:
             cfg.pop(k, None)

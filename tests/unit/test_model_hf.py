@@ -23,6 +23,9 @@ VARIANTS = {
     "qwen2": dict(architectures=["Qwen2ForCausalLM"], hidden_size=128, num_attention_heads=4,
                   num_key_value_heads=1, intermediate_size=256, num_hidden_layers=2,
                   tie_word_embeddings=True, rope_parameters={"rope_type": "default", "rope_theta": 1e6}),
+    # Window longer than the prompt: HF's sliding attention equals full attention here.
+    "mistral_window": dict(architectures=["MistralForCausalLM"], sliding_window=4096, num_hidden_layers=2,
+                           rope_parameters={"rope_type": "default", "rope_theta": 1e6}),
 }
 
 
