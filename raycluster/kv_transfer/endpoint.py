@@ -1,0 +1,130 @@
+"""`KVEndpoint`: a minimal engine-shaped Ray actor body holding a random KV tensor and one
+connector, used by the Ray tests and the benchmark (a real engine wires the same calls).
+
+Data enters as method arguments (block ids, `KVHandle`s) and leaves as handles, timing dicts
+and numpy copies of blocks. The actor must be created with `name=instance_id` so the
+torch_dist connector's default sender can find it (`kv_send`). `raw_*` methods move one
+contiguous region with the same transport, as the benchmark's baseline. All waits take a
+timeout; failures come back as {"ok": False, "error": ...} instead of raising through Ray.
+"""
+
+from __future__ import annotations
+
+import time
+from datetime import timedelta
+from typing import Any
+
+import numpy as np
+import torch
+
+from raycluster.kv_transfer import KVHandle, make_connector
+
+
+class KVEndpoint:
+    def __init__(self, connector: str, instance_id: str, kv_shape: tuple[int, ...], seed: int,
+                 **opts: Any) -> None:
+        torch.set_num_threads(1)
+        g = torch.Generator().manual_seed(seed)
+        self.kv = torch.randn(kv_shape, generator=g)
+        self.connector_name, self.instance_id, self.opts = connector, instance_id, opts
+        self.conn = None
+
+    def setup(self) -> Any:
+        """Build the connector (torch_dist: every rank must call this concurrently)."""
+        self.conn = make_connector(self.connector_name, self.kv, self.instance_id, **self.opts)
+        return self.conn.local_descriptor()
+
+    def offer(self, request_id: str, block_ids: list[int], num_tokens: int) -> KVHandle:
+        return self.conn.offer(request_id, block_ids, num_tokens)
+
+    def timed_offer(self, request_id: str, block_ids: list[int], num_tokens: int):
+        t0 = time.perf_counter()
+        h = self.conn.offer(request_id, block_ids, num_tokens)
+        return h, time.perf_counter() - t0
+
+    def pull(self, handle: KVHandle, dst_block_ids: list[int], timeout_s: float) -> dict:
+        t0 = time.perf_counter()
+        try:
+            self.conn.pull(handle, dst_block_ids, timeout_s)
+            return {"ok": True, "seconds": time.perf_counter() - t0}
+        except Exception as e:
+            return {"ok": False, "seconds": time.perf_counter() - t0,
+                    "error": type(e).__name__, "msg": str(e)}
+
+    def kv_send(self, request_id: str, dst_rank: int, tag: int, timeout_s: float) -> int:
+        return self.conn.send_blocks(request_id, dst_rank, tag, timeout_s)
+
+    def release(self, request_id: str) -> bool:
+        return self.conn.release(request_id)
+
+    def expire(self, now: float | None = None) -> list[str]:
+        return self.conn.expire(now)
+
+    def blocks(self, block_ids: list[int] | None = None) -> np.ndarray:
+        t = self.kv if block_ids is None else self.kv[:, block_ids]
+        return t.numpy().copy()
+
+    def sleep(self, seconds: float) -> None:
+        time.sleep(seconds)
+
+    def pid(self) -> int:
+        import os
+        return os.getpid()
+
+    # -- raw baselines: one contiguous region of `nbytes`, same transport --------------------
+    def raw_nixl_pull(self, src_extra: dict, nbytes: int, timeout_s: float) -> float:
+        """READ one region [src base, +nbytes) into [own base, +nbytes); returns seconds."""
+        c = self.conn
+        t0 = time.perf_counter()
+        if src_extra["agent"] not in c._peers:
+            c.add_peer(src_extra["md"])
+        rem = np.array([[src_extra["base"], nbytes, src_extra["devid"]]], dtype=np.uint64)
+        loc = np.array([[self.kv.data_ptr(), nbytes, 0]], dtype=np.uint64)
+        h = c.agent.initialize_xfer("READ", c.agent.get_xfer_descs(loc, c.mem_type),
+                                    c.agent.get_xfer_descs(rem, c.mem_type), src_extra["agent"])
+        state = c.agent.transfer(h)
+        deadline = time.monotonic() + timeout_s
+        while state == "PROC" and time.monotonic() < deadline:
+            time.sleep(c.poll_s)
+            state = c.agent.check_xfer_state(h)
+        c.agent.release_xfer_handle(h)
+        if state != "DONE":
+            raise RuntimeError(f"raw nixl READ: {state}")
+        return time.perf_counter() - t0
+
+    def raw_send(self, dst_rank: int, nbytes: int, tag: int, timeout_s: float) -> None:
+        import torch.distributed as dist
+        buf = self.kv.view(-1)[: nbytes // self.kv.element_size()]
+        dist.isend(buf, dst_rank, tag=tag).wait(timeout=timedelta(seconds=timeout_s))
+
+    def raw_recv(self, src_actor, src_rank: int, my_rank: int, nbytes: int, tag: int,
+                 timeout_s: float) -> float:
+        """Same control path as TorchDistConnector.pull (irecv, then a Ray call asks the source
+        to send) but into a preallocated contiguous buffer with no gather/scatter."""
+        import ray
+        import torch.distributed as dist
+        buf = torch.empty(nbytes // self.kv.element_size(), dtype=self.kv.dtype)
+        t0 = time.perf_counter()
+        work = dist.irecv(buf, src=src_rank, tag=tag)
+        ack = src_actor.raw_send.remote(my_rank, nbytes, tag, timeout_s)
+        work.wait(timeout=timedelta(seconds=timeout_s))
+        dt = time.perf_counter() - t0
+        ray.get(ack, timeout=timeout_s)
+        return dt
+
+    def raw_put(self, nbytes: int):
+        import ray
+        arr = self.kv.view(-1)[: nbytes // self.kv.element_size()].numpy()
+        t0 = time.perf_counter()
+        ref = ray.put(arr)
+        dt = time.perf_counter() - t0
+        self._raw_ref = ref  # keep the object alive until the next raw_put
+        return [ref], dt     # wrapped in a list so Ray passes the ref, not its value
+
+    def raw_get(self, refs: list, timeout_s: float) -> float:
+        import ray
+        t0 = time.perf_counter()
+        arr = ray.get(refs[0], timeout=timeout_s)
+        dt = time.perf_counter() - t0
+        del arr
+        return dt

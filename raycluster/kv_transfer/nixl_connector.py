@@ -1,0 +1,130 @@
+"""NIXL (UCX) connector: the decode side READs exactly the request's blocks out of the prefill
+side's KV tensor, one-sided; the prefill process does no work per transfer.
+
+Owns one `nixl_agent` per process (creating one costs ~0.5 s) and the registration of the whole
+KV tensor, done once at construction (host memory here, GPU memory on CUDA; NIXL picks DRAM or
+VRAM from the tensor). The offer's handle carries the agent name, its metadata (~1 KB, so a
+decode instance can reach a prefill instance it has never seen) and the tensor's base address
+and strides; the decode side adds each remote agent once and caches it by name. Agent names
+carry a random suffix, so a restarted instance is a new peer with fresh metadata.
+
+Descriptors are built in numpy (Nx3 uint64 addr/len/devid, ~200x faster than tensor lists) by
+`descs.paired_descs`, which also merges runs of consecutive blocks that are consecutive on both sides.
+Failure: a dead peer raises from transfer()/check_xfer_state() within ~1 s; a stuck transfer is
+cut at timeout_s. Either way the peer is forgotten (re-added from the next handle) and
+KVTransferError is raised.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+import uuid
+from typing import Any
+
+import torch
+
+from raycluster.kv_transfer.base import KVConnector, KVHandle, KVTransferError, check_compatible
+from raycluster.kv_transfer.descs import paired_descs
+
+os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")  # its INFO logs are per agent and per peer
+try:
+    from nixl._api import nixl_agent, nixl_agent_config
+except ImportError as e:  # pragma: no cover - depends on the optional extra
+    raise ImportError("the 'nixl' KV connector needs the nixl package: pip install 'raycluster[nixl]'"
+                      f" (import failed: {e})") from e
+
+
+class NixlConnector(KVConnector):
+    name = "nixl"
+
+    def __init__(self, kv_cache: torch.Tensor, instance_id: str, lease_s: float = 30.0,
+                 clock=None, backends: tuple[str, ...] = ("UCX",), poll_s: float = 2e-4) -> None:
+        super().__init__(kv_cache, instance_id, lease_s, clock)
+        self.agent_name = f"{instance_id}-{uuid.uuid4().hex[:8]}"
+        self.agent = nixl_agent(self.agent_name, nixl_agent_config(backends=list(backends)))
+        self.mem_type = "DRAM" if kv_cache.get_device() == -1 else "VRAM"
+        self._reg = self.agent.register_memory(kv_cache)
+        self._layout = {"base": kv_cache.data_ptr(), "num_blocks": kv_cache.shape[1],
+                        "devid": max(kv_cache.get_device(), 0)}
+        self.block_bytes = kv_cache[0, 0].numel() * kv_cache.element_size()
+        # Snapshot taken after registration: peers must see the registered KV region.
+        self._md = self.agent.get_agent_metadata()
+        self._peers: set[str] = set()
+        self.poll_s = poll_s
+
+    def local_descriptor(self) -> bytes:
+        return self._md
+
+    def add_peer(self, metadata: bytes) -> str:
+        name = self.agent.add_remote_agent(metadata)
+        name = name.decode() if isinstance(name, bytes) else name
+        self._peers.add(name)
+        return name
+
+    def _offer_extra(self, handle: KVHandle) -> dict[str, Any]:
+        return {"agent": self.agent_name, "md": self._md, **self._layout}
+
+    def _forget(self, name: str) -> None:
+        if name in self._peers:
+            self._peers.discard(name)
+            try:
+                self.agent.remove_remote_agent(name)
+            except Exception:  # already gone / never connected: nothing to undo
+                pass
+
+    def pull(self, handle: KVHandle, dst_block_ids: list[int], timeout_s: float) -> None:
+        check_compatible(self.kv_cache, handle, dst_block_ids)
+        x = handle.extra
+        peer = x["agent"]
+        deadline = time.monotonic() + timeout_s
+        xfer = None
+        try:
+            if peer not in self._peers:
+                self.add_peer(x["md"])
+            src, dst = paired_descs(x, self._layout, self.kv_cache.shape[0], self.block_bytes,
+                                    handle.src_block_ids, dst_block_ids)
+            local = self.agent.get_xfer_descs(dst, self.mem_type)
+            remote = self.agent.get_xfer_descs(src, self.mem_type)
+            # The notification tells the prefill side which request was read (see notifs()).
+            xfer = self.agent.initialize_xfer("READ", local, remote, peer,
+                                              handle.request_id.encode())
+            state = self.agent.transfer(xfer)
+            while state == "PROC":
+                if time.monotonic() > deadline:
+                    raise KVTransferError(f"nixl READ of {handle.request_id!r} from {peer} "
+                                          f"timed out after {timeout_s}s")
+                time.sleep(self.poll_s)
+                state = self.agent.check_xfer_state(xfer)
+            if state != "DONE":
+                raise KVTransferError(f"nixl READ of {handle.request_id!r} from {peer}: {state}")
+        except KVTransferError:
+            self._forget(peer)
+            raise
+        except Exception as e:  # nixlRemoteDisconnectError and friends come from the bindings
+            self._forget(peer)
+            raise KVTransferError(f"nixl READ of {handle.request_id!r} from {peer} failed: "
+                                  f"{type(e).__name__}: {e}") from e
+        finally:
+            if xfer is not None:
+                try:
+                    self.agent.release_xfer_handle(xfer)
+                except Exception:  # an aborted/in-flight handle may refuse; nothing else to do
+                    pass
+
+    def notifs(self) -> list[str]:
+        """Request ids whose READ completed since the last call (prefill side). An engine can
+        use this as an early hint; release() after the decode side's confirmation stays the rule."""
+        out = []
+        for msgs in self.agent.get_new_notifs().values():
+            out.extend(m.decode() for m in msgs)
+        return out
+
+    def close(self) -> None:
+        super().close()
+        for p in list(self._peers):
+            self._forget(p)
+        try:
+            self.agent.deregister_memory(self._reg)
+        except Exception:
+            pass

@@ -1,0 +1,185 @@
+"""KV transfer pieces that need no Ray: leases on a virtual clock, exact gather/scatter, layout
+checks, the fallback policy, nixl descriptors (pure numpy), and a real NIXL READ between two
+agents in this process (skipped without the nixl extra)."""
+
+import importlib.util
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from raycluster.clock import VirtualClock
+from raycluster.kv_transfer import (KVConnector, KVLayoutError, KVTransferError, LeaseTable,
+                                    gather_blocks, make_connector, pull_with_fallback,
+                                    scatter_blocks)
+from raycluster.kv_transfer.descs import block_runs, paired_descs
+
+L, N, B, H, D = 4, 64, 16, 2, 32
+HAVE_NIXL = importlib.util.find_spec("nixl") is not None
+
+
+def kv(seed=0, n=N, dtype=torch.float32):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn((L, n, 2, B, H, D), generator=g).to(dtype)
+
+
+class FakeConnector(KVConnector):
+    """Copies straight from a source connector's tensor; fails on demand."""
+    name = "fake"
+
+    def __init__(self, kv_cache, instance_id, fail=False, **kw):
+        super().__init__(kv_cache, instance_id, **kw)
+        self.fail, self.peer = fail, None
+
+    def pull(self, handle, dst_block_ids, timeout_s):
+        if self.fail:
+            raise KVTransferError("boom")
+        scatter_blocks(self.kv_cache, dst_block_ids,
+                       gather_blocks(self.peer.kv_cache, handle.src_block_ids))
+
+
+def test_lease_table_virtual_clock():
+    clock = VirtualClock()
+    t = LeaseTable(5.0, clock)
+    t.add("a")
+    clock.advance(2)
+    t.add("b")
+    assert t.expired() == []
+    clock.advance(3)                       # a's deadline (5.0) reached
+    assert t.expired() == ["a"] and "a" not in t and "b" in t
+    t.renew("b")                           # b now lives until 10.0
+    clock.advance(4.9)
+    assert t.expired() == []
+    assert t.expired(now=100.0) == ["b"] and len(t) == 0
+    t.add("c")
+    assert t.remove("c") and not t.remove("c")
+    with pytest.raises(ValueError):
+        LeaseTable(0)
+
+
+def test_lease_expiry_order_and_duplicates():
+    clock = VirtualClock()
+    t = LeaseTable(1.0, clock)
+    for i, r in enumerate(["x", "y", "z"]):
+        t.add(r, now=float(3 - i))
+    assert t.expired(now=10) == ["z", "y", "x"]
+    t.add("x")
+    with pytest.raises(ValueError):
+        t.add("x")
+
+
+def test_gather_scatter_exact():
+    src, dst = kv(1), kv(2)
+    before = dst.clone()
+    sb, db = [7, 3, 40, 41, 0], [10, 11, 12, 60, 5]
+    g = gather_blocks(src, sb)
+    assert g.shape == (L, 5, 2, B, H, D) and g.is_contiguous()
+    scatter_blocks(dst, db, g)
+    assert torch.equal(dst[:, db], src[:, sb])
+    others = [b for b in range(N) if b not in db]
+    assert torch.equal(dst[:, others], before[:, others])
+
+
+def test_connector_bookkeeping_and_expiry():
+    clock = VirtualClock()
+    src = FakeConnector(kv(1), "prefill-0", lease_s=10, clock=clock)
+    dst = FakeConnector(kv(2), "decode-0", lease_s=10, clock=clock)
+    dst.peer = src
+    h = src.offer("r1", [5, 9, 2], num_tokens=40)
+    assert (h.src_instance, h.src_block_ids, h.num_tokens) == ("prefill-0", [5, 9, 2], 40)
+    assert h.block_shape == (L, 2, B, H, D) and h.dtype == "float32"
+    assert h.nbytes == 3 * L * 2 * B * H * D * 4
+    with pytest.raises(ValueError):
+        src.offer("r1", [1], 1)
+    with pytest.raises(ValueError):
+        src.offer("r2", [N], 1)
+    assert pull_with_fallback(dst, h, [0, 1, 2], timeout_s=1.0)
+    assert torch.equal(dst.kv_cache[:, [0, 1, 2]], src.kv_cache[:, [5, 9, 2]])
+    assert src.release("r1") and not src.release("r1")
+    src.offer("r3", [1], 16)
+    clock.advance(10)
+    assert src.expire() == ["r3"] and src.offered("r3") is None
+
+
+def test_fallback_policy():
+    src = FakeConnector(kv(1), "p")
+    bad = FakeConnector(kv(2), "d", fail=True)
+    h = src.offer("r", [1, 2], 20)
+    assert pull_with_fallback(bad, h, [3, 4], 1.0, on_failure="recompute") is False
+    with pytest.raises(KVTransferError):
+        pull_with_fallback(bad, h, [3, 4], 1.0, on_failure="fail")
+    with pytest.raises(ValueError):
+        pull_with_fallback(bad, h, [3, 4], 1.0, on_failure="retry")
+
+
+def test_layout_mismatch_is_a_clear_error():
+    from raycluster.kv_transfer.base import check_compatible
+    h = FakeConnector(kv(1), "p").offer("r", [1, 2], 20)
+    with pytest.raises(KVLayoutError, match="layout mismatch"):
+        check_compatible(torch.zeros(L, N, 2, B, H, D * 2), h, [0, 1])
+    with pytest.raises(KVLayoutError, match="layout mismatch"):
+        check_compatible(kv(0, dtype=torch.float16), h, [0, 1])
+    with pytest.raises(KVLayoutError, match="2 source blocks"):
+        check_compatible(kv(0), h, [0])
+    with pytest.raises(KVLayoutError):
+        check_compatible(kv(0, n=8), h, [0, 8])
+    check_compatible(kv(0, n=8), h, [0, 7])   # a smaller pool is fine
+    with pytest.raises(ValueError, match="unknown KV connector"):
+        make_connector("carrier_pigeon", kv(0))
+
+
+def test_block_runs_and_descs():
+    runs = block_runs([4, 5, 6, 9, 10, 3], [0, 1, 2, 7, 20, 21])
+    assert runs.tolist() == [[4, 0, 3], [9, 7, 1], [10, 20, 1], [3, 21, 1]]
+    bb = 2 * B * H * D * 4
+    src = {"base": 1 << 40, "num_blocks": 64, "devid": 0}
+    dst = {"base": 1 << 20, "num_blocks": 32, "devid": 1}
+    s, d = paired_descs(src, dst, L, bb, [4, 5, 6, 9], [0, 1, 2, 7])
+    assert s.dtype == np.uint64 and s.shape == d.shape == (2 * L, 3)
+    assert (s[:, 1] == d[:, 1]).all()
+    for l in range(L):
+        assert s[2 * l].tolist() == [(1 << 40) + (l * 64 + 4) * bb, 3 * bb, 0]
+        assert d[2 * l + 1].tolist() == [(1 << 20) + (l * 32 + 7) * bb, bb, 1]
+
+
+def test_descs_match_tensor_addresses():
+    t = kv(0)
+    bb = t[0, 0].numel() * t.element_size()
+    lay = {"base": t.data_ptr(), "num_blocks": N, "devid": 0}
+    s, _ = paired_descs(lay, lay, L, bb, [3, 17], [0, 1])
+    got = [int(a) for a in s[:, 0]]
+    want = [t[l, b].data_ptr() for l in range(L) for b in (3, 17)]
+    assert got == want
+
+
+@pytest.mark.skipif(not HAVE_NIXL, reason="nixl extra not installed")
+def test_nixl_read_between_two_agents_in_process():
+    src_kv, dst_kv = kv(1), kv(2)
+    before = dst_kv.clone()
+    src = make_connector("nixl", src_kv, "prefill-0", lease_s=5)
+    dst = make_connector("nixl", dst_kv, "decode-0", lease_s=5)
+    try:
+        sb, db = [9, 10, 11, 3, 50], [0, 1, 2, 40, 63]
+        h = src.offer("r1", sb, num_tokens=70)
+        dst.pull(h, db, timeout_s=10)
+        assert torch.equal(dst_kv[:, db], src_kv[:, sb])
+        others = [b for b in range(N) if b not in db]
+        assert torch.equal(dst_kv[:, others], before[:, others])
+        # Second request reuses the cached peer; the source learns the read happened.
+        h2 = src.offer("r2", [60], num_tokens=3)
+        dst.pull(h2, [30], timeout_s=10)
+        assert torch.equal(dst_kv[:, 30], src_kv[:, 60])
+        seen: set[str] = set()
+        for _ in range(200):                   # bounded: <= ~2 s
+            seen.update(src.notifs())
+            if seen >= {"r1", "r2"}:
+                break
+            time.sleep(0.01)
+        assert seen >= {"r1", "r2"}
+        assert src.release("r1") and src.release("r2")
+        with pytest.raises(KVLayoutError):
+            dst.pull(h, [0, 1], timeout_s=1)
+    finally:
+        src.close()
+        dst.close()
