@@ -17,6 +17,15 @@ class EngineConfig(BaseModel):
     max_num_seqs: int = Field(128, ge=1)
     max_model_len: int | None = Field(None, ge=2, description="default: the model's context length")
     chunk_size: int | None = Field(512, ge=1, description="prefill chunk size; None: unchunked prefill")
-    policy: str = "fcfs"
+    policy: str = Field("lars", description="priority policy by name (raycluster.sched.registry)")
+    packer: str = Field("medha", pattern="^(medha|token)$",
+                        description="medha: time-budget chunks from the predictor; token: fixed chunk_size")
+    decode_selector: str = Field("all", pattern="^(all|kairos)$",
+                                 description="all: continuous batching; kairos: slack-guided decode batching")
+    predictor: str = Field("auto", description="'auto' (cached profile or profile at start), 'none', or a JSON file")
+    ttft_ms: float = Field(2000.0, gt=0, description="default TTFT SLO for requests that carry none")
+    tpot_ms: float = Field(100.0, gt=0, description="default TPOT SLO; also the medha packer's step budget")
+    ttft_scale: float = Field(5.0, gt=0, description="deadline = max(ttft_ms, ttft_scale x isolated prefill time)")
+    long_threshold: int = Field(2048, ge=1, description="prompt tokens from which a prefill counts as long")
     seed: int = 0
     num_threads: int | None = Field(None, ge=1, description="torch intra-op threads")

@@ -9,7 +9,9 @@ Single-threaded: callers serialise access (the async server runs steps on one th
 
 from __future__ import annotations
 
+import json
 import time
+from pathlib import Path
 from dataclasses import dataclass, field
 
 import torch
@@ -19,12 +21,12 @@ from raycluster.engine.config import EngineConfig
 from raycluster.engine.kv_manager import KVCacheManager
 from raycluster.engine.model_runner import ModelRunner
 from raycluster.engine.sampler import Sampler
-from raycluster.engine.scheduler import Scheduler, SchedulerConfig
+from raycluster.engine.profiler import load_or_profile
+from raycluster.engine.sched_factory import build_scheduler, needs_predictor
 from raycluster.engine.text import TextStream
 from raycluster.request import SLO, Request, RequestStatus, SamplingParams
-from raycluster.sched.base import Clock, PolicyContext
-from raycluster.sched.registry import make_policy
-from raycluster.sched.token_packer import TokenBudgetPacker
+from raycluster.sched.base import Clock
+from raycluster.sched.predictor import LinearBatchPredictor
 
 
 class InvalidRequestError(ValueError):
@@ -59,7 +61,8 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig, model, tokenizer=None, clock: Clock | None = None) -> None:
+    def __init__(self, config: EngineConfig, model, tokenizer=None, clock: Clock | None = None,
+                 predictor: LinearBatchPredictor | None = None) -> None:
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         self.config = config
@@ -72,13 +75,18 @@ class LLMEngine:
         self.eos_token_ids = tuple(tokenizer.eos_token_ids) if tokenizer is not None else tuple(mcfg.eos_token_id)
         self.kv = KVCacheManager(config.kv_cache_tokens // config.block_size, config.block_size)
         self.runner = ModelRunner(model, self.kv, _DTYPES[config.dtype], config.device)
-        self.policy_ctx = PolicyContext(clock=self.clock)
-        self.scheduler = Scheduler(
-            SchedulerConfig(config.max_num_batched_tokens, config.max_num_seqs, self.max_model_len),
-            self.kv, make_policy(config.policy, self.policy_ctx), TokenBudgetPacker(config.chunk_size),
-            self.clock)
+        self.predictor = predictor or self._predictor()
+        self.scheduler = build_scheduler(config, self.kv, self.clock, self.max_model_len, self.predictor)
         self.sampler = Sampler(config.seed)
         self._texts: dict[str, TextStream] = {}
+
+    def _predictor(self) -> LinearBatchPredictor | None:
+        cfg = self.config
+        if cfg.predictor == "none" or not needs_predictor(cfg):
+            return None
+        if cfg.predictor == "auto":
+            return load_or_profile(self.runner, self.max_model_len, cfg.max_num_batched_tokens, cfg.max_num_seqs)
+        return LinearBatchPredictor(**json.loads(Path(cfg.predictor).read_text())["predictor"])
 
     @classmethod
     def from_config(cls, config: EngineConfig, clock: Clock | None = None) -> "LLMEngine":
@@ -167,6 +175,9 @@ class LLMEngine:
         for rid in finished:
             self.sampler.forget(rid)
         result.duration_s = time.perf_counter() - t0
+        if out.decodes and not out.prefills:
+            self.scheduler.decode_selector.observe(len(out.decodes), max(r.num_computed_tokens for r in out.decodes),
+                                                   result.duration_s)
         return result
 
     def _flush(self, rid: str) -> str:

@@ -111,6 +111,9 @@ class DecodeSelector(ABC):
     def select(self, decodes: Sequence[Request], now: float) -> list[Request]:
         """Subset (in order) of decode-phase requests that run this step."""
 
+    def observe(self, batch_size: int, seq_len: int, seconds: float) -> None:
+        """A decode-only step of `batch_size` requests, longest KV `seq_len`, took `seconds`."""
+
 
 class AllDecodes(DecodeSelector):
     """Continuous batching: every decode-phase request runs every step."""

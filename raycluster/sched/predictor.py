@@ -2,7 +2,11 @@
 roofline reduce to).
 
 time = overhead + per_prefill_token * sum(q) + per_attn_pair * sum(q * (kv_before + (q + 1) / 2))
-       + per_decode * n_decodes + per_decode_kv * sum(decode_kv)
+       + per_decode * n_decodes + per_decode_kv * n_decodes * max(decode_kv) + per_prefill * n_prefills
+
+Decode attention is charged by n_decodes * max(decode_kv), not sum(decode_kv): batched decode
+kernels pad every row to the longest KV (the torch backend does; a paged GPU kernel is closer
+to the sum, which a uniform batch makes equal).
 
 Built from coefficients (fitted by `raycluster.sched.profile`, or set by hand in tests); the
 isolated prefill time of a prompt is a batch with one chunk holding all of it.
@@ -19,8 +23,9 @@ from typing import Sequence
 def batch_features(prefills: Sequence[tuple[int, int]], decode_kv_lens: Sequence[int]) -> list[float]:
     q_sum = float(sum(q for q, _ in prefills))
     attn = float(sum(q * (kv + (q + 1) / 2.0) for q, kv in prefills))
+    n_dec = len(decode_kv_lens)
     return [1.0 if (prefills or decode_kv_lens) else 0.0, q_sum, attn,
-            float(len(decode_kv_lens)), float(sum(decode_kv_lens))]
+            float(n_dec), float(n_dec * max(decode_kv_lens, default=0)), float(len(prefills))]
 
 
 @dataclass
@@ -30,10 +35,11 @@ class LinearBatchPredictor:
     per_attn_pair_s: float = 0.0
     per_decode_s: float = 0.0
     per_decode_kv_s: float = 0.0
+    per_prefill_s: float = 0.0
 
     def coefficients(self) -> list[float]:
         return [self.overhead_s, self.per_prefill_token_s, self.per_attn_pair_s,
-                self.per_decode_s, self.per_decode_kv_s]
+                self.per_decode_s, self.per_decode_kv_s, self.per_prefill_s]
 
     def batch_time(self, prefills: Sequence[tuple[int, int]], decode_kv_lens: Sequence[int]) -> float:
         return sum(c * f for c, f in zip(self.coefficients(), batch_features(prefills, decode_kv_lens)))

@@ -32,7 +32,7 @@ def _free_port() -> int:
 def server(tiny_model_dir):
     model, mcfg = load_model(tiny_model_dir)
     tok = Tokenizer(tiny_model_dir, mcfg.eos_token_id)
-    engine = LLMEngine(EngineConfig(kv_cache_tokens=8192), model, tok)
+    engine = LLMEngine(EngineConfig(kv_cache_tokens=8192, policy="fcfs", packer="token"), model, tok)
     aeng = AsyncEngine(engine)
     port = _free_port()
     srv = uvicorn.Server(uvicorn.Config(build_app(aeng, tok, "tiny"), host="127.0.0.1", port=port,
@@ -44,7 +44,7 @@ def server(tiny_model_dir):
         time.sleep(0.05)
     assert srv.started
     # A reference engine on the same weights, for exact greedy comparisons.
-    ref = LLMEngine(EngineConfig(kv_cache_tokens=8192), model, tok)
+    ref = LLMEngine(EngineConfig(kv_cache_tokens=8192, policy="fcfs", packer="token"), model, tok)
     yield f"http://127.0.0.1:{port}", aeng, tok, ref
     srv.should_exit = True
     th.join(timeout=10)

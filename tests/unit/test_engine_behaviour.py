@@ -19,7 +19,7 @@ def loaded(tiny_model_dir):
 
 def _engine(loaded, **cfg) -> LLMEngine:
     model, tok = loaded
-    return LLMEngine(EngineConfig(**{"kv_cache_tokens": 8192, **cfg}), model, tok)
+    return LLMEngine(EngineConfig(**{"kv_cache_tokens": 8192, "policy": "fcfs", "packer": "token", **cfg}), model, tok)
 
 
 @pytest.mark.parametrize("prompt, sampling, field", [

@@ -18,6 +18,7 @@ from raycluster.engine.engine import LLMEngine
 from raycluster.model.loader import load_model
 from raycluster.model.tiny import write_tiny_model
 from raycluster.request import SamplingParams
+from raycluster.sched.predictor import LinearBatchPredictor
 
 transformers = pytest.importorskip("transformers")
 
@@ -73,7 +74,7 @@ def reference(checkpoint):
 
 
 def _engine(model, **cfg) -> LLMEngine:
-    return LLMEngine(EngineConfig(**{"kv_cache_tokens": 16384, **cfg}), model)
+    return LLMEngine(EngineConfig(**{"kv_cache_tokens": 16384, "policy": "fcfs", "packer": "token", **cfg}), model)
 
 
 @pytest.mark.parametrize("chunk", [1, 7, 64, None])
@@ -104,5 +105,25 @@ def test_preemption_by_recompute_keeps_output_exact(checkpoint, reference):
     got = eng.generate([p for p, _ in work], [SamplingParams(max_tokens=m) for _, m in work])
     assert got == expected
     assert eng.scheduler.preempted_total > 0
+    eng.kv.check()
+    assert eng.kv.num_free_blocks == eng.kv.num_blocks
+
+
+HAND_PREDICTOR = LinearBatchPredictor(overhead_s=2e-3, per_prefill_token_s=5e-5, per_attn_pair_s=3e-9,
+                                      per_decode_s=2e-4, per_decode_kv_s=1e-8)
+
+
+@pytest.mark.parametrize("policy", ["fcfs", "edf", "srpt", "lrs", "lars", "kairos", "justitia", "vtc", "srjf"])
+def test_every_policy_with_medha_packer_and_kairos_decode_matches_hf(checkpoint, reference, policy):
+    """Scheduling changes order and chunking, never the tokens: tight budget, small KV."""
+    path, _, model, _ = checkpoint
+    if "tiny_model" not in str(path) and policy not in ("fcfs", "lars"):
+        pytest.skip("every policy runs on the tiny checkpoint; the variants run fcfs and lars")
+    work, expected = reference
+    eng = LLMEngine(EngineConfig(policy=policy, packer="medha", decode_selector="kairos", tpot_ms=20,
+                                 kv_cache_tokens=2048, long_threshold=128), model,
+                    predictor=HAND_PREDICTOR)
+    got = eng.generate([p for p, _ in work], [SamplingParams(max_tokens=m) for _, m in work])
+    assert got == expected
     eng.kv.check()
     assert eng.kv.num_free_blocks == eng.kv.num_blocks

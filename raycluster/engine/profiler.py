@@ -1,0 +1,125 @@
+"""Profiles the real model to fit the batch-time predictor the schedulers use.
+
+`make_run_batch(runner)` returns a function that runs one forward pass of a synthetic batch with
+the given shape (prefill chunks as (tokens, kv_before), decode KV lengths) on the engine's own
+model and KV tensor and returns its wall time. Block tables are synthetic and may alias: the
+values read are junk, only the work matters. `load_or_profile` caches the fitted predictor per
+(model, threads, dtype) under the cache directory, so an instance profiles once per machine.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import random
+import json
+import time
+from pathlib import Path
+from typing import Callable, Sequence
+
+import torch
+
+from kernels.metadata import AttentionMetadata
+from raycluster.engine.model_runner import ModelRunner
+from raycluster.model.registry import cache_dir
+from raycluster.sched.predictor import LinearBatchPredictor
+from raycluster.sched.profile import fit_and_report, profile
+
+RunBatch = Callable[[Sequence[tuple[int, int]], Sequence[int]], float]
+
+
+def make_run_batch(runner: ModelRunner) -> RunBatch:
+    bs = runner.kv.block_size
+    n_blocks = runner.kv.num_blocks
+    vocab = runner.model.config.vocab_size
+
+    def table(length: int, offset: int) -> list[int]:
+        return [(offset + i) % n_blocks for i in range(-(-length // bs))]
+
+    def run(prefills: Sequence[tuple[int, int]], decode_kv: Sequence[int]) -> float:
+        q_lens, kv_lens, p_tables, positions, slots = [], [], [], [], []
+        offset = 0
+        for q, kv in prefills:
+            t = table(kv + q, offset)
+            offset += len(t)
+            q_lens.append(q)
+            kv_lens.append(kv + q)
+            p_tables.append(t)
+            pos = torch.arange(kv, kv + q)
+            positions.append(pos)
+            slots.append(torch.tensor(t, dtype=torch.long)[pos // bs] * bs + pos % bs)
+        d_tables = []
+        for kv in decode_kv:
+            t = table(kv, offset)
+            offset += len(t)
+            d_tables.append(t)
+        if decode_kv:
+            pos = torch.tensor([kv - 1 for kv in decode_kv], dtype=torch.long)
+            positions.append(pos)
+            slots.append(torch.tensor([t[p // bs] for t, p in zip(d_tables, pos.tolist())]) * bs + pos % bs)
+        meta = AttentionMetadata(
+            num_prefill_tokens=sum(q_lens), num_decode_tokens=len(decode_kv), prefill_query_lens=q_lens,
+            prefill_kv_lens=kv_lens, prefill_block_tables=p_tables, decode_kv_lens=list(decode_kv),
+            decode_block_tables=d_tables, slot_mapping=torch.cat(slots), block_size=bs)
+        n = meta.num_tokens
+        ids = torch.randint(6, vocab, (n,))
+        t0 = time.perf_counter()
+        hidden = runner.model(ids, torch.cat(positions), runner.kv_cache, meta)
+        runner.model.compute_logits(hidden[-max(1, len(prefills) + len(decode_kv)):])
+        return time.perf_counter() - t0
+
+    return run
+
+
+def quick_plan(max_model_len: int, max_num_batched_tokens: int, max_num_seqs: int,
+               seed: int = 0) -> list:
+    """~25 shapes covering what this instance runs (chunk sizes x KV depths, decode batch sizes
+    x lengths, a few mixed steps): about a minute on 2 busy cores, once per machine."""
+    max_chunk = min(1024, max_num_batched_tokens)
+    max_kv = min(8192, max_model_len // 2)
+    plan: list = []
+    for q in sorted({max(1, max_chunk // 16), max(1, max_chunk // 4), max_chunk}):
+        for kv in (0, max_kv // 4, max_kv):
+            plan.append(([(q, kv)], []))
+    for n in sorted({1, min(8, max_num_seqs), min(32, max_num_seqs)}):
+        for kv in (256, max_kv // 2):
+            plan.append(([], [kv] * n))
+    rng = random.Random(seed)
+    for _ in range(8):
+        pre = [(rng.randint(1, max_chunk // 2), rng.randint(0, max_kv // 2)) for _ in range(rng.randint(1, 2))]
+        plan.append((pre, [rng.randint(1, max_kv // 2) for _ in range(rng.randint(0, 16))]))
+    return plan
+
+
+def profile_runner(runner: ModelRunner, plan: list, repeats: int = 2) -> tuple[LinearBatchPredictor, dict]:
+    samples = profile(make_run_batch(runner), plan, repeats=repeats, warmup=1)
+    predictor, report = fit_and_report(samples)
+    return predictor, {"samples": len(samples), "heldout_median_rel_err": report.median_rel,
+                       "heldout_p90_rel_err": report.p90_rel, "heldout_max_rel_err": report.max_rel}
+
+
+def profile_key(runner: ModelRunner) -> str:
+    cfg = runner.model.config
+    ident = json.dumps({"cfg": repr(cfg), "threads": torch.get_num_threads(), "dtype": str(runner.kv_cache.dtype),
+                        "block": runner.kv.block_size}, sort_keys=True)
+    return hashlib.sha256(ident.encode()).hexdigest()[:16]
+
+
+def load_or_profile(runner: ModelRunner, max_model_len: int, max_num_batched_tokens: int,
+                    max_num_seqs: int, log: Callable[[str], None] = print) -> LinearBatchPredictor:
+    path = cache_dir() / "profiles" / f"{profile_key(runner)}.json"
+    if path.is_file():
+        data = json.loads(path.read_text())
+        return LinearBatchPredictor(**data["predictor"])
+    log("raycluster: profiling the model for the batch-time predictor (once per machine)...")
+    predictor, report = profile_runner(runner, quick_plan(max_model_len, max_num_batched_tokens, max_num_seqs))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps({"predictor": predictor.__dict__, "report": report}, indent=2))
+    tmp.rename(path)
+    log(f"raycluster: predictor fitted; held-out median error {report['heldout_median_rel_err']:.1%}, "
+        f"P90 {report['heldout_p90_rel_err']:.1%}")
+    return predictor
+
+
+def save_predictor(path: str | Path, predictor: LinearBatchPredictor, report: dict) -> None:
+    Path(path).write_text(json.dumps({"predictor": predictor.__dict__, "report": report}, indent=2))

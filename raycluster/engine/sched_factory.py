@@ -1,0 +1,39 @@
+"""Builds an engine's scheduler from its config: policy by name, packer, decode selector and the
+batch-time predictor they share (profiled once per machine, or loaded from a file)."""
+
+from __future__ import annotations
+
+from raycluster.engine.config import EngineConfig
+from raycluster.engine.kv_manager import KVCacheManager
+from raycluster.engine.scheduler import Scheduler, SchedulerConfig
+from raycluster.sched.base import AllDecodes, Clock, PolicyContext, SLOConfig
+from raycluster.sched.kairos_decode import KairosDecodeSelector, StepTimeLUT
+from raycluster.sched.medha_packer import MedhaPacker
+from raycluster.sched.predictor import LinearBatchPredictor
+from raycluster.sched.registry import make_policy
+from raycluster.sched.token_packer import TokenBudgetPacker
+
+
+def needs_predictor(config: EngineConfig) -> bool:
+    return config.packer == "medha" or config.decode_selector == "kairos" or config.policy != "fcfs"
+
+
+def build_scheduler(config: EngineConfig, kv: KVCacheManager, clock: Clock, max_model_len: int,
+                    predictor: LinearBatchPredictor | None) -> Scheduler:
+    slo = SLOConfig(ttft_ms=config.ttft_ms, tpot_ms=config.tpot_ms, ttft_scale=config.ttft_scale)
+    ctx = PolicyContext(clock=clock, predictor=predictor, slo=slo, num_slots=config.max_num_seqs)
+    policy = make_policy(config.policy, ctx)
+    if config.packer == "medha":
+        if predictor is None:
+            raise ValueError("packer: 'medha' needs a batch-time predictor (predictor must not be 'none')")
+        packer = MedhaPacker(predictor, clock, slo, long_threshold=config.long_threshold)
+    else:
+        packer = TokenBudgetPacker(config.chunk_size)
+    if config.decode_selector == "kairos":
+        if predictor is None:
+            raise ValueError("decode_selector: 'kairos' needs a batch-time predictor")
+        selector = KairosDecodeSelector(StepTimeLUT.from_predictor(predictor, config.max_num_seqs, max_model_len), slo)
+    else:
+        selector = AllDecodes()
+    return Scheduler(SchedulerConfig(config.max_num_batched_tokens, config.max_num_seqs, max_model_len),
+                     kv, policy, packer, clock, selector)
