@@ -134,9 +134,15 @@ def cmd_tiny_model(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from raycluster.bench.engine_bench import main as engine_bench
+    import importlib
 
-    return engine_bench(args.rest)
+    benches = {"engine": "engine_bench", "convoy": "convoy_bench", "policy": "policy_bench",
+               "profile": "profile_bench", "kv-transfer": "kv_transfer_bench"}
+    if not args.rest or args.rest[0] not in benches:
+        print(f"raycluster bench: choose one of {', '.join(benches)}", file=sys.stderr)
+        return 2
+    mod = importlib.import_module(f"raycluster.bench.{benches[args.rest[0]]}")
+    return mod.main(args.rest[1:]) or 0
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -17,11 +17,12 @@ class RequestStatus(enum.Enum):
     FINISHED_STOPPED = "stop"      # EOS or stop string
     FINISHED_LENGTH = "length"     # max_tokens or context limit
     FINISHED_ABORTED = "abort"
+    FINISHED_PREFILLED = "prefilled"    # P/D: first token made, KV parked for the decode side
 
     @property
     def finished(self) -> bool:
         return self in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH,
-                        RequestStatus.FINISHED_ABORTED)
+                        RequestStatus.FINISHED_ABORTED, RequestStatus.FINISHED_PREFILLED)
 
 
 @dataclass
@@ -66,6 +67,7 @@ class Request:
     app_id: str | None = None
     expected_output_tokens: int | None = None   # a predictor's or the client's estimate
     eos_token_ids: tuple[int, ...] = ()
+    prefill_only: bool = False      # P/D: stop after the first token and park the KV for handoff
 
     # Mutable state advanced by the scheduler/engine.
     status: RequestStatus = RequestStatus.WAITING

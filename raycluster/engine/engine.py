@@ -102,17 +102,59 @@ class LLMEngine:
     def add_request(self, request_id: str, prompt_token_ids: list[int],
                     sampling: SamplingParams | None = None, *, slo: SLO | None = None,
                     priority: int = 0, tenant: str = "default", app_id: str | None = None,
-                    arrival_time: float | None = None) -> Request:
+                    arrival_time: float | None = None, prefill_only: bool = False,
+                    output_token_ids: list[int] | None = None) -> Request:
+        """`output_token_ids`: tokens already generated elsewhere (a resumed request, or a decode
+        whose KV could not be pulled); they are recomputed with the prompt, then generation goes on."""
+        req = self._new_request(request_id, prompt_token_ids, sampling, slo, priority, tenant, app_id,
+                                arrival_time, output_token_ids)
+        req.prefill_only = prefill_only
+        self.scheduler.add_request(req)
+        self._track_text(req)
+        return req
+
+    def add_prefilled(self, request_id: str, prompt_token_ids: list[int], first_token: int,
+                      sampling: SamplingParams | None, fill_kv, *, slo: SLO | None = None,
+                      priority: int = 0, tenant: str = "default", app_id: str | None = None,
+                      arrival_time: float | None = None) -> bool:
+        """Decode side of a P/D handoff: reserve blocks for the prompt, let `fill_kv(block_ids)`
+        bring the KV (True on success), and admit the request straight into decoding. Without
+        blocks or when the transfer fails, the request is queued to recompute its prefill here
+        instead; returns whether the KV was used."""
+        req = self._new_request(request_id, prompt_token_ids, sampling, slo, priority, tenant, app_id,
+                                arrival_time, [first_token])
+        blocks = self.scheduler.admit_prefilled(req)
+        if blocks is not None:
+            if fill_kv(list(blocks)):
+                self._track_text(req)
+                return True
+            self.scheduler.cancel_admission(req)
+        self.scheduler.add_request(req)
+        self._track_text(req)
+        return False
+
+    def release(self, request_id: str) -> bool:
+        """Free a parked prefill-only request's KV (the decode side has it, or nobody came)."""
+        return self.scheduler.release(request_id) is not None
+
+    def parked_blocks(self, request_id: str) -> list[int] | None:
+        if request_id not in self.scheduler.parked:
+            return None
+        return list(self.kv.block_tables[request_id])
+
+    def _new_request(self, request_id, prompt_token_ids, sampling, slo, priority, tenant, app_id,
+                     arrival_time, output_token_ids) -> Request:
         sampling = sampling or SamplingParams()
         self._validate(prompt_token_ids, sampling)
-        req = Request(request_id=request_id, prompt_token_ids=list(prompt_token_ids), sampling=sampling,
-                      arrival_time=self.clock.now() if arrival_time is None else arrival_time,
-                      slo=slo or SLO(), priority=priority, tenant=tenant, app_id=app_id,
-                      expected_output_tokens=sampling.max_tokens, eos_token_ids=self.eos_token_ids)
-        self.scheduler.add_request(req)
+        return Request(request_id=request_id, prompt_token_ids=list(prompt_token_ids), sampling=sampling,
+                       arrival_time=self.clock.now() if arrival_time is None else arrival_time,
+                       slo=slo or SLO(), priority=priority, tenant=tenant, app_id=app_id,
+                       expected_output_tokens=sampling.max_tokens, eos_token_ids=self.eos_token_ids,
+                       output_token_ids=list(output_token_ids or []))
+
+    def _track_text(self, req: Request) -> None:
         if self.tokenizer is not None:
-            self._texts[request_id] = TextStream(self.tokenizer, req.prompt_token_ids, sampling.stop)
-        return req
+            self._texts[req.request_id] = TextStream(self.tokenizer, req.prompt_token_ids, req.sampling.stop)
 
     def _validate(self, ids: list[int], sp: SamplingParams) -> None:
         if not ids:

@@ -83,6 +83,7 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self.decoding: dict[str, Request] = {}      # decode phase, in admission order
         self._holders: dict[str, Request] = {}      # hold KV blocks, in admission order
+        self.parked: dict[str, Request] = {}        # prefill-only requests whose KV awaits handoff
         self.preempted_total = 0
 
     # ---- interface -------------------------------------------------------------------------
@@ -96,8 +97,38 @@ class Scheduler:
     def abort(self, request_id: str) -> Request | None:
         req = self.requests.get(request_id)
         if req is None:
-            return None
+            return self.release(request_id)
         self._finish(req, RequestStatus.FINISHED_ABORTED)
+        return req
+
+    def admit_prefilled(self, req: Request) -> list[int] | None:
+        """Admit a request whose prompt KV is computed elsewhere straight into decoding: reserve
+        blocks for its prompt and return them (the caller fills them), or None when KV is short."""
+        if req.request_id in self.requests:
+            raise ValueError(f"request_id {req.request_id!r} is already in use")
+        req.num_computed_tokens = 0
+        if not self.kv.try_allocate(req, req.num_prompt_tokens):
+            return None
+        req.num_computed_tokens = req.num_prompt_tokens
+        req.status = RequestStatus.RUNNING
+        self.requests[req.request_id] = req
+        self._holders[req.request_id] = req
+        self.decoding[req.request_id] = req
+        return self.kv.block_tables[req.request_id]
+
+    def cancel_admission(self, req: Request) -> None:
+        """Undo `admit_prefilled` (the KV never arrived): free its blocks, forget it."""
+        self.kv.free(req.request_id)
+        for table in (self.requests, self._holders, self.decoding):
+            table.pop(req.request_id, None)
+        req.status = RequestStatus.WAITING
+        req.num_computed_tokens = 0
+
+    def release(self, request_id: str) -> Request | None:
+        """Free the KV of a parked prefill-only request (handed off, or its lease ran out)."""
+        req = self.parked.pop(request_id, None)
+        if req is not None:
+            self.kv.free(request_id)
         return req
 
     def schedule(self) -> SchedulerOutput:
@@ -130,6 +161,9 @@ class Scheduler:
                 continue
             self.decoding[req.request_id] = req
             if self._append(req, sampled[req.request_id], now):
+                finished.append(req)
+            elif req.prefill_only:
+                self._park(req)
                 finished.append(req)
         for req in out.decodes:
             if req.status.finished:
@@ -187,6 +221,17 @@ class Scheduler:
         self.policy.remove(req.request_id)
         self.policy.on_finish(req)
         self.kv.free(req.request_id)
+
+    def _park(self, req: Request) -> None:
+        """Finish a prefill-only request but keep its blocks for the decode instance to pull."""
+        req.status = RequestStatus.FINISHED_PREFILLED
+        req.finish_time = self.clock.now()
+        self.requests.pop(req.request_id, None)
+        self.decoding.pop(req.request_id, None)
+        self._holders.pop(req.request_id, None)
+        self.policy.remove(req.request_id)
+        self.policy.on_finish(req)
+        self.parked[req.request_id] = req
 
     def _allocate_decode(self, req: Request, selected: Sequence[Request], alloc: _StepAllocator,
                          out: SchedulerOutput) -> bool:

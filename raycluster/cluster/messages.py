@@ -1,0 +1,118 @@
+"""Messages between the cluster's actors: gateway <-> router <-> engine instances.
+
+Plain dataclasses of ints, strings, lists and `KVHandle`s (no behaviour), so they pickle cheaply
+through Ray calls. Times that cross processes are wall-clock `time.time()` seconds.
+
+Flow (one request):
+  gateway --submit(RequestMeta)--> router            (admission answer: SubmitReply)
+  instance --poll(InstanceStats)--> router           (long-poll; PollReply: work, aborts, releases)
+  instance --push(StepReport)--> router              (one call per engine step, all its requests)
+  gateway --pull(gateway_id)--> router               (long-poll; GatewayReply: token events)
+Prefill/decode: a prefill instance reports `PrefillDone` (first token + KV handle); the router
+hands a `WorkItem(mode="decode", kv=handle)` to a decode instance; once that instance reports
+the request admitted, the router puts the id in the prefill instance's `releases`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from raycluster.kv_transfer.base import KVHandle
+
+ROLES = ("mixed", "prefill-short", "prefill-long", "decode")
+
+
+@dataclass
+class RequestMeta:
+    """What the gateway knows about a request, tokenized once."""
+    request_id: str
+    gateway_id: str
+    prompt_token_ids: list[int]
+    max_tokens: int
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    ttft_slo_s: float | None = None
+    tpot_slo_s: float | None = None
+    priority: int = 0
+    tenant: str = "default"
+    app_id: str | None = None
+    arrival_time: float = 0.0          # time.time() at the gateway
+
+
+@dataclass
+class SubmitReply:
+    accepted: bool
+    retry_after_s: float = 0.0
+    reason: str = ""
+    queue_depth: int = 0
+
+
+@dataclass
+class WorkItem:
+    """Router -> instance. `output_token_ids` holds tokens already delivered (decode after a
+    handoff starts from the first token; a resumed request carries everything so far)."""
+    meta: RequestMeta
+    mode: str = "full"                 # full | prefill | decode
+    output_token_ids: list[int] = field(default_factory=list)
+    kv: KVHandle | None = None
+
+
+@dataclass
+class TokenEvent:
+    request_id: str
+    token_ids: list[int]
+    finished: bool = False
+    finish_reason: str | None = None   # stop | length | abort | error
+    error: str | None = None
+
+
+@dataclass
+class PrefillDone:
+    request_id: str
+    first_token: int
+    kv: KVHandle | None                # None: the instance could not offer its KV (recompute)
+
+
+@dataclass
+class InstanceStats:
+    instance_id: str
+    role: str
+    waiting: int = 0
+    running: int = 0
+    kv_free_blocks: int = 0
+    kv_total_blocks: int = 0
+    block_size: int = 16
+    step_time_ema_s: float = 0.0
+    steps: int = 0
+    queued_tokens: int = 0             # prefill tokens not yet computed
+    connector: dict = field(default_factory=dict)     # this instance's connector descriptor
+
+
+@dataclass
+class StepReport:
+    """Instance -> router, once per engine step (several steps may be merged into one call)."""
+    stats: InstanceStats
+    events: list[TokenEvent] = field(default_factory=list)
+    prefilled: list[PrefillDone] = field(default_factory=list)
+    admitted: list[str] = field(default_factory=list)       # decode-side handoffs now running
+    prefill_samples: list[tuple[int, int, float]] = field(default_factory=list)  # (tokens, history, s)
+
+
+@dataclass
+class PollReply:
+    work: list[WorkItem] = field(default_factory=list)
+    aborts: list[str] = field(default_factory=list)
+    releases: list[str] = field(default_factory=list)       # parked KV to free (decode side has it)
+    role: str | None = None                                  # a new role when the controller moved us
+    shutdown: bool = False
+
+
+@dataclass
+class GatewayReply:
+    events: list[TokenEvent] = field(default_factory=list)
+    queue_depth: int = 0
+    max_queue: int = 0

@@ -1,0 +1,93 @@
+"""Prefill/decode split inside one process: a prefill-only engine parks KV, a decode engine
+receives those blocks and continues; the output equals a single engine's, and nothing leaks."""
+
+from __future__ import annotations
+
+import pytest
+
+from raycluster.engine.config import EngineConfig
+from raycluster.engine.engine import LLMEngine
+from raycluster.kv_transfer.base import gather_blocks, scatter_blocks
+from raycluster.model.loader import load_model
+from raycluster.request import SamplingParams
+
+PROMPTS = [[7 + i % 50 for i in range(n)] for n in (1, 5, 16, 17, 40, 130)]
+
+
+@pytest.fixture(scope="module")
+def model(tiny_model_dir):
+    return load_model(tiny_model_dir)[0]
+
+
+def _engine(model, **kw) -> LLMEngine:
+    return LLMEngine(EngineConfig(**{"policy": "fcfs", "packer": "token", "kv_cache_tokens": 4096,
+                                     "chunk_size": 32, **kw}), model)
+
+
+def _run(eng: LLMEngine, max_steps: int = 500) -> dict[str, list]:
+    outs: dict[str, list] = {}
+    for _ in range(max_steps):
+        if not eng.has_unfinished():
+            break
+        for o in eng.step().outputs:
+            outs.setdefault(o.request_id, []).append(o)
+    return outs
+
+
+def test_prefill_park_handoff_decode_equals_single_engine(model):
+    sp = SamplingParams(max_tokens=9, ignore_eos=True)
+    expected = _engine(model).generate(PROMPTS, sp)
+    pre, dec = _engine(model), _engine(model, block_size=16)
+    for i, p in enumerate(PROMPTS):
+        pre.add_request(f"r{i}", p, sp, prefill_only=True)
+    outs = _run(pre)
+    for i, p in enumerate(PROMPTS):
+        (o,) = outs[f"r{i}"]
+        assert o.finished and o.finish_reason == "prefilled" and o.new_token_ids == [expected[i][0]]
+        src = pre.parked_blocks(f"r{i}")
+
+        def fill(dst, src=src):
+            scatter_blocks(dec.runner.kv_cache, dst, gather_blocks(pre.runner.kv_cache, src))
+            return True
+
+        assert dec.add_prefilled(f"r{i}", p, o.new_token_ids[0], sp, fill)
+        assert pre.release(f"r{i}")
+    pre.kv.check()
+    assert pre.kv.num_free_blocks == pre.kv.num_blocks
+    outs = _run(dec)
+    for i in range(len(PROMPTS)):
+        toks = [t for o in outs[f"r{i}"] for t in o.new_token_ids]
+        assert [expected[i][0]] + toks == expected[i]
+    dec.kv.check()
+    assert dec.kv.num_free_blocks == dec.kv.num_blocks
+
+
+def test_failed_transfer_recomputes_on_decode_side(model):
+    sp = SamplingParams(max_tokens=6, ignore_eos=True)
+    expected = _engine(model).generate([PROMPTS[4]], sp)[0]
+    dec = _engine(model)
+    assert not dec.add_prefilled("x", PROMPTS[4], expected[0], sp, lambda dst: False)
+    dec.kv.check()
+    toks = [t for o in _run(dec)["x"] for t in o.new_token_ids]
+    assert [expected[0]] + toks == expected
+    assert dec.kv.num_free_blocks == dec.kv.num_blocks
+
+
+def test_abort_of_parked_request_frees_its_kv(model):
+    pre = _engine(model)
+    pre.add_request("p", PROMPTS[5], SamplingParams(max_tokens=4), prefill_only=True)
+    _run(pre)
+    assert pre.parked_blocks("p")
+    assert pre.abort_request("p")
+    assert pre.parked_blocks("p") is None
+    pre.kv.check()
+    assert pre.kv.num_free_blocks == pre.kv.num_blocks
+
+
+def test_resume_with_delivered_tokens_continues_exactly(model):
+    sp = SamplingParams(max_tokens=10, ignore_eos=True)
+    full = _engine(model).generate([PROMPTS[3]], sp)[0]
+    eng = _engine(model)
+    eng.add_request("r", PROMPTS[3], sp, output_token_ids=full[:4])
+    toks = [t for o in _run(eng)["r"] for t in o.new_token_ids]
+    assert full[:4] + toks == full
