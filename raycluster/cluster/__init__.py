@@ -1,0 +1,1 @@
+"""Cluster layer: message contract, router core and its Ray actor."""

@@ -1,0 +1,172 @@
+"""The router as one named, detached Ray actor wrapping `RouterCore` (all logic lives there).
+
+Async actor: every method runs on one event loop, and `RouterCore` methods never await, so each
+call is atomic with no locks. Instances and gateways long-poll (`poll`, `pull`): a call returns
+at once when something is waiting for the caller, else parks on a per-caller asyncio.Event
+until work/events arrive or `timeout_s` passes. Tokens therefore travel as one batch per engine
+step (instance `push`) and one batch per gateway `pull`, never one Ray call per token per request.
+An instance's poll is also its heartbeat; a background task reaps silent instances every second
+and exports queue/in-flight gauges (ray.util.metrics, "ray_" prefix on the metrics port).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import asdict
+
+import ray
+
+from raycluster.cluster.messages import (GatewayReply, InstanceStats, PollReply, RequestMeta,
+                                         StepReport, SubmitReply)
+from raycluster.cluster.router_core import QUEUES, RouterConfig, RouterCore
+
+log = logging.getLogger(__name__)
+
+ROUTER_NAME = "raycluster-router"
+ROUTER_NAMESPACE = "raycluster"
+MAX_POLL_S = 30.0       # cap on a caller's long-poll (keeps heartbeats and shutdown prompt)
+
+
+@ray.remote(num_cpus=0, max_concurrency=1000)
+class RouterActor:
+    def __init__(self, cfg: RouterConfig | dict | None = None, reap_interval_s: float = 1.0) -> None:
+        if isinstance(cfg, dict):
+            cfg = RouterConfig(**cfg)
+        self.core = RouterCore(cfg or RouterConfig())     # EpochClock: time.time() like arrivals
+        self._inst_ev: dict[str, asyncio.Event] = {}
+        self._gw_ev: dict[str, asyncio.Event] = {}
+        self._reap_interval_s = reap_interval_s
+        self._bg: asyncio.Task | None = None
+        self._metrics = _Metrics()
+
+    def _ensure_bg(self) -> None:
+        # The loop exists only once a method runs, so the reaper starts lazily.
+        if self._bg is None or self._bg.done():
+            self._bg = asyncio.get_running_loop().create_task(self._reaper())
+
+    async def _reaper(self) -> None:
+        while True:
+            await asyncio.sleep(self._reap_interval_s)
+            try:
+                dead = self.core.reap()
+                if dead:
+                    log.warning("router: instances %s missed heartbeats; their requests re-queued", dead)
+                    for iid in dead:
+                        ev = self._inst_ev.pop(iid, None)
+                        if ev is not None:
+                            ev.set()            # a poll parked for a dead id returns (empty)
+                self._wake()
+                self._metrics.update(self.core)
+            except Exception:                   # the reaper must outlive any one bad state
+                log.exception("router: reap failed")
+
+    def _wake(self) -> None:
+        """Wake parked long-polls whose caller now has something waiting."""
+        for iid, ev in self._inst_ev.items():
+            if self.core.has_outbox(iid):
+                ev.set()
+        for gid, ev in self._gw_ev.items():
+            if self.core.has_events(gid):
+                ev.set()
+
+    @staticmethod
+    async def _wait(ev: asyncio.Event, timeout_s: float) -> None:
+        try:
+            await asyncio.wait_for(ev.wait(), timeout=max(0.0, min(timeout_s, MAX_POLL_S)))
+        except asyncio.TimeoutError:
+            pass
+
+    # ------------------------------------------------------------- gateway side
+    async def submit(self, meta: RequestMeta) -> SubmitReply:
+        self._ensure_bg()
+        reply = self.core.submit(meta)
+        self._wake()
+        return reply
+
+    async def abort(self, request_id: str) -> bool:
+        ok = self.core.abort(request_id)
+        self._wake()
+        return ok
+
+    async def pull(self, gateway_id: str, timeout_s: float = 0.5) -> GatewayReply:
+        self._ensure_bg()
+        if not self.core.has_events(gateway_id) and timeout_s > 0:
+            ev = self._gw_ev.setdefault(gateway_id, asyncio.Event())
+            ev.clear()
+            await self._wait(ev, timeout_s)
+        return self.core.take_events(gateway_id)
+
+    # ------------------------------------------------------------- instance side
+    async def poll(self, instance_id: str, stats: InstanceStats, timeout_s: float = 0.5) -> PollReply:
+        self._ensure_bg()
+        reply = self.core.on_poll(instance_id, stats)
+        self._wake()                            # dispatch may have filled other outboxes
+        if _empty(reply) and timeout_s > 0:
+            ev = self._inst_ev.setdefault(instance_id, asyncio.Event())
+            ev.clear()                          # no await since on_poll: no wake-up is lost
+            await self._wait(ev, timeout_s)
+            reply = self.core.take_outbox(instance_id)
+        return reply
+
+    async def push(self, report: StepReport) -> None:
+        self._ensure_bg()
+        self.core.on_report(report)
+        self._wake()
+
+    # ------------------------------------------------------------- inspection
+    async def status(self) -> dict:
+        st = self.core.status()
+        st["config"] = asdict(self.core.cfg)
+        return st
+
+    async def inflight(self) -> int:
+        return self.core.inflight()
+
+    async def placements(self) -> dict:
+        return self.core.placements()
+
+    async def remove_instance(self, instance_id: str) -> None:
+        self.core.remove_instance(instance_id)
+        self._wake()
+
+
+def _empty(r: PollReply) -> bool:
+    return not (r.work or r.aborts or r.releases or r.role or r.shutdown)
+
+
+class _Metrics:
+    """Gauges for the Ray dashboard / Prometheus; absent metrics support must not break routing."""
+
+    def __init__(self) -> None:
+        try:
+            from ray.util.metrics import Gauge
+            self.queue = Gauge("raycluster_router_queue_depth", "requests queued in the router per pool",
+                               tag_keys=("pool",))
+            self.inflight = Gauge("raycluster_router_inflight", "requests admitted and not finished")
+            self.instances = Gauge("raycluster_router_instances", "live instances per role",
+                                   tag_keys=("role",))
+        except Exception:                       # pragma: no cover - metrics are best effort
+            log.exception("router: metrics disabled")
+            self.queue = None
+
+    def update(self, core: RouterCore) -> None:
+        if self.queue is None:
+            return
+        st = core.status()
+        for q in QUEUES:
+            self.queue.set(st["queues"][q], tags={"pool": q})
+        self.inflight.set(st["inflight"])
+        roles: dict[str, int] = {}
+        for i in st["instances"]:
+            roles[i["role"]] = roles.get(i["role"], 0) + 1
+        for role in ("mixed", "prefill-short", "prefill-long", "decode"):
+            self.instances.set(roles.get(role, 0), tags={"role": role})
+
+
+def get_or_create_router(cfg: RouterConfig | None = None, name: str = ROUTER_NAME,
+                         namespace: str = ROUTER_NAMESPACE):
+    """The cluster's router handle: created detached on first use, the same actor afterwards
+    (a later caller's `cfg` is ignored when the actor exists)."""
+    return RouterActor.options(name=name, namespace=namespace, lifetime="detached",
+                               get_if_exists=True).remote(cfg)

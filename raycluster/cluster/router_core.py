@@ -1,0 +1,509 @@
+"""The global router's logic, with no Ray import: admission, global queue, dispatch, token relay.
+
+`RouterCore` is driven by four kinds of calls (the Ray actor in `router_actor.py` wraps each in
+one actor method; the unit tests drive it with a `VirtualClock`):
+  submit(meta) / abort(id)          from gateways
+  on_poll(instance, stats)          instances ask for work (doubles as heartbeat)
+  on_report(StepReport)             instances report tokens, prefill handoffs, admissions
+  take_events(gateway)              gateways collect token events (one batch per call)
+plus `reap(now)` for instance death.
+
+Queues: one Policy (by name, from the scheduling library) per pool queue: "mixed",
+"prefill-short", "prefill-long", "decode". Prompts are classified short/long by the L_m boundary.
+Requests re-queued after an instance died go to a per-queue `front` deque served before the
+policy: they were admitted earliest and already streamed tokens.
+
+Instance conventions the router relies on:
+- a work item's `output_token_ids` are tokens already delivered; the instance reports only
+  tokens after them;
+- a prefill instance reports `PrefillDone(first_token, kv)`; if the first token ends the request
+  (EOS, max_tokens reached) it reports a finished `TokenEvent([first])` instead;
+- work is applied between engine steps, so stats two steps after a hand-out include it
+  (`InstanceStats.steps`); an instance that reports `work_seen` (items applied, ever; optional
+  attribute) gets exact accounting instead.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from raycluster.cluster.messages import (ROLES, GatewayReply, InstanceStats, PollReply, RequestMeta,
+                                         StepReport, SubmitReply, TokenEvent, WorkItem)
+from raycluster.request import SLO, Request, SamplingParams
+from raycluster.sched.base import Clock, PolicyContext, SLOConfig
+from raycluster.sched.boundary import LengthClassifier
+from raycluster.sched.predictor import LinearBatchPredictor
+from raycluster.sched.registry import make_policy
+
+QUEUES = ("decode", "prefill-short", "prefill-long", "mixed")   # dispatch order: decode frees KV
+PREFILL_ROLES = ("prefill-short", "prefill-long")
+
+
+class EpochClock:
+    """time.time(): arrival times cross processes as wall-clock seconds (messages.py), so the
+    policies' "now" must be on the same scale."""
+
+    def now(self) -> float:
+        return time.time()
+
+
+@dataclass
+class RouterConfig:
+    policy: str = "lars"
+    max_queue: int = 256              # requests waiting in the router for their first dispatch
+    max_local_waiting: int = 2        # not-yet-started requests an instance may hold
+    kv_reserve_frac: float = 0.0      # keep this fraction of an instance's KV free after dispatch
+    initial_l_m: int = 2048
+    beta_prior: float | None = None   # per-token FFN time: lets prefill samples refit L_m
+    heartbeat_timeout_s: float = 10.0
+    transit_timeout_s: float = 5.0    # a handed-out item counts against the instance until then
+    retry_after_s: float = 1.0
+    slo: SLOConfig = field(default_factory=SLOConfig)
+    predictor: dict | None = None     # LinearBatchPredictor fields for the policies' context
+
+
+@dataclass
+class Instance:
+    instance_id: str
+    role: str
+    stats: InstanceStats
+    last_seen: float
+    outbox: PollReply = field(default_factory=PollReply)
+    running: set[str] = field(default_factory=set)   # request ids whose current work is here
+    # Items handed out that its stats may not show yet: rid -> (steps then, time, blocks, tokens).
+    transit: dict[str, tuple[int, float, int, int]] = field(default_factory=dict)
+    sent: int = 0                     # work items handed out, ever
+
+    def transit_sum(self, k: int) -> int:
+        return sum(v[k] for v in self.transit.values())
+
+
+@dataclass
+class ReqState:
+    meta: RequestMeta
+    req: Request                      # what the policies order
+    length_class: str                 # short | long
+    delivered: list[int] = field(default_factory=list)
+    queue: str | None = None          # queue it waits in, None when dispatched
+    instance: str | None = None       # instance running its current work item
+    mode: str | None = None
+    kv: object = None                 # KVHandle parked on a prefill instance
+    kv_at: str | None = None          # that prefill instance
+    policies: set[str] = field(default_factory=set)   # queues whose policy saw it
+
+
+class RouterCore:
+    def __init__(self, cfg: RouterConfig | None = None, clock: Clock | None = None) -> None:
+        self.cfg = cfg or RouterConfig()
+        self.clock = clock or EpochClock()
+        pred = LinearBatchPredictor(**self.cfg.predictor) if self.cfg.predictor else None
+        self.ctx = PolicyContext(clock=self.clock, predictor=pred, slo=self.cfg.slo)
+        self.policies = {q: make_policy(self.cfg.policy, self.ctx) for q in QUEUES}
+        self.front: dict[str, deque[str]] = {q: deque() for q in QUEUES}
+        self.classifier = LengthClassifier(initial_l_m=self.cfg.initial_l_m,
+                                           beta_prior=self.cfg.beta_prior)
+        self.instances: dict[str, Instance] = {}
+        self.requests: dict[str, ReqState] = {}
+        self.gateways: dict[str, list[TokenEvent]] = {}
+        self.dead: list[str] = []
+
+    # ---------------------------------------------------------------- topology
+    def _alive(self, *roles: str) -> list[Instance]:
+        return [i for i in self.instances.values() if i.role in roles]
+
+    def _route(self, length_class: str) -> str:
+        """Queue for a new (or resumed) prompt given the instances alive now."""
+        short, long_ = bool(self._alive("prefill-short")), bool(self._alive("prefill-long"))
+        if length_class == "short":
+            return "prefill-short" if short else "prefill-long" if long_ else "mixed"
+        return "prefill-long" if long_ else "prefill-short" if short else "mixed"
+
+    def _serving_roles(self, queue: str) -> tuple[str, ...]:
+        """Roles that take a queue's work: its own pool, else the nearest pool that exists
+        (a queue stranded by a topology change drains instead of waiting forever)."""
+        if queue == "decode":
+            return ("decode",)
+        chain = {"prefill-short": [("prefill-short",), ("prefill-long",), ("mixed",)],
+                 "prefill-long": [("prefill-long",), ("prefill-short",), ("mixed",)],
+                 "mixed": [("mixed",), PREFILL_ROLES]}[queue]
+        for roles in chain:
+            if self._alive(*roles):
+                return roles
+        return ()
+
+    def _mode_for(self, inst: Instance) -> str:
+        if inst.role == "decode":
+            return "decode"
+        if inst.role in PREFILL_ROLES and self._alive("decode"):
+            return "prefill"
+        return "full"
+
+    # ---------------------------------------------------------------- admission
+    def queue_depth(self) -> int:
+        """Requests waiting for their first dispatch (the admission bound); decode handoffs
+        are already admitted work and do not count."""
+        return sum(len(self.policies[q]) + len(self.front[q]) for q in QUEUES if q != "decode")
+
+    def submit(self, meta: RequestMeta) -> SubmitReply:
+        depth = self.queue_depth()
+        # Decided from counters only: no tokenization or KV allocation happens for a rejection.
+        if not self.instances:
+            return SubmitReply(False, self.cfg.retry_after_s, "no instances", depth)
+        if depth >= self.cfg.max_queue:
+            return SubmitReply(False, self.cfg.retry_after_s, "queue full", depth)
+        if meta.request_id in self.requests:
+            return SubmitReply(False, 0.0, "duplicate request id", depth)
+        n = len(meta.prompt_token_ids)
+        if all(0 < i.stats.kv_total_blocks * (1 - self.cfg.kv_reserve_frac)
+               < math.ceil((n + 1) / max(1, i.stats.block_size)) for i in self.instances.values()):
+            # Never servable here (not a transient overload): no Retry-After.
+            return SubmitReply(False, 0.0, "prompt too long for any instance's KV cache", depth)
+        req = Request(
+            request_id=meta.request_id, prompt_token_ids=list(meta.prompt_token_ids),
+            sampling=SamplingParams(max_tokens=meta.max_tokens, temperature=meta.temperature,
+                                    top_p=meta.top_p, top_k=meta.top_k, seed=meta.seed,
+                                    stop_token_ids=list(meta.stop_token_ids),
+                                    ignore_eos=meta.ignore_eos),
+            arrival_time=meta.arrival_time or self.clock.now(),
+            slo=SLO(ttft_s=meta.ttft_slo_s, tpot_s=meta.tpot_slo_s),
+            priority=meta.priority, tenant=meta.tenant, app_id=meta.app_id)
+        st = ReqState(meta=meta, req=req, length_class=self.classifier.classify(n))
+        self.requests[meta.request_id] = st
+        self._enqueue(st, self._route(st.length_class))
+        self.dispatch()
+        return SubmitReply(True, queue_depth=self.queue_depth())
+
+    def _enqueue(self, st: ReqState, queue: str, front: bool = False) -> None:
+        st.queue, st.instance, st.mode = queue, None, None
+        if queue != "decode":
+            st.req.num_computed_tokens = 0      # (re)computed from scratch wherever it lands
+        if front:
+            self.front[queue].append(st.meta.request_id)
+        else:
+            st.policies.add(queue)
+            self.policies[queue].push(st.req)
+
+    # ---------------------------------------------------------------- dispatch
+    def _blocks(self, st: ReqState, inst: Instance) -> int:
+        bs = max(1, inst.stats.block_size)
+        return math.ceil((len(st.meta.prompt_token_ids) + len(st.delivered) + 1) / bs)
+
+    def _has_slot(self, inst: Instance) -> bool:
+        return inst.stats.waiting + len(inst.transit) + len(inst.outbox.work) < self.cfg.max_local_waiting
+
+    def _kv_free(self, inst: Instance) -> float:
+        s = inst.stats
+        pending = sum(self._blocks(self.requests[w.meta.request_id], inst) for w in inst.outbox.work
+                      if w.meta.request_id in self.requests)
+        return s.kv_free_blocks - inst.transit_sum(2) - pending - self.cfg.kv_reserve_frac * s.kv_total_blocks
+
+    def _fits(self, st: ReqState, inst: Instance) -> bool:
+        if inst.stats.kv_total_blocks <= 0:
+            return True     # instance reported no KV figures yet: trust its own admission
+        return self._kv_free(inst) >= self._blocks(st, inst)
+
+    def _never_fits(self, st: ReqState, inst: Instance) -> bool:
+        total = inst.stats.kv_total_blocks * (1 - self.cfg.kv_reserve_frac)
+        return 0 < total < self._blocks(st, inst)
+
+    def _load(self, inst: Instance) -> tuple:
+        s = inst.stats
+        pend_tok = sum(len(w.meta.prompt_token_ids) for w in inst.outbox.work)
+        return (s.waiting + len(inst.transit) + len(inst.outbox.work),
+                s.queued_tokens + inst.transit_sum(3) + pend_tok, s.running, -self._kv_free(inst),
+                inst.instance_id)
+
+    def _pop(self, queue: str) -> ReqState | None:
+        fr = self.front[queue]
+        while fr:
+            st = self.requests.get(fr.popleft())
+            if st is not None and st.queue == queue:
+                return st
+        req = self.policies[queue].pop()
+        return self.requests[req.request_id] if req is not None else None
+
+    def _push_back(self, st: ReqState, queue: str, from_front: bool) -> None:
+        if from_front:
+            self.front[queue].appendleft(st.meta.request_id)
+        else:
+            self.policies[queue].push(st.req)
+
+    def dispatch(self) -> int:
+        """Hand queued work to instances with a free local slot and enough KV; returns the
+        number of items placed. Order within a queue is the policy's (front deque first)."""
+        placed = 0
+        if not self._alive("decode") and (self.front["decode"] or len(self.policies["decode"])):
+            self._dissolve_decode_queue()
+        for queue in QUEUES:
+            roles = self._serving_roles(queue)
+            while roles and (self.front[queue] or len(self.policies[queue])):
+                cands = [i for i in self._alive(*roles) if self._has_slot(i)]
+                if not cands:
+                    break
+                from_front = bool(self.front[queue])
+                st = self._pop(queue)
+                if st is None:
+                    break
+                fit = [i for i in cands if self._fits(st, i)]
+                if not fit:
+                    if all(self._never_fits(st, i) for i in self._alive(*roles)):
+                        self._fail(st, "prompt does not fit in any instance's KV cache")
+                        continue
+                    self._push_back(st, queue, from_front)   # head of line waits for KV: order kept
+                    break
+                self._assign(st, min(fit, key=self._load))
+                placed += 1
+        return placed
+
+    def _assign(self, st: ReqState, inst: Instance) -> None:
+        mode = self._mode_for(inst)
+        kv = st.kv if mode == "decode" else None
+        inst.outbox.work.append(WorkItem(meta=st.meta, mode=mode,
+                                         output_token_ids=list(st.delivered), kv=kv))
+        st.queue, st.instance, st.mode = None, inst.instance_id, mode
+        inst.running.add(st.meta.request_id)
+
+    def _dissolve_decode_queue(self) -> None:
+        """No decode pool left: handoffs waiting for one are recomputed through a prefill or
+        mixed pool from prompt + delivered tokens; their parked KV is released."""
+        pol, waiting = self.policies["decode"], []
+        while self.front["decode"]:
+            st = self.requests.get(self.front["decode"].popleft())
+            if st is not None and st.queue == "decode":
+                waiting.append(st)
+        while (req := pol.pop()) is not None:
+            waiting.append(self.requests[req.request_id])
+        for st in waiting:
+            self._release_kv(st)
+            self._enqueue(st, self._route(st.length_class), front=True)
+
+    # ---------------------------------------------------------------- instances
+    def on_poll(self, instance_id: str, stats: InstanceStats) -> PollReply:
+        self._touch(instance_id, stats)
+        self.dispatch()
+        return self.take_outbox(instance_id)
+
+    def take_outbox(self, instance_id: str) -> PollReply:
+        inst = self.instances.get(instance_id)
+        if inst is None:
+            return PollReply()
+        reply, inst.outbox = inst.outbox, PollReply()
+        now = self.clock.now()
+        for w in reply.work:
+            st = self.requests.get(w.meta.request_id)
+            inst.sent += 1
+            inst.transit[w.meta.request_id] = (inst.stats.steps, now, self._blocks(st, inst) if st else 0,
+                                               len(w.meta.prompt_token_ids))
+        return reply
+
+    def has_outbox(self, instance_id: str) -> bool:
+        inst = self.instances.get(instance_id)
+        o = inst.outbox if inst else None
+        return bool(o and (o.work or o.aborts or o.releases or o.role or o.shutdown))
+
+    def _touch(self, instance_id: str, stats: InstanceStats) -> Instance:
+        now = self.clock.now()
+        inst = self.instances.get(instance_id)
+        if inst is None:
+            if stats.role not in ROLES:
+                raise ValueError(f"instance {instance_id!r}: unknown role {stats.role!r}; one of {ROLES}")
+            inst = self.instances[instance_id] = Instance(instance_id, stats.role, stats, now)
+        if stats.role in ROLES:
+            inst.role = stats.role              # the controller moved it to another pool
+        inst.stats, inst.last_seen = stats, now
+        self._settle(inst, now)
+        return inst
+
+    def _settle(self, inst: Instance, now: float) -> None:
+        """Forget handed-out items the instance's stats now include. Exact when the instance
+        reports `work_seen` (items it has applied, ever); otherwise two completed steps after
+        the hand-out (work is applied between steps) or `transit_timeout_s` are taken as proof."""
+        seen = getattr(inst.stats, "work_seen", None)
+        if seen is not None:
+            while inst.transit and len(inst.transit) > inst.sent - seen:
+                del inst.transit[next(iter(inst.transit))]
+            return
+        steps, limit = inst.stats.steps, self.cfg.transit_timeout_s
+        for rid in [r for r, (s0, t0, _, _) in inst.transit.items() if steps >= s0 + 2 or now - t0 > limit]:
+            del inst.transit[rid]
+
+    def reap(self, now: float | None = None) -> list[str]:
+        """Declare instances unseen for heartbeat_timeout_s dead and re-queue their work."""
+        now = self.clock.now() if now is None else now
+        dead = [i for i, inst in self.instances.items()
+                if now - inst.last_seen > self.cfg.heartbeat_timeout_s]
+        for iid in dead:
+            self.remove_instance(iid)
+        return dead
+
+    def remove_instance(self, instance_id: str) -> None:
+        """Forget an instance (dead, drained, or replaced: replicas come back with new ids).
+        Its requests resume elsewhere from prompt + delivered tokens, ahead of the policy order."""
+        inst = self.instances.pop(instance_id, None)
+        if inst is None:
+            return
+        self.dead.append(instance_id)
+        for st in self.requests.values():
+            if st.kv_at == instance_id:          # parked KV is gone with it
+                st.kv, st.kv_at = None, None
+                if st.queue == "decode":         # its handoff can no longer be pulled
+                    self._remove_queued(st)
+                    self._enqueue(st, self._route(st.length_class), front=True)
+        for rid in sorted(inst.running, key=lambda r: self.requests[r].req.arrival_time
+                          if r in self.requests else 0.0):
+            st = self.requests.get(rid)
+            if st is None or st.instance != instance_id:
+                continue
+            if st.mode == "decode" and st.kv_at in self.instances:
+                self._enqueue(st, "decode", front=True)     # KV still parked: hand it off again
+            else:
+                self._release_kv(st)
+                self._enqueue(st, self._route(st.length_class), front=True)
+        self.dispatch()
+
+    # ---------------------------------------------------------------- reports
+    def on_report(self, report: StepReport) -> None:
+        iid = report.stats.instance_id
+        inst = self._touch(iid, report.stats)
+        for ev in report.events:
+            st = self.requests.get(ev.request_id)
+            if st is None or st.instance != iid:
+                if st is not None:               # stale owner (reaped, then came back): stop it
+                    inst.outbox.aborts.append(ev.request_id)
+                continue
+            inst.transit.pop(ev.request_id, None)    # it ran: stats include it
+            self._deliver(st, TokenEvent(ev.request_id, list(ev.token_ids), ev.finished,
+                                         ev.finish_reason, ev.error))
+        for pd in report.prefilled:
+            st = self.requests.get(pd.request_id)
+            if st is None or st.instance != iid:
+                inst.outbox.releases.append(pd.request_id)    # nobody will pull that KV
+                continue
+            inst.transit.pop(pd.request_id, None)
+            self._prefill_done(st, inst, pd.first_token, pd.kv)
+        for rid in report.admitted:
+            inst.transit.pop(rid, None)
+            st = self.requests.get(rid)
+            if st is not None and st.kv_at is not None:
+                self._release_kv(st)
+        for length, history, seconds in report.prefill_samples:
+            self.classifier.add_total(int(length), int(history), float(seconds))
+        self.dispatch()
+
+    def _prefill_done(self, st: ReqState, inst: Instance, first: int, kv) -> None:
+        rid = st.meta.request_id
+        inst.running.discard(rid)
+        done = (len(st.delivered) + 1 >= st.meta.max_tokens
+                or (first in st.meta.stop_token_ids and not st.meta.ignore_eos))
+        reason = "length" if len(st.delivered) + 1 >= st.meta.max_tokens else "stop"
+        if done:
+            if kv is not None:
+                inst.outbox.releases.append(rid)
+            self._deliver(st, TokenEvent(rid, [first], True, reason))
+            return
+        self._deliver(st, TokenEvent(rid, [first]))
+        if st.mode != "prefill":
+            inst.running.add(rid)       # a "full" item decodes where it is
+            return
+        st.kv, st.kv_at = (kv, inst.instance_id) if kv is not None else (None, None)
+        # A decode item from the delivered tokens: with kv None the decode side recomputes.
+        st.req.num_computed_tokens = st.req.num_tokens - 1
+        self._enqueue(st, "decode")
+
+    def _deliver(self, st: ReqState, ev: TokenEvent) -> None:
+        rid = st.meta.request_id
+        st.delivered.extend(ev.token_ids)
+        st.req.output_token_ids = st.delivered
+        for q in st.policies:
+            if ev.token_ids:
+                self.policies[q].on_progress(st.req, len(ev.token_ids))
+        self.gateways.setdefault(st.meta.gateway_id, []).append(ev)
+        if ev.finished:
+            self._drop(st)
+
+    def _fail(self, st: ReqState, error: str) -> None:
+        self._deliver(st, TokenEvent(st.meta.request_id, [], True, "error", error))
+
+    # ---------------------------------------------------------------- request end
+    def _remove_queued(self, st: ReqState) -> None:
+        if st.queue is not None:
+            self.policies[st.queue].remove(st.meta.request_id)
+            try:
+                self.front[st.queue].remove(st.meta.request_id)
+            except ValueError:
+                pass
+            st.queue = None
+
+    def _release_kv(self, st: ReqState) -> None:
+        src = self.instances.get(st.kv_at) if st.kv_at else None
+        if src is not None:
+            src.outbox.releases.append(st.meta.request_id)
+        st.kv, st.kv_at = None, None
+
+    def _drop(self, st: ReqState) -> None:
+        """Forget a finished/aborted request: queues, instance sets, parked KV, policy accounts."""
+        rid = st.meta.request_id
+        self._remove_queued(st)
+        self._release_kv(st)
+        inst = self.instances.get(st.instance) if st.instance else None
+        if inst is not None:
+            inst.running.discard(rid)
+            inst.transit.pop(rid, None)
+        for q in st.policies:
+            self.policies[q].on_finish(st.req)
+        self.requests.pop(rid, None)
+
+    def abort(self, request_id: str) -> bool:
+        """Client gone: stop the work wherever it is; nothing more reaches the gateway."""
+        st = self.requests.get(request_id)
+        if st is None:
+            return False
+        inst = self.instances.get(st.instance) if st.instance else None
+        if inst is not None:
+            kept = [w for w in inst.outbox.work if w.meta.request_id != request_id]
+            if len(kept) == len(inst.outbox.work):
+                inst.outbox.aborts.append(request_id)   # already handed out: tell the instance
+            inst.outbox.work = kept
+        self._drop(st)
+        self.dispatch()
+        return True
+
+    # ---------------------------------------------------------------- gateways, status
+    def take_events(self, gateway_id: str) -> GatewayReply:
+        return GatewayReply(self.gateways.pop(gateway_id, []), self.queue_depth(), self.cfg.max_queue)
+
+    def has_events(self, gateway_id: str) -> bool:
+        return bool(self.gateways.get(gateway_id))
+
+    def inflight(self) -> int:
+        return len(self.requests)
+
+    def placements(self) -> dict[str, dict]:
+        return {rid: {"queue": st.queue, "instance": st.instance, "mode": st.mode,
+                      "kv_at": st.kv_at, "delivered": len(st.delivered), "class": st.length_class}
+                for rid, st in self.requests.items()}
+
+    def status(self) -> dict:
+        now = self.clock.now()
+        fitted = self.classifier.boundary is not None
+        return {
+            "policy": self.cfg.policy,
+            "queues": {q: len(self.policies[q]) + len(self.front[q]) for q in QUEUES},
+            "queue_depth": self.queue_depth(), "max_queue": self.cfg.max_queue,
+            "inflight": self.inflight(),
+            "l_m": self.classifier.l_m(),
+            "l_m_source": "fitted" if fitted else (
+                "initial" if self.cfg.beta_prior is not None
+                else "initial (no beta_prior: prefill samples cannot be fitted)"),
+            "instances": [{"id": i.instance_id, "role": i.role, "waiting": i.stats.waiting,
+                           "running": i.stats.running, "assigned": len(i.running),
+                           "kv_free_blocks": i.stats.kv_free_blocks,
+                           "kv_total_blocks": i.stats.kv_total_blocks,
+                           "kv_usage": (1 - i.stats.kv_free_blocks / i.stats.kv_total_blocks
+                                        if i.stats.kv_total_blocks else None),
+                           "last_seen_s_ago": now - i.last_seen} for i in self.instances.values()],
+            "dead_instances": list(self.dead[-32:]),
+        }

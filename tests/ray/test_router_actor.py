@@ -1,0 +1,119 @@
+"""The router actor on a local Ray cluster: long-polls, a fake instance streaming tokens through
+it to two fake gateways (batched per step / per pull), and the named-actor lookup."""
+
+import asyncio
+import time
+import uuid
+
+import pytest
+import ray
+
+from raycluster.cluster.messages import InstanceStats, RequestMeta, StepReport, TokenEvent
+from raycluster.cluster.router_actor import RouterActor, get_or_create_router
+from raycluster.cluster.router_core import RouterConfig
+
+pytestmark = pytest.mark.ray
+
+
+def stats(iid, waiting=0, running=0):
+    return InstanceStats(instance_id=iid, role="mixed", waiting=waiting, running=running,
+                         kv_free_blocks=1000, kv_total_blocks=1000, block_size=16)
+
+
+def meta(rid, gw, max_tokens):
+    return RequestMeta(request_id=rid, gateway_id=gw, prompt_token_ids=[1, 2, 3],
+                       max_tokens=max_tokens, arrival_time=time.time())
+
+
+def test_long_poll_times_out_then_wakes_on_work(ray_cluster):
+    router = RouterActor.remote(RouterConfig(policy="fcfs"))
+    t0 = time.monotonic()
+    reply = ray.get(router.poll.remote("i1", stats("i1"), 0.3), timeout=30)
+    dt = time.monotonic() - t0
+    assert reply.work == [] and 0.25 <= dt < 5.0
+
+    ref = router.poll.remote("i1", stats("i1"), 10.0)          # parked
+    time.sleep(0.3)
+    t1 = time.monotonic()
+    assert ray.get(router.submit.remote(meta("r1", "g", 2))).accepted
+    reply = ray.get(ref, timeout=30)
+    assert [w.meta.request_id for w in reply.work] == ["r1"]
+    assert time.monotonic() - t1 < 5.0                         # woke on the submit, not at 10 s
+    assert ray.get(router.abort.remote("r1")) and ray.get(router.inflight.remote()) == 0
+    ray.kill(router)
+
+
+async def fake_instance(router, iid, stop):
+    """An engine stand-in: pulls work, emits one token per running request per step, and
+    reports each step as one push. Token value encodes (request, position) for order checks."""
+    running: dict[str, list] = {}
+    while not stop.is_set():
+        reply = await router.poll.remote(iid, stats(iid, running=len(running)),
+                                         0.0 if running else 0.2)
+        for w in reply.work:
+            running[w.meta.request_id] = [w.meta.max_tokens, len(w.output_token_ids)]
+        for rid in reply.aborts:
+            running.pop(rid, None)
+        if not running:
+            continue
+        events = []
+        for rid, st in list(running.items()):
+            st[1] += 1
+            done = st[1] >= st[0]
+            events.append(TokenEvent(rid, [int(rid[1:]) * 1000 + st[1]], done, "length" if done else None))
+            if done:
+                del running[rid]
+        await router.push.remote(StepReport(stats(iid, running=len(running)), events=events))
+        await asyncio.sleep(0.005)
+
+
+async def fake_gateway(router, gid, expected, got):
+    while any(not got.get(r, (None, False))[1] for r in expected):
+        reply = await router.pull.remote(gid, 0.5)
+        assert reply.max_queue == 64
+        for ev in reply.events:
+            assert ev.request_id in expected, "event routed to the wrong gateway"
+            toks, fin = got.get(ev.request_id, ([], False))
+            assert not fin
+            got[ev.request_id] = (toks + ev.token_ids, ev.finished)
+
+
+def test_tokens_stream_in_order_to_the_right_gateway(ray_cluster):
+    router = RouterActor.remote(RouterConfig(policy="lars", max_queue=64, max_local_waiting=2))
+
+    async def scenario():
+        stop = asyncio.Event()
+        insts = [asyncio.create_task(fake_instance(router, f"inst{k}", stop)) for k in range(2)]
+        for _ in range(300):                                  # registered by their first poll
+            if len((await router.status.remote())["instances"]) == 2:
+                break
+            await asyncio.sleep(0.1)
+        plan = {f"r{k}": ("gA" if k % 2 else "gB", 3 + k % 5) for k in range(12)}
+        for rid, (gw, n) in plan.items():
+            assert (await router.submit.remote(meta(rid, gw, n))).accepted
+        got = {}
+        gws = [fake_gateway(router, g, {r for r, (gw, _) in plan.items() if gw == g}, got)
+               for g in ("gA", "gB")]
+        await asyncio.wait_for(asyncio.gather(*gws), timeout=40)
+        stop.set()
+        await asyncio.gather(*insts)
+        return plan, got
+
+    plan, got = asyncio.run(scenario())
+    for rid, (_, n) in plan.items():
+        toks, fin = got[rid]
+        assert fin and toks == [int(rid[1:]) * 1000 + i for i in range(1, n + 1)]
+    st = ray.get(router.status.remote())
+    assert st["inflight"] == 0 and st["queue_depth"] == 0
+    assert {i["id"] for i in st["instances"]} == {"inst0", "inst1"}
+    ray.kill(router)
+
+
+def test_named_router_is_found_twice(ray_cluster):
+    name = f"router-test-{uuid.uuid4().hex[:6]}"
+    a = get_or_create_router(RouterConfig(policy="edf"), name=name)
+    b = get_or_create_router(None, name=name)
+    assert a._actor_id == b._actor_id
+    assert ray.get(b.status.remote())["policy"] == "edf"
+    assert ray.get_actor(name, namespace="raycluster")._actor_id == a._actor_id
+    ray.kill(a)
