@@ -1,13 +1,16 @@
 """The `raycluster` command line.
 
-  raycluster up [--model tiny|PATH] [--policy NAME] [--host H] [--port P] [--detach]
+  raycluster up [--app deployments/NAME.yaml] [--model tiny|PATH] [--policy NAME] [--host H]
+                [--port P] [--address RAY_ADDRESS] [--detach]
   raycluster down
+  raycluster status [--json]
+  raycluster engine-server [--model ...] [--policy ...]     (one engine, no Ray)
   raycluster tiny-model PATH
-  raycluster bench engine [--out FILE.json] ...
+  raycluster bench engine|convoy|policy|profile|kv-transfer ...
 
-`up` serves one engine behind the OpenAI-compatible HTTP API; `--detach` starts it in the
-background, records its PID under the cache directory and returns once /health answers;
-`down` stops it.
+`up` runs the cluster (Ray Serve gateway, router, engine pools) on a new local Ray cluster or
+the one at `--address`; `--detach` starts it in the background, records its PID under the cache
+directory and returns once /health answers; `down` stops it; `status` asks the gateway.
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ def _pid_file() -> Path:
     return cache_dir() / "up.json"
 
 
-def _serve(args: argparse.Namespace) -> None:
+def _serve_engine(args: argparse.Namespace) -> None:
     import uvicorn
 
     from raycluster.engine.config import EngineConfig
@@ -64,10 +67,19 @@ def _wait_healthy(url: str, proc: subprocess.Popen, timeout: float) -> bool:
     return False
 
 
+def _serve(args: argparse.Namespace) -> int:
+    if args.cmd == "engine-server":
+        _serve_engine(args)
+        return 0
+    from deployments.launcher import serve_cluster
+
+    return serve_cluster(args.app, args.model, args.policy, args.host, args.port, address=args.address,
+                         dashboard=not args.no_dashboard)
+
+
 def cmd_up(args: argparse.Namespace) -> int:
     if not args.detach:
-        _serve(args)
-        return 0
+        return _serve(args)
     pf = _pid_file()
     if pf.exists():
         info = json.loads(pf.read_text())
@@ -76,10 +88,12 @@ def cmd_up(args: argparse.Namespace) -> int:
             return 1
     pf.parent.mkdir(parents=True, exist_ok=True)
     log = pf.parent / "up.log"
-    cmd = [sys.executable, "-m", "raycluster.cli", "up", "--model", args.model, "--policy", args.policy,
-           "--host", args.host, "--port", str(args.port)]
-    if args.threads:
-        cmd += ["--threads", str(args.threads)]
+    cmd = [sys.executable, "-m", "raycluster.cli", args.cmd, "--host", args.host, "--port", str(args.port)]
+    for flag in ("model", "policy", "app", "address", "threads"):
+        if getattr(args, flag, None):
+            cmd += [f"--{flag}", str(getattr(args, flag))]
+    if getattr(args, "no_dashboard", False):
+        cmd.append("--no-dashboard")
     with open(log, "ab") as fh:
         proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, start_new_session=True)
     url = f"http://{args.host}:{args.port}"
@@ -125,6 +139,31 @@ def cmd_down(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_status(args: argparse.Namespace) -> int:
+    import httpx
+
+    url = args.url
+    if url is None:
+        pf = _pid_file()
+        url = json.loads(pf.read_text())["url"] if pf.exists() else "http://127.0.0.1:8000"
+    try:
+        status = httpx.get(url.rstrip("/") + "/v1/cluster/status", timeout=10).json()
+    except httpx.HTTPError as e:
+        print(f"raycluster: no cluster answers at {url} ({e})", file=sys.stderr)
+        return 1
+    if args.json:
+        print(json.dumps(status, indent=2))
+        return 0
+    print(f"policy {status.get('policy')}   in flight {status.get('inflight')}   queues {status.get('queues')}")
+    print(f"{'instance':28s} {'role':14s} {'waiting':>8s} {'running':>8s} {'kv used':>8s}")
+    for inst in status.get("instances", []):
+        total = max(1, inst.get("kv_total_blocks", 0))
+        used = 1 - inst.get("kv_free_blocks", 0) / total
+        print(f"{inst.get('id', '?'):28s} {inst.get('role', '?'):14s} {inst.get('waiting', 0):8d} "
+              f"{inst.get('running', 0):8d} {used:8.1%}")
+    return 0
+
+
 def cmd_tiny_model(args: argparse.Namespace) -> int:
     from raycluster.model.tiny import write_tiny_model
 
@@ -149,15 +188,32 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="raycluster", description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="cmd", required=True)
 
-    up = sub.add_parser("up", help="serve the model over HTTP")
-    up.add_argument("--model", default="tiny", help="'tiny' (embedded default) or a checkpoint directory")
-    up.add_argument("--policy", default="fcfs", help="scheduling policy name")
+    up = sub.add_parser("up", help="run the cluster (Ray Serve) and serve the model over HTTP")
+    up.add_argument("--app", default=None, help="Serve config YAML (default: deployments/local.yaml)")
+    up.add_argument("--model", default=None, help="'tiny' (embedded default) or a checkpoint directory")
+    up.add_argument("--policy", default=None, help="scheduling policy name (default: the app's, lars)")
+    up.add_argument("--address", default=None, help="join this Ray cluster instead of starting one")
+    up.add_argument("--no-dashboard", action="store_true", help="do not start the Ray dashboard")
     up.add_argument("--host", default="127.0.0.1")
     up.add_argument("--port", type=int, default=8000)
-    up.add_argument("--threads", type=int, default=None, help="torch threads of the engine")
     up.add_argument("--detach", action="store_true", help="run in the background; stop with `down`")
-    up.add_argument("--timeout", type=float, default=300.0, help="seconds to wait for health with --detach")
+    up.add_argument("--timeout", type=float, default=900.0, help="seconds to wait for health with --detach")
     up.set_defaults(fn=cmd_up)
+
+    es = sub.add_parser("engine-server", help="serve one engine in this process (no Ray)")
+    es.add_argument("--model", default="tiny")
+    es.add_argument("--policy", default="lars")
+    es.add_argument("--host", default="127.0.0.1")
+    es.add_argument("--port", type=int, default=8000)
+    es.add_argument("--threads", type=int, default=None, help="torch threads of the engine")
+    es.add_argument("--detach", action="store_true", help="run in the background; stop with `down`")
+    es.add_argument("--timeout", type=float, default=300.0)
+    es.set_defaults(fn=cmd_up)
+
+    st = sub.add_parser("status", help="pools, instances, queues and KV usage of the running cluster")
+    st.add_argument("--url", default=None, help="gateway URL (default: the one `up --detach` recorded)")
+    st.add_argument("--json", action="store_true")
+    st.set_defaults(fn=cmd_status)
 
     down = sub.add_parser("down", help="stop what `up --detach` started")
     down.set_defaults(fn=cmd_down)
@@ -175,7 +231,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    if args.cmd == "up":
+    if args.cmd in ("up", "engine-server") and args.policy is not None:
         from raycluster.sched.registry import policy_names
         if args.policy not in policy_names():
             print(f"raycluster: --policy {args.policy!r} unknown; choose one of {', '.join(policy_names())}",

@@ -90,6 +90,7 @@ class InstanceStats:
     steps: int = 0
     queued_tokens: int = 0             # prefill tokens not yet computed
     connector: dict = field(default_factory=dict)     # this instance's connector descriptor
+    work_seen: int | None = None       # work items applied so far (lets the router count in-transit work)
 
 
 @dataclass

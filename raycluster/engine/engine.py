@@ -57,6 +57,26 @@ class StepResult:
     duration_s: float = 0.0
 
 
+def validate_request(ids: list[int], sp: SamplingParams, max_model_len: int, vocab_size: int,
+                     kv_capacity_tokens: int | None = None) -> None:
+    """Raise InvalidRequestError naming the field a user got wrong (shared with the gateway)."""
+    if not ids:
+        raise InvalidRequestError("prompt", "must not be empty")
+    if len(ids) >= max_model_len:
+        raise InvalidRequestError(
+            "prompt", f"{len(ids)} tokens leave no room to generate within the context of {max_model_len} tokens")
+    if kv_capacity_tokens is not None and len(ids) > kv_capacity_tokens - 1:
+        raise InvalidRequestError(
+            "prompt", f"{len(ids)} tokens exceed this instance's KV capacity of {kv_capacity_tokens} tokens")
+    if min(ids) < 0 or max(ids) >= vocab_size:
+        raise InvalidRequestError("prompt", f"token ids must be in [0, {vocab_size})")
+    try:
+        sp.validate()
+    except ValueError as e:
+        field_name, _, message = str(e).partition(" ")
+        raise InvalidRequestError(field_name, message) from None
+
+
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -157,23 +177,7 @@ class LLMEngine:
             self._texts[req.request_id] = TextStream(self.tokenizer, req.prompt_token_ids, req.sampling.stop)
 
     def _validate(self, ids: list[int], sp: SamplingParams) -> None:
-        if not ids:
-            raise InvalidRequestError("prompt", "must not be empty")
-        if len(ids) >= self.max_model_len:
-            raise InvalidRequestError(
-                "prompt", f"{len(ids)} tokens leave no room to generate within the context of "
-                f"{self.max_model_len} tokens")
-        if len(ids) > self.kv.capacity_tokens() - 1:
-            raise InvalidRequestError(
-                "prompt", f"{len(ids)} tokens exceed this instance's KV capacity of "
-                f"{self.kv.capacity_tokens()} tokens")
-        if min(ids) < 0 or max(ids) >= self.vocab_size:
-            raise InvalidRequestError("prompt", f"token ids must be in [0, {self.vocab_size})")
-        try:
-            sp.validate()
-        except ValueError as e:
-            field_name = str(e).split(" ", 1)[0]
-            raise InvalidRequestError(field_name, str(e).split(" ", 1)[1]) from None
+        validate_request(ids, sp, self.max_model_len, self.vocab_size, self.kv.capacity_tokens())
 
     def abort_request(self, request_id: str) -> bool:
         self._texts.pop(request_id, None)

@@ -9,6 +9,7 @@ values read are junk, only the work matters. `load_or_profile` caches the fitted
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import random
 import json
@@ -99,7 +100,7 @@ def profile_runner(runner: ModelRunner, plan: list, repeats: int = 2) -> tuple[L
 
 def profile_key(runner: ModelRunner) -> str:
     cfg = runner.model.config
-    ident = json.dumps({"cfg": repr(cfg), "threads": torch.get_num_threads(), "dtype": str(runner.kv_cache.dtype),
+    ident = json.dumps({"features": 2, "cfg": repr(cfg), "threads": torch.get_num_threads(), "dtype": str(runner.kv_cache.dtype),
                         "block": runner.kv.block_size}, sort_keys=True)
     return hashlib.sha256(ident.encode()).hexdigest()[:16]
 
@@ -107,12 +108,19 @@ def profile_key(runner: ModelRunner) -> str:
 def load_or_profile(runner: ModelRunner, max_model_len: int, max_num_batched_tokens: int,
                     max_num_seqs: int, log: Callable[[str], None] = print) -> LinearBatchPredictor:
     path = cache_dir() / "profiles" / f"{profile_key(runner)}.json"
-    if path.is_file():
-        data = json.loads(path.read_text())
-        return LinearBatchPredictor(**data["predictor"])
+    path.parent.mkdir(parents=True, exist_ok=True)
+    # Instances starting together take turns: the first profiles, the others read its file.
+    with open(path.with_suffix(".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if path.is_file():
+            return LinearBatchPredictor(**json.loads(path.read_text())["predictor"])
+        return _profile_and_save(runner, path, max_model_len, max_num_batched_tokens, max_num_seqs, log)
+
+
+def _profile_and_save(runner: ModelRunner, path: Path, max_model_len: int, max_num_batched_tokens: int,
+                      max_num_seqs: int, log: Callable[[str], None]) -> LinearBatchPredictor:
     log("raycluster: profiling the model for the batch-time predictor (once per machine)...")
     predictor, report = profile_runner(runner, quick_plan(max_model_len, max_num_batched_tokens, max_num_seqs))
-    path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps({"predictor": predictor.__dict__, "report": report}, indent=2))
     tmp.rename(path)

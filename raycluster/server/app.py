@@ -1,8 +1,12 @@
-"""Single-instance OpenAI-compatible HTTP server: one engine behind FastAPI.
+"""OpenAI-compatible HTTP API over a generation backend: one in-process engine (`AsyncEngine`)
+or the cluster (`ClusterClient`, used by the Serve gateway).
 
 Routes: POST /v1/completions, POST /v1/chat/completions (both with `stream` over SSE),
 GET /v1/models, GET /health, GET /metrics (Prometheus text). Prompts are tokenized once here;
-token ids go to the `AsyncEngine`, text deltas come back. Errors a client causes are 400 in
+token ids go to the backend, text deltas come back. A backend provides `admit()` (raises
+`OverloadedError` before any tokenization), `next_id`, `generate` (async iterator of
+`RequestOutput`; `InvalidRequestError` before the first one), `stats()`, `max_model_len` and
+`prometheus_text()` for extra metrics lines. Errors a client causes are 400 in
 OpenAI's error shape with `param` naming the field.
 """
 
@@ -14,13 +18,13 @@ from typing import AsyncIterator
 
 from fastapi import FastAPI, Request as HTTPRequest
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest, CONTENT_TYPE_LATEST
 
 from raycluster.engine.engine import InvalidRequestError
 from raycluster.request import SLO
-from raycluster.server.async_engine import AsyncEngine
-from raycluster.server.protocol import ChatCompletionRequest, CompletionRequest, error_body, now_s
+from raycluster.server.protocol import (ChatCompletionRequest, CompletionRequest, OverloadedError, error_body,
+                                       now_s)
 
 
 class _Metrics:
@@ -42,7 +46,12 @@ def _bad_request(message: str, param: str | None, status: int = 400) -> JSONResp
     return JSONResponse(error_body(message, param), status_code=status)
 
 
-def build_app(engine: AsyncEngine, tokenizer, model_name: str) -> FastAPI:
+def _overloaded(e: OverloadedError) -> JSONResponse:
+    return JSONResponse(error_body(str(e), None, "overloaded_error", e.code), status_code=e.status,
+                        headers={"Retry-After": str(max(1, round(e.retry_after_s)))})
+
+
+def build_app(engine, tokenizer, model_name: str) -> FastAPI:
     app = FastAPI(title="raycluster", version="0.1.0")
     metrics = _Metrics()
 
@@ -55,13 +64,14 @@ def build_app(engine: AsyncEngine, tokenizer, model_name: str) -> FastAPI:
 
     @app.get("/health")
     async def health():
-        return {"status": "ok", **engine.stats()}
+        ok, info = await engine.health()
+        return JSONResponse({"status": "ok" if ok else "unavailable", **info}, status_code=200 if ok else 503)
 
     @app.get("/v1/models")
     async def models():
         return {"object": "list", "data": [{"id": model_name, "object": "model", "created": now_s(),
                                             "owned_by": "raycluster",
-                                            "max_model_len": engine.engine.max_model_len}]}
+                                            "max_model_len": engine.max_model_len}]}
 
     @app.get("/metrics")
     async def prom():
@@ -69,8 +79,8 @@ def build_app(engine: AsyncEngine, tokenizer, model_name: str) -> FastAPI:
         metrics.waiting.set(s["waiting"])
         metrics.running.set(s["running"])
         metrics.kv_usage.set(s["kv_used_blocks"] / max(1, s["kv_total_blocks"]))
-        from fastapi import Response
-        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+        body = generate_latest(metrics.registry) + engine.prometheus_text().encode()
+        return Response(body, media_type=CONTENT_TYPE_LATEST)
 
     def _encode_prompt(prompt) -> list[int]:
         if isinstance(prompt, str) and not prompt:
@@ -98,6 +108,8 @@ def build_app(engine: AsyncEngine, tokenizer, model_name: str) -> FastAPI:
             first = await gen.__anext__()      # surfaces validation errors before any byte is sent
         except InvalidRequestError as e:
             return _bad_request(str(e), e.field)
+        except OverloadedError as e:
+            return _overloaded(e)
         stream = _Stream(gen, first, t0, metrics)
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
@@ -116,13 +128,20 @@ def build_app(engine: AsyncEngine, tokenizer, model_name: str) -> FastAPI:
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, http: HTTPRequest):
         try:
+            engine.admit()
             ids = _encode_prompt(body.prompt)
+        except OverloadedError as e:
+            return _overloaded(e)
         except InvalidRequestError as e:
             return _bad_request(str(e), e.field)
         return await _run(body, ids, "text_completion", http)
 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatCompletionRequest, http: HTTPRequest):
+        try:
+            engine.admit()
+        except OverloadedError as e:
+            return _overloaded(e)
         prompt = tokenizer.apply_chat_template([m.model_dump() for m in body.messages])
         return await _run(body, tokenizer.encode(prompt), "chat.completion", http)
 

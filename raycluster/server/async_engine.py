@@ -49,6 +49,19 @@ class AsyncEngine:
         self._thread.start()
         self.steps = 0
 
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.max_model_len
+
+    async def health(self) -> tuple[bool, dict]:
+        return self._thread.is_alive(), self.stats()
+
+    def admit(self) -> None:
+        """One engine queues without bound: the HTTP layer never rejects for load here."""
+
+    def prometheus_text(self) -> str:
+        return ""
+
     def next_id(self, prefix: str = "req") -> str:
         return f"{prefix}-{next(self._ids)}"
 

@@ -77,3 +77,13 @@ def now_s() -> int:
 def error_body(message: str, param: str | None, type_: str = "invalid_request_error",
                code: str | None = None) -> dict:
     return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+
+
+class OverloadedError(Exception):
+    """The service cannot take the request now: 429 (queue full) or 503 (no capacity at all)."""
+
+    def __init__(self, message: str, retry_after_s: float = 1.0, status: int = 429) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+        self.status = status
+        self.code = "queue_full" if status == 429 else "unavailable"

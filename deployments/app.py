@@ -1,0 +1,37 @@
+"""Builds the Serve application from a `ClusterConfig` (the `args` of a Serve config YAML):
+creates the named router actor, one `EngineInstance` deployment per pool and the gateway.
+
+    import_path: deployments.app:build_app
+"""
+
+from __future__ import annotations
+
+from ray import serve
+
+from deployments.engine_instance import EngineInstance
+from deployments.gateway import CONFIG_ENV, Gateway
+from raycluster.cluster.config import ClusterConfig
+from raycluster.cluster.router_actor import get_or_create_router
+from raycluster.cluster.router_core import RouterConfig
+from raycluster.sched.base import SLOConfig
+
+
+def router_config(cfg: ClusterConfig) -> RouterConfig:
+    ecfg = cfg.engine_config(cfg.pools[0])
+    return RouterConfig(policy=cfg.policy, max_queue=cfg.max_queue, max_local_waiting=cfg.max_local_waiting,
+                        initial_l_m=cfg.initial_l_m,
+                        slo=SLOConfig(ttft_ms=ecfg.ttft_ms, tpot_ms=ecfg.tpot_ms, ttft_scale=ecfg.ttft_scale))
+
+
+def build_app(args: dict) -> serve.Application:
+    cfg = ClusterConfig(**(args or {}))
+    get_or_create_router(router_config(cfg), name=cfg.router_name, namespace=cfg.namespace)
+    blob = cfg.model_dump_json()
+    pools = [
+        EngineInstance.options(name=f"pool-{p.role}", num_replicas=p.instances,
+                               ray_actor_options={"num_cpus": p.num_cpus}).bind(p.role, blob)
+        for p in cfg.pools if p.instances > 0
+    ]
+    return Gateway.options(num_replicas=cfg.gateway_replicas,
+                           ray_actor_options={"num_cpus": 0.5,
+                                              "runtime_env": {"env_vars": {CONFIG_ENV: blob}}}).bind(*pools)

@@ -1,0 +1,65 @@
+"""An engine pool replica: one `InstanceWorker` (engine + KV connector) fed by the router.
+
+Serve owns the replica's life (replicas, health checks, dashboard); the work itself flows
+through the named router actor, which the worker long-polls and reports to once per step.
+"""
+
+from __future__ import annotations
+
+import os
+
+import ray
+import torch
+from ray import serve
+
+from raycluster.cluster.config import ClusterConfig
+from raycluster.cluster.instance import InstanceWorker
+
+
+@serve.deployment(max_ongoing_requests=16, health_check_period_s=5, health_check_timeout_s=30)
+class EngineInstance:
+    def __init__(self, role: str, config_json: str) -> None:
+        from raycluster.engine.engine import LLMEngine
+        from raycluster.kv_transfer import make_connector
+        from raycluster.model.loader import load_model
+        from raycluster.model.registry import resolve_model_path
+
+        cfg = ClusterConfig.model_validate_json(config_json)
+        pool = next(p for p in cfg.pools if p.role == role)
+        ecfg = cfg.engine_config(pool)
+        torch.set_num_threads(cfg.threads_per_instance)
+        os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
+        model, _ = load_model(resolve_model_path(ecfg.model))
+        self.engine = LLMEngine(ecfg, model, tokenizer=None)
+        replica = serve.get_replica_context().replica_id.unique_id
+        self.instance_id = f"{role}-{replica}"
+        connector = None
+        if role in ("prefill-short", "prefill-long", "decode"):
+            connector = make_connector(cfg.connector, self.engine.runner.kv_cache, self.instance_id,
+                                       lease_s=cfg.kv_lease_s)
+        router = ray.get_actor(cfg.router_name, namespace=cfg.namespace)
+        self.worker = InstanceWorker(
+            self.engine, role, self.instance_id,
+            poll_fn=lambda iid, stats, timeout: ray.get(router.poll.remote(iid, stats, timeout)),
+            push_fn=lambda report: router.push.remote(report),
+            connector=connector, transfer_timeout_s=cfg.transfer_timeout_s,
+            on_transfer_failure=cfg.on_transfer_failure).start()
+
+    def check_health(self) -> None:
+        if not all(t.is_alive() for t in self.worker._threads):
+            raise RuntimeError(f"{self.instance_id}: worker thread died")
+
+    def instance_id_(self) -> str:
+        return self.instance_id
+
+    def kv_state(self) -> dict:
+        """For tests and `status`: KV bookkeeping of this instance, checked."""
+        kv = self.engine.kv
+        kv.check()
+        return {"instance_id": self.instance_id, "free": kv.num_free_blocks, "total": kv.num_blocks,
+                "unfinished": self.engine.has_unfinished(), "parked": len(self.engine.scheduler.parked)}
+
+    def __del__(self) -> None:
+        worker = getattr(self, "worker", None)
+        if worker is not None:
+            worker.stop(timeout=1.0)

@@ -1,0 +1,58 @@
+"""The HTTP ingress: FastAPI (OpenAI routes from raycluster.server.app) over a `ClusterClient`.
+
+Serve builds the ASGI app on each replica from `build_gateway_app`, which reads the cluster
+config from the replica's environment (`RAYCLUSTER_CLUSTER_CONFIG`, set by the app builder),
+loads the tokenizer (prompts are tokenized here, once) and connects to the named router.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import ray
+from ray import serve
+
+from raycluster.cluster.client import ClusterClient
+from raycluster.cluster.config import ClusterConfig
+
+CONFIG_ENV = "RAYCLUSTER_CLUSTER_CONFIG"
+
+
+def build_gateway_app():
+    from raycluster.model.config import ModelConfig
+    from raycluster.model.registry import resolve_model_path
+    from raycluster.model.tokenizer import Tokenizer
+    from raycluster.server.app import build_app
+
+    cfg = ClusterConfig.model_validate_json(os.environ[CONFIG_ENV])
+    path = resolve_model_path(cfg.model)
+    mcfg = ModelConfig.from_pretrained(path)
+    tokenizer = Tokenizer(path, mcfg.eos_token_id)
+    router = ray.get_actor(cfg.router_name, namespace=cfg.namespace)
+    try:
+        gateway_id = "gw-" + serve.get_replica_context().replica_id.unique_id
+    except Exception:       # outside a replica (tests building the app directly)
+        gateway_id = None
+    max_len = min(cfg.engine_config(p).max_model_len or mcfg.max_model_len for p in cfg.pools)
+    client = ClusterClient(
+        submit=lambda meta: router.submit.remote(meta), abort=lambda rid: router.abort.remote(rid),
+        pull=lambda gid, timeout: router.pull.remote(gid, timeout), status=lambda: router.status.remote(),
+        tokenizer=tokenizer, max_model_len=min(max_len, mcfg.max_model_len), vocab_size=mcfg.vocab_size,
+        eos_token_ids=tokenizer.eos_token_ids, gateway_id=gateway_id)
+    name = "tiny" if cfg.model == "tiny" else Path(cfg.model).name
+    app = build_app(client, tokenizer, name)
+
+    @app.get("/v1/cluster/status")
+    async def cluster_status():
+        return await client.refresh_status()
+
+    return app
+
+
+@serve.deployment(max_ongoing_requests=2000)
+@serve.ingress(build_gateway_app)
+class Gateway:
+    def __init__(self, *pools) -> None:
+        # The pool handles are bound here only so Serve deploys them as part of this app.
+        self._pools = pools

@@ -1,0 +1,109 @@
+"""Starts and stops the cluster application for `raycluster up` (foreground).
+
+Reads a Serve config YAML (`deployments/local.yaml` by default), applies the CLI overrides
+(model, policy, host, port), connects to Ray (a new local cluster, or `--address`), runs the
+application and waits until the gateway's /health answers; then blocks until SIGTERM/SIGINT
+and tears down what it started: the Serve application, the router actor, and the local Ray
+cluster if it created one.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+
+import yaml
+
+DEFAULT_APP = Path(__file__).with_name("local.yaml")
+
+
+def load_app_spec(path: str | None) -> dict:
+    """The first application of a Serve config file, with http_options."""
+    p = Path(path) if path else DEFAULT_APP
+    if not p.is_file():
+        alt = Path(__file__).parent / Path(path or "").name
+        if not alt.is_file():
+            raise FileNotFoundError(f"--app: no such Serve config {path!r}")
+        p = alt
+    from ray.serve.schema import ServeDeploySchema
+
+    doc = yaml.safe_load(p.read_text())
+    ServeDeploySchema.model_validate(doc)      # reject a malformed file before starting anything
+    app = doc["applications"][0]
+    return {"name": app.get("name", "raycluster"), "route_prefix": app.get("route_prefix", "/"),
+            "args": dict(app.get("args") or {}), "http": dict(doc.get("http_options") or {}), "path": str(p)}
+
+
+def wait_healthy(url: str, timeout_s: float, alive=lambda: True) -> bool:
+    import httpx
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and alive():
+        try:
+            if httpx.get(url, timeout=2.0).status_code == 200:
+                return True
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    return False
+
+
+def serve_cluster(app_path: str | None, model: str | None, policy: str | None, host: str, port: int,
+                  address: str | None = None, dashboard: bool = True, num_cpus: int = 8,
+                  ready_timeout_s: float = 600.0, on_ready=None) -> int:
+    import ray
+    from ray import serve
+
+    from deployments.app import build_app
+    from raycluster.cluster.config import ClusterConfig
+
+    spec = load_app_spec(app_path)
+    args = spec["args"]
+    if model:
+        args["model"] = model
+    if policy:
+        args["policy"] = policy
+    cfg = ClusterConfig(**args)             # validate before touching Ray
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    started_ray = address is None
+    if started_ray:
+        ray.init(num_cpus=num_cpus, include_dashboard=dashboard, dashboard_host="127.0.0.1",
+                 namespace=cfg.namespace, _node_ip_address=None if address else "127.0.0.1")
+    else:
+        ray.init(address=address, namespace=cfg.namespace)
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    try:
+        serve.start(http_options={"host": host, "port": port})
+        serve.run(build_app(cfg.model_dump()), name=spec["name"], route_prefix=spec["route_prefix"],
+                  blocking=False)
+        url = f"http://{host}:{port}"
+        if not wait_healthy(url + "/health", ready_timeout_s, alive=lambda: not stop.is_set()):
+            print(f"raycluster: the cluster did not become healthy within {ready_timeout_s:.0f} s", flush=True)
+            return 1
+        print(f"raycluster: serving {cfg.model} on {url} (app {spec['path']}, policy {cfg.policy}, "
+              f"pools {', '.join(f'{p.role}x{p.instances}' for p in cfg.pools)})", flush=True)
+        if on_ready:
+            on_ready(url)
+        while not stop.wait(1.0):
+            pass
+        return 0
+    finally:
+        try:
+            serve.delete(spec["name"])
+        except Exception:
+            pass
+        try:
+            ray.kill(ray.get_actor(cfg.router_name, namespace=cfg.namespace))
+        except Exception:
+            pass
+        if started_ray:
+            try:
+                serve.shutdown()
+            except Exception:
+                pass
+        ray.shutdown()

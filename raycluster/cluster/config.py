@@ -1,0 +1,68 @@
+"""User-facing cluster configuration: what a Serve config YAML's `args` hold (pydantic, errors
+name the field). Pools are engine deployments by role; `engine` overrides apply to every
+instance, a pool's own `engine` overrides win over those."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from raycluster.engine.config import EngineConfig
+from raycluster.sched.registry import policy_names
+
+Role = Literal["mixed", "prefill-short", "prefill-long", "decode"]
+
+
+class PoolSpec(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    role: Role
+    instances: int = Field(1, ge=0)
+    num_cpus: float = Field(1.0, ge=0)
+    engine: dict = Field(default_factory=dict, description="EngineConfig overrides for this pool")
+
+
+class ClusterConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    model: str = "tiny"
+    policy: str = "lars"
+    connector: Literal["object_store", "nixl"] = "object_store"
+    on_transfer_failure: Literal["recompute", "fail"] = "recompute"
+    transfer_timeout_s: float = Field(10.0, gt=0)
+    kv_lease_s: float = Field(30.0, gt=0)
+    max_queue: int = Field(256, ge=1, description="requests waiting in the router before 429")
+    max_local_waiting: int = Field(2, ge=1)
+    initial_l_m: int = Field(2048, ge=1, description="short/long prompt boundary until refitted")
+    threads_per_instance: int = Field(1, ge=1)
+    engine: dict = Field(default_factory=dict, description="EngineConfig overrides for every instance")
+    pools: list[PoolSpec] = Field(default_factory=lambda: [PoolSpec(role="mixed")])
+    gateway_replicas: int = Field(1, ge=1)
+    router_name: str = "raycluster-router"
+    namespace: str = "raycluster"
+
+    @field_validator("policy")
+    @classmethod
+    def _known_policy(cls, v: str) -> str:
+        if v not in policy_names():
+            raise ValueError(f"unknown policy {v!r}; choose one of {', '.join(policy_names())}")
+        return v
+
+    @model_validator(mode="after")
+    def _topology(self) -> "ClusterConfig":
+        roles = {p.role for p in self.pools if p.instances > 0}
+        prefill = roles & {"prefill-short", "prefill-long"}
+        if not roles:
+            raise ValueError("pools: at least one pool needs instances")
+        if prefill and "decode" not in roles:
+            raise ValueError("pools: prefill pools need a decode pool to hand their KV to")
+        if "decode" in roles and not prefill:
+            raise ValueError("pools: a decode pool needs a prefill pool in front of it")
+        for p in self.pools:
+            self.engine_config(p)       # fail at deploy time, not in a replica
+        return self
+
+    def engine_config(self, pool: PoolSpec) -> EngineConfig:
+        cfg = {"model": self.model, "policy": self.policy, "num_threads": self.threads_per_instance,
+               **self.engine, **pool.engine}
+        return EngineConfig(**cfg)

@@ -1,0 +1,189 @@
+"""One engine instance inside the cluster: pulls work from the router, steps, reports back.
+
+`InstanceWorker` owns an `LLMEngine` and a KV connector and runs two threads:
+- the poll thread long-polls the router (`poll_fn(instance_id, stats, timeout) -> PollReply`,
+  which doubles as the heartbeat) and queues each reply;
+- the step thread applies replies between steps (new work by mode full / prefill / decode,
+  aborts, KV releases, expired leases), runs `engine.step()`, and sends one `StepReport` per
+  step through `push_fn` with every request's new tokens, prefill handoffs and admissions.
+No Ray import: the Serve deployment passes the two functions, so tests can drive it directly.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from typing import Callable
+
+from raycluster.cluster.messages import (InstanceStats, PollReply, PrefillDone, RequestMeta, StepReport,
+                                         TokenEvent, WorkItem)
+from raycluster.engine.engine import LLMEngine
+from raycluster.kv_transfer.base import KVConnector, pull_with_fallback
+from raycluster.request import SLO, SamplingParams
+
+log = logging.getLogger(__name__)
+
+PollFn = Callable[[str, InstanceStats, float], PollReply]
+PushFn = Callable[[StepReport], None]
+
+
+def sampling_of(meta: RequestMeta) -> SamplingParams:
+    return SamplingParams(max_tokens=meta.max_tokens, temperature=meta.temperature, top_p=meta.top_p,
+                          top_k=meta.top_k, seed=meta.seed, stop_token_ids=list(meta.stop_token_ids),
+                          ignore_eos=meta.ignore_eos)
+
+
+class InstanceWorker:
+    def __init__(self, engine: LLMEngine, role: str, instance_id: str, poll_fn: PollFn, push_fn: PushFn,
+                 connector: KVConnector | None = None, transfer_timeout_s: float = 10.0,
+                 on_transfer_failure: str = "recompute", poll_timeout_s: float = 0.5) -> None:
+        self.engine = engine
+        self.role = role
+        self.instance_id = instance_id
+        self.poll_fn = poll_fn
+        self.push_fn = push_fn
+        self.connector = connector
+        self.transfer_timeout_s = transfer_timeout_s
+        self.on_transfer_failure = on_transfer_failure
+        self.poll_timeout_s = poll_timeout_s
+        self._replies: queue.Queue[PollReply] = queue.Queue()
+        self._stop = threading.Event()
+        self._step_ema = 0.0
+        self.steps = 0
+        self._admitted: list[str] = []
+        self._work_seen = 0
+        self._pending: list[TokenEvent] = []     # events made outside a step (errors, aborts)
+        self._threads = [threading.Thread(target=self._poll_loop, name=f"{instance_id}-poll", daemon=True),
+                         threading.Thread(target=self._step_loop, name=f"{instance_id}-step", daemon=True)]
+
+    def start(self) -> "InstanceWorker":
+        for t in self._threads:
+            t.start()
+        return self
+
+    def stop(self, timeout: float = 5.0) -> None:
+        self._stop.set()
+        for t in self._threads:
+            t.join(timeout)
+
+    def stats(self) -> InstanceStats:
+        eng, kv = self.engine, self.engine.kv
+        return InstanceStats(
+            instance_id=self.instance_id, role=self.role, waiting=eng.scheduler.num_waiting,
+            running=len(eng.scheduler.decoding), kv_free_blocks=kv.num_free_blocks, kv_total_blocks=kv.num_blocks,
+            block_size=kv.block_size, step_time_ema_s=self._step_ema, steps=self.steps,
+            connector=(self.connector.local_descriptor() or {}) if self.connector else {},
+            work_seen=self._work_seen)
+
+    # ---- threads ---------------------------------------------------------------------------
+    def _poll_loop(self) -> None:
+        while not self._stop.is_set():
+            try:
+                reply = self.poll_fn(self.instance_id, self.stats(), self.poll_timeout_s)
+            except Exception as e:          # router restarting: back off, keep heartbeating
+                log.warning("%s: poll failed: %s", self.instance_id, e)
+                self._stop.wait(0.5)
+                continue
+            if reply.role:
+                self.role = reply.role
+            if reply.work or reply.aborts or reply.releases:
+                self._replies.put(reply)
+            if reply.shutdown:
+                self._stop.set()
+
+    def _step_loop(self) -> None:
+        while not self._stop.is_set():
+            idle = not self.engine.has_unfinished()
+            try:
+                self._apply(self._replies.get(timeout=0.1) if idle else self._replies.get_nowait())
+                while True:
+                    self._apply(self._replies.get_nowait())
+            except queue.Empty:
+                pass
+            self._expire_leases()
+            if self.engine.has_unfinished():
+                try:
+                    self._step()
+                except Exception:       # a bug must not leave requests hanging silently
+                    log.exception("%s: engine step failed; failing its requests", self.instance_id)
+                    self._fail_all("engine step failed")
+            elif self._pending or self._admitted:
+                self._report([], [])
+
+    # ---- applying router replies -------------------------------------------------------------
+    def _apply(self, reply: PollReply) -> None:
+        for rid in reply.aborts:
+            self.engine.abort_request(rid)
+            if self.connector is not None:
+                self.connector.release(rid)
+        for rid in reply.releases:
+            if self.connector is not None:
+                self.connector.release(rid)
+            self.engine.release(rid)
+        for item in reply.work:
+            self._work_seen += 1
+            try:
+                self._admit(item)
+            except ValueError as e:         # invalid input: answer this request, keep serving
+                self._pending.append(TokenEvent(item.meta.request_id, [], True, "error", str(e)))
+
+    def _admit(self, item: WorkItem) -> None:
+        m = item.meta
+        kwargs = dict(slo=SLO(m.ttft_slo_s, m.tpot_slo_s), priority=m.priority, tenant=m.tenant,
+                      app_id=m.app_id, arrival_time=self.engine.clock.now() - max(0.0, time.time() - m.arrival_time))
+        if item.mode == "decode" and item.kv is not None and self.connector is not None:
+            handle = item.kv
+            self.engine.add_prefilled(
+                m.request_id, m.prompt_token_ids, item.output_token_ids[0], sampling_of(m),
+                lambda dst: pull_with_fallback(self.connector, handle, dst, self.transfer_timeout_s,
+                                               self.on_transfer_failure), **kwargs)
+            self._admitted.append(m.request_id)
+        else:
+            self.engine.add_request(m.request_id, m.prompt_token_ids, sampling_of(m),
+                                    prefill_only=item.mode == "prefill",
+                                    output_token_ids=item.output_token_ids or None, **kwargs)
+            if item.mode == "decode":        # no KV handle: recompute here
+                self._admitted.append(m.request_id)
+
+    def _expire_leases(self) -> None:
+        if self.connector is None:
+            return
+        for rid in self.connector.expire():
+            self.engine.release(rid)
+
+    # ---- stepping and reporting ----------------------------------------------------------------
+    def _step(self) -> None:
+        result = self.engine.step()
+        self.steps += 1
+        self._step_ema = result.duration_s if self.steps == 1 else 0.9 * self._step_ema + 0.1 * result.duration_s
+        events, prefilled = [], []
+        for out in result.outputs:
+            if out.finish_reason == "prefilled":
+                prefilled.append(PrefillDone(out.request_id, out.new_token_ids[0], self._offer(out.request_id)))
+            else:
+                events.append(TokenEvent(out.request_id, list(out.new_token_ids), out.finished, out.finish_reason))
+        self._report(events, prefilled)
+
+    def _offer(self, request_id: str):
+        blocks = self.engine.parked_blocks(request_id)
+        if self.connector is None or not blocks:
+            self.engine.release(request_id)
+            return None
+        req = self.engine.scheduler.parked[request_id]
+        return self.connector.offer(request_id, blocks, req.num_prompt_tokens)
+
+    def _report(self, events: list[TokenEvent], prefilled: list[PrefillDone]) -> None:
+        report = StepReport(self.stats(), self._pending + events, prefilled, self._admitted)
+        self._pending, self._admitted = [], []
+        try:
+            self.push_fn(report)
+        except Exception as e:
+            log.warning("%s: push failed: %s", self.instance_id, e)
+
+    def _fail_all(self, why: str) -> None:
+        for rid in list(self.engine.scheduler.requests):
+            self.engine.abort_request(rid)
+            self._pending.append(TokenEvent(rid, [], True, "error", why))
+        self._report([], [])
