@@ -1,0 +1,300 @@
+"""A simulated cluster: the library's `RouterCore` on a virtual clock, `SimInstance`s, KV
+transfers, the PLA pressure controller, and the workload client (arrivals, DAG dependencies,
+per-request records).
+
+Event kinds (see engine.EventLoop for the tie-break):
+  arrival   a workload request is sent: `RouterCore.submit(RequestMeta)`
+  step      an instance's step ends: `Scheduler.update`, StepReport -> `RouterCore.on_report`
+  transfer  a KV handoff lands on the decode instance
+  control   the pressure controller's period (only when enabled)
+After each event, idle instances the router has work (or releases) for apply it and start a step.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+from loadgen.metrics import RequestRecord
+from loadgen.workloads import Workload, WorkloadRequest
+from raycluster.cluster.messages import RequestMeta, StepReport, WorkItem
+from raycluster.cluster.router_core import RouterConfig, RouterCore
+from raycluster.sched.base import SLOConfig
+from raycluster.sched.predictor import LinearBatchPredictor
+from raycluster.sched.pressure import InstanceSignals, PoolSignals, PressureConfig, decide
+from raycluster.sim.engine import EventLoop
+from raycluster.sim.instance import SimInstance
+from raycluster.sim.spec import SimPool, SimSpec
+
+GATEWAY = "sim"
+PROMPT_TOKEN = 1
+
+
+def make_predictor(spec: SimSpec, pool: SimPool):
+    if spec.gpu == "cpu":
+        return cpu_predictor(spec)
+    from raycluster.sched.roofline import GPUS, MODELS, RooflinePredictor
+    return RooflinePredictor(GPUS[spec.gpu.upper()], MODELS[spec.model], pool.tp, pool.spp, pool.kvp,
+                             mfu=spec.mfu, mbu=spec.mbu, overhead_s=spec.step_overhead_s)
+
+
+_CPU_PRED: dict[str, LinearBatchPredictor] = {}
+
+
+def cpu_predictor(spec: SimSpec) -> LinearBatchPredictor:
+    p = spec.predictor
+    if isinstance(p, dict):
+        return LinearBatchPredictor(**p)
+    if isinstance(p, str) and p != "auto":
+        data = json.loads(Path(p).read_text())
+        return LinearBatchPredictor(**data.get("predictor", data))
+    key = spec.model
+    if key not in _CPU_PRED:     # profile (or load the cached profile of) the model on this machine
+        from raycluster.engine.engine import LLMEngine
+        from raycluster.engine.config import EngineConfig
+        eng = LLMEngine.from_config(EngineConfig(model=spec.model, **{k: v for k, v in spec.engine.items()
+                                                                    if k in ("dtype", "num_threads")}))
+        _CPU_PRED[key] = eng.predictor
+    return _CPU_PRED[key]
+
+
+def kv_bytes_per_token(spec: SimSpec) -> float:
+    if spec.kv_bytes_per_token:
+        return spec.kv_bytes_per_token
+    if spec.gpu != "cpu":
+        from raycluster.sched.roofline import MODELS
+        return MODELS[spec.model].kv_bytes_per_token()
+    try:
+        cfg = json.loads((Path(spec.model) / "config.json").read_text())
+        heads = cfg["num_attention_heads"]
+        d = cfg.get("head_dim") or cfg["hidden_size"] // heads
+        return 2.0 * 4 * cfg["num_hidden_layers"] * cfg.get("num_key_value_heads", heads) * d
+    except (OSError, KeyError, ValueError):
+        return 4096.0
+
+
+def kv_tokens(spec: SimSpec, pool: SimPool, engine_cfg) -> int:
+    if spec.kv_cache_tokens:
+        return spec.kv_cache_tokens
+    if spec.gpu == "cpu":
+        return engine_cfg.kv_cache_tokens
+    from raycluster.sched.roofline import GPUS, MODELS
+    g, m = GPUS[spec.gpu.upper()], MODELS[spec.model]
+    free = g.memory_bytes * pool.gpus_per_instance * spec.gpu_memory_utilization - m.params * m.dtype_bytes
+    if free <= 0:
+        raise ValueError(f"pools: {m.name} does not fit in {pool.gpus_per_instance} x {g.name}")
+    return int(free // m.kv_bytes_per_token())
+
+
+class SimCluster:
+    def __init__(self, spec: SimSpec, workload: Workload) -> None:
+        self.spec = spec
+        self.loop = EventLoop()
+        self.kv_bytes_per_token = kv_bytes_per_token(spec)
+        rcfg = {"policy": spec.policy, "max_queue": 1 << 40, "heartbeat_timeout_s": math.inf,
+                "transit_timeout_s": math.inf,
+                "slo": SLOConfig(spec.slo.ttft_ms, spec.slo.tpot_ms, spec.slo.ttft_scale), **spec.router}
+        self.router = RouterCore(RouterConfig(**rcfg), self.loop.clock)
+        self.instances: dict[str, SimInstance] = {}
+        n = 0
+        for pool in spec.pools:
+            ecfg = spec.engine_config(pool)
+            pred = make_predictor(spec, pool)
+            if self.router.ctx.predictor is None:
+                self.router.ctx.predictor = pred        # the router's policies plan with the same model
+            blocks = kv_tokens(spec, pool, ecfg) // ecfg.block_size
+            for _ in range(pool.instances):
+                iid = f"{pool.role}-{n}"
+                n += 1
+                self.instances[iid] = SimInstance(self, iid, pool.role, ecfg, pred, blocks,
+                                                  pool.gpus_per_instance, spec.max_model_len)
+        self.loop.on("arrival", self._arrival)
+        self.loop.on("step", self._step)
+        self.loop.on("transfer", self._transfer)
+        self.loop.on("control", self._control)
+        # Workload client state.
+        self.workload = workload
+        self.wreqs: dict[str, WorkloadRequest] = {r.request_id: r for r in workload}
+        self.records: dict[str, RequestRecord] = {}
+        self.children: dict[str, list[str]] = {}
+        self.deps_left: dict[str, int] = {}
+        self.done = 0
+        self.tokens_out = 0
+        self.transfers_done = 0
+        self.transfer_bytes = 0.0
+        self.moves: list[dict] = []
+        self._last_move: float | None = None
+        self._waking = False
+        for r in workload:
+            self.records[r.request_id] = RequestRecord(
+                r.request_id, arrival_s=r.arrival_s, klass=r.klass, tenant=r.tenant, app_id=r.app_id,
+                app_type=r.app_type, prompt_tokens=r.prompt_tokens, expected_output_tokens=r.output_tokens,
+                ttft_slo_ms=r.ttft_slo_ms, tpot_slo_ms=r.tpot_slo_ms, status="not_sent")
+            live = [d for d in r.depends_on if d in self.wreqs]
+            self.deps_left[r.request_id] = len(live)
+            for d in live:
+                self.children.setdefault(d, []).append(r.request_id)
+            if not live:
+                self.loop.at(r.arrival_s, "arrival", r.request_id)
+        for inst in self.instances.values():      # register (first poll doubles as heartbeat)
+            self.router.on_poll(inst.instance_id, inst.stats())
+        if spec.controller.enabled:
+            self.loop.after(spec.controller.period_s, "control", None)
+
+    # ---- client side -----------------------------------------------------------------------------
+    def _arrival(self, rid: str) -> None:
+        r, rec = self.wreqs[rid], self.records[rid]
+        now = self.loop.clock.now()
+        rec.arrival_s = rec.send_s = now if r.depends_on else r.arrival_s
+        rec.status = "sent"
+        meta = RequestMeta(request_id=rid, gateway_id=GATEWAY, prompt_token_ids=[PROMPT_TOKEN] * r.prompt_tokens,
+                           max_tokens=r.output_tokens, ignore_eos=True,
+                           ttft_slo_s=r.ttft_slo_ms / 1000.0 if r.ttft_slo_ms is not None else None,
+                           tpot_slo_s=r.tpot_slo_ms / 1000.0 if r.tpot_slo_ms is not None else None,
+                           priority=r.priority, tenant=r.tenant, app_id=r.app_id, arrival_time=now)
+        reply = self.router.submit(meta)
+        if not reply.accepted:
+            rec.status, rec.error, rec.http_status, rec.finish_s = "http_error", reply.reason, 429, now
+            self._finished(rid, ok=False)
+        self._wake()
+
+    def _drain_gateway(self) -> None:
+        evs = self.router.gateways.pop(GATEWAY, None)
+        if not evs:
+            return
+        now = self.loop.clock.now()
+        for ev in evs:
+            rec = self.records[ev.request_id]
+            if ev.token_ids:
+                if rec.first_token_s is None:
+                    rec.first_token_s = now
+                rec.num_output_tokens += len(ev.token_ids)
+                self.tokens_out += len(ev.token_ids)
+            if ev.finished:
+                rec.finish_s = now
+                ok = ev.finish_reason in ("stop", "length")
+                rec.status = "ok" if ok else "error"
+                rec.error = None if ok else (ev.error or ev.finish_reason)
+                self._finished(ev.request_id, ok)
+
+    def _finished(self, rid: str, ok: bool) -> None:
+        self.done += 1
+        for child in self.children.get(rid, ()):
+            if not ok:
+                crec = self.records[child]
+                crec.status, crec.finish_s = "dep_failed", self.loop.clock.now()
+                self._finished(child, ok=False)
+                continue
+            self.deps_left[child] -= 1
+            if self.deps_left[child] == 0:
+                self.loop.after(self.wreqs[child].think_s, "arrival", child)
+
+    # ---- instances ---------------------------------------------------------------------------------
+    def on_report(self, inst: SimInstance, rep: StepReport) -> None:
+        self.router.on_report(rep)
+        self._drain_gateway()
+        self._wake()
+
+    def _step(self, inst: SimInstance) -> None:
+        inst.step_done()
+        if not inst.busy:
+            self._poll(inst)
+
+    def _poll(self, inst: SimInstance) -> None:
+        if self.router.has_outbox(inst.instance_id):
+            inst.apply(self.router.take_outbox(inst.instance_id))
+        inst.try_start()
+
+    def _wake(self) -> None:
+        """Idle instances with work waiting at the router take it and start stepping."""
+        if self._waking:
+            return
+        self._waking = True
+        try:
+            again = True
+            while again:
+                again = False
+                for inst in self.instances.values():
+                    if not inst.busy and self.router.has_outbox(inst.instance_id):
+                        inst.apply(self.router.take_outbox(inst.instance_id))
+                        inst.try_start()
+                        again = True
+        finally:
+            self._waking = False
+
+    # ---- KV transfers ------------------------------------------------------------------------------
+    def transfer_bw(self, src: SimInstance | None, dst: SimInstance) -> float:
+        if self.spec.transfer_bw_gbs:
+            return self.spec.transfer_bw_gbs * 1e9
+        if self.spec.gpu == "cpu":
+            return 10e9
+        from raycluster.sched.roofline import GPUS
+        gpus = min(dst.gpus, src.gpus if src else dst.gpus)
+        return GPUS[self.spec.gpu.upper()].internode_bw * gpus
+
+    def start_transfer(self, dst: SimInstance, item: WorkItem) -> None:
+        h = item.kv
+        src = self.instances.get(h.src_instance)
+        dt = self.spec.transfer_latency_s + h.nbytes / self.transfer_bw(src, dst)
+        self.transfer_bytes += h.nbytes
+        self.loop.after(dt, "transfer", (dst, item))
+
+    def _transfer(self, payload) -> None:
+        dst, item = payload
+        self.transfers_done += 1
+        dst.transfer_done(item)
+        if not dst.busy:
+            if not dst.try_start():
+                dst.report([], [])
+
+    # ---- PLA pressure controller ---------------------------------------------------------------------
+    def _control(self, _) -> None:
+        c = self.spec.controller
+        now = self.loop.clock.now()
+        sig = PoolSignals()
+        for inst in self.instances.values():
+            if inst.role not in ("prefill-short", "prefill-long"):
+                continue
+            util = min(1.0, (inst.busy_time - getattr(inst, "_busy_mark", 0.0)) / c.period_s)
+            inst._busy_mark = inst.busy_time
+            late = sum(1 for r in inst.scheduler.requests.values()
+                       if r.first_token_time is None and r.slo.ttft_s is not None
+                       and now - r.arrival_time > r.slo.ttft_s)
+            n = max(1, len(inst.scheduler.requests))
+            s = InstanceSignals(inst.instance_id, float(inst.scheduler.num_waiting), late / n, util)
+            (sig.short if inst.role == "prefill-short" else sig.long).append(s)
+        # Router-side backlog counts too: per instance share of its pool's queue.
+        for pool, lst in (("prefill-short", sig.short), ("prefill-long", sig.long)):
+            q = len(self.router.policies[pool]) / max(1, len(lst))
+            lst[:] = [InstanceSignals(s.instance_id, s.queue + q, s.sla_deviation, s.utilization) for s in lst]
+        cfg = PressureConfig(alpha=c.alpha, beta=c.beta, gamma=c.gamma, tau=c.tau, cooldown_s=c.cooldown_s,
+                             min_per_pool=c.min_per_pool)
+        if sig.short and sig.long:
+            for mv in decide(sig, now, self._last_move, cfg):
+                inst = self.instances[mv.instance_id]
+                inst.role = "prefill-short" if mv.dst == "short" else "prefill-long"
+                self._last_move = now
+                self.moves.append({"t": now, "instance": mv.instance_id, "to": inst.role})
+                self.router.on_poll(inst.instance_id, inst.stats())
+                self._wake()
+        if self.done < len(self.records):
+            self.loop.after(c.period_s, "control", None)
+
+    # ---- run -------------------------------------------------------------------------------------
+    def run(self, horizon_s: float | None = None) -> None:
+        total = len(self.records)
+        self.loop.run(until=horizon_s, stop=lambda: self.done >= total)
+        now = self.loop.clock.now()
+        for rec in self.records.values():
+            if rec.status in ("sent", "not_sent"):
+                rec.status = "timeout" if rec.status == "sent" else "not_sent"
+                rec.finish_s = now if rec.status == "timeout" else None
+
+    def check_conservation(self) -> None:
+        """Every instance's KV is free and its scheduler empty; the router holds nothing."""
+        for inst in self.instances.values():
+            inst.kv.check()
+            assert inst.kv.num_free_blocks == inst.kv.num_blocks, f"{inst.instance_id}: KV not all free"
+            assert not inst.scheduler.requests and not inst.scheduler.parked, f"{inst.instance_id}: requests left"
+        assert not self.router.requests, "router still tracks requests"

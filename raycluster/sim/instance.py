@@ -1,0 +1,170 @@
+"""One simulated engine instance: the engine's own `Scheduler` on a virtual clock.
+
+It talks to the router exactly as `raycluster.cluster.instance.InstanceWorker` does, with the
+same message dataclasses: it applies `PollReply`s between steps (work by mode full / prefill /
+decode, aborts, KV releases), runs one scheduler step, and sends one `StepReport` per step
+(TokenEvents, PrefillDone with a KV handle, admitted handoffs, stats with `work_seen`).
+
+A step: `Scheduler.schedule()` -> the predictor's time for its shape (prefill chunks as
+(tokens, kv_before), decode KV lengths) -> a STEP event that far in the future -> `update(out,
+sampled)` with a fake token id for every request that produced a token. Requests carry
+`ignore_eos` and `max_tokens` = the workload's output length, so lengths match the workload.
+
+P/D handoff: a decode work item with a KV handle starts a TRANSFER event lasting
+latency + bytes / bandwidth; when it lands, the request is admitted into decoding
+(`Scheduler.admit_prefilled`), or queued to recompute its prefill when KV is short (what
+`LLMEngine.add_prefilled` does). Unlike the real engine, which blocks its step loop while it
+pulls, the simulated instance keeps stepping during the transfer and reserves the blocks when
+the transfer lands.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from raycluster.cluster.messages import InstanceStats, PollReply, PrefillDone, StepReport, TokenEvent, WorkItem
+from raycluster.engine.kv_manager import KVCacheManager
+from raycluster.engine.sched_factory import build_scheduler
+from raycluster.request import SLO, Request, RequestStatus, SamplingParams
+
+if TYPE_CHECKING:
+    from raycluster.sim.cluster import SimCluster
+
+TOKEN = 2           # the fake sampled token id (never EOS: requests ignore EOS anyway)
+
+
+class SimKVHandle:
+    """KVHandle-like plain object: what the decode side needs to time the pull."""
+    __slots__ = ("request_id", "src_instance", "num_tokens", "nbytes")
+
+    def __init__(self, request_id: str, src_instance: str, num_tokens: int, nbytes: float) -> None:
+        self.request_id, self.src_instance, self.num_tokens, self.nbytes = request_id, src_instance, num_tokens, nbytes
+
+
+class SimInstance:
+    def __init__(self, cluster: "SimCluster", instance_id: str, role: str, engine_cfg, predictor,
+                 kv_blocks: int, gpus: int, max_model_len: int) -> None:
+        self.cluster = cluster
+        self.instance_id = instance_id
+        self.role = role
+        self.gpus = gpus
+        self.clock = cluster.loop.clock
+        self.predictor = predictor
+        self.kv = KVCacheManager(kv_blocks, engine_cfg.block_size)
+        self.scheduler = build_scheduler(engine_cfg, self.kv, self.clock, max_model_len, predictor)
+        self.busy = False               # a STEP event is pending
+        self.out = None                 # the SchedulerOutput running now
+        self.steps = 0
+        self.step_ema = 0.0
+        self.busy_time = 0.0
+        self.work_seen = 0
+        self.transfers = 0              # KV pulls in flight to this instance
+        self._pending: list[TokenEvent] = []
+        self._admitted: list[str] = []
+
+    # ---- router interface (as InstanceWorker) ----------------------------------------------------
+    def stats(self) -> InstanceStats:
+        s, kv = self.scheduler, self.kv
+        return InstanceStats(instance_id=self.instance_id, role=self.role, waiting=s.num_waiting,
+                             running=len(s.decoding), kv_free_blocks=kv.num_free_blocks,
+                             kv_total_blocks=kv.num_blocks, block_size=kv.block_size,
+                             step_time_ema_s=self.step_ema, steps=self.steps, work_seen=self.work_seen)
+
+    def apply(self, reply: PollReply) -> None:
+        if reply.role:
+            self.role = reply.role
+        for rid in reply.aborts:
+            self.scheduler.abort(rid)
+        for rid in reply.releases:
+            self.scheduler.release(rid)
+        for item in reply.work:
+            self.work_seen += 1
+            self._admit(item)
+
+    def _request(self, item: WorkItem, prefill_only: bool = False) -> Request:
+        m = item.meta
+        return Request(request_id=m.request_id, prompt_token_ids=m.prompt_token_ids,
+                       sampling=SamplingParams(max_tokens=m.max_tokens, ignore_eos=m.ignore_eos,
+                                               stop_token_ids=list(m.stop_token_ids)),
+                       arrival_time=m.arrival_time, slo=SLO(m.ttft_slo_s, m.tpot_slo_s),
+                       priority=m.priority, tenant=m.tenant, app_id=m.app_id,
+                       expected_output_tokens=m.max_tokens, prefill_only=prefill_only,
+                       output_token_ids=list(item.output_token_ids))
+
+    def _admit(self, item: WorkItem) -> None:
+        if item.mode == "decode" and item.kv is not None:
+            self.transfers += 1
+            self.cluster.start_transfer(self, item)
+            return
+        self.scheduler.add_request(self._request(item, prefill_only=item.mode == "prefill"))
+        if item.mode == "decode":           # no KV handle: recompute here
+            self._admitted.append(item.meta.request_id)
+
+    def transfer_done(self, item: WorkItem) -> None:
+        """The KV of a handed-off request landed: admit it straight into decoding (or recompute)."""
+        self.transfers -= 1
+        req = self._request(item)
+        if self.scheduler.admit_prefilled(req) is None:
+            self.scheduler.add_request(req)
+        self._admitted.append(item.meta.request_id)
+
+    # ---- stepping --------------------------------------------------------------------------------
+    def try_start(self) -> bool:
+        """Start a step if idle and there is work; returns whether a step is now running."""
+        if self.busy:
+            return True
+        if not self.scheduler.requests:
+            if self._pending or self._admitted:
+                self.report([], [])
+            return False
+        out = self.scheduler.schedule()
+        if out.finished and out.is_empty:
+            self._pending += [TokenEvent(r.request_id, [], True, r.status.value) for r in out.finished]
+            self.report([], [])
+            return False
+        if out.is_empty:
+            return False                     # blocked on KV: a release or new work wakes us
+        dt = self.predictor.batch_time([(n, r.num_computed_tokens) for r, n in out.prefills],
+                                       [r.num_computed_tokens for r in out.decodes])
+        self.out, self.busy = out, True
+        self.busy_time += dt
+        self.cluster.loop.after(dt, "step", self)
+        if out.decodes and not out.prefills:
+            self.scheduler.decode_selector.observe(len(out.decodes), max(r.num_computed_tokens for r in out.decodes), dt)
+        self._dt = dt
+        return True
+
+    def step_done(self) -> None:
+        out, self.out, self.busy = self.out, None, False
+        self.steps += 1
+        self.step_ema = self._dt if self.steps == 1 else 0.9 * self.step_ema + 0.1 * self._dt
+        sampled: dict[str, int] = {}
+        produced: list[Request] = []
+        for r, n in out.prefills:
+            if not r.status.finished and r.num_computed_tokens + n >= r.num_tokens:
+                sampled[r.request_id] = TOKEN
+                produced.append(r)
+        for r in out.decodes:
+            if not r.status.finished:
+                sampled[r.request_id] = TOKEN
+                produced.append(r)
+        self.scheduler.update(out, sampled)
+        events: list[TokenEvent] = [TokenEvent(r.request_id, [], True, r.status.value) for r in out.finished]
+        prefilled: list[PrefillDone] = []
+        for r in produced:
+            st = r.status
+            if st is RequestStatus.FINISHED_PREFILLED:
+                prefilled.append(PrefillDone(r.request_id, TOKEN, self._offer(r)))
+            else:
+                fin = st.finished
+                events.append(TokenEvent(r.request_id, [TOKEN], fin, st.value if fin else None))
+        self.report(events, prefilled)
+
+    def _offer(self, req: Request) -> SimKVHandle:
+        n = req.num_prompt_tokens
+        return SimKVHandle(req.request_id, self.instance_id, n, n * self.cluster.kv_bytes_per_token)
+
+    def report(self, events: list[TokenEvent], prefilled: list[PrefillDone]) -> None:
+        rep = StepReport(self.stats(), self._pending + events, prefilled, self._admitted)
+        self._pending, self._admitted = [], []
+        self.cluster.on_report(self, rep)

@@ -1,0 +1,132 @@
+"""Cluster spec of a simulated run (pydantic: validated once, errors name the field).
+
+A spec says what hardware and model the step times come from, the scheduling policy, the SLO
+defaults, and the pools. Example (sims/medha-16xa100.yaml):
+
+    gpu: a100                 # a100 | h100 | h200 (RooflinePredictor) | cpu (CPU-profiled predictor)
+    model: llama-3-8b         # llama-3-8b | llama-3-70b | a checkpoint directory (gpu: cpu)
+    policy: lars
+    slo: {ttft_ms: 2000, tpot_ms: 100, ttft_scale: 5}
+    pools:
+      - {role: mixed, instances: 1, tp: 8, spp: 2, kvp: 1}
+
+Every other field has a default. `engine` holds EngineConfig overrides for every instance (a
+pool's own `engine` wins), `router` RouterConfig overrides, `controller` turns on the PLA
+pressure controller. KV capacity per instance: `kv_cache_tokens` if given, else
+(GPU memory x GPUs x gpu_memory_utilization - weights) / KV bytes per token (gpu: cpu: the
+engine's kv_cache_tokens).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from raycluster.engine.config import EngineConfig
+from raycluster.sched.registry import policy_names
+
+Role = Literal["mixed", "prefill-short", "prefill-long", "decode"]
+
+
+class SimSLO(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    ttft_ms: float = Field(2000.0, gt=0)
+    tpot_ms: float = Field(100.0, gt=0)
+    ttft_scale: float = Field(5.0, gt=0)
+
+
+class SimPool(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    role: Role
+    instances: int = Field(1, ge=0)
+    tp: int = Field(1, ge=1)
+    spp: int = Field(1, ge=1)
+    kvp: int = Field(1, ge=1)
+    engine: dict = Field(default_factory=dict, description="EngineConfig overrides for this pool")
+
+    @property
+    def gpus_per_instance(self) -> int:
+        return self.tp * self.spp * self.kvp
+
+
+class ControllerSpec(BaseModel):
+    """PLA-Serve instance-pressure controller (raycluster.sched.pressure.decide) run every period."""
+    model_config = ConfigDict(extra="forbid")
+    enabled: bool = False
+    period_s: float = Field(5.0, gt=0)
+    cooldown_s: float = Field(30.0, ge=0)
+    tau: float = Field(0.2, ge=0)
+    min_per_pool: int = Field(1, ge=1)
+    alpha: float = 1.0
+    beta: float = 1.0
+    gamma: float = 0.5
+
+
+class SimSpec(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    gpu: Literal["a100", "h100", "h200", "cpu"] = "a100"
+    model: str = "llama-3-8b"
+    policy: str = "lars"
+    slo: SimSLO = Field(default_factory=SimSLO)
+    pools: list[SimPool] = Field(default_factory=lambda: [SimPool(role="mixed")])
+    engine: dict = Field(default_factory=dict, description="EngineConfig overrides for every instance")
+    router: dict = Field(default_factory=dict, description="RouterConfig overrides (max_queue, max_local_waiting, ...)")
+    controller: ControllerSpec = Field(default_factory=ControllerSpec)
+    # Step-time model.
+    mfu: float = Field(0.5, gt=0, le=1)
+    mbu: float = Field(0.8, gt=0, le=1)
+    step_overhead_s: float = Field(0.0, ge=0, description="added to every step (launch gaps, scheduler)")
+    predictor: str | dict | None = Field(None, description="gpu: cpu: LinearBatchPredictor JSON file, inline "
+                                         "coefficients, or None/'auto' to profile the model here")
+    # Memory and transfers.
+    gpu_memory_utilization: float = Field(0.9, gt=0, le=1)
+    kv_cache_tokens: int | None = Field(None, ge=16, description="per instance; overrides the memory model")
+    max_model_len: int = Field(2 * 1024 * 1024, ge=2)
+    transfer_bw_gbs: float | None = Field(None, gt=0, description="KV handoff GB/s per instance pair "
+                                          "(default: inter-node bandwidth per GPU x GPUs of the smaller side)")
+    transfer_latency_s: float = Field(1e-3, ge=0)
+    kv_bytes_per_token: float | None = Field(None, gt=0, description="gpu: cpu or custom models")
+
+    @model_validator(mode="after")
+    def _check(self) -> "SimSpec":
+        if self.policy not in policy_names():
+            raise ValueError(f"policy: unknown {self.policy!r}; choose one of {', '.join(policy_names())}")
+        roles = {p.role for p in self.pools if p.instances > 0}
+        if not roles:
+            raise ValueError("pools: at least one pool needs instances")
+        prefill = roles & {"prefill-short", "prefill-long"}
+        if prefill and "decode" not in roles:
+            raise ValueError("pools: prefill pools need a decode pool to hand their KV to")
+        if "decode" in roles and not prefill:
+            raise ValueError("pools: a decode pool needs a prefill pool in front of it")
+        if self.gpu != "cpu":
+            from raycluster.sched.roofline import MODELS
+            if self.model not in MODELS:
+                raise ValueError(f"model: {self.model!r} has no analytic shape; choose one of "
+                                 f"{', '.join(MODELS)} (or gpu: cpu with a checkpoint directory)")
+        for p in self.pools:
+            self.engine_config(p)
+        return self
+
+    def engine_config(self, pool: SimPool) -> EngineConfig:
+        cfg = {"model": self.model if self.gpu == "cpu" else "tiny", "policy": self.policy,
+               "ttft_ms": self.slo.ttft_ms, "tpot_ms": self.slo.tpot_ms, "ttft_scale": self.slo.ttft_scale,
+               "predictor": "none", **self.engine, **pool.engine}
+        return EngineConfig(**cfg)
+
+    @property
+    def num_gpus(self) -> int:
+        return sum(p.instances * p.gpus_per_instance for p in self.pools)
+
+
+def load_spec(path: str | Path | dict) -> SimSpec:
+    if isinstance(path, dict):
+        return SimSpec(**path)
+    data = yaml.safe_load(Path(path).read_text()) or {}
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: a cluster spec is a YAML mapping")
+    return SimSpec(**data)

@@ -1,0 +1,154 @@
+"""Discrete-event simulator: determinism, conservation, hand-computed step timing with a
+LinearBatchPredictor (mixed and P/D), the loadgen results schema, and the CLI."""
+
+import json
+
+import pytest
+
+from loadgen.metrics import RequestRecord, build_results
+from loadgen.workloads import Workload, WorkloadRequest, make_workload
+from raycluster.clock import VirtualClock
+from raycluster.engine.kv_manager import KVCacheManager
+from raycluster.engine.scheduler import Scheduler, SchedulerConfig
+from raycluster.request import Request, SamplingParams
+from raycluster.sched.base import PolicyContext
+from raycluster.sched.predictor import LinearBatchPredictor
+from raycluster.sched.registry import make_policy
+from raycluster.sched.token_packer import TokenBudgetPacker
+from raycluster.sim.run import simulate
+from raycluster.sim.spec import SimSpec
+
+PRED = {"overhead_s": 0.01, "per_prefill_token_s": 0.001}   # prefill n tokens: 0.01 + n ms; decode: 0.01
+
+
+def cpu_spec(pools=None, **kw):
+    base = dict(gpu="cpu", model="tiny", policy="fcfs", predictor=PRED, kv_cache_tokens=4096,
+                engine={"packer": "token", "chunk_size": 512, "max_num_batched_tokens": 512},
+                pools=pools or [{"role": "mixed", "instances": 1}])
+    base.update(kw)
+    return SimSpec(**base)
+
+
+def wl(*reqs):
+    return Workload("test", {"seed": 0}, [WorkloadRequest(f"r{i}", a, p, o) for i, (a, p, o) in enumerate(reqs)])
+
+
+def by_id(res):
+    return {r["request_id"]: r for r in res["requests"]}
+
+
+def test_single_request_hand_computed():
+    res = simulate(cpu_spec(), wl((0.0, 100, 3)), check=True)
+    r = by_id(res)["r0"]
+    # prefill 100 tokens: 0.01 + 0.1 = 0.11 (first token); two decode steps of 0.01 each.
+    assert r["ttft_s"] == pytest.approx(0.11)
+    assert r["e2e_s"] == pytest.approx(0.13)
+    assert r["tpot_s"] == pytest.approx(0.01)
+    assert r["num_output_tokens"] == 3
+
+
+def test_two_requests_share_steps():
+    res = simulate(cpu_spec(), wl((0.0, 100, 3), (0.05, 50, 2)), check=True)
+    r = by_id(res)
+    # r1 arrives mid-step; it joins the next step: decode r0 + prefill 50 = 0.01 + 0.05 -> 0.17.
+    assert r["r0"]["ttft_s"] == pytest.approx(0.11)
+    assert r["r1"]["ttft_s"] == pytest.approx(0.17 - 0.05)
+    # step 3 at 0.17: decode r0 (3rd token, done) + decode r1 (2nd token, done): 0.01 -> 0.18.
+    assert r["r0"]["e2e_s"] == pytest.approx(0.18)
+    assert r["r1"]["e2e_s"] == pytest.approx(0.18 - 0.05)
+
+
+def test_pd_handoff_hand_computed():
+    spec = cpu_spec(pools=[{"role": "prefill-short", "instances": 1}, {"role": "decode", "instances": 1}],
+                    transfer_bw_gbs=1.0, transfer_latency_s=0.005, kv_bytes_per_token=1e6)
+    res = simulate(spec, wl((0.0, 100, 3)), check=True)
+    r = by_id(res)["r0"]
+    assert r["ttft_s"] == pytest.approx(0.11)
+    # transfer: 0.005 + 100 * 1e6 / 1e9 = 0.105; then two decode steps of 0.01.
+    assert r["e2e_s"] == pytest.approx(0.11 + 0.105 + 0.02)
+    assert res["meta"]["sim"]["kv_transfers"] == 1
+
+
+@pytest.mark.parametrize("pools", [
+    [{"role": "mixed", "instances": 2}],
+    [{"role": "prefill-short", "instances": 1}, {"role": "prefill-long", "instances": 1},
+     {"role": "decode", "instances": 2}],
+])
+@pytest.mark.parametrize("policy", ["fcfs", "lars", "kairos"])
+def test_conservation_every_request_finishes_once(pools, policy):
+    w = make_workload("long-mix", seed=3, qps=20, num_requests=60, long_fraction=0.2,
+                      long_tokens=(1024, 2048), max_output_tokens=32)
+    res = simulate(cpu_spec(pools=pools, policy=policy, kv_cache_tokens=8192), w, check=True)
+    assert res["summary"]["completed"] == 60 and res["summary"]["failed"] == 0
+    for r in res["requests"]:
+        exp = next(q for q in w if q.request_id == r["request_id"]).output_tokens
+        assert r["num_output_tokens"] == exp
+
+
+def test_deterministic_for_a_seed():
+    w = lambda: make_workload("long-mix", seed=7, qps=15, num_requests=50, long_fraction=0.1,  # noqa: E731
+                              long_tokens=(1024, 3000), max_output_tokens=40)
+    spec = cpu_spec(pools=[{"role": "mixed", "instances": 2}], policy="lars",
+                    engine={"packer": "medha", "max_num_batched_tokens": 2048})
+    a, b = simulate(spec, w()), simulate(spec, w())
+    strip = lambda res: json.dumps(res["requests"], sort_keys=True)  # noqa: E731
+    assert strip(a) == strip(b)
+    assert a["meta"]["sim"]["events"] == b["meta"]["sim"]["events"]
+
+
+def test_dependencies_and_think_time():
+    w = Workload("t", {}, [WorkloadRequest("a", 0.0, 100, 2, app_id="x"),
+                           WorkloadRequest("b", 0.0, 50, 1, app_id="x", depends_on=("a",), think_s=0.5)])
+    res = simulate(cpu_spec(), w, check=True)
+    r = by_id(res)
+    # a: 0.11 prefill + 0.01 decode -> 0.12; b sent at 0.62, prefill 0.06 -> 0.68.
+    assert r["b"]["arrival_s"] == pytest.approx(0.62)
+    assert r["b"]["finish_s"] == pytest.approx(0.68)
+    assert res["apps"]["completion_avg_s"] == pytest.approx(0.68)
+
+
+def test_results_schema_matches_loadgen():
+    res = simulate(cpu_spec(), wl((0.0, 100, 3), (0.0, 3000, 2)))
+    ref = build_results([RequestRecord("x", 0.0, first_token_s=0.1, finish_s=0.2, num_output_tokens=2)], {})
+    assert set(res) == set(ref)
+    assert set(res["summary"]) == set(ref["summary"])
+    assert set(res["by_class"]["short"]) == set(ref["summary"])
+    assert set(res["requests"][0]) == set(ref["requests"][0])
+    assert res["meta"]["source"] == "sim"
+
+
+def test_virtual_clock_scheduler_matches_hand_calculation():
+    """The engine's Scheduler alone on a VirtualClock, stepped with predicted times."""
+    clock = VirtualClock()
+    pred = LinearBatchPredictor(**PRED)
+    sched = Scheduler(SchedulerConfig(256, 8, 4096), KVCacheManager(64, 16),
+                      make_policy("fcfs", PolicyContext(clock=clock)), TokenBudgetPacker(128), clock)
+    sched.add_request(Request("a", [1] * 300, SamplingParams(max_tokens=2, ignore_eos=True)))
+    times = []
+    while sched.has_unfinished():
+        out = sched.schedule()
+        clock.advance(pred.batch_time([(n, r.num_computed_tokens) for r, n in out.prefills],
+                                      [r.num_computed_tokens for r in out.decodes]))
+        sched.update(out, {r.request_id: 2 for r, _ in out.prefills} | {r.request_id: 2 for r in out.decodes})
+        times.append(round(clock.now(), 6))
+    # chunks of 128, 128, 44 (0.138, 0.138, 0.054), then one decode (0.01)
+    assert times == [0.138, 0.276, 0.33, 0.34]
+
+
+def test_cli_writes_results(tmp_path):
+    from raycluster.sim.cli import main
+    spec = tmp_path / "c.yaml"
+    spec.write_text("gpu: a100\nmodel: llama-3-8b\npolicy: lars\nslo: {ttft_ms: 2000, tpot_ms: 100, ttft_scale: 5}\n"
+                    "pools:\n  - {role: mixed, instances: 1, tp: 8, spp: 2, kvp: 1}\n")
+    out = tmp_path / "r.json"
+    assert main(["--cluster", str(spec), "--workload", "chat", "--qps", "2", "--num-requests", "20",
+                 "--seed", "1", "--out", str(out), "--quiet"]) == 0
+    res = json.loads(out.read_text())
+    assert res["summary"]["completed"] == 20 and res["meta"]["spec"]["pools"][0]["spp"] == 2
+
+
+def test_bad_spec_names_the_field():
+    with pytest.raises(ValueError, match="pools"):
+        SimSpec(gpu="a100", pools=[{"role": "decode", "instances": 1}])
+    with pytest.raises(ValueError, match="model"):
+        SimSpec(gpu="a100", model="gpt-9")
