@@ -41,7 +41,7 @@ class EngineInstance:
         self.worker = InstanceWorker(
             self.engine, role, self.instance_id,
             poll_fn=lambda iid, stats, timeout: ray.get(router.poll.remote(iid, stats, timeout)),
-            push_fn=lambda report: router.push.remote(report),
+            push_fn=lambda report: ray.get(router.push.remote(report)),
             connector=connector, transfer_timeout_s=cfg.transfer_timeout_s,
             on_transfer_failure=cfg.on_transfer_failure).start()
 

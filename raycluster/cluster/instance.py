@@ -4,8 +4,11 @@
 - the poll thread long-polls the router (`poll_fn(instance_id, stats, timeout) -> PollReply`,
   which doubles as the heartbeat) and queues each reply;
 - the step thread applies replies between steps (new work by mode full / prefill / decode,
-  aborts, KV releases, expired leases), runs `engine.step()`, and sends one `StepReport` per
-  step through `push_fn` with every request's new tokens, prefill handoffs and admissions.
+  aborts, KV releases, expired leases), runs `engine.step()`, and queues one `StepReport` per
+  step with every request's new tokens, prefill handoffs and admissions;
+- the push thread sends queued reports through `push_fn` one call at a time (merging reports
+  that queued meanwhile), because an async actor does not run calls in arrival order and
+  tokens must reach the router in the order they were made.
 No Ray import: the Serve deployment passes the two functions, so tests can drive it directly.
 """
 
@@ -55,8 +58,10 @@ class InstanceWorker:
         self._admitted: list[str] = []
         self._work_seen = 0
         self._pending: list[TokenEvent] = []     # events made outside a step (errors, aborts)
+        self._reports: queue.Queue[StepReport] = queue.Queue()
         self._threads = [threading.Thread(target=self._poll_loop, name=f"{instance_id}-poll", daemon=True),
-                         threading.Thread(target=self._step_loop, name=f"{instance_id}-step", daemon=True)]
+                         threading.Thread(target=self._step_loop, name=f"{instance_id}-step", daemon=True),
+                         threading.Thread(target=self._push_loop, name=f"{instance_id}-push", daemon=True)]
 
     def start(self) -> "InstanceWorker":
         for t in self._threads:
@@ -175,12 +180,29 @@ class InstanceWorker:
         return self.connector.offer(request_id, blocks, req.num_prompt_tokens)
 
     def _report(self, events: list[TokenEvent], prefilled: list[PrefillDone]) -> None:
-        report = StepReport(self.stats(), self._pending + events, prefilled, self._admitted)
+        self._reports.put(StepReport(self.stats(), self._pending + events, prefilled, self._admitted))
         self._pending, self._admitted = [], []
-        try:
-            self.push_fn(report)
-        except Exception as e:
-            log.warning("%s: push failed: %s", self.instance_id, e)
+
+    def _push_loop(self) -> None:
+        while not self._stop.is_set():
+            try:
+                batch = [self._reports.get(timeout=0.2)]
+            except queue.Empty:
+                continue
+            while True:
+                try:
+                    batch.append(self._reports.get_nowait())
+                except queue.Empty:
+                    break
+            merged = StepReport(batch[-1].stats, [e for r in batch for e in r.events],
+                                [p for r in batch for p in r.prefilled], [a for r in batch for a in r.admitted])
+            for attempt in range(3):
+                try:
+                    self.push_fn(merged)
+                    break
+                except Exception as e:      # router restarting: retry, then give up on this batch
+                    log.warning("%s: push failed (attempt %d): %s", self.instance_id, attempt + 1, e)
+                    self._stop.wait(0.5)
 
     def _fail_all(self, why: str) -> None:
         for rid in list(self.engine.scheduler.requests):

@@ -8,13 +8,13 @@ several processes (Ray actors) asking at once never see a half-written checkpoin
 
 from __future__ import annotations
 
+import hashlib
 import os
 import shutil
 import tempfile
 from pathlib import Path
 
 TINY = "tiny"
-TINY_VERSION = "v1"
 
 
 def cache_dir() -> Path:
@@ -30,10 +30,19 @@ def resolve_model_path(model: str) -> str:
     return str(path)
 
 
+def _tiny_fingerprint() -> str:
+    """Changes whenever the generator or its corpus does, so a stale cached checkpoint is never used."""
+    from raycluster.model import tiny
+
+    h = hashlib.sha256(Path(tiny.__file__).read_bytes())
+    h.update(tiny.corpus_text().encode())
+    return h.hexdigest()[:12]
+
+
 def ensure_tiny_model() -> Path:
     from raycluster.model.tiny import write_tiny_model
 
-    target = cache_dir() / f"tiny-{TINY_VERSION}"
+    target = cache_dir() / f"tiny-{_tiny_fingerprint()}"
     if (target / "config.json").is_file():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
