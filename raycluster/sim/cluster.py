@@ -126,6 +126,9 @@ class SimCluster:
         self.moves: list[dict] = []
         self._last_move: float | None = None
         self._waking = False
+        self.coalesce = spec.coalesce_decode
+        self.max_run_steps = spec.max_run_steps
+        self.running_runs: set[SimInstance] = set()
         for r in workload:
             self.records[r.request_id] = RequestRecord(
                 r.request_id, arrival_s=r.arrival_s, klass=r.klass, tenant=r.tenant, app_id=r.app_id,
@@ -196,8 +199,10 @@ class SimCluster:
         self._drain_gateway()
         self._wake()
 
-    def _step(self, inst: SimInstance) -> None:
-        inst.step_done()
+    def _step(self, payload) -> None:
+        inst, version = payload
+        if not inst.step_done(version):
+            return
         if not inst.busy:
             self._poll(inst)
 
@@ -212,6 +217,10 @@ class SimCluster:
             return
         self._waking = True
         try:
+            if self.running_runs:
+                for inst in sorted(self.running_runs, key=lambda i: i.instance_id):
+                    if self.router.has_outbox(inst.instance_id):
+                        inst.cut_run()
             again = True
             while again:
                 again = False

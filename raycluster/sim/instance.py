@@ -16,6 +16,18 @@ latency + bytes / bandwidth; when it lands, the request is admitted into decodin
 `LLMEngine.add_prefilled` does). Unlike the real engine, which blocks its step loop while it
 pulls, the simulated instance keeps stepping during the transfer and reserves the blocks when
 the transfer lands.
+
+Decode runs (speed; spec `coalesce_decode`, on by default): when an instance has only decodes
+(no prefill queued, no transfer in flight, continuous batching, all decodes fit max_num_seqs),
+its next k decode-only steps are known in advance -- each grows every request by one token --
+so they run as one event instead of k. k stops one step before the first request could finish
+(that step runs normally through `Scheduler.update`) and is capped by free KV (blocks for all k
+tokens are reserved up front, the unused ones given back when a run is cut). The run is cut at the next step boundary as soon as the router
+has anything for this instance or a KV transfer lands, which is exactly when a step-by-step
+instance would have seen it. What changes: step times inside a run are interpolated linearly
+between the first and last step's predicted time (exact for LinearBatchPredictor; the roofline
+is piecewise linear), the router sees the run's tokens and stats once at its end, and the KV of
+all k steps is reserved while the run lasts.
 """
 
 from __future__ import annotations
@@ -26,6 +38,7 @@ from raycluster.cluster.messages import InstanceStats, PollReply, PrefillDone, S
 from raycluster.engine.kv_manager import KVCacheManager
 from raycluster.engine.sched_factory import build_scheduler
 from raycluster.request import SLO, Request, RequestStatus, SamplingParams
+from raycluster.sched.base import AllDecodes
 
 if TYPE_CHECKING:
     from raycluster.sim.cluster import SimCluster
@@ -61,6 +74,9 @@ class SimInstance:
         self.transfers = 0              # KV pulls in flight to this instance
         self._pending: list[TokenEvent] = []
         self._admitted: list[str] = []
+        self.run = None                 # a decode run: [reqs, k, t_first, t_last, start]
+        self.runs = 0
+        self._version = 0               # invalidates the STEP event of a cut run
 
     # ---- router interface (as InstanceWorker) ----------------------------------------------------
     def stats(self) -> InstanceStats:
@@ -102,6 +118,7 @@ class SimInstance:
 
     def transfer_done(self, item: WorkItem) -> None:
         """The KV of a handed-off request landed: admit it straight into decoding (or recompute)."""
+        self.cut_run()
         self.transfers -= 1
         req = self._request(item)
         if self.scheduler.admit_prefilled(req) is None:
@@ -117,6 +134,8 @@ class SimInstance:
             if self._pending or self._admitted:
                 self.report([], [])
             return False
+        if self.cluster.coalesce and self._start_run():
+            return True
         out = self.scheduler.schedule()
         if out.finished and out.is_empty:
             self._pending += [TokenEvent(r.request_id, [], True, r.status.value) for r in out.finished]
@@ -128,13 +147,113 @@ class SimInstance:
                                        [r.num_computed_tokens for r in out.decodes])
         self.out, self.busy = out, True
         self.busy_time += dt
-        self.cluster.loop.after(dt, "step", self)
+        self.cluster.loop.after(dt, "step", (self, self._version))
         if out.decodes and not out.prefills:
             self.scheduler.decode_selector.observe(len(out.decodes), max(r.num_computed_tokens for r in out.decodes), dt)
         self._dt = dt
         return True
 
-    def step_done(self) -> None:
+    # ---- decode runs ------------------------------------------------------------------------------
+    def _start_run(self) -> bool:
+        s, kv = self.scheduler, self.kv
+        if (self.transfers or len(s.policy) or not s.decoding or type(s.decode_selector) is not AllDecodes
+                or len(s.decoding) > s.config.max_num_seqs or len(s.decoding) != len(s.requests)
+                or self.cluster.router.has_outbox(self.instance_id)):
+            return False
+        reqs = list(s.decoding.values())
+        max_len = s.config.max_model_len
+        k = min(min(r.sampling.max_tokens - len(r.output_token_ids), max_len - r.num_tokens) for r in reqs) - 1
+        k = min(k, self.cluster.max_run_steps)
+        if k < 2:
+            return False
+        bs = kv.block_size
+        need = sum(-(-(r.num_computed_tokens + k) // bs) - len(kv.block_tables.get(r.request_id, ())) for r in reqs)
+        if need > kv.num_free_blocks:
+            return False
+        for r in reqs:
+            kv.try_allocate(r, k)
+        kv0 = [r.num_computed_tokens for r in reqs]
+        t0 = self.predictor.batch_time([], kv0)
+        t1 = self.predictor.batch_time([], [x + k - 1 for x in kv0])
+        now = self.clock.now()
+        self.run = [reqs, k, t0, t1, now]
+        self.busy = True
+        self.runs += 1
+        self._version += 1
+        self.cluster.loop.at(now + self._run_end(k), "step", (self, self._version))
+        self.cluster.running_runs.add(self)
+        return True
+
+    def _run_end(self, m: int) -> float:
+        """Time from the run's start to the end of its m-th step (step j takes t0 + (t1-t0) j/(k-1))."""
+        _, k, t0, t1, _ = self.run
+        return m * t0 + (t1 - t0) * m * (m - 1) / (2.0 * (k - 1))
+
+    def cut_run(self) -> None:
+        """Something arrived for this instance: end the run at the next step boundary."""
+        if self.run is None:
+            return
+        reqs, k, t0, t1, start = self.run
+        el = self.clock.now() - start
+        lo, hi = 1, k                       # smallest m with end(m) >= elapsed
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if self._run_end(mid) >= el - 1e-12:
+                hi = mid
+            else:
+                lo = mid + 1
+        if lo >= k:
+            return
+        for r in reqs:
+            self._trim(r, r.num_computed_tokens + lo)
+        self.run[1] = lo
+        self.run[3] = t0 + (t1 - t0) * (lo - 1) / (k - 1) if k > 1 else t0
+        end = start + lo * t0 + (t1 - t0) * lo * (lo - 1) / (2.0 * (k - 1))
+        self._version += 1
+        self.cluster.loop.at(end, "step", (self, self._version))
+
+    def _trim(self, req: Request, tokens: int) -> None:
+        """Give back blocks reserved for run steps that will not happen (a cut run)."""
+        table = self.kv.block_tables.get(req.request_id)
+        if table is None:
+            return
+        keep = self.kv.blocks_needed(tokens)
+        while len(table) > keep:
+            self.kv.allocator.free(table.pop())
+
+    def _finish_run(self) -> None:
+        reqs, m, t0, t1, start = self.run
+        self.run = None
+        self.busy = False
+        self.cluster.running_runs.discard(self)
+        dt = self.clock.now() - start
+        self.busy_time += dt
+        self.steps += m
+        self._dt = dt / m
+        self.step_ema = self._dt if self.steps == m else 0.9 * self.step_ema + 0.1 * self._dt
+        policy = self.scheduler.policy
+        events = []
+        toks = [TOKEN] * m
+        for r in reqs:
+            if r.status.finished:
+                continue
+            r.num_computed_tokens += m
+            r.output_token_ids.extend(toks)
+            policy.on_progress(r, m)
+            events.append(TokenEvent(r.request_id, list(toks)))
+        self.report(events, [])
+
+    def step_done(self, version: int) -> bool:
+        """A STEP event fired; False if it was stale (its run was cut)."""
+        if version != self._version:
+            return False
+        if self.run is not None:
+            self._finish_run()
+            return True
+        self._step_done()
+        return True
+
+    def _step_done(self) -> None:
         out, self.out, self.busy = self.out, None, False
         self.steps += 1
         self.step_ema = self._dt if self.steps == 1 else 0.9 * self.step_ema + 0.1 * self._dt

@@ -89,6 +89,8 @@ class SimSpec(BaseModel):
     transfer_bw_gbs: float | None = Field(None, gt=0, description="KV handoff GB/s per instance pair "
                                           "(default: inter-node bandwidth per GPU x GPUs of the smaller side)")
     transfer_latency_s: float = Field(1e-3, ge=0)
+    coalesce_decode: bool = Field(True, description="run decode-only stretches as one event (see sim/instance.py)")
+    max_run_steps: int = Field(1 << 20, ge=2, description="cap on the steps of one decode run")
     kv_bytes_per_token: float | None = Field(None, gt=0, description="gpu: cpu or custom models")
 
     @model_validator(mode="after")
