@@ -5,4 +5,4 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 $PY -m pip install -q "torch==2.13.0"
-$PY -m pip install -q -e ".[dev]"
+$PY -m pip install -q -e ".[dev,nixl]"

@@ -161,6 +161,8 @@ class InstanceWorker:
     # ---- stepping and reporting ----------------------------------------------------------------
     def _step(self) -> None:
         result = self.engine.step()
+        if not result.outputs and result.num_prefill_tokens == 0 and result.num_decode_tokens == 0:
+            time.sleep(0.001)       # the packer is holding requests back (AWD window): don't spin
         self.steps += 1
         self._step_ema = result.duration_s if self.steps == 1 else 0.9 * self._step_ema + 0.1 * result.duration_s
         events, prefilled = [], []

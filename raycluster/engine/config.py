@@ -18,8 +18,9 @@ class EngineConfig(BaseModel):
     max_model_len: int | None = Field(None, ge=2, description="default: the model's context length")
     chunk_size: int | None = Field(512, ge=1, description="prefill chunk size; None: unchunked prefill")
     policy: str = Field("lars", description="priority policy by name (raycluster.sched.registry)")
-    packer: str = Field("medha", pattern="^(medha|token)$",
-                        description="medha: time-budget chunks from the predictor; token: fixed chunk_size")
+    packer: str = Field("medha", pattern="^(medha|token|awd)$",
+                        description="medha: time-budget chunks from the predictor; token: fixed chunk_size; "
+                                    "awd: PLA-Serve adaptive wait-depth batches of short prefills")
     decode_selector: str = Field("all", pattern="^(all|kairos)$",
                                  description="all: continuous batching; kairos: slack-guided decode batching")
     predictor: str = Field("auto", description="'auto' (cached profile or profile at start), 'none', or a JSON file")

@@ -221,6 +221,8 @@ class LLMEngine:
         for rid in finished:
             self.sampler.forget(rid)
         result.duration_s = time.perf_counter() - t0
+        if out.prefills:
+            self.scheduler.packer.observe(out.prefills, result.duration_s)
         if out.decodes and not out.prefills:
             self.scheduler.decode_selector.observe(len(out.decodes), max(r.num_computed_tokens for r in out.decodes),
                                                    result.duration_s)

@@ -6,6 +6,7 @@ from __future__ import annotations
 from raycluster.engine.config import EngineConfig
 from raycluster.engine.kv_manager import KVCacheManager
 from raycluster.engine.scheduler import Scheduler, SchedulerConfig
+from raycluster.sched.awd_packer import AWDPacker
 from raycluster.sched.base import AllDecodes, Clock, PolicyContext, SLOConfig
 from raycluster.sched.kairos_decode import KairosDecodeSelector, StepTimeLUT
 from raycluster.sched.medha_packer import MedhaPacker
@@ -27,6 +28,8 @@ def build_scheduler(config: EngineConfig, kv: KVCacheManager, clock: Clock, max_
         if predictor is None:
             raise ValueError("packer: 'medha' needs a batch-time predictor (predictor must not be 'none')")
         packer = MedhaPacker(predictor, clock, slo, long_threshold=config.long_threshold)
+    elif config.packer == "awd":
+        packer = AWDPacker(clock, slo, chunk_size=config.chunk_size)
     else:
         packer = TokenBudgetPacker(config.chunk_size)
     if config.decode_selector == "kairos":

@@ -185,7 +185,7 @@ class Scheduler:
 
     @property
     def num_waiting(self) -> int:
-        return len(self.policy)
+        return len(self.policy) + self.packer.num_held()
 
     @property
     def num_running(self) -> int:

@@ -105,6 +105,13 @@ class Packer(ABC):
         of the policy: the caller calls `on_progress` after the step and pushes back those that
         still need prefill (so progress-dependent keys are recomputed)."""
 
+    def num_held(self) -> int:
+        """Requests the packer holds itself (outside the policy), e.g. AWD's waiting batch."""
+        return 0
+
+    def observe(self, chunks: Sequence[tuple[Request, int]], seconds: float) -> None:
+        """The step that ran `chunks` (plus its decodes) took `seconds`."""
+
 
 class DecodeSelector(ABC):
     @abstractmethod

@@ -18,8 +18,10 @@ pytestmark = [pytest.mark.ray, pytest.mark.e2e]
 
 BASE = {"model": "tiny", "policy": "lars", "threads_per_instance": 1, "max_local_waiting": 4,
         "engine": {"kv_cache_tokens": 16384}}
-PD_POOLS = [{"role": "prefill-short", "instances": 1}, {"role": "prefill-long", "instances": 1},
-            {"role": "decode", "instances": 1, "engine": {"policy": "fcfs", "packer": "token"}}]
+PD_POOLS = [{"role": "prefill-short", "instances": 1, "engine": {"packer": "awd"}},
+            {"role": "prefill-long", "instances": 1},
+            {"role": "decode", "instances": 1,
+             "engine": {"policy": "fcfs", "packer": "token", "decode_selector": "kairos"}}]
 TOPOLOGIES = {
     "mixed": {"pools": [{"role": "mixed", "instances": 2}]},
     "pd-object_store": {"connector": "object_store", "initial_l_m": 256, "pools": PD_POOLS},

@@ -91,3 +91,20 @@ def test_resume_with_delivered_tokens_continues_exactly(model):
     eng.add_request("r", PROMPTS[3], sp, output_token_ids=full[:4])
     toks = [t for o in _run(eng)["r"] for t in o.new_token_ids]
     assert full[:4] + toks == full
+
+
+def test_awd_packer_batches_short_prefills_and_output_is_exact(model):
+    """prefill-short pool: AWD holds short prompts for its window and releases whole prompts
+    sharing one padded shape bucket together; tokens equal a plain engine's."""
+    sp = SamplingParams(max_tokens=5, ignore_eos=True)
+    expected = _engine(model).generate(PROMPTS, sp)
+    eng = _engine(model, packer="awd")
+    plans = []
+    plan = eng.scheduler.packer.plan
+    eng.scheduler.packer.plan = lambda *a: plans.append(plan(*a)) or plans[-1]
+    assert eng.generate(PROMPTS, sp) == expected
+    first = next(p for p in plans if p)
+    assert sorted(n for _, n in first) == [1, 5]          # the 8-token bucket, whole prompts
+    assert all(n == r.num_prompt_tokens for p in plans for r, n in p if r.num_prompt_tokens <= 256)
+    eng.kv.check()
+    assert eng.kv.num_free_blocks == eng.kv.num_blocks
