@@ -28,5 +28,7 @@ class EngineConfig(BaseModel):
     tpot_ms: float = Field(100.0, gt=0, description="default TPOT SLO; also the medha packer's step budget")
     ttft_scale: float = Field(5.0, gt=0, description="deadline = max(ttft_ms, ttft_scale x isolated prefill time)")
     long_threshold: int = Field(2048, ge=1, description="prompt tokens from which a prefill counts as long")
+    min_chunk: int = Field(256, ge=1, description="medha: prefill tokens a step runs even when decodes alone "
+                                                 "fill the time budget (keeps prefills moving on slow hardware)")
     seed: int = 0
     num_threads: int | None = Field(None, ge=1, description="torch intra-op threads")

@@ -27,7 +27,8 @@ def build_scheduler(config: EngineConfig, kv: KVCacheManager, clock: Clock, max_
     if config.packer == "medha":
         if predictor is None:
             raise ValueError("packer: 'medha' needs a batch-time predictor (predictor must not be 'none')")
-        packer = MedhaPacker(predictor, clock, slo, long_threshold=config.long_threshold)
+        packer = MedhaPacker(predictor, clock, slo, long_threshold=config.long_threshold,
+                             min_chunk=config.min_chunk)
     elif config.packer == "awd":
         packer = AWDPacker(clock, slo, chunk_size=config.chunk_size)
     else:
