@@ -91,6 +91,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--configs", default=",".join(CONFIGS))
+    ap.add_argument("--ttft-ms", type=float, default=500.0,
+                    help="TTFT SLO of requests without one (deadline = max(this, ttft_scale x isolated prefill))")
+    ap.add_argument("--tpot-ms", type=float, default=100.0, help="TPOT SLO; the medha packer's step budget")
     ap.add_argument("--out", required=True)
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -103,10 +106,12 @@ def main(argv: list[str] | None = None) -> int:
     tok = Tokenizer(path, mcfg.eos_token_id)
     id_range = (6, mcfg.vocab_size)
     results: dict = {"meta": {"argv": sys.argv, "workload": work.params, "num_requests": len(work),
-                              "threads": args.threads, "model": args.model}, "runs": {}}
+                              "threads": args.threads, "model": args.model, "ttft_ms": args.ttft_ms,
+                              "tpot_ms": args.tpot_ms}, "runs": {}}
     predictor = None
     for name in args.configs.split(","):
-        cfg = EngineConfig(**CONFIGS[name], kv_cache_tokens=131072, predictor="none" if name.startswith("fcfs") else "auto")
+        cfg = EngineConfig(**CONFIGS[name], kv_cache_tokens=131072, ttft_ms=args.ttft_ms, tpot_ms=args.tpot_ms,
+                           predictor="none" if name.startswith("fcfs") else "auto")
         engine = LLMEngine(cfg, model, tok)
         predictor = predictor or engine.predictor or load_or_profile(
             engine.runner, engine.max_model_len, cfg.max_num_batched_tokens, cfg.max_num_seqs)
