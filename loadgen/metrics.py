@@ -28,7 +28,7 @@ aggregate but its requests stay in "requests" with "warmup": true.
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 
 import numpy as np
 

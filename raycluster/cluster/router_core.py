@@ -26,73 +26,19 @@ Instance conventions the router relies on:
 from __future__ import annotations
 
 import math
-import time
 from collections import deque
-from dataclasses import dataclass, field
 
 from raycluster.cluster.messages import (ROLES, GatewayReply, InstanceStats, PollReply, RequestMeta,
                                          StepReport, SubmitReply, TokenEvent, WorkItem)
 from raycluster.request import SLO, Request, SamplingParams
-from raycluster.sched.base import Clock, PolicyContext, SLOConfig
+from raycluster.cluster.router_state import EpochClock, Instance, ReqState, RouterConfig
+from raycluster.sched.base import Clock, PolicyContext
 from raycluster.sched.boundary import LengthClassifier
 from raycluster.sched.predictor import LinearBatchPredictor
 from raycluster.sched.registry import make_policy
 
 QUEUES = ("decode", "prefill-short", "prefill-long", "mixed")   # dispatch order: decode frees KV
 PREFILL_ROLES = ("prefill-short", "prefill-long")
-
-
-class EpochClock:
-    """time.time(): arrival times cross processes as wall-clock seconds (messages.py), so the
-    policies' "now" must be on the same scale."""
-
-    def now(self) -> float:
-        return time.time()
-
-
-@dataclass
-class RouterConfig:
-    policy: str = "lars"
-    max_queue: int = 256              # requests waiting in the router for their first dispatch
-    max_local_waiting: int = 2        # not-yet-started requests an instance may hold
-    kv_reserve_frac: float = 0.0      # keep this fraction of an instance's KV free after dispatch
-    initial_l_m: int = 2048
-    beta_prior: float | None = None   # per-token FFN time: lets prefill samples refit L_m
-    heartbeat_timeout_s: float = 10.0
-    transit_timeout_s: float = 5.0    # a handed-out item counts against the instance until then
-    retry_after_s: float = 1.0
-    slo: SLOConfig = field(default_factory=SLOConfig)
-    predictor: dict | None = None     # LinearBatchPredictor fields for the policies' context
-
-
-@dataclass
-class Instance:
-    instance_id: str
-    role: str
-    stats: InstanceStats
-    last_seen: float
-    outbox: PollReply = field(default_factory=PollReply)
-    running: set[str] = field(default_factory=set)   # request ids whose current work is here
-    # Items handed out that its stats may not show yet: rid -> (steps then, time, blocks, tokens).
-    transit: dict[str, tuple[int, float, int, int]] = field(default_factory=dict)
-    sent: int = 0                     # work items handed out, ever
-
-    def transit_sum(self, k: int) -> int:
-        return sum(v[k] for v in self.transit.values())
-
-
-@dataclass
-class ReqState:
-    meta: RequestMeta
-    req: Request                      # what the policies order
-    length_class: str                 # short | long
-    delivered: list[int] = field(default_factory=list)
-    queue: str | None = None          # queue it waits in, None when dispatched
-    instance: str | None = None       # instance running its current work item
-    mode: str | None = None
-    kv: object = None                 # KVHandle parked on a prefill instance
-    kv_at: str | None = None          # that prefill instance
-    policies: set[str] = field(default_factory=set)   # queues whose policy saw it
 
 
 class RouterCore:
@@ -414,7 +360,6 @@ class RouterCore:
         self._enqueue(st, "decode")
 
     def _deliver(self, st: ReqState, ev: TokenEvent) -> None:
-        rid = st.meta.request_id
         st.delivered.extend(ev.token_ids)
         st.req.output_token_ids = st.delivered
         for q in st.policies:

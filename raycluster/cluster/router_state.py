@@ -1,0 +1,63 @@
+"""The router's configuration and per-instance / per-request state records (plain dataclasses)."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from raycluster.cluster.messages import InstanceStats, PollReply, RequestMeta
+from raycluster.request import Request
+from raycluster.sched.base import SLOConfig
+
+
+class EpochClock:
+    """time.time(): arrival times cross processes as wall-clock seconds (messages.py), so the
+    policies' "now" must be on the same scale."""
+
+    def now(self) -> float:
+        return time.time()
+
+
+@dataclass
+class RouterConfig:
+    policy: str = "lars"
+    max_queue: int = 256              # requests waiting in the router for their first dispatch
+    max_local_waiting: int = 2        # not-yet-started requests an instance may hold
+    kv_reserve_frac: float = 0.0      # keep this fraction of an instance's KV free after dispatch
+    initial_l_m: int = 2048
+    beta_prior: float | None = None   # per-token FFN time: lets prefill samples refit L_m
+    heartbeat_timeout_s: float = 10.0
+    transit_timeout_s: float = 5.0    # a handed-out item counts against the instance until then
+    retry_after_s: float = 1.0
+    slo: SLOConfig = field(default_factory=SLOConfig)
+    predictor: dict | None = None     # LinearBatchPredictor fields for the policies' context
+
+
+@dataclass
+class Instance:
+    instance_id: str
+    role: str
+    stats: InstanceStats
+    last_seen: float
+    outbox: PollReply = field(default_factory=PollReply)
+    running: set[str] = field(default_factory=set)   # request ids whose current work is here
+    # Items handed out that its stats may not show yet: rid -> (steps then, time, blocks, tokens).
+    transit: dict[str, tuple[int, float, int, int]] = field(default_factory=dict)
+    sent: int = 0                     # work items handed out, ever
+
+    def transit_sum(self, k: int) -> int:
+        return sum(v[k] for v in self.transit.values())
+
+
+@dataclass
+class ReqState:
+    meta: RequestMeta
+    req: Request                      # what the policies order
+    length_class: str                 # short | long
+    delivered: list[int] = field(default_factory=list)
+    queue: str | None = None          # queue it waits in, None when dispatched
+    instance: str | None = None       # instance running its current work item
+    mode: str | None = None
+    kv: object = None                 # KVHandle parked on a prefill instance
+    kv_at: str | None = None          # that prefill instance
+    policies: set[str] = field(default_factory=set)   # queues whose policy saw it
