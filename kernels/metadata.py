@@ -57,7 +57,20 @@ class AttentionMetadata:
         return len(self.decode_kv_lens)
 
     def prepare(self, device: torch.device | str | None = None) -> dict[str, Any]:
-        """Build (once) the index tensors the torch backend needs; returns the cache dict."""
+        """Build (once) the index tensors the torch backend needs; returns the cache dict.
+
+        Keys (all on `device`):
+          slot_block, slot_offset  int64 [T]: block id / offset of each new K/V (as before).
+          slot_row                 int64 [T]: row of each new K in kv_layer viewed as
+                                   [N * 2 * B, Hkv * D] (its V is B rows further on).
+          prefill_prefix           per prefill request (tokens before this chunk, block ids up to kv_len).
+          prefill_prefix_rows      per prefill request, rows of kv_layer viewed as [N * 2, B * Hkv * D]
+                                   holding the K blocks then the V blocks of its earlier KV.
+          decode_buckets           list of DecodeBucket: decode requests grouped by KV length (so a
+                                   bucket pads little) with their gather rows and additive pad mask.
+          decode_table, decode_pad_mask  the single padded layout of all decode requests (kept for
+                                   callers that want it; built lazily by `decode_padded()`).
+        """
         c = self.cache
         if c.get("torch_prepared"):
             return c
@@ -66,25 +79,103 @@ class AttentionMetadata:
         slots = self.slot_mapping.to(device=device, dtype=torch.long)
         c["slot_block"] = torch.div(slots, bs, rounding_mode="floor")
         c["slot_offset"] = slots % bs
+        c["slot_row"] = c["slot_block"] * (2 * bs) + c["slot_offset"]
         # Prefill: per request, (tokens of KV written before this chunk, ids of blocks up to kv_len).
-        pre = []
+        pre, prows = [], []
         for q, kv, bt in zip(self.prefill_query_lens, self.prefill_kv_lens, self.prefill_block_tables):
             nb = -(-kv // bs)
             if len(bt) < nb:
                 raise ValueError(f"block table of {len(bt)} blocks too short for kv_len {kv}")
-            pre.append((kv - q, torch.tensor(bt[:nb], dtype=torch.long, device=device)))
+            ids = torch.tensor(bt[:nb], dtype=torch.long)
+            prefix = kv - q
+            pre.append((prefix, ids.to(device)))
+            pids = ids[:-(-prefix // bs)] if prefix > 0 else ids[:0]
+            prows.append(torch.cat([pids * 2, pids * 2 + 1]).to(device))
         c["prefill_prefix"] = pre
+        c["prefill_prefix_rows"] = prows
         if self.num_decodes:
+            nbs = []
+            for kv, bt in zip(self.decode_kv_lens, self.decode_block_tables):
+                nb = -(-kv // bs)
+                if len(bt) < nb:
+                    raise ValueError(f"block table of {len(bt)} blocks too short for kv_len {kv}")
+                nbs.append(nb)
+            c["decode_buckets"] = [self._decode_bucket(part, device)
+                                   for part in bucket_by_length(nbs, bs, DECODE_BUCKET_OVERHEAD_TOKENS)]
+        c["torch_prepared"] = True
+        return c
+
+    def _decode_bucket(self, reqs: list[int], device) -> "DecodeBucket":
+        bs = self.block_size
+        lens = [self.decode_kv_lens[i] for i in reqs]
+        nb = max(-(-kv // bs) for kv in lens)
+        table = torch.zeros(len(reqs), nb, dtype=torch.long)
+        for j, i in enumerate(reqs):
+            n = -(-self.decode_kv_lens[i] // bs)
+            table[j, :n] = torch.tensor(self.decode_block_tables[i][:n], dtype=torch.long)
+        kv_lens = torch.tensor(lens, dtype=torch.long)
+        pad = torch.arange(nb * bs)[None, :] >= kv_lens[:, None]
+        mask = None
+        if bool(pad.any()):
+            mask = torch.zeros(len(reqs), 1, 1, nb * bs).masked_fill_(pad[:, None, None, :], float("-inf")).to(device)
+        flat = table.flatten()
+        identity = reqs == list(range(self.num_decodes))
+        return DecodeBucket(
+            index=None if identity else torch.tensor(reqs, dtype=torch.long, device=device),
+            table=table.to(device), rows=torch.cat([flat * 2, flat * 2 + 1]).to(device),
+            num_blocks=nb, mask=mask, pad=pad.to(device))
+
+    def decode_padded(self, device=None) -> tuple[torch.Tensor, torch.Tensor]:
+        """All decode requests in one padded layout: (block table [Td, nb_max], pad mask [Td, L])."""
+        c = self.cache
+        if "decode_table" not in c:
+            bs = self.block_size
             max_nb = max(-(-kv // bs) for kv in self.decode_kv_lens)
             table = torch.zeros(self.num_decodes, max_nb, dtype=torch.long)
             for i, (kv, bt) in enumerate(zip(self.decode_kv_lens, self.decode_block_tables)):
                 nb = -(-kv // bs)
-                if len(bt) < nb:
-                    raise ValueError(f"block table of {len(bt)} blocks too short for kv_len {kv}")
                 table[i, :nb] = torch.tensor(bt[:nb], dtype=torch.long)
             kv_lens = torch.tensor(self.decode_kv_lens, dtype=torch.long)
             c["decode_table"] = table.to(device)
-            # True where a padded KV position is past the request's length.
             c["decode_pad_mask"] = (torch.arange(max_nb * bs)[None, :] >= kv_lens[:, None]).to(device)
-        c["torch_prepared"] = True
-        return c
+        return c["decode_table"], c["decode_pad_mask"]
+
+
+# Fixed cost of one decode bucket (index ops + a kernel launch) in padded-KV-token units; a bucket
+# is split off only when the padding it saves is worth more than this.
+DECODE_BUCKET_OVERHEAD_TOKENS = 1024
+
+
+@dataclass
+class DecodeBucket:
+    index: torch.Tensor | None  # positions of its requests in the decode batch (None: all, in order)
+    table: torch.Tensor  # int64 [n, num_blocks] block ids, padded with block 0
+    rows: torch.Tensor  # int64 [2 * n * num_blocks]: K block rows then V block rows of kv_layer.view(N*2, -1)
+    num_blocks: int
+    mask: torch.Tensor | None  # additive fp32 [n, 1, 1, num_blocks * B] (-inf past each length), None if no padding
+    pad: torch.Tensor  # bool [n, num_blocks * B], True past each request's length
+
+
+def bucket_by_length(num_blocks: list[int], block_size: int, overhead_tokens: int) -> list[list[int]]:
+    """Split requests (given their KV lengths in blocks) into groups of similar length minimising
+    sum over groups of (overhead + size * longest * block_size): a DP over the sorted lengths.
+    Returns lists of request indices; each list is in ascending length order."""
+    order = sorted(range(len(num_blocks)), key=num_blocks.__getitem__)
+    lens = [num_blocks[i] * block_size for i in order]
+    n = len(lens)
+    best = [0.0] + [float("inf")] * n
+    cut = [0] * (n + 1)
+    for j in range(1, n + 1):
+        top = lens[j - 1]
+        bj, cj = float("inf"), 0
+        for i in range(j):
+            c = best[i] + overhead_tokens + (j - i) * top
+            if c < bj:
+                bj, cj = c, i
+        best[j], cut[j] = bj, cj
+    parts = []
+    j = n
+    while j > 0:
+        parts.append(order[cut[j]:j])
+        j = cut[j]
+    return parts[::-1]

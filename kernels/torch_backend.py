@@ -9,6 +9,13 @@ Prefill avoids materialising [H, T, T] scores: on CPU it uses torch's fused flas
 GQA without expanding K/V); elsewhere it tiles queries. A chunk with earlier KV is computed as
 two states -- "all earlier KV, no mask" and "causal within the chunk" -- merged by LSE; this is
 exactly the bottom-right aligned causal mask.
+
+CPU fast paths (same results): a chunk with earlier KV keeps the two fused passes (one pass over
+prefix + chunk with an additive bottom-right causal mask measured no faster: it loses the causal
+block skipping) but gathers the prefix into a reused buffer and merges with a few elementwise ops;
+decode requests are grouped by KV length into a few buckets (padding stays small) and each bucket is one
+fused attention call with an additive pad mask. K/V are gathered with one `index_select` into a
+reused workspace buffer: fresh multi-MB allocations per layer cost more in page faults than the copy.
 """
 
 from __future__ import annotations
@@ -21,12 +28,41 @@ from kernels.metadata import AttentionMetadata
 
 LOG2E = 1.0 / math.log(2.0)
 _Q_TILE = 1024
+_FLASH_CPU = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+_WORKSPACE: dict = {}
+
+
+def _workspace(name: str, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A flat scratch buffer reused across layers and steps (grown on demand, never shrunk)."""
+    key = (name, dtype, device)
+    buf = _WORKSPACE.get(key)
+    if buf is None or buf.numel() < numel:
+        buf = torch.empty(max(numel, int(1.25 * (buf.numel() if buf is not None else 0))), dtype=dtype, device=device)
+        _WORKSPACE[key] = buf
+    return buf[:numel]
+
+
+def _gather_rows(kv_layer: torch.Tensor, rows: torch.Tensor, name: str) -> torch.Tensor:
+    """kv_layer [N,2,B,Hkv,D] viewed as [N*2, B*Hkv*D]; returns the given rows, copied into a
+    workspace buffer (valid until the next call with the same name)."""
+    src = kv_layer.view(-1, kv_layer[0, 0].numel())
+    out = _workspace(name, rows.numel() * src.shape[1], src.dtype, src.device).view(rows.numel(), src.shape[1])
+    torch.index_select(src, 0, rows, out=out)
+    return out
 
 
 def write_kv(kv_layer: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor,
-             slot_block: torch.Tensor | None = None, slot_offset: torch.Tensor | None = None) -> None:
-    """Store k, v [T, Hkv, D] into kv_layer [N, 2, B, Hkv, D] at the given flat slots."""
+             slot_block: torch.Tensor | None = None, slot_offset: torch.Tensor | None = None,
+             slot_row: torch.Tensor | None = None) -> None:
+    """Store k, v [T, Hkv, D] into kv_layer [N, 2, B, Hkv, D] at the given flat slots
+    (slot_row: precomputed rows block * 2B + offset of kv_layer viewed as [N*2*B, Hkv*D])."""
     if k.shape[0] == 0:
+        return
+    if slot_row is not None and kv_layer.is_contiguous():
+        bs = kv_layer.shape[2]
+        flat = kv_layer.view(-1, kv_layer.shape[3] * kv_layer.shape[4])
+        flat.index_copy_(0, slot_row, k.reshape(k.shape[0], -1).to(kv_layer.dtype))
+        flat.index_copy_(0, slot_row + bs, v.reshape(v.shape[0], -1).to(kv_layer.dtype))
         return
     if slot_block is None or slot_offset is None:
         bs = kv_layer.shape[2]
@@ -98,6 +134,20 @@ def _gather(kv_layer: torch.Tensor, table: torch.Tensor, length: int):
     return k, v
 
 
+def _merge2(o1, l1, o2, l2):
+    """Merge two attention states with natural-log LSEs (o [n,H,D], l [n,H] fp32)."""
+    m = torch.maximum(l1, l2)
+    m = torch.where(torch.isneginf(m), torch.zeros_like(m), m)
+    w1, w2 = torch.exp(l1 - m), torch.exp(l2 - m)
+    s = w1 + w2
+    out = (o1.float() * (w1 / s)[..., None] + o2.float() * (w2 / s)[..., None]).to(o1.dtype)
+    return out, torch.log(s) + m
+
+
+def _fast_cpu(q: torch.Tensor, kv_layer: torch.Tensor) -> bool:
+    return q.device.type == "cpu" and q.dtype == kv_layer.dtype and kv_layer.is_contiguous()
+
+
 def paged_prefill_attention(q: torch.Tensor, kv_layer: torch.Tensor, meta: AttentionMetadata,
                             scale: float, k: torch.Tensor | None = None, v: torch.Tensor | None = None,
                             return_lse: bool = True):
@@ -108,11 +158,15 @@ def paged_prefill_attention(q: torch.Tensor, kv_layer: torch.Tensor, meta: Atten
     c = meta.prepare(kv_layer.device)
     out = torch.empty_like(q)
     lse_all = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device) if return_lse else None
+    fast = _fast_cpu(q, kv_layer)
+    bs, hkv, d = meta.block_size, kv_layer.shape[3], kv_layer.shape[4]
     start = 0
-    for n, kv_len, (prefix, table) in zip(meta.prefill_query_lens, meta.prefill_kv_lens, c["prefill_prefix"]):
+    for r, (n, kv_len, (prefix, table)) in enumerate(zip(meta.prefill_query_lens, meta.prefill_kv_lens,
+                                                         c["prefill_prefix"])):
         if n == 0:
             continue
         qi = q[start:start + n]
+        # Two fused passes -- causal within the chunk, all earlier KV unmasked -- merged by LSE.
         if k is not None and v is not None:
             ki, vi = k[start:start + n].to(kv_layer.dtype), v[start:start + n].to(kv_layer.dtype)
         else:
@@ -120,10 +174,15 @@ def paged_prefill_attention(q: torch.Tensor, kv_layer: torch.Tensor, meta: Atten
             ki, vi = ki[prefix:], vi[prefix:]
         o, lse = _attend(qi.to(ki.dtype), ki, vi, True, scale)
         if prefix > 0:
-            kp, vp = _gather(kv_layer, table[:-(-prefix // meta.block_size)], prefix)
-            op, lsep = _attend(qi, kp, vp, False, scale)
-            o, lse2 = merge_states(torch.stack([op, o], 1), torch.stack([lsep, lse], 1) * LOG2E)
-            lse = lse2 / LOG2E
+            if fast:
+                nbp = -(-prefix // bs)
+                kv = _gather_rows(kv_layer, c["prefill_prefix_rows"][r], "prefill_kv")
+                kp = kv[:nbp].view(nbp * bs, hkv, d)[:prefix]
+                vp = kv[nbp:].view(nbp * bs, hkv, d)[:prefix]
+            else:
+                kp, vp = _gather(kv_layer, table[:-(-prefix // bs)], prefix)
+            op, lsep = _attend(qi.to(kp.dtype), kp, vp, False, scale)
+            o, lse = _merge2(op, lsep, o, lse)
         out[start:start + n] = o
         if return_lse:
             lse_all[start:start + n] = lse * LOG2E
@@ -131,37 +190,74 @@ def paged_prefill_attention(q: torch.Tensor, kv_layer: torch.Tensor, meta: Atten
     return out, lse_all
 
 
+def _decode_bucket_manual(qb, k, v, bucket, scale, return_lse):
+    """Portable decode attention of qb [n,Hq,D] over padded k/v [n,L,Hkv,D] (fp32 maths)."""
+    n, hq, d = qb.shape
+    L, hkv = k.shape[1], k.shape[2]
+    g = hq // hkv
+    if k.dtype != torch.float32:
+        k, v = k.float(), v.float()
+    qg = (qb.float() * scale).view(n, hkv, g, d)
+    sc = qb.new_empty((n, hkv, g, L), dtype=torch.float32)
+    # A short loop over KV heads keeps bmm on strided views (no K/V transposed copies).
+    for h in range(hkv):
+        torch.bmm(qg[:, h], k[:, :, h].transpose(1, 2), out=sc[:, h])
+    if bucket.mask is not None:
+        sc.masked_fill_(bucket.pad[:, None, None, :], float("-inf"))
+    lse = None
+    if return_lse:
+        lse = torch.logsumexp(sc, dim=-1)
+        p = torch.exp(sc - lse[..., None])
+    else:
+        p = torch.softmax(sc, dim=-1)
+    out = qb.new_empty((n, hkv, g, d), dtype=torch.float32)
+    for h in range(hkv):
+        torch.bmm(p[:, h], v[:, :, h], out=out[:, h])
+    return out.view(n, hq, d), (lse.reshape(n, hq) if return_lse else None)
+
+
 def paged_decode_attention(q: torch.Tensor, kv_layer: torch.Tensor, meta: AttentionMetadata,
                            scale: float, return_lse: bool = True):
-    """One query token per decode request, q [Td,Hq,D], batched: all requests' blocks are
-    gathered with one index op into a padded [Td, Lmax] layout and masked by length.
+    """One query token per decode request, q [Td,Hq,D]. Requests are grouped by KV length into
+    buckets (built once per step by meta.prepare); each bucket's blocks are gathered with one
+    index op into a padded [n, L] layout and attended with a length mask.
     Returns (out [Td,Hq,D], base-2 lse [Td,Hq] or None)."""
     c = meta.prepare(kv_layer.device)
     td, hq, d = q.shape
     if td == 0:
         return q.new_empty(q.shape), (q.new_empty((0, hq), dtype=torch.float32) if return_lse else None)
-    table, pad = c["decode_table"], c["decode_pad_mask"]
-    # Gather K and V separately: each result is contiguous [Td, nb, B, Hkv, D], so the view to
-    # [Td, L, Hkv, D] is free (gathering kv_layer[table] whole would need another copy).
-    k = kv_layer[:, 0][table].flatten(1, 2)
-    v = kv_layer[:, 1][table].flatten(1, 2)
-    if k.dtype != torch.float32:
-        k, v = k.float(), v.float()
-    L, hkv = k.shape[1], k.shape[2]
-    g = hq // hkv
-    qg = q.float().view(td, hkv, g, d)
-    sc = q.new_empty((td, hkv, g, L), dtype=torch.float32)
-    # A short loop over KV heads keeps bmm on strided views (no K/V transposed copies).
-    for h in range(hkv):
-        torch.bmm(qg[:, h], k[:, :, h].transpose(1, 2), out=sc[:, h])
-    sc.mul_(scale).masked_fill_(pad[:, None, None, :], float("-inf"))
-    lse = torch.logsumexp(sc, dim=-1)
-    p = torch.exp(sc - lse[..., None])
-    out = q.new_empty((td, hkv, g, d), dtype=torch.float32)
-    for h in range(hkv):
-        torch.bmm(p[:, h], v[:, :, h], out=out[:, h])
-    out = out.view(td, hq, d).to(q.dtype)
-    return out, (lse.reshape(td, hq) * LOG2E if return_lse else None)
+    fast = _fast_cpu(q, kv_layer)
+    bs, hkv = kv_layer.shape[2], kv_layer.shape[3]
+    out = torch.empty_like(q)
+    lse_all = q.new_empty((td, hq), dtype=torch.float32) if return_lse else None
+    for b in c["decode_buckets"]:
+        qb = q if b.index is None else q.index_select(0, b.index)
+        n, L = qb.shape[0], b.num_blocks * bs
+        if kv_layer.is_contiguous():
+            kv = _gather_rows(kv_layer, b.rows, "decode_kv")
+            half = b.rows.numel() // 2
+            k, v = kv[:half].view(n, L, hkv, d), kv[half:].view(n, L, hkv, d)
+        else:
+            k = kv_layer[:, 0][b.table].flatten(1, 2)
+            v = kv_layer[:, 1][b.table].flatten(1, 2)
+        if fast:
+            mask = b.mask
+            if mask is not None and mask.dtype != q.dtype:
+                mask = b.mask = mask.to(q.dtype)
+            o, lse = _FLASH_CPU(qb.unsqueeze(2), k.transpose(1, 2), v.transpose(1, 2), 0.0, False,
+                                attn_mask=mask, scale=scale)
+            o, lse = o.squeeze(2), (lse.squeeze(2).float() if return_lse else None)
+        else:
+            o, lse = _decode_bucket_manual(qb, k, v, b, scale, return_lse)
+        if b.index is None:
+            out.copy_(o)
+            if return_lse:
+                lse_all.copy_(lse * LOG2E)
+        else:
+            out.index_copy_(0, b.index, o.to(out.dtype))
+            if return_lse:
+                lse_all.index_copy_(0, b.index, lse * LOG2E)
+    return out, lse_all
 
 
 class TorchAttentionBackend:
@@ -172,7 +268,7 @@ class TorchAttentionBackend:
     def forward(self, layer_kv: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 meta: AttentionMetadata, scale: float) -> torch.Tensor:
         c = meta.prepare(layer_kv.device)
-        write_kv(layer_kv, k, v, meta.slot_mapping, c["slot_block"], c["slot_offset"])
+        write_kv(layer_kv, k, v, meta.slot_mapping, c["slot_block"], c["slot_offset"], c["slot_row"])
         tp, td = meta.num_prefill_tokens, meta.num_decode_tokens
         if td == 0:
             return paged_prefill_attention(q, layer_kv, meta, scale, k=k, v=v, return_lse=False)[0]

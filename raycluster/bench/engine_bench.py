@@ -63,6 +63,11 @@ class BenchOptions:
     bandwidth_mb: int = 1024
     matmul_n: int = 2048
     skip_hf: bool = False
+    # Scheduler of the throughput engine (stated in the JSON): FCFS + fixed-size token chunks, no
+    # latency predictor, i.e. plain continuous batching. The micro-benchmarks always use this.
+    policy: str = "fcfs"
+    packer: str = "token"
+    predictor: str = "none"
 
 
 # ---- workload -------------------------------------------------------------------------------
@@ -145,7 +150,14 @@ class _ForwardTimer:
         self._runner.__dict__.pop("execute", None)
 
 
+# The decode/prefill micro-benchmarks need deterministic step shapes (a pure decode of `batch`,
+# fixed chunks): FCFS + token packer, no predictor (the default lars/medha scheduler would
+# profile a predictor at start and pack time-budgeted chunks).
+MICRO_SCHED = {"policy": "fcfs", "packer": "token", "predictor": "none"}
+
+
 def _engine(model, threads: int | None, seed: int = 0, **cfg) -> LLMEngine:
+    cfg = {**MICRO_SCHED, **cfg}
     return LLMEngine(EngineConfig(num_threads=threads, seed=seed, **cfg), model)
 
 
@@ -154,10 +166,11 @@ def _greedy(max_tokens: int) -> SamplingParams:
 
 
 # ---- engine throughput ----------------------------------------------------------------------
-def run_engine(model, workload, threads: int | None, seed: int = 0, max_num_seqs: int = 128) -> dict:
+def run_engine(model, workload, threads: int | None, seed: int = 0, max_num_seqs: int = 128,
+               sched: dict | None = None) -> dict:
     kv_need = sum(len(p) + m for p, m in workload) + 16 * len(workload)
     engine = _engine(model, threads, seed, max_num_seqs=max(max_num_seqs, len(workload)),
-                     kv_cache_tokens=max(262144, kv_need))
+                     kv_cache_tokens=max(262144, kv_need), **(sched or {}))
     timer = _ForwardTimer(engine)
     t0 = time.perf_counter()
     reqs = [engine.add_request(f"bench-{i}", p, _greedy(m)) for i, (p, m) in enumerate(workload)]
@@ -367,6 +380,8 @@ def _meta(opts: BenchOptions, path: str, facts: dict, threads: int, load_start=N
                    "num_layers * 4 * num_heads * head_dim * T * (T + 1) / 2 (causal QK^T and PV); "
                    "mfu = FLOPs / prefill wall time / fp32 torch.mm peak (best of reps).",
             "peaks": "best of several repetitions: the bound is what this machine can do.",
+            "scheduler": f"throughput engine: policy={opts.policy}, packer={opts.packer}, predictor={opts.predictor} "
+                         f"(also results.engine.config); decode/prefill micro-benchmarks: {MICRO_SCHED}.",
         },
     }
 
@@ -416,7 +431,9 @@ def _run(opts: BenchOptions, log) -> dict:
     # Warm up both sides once on a small input.
     _engine(model, threads).generate([[FIRST_NORMAL_TOKEN + 1] * 8] * 2, _greedy(4))
     log("[bench] engine throughput")
-    eng = run_engine(model, workload, threads, opts.seed, opts.max_num_seqs)
+    sched = {"policy": opts.policy, "packer": opts.packer, "predictor": opts.predictor}
+    eng = run_engine(model, workload, threads, opts.seed, opts.max_num_seqs, sched)
+    eng["scheduler"] = sched
     log(f"[bench] engine {eng['output_tokens_per_s']:.1f} tok/s ({eng['wall_s']:.1f} s)")
     engine_outputs = eng.pop("outputs")
     results["engine"] = eng
@@ -457,7 +474,8 @@ def _run(opts: BenchOptions, log) -> dict:
 def summary(report: dict) -> str:
     r = report["results"]
     p = r["peaks"]
-    lines = [f"threads={report['meta']['threads']}  DRAM {p['dram_bandwidth']['peak_GBps']:.1f} GB/s  "
+    sched = r["engine"].get("scheduler", {})
+    lines = [f"engine scheduler: {sched}", f"threads={report['meta']['threads']}  DRAM {p['dram_bandwidth']['peak_GBps']:.1f} GB/s  "
              f"weights-sized {p['weights_sized_bandwidth']['peak_GBps']:.1f} GB/s  "
              f"matmul {p['matmul']['peak_GFLOPs']:.1f} GFLOP/s",
              f"workload: {r['workload']['num_requests']} requests, {r['workload']['prompt_tokens']} prompt / "
@@ -501,6 +519,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--decode-kv-lens", type=_ints, default=[256, 1024])
     p.add_argument("--prefill-tokens", type=_ints, default=[512, 2048, 8192])
     p.add_argument("--skip-hf", action="store_true")
+    p.add_argument("--policy", default="fcfs", help="throughput engine's policy (micro-benchmarks: fcfs)")
+    p.add_argument("--packer", default="token", choices=["token", "medha"], help="throughput engine's packer")
+    p.add_argument("--predictor", default="none", help="throughput engine's predictor")
     p.add_argument("--out", required=True, help="JSON file to write")
     return p
 
@@ -513,7 +534,8 @@ def main(argv: list[str] | None = None) -> int:
     opts = BenchOptions(model=a.model, num_requests=a.num_requests, threads=a.threads, seed=a.seed,
                         batch_sizes=a.batch_size, prompt_len=tuple(a.prompt_len), output_len=tuple(a.output_len),
                         max_num_seqs=a.max_num_seqs, decode_batches=a.decode_batches,
-                        decode_kv_lens=a.decode_kv_lens, prefill_tokens=a.prefill_tokens, skip_hf=a.skip_hf)
+                        decode_kv_lens=a.decode_kv_lens, prefill_tokens=a.prefill_tokens, skip_hf=a.skip_hf,
+                        policy=a.policy, packer=a.packer, predictor=a.predictor)
     report = run(opts, log=lambda m: print(m, file=sys.stderr, flush=True))
     with open(a.out, "w") as f:
         json.dump(report, f, indent=2)
