@@ -2,12 +2,22 @@
 contiguous buffer, in one run: `python -m raycluster.bench.kv_transfer_bench --out FILE.json`.
 
 Two `KVEndpoint` actors per connector (prefill, decode) hold a KV tensor shaped like the tiny
-model's (L=4, Hkv=2, D=32, fp32, block 16 tokens: 4 KiB per token). A handoff moves a request's
-scattered blocks (random source and destination ids): time = offer (prefill side, measured in
-the actor) + pull (decode side). The raw baseline moves `bytes` from one contiguous region:
-nixl READ of one descriptor; gloo irecv + Ray-triggered isend of a preallocated buffer (the
-handoff's control path without gather/scatter); ray.put + ray.get (zero-copy). Reported:
-median of `--repeats` runs, GB/s, and handoff/raw ratio (target >= 0.7).
+model's (L=4, Hkv=2, D=32, fp32, block 16 tokens: 2 KiB per token, 8 KiB per block per layer).
+A handoff moves a request's blocks: time = offer (prefill side, measured in the actor) + pull
+(decode side, measured in the actor), i.e. what the decode instance waits for. Block layouts
+(source and destination drawn independently):
+  allocator  what raycluster.engine.kv_manager.BlockAllocator hands out after churn (a pool
+             ~90% used by requests of mixed sizes coming and going): mostly long runs, the
+             realistic case and the headline;
+  runs16     runs of 16 consecutive blocks in random order;
+  scattered  uniformly random ids (fully fragmented pool, worst case).
+The raw baseline moves the same bytes from one contiguous region between the same two
+processes with the same transport: nixl READ of one descriptor; gloo irecv (into a reused
+buffer) + Ray-triggered isend (the handoff's control path without gather/scatter); ray.put +
+ray.get (zero-copy view, `raw`) and, since a handoff must land the bytes in the decode's own
+memory like the other two transports do, ray.put + ray.get + one copy into a reused buffer
+(`raw_into`). Each (layout, size) gets one unrecorded warmup, then `--repeats` interleaved
+handoff/raw pairs; reported: medians, GB/s, ratio = raw_s / handoff_s (target >= 0.7).
 """
 
 from __future__ import annotations
@@ -50,36 +60,67 @@ def _pair(ray, name: str, num_blocks: int):
     return actors
 
 
-def _handoff(ray, pre, dec, rid: str, src: list[int], dst: list[int], timeout_s: float) -> float:
+def _handoff(ray, pre, dec, rid: str, src: list[int], dst: list[int],
+             timeout_s: float) -> tuple[float, float]:
+    """(offer seconds, pull seconds), each measured inside its actor."""
     h, offer_s = ray.get(pre.timed_offer.remote(rid, src, len(src) * B), timeout=timeout_s)
     res = ray.get(dec.pull.remote(h, dst, timeout_s), timeout=timeout_s + 10)
     if not res["ok"]:
         raise RuntimeError(f"handoff failed: {res}")
     ray.get(pre.release.remote(rid), timeout=timeout_s)
-    return offer_s + res["seconds"]
+    return offer_s, res["seconds"]
 
 
-def _raw(ray, name: str, pre, dec, nbytes: int, extra: dict, tag: int, timeout_s: float) -> float:
+def _raw(ray, name: str, pre, dec, nbytes: int, extra: dict, tag: int,
+         timeout_s: float) -> tuple[float, float | None]:
+    """(raw seconds, raw-into-own-buffer seconds or None when the two are the same thing)."""
     if name == "nixl":
-        return ray.get(dec.raw_nixl_pull.remote(extra, nbytes, timeout_s), timeout=timeout_s + 10)
+        return ray.get(dec.raw_nixl_pull.remote(extra, nbytes, timeout_s),
+                       timeout=timeout_s + 10), None
     if name == "torch_dist":
         return ray.get(dec.raw_recv.remote(pre, 0, 1, nbytes, tag, timeout_s),
-                       timeout=timeout_s + 10)
+                       timeout=timeout_s + 10), None
     refs, put_s = ray.get(pre.raw_put.remote(nbytes), timeout=timeout_s)
-    return put_s + ray.get(dec.raw_get.remote(refs, timeout_s), timeout=timeout_s + 10)
+    get_s, copy_s = ray.get(dec.raw_get.remote(refs, timeout_s, True), timeout=timeout_s + 10)
+    return put_s + get_s, put_s + get_s + copy_s
+
+
+def _allocator_ids(rng, num_blocks: int, k: int, churn: int = 200) -> list[int]:
+    """The ids the engine's BlockAllocator (deque free list) gives a k-block request after
+    `churn` random admissions/completions of mixed-size requests with the pool ~90% full."""
+    from raycluster.engine.kv_manager import BlockAllocator
+    a = BlockAllocator(num_blocks)
+    live: list[list[int]] = []
+    target = max(0, int(0.9 * num_blocks) - k)
+    for _ in range(churn):
+        while a.num_used < target:
+            n = int(min(a.num_free - k, max(1, rng.geometric(1 / max(2, k // 2)))))
+            if n <= 0:
+                break
+            live.append(a.allocate(n))
+        if live:
+            for b in live.pop(int(rng.integers(len(live)))):
+                a.free(b)
+    return a.allocate(k)
 
 
 def _pick(rng, num_blocks: int, k: int, layout: str, run: int = 16) -> list[int]:
-    """k distinct block ids: uniformly scattered (fragmented pool, worst case) or as runs of
-    `run` consecutive ids in random order (what a lightly fragmented allocator hands out)."""
+    """k distinct block ids: uniformly scattered (fragmented pool, worst case), as runs of
+    `run` consecutive ids in random order, or as the engine's allocator hands them out."""
+    if layout == "allocator":
+        return _allocator_ids(rng, num_blocks, k)
     if layout == "scattered":
         return rng.choice(num_blocks, k, replace=False).tolist()
     chunks = rng.permutation(num_blocks // run)[: -(-k // run)]
     return [int(c) * run + j for c in chunks for j in range(run)][:k]
 
 
+def _runs(ids: list[int]) -> list[int]:
+    return [i for i in range(len(ids)) if i == 0 or ids[i] != ids[i - 1] + 1]
+
+
 def run(connectors: list[str], token_counts: list[int], repeats: int, timeout_s: float,
-        layouts: tuple[str, ...] = ("scattered", "runs16")) -> dict:
+        layouts: tuple[str, ...] = ("allocator", "runs16", "scattered")) -> dict:
     import ray
     max_blocks = max(-(-t // B) for t in token_counts)
     num_blocks = 2 * max_blocks + 16
@@ -88,31 +129,45 @@ def run(connectors: list[str], token_counts: list[int], repeats: int, timeout_s:
     for name in connectors:
         pre, dec = _pair(ray, name, num_blocks)
         try:
-            warm = _handoff(ray, pre, dec, "warm", [0, 1], [2, 3], timeout_s)  # connect, add peer
+            warm = sum(_handoff(ray, pre, dec, "warm", [0, 1], [2, 3], timeout_s))  # connect
             h = ray.get(pre.offer.remote("extra", [0], B), timeout=timeout_s)
             extra = h.extra if name == "nixl" else {}
-            raw_tag = 1_000_001                      # odd, far above the connector's tags
+            raw_tag = 1_000_000_001                  # far above the connector's tags
             for layout, tokens in [(lay, t) for t in token_counts for lay in layouts]:
                 k = -(-tokens // B)
                 nbytes = k * L * 2 * B * H * D * 4
-                hs, rs = [], []
-                for i in range(repeats):
+                offers, pulls, rs, ris, nruns = [], [], [], [], []
+                for i in range(repeats + 1):     # i == 0: warmup, not recorded
                     src = _pick(rng, num_blocks, k, layout)
                     dst = _pick(rng, num_blocks, k, layout)
-                    hs.append(_handoff(ray, pre, dec, f"r{layout}{tokens}-{i}", src, dst,
-                                       timeout_s))
-                    rs.append(_raw(ray, name, pre, dec, nbytes, extra, raw_tag, timeout_s))
+                    o, p = _handoff(ray, pre, dec, f"r{layout}{tokens}-{i}", src, dst, timeout_s)
+                    r, ri = _raw(ray, name, pre, dec, nbytes, extra, raw_tag, timeout_s)
                     raw_tag += 2
+                    if i:
+                        offers.append(o), pulls.append(p), rs.append(r), nruns.append(
+                            (len(_runs(src)), len(_runs(dst))))
+                        if ri is not None:
+                            ris.append(ri)
+                hs = [o + p for o, p in zip(offers, pulls)]
                 h_s, r_s = statistics.median(hs), statistics.median(rs)
-                row = {"connector": name, "layout": layout, "tokens": tokens, "blocks": k, "bytes": nbytes,
-                       "handoff_s": h_s, "raw_s": r_s, "handoff_GBps": nbytes / h_s / 1e9,
-                       "raw_GBps": nbytes / r_s / 1e9, "ratio": r_s / h_s,
-                       "handoff_all_s": hs, "raw_all_s": rs, "warmup_s": warm}
+                row = {"connector": name, "layout": layout, "tokens": tokens, "blocks": k,
+                       "bytes": nbytes, "handoff_s": h_s, "offer_s": statistics.median(offers),
+                       "pull_s": statistics.median(pulls), "raw_s": r_s,
+                       "handoff_GBps": nbytes / h_s / 1e9, "raw_GBps": nbytes / r_s / 1e9,
+                       "ratio": r_s / h_s, "handoff_all_s": hs, "raw_all_s": rs,
+                       "runs_src_dst": nruns, "warmup_s": warm}
+                extra_txt = ""
+                if ris:
+                    ri_s = statistics.median(ris)
+                    row.update(raw_into_s=ri_s, raw_into_GBps=nbytes / ri_s / 1e9,
+                               ratio_vs_raw_into=ri_s / h_s, raw_into_all_s=ris)
+                    extra_txt = f"  raw_into {row['raw_into_GBps']:5.2f} GB/s ratio {ri_s / h_s:.2f}"
                 results.append(row)
-                print(f"{name:13s} {layout:9s} {tokens:6d} tok {nbytes / 2**20:7.1f} MiB  handoff "
-                      f"{row['handoff_GBps']:6.2f} GB/s ({h_s * 1e3:7.2f} ms)  raw "
-                      f"{row['raw_GBps']:6.2f} GB/s ({r_s * 1e3:7.2f} ms)  ratio {row['ratio']:.2f}",
-                      flush=True)
+                print(f"{name:13s} {layout:9s} {tokens:6d} tok {nbytes / 2**20:6.1f} MiB  handoff "
+                      f"{row['handoff_GBps']:5.2f} GB/s ({h_s * 1e3:7.2f} ms = offer "
+                      f"{row['offer_s'] * 1e3:6.2f} + pull {row['pull_s'] * 1e3:6.2f})  raw "
+                      f"{row['raw_GBps']:5.2f} GB/s ({r_s * 1e3:7.2f} ms)  ratio "
+                      f"{row['ratio']:.2f}{extra_txt}", flush=True)
         finally:
             for a in (pre, dec):
                 ray.kill(a)
@@ -127,6 +182,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--tokens", default="2048,16384")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--timeout-s", type=float, default=60.0)
+    ap.add_argument("--layouts", default="allocator,runs16,scattered")
     args = ap.parse_args(argv)
     names = [c for c in args.connectors.split(",") if c]
     if "nixl" in names and importlib.util.find_spec("nixl") is None:
@@ -140,7 +196,8 @@ def main(argv: list[str] | None = None) -> None:
              _node_ip_address="127.0.0.1", runtime_env={"env_vars": env})
     try:
         t0 = time.time()
-        out = run(names, [int(t) for t in args.tokens.split(",")], args.repeats, args.timeout_s)
+        out = run(names, [int(t) for t in args.tokens.split(",")], args.repeats, args.timeout_s,
+                  tuple(x for x in args.layouts.split(",") if x))
         out["wall_s"] = time.time() - t0
     finally:
         ray.shutdown()

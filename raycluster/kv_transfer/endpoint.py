@@ -51,8 +51,11 @@ class KVEndpoint:
             return {"ok": False, "seconds": time.perf_counter() - t0,
                     "error": type(e).__name__, "msg": str(e)}
 
-    def kv_send(self, request_id: str, dst_rank: int, tag: int, timeout_s: float) -> int:
-        return self.conn.send_blocks(request_id, dst_rank, tag, timeout_s)
+    def kv_send(self, request_id: str, dst_rank: int, tag: int, timeout_s: float,
+                num_blocks: int | None = None) -> int:
+        if num_blocks is None:   # an older receiver: keep the old call
+            return self.conn.send_blocks(request_id, dst_rank, tag, timeout_s)
+        return self.conn.send_blocks(request_id, dst_rank, tag, timeout_s, num_blocks=num_blocks)
 
     def release(self, request_id: str) -> bool:
         return self.conn.release(request_id)
@@ -103,7 +106,7 @@ class KVEndpoint:
         to send) but into a preallocated contiguous buffer with no gather/scatter."""
         import ray
         import torch.distributed as dist
-        buf = torch.empty(nbytes // self.kv.element_size(), dtype=self.kv.dtype)
+        buf = self._raw_buf(nbytes)   # reused, like the connector's pooled receive buffer
         t0 = time.perf_counter()
         work = dist.irecv(buf, src=src_rank, tag=tag)
         ack = src_actor.raw_send.remote(my_rank, nbytes, tag, timeout_s)
@@ -121,10 +124,25 @@ class KVEndpoint:
         self._raw_ref = ref  # keep the object alive until the next raw_put
         return [ref], dt     # wrapped in a list so Ray passes the ref, not its value
 
-    def raw_get(self, refs: list, timeout_s: float) -> float:
+    def raw_get(self, refs: list, timeout_s: float, copy_into: bool = False):
+        """Seconds of a zero-copy get; with copy_into, (get seconds, seconds to copy the bytes
+        into a reused buffer of this process, as a pull must land them in its KV cache)."""
         import ray
         t0 = time.perf_counter()
         arr = ray.get(refs[0], timeout=timeout_s)
         dt = time.perf_counter() - t0
+        if not copy_into:
+            del arr
+            return dt
+        dst = self._raw_buf(arr.nbytes)
+        t1 = time.perf_counter()
+        np.copyto(dst.numpy()[: arr.size], arr)
+        dt_copy = time.perf_counter() - t1
         del arr
-        return dt
+        return dt, dt_copy
+
+    def _raw_buf(self, nbytes: int) -> torch.Tensor:
+        n = nbytes // self.kv.element_size()
+        if getattr(self, "_rawbuf", None) is None or self._rawbuf.numel() < n:
+            self._rawbuf = torch.zeros(n, dtype=self.kv.dtype)   # faulted in once
+        return self._rawbuf[:n]

@@ -5,28 +5,37 @@ construction through a TCPStore on 127.0.0.1 or the cluster head; every rank mus
 the same time, as init_process_group is collective) and the two-sided send/recv protocol:
 
   decode (rank d)                               prefill (rank p, named Ray actor = instance id)
-  1. buf = empty [L, k, 2, B, H, D]; tag = fresh
-  2. irecv(header, p, tag)       ---- request_send(handle, d, tag, timeout) ---->
-                                                3. send_blocks(request_id, d, tag, timeout):
-                                                   isend([offered?, nbytes], d, tag); if offered:
-                                                   gather blocks -> one contiguous buffer,
-                                                   isend(buf, d, tag + 1); wait(timeout)
-  4. header ok -> irecv(buf, p, tag + 1); wait (bounded), failing early if the ack reports
-     an error; scatter buf into the destination blocks.
+  1. buf = [L, k, 2, B, H, D] (pooled); tag = fresh; plan = layer chunks (chunk_plan)
+  2. irecv(header, p, tag); irecv(buf[chunk i], p, tag + 1 + i) for every chunk, all posted
+     up front                    ---- request_send(handle, d, tag, timeout) ---->
+                                                3. send_blocks(request_id, d, tag, timeout, k):
+                                                   isend([offered?, nbytes, chunks], d, tag);
+                                                   per chunk: gather its layers straight into
+                                                   the (pooled) send buffer, isend it on
+                                                   tag + 1 + i; wait all (timeout)
+  4. a waiter thread waits header, then chunk by chunk; the caller scatters each chunk into the
+     destination blocks as soon as it lands (overlapping the next chunk's gather + transfer),
+     failing early if the ack reports an error.
 
-One contiguous buffer per transfer because many small sends are 4-60x slower. The decode side
-picks the tag, so a retry never matches a stale send. `request_send` is injectable; the default
-(`ray_actor_sender`) calls `kv_send(request_id, dst_rank, tag, timeout_s)` on the Ray actor named
-after the source instance, which should call `send_blocks`. A dead or silent source gives
-KVTransferError within timeout_s. A refusal still sends the header, so no recv is left
-dangling; after a timeout the recv stays posted for recv_grace_s more (see pull) because an
-expired gloo wait closes the pair's connection. With NCCL tags are ignored and order is per
-pair, so after a timeout the pair must be re-created before the next transfer.
+Chunks are whole layers and >= ~1 MiB (many small sends are 4-60x slower); layer chunks let
+the sender's gather, the wire and the receiver's scatter run concurrently instead of in three
+passes one after another. No round trip precedes the data: all receives are posted before the
+send is requested, so a refusal must still complete them: the sender answers a refused offer
+with header [0, 0, n] and a 1-element message per chunk (gloo completes a receive with a
+shorter message), which is why `request_send` passes the block count. The decode side picks the
+tag, so a retry never matches a stale send. `request_send` is injectable; the default
+(`ray_actor_sender`) calls `kv_send(request_id, dst_rank, tag, timeout_s, num_blocks=k)` on the
+Ray actor named after the source instance, which should call `send_blocks`. A dead or silent
+source gives KVTransferError within timeout_s. After a timeout the receives stay posted for
+recv_grace_s more (see pull) because an expired gloo wait closes the pair's connection; the
+abandoned buffer is never reused and nothing is scattered from it. With NCCL tags are ignored
+and order is per pair, so after a timeout the pair must be re-created before the next transfer.
 """
 
 from __future__ import annotations
 
 import itertools
+import queue
 import threading
 import time
 from datetime import timedelta
@@ -44,8 +53,48 @@ def ray_actor_sender(method: str = "kv_send", namespace: str | None = None) -> C
     def request_send(handle: KVHandle, dst_rank: int, tag: int, timeout_s: float):
         import ray
         actor = ray.get_actor(handle.src_instance, namespace=namespace)
-        return getattr(actor, method).remote(handle.request_id, dst_rank, tag, timeout_s)
+        return getattr(actor, method).remote(handle.request_id, dst_rank, tag, timeout_s,
+                                             num_blocks=len(handle.src_block_ids))
     return request_send
+
+
+TAG_STRIDE = 64          # tags [tag, tag + TAG_STRIDE) belong to one transfer
+MAX_CHUNKS = 8           # header + chunks must fit in one tag stride
+MIN_CHUNK_BYTES = 1 << 20
+
+
+def chunk_plan(num_layers: int, layer_bytes: int, max_chunks: int = MAX_CHUNKS,
+               min_chunk_bytes: int = MIN_CHUNK_BYTES) -> list[tuple[int, int]]:
+    """Split layers [0, num_layers) into consecutive (l0, l1) chunks of >= min_chunk_bytes each
+    (when possible) and at most max_chunks. Both sides compute it from (L, k * block bytes)."""
+    total = num_layers * layer_bytes
+    n = max(1, min(num_layers, max_chunks, total // max(min_chunk_bytes, 1)))
+    bounds = [round(i * num_layers / n) for i in range(n + 1)]
+    return [(bounds[i], bounds[i + 1]) for i in range(n)]
+
+
+class _BufferPool:
+    """Reusable, already-faulted-in flat buffers (a fresh 32 MiB tensor costs ~8k page faults
+    per transfer). A buffer handed out is owned by the caller until given back; one abandoned by
+    a timed-out receive is simply never given back."""
+
+    def __init__(self, keep: int = 2) -> None:
+        self.keep = keep
+        self._free: list[torch.Tensor] = []
+        self._lock = threading.Lock()
+
+    def take(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        with self._lock:
+            for i, b in enumerate(self._free):
+                if b.numel() >= numel and b.dtype == dtype and b.device == device:
+                    return self._free.pop(i)
+        return torch.empty(numel, dtype=dtype, device=device)
+
+    def give(self, buf: torch.Tensor) -> None:
+        with self._lock:
+            self._free.append(buf)
+            self._free.sort(key=lambda b: b.numel())
+            del self._free[:-self.keep]
 
 
 def _ack_state(ack: Any) -> tuple[bool, BaseException | None]:
@@ -79,8 +128,11 @@ class TorchDistConnector(KVConnector):
                  world_size: int | None = None, store_host: str = "127.0.0.1",
                  store_port: int | None = None, backend: str | None = None,
                  init_timeout_s: float = 60.0, request_send: Callable | None = None,
-                 lease_s: float = 30.0, clock=None, recv_grace_s: float = 60.0) -> None:
+                 lease_s: float = 30.0, clock=None, recv_grace_s: float = 60.0,
+                 max_chunks: int = MAX_CHUNKS, min_chunk_bytes: int = MIN_CHUNK_BYTES) -> None:
         super().__init__(kv_cache, instance_id, lease_s, clock)
+        if not 1 <= max_chunks < TAG_STRIDE:
+            raise ValueError(f"max_chunks must be in [1, {TAG_STRIDE - 1}], got {max_chunks}")
         if not dist.is_initialized():
             if rank is None or world_size is None or store_port is None:
                 raise ValueError("torch_dist needs rank, world_size and store_port to join the group")
@@ -93,7 +145,10 @@ class TorchDistConnector(KVConnector):
         self.rank = dist.get_rank()
         self.request_send = request_send or ray_actor_sender()
         self.recv_grace_s = recv_grace_s
+        self.max_chunks, self.min_chunk_bytes = max_chunks, min_chunk_bytes
+        self.block_bytes = kv_cache[0, 0].numel() * kv_cache.element_size()
         self._tags = itertools.count(1)
+        self._send_pool, self._recv_pool = _BufferPool(), _BufferPool()
 
     def local_descriptor(self) -> dict[str, int]:
         return {"rank": self.rank}
@@ -101,28 +156,58 @@ class TorchDistConnector(KVConnector):
     def _offer_extra(self, handle: KVHandle) -> dict[str, Any]:
         return {"rank": self.rank}
 
+    def _plan(self, num_blocks: int) -> list[tuple[int, int]]:
+        return chunk_plan(self.kv_cache.shape[0], num_blocks * self.block_bytes,
+                          self.max_chunks, self.min_chunk_bytes)
+
+    def _staging(self, pool: _BufferPool, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        kv = self.kv_cache
+        shape = (kv.shape[0], k) + tuple(kv.shape[2:])
+        flat = pool.take(kv.shape[0] * k * kv[0, 0].numel(), kv.dtype, kv.device)
+        return flat, flat[: kv.shape[0] * k * kv[0, 0].numel()].view(shape)
+
     # -- prefill side ------------------------------------------------------------------------
-    def send_blocks(self, request_id: str, dst_rank: int, tag: int, timeout_s: float) -> int:
-        """Send a header (ok?, nbytes) on `tag`, then, if the request is offered, its blocks as
-        one buffer on `tag + 1`. A refusal is still answered with a header so the receiver's
-        posted recv completes and the gloo pair stays healthy. Returns the bytes sent."""
+    def send_blocks(self, request_id: str, dst_rank: int, tag: int, timeout_s: float,
+                    num_blocks: int | None = None) -> int:
+        """Send a header (ok?, nbytes, chunks) on `tag`, then the offered blocks in layer chunks
+        on tag + 1 + i, each gathered straight into the send buffer just before its isend.
+        `num_blocks` is the receiver's block count (the layout's chunk plan); a refusal answers
+        every posted receive (header [0, 0, n] + one element per chunk) so the gloo pair stays
+        healthy. Without `num_blocks` (an old receiver) only the header is sent on refusal.
+        Returns the bytes sent."""
+        kv = self.kv_cache
         blocks = self.offered(request_id)
-        buf = None
-        if blocks is not None:
-            self.leases.renew(request_id)  # a transfer in flight must not lose its blocks
-            buf = gather_blocks(self.kv_cache, blocks)
-        nbytes = 0 if buf is None else buf.numel() * buf.element_size()
-        header = torch.tensor([int(buf is not None), nbytes], dtype=torch.int64,
-                              device=self.kv_cache.device)
+        if blocks is not None and num_blocks is not None and num_blocks != len(blocks):
+            blocks = None  # the receiver expects another layout: refuse rather than misplace
+        plan = self._plan(len(blocks) if blocks is not None else (num_blocks or 0))
+        if blocks is None and num_blocks is None:
+            plan = []
+        nbytes = 0 if blocks is None else len(blocks) * kv.shape[0] * self.block_bytes
+        header = torch.tensor([int(blocks is not None), nbytes, len(plan)], dtype=torch.int64,
+                              device=kv.device)
+        flat = None
+        works = []
         try:
-            works = [dist.isend(header, dst_rank, tag=tag)]
-            if buf is not None:
-                works.append(dist.isend(buf, dst_rank, tag=tag + 1))
+            works.append(dist.isend(header, dst_rank, tag=tag))
+            if blocks is None:
+                stub = torch.zeros(1, dtype=kv.dtype, device=kv.device)
+                works.extend(dist.isend(stub, dst_rank, tag=tag + 1 + i) for i in range(len(plan)))
+            else:
+                self.leases.renew(request_id)  # a transfer in flight must not lose its blocks
+                flat, buf = self._staging(self._send_pool, len(blocks))
+                idx = torch.as_tensor(blocks, dtype=torch.long, device=kv.device)
+                for i, (l0, l1) in enumerate(plan):
+                    torch.index_select(kv[l0:l1], 1, idx, out=buf[l0:l1])
+                    works.append(dist.isend(buf[l0:l1], dst_rank, tag=tag + 1 + i))
             for w in works:
                 w.wait(timeout=timedelta(seconds=timeout_s))
         except Exception as e:
+            flat = None  # may still be read by a half-done send: never reuse it
             raise KVTransferError(f"send of {request_id!r} to rank {dst_rank} failed: {e}") from e
-        if buf is None:
+        finally:
+            if flat is not None:
+                self._send_pool.give(flat)
+        if blocks is None:
             raise KVTransferError(f"{request_id!r} is not offered here (released or lease expired)")
         return nbytes
 
@@ -132,47 +217,68 @@ class TorchDistConnector(KVConnector):
         src = int(handle.extra["rank"])
         deadline = time.monotonic() + timeout_s
         kv = self.kv_cache
-        buf = torch.empty((kv.shape[0], len(dst_block_ids)) + tuple(kv.shape[2:]),
-                          dtype=kv.dtype, device=kv.device)
-        header = torch.zeros(2, dtype=torch.int64, device=kv.device)
-        tag = 2 * next(self._tags)          # header on tag, data on tag + 1
+        k = len(dst_block_ids)
+        plan = self._plan(k)
+        flat, buf = self._staging(self._recv_pool, k)
+        header = torch.zeros(3, dtype=torch.int64, device=kv.device)
+        tag = TAG_STRIDE * next(self._tags)   # header on tag, chunk i on tag + 1 + i
         what = f"recv of {handle.request_id!r} from rank {src}"
         try:
-            hwork = dist.irecv(header, src=src, tag=tag)
+            works = [dist.irecv(header, src=src, tag=tag)]
+            works += [dist.irecv(buf[l0:l1], src=src, tag=tag + 1 + i)
+                      for i, (l0, l1) in enumerate(plan)]
+        except Exception as e:  # dead pair, ...
+            raise KVTransferError(f"{what}: could not start: {type(e).__name__}: {e}") from e
+        try:
             ack = self.request_send(handle, self.rank, tag, timeout_s)
         except KVTransferError:
             raise
-        except Exception as e:  # unknown actor, dead pair, ...
+        except Exception as e:  # unknown actor, ...
             raise KVTransferError(f"{what}: could not start: {type(e).__name__}: {e}") from e
         # gloo's is_completed() stays False until someone waits, and a wait that times out closes
         # the pair's connection (every later transfer on it fails). So one thread waits, with
         # timeout_s + recv_grace_s, letting a late sender finish into the abandoned buffer and
-        # keep the pair usable; this thread gives up at timeout_s and watches the sender's ack
-        # (fast failure for a refused offer or a dead actor).
-        result: list[BaseException | None] = []
-        done = threading.Event()
+        # keep the pair usable, and reports each completed receive; this thread scatters each
+        # chunk as it lands, gives up at timeout_s and watches the sender's ack (fast failure
+        # for a refused offer or a dead actor). Only this thread touches the KV cache.
+        landed: queue.Queue = queue.Queue()
         long_wait = timedelta(seconds=timeout_s + self.recv_grace_s)
 
         def _wait() -> None:
-            try:
-                hwork.wait(timeout=long_wait)
-                if int(header[0]) != 1:
-                    raise KVTransferError("sender refused: not offered (released or lease expired)")
-                dist.irecv(buf, src=src, tag=tag + 1).wait(timeout=long_wait)
-                result.append(None)
-            except BaseException as e:  # noqa: BLE001 - handed to the caller below
-                result.append(e)
-            done.set()
+            for i, w in enumerate(works):
+                try:
+                    w.wait(timeout=long_wait)
+                except BaseException as e:  # noqa: BLE001 - handed to the caller below
+                    landed.put(e)
+                    return
+                landed.put(i)
 
         threading.Thread(target=_wait, name=f"kv-recv-{tag}", daemon=True).start()
-        while not done.wait(0.005):
-            _, err = _ack_state(ack)   # ray.wait costs ~0.1 ms: every 5 ms is plenty
-            if err is not None:
-                raise KVTransferError(f"{what}: sender failed: {type(err).__name__}: {err}") from err
-            if time.monotonic() > deadline:
-                raise KVTransferError(f"{what} timed out after {timeout_s}s")
-        if result[0] is not None:
-            e = result[0]
-            msg = "timed out" if "imeout" in str(e) else "failed"
-            raise KVTransferError(f"{what} {msg} after {timeout_s}s: {e}") from e
-        scatter_blocks(kv, dst_block_ids, buf)
+        idx = torch.as_tensor(dst_block_ids, dtype=torch.long, device=kv.device)
+        got = 0
+        while got < len(works):
+            try:
+                item = landed.get(timeout=0.005)
+            except queue.Empty:
+                _, err = _ack_state(ack)   # ray.wait costs ~0.1 ms: every 5 ms is plenty
+                if err is not None:
+                    raise KVTransferError(f"{what}: sender failed: {type(err).__name__}: {err}") \
+                        from err
+                if time.monotonic() > deadline:
+                    raise KVTransferError(f"{what} timed out after {timeout_s}s")
+                continue
+            if isinstance(item, BaseException):
+                msg = "timed out" if "imeout" in str(item) else "failed"
+                raise KVTransferError(f"{what} {msg} after {timeout_s}s: {item}") from item
+            if item == 0 and int(header[0]) != 1:
+                # The remaining chunk receives complete with the sender's stub messages.
+                raise KVTransferError(f"{what}: sender refused: not offered (released or lease "
+                                      "expired)")
+            if item == 0 and int(header[2]) != len(plan):
+                raise KVTransferError(f"{what}: sender uses {int(header[2])} chunks, expected "
+                                      f"{len(plan)} (max_chunks/min_chunk_bytes differ)")
+            if item > 0:
+                l0, l1 = plan[item - 1]
+                kv[l0:l1].index_copy_(1, idx, buf[l0:l1])
+            got += 1
+        self._recv_pool.give(flat)   # only a fully received buffer is reused

@@ -41,7 +41,11 @@ def trio(request, ray_cluster):
         iid = f"{role}-{name}-{tag}"
         opts = {"lease_s": 2.0}
         if name == "torch_dist":
-            opts.update(rank=rank, world_size=3, store_port=port, init_timeout_s=30)
+            # 64 KiB chunks: a 7-block request (224 KiB) already moves as 3 pipelined chunks.
+            opts.update(rank=rank, world_size=3, store_port=port, init_timeout_s=30,
+                        min_chunk_bytes=1 << 16)
+        if name == "object_store":
+            opts.update(max_pieces=32)   # both offer paths: views (few runs), gather (many)
         actors.append(Actor.options(name=iid, max_restarts=0).remote(
             name, iid, SHAPE, seed=rank + 1, **opts))
     ray.get([a.setup.remote() for a in actors], timeout=60)
@@ -124,3 +128,37 @@ def test_killed_source_raises_within_timeout(trio):
         assert np.array_equal(got.view(np.uint32), src.view(np.uint32))
         return
     assert not res["ok"] and res["error"] == "KVTransferError", res
+
+
+def test_runs_and_scattered_layouts_bit_exact_and_pair_survives_refusal(trio):
+    """Long runs (object_store puts views, nixl merges descriptors) and a fragmented layout
+    (object_store gathers: > max_pieces runs), runs split on the destination side; for
+    torch_dist a refused pull with chunk receives posted must leave the pair usable."""
+    import ray
+    name, pre, dec, _ = trio
+    cases = [(list(range(20, 40)) + [3], [50, 51, 52] + list(range(5, 22)) + [60]),
+             ([int(b) for b in np.random.default_rng(1).choice(N, 24, replace=False)],
+              list(range(30, 54)))]
+    for i, (sb, db) in enumerate(cases):
+        before = ray.get(dec.blocks.remote(), timeout=30)
+        src = ray.get(pre.blocks.remote(sb), timeout=30)
+        h = ray.get(pre.offer.remote(f"req-lay{i}", sb, len(sb) * B), timeout=30)
+        res = ray.get(dec.pull.remote(h, db, 20.0), timeout=40)
+        assert res["ok"], res
+        after = ray.get(dec.blocks.remote(), timeout=30)
+        assert np.array_equal(after[:, db].view(np.uint32), src.view(np.uint32))
+        others = [b for b in range(N) if b not in db]
+        assert np.array_equal(after[:, others].view(np.uint32), before[:, others].view(np.uint32))
+        assert ray.get(pre.release.remote(f"req-lay{i}"), timeout=30) is True
+    if name != "torch_dist":
+        return
+    h = ray.get(pre.offer.remote("req-gone", list(range(8)), 8 * B), timeout=30)
+    ray.get(pre.release.remote("req-gone"), timeout=30)
+    res = ray.get(dec.pull.remote(h, list(range(40, 48)), 5.0), timeout=30)
+    assert not res["ok"] and "not offered" in res["msg"], res
+    h = ray.get(pre.offer.remote("req-after", list(range(8)), 8 * B), timeout=30)
+    src = ray.get(pre.blocks.remote(list(range(8))), timeout=30)
+    assert ray.get(dec.pull.remote(h, list(range(40, 48)), 10.0), timeout=30)["ok"]
+    got = ray.get(dec.blocks.remote(list(range(40, 48))), timeout=30)
+    assert np.array_equal(got.view(np.uint32), src.view(np.uint32))
+    ray.get(pre.release.remote("req-after"), timeout=30)

@@ -183,3 +183,52 @@ def test_nixl_read_between_two_agents_in_process():
     finally:
         src.close()
         dst.close()
+
+
+def test_torch_dist_chunk_plan():
+    from raycluster.kv_transfer.torch_dist_connector import MAX_CHUNKS, TAG_STRIDE, chunk_plan
+    assert MAX_CHUNKS < TAG_STRIDE
+    for layers in (1, 4, 7, 32, 80):
+        for layer_bytes in (1, 8 << 10, 1 << 20, 8 << 20):
+            plan = chunk_plan(layers, layer_bytes)
+            assert plan[0][0] == 0 and plan[-1][1] == layers
+            assert all(a < b for a, b in plan)
+            assert all(plan[i][1] == plan[i + 1][0] for i in range(len(plan) - 1))
+            assert 1 <= len(plan) <= MAX_CHUNKS
+            if len(plan) > 1:   # only split when every chunk keeps >= ~min bytes
+                assert min(b - a for a, b in plan) * layer_bytes >= (1 << 20) // 2
+    assert chunk_plan(4, 8 << 20) == [(0, 1), (1, 2), (2, 3), (3, 4)]
+    assert chunk_plan(4, 8 << 10) == [(0, 4)]
+
+
+def test_torch_dist_buffer_pool_reuses_and_bounds():
+    from raycluster.kv_transfer.torch_dist_connector import _BufferPool
+    pool = _BufferPool(keep=2)
+    a = pool.take(100, torch.float32, torch.device("cpu"))
+    pool.give(a)
+    assert pool.take(50, torch.float32, torch.device("cpu")) is a      # big enough: reused
+    b = pool.take(10, torch.float16, torch.device("cpu"))
+    assert b is not a and b.dtype == torch.float16
+    for t in (a, b, torch.empty(7), torch.empty(9)):
+        pool.give(t)
+    assert len(pool._free) == 2
+
+
+def test_object_store_src_runs():
+    from raycluster.kv_transfer.object_store_connector import src_runs
+    assert src_runs([]) == []
+    assert src_runs([4, 5, 6, 9, 10, 3]) == [(0, 3), (3, 2), (5, 1)]
+    assert src_runs(list(range(10, 20))) == [(0, 10)]
+
+
+def test_bench_allocator_layout_is_valid_and_mostly_runs():
+    from raycluster.bench.kv_transfer_bench import _allocator_ids, _pick, _runs
+    rng = np.random.default_rng(0)
+    for k in (8, 128, 512):
+        ids = _allocator_ids(rng, 2 * k + 16, k)
+        assert len(ids) == k == len(set(ids)) and all(0 <= b < 2 * k + 16 for b in ids)
+        if k >= 128:    # a tiny pool after churn is fully fragmented; bigger ones keep runs
+            assert len(_runs(ids)) < k // 2
+    for lay in ("scattered", "runs16"):
+        ids = _pick(rng, 300, 40, lay)
+        assert len(ids) == len(set(ids)) == 40
