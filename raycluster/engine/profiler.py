@@ -100,7 +100,7 @@ def profile_runner(runner: ModelRunner, plan: list, repeats: int = 2) -> tuple[L
 
 def profile_key(runner: ModelRunner) -> str:
     cfg = runner.model.config
-    ident = json.dumps({"features": 2, "cfg": repr(cfg), "threads": torch.get_num_threads(), "dtype": str(runner.kv_cache.dtype),
+    ident = json.dumps({"features": 3, "cfg": repr(cfg), "threads": torch.get_num_threads(), "dtype": str(runner.kv_cache.dtype),
                         "block": runner.kv.block_size}, sort_keys=True)
     return hashlib.sha256(ident.encode()).hexdigest()[:16]
 

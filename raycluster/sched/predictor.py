@@ -2,11 +2,10 @@
 roofline reduce to).
 
 time = overhead + per_prefill_token * sum(q) + per_attn_pair * sum(q * (kv_before + (q + 1) / 2))
-       + per_decode * n_decodes + per_decode_kv * n_decodes * max(decode_kv) + per_prefill * n_prefills
+       + per_decode * n_decodes + per_decode_kv * sum(decode_kv) + per_prefill * n_prefills
 
-Decode attention is charged by n_decodes * max(decode_kv), not sum(decode_kv): batched decode
-kernels pad every row to the longest KV (the torch backend does; a paged GPU kernel is closer
-to the sum, which a uniform batch makes equal).
+Decode attention is charged by the KV it reads, sum(decode_kv): paged GPU kernels read exactly
+that, and the torch backend groups decodes by KV length so its padding stays near 1.1x.
 
 Built from coefficients (fitted by `raycluster.sched.profile`, or set by hand in tests); the
 isolated prefill time of a prompt is a batch with one chunk holding all of it.
@@ -25,7 +24,7 @@ def batch_features(prefills: Sequence[tuple[int, int]], decode_kv_lens: Sequence
     attn = float(sum(q * (kv + (q + 1) / 2.0) for q, kv in prefills))
     n_dec = len(decode_kv_lens)
     return [1.0 if (prefills or decode_kv_lens) else 0.0, q_sum, attn,
-            float(n_dec), float(n_dec * max(decode_kv_lens, default=0)), float(len(prefills))]
+            float(n_dec), float(sum(decode_kv_lens)), float(len(prefills))]
 
 
 @dataclass
