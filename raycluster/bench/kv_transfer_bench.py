@@ -17,7 +17,10 @@ buffer) + Ray-triggered isend (the handoff's control path without gather/scatter
 ray.get (zero-copy view, `raw`) and, since a handoff must land the bytes in the decode's own
 memory like the other two transports do, ray.put + ray.get + one copy into a reused buffer
 (`raw_into`). Each (layout, size) gets one unrecorded warmup, then `--repeats` interleaved
-handoff/raw pairs; reported: medians, GB/s, ratio = raw_s / handoff_s (target >= 0.7).
+handoff/raw pairs; reported: medians, GB/s, ratio = raw_s / handoff_s (target >= 0.7), the
+median of per-pair ratios (robust to load drifting between pairs on a shared machine), one
+single-thread memcpy of the same bytes in the decode process (the cost of one extra pass) and,
+for torch_dist, the connector's own phase timings.
 """
 
 from __future__ import annotations
@@ -61,13 +64,17 @@ def _pair(ray, name: str, num_blocks: int):
 
 
 def _handoff(ray, pre, dec, rid: str, src: list[int], dst: list[int],
-             timeout_s: float) -> tuple[float, float]:
+             timeout_s: float, stats: list | None = None) -> tuple[float, float]:
     """(offer seconds, pull seconds), each measured inside its actor."""
     h, offer_s = ray.get(pre.timed_offer.remote(rid, src, len(src) * B), timeout=timeout_s)
     res = ray.get(dec.pull.remote(h, dst, timeout_s), timeout=timeout_s + 10)
     if not res["ok"]:
         raise RuntimeError(f"handoff failed: {res}")
     ray.get(pre.release.remote(rid), timeout=timeout_s)
+    if stats is not None:
+        stats.append({**res.get("stats", {}),
+                      **{"send_" + k: v for k, v in
+                         ray.get(pre.send_stats.remote(), timeout=timeout_s).items()}})
     return offer_s, res["seconds"]
 
 
@@ -136,14 +143,18 @@ def run(connectors: list[str], token_counts: list[int], repeats: int, timeout_s:
             for layout, tokens in [(lay, t) for t in token_counts for lay in layouts]:
                 k = -(-tokens // B)
                 nbytes = k * L * 2 * B * H * D * 4
-                offers, pulls, rs, ris, nruns = [], [], [], [], []
+                offers, pulls, rs, ris, nruns, stats, cps = [], [], [], [], [], [], []
                 for i in range(repeats + 1):     # i == 0: warmup, not recorded
                     src = _pick(rng, num_blocks, k, layout)
                     dst = _pick(rng, num_blocks, k, layout)
-                    o, p = _handoff(ray, pre, dec, f"r{layout}{tokens}-{i}", src, dst, timeout_s)
+                    st: list = []
+                    o, p = _handoff(ray, pre, dec, f"r{layout}{tokens}-{i}", src, dst, timeout_s,
+                                    st)
                     r, ri = _raw(ray, name, pre, dec, nbytes, extra, raw_tag, timeout_s)
+                    cp = ray.get(dec.memcpy_s.remote(nbytes), timeout=timeout_s)
                     raw_tag += 2
                     if i:
+                        stats.extend(st), cps.append(cp)
                         offers.append(o), pulls.append(p), rs.append(r), nruns.append(
                             (len(_runs(src)), len(_runs(dst))))
                         if ri is not None:
@@ -155,19 +166,28 @@ def run(connectors: list[str], token_counts: list[int], repeats: int, timeout_s:
                        "pull_s": statistics.median(pulls), "raw_s": r_s,
                        "handoff_GBps": nbytes / h_s / 1e9, "raw_GBps": nbytes / r_s / 1e9,
                        "ratio": r_s / h_s, "handoff_all_s": hs, "raw_all_s": rs,
-                       "runs_src_dst": nruns, "warmup_s": warm}
+                       "ratio_paired": statistics.median(r / h for r, h in zip(rs, hs)),
+                       "memcpy_s": statistics.median(cps), "runs_src_dst": nruns,
+                       "warmup_s": warm}
+                keys = sorted({k for d in stats for k in d})
+                if keys:
+                    row["phases_s"] = {k: statistics.median(d[k] for d in stats if k in d)
+                                       for k in keys}
                 extra_txt = ""
                 if ris:
                     ri_s = statistics.median(ris)
                     row.update(raw_into_s=ri_s, raw_into_GBps=nbytes / ri_s / 1e9,
-                               ratio_vs_raw_into=ri_s / h_s, raw_into_all_s=ris)
+                               ratio_vs_raw_into=ri_s / h_s, raw_into_all_s=ris,
+                               ratio_vs_raw_into_paired=statistics.median(
+                                   r / h for r, h in zip(ris, hs)))
                     extra_txt = f"  raw_into {row['raw_into_GBps']:5.2f} GB/s ratio {ri_s / h_s:.2f}"
                 results.append(row)
                 print(f"{name:13s} {layout:9s} {tokens:6d} tok {nbytes / 2**20:6.1f} MiB  handoff "
                       f"{row['handoff_GBps']:5.2f} GB/s ({h_s * 1e3:7.2f} ms = offer "
                       f"{row['offer_s'] * 1e3:6.2f} + pull {row['pull_s'] * 1e3:6.2f})  raw "
                       f"{row['raw_GBps']:5.2f} GB/s ({r_s * 1e3:7.2f} ms)  ratio "
-                      f"{row['ratio']:.2f}{extra_txt}", flush=True)
+                      f"{row['ratio']:.2f} (paired {row['ratio_paired']:.2f}){extra_txt}  memcpy "
+                      f"{row['memcpy_s'] * 1e3:.2f} ms", flush=True)
         finally:
             for a in (pre, dec):
                 ray.kill(a)

@@ -46,7 +46,8 @@ class KVEndpoint:
         t0 = time.perf_counter()
         try:
             self.conn.pull(handle, dst_block_ids, timeout_s)
-            return {"ok": True, "seconds": time.perf_counter() - t0}
+            return {"ok": True, "seconds": time.perf_counter() - t0,
+                    "stats": dict(getattr(self.conn, "last_pull_stats", {}))}
         except Exception as e:
             return {"ok": False, "seconds": time.perf_counter() - t0,
                     "error": type(e).__name__, "msg": str(e)}
@@ -59,6 +60,9 @@ class KVEndpoint:
 
     def release(self, request_id: str) -> bool:
         return self.conn.release(request_id)
+
+    def send_stats(self) -> dict:
+        return dict(getattr(self.conn, "last_send_stats", {}))
 
     def expire(self, now: float | None = None) -> list[str]:
         return self.conn.expire(now)
@@ -140,6 +144,17 @@ class KVEndpoint:
         dt_copy = time.perf_counter() - t1
         del arr
         return dt, dt_copy
+
+    def memcpy_s(self, nbytes: int) -> float:
+        """Seconds of one single-thread copy of nbytes between two reused buffers (the cost of
+        one extra pass over the data: a gather or a scatter of long runs)."""
+        n = nbytes // self.kv.element_size()
+        if getattr(self, "_cpbuf", None) is None or self._cpbuf.numel() < n:
+            self._cpbuf = torch.zeros(n, dtype=self.kv.dtype)
+        src = self._raw_buf(nbytes)
+        t0 = time.perf_counter()
+        self._cpbuf[:n].copy_(src)
+        return time.perf_counter() - t0
 
     def _raw_buf(self, nbytes: int) -> torch.Tensor:
         n = nbytes // self.kv.element_size()

@@ -8,7 +8,8 @@ straight from the zero-copy views into the destination blocks. No peer setup and
 
 Copies: `ray.put` copies every out-of-band numpy buffer into plasma once. When the request's
 blocks form few runs (what the engine's allocator hands out; at most `max_pieces` per-layer
-runs: Ray pays ~25 us per out-of-band buffer, so beyond ~500 a gather is cheaper), the offer
+runs of >= `min_piece_bytes` on average: Ray pays ~25 us per out-of-band buffer on put and the
+pull ~20 us per piece, about a memcpy of 128-256 KiB, so smaller pieces are cheaper gathered), the offer
 puts a list of views kv[l, start:start+n] (contiguous, no gather), so the put itself is the only
 pass over the data on the prefill side; otherwise (scattered blocks) it first gathers into a
 reused staging buffer (2 passes, no fresh allocation). The decode side always does exactly one pass
@@ -44,9 +45,9 @@ class ObjectStoreConnector(KVConnector):
     name = "object_store"
 
     def __init__(self, kv_cache: torch.Tensor, instance_id: str, lease_s: float = 30.0,
-                 clock=None, max_pieces: int = 512) -> None:
+                 clock=None, max_pieces: int = 512, min_piece_bytes: int = 128 << 10) -> None:
         super().__init__(kv_cache, instance_id, lease_s, clock)
-        self.max_pieces = max_pieces
+        self.max_pieces, self.min_piece_bytes = max_pieces, min_piece_bytes
         self._refs: dict[str, ray.ObjectRef] = {}
         self._staging: torch.Tensor | None = None   # reused gather buffer (already faulted in)
 
@@ -54,7 +55,10 @@ class ObjectStoreConnector(KVConnector):
         ids = handle.src_block_ids
         runs = src_runs(ids)
         kv = self.kv_cache
-        if kv.device.type == "cpu" and len(runs) * kv.shape[0] <= self.max_pieces:
+        pieces = len(runs) * kv.shape[0]
+        piece_bytes = len(ids) * kv[0, 0].numel() * kv.element_size() / len(runs)
+        if kv.device.type == "cpu" and pieces <= self.max_pieces and \
+                piece_bytes >= self.min_piece_bytes:
             # Views into the KV tensor: ray.put copies them into plasma, nothing else does.
             value = [kv[l, ids[p]:ids[p] + n].numpy() for l in range(kv.shape[0])
                      for p, n in runs]

@@ -149,6 +149,9 @@ class TorchDistConnector(KVConnector):
         self.block_bytes = kv_cache[0, 0].numel() * kv_cache.element_size()
         self._tags = itertools.count(1)
         self._send_pool, self._recv_pool = _BufferPool(), _BufferPool()
+        # Where the last transfer's time went (seconds), for benchmarks and logs.
+        self.last_send_stats: dict[str, float] = {}
+        self.last_pull_stats: dict[str, float] = {}
 
     def local_descriptor(self) -> dict[str, int]:
         return {"rank": self.rank}
@@ -196,11 +199,18 @@ class TorchDistConnector(KVConnector):
                 self.leases.renew(request_id)  # a transfer in flight must not lose its blocks
                 flat, buf = self._staging(self._send_pool, len(blocks))
                 idx = torch.as_tensor(blocks, dtype=torch.long, device=kv.device)
+                t0 = time.perf_counter()
                 for i, (l0, l1) in enumerate(plan):
                     torch.index_select(kv[l0:l1], 1, idx, out=buf[l0:l1])
                     works.append(dist.isend(buf[l0:l1], dst_rank, tag=tag + 1 + i))
-            for w in works:
-                w.wait(timeout=timedelta(seconds=timeout_s))
+                t1 = time.perf_counter()
+                for w in works:
+                    w.wait(timeout=timedelta(seconds=timeout_s))
+                self.last_send_stats = {"gather_s": t1 - t0, "drain_s": time.perf_counter() - t1,
+                                        "chunks": len(plan)}
+            if blocks is None:
+                for w in works:
+                    w.wait(timeout=timedelta(seconds=timeout_s))
         except Exception as e:
             flat = None  # may still be read by a half-done send: never reuse it
             raise KVTransferError(f"send of {request_id!r} to rank {dst_rank} failed: {e}") from e
@@ -255,7 +265,7 @@ class TorchDistConnector(KVConnector):
 
         threading.Thread(target=_wait, name=f"kv-recv-{tag}", daemon=True).start()
         idx = torch.as_tensor(dst_block_ids, dtype=torch.long, device=kv.device)
-        got = 0
+        got, t_start, t_first, scatter_s = 0, time.perf_counter(), None, 0.0
         while got < len(works):
             try:
                 item = landed.get(timeout=0.005)
@@ -279,6 +289,13 @@ class TorchDistConnector(KVConnector):
                                       f"{len(plan)} (max_chunks/min_chunk_bytes differ)")
             if item > 0:
                 l0, l1 = plan[item - 1]
+                ts = time.perf_counter()
+                t_first = ts if t_first is None else t_first
                 kv[l0:l1].index_copy_(1, idx, buf[l0:l1])
+                scatter_s += time.perf_counter() - ts
             got += 1
-        self._recv_pool.give(flat)   # only a fully received buffer is reused
+        self._recv_pool.give(flat)
+        t_end = time.perf_counter()
+        self.last_pull_stats = {"first_chunk_s": (t_first or t_end) - t_start,
+                                "scatter_s": scatter_s, "total_s": t_end - t_start,
+                                "chunks": len(plan)}   # only a fully received buffer is reused
