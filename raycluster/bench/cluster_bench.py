@@ -1,0 +1,520 @@
+"""Cluster overhead benchmarks: the Serve gateway + router + instance path vs one in-process engine.
+
+    python -m raycluster.bench.cluster_bench --out FILE.json [--skip-convoy] [--n-ttft 200]
+        [--streams 32] [--stream-tokens 128] [--no-throughput-optimized]
+
+1. TTFT of 1-token requests (16-token prompts, sequential): (a) `LLMEngine.add_request` + `step`
+   to the first token in this process; (b) the cluster (local topology: one mixed instance,
+   threads_per_instance=1) over HTTP via the Serve gateway. To locate the added time the cluster
+   phase also measures: the Serve HTTP floor (GET /v1/models), one Ray actor round trip to the
+   router, and the same 1-token request submitted by a `ClusterClient` in the driver (router +
+   instance path without HTTP / Serve proxy / gateway).
+2. Streaming: 32 concurrent requests of 128 tokens (ignore_eos) through the engine's own step
+   loop vs 32 concurrent SSE streams (httpx async) through the gateway: tokens/s, ratio, and the
+   per-stream gap between SSE events (an event carries every token of one router pull).
+3. (unless --skip-convoy) the convoy demonstration: `raycluster.bench.cluster_convoy`.
+
+Each cluster variant (default Serve, and RAY_SERVE_THROUGHPUT_OPTIMIZED=1 set before ray.init)
+runs in a child process of this one, so the env var reaches every Ray process and each variant
+gets a fresh Ray; the in-process engine baseline runs before and after, in this process.
+Ray: 127.0.0.1 only, no dashboard, temp dir under /tmp; the child tears down what it started.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from contextlib import contextmanager
+
+PROMPT_LEN = 16
+
+
+def pct(xs: list[float], q: float) -> float | None:
+    if not xs:
+        return None
+    s = sorted(xs)
+    return s[min(len(s) - 1, max(0, int(round(q / 100 * (len(s) - 1)))))]
+
+
+def summ(xs_s: list[float]) -> dict:
+    """Seconds in, milliseconds out."""
+    ms = [x * 1e3 for x in xs_s]
+    return {"n": len(ms), "p50_ms": pct(ms, 50), "p90_ms": pct(ms, 90), "p99_ms": pct(ms, 99),
+            "mean_ms": statistics.fmean(ms) if ms else None}
+
+
+def prompts(n: int, seed: int = 0, vocab=(6, 4000)) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(*vocab) for _ in range(PROMPT_LEN)] for _ in range(n)]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# ------------------------------------------------------------------ in-process engine baseline
+def make_engine(threads: int = 1):
+    import torch
+
+    from raycluster.cluster.config import ClusterConfig
+    from raycluster.engine.engine import LLMEngine
+    from raycluster.model.loader import load_model
+    from raycluster.model.registry import resolve_model_path
+
+    torch.set_num_threads(threads)
+    cfg = ClusterConfig(threads_per_instance=threads)      # the same engine config as the instance
+    ecfg = cfg.engine_config(cfg.pools[0])
+    model, _ = load_model(resolve_model_path(ecfg.model))
+    return LLMEngine(ecfg, model, tokenizer=None)
+
+
+def engine_ttft(engine, ps: list[list[int]], warmup: int = 10) -> list[float]:
+    from raycluster.request import SamplingParams
+
+    out = []
+    for i, p in enumerate(ps[:warmup] + ps):
+        t0 = time.perf_counter()
+        engine.add_request(f"t{i}", p, SamplingParams(max_tokens=1, ignore_eos=True))
+        first = None
+        for _ in range(1000):
+            res = engine.step()
+            if first is None and any(o.new_token_ids for o in res.outputs):
+                first = time.perf_counter() - t0
+            if not engine.has_unfinished():
+                break
+        if i >= warmup:
+            out.append(first)
+    return out
+
+
+def engine_stream(engine, n: int, tokens: int, seed: int = 1) -> dict:
+    from raycluster.request import SamplingParams
+
+    ps = prompts(n, seed)
+    times: dict[str, list[float]] = {}
+    t0 = time.perf_counter()
+    for i, p in enumerate(ps):
+        engine.add_request(f"s{seed}-{i}", p, SamplingParams(max_tokens=tokens, ignore_eos=True))
+        times[f"s{seed}-{i}"] = []
+    deadline = t0 + 600
+    steps = 0
+    while engine.has_unfinished() and time.perf_counter() < deadline:
+        res = engine.step()
+        steps += 1
+        t = time.perf_counter()
+        for o in res.outputs:
+            times[o.request_id].extend([t] * len(o.new_token_ids))
+    wall = time.perf_counter() - t0
+    res = stream_stats(times, wall, t0)
+    res["engine_steps"] = steps
+    res["wall_per_step_ms"] = 1e3 * wall / max(1, steps)
+    return res
+
+
+def stream_stats(times: dict[str, list[float]], wall: float, t0: float, events: dict | None = None) -> dict:
+    total = sum(len(v) for v in times.values())
+    gaps = [b - a for v in (events or times).values() for a, b in zip(v, v[1:])]
+    ttft = [v[0] - t0 for v in times.values() if v]
+    return {"streams": len(times), "tokens": total, "wall_s": wall, "tok_per_s": total / wall if wall else None,
+            "gap": summ(gaps), "ttft": summ(ttft),
+            "tokens_per_event": total / max(1, sum(len(v) for v in (events or times).values()))}
+
+
+# ------------------------------------------------------------------ the cluster (child process)
+@contextmanager
+def local_cluster(cfg: dict, port: int, tmp: str):
+    """ray.init (local, 127.0.0.1, no dashboard) + serve.start + serve.run(build_app(cfg)) + /health."""
+    import httpx
+    import ray
+    from ray import serve
+
+    from deployments.app import build_app
+
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    ray.init(num_cpus=8, include_dashboard=False, namespace="raycluster", _temp_dir=tmp,
+             _node_ip_address="127.0.0.1", log_to_driver=False)
+    router_name = cfg.get("router_name", "raycluster-router")
+    try:
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        serve.run(build_app(cfg), name="raycluster", route_prefix="/", blocking=False)
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline:
+            try:
+                if httpx.get(url + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        else:
+            raise RuntimeError("cluster not healthy within 300 s")
+        _URL[0] = url
+        yield url, ray.get_actor(router_name, namespace="raycluster")
+    finally:
+        for f in (lambda: serve.delete("raycluster"),
+                  lambda: ray.kill(ray.get_actor(router_name, namespace="raycluster")),
+                  serve.shutdown, ray.shutdown):
+            try:
+                f()
+            except Exception:
+                pass
+
+
+def http_ttft(url: str, ps: list[list[int]], warmup: int = 10) -> list[float]:
+    import httpx
+
+    out = []
+    with httpx.Client(timeout=60) as c:
+        for i, p in enumerate(ps[:warmup] + ps):
+            body = {"prompt": p, "max_tokens": 1, "temperature": 0, "ignore_eos": True}
+            t0 = time.perf_counter()
+            r = c.post(url + "/v1/completions", json=body)
+            dt = time.perf_counter() - t0
+            r.raise_for_status()
+            if i >= warmup:
+                out.append(dt)
+    return out
+
+
+def http_floor(url: str, n: int) -> list[float]:
+    import httpx
+
+    out = []
+    with httpx.Client(timeout=30) as c:
+        for i in range(n + 10):
+            t0 = time.perf_counter()
+            c.get(url + "/v1/models").raise_for_status()
+            if i >= 10:
+                out.append(time.perf_counter() - t0)
+    return out
+
+
+def actor_rtt(router, n: int, method: str = "inflight") -> list[float]:
+    import ray
+
+    out = []
+    for i in range(n + 10):
+        t0 = time.perf_counter()
+        ray.get(getattr(router, method).remote())
+        if i >= 10:
+            out.append(time.perf_counter() - t0)
+    return out
+
+
+def client_ttft(router, ps: list[list[int]], warmup: int = 10) -> list[float]:
+    """1-token requests through a ClusterClient in the driver: router + instance, no HTTP/Serve."""
+    from raycluster.cluster.client import ClusterClient
+    from raycluster.request import SamplingParams
+
+    async def run():
+        cc = ClusterClient(submit=lambda m: router.submit.remote(m), abort=lambda rid: router.abort.remote(rid),
+                           pull=lambda gid, t: router.pull.remote(gid, t), status=lambda: router.status.remote(),
+                           tokenizer=None, max_model_len=32768, vocab_size=4096, eos_token_ids=(1,),
+                           gateway_id="gw-bench-driver")
+        out = []
+        for i, p in enumerate(ps[:warmup] + ps):
+            t0 = time.perf_counter()
+            async for o in cc.generate(cc.next_id(), p, SamplingParams(max_tokens=1, ignore_eos=True)):
+                if o.finished:
+                    break
+            if i >= warmup:
+                out.append(time.perf_counter() - t0)
+        if cc._pull_task:
+            cc._pull_task.cancel()
+        return out
+
+    return asyncio.run(run())
+
+
+def http_health(url: str, n: int) -> list[float]:
+    """GET /health: the Serve proxy + gateway + one router actor call (status) from the replica."""
+    import httpx
+
+    out = []
+    with httpx.Client(timeout=30) as c:
+        for i in range(n + 10):
+            t0 = time.perf_counter()
+            c.get(url + "/health").raise_for_status()
+            if i >= 10:
+                out.append(time.perf_counter() - t0)
+    return out
+
+
+def replica_actor_rtt(router_name: str, n: int) -> dict:
+    """Router actor calls made from inside a Serve replica (as the gateway makes them), timed in the
+    replica: a throwaway app at /bench-probe awaiting router.inflight / router.status n times."""
+    import httpx
+    from ray import serve
+
+    @serve.deployment(ray_actor_options={"num_cpus": 0})
+    class Probe:
+        def __init__(self, name: str) -> None:
+            import ray
+            self.router = ray.get_actor(name, namespace="raycluster")
+
+        async def __call__(self, request) -> dict:
+            out = {}
+            for meth in ("inflight", "status"):
+                xs = []
+                for i in range(n + 10):
+                    t0 = time.perf_counter()
+                    await getattr(self.router, meth).remote()
+                    if i >= 10:
+                        xs.append(time.perf_counter() - t0)
+                out[meth] = xs
+            return out
+
+    serve.run(Probe.bind(router_name), name="bench-probe", route_prefix="/bench-probe", blocking=False)
+    try:
+        for _ in range(120):
+            try:
+                r = httpx.get(f"{serve_url()}/bench-probe", timeout=60)
+                if r.status_code == 200:
+                    return {k: summ(v) for k, v in r.json().items()}
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        return {"error": "probe app did not answer"}
+    finally:
+        try:
+            serve.delete("bench-probe")
+        except Exception:
+            pass
+
+
+_URL = [""]
+
+
+def serve_url() -> str:
+    return _URL[0]
+
+
+def null_engine_ttft(ps: list[list[int]], warmup: int = 10) -> dict:
+    """The messaging path alone: a second router actor, a fake instance thread in this process that
+    answers every work item with one token at once (no engine), and a ClusterClient submitting
+    1-token requests. Legs (perf_counter, one process): submit -> the instance's poll returns ->
+    its push returns -> the client sees the event."""
+    import threading
+
+    import ray
+
+    from raycluster.cluster.client import ClusterClient
+    from raycluster.cluster.messages import InstanceStats, StepReport, TokenEvent
+    from raycluster.cluster.router_actor import RouterActor
+    from raycluster.cluster.router_core import RouterConfig
+    from raycluster.request import SamplingParams
+
+    router = RouterActor.options(name="bench-null-router", namespace="raycluster").remote(RouterConfig(policy="fcfs"))
+    stop = threading.Event()
+    seen: dict[str, float] = {}
+    pushed: dict[str, float] = {}
+    n_work = [0]
+
+    def stats():
+        return InstanceStats("null-0", "mixed", kv_free_blocks=4096, kv_total_blocks=4096, work_seen=n_work[0])
+
+    def fake_instance():
+        while not stop.is_set():
+            reply = ray.get(router.poll.remote("null-0", stats(), 0.5))
+            if not reply.work:
+                continue
+            t = time.perf_counter()
+            n_work[0] += len(reply.work)
+            for w in reply.work:
+                seen[w.meta.request_id] = t
+            ray.get(router.push.remote(StepReport(stats(), [TokenEvent(w.meta.request_id, [7], True, "length")
+                                                            for w in reply.work])))
+            t = time.perf_counter()
+            for w in reply.work:
+                pushed[w.meta.request_id] = t
+
+    th = threading.Thread(target=fake_instance, daemon=True)
+    th.start()
+    time.sleep(1.0)
+
+    async def run():
+        cc = ClusterClient(submit=lambda m: router.submit.remote(m), abort=lambda rid: router.abort.remote(rid),
+                           pull=lambda gid, t: router.pull.remote(gid, t), status=lambda: router.status.remote(),
+                           tokenizer=None, max_model_len=32768, vocab_size=4096, eos_token_ids=(1,),
+                           gateway_id="gw-bench-null")
+        legs = {"total": [], "submit_to_poll": [], "poll_to_push_done": [], "push_done_to_client": []}
+        for i, p in enumerate(ps[:warmup] + ps):
+            rid = cc.next_id()
+            t0 = time.perf_counter()
+            async for o in cc.generate(rid, p, SamplingParams(max_tokens=1, ignore_eos=True)):
+                if o.finished:
+                    break
+            t1 = time.perf_counter()
+            if i >= warmup and rid in seen and rid in pushed:
+                legs["total"].append(t1 - t0)
+                legs["submit_to_poll"].append(seen[rid] - t0)
+                legs["poll_to_push_done"].append(pushed[rid] - seen[rid])
+                legs["push_done_to_client"].append(t1 - pushed[rid])
+        if cc._pull_task:
+            cc._pull_task.cancel()
+        return legs
+
+    try:
+        legs = asyncio.run(run())
+    finally:
+        stop.set()
+        th.join(2.0)
+        ray.kill(router)
+    return {k: summ(v) for k, v in legs.items()}
+
+
+def http_stream(url: str, n: int, tokens: int, seed: int = 1) -> dict:
+    import httpx
+
+    ps = prompts(n, seed)
+
+    async def one(c, p, key, times, events):
+        body = {"prompt": p, "max_tokens": tokens, "temperature": 0, "ignore_eos": True, "stream": True,
+                "stream_options": {"include_usage": True}}
+        async with c.stream("POST", url + "/v1/completions", json=body) as r:
+            r.raise_for_status()
+            async for line in r.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                ev = json.loads(line[6:])
+                t = time.perf_counter()
+                if ev.get("choices"):
+                    events[key].append(t)
+                if ev.get("usage"):
+                    k = ev["usage"]["completion_tokens"]
+                    # tokens per event are not in the SSE chunk: spread them over the events
+                    ev_t = events[key]
+                    times[key] = [ev_t[min(len(ev_t) - 1, j * len(ev_t) // max(1, k))] for j in range(k)]
+
+    async def run():
+        times = {i: [] for i in range(n)}
+        events = {i: [] for i in range(n)}
+        limits = httpx.Limits(max_connections=n + 4, max_keepalive_connections=n + 4)
+        async with httpx.AsyncClient(timeout=600, limits=limits) as c:
+            t0 = time.perf_counter()
+            await asyncio.gather(*(one(c, p, i, times, events) for i, p in enumerate(ps)))
+            wall = time.perf_counter() - t0
+        return stream_stats(times, wall, t0, events)
+
+    return asyncio.run(run())
+
+
+def cluster_phase(args) -> dict:
+    cfg = {"model": "tiny", "policy": "lars", "threads_per_instance": 1, "pools": [{"role": "mixed", "instances": 1}]}
+    ps = prompts(args.n_ttft, seed=0)
+    with tempfile.TemporaryDirectory(prefix="rcb-", dir="/tmp") as tmp:
+        os.environ["RAY_TMPDIR"] = tmp
+        with local_cluster(cfg, free_port(), tmp) as (url, router):
+            res = {"env_throughput_optimized": os.environ.get("RAY_SERVE_THROUGHPUT_OPTIMIZED", "0")}
+            http_stream(url, 4, 8, seed=99)                # warm the streaming path
+            res["http_ttft"] = summ(http_ttft(url, ps))
+            res["client_ttft"] = summ(client_ttft(router, ps))
+            res["http_floor"] = summ(http_floor(url, min(200, args.n_ttft)))
+            res["actor_rtt"] = summ(actor_rtt(router, min(200, args.n_ttft)))
+            res["http_health"] = summ(http_health(url, min(200, args.n_ttft)))
+            res["null_engine"] = null_engine_ttft(ps)
+            res["replica_actor_rtt"] = replica_actor_rtt(cfg.get("router_name", "raycluster-router"), 100)
+            res["driver_status_rtt"] = summ(actor_rtt(router, 100, "status"))
+            res["http_ttft_again"] = summ(http_ttft(url, ps[: max(20, args.n_ttft // 4)], warmup=0))
+            res["stream"] = http_stream(url, args.streams, args.stream_tokens)
+    return res
+
+
+def run_child(args, optimized: bool) -> dict:
+    env = dict(os.environ)
+    env.pop("RAY_SERVE_THROUGHPUT_OPTIMIZED", None)
+    if optimized:
+        env["RAY_SERVE_THROUGHPUT_OPTIMIZED"] = "1"
+    with tempfile.NamedTemporaryFile(suffix=".json", dir="/tmp", delete=False) as fh:
+        out = fh.name
+    cmd = [sys.executable, "-m", "raycluster.bench.cluster_bench", "--phase", "cluster", "--out", out,
+           "--n-ttft", str(args.n_ttft), "--streams", str(args.streams), "--stream-tokens", str(args.stream_tokens)]
+    p = subprocess.run(cmd, env=env, timeout=900)
+    if p.returncode != 0:
+        return {"error": f"cluster phase exited {p.returncode}"}
+    with open(out) as fh:
+        res = json.load(fh)
+    os.unlink(out)
+    return res
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m raycluster.bench.cluster_bench", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--n-ttft", type=int, default=200)
+    ap.add_argument("--streams", type=int, default=32)
+    ap.add_argument("--stream-tokens", type=int, default=128)
+    ap.add_argument("--no-throughput-optimized", action="store_true", help="skip the RAY_SERVE_THROUGHPUT_OPTIMIZED=1 variant")
+    ap.add_argument("--skip-convoy", action="store_true")
+    ap.add_argument("--convoy-args", default="", help="extra arguments for raycluster.bench.cluster_convoy")
+    ap.add_argument("--phase", choices=["all", "cluster"], default="all", help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+
+    if args.phase == "cluster":
+        res = cluster_phase(args)
+        with open(args.out, "w") as fh:
+            json.dump(res, fh, indent=2)
+        return 0
+
+    ps = prompts(args.n_ttft, seed=0)
+    results: dict = {"meta": {"argv": sys.argv, "n_ttft": args.n_ttft, "prompt_tokens": PROMPT_LEN,
+                              "streams": args.streams, "stream_tokens": args.stream_tokens,
+                              "threads_per_instance": 1, "cpus": os.cpu_count()}}
+    engine = make_engine(1)
+    print("engine baseline ...", flush=True)
+    base_ttft = engine_ttft(engine, ps)
+    base_stream = engine_stream(engine, args.streams, args.stream_tokens)
+    variants = {"default": False} if args.no_throughput_optimized else {"default": False, "throughput_optimized": True}
+    for name, opt in variants.items():
+        print(f"cluster ({name}) ...", flush=True)
+        results[f"cluster_{name}"] = run_child(args, opt)
+    print("engine baseline again ...", flush=True)
+    base_ttft2 = engine_ttft(engine, ps)
+    base_stream2 = engine_stream(engine, args.streams, args.stream_tokens, seed=2)
+    results["engine"] = {"ttft": summ(base_ttft), "ttft_after": summ(base_ttft2), "ttft_pooled": summ(base_ttft + base_ttft2),
+                         "stream": base_stream, "stream_after": base_stream2}
+    eng_p50 = results["engine"]["ttft_pooled"]["p50_ms"]
+    eng_tps = statistics.fmean([base_stream["tok_per_s"], base_stream2["tok_per_s"]])
+    for name in variants:
+        c = results[f"cluster_{name}"]
+        if "error" in c:
+            continue
+        c["added_p50_ms_http"] = c["http_ttft"]["p50_ms"] - eng_p50
+        c["added_p50_ms_router_path"] = c["client_ttft"]["p50_ms"] - eng_p50
+        c["added_p50_ms_http_over_client"] = c["http_ttft"]["p50_ms"] - c["client_ttft"]["p50_ms"]
+        c["stream_tok_s_ratio_cluster_over_engine"] = c["stream"]["tok_per_s"] / eng_tps
+        print(f"[{name}] 1-token TTFT p50/p99 ms: engine {eng_p50:.2f}/{results['engine']['ttft_pooled']['p99_ms']:.2f}"
+              f"  router-path {c['client_ttft']['p50_ms']:.2f}/{c['client_ttft']['p99_ms']:.2f}"
+              f"  http {c['http_ttft']['p50_ms']:.2f}/{c['http_ttft']['p99_ms']:.2f}"
+              f"  -> added p50 {c['added_p50_ms_http']:.2f} ms (HTTP floor {c['http_floor']['p50_ms']:.2f},"
+              f" actor rtt {c['actor_rtt']['p50_ms']:.2f} from the driver,"
+              f" {c.get('replica_actor_rtt', {}).get('inflight', {}).get('p50_ms')} from a Serve replica;"
+              f" null-engine router path {c['null_engine']['total']['p50_ms']:.2f})", flush=True)
+        s = c["stream"]
+        print(f"[{name}] {args.streams} streams x {args.stream_tokens} tok: cluster {s['tok_per_s']:.0f} tok/s vs "
+              f"engine {eng_tps:.0f} tok/s (ratio {c['stream_tok_s_ratio_cluster_over_engine']:.2f}); "
+              f"SSE event gap p50/p99 {s['gap']['p50_ms']:.1f}/{s['gap']['p99_ms']:.1f} ms, "
+              f"{s['tokens_per_event']:.2f} tok/event; engine token gap p50/p99 "
+              f"{base_stream['gap']['p50_ms']:.1f}/{base_stream['gap']['p99_ms']:.1f} ms", flush=True)
+    with open(args.out, "w") as fh:
+        json.dump(results, fh, indent=2)
+    if not args.skip_convoy:
+        from raycluster.bench import cluster_convoy
+        base = os.path.splitext(args.out)[0]
+        return cluster_convoy.main(["--out-dir", base + "-convoy"] + args.convoy_args.split())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

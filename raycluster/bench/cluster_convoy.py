@@ -1,0 +1,135 @@
+"""The convoy demonstration on the real cluster: one loadgen long-mix trace replayed over HTTP
+against each (topology, policy), side by side in one run.
+
+    python -m raycluster.bench.cluster_convoy --out-dir DIR [--configs mixed-fcfs,mixed-lars,pd-fcfs,pd-lars]
+        [--qps 1.5] [--duration 75] [--long-tokens 4096:8192] [--max-output-tokens 64] [--seed 0]
+
+Configurations (threads_per_instance=1 everywhere: mixed has 2 instances, pd 3, on 2 cores):
+- `mixed-fcfs`: 2 mixed instances, router + engine policy fcfs, packer token, chunk_size 2048
+  (a long prefill takes the whole 2048-token budget, as vLLM's default scheduler does);
+- `mixed-lars`: 2 mixed instances, policy lars, Medha time-budget packer;
+- `pd-fcfs` / `pd-lars`: deployments/pd.yaml (prefill-short, prefill-long, decode; object_store
+  KV; initial_l_m 1024) with the same two policy settings on the prefill pools (the decode pool
+  keeps its own fcfs/token override from pd.yaml).
+Each configuration runs in a child process (fresh local Ray, 127.0.0.1, no dashboard, temp dir
+under /tmp) that starts the cluster, runs `loadgen run --prompt-format ids` (same seed: the same
+trace), writes DIR/<config>.json and tears the cluster down. Then `loadgen report` over all of
+them, and DIR/summary.json with short-request TTFT P50/P99 and the fcfs/lars ratios.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+FCFS = {"policy": "fcfs", "engine": {"packer": "token", "chunk_size": 2048}}
+LARS = {"policy": "lars", "engine": {"packer": "medha"}}
+MIXED = {"pools": [{"role": "mixed", "instances": 2}]}
+PD = {"connector": "object_store", "initial_l_m": 1024,
+      "pools": [{"role": "prefill-short", "instances": 1}, {"role": "prefill-long", "instances": 1},
+                {"role": "decode", "instances": 1, "engine": {"policy": "fcfs", "packer": "token"}}]}
+CONFIGS = {"mixed-fcfs": {**MIXED, **FCFS}, "mixed-lars": {**MIXED, **LARS},
+           "pd-fcfs": {**PD, **FCFS}, "pd-lars": {**PD, **LARS}}
+BASE = {"model": "tiny", "threads_per_instance": 1}
+
+
+def loadgen_argv(args, url: str, out: str) -> list[str]:
+    return [sys.executable, "-m", "loadgen.cli", "run", "--url", url, "--workload", "long-mix",
+            "--qps", str(args.qps), "--duration", str(args.duration), "--seed", str(args.seed),
+            "--long-fraction", str(args.long_fraction), "--long-tokens", args.long_tokens,
+            "--max-output-tokens", str(args.max_output_tokens), "--prompt-format", "ids",
+            "--timeout", "300", "--quiet", "--out", out]
+
+
+def one(args) -> int:
+    from raycluster.bench.cluster_bench import free_port, local_cluster
+
+    cfg = {**BASE, **CONFIGS[args.config], "router_name": f"router-{args.config}"}
+    out = os.path.join(args.out_dir, f"{args.config}.json")
+    with tempfile.TemporaryDirectory(prefix="rcc-", dir="/tmp") as tmp:
+        os.environ["RAY_TMPDIR"] = tmp
+        with local_cluster(cfg, free_port(), tmp) as (url, router):
+            t0 = time.monotonic()
+            p = subprocess.run(loadgen_argv(args, url, out), timeout=args.duration * 4 + 400)
+            print(f"convoy {args.config}: loadgen exited {p.returncode} after {time.monotonic() - t0:.0f} s", flush=True)
+            return p.returncode
+
+
+def short_ttft(path: str) -> dict:
+    with open(path) as fh:
+        res = json.load(fh)
+    s = res.get("by_class", {}).get("short", {})
+    l = res.get("by_class", {}).get("long", {})
+    return {"short_ttft_p50_s": s.get("ttft_p50_s"), "short_ttft_p99_s": s.get("ttft_p99_s"),
+            "long_ttft_p50_s": l.get("ttft_p50_s"), "long_ttft_p99_s": l.get("ttft_p99_s"),
+            "short_n": s.get("completed"), "long_n": l.get("completed"),
+            "short_ttft_over_1s": sum(1 for r in res.get("requests", [])
+                                      if r.get("klass") == "short" and (r.get("ttft_s") or 0) > 1.0),
+            "summary": {k: v for k, v in res.get("summary", {}).items() if not isinstance(v, (dict, list))}}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m raycluster.bench.cluster_convoy", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out-dir", required=True)
+    ap.add_argument("--configs", default=",".join(CONFIGS))
+    ap.add_argument("--qps", type=float, default=1.5)
+    ap.add_argument("--duration", type=float, default=75.0)
+    ap.add_argument("--long-fraction", type=float, default=0.05)
+    ap.add_argument("--long-tokens", default="4096:8192")
+    ap.add_argument("--max-output-tokens", type=int, default=64)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--config", help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    os.makedirs(args.out_dir, exist_ok=True)
+    if args.config:
+        return one(args)
+
+    names = [n for n in args.configs.split(",") if n]
+    done = []
+    for name in names:
+        print(f"convoy: {name} ...", flush=True)
+        cmd = [sys.executable, "-m", "raycluster.bench.cluster_convoy", "--config", name,
+               "--out-dir", args.out_dir, "--qps", str(args.qps), "--duration", str(args.duration),
+               "--long-fraction", str(args.long_fraction), "--long-tokens", args.long_tokens,
+               "--max-output-tokens", str(args.max_output_tokens), "--seed", str(args.seed)]
+        env = {k: v for k, v in os.environ.items() if k != "RAY_SERVE_THROUGHPUT_OPTIMIZED"}
+        try:
+            rc = subprocess.run(cmd, env=env, timeout=args.duration * 4 + 700).returncode
+        except subprocess.TimeoutExpired:
+            rc = -1
+        if rc == 0 and os.path.exists(os.path.join(args.out_dir, f"{name}.json")):
+            done.append(name)
+        else:
+            print(f"convoy: {name} failed (exit {rc})", flush=True)
+    summary: dict = {"meta": {"argv": sys.argv, "qps": args.qps, "duration_s": args.duration, "seed": args.seed,
+                              "long_tokens": args.long_tokens, "long_fraction": args.long_fraction,
+                              "max_output_tokens": args.max_output_tokens, "threads_per_instance": 1,
+                              "configs": {n: CONFIGS[n] for n in names}}, "runs": {}}
+    for name in done:
+        summary["runs"][name] = short_ttft(os.path.join(args.out_dir, f"{name}.json"))
+    for topo in ("mixed", "pd"):
+        f, l = summary["runs"].get(f"{topo}-fcfs"), summary["runs"].get(f"{topo}-lars")
+        if f and l:
+            summary[f"ratio_{topo}_fcfs_over_lars"] = {
+                k: (f[k] / l[k] if f.get(k) and l.get(k) else None) for k in ("short_ttft_p50_s", "short_ttft_p99_s")}
+    with open(os.path.join(args.out_dir, "summary.json"), "w") as fh:
+        json.dump(summary, fh, indent=2)
+    for name, r in summary["runs"].items():
+        print(f"{name:11s} short TTFT p50 {r['short_ttft_p50_s']} p99 {r['short_ttft_p99_s']} "
+              f"long p50 {r['long_ttft_p50_s']} p99 {r['long_ttft_p99_s']}")
+    for k, v in summary.items():
+        if k.startswith("ratio_"):
+            print(f"{k}: {v}")
+    if done:
+        subprocess.run([sys.executable, "-m", "loadgen.cli", "report",
+                        *[os.path.join(args.out_dir, f"{n}.json") for n in done]], timeout=120)
+    return 0 if len(done) == len(names) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,48 @@
+"""Cheap checks of the cluster benchmarks' helpers and configurations (no Ray, no model)."""
+
+from __future__ import annotations
+
+import argparse
+
+from raycluster.bench.cluster_bench import pct, prompts, stream_stats, summ
+from raycluster.bench.cluster_convoy import BASE, CONFIGS, loadgen_argv
+from raycluster.cluster.config import ClusterConfig
+
+
+def test_percentiles_and_summary_in_ms():
+    xs = [i / 1000 for i in range(1, 101)]          # 1..100 ms
+    s = summ(xs)
+    assert s["n"] == 100 and abs(s["p50_ms"] - 50.0) < 1.01 and abs(s["p99_ms"] - 99.0) < 1.01
+    assert pct([], 50) is None
+
+
+def test_prompts_are_reproducible_and_16_tokens():
+    a, b = prompts(5, seed=3), prompts(5, seed=3)
+    assert a == b and all(len(p) == 16 for p in a)
+
+
+def test_stream_stats_counts_tokens_and_gaps():
+    times = {"a": [1.0, 1.01, 1.02], "b": [1.0, 1.02]}
+    st = stream_stats(times, wall=0.5, t0=0.9)
+    assert st["tokens"] == 5 and st["tok_per_s"] == 10.0 and st["gap"]["n"] == 3
+
+
+def test_convoy_configs_are_valid_cluster_configs():
+    for name, cfg in CONFIGS.items():
+        c = ClusterConfig(**{**BASE, **cfg})
+        assert c.threads_per_instance == 1
+        n = sum(p.instances for p in c.pools)
+        assert n == (2 if name.startswith("mixed") else 3)
+        first = c.engine_config(c.pools[0])
+        if name.endswith("fcfs"):
+            assert (c.policy, first.packer, first.chunk_size) == ("fcfs", "token", 2048)
+        else:
+            assert (c.policy, first.packer) == ("lars", "medha")
+
+
+def test_loadgen_argv_uses_exact_token_ids_and_same_seed():
+    args = argparse.Namespace(qps=2.0, duration=90.0, seed=4, long_fraction=0.05, long_tokens="4096:8192",
+                              max_output_tokens=64)
+    argv = loadgen_argv(args, "http://127.0.0.1:1", "/tmp/x.json")
+    assert argv[argv.index("--prompt-format") + 1] == "ids"
+    assert argv[argv.index("--seed") + 1] == "4" and argv[argv.index("--workload") + 1] == "long-mix"
