@@ -5,19 +5,20 @@ construction through a TCPStore on 127.0.0.1 or the cluster head; every rank mus
 the same time, as init_process_group is collective) and the two-sided send/recv protocol:
 
   decode (rank d)                               prefill (rank p, named Ray actor = instance id)
-  1. buf = [L, k, 2, B, H, D] (pooled); tag = fresh; plan = layer chunks (chunk_plan)
+  1. buf = [L * k, 2, B, H, D] (pooled); tag = fresh; plan = chunks (chunk_plan)
   2. irecv(header, p, tag); irecv(buf[chunk i], p, tag + 1 + i) for every chunk, all posted
      up front                    ---- request_send(handle, d, tag, timeout) ---->
                                                 3. send_blocks(request_id, d, tag, timeout, k):
                                                    isend([offered?, nbytes, chunks], d, tag);
-                                                   per chunk: gather its layers straight into
+                                                   per chunk: gather its blocks straight into
                                                    the (pooled) send buffer, isend it on
                                                    tag + 1 + i; wait all (timeout)
   4. a waiter thread waits header, then chunk by chunk; the caller scatters each chunk into the
      destination blocks as soon as it lands (overlapping the next chunk's gather + transfer),
      failing early if the ack reports an error.
 
-Chunks are whole layers and >= ~1 MiB (many small sends are 4-60x slower); layer chunks let
+Chunks are equal ranges of the layer-major (layer, block) grid, >= ~1 MiB each and at most
+MAX_CHUNKS (many small sends are 4-60x slower); chunks let
 the sender's gather, the wire and the receiver's scatter run concurrently instead of in three
 passes one after another. No round trip precedes the data: all receives are posted before the
 send is requested, so a refusal must still complete them: the sender answers a refused offer
@@ -63,14 +64,23 @@ MAX_CHUNKS = 8           # header + chunks must fit in one tag stride
 MIN_CHUNK_BYTES = 1 << 20
 
 
-def chunk_plan(num_layers: int, layer_bytes: int, max_chunks: int = MAX_CHUNKS,
+def chunk_plan(num_layers: int, num_blocks: int, block_bytes: int,
+               max_chunks: int = MAX_CHUNKS,
                min_chunk_bytes: int = MIN_CHUNK_BYTES) -> list[tuple[int, int]]:
-    """Split layers [0, num_layers) into consecutive (l0, l1) chunks of >= min_chunk_bytes each
-    (when possible) and at most max_chunks. Both sides compute it from (L, k * block bytes)."""
-    total = num_layers * layer_bytes
-    n = max(1, min(num_layers, max_chunks, total // max(min_chunk_bytes, 1)))
-    bounds = [round(i * num_layers / n) for i in range(n + 1)]
+    """Split the layer-major (layer, block) grid, flattened as l * num_blocks + j, into
+    consecutive [a, b) ranges of >= min_chunk_bytes each (when possible), at most max_chunks.
+    A range is one contiguous slice of the [L, k, ...] staging buffer. Both sides compute it
+    from (L, k, block bytes)."""
+    cells = num_layers * num_blocks
+    n = max(1, min(cells, max_chunks, cells * block_bytes // max(min_chunk_bytes, 1)))
+    bounds = [round(i * cells / n) for i in range(n + 1)]
     return [(bounds[i], bounds[i + 1]) for i in range(n)]
+
+
+def _segments(a: int, b: int, k: int) -> list[tuple[int, int, int]]:
+    """(layer, j0, j1) pieces of the flattened range [a, b) over a [L, k] grid."""
+    return [(l, max(a, l * k) - l * k, min(b, (l + 1) * k) - l * k)
+            for l in range(a // k, (b - 1) // k + 1)]
 
 
 class _BufferPool:
@@ -160,14 +170,18 @@ class TorchDistConnector(KVConnector):
         return {"rank": self.rank}
 
     def _plan(self, num_blocks: int) -> list[tuple[int, int]]:
-        return chunk_plan(self.kv_cache.shape[0], num_blocks * self.block_bytes,
+        if num_blocks <= 0:
+            return [(0, 0)]
+        return chunk_plan(self.kv_cache.shape[0], num_blocks, self.block_bytes,
                           self.max_chunks, self.min_chunk_bytes)
 
     def _staging(self, pool: _BufferPool, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         kv = self.kv_cache
         shape = (kv.shape[0], k) + tuple(kv.shape[2:])
         flat = pool.take(kv.shape[0] * k * kv[0, 0].numel(), kv.dtype, kv.device)
-        return flat, flat[: kv.shape[0] * k * kv[0, 0].numel()].view(shape)
+        # [L * k, 2, B, H, D]: a chunk [a, b) of the flattened (layer, block) grid is buf[a:b].
+        return flat, flat[: kv.shape[0] * k * kv[0, 0].numel()].view(
+            (kv.shape[0] * k,) + tuple(kv.shape[2:]))
 
     # -- prefill side ------------------------------------------------------------------------
     def send_blocks(self, request_id: str, dst_rank: int, tag: int, timeout_s: float,
@@ -200,9 +214,12 @@ class TorchDistConnector(KVConnector):
                 flat, buf = self._staging(self._send_pool, len(blocks))
                 idx = torch.as_tensor(blocks, dtype=torch.long, device=kv.device)
                 t0 = time.perf_counter()
-                for i, (l0, l1) in enumerate(plan):
-                    torch.index_select(kv[l0:l1], 1, idx, out=buf[l0:l1])
-                    works.append(dist.isend(buf[l0:l1], dst_rank, tag=tag + 1 + i))
+                k = len(blocks)
+                for i, (a, b) in enumerate(plan):
+                    for l, j0, j1 in _segments(a, b, k):
+                        torch.index_select(kv[l], 0, idx[j0:j1],
+                                           out=buf[l * k + j0:l * k + j1])
+                    works.append(dist.isend(buf[a:b], dst_rank, tag=tag + 1 + i))
                 t1 = time.perf_counter()
                 for w in works:
                     w.wait(timeout=timedelta(seconds=timeout_s))
@@ -235,8 +252,8 @@ class TorchDistConnector(KVConnector):
         what = f"recv of {handle.request_id!r} from rank {src}"
         try:
             works = [dist.irecv(header, src=src, tag=tag)]
-            works += [dist.irecv(buf[l0:l1], src=src, tag=tag + 1 + i)
-                      for i, (l0, l1) in enumerate(plan)]
+            works += [dist.irecv(buf[a:b], src=src, tag=tag + 1 + i)
+                      for i, (a, b) in enumerate(plan)]
         except Exception as e:  # dead pair, ...
             raise KVTransferError(f"{what}: could not start: {type(e).__name__}: {e}") from e
         try:
@@ -288,14 +305,15 @@ class TorchDistConnector(KVConnector):
                 raise KVTransferError(f"{what}: sender uses {int(header[2])} chunks, expected "
                                       f"{len(plan)} (max_chunks/min_chunk_bytes differ)")
             if item > 0:
-                l0, l1 = plan[item - 1]
+                a, b = plan[item - 1]
                 ts = time.perf_counter()
                 t_first = ts if t_first is None else t_first
-                kv[l0:l1].index_copy_(1, idx, buf[l0:l1])
+                for l, j0, j1 in _segments(a, b, k):
+                    kv[l].index_copy_(0, idx[j0:j1], buf[l * k + j0:l * k + j1])
                 scatter_s += time.perf_counter() - ts
             got += 1
-        self._recv_pool.give(flat)
+        self._recv_pool.give(flat)   # only a fully received buffer is reused
         t_end = time.perf_counter()
         self.last_pull_stats = {"first_chunk_s": (t_first or t_end) - t_start,
                                 "scatter_s": scatter_s, "total_s": t_end - t_start,
-                                "chunks": len(plan)}   # only a fully received buffer is reused
+                                "chunks": len(plan)}

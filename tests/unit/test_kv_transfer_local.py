@@ -186,19 +186,25 @@ def test_nixl_read_between_two_agents_in_process():
 
 
 def test_torch_dist_chunk_plan():
-    from raycluster.kv_transfer.torch_dist_connector import MAX_CHUNKS, TAG_STRIDE, chunk_plan
+    from raycluster.kv_transfer.torch_dist_connector import (MAX_CHUNKS, TAG_STRIDE, _segments,
+                                                             chunk_plan)
     assert MAX_CHUNKS < TAG_STRIDE
+    bb = 8 << 10
     for layers in (1, 4, 7, 32, 80):
-        for layer_bytes in (1, 8 << 10, 1 << 20, 8 << 20):
-            plan = chunk_plan(layers, layer_bytes)
-            assert plan[0][0] == 0 and plan[-1][1] == layers
+        for k in (1, 3, 128, 1024):
+            plan = chunk_plan(layers, k, bb)
+            assert plan[0][0] == 0 and plan[-1][1] == layers * k
             assert all(a < b for a, b in plan)
             assert all(plan[i][1] == plan[i + 1][0] for i in range(len(plan) - 1))
             assert 1 <= len(plan) <= MAX_CHUNKS
             if len(plan) > 1:   # only split when every chunk keeps >= ~min bytes
-                assert min(b - a for a, b in plan) * layer_bytes >= (1 << 20) // 2
-    assert chunk_plan(4, 8 << 20) == [(0, 1), (1, 2), (2, 3), (3, 4)]
-    assert chunk_plan(4, 8 << 10) == [(0, 4)]
+                assert min(b - a for a, b in plan) * bb >= (1 << 20) // 2
+            # segments tile each chunk exactly, layer by layer
+            cells = [l * k + j for a, b in plan for l, j0, j1 in _segments(a, b, k)
+                     for j in range(j0, j1)]
+            assert cells == list(range(layers * k))
+    assert chunk_plan(4, 1024, bb) == [(i * 512, (i + 1) * 512) for i in range(8)]
+    assert chunk_plan(4, 1, bb) == [(0, 4)]
 
 
 def test_torch_dist_buffer_pool_reuses_and_bounds():
