@@ -183,6 +183,14 @@ class TorchDistConnector(KVConnector):
         return flat, flat[: kv.shape[0] * k * kv[0, 0].numel()].view(
             (kv.shape[0] * k,) + tuple(kv.shape[2:]))
 
+    def _rows(self, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The KV tensor as [L * N, block elems] rows and the row index of cell (l, j) at
+        l * k + j (the staging buffer's flattened order)."""
+        kv = self.kv_cache
+        n = kv.shape[1]
+        layers = torch.arange(kv.shape[0], dtype=torch.long, device=kv.device)
+        return kv.view(kv.shape[0] * n, -1), (layers[:, None] * n + idx[None, :]).reshape(-1)
+
     # -- prefill side ------------------------------------------------------------------------
     def send_blocks(self, request_id: str, dst_rank: int, tag: int, timeout_s: float,
                     num_blocks: int | None = None) -> int:
@@ -214,11 +222,10 @@ class TorchDistConnector(KVConnector):
                 flat, buf = self._staging(self._send_pool, len(blocks))
                 idx = torch.as_tensor(blocks, dtype=torch.long, device=kv.device)
                 t0 = time.perf_counter()
-                k = len(blocks)
+                rows, fidx = self._rows(idx)
                 for i, (a, b) in enumerate(plan):
-                    for l, j0, j1 in _segments(a, b, k):
-                        torch.index_select(kv[l], 0, idx[j0:j1],
-                                           out=buf[l * k + j0:l * k + j1])
+                    # one row-wise index_select over the [L * N, block] view: the fastest gather
+                    torch.index_select(rows, 0, fidx[a:b], out=buf[a:b].view(b - a, -1))
                     works.append(dist.isend(buf[a:b], dst_rank, tag=tag + 1 + i))
                 t1 = time.perf_counter()
                 for w in works:
@@ -281,7 +288,7 @@ class TorchDistConnector(KVConnector):
                 landed.put(i)
 
         threading.Thread(target=_wait, name=f"kv-recv-{tag}", daemon=True).start()
-        idx = torch.as_tensor(dst_block_ids, dtype=torch.long, device=kv.device)
+        rows, fidx = self._rows(torch.as_tensor(dst_block_ids, dtype=torch.long, device=kv.device))
         got, t_start, t_first, scatter_s = 0, time.perf_counter(), None, 0.0
         while got < len(works):
             try:
@@ -308,8 +315,7 @@ class TorchDistConnector(KVConnector):
                 a, b = plan[item - 1]
                 ts = time.perf_counter()
                 t_first = ts if t_first is None else t_first
-                for l, j0, j1 in _segments(a, b, k):
-                    kv[l].index_copy_(0, idx[j0:j1], buf[l * k + j0:l * k + j1])
+                rows.index_copy_(0, fidx[a:b], buf[a:b].view(b - a, -1))
                 scatter_s += time.perf_counter() - ts
             got += 1
         self._recv_pool.give(flat)   # only a fully received buffer is reused
