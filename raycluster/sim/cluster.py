@@ -141,7 +141,7 @@ class SimCluster:
             if not live:
                 self.loop.at(r.arrival_s, "arrival", r.request_id)
         for inst in self.instances.values():      # register (first poll doubles as heartbeat)
-            self.router.on_poll(inst.instance_id, inst.stats())
+            inst.apply(self.router.on_poll(inst.instance_id, inst.stats()))
         if spec.controller.enabled:
             self.loop.after(spec.controller.period_s, "control", None)
 
@@ -285,9 +285,11 @@ class SimCluster:
                 inst.role = "prefill-short" if mv.dst == "short" else "prefill-long"
                 self._last_move = now
                 self.moves.append({"t": now, "instance": mv.instance_id, "to": inst.role})
-                self.router.on_poll(inst.instance_id, inst.stats())
+                inst.cut_run()
+                inst.apply(self.router.on_poll(inst.instance_id, inst.stats()))
+                inst.try_start()
                 self._wake()
-        if self.done < len(self.records):
+        if self.done < len(self.records) and len(self.loop):     # other events pending: keep going
             self.loop.after(c.period_s, "control", None)
 
     # ---- run -------------------------------------------------------------------------------------

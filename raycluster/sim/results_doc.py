@@ -125,7 +125,7 @@ def jobs_for(name: str, quick: bool) -> list[dict]:
     jobs = []
     if name == "medha":
         qps = [0.25, 0.75, 1.25, 1.75] if quick else [0.25, 0.5, 0.75, 1.0, 1.25, 1.5, 1.75]
-        dur = 200 if quick else 600
+        dur = 200 if quick else 400
         for q in qps:
             for c in MEDHA_CFGS:
                 jobs.append({"key": ["medha", c, q], "spec": medha_spec(c),
@@ -207,7 +207,7 @@ def render_medha(d: dict) -> str:
              "",
              "Setup: Llama-3-8B, 16 A100s as one TP8 x SPP2 replica (roofline predictor, MFU 0.5, MBU 0.8), "
              "`long-mix` workload (ShareGPT-like chat + 5% long prompts uniform in 128K-1M tokens), Poisson, "
-             "600 s of arrivals per point, seed 1, TTFT SLO 2 s (long: 1 ms/token), TPOT SLO 100 ms. Rows "
+             "400 s of arrivals per point, seed 1, TTFT SLO 2 s (long: 1 ms/token), TPOT SLO 100 ms. Rows "
              "differ only in policy and packer: FCFS non-preemptive (token packer, whole prompts), FCFS / "
              "EDF / LARS with fixed 2048-token chunks (token budget 2048), and LARS with the Medha "
              "time-budget packer (adaptive chunks, multi-prefill batching, space sharing). The library has "
@@ -360,10 +360,15 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.time()
     if not args.render_only:
         jobs = [j for n in names for j in jobs_for(n, args.quick)]
+        fresh = {}
         with ProcessPoolExecutor(max_workers=max(1, args.jobs)) as ex:
             for r in ex.map(run_one, jobs):
-                stored[json.dumps(r["key"])] = r
+                fresh[json.dumps(r["key"])] = r
                 print(f"  {r['key']}: {r['sim']['wall_s']:.1f}s wall", flush=True)
+        # Re-read before writing: another invocation (--only other experiments) may have written.
+        stored = json.loads(data_path.read_text()) if data_path.exists() else {}
+        stored = {k: v for k, v in stored.items() if json.loads(k)[0] not in names}
+        stored.update(fresh)
         data_path.write_text(json.dumps(stored, indent=0, default=str))
     data: dict = {}
     for k, r in stored.items():

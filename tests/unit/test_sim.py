@@ -172,3 +172,15 @@ def test_decode_runs_match_step_by_step(pools):
             assert ra[k] == pytest.approx(rb[k], abs=1e-9), (ra["request_id"], k)
     assert a["meta"]["sim"]["steps"] == b["meta"]["sim"]["steps"]
     assert a["meta"]["sim"]["events"] < b["meta"]["sim"]["events"]
+
+
+def test_pressure_controller_moves_an_instance_to_the_loaded_pool():
+    pools = [{"role": "prefill-short", "instances": 2}, {"role": "prefill-long", "instances": 2},
+             {"role": "decode", "instances": 1}]
+    spec = cpu_spec(pools=pools, kv_cache_tokens=65536,
+                    controller={"enabled": True, "period_s": 0.5, "cooldown_s": 1.0})
+    w = make_workload("chat", seed=1, qps=40, num_requests=200, max_output_tokens=8)
+    res = simulate(spec, w, check=True)
+    moves = res["meta"]["sim"]["moves"]
+    assert moves and moves[0]["to"] == "prefill-short"
+    assert res["summary"]["completed"] == 200
