@@ -32,7 +32,8 @@ class ClusterConfig(BaseModel):
     transfer_timeout_s: float = Field(10.0, gt=0)
     kv_lease_s: float = Field(30.0, gt=0)
     max_queue: int = Field(256, ge=1, description="requests waiting in the router before 429")
-    max_local_waiting: int = Field(2, ge=1)
+    max_local_waiting: int = Field(8, ge=1, description="requests an instance may hold that have not started; "
+                                   "small keeps the global order, large ramps bursts up faster")
     initial_l_m: int = Field(2048, ge=1, description="short/long prompt boundary until refitted")
     threads_per_instance: int = Field(1, ge=1)
     engine: dict = Field(default_factory=dict, description="EngineConfig overrides for every instance")
