@@ -51,22 +51,6 @@ def _serve_engine(args: argparse.Namespace) -> None:
         async_engine.shutdown()
 
 
-def _wait_healthy(url: str, proc: subprocess.Popen, timeout: float) -> bool:
-    import httpx
-
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            return False
-        try:
-            if httpx.get(url, timeout=1.0).status_code == 200:
-                return True
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.3)
-    return False
-
-
 def _serve(args: argparse.Namespace) -> int:
     if args.cmd == "engine-server":
         _serve_engine(args)
@@ -98,7 +82,9 @@ def cmd_up(args: argparse.Namespace) -> int:
         proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, start_new_session=True)
     url = f"http://{args.host}:{args.port}"
     pf.write_text(json.dumps({"pid": proc.pid, "url": url, "log": str(log)}))
-    if not _wait_healthy(url + "/health", proc, timeout=args.timeout):
+    from deployments.launcher import wait_healthy
+
+    if not wait_healthy(url + "/health", args.timeout, alive=lambda: proc.poll() is None):
         print(f"raycluster: server did not become healthy; see {log}", file=sys.stderr)
         _stop(proc.pid)
         pf.unlink(missing_ok=True)

@@ -213,25 +213,21 @@ class Scheduler:
         return None
 
     def _finish(self, req: Request, status: RequestStatus) -> None:
-        req.status = status
-        req.finish_time = self.clock.now()
-        self.requests.pop(req.request_id, None)
-        self.decoding.pop(req.request_id, None)
-        self._holders.pop(req.request_id, None)
-        self.policy.remove(req.request_id)
-        self.policy.on_finish(req)
+        self._retire(req, status)
         self.kv.free(req.request_id)
 
     def _park(self, req: Request) -> None:
         """Finish a prefill-only request but keep its blocks for the decode instance to pull."""
-        req.status = RequestStatus.FINISHED_PREFILLED
+        self._retire(req, RequestStatus.FINISHED_PREFILLED)
+        self.parked[req.request_id] = req
+
+    def _retire(self, req: Request, status: RequestStatus) -> None:
+        req.status = status
         req.finish_time = self.clock.now()
-        self.requests.pop(req.request_id, None)
-        self.decoding.pop(req.request_id, None)
-        self._holders.pop(req.request_id, None)
+        for table in (self.requests, self.decoding, self._holders):
+            table.pop(req.request_id, None)
         self.policy.remove(req.request_id)
         self.policy.on_finish(req)
-        self.parked[req.request_id] = req
 
     def _allocate_decode(self, req: Request, selected: Sequence[Request], alloc: _StepAllocator,
                          out: SchedulerOutput) -> bool:
