@@ -70,7 +70,8 @@ def serve_cluster(app_path: str | None, model: str | None, policy: str | None, h
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     started_ray = address is None
     if started_ray:
-        ray.init(num_cpus=num_cpus, include_dashboard=dashboard, dashboard_host="127.0.0.1",
+        # address="local": always a cluster of our own, never one some other process started.
+        ray.init(address="local", num_cpus=num_cpus, include_dashboard=dashboard, dashboard_host="127.0.0.1",
                  namespace=cfg.namespace, _node_ip_address=None if address else "127.0.0.1")
     else:
         ray.init(address=address, namespace=cfg.namespace)
@@ -93,17 +94,10 @@ def serve_cluster(app_path: str | None, model: str | None, policy: str | None, h
             pass
         return 0
     finally:
-        try:
-            serve.delete(spec["name"])
-        except Exception:
-            pass
-        try:
-            ray.kill(ray.get_actor(cfg.router_name, namespace=cfg.namespace))
-        except Exception:
-            pass
-        if started_ray:
+        if not started_ray:     # a shared cluster: remove only what we added
             try:
-                serve.shutdown()
+                serve.delete(spec["name"])
+                ray.kill(ray.get_actor(cfg.router_name, namespace=cfg.namespace))
             except Exception:
                 pass
-        ray.shutdown()
+        ray.shutdown()          # a cluster we started goes with its driver, Serve and router included

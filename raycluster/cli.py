@@ -6,6 +6,7 @@
   raycluster status [--json]
   raycluster engine-server [--model ...] [--policy ...]     (one engine, no Ray)
   raycluster tiny-model PATH
+  raycluster sim --cluster SPEC.yaml --workload NAME|FILE.jsonl ... --out F.json
   raycluster bench engine|convoy|policy|profile|kv-transfer ...
 
 `up` runs the cluster (Ray Serve gateway, router, engine pools) on a new local Ray cluster or
@@ -28,7 +29,8 @@ from raycluster.model.registry import cache_dir
 
 
 def _pid_file() -> Path:
-    return cache_dir() / "up.json"
+    """Where `up --detach` records what it started ($RAYCLUSTER_STATE_DIR, else the cache dir)."""
+    return Path(os.environ.get("RAYCLUSTER_STATE_DIR", cache_dir())) / "up.json"
 
 
 def _serve_engine(args: argparse.Namespace) -> None:
@@ -101,7 +103,7 @@ def _alive(pid: int) -> bool:
         return False
 
 
-def _stop(pid: int, timeout: float = 15.0) -> None:
+def _stop(pid: int, timeout: float = 60.0) -> None:
     try:
         os.killpg(pid, signal.SIGTERM)
     except OSError:
@@ -208,6 +210,10 @@ def build_parser() -> argparse.ArgumentParser:
     tm.add_argument("path")
     tm.add_argument("--seed", type=int, default=0)
     tm.set_defaults(fn=cmd_tiny_model)
+
+    sim = sub.add_parser("sim", help="discrete-event cluster simulator (`raycluster sim --help`)", add_help=False)
+    sim.add_argument("rest", nargs=argparse.REMAINDER)
+    sim.set_defaults(fn=lambda a: __import__("raycluster.sim.cli", fromlist=["main"]).main(a.rest) or 0)
 
     bench = sub.add_parser("bench", help="benchmarks that write JSON (`raycluster bench engine --help`)")
     bench.add_argument("rest", nargs=argparse.REMAINDER)

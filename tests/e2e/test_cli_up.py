@@ -1,0 +1,57 @@
+"""`raycluster up --detach` / `status` / `down` as a user runs them, over real HTTP."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+
+import httpx
+import pytest
+
+pytestmark = pytest.mark.e2e
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _cli(*args: str, env: dict, timeout: float = 900) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "raycluster.cli", *args], env=env, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def test_up_detach_status_generate_down(tmp_path):
+    port = _free_port()
+    ray_tmp = tempfile.mkdtemp(prefix="rcup", dir="/tmp")      # short: Ray's unix sockets live here
+    env = {**os.environ, "RAYCLUSTER_STATE_DIR": str(tmp_path), "RAY_TMPDIR": ray_tmp}
+    up = _cli("up", "--detach", "--no-dashboard", "--port", str(port), "--policy", "edf", env=env)
+    try:
+        assert up.returncode == 0, up.stdout + up.stderr
+        info = json.loads((tmp_path / "up.json").read_text())
+        url = f"http://127.0.0.1:{port}"
+        assert info["url"] == url
+        r = httpx.post(url + "/v1/completions", json={"prompt": "hello", "max_tokens": 3, "temperature": 0},
+                       timeout=60)
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
+        st = _cli("status", "--json", env=env, timeout=60)
+        assert st.returncode == 0, st.stderr
+        status = json.loads(st.stdout)
+        assert status["policy"] == "edf" and [i["role"] for i in status["instances"]] == ["mixed"]
+    finally:
+        down = _cli("down", env=env, timeout=120)
+    assert down.returncode == 0, down.stderr
+    assert not (tmp_path / "up.json").exists()
+    with pytest.raises(httpx.HTTPError):
+        httpx.get(f"http://127.0.0.1:{port}/health", timeout=3)
+    try:
+        os.kill(info["pid"], 0)
+        alive = True
+    except OSError:
+        alive = False
+    assert not alive
