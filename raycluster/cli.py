@@ -222,6 +222,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] in ("sim", "bench"):      # their own parsers own every flag, --help included
+        ns = argparse.Namespace(cmd=argv[0], rest=argv[1:])
+        return cmd_bench(ns) if argv[0] == "bench" else (__import__("raycluster.sim.cli", fromlist=["main"]).main(ns.rest) or 0)
     args = build_parser().parse_args(argv)
     if args.cmd in ("up", "engine-server") and args.policy is not None:
         from raycluster.sched.registry import policy_names
