@@ -29,24 +29,30 @@ from kernels.metadata import AttentionMetadata
 LOG2E = 1.0 / math.log(2.0)
 _Q_TILE = 1024
 _FLASH_CPU = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
-_WORKSPACE: dict = {}
+class Workspace:
+    """Flat scratch buffers reused across layers and steps (grown on demand, never shrunk), owned
+    by one backend: fresh multi-MB buffers per layer cost more in page faults than the copies."""
+
+    def __init__(self) -> None:
+        self._bufs: dict = {}
+
+    def get(self, name: str, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        key = (name, dtype, device)
+        buf = self._bufs.get(key)
+        if buf is None or buf.numel() < numel:
+            buf = torch.empty(max(numel, int(1.25 * (buf.numel() if buf is not None else 0))), dtype=dtype,
+                              device=device)
+            self._bufs[key] = buf
+        return buf[:numel]
 
 
-def _workspace(name: str, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A flat scratch buffer reused across layers and steps (grown on demand, never shrunk)."""
-    key = (name, dtype, device)
-    buf = _WORKSPACE.get(key)
-    if buf is None or buf.numel() < numel:
-        buf = torch.empty(max(numel, int(1.25 * (buf.numel() if buf is not None else 0))), dtype=dtype, device=device)
-        _WORKSPACE[key] = buf
-    return buf[:numel]
-
-
-def _gather_rows(kv_layer: torch.Tensor, rows: torch.Tensor, name: str) -> torch.Tensor:
-    """kv_layer [N,2,B,Hkv,D] viewed as [N*2, B*Hkv*D]; returns the given rows, copied into a
-    workspace buffer (valid until the next call with the same name)."""
+def _gather_rows(kv_layer: torch.Tensor, rows: torch.Tensor, name: str, ws: Workspace | None) -> torch.Tensor:
+    """kv_layer [N,2,B,Hkv,D] viewed as [N*2, B*Hkv*D]; returns the given rows, copied into the
+    workspace buffer `name` (valid until its next use) or, without a workspace, a new tensor."""
     src = kv_layer.view(-1, kv_layer[0, 0].numel())
-    out = _workspace(name, rows.numel() * src.shape[1], src.dtype, src.device).view(rows.numel(), src.shape[1])
+    if ws is None:
+        return src.index_select(0, rows)
+    out = ws.get(name, rows.numel() * src.shape[1], src.dtype, src.device).view(rows.numel(), src.shape[1])
     torch.index_select(src, 0, rows, out=out)
     return out
 
@@ -150,7 +156,7 @@ def _fast_cpu(q: torch.Tensor, kv_layer: torch.Tensor) -> bool:
 
 def paged_prefill_attention(q: torch.Tensor, kv_layer: torch.Tensor, meta: AttentionMetadata,
                             scale: float, k: torch.Tensor | None = None, v: torch.Tensor | None = None,
-                            return_lse: bool = True):
+                            return_lse: bool = True, workspace: Workspace | None = None):
     """Attention for the prefill tokens q [Tp,Hq,D]: each chunk sees its request's earlier KV
     plus itself causally. KV must already be written. If the chunk's own k/v [Tp,Hkv,D] are
     given they are used instead of re-reading them from the cache.
@@ -176,7 +182,7 @@ def paged_prefill_attention(q: torch.Tensor, kv_layer: torch.Tensor, meta: Atten
         if prefix > 0:
             if fast:
                 nbp = -(-prefix // bs)
-                kv = _gather_rows(kv_layer, c["prefill_prefix_rows"][r], "prefill_kv")
+                kv = _gather_rows(kv_layer, c["prefill_prefix_rows"][r], "prefill_kv", workspace)
                 kp = kv[:nbp].view(nbp * bs, hkv, d)[:prefix]
                 vp = kv[nbp:].view(nbp * bs, hkv, d)[:prefix]
             else:
@@ -217,7 +223,7 @@ def _decode_bucket_manual(qb, k, v, bucket, scale, return_lse):
 
 
 def paged_decode_attention(q: torch.Tensor, kv_layer: torch.Tensor, meta: AttentionMetadata,
-                           scale: float, return_lse: bool = True):
+                           scale: float, return_lse: bool = True, workspace: Workspace | None = None):
     """One query token per decode request, q [Td,Hq,D]. Requests are grouped by KV length into
     buckets (built once per step by meta.prepare); each bucket's blocks are gathered with one
     index op into a padded [n, L] layout and attended with a length mask.
@@ -234,7 +240,7 @@ def paged_decode_attention(q: torch.Tensor, kv_layer: torch.Tensor, meta: Attent
         qb = q if b.index is None else q.index_select(0, b.index)
         n, L = qb.shape[0], b.num_blocks * bs
         if kv_layer.is_contiguous():
-            kv = _gather_rows(kv_layer, b.rows, "decode_kv")
+            kv = _gather_rows(kv_layer, b.rows, "decode_kv", workspace)
             half = b.rows.numel() // 2
             k, v = kv[:half].view(n, L, hkv, d), kv[half:].view(n, L, hkv, d)
         else:
@@ -265,16 +271,21 @@ class TorchAttentionBackend:
 
     name = "torch"
 
+    def __init__(self) -> None:
+        self.workspace = Workspace()
+
     def forward(self, layer_kv: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 meta: AttentionMetadata, scale: float) -> torch.Tensor:
         c = meta.prepare(layer_kv.device)
         write_kv(layer_kv, k, v, meta.slot_mapping, c["slot_block"], c["slot_offset"], c["slot_row"])
         tp, td = meta.num_prefill_tokens, meta.num_decode_tokens
         if td == 0:
-            return paged_prefill_attention(q, layer_kv, meta, scale, k=k, v=v, return_lse=False)[0]
+            return paged_prefill_attention(q, layer_kv, meta, scale, k=k, v=v, return_lse=False,
+                                           workspace=self.workspace)[0]
         out = torch.empty_like(q)
         if tp:
             out[:tp] = paged_prefill_attention(q[:tp], layer_kv, meta, scale, k=k[:tp], v=v[:tp],
-                                               return_lse=False)[0]
-        out[tp:tp + td] = paged_decode_attention(q[tp:tp + td], layer_kv, meta, scale, return_lse=False)[0]
+                                               return_lse=False, workspace=self.workspace)[0]
+        out[tp:tp + td] = paged_decode_attention(q[tp:tp + td], layer_kv, meta, scale, return_lse=False,
+                                                 workspace=self.workspace)[0]
         return out

@@ -215,8 +215,8 @@ class TorchDistConnector(KVConnector):
         try:
             works.append(dist.isend(header, dst_rank, tag=tag))
             if blocks is None:
-                stub = torch.zeros(1, dtype=kv.dtype, device=kv.device)
-                works.extend(dist.isend(stub, dst_rank, tag=tag + 1 + i) for i in range(len(plan)))
+                filler = torch.zeros(1, dtype=kv.dtype, device=kv.device)
+                works.extend(dist.isend(filler, dst_rank, tag=tag + 1 + i) for i in range(len(plan)))
             else:
                 self.leases.renew(request_id)  # a transfer in flight must not lose its blocks
                 flat, buf = self._staging(self._send_pool, len(blocks))
@@ -305,7 +305,7 @@ class TorchDistConnector(KVConnector):
                 msg = "timed out" if "imeout" in str(item) else "failed"
                 raise KVTransferError(f"{what} {msg} after {timeout_s}s: {item}") from item
             if item == 0 and int(header[0]) != 1:
-                # The remaining chunk receives complete with the sender's stub messages.
+                # The remaining chunk receives complete with the sender's one-element filler messages.
                 raise KVTransferError(f"{what}: sender refused: not offered (released or lease "
                                       "expired)")
             if item == 0 and int(header[2]) != len(plan):

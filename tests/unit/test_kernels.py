@@ -7,7 +7,7 @@ import torch
 
 from kernels.metadata import AttentionMetadata
 from kernels.reference import reference_attention
-from kernels.torch_backend import (TorchAttentionBackend, merge_states, paged_decode_attention,
+from kernels.torch_backend import (TorchAttentionBackend, Workspace, merge_states, paged_decode_attention,
                                    paged_prefill_attention, write_kv)
 
 torch.set_num_threads(2)
@@ -252,9 +252,10 @@ def test_outputs_do_not_alias_workspace():
     m1, q1 = _decode_only(s1, [50, 7, 33], hq, seed=1)
     s2 = PagedSetup([200, 120], hkv, d, seed=6)
     m2, q2 = _decode_only(s2, [200, 120], hq, seed=2)
-    o1, l1 = paged_decode_attention(q1, s1.cache, m1, scale)
+    ws = Workspace()
+    o1, l1 = paged_decode_attention(q1, s1.cache, m1, scale, workspace=ws)
     keep = o1.clone(), l1.clone()
-    paged_decode_attention(q2, s2.cache, m2, scale)
+    paged_decode_attention(q2, s2.cache, m2, scale, workspace=ws)
     torch.testing.assert_close(o1, keep[0], atol=0, rtol=0)
     torch.testing.assert_close(l1, keep[1], atol=0, rtol=0)
 
