@@ -40,7 +40,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="raycluster bench profile", description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="tiny")
     ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--heldout", type=int, default=24, help="random mixed batches kept out of the fit")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", required=True)
