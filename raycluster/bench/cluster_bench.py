@@ -135,11 +135,11 @@ def stream_stats(times: dict[str, list[float]], wall: float, t0: float, events: 
 @contextmanager
 def local_cluster(cfg: dict, port: int, tmp: str):
     """ray.init (local, 127.0.0.1, no dashboard) + serve.start + serve.run(build_app(cfg)) + /health."""
-    import httpx
     import ray
     from ray import serve
 
     from deployments.app import build_app
+    from deployments.launcher import wait_healthy
 
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     ray.init(num_cpus=8, include_dashboard=False, namespace="raycluster", _temp_dir=tmp,
@@ -149,15 +149,7 @@ def local_cluster(cfg: dict, port: int, tmp: str):
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         serve.run(build_app(cfg), name="raycluster", route_prefix="/", blocking=False)
         url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 300
-        while time.monotonic() < deadline:
-            try:
-                if httpx.get(url + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
-        else:
+        if not wait_healthy(url + "/health", 300):
             raise RuntimeError("cluster not healthy within 300 s")
         _URL[0] = url
         yield url, ray.get_actor(router_name, namespace="raycluster")

@@ -81,21 +81,14 @@ def cluster(request, serve_port):
     from ray import serve
 
     from deployments.app import build_app
+    from deployments.launcher import wait_healthy
 
     if request.param == "pd-nixl":
         pytest.importorskip("nixl")
     cfg = {**BASE, **TOPOLOGIES[request.param], "router_name": f"router-{request.param}"}
     serve.run(build_app(cfg), name="raycluster", route_prefix="/", blocking=False)
     url = f"http://127.0.0.1:{serve_port}"
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(url + "/health", timeout=2).status_code == 200:
-                break
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    else:
+    if not wait_healthy(url + "/health", 300):
         pytest.fail(f"{request.param}: cluster not healthy within 300 s")
     yield url, request.param
     serve.delete("raycluster")

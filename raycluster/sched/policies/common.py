@@ -177,6 +177,13 @@ class KineticLineTree:
         w = self._win[1]
         return None if w < 0 else self._id[w]
 
+    def pop(self, t: float) -> Hashable | None:
+        """Remove and return the winner at time t (None when empty)."""
+        item = self.top(t)
+        if item is not None:
+            self.delete(item, t)
+        return item
+
     def _grow(self, t: float) -> None:
         old = (self._a, self._b, self._tie, self._id, self._cap)
         self._alloc(2 * self._cap)

@@ -43,12 +43,8 @@ class LARSPolicy(Policy):
                           (req.arrival_time, seq), self.ctx.clock.now())
 
     def pop(self) -> Request | None:
-        now = self.ctx.clock.now()
-        rid = self._tree.top(now)
-        if rid is None:
-            return None
-        self._tree.delete(rid, now)
-        return self._reqs.pop(rid)
+        rid = self._tree.pop(self.ctx.clock.now())
+        return None if rid is None else self._reqs.pop(rid)
 
     def remove(self, request_id: str) -> None:
         if self._tree.delete(request_id, self.ctx.clock.now()):
