@@ -1,4 +1,8 @@
-"""Policies by name. `make_policy("lars", ctx)`; unknown names raise ValueError listing the known ones."""
+"""Policies by name. `make_policy("lars", ctx)`; unknown names raise ValueError listing the known ones.
+
+Keyword options go to the policy's constructor (e.g. `make_policy("justitia", ctx, rate=2e5)` fixes
+Justitia's GPS service rate instead of measuring it); an option the policy does not take raises
+ValueError."""
 
 from __future__ import annotations
 
@@ -33,9 +37,14 @@ def policy_names() -> list[str]:
     return sorted(POLICIES)
 
 
-def make_policy(name: str, ctx: PolicyContext) -> Policy:
+def make_policy(name: str, ctx: PolicyContext, **options) -> Policy:
     try:
         cls = POLICIES[name]
     except KeyError:
         raise ValueError(f"policy: unknown name {name!r}; choose one of {', '.join(policy_names())}") from None
-    return cls(ctx)
+    try:
+        return cls(ctx, **options)
+    except TypeError as e:
+        if not options:
+            raise
+        raise ValueError(f"policy {name!r}: bad options {sorted(options)}: {e}") from None

@@ -12,6 +12,7 @@ from hypothesis import given, settings, strategies as st
 from raycluster.clock import VirtualClock
 from raycluster.request import Request
 from raycluster.sched.base import PolicyContext
+from raycluster.sched.predictor import LinearBatchPredictor
 from raycluster.sched.policies.justitia import JustitiaPolicy, kv_token_time, request_cost
 from raycluster.sched.registry import make_policy
 
@@ -140,3 +141,77 @@ def test_single_slot_sequential_arrivals_match_gps_order():
     arrivals = [0.0, 10.0, 30.0]
     assert simulate(inf, arrivals, 1) == gps_reference([(0.0, 10.0), (10.0, 20.0), (30.0, 4.0)], 1) \
         == pytest.approx([10.0, 30.0, 34.0])
+
+
+# ---- the service rate M (issue 3) --------------------------------------------------------------
+
+
+def elephant_and_mice(rate: float | None) -> list[str]:
+    """Elephant E (cost 100) at t = 0, then mice (cost 10 each) at t = 2, 4, ..., 20, none served
+    meanwhile; the order the queue would serve them in."""
+    clock = VirtualClock()
+    opts = {} if rate is None else {"rate": rate}
+    pol = make_policy("justitia", PolicyContext(clock, num_slots=1), **opts)
+    pol.push(req("e", "E", 49, 2))                      # 49*2 + 2 = 100
+    for k in range(1, 11):
+        clock.advance_to(2.0 * k)
+        pol.push(req(f"m{k}", f"M{k}", 4, 2))           # 4*2 + 2 = 10
+    return [pol.pop().request_id for _ in range(11)]
+
+
+def test_elephant_competitive_after_bounded_number_of_mice():
+    # M = 10 units/s. [0, 2): E alone, V(2) = 20. From t = 2 exactly two apps are active in
+    # GPS (each mouse leaves when V has grown by 10, i.e. 2 s at rate 5, as the next arrives),
+    # so V(2k) = 20 + 10(k - 1) and mouse k's tag is V(2k) + 10 = 10k + 20. F_E = 100: mice
+    # 1..7 (tags 30..90) go first, mouse 8 ties at 100 and loses to E (seen first): after
+    # C_E / (M/2) - 2 = 18 s of mice the elephant runs, however many mice follow.
+    assert elephant_and_mice(10.0) == ["m1", "m2", "m3", "m4", "m5", "m6", "m7", "e", "m8", "m9", "m10"]
+    # M = 1 unit/s (the old default against KV token-time costs): V(2k) = k + 1, tags k + 11,
+    # every mouse up to k = 88 beats the elephant -- SRJF order, the starvation of issue 3.
+    assert elephant_and_mice(1.0)[-1] == "e"
+
+
+def decoding(r: Request, generated: int) -> Request:
+    r.output_token_ids = [7] * generated
+    r.num_computed_tokens = r.num_prompt_tokens + generated     # as the engine reports a decode
+    return r
+
+
+def test_measured_rate_counts_kv_served_while_saturated():
+    clock = VirtualClock()
+    pol = make_policy("justitia", PolicyContext(clock, num_slots=1))
+    assert pol.measured and pol.service_rate == 1.0            # no predictor: prior 1 unit/s
+    a, b = req("a", "A", 100, 10), req("b", "B", 100, 10)
+    pol.push(a)
+    pol.push(b)
+    assert pol.pop() is a                                      # b waits: saturated from t = 0
+    clock.advance_to(0.5)
+    pol.on_progress(decoding(a, 1), 1)                         # one step holding 101 tokens
+    assert pol.samples == 0
+    clock.advance_to(1.0)
+    pol.on_progress(decoding(a, 3), 2)                         # two steps: 103 + 102 tokens
+    assert pol.samples == 1 and pol.service_rate == pytest.approx((101 + 103 + 102) / 1.0)
+    assert pol.pop() is b                                      # nobody waits any more
+    clock.advance_to(3.0)
+    pol.on_progress(decoding(b, 1), 1)                         # idle capacity is not measured
+    clock.advance_to(5.0)
+    pol.on_progress(decoding(b, 2), 1)
+    assert pol.samples == 1
+
+
+def test_kv_capacity_rate_is_cache_per_iteration():
+    pred = LinearBatchPredictor(overhead_s=0.01, per_decode_kv_s=1e-7)
+    pol = make_policy("justitia", PolicyContext(VirtualClock(), pred, num_slots=2), kv_capacity_tokens=1000)
+    # A full cache: 2 sequences of 500 tokens; a step reads 1000 KV tokens: 0.01 + 1e-4 s.
+    assert not pol.measured and pol.service_rate == pytest.approx(1000 / 0.0101)
+    with pytest.raises(ValueError):
+        make_policy("justitia", PolicyContext(VirtualClock(), num_slots=2), kv_capacity_tokens=1000)
+
+
+def test_prior_from_predictor_then_registry_rejects_unknown_options():
+    pred = LinearBatchPredictor(overhead_s=0.01, per_decode_kv_s=1e-7)
+    pol = make_policy("justitia", PolicyContext(VirtualClock(), pred, num_slots=4))
+    pol.push(req("a", "A", 1000, 200))                         # L = 1000 + 100: 4 x 1100 per step
+    assert pol.service_rate == pytest.approx(4 * 1100 / (0.01 + 1e-7 * 4400))
+    with pytest.raises(ValueError, match="bad options"):
+        make_policy("fcfs", PolicyContext(VirtualClock()), rate=3.0)
