@@ -12,8 +12,9 @@ A handoff moves a request's blocks: time = offer (prefill side, measured in the 
   runs16     runs of 16 consecutive blocks in random order;
   scattered  uniformly random ids (fully fragmented pool, worst case).
 The raw baseline moves the same bytes from one contiguous region between the same two
-processes with the same transport: nixl READ of one descriptor; gloo irecv (into a reused
-buffer) + Ray-triggered isend (the handoff's control path without gather/scatter); ray.put +
+processes with the same transport: nixl READ of one descriptor; for torch_dist one gloo
+message into a reused buffer over the same pair, requested through the same store queue (the
+handoff's control path without gather/scatter/chunking); ray.put +
 ray.get (zero-copy view, `raw`) and, since a handoff must land the bytes in the decode's own
 memory like the other two transports do, ray.put + ray.get + one copy into a reused buffer
 (`raw_into`). Each (layout, size) gets one unrecorded warmup, then `--repeats` interleaved
@@ -29,7 +30,6 @@ import argparse
 import importlib.util
 import json
 import shutil
-import socket
 import statistics
 import tempfile
 import time
@@ -41,21 +41,13 @@ L, B, H, D = 4, 16, 2, 32
 BYTES_PER_TOKEN = L * 2 * H * D * 4
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _pair(ray, name: str, num_blocks: int):
     from raycluster.kv_transfer.endpoint import KVEndpoint
     Actor = ray.remote(num_cpus=1)(KVEndpoint)
-    tag, port = uuid.uuid4().hex[:6], _free_port()
+    tag = uuid.uuid4().hex[:6]
     actors = []
     for rank, role in enumerate(["prefill", "decode"]):
         opts = {"lease_s": 600.0}
-        if name == "torch_dist":
-            opts.update(rank=rank, world_size=2, store_port=port, init_timeout_s=60)
         iid = f"bench-{role}-{name}-{tag}"
         actors.append(Actor.options(name=iid).remote(name, iid, (L, num_blocks, 2, B, H, D),
                                                      seed=rank, **opts))
@@ -85,7 +77,7 @@ def _raw(ray, name: str, pre, dec, nbytes: int, extra: dict, tag: int,
         return ray.get(dec.raw_nixl_pull.remote(extra, nbytes, timeout_s),
                        timeout=timeout_s + 10), None
     if name == "torch_dist":
-        return ray.get(dec.raw_recv.remote(pre, 0, 1, nbytes, tag, timeout_s),
+        return ray.get(dec.raw_torch_dist_pull.remote(extra, nbytes, timeout_s),
                        timeout=timeout_s + 10), None
     refs, put_s = ray.get(pre.raw_put.remote(nbytes), timeout=timeout_s)
     get_s, copy_s = ray.get(dec.raw_get.remote(refs, timeout_s, True), timeout=timeout_s + 10)
@@ -138,7 +130,7 @@ def run(connectors: list[str], token_counts: list[int], repeats: int, timeout_s:
         try:
             warm = sum(_handoff(ray, pre, dec, "warm", [0, 1], [2, 3], timeout_s))  # connect
             h = ray.get(pre.offer.remote("extra", [0], B), timeout=timeout_s)
-            extra = h.extra if name == "nixl" else {}
+            extra = h.extra if name in ("nixl", "torch_dist") else {}
             raw_tag = 1_000_000_001                  # far above the connector's tags
             for layout, tokens in [(lay, t) for t in token_counts for lay in layouts]:
                 k = -(-tokens // B)

@@ -2,16 +2,14 @@
 connector, used by the Ray tests and the benchmark (a real engine wires the same calls).
 
 Data enters as method arguments (block ids, `KVHandle`s) and leaves as handles, timing dicts
-and numpy copies of blocks. The actor must be created with `name=instance_id` so the
-torch_dist connector's default sender can find it (`kv_send`). `raw_*` methods move one
-contiguous region with the same transport, as the benchmark's baseline. All waits take a
+and numpy copies of blocks. `raw_*` methods move one contiguous region with the same transport,
+as the benchmark's baseline. All waits take a
 timeout; failures come back as {"ok": False, "error": ...} instead of raising through Ray.
 """
 
 from __future__ import annotations
 
 import time
-from datetime import timedelta
 from typing import Any
 
 import numpy as np
@@ -30,7 +28,7 @@ class KVEndpoint:
         self.conn = None
 
     def setup(self) -> Any:
-        """Build the connector (torch_dist: every rank must call this concurrently)."""
+        """Build the connector; returns its descriptor."""
         self.conn = make_connector(self.connector_name, self.kv, self.instance_id, **self.opts)
         return self.conn.local_descriptor()
 
@@ -51,12 +49,6 @@ class KVEndpoint:
         except Exception as e:
             return {"ok": False, "seconds": time.perf_counter() - t0,
                     "error": type(e).__name__, "msg": str(e)}
-
-    def kv_send(self, request_id: str, dst_rank: int, tag: int, timeout_s: float,
-                num_blocks: int | None = None) -> int:
-        if num_blocks is None:   # an older receiver: keep the old call
-            return self.conn.send_blocks(request_id, dst_rank, tag, timeout_s)
-        return self.conn.send_blocks(request_id, dst_rank, tag, timeout_s, num_blocks=num_blocks)
 
     def release(self, request_id: str) -> bool:
         return self.conn.release(request_id)
@@ -99,25 +91,10 @@ class KVEndpoint:
             raise RuntimeError(f"raw nixl READ: {state}")
         return time.perf_counter() - t0
 
-    def raw_send(self, dst_rank: int, nbytes: int, tag: int, timeout_s: float) -> None:
-        import torch.distributed as dist
-        buf = self.kv.view(-1)[: nbytes // self.kv.element_size()]
-        dist.isend(buf, dst_rank, tag=tag).wait(timeout=timedelta(seconds=timeout_s))
-
-    def raw_recv(self, src_actor, src_rank: int, my_rank: int, nbytes: int, tag: int,
-                 timeout_s: float) -> float:
-        """Same control path as TorchDistConnector.pull (irecv, then a Ray call asks the source
-        to send) but into a preallocated contiguous buffer with no gather/scatter."""
-        import ray
-        import torch.distributed as dist
-        buf = self._raw_buf(nbytes)   # reused, like the connector's pooled receive buffer
-        t0 = time.perf_counter()
-        work = dist.irecv(buf, src=src_rank, tag=tag)
-        ack = src_actor.raw_send.remote(my_rank, nbytes, tag, timeout_s)
-        work.wait(timeout=timedelta(seconds=timeout_s))
-        dt = time.perf_counter() - t0
-        ray.get(ack, timeout=timeout_s)
-        return dt
+    def raw_torch_dist_pull(self, src_descriptor: dict, nbytes: int, timeout_s: float) -> float:
+        """The connector's own control path (pair, posted receive, request through the source's
+        store queue) moving one contiguous region into a reused buffer: no gather/scatter."""
+        return self.conn.raw_pull(src_descriptor, nbytes, timeout_s)
 
     def raw_put(self, nbytes: int):
         import ray

@@ -1,67 +1,74 @@
 """torch.distributed connector: the same code moves KV over gloo (CPU) or NCCL (CUDA).
 
-Owns this process's rank in one process group spanning all engine instances (joined at
-construction through a TCPStore on 127.0.0.1 or the cluster head; every rank must construct at
-the same time, as init_process_group is collective) and the two-sided send/recv protocol:
+No global process group and no ranks to hand out: instances come and go (Serve replicas get new
+ids on restart), so every (prefill, decode) pair gets its own 2-rank process group, created on
+demand by the first pull between them and dropped on any failure.
 
-  decode (rank d)                               prefill (rank p, named Ray actor = instance id)
-  1. buf = [L * k, 2, B, H, D] (pooled); tag = fresh; plan = chunks (chunk_plan)
-  2. irecv(header, p, tag); irecv(buf[chunk i], p, tag + 1 + i) for every chunk, all posted
-     up front                    ---- request_send(handle, d, tag, timeout) ---->
-                                                3. send_blocks(request_id, d, tag, timeout, k):
-                                                   isend([offered?, nbytes, chunks], d, tag);
-                                                   per chunk: gather its blocks straight into
-                                                   the (pooled) send buffer, isend it on
-                                                   tag + 1 + i; wait all (timeout)
+Each connector hosts a `TCPStore` server on `host` (127.0.0.1 here) and a free port; its
+descriptor {"host", "port", "nonce"} travels in every offer's handle (and in
+`local_descriptor()`, i.e. `InstanceStats.connector`), so a decode instance can reach a prefill
+instance it has never seen. The store is both the rendezvous and the control channel:
+
+  decode D (rank 1 of the pair)                   prefill P (rank 0), server thread on its store
+  0. first pull from P: pair id = uuid;
+     queue_push("kvq", join pair) ---------------> join: build the pair's group (rank 0)
+     build the pair's group (rank 1) <-- rendezvous under prefix "pair/<id>/" -->
+  1. buf = [L * k, 2, B, H, D] (pooled); tag = fresh; plan = chunk_plan(L, k, block bytes)
+  2. recv(header, tag); recv(buf[chunk i], tag + 1 + i) for every chunk, all posted up front
+  3. queue_push("kvq", send rid tag k) ----------> a worker thread: header [offered?, nbytes,
+                                                   chunks] on tag; per chunk: gather its blocks
+                                                   straight into the (pooled) send buffer, send
+                                                   it on tag + 1 + i; wait all (timeout)
   4. a waiter thread waits header, then chunk by chunk; the caller scatters each chunk into the
-     destination blocks as soon as it lands (overlapping the next chunk's gather + transfer),
-     failing early if the ack reports an error.
+     destination blocks as soon as it lands (overlapping the next chunk's gather + transfer).
 
 Chunks are equal ranges of the layer-major (layer, block) grid, >= ~1 MiB each and at most
-MAX_CHUNKS (many small sends are 4-60x slower); chunks let
-the sender's gather, the wire and the receiver's scatter run concurrently instead of in three
-passes one after another. No round trip precedes the data: all receives are posted before the
-send is requested, so a refusal must still complete them: the sender answers a refused offer
-with header [0, 0, n] and a 1-element message per chunk (gloo completes a receive with a
-shorter message), which is why `request_send` passes the block count. The decode side picks the
-tag, so a retry never matches a stale send. `request_send` is injectable; the default
-(`ray_actor_sender`) calls `kv_send(request_id, dst_rank, tag, timeout_s, num_blocks=k)` on the
-Ray actor named after the source instance, which should call `send_blocks`. A dead or silent
-source gives KVTransferError within timeout_s. After a timeout the receives stay posted for
-recv_grace_s more (see pull) because an expired gloo wait closes the pair's connection; the
-abandoned buffer is never reused and nothing is scattered from it. With NCCL tags are ignored
-and order is per pair, so after a timeout the pair must be re-created before the next transfer.
+MAX_CHUNKS (many small sends are 4-60x slower); chunks let the sender's gather, the wire and the
+receiver's scatter run concurrently instead of in three passes one after another. A refused
+offer (released, lease expired, other block count) still completes every posted receive: header
+[0, 0, n] and a 1-element message per chunk (gloo completes a receive with a shorter message).
+The decode side picks the tag, so a retry never matches a stale send.
+
+Failure, all bounded by the pull's `timeout_s`: an unreachable store (dead prefill process)
+fails the connect; a dead peer mid-transfer raises "connection closed" from gloo within ~40 ms;
+a silent or frozen one is cut at timeout_s. The decode side makes no blocking store call on its
+own thread (TCPStore client reads ignore their timeout when the server process is stopped):
+the pair is built in a helper thread, requests are one-way queue_push, and the sender reports
+nothing but through the pair (header) itself. Any failure drops the pair on the decode side (and tells P,
+best effort), so the next pull builds a fresh one; a gloo wait that expires closes the pair's
+connection anyway. After a timeout the receives stay posted for recv_grace_s more in a daemon
+thread (a late sender finishes into the abandoned buffer, which is never reused). With NCCL,
+tags are ignored and order is per pair, which the per-pair send lock and the drop-on-failure
+rule keep.
 """
 
 from __future__ import annotations
 
 import itertools
+import json
+import logging
 import queue
+import socket
 import threading
 import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from raycluster.kv_transfer.base import (KVConnector, KVHandle, KVTransferError, check_compatible,
-                                         gather_blocks, scatter_blocks)
+from raycluster.kv_transfer.base import KVConnector, KVHandle, KVTransferError, check_compatible
 
-
-def ray_actor_sender(method: str = "kv_send", namespace: str | None = None) -> Callable:
-    """request_send that asks the source engine actor (named by its instance id) to send."""
-    def request_send(handle: KVHandle, dst_rank: int, tag: int, timeout_s: float):
-        import ray
-        actor = ray.get_actor(handle.src_instance, namespace=namespace)
-        return getattr(actor, method).remote(handle.request_id, dst_rank, tag, timeout_s,
-                                             num_blocks=len(handle.src_block_ids))
-    return request_send
-
+log = logging.getLogger(__name__)
 
 TAG_STRIDE = 64          # tags [tag, tag + TAG_STRIDE) belong to one transfer
 MAX_CHUNKS = 8           # header + chunks must fit in one tag stride
 MIN_CHUNK_BYTES = 1 << 20
+QUEUE = "kvq"            # the prefill side's request queue in its store
+SERVER_BLOCK_S = 86400.0  # the server thread blocks on the queue; close() wakes it with "stop"
 
 
 def chunk_plan(num_layers: int, num_blocks: int, block_bytes: int,
@@ -107,77 +114,96 @@ class _BufferPool:
             del self._free[:-self.keep]
 
 
-def _ack_state(ack: Any) -> tuple[bool, BaseException | None]:
-    """(done, error) of whatever request_send returned: an ObjectRef, a Future, or None."""
-    if ack is None:
-        return True, None
-    try:
-        import ray
-        if isinstance(ack, ray.ObjectRef):
-            ready, _ = ray.wait([ack], timeout=0)
-            if not ready:
-                return False, None
-            try:
-                ray.get(ack, timeout=0)
-                return True, None
-            except Exception as e:
-                return True, e
-    except ImportError:
-        pass
-    if hasattr(ack, "done"):
-        if not ack.done():
-            return False, None
-        return True, ack.exception()
-    return True, None
+def pair_group(store, rank: int, host: str, timeout_s: float, cuda: bool):
+    """A 2-rank process group over `store` (a PrefixStore unique to the pair): gloo on CPU,
+    NCCL on CUDA. Collective: both ranks construct it concurrently."""
+    t = timedelta(seconds=timeout_s)
+    if cuda:  # pragma: no cover - no GPU here
+        opts = dist.ProcessGroupNCCL.Options()
+        opts._timeout = t
+        return dist.ProcessGroupNCCL(store, rank, 2, opts)
+    opts = dist.ProcessGroupGloo._Options()
+    opts._devices = [dist.ProcessGroupGloo.create_device(hostname=host)]
+    opts._timeout = t
+    opts._threads = 1
+    return dist.ProcessGroupGloo(store, rank, 2, opts)
+
+
+class _Refused(KVTransferError):
+    """The sender answered a pull with "not offered"; the pair is fine."""
+
+
+@dataclass
+class _Pair:
+    """One side's view of a pair group. Prefill side: `ready` is set once the group exists
+    (or failed: pg stays None); sends on it are serialized by `lock`."""
+    pair_id: str
+    pg: Any = None
+    store: Any = None            # decode side: client of the prefill's store
+    ready: threading.Event = field(default_factory=threading.Event)
+    lock: threading.Lock = field(default_factory=threading.Lock)
 
 
 class TorchDistConnector(KVConnector):
     name = "torch_dist"
 
-    def __init__(self, kv_cache: torch.Tensor, instance_id: str, rank: int | None = None,
-                 world_size: int | None = None, store_host: str = "127.0.0.1",
-                 store_port: int | None = None, backend: str | None = None,
-                 init_timeout_s: float = 60.0, request_send: Callable | None = None,
+    def __init__(self, kv_cache: torch.Tensor, instance_id: str, host: str = "127.0.0.1",
                  lease_s: float = 30.0, clock=None, recv_grace_s: float = 60.0,
-                 max_chunks: int = MAX_CHUNKS, min_chunk_bytes: int = MIN_CHUNK_BYTES) -> None:
+                 max_chunks: int = MAX_CHUNKS, min_chunk_bytes: int = MIN_CHUNK_BYTES,
+                 send_workers: int = 4, store_timeout_s: float = 30.0,
+                 connect_timeout_s: float = 3.0) -> None:
         super().__init__(kv_cache, instance_id, lease_s, clock)
         if not 1 <= max_chunks < TAG_STRIDE:
             raise ValueError(f"max_chunks must be in [1, {TAG_STRIDE - 1}], got {max_chunks}")
-        if not dist.is_initialized():
-            if rank is None or world_size is None or store_port is None:
-                raise ValueError("torch_dist needs rank, world_size and store_port to join the group")
-            backend = backend or ("nccl" if kv_cache.is_cuda else "gloo")
-            t = timedelta(seconds=init_timeout_s)
-            store = dist.TCPStore(store_host, store_port, world_size, is_master=(rank == 0),
-                                  timeout=t)
-            dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
-                                    timeout=t)
-        self.rank = dist.get_rank()
-        self.request_send = request_send or ray_actor_sender()
+        self.host = host
+        self.connect_timeout_s = connect_timeout_s
         self.recv_grace_s = recv_grace_s
         self.max_chunks, self.min_chunk_bytes = max_chunks, min_chunk_bytes
         self.block_bytes = kv_cache[0, 0].numel() * kv_cache.element_size()
+        self.cuda = kv_cache.is_cuda
         self._tags = itertools.count(1)
         self._send_pool, self._recv_pool = _BufferPool(), _BufferPool()
+        self._lock = threading.Lock()
+        self._sending: dict[str, int] = {}      # request id -> sends in flight (lease guard)
+        # prefill side: our store (server) and the pairs decode instances opened with us
+        # Bind the listening socket ourselves: TCPStore would listen on every interface.
+        sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+        sock.bind((host, 0))
+        sock.listen(128)
+        port = sock.getsockname()[1]
+        self._store = dist.TCPStore(host, port, is_master=True, wait_for_workers=False,
+                                    timeout=timedelta(seconds=store_timeout_s),
+                                    master_listen_fd=sock.detach())
+        self.nonce = uuid.uuid4().hex[:12]
+        self._descriptor = {"host": host, "port": int(self._store.port), "nonce": self.nonce}
+        self._served: dict[str, _Pair] = {}
+        self._tls = threading.local()
+        self._pool = ThreadPoolExecutor(send_workers, thread_name_prefix=f"kv-send-{instance_id}")
+        self._closed = False
+        self._server = threading.Thread(target=self._serve, name=f"kv-server-{instance_id}",
+                                        daemon=True)
+        self._server.start()
+        # decode side: pairs we opened, by the prefill's (host, port, nonce)
+        self._peers: dict[tuple, _Pair] = {}
         # Where the last transfer's time went (seconds), for benchmarks and logs.
         self.last_send_stats: dict[str, float] = {}
         self.last_pull_stats: dict[str, float] = {}
 
-    def local_descriptor(self) -> dict[str, int]:
-        return {"rank": self.rank}
+    def local_descriptor(self) -> dict[str, Any]:
+        return dict(self._descriptor)
 
     def _offer_extra(self, handle: KVHandle) -> dict[str, Any]:
-        return {"rank": self.rank}
+        return dict(self._descriptor)
 
-    def _plan(self, num_blocks: int) -> list[tuple[int, int]]:
+    def _plan(self, num_blocks: int, max_chunks: int | None = None,
+              min_chunk_bytes: int | None = None) -> list[tuple[int, int]]:
         if num_blocks <= 0:
             return [(0, 0)]
         return chunk_plan(self.kv_cache.shape[0], num_blocks, self.block_bytes,
-                          self.max_chunks, self.min_chunk_bytes)
+                          max_chunks or self.max_chunks, min_chunk_bytes or self.min_chunk_bytes)
 
     def _staging(self, pool: _BufferPool, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         kv = self.kv_cache
-        shape = (kv.shape[0], k) + tuple(kv.shape[2:])
         flat = pool.take(kv.shape[0] * k * kv[0, 0].numel(), kv.dtype, kv.device)
         # [L * k, 2, B, H, D]: a chunk [a, b) of the flattened (layer, block) grid is buf[a:b].
         return flat, flat[: kv.shape[0] * k * kv[0, 0].numel()].view(
@@ -191,34 +217,99 @@ class TorchDistConnector(KVConnector):
         layers = torch.arange(kv.shape[0], dtype=torch.long, device=kv.device)
         return kv.view(kv.shape[0] * n, -1), (layers[:, None] * n + idx[None, :]).reshape(-1)
 
-    # -- prefill side ------------------------------------------------------------------------
-    def send_blocks(self, request_id: str, dst_rank: int, tag: int, timeout_s: float,
-                    num_blocks: int | None = None) -> int:
+    # -- prefill side: the server ------------------------------------------------------------
+    def _client(self):
+        """This thread's own connection to our store (a store object is not shared across
+        threads)."""
+        c = getattr(self._tls, "store", None)
+        if c is None:
+            c = self._tls.store = self._store.clone()
+        return c
+
+    def _serve(self) -> None:
+        store = self._store.clone()
+        store.set_timeout(timedelta(seconds=SERVER_BLOCK_S))
+        while not self._closed:
+            try:
+                msg = json.loads(store.queue_pop(QUEUE, True))
+            except Exception as e:  # store gone (closing), timeout after a day: keep going
+                if self._closed:
+                    return
+                log.warning("%s: kv server: %s", self.instance_id, e)
+                time.sleep(0.1)
+                continue
+            op = msg.get("op")
+            if op == "stop":
+                return
+            pid = str(msg.get("pair", ""))
+            if op == "join":
+                pair = self._served[pid] = _Pair(pid)
+                self._pool.submit(self._join, pair, float(msg.get("timeout", 30.0)))
+            elif op == "close":
+                self._served.pop(pid, None)
+            elif op in ("send", "raw"):
+                self._pool.submit(self._send_job, msg)
+            else:
+                log.warning("%s: kv server: unknown message %r", self.instance_id, msg)
+
+    def _join(self, pair: _Pair, timeout_s: float) -> None:
+        try:
+            prefix = dist.PrefixStore(f"pair/{pair.pair_id}/", self._client())
+            pair.pg = pair_group(prefix, 0, self.host, timeout_s, self.cuda)
+        except Exception as e:
+            log.warning("%s: pair %s not built: %s", self.instance_id, pair.pair_id, e)
+            self._served.pop(pair.pair_id, None)
+        finally:
+            pair.ready.set()
+
+    def _send_job(self, msg: dict) -> None:
+        pid, tag, timeout_s = str(msg["pair"]), int(msg["tag"]), float(msg["timeout"])
+        pair = self._served.get(pid)
+        try:
+            if pair is None or not pair.ready.wait(timeout_s) or pair.pg is None:
+                raise KVTransferError(f"no pair {pid} here (sender restarted or pair failed)")
+            with pair.lock:
+                if msg["op"] == "raw":
+                    self._send_raw(pair.pg, int(msg["nbytes"]), tag, timeout_s)
+                else:
+                    self.send_blocks(pair.pg, str(msg["rid"]), tag, timeout_s, int(msg["k"]),
+                                     msg.get("chunking"))
+        except _Refused:
+            return       # every posted receive was answered: the pair stays healthy
+        except Exception as e:
+            # The receiver's receives fail (closed pair) or time out; this pair is done.
+            log.warning("%s: kv send on pair %s failed: %s", self.instance_id, pid, e)
+            self._served.pop(pid, None)
+
+    def send_blocks(self, pg, request_id: str, tag: int, timeout_s: float, num_blocks: int,
+                    chunking: tuple[int, int] | None = None) -> int:
         """Send a header (ok?, nbytes, chunks) on `tag`, then the offered blocks in layer chunks
-        on tag + 1 + i, each gathered straight into the send buffer just before its isend.
-        `num_blocks` is the receiver's block count (the layout's chunk plan); a refusal answers
-        every posted receive (header [0, 0, n] + one element per chunk) so the gloo pair stays
-        healthy. Without `num_blocks` (an old receiver) only the header is sent on refusal.
-        Returns the bytes sent."""
+        on tag + 1 + i, each gathered straight into the send buffer just before its send.
+        `num_blocks` is the receiver's block count and `chunking` its (max_chunks,
+        min_chunk_bytes): together they give the receiver's chunk plan; a refusal answers
+        every posted receive (header [0, 0, n] + one element per chunk) so the pair stays
+        healthy. Returns the bytes sent."""
         kv = self.kv_cache
-        blocks = self.offered(request_id)
-        if blocks is not None and num_blocks is not None and num_blocks != len(blocks):
-            blocks = None  # the receiver expects another layout: refuse rather than misplace
-        plan = self._plan(len(blocks) if blocks is not None else (num_blocks or 0))
-        if blocks is None and num_blocks is None:
-            plan = []
+        with self._lock:
+            blocks = self.offered(request_id)
+            if blocks is not None and num_blocks != len(blocks):
+                blocks = None  # the receiver expects another layout: refuse rather than misplace
+            if blocks is not None:
+                self._sending[request_id] = self._sending.get(request_id, 0) + 1
+                self.leases.renew(request_id)  # a transfer in flight must not lose its blocks
+        plan = self._plan(len(blocks) if blocks is not None else num_blocks, *(chunking or ()))
         nbytes = 0 if blocks is None else len(blocks) * kv.shape[0] * self.block_bytes
         header = torch.tensor([int(blocks is not None), nbytes, len(plan)], dtype=torch.int64,
                               device=kv.device)
         flat = None
         works = []
+        t = timedelta(seconds=timeout_s)
         try:
-            works.append(dist.isend(header, dst_rank, tag=tag))
+            works.append(pg.send([header], 1, tag))
             if blocks is None:
                 filler = torch.zeros(1, dtype=kv.dtype, device=kv.device)
-                works.extend(dist.isend(filler, dst_rank, tag=tag + 1 + i) for i in range(len(plan)))
+                works.extend(pg.send([filler], 1, tag + 1 + i) for i in range(len(plan)))
             else:
-                self.leases.renew(request_id)  # a transfer in flight must not lose its blocks
                 flat, buf = self._staging(self._send_pool, len(blocks))
                 idx = torch.as_tensor(blocks, dtype=torch.long, device=kv.device)
                 t0 = time.perf_counter()
@@ -226,100 +317,231 @@ class TorchDistConnector(KVConnector):
                 for i, (a, b) in enumerate(plan):
                     # one row-wise index_select over the [L * N, block] view: the fastest gather
                     torch.index_select(rows, 0, fidx[a:b], out=buf[a:b].view(b - a, -1))
-                    works.append(dist.isend(buf[a:b], dst_rank, tag=tag + 1 + i))
+                    works.append(pg.send([buf[a:b]], 1, tag + 1 + i))
                 t1 = time.perf_counter()
-                for w in works:
-                    w.wait(timeout=timedelta(seconds=timeout_s))
+            for w in works:
+                w.wait(t)
+            if blocks is not None:
                 self.last_send_stats = {"gather_s": t1 - t0, "drain_s": time.perf_counter() - t1,
                                         "chunks": len(plan)}
-            if blocks is None:
-                for w in works:
-                    w.wait(timeout=timedelta(seconds=timeout_s))
         except Exception as e:
             flat = None  # may still be read by a half-done send: never reuse it
-            raise KVTransferError(f"send of {request_id!r} to rank {dst_rank} failed: {e}") from e
+            raise KVTransferError(f"send of {request_id!r} on tag {tag} failed: {e}") from e
         finally:
             if flat is not None:
                 self._send_pool.give(flat)
+            if blocks is not None:
+                with self._lock:
+                    n = self._sending.pop(request_id, 1) - 1
+                    if n > 0:
+                        self._sending[request_id] = n
         if blocks is None:
-            raise KVTransferError(f"{request_id!r} is not offered here (released or lease expired)")
+            raise _Refused(f"{request_id!r} is not offered here (released or lease expired)")
         return nbytes
 
+    def _send_raw(self, pg, nbytes: int, tag: int, timeout_s: float) -> None:
+        """Benchmark baseline: the first nbytes of the KV tensor as one message."""
+        buf = self.kv_cache.view(-1)[: nbytes // self.kv_cache.element_size()]
+        pg.send([buf], 1, tag).wait(timedelta(seconds=timeout_s))
+
+    def expire(self, now: float | None = None) -> list[str]:
+        with self._lock:
+            for rid in self._sending:       # being sent right now: not expired yet
+                self.leases.renew(rid, now)
+            return super().expire(now)
+
     # -- decode side -------------------------------------------------------------------------
+    def _peer(self, x: dict, deadline: float) -> _Pair:
+        """The pair with the prefill instance `x` describes, built on first use. TCPStore
+        client calls to a frozen (SIGSTOPped, swapping) peer ignore their timeouts, so the
+        building runs in a helper thread and this one gives up at the deadline."""
+        key = (x["host"], int(x["port"]), x["nonce"])
+        with self._lock:
+            pair = self._peers.get(key)
+        if pair is not None:
+            return pair
+        box: dict[str, Any] = {}
+
+        def build() -> None:
+            try:
+                box["pair"] = self._build_pair(x, deadline)
+            except BaseException as e:  # noqa: BLE001 - handed to the caller below
+                box["err"] = e
+
+        th = threading.Thread(target=build, name="kv-pair-build", daemon=True)
+        th.start()
+        th.join(max(0.0, deadline - time.monotonic()))
+        where = f"{x['host']}:{x['port']}"
+        if th.is_alive():
+            raise KVTransferError(f"no pair with {where}: timed out")
+        if "err" in box:
+            e = box["err"]
+            raise KVTransferError(f"no pair with {where}: {type(e).__name__}: {e}") from e
+        pair = box["pair"]
+        with self._lock:
+            self._peers[key] = pair
+        return pair
+
+    def _build_pair(self, x: dict, deadline: float) -> _Pair:
+        left = max(0.05, deadline - time.monotonic())
+        # The connect retries until its timeout: a dead prefill process refuses at once, so
+        # do not spend the whole budget on it.
+        store = dist.TCPStore(x["host"], int(x["port"]), is_master=False,
+                              timeout=timedelta(seconds=min(left, self.connect_timeout_s)))
+        store.set_timeout(timedelta(seconds=max(0.05, deadline - time.monotonic())))
+        pair = _Pair(uuid.uuid4().hex[:16], store=store)
+        store.queue_push(QUEUE, json.dumps({"op": "join", "pair": pair.pair_id, "timeout": left}))
+        prefix = dist.PrefixStore(f"pair/{pair.pair_id}/", store)
+        pair.pg = pair_group(prefix, 1, self.host, max(0.05, deadline - time.monotonic()),
+                             self.cuda)
+        return pair
+
+    def _drop_peer(self, x: dict) -> threading.Thread | None:
+        key = (x["host"], int(x["port"]), x["nonce"])
+        with self._lock:
+            pair = self._peers.pop(key, None)
+        if pair is not None:
+            def tell() -> None:   # off this thread: a stopped peer must not stall the caller
+                try:
+                    pair.store.set_timeout(timedelta(seconds=5))
+                    pair.store.queue_push(QUEUE, json.dumps({"op": "close", "pair": pair.pair_id}))
+                except Exception:   # the prefill side is gone: nothing to tell
+                    pass
+            th = threading.Thread(target=tell, name="kv-pair-close", daemon=True)
+            th.start()
+            return th
+        return None
+
     def pull(self, handle: KVHandle, dst_block_ids: list[int], timeout_s: float) -> None:
         check_compatible(self.kv_cache, handle, dst_block_ids)
-        src = int(handle.extra["rank"])
+        x = handle.extra
         deadline = time.monotonic() + timeout_s
+        try:
+            self._pull(handle, dst_block_ids, timeout_s, deadline)
+        except KVTransferError as e:
+            if "not offered" not in str(e):      # a refusal leaves the pair healthy
+                self._drop_peer(x)
+            raise
+
+    def _pull(self, handle: KVHandle, dst_block_ids: list[int], timeout_s: float,
+              deadline: float) -> None:
+        t_start = time.perf_counter()
+        x = handle.extra
+        pair = self._peer(x, deadline)
+        t_pair = time.perf_counter()
         kv = self.kv_cache
         k = len(dst_block_ids)
         plan = self._plan(k)
         flat, buf = self._staging(self._recv_pool, k)
         header = torch.zeros(3, dtype=torch.int64, device=kv.device)
         tag = TAG_STRIDE * next(self._tags)   # header on tag, chunk i on tag + 1 + i
-        what = f"recv of {handle.request_id!r} from rank {src}"
+        what = f"recv of {handle.request_id!r} from {x['host']}:{x['port']}"
         try:
-            works = [dist.irecv(header, src=src, tag=tag)]
-            works += [dist.irecv(buf[a:b], src=src, tag=tag + 1 + i)
-                      for i, (a, b) in enumerate(plan)]
-        except Exception as e:  # dead pair, ...
+            works = [pair.pg.recv([header], 0, tag)]
+            works += [pair.pg.recv([buf[a:b]], 0, tag + 1 + i) for i, (a, b) in enumerate(plan)]
+            pair.store.queue_push(QUEUE, json.dumps(
+                {"op": "send", "pair": pair.pair_id, "rid": handle.request_id, "tag": tag,
+                 "k": k, "chunking": [self.max_chunks, self.min_chunk_bytes],
+                 "timeout": max(0.05, deadline - time.monotonic())}))
+        except Exception as e:  # dead pair, dead store, ...
             raise KVTransferError(f"{what}: could not start: {type(e).__name__}: {e}") from e
-        try:
-            ack = self.request_send(handle, self.rank, tag, timeout_s)
-        except KVTransferError:
-            raise
-        except Exception as e:  # unknown actor, ...
-            raise KVTransferError(f"{what}: could not start: {type(e).__name__}: {e}") from e
-        # gloo's is_completed() stays False until someone waits, and a wait that times out closes
-        # the pair's connection (every later transfer on it fails). So one thread waits, with
-        # timeout_s + recv_grace_s, letting a late sender finish into the abandoned buffer and
-        # keep the pair usable, and reports each completed receive; this thread scatters each
-        # chunk as it lands, gives up at timeout_s and watches the sender's ack (fast failure
-        # for a refused offer or a dead actor). Only this thread touches the KV cache.
+        self._wait_chunks(pair, works, tag, timeout_s, deadline, what, header, plan,
+                          on_chunk=self._scatter_fn(dst_block_ids, buf))
+        self._recv_pool.give(flat)   # only a fully received buffer is reused
+        t_end = time.perf_counter()
+        self.last_pull_stats = {**self._wait_stats, "pair_s": t_pair - t_start,
+                                "total_s": t_end - t_start, "chunks": len(plan)}
+
+    def _scatter_fn(self, dst_block_ids: list[int], buf: torch.Tensor):
+        kv = self.kv_cache
+        rows, fidx = self._rows(torch.as_tensor(dst_block_ids, dtype=torch.long, device=kv.device))
+
+        def scatter(a: int, b: int) -> None:
+            rows.index_copy_(0, fidx[a:b], buf[a:b].view(b - a, -1))
+        return scatter
+
+    def _wait_chunks(self, pair: _Pair, works: list, tag: int, timeout_s: float, deadline: float,
+                     what: str, header: torch.Tensor | None, plan: list, on_chunk) -> None:
+        """Wait for `works` (header first when `header` is given, then one per plan chunk),
+        calling on_chunk(a, b) as each chunk lands. gloo's is_completed() stays False until
+        someone waits, and a wait that times out closes the pair's connection; so one daemon
+        thread waits with timeout_s + recv_grace_s (a late sender finishes into the abandoned
+        buffer) and reports each completed receive, while this thread applies chunks, gives up
+        at timeout_s and polls the sender's failure key. Only this thread touches the KV cache."""
         landed: queue.Queue = queue.Queue()
         long_wait = timedelta(seconds=timeout_s + self.recv_grace_s)
 
         def _wait() -> None:
             for i, w in enumerate(works):
                 try:
-                    w.wait(timeout=long_wait)
+                    w.wait(long_wait)
                 except BaseException as e:  # noqa: BLE001 - handed to the caller below
                     landed.put(e)
                     return
                 landed.put(i)
 
         threading.Thread(target=_wait, name=f"kv-recv-{tag}", daemon=True).start()
-        rows, fidx = self._rows(torch.as_tensor(dst_block_ids, dtype=torch.long, device=kv.device))
-        got, t_start, t_first, scatter_s = 0, time.perf_counter(), None, 0.0
+        off = 1 if header is not None else 0
+        got, t0, t_first, applied_s = 0, time.perf_counter(), None, 0.0
         while got < len(works):
             try:
-                item = landed.get(timeout=0.005)
+                item = landed.get(timeout=max(0.0, min(0.05, deadline - time.monotonic())))
             except queue.Empty:
-                _, err = _ack_state(ack)   # ray.wait costs ~0.1 ms: every 5 ms is plenty
-                if err is not None:
-                    raise KVTransferError(f"{what}: sender failed: {type(err).__name__}: {err}") \
-                        from err
-                if time.monotonic() > deadline:
+                if time.monotonic() >= deadline:
                     raise KVTransferError(f"{what} timed out after {timeout_s}s")
                 continue
             if isinstance(item, BaseException):
                 msg = "timed out" if "imeout" in str(item) else "failed"
                 raise KVTransferError(f"{what} {msg} after {timeout_s}s: {item}") from item
-            if item == 0 and int(header[0]) != 1:
-                # The remaining chunk receives complete with the sender's one-element filler messages.
-                raise KVTransferError(f"{what}: sender refused: not offered (released or lease "
-                                      "expired)")
-            if item == 0 and int(header[2]) != len(plan):
-                raise KVTransferError(f"{what}: sender uses {int(header[2])} chunks, expected "
-                                      f"{len(plan)} (max_chunks/min_chunk_bytes differ)")
-            if item > 0:
-                a, b = plan[item - 1]
+            if header is not None and item == 0:
+                if int(header[0]) != 1:
+                    # The chunk receives complete with the sender's one-element fillers.
+                    raise KVTransferError(f"{what}: sender refused: not offered (released or "
+                                          "lease expired)")
+                if int(header[2]) != len(plan):
+                    raise KVTransferError(f"{what}: sender uses {int(header[2])} chunks, expected "
+                                          f"{len(plan)}")
+            elif item >= off:
+                a, b = plan[item - off]
                 ts = time.perf_counter()
                 t_first = ts if t_first is None else t_first
-                rows.index_copy_(0, fidx[a:b], buf[a:b].view(b - a, -1))
-                scatter_s += time.perf_counter() - ts
+                on_chunk(a, b)
+                applied_s += time.perf_counter() - ts
             got += 1
-        self._recv_pool.give(flat)   # only a fully received buffer is reused
         t_end = time.perf_counter()
-        self.last_pull_stats = {"first_chunk_s": (t_first or t_end) - t_start,
-                                "scatter_s": scatter_s, "total_s": t_end - t_start,
-                                "chunks": len(plan)}
+        self._wait_stats = {"first_chunk_s": (t_first or t_end) - t0, "scatter_s": applied_s}
+
+    def raw_pull(self, descriptor: dict, nbytes: int, timeout_s: float) -> float:
+        """Benchmark baseline: the same control path as pull (pair, receive posted, request
+        through the prefill's store queue) moving the prefill's first nbytes as one message into
+        a reused buffer, with no gather, no scatter and no chunking. Returns seconds."""
+        t0 = time.perf_counter()
+        deadline = time.monotonic() + timeout_s
+        pair = self._peer(descriptor, deadline)
+        numel = nbytes // self.kv_cache.element_size()
+        buf = self._recv_pool.take(numel, self.kv_cache.dtype, self.kv_cache.device)
+        tag = TAG_STRIDE * next(self._tags)
+        works = [pair.pg.recv([buf[:numel]], 0, tag)]
+        pair.store.queue_push(QUEUE, json.dumps({"op": "raw", "pair": pair.pair_id, "tag": tag,
+                                                 "nbytes": nbytes, "timeout": timeout_s}))
+        self._wait_chunks(pair, works, tag, timeout_s, deadline, "raw recv", None, [(0, 0)],
+                          on_chunk=lambda a, b: None)
+        dt = time.perf_counter() - t0
+        self._recv_pool.give(buf)
+        return dt
+
+    def close(self) -> None:
+        super().close()
+        tells = [self._drop_peer({"host": key[0], "port": key[1], "nonce": key[2]})
+                 for key in list(self._peers)]
+        for th in tells:
+            if th is not None:
+                th.join(2.0)
+        if not self._closed:
+            self._closed = True
+            try:
+                self._client().queue_push(QUEUE, json.dumps({"op": "stop"}))
+            except Exception:
+                pass
+            self._server.join(2.0)
+            self._pool.shutdown(wait=False, cancel_futures=True)

@@ -4,7 +4,6 @@ that free unpulled offers. Three actors per connector (prefill, decode, a victim
 everything on 127.0.0.1."""
 
 import importlib.util
-import socket
 import time
 import uuid
 
@@ -20,12 +19,6 @@ CONNECTORS = ["object_store", "torch_dist",
                   importlib.util.find_spec("nixl") is None, reason="nixl extra not installed"))]
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module", params=CONNECTORS)
 def trio(request, ray_cluster):
     """(name, prefill, decode, victim) actors around one connector type, lease 2 s."""
@@ -34,20 +27,18 @@ def trio(request, ray_cluster):
 
     name = request.param
     tag = uuid.uuid4().hex[:6]
-    port = free_port()
     Actor = ray.remote(num_cpus=1)(KVEndpoint)
     actors = []
-    for rank, role in enumerate(["prefill", "decode", "victim"]):
+    for seed, role in enumerate(["prefill", "decode", "victim"]):
         iid = f"{role}-{name}-{tag}"
         opts = {"lease_s": 2.0}
         if name == "torch_dist":
             # 64 KiB chunks: a 7-block request (224 KiB) already moves as 3 pipelined chunks.
-            opts.update(rank=rank, world_size=3, store_port=port, init_timeout_s=30,
-                        min_chunk_bytes=1 << 16)
+            opts.update(min_chunk_bytes=1 << 16, recv_grace_s=5.0)
         if name == "object_store":
             opts.update(max_pieces=32)   # both offer paths: views (few runs), gather (many)
         actors.append(Actor.options(name=iid, max_restarts=0).remote(
-            name, iid, SHAPE, seed=rank + 1, **opts))
+            name, iid, SHAPE, seed=seed + 1, **opts))
     ray.get([a.setup.remote() for a in actors], timeout=60)
     yield (name, *actors)
     for a in actors:
@@ -79,18 +70,31 @@ def test_scattered_blocks_move_bit_exact(trio):
 
 
 def test_stuck_source_times_out(trio):
-    """torch_dist needs the source's help: a busy source means a timeout, not a hang."""
+    """torch_dist needs the source's help: a frozen source (SIGSTOP: its store and sender
+    threads stop too) means a timeout, not a hang; once it runs again, a fresh pair works."""
+    import os
+    import signal
+
     import ray
     name, pre, dec, _ = trio
     if name != "torch_dist":
         pytest.skip("one-sided connectors need no work from the source")
     h = ray.get(pre.offer.remote("req-stuck", [1, 2], 20), timeout=30)
-    busy = pre.sleep.remote(4.0)
-    t0 = time.monotonic()
-    res = ray.get(dec.pull.remote(h, [3, 4], 1.0), timeout=30)
-    assert not res["ok"] and res["error"] == "KVTransferError" and "timed out" in res["msg"]
-    assert time.monotonic() - t0 < 3.5
-    ray.get(busy, timeout=30)
+    pid = ray.get(pre.pid.remote(), timeout=30)
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        t0 = time.monotonic()
+        res = ray.get(dec.pull.remote(h, [3, 4], 1.0), timeout=30)
+        elapsed = time.monotonic() - t0
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    assert not res["ok"] and res["error"] == "KVTransferError" and "timed out" in res["msg"], res
+    assert elapsed < 3.5, elapsed
+    src = ray.get(pre.blocks.remote([1, 2]), timeout=30)
+    res = ray.get(dec.pull.remote(h, [3, 4], 20.0), timeout=40)
+    assert res["ok"], res
+    got = ray.get(dec.blocks.remote([3, 4]), timeout=30)
+    assert np.array_equal(got.view(np.uint32), src.view(np.uint32))
     ray.get(pre.release.remote("req-stuck"), timeout=30)
 
 
@@ -113,6 +117,9 @@ def test_lease_frees_unpulled_offers(trio):
 def test_killed_source_raises_within_timeout(trio):
     import ray
     name, _, dec, victim = trio
+    # A warm path first (torch_dist: the pair exists when the source dies).
+    h = ray.get(victim.offer.remote("req-alive", [7, 8], 20), timeout=30)
+    assert ray.get(dec.pull.remote(h, [9, 10], 20.0), timeout=40)["ok"]
     h = ray.get(victim.offer.remote("req-dead", [1, 2, 3], 40), timeout=30)
     src = ray.get(victim.blocks.remote([1, 2, 3]), timeout=30)
     ray.kill(victim, no_restart=True)
