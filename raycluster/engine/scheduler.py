@@ -136,12 +136,21 @@ class Scheduler:
         alloc = _StepAllocator(self)
         now = self.clock.now()
         selected = self.decode_selector.select(list(self.decoding.values()), now)
-        selected = selected[: self.config.max_num_seqs]
+        if len(selected) > self.config.max_num_seqs:
+            selected = selected[: self.config.max_num_seqs]
+        # Hot path: a decode whose next token fits in the blocks it holds needs no allocation
+        # (what KVCacheManager.try_allocate would find); only the others go the slow way.
+        tables, bs, in_step, decodes = self.kv.block_tables, self.kv.block_size, alloc.in_step, out.decodes
+        running = RequestStatus.RUNNING
         for req in selected:
-            if req.status is not RequestStatus.RUNNING:
+            if req.status is not running:
                 continue                # preempted while making room for an earlier decode
-            if self._allocate_decode(req, selected, alloc, out):
-                out.decodes.append(req)
+            table = tables.get(req.request_id)
+            if table is not None and req.num_computed_tokens < len(table) * bs:
+                in_step.add(req.request_id)
+                decodes.append(req)
+            elif self._allocate_decode(req, selected, alloc, out):
+                decodes.append(req)
         limits = PackLimits(self.config.max_num_batched_tokens, self.config.max_num_seqs)
         out.prefills = self.packer.plan(out.decodes, self.policy, limits, alloc)
         return out
@@ -165,13 +174,32 @@ class Scheduler:
             elif req.prefill_only:
                 self._park(req)
                 finished.append(req)
+        # Decodes: `_append` and `_stop_status` inlined (same order of effects); this loop runs
+        # once per decoding request per step.
+        on_progress, max_len = self.policy.on_progress, self.config.max_model_len
+        running, waiting = RequestStatus.RUNNING, RequestStatus.WAITING
         for req in out.decodes:
-            if req.status.finished:
-                continue
+            st = req.status
+            if st is not running and st is not waiting:
+                continue        # finished (aborted while the step ran)
             req.num_computed_tokens += 1
-            self.policy.on_progress(req, 1)
-            if self._append(req, sampled[req.request_id], now):
-                finished.append(req)
+            on_progress(req, 1)
+            token = sampled[req.request_id]
+            out_ids = req.output_token_ids
+            out_ids.append(token)
+            if req.first_token_time is None:
+                req.first_token_time = now
+            sp = req.sampling
+            if not sp.ignore_eos and token in req.eos_token_ids:
+                status = RequestStatus.FINISHED_STOPPED
+            elif token in sp.stop_token_ids:
+                status = RequestStatus.FINISHED_STOPPED
+            elif len(out_ids) >= sp.max_tokens or len(req.prompt_token_ids) + len(out_ids) >= max_len:
+                status = RequestStatus.FINISHED_LENGTH
+            else:
+                continue
+            self._finish(req, status)
+            finished.append(req)
         return finished
 
     def finish(self, request_id: str, status: RequestStatus) -> None:

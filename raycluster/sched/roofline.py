@@ -42,6 +42,8 @@ import math
 from dataclasses import dataclass
 from typing import Sequence
 
+MEMO_MAX = 1 << 18      # memoised single-chunk / prefill times per predictor (cleared when full)
+
 
 @dataclass(frozen=True)
 class GPUSpec:
@@ -180,17 +182,107 @@ class RooflinePredictor:
         return StepCost(max(lin_c, lin_m), max(attn_c, attn_m), tp_comm, kvp_comm, send,
                         compute_bound=lin_c + attn_c >= lin_m + attn_m)
 
+    # -- hot path --------------------------------------------------------------------------------
+    def __setattr__(self, name: str, value) -> None:
+        object.__setattr__(self, name, value)
+        if name != "_memo":                 # any parameter change invalidates memoised times
+            object.__setattr__(self, "_memo", None)
+
+    def _consts(self) -> dict:
+        """Per-predictor constants of `cost`, each a left prefix of the expression it stands in
+        for (so the float operations, and results, are exactly those of `cost`)."""
+        m, g = self.model, self.gpu
+        t, p, k = self.tp, self.spp, self.kvp
+        return {"lin_f": 2.0 * m.layers * m.layer_params, "lin_s": 2.0 * m.vocab * m.hidden,
+                "lin_c": p * t * g.peak_flops * self.mfu,
+                "lin_m": m.weight_bytes / (p * t * g.hbm_bw * self.mbu),
+                "attn_f": 4.0 * m.layers * m.hidden, "attn_c": p * t * k * g.peak_flops * self.mfu,
+                "kvb": m.kv_bytes_per_token(), "attn_m": p * min(t, m.kv_heads) * k * g.hbm_bw * self.mbu,
+                "layers": m.layers / p, "hb": m.hidden, "db": m.dtype_bytes,
+                "singles": {}, "prefill": {}}
+
+    def _time(self, prefills: Sequence[tuple[int, int]], decode_kv_lens: Sequence[int]) -> float:
+        """`batch_time` without building a StepCost: the same arithmetic as `cost`, decode sums
+        taken once (exact: an int sum does not depend on order; floats take the generator)."""
+        c = self._memo
+        if c is None:
+            c = self._consts()
+            object.__setattr__(self, "_memo", c)
+        nd = len(decode_kv_lens)
+        if nd:
+            dk = sum(decode_kv_lens)
+            dk = dk + nd if type(dk) is int else sum(kv + 1 for kv in decode_kv_lens)
+        else:
+            dk = 0
+        if len(prefills) == 1:
+            q, kv = prefills[0]
+            tokens = q + nd
+            pairs = ((q * (kv + (q + 1) / 2.0)) if self.causal else (q * (kv + q))) + dk
+            kv_tokens = (kv + q) + dk
+        elif prefills:
+            tokens = sum(q for q, _ in prefills) + nd
+            if self.causal:
+                pairs = sum(q * (kv + (q + 1) / 2.0) for q, kv in prefills) + dk
+            else:
+                pairs = sum(q * (kv + q) for q, kv in prefills) + dk
+            kv_tokens = sum(kv + q for q, kv in prefills) + dk
+        else:
+            tokens, pairs, kv_tokens = nd, 0 + dk, 0 + dk
+        seqs = len(prefills) + nd
+        f_lin = c["lin_f"] * tokens + c["lin_s"] * seqs
+        f_attn = c["attn_f"] * pairs
+        lin = max(f_lin / c["lin_c"], c["lin_m"])
+        attn = max(f_attn / c["attn_c"], c["kvb"] * kv_tokens / c["attn_m"])
+        t, k, p = self.tp, self.kvp, self.spp
+        tp_comm = kvp_comm = send = 0.0
+        if tokens and (t > 1 or k > 1 or p > 1):
+            layers, g = c["layers"], self.gpu
+            act = tokens * c["hb"] * c["db"]
+            if t > 1:
+                tp_comm = layers * 2 * (2 * (t - 1) / t * act / g.nvlink_bw + self.allreduce_latency_s)
+            if k > 1:
+                merge = tokens * (c["hb"] * c["db"] + 4 * self.model.heads) / t
+                kvp_comm = layers * ((k - 1) * merge / self.link_bw + self.p2p_latency_s)
+            if p > 1:
+                send = act / self.link_bw + self.p2p_latency_s
+        return p * (lin + attn + tp_comm + kvp_comm) + (p - 1) * send + self.overhead_s
+
     # -- BatchPredictor -----------------------------------------------------------------------
     def batch_time(self, prefills: Sequence[tuple[int, int]], decode_kv_lens: Sequence[int]) -> float:
-        if not prefills and not decode_kv_lens:
-            return 0.0
-        c = self.cost(prefills, decode_kv_lens)
-        return self.spp * c.stage + (self.spp - 1) * c.send + self.overhead_s
+        if not decode_kv_lens:
+            if not prefills:
+                return 0.0
+            if len(prefills) == 1:          # one chunk alone (prefill-time caches, SLO work): memoised
+                q, kv = prefills[0]
+                key = (q, kv)
+                memo = self._memo
+                hit = memo["singles"].get(key) if memo is not None else None
+                if hit is None:
+                    hit = self._time(prefills, decode_kv_lens)
+                    singles = self._memo["singles"]
+                    if len(singles) >= MEMO_MAX:
+                        singles.clear()
+                    singles[key] = hit
+                return hit
+        return self._time(prefills, decode_kv_lens)
 
     def prefill_time(self, num_tokens: int, kv_before: int = 0) -> float:
-        """Isolated prefill, streamed through the SPP stages in `chunk_size` chunks."""
+        """Isolated prefill, streamed through the SPP stages in `chunk_size` chunks (memoised)."""
         if num_tokens <= 0:
             return 0.0
+        memo = self._memo
+        if memo is None:
+            memo = self._consts()
+            object.__setattr__(self, "_memo", memo)
+        key = (num_tokens, kv_before)
+        hit = memo["prefill"].get(key)
+        if hit is None:
+            if len(memo["prefill"]) >= MEMO_MAX:
+                memo["prefill"].clear()
+            hit = memo["prefill"][key] = self._prefill_time(num_tokens, kv_before)
+        return hit
+
+    def _prefill_time(self, num_tokens: int, kv_before: int) -> float:
         size = self.chunk_size or num_tokens
         total, done, last = 0.0, 0, 0.0
         for _ in range(math.ceil(num_tokens / size)):

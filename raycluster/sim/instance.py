@@ -44,6 +44,16 @@ if TYPE_CHECKING:
     from raycluster.sim.cluster import SimCluster
 
 TOKEN = 2           # the fake sampled token id (never EOS: requests ignore EOS anyway)
+_RUNNING, _WAITING = RequestStatus.RUNNING, RequestStatus.WAITING     # the unfinished states
+
+
+class _AllSampled(dict):
+    """`sampled` for Scheduler.update: TOKEN for every request id asked."""
+    def __missing__(self, key: str) -> int:
+        return TOKEN
+
+
+_SAMPLED = _AllSampled()
 
 
 class SimKVHandle:
@@ -162,12 +172,24 @@ class SimInstance:
             return False
         reqs = list(s.decoding.values())
         max_len = s.config.max_model_len
-        k = min(min(r.sampling.max_tokens - len(r.output_token_ids), max_len - r.num_tokens) for r in reqs) - 1
-        k = min(k, self.cluster.max_run_steps)
-        if k < 2:
-            return False
+        left = self.cluster.max_run_steps + 1      # steps until the first request could finish
+        for r in reqs:
+            done = len(r.output_token_ids)
+            a = r.sampling.max_tokens - done
+            b = max_len - len(r.prompt_token_ids) - done
+            if a < left:
+                left = a
+            if b < left:
+                left = b
+            if left < 3:
+                return False
+        k = left - 1
         bs = kv.block_size
-        need = sum(-(-(r.num_computed_tokens + k) // bs) - len(kv.block_tables.get(r.request_id, ())) for r in reqs)
+        tables = kv.block_tables
+        need = 0
+        for r in reqs:
+            table = tables.get(r.request_id)
+            need += -(-(r.num_computed_tokens + k) // bs) - (len(table) if table is not None else 0)
         if need > kv.num_free_blocks:
             return False
         for r in reqs:
@@ -257,22 +279,24 @@ class SimInstance:
         out, self.out, self.busy = self.out, None, False
         self.steps += 1
         self.step_ema = self._dt if self.steps == 1 else 0.9 * self.step_ema + 0.1 * self._dt
-        sampled: dict[str, int] = {}
         produced: list[Request] = []
         for r, n in out.prefills:
-            if not r.status.finished and r.num_computed_tokens + n >= r.num_tokens:
-                sampled[r.request_id] = TOKEN
+            st = r.status
+            if (st is _RUNNING or st is _WAITING) and r.num_computed_tokens + n >= r.num_tokens:
                 produced.append(r)
         for r in out.decodes:
-            if not r.status.finished:
-                sampled[r.request_id] = TOKEN
+            st = r.status
+            if st is _RUNNING or st is _WAITING:
                 produced.append(r)
-        self.scheduler.update(out, sampled)
+        # Every request that produced a token samples TOKEN: `update` only looks up those.
+        self.scheduler.update(out, _SAMPLED)
         events: list[TokenEvent] = [TokenEvent(r.request_id, [], True, r.status.value) for r in out.finished]
         prefilled: list[PrefillDone] = []
         for r in produced:
             st = r.status
-            if st is RequestStatus.FINISHED_PREFILLED:
+            if st is _RUNNING:
+                events.append(TokenEvent(r.request_id, [TOKEN]))
+            elif st is RequestStatus.FINISHED_PREFILLED:
                 prefilled.append(PrefillDone(r.request_id, TOKEN, self._offer(r)))
             else:
                 fin = st.finished
