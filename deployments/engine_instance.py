@@ -56,8 +56,10 @@ class EngineInstance:
         """For tests and `status`: KV bookkeeping of this instance, checked."""
         kv = self.engine.kv
         kv.check()
+        conn = self.worker.connector
         return {"instance_id": self.instance_id, "free": kv.num_free_blocks, "total": kv.num_blocks,
-                "unfinished": self.engine.has_unfinished(), "parked": len(self.engine.scheduler.parked)}
+                "unfinished": self.engine.has_unfinished(), "parked": len(self.engine.scheduler.parked),
+                "kv_pulls": dict(conn.pull_counts) if conn is not None else {}}
 
     def __del__(self) -> None:
         worker = getattr(self, "worker", None)

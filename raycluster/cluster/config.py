@@ -27,7 +27,7 @@ class ClusterConfig(BaseModel):
 
     model: str = "tiny"
     policy: str = "lars"
-    connector: Literal["object_store", "nixl"] = "object_store"
+    connector: Literal["object_store", "nixl", "torch_dist"] = "object_store"
     on_transfer_failure: Literal["recompute", "fail"] = "recompute"
     transfer_timeout_s: float = Field(10.0, gt=0)
     kv_lease_s: float = Field(30.0, gt=0)

@@ -47,7 +47,7 @@ class KVHandle:
     block_shape: tuple[int, ...]
     dtype: str
     # Connector-specific, plain values only (nixl: agent name/metadata/addresses;
-    # torch_dist: source rank; object_store: the ObjectRef of the gathered blocks).
+    # torch_dist: the source's store host/port/nonce; object_store: the ObjectRef of the blocks).
     extra: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -151,6 +151,8 @@ class KVConnector(ABC):
         self.instance_id = instance_id
         self.leases = LeaseTable(lease_s, clock)
         self._offers: dict[str, list[int]] = {}
+        # pull_with_fallback's outcomes on this (decode) side: KV moved vs recomputed.
+        self.pull_counts = {"ok": 0, "failed": 0}
 
     # -- both sides --------------------------------------------------------------------------
     def local_descriptor(self) -> Any:
@@ -217,10 +219,15 @@ def pull_with_fallback(connector: KVConnector, handle: KVHandle, dst_block_ids: 
     if on_failure not in ("recompute", "fail"):
         raise ValueError(f"on_failure must be 'recompute' or 'fail', got {on_failure!r}")
     t0 = time.monotonic()
+    counts = getattr(connector, "pull_counts", None)
     try:
         connector.pull(handle, dst_block_ids, timeout_s)
+        if counts is not None:
+            counts["ok"] += 1
         return True
     except KVTransferError as e:
+        if counts is not None:
+            counts["failed"] += 1
         if on_failure == "fail":
             raise
         log.warning("KV pull of %s from %s failed after %.3fs (%s); recomputing prefill",
