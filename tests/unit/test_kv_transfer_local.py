@@ -238,3 +238,45 @@ def test_bench_allocator_layout_is_valid_and_mostly_runs():
     for lay in ("scattered", "runs16"):
         ids = _pick(rng, 300, 40, lay)
         assert len(ids) == len(set(ids)) == 40
+
+
+def test_torch_dist_pair_in_process_bit_exact_refusal_and_unreachable_peer(monkeypatch):
+    """Two torch_dist connectors in one process (no global process group): the pair is built
+    on the first pull, scattered blocks land exactly, a refusal keeps the pair, the store
+    listens on 127.0.0.1 only, and an unreachable peer fails within the timeout."""
+    import socket
+
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "lo")
+    a, b = kv(1), kv(2)
+    before = b.clone()
+    src = make_connector("torch_dist", a, "pre", min_chunk_bytes=1 << 16)
+    dst = make_connector("torch_dist", b, "dec", connect_timeout_s=0.5, min_chunk_bytes=1 << 16)
+    try:
+        d = src.local_descriptor()
+        assert d["host"] == "127.0.0.1" and d["port"] > 0
+        with socket.socket() as s:   # bound to 127.0.0.1 only: another address may take the port
+            s.bind(("127.0.0.2", d["port"]))
+        sb, db = [5, 6, 7, 30, 2, 63, 40], [0, 1, 10, 11, 12, 50, 33]
+        h = src.offer("r1", sb, 7 * B)
+        assert h.extra == d
+        dst.pull(h, db, timeout_s=20)
+        assert torch.equal(b[:, db], a[:, sb])
+        others = [i for i in range(N) if i not in db]
+        assert torch.equal(b[:, others], before[:, others])
+        assert dst.last_pull_stats["chunks"] == 3
+        assert src.release("r1")
+        with pytest.raises(KVTransferError, match="not offered"):
+            dst.pull(h, db, timeout_s=10)
+        h2 = src.offer("r2", list(range(20)), 20 * B)
+        dst.pull(h2, list(range(40, 60)), timeout_s=20)      # same pair after the refusal
+        assert torch.equal(b[:, 40:60], a[:, :20]) and len(dst._peers) == 1
+        assert pull_with_fallback(dst, h2, list(range(40, 60)), 10)
+        assert dst.pull_counts == {"ok": 1, "failed": 0}
+        gone = dict(h2.extra, port=d["port"] + 1 if d["port"] < 65535 else d["port"] - 1)
+        h2.extra = gone
+        t0 = time.monotonic()
+        assert not pull_with_fallback(dst, h2, list(range(40, 60)), 5.0)
+        assert time.monotonic() - t0 < 5.0 and dst.pull_counts["failed"] == 1
+    finally:
+        dst.close()
+        src.close()
