@@ -6,10 +6,26 @@ time) and `observe(batch_size, seq_len, seconds)` after every step (the engine r
 step time, which updates the LUT online). It leaves as the chosen subset, in input order.
 
 Slack of request r (seconds it may still wait before its next token is late):
-    s_r = tpot * n_r - (now - first_token_time_r) - LUT[1, seq_len_r]
-where n_r = len(output_token_ids): the first token arrives with the prefill, so the k-th decode
-token (k = n_r) is due at first_token_time + k * tpot, and its own step (LUT[1, len]) must fit
-before that. Then, with s_min the smallest slack, requests in ascending seq_len join the batch B
+    s_r = tpot * (n_r - n0_r + 1) - (now - t0_r) - LUT[b, seq_len_r]
+anchored at (t0_r, n0_r): token n0_r was out at t0_r, so token n_r + 1 is due at
+t0_r + (n_r + 1 - n0_r) * tpot, and the step that makes it must fit before that
+(n_r = len(output_token_ids); with t0 = the first token and n0 = 1 this is the seed's formula).
+The step reserved is the seed's Eq. 2, LUT(seq_len_r, BatchSize) with b = the number of active
+decodes (`reserve="batch"`, default); Alg. 3 line 5 writes LUT[1, seq_len_r] (`reserve="single"`).
+They differ where it matters: when no subset fits, Alg. 3 decodes everybody, a step of the whole
+batch, and a slack that reserved only a one-request step lets that step overrun the deadline of
+the request it was delayed for (each delayed request then ends a little above its TPOT).
+The anchor is the request's `first_token_time` with n0 = 1 when the first token was made here
+(mixed instance) and the request comes to us with it set. A P/D handoff arrives with its first
+token made elsewhere and `first_token_time` unset (the WorkItem does not carry when the prefill
+instance produced it), and the local scheduler then stamps `first_token_time` with its own
+first decode token, the request's *second*: anchoring there with n0 = 1 would grant one whole
+extra TPOT (plus the handoff delay) and pace every delayed request past its SLO. So a request
+first seen without `first_token_time` is anchored at the time it is first seen here with n0 =
+the tokens it already has. The handoff delay before that (KV transfer, decode-side queueing) is
+still unknown to the selector (the seed's Eq. 2 uses T_prefill_finish; carrying it needs the
+first-token time in WorkItem), so a request paced exactly at its slack ends a little above its
+TPOT SLO by (handoff delay) / (tokens - 1). Then, with s_min the smallest slack, requests in ascending seq_len join the batch B
 while LUT[|B|+1, seq_len_r] <= s_min (the batch finishes before anybody's deadline is at risk)
 and the join raises throughput (|B|+1)/t_step > |B|/t_cur. An empty B means no slack to exploit:
 decode everything.
@@ -103,23 +119,46 @@ class StepTimeLUT:
 
 
 class KairosDecodeSelector(DecodeSelector):
-    def __init__(self, lut: StepTimeLUT, slo: SLOConfig | None = None) -> None:
+    def __init__(self, lut: StepTimeLUT, slo: SLOConfig | None = None, reserve: str = "batch") -> None:
+        if reserve not in ("batch", "single"):
+            raise ValueError(f"reserve: 'batch' (Eq. 2) or 'single' (Alg. 3), got {reserve!r}")
         self.lut = lut
         self.slo = slo or SLOConfig()
+        self.reserve = reserve
+        self._anchor: dict[str, tuple[float, int]] = {}     # request id -> (t0, n0)
 
     def tpot_s(self, req: Request) -> float:
         return req.slo.tpot_s if req.slo.tpot_s is not None else self.slo.tpot_ms / 1000.0
 
-    def slack(self, req: Request, now: float) -> float:
-        if req.first_token_time is None:     # nothing delivered yet: no schedule to be ahead of
-            return 0.0
+    def anchor(self, req: Request, now: float) -> tuple[float, int]:
+        a = self._anchor.get(req.request_id)
+        if a is None:
+            if req.first_token_time is not None:
+                a = (req.first_token_time, 1)
+            else:                              # handed off: first token made elsewhere
+                a = (now, max(1, len(req.output_token_ids)))
+            self._anchor[req.request_id] = a
+        return a
+
+    def slack(self, req: Request, now: float, batch_size: int = 1) -> float:
+        t0, n0 = self.anchor(req, now)
         n = max(1, len(req.output_token_ids))
-        return self.tpot_s(req) * n - (now - req.first_token_time) - self.lut.lookup(1, req.num_tokens)
+        b = batch_size if self.reserve == "batch" else 1
+        return self.tpot_s(req) * (n - n0 + 1) - (now - t0) - self.lut.lookup(max(1, b), req.num_tokens)
+
+    def _prune(self, decodes: Sequence[Request]) -> None:
+        if len(self._anchor) > 2 * len(decodes) + 64:
+            live = {r.request_id for r in decodes}
+            self._anchor = {k: v for k, v in self._anchor.items() if k in live}
 
     def select(self, decodes: Sequence[Request], now: float) -> list[Request]:
+        self._prune(decodes)
         if len(decodes) <= 1:
+            for r in decodes:
+                self.anchor(r, now)
             return list(decodes)
-        s_min = min(self.slack(r, now) for r in decodes)
+        b = len(decodes)
+        s_min = min(self.slack(r, now, b) for r in decodes)
         chosen: set[int] = set()
         t_cur = 0.0
         for idx in sorted(range(len(decodes)), key=lambda k: decodes[k].num_tokens):

@@ -86,3 +86,25 @@ def test_lut_from_predictor():
     t = StepTimeLUT.from_predictor(p, max_batch=8, max_seq_len=4096)
     assert t.batch_sizes == [1, 2, 4, 8] and t.seq_lens == [16, 32, 64, 128, 256, 512, 1024, 2048, 4096]
     assert t.lookup(3, 1000) == pytest.approx(0.002 + 4 * 1e-4 + 4 * 1024 * 1e-8)
+
+
+def test_handoff_anchored_where_first_seen_not_at_local_first_token():
+    # A P/D handoff arrives with its prefill token and no first_token_time; the scheduler then
+    # stamps first_token_time with its own first decode token (the request's second token).
+    sel = KairosDecodeSelector(lut(), SLO50)
+    h = dec("H", 500, 1)
+    h.first_token_time = None
+    assert sel.slack(h, 1.0) == pytest.approx(0.05 - 0.005)        # next token due 1.0 + 50 ms
+    h.output_token_ids.append(5)                                    # decoded at 1.004 ...
+    h.first_token_time = 1.004                                      # ... and stamped by the scheduler
+    # Token 3 is due at 1.0 + 2 * 50 ms. Anchoring at the stamp with n0 = 1 would have said
+    # 1.004 + 2 * 50 ms: one extra TPOT of budget (and every delayed token that much later).
+    assert sel.slack(h, 1.02) == pytest.approx(1.0 + 0.1 - 1.02 - 0.005)
+
+
+def test_fresh_handoff_does_not_force_decode_all():
+    sel = KairosDecodeSelector(lut(), SLO50)
+    a, b, c = dec("A", 100_000, 2), dec("B", 500, 1), dec("C", 800, 1)
+    c.first_token_time = None                      # just admitted: 50 ms until its next token
+    # slacks: A 0.06, B 0.045, C 0.045: the same packing as with C's clock known.
+    assert [r.request_id for r in sel.select([a, b, c], 0.0)] == ["B", "C"]
