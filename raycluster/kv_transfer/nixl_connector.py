@@ -52,6 +52,7 @@ class NixlConnector(KVConnector):
         self._md = self.agent.get_agent_metadata()
         self._peers: set[str] = set()
         self.poll_s = poll_s
+        self.last_pull_stats: dict[str, float] = {}   # where the last pull's time went (s)
 
     def local_descriptor(self) -> bytes:
         return self._md
@@ -79,6 +80,7 @@ class NixlConnector(KVConnector):
         peer = x["agent"]
         deadline = time.monotonic() + timeout_s
         xfer = None
+        t0 = time.perf_counter()
         try:
             if peer not in self._peers:
                 self.add_peer(x["md"])
@@ -86,9 +88,11 @@ class NixlConnector(KVConnector):
                                     handle.src_block_ids, dst_block_ids)
             local = self.agent.get_xfer_descs(dst, self.mem_type)
             remote = self.agent.get_xfer_descs(src, self.mem_type)
+            t1 = time.perf_counter()
             # The notification tells the prefill side which request was read (see notifs()).
             xfer = self.agent.initialize_xfer("READ", local, remote, peer,
                                               handle.request_id.encode())
+            t2 = time.perf_counter()
             state = self.agent.transfer(xfer)
             while state == "PROC":
                 if time.monotonic() > deadline:
@@ -98,6 +102,8 @@ class NixlConnector(KVConnector):
                 state = self.agent.check_xfer_state(xfer)
             if state != "DONE":
                 raise KVTransferError(f"nixl READ of {handle.request_id!r} from {peer}: {state}")
+            self.last_pull_stats = {"descs_s": t1 - t0, "init_s": t2 - t1,
+                                    "xfer_s": time.perf_counter() - t2, "descs": len(src)}
         except KVTransferError:
             self._forget(peer)
             raise
@@ -107,10 +113,13 @@ class NixlConnector(KVConnector):
                                   f"{type(e).__name__}: {e}") from e
         finally:
             if xfer is not None:
+                t3 = time.perf_counter()
                 try:
                     self.agent.release_xfer_handle(xfer)
                 except Exception:  # an aborted/in-flight handle may refuse; nothing else to do
                     pass
+                self.last_pull_stats["release_s"] = time.perf_counter() - t3
+                self.last_pull_stats["total_s"] = time.perf_counter() - t0
 
     def notifs(self) -> list[str]:
         """Request ids whose READ completed since the last call (prefill side). An engine can
