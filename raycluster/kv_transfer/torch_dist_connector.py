@@ -140,6 +140,7 @@ class _Pair:
     pair_id: str
     pg: Any = None
     store: Any = None            # decode side: client of the prefill's store
+    last_used: float = field(default_factory=time.monotonic)
     ready: threading.Event = field(default_factory=threading.Event)
     lock: threading.Lock = field(default_factory=threading.Lock)
 
@@ -151,12 +152,13 @@ class TorchDistConnector(KVConnector):
                  lease_s: float = 30.0, clock=None, recv_grace_s: float = 60.0,
                  max_chunks: int = MAX_CHUNKS, min_chunk_bytes: int = MIN_CHUNK_BYTES,
                  send_workers: int = 4, store_timeout_s: float = 30.0,
-                 connect_timeout_s: float = 3.0) -> None:
+                 connect_timeout_s: float = 3.0, pair_idle_s: float = 600.0) -> None:
         super().__init__(kv_cache, instance_id, lease_s, clock)
         if not 1 <= max_chunks < TAG_STRIDE:
             raise ValueError(f"max_chunks must be in [1, {TAG_STRIDE - 1}], got {max_chunks}")
         self.host = host
         self.connect_timeout_s = connect_timeout_s
+        self.pair_idle_s = pair_idle_s   # a pair unused this long is dropped (both sides)
         self.recv_grace_s = recv_grace_s
         self.max_chunks, self.min_chunk_bytes = max_chunks, min_chunk_bytes
         self.block_bytes = kv_cache[0, 0].numel() * kv_cache.element_size()
@@ -242,6 +244,12 @@ class TorchDistConnector(KVConnector):
             if op == "stop":
                 return
             pid = str(msg.get("pair", ""))
+            now = time.monotonic()
+            for old in [k for k, p in self._served.items() if now - p.last_used > self.pair_idle_s
+                        and k != pid and not p.lock.locked()]:
+                self._served.pop(old, None)      # e.g. a decode instance that went away
+            if pid in self._served:
+                self._served[pid].last_used = now
             if op == "join":
                 pair = self._served[pid] = _Pair(pid)
                 self._pool.submit(self._join, pair, float(msg.get("timeout", 30.0)))
@@ -356,9 +364,18 @@ class TorchDistConnector(KVConnector):
         client calls to a frozen (SIGSTOPped, swapping) peer ignore their timeouts, so the
         building runs in a helper thread and this one gives up at the deadline."""
         key = (x["host"], int(x["port"]), x["nonce"])
+        now = time.monotonic()
         with self._lock:
             pair = self._peers.get(key)
+            idle = [k for k, p in self._peers.items()
+                    if k != key and now - p.last_used > self.pair_idle_s]
+        for k in idle:   # e.g. a prefill instance that went away: nobody names it any more
+            self._drop_peer({"host": k[0], "port": k[1], "nonce": k[2]})
+        if pair is not None and now - pair.last_used > self.pair_idle_s / 2:
+            self._drop_peer(x)   # the prefill side may have swept it: build a fresh one
+            pair = None
         if pair is not None:
+            pair.last_used = now
             return pair
         box: dict[str, Any] = {}
 

@@ -280,3 +280,26 @@ def test_torch_dist_pair_in_process_bit_exact_refusal_and_unreachable_peer(monke
     finally:
         dst.close()
         src.close()
+
+
+def test_torch_dist_idle_pairs_are_rebuilt(monkeypatch):
+    """A pair idle past half of pair_idle_s is rebuilt by the decode side before use (the
+    prefill side sweeps pairs idle past pair_idle_s), and the transfer still lands exactly."""
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "lo")
+    a, b = kv(3), kv(4)
+    src = make_connector("torch_dist", a, "pre", pair_idle_s=0.4)
+    dst = make_connector("torch_dist", b, "dec", pair_idle_s=0.4)
+    try:
+        h = src.offer("r1", [1, 2], 2 * B)
+        dst.pull(h, [3, 4], timeout_s=20)
+        first = next(iter(dst._peers.values())).pair_id
+        time.sleep(0.5)
+        h2 = src.offer("r2", [5], B)
+        dst.pull(h2, [6], timeout_s=20)
+        assert next(iter(dst._peers.values())).pair_id != first
+        assert torch.equal(b[:, [3, 4, 6]], a[:, [1, 2, 5]])
+        time.sleep(0.2)
+        assert first not in src._served
+    finally:
+        dst.close()
+        src.close()
