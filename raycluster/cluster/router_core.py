@@ -39,6 +39,9 @@ from raycluster.sched.registry import make_policy
 
 QUEUES = ("decode", "prefill-short", "prefill-long", "mixed")   # dispatch order: decode frees KV
 PREFILL_ROLES = ("prefill-short", "prefill-long")
+_SERVING_CHAIN = {"prefill-short": (("prefill-short",), ("prefill-long",), ("mixed",)),
+                  "prefill-long": (("prefill-long",), ("prefill-short",), ("mixed",)),
+                  "mixed": (("mixed",), PREFILL_ROLES)}
 
 
 class RouterCore:
@@ -72,10 +75,7 @@ class RouterCore:
         (a queue stranded by a topology change drains instead of waiting forever)."""
         if queue == "decode":
             return ("decode",)
-        chain = {"prefill-short": [("prefill-short",), ("prefill-long",), ("mixed",)],
-                 "prefill-long": [("prefill-long",), ("prefill-short",), ("mixed",)],
-                 "mixed": [("mixed",), PREFILL_ROLES]}[queue]
-        for roles in chain:
+        for roles in _SERVING_CHAIN[queue]:
             if self._alive(*roles):
                 return roles
         return ()
@@ -181,9 +181,11 @@ class RouterCore:
         """Hand queued work to instances with a free local slot and enough KV; returns the
         number of items placed. Order within a queue is the policy's (front deque first)."""
         placed = 0
-        if not self._alive("decode") and (self.front["decode"] or len(self.policies["decode"])):
+        if (self.front["decode"] or len(self.policies["decode"])) and not self._alive("decode"):
             self._dissolve_decode_queue()
         for queue in QUEUES:
+            if not (self.front[queue] or len(self.policies[queue])):
+                continue                        # nothing queued (the common case per report)
             roles = self._serving_roles(queue)
             while roles and (self.front[queue] or len(self.policies[queue])):
                 cands = [i for i in self._alive(*roles) if self._has_slot(i)]
@@ -314,15 +316,34 @@ class RouterCore:
     def on_report(self, report: StepReport) -> None:
         iid = report.stats.instance_id
         inst = self._touch(iid, report.stats)
+        # One iteration per request per engine step: `_deliver` inlined.
+        requests, transit, policies, gateways = self.requests, inst.transit, self.policies, self.gateways
         for ev in report.events:
-            st = self.requests.get(ev.request_id)
+            rid = ev.request_id
+            st = requests.get(rid)
             if st is None or st.instance != iid:
                 if st is not None:               # stale owner (reaped, then came back): stop it
-                    inst.outbox.aborts.append(ev.request_id)
+                    inst.outbox.aborts.append(rid)
                 continue
-            inst.transit.pop(ev.request_id, None)    # it ran: stats include it
-            self._deliver(st, TokenEvent(ev.request_id, list(ev.token_ids), ev.finished,
-                                         ev.finish_reason, ev.error))
+            if transit:
+                transit.pop(rid, None)           # it ran: stats include it
+            # The event goes to the gateway as it came (not copied): a report is handed over
+            # whole (deserialized from a Ray call, or built fresh by the simulator).
+            toks = ev.token_ids
+            delivered = st.delivered
+            delivered.extend(toks)
+            st.req.output_token_ids = delivered
+            if toks:
+                n = len(toks)
+                for q in st.policies:
+                    policies[q].on_progress(st.req, n)
+            gw = gateways.get(st.meta.gateway_id)
+            if gw is None:
+                gateways[st.meta.gateway_id] = [ev]
+            else:
+                gw.append(ev)
+            if ev.finished:
+                self._drop(st)
         for pd in report.prefilled:
             st = self.requests.get(pd.request_id)
             if st is None or st.instance != iid:

@@ -167,19 +167,22 @@ class SimCluster:
         if not evs:
             return
         now = self.loop.clock.now()
+        records, out = self.records, 0
         for ev in evs:
-            rec = self.records[ev.request_id]
-            if ev.token_ids:
+            rec = records[ev.request_id]
+            n = len(ev.token_ids)
+            if n:
                 if rec.first_token_s is None:
                     rec.first_token_s = now
-                rec.num_output_tokens += len(ev.token_ids)
-                self.tokens_out += len(ev.token_ids)
+                rec.num_output_tokens += n
+                out += n
             if ev.finished:
                 rec.finish_s = now
                 ok = ev.finish_reason in ("stop", "length")
                 rec.status = "ok" if ok else "error"
                 rec.error = None if ok else (ev.error or ev.finish_reason)
                 self._finished(ev.request_id, ok)
+        self.tokens_out += out
 
     def _finished(self, rid: str, ok: bool) -> None:
         self.done += 1

@@ -47,15 +47,6 @@ TOKEN = 2           # the fake sampled token id (never EOS: requests ignore EOS 
 _RUNNING, _WAITING = RequestStatus.RUNNING, RequestStatus.WAITING     # the unfinished states
 
 
-class _AllSampled(dict):
-    """`sampled` for Scheduler.update: TOKEN for every request id asked."""
-    def __missing__(self, key: str) -> int:
-        return TOKEN
-
-
-_SAMPLED = _AllSampled()
-
-
 class SimKVHandle:
     """KVHandle-like plain object: what the decode side needs to time the pull."""
     __slots__ = ("request_id", "src_instance", "num_tokens", "nbytes")
@@ -288,8 +279,7 @@ class SimInstance:
             st = r.status
             if st is _RUNNING or st is _WAITING:
                 produced.append(r)
-        # Every request that produced a token samples TOKEN: `update` only looks up those.
-        self.scheduler.update(out, _SAMPLED)
+        self.scheduler.update(out, dict.fromkeys([r.request_id for r in produced], TOKEN))
         events: list[TokenEvent] = [TokenEvent(r.request_id, [], True, r.status.value) for r in out.finished]
         prefilled: list[PrefillDone] = []
         for r in produced:
