@@ -1,0 +1,69 @@
+"""results_doc: the experiment setups and the verdicts computed from data (no simulation runs)."""
+
+from __future__ import annotations
+
+import math
+
+from raycluster.sim import results_doc as rd
+from raycluster.sim.spec import SimSpec
+
+
+def test_every_job_has_a_valid_spec_and_experiment_renderer():
+    for name in rd.EXPERIMENTS:
+        assert name in rd.RENDER
+        for job in rd.jobs_for(name, quick=True):
+            assert job["key"][0] == name
+            SimSpec(**job["spec"])
+
+
+def test_kairos_setup_per_instance_queues_and_one_chunk_budget():
+    jobs = rd.jobs_for("kairos", quick=False)
+    assert {j["key"][1] for j in jobs} == set(rd.KAIROS_CFGS)
+    for j in jobs:
+        spec = j["spec"]
+        assert spec["router"]["max_local_waiting"] >= 1000          # each prefill instance orders its own queue
+        chunk = spec["engine"]["chunk_size"]
+        assert chunk in (None, spec["engine"]["max_num_batched_tokens"])   # Alg. 1: one chunk budget C
+        assert j["wl"]["long_tokens"] == rd.KAIROS_LONG_TOKENS
+    whole = [j for j in jobs if j["key"][1] == "fcfs-whole/all"]
+    assert whole and all(j["spec"]["engine"]["chunk_size"] is None for j in whole)
+
+
+def test_highest_full_qps_stops_at_first_miss():
+    assert rd.highest_full_qps([2, 4, 6, 8], [1.0, 1.0, 0.99, 1.0]) == 4
+    assert rd.highest_full_qps([2, 4, 6, 8], [1.0, 1.0, 0.99, 1.0], 0.99) == 8
+    assert rd.highest_full_qps([2, 4], [0.9, 1.0]) is None
+
+
+def kairos_data(att: dict[str, list[float]], tpot: dict[str, list[float]], qps=(2, 4, 6)) -> dict:
+    d = {}
+    for c in rd.KAIROS_CFGS:
+        for i, q in enumerate(qps):
+            d[("kairos", c, q)] = {"summary": {"ttft_slo_attainment": att.get(c, [1.0] * len(qps))[i],
+                                               "tpot_slo_attainment": tpot.get(c, [1.0] * len(qps))[i]}}
+    return d
+
+
+def test_kairos_verdict_from_data():
+    d = kairos_data({"fcfs-whole/all": [1.0, 0.9, 0.5], "fcfs/all": [1.0, 0.99, 0.6],
+                     "kairos/all": [1.0, 1.0, 0.7]},
+                    {"kairos/all": [1.0, 0.98, 0.9], "kairos/kairos": [1.0, 0.99, 0.8]})
+    v = rd.kairos_verdict(d)
+    assert v["kairos/all"]["full"] == 4 and v["fcfs/all"]["full"] == 2 and v["fcfs/all"]["99"] == 4
+    assert v["tpot_better"] == [4] and v["tpot_worse"] == [6]
+
+
+def test_bounded_tail():
+    assert rd.bounded_tail([70.0, 90.0, 100.0, 101.0, 100.5])
+    assert not rd.bounded_tail([80.0, 111.0, 179.0, 311.0, 564.0])
+    assert not rd.bounded_tail([80.0, 90.0, math.inf])
+    assert not rd.bounded_tail([80.0, 90.0])
+
+
+def test_justitia_jobs_cover_both_service_rates():
+    jobs = rd.jobs_for("justitia", quick=True)
+    pols = {j["key"][1] for j in jobs}
+    assert pols == set(rd.JUSTITIA_POLS)
+    kv = [j for j in jobs if j["key"][1] == "justitia-kv"]
+    assert kv and all(j["justitia_m"] == "kv" and j["spec"]["policy"] == "justitia" for j in kv)
+    assert all(j["wl"]["mice_qps"] == rd.JUSTITIA_MICE_QPS for j in jobs)
