@@ -10,6 +10,7 @@ are independent and spread over `--jobs` processes; raw summaries go to docs/fig
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import time
@@ -93,6 +94,10 @@ def justitia_workload(mice_s: float, mice_qps: float, seed: int) -> Workload:
 JUSTITIA_MICE_QPS = 12.0
 # justitia: M measured (the policy's default); justitia-kv: M = the seed's KV capacity per iteration.
 JUSTITIA_POLS = ["srjf", "justitia", "justitia-kv", "vtc", "fcfs"]
+# Mixed application workload (loadgen `apps`: Justitia's 72/26/2% small/medium/large mix), in
+# applications per second on the same instance.
+JUSTITIA_APPS_QPS = [1.0, 1.5, 1.75, 2.0]
+JUSTITIA_APPS_DURATION_S = 300
 
 
 def justitia_spec(policy: str) -> dict:
@@ -164,6 +169,10 @@ def run_one(job: dict) -> dict:
         wl = justitia_workload(**job["wl"])
     else:
         wl = make_workload(**job["wl"])
+    if job.get("tenant_per_app"):
+        # VTC shares between tenants: one tenant per application makes it application-level fair
+        # sharing, the seed's VTC baseline.
+        wl = Workload(wl.name, wl.params, [dataclasses.replace(r, tenant=r.app_id or r.request_id) for r in wl])
     if job.get("justitia_m") == "kv":
         res = simulate_kv_capacity_justitia(spec, wl)
     else:
@@ -215,6 +224,14 @@ def jobs_for(name: str, quick: bool) -> list[dict]:
                 if pol == "justitia-kv":
                     job["justitia_m"] = "kv"
                 jobs.append(job)
+    elif name == "justitia-apps":
+        for q in ([1.5, 2.0] if quick else JUSTITIA_APPS_QPS):
+            for pol in JUSTITIA_POLS:
+                job = {"key": ["justitia-apps", pol, q], "spec": justitia_spec(pol.split("-")[0]), "tenant_per_app": True,
+                       "wl": dict(name="apps", seed=3, qps=q, duration=60 if quick else JUSTITIA_APPS_DURATION_S)}
+                if pol == "justitia-kv":
+                    job["justitia_m"] = "kv"
+                jobs.append(job)
     elif name == "pla":
         for q in ([4, 10] if quick else [2, 4, 6, 8, 10, 12]):
             for kind in ("single", "split"):
@@ -237,7 +254,7 @@ def jobs_for(name: str, quick: bool) -> list[dict]:
     return jobs
 
 
-EXPERIMENTS = ["medha", "medha-edf", "kairos", "justitia", "pla", "speed"]
+EXPERIMENTS = ["medha", "medha-edf", "kairos", "justitia", "justitia-apps", "pla", "speed"]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -481,6 +498,30 @@ def render_justitia(d: dict) -> str:
     return "\n".join(lines)
 
 
+def render_justitia_apps(d: dict) -> str:
+    qps = sorted({k[2] for k in d})
+    pols = [p for p in JUSTITIA_POLS if any(k[1] == p for k in d)]
+    label = {"srjf": "SRJF", "justitia": "Justitia (M measured)", "justitia-kv": "Justitia (M = KV cache / iteration)",
+             "vtc": "VTC", "fcfs": "FCFS"}
+    ap = lambda p, q, k: d.get(("justitia-apps", p, q), {}).get("apps", {}).get(k)  # noqa: E731
+    lines = ["## Justitia: average application completion on a mixed application workload", "",
+             f"Setup: the instance of the elephant experiment (one A100, 16 sequences per batch); loadgen "
+             f"`apps` (DAGs of calls sharing an app_id: fact verification, self-consistency, map-reduce "
+             f"in Justitia's 72% / 26% / 2% small / medium / large mix), Poisson application arrivals for "
+             f"{JUSTITIA_APPS_DURATION_S} s, seed 3, one tenant per application (VTC fair-shares between "
+             "applications). Application completion = last call finish - first arrival.", "",
+             "Average / P99 application completion (s):", "",
+             "| apps/s | " + " | ".join(label[p] for p in pols) + " |", "|---|" + "---|" * len(pols)]
+    for q in qps:
+        lines.append(f"| {q} | " + " | ".join(f"{_f(ap(p, q, 'completion_avg_s'))} / {_f(ap(p, q, 'completion_p99_s'))}"
+                                              for p in pols) + " |")
+    below = {p: all((ap(p, q, "completion_avg_s") or math.inf) < (ap("vtc", q, "completion_avg_s") or 0) for q in qps)
+             for p in ("justitia", "justitia-kv") if p in pols}
+    lines += ["", "Verdict: average application completion below VTC's at every load: "
+              + "; ".join(f"{label[p]}: {v}" for p, v in below.items()) + ".", ""]
+    return "\n".join(lines)
+
+
 def render_pla(d: dict) -> str:
     lines = ["## PLA-Serve: split prefill pools and the pressure controller", "",
              "Setup: Llama-3-8B, one A100 per instance, P/D with a decode pool; `long-mix` with prompts "
@@ -527,7 +568,8 @@ def render_speed(d: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-RENDER = {"medha": render_medha, "medha-edf": render_medha_edf, "kairos": render_kairos, "justitia": render_justitia, "pla": render_pla,
+RENDER = {"medha": render_medha, "medha-edf": render_medha_edf, "kairos": render_kairos, "justitia": render_justitia,
+          "justitia-apps": render_justitia_apps, "pla": render_pla,
           "speed": render_speed}
 
 

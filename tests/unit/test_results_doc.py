@@ -67,3 +67,14 @@ def test_justitia_jobs_cover_both_service_rates():
     kv = [j for j in jobs if j["key"][1] == "justitia-kv"]
     assert kv and all(j["justitia_m"] == "kv" and j["spec"]["policy"] == "justitia" for j in kv)
     assert all(j["wl"]["mice_qps"] == rd.JUSTITIA_MICE_QPS for j in jobs)
+
+
+def test_justitia_apps_jobs_and_verdict():
+    jobs = rd.jobs_for("justitia-apps", quick=True)
+    assert jobs and all(j["tenant_per_app"] and j["wl"]["name"] == "apps" for j in jobs)
+    d = {}
+    for q, avg in ((1.0, {"justitia": 3.0, "justitia-kv": 5.0, "vtc": 4.0}), (2.0, {"justitia": 8.0, "justitia-kv": 27.0, "vtc": 15.0})):
+        for p, a in avg.items():
+            d[("justitia-apps", p, q)] = {"apps": {"completion_avg_s": a, "completion_p99_s": 2 * a}}
+    text = rd.render_justitia_apps(d)
+    assert "Justitia (M measured): True" in text and "Justitia (M = KV cache / iteration): False" in text
