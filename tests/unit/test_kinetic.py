@@ -4,7 +4,7 @@ Lines v_i(t) = sign * (A_i - t) / B_i with integer A, B and times, so exact rati
 (Fraction) is the reference; few distinct slopes and intercepts make equal slopes, crossings at
 query times and exact ties (broken by the tie key) common. The tree is checked after every
 operation at a non-decreasing random time, through growth, deletions of winners and of losers,
-pops and rebuilds. The policies are also run against the same policy with a brute-force tree.
+pops, rebuilds and intercept resets. The policies are also run against the same policy with a brute-force tree.
 """
 
 from __future__ import annotations
@@ -55,6 +55,11 @@ class BruteLineTree:
         self._t = t
         self._items = {i: (Fraction(a), Fraction(b), tie) for i, a, b, tie in items}
 
+    def reset_intercepts(self, items, t) -> None:
+        self._t = t
+        for i, a in items:
+            self._items[i] = (Fraction(a),) + self._items[i][1:]
+
     def top(self, t):
         t = Fraction(self._now(t))
         if not self._items:
@@ -75,8 +80,8 @@ def _script(rng: random.Random, steps: int, slopes: list[int]):
     for _ in range(steps):
         r = rng.random()
         op = "insert" if r < 0.5 else "delete" if r < 0.65 else "pop" if r < 0.9 else "top"
-        if rng.random() < 0.003:
-            op = "rebuild"
+        if rng.random() < 0.006:
+            op = rng.choice(["rebuild", "reset"])
         out.append((op, rng.randrange(250), rng.randrange(-50, 3000), rng.choice(slopes),
                     rng.choice([0, 0, 1, 2, 5, 17, 60])))
     return out
@@ -105,6 +110,10 @@ def test_top_matches_brute_force_at_random_times(sign, seed):
             items = [(k, int(v[0]), int(v[1]), v[2]) for k, v in brute._items.items()]
             fast.rebuild(items, t)
             brute.rebuild(items, t)
+        elif op == "reset":
+            items = [(k, rng.randrange(-50, 3000)) for k in brute._items]
+            fast.reset_intercepts(items, t)
+            brute.reset_intercepts(items, t)
         assert len(fast) == len(brute)
         assert fast.top(t) == brute.top(t), (op, t)
         probe = t + rng.choice([0, 1, 3, 40])       # a later look, then time continues from it

@@ -292,10 +292,20 @@ class KineticLineTree:
         """Replace the contents with [(id, a, b, tie)] in O(n log n) (one sort, bottom-up)."""
         items = list(items)
         cap = 64
-        while cap < 2 * len(items):
+        while cap < len(items) + len(items) // 4:     # a quarter spare, spread over the buckets
             cap *= 2
         self._t = t
         self._layout(items, cap, t)
+
+    def reset_intercepts(self, items, t: float) -> None:
+        """Give stored lines new intercepts [(id, a)] (slopes and tie keys unchanged), then
+        re-derive every claim at t in O(n): `rebuild` without a new layout."""
+        a, slot = self._a, self._slot
+        for item_id, new_a in items:
+            a[slot[item_id]] = float(new_a)
+        self._t = t
+        for nd in range(self._cap - 1, 0, -1):
+            self._recompute(nd, t)
 
     def insert(self, item_id: Hashable, a: float, b: float, tie, t: float) -> None:
         if item_id in self._slot:

@@ -146,8 +146,12 @@ class KairosPolicy(Policy):
             pos = self._fw.append()
             self._fw.add(pos, st[1])
             self._known[st[3].request_id] = [pos, st[1], st[2], st[3]]
-        items = []
+        # Queued requests' durations are current (every push and progress report re-tracks
+        # them), so only P_r is re-read here, without asking the predictor again; slopes and
+        # tie keys do not change, so the tree keeps its layout and only re-derives its nodes.
+        known, fw = self._known, self._fw
+        xs = []
         for rid, req in self._reqs.items():
-            x, b = self.urgency_line(req)
-            items.append((rid, x, b, (req.arrival_time, self._known[rid][2])))
-        self._tree.rebuild(items, self.ctx.clock.now())
+            st = known[rid]
+            xs.append((rid, req.arrival_time + self.slo.static(req).ttft - fw.prefix(st[0])))
+        self._tree.reset_intercepts(xs, self.ctx.clock.now())
