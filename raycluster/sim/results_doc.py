@@ -267,15 +267,20 @@ def _f(v, nd=2, unit=""):
     return f"{v:.{nd}f}{unit}"
 
 
-def _plot(path: Path, title: str, xlabel: str, ylabel: str, series: dict, logy: bool = False) -> None:
+def _plot(path: Path, title: str, xlabel: str, ylabel: str, series: dict, logy: bool = False,
+          distinct: bool = False) -> None:
+    """distinct: a different marker and dash per series, so curves that coincide stay visible."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     fig, ax = plt.subplots(figsize=(6, 3.6))
-    for label, (xs, ys) in series.items():
+    markers, dashes = ["o", "s", "^", "D", "v", "x"], ["-", "--", "-.", ":"]
+    for i, (label, (xs, ys)) in enumerate(series.items()):
         pts = [(x, y) for x, y in zip(xs, ys) if y is not None]
+        style = ({"marker": markers[i % len(markers)], "linestyle": dashes[i % len(dashes)], "markersize": 8 - i,
+                  "alpha": 0.85} if distinct else {"marker": "o"})
         if pts:
-            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=label)
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], label=label, **style)
     ax.set_title(title)
     ax.set_xlabel(xlabel)
     ax.set_ylabel(ylabel)
@@ -433,7 +438,7 @@ def render_kairos(d: dict) -> str:
               "TTFT urgency": (qps, att("kairos/all", "ttft_slo_attainment")),
               "TPOT continuous": (qps, att("kairos/all", "tpot_slo_attainment")),
               "TPOT slack-guided": (qps, att("kairos/kairos", "tpot_slo_attainment"))}
-    _plot(DOCS / "figures" / "kairos_attainment.png", "Kairos: SLO attainment vs QPS", "QPS", "attainment", series)
+    _plot(DOCS / "figures" / "kairos_attainment.png", "Kairos: SLO attainment vs QPS", "QPS", "attainment", series, distinct=True)
     v = kairos_verdict(d)
     full = lambda c: v[c]["full"] if v[c]["full"] is not None else "none"  # noqa: E731
     n99 = lambda c: v[c]["99"] if v[c]["99"] is not None else "none"  # noqa: E731
@@ -484,7 +489,7 @@ def render_justitia(d: dict) -> str:
         lines.append(f"| {m} | " + " | ".join(_f(a(p, m), 1) for p in pols) + " |")
     series = {label[p]: (ms, [e(p, m) for m in ms]) for p in pols}
     _plot(DOCS / "figures" / "justitia_elephant.png", "Justitia: elephant completion vs mice stream",
-          "mice arrive for (s)", "elephant completion (s)", series)
+          "mice arrive for (s)", "elephant completion (s)", series, distinct=True)
     el = lambda p: [e(p, m) if e(p, m) is not None else math.inf for m in ms]  # noqa: E731
     grows = lambda xs: all(b > a_ * 1.2 for a_, b in zip(xs, xs[1:]))  # noqa: E731
     below = lambda p: all((a(p, m) or math.inf) < (a("vtc", m) or 0) for m in ms)  # noqa: E731
