@@ -60,8 +60,9 @@ class ObjectStoreConnector(KVConnector):
         if kv.device.type == "cpu" and pieces <= self.max_pieces and \
                 piece_bytes >= self.min_piece_bytes:
             # Views into the KV tensor: ray.put copies them into plasma, nothing else does.
-            value = [kv[l, ids[p]:ids[p] + n].numpy() for l in range(kv.shape[0])
-                     for p, n in runs]
+            # Sliced from one numpy view of the cache (~0.3 us each vs ~3 us per torch slice).
+            kvn = self._numpy_kv()
+            value = [kvn[l, ids[p]:ids[p] + n] for l in range(kv.shape[0]) for p, n in runs]
             extra: dict[str, Any] = {"runs": runs}
         else:
             # Gather into a reused buffer: ray.put copies it out before returning, and a fresh
@@ -79,6 +80,11 @@ class ObjectStoreConnector(KVConnector):
         ref = ray.put(value)
         self._refs[handle.request_id] = ref
         return {"ref": ref, **extra}
+
+    def _numpy_kv(self) -> np.ndarray:
+        if getattr(self, "_kvn", None) is None:
+            self._kvn = self.kv_cache.numpy()
+        return self._kvn
 
     def _drop(self, request_id: str) -> None:
         self._refs.pop(request_id, None)  # last local ref gone -> Ray frees the object
@@ -110,12 +116,20 @@ class ObjectStoreConnector(KVConnector):
                     for pc, (_, n) in zip(pieces, runs * kv.shape[0])):
             raise KVTransferError(f"object for {handle.request_id!r} does not match its runs "
                                   f"{runs} and {len(dst_block_ids)} destination blocks")
-        idx = torch.as_tensor(dst_block_ids, dtype=torch.long, device=kv.device)
+        # Destination runs per source run, computed once (not per layer): one copy per piece
+        # when the destination is consecutive too, else one index_copy_.
+        dst = np.asarray(dst_block_ids, dtype=np.int64)
+        idx = torch.as_tensor(dst, dtype=torch.long, device=kv.device)
+        where = []
+        for p, n in runs:
+            d = dst[p:p + n]
+            contiguous = n == 1 or bool((np.diff(d) == 1).all())
+            where.append((int(d[0]), n, None if contiguous else idx[p:p + n]))
         for l in range(kv.shape[0]):
-            for r, (p, n) in enumerate(runs):
-                d = idx[p:p + n]
-                piece = pieces[l * len(runs) + r].to(kv.device)
-                if n == 1 or int(d[-1]) - int(d[0]) == n - 1 and bool((d.diff() == 1).all()):
-                    kv[l, int(d[0]):int(d[0]) + n].copy_(piece)
+            kl = kv[l]
+            for r, (d0, n, scattered) in enumerate(where):
+                piece = pieces[l * len(runs) + r]
+                if scattered is None:
+                    kl[d0:d0 + n].copy_(piece)
                 else:
-                    kv[l].index_copy_(0, d, piece)
+                    kl.index_copy_(0, scattered, piece.to(kv.device))
