@@ -18,12 +18,13 @@ handoff's control path without gather/scatter/chunking); ray.put +
 ray.get (zero-copy view, `raw`) and, since a handoff must land the bytes in the decode's own
 memory like the other two transports do, ray.put + ray.get + one copy into a reused buffer
 (`raw_into`). Each (layout, size) gets one unrecorded warmup, then `--repeats` interleaved
-handoff/raw pairs (alternating which of the two goes first); reported: medians, GB/s, ratio = raw_s / handoff_s (target >= 0.7), the
-median of per-pair ratios (robust to load drifting between pairs on a shared machine; the
-headline, `ratio_target_paired`, is taken against `raw_into` for the object store because a
-handoff must land the bytes in the decode's KV cache, which its zero-copy `raw` get does not), one
-single-thread memcpy of the same bytes in the decode process (the cost of one extra pass) and,
-for torch_dist, the connector's own phase timings.
+handoff/raw pairs (alternating which of the two goes first); reported: medians, GB/s,
+ratio = raw_s / handoff_s (target >= 0.7), the median of per-pair ratios (robust to load
+drifting between pairs on a shared machine; the headline, `ratio_target_paired`, is taken
+against `raw_into` for the object store because a handoff must land the bytes in the decode's
+KV cache, which its zero-copy `raw` get does not), one single-thread memcpy of the same bytes
+in the decode process (the cost of one extra pass) and, per connector, its own phase timings
+(nixl: descriptors / init / transfer; torch_dist: post / gather / scatter / drain).
 """
 
 from __future__ import annotations
