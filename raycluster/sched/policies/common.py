@@ -58,9 +58,13 @@ class KineticLineTree:
       is not watched at all, so its internal order changes ("certificate failures") are never
       processed while they cannot matter. This is the pruning that keeps a query cheap.
     - A claim is trusted only while melt > now. `top` re-derives the expired claims from the
-      root down (children before parents, each node once however many of its events passed);
-      insert/delete re-derive the leaf-to-root path, first bringing each path sibling's expired
-      claim up to date, and stop as soon as a node's (winner, melt, min s) come out unchanged.
+      root down (each node once however many of its events passed); insert/delete re-derive the
+      leaf-to-root path and stop as soon as a node's (winner, melt, min s) come out unchanged.
+      Re-deriving a node needs both children's claims, except that an expired child c is left
+      expired when it is dominated (`_dominated`): nothing in c falls faster than the other
+      child's winner w and a lower bound on c's minimum (c's exact minimum when last derived,
+      moved at the fastest rate in c) is above w(t) by more than any rounding, so again no
+      line of c can ever reach w.
     - Comparisons at time t are done by cross-multiplication (no division), so integer-valued
       inputs compare exactly; only crossing times are divided, and a node is re-checked no later
       than the rounded crossing.

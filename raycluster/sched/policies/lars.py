@@ -8,10 +8,14 @@ re-sort per decision is O(n log n).
 
 Structure: a kinetic tournament tree (`common.KineticLineTree`) over the lines
 (A_i - t) / B_i with A_i = D_i - R_i (fixed between progress events, refreshed on every push)
-and B_i = W_i. It is exact: any two lines cross at most once and every internal node is
-re-checked at the crossing time of its children's winners, and comparisons at time t use
-cross-multiplication, so there is no bucketing of W. Each push/pop/remove is O(log n); a query
-additionally pays O(log n) per order change that happened since the previous query.
+and B_i = W_i. It is exact: any two lines cross at most once, every watched internal node is
+re-checked at the crossing time of its children's winners, comparisons at time t use
+cross-multiplication, and a subtree is left unwatched only when none of its lines falls faster
+than the winner above it (then none can ever overtake it). So W is never bucketed in a
+comparison; buckets of W only choose leaf slots (similar slopes share subtrees, which is what
+lets whole subtrees go unwatched). Each push/pop/remove is O(log n) plus the re-checks of
+watched nodes whose certificates failed since the previous operation; order changes among
+requests that cannot be next (e.g. a burst of arrivals sorting itself out) are not processed.
 """
 
 from __future__ import annotations
