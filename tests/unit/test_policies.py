@@ -157,3 +157,53 @@ def test_slo_defaults_and_proxy():
     assert tr.deadline(own) == pytest.approx(4.5)
     noproxy = SLOTracker(PolicyContext(clock))
     assert noproxy.total_work(long) == pytest.approx(1000 * PROXY_SECONDS_PER_TOKEN)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_lars_burst_matches_brute_force(seed):
+    """200 requests at t = 0 sharing two TTFTs: every untouched request's rho line passes through
+    (D, -1), so whole groups tie exactly at t = D (broken by arrival, then push order) and the
+    order reverses there. Each pop is checked against the exact argmin, with the clock stepping
+    onto those instants, through progress, re-pushes, arrivals and removals."""
+    import random
+    rng = random.Random(seed)
+    clock = VirtualClock()
+    pol = make_policy("lars", ctx_for(clock))
+    queue: dict[str, tuple[Request, int]] = {}
+    seq = 0
+
+    def arrive(i: int) -> None:
+        nonlocal seq
+        prompt = rng.choice([3, 5, 8, 8, 20, 50])
+        r = Request(f"r{i}", [1] * prompt, arrival_time=clock.now(),
+                    slo=SLO(ttft_s=rng.choice([100.0, 400.0])))
+        pol.push(r)
+        queue[r.request_id] = (r, seq)
+        seq += 1
+
+    for i in range(200):
+        arrive(i)
+    nxt = 200
+    while queue:
+        now = clock.now()
+        want = min(queue.values(), key=lambda e: brute_key("lars", e[0], now, e[1]))[0]
+        got = pol.pop()
+        assert got is want, now
+        r, s = queue.pop(got.request_id)
+        n = min(rng.choice([2, 4, 8]), r.num_uncomputed_tokens)
+        r.num_computed_tokens += n
+        pol.on_progress(r, n)
+        if r.num_uncomputed_tokens:
+            pol.push(r)
+            queue[r.request_id] = (r, s)
+        else:
+            pol.on_finish(r)
+        if nxt < 300 and rng.random() < 0.3:
+            arrive(nxt)
+            nxt += 1
+        if queue and rng.random() < 0.02:
+            rid = rng.choice(sorted(queue))
+            pol.remove(rid)
+            pol.on_finish(queue.pop(rid)[0])
+        step = clock.now() + rng.choice([0, 1, 1, 2, 5])
+        clock.advance_to(min([step] + [d for d in (100.0, 400.0) if clock.now() < d < step]))
