@@ -81,11 +81,7 @@ class KVEndpoint:
         loc = np.array([[self.kv.data_ptr(), nbytes, 0]], dtype=np.uint64)
         h = c.agent.initialize_xfer("READ", c.agent.get_xfer_descs(loc, c.mem_type),
                                     c.agent.get_xfer_descs(rem, c.mem_type), src_extra["agent"])
-        state = c.agent.transfer(h)
-        deadline = time.monotonic() + timeout_s
-        while state == "PROC" and time.monotonic() < deadline:
-            time.sleep(c.poll_s)
-            state = c.agent.check_xfer_state(h)
+        state, _ = c.wait_xfer(h, time.monotonic() + timeout_s)   # the connector's own polling
         c.agent.release_xfer_handle(h)
         if state != "DONE":
             raise RuntimeError(f"raw nixl READ: {state}")

@@ -39,7 +39,8 @@ class NixlConnector(KVConnector):
     name = "nixl"
 
     def __init__(self, kv_cache: torch.Tensor, instance_id: str, lease_s: float = 30.0,
-                 clock=None, backends: tuple[str, ...] = ("UCX",), poll_s: float = 2e-4) -> None:
+                 clock=None, backends: tuple[str, ...] = ("UCX",), poll_s: float = 2e-4,
+                 spin_s: float = 0.0) -> None:
         super().__init__(kv_cache, instance_id, lease_s, clock)
         self.agent_name = f"{instance_id}-{uuid.uuid4().hex[:8]}"
         self.agent = nixl_agent(self.agent_name, nixl_agent_config(backends=list(backends)))
@@ -51,7 +52,7 @@ class NixlConnector(KVConnector):
         # Snapshot taken after registration: peers must see the registered KV region.
         self._md = self.agent.get_agent_metadata()
         self._peers: set[str] = set()
-        self.poll_s = poll_s
+        self.poll_s, self.spin_s = poll_s, spin_s
         self.last_pull_stats: dict[str, float] = {}   # where the last pull's time went (s)
 
     def local_descriptor(self) -> bytes:
@@ -93,17 +94,15 @@ class NixlConnector(KVConnector):
             xfer = self.agent.initialize_xfer("READ", local, remote, peer,
                                               handle.request_id.encode())
             t2 = time.perf_counter()
-            state = self.agent.transfer(xfer)
-            while state == "PROC":
-                if time.monotonic() > deadline:
-                    raise KVTransferError(f"nixl READ of {handle.request_id!r} from {peer} "
-                                          f"timed out after {timeout_s}s")
-                time.sleep(self.poll_s)
-                state = self.agent.check_xfer_state(xfer)
+            state, polls = self.wait_xfer(xfer, deadline)
+            if state == "PROC":
+                raise KVTransferError(f"nixl READ of {handle.request_id!r} from {peer} "
+                                      f"timed out after {timeout_s}s")
             if state != "DONE":
                 raise KVTransferError(f"nixl READ of {handle.request_id!r} from {peer}: {state}")
             self.last_pull_stats = {"descs_s": t1 - t0, "init_s": t2 - t1,
-                                    "xfer_s": time.perf_counter() - t2, "descs": len(src)}
+                                    "xfer_s": time.perf_counter() - t2, "descs": len(src),
+                                    "polls": polls}
         except KVTransferError:
             self._forget(peer)
             raise
@@ -120,6 +119,23 @@ class NixlConnector(KVConnector):
                     pass
                 self.last_pull_stats["release_s"] = time.perf_counter() - t3
                 self.last_pull_stats["total_s"] = time.perf_counter() - t0
+
+    def wait_xfer(self, xfer, deadline: float) -> tuple[str, int]:
+        """Start a prepared transfer and poll it until it leaves "PROC" or the deadline passes;
+        returns (state, polls). Spins for the first `spin_s` (a sleep costs 0.1-1 ms on a busy
+        host, longer than many whole transfers), then sleeps poll_s between checks."""
+        state = self.agent.transfer(xfer)
+        polls = 0
+        spin_until = time.monotonic() + self.spin_s
+        while state == "PROC":
+            now = time.monotonic()
+            if now > deadline:
+                break
+            if now > spin_until:
+                time.sleep(self.poll_s)
+            state = self.agent.check_xfer_state(xfer)
+            polls += 1
+        return state, polls
 
     def notifs(self) -> list[str]:
         """Request ids whose READ completed since the last call (prefill side). An engine can
