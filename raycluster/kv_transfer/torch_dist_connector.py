@@ -187,6 +187,7 @@ class TorchDistConnector(KVConnector):
         self._server.start()
         # decode side: pairs we opened, by the prefill's (host, port, nonce)
         self._peers: dict[tuple, _Pair] = {}
+        self._gone: dict[tuple, float] = {}     # incarnations whose store refused a connect
         # Where the last transfer's time went (seconds), for benchmarks and logs.
         self.last_send_stats: dict[str, float] = {}
         self.last_pull_stats: dict[str, float] = {}
@@ -377,6 +378,22 @@ class TorchDistConnector(KVConnector):
         if pair is not None:
             pair.last_used = now
             return pair
+        where = f"{x['host']}:{x['port']}"
+        if key in self._gone:
+            raise KVTransferError(f"no pair with {where}: that instance is gone")
+        # A plain connect first: a dead prefill process refuses at once, while the TCPStore
+        # client would retry until its timeout (and log a stack trace per try).
+        try:
+            socket.create_connection((x["host"], int(x["port"])),
+                                     timeout=max(0.05, min(1.0, deadline - now))).close()
+        except ConnectionRefusedError as e:
+            self._gone[key] = now
+            while len(self._gone) > 256:
+                self._gone.pop(next(iter(self._gone)))
+            raise KVTransferError(f"no pair with {where}: connection refused (instance gone)") \
+                from e
+        except OSError as e:
+            raise KVTransferError(f"no pair with {where}: {type(e).__name__}: {e}") from e
         box: dict[str, Any] = {}
 
         def build() -> None:
@@ -388,7 +405,6 @@ class TorchDistConnector(KVConnector):
         th = threading.Thread(target=build, name="kv-pair-build", daemon=True)
         th.start()
         th.join(max(0.0, deadline - time.monotonic()))
-        where = f"{x['host']}:{x['port']}"
         if th.is_alive():
             raise KVTransferError(f"no pair with {where}: timed out")
         if "err" in box:
