@@ -241,25 +241,31 @@ class TorchDistConnector(KVConnector):
                 log.warning("%s: kv server: %s", self.instance_id, e)
                 time.sleep(0.1)
                 continue
-            op = msg.get("op")
-            if op == "stop":
+            if msg.get("op") == "stop":
                 return
-            pid = str(msg.get("pair", ""))
-            now = time.monotonic()
-            for old in [k for k, p in self._served.items() if now - p.last_used > self.pair_idle_s
-                        and k != pid and not p.lock.locked()]:
-                self._served.pop(old, None)      # e.g. a decode instance that went away
-            if pid in self._served:
-                self._served[pid].last_used = now
-            if op == "join":
-                pair = self._served[pid] = _Pair(pid)
-                self._pool.submit(self._join, pair, float(msg.get("timeout", 30.0)))
-            elif op == "close":
-                self._served.pop(pid, None)
-            elif op in ("send", "raw"):
-                self._pool.submit(self._send_job, msg)
-            else:
-                log.warning("%s: kv server: unknown message %r", self.instance_id, msg)
+            try:
+                self._handle(msg)
+            except Exception:   # never let one bad message stop the server
+                log.exception("%s: kv server: message %r", self.instance_id, msg)
+
+    def _handle(self, msg: dict) -> None:
+        op, pid, now = msg.get("op"), str(msg.get("pair", "")), time.monotonic()
+        # list(): a C-level copy, safe while send workers pop failed pairs concurrently
+        for old in [k for k, p in list(self._served.items())
+                    if now - p.last_used > self.pair_idle_s and k != pid and not p.lock.locked()]:
+            self._served.pop(old, None)      # e.g. a decode instance that went away
+        pair = self._served.get(pid)
+        if pair is not None:
+            pair.last_used = now
+        if op == "join":
+            pair = self._served[pid] = _Pair(pid)
+            self._pool.submit(self._join, pair, float(msg.get("timeout", 30.0)))
+        elif op == "close":
+            self._served.pop(pid, None)
+        elif op in ("send", "raw"):
+            self._pool.submit(self._send_job, msg)
+        else:
+            log.warning("%s: kv server: unknown message %r", self.instance_id, msg)
 
     def _join(self, pair: _Pair, timeout_s: float) -> None:
         try:
