@@ -28,6 +28,8 @@ class ClusterConfig(BaseModel):
     model: str = "tiny"
     policy: str = "lars"
     connector: Literal["object_store", "nixl", "torch_dist"] = "object_store"
+    connector_host: str = Field("127.0.0.1", description="address torch_dist binds its store and "
+                                "gloo pairs to: loopback on one machine, 'node' for the Ray node's IP")
     on_transfer_failure: Literal["recompute", "fail"] = "recompute"
     transfer_timeout_s: float = Field(10.0, gt=0)
     kv_lease_s: float = Field(30.0, gt=0)
