@@ -1,7 +1,8 @@
 """The cluster over real HTTP on a local Ray cluster: mixed pools and prefill/decode pools with
 KV moved by each connector give exactly the single-engine greedy output for 50 mixed requests,
-streamed and not; the openai client works; afterwards every instance's KV is free and the
-router's in-flight table is empty."""
+streamed and not (for P/D: every decode-side pull succeeded, so the KV really moved and was not
+recomputed); the openai client works; afterwards every instance's KV is free and the router's
+in-flight table is empty."""
 
 from __future__ import annotations
 
