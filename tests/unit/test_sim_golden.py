@@ -59,13 +59,56 @@ CASES = {
     "tight-kv-preempt": (TIGHT, dict(name="tenants", seed=9, qps=30, num_requests=200, max_output_tokens=300)),
 }
 
-GOLDEN = {
-    'speed-128xh100': {'requests': '9988f6921c1257bf', 'completed': 505, 'ttft_p50_s': 0.016928943186976686, 'tpot_p50_s': 0.008626475971917753, 'steps': 22175, 'preemptions': 0, 'kv_transfers': 0, 'output_tokens': 184088, 'virtual_end_s': 17.21764986980912, 'moves': 0},
-    'speed-stepwise': {'requests': '2021cb1aa205422b', 'completed': 125, 'ttft_p50_s': 0.014592946113872018, 'tpot_p50_s': 0.00859747433466129, 'steps': 6295, 'preemptions': 0, 'kv_transfers': 0, 'output_tokens': 43260, 'virtual_end_s': 16.86351866399836, 'moves': 0},
-    'pd-transfers': {'requests': '51dc4be9527372f0', 'completed': 150, 'ttft_p50_s': 0.30176591791564933, 'tpot_p50_s': 0.011144228451894863, 'steps': 4514, 'preemptions': 0, 'kv_transfers': 150, 'output_tokens': 43296, 'virtual_end_s': 23.328244246349886, 'moves': 0},
-    'pla-controller': {'requests': 'c6c4f6832aa5c339', 'completed': 300, 'ttft_p50_s': 0.7292970026967105, 'tpot_p50_s': 0.04487064975831892, 'steps': 3514, 'preemptions': 0, 'kv_transfers': 300, 'output_tokens': 18842, 'virtual_end_s': 38.96916932826295, 'moves': 1},
-    'tight-kv-preempt': {'requests': 'eb7179d374fba5e4', 'completed': 200, 'ttft_p50_s': 3.4397243679811282, 'tpot_p50_s': 0.019116531529489944, 'steps': 2795, 'preemptions': 205, 'kv_transfers': 0, 'output_tokens': 45084, 'virtual_end_s': 23.539538, 'moves': 0},
-}
+GOLDEN = {'speed-128xh100': {'requests': '9988f6921c1257bf',
+                    'completed': 505,
+                    'ttft_p50_s': 0.016928943186976686,
+                    'tpot_p50_s': 0.008626475971917753,
+                    'steps': 22175,
+                    'preemptions': 0,
+                    'kv_transfers': 0,
+                    'output_tokens': 184088,
+                    'virtual_end_s': 17.21764986980912,
+                    'moves': 0},
+ 'speed-stepwise': {'requests': '2021cb1aa205422b',
+                    'completed': 125,
+                    'ttft_p50_s': 0.014592946113872018,
+                    'tpot_p50_s': 0.00859747433466129,
+                    'steps': 6295,
+                    'preemptions': 0,
+                    'kv_transfers': 0,
+                    'output_tokens': 43260,
+                    'virtual_end_s': 16.86351866399836,
+                    'moves': 0},
+ 'pd-transfers': {'requests': '51dc4be9527372f0',
+                  'completed': 150,
+                  'ttft_p50_s': 0.30176591791564933,
+                  'tpot_p50_s': 0.011144228451894863,
+                  'steps': 4514,
+                  'preemptions': 0,
+                  'kv_transfers': 150,
+                  'output_tokens': 43296,
+                  'virtual_end_s': 23.328244246349886,
+                  'moves': 0},
+ 'pla-controller': {'requests': 'c6c4f6832aa5c339',
+                    'completed': 300,
+                    'ttft_p50_s': 0.7292970026967105,
+                    'tpot_p50_s': 0.04487064975831892,
+                    'steps': 3514,
+                    'preemptions': 0,
+                    'kv_transfers': 300,
+                    'output_tokens': 18842,
+                    'virtual_end_s': 38.96916932826295,
+                    'moves': 1},
+ 'tight-kv-preempt': {'requests': 'eb7179d374fba5e4',
+                      'completed': 200,
+                      'ttft_p50_s': 3.4397243679811282,
+                      'tpot_p50_s': 0.019116531529489944,
+                      'steps': 2795,
+                      'preemptions': 205,
+                      'kv_transfers': 0,
+                      'output_tokens': 45084,
+                      'virtual_end_s': 23.539538,
+                      'moves': 0}}
 
 
 def run_case(name: str) -> dict:
@@ -85,8 +128,5 @@ def test_results_identical_to_recorded(name):
 
 
 if __name__ == "__main__":
-    out = {name: run_case(name) for name in CASES}
-    print("GOLDEN = {")
-    for k, v in out.items():
-        print(f"    {k!r}: {v!r},")
-    print("}")
+    import pprint
+    print("GOLDEN = " + pprint.pformat({name: run_case(name) for name in CASES}, width=110, sort_dicts=False))
