@@ -127,7 +127,7 @@ class KineticLineTree:
                 pos += 1
             room = (k - j) * extra // n
             if room:
-                self._free[key] = list(range(pos + room - 1, pos - 1, -1))
+                self._free.setdefault(key, []).extend(range(pos + room - 1, pos - 1, -1))
                 for i in range(pos, pos + room):
                     self._slotkey[i] = key
                 pos += room
