@@ -197,24 +197,24 @@ class KineticLineTree:
             l_first = self._tie[l] < self._tie[r]
         else:
             l_first = (x < y) if self.sign > 0 else (x > y)
-        if l_first:
-            w, aw, bw, lo, slo, mw, mlo = l, al, bl, r, sr, melt[c], melt[c + 1]
-        else:
-            w, aw, bw, lo, slo, mw, mlo = r, ar, br, l, sl, melt[c + 1], melt[c]
+        if not l_first:          # from here on: l, al, bl, child c = the winner's side
+            l, al, bl, r, ar, br = r, ar, br, l, al, bl
+            c, sr = c + 1, sl
         s = self._s
-        sw = s[w]
-        if slo >= sw:            # no line of the loser's subtree falls faster: never overtakes
-            win[n], melt[n] = w, mw
+        sw = s[l]
+        if sr >= sw:             # no line of the loser's subtree falls faster: never overtakes
+            win[n], melt[n] = l, melt[c]
             return
-        m = mw if mw < mlo else mlo
-        if s[lo] < sw:           # the loser's winner itself overtakes w at tc
-            alo, blo = a[lo], b[lo]
-            tc = (aw * blo - alo * bw) / (blo - bw)
+        m, mlo = melt[c], melt[c ^ 1]
+        if mlo < m:
+            m = mlo
+        if s[r] < sw:            # the loser's winner itself overtakes the winner at tc
+            tc = (al * br - ar * bl) / (br - bl)
             if tc <= t:           # rounding: re-check strictly later so a query makes progress
                 tc = math.nextafter(t, INF)
             if tc < m:
                 m = tc
-        win[n], melt[n] = w, m
+        win[n], melt[n] = l, m
 
     def _refresh(self, n: int, t: float) -> None:
         """Re-derive the expired claim of internal node n at t, recursing only into expired
@@ -276,20 +276,27 @@ class KineticLineTree:
         n = i + self._cap
         while n > 1:
             c = n ^ 1
-            p = n
+            if melt[c] <= t and self._skip_expired(n, c, t):
+                n >>= 1
+                continue
             n >>= 1
-            old = (win[n], melt[n], smin[n])
-            if melt[c] <= t:
-                w = win[p]
-                if w >= 0 and self._dominated(c, w, t):
-                    sp, sc = smin[p], smin[c]
-                    win[n], melt[n], smin[n] = w, melt[p], sp if sp < sc else sc
-                    self._tl[n] = t
-                    continue
-                self._refresh(c, t)
+            w0, m0, s0 = win[n], melt[n], smin[n]
             self._recompute(n, t)
-            if old == (win[n], melt[n], smin[n]) and old[1] > t:
+            if m0 > t and win[n] == w0 and melt[n] == m0 and smin[n] == s0:
                 return          # the claim above does not depend on anything that changed
+
+    def _skip_expired(self, p: int, c: int, t: float) -> bool:
+        """Sibling c of the fresh node p has an expired claim: if c is dominated by p's winner,
+        set their parent's claim from p alone and return True; else bring c up to date."""
+        w = self._win[p]
+        if w >= 0 and self._dominated(c, w, t):
+            n, smin = p >> 1, self._smin
+            sp, sc = smin[p], smin[c]
+            self._win[n], self._melt[n], smin[n] = w, self._melt[p], sp if sp < sc else sc
+            self._tl[n] = t
+            return True
+        self._refresh(c, t)
+        return False
 
     # ---- public API ----------------------------------------------------------------------------
     def rebuild(self, items, t: float) -> None:
