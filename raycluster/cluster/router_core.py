@@ -371,13 +371,16 @@ class RouterCore:
                 inst.outbox.releases.append(rid)
             self._deliver(st, TokenEvent(rid, [first], True, reason))
             return
+        if st.mode == "prefill":
+            # The prompt is computed: set it before the policies hear of the first token, so
+            # that their remaining-work estimates (Kairos' queue ahead) drop this prompt.
+            st.req.num_computed_tokens = st.req.num_tokens
         self._deliver(st, TokenEvent(rid, [first]))
         if st.mode != "prefill":
             inst.running.add(rid)       # a "full" item decodes where it is
             return
         st.kv, st.kv_at = (kv, inst.instance_id) if kv is not None else (None, None)
         # A decode item from the delivered tokens: with kv None the decode side recomputes.
-        st.req.num_computed_tokens = st.req.num_tokens - 1
         self._enqueue(st, "decode")
 
     def _deliver(self, st: ReqState, ev: TokenEvent) -> None:

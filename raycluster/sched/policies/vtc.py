@@ -84,9 +84,10 @@ class VTCPolicy(Policy):
         tenant = self._owner.get(req.request_id)
         if tenant is None:
             return
-        # A one-token step after the first sampled token is a decode; anything else is prompt
-        # (or recompute) work.
-        decode = num_tokens == 1 and bool(req.output_token_ids)
+        # Output tokens are decode work: the engine reports a decode step as 1 token after the
+        # first sampled one, the router reports k delivered tokens after appending them. More
+        # tokens than outputs so far is prompt (or recompute) work.
+        decode = 0 < num_tokens <= len(req.output_token_ids)
         self.counter[tenant] += num_tokens * (self.w_out if decode else self.w_in)
 
     def on_finish(self, req: Request) -> None:
