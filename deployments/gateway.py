@@ -7,12 +7,15 @@ loads the tokenizer (prompts are tokenized here, once) and connects to the named
 
 from __future__ import annotations
 
+import asyncio
 import os
 from pathlib import Path
 
 import ray
+from fastapi import Request
 from ray import serve
 
+from deployments import direct_ingress
 from raycluster.cluster.client import ClusterClient
 from raycluster.cluster.config import ClusterConfig
 
@@ -31,9 +34,10 @@ def build_gateway_app():
     tokenizer = Tokenizer(path, mcfg.eos_token_id)
     router = ray.get_actor(cfg.router_name, namespace=cfg.namespace)
     try:
-        gateway_id = "gw-" + serve.get_replica_context().replica_id.unique_id
+        ctx = serve.get_replica_context()
+        gateway_id, app_name = "gw-" + ctx.replica_id.unique_id, ctx.app_name
     except Exception:       # outside a replica (tests building the app directly)
-        gateway_id = None
+        gateway_id = app_name = None
     max_len = min(cfg.engine_config(p).max_model_len or mcfg.max_model_len for p in cfg.pools)
     client = ClusterClient(
         submit=lambda meta: router.submit.remote(meta), abort=lambda rid: router.abort.remote(rid),
@@ -44,8 +48,12 @@ def build_gateway_app():
     app = build_app(client, tokenizer, name)
 
     @app.get("/v1/cluster/status")
-    async def cluster_status():
-        return await client.refresh_status()
+    async def cluster_status(request: Request):
+        status = dict(await client.refresh_status())
+        if app_name is not None:        # each replica's own port (Serve direct ingress), if on
+            status["gateway_urls"] = await asyncio.to_thread(
+                direct_ingress.urls, app_name, request.url.hostname or "127.0.0.1")
+        return status
 
     return app
 

@@ -4,7 +4,9 @@ Reads a Serve config YAML (`deployments/local.yaml` by default), applies the CLI
 (model, policy, host, port), connects to Ray (a new local cluster, or `--address`), runs the
 application and waits until the gateway's /health answers; then blocks until SIGTERM/SIGINT
 and tears down what it started: the Serve application, the router actor, and the local Ray
-cluster if it created one.
+cluster if it created one. A local cluster runs with Serve's direct ingress on (see
+`deployments/direct_ingress.py`): the gateway answers on the configured port through Serve's
+proxy and, without the proxy hop, on each replica's own port, which `up` prints.
 """
 
 from __future__ import annotations
@@ -53,10 +55,11 @@ def wait_healthy(url: str, timeout_s: float, alive=lambda: True) -> bool:
 
 def serve_cluster(app_path: str | None, model: str | None, policy: str | None, host: str, port: int,
                   address: str | None = None, dashboard: bool = True, num_cpus: int = 8,
-                  ready_timeout_s: float = 600.0, on_ready=None) -> int:
+                  ready_timeout_s: float = 600.0, on_ready=None, direct_ingress: bool = True) -> int:
     import ray
     from ray import serve
 
+    from deployments import direct_ingress as di
     from deployments.app import build_app
     from raycluster.cluster.config import ClusterConfig
 
@@ -69,6 +72,8 @@ def serve_cluster(app_path: str | None, model: str | None, policy: str | None, h
     cfg = ClusterConfig(**args)             # validate before touching Ray
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     started_ray = address is None
+    if started_ray and direct_ingress:
+        di.enable_env()                     # before ray.init: every Ray process inherits it
     if started_ray:
         # address="local": always a cluster of our own, never one some other process started.
         ray.init(address="local", num_cpus=num_cpus, include_dashboard=dashboard, dashboard_host="127.0.0.1",
@@ -88,6 +93,9 @@ def serve_cluster(app_path: str | None, model: str | None, policy: str | None, h
             return 1
         print(f"raycluster: serving {cfg.model} on {url} (app {spec['path']}, policy {cfg.policy}, "
               f"pools {', '.join(f'{p.role}x{p.instances}' for p in cfg.pools)})", flush=True)
+        direct = di.urls(spec["name"], host) if direct_ingress else []
+        if direct:
+            print(f"raycluster: gateway replicas without the proxy hop: {', '.join(direct)}", flush=True)
         if on_ready:
             on_ready(url)
         while not stop.wait(1.0):

@@ -1,7 +1,7 @@
 """The `raycluster` command line.
 
   raycluster up [--app deployments/NAME.yaml] [--model tiny|PATH] [--policy NAME] [--host H]
-                [--port P] [--address RAY_ADDRESS] [--detach]
+                [--port P] [--address RAY_ADDRESS] [--detach] [--no-direct-ingress]
   raycluster down
   raycluster status [--json]
   raycluster engine-server [--model ...] [--policy ...]     (one engine, no Ray)
@@ -60,7 +60,7 @@ def _serve(args: argparse.Namespace) -> int:
     from deployments.launcher import serve_cluster
 
     return serve_cluster(args.app, args.model, args.policy, args.host, args.port, address=args.address,
-                         dashboard=not args.no_dashboard)
+                         dashboard=not args.no_dashboard, direct_ingress=not args.no_direct_ingress)
 
 
 def cmd_up(args: argparse.Namespace) -> int:
@@ -78,8 +78,9 @@ def cmd_up(args: argparse.Namespace) -> int:
     for flag in ("model", "policy", "app", "address", "threads"):
         if getattr(args, flag, None):
             cmd += [f"--{flag}", str(getattr(args, flag))]
-    if getattr(args, "no_dashboard", False):
-        cmd.append("--no-dashboard")
+    for flag in ("no_dashboard", "no_direct_ingress"):
+        if getattr(args, flag, False):
+            cmd.append("--" + flag.replace("_", "-"))
     with open(log, "ab") as fh:
         proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, start_new_session=True)
     url = f"http://{args.host}:{args.port}"
@@ -143,6 +144,8 @@ def cmd_status(args: argparse.Namespace) -> int:
         print(json.dumps(status, indent=2))
         return 0
     print(f"policy {status.get('policy')}   in flight {status.get('inflight')}   queues {status.get('queues')}")
+    if status.get("gateway_urls"):
+        print(f"gateway replicas (no proxy hop): {', '.join(status['gateway_urls'])}")
     print(f"{'instance':28s} {'role':14s} {'waiting':>8s} {'running':>8s} {'kv used':>8s}")
     for inst in status.get("instances", []):
         total = max(1, inst.get("kv_total_blocks", 0))
@@ -182,6 +185,8 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--policy", default=None, help="scheduling policy name (default: the app's, lars)")
     up.add_argument("--address", default=None, help="join this Ray cluster instead of starting one")
     up.add_argument("--no-dashboard", action="store_true", help="do not start the Ray dashboard")
+    up.add_argument("--no-direct-ingress", action="store_true",
+                    help="serve only through Serve's proxy (no per-replica gateway ports)")
     up.add_argument("--host", default="127.0.0.1")
     up.add_argument("--port", type=int, default=8000)
     up.add_argument("--detach", action="store_true", help="run in the background; stop with `down`")

@@ -1,7 +1,7 @@
 """Cluster overhead benchmarks: the Serve gateway + router + instance path vs one in-process engine.
 
     python -m raycluster.bench.cluster_bench --out FILE.json [--skip-convoy] [--n-ttft 200]
-        [--streams 32] [--stream-tokens 128] [--no-throughput-optimized]
+        [--streams 32] [--stream-tokens 128] [--variants default,throughput_optimized,direct_ingress]
 
 1. TTFT of 1-token requests (16-token prompts, sequential): (a) `LLMEngine.add_request` + `step`
    to the first token in this process; (b) the cluster (local topology: one mixed instance,
@@ -14,9 +14,10 @@
    per-stream gap between SSE events (an event carries every token of one router pull).
 3. (unless --skip-convoy) the convoy demonstration: `raycluster.bench.cluster_convoy`.
 
-Each cluster variant (default Serve, and RAY_SERVE_THROUGHPUT_OPTIMIZED=1 set before ray.init)
-runs in a child process of this one, so the env var reaches every Ray process and each variant
-gets a fresh Ray; the in-process engine baseline runs before and after, in this process.
+Each cluster variant (default Serve; RAY_SERVE_THROUGHPUT_OPTIMIZED=1; Serve direct ingress,
+where the gateway is also measured on its replica's own port, without the proxy hop) runs in a
+child process of this one with its flags set before ray.init, so they reach every Ray process
+and each variant gets a fresh Ray; the in-process engine baseline runs before and after, here.
 Ray: 127.0.0.1 only, no dashboard, temp dir under /tmp; the child tears down what it started.
 """
 
@@ -151,7 +152,6 @@ def local_cluster(cfg: dict, port: int, tmp: str):
         url = f"http://127.0.0.1:{port}"
         if not wait_healthy(url + "/health", 300):
             raise RuntimeError("cluster not healthy within 300 s")
-        _URL[0] = url
         yield url, ray.get_actor(router_name, namespace="raycluster")
     finally:
         for f in (lambda: serve.delete("raycluster"),
@@ -177,193 +177,6 @@ def http_ttft(url: str, ps: list[list[int]], warmup: int = 10) -> list[float]:
             if i >= warmup:
                 out.append(dt)
     return out
-
-
-def http_floor(url: str, n: int) -> list[float]:
-    import httpx
-
-    out = []
-    with httpx.Client(timeout=30) as c:
-        for i in range(n + 10):
-            t0 = time.perf_counter()
-            c.get(url + "/v1/models").raise_for_status()
-            if i >= 10:
-                out.append(time.perf_counter() - t0)
-    return out
-
-
-def actor_rtt(router, n: int, method: str = "inflight") -> list[float]:
-    import ray
-
-    out = []
-    for i in range(n + 10):
-        t0 = time.perf_counter()
-        ray.get(getattr(router, method).remote())
-        if i >= 10:
-            out.append(time.perf_counter() - t0)
-    return out
-
-
-def client_ttft(router, ps: list[list[int]], warmup: int = 10) -> list[float]:
-    """1-token requests through a ClusterClient in the driver: router + instance, no HTTP/Serve."""
-    from raycluster.cluster.client import ClusterClient
-    from raycluster.request import SamplingParams
-
-    async def run():
-        cc = ClusterClient(submit=lambda m: router.submit.remote(m), abort=lambda rid: router.abort.remote(rid),
-                           pull=lambda gid, t: router.pull.remote(gid, t), status=lambda: router.status.remote(),
-                           tokenizer=None, max_model_len=32768, vocab_size=4096, eos_token_ids=(1,),
-                           gateway_id="gw-bench-driver")
-        out = []
-        for i, p in enumerate(ps[:warmup] + ps):
-            t0 = time.perf_counter()
-            async for o in cc.generate(cc.next_id(), p, SamplingParams(max_tokens=1, ignore_eos=True)):
-                if o.finished:
-                    break
-            if i >= warmup:
-                out.append(time.perf_counter() - t0)
-        if cc._pull_task:
-            cc._pull_task.cancel()
-        return out
-
-    return asyncio.run(run())
-
-
-def http_health(url: str, n: int) -> list[float]:
-    """GET /health: the Serve proxy + gateway + one router actor call (status) from the replica."""
-    import httpx
-
-    out = []
-    with httpx.Client(timeout=30) as c:
-        for i in range(n + 10):
-            t0 = time.perf_counter()
-            c.get(url + "/health").raise_for_status()
-            if i >= 10:
-                out.append(time.perf_counter() - t0)
-    return out
-
-
-def replica_actor_rtt(router_name: str, n: int) -> dict:
-    """Router actor calls made from inside a Serve replica (as the gateway makes them), timed in the
-    replica: a throwaway app at /bench-probe awaiting router.inflight / router.status n times."""
-    import httpx
-    from ray import serve
-
-    @serve.deployment(ray_actor_options={"num_cpus": 0})
-    class Probe:
-        def __init__(self, name: str) -> None:
-            import ray
-            self.router = ray.get_actor(name, namespace="raycluster")
-
-        async def __call__(self, request) -> dict:
-            out = {}
-            for meth in ("inflight", "status"):
-                xs = []
-                for i in range(n + 10):
-                    t0 = time.perf_counter()
-                    await getattr(self.router, meth).remote()
-                    if i >= 10:
-                        xs.append(time.perf_counter() - t0)
-                out[meth] = xs
-            return out
-
-    serve.run(Probe.bind(router_name), name="bench-probe", route_prefix="/bench-probe", blocking=False)
-    try:
-        for _ in range(120):
-            try:
-                r = httpx.get(f"{serve_url()}/bench-probe", timeout=60)
-                if r.status_code == 200:
-                    return {k: summ(v) for k, v in r.json().items()}
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
-        return {"error": "probe app did not answer"}
-    finally:
-        try:
-            serve.delete("bench-probe")
-        except Exception:
-            pass
-
-
-_URL = [""]
-
-
-def serve_url() -> str:
-    return _URL[0]
-
-
-def null_engine_ttft(ps: list[list[int]], warmup: int = 10) -> dict:
-    """The messaging path alone: a second router actor, a fake instance thread in this process that
-    answers every work item with one token at once (no engine), and a ClusterClient submitting
-    1-token requests. Legs (perf_counter, one process): submit -> the instance's poll returns ->
-    its push returns -> the client sees the event."""
-    import threading
-
-    import ray
-
-    from raycluster.cluster.client import ClusterClient
-    from raycluster.cluster.messages import InstanceStats, StepReport, TokenEvent
-    from raycluster.cluster.router_actor import RouterActor
-    from raycluster.cluster.router_core import RouterConfig
-    from raycluster.request import SamplingParams
-
-    router = RouterActor.options(name="bench-null-router", namespace="raycluster").remote(RouterConfig(policy="fcfs"))
-    stop = threading.Event()
-    seen: dict[str, float] = {}
-    pushed: dict[str, float] = {}
-    n_work = [0]
-
-    def stats():
-        return InstanceStats("null-0", "mixed", kv_free_blocks=4096, kv_total_blocks=4096, work_seen=n_work[0])
-
-    def fake_instance():
-        while not stop.is_set():
-            reply = ray.get(router.poll.remote("null-0", stats(), 0.5))
-            if not reply.work:
-                continue
-            t = time.perf_counter()
-            n_work[0] += len(reply.work)
-            for w in reply.work:
-                seen[w.meta.request_id] = t
-            ray.get(router.push.remote(StepReport(stats(), [TokenEvent(w.meta.request_id, [7], True, "length")
-                                                            for w in reply.work])))
-            t = time.perf_counter()
-            for w in reply.work:
-                pushed[w.meta.request_id] = t
-
-    th = threading.Thread(target=fake_instance, daemon=True)
-    th.start()
-    time.sleep(1.0)
-
-    async def run():
-        cc = ClusterClient(submit=lambda m: router.submit.remote(m), abort=lambda rid: router.abort.remote(rid),
-                           pull=lambda gid, t: router.pull.remote(gid, t), status=lambda: router.status.remote(),
-                           tokenizer=None, max_model_len=32768, vocab_size=4096, eos_token_ids=(1,),
-                           gateway_id="gw-bench-null")
-        legs = {"total": [], "submit_to_poll": [], "poll_to_push_done": [], "push_done_to_client": []}
-        for i, p in enumerate(ps[:warmup] + ps):
-            rid = cc.next_id()
-            t0 = time.perf_counter()
-            async for o in cc.generate(rid, p, SamplingParams(max_tokens=1, ignore_eos=True)):
-                if o.finished:
-                    break
-            t1 = time.perf_counter()
-            if i >= warmup and rid in seen and rid in pushed:
-                legs["total"].append(t1 - t0)
-                legs["submit_to_poll"].append(seen[rid] - t0)
-                legs["poll_to_push_done"].append(pushed[rid] - seen[rid])
-                legs["push_done_to_client"].append(t1 - pushed[rid])
-        if cc._pull_task:
-            cc._pull_task.cancel()
-        return legs
-
-    try:
-        legs = asyncio.run(run())
-    finally:
-        stop.set()
-        th.join(2.0)
-        ray.kill(router)
-    return {k: summ(v) for k, v in legs.items()}
 
 
 def http_stream(url: str, n: int, tokens: int, seed: int = 1) -> dict:
@@ -403,31 +216,50 @@ def http_stream(url: str, n: int, tokens: int, seed: int = 1) -> dict:
 
 
 def cluster_phase(args) -> dict:
+    from raycluster.bench import cluster_probes as probes
+    from deployments import direct_ingress
+
     cfg = {"model": "tiny", "policy": "lars", "threads_per_instance": 1, "pools": [{"role": "mixed", "instances": 1}]}
     ps = prompts(args.n_ttft, seed=0)
+    n = min(200, args.n_ttft)
     with tempfile.TemporaryDirectory(prefix="rcb-", dir="/tmp") as tmp:
         os.environ["RAY_TMPDIR"] = tmp
         with local_cluster(cfg, free_port(), tmp) as (url, router):
-            res = {"env_throughput_optimized": os.environ.get("RAY_SERVE_THROUGHPUT_OPTIMIZED", "0")}
+            res = {"env": {k: os.environ.get(k, "0") for k in VARIANT_FLAGS}}
+            direct = direct_ingress.urls("raycluster")
+            res["direct_url"] = direct[0] if direct else None
             http_stream(url, 4, 8, seed=99)                # warm the streaming path
             res["http_ttft"] = summ(http_ttft(url, ps))
-            res["client_ttft"] = summ(client_ttft(router, ps))
-            res["http_floor"] = summ(http_floor(url, min(200, args.n_ttft)))
-            res["actor_rtt"] = summ(actor_rtt(router, min(200, args.n_ttft)))
-            res["http_health"] = summ(http_health(url, min(200, args.n_ttft)))
-            res["null_engine"] = null_engine_ttft(ps)
-            res["replica_actor_rtt"] = replica_actor_rtt(cfg.get("router_name", "raycluster-router"), 100)
-            res["driver_status_rtt"] = summ(actor_rtt(router, 100, "status"))
-            res["http_ttft_again"] = summ(http_ttft(url, ps[: max(20, args.n_ttft // 4)], warmup=0))
+            if direct:      # the same requests without Serve's proxy hop, in the same cluster
+                res["http_ttft_direct"] = summ(http_ttft(direct[0], ps))
+                res["http_floor_direct"] = summ(probes.http_floor(direct[0], n))
+            res["client_ttft"] = summ(probes.client_ttft(router, ps))
+            res["http_floor"] = summ(probes.http_floor(url, n))
+            res["actor_rtt"] = summ(probes.actor_rtt(router, n))
+            res["http_health"] = summ(probes.http_health(url, n))
+            res["null_engine"] = probes.null_engine_ttft(ps)
+            res["replica_actor_rtt"] = probes.replica_actor_rtt(url, cfg.get("router_name", "raycluster-router"), 100)
+            res["driver_status_rtt"] = summ(probes.actor_rtt(router, 100, "status"))
+            res["http_ttft_again"] = summ(http_ttft(direct[0] if direct else url, ps[: max(20, args.n_ttft // 4)],
+                                                    warmup=0))
             res["stream"] = http_stream(url, args.streams, args.stream_tokens)
+            if direct:
+                res["stream_direct"] = http_stream(direct[0], args.streams, args.stream_tokens, seed=3)
     return res
 
 
-def run_child(args, optimized: bool) -> dict:
-    env = dict(os.environ)
-    env.pop("RAY_SERVE_THROUGHPUT_OPTIMIZED", None)
-    if optimized:
-        env["RAY_SERVE_THROUGHPUT_OPTIMIZED"] = "1"
+# Cluster variants: environment set before the child's ray.init, so every Ray process has it.
+VARIANT_FLAGS = ("RAY_SERVE_THROUGHPUT_OPTIMIZED", "RAY_SERVE_ENABLE_DIRECT_INGRESS")
+VARIANTS = {
+    "default": {},
+    "throughput_optimized": {"RAY_SERVE_THROUGHPUT_OPTIMIZED": "1"},
+    "direct_ingress": {"RAY_SERVE_ENABLE_DIRECT_INGRESS": "1", "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "2"},
+}
+
+
+def run_child(args, env_extra: dict) -> dict:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_SERVE_")}
+    env.update(env_extra)
     with tempfile.NamedTemporaryFile(suffix=".json", dir="/tmp", delete=False) as fh:
         out = fh.name
     cmd = [sys.executable, "-m", "raycluster.bench.cluster_bench", "--phase", "cluster", "--out", out,
@@ -447,7 +279,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--n-ttft", type=int, default=200)
     ap.add_argument("--streams", type=int, default=32)
     ap.add_argument("--stream-tokens", type=int, default=128)
-    ap.add_argument("--no-throughput-optimized", action="store_true", help="skip the RAY_SERVE_THROUGHPUT_OPTIMIZED=1 variant")
+    ap.add_argument("--variants", default=",".join(VARIANTS),
+                    help=f"comma-separated cluster variants among {', '.join(VARIANTS)}")
     ap.add_argument("--skip-convoy", action="store_true")
     ap.add_argument("--convoy-args", default="", help="extra arguments for raycluster.bench.cluster_convoy")
     ap.add_argument("--phase", choices=["all", "cluster"], default="all", help=argparse.SUPPRESS)
@@ -467,10 +300,10 @@ def main(argv: list[str] | None = None) -> int:
     print("engine baseline ...", flush=True)
     base_ttft = engine_ttft(engine, ps)
     base_stream = engine_stream(engine, args.streams, args.stream_tokens)
-    variants = {"default": False} if args.no_throughput_optimized else {"default": False, "throughput_optimized": True}
-    for name, opt in variants.items():
+    variants = [v for v in args.variants.split(",") if v]
+    for name in variants:
         print(f"cluster ({name}) ...", flush=True)
-        results[f"cluster_{name}"] = run_child(args, opt)
+        results[f"cluster_{name}"] = run_child(args, VARIANTS[name])
     print("engine baseline again ...", flush=True)
     base_ttft2 = engine_ttft(engine, ps)
     base_stream2 = engine_stream(engine, args.streams, args.stream_tokens, seed=2)
@@ -486,6 +319,14 @@ def main(argv: list[str] | None = None) -> int:
         c["added_p50_ms_router_path"] = c["client_ttft"]["p50_ms"] - eng_p50
         c["added_p50_ms_http_over_client"] = c["http_ttft"]["p50_ms"] - c["client_ttft"]["p50_ms"]
         c["stream_tok_s_ratio_cluster_over_engine"] = c["stream"]["tok_per_s"] / eng_tps
+        if c.get("http_ttft_direct"):
+            c["added_p50_ms_http_direct"] = c["http_ttft_direct"]["p50_ms"] - eng_p50
+            c["stream_direct_tok_s_ratio"] = c["stream_direct"]["tok_per_s"] / eng_tps
+            print(f"[{name}] direct ingress ({c['direct_url']}): 1-token TTFT p50/p99 "
+                  f"{c['http_ttft_direct']['p50_ms']:.2f}/{c['http_ttft_direct']['p99_ms']:.2f} ms -> added p50 "
+                  f"{c['added_p50_ms_http_direct']:.2f} ms (HTTP floor {c['http_floor_direct']['p50_ms']:.2f}); "
+                  f"{args.streams} streams {c['stream_direct']['tok_per_s']:.0f} tok/s "
+                  f"(ratio {c['stream_direct_tok_s_ratio']:.2f})", flush=True)
         print(f"[{name}] 1-token TTFT p50/p99 ms: engine {eng_p50:.2f}/{results['engine']['ttft_pooled']['p99_ms']:.2f}"
               f"  router-path {c['client_ttft']['p50_ms']:.2f}/{c['client_ttft']['p99_ms']:.2f}"
               f"  http {c['http_ttft']['p50_ms']:.2f}/{c['http_ttft']['p99_ms']:.2f}"

@@ -30,6 +30,7 @@ def test_up_detach_status_generate_down(tmp_path):
     port = _free_port()
     ray_tmp = tempfile.mkdtemp(prefix="rcup", dir="/tmp")      # short: Ray's unix sockets live here
     env = {**os.environ, "RAYCLUSTER_STATE_DIR": str(tmp_path), "RAY_TMPDIR": ray_tmp}
+    direct: list[str] = []
     up = _cli("up", "--detach", "--no-dashboard", "--port", str(port), "--policy", "edf", env=env)
     try:
         assert up.returncode == 0, up.stdout + up.stderr
@@ -43,12 +44,19 @@ def test_up_detach_status_generate_down(tmp_path):
         assert st.returncode == 0, st.stderr
         status = json.loads(st.stdout)
         assert status["policy"] == "edf" and [i["role"] for i in status["instances"]] == ["mixed"]
+        # Serve direct ingress: the gateway replica also answers on its own port, same API.
+        direct = status["gateway_urls"]
+        assert len(direct) == 1 and direct[0].startswith("http://127.0.0.1:") and direct[0] != url
+        r2 = httpx.post(direct[0] + "/v1/completions",
+                        json={"prompt": "hello", "max_tokens": 3, "temperature": 0}, timeout=60)
+        assert r2.status_code == 200 and r2.json()["choices"][0]["text"] == r.json()["choices"][0]["text"]
     finally:
         down = _cli("down", env=env, timeout=120)
     assert down.returncode == 0, down.stderr
     assert not (tmp_path / "up.json").exists()
-    with pytest.raises(httpx.HTTPError):
-        httpx.get(f"http://127.0.0.1:{port}/health", timeout=3)
+    for u in (url, *direct):
+        with pytest.raises(httpx.HTTPError):
+            httpx.get(u + "/health", timeout=3)
     try:
         os.kill(info["pid"], 0)
         alive = True
