@@ -12,6 +12,7 @@ After each event, idle instances the router has work (or releases) for apply it 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from pathlib import Path
@@ -33,7 +34,10 @@ PROMPT_TOKEN = 1
 
 def make_predictor(spec: SimSpec, pool: SimPool):
     if spec.gpu == "cpu":
-        return cpu_predictor(spec)
+        p = cpu_predictor(spec)
+        if spec.step_overhead_s:       # engine work per step outside the profiled model forward
+            p = dataclasses.replace(p, overhead_s=p.overhead_s + spec.step_overhead_s)
+        return p
     from raycluster.sched.roofline import GPUS, MODELS, RooflinePredictor
     return RooflinePredictor(GPUS[spec.gpu.upper()], MODELS[spec.model], pool.tp, pool.spp, pool.kvp,
                              mfu=spec.mfu, mbu=spec.mbu, overhead_s=spec.step_overhead_s)
@@ -138,8 +142,8 @@ class SimCluster:
             self.deps_left[r.request_id] = len(live)
             for d in live:
                 self.children.setdefault(d, []).append(r.request_id)
-            if not live:
-                self.loop.at(r.arrival_s, "arrival", r.request_id)
+            if not live:      # dispatch_latency_s: serving path from client send to router submit
+                self.loop.at(r.arrival_s + spec.dispatch_latency_s, "arrival", r.request_id)
         for inst in self.instances.values():      # register (first poll doubles as heartbeat)
             inst.apply(self.router.on_poll(inst.instance_id, inst.stats()))
         if spec.controller.enabled:
@@ -149,7 +153,7 @@ class SimCluster:
     def _arrival(self, rid: str) -> None:
         r, rec = self.wreqs[rid], self.records[rid]
         now = self.loop.clock.now()
-        rec.arrival_s = rec.send_s = now if r.depends_on else r.arrival_s
+        rec.arrival_s = rec.send_s = now - self.spec.dispatch_latency_s if r.depends_on else r.arrival_s
         rec.status = "sent"
         meta = RequestMeta(request_id=rid, gateway_id=GATEWAY, prompt_token_ids=[PROMPT_TOKEN] * r.prompt_tokens,
                            max_tokens=r.output_tokens, ignore_eos=True,
@@ -194,7 +198,7 @@ class SimCluster:
                 continue
             self.deps_left[child] -= 1
             if self.deps_left[child] == 0:
-                self.loop.after(self.wreqs[child].think_s, "arrival", child)
+                self.loop.after(self.wreqs[child].think_s + self.spec.dispatch_latency_s, "arrival", child)
 
     # ---- instances ---------------------------------------------------------------------------------
     def on_report(self, inst: SimInstance, rep: StepReport) -> None:

@@ -15,6 +15,10 @@ pool's own `engine` wins), `router` RouterConfig overrides, `controller` turns o
 pressure controller. KV capacity per instance: `kv_cache_tokens` if given, else
 (GPU memory x GPUs x gpu_memory_utilization - weights) / KV bytes per token (gpu: cpu: the
 engine's kv_cache_tokens).
+
+Serving-path overheads (both default 0, the idealised cluster): `dispatch_latency_s` (once per
+request) and `step_overhead_s` (per step); sims/local-cpu.yaml documents how they are measured on
+the real local cluster (`python -m raycluster.sim.sim_to_real`).
 """
 
 from __future__ import annotations
@@ -79,7 +83,12 @@ class SimSpec(BaseModel):
     # Step-time model.
     mfu: float = Field(0.5, gt=0, le=1)
     mbu: float = Field(0.8, gt=0, le=1)
-    step_overhead_s: float = Field(0.0, ge=0, description="added to every step (launch gaps, scheduler)")
+    step_overhead_s: float = Field(0.0, ge=0, description="added to every step (launch gaps, scheduler); gpu: cpu: "
+                                   "added to the profiled predictor's overhead_s (engine work outside the model "
+                                   "forward, measured on the real cluster by sim_to_real's calibration)")
+    dispatch_latency_s: float = Field(0.0, ge=0, description="fixed per-request latency of the serving path outside "
+                                      "the engine (HTTP/SSE client, gateway, router messaging): a request reaches "
+                                      "the router this long after it is sent; counts once in TTFT and E2E")
     predictor: str | dict | None = Field(None, description="gpu: cpu: LinearBatchPredictor JSON file, inline "
                                          "coefficients, or None/'auto' to profile the model here")
     # Memory and transfers.
