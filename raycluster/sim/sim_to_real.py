@@ -1,0 +1,281 @@
+"""Sim-to-real: one trace on the real local cluster and in the simulator, per class P50/P90 TTFT
+and TPOT side by side.
+
+    python -m raycluster.sim.sim_to_real --out-dir DIR [--qps 2] [--duration 60] [--seed 1[,2,...]]
+        [--long-fraction 0.15] [--long-tokens 1024:2048] [--max-output-tokens 64]
+        [--spec sims/local-cpu.yaml] [--sim-only]
+
+Per seed (DIR/seed<N>/):
+1. `trace.jsonl`: a loadgen `long-mix` trace (ShareGPT-shaped chat turns plus a fraction of
+   long prompts, outputs clipped), and `calib.jsonl`: lone calibration requests (prompts of
+   16-512 tokens, 32 output tokens, one every 1.2 s, so nothing queues), from another seed.
+2. A fresh local Ray cluster in a child process (127.0.0.1, no dashboard, its own temp dir) with
+   the topology of deployments/local.yaml (one mixed instance, policy lars) and
+   threads_per_instance=1. `loadgen run --prompt-format ids` replays `calib.jsonl` first
+   (-> `calib.json`), then `trace.jsonl` (-> `real.json`); then the cluster is torn down.
+3. Calibration (`calibrate`): per lone request, TPOT minus the profiled predictor's decode step
+   time is engine work per step outside the model (`step_overhead_s`); TTFT minus the predicted
+   prefill step minus that step overhead is the serving path's fixed latency
+   (`dispatch_latency_s`: HTTP/SSE client, gateway, router messaging). Medians, from the
+   calibration requests only, never from the test trace.
+4. The simulator on `trace.jsonl` twice: the spec as is (`sim.json`, the idealised cluster) and
+   with the measured overheads (`sim-calibrated.json`, spec in `local-cpu-calibrated.yaml`).
+5. `compare.json` and the printed table: per class (short, long) P50/P90 TTFT and TPOT, real vs
+   each sim, rel. diff = (sim - real) / real; `within` = |rel. diff| <= 15% (the issue's target).
+DIR/summary.json gathers every seed (docs/results.md's `sim-to-real` section reads it).
+`--sim-only` reuses the real results already in DIR (re-runs calibration fit and the sims).
+All three results files share loadgen's schema: `loadgen report DIR/seed1/real.json
+DIR/seed1/sim-calibrated.json` compares them too.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import yaml
+
+TARGET = 0.15
+METRICS = ("ttft_p50_s", "ttft_p90_s", "tpot_p50_s", "tpot_p90_s")
+CLASSES = ("short", "long")
+CLUSTER = {"model": "tiny", "threads_per_instance": 1, "policy": "lars",
+           "pools": [{"role": "mixed", "instances": 1}]}
+CALIB_PROMPTS = (16, 64, 256, 512)      # <= chunk_size: one prefill step each
+CALIB_OUTPUT = 32
+CALIB_GAP_S = 1.2
+CALIB_REPEATS = 6
+CALIB_WARMUP = 4
+
+
+# ---- traces ----------------------------------------------------------------------------------------
+def write_traces(args, seed: int, d: Path) -> None:
+    from loadgen.trace import write_trace
+    from loadgen.workloads import WorkloadRequest, make_workload
+
+    wl = make_workload("long-mix", seed=seed, qps=args.qps, duration=args.duration,
+                       long_fraction=args.long_fraction, long_tokens=args.long_tokens,
+                       max_output_tokens=args.max_output_tokens, ttft_slo_ms=2000.0, tpot_slo_ms=100.0)
+    write_trace(wl, d / "trace.jsonl")
+    lens = list(CALIB_PROMPTS[:1]) * CALIB_WARMUP + [n for _ in range(CALIB_REPEATS) for n in CALIB_PROMPTS]
+    import numpy as np
+    rng = np.random.default_rng(10_000 + seed)
+    calib = [WorkloadRequest(request_id=f"calib{i:03d}", arrival_s=i * CALIB_GAP_S, prompt_tokens=n,
+                             output_tokens=CALIB_OUTPUT, segments=((int(rng.integers(0, 2**31 - 1)), n),))
+             for i, n in enumerate(lens)]
+    write_trace(calib, d / "calib.jsonl")
+
+
+def loadgen_argv(url: str, trace: Path, out: Path, warmup_requests: int = 0) -> list[str]:
+    return [sys.executable, "-m", "loadgen.cli", "run", "--url", url, "--workload", str(trace),
+            "--prompt-format", "ids", "--timeout", "300", "--warmup-requests", str(warmup_requests),
+            "--quiet", "--out", str(out)]
+
+
+def real_child(d: Path, seed: int) -> int:
+    """In a child process: fresh local cluster, calibration replay, test-trace replay, teardown."""
+    from raycluster.bench.cluster_bench import free_port, local_cluster
+
+    cfg = {**CLUSTER, "router_name": f"router-s2r-{seed}"}
+    with tempfile.TemporaryDirectory(prefix="s2r-", dir="/tmp") as tmp:
+        os.environ["RAY_TMPDIR"] = tmp
+        with local_cluster(cfg, free_port(), tmp) as (url, _router):
+            for name, warm in (("calib", CALIB_WARMUP), ("real", 0)):
+                trace = d / ("calib.jsonl" if name == "calib" else "trace.jsonl")
+                t0 = time.monotonic()
+                p = subprocess.run(loadgen_argv(url, trace, d / f"{name}.json", warm), timeout=900)
+                print(f"sim_to_real seed {seed}: {name} replay exited {p.returncode} after "
+                      f"{time.monotonic() - t0:.0f} s", flush=True)
+                if p.returncode:
+                    return p.returncode
+    return 0
+
+
+# ---- calibration -----------------------------------------------------------------------------------
+def calibrate(requests: list[dict], predictor) -> dict:
+    """Serving-path overheads from lone requests (nothing else in flight).
+
+    step_overhead_s: median over requests of TPOT - mean predicted decode step over its decode
+    steps (KV length prompt+1 .. prompt+n-1); dispatch_latency_s: median of TTFT - predicted
+    prefill step - step_overhead_s. Both clamped at 0 (the spec fields are >= 0)."""
+    step, ttft_res, rows = [], [], []
+    for r in requests:
+        if r.get("status") != "ok" or r.get("warmup") or r.get("ttft_s") is None:
+            continue
+        p, n = int(r["prompt_tokens"]), int(r["num_output_tokens"])
+        pre = predictor.batch_time([(p, 0)], [])
+        row = {"prompt_tokens": p, "ttft_s": r["ttft_s"], "pred_prefill_s": pre}
+        if n >= 2 and r.get("tpot_s") is not None:
+            dec = statistics.fmean(predictor.batch_time([], [p + k]) for k in range(1, n))
+            row.update(tpot_s=r["tpot_s"], pred_decode_s=dec)
+            step.append(r["tpot_s"] - dec)
+        rows.append(row)
+    if not rows:
+        raise ValueError("calibration: no completed calibration requests")
+    step_overhead = max(0.0, statistics.median(step)) if step else 0.0
+    for row in rows:
+        ttft_res.append(row["ttft_s"] - row["pred_prefill_s"] - step_overhead)
+    by_len: dict[int, list[float]] = {}
+    for row in rows:
+        by_len.setdefault(row["prompt_tokens"], []).append(row["ttft_s"] - row["pred_prefill_s"] - step_overhead)
+    return {"step_overhead_s": step_overhead, "dispatch_latency_s": max(0.0, statistics.median(ttft_res)),
+            "n": len(rows), "step_residual_p10_p90_s": _p10p90(step),
+            "ttft_residual_by_prompt_s": {str(k): statistics.median(v) for k, v in sorted(by_len.items())},
+            "tpot_real_median_s": statistics.median(r["tpot_s"] for r in rows if "tpot_s" in r) if step else None,
+            "tpot_pred_median_s": statistics.median(r["pred_decode_s"] for r in rows if "tpot_s" in r) if step else None}
+
+
+def _p10p90(xs: list[float]) -> list[float] | None:
+    if len(xs) < 2:
+        return None
+    q = statistics.quantiles(xs, n=10)
+    return [q[0], q[-1]]
+
+
+# ---- comparison ------------------------------------------------------------------------------------
+def rel_diff(real: float | None, sim: float | None) -> float | None:
+    if real is None or sim is None or real <= 0:
+        return None
+    return (sim - real) / real
+
+
+def compare(real: dict, sims: dict[str, dict], target: float = TARGET) -> dict:
+    """Per class and metric: the real value, each sim's value and rel. diff, and whether it is
+    within `target`; per sim the count of cells within target. `sims` maps name -> results JSON."""
+    rows, within = [], {name: [0, 0] for name in sims}
+    for klass in CLASSES:
+        rc = real.get("by_class", {}).get(klass)
+        if not rc:
+            continue
+        for m in METRICS:
+            row = {"class": klass, "metric": m, "real": rc.get(m), "n_real": rc.get("completed")}
+            for name, res in sims.items():
+                v = res.get("by_class", {}).get(klass, {}).get(m)
+                d = rel_diff(rc.get(m), v)
+                ok = d is not None and abs(d) <= target
+                row[name] = v
+                row[f"{name}_rel"] = d
+                row[f"{name}_within"] = ok
+                if d is not None:
+                    within[name][0] += ok
+                    within[name][1] += 1
+            rows.append(row)
+    return {"target": target, "rows": rows, "within": {k: {"ok": a, "cells": b} for k, (a, b) in within.items()}}
+
+
+def render(cmp: dict, sims: list[str]) -> str:
+    ms = lambda v: "-" if v is None else f"{v * 1000:.1f}"           # noqa: E731
+    pc = lambda v: "-" if v is None else f"{v:+.0%}"                  # noqa: E731
+    head = "| class | metric | real ms | " + " | ".join(f"{s} ms | rel." for s in sims) + " |"
+    out = [head, "|" + "---|" * (3 + 2 * len(sims))]
+    for r in cmp["rows"]:
+        cells = " | ".join(f"{ms(r.get(s))} | {pc(r.get(s + '_rel'))}" for s in sims)
+        out.append(f"| {r['class']} (n={r['n_real']}) | {r['metric'].replace('_s', '')} | {ms(r['real'])} | {cells} |")
+    tail = ", ".join(f"{s}: {w['ok']}/{w['cells']}" for s, w in cmp["within"].items())
+    out.append(f"\ncells within {cmp['target']:.0%}: {tail}")
+    return "\n".join(out)
+
+
+# ---- simulator -------------------------------------------------------------------------------------
+def run_sim(spec_path: Path, trace: Path, out: Path) -> dict:
+    from raycluster.sim.cli import main as sim_main
+
+    rc = sim_main(["--cluster", str(spec_path), "--workload", str(trace), "--out", str(out), "--quiet"])
+    if rc:
+        raise RuntimeError(f"raycluster sim exited {rc}")
+    return json.loads(out.read_text())
+
+
+def one_seed(args, seed: int) -> dict | None:
+    from raycluster.sim.cluster import cpu_predictor
+    from raycluster.sim.spec import load_spec
+
+    d = Path(args.out_dir) / f"seed{seed}"
+    d.mkdir(parents=True, exist_ok=True)
+    if not args.sim_only:
+        write_traces(args, seed, d)
+        cmd = [sys.executable, "-m", "raycluster.sim.sim_to_real", "--real-child", str(d), "--seed", str(seed),
+               "--out-dir", args.out_dir]
+        env = {k: v for k, v in os.environ.items() if k != "RAY_SERVE_THROUGHPUT_OPTIMIZED"}
+        try:
+            rc = subprocess.run(cmd, env=env, timeout=args.duration * 4 + 900).returncode
+        except subprocess.TimeoutExpired:
+            rc = -1
+        if rc:
+            print(f"sim_to_real seed {seed}: real run failed (exit {rc})", flush=True)
+            return None
+    real = json.loads((d / "real.json").read_text())
+    calib_res = json.loads((d / "calib.json").read_text())
+    spec = load_spec(args.spec)
+    cal = calibrate(calib_res["requests"], cpu_predictor(spec))
+    raw = yaml.safe_load(Path(args.spec).read_text())
+    cal_spec = {**raw, "dispatch_latency_s": round(cal["dispatch_latency_s"], 6),
+                "step_overhead_s": round(cal["step_overhead_s"], 6)}
+    (d / "local-cpu-calibrated.yaml").write_text(
+        f"# {args.spec} + serving-path overheads measured from {d / 'calib.json'} (lone requests)\n"
+        + yaml.safe_dump(cal_spec, sort_keys=False))
+    sims = {"sim": run_sim(Path(args.spec), d / "trace.jsonl", d / "sim.json"),
+            "sim_cal": run_sim(d / "local-cpu-calibrated.yaml", d / "trace.jsonl", d / "sim-calibrated.json")}
+    cmp = compare(real, sims)
+    out = {"seed": seed, "calibration": cal, "compare": cmp,
+           "real_summary": {k: real["summary"].get(k) for k in ("completed", "failed", "num_requests",
+                                                                "ttft_p50_s", "tpot_p50_s", "output_tok_s")},
+           "files": {"trace": str(d / "trace.jsonl"), "real": str(d / "real.json"), "sim": str(d / "sim.json"),
+                     "sim_cal": str(d / "sim-calibrated.json"), "calib": str(d / "calib.json")}}
+    (d / "compare.json").write_text(json.dumps(out, indent=2))
+    print(f"\n== seed {seed}: calibration step_overhead {cal['step_overhead_s'] * 1000:.2f} ms, "
+          f"dispatch_latency {cal['dispatch_latency_s'] * 1000:.2f} ms (n={cal['n']})")
+    print(render(cmp, list(sims)))
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    from loadgen.cli import parse_range
+
+    ap = argparse.ArgumentParser(prog="python -m raycluster.sim.sim_to_real", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out-dir", required=True)
+    ap.add_argument("--qps", type=float, default=2.0)
+    ap.add_argument("--duration", type=float, default=60.0)
+    ap.add_argument("--seed", default="1", help="one seed or a comma list (one fresh cluster per seed)")
+    ap.add_argument("--long-fraction", type=float, default=0.15)
+    ap.add_argument("--long-tokens", type=parse_range, default=(1024, 2048), metavar="MIN:MAX")
+    ap.add_argument("--max-output-tokens", type=int, default=64)
+    ap.add_argument("--spec", default="sims/local-cpu.yaml")
+    ap.add_argument("--sim-only", action="store_true", help="reuse DIR's real runs; redo calibration fit and sims")
+    ap.add_argument("--real-child", help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    seeds = [int(s) for s in str(args.seed).split(",") if s.strip()]
+    if args.real_child:
+        return real_child(Path(args.real_child), seeds[0])
+    os.makedirs(args.out_dir, exist_ok=True)
+    runs = {}
+    for seed in seeds:
+        r = one_seed(args, seed)
+        if r is not None:
+            runs[str(seed)] = r
+    summary = {"meta": {"argv": sys.argv if argv is None else argv, "qps": args.qps, "duration_s": args.duration,
+                        "seeds": seeds, "workload": "long-mix", "long_fraction": args.long_fraction,
+                        "long_tokens": list(args.long_tokens), "max_output_tokens": args.max_output_tokens,
+                        "spec": args.spec, "cluster": CLUSTER, "target": TARGET,
+                        "calibration_trace": {"prompts": CALIB_PROMPTS, "output_tokens": CALIB_OUTPUT,
+                                              "gap_s": CALIB_GAP_S, "repeats": CALIB_REPEATS,
+                                              "warmup": CALIB_WARMUP},
+                        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())},
+               "runs": runs}
+    prev = Path(args.out_dir) / "summary.json"
+    if args.sim_only and prev.is_file():      # keep seeds not re-done this time
+        old = json.loads(prev.read_text()).get("runs", {})
+        summary["runs"] = {**old, **runs}
+    prev.write_text(json.dumps(summary, indent=2))
+    print(f"\nwrote {prev}")
+    return 0 if len(runs) == len(seeds) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
