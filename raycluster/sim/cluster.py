@@ -35,8 +35,10 @@ PROMPT_TOKEN = 1
 def make_predictor(spec: SimSpec, pool: SimPool):
     if spec.gpu == "cpu":
         p = cpu_predictor(spec)
-        if spec.step_overhead_s:       # engine work per step outside the profiled model forward
-            p = dataclasses.replace(p, overhead_s=p.overhead_s + spec.step_overhead_s)
+        if spec.step_overhead_s or spec.step_overhead_per_seq_s:    # engine work outside the model forward
+            x = spec.step_overhead_per_seq_s
+            p = dataclasses.replace(p, overhead_s=p.overhead_s + spec.step_overhead_s,
+                                    per_decode_s=p.per_decode_s + x, per_prefill_s=p.per_prefill_s + x)
         return p
     from raycluster.sched.roofline import GPUS, MODELS, RooflinePredictor
     return RooflinePredictor(GPUS[spec.gpu.upper()], MODELS[spec.model], pool.tp, pool.spp, pool.kvp,

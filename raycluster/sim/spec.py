@@ -16,8 +16,8 @@ pressure controller. KV capacity per instance: `kv_cache_tokens` if given, else
 (GPU memory x GPUs x gpu_memory_utilization - weights) / KV bytes per token (gpu: cpu: the
 engine's kv_cache_tokens).
 
-Serving-path overheads (both default 0, the idealised cluster): `dispatch_latency_s` (once per
-request) and `step_overhead_s` (per step); sims/local-cpu.yaml documents how they are measured on
+Serving-path overheads (all default 0, the idealised cluster): `dispatch_latency_s` (once per
+request), `step_overhead_s` (per step) and `step_overhead_per_seq_s` (per request in a step); sims/local-cpu.yaml documents how they are measured on
 the real local cluster (`python -m raycluster.sim.sim_to_real`).
 """
 
@@ -86,6 +86,9 @@ class SimSpec(BaseModel):
     step_overhead_s: float = Field(0.0, ge=0, description="added to every step (launch gaps, scheduler); gpu: cpu: "
                                    "added to the profiled predictor's overhead_s (engine work outside the model "
                                    "forward, measured on the real cluster by sim_to_real's calibration)")
+    step_overhead_per_seq_s: float = Field(0.0, ge=0, description="gpu: cpu: added per request in a step (each "
+                                           "decode sequence and each prefill chunk): the engine's per-request "
+                                           "work outside the model forward (sampling, bookkeeping, token events)")
     dispatch_latency_s: float = Field(0.0, ge=0, description="fixed per-request latency of the serving path outside "
                                       "the engine (HTTP/SSE client, gateway, router messaging): a request reaches "
                                       "the router this long after it is sent; counts once in TTFT and E2E")
