@@ -3,6 +3,7 @@ against each (topology, policy), side by side in one run.
 
     python -m raycluster.bench.cluster_convoy --out-dir DIR [--configs mixed-fcfs,mixed-lars,pd-fcfs,pd-lars]
         [--qps 1.5] [--duration 75] [--long-tokens 4096:8192] [--max-output-tokens 64] [--seed 0]
+        [--ttft-slo-ms 2000]
 
 Configurations (threads_per_instance=1 everywhere: mixed has 2 instances, pd 3, on 2 cores):
 - `mixed-fcfs`: 2 mixed instances, router + engine policy fcfs, packer token, chunk_size 2048
@@ -43,7 +44,7 @@ def loadgen_argv(args, url: str, out: str) -> list[str]:
             "--qps", str(args.qps), "--duration", str(args.duration), "--seed", str(args.seed),
             "--long-fraction", str(args.long_fraction), "--long-tokens", args.long_tokens,
             "--max-output-tokens", str(args.max_output_tokens), "--prompt-format", "ids",
-            "--timeout", "300", "--quiet", "--out", out]
+            "--ttft-slo-ms", str(args.ttft_slo_ms), "--timeout", "300", "--quiet", "--out", out]
 
 
 def one(args) -> int:
@@ -83,6 +84,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--long-tokens", default="4096:8192")
     ap.add_argument("--max-output-tokens", type=int, default=64)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--ttft-slo-ms", type=float, default=2000.0,
+                    help="TTFT SLO the requests carry (lars orders by it; fcfs ignores it)")
     ap.add_argument("--config", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     os.makedirs(args.out_dir, exist_ok=True)
@@ -96,7 +99,8 @@ def main(argv: list[str] | None = None) -> int:
         cmd = [sys.executable, "-m", "raycluster.bench.cluster_convoy", "--config", name,
                "--out-dir", args.out_dir, "--qps", str(args.qps), "--duration", str(args.duration),
                "--long-fraction", str(args.long_fraction), "--long-tokens", args.long_tokens,
-               "--max-output-tokens", str(args.max_output_tokens), "--seed", str(args.seed)]
+               "--max-output-tokens", str(args.max_output_tokens), "--seed", str(args.seed),
+               "--ttft-slo-ms", str(args.ttft_slo_ms)]
         env = {k: v for k, v in os.environ.items() if k != "RAY_SERVE_THROUGHPUT_OPTIMIZED"}
         try:
             rc = subprocess.run(cmd, env=env, timeout=args.duration * 4 + 700).returncode
@@ -107,6 +111,7 @@ def main(argv: list[str] | None = None) -> int:
         else:
             print(f"convoy: {name} failed (exit {rc})", flush=True)
     summary: dict = {"meta": {"argv": sys.argv, "qps": args.qps, "duration_s": args.duration, "seed": args.seed,
+                              "ttft_slo_ms": args.ttft_slo_ms,
                               "long_tokens": args.long_tokens, "long_fraction": args.long_fraction,
                               "max_output_tokens": args.max_output_tokens, "threads_per_instance": 1,
                               "configs": {n: CONFIGS[n] for n in names}}, "runs": {}}
