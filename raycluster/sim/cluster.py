@@ -25,6 +25,7 @@ from raycluster.sched.base import SLOConfig
 from raycluster.sched.predictor import LinearBatchPredictor
 from raycluster.sched.pressure import InstanceSignals, PoolSignals, PressureConfig, decide
 from raycluster.sim.engine import EventLoop
+from raycluster.sim.fastpath import router_ok
 from raycluster.sim.instance import SimInstance
 from raycluster.sim.spec import SimPool, SimSpec
 
@@ -94,7 +95,7 @@ def kv_tokens(spec: SimSpec, pool: SimPool, engine_cfg) -> int:
 
 
 class SimCluster:
-    def __init__(self, spec: SimSpec, workload: Workload) -> None:
+    def __init__(self, spec: SimSpec, workload: Workload, fast_decode: bool = False) -> None:
         self.spec = spec
         self.loop = EventLoop()
         self.kv_bytes_per_token = kv_bytes_per_token(spec)
@@ -103,6 +104,8 @@ class SimCluster:
                 "slo": SLOConfig(spec.slo.ttft_ms, spec.slo.tpot_ms, spec.slo.ttft_scale), **spec.router}
         self.router = RouterCore(RouterConfig(**rcfg), self.loop.clock)
         self.instances: dict[str, SimInstance] = {}
+        # Decode fast path (sim/fastpath.py): only where every router policy ignores decode progress.
+        self.fast_decode = bool(fast_decode) and router_ok(self.router)
         n = 0
         for pool in spec.pools:
             ecfg = spec.engine_config(pool)
@@ -114,7 +117,8 @@ class SimCluster:
                 iid = f"{pool.role}-{n}"
                 n += 1
                 self.instances[iid] = SimInstance(self, iid, pool.role, ecfg, pred, blocks,
-                                                  pool.gpus_per_instance, spec.max_model_len)
+                                                  pool.gpus_per_instance, spec.max_model_len,
+                                                  fast=self.fast_decode)
         self.loop.on("arrival", self._arrival)
         self.loop.on("step", self._step)
         self.loop.on("transfer", self._transfer)
@@ -132,7 +136,7 @@ class SimCluster:
         self.moves: list[dict] = []
         self._last_move: float | None = None
         self._waking = False
-        self.coalesce = spec.coalesce_decode
+        self.coalesce = spec.coalesce_decode and not self.fast_decode     # the group supersedes runs
         self.max_run_steps = spec.max_run_steps
         self.running_runs: set[SimInstance] = set()
         for r in workload:

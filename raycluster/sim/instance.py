@@ -39,6 +39,7 @@ from raycluster.engine.kv_manager import KVCacheManager
 from raycluster.engine.sched_factory import build_scheduler
 from raycluster.request import SLO, Request, RequestStatus, SamplingParams
 from raycluster.sched.base import AllDecodes
+from raycluster.sim.fastpath import GroupView, make_fast
 
 if TYPE_CHECKING:
     from raycluster.sim.cluster import SimCluster
@@ -57,7 +58,7 @@ class SimKVHandle:
 
 class SimInstance:
     def __init__(self, cluster: "SimCluster", instance_id: str, role: str, engine_cfg, predictor,
-                 kv_blocks: int, gpus: int, max_model_len: int) -> None:
+                 kv_blocks: int, gpus: int, max_model_len: int, fast: bool = False) -> None:
         self.cluster = cluster
         self.instance_id = instance_id
         self.role = role
@@ -66,6 +67,9 @@ class SimInstance:
         self.predictor = predictor
         self.kv = KVCacheManager(kv_blocks, engine_cfg.block_size)
         self.scheduler = build_scheduler(engine_cfg, self.kv, self.clock, max_model_len, predictor)
+        self.fast = bool(fast)          # decode group (sim/fastpath.py) instead of per-token decodes
+        if self.fast:
+            make_fast(self.scheduler)
         self.busy = False               # a STEP event is pending
         self.out = None                 # the SchedulerOutput running now
         self.steps = 0
@@ -144,12 +148,14 @@ class SimInstance:
             return False
         if out.is_empty:
             return False                     # blocked on KV: a release or new work wakes us
+        decs = out.decodes
+        grouped = type(decs) is GroupView
         dt = self.predictor.batch_time([(n, r.num_computed_tokens) for r, n in out.prefills],
-                                       [r.num_computed_tokens for r in out.decodes])
+                                       decs.kv if grouped else [r.num_computed_tokens for r in decs])
         self.out, self.busy = out, True
         self.busy_time += dt
         self.cluster.loop.after(dt, "step", (self, self._version))
-        if out.decodes and not out.prefills:
+        if decs and not out.prefills and not grouped:
             self.scheduler.decode_selector.observe(len(out.decodes), max(r.num_computed_tokens for r in out.decodes), dt)
         self._dt = dt
         return True
@@ -275,10 +281,12 @@ class SimInstance:
             st = r.status
             if (st is _RUNNING or st is _WAITING) and r.num_computed_tokens + n >= r.num_tokens:
                 produced.append(r)
-        for r in out.decodes:
-            st = r.status
-            if st is _RUNNING or st is _WAITING:
-                produced.append(r)
+        grouped = type(out.decodes) is GroupView
+        if not grouped:
+            for r in out.decodes:
+                st = r.status
+                if st is _RUNNING or st is _WAITING:
+                    produced.append(r)
         self.scheduler.update(out, dict.fromkeys([r.request_id for r in produced], TOKEN))
         events: list[TokenEvent] = [TokenEvent(r.request_id, [], True, r.status.value) for r in out.finished]
         prefilled: list[PrefillDone] = []
@@ -291,6 +299,9 @@ class SimInstance:
             else:
                 fin = st.finished
                 events.append(TokenEvent(r.request_id, [TOKEN], fin, st.value if fin else None))
+        if grouped:         # group members that finished: all their group tokens in one event
+            for r, made in self.scheduler.group_done:
+                events.append(TokenEvent(r.request_id, [TOKEN] * made, True, r.status.value))
         self.report(events, prefilled)
 
     def _offer(self, req: Request) -> SimKVHandle:
@@ -298,6 +309,9 @@ class SimInstance:
         return SimKVHandle(req.request_id, self.instance_id, n, n * self.cluster.kv_bytes_per_token)
 
     def report(self, events: list[TokenEvent], prefilled: list[PrefillDone]) -> None:
+        if self.fast and self.scheduler.unreported:      # tokens of a dissolved decode group
+            self._pending += [TokenEvent(rid, [TOKEN] * n) for rid, n in self.scheduler.unreported]
+            self.scheduler.unreported = []
         rep = StepReport(self.stats(), self._pending + events, prefilled, self._admitted)
         self._pending, self._admitted = [], []
         self.cluster.on_report(self, rep)

@@ -17,9 +17,9 @@ from raycluster.sim.spec import SimSpec
 
 def simulate(spec: SimSpec, workload: Workload, *, horizon_s: float | None = None, seed: int | None = None,
              warmup_s: float = 0.0, warmup_requests: int = 0, check: bool = False,
-             meta: dict | None = None) -> dict:
+             meta: dict | None = None, fast_decode: bool = False) -> dict:
     t0 = time.perf_counter()
-    cluster = SimCluster(spec, workload)
+    cluster = SimCluster(spec, workload, fast_decode=fast_decode)
     cluster.run(horizon_s)
     wall = time.perf_counter() - t0
     if check and cluster.done >= len(cluster.records):
@@ -31,7 +31,10 @@ def simulate(spec: SimSpec, workload: Workload, *, horizon_s: float | None = Non
            "preemptions": sum(i.scheduler.preempted_total for i in cluster.instances.values()),
            "kv_transfers": cluster.transfers_done, "kv_transfer_bytes": cluster.transfer_bytes,
            "output_tokens": cluster.tokens_out, "moves": cluster.moves,
-           "tie_break": "time, then scheduling order (FIFO)"}
+           "tie_break": "time, then scheduling order (FIFO)",
+           "decode_path": "fast" if cluster.fast_decode else ("runs" if cluster.coalesce else "stepwise"),
+           "group_steps": sum(getattr(i.scheduler, "group_steps", 0) for i in cluster.instances.values()),
+           "group_dissolved": sum(getattr(i.scheduler, "dissolved", 0) for i in cluster.instances.values())}
     m = {"source": "sim", "workload": workload.name, "workload_params": workload.params,
          "qps": workload.params.get("qps"), "seed": seed if seed is not None else workload.params.get("seed"),
          "policy": spec.policy, "spec": spec.model_dump(), "sim": sim, **(meta or {})}
