@@ -2,7 +2,8 @@
 
   raycluster sim --cluster SPEC.yaml --workload NAME|FILE.jsonl [--qps Q]
                  [--duration S | --num-requests N] [--seed N] [--policy NAME]
-                 [workload options as loadgen] [--horizon S] --out F.json
+                 [workload options as loadgen] [--horizon S] [--decode-path default|fast|exact]
+                 --out F.json
 
 Entry point `main(argv)`; also `python -m raycluster.sim.cli ...`.
 """
@@ -27,6 +28,10 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--warmup-s", type=float, default=0.0)
     ap.add_argument("--warmup-requests", type=int, default=0)
     ap.add_argument("--out", required=True, help="results JSON (the loadgen schema)")
+    ap.add_argument("--decode-path", choices=("default", "fast", "exact"), default="default",
+                    help="fast: decodes advance as a group (sim/fastpath.py; same records as exact); "
+                         "exact: every step through the scheduler (no decode runs); default: the spec's "
+                         "coalesce_decode")
     ap.add_argument("--quiet", action="store_true")
     add_workload_args(ap)
     return ap
@@ -41,12 +46,14 @@ def main(argv: list[str] | None = None) -> int:
         spec = load_spec(args.cluster)
         if args.policy:
             spec = spec.model_copy(update={"policy": args.policy})
+        if args.decode_path == "exact":
+            spec = spec.model_copy(update={"coalesce_decode": False})
     except (OSError, ValueError) as e:
         print(f"raycluster sim: bad cluster spec {args.cluster}: {e}", file=sys.stderr)
         return 2
     wl = workload_from_args(args)
     res = simulate(spec, wl, horizon_s=args.horizon, seed=args.seed, warmup_s=args.warmup_s,
-                   warmup_requests=args.warmup_requests,
+                   warmup_requests=args.warmup_requests, fast_decode=args.decode_path == "fast",
                    meta={"argv": list(argv if argv is not None else sys.argv[1:]), "cluster_spec": args.cluster})
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(res, indent=1))
@@ -55,7 +62,8 @@ def main(argv: list[str] | None = None) -> int:
         fmt = lambda v: "-" if v is None else f"{v:.3f}"  # noqa: E731
         print(f"sim: {s['completed']}/{s['num_requests']} completed, ttft p50/p99 {fmt(s['ttft_p50_s'])}/"
               f"{fmt(s['ttft_p99_s'])} s, tpot p50 {fmt(s['tpot_p50_s'])} s, slo {fmt(s['slo_attainment'])}; "
-              f"{sim['events']} events in {sim['wall_s']:.2f} s ({sim['events_per_s']:.0f}/s), "
+              f"{sim['events']} events in {sim['wall_s']:.2f} s ({sim['events_per_s']:.0f}/s, "
+              f"{sim['sim_s_per_wall_s']:.3g} simulated s per wall s, decodes {sim['decode_path']}), "
               f"virtual {sim['virtual_end_s']:.1f} s -> {args.out}")
     return 0
 

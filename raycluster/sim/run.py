@@ -27,6 +27,7 @@ def simulate(spec: SimSpec, workload: Workload, *, horizon_s: float | None = Non
     ev = cluster.loop.processed
     sim = {"events": ev, "wall_s": wall, "events_per_s": ev / wall if wall > 0 else None,
            "virtual_end_s": cluster.loop.clock.now(), "num_gpus": spec.num_gpus,
+           "sim_s_per_wall_s": cluster.loop.clock.now() / wall if wall > 0 else None,
            "steps": sum(i.steps for i in cluster.instances.values()),
            "preemptions": sum(i.scheduler.preempted_total for i in cluster.instances.values()),
            "kv_transfers": cluster.transfers_done, "kv_transfer_bytes": cluster.transfer_bytes,
