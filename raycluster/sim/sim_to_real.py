@@ -7,17 +7,21 @@ and TPOT side by side.
 
 Per seed (DIR/seed<N>/):
 1. `trace.jsonl`: a loadgen `long-mix` trace (ShareGPT-shaped chat turns plus a fraction of
-   long prompts, outputs clipped), and `calib.jsonl`: lone calibration requests (prompts of
-   16-512 tokens, 32 output tokens, one every 1.2 s, so nothing queues), from another seed.
+   long prompts, outputs clipped), and `calib.jsonl`: calibration requests from another seed:
+   lone requests (prompts of 16-512 tokens, 32 output tokens, 1.2 s apart, so nothing queues)
+   and bursts of 4 and 8 requests of 64 tokens sent together.
 2. A fresh local Ray cluster in a child process (127.0.0.1, no dashboard, its own temp dir) with
    the topology of deployments/local.yaml (one mixed instance, policy lars) and
    threads_per_instance=1. `loadgen run --prompt-format ids` replays `calib.jsonl` first
    (-> `calib.json`), then `trace.jsonl` (-> `real.json`); then the cluster is torn down.
-3. Calibration (`calibrate`): per lone request, TPOT minus the profiled predictor's decode step
-   time is engine work per step outside the model (`step_overhead_s`); TTFT minus the predicted
-   prefill step minus that step overhead is the serving path's fixed latency
-   (`dispatch_latency_s`: HTTP/SSE client, gateway, router messaging). Medians, from the
-   calibration requests only, never from the test trace.
+   `host_load.json`: the host's load averages around the two replays.
+3. Calibration (`calibrate`): TPOT minus the profiled predictor's decode step time, per burst
+   size k, is engine work per step outside the model: a line through k = 1, 4, 8 gives
+   `step_overhead_s` (per step) and `step_overhead_per_seq_s` (per sequence in the step); over
+   lone requests, TTFT minus the predicted prefill step minus one step's overhead is the
+   serving path's fixed latency (`dispatch_latency_s`: HTTP/SSE client, gateway, router
+   messaging). Lower quartiles over the calibration requests (other processes on the shared
+   host only add time, in bursts; medians are saved too). Never fitted on the test trace.
 4. The simulator on `trace.jsonl` twice: the spec as is (`sim.json`, the idealised cluster) and
    with the measured overheads (`sim-calibrated.json`, spec in `local-cpu-calibrated.yaml`).
 5. `compare.json` and the printed table: per class (short, long) P50/P90 TTFT and TPOT, real vs
@@ -47,10 +51,13 @@ METRICS = ("ttft_p50_s", "ttft_p90_s", "tpot_p50_s", "tpot_p90_s")
 CLASSES = ("short", "long")
 CLUSTER = {"model": "tiny", "threads_per_instance": 1, "policy": "lars",
            "pools": [{"role": "mixed", "instances": 1}]}
-CALIB_PROMPTS = (16, 64, 256, 512)      # <= chunk_size: one prefill step each
+CALIB_PROMPTS = (16, 64, 256, 512)      # lone requests; <= chunk_size: one prefill step each
+CALIB_BURSTS = (4, 8)                   # k requests of CALIB_BURST_PROMPT tokens sent together
+CALIB_BURST_PROMPT = 64
 CALIB_OUTPUT = 32
 CALIB_GAP_S = 1.2
-CALIB_REPEATS = 6
+CALIB_BURST_GAP_S = 1.6
+CALIB_REPEATS = 4
 CALIB_WARMUP = 4
 
 
@@ -63,12 +70,26 @@ def write_traces(args, seed: int, d: Path) -> None:
                        long_fraction=args.long_fraction, long_tokens=args.long_tokens,
                        max_output_tokens=args.max_output_tokens, ttft_slo_ms=2000.0, tpot_slo_ms=100.0)
     write_trace(wl, d / "trace.jsonl")
-    lens = list(CALIB_PROMPTS[:1]) * CALIB_WARMUP + [n for _ in range(CALIB_REPEATS) for n in CALIB_PROMPTS]
     import numpy as np
     rng = np.random.default_rng(10_000 + seed)
-    calib = [WorkloadRequest(request_id=f"calib{i:03d}", arrival_s=i * CALIB_GAP_S, prompt_tokens=n,
-                             output_tokens=CALIB_OUTPUT, segments=((int(rng.integers(0, 2**31 - 1)), n),))
-             for i, n in enumerate(lens)]
+    calib, t, i = [], 0.0, 0
+
+    def add(k: int, n: int, gap: float) -> None:
+        nonlocal t, i
+        for _ in range(k):
+            calib.append(WorkloadRequest(request_id=f"calib{i:03d}k{k}", arrival_s=t, prompt_tokens=n,
+                                         output_tokens=CALIB_OUTPUT,
+                                         segments=((int(rng.integers(0, 2**31 - 1)), n),)))
+            i += 1
+        t += gap
+
+    for _ in range(CALIB_WARMUP):
+        add(1, CALIB_PROMPTS[0], CALIB_GAP_S)
+    for _ in range(CALIB_REPEATS):
+        for n in CALIB_PROMPTS:
+            add(1, n, CALIB_GAP_S)
+        for k in CALIB_BURSTS:
+            add(k, CALIB_BURST_PROMPT, CALIB_BURST_GAP_S)
     write_trace(calib, d / "calib.jsonl")
 
 
@@ -86,49 +107,79 @@ def real_child(d: Path, seed: int) -> int:
     with tempfile.TemporaryDirectory(prefix="s2r-", dir="/tmp") as tmp:
         os.environ["RAY_TMPDIR"] = tmp
         with local_cluster(cfg, free_port(), tmp) as (url, _router):
+            load = {"start": os.getloadavg()}      # 1/5/15-min load averages: how busy the host was
             for name, warm in (("calib", CALIB_WARMUP), ("real", 0)):
                 trace = d / ("calib.jsonl" if name == "calib" else "trace.jsonl")
                 t0 = time.monotonic()
                 p = subprocess.run(loadgen_argv(url, trace, d / f"{name}.json", warm), timeout=900)
                 print(f"sim_to_real seed {seed}: {name} replay exited {p.returncode} after "
                       f"{time.monotonic() - t0:.0f} s", flush=True)
+                load[f"after_{name}"] = os.getloadavg()
+                (d / "host_load.json").write_text(json.dumps(load))
                 if p.returncode:
                     return p.returncode
     return 0
 
 
 # ---- calibration -----------------------------------------------------------------------------------
-def calibrate(requests: list[dict], predictor) -> dict:
-    """Serving-path overheads from lone requests (nothing else in flight).
+def lower_quartile(xs: list[float]) -> float:
+    return statistics.quantiles(xs, n=4, method="inclusive")[0] if len(xs) >= 2 else xs[0]
 
-    step_overhead_s: median over requests of TPOT - mean predicted decode step over its decode
-    steps (KV length prompt+1 .. prompt+n-1); dispatch_latency_s: median of TTFT - predicted
-    prefill step - step_overhead_s. Both clamped at 0 (the spec fields are >= 0)."""
-    step, ttft_res, rows = [], [], []
+
+def calibrate(requests: list[dict], predictor, stat: str = "q1") -> dict:
+    """Serving-path overheads from calibration requests (lone ones and bursts of k sent together).
+
+    Per request, the TPOT residual is TPOT - mean predicted decode step of its batch (k sequences
+    at KV length prompt+1 .. prompt+n-1); over the groups k = 1, 4, 8 a line a + b*k through the
+    per-k statistic of the residuals gives `step_overhead_s` = a + ... per step and
+    `step_overhead_per_seq_s` = b per sequence in the step (both clamped at 0). The dispatch latency
+    is, over lone requests, TTFT - predicted prefill step - one step's overhead (a + b). `stat`:
+    "q1" (lower quartile, the default) or "median". Load from other processes on the shared host
+    only ever adds time and comes in bursts, so the lower quartile estimates the serving path
+    itself; the medians are computed too (`median_*`) for comparison. Warm-up and failed
+    requests are skipped; the group size k is the `k<N>` suffix of the request id (default 1)."""
+    import numpy as np
+
+    aggs = {"q1": lower_quartile, "median": statistics.median}
+    lone, resid = [], {}
     for r in requests:
         if r.get("status") != "ok" or r.get("warmup") or r.get("ttft_s") is None:
             continue
+        rid = str(r.get("request_id", ""))
+        k = int(rid.rsplit("k", 1)[1]) if "k" in rid and rid.rsplit("k", 1)[1].isdigit() else 1
         p, n = int(r["prompt_tokens"]), int(r["num_output_tokens"])
-        pre = predictor.batch_time([(p, 0)], [])
-        row = {"prompt_tokens": p, "ttft_s": r["ttft_s"], "pred_prefill_s": pre}
         if n >= 2 and r.get("tpot_s") is not None:
-            dec = statistics.fmean(predictor.batch_time([], [p + k]) for k in range(1, n))
-            row.update(tpot_s=r["tpot_s"], pred_decode_s=dec)
-            step.append(r["tpot_s"] - dec)
-        rows.append(row)
-    if not rows:
-        raise ValueError("calibration: no completed calibration requests")
-    step_overhead = max(0.0, statistics.median(step)) if step else 0.0
-    for row in rows:
-        ttft_res.append(row["ttft_s"] - row["pred_prefill_s"] - step_overhead)
-    by_len: dict[int, list[float]] = {}
-    for row in rows:
-        by_len.setdefault(row["prompt_tokens"], []).append(row["ttft_s"] - row["pred_prefill_s"] - step_overhead)
-    return {"step_overhead_s": step_overhead, "dispatch_latency_s": max(0.0, statistics.median(ttft_res)),
-            "n": len(rows), "step_residual_p10_p90_s": _p10p90(step),
-            "ttft_residual_by_prompt_s": {str(k): statistics.median(v) for k, v in sorted(by_len.items())},
-            "tpot_real_median_s": statistics.median(r["tpot_s"] for r in rows if "tpot_s" in r) if step else None,
-            "tpot_pred_median_s": statistics.median(r["pred_decode_s"] for r in rows if "tpot_s" in r) if step else None}
+            dec = statistics.fmean(predictor.batch_time([], [p + j] * k) for j in range(1, n))
+            resid.setdefault(k, []).append(r["tpot_s"] - dec)
+        if k == 1:
+            lone.append({"prompt_tokens": p, "ttft_s": r["ttft_s"], "pred_prefill_s": predictor.batch_time([(p, 0)], []),
+                         "tpot_s": r.get("tpot_s")})
+    if not lone:
+        raise ValueError("calibration: no completed lone calibration requests")
+    out: dict = {"stat": stat, "n": len(lone) + sum(len(v) for k, v in resid.items() if k != 1),
+                 "n_lone": len(lone), "groups": sorted(resid)}
+    for name, agg in aggs.items():
+        per_k = {k: agg(v) for k, v in sorted(resid.items())}
+        if len(per_k) >= 2:
+            b, a = np.polyfit(list(per_k), list(per_k.values()), 1)
+            a, b = float(a), float(b)
+            if b < 0:               # no per-sequence cost visible: one constant per step
+                a, b = agg([x for v in resid.values() for x in v]), 0.0
+        elif per_k:
+            a, b = next(iter(per_k.values())), 0.0
+        else:
+            a, b = 0.0, 0.0
+        a, b = max(0.0, a), max(0.0, b)
+        disp = [x["ttft_s"] - x["pred_prefill_s"] - (a + b) for x in lone]
+        by_len: dict[int, list[float]] = {}
+        for x, v in zip(lone, disp):
+            by_len.setdefault(x["prompt_tokens"], []).append(v)
+        pre = "" if name == stat else f"{name}_"
+        out.update({f"{pre}step_overhead_s": a, f"{pre}step_overhead_per_seq_s": b,
+                    f"{pre}dispatch_latency_s": max(0.0, agg(disp)),
+                    f"{pre}tpot_residual_by_k_s": {str(k): v for k, v in per_k.items()},
+                    f"{pre}ttft_residual_by_prompt_s": {str(k): agg(v) for k, v in sorted(by_len.items())}})
+    return out
 
 
 def _p10p90(xs: list[float]) -> list[float] | None:
@@ -216,21 +267,25 @@ def one_seed(args, seed: int) -> dict | None:
     cal = calibrate(calib_res["requests"], cpu_predictor(spec))
     raw = yaml.safe_load(Path(args.spec).read_text())
     cal_spec = {**raw, "dispatch_latency_s": round(cal["dispatch_latency_s"], 6),
-                "step_overhead_s": round(cal["step_overhead_s"], 6)}
+                "step_overhead_s": round(cal["step_overhead_s"], 6),
+                "step_overhead_per_seq_s": round(cal["step_overhead_per_seq_s"], 7)}
     (d / "local-cpu-calibrated.yaml").write_text(
         f"# {args.spec} + serving-path overheads measured from {d / 'calib.json'} (lone requests)\n"
         + yaml.safe_dump(cal_spec, sort_keys=False))
     sims = {"sim": run_sim(Path(args.spec), d / "trace.jsonl", d / "sim.json"),
             "sim_cal": run_sim(d / "local-cpu-calibrated.yaml", d / "trace.jsonl", d / "sim-calibrated.json")}
     cmp = compare(real, sims)
+    load = d / "host_load.json"
     out = {"seed": seed, "calibration": cal, "compare": cmp,
+           "host_load": json.loads(load.read_text()) if load.is_file() else None,
            "real_summary": {k: real["summary"].get(k) for k in ("completed", "failed", "num_requests",
                                                                 "ttft_p50_s", "tpot_p50_s", "output_tok_s")},
            "files": {"trace": str(d / "trace.jsonl"), "real": str(d / "real.json"), "sim": str(d / "sim.json"),
                      "sim_cal": str(d / "sim-calibrated.json"), "calib": str(d / "calib.json")}}
     (d / "compare.json").write_text(json.dumps(out, indent=2))
-    print(f"\n== seed {seed}: calibration step_overhead {cal['step_overhead_s'] * 1000:.2f} ms, "
-          f"dispatch_latency {cal['dispatch_latency_s'] * 1000:.2f} ms (n={cal['n']})")
+    print(f"\n== seed {seed}: calibration ({cal['stat']}) step_overhead {cal['step_overhead_s'] * 1000:.2f} ms "
+          f"+ {cal['step_overhead_per_seq_s'] * 1000:.3f} ms/seq, dispatch_latency "
+          f"{cal['dispatch_latency_s'] * 1000:.2f} ms (n={cal['n']})")
     print(render(cmp, list(sims)))
     return out
 
@@ -265,13 +320,15 @@ def main(argv: list[str] | None = None) -> int:
                         "spec": args.spec, "cluster": CLUSTER, "target": TARGET,
                         "calibration_trace": {"prompts": CALIB_PROMPTS, "output_tokens": CALIB_OUTPUT,
                                               "gap_s": CALIB_GAP_S, "repeats": CALIB_REPEATS,
-                                              "warmup": CALIB_WARMUP},
+                                              "bursts": CALIB_BURSTS, "burst_prompt": CALIB_BURST_PROMPT,
+                                              "burst_gap_s": CALIB_BURST_GAP_S, "warmup": CALIB_WARMUP},
                         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())},
                "runs": runs}
     prev = Path(args.out_dir) / "summary.json"
-    if args.sim_only and prev.is_file():      # keep seeds not re-done this time
-        old = json.loads(prev.read_text()).get("runs", {})
-        summary["runs"] = {**old, **runs}
+    if args.sim_only and prev.is_file():      # keep seeds not re-done this time, and the real runs' meta
+        old = json.loads(prev.read_text())
+        summary["runs"] = {**old.get("runs", {}), **runs}
+        summary["meta"] = {**old.get("meta", {}), "refit": summary["meta"]["date"]}
     prev.write_text(json.dumps(summary, indent=2))
     print(f"\nwrote {prev}")
     return 0 if len(runs) == len(seeds) else 1

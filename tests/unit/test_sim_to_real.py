@@ -45,32 +45,59 @@ def test_compare_missing_class_skipped():
     assert c["within"]["a"] == {"ok": 1, "cells": 1} and c["within"]["b"] == {"ok": 0, "cells": 0}
 
 
+def _calib_reqs(pred, step, per_seq, disp, jitter=()):
+    """Lone requests of 4 prompt lengths and bursts of 4 and 8, timed by pred + the overheads."""
+    reqs, i = [], 0
+    n = 32
+    for rep in range(3):
+        for k, prompts in ((1, [16, 64, 256, 512]), (4, [64] * 4), (8, [64] * 8)):
+            for p in prompts:
+                dec = sum(pred.batch_time([], [p + j] * k) for j in range(1, n)) / (n - 1)
+                extra = jitter[i % len(jitter)] if jitter else 0.0
+                reqs.append({"request_id": f"calib{i:03d}k{k}", "status": "ok", "warmup": False,
+                             "prompt_tokens": p, "num_output_tokens": n,
+                             "ttft_s": disp + pred.batch_time([(p, 0)], []) + step + per_seq + extra,
+                             "tpot_s": dec + step + per_seq * k + extra / 10})
+                i += 1
+    return reqs
+
+
 def test_calibrate_recovers_overheads():
     pred = LinearBatchPredictor(overhead_s=0.002, per_prefill_token_s=1e-5, per_decode_kv_s=1e-6)
-    step, disp = 0.0015, 0.012
-    reqs = []
-    for i, p in enumerate([16, 64, 256, 512] * 3):
-        n = 32
-        dec = sum(pred.batch_time([], [p + k]) for k in range(1, n)) / (n - 1)
-        reqs.append({"request_id": f"c{i}", "status": "ok", "warmup": False, "prompt_tokens": p,
-                     "num_output_tokens": n, "ttft_s": disp + pred.batch_time([(p, 0)], []) + step,
-                     "tpot_s": dec + step})
+    step, per_seq, disp = 0.0015, 0.0002, 0.012
+    reqs = _calib_reqs(pred, step, per_seq, disp)
     reqs.append({"request_id": "w", "status": "ok", "warmup": True, "prompt_tokens": 16, "num_output_tokens": 32,
                  "ttft_s": 5.0, "tpot_s": 1.0})                  # warm-up requests are ignored
     reqs.append({"request_id": "f", "status": "error", "prompt_tokens": 16, "num_output_tokens": 0,
                  "ttft_s": None, "tpot_s": None})
-    cal = calibrate(reqs, pred)
-    assert cal["n"] == 12
-    assert cal["step_overhead_s"] == pytest.approx(step)
-    assert cal["dispatch_latency_s"] == pytest.approx(disp)
-    assert all(v == pytest.approx(disp) for v in cal["ttft_residual_by_prompt_s"].values())
+    for stat in ("q1", "median"):
+        cal = calibrate(reqs, pred, stat=stat)
+        assert cal["n_lone"] == 12 and cal["n"] == 12 + 36 and cal["groups"] == [1, 4, 8]
+        assert cal["step_overhead_s"] == pytest.approx(step)
+        assert cal["step_overhead_per_seq_s"] == pytest.approx(per_seq)
+        assert cal["dispatch_latency_s"] == pytest.approx(disp)
+        assert all(v == pytest.approx(disp) for v in cal["ttft_residual_by_prompt_s"].values())
+        other = "median" if stat == "q1" else "q1"
+        assert cal[f"{other}_dispatch_latency_s"] == pytest.approx(disp)
 
 
-def test_calibrate_clamps_and_needs_requests():
+def test_calibrate_lower_quartile_ignores_bursts_of_foreign_load():
+    """Foreign load adds time to some requests only: q1 stays at the quiet value, the median moves."""
+    pred = LinearBatchPredictor(overhead_s=0.002, per_prefill_token_s=1e-5, per_decode_kv_s=1e-6)
+    jitter = [0.0, 0.0, 0.3, 0.5]            # half the requests slowed by others
+    cal = calibrate(_calib_reqs(pred, 0.0015, 0.0, 0.012, jitter), pred)
+    assert cal["dispatch_latency_s"] == pytest.approx(0.012, abs=1e-3)
+    assert cal["median_dispatch_latency_s"] > 0.1
+
+
+def test_calibrate_lone_only_and_clamps():
     pred = LinearBatchPredictor(overhead_s=0.01)
-    reqs = [{"status": "ok", "prompt_tokens": 16, "num_output_tokens": 4, "ttft_s": 0.001, "tpot_s": 0.005}]
+    reqs = [{"request_id": "calib000", "status": "ok", "prompt_tokens": 16, "num_output_tokens": 4,
+             "ttft_s": 0.001, "tpot_s": 0.005}]            # faster than predicted: clamped at 0
     cal = calibrate(reqs, pred)
-    assert cal["step_overhead_s"] == 0.0 and cal["dispatch_latency_s"] == 0.0
+    assert cal["groups"] == [1]
+    assert cal["step_overhead_s"] == 0.0 and cal["step_overhead_per_seq_s"] == 0.0
+    assert cal["dispatch_latency_s"] == 0.0
     with pytest.raises(ValueError):
         calibrate([], pred)
 
@@ -87,8 +114,10 @@ def test_spec_overheads_shift_sim_times():
     a = simulate(SimSpec(**base), wl)["requests"]
     b = simulate(SimSpec(**base, dispatch_latency_s=0.05), wl)["requests"]
     c = simulate(SimSpec(**base, step_overhead_s=0.001), wl)["requests"]
-    for ra, rb, rc in zip(a, b, c):
+    e = simulate(SimSpec(**base, step_overhead_per_seq_s=0.001), wl)["requests"]
+    for ra, rb, rc, re in zip(a, b, c, e):
         assert rb["ttft_s"] == pytest.approx(ra["ttft_s"] + 0.05)     # lone requests: a pure shift
         assert rb["tpot_s"] == pytest.approx(ra["tpot_s"])
         assert rb["arrival_s"] == ra["arrival_s"]
         assert rc["tpot_s"] == pytest.approx(ra["tpot_s"] + 0.001)
+        assert re["tpot_s"] == pytest.approx(ra["tpot_s"] + 0.001)    # lone: one sequence per step
