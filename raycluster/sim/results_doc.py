@@ -1,6 +1,11 @@
 """Regenerate docs/results.md (tables) and docs/figures/*.png from scratch with the simulator.
 
   python -m raycluster.sim.results_doc [--only medha,kairos,...] [--jobs 2] [--quick]
+      [--sim-to-real-dir DIR]
+
+`sim-to-real` is the one section not simulated here: it reads DIR/summary.json written by
+`python -m raycluster.sim.sim_to_real --out-dir DIR` (real local cluster vs simulator, same trace)
+into figures/data.json and renders it; without DIR it keeps what data.json already holds.
 
 Every number in results.md comes from a simulated run made by this command (same code, same
 seeds); nothing is copied from the papers except the claims quoted next to our figures. Runs
@@ -254,7 +259,7 @@ def jobs_for(name: str, quick: bool) -> list[dict]:
     return jobs
 
 
-EXPERIMENTS = ["medha", "medha-edf", "kairos", "justitia", "justitia-apps", "pla", "speed"]
+EXPERIMENTS = ["medha", "medha-edf", "kairos", "justitia", "justitia-apps", "pla", "speed", "sim-to-real"]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -573,7 +578,70 @@ def render_speed(d: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-RENDER = {"medha": render_medha, "medha-edf": render_medha_edf, "kairos": render_kairos, "justitia": render_justitia,
+def load_sim_to_real(out_dirs: str) -> dict | None:
+    """The stored entry of the sim-to-real section: each of sim_to_real's DIR/summary.json
+    (comma-separated DIRs, one batch of seeds each; nothing is rerun)."""
+    batches = []
+    for d in (x for x in out_dirs.split(",") if x):
+        path = Path(d) / "summary.json"
+        if path.is_file():
+            summ = json.loads(path.read_text())
+            batches.append({"meta": summ["meta"], "runs": summ["runs"], "source": str(path)})
+    return {"key": ["sim-to-real", "summary"], "batches": batches} if batches else None
+
+
+def render_sim_to_real(d: dict) -> str:
+    from raycluster.sim.sim_to_real import render as s2r_table
+
+    batches = next(iter(d.values()))["batches"]
+    m = batches[-1]["meta"]
+    ct = m["calibration_trace"]
+    lines = ["## Sim-to-real", "",
+             "Claim (issue 6): the same trace on the real local cluster (tiny model, CPU-profiled predictor) "
+             f"and in the simulator gives P50 and P90 TTFT and TPOT per class within {m['target']:.0%} of each other.",
+             "",
+             f"Setup: `python -m raycluster.sim.sim_to_real --out-dir DIR --qps {m['qps']:g} --duration "
+             f"{m['duration_s']:g} --seed {','.join(str(s) for s in m['seeds'])}`, run {len(batches)} time(s) "
+             "(below, oldest first; each run's seeds use fresh clusters one after the other). Per seed one "
+             f"`long-mix` trace ({m['long_fraction']:.0%} long prompts of {m['long_tokens'][0]}-{m['long_tokens'][1]} "
+             f"tokens, the rest ShareGPT-shaped chat turns; outputs clipped to {m['max_output_tokens']} tokens, "
+             "ignore_eos) replayed by `loadgen run --prompt-format ids` on a fresh local Ray cluster with "
+             "deployments/local.yaml's topology (one mixed instance, lars, Medha packer, "
+             "threads_per_instance=1, HTTP/SSE through the gateway) on this shared 2-core machine, and the "
+             f"simulator on the same trace with `{m['spec']}` (`gpu: cpu`: the predictor profile the real "
+             "instance loads). `sim` is that spec as is; `sim_cal` adds three serving-path overheads measured on "
+             "the same real cluster from calibration requests sent before the trace, never from the test trace "
+             f"(lone requests of {'/'.join(str(x) for x in ct['prompts'])} prompt tokens "
+             f"{ct['gap_s']:g} s apart, and bursts of {'/'.join(str(x) for x in ct.get('bursts', ()))} requests "
+             f"of {ct.get('burst_prompt', '-')} tokens sent together; {ct['output_tokens']} output tokens each): "
+             "per burst size k, TPOT minus the predicted decode step; a line through k gives "
+             "`step_overhead_s` (per step) and `step_overhead_per_seq_s` (per sequence); over lone requests, "
+             "TTFT minus the predicted prefill step minus one step's overhead gives `dispatch_latency_s`. "
+             "Statistic: the lower quartile over requests (other engineers' processes share the 2 cores and only "
+             "ever add time, in bursts); the medians are in the saved JSON. rel. = (sim - real) / real.", ""]
+    for bi, b in enumerate(batches):
+        if "bursts" not in b["meta"]["calibration_trace"]:
+            lines += [f"Run {bi + 1}'s calibration had lone requests only (no bursts): "
+                      "step_overhead_per_seq_s was not measured (0) in its `sim_cal`.", ""]
+        for seed, run in sorted(b["runs"].items()):
+            cal, cmp = run["calibration"], run["compare"]
+            rs, load = run["real_summary"], run.get("host_load") or {}
+            ld = ", ".join(f"{k} {v[0]:.1f}" for k, v in load.items())
+            lines += [f"### Run {bi + 1} ({b['meta']['date']}), seed {seed}", "",
+                      f"Real: {rs['completed']}/{rs['num_requests']} completed"
+                      + (f"; host 1-min load average {ld}" if ld else "") + ". "
+                      f"Calibration ({cal['n']} requests, {cal.get('n_lone', cal['n'])} lone): step_overhead_s "
+                      f"{cal['step_overhead_s'] * 1000:.2f} ms, step_overhead_per_seq_s "
+                      f"{cal.get('step_overhead_per_seq_s', 0.0) * 1000:.3f} ms, dispatch_latency_s "
+                      f"{cal['dispatch_latency_s'] * 1000:.1f} ms (medians instead: "
+                      f"{cal.get('median_step_overhead_s', 0) * 1000:.2f} ms, "
+                      f"{cal.get('median_step_overhead_per_seq_s', 0) * 1000:.3f} ms, "
+                      f"{cal.get('median_dispatch_latency_s', 0) * 1000:.1f} ms).", "",
+                      s2r_table(cmp, ["sim", "sim_cal"]), ""]
+    return "\n".join(lines) + "\n"
+
+
+RENDER = {"sim-to-real": render_sim_to_real, "medha": render_medha, "medha-edf": render_medha_edf, "kairos": render_kairos, "justitia": render_justitia,
           "justitia-apps": render_justitia_apps, "pla": render_pla,
           "speed": render_speed}
 
@@ -584,6 +652,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--jobs", type=int, default=2)
     ap.add_argument("--quick", action="store_true", help="fewer, shorter points (smoke test)")
     ap.add_argument("--render-only", action="store_true", help="re-render from docs/figures/data.json")
+    ap.add_argument("--sim-to-real-dir", default=None,
+                    help="sim_to_real's --out-dir: its summary.json becomes the sim-to-real section")
     args = ap.parse_args(argv)
     names = [n for n in args.only.split(",") if n]
     (DOCS / "figures").mkdir(parents=True, exist_ok=True)
@@ -593,8 +663,14 @@ def main(argv: list[str] | None = None) -> int:
     if not args.render_only:
         jobs = [j for n in names for j in jobs_for(n, args.quick)]
         fresh = {}
+        if "sim-to-real" in names:
+            entry = load_sim_to_real(args.sim_to_real_dir) if args.sim_to_real_dir else None
+            if entry is None:       # nothing new: keep the stored section
+                names = [n for n in names if n != "sim-to-real"]
+            else:
+                fresh[json.dumps(entry["key"])] = entry
         with ProcessPoolExecutor(max_workers=max(1, args.jobs)) as ex:
-            for r in ex.map(run_one, jobs):
+            for r in (ex.map(run_one, jobs) if jobs else ()):
                 fresh[json.dumps(r["key"])] = r
                 print(f"  {r['key']}: {r['sim']['wall_s']:.1f}s wall", flush=True)
         # Re-read before writing: another invocation (--only other experiments) may have written.
