@@ -310,6 +310,9 @@ class SimCluster:
         total = len(self.records)
         self.loop.run(until=horizon_s, stop=lambda: self.done >= total)
         now = self.loop.clock.now()
+        if self.fast_decode:      # tokens decode groups made but not yet reported (horizon hit)
+            for inst in self.instances.values():
+                inst.flush_group(self.records)
         for rec in self.records.values():
             if rec.status in ("sent", "not_sent"):
                 rec.status = "timeout" if rec.status == "sent" else "not_sent"
@@ -321,4 +324,5 @@ class SimCluster:
             inst.kv.check()
             assert inst.kv.num_free_blocks == inst.kv.num_blocks, f"{inst.instance_id}: KV not all free"
             assert not inst.scheduler.requests and not inst.scheduler.parked, f"{inst.instance_id}: requests left"
+            assert not getattr(inst.scheduler, "bag", None), f"{inst.instance_id}: decode group blocks left"
         assert not self.router.requests, "router still tracks requests"

@@ -28,6 +28,13 @@ instance would have seen it. What changes: step times inside a run are interpola
 between the first and last step's predicted time (exact for LinearBatchPredictor; the roofline
 is piecewise linear), the router sees the run's tokens and stats once at its end, and the KV of
 all k steps is reserved while the run lasts.
+
+Decode fast path (`fast=True`, `simulate(..., fast_decode=True)`, CLI `--decode-path fast`; runs
+are off then): the scheduler is a `sim.fastpath.FastScheduler`, whose decoding requests advance
+as a group. A step is still one event with the same predictor features and the same report
+(stats) to the router, but group members produce no TokenEvent per step: a member's tokens
+arrive with its finish event. Per-request records equal the step-by-step path's (tests/unit/
+test_sim_fast.py).
 """
 
 from __future__ import annotations
@@ -303,6 +310,23 @@ class SimInstance:
             for r, made in self.scheduler.group_done:
                 events.append(TokenEvent(r.request_id, [TOKEN] * made, True, r.status.value))
         self.report(events, prefilled)
+
+    def flush_group(self, records: dict) -> None:
+        """End of a run (horizon): count the tokens group members made in steps that already ended,
+        not yet reported, into their records, as the step-by-step path's reports would have.
+        Nothing is sent to the router and the scheduler is left as it is."""
+        s = self.scheduler
+        toks: dict[str, int] = {}
+        for rid, n in s.unreported:
+            toks[rid] = toks.get(rid, 0) + n
+        if s.active:
+            for rid, m in s.members.items():
+                toks[rid] = toks.get(rid, 0) + s.k - m[3]
+        for rid, n in toks.items():
+            rec = records.get(rid)
+            if rec is not None and n:
+                rec.num_output_tokens += n
+                self.cluster.tokens_out += n
 
     def _offer(self, req: Request) -> SimKVHandle:
         n = req.num_prompt_tokens

@@ -40,11 +40,17 @@ def measure(spec, path: str, workload: str, qps: float, seed: int, warm: float, 
     wall, cpu = time.perf_counter() - w0, time.process_time() - c0
     ev = cluster.loop.processed - ev0
     span = until - warm
+    scheds = [i.scheduler for i in cluster.instances.values()]
+    grouped = {"group_steps": sum(getattr(s, "group_steps", 0) for s in scheds),
+               "group_dissolved": sum(getattr(s, "dissolved", 0) for s in scheds),
+               "preemptions": sum(s.preempted_total for s in scheds),
+               "decoding_at_end": sum(len(s.decoding) for s in scheds)}
     return {"path": path, "window_s": [warm, until], "wall_s": wall, "cpu_s": cpu, "events": ev,
             "events_per_s": ev / wall, "steps": sum(i.steps for i in cluster.instances.values()) - steps0,
             "output_tokens": cluster.tokens_out, "completed": cluster.done,
             "sim_s_per_wall_s": span / wall, "wall_s_per_sim_hour": wall / span * 3600.0,
-            "cpu_s_per_sim_hour": cpu / span * 3600.0, "decode_path": "fast" if cluster.fast_decode else path}
+            "cpu_s_per_sim_hour": cpu / span * 3600.0, "decode_path": "fast" if cluster.fast_decode else path,
+            **grouped}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -67,7 +73,8 @@ def main(argv: list[str] | None = None) -> int:
             rows.append(r)
             print(f"{path:6s} window {args.warm:g}-{args.until:g} s: wall {r['wall_s']:.2f} s cpu {r['cpu_s']:.2f} s, "
                   f"{r['events']} events ({r['events_per_s']:.0f}/s), {r['steps']} steps, "
-                  f"{r['wall_s_per_sim_hour'] / 60:.1f} wall min per simulated hour", flush=True)
+                  f"{r['wall_s_per_sim_hour'] / 60:.1f} wall min per simulated hour; {r['decoding_at_end']} decoding, "
+                  f"{r['preemptions']} preemptions, group dissolved {r['group_dissolved']}x", flush=True)
     by = {p: [r for r in rows if r["path"] == p] for p in args.paths.split(",")}
     if "fast" in by and "exact" in by:
         ratio = sum(r["cpu_s"] for r in by["exact"]) / sum(r["cpu_s"] for r in by["fast"])
