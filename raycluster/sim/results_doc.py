@@ -619,6 +619,22 @@ def render_sim_to_real(d: dict) -> str:
              "TTFT minus the predicted prefill step minus one step's overhead gives `dispatch_latency_s`. "
              "Statistic: the lower quartile over requests (other engineers' processes share the 2 cores and only "
              "ever add time, in bursts); the medians are in the saved JSON. rel. = (sim - real) / real.", ""]
+    tot = {n: [0, 0] for n in ("sim", "sim_cal")}
+    for b in batches:
+        for run in b["runs"].values():
+            for n in tot:
+                w = run["compare"]["within"].get(n, {"ok": 0, "cells": 0})
+                tot[n][0] += w["ok"]
+                tot[n][1] += w["cells"]
+    nseeds = sum(len(b["runs"]) for b in batches)
+    met = all(run["compare"]["within"]["sim_cal"]["ok"] == run["compare"]["within"]["sim_cal"]["cells"]
+              for b in batches for run in b["runs"].values())
+    lines += [f"Verdict: over {nseeds} real runs, {tot['sim_cal'][0]} of {tot['sim_cal'][1]} cells within "
+              f"{m['target']:.0%} with the measured overheads (`sim_cal`), {tot['sim'][0]} of {tot['sim'][1]} "
+              f"without (`sim`): the target is {'met' if met else 'NOT met'} on this shared host. The measured "
+              "overheads move the simulated medians toward the real ones but not within 15% on most cells, the "
+              "P90s stay far apart, and runs taken while other benchmarks loaded the 2 cores are not comparable "
+              "at all (the notes below say why).", ""]
     for bi, b in enumerate(batches):
         if "bursts" not in b["meta"]["calibration_trace"]:
             lines += [f"Run {bi + 1}'s calibration had lone requests only (no bursts): "
