@@ -59,6 +59,7 @@ CALIB_GAP_S = 1.2
 CALIB_BURST_GAP_S = 1.6
 CALIB_REPEATS = 4
 CALIB_WARMUP = 4
+CALIB_TRACE_SEED = 1000
 
 
 # ---- traces ----------------------------------------------------------------------------------------
@@ -70,6 +71,11 @@ def write_traces(args, seed: int, d: Path) -> None:
                        long_fraction=args.long_fraction, long_tokens=args.long_tokens,
                        max_output_tokens=args.max_output_tokens, ttft_slo_ms=2000.0, tpot_slo_ms=100.0)
     write_trace(wl, d / "trace.jsonl")
+    if getattr(args, "calib_trace", False):     # same workload, another seed: the trace calibration
+        write_trace(make_workload("long-mix", seed=CALIB_TRACE_SEED + seed, qps=args.qps, duration=args.duration,
+                                  long_fraction=args.long_fraction, long_tokens=args.long_tokens,
+                                  max_output_tokens=args.max_output_tokens, ttft_slo_ms=2000.0, tpot_slo_ms=100.0),
+                    d / "calib-trace.jsonl")
     import numpy as np
     rng = np.random.default_rng(10_000 + seed)
     calib, t, i = [], 0.0, 0
@@ -108,8 +114,11 @@ def real_child(d: Path, seed: int) -> int:
         os.environ["RAY_TMPDIR"] = tmp
         with local_cluster(cfg, free_port(), tmp) as (url, _router):
             load = {"start": os.getloadavg()}      # 1/5/15-min load averages: how busy the host was
-            for name, warm in (("calib", CALIB_WARMUP), ("real", 0)):
-                trace = d / ("calib.jsonl" if name == "calib" else "trace.jsonl")
+            files = {"calib": "calib.jsonl", "calib-trace": "calib-trace.jsonl", "real": "trace.jsonl"}
+            for name, warm in (("calib", CALIB_WARMUP), ("calib-trace", 0), ("real", 0)):
+                trace = d / files[name]
+                if not trace.is_file():
+                    continue
                 t0 = time.monotonic()
                 p = subprocess.run(loadgen_argv(url, trace, d / f"{name}.json", warm), timeout=900)
                 print(f"sim_to_real seed {seed}: {name} replay exited {p.returncode} after "
@@ -243,6 +252,47 @@ def run_sim(spec_path: Path, trace: Path, out: Path) -> dict:
     return json.loads(out.read_text())
 
 
+def fit_on_trace(cal_spec: Path, trace: Path, real: dict, d: Path, iters: int = 7) -> dict:
+    """Trace calibration (`--calib-trace`): on the calibration trace (another seed, replayed on
+    the same cluster just before the test trace), scale the measured step overheads by f so the
+    simulated TPOT P50 over all requests matches the real one (bisection on f in [0, 8]: TPOT
+    grows with f), then set dispatch_latency_s to the median over requests of real TTFT - simulated
+    TTFT at dispatch 0. Writes local-cpu-trace-calibrated.yaml; the test trace is not looked at."""
+    raw = yaml.safe_load(cal_spec.read_text())
+    target = real["summary"]["tpot_p50_s"]
+    tmp = d / "fit-sim.json"
+
+    def sim_with(f: float, disp: float) -> dict:
+        spec = {**raw, "dispatch_latency_s": disp, "step_overhead_s": raw["step_overhead_s"] * f,
+                "step_overhead_per_seq_s": raw["step_overhead_per_seq_s"] * f}
+        path = d / "fit-spec.yaml"
+        path.write_text(yaml.safe_dump(spec, sort_keys=False))
+        return run_sim(path, trace, tmp)
+
+    lo, hi = 0.0, 8.0
+    for _ in range(iters):                      # bounded: `iters` sims
+        mid = (lo + hi) / 2
+        if (sim_with(mid, 0.0)["summary"]["tpot_p50_s"] or 0.0) < target:
+            lo = mid
+        else:
+            hi = mid
+    f = (lo + hi) / 2
+    res = sim_with(f, 0.0)
+    simt = {r["request_id"]: r["ttft_s"] for r in res["requests"]}
+    diffs = [r["ttft_s"] - simt[r["request_id"]] for r in real["requests"]
+             if r.get("ttft_s") is not None and simt.get(r["request_id"]) is not None]
+    disp = max(0.0, statistics.median(diffs)) if diffs else 0.0
+    spec = {**raw, "dispatch_latency_s": round(disp, 6), "step_overhead_s": round(raw["step_overhead_s"] * f, 6),
+            "step_overhead_per_seq_s": round(raw["step_overhead_per_seq_s"] * f, 7)}
+    (d / "local-cpu-trace-calibrated.yaml").write_text(
+        f"# {cal_spec.name} with its step overheads x {f:.3f} and dispatch latency fitted on calib-trace.jsonl\n"
+        + yaml.safe_dump(spec, sort_keys=False))
+    for x in (tmp, d / "fit-spec.yaml"):
+        x.unlink(missing_ok=True)
+    return {"scale": f, "dispatch_latency_s": spec["dispatch_latency_s"], "step_overhead_s": spec["step_overhead_s"],
+            "step_overhead_per_seq_s": spec["step_overhead_per_seq_s"], "calib_trace_tpot_p50_s": target}
+
+
 def one_seed(args, seed: int) -> dict | None:
     from raycluster.sim.cluster import cpu_predictor
     from raycluster.sim.spec import load_spec
@@ -253,9 +303,11 @@ def one_seed(args, seed: int) -> dict | None:
         write_traces(args, seed, d)
         cmd = [sys.executable, "-m", "raycluster.sim.sim_to_real", "--real-child", str(d), "--seed", str(seed),
                "--out-dir", args.out_dir]
+        if not args.calib_trace:
+            (d / "calib-trace.jsonl").unlink(missing_ok=True)
         env = {k: v for k, v in os.environ.items() if k != "RAY_SERVE_THROUGHPUT_OPTIMIZED"}
         try:
-            rc = subprocess.run(cmd, env=env, timeout=args.duration * 4 + 900).returncode
+            rc = subprocess.run(cmd, env=env, timeout=args.duration * 6 + 900).returncode
         except subprocess.TimeoutExpired:
             rc = -1
         if rc:
@@ -274,6 +326,11 @@ def one_seed(args, seed: int) -> dict | None:
         + yaml.safe_dump(cal_spec, sort_keys=False))
     sims = {"sim": run_sim(Path(args.spec), d / "trace.jsonl", d / "sim.json"),
             "sim_cal": run_sim(d / "local-cpu-calibrated.yaml", d / "trace.jsonl", d / "sim-calibrated.json")}
+    if (d / "calib-trace.json").is_file():
+        tcal = fit_on_trace(d / "local-cpu-calibrated.yaml", d / "calib-trace.jsonl",
+                            json.loads((d / "calib-trace.json").read_text()), d)
+        cal["trace_fit"] = tcal
+        sims["sim_tcal"] = run_sim(d / "local-cpu-trace-calibrated.yaml", d / "trace.jsonl", d / "sim-trace-calibrated.json")
     cmp = compare(real, sims)
     load = d / "host_load.json"
     out = {"seed": seed, "calibration": cal, "compare": cmp,
@@ -302,6 +359,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--long-tokens", type=parse_range, default=(1024, 2048), metavar="MIN:MAX")
     ap.add_argument("--max-output-tokens", type=int, default=64)
     ap.add_argument("--spec", default="sims/local-cpu.yaml")
+    ap.add_argument("--calib-trace", action="store_true",
+                    help="also replay a calibration trace (seed + 1000) before the test trace and fit the overheads "
+                         "on it (third column sim_tcal)")
     ap.add_argument("--sim-only", action="store_true", help="reuse DIR's real runs; redo calibration fit and sims")
     ap.add_argument("--real-child", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -317,7 +377,7 @@ def main(argv: list[str] | None = None) -> int:
     summary = {"meta": {"argv": sys.argv if argv is None else argv, "qps": args.qps, "duration_s": args.duration,
                         "seeds": seeds, "workload": "long-mix", "long_fraction": args.long_fraction,
                         "long_tokens": list(args.long_tokens), "max_output_tokens": args.max_output_tokens,
-                        "spec": args.spec, "cluster": CLUSTER, "target": TARGET,
+                        "spec": args.spec, "cluster": CLUSTER, "target": TARGET, "calib_trace": args.calib_trace,
                         "calibration_trace": {"prompts": CALIB_PROMPTS, "output_tokens": CALIB_OUTPUT,
                                               "gap_s": CALIB_GAP_S, "repeats": CALIB_REPEATS,
                                               "bursts": CALIB_BURSTS, "burst_prompt": CALIB_BURST_PROMPT,

@@ -121,3 +121,33 @@ def test_spec_overheads_shift_sim_times():
         assert rb["arrival_s"] == ra["arrival_s"]
         assert rc["tpot_s"] == pytest.approx(ra["tpot_s"] + 0.001)
         assert re["tpot_s"] == pytest.approx(ra["tpot_s"] + 0.001)    # lone: one sequence per step
+
+
+def test_fit_on_trace_recovers_dispatch_and_scale(tmp_path):
+    """A 'real' run made by the simulator itself with known overheads: the trace fit finds them
+    (step overheads as a multiple of the measured ones, dispatch as the median TTFT gap)."""
+    import json
+
+    import yaml
+
+    from loadgen.trace import write_trace
+    from loadgen.workloads import make_workload
+    from raycluster.sim.run import simulate
+    from raycluster.sim.sim_to_real import fit_on_trace
+    from raycluster.sim.spec import SimSpec
+
+    pred = {"overhead_s": 0.002, "per_prefill_token_s": 1e-5, "per_decode_kv_s": 1e-6}
+    base = dict(gpu="cpu", model="tiny", policy="lars", predictor=pred, kv_cache_tokens=65536)
+    wl = make_workload("chat", seed=4, qps=2.0, num_requests=30, max_output_tokens=16)
+    write_trace(wl, tmp_path / "calib-trace.jsonl")
+    truth = SimSpec(**base, step_overhead_s=0.002, step_overhead_per_seq_s=0.0005, dispatch_latency_s=0.03)
+    real = simulate(truth, wl)
+    measured = {**base, "step_overhead_s": 0.001, "step_overhead_per_seq_s": 0.00025, "dispatch_latency_s": 0.0}
+    (tmp_path / "cal.yaml").write_text(yaml.safe_dump(measured))
+    fit = fit_on_trace(tmp_path / "cal.yaml", tmp_path / "calib-trace.jsonl", json.loads(json.dumps(real)), tmp_path,
+                       iters=10)
+    assert fit["scale"] == pytest.approx(2.0, rel=0.05)
+    assert fit["dispatch_latency_s"] == pytest.approx(0.03, abs=0.005)
+    out = yaml.safe_load((tmp_path / "local-cpu-trace-calibrated.yaml").read_text())
+    assert out["dispatch_latency_s"] == fit["dispatch_latency_s"]
+    assert not (tmp_path / "fit-spec.yaml").exists()
