@@ -635,7 +635,7 @@ def render_sim_to_real(d: dict) -> str:
               for b in batches for run in b["runs"].values())
     tc = (f", {tot['sim_tcal'][0]} of {tot['sim_tcal'][1]} with the overheads fitted on a calibration trace "
           "(`sim_tcal`)") if tot["sim_tcal"][1] else ""
-    lines += [f"Verdict: over {nseeds} real runs, {tot['sim_cal'][0]} of {tot['sim_cal'][1]} cells within "
+    lines += [f"Verdict: over {nseeds} real replays, {tot['sim_cal'][0]} of {tot['sim_cal'][1]} cells within "
               f"{m['target']:.0%} with the measured overheads (`sim_cal`), {tot['sim'][0]} of {tot['sim'][1]} "
               f"without (`sim`){tc}: the target is {'met' if met else 'NOT met'} on this shared host. The measured "
               "overheads move the simulated medians toward the real ones but not within 15% on most cells, the "
