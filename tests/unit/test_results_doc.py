@@ -78,3 +78,16 @@ def test_justitia_apps_jobs_and_verdict():
             d[("justitia-apps", p, q)] = {"apps": {"completion_avg_s": a, "completion_p99_s": 2 * a}}
     text = rd.render_justitia_apps(d)
     assert "Justitia (M measured): True" in text and "Justitia (M = KV cache / iteration): False" in text
+
+
+def test_speed_window_row_states_minutes_per_hour_and_verdict():
+    from raycluster.sim.results_doc import jobs_for, render_speed
+
+    keys = [j["key"] for j in jobs_for("speed", quick=True)]
+    assert ["speed", "window", 700.0] in keys
+    run = {"window_s": [10.0, 20.0], "wall_s": 5.0, "events_per_s": 1000.0}
+    fast = {**run, "path": "fast", "wall_s_per_sim_hour": 1800.0}
+    exact = {**run, "path": "exact", "wall_s": 20.0, "wall_s_per_sim_hour": 7200.0}
+    text = render_speed({("speed", "window", 700.0): {"runs": [fast, exact]}})
+    assert "30.0 minutes per simulated hour" in text and "120.0 minutes per hour" in text
+    assert "speed-up 4.0x" in text and "NOT met" in text
