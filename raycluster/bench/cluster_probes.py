@@ -15,15 +15,17 @@ import time
 from raycluster.bench.cluster_bench import summ
 
 
-def http_floor(url: str, n: int) -> list[float]:
+def http_get_times(url: str, n: int, path: str = "/v1/models", warmup: int = 10) -> list[float]:
+    """Sequential GETs. `/v1/models` is the HTTP floor (Serve proxy + gateway, no Ray call);
+    `/health` adds one router actor call (status) from the replica."""
     import httpx
 
     out = []
     with httpx.Client(timeout=30) as c:
-        for i in range(n + 10):
+        for i in range(n + warmup):
             t0 = time.perf_counter()
-            c.get(url + "/v1/models").raise_for_status()
-            if i >= 10:
+            c.get(url + path).raise_for_status()
+            if i >= warmup:
                 out.append(time.perf_counter() - t0)
     return out
 
@@ -63,20 +65,6 @@ def client_ttft(router, ps: list[list[int]], warmup: int = 10) -> list[float]:
         return out
 
     return asyncio.run(run())
-
-
-def http_health(url: str, n: int) -> list[float]:
-    """GET /health: the Serve proxy + gateway + one router actor call (status) from the replica."""
-    import httpx
-
-    out = []
-    with httpx.Client(timeout=30) as c:
-        for i in range(n + 10):
-            t0 = time.perf_counter()
-            c.get(url + "/health").raise_for_status()
-            if i >= 10:
-                out.append(time.perf_counter() - t0)
-    return out
 
 
 def replica_actor_rtt(url: str, router_name: str, n: int) -> dict:
