@@ -10,6 +10,8 @@ A handoff moves a request's blocks: time = offer (prefill side, measured in the 
              ~90% used by requests of mixed sizes coming and going): mostly long runs, the
              realistic case and the headline;
   runs16     runs of 16 consecutive blocks in random order;
+  fresh      one run of consecutive blocks on each side (an idle instance's allocator: where
+             torch_dist moves each layer as one message, in place);
   scattered  uniformly random ids (fully fragmented pool, worst case).
 The raw baseline moves the same bytes from one contiguous region between the same two
 processes with the same transport: nixl READ of one descriptor; for torch_dist one gloo
@@ -113,6 +115,9 @@ def _pick(rng, num_blocks: int, k: int, layout: str, run: int = 16) -> list[int]
         return _allocator_ids(rng, num_blocks, k)
     if layout == "scattered":
         return rng.choice(num_blocks, k, replace=False).tolist()
+    if layout == "fresh":
+        start = int(rng.integers(0, num_blocks - k + 1))
+        return list(range(start, start + k))
     chunks = rng.permutation(num_blocks // run)[: -(-k // run)]
     return [int(c) * run + j for c in chunks for j in range(run)][:k]
 
@@ -226,7 +231,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--tokens", default="2048,16384")
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--timeout-s", type=float, default=60.0)
-    ap.add_argument("--layouts", default="allocator,runs16,scattered")
+    ap.add_argument("--layouts", default="fresh,allocator,runs16,scattered")
     ap.add_argument("--connector-opts", default="{}",
                     help='JSON {connector: {constructor option: value}}, e.g. '
                          '\'{"object_store": {"min_piece_bytes": 131072}}\'')

@@ -13,20 +13,24 @@ instance it has never seen. The store is both the rendezvous and the control cha
   0. first pull from P: pair id = uuid;
      queue_push("kvq", join pair) ---------------> join: build the pair's group (rank 0)
      build the pair's group (rank 1) <-- rendezvous under prefix "pair/<id>/" -->
-  1. buf = [L * k, 2, B, H, D] (pooled); tag = fresh; plan = chunk_plan(L, k, block bytes)
-  2. recv(header, tag); recv(buf[chunk i], tag + 1 + i) for every chunk, all posted up front
-  3. queue_push("kvq", send rid tag k) ----------> a worker thread: header [offered?, nbytes,
-                                                   chunks] on tag; per chunk: gather its blocks
-                                                   straight into the (pooled) send buffer, send
-                                                   it on tag + 1 + i; wait all (timeout)
-  4. a waiter thread waits header, then chunk by chunk; the caller scatters each chunk into the
-     destination blocks as soon as it lands (overlapping the next chunk's gather + transfer).
+  1. plan = plan_transfer(src ids, dst ids): runs consecutive on both sides and >= ~1 MiB per
+     layer go direct (one message per layer, in place); the rest is staged through a pooled
+     buffer [L * k', 2, B, H, D] in chunks (`transfer_plan.py`); tag = fresh
+  2. queue_push("kvq", send rid tag k crc plan) -> a worker thread checks the plan names the
+     recv(header, tag); recv(kv[l, run], ...) for     offer it holds (count + checksum), sends
+     each direct message; recv(buf[chunk i], ...);    header [offered?, nbytes, direct, chunks],
+     all posted up front                              then each direct run straight from its
+                                                      KV tensor, then per chunk: gather its
+                                                      blocks into the send buffer and send it
+  3. a waiter thread waits header, then message by message; the caller scatters each staged
+     chunk into the destination blocks as soon as it lands (overlapping the next chunk's
+     gather + transfer). Tags: header on tag, direct message j on tag + 1 + j, chunk i after.
 
-Chunks are equal ranges of the layer-major (layer, block) grid, >= ~1 MiB each and at most
+Chunks are equal ranges of the staged (layer, block) grid, >= ~1 MiB each and at most
 MAX_CHUNKS (many small sends are 4-60x slower); chunks let the sender's gather, the wire and the
 receiver's scatter run concurrently instead of in three passes one after another. A refused
-offer (released, lease expired, other block count) still completes every posted receive: header
-[0, 0, n] and a 1-element message per chunk (gloo completes a receive with a shorter message).
+offer (released, lease expired, other blocks) still completes every posted receive: header
+[0, 0, ...] and a 1-element message each (gloo completes a receive with a shorter message).
 The decode side picks the tag, so a retry never matches a stale send.
 
 Failure, all bounded by the pull's `timeout_s`: an unreachable store (dead prefill process)
@@ -36,8 +40,10 @@ own thread (TCPStore client reads ignore their timeout when the server process i
 the pair is built in a helper thread, requests are one-way queue_push, and the sender reports
 nothing but through the pair (header) itself. Any failure drops the pair on the decode side (and tells P,
 best effort), so the next pull builds a fresh one; a gloo wait that expires closes the pair's
-connection anyway. After a timeout the receives stay posted for recv_grace_s more in a daemon
-thread (a late sender finishes into the abandoned buffer, which is never reused). With NCCL,
+connection anyway. After a timeout, staged receives stay posted for recv_grace_s more in a daemon
+thread (a late sender finishes into the abandoned buffer, which is never reused); a transfer
+with in-place receives does not return before its receives completed or the connection closed
+(`torch_dist_wire.wait_receives`), so nothing lands in blocks the engine reused. With NCCL,
 tags are ignored and order is per pair, which the per-pair send lock and the drop-on-failure
 rule keep.
 """
@@ -47,7 +53,6 @@ from __future__ import annotations
 import itertools
 import json
 import logging
-import queue
 import socket
 import threading
 import time
@@ -61,72 +66,17 @@ import torch
 import torch.distributed as dist
 
 from raycluster.kv_transfer.base import KVConnector, KVHandle, KVTransferError, check_compatible
+from raycluster.kv_transfer.torch_dist_wire import BufferPool, pair_group, wait_receives
+from raycluster.kv_transfer.transfer_plan import (MAX_CHUNKS, MAX_DIRECT_MSGS, MIN_CHUNK_BYTES,
+                                                  MIN_DIRECT_BYTES, TransferPlan, ids_checksum,
+                                                  plan_transfer)
 
 log = logging.getLogger(__name__)
 
-TAG_STRIDE = 64          # tags [tag, tag + TAG_STRIDE) belong to one transfer
-MAX_CHUNKS = 8           # header + chunks must fit in one tag stride
-MIN_CHUNK_BYTES = 1 << 20
+TAG_STRIDE = 512         # tags [tag, tag + TAG_STRIDE) belong to one transfer
+MAX_TAG_SLOTS = (1 << 30) // TAG_STRIDE    # tags stay well inside gloo's 32 bits
 QUEUE = "kvq"            # the prefill side's request queue in its store
 SERVER_BLOCK_S = 86400.0  # the server thread blocks on the queue; close() wakes it with "stop"
-
-
-def chunk_plan(num_layers: int, num_blocks: int, block_bytes: int,
-               max_chunks: int = MAX_CHUNKS,
-               min_chunk_bytes: int = MIN_CHUNK_BYTES) -> list[tuple[int, int]]:
-    """Split the layer-major (layer, block) grid, flattened as l * num_blocks + j, into
-    consecutive [a, b) ranges of >= min_chunk_bytes each (when possible), at most max_chunks.
-    A range is one contiguous slice of the [L, k, ...] staging buffer. Both sides compute it
-    from (L, k, block bytes)."""
-    cells = num_layers * num_blocks
-    n = max(1, min(cells, max_chunks, cells * block_bytes // max(min_chunk_bytes, 1)))
-    bounds = [round(i * cells / n) for i in range(n + 1)]
-    return [(bounds[i], bounds[i + 1]) for i in range(n)]
-
-
-def _segments(a: int, b: int, k: int) -> list[tuple[int, int, int]]:
-    """(layer, j0, j1) pieces of the flattened range [a, b) over a [L, k] grid."""
-    return [(l, max(a, l * k) - l * k, min(b, (l + 1) * k) - l * k)
-            for l in range(a // k, (b - 1) // k + 1)]
-
-
-class _BufferPool:
-    """Reusable, already-faulted-in flat buffers (a fresh 32 MiB tensor costs ~8k page faults
-    per transfer). A buffer handed out is owned by the caller until given back; one abandoned by
-    a timed-out receive is simply never given back."""
-
-    def __init__(self, keep: int = 2) -> None:
-        self.keep = keep
-        self._free: list[torch.Tensor] = []
-        self._lock = threading.Lock()
-
-    def take(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        with self._lock:
-            for i, b in enumerate(self._free):
-                if b.numel() >= numel and b.dtype == dtype and b.device == device:
-                    return self._free.pop(i)
-        return torch.empty(numel, dtype=dtype, device=device)
-
-    def give(self, buf: torch.Tensor) -> None:
-        with self._lock:
-            self._free.append(buf)
-            self._free.sort(key=lambda b: b.numel())
-            del self._free[:-self.keep]
-
-
-def pair_group(store, rank: int, host: str, timeout_s: float, cuda: bool):
-    """A 2-rank process group over `store` (a PrefixStore unique to the pair): gloo on CPU,
-    NCCL on CUDA. Collective: both ranks construct it concurrently."""
-    t = timedelta(seconds=timeout_s)
-    if cuda:  # pragma: no cover - no GPU here
-        opts = dist.ProcessGroupNCCL.Options()
-        opts._timeout = t
-        return dist.ProcessGroupNCCL(store, rank, 2, opts)
-    opts = dist.ProcessGroupGloo._Options()
-    opts._devices = [dist.ProcessGroupGloo.create_device(hostname=host)]
-    opts._timeout = t
-    opts._threads = 1
-    return dist.ProcessGroupGloo(store, rank, 2, opts)
 
 
 class _Refused(KVTransferError):
@@ -151,20 +101,26 @@ class TorchDistConnector(KVConnector):
     def __init__(self, kv_cache: torch.Tensor, instance_id: str, host: str = "127.0.0.1",
                  lease_s: float = 30.0, clock=None, recv_grace_s: float = 60.0,
                  max_chunks: int = MAX_CHUNKS, min_chunk_bytes: int = MIN_CHUNK_BYTES,
+                 min_direct_bytes: int = MIN_DIRECT_BYTES, max_direct_msgs: int = MAX_DIRECT_MSGS,
                  send_workers: int = 4, store_timeout_s: float = 30.0,
                  connect_timeout_s: float = 3.0, pair_idle_s: float = 600.0) -> None:
         super().__init__(kv_cache, instance_id, lease_s, clock)
-        if not 1 <= max_chunks < TAG_STRIDE:
-            raise ValueError(f"max_chunks must be in [1, {TAG_STRIDE - 1}], got {max_chunks}")
+        if max_chunks < 1 or max_direct_msgs < 0 or 1 + max_chunks + max_direct_msgs > TAG_STRIDE:
+            raise ValueError(f"need max_chunks >= 1, max_direct_msgs >= 0 and 1 + max_chunks + "
+                             f"max_direct_msgs <= {TAG_STRIDE}, got {max_chunks}, {max_direct_msgs}")
         self.host = host
         self.connect_timeout_s = connect_timeout_s
         self.pair_idle_s = pair_idle_s   # a pair unused this long is dropped (both sides)
         self.recv_grace_s = recv_grace_s
         self.max_chunks, self.min_chunk_bytes = max_chunks, min_chunk_bytes
+        # Bytes received in place land in the KV cache from gloo's thread; CUDA (NCCL) keeps
+        # staging: a device copy is cheap there and a pending NCCL receive cannot be cut.
+        self.min_direct_bytes = min_direct_bytes
+        self.max_direct_msgs = 0 if kv_cache.is_cuda else max_direct_msgs
         self.block_bytes = kv_cache[0, 0].numel() * kv_cache.element_size()
         self.cuda = kv_cache.is_cuda
         self._tags = itertools.count(1)
-        self._send_pool, self._recv_pool = _BufferPool(), _BufferPool()
+        self._send_pool, self._recv_pool = BufferPool(), BufferPool()
         self._lock = threading.Lock()
         self._sending: dict[str, int] = {}      # request id -> sends in flight (lease guard)
         # prefill side: our store (server) and the pairs decode instances opened with us
@@ -198,14 +154,16 @@ class TorchDistConnector(KVConnector):
     def _offer_extra(self, handle: KVHandle) -> dict[str, Any]:
         return dict(self._descriptor)
 
-    def _plan(self, num_blocks: int, max_chunks: int | None = None,
-              min_chunk_bytes: int | None = None) -> list[tuple[int, int]]:
-        if num_blocks <= 0:
-            return [(0, 0)]
-        return chunk_plan(self.kv_cache.shape[0], num_blocks, self.block_bytes,
-                          max_chunks or self.max_chunks, min_chunk_bytes or self.min_chunk_bytes)
+    def plan_for(self, src_ids: list[int], dst_ids: list[int]) -> TransferPlan:
+        return plan_transfer(src_ids, dst_ids, self.kv_cache.shape[0], self.block_bytes,
+                             min_direct_bytes=self.min_direct_bytes,
+                             max_direct_msgs=self.max_direct_msgs, max_chunks=self.max_chunks,
+                             min_chunk_bytes=self.min_chunk_bytes)
 
-    def _staging(self, pool: _BufferPool, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def _next_tag(self) -> int:
+        return TAG_STRIDE * (next(self._tags) % MAX_TAG_SLOTS + 1)
+
+    def _staging(self, pool: BufferPool, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         kv = self.kv_cache
         flat = pool.take(kv.shape[0] * k * kv[0, 0].numel(), kv.dtype, kv.device)
         # [L * k, 2, B, H, D]: a chunk [a, b) of the flattened (layer, block) grid is buf[a:b].
@@ -288,7 +246,7 @@ class TorchDistConnector(KVConnector):
                     self._send_raw(pair.pg, int(msg["nbytes"]), tag, timeout_s)
                 else:
                     self.send_blocks(pair.pg, str(msg["rid"]), tag, timeout_s, int(msg["k"]),
-                                     msg.get("chunking"))
+                                     int(msg["crc"]), TransferPlan.from_wire(msg["plan"]))
         except _Refused:
             return       # every posted receive was answered: the pair stays healthy
         except Exception as e:
@@ -297,25 +255,27 @@ class TorchDistConnector(KVConnector):
             self._served.pop(pid, None)
 
     def send_blocks(self, pg, request_id: str, tag: int, timeout_s: float, num_blocks: int,
-                    chunking: tuple[int, int] | None = None) -> int:
-        """Send a header (ok?, nbytes, chunks) on `tag`, then the offered blocks in layer chunks
-        on tag + 1 + i, each gathered straight into the send buffer just before its send.
-        `num_blocks` is the receiver's block count and `chunking` its (max_chunks,
-        min_chunk_bytes): together they give the receiver's chunk plan; a refusal answers
-        every posted receive (header [0, 0, n] + one element per chunk) so the pair stays
-        healthy. Returns the bytes sent."""
+                    crc: int, plan: TransferPlan) -> int:
+        """Send a header (ok?, nbytes, direct messages, chunks) on `tag`, then the receiver's
+        `plan`: direct run j of layer l straight from the KV tensor on tag + 1 + j (layer-major),
+        then staged chunk i, gathered into the send buffer just before its send, on
+        tag + 1 + plan.num_direct_msgs + i. The plan is used only if it names the offer held
+        here (block count and checksum); otherwise every posted receive is answered (header
+        [0, 0, ...] + one element per message) so the pair stays healthy. Returns the bytes
+        sent."""
         kv = self.kv_cache
         with self._lock:
             blocks = self.offered(request_id)
-            if blocks is not None and num_blocks != len(blocks):
+            if blocks is not None and (num_blocks != len(blocks) or crc != ids_checksum(blocks)
+                                       or len(plan.gather_src) + sum(n for _, _, n in plan.direct)
+                                       != len(blocks)):
                 blocks = None  # the receiver expects another layout: refuse rather than misplace
             if blocks is not None:
                 self._sending[request_id] = self._sending.get(request_id, 0) + 1
                 self.leases.renew(request_id)  # a transfer in flight must not lose its blocks
-        plan = self._plan(len(blocks) if blocks is not None else num_blocks, *(chunking or ()))
         nbytes = 0 if blocks is None else len(blocks) * kv.shape[0] * self.block_bytes
-        header = torch.tensor([int(blocks is not None), nbytes, len(plan)], dtype=torch.int64,
-                              device=kv.device)
+        header = torch.tensor([int(blocks is not None), nbytes, plan.num_direct_msgs,
+                               len(plan.chunks)], dtype=torch.int64, device=kv.device)
         flat = None
         works = []
         t = timedelta(seconds=timeout_s)
@@ -323,22 +283,29 @@ class TorchDistConnector(KVConnector):
             works.append(pg.send([header], 1, tag))
             if blocks is None:
                 filler = torch.zeros(1, dtype=kv.dtype, device=kv.device)
-                works.extend(pg.send([filler], 1, tag + 1 + i) for i in range(len(plan)))
+                works.extend(pg.send([filler], 1, tag + 1 + i) for i in range(plan.num_msgs))
             else:
-                flat, buf = self._staging(self._send_pool, len(blocks))
-                idx = torch.as_tensor(blocks, dtype=torch.long, device=kv.device)
                 t0 = time.perf_counter()
-                rows, fidx = self._rows(idx)
-                for i, (a, b) in enumerate(plan):
-                    # one row-wise index_select over the [L * N, block] view: the fastest gather
-                    torch.index_select(rows, 0, fidx[a:b], out=buf[a:b].view(b - a, -1))
-                    works.append(pg.send([buf[a:b]], 1, tag + 1 + i))
+                # Direct runs first: no CPU work here, so the wire starts at once; the blocks
+                # stay allocated until every send is waited for (`_sending` holds the lease).
+                for j, (l, s0, _, n) in enumerate(plan.direct_msgs()):
+                    works.append(pg.send([kv[l, s0:s0 + n]], 1, tag + 1 + j))
+                off = 1 + plan.num_direct_msgs
+                if plan.chunks:
+                    flat, buf = self._staging(self._send_pool, len(plan.gather_src))
+                    rows, fidx = self._rows(torch.as_tensor(plan.gather_src, dtype=torch.long,
+                                                            device=kv.device))
+                    for i, (a, b) in enumerate(plan.chunks):
+                        # one row-wise index_select over the [L * N, block] view: the fastest gather
+                        torch.index_select(rows, 0, fidx[a:b], out=buf[a:b].view(b - a, -1))
+                        works.append(pg.send([buf[a:b]], 1, tag + off + i))
                 t1 = time.perf_counter()
             for w in works:
                 w.wait(t)
             if blocks is not None:
                 self.last_send_stats = {"gather_s": t1 - t0, "drain_s": time.perf_counter() - t1,
-                                        "chunks": len(plan)}
+                                        "chunks": len(plan.chunks),
+                                        "direct_msgs": plan.num_direct_msgs}
         except Exception as e:
             flat = None  # may still be read by a half-done send: never reuse it
             raise KVTransferError(f"send of {request_id!r} on tag {tag} failed: {e}") from e
@@ -469,93 +436,56 @@ class TorchDistConnector(KVConnector):
         pair = self._peer(x, deadline)
         t_pair = time.perf_counter()
         kv = self.kv_cache
-        k = len(dst_block_ids)
-        plan = self._plan(k)
-        flat, buf = self._staging(self._recv_pool, k)
-        header = torch.zeros(3, dtype=torch.int64, device=kv.device)
-        tag = TAG_STRIDE * next(self._tags)   # header on tag, chunk i on tag + 1 + i
+        plan = self.plan_for(handle.src_block_ids, dst_block_ids)
+        flat = buf = None
+        if plan.chunks:
+            flat, buf = self._staging(self._recv_pool, len(plan.gather_dst))
+        header = torch.zeros(4, dtype=torch.int64, device=kv.device)
+        tag = self._next_tag()   # header on tag, then direct messages, then staged chunks
         what = f"recv of {handle.request_id!r} from {x['host']}:{x['port']}"
+        works = []
         try:
             # Request first, then post the receives: a gloo send waits for the receiver's
             # "ready" notice of its slot, so order does not matter, and posting (~0.1-0.3 ms per
             # receive here) overlaps the sender's dispatch and first gather instead of preceding it.
             pair.store.queue_push(QUEUE, json.dumps(
                 {"op": "send", "pair": pair.pair_id, "rid": handle.request_id, "tag": tag,
-                 "k": k, "chunking": [self.max_chunks, self.min_chunk_bytes],
-                 "timeout": max(0.05, deadline - time.monotonic())}))
-            works = [pair.pg.recv([header], 0, tag)]
-            works += [pair.pg.recv([buf[a:b]], 0, tag + 1 + i) for i, (a, b) in enumerate(plan)]
+                 "k": len(dst_block_ids), "crc": ids_checksum(handle.src_block_ids),
+                 "plan": plan.to_wire(), "timeout": max(0.05, deadline - time.monotonic())}))
+            works.append(pair.pg.recv([header], 0, tag))
+            works += [pair.pg.recv([kv[l, d:d + n]], 0, tag + 1 + j)
+                      for j, (l, _, d, n) in enumerate(plan.direct_msgs())]
+            off = 1 + plan.num_direct_msgs
+            works += [pair.pg.recv([buf[a:b]], 0, tag + off + i) for i, (a, b) in enumerate(plan.chunks)]
         except Exception as e:  # dead pair, dead store, ...
+            if plan.direct and works:
+                self._drop_peer(x)   # receives into the KV cache are posted: close the pair now
             raise KVTransferError(f"{what}: could not start: {type(e).__name__}: {e}") from e
         t_posted = time.perf_counter()
-        self._wait_chunks(pair, works, tag, timeout_s, deadline, what, header, plan,
-                          on_chunk=self._scatter_fn(dst_block_ids, buf))
-        self._recv_pool.give(flat)   # only a fully received buffer is reused
+        wait_stats = wait_receives(
+            works, tag=tag, timeout_s=timeout_s, deadline=deadline, recv_grace_s=self.recv_grace_s,
+            what=what, header=header, counts=(plan.num_direct_msgs, len(plan.chunks)),
+            on_chunk=self._scatter_fn(list(plan.gather_dst), buf, plan.chunks),
+            in_place=bool(plan.direct))
+        if flat is not None:
+            self._recv_pool.give(flat)   # only a fully received buffer is reused
         t_end = time.perf_counter()
-        self.last_pull_stats = {**self._wait_stats, "pair_s": t_pair - t_start,
-                                "post_s": t_posted - t_pair,
-                                "total_s": t_end - t_start, "chunks": len(plan)}
+        self.last_pull_stats = {**wait_stats, "pair_s": t_pair - t_start,
+                                "post_s": t_posted - t_pair, "total_s": t_end - t_start,
+                                "chunks": len(plan.chunks), "direct_msgs": plan.num_direct_msgs,
+                                "staged_blocks": len(plan.gather_dst)}
 
-    def _scatter_fn(self, dst_block_ids: list[int], buf: torch.Tensor):
+    def _scatter_fn(self, dst_block_ids: list[int], buf: torch.Tensor | None,
+                    chunks: tuple[tuple[int, int], ...]):
+        if not chunks:
+            return lambda i: None
         kv = self.kv_cache
         rows, fidx = self._rows(torch.as_tensor(dst_block_ids, dtype=torch.long, device=kv.device))
 
-        def scatter(a: int, b: int) -> None:
+        def scatter(i: int) -> None:
+            a, b = chunks[i]
             rows.index_copy_(0, fidx[a:b], buf[a:b].view(b - a, -1))
         return scatter
-
-    def _wait_chunks(self, pair: _Pair, works: list, tag: int, timeout_s: float, deadline: float,
-                     what: str, header: torch.Tensor | None, plan: list, on_chunk) -> None:
-        """Wait for `works` (header first when `header` is given, then one per plan chunk),
-        calling on_chunk(a, b) as each chunk lands. gloo's is_completed() stays False until
-        someone waits, and a wait that times out closes the pair's connection; so one daemon
-        thread waits with timeout_s + recv_grace_s (a late sender finishes into the abandoned
-        buffer) and reports each completed receive, while this thread applies chunks, gives up
-        at timeout_s and polls the sender's failure key. Only this thread touches the KV cache."""
-        landed: queue.Queue = queue.Queue()
-        long_wait = timedelta(seconds=timeout_s + self.recv_grace_s)
-
-        def _wait() -> None:
-            for i, w in enumerate(works):
-                try:
-                    w.wait(long_wait)
-                except BaseException as e:  # noqa: BLE001 - handed to the caller below
-                    landed.put(e)
-                    return
-                landed.put(i)
-
-        threading.Thread(target=_wait, name=f"kv-recv-{tag}", daemon=True).start()
-        off = 1 if header is not None else 0
-        got, t0, t_first, applied_s, t_header = 0, time.perf_counter(), None, 0.0, 0.0
-        while got < len(works):
-            try:
-                item = landed.get(timeout=max(0.0, min(0.05, deadline - time.monotonic())))
-            except queue.Empty:
-                if time.monotonic() >= deadline:
-                    raise KVTransferError(f"{what} timed out after {timeout_s}s")
-                continue
-            if isinstance(item, BaseException):
-                msg = "timed out" if "imeout" in str(item) else "failed"
-                raise KVTransferError(f"{what} {msg} after {timeout_s}s: {item}") from item
-            if header is not None and item == 0:
-                t_header = time.perf_counter()
-                if int(header[0]) != 1:
-                    # The chunk receives complete with the sender's one-element fillers.
-                    raise KVTransferError(f"{what}: sender refused: not offered (released or "
-                                          "lease expired)")
-                if int(header[2]) != len(plan):
-                    raise KVTransferError(f"{what}: sender uses {int(header[2])} chunks, expected "
-                                          f"{len(plan)}")
-            elif item >= off:
-                a, b = plan[item - off]
-                ts = time.perf_counter()
-                t_first = ts if t_first is None else t_first
-                on_chunk(a, b)
-                applied_s += time.perf_counter() - ts
-            got += 1
-        t_end = time.perf_counter()
-        self._wait_stats = {"first_chunk_s": (t_first or t_end) - t0, "scatter_s": applied_s,
-                            "header_s": (t_header - t0) if header is not None else 0.0}
 
     def raw_pull(self, descriptor: dict, nbytes: int, timeout_s: float) -> float:
         """Benchmark baseline: the same control path as pull (pair, receive posted, request
@@ -566,12 +496,13 @@ class TorchDistConnector(KVConnector):
         pair = self._peer(descriptor, deadline)
         numel = nbytes // self.kv_cache.element_size()
         buf = self._recv_pool.take(numel, self.kv_cache.dtype, self.kv_cache.device)
-        tag = TAG_STRIDE * next(self._tags)
+        tag = self._next_tag()
         pair.store.queue_push(QUEUE, json.dumps({"op": "raw", "pair": pair.pair_id, "tag": tag,
                                                  "nbytes": nbytes, "timeout": timeout_s}))
         works = [pair.pg.recv([buf[:numel]], 0, tag)]
-        self._wait_chunks(pair, works, tag, timeout_s, deadline, "raw recv", None, [(0, 0)],
-                          on_chunk=lambda a, b: None)
+        wait_receives(works, tag=tag, timeout_s=timeout_s, deadline=deadline,
+                      recv_grace_s=self.recv_grace_s, what="raw recv", header=None, counts=(0, 1),
+                      on_chunk=lambda i: None)
         dt = time.perf_counter() - t0
         self._recv_pool.give(buf)
         return dt

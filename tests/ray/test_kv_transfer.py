@@ -33,8 +33,9 @@ def trio(request, ray_cluster):
         iid = f"{role}-{name}-{tag}"
         opts = {"lease_s": 2.0}
         if name == "torch_dist":
-            # 64 KiB chunks: a 7-block request (224 KiB) already moves as 3 pipelined chunks.
-            opts.update(min_chunk_bytes=1 << 16, recv_grace_s=5.0)
+            # 64 KiB chunks: a 7-block request (224 KiB) already moves as 3 pipelined chunks;
+            # runs of 2+ blocks (16 KiB per layer) go in place, so failures cover both paths.
+            opts.update(min_chunk_bytes=1 << 16, recv_grace_s=5.0, min_direct_bytes=16 << 10)
         if name == "object_store":
             opts.update(max_pieces=32)   # both offer paths: views (few runs), gather (many)
         actors.append(Actor.options(name=iid, max_restarts=0).remote(
@@ -79,17 +80,25 @@ def test_stuck_source_times_out(trio):
     name, pre, dec, _ = trio
     if name != "torch_dist":
         pytest.skip("one-sided connectors need no work from the source")
+    warm = ray.get(pre.offer.remote("req-warm", [8, 9], 20), timeout=30)
+    assert ray.get(dec.pull.remote(warm, [10, 11], 20.0), timeout=40)["ok"]   # the pair exists
     h = ray.get(pre.offer.remote("req-stuck", [1, 2], 20), timeout=30)
     pid = ray.get(pre.pid.remote(), timeout=30)
+    untouched = ray.get(dec.blocks.remote([3, 4]), timeout=30)
     os.kill(pid, signal.SIGSTOP)
     try:
         t0 = time.monotonic()
-        res = ray.get(dec.pull.remote(h, [3, 4], 1.0), timeout=30)
+        res = ray.get(dec.pull.remote(h, [3, 4], 1.0), timeout=30)   # a run: received in place
         elapsed = time.monotonic() - t0
     finally:
         os.kill(pid, signal.SIGCONT)
     assert not res["ok"] and res["error"] == "KVTransferError" and "timed out" in res["msg"], res
     assert elapsed < 3.5, elapsed
+    # The source runs again and works off the old request: nothing may land in blocks the
+    # decode side gave up on (the engine may have handed them to another request).
+    time.sleep(1.5)
+    late = ray.get(dec.blocks.remote([3, 4]), timeout=30)
+    assert np.array_equal(late.view(np.uint32), untouched.view(np.uint32))
     src = ray.get(pre.blocks.remote([1, 2]), timeout=30)
     res = ray.get(dec.pull.remote(h, [3, 4], 20.0), timeout=40)
     assert res["ok"], res

@@ -186,9 +186,10 @@ def test_nixl_read_between_two_agents_in_process():
 
 
 def test_torch_dist_chunk_plan():
-    from raycluster.kv_transfer.torch_dist_connector import (MAX_CHUNKS, TAG_STRIDE, _segments,
-                                                             chunk_plan)
-    assert MAX_CHUNKS < TAG_STRIDE
+    from raycluster.kv_transfer.torch_dist_connector import TAG_STRIDE
+    from raycluster.kv_transfer.transfer_plan import (MAX_CHUNKS, MAX_DIRECT_MSGS, chunk_plan,
+                                                      segments as _segments)
+    assert 1 + MAX_CHUNKS + MAX_DIRECT_MSGS <= TAG_STRIDE
     bb = 8 << 10
     for layers in (1, 4, 7, 32, 80):
         for k in (1, 3, 128, 1024):
@@ -205,11 +206,12 @@ def test_torch_dist_chunk_plan():
             assert cells == list(range(layers * k))
     assert chunk_plan(4, 1024, bb) == [(i * 512, (i + 1) * 512) for i in range(8)]
     assert chunk_plan(4, 1, bb) == [(0, 4)]
+    assert chunk_plan(4, 0, bb) == []
 
 
 def test_torch_dist_buffer_pool_reuses_and_bounds():
-    from raycluster.kv_transfer.torch_dist_connector import _BufferPool
-    pool = _BufferPool(keep=2)
+    from raycluster.kv_transfer.torch_dist_wire import BufferPool
+    pool = BufferPool(keep=2)
     a = pool.take(100, torch.float32, torch.device("cpu"))
     pool.give(a)
     assert pool.take(50, torch.float32, torch.device("cpu")) is a      # big enough: reused
@@ -301,6 +303,47 @@ def test_torch_dist_idle_pairs_are_rebuilt(monkeypatch):
         assert torch.equal(b[:, [3, 4, 6]], a[:, [1, 2, 5]])
         time.sleep(0.2)
         assert first not in src._served
+    finally:
+        dst.close()
+        src.close()
+
+
+def test_torch_dist_direct_runs_land_in_place_and_refusal_waits_for_fillers(monkeypatch):
+    """Runs consecutive on both sides move as one message per layer straight into the KV
+    cache, the rest is staged; a refusal with in-place receives posted returns only after the
+    sender's fillers landed (nothing arrives later) and leaves the pair usable."""
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "lo")
+    a, b = kv(5), kv(6)
+    before = b.clone()
+    src = make_connector("torch_dist", a, "pre", min_chunk_bytes=1 << 16)
+    dst = make_connector("torch_dist", b, "dec", min_chunk_bytes=1 << 16, min_direct_bytes=32 << 10)
+    try:
+        sb = list(range(10, 22)) + [3, 40, 41] + list(range(50, 56))
+        db = list(range(30, 42)) + [0, 7, 8] + list(range(20, 26))
+        h = src.offer("r1", sb, len(sb) * B)
+        dst.pull(h, db, timeout_s=20)
+        assert torch.equal(b[:, db], a[:, sb])
+        others = [i for i in range(N) if i not in db]
+        assert torch.equal(b[:, others], before[:, others])
+        st = dst.last_pull_stats
+        assert (st["direct_msgs"], st["staged_blocks"], st["chunks"]) == (2 * L, 3, 1)
+        assert src.last_send_stats["direct_msgs"] == 2 * L
+        # refused: the offer is gone; fillers answer the in-place receives before pull returns
+        assert src.release("r1")
+        with pytest.raises(KVTransferError, match="not offered"):
+            dst.pull(h, db, timeout_s=10)
+        snapshot = b.clone()
+        time.sleep(0.2)
+        assert torch.equal(b, snapshot)                          # nothing lands after the return
+        assert torch.equal(b[:, others], before[:, others])
+        h2 = src.offer("r2", list(range(12)), 12 * B)
+        dst.pull(h2, list(range(30, 42)), timeout_s=20)         # same pair, all direct
+        assert torch.equal(b[:, 30:42], a[:, :12]) and len(dst._peers) == 1
+        assert dst.last_pull_stats["staged_blocks"] == 0
+        # everything staged when the receiver allows no direct messages
+        dst.max_direct_msgs = 0
+        dst.pull(h2, list(range(44, 56)), timeout_s=20)
+        assert torch.equal(b[:, 44:56], a[:, :12]) and dst.last_pull_stats["direct_msgs"] == 0
     finally:
         dst.close()
         src.close()
