@@ -41,7 +41,7 @@ class EngineInstance:
                     else cfg.connector_host
             connector = make_connector(cfg.connector, self.engine.runner.kv_cache, self.instance_id,
                                        lease_s=cfg.kv_lease_s, **opts)
-        router = ray.get_actor(cfg.router_name, namespace=cfg.namespace)
+        router = self._router = ray.get_actor(cfg.router_name, namespace=cfg.namespace)
         self.worker = InstanceWorker(
             self.engine, role, self.instance_id,
             poll_fn=lambda iid, stats, timeout: ray.get(router.poll.remote(iid, stats, timeout)),
@@ -66,6 +66,12 @@ class EngineInstance:
                 "kv_pulls": dict(conn.pull_counts) if conn is not None else {}}
 
     def __del__(self) -> None:
+        # Serve stops a replica on scale-down, redeploy or shutdown: stop stepping, then let the
+        # router re-queue this instance's requests now rather than after missed heartbeats.
         worker = getattr(self, "worker", None)
         if worker is not None:
             worker.stop(timeout=1.0)
+            try:
+                ray.get(self._router.remove_instance.remote(self.instance_id), timeout=5)
+            except Exception:       # router gone (cluster shutting down): nothing to tell
+                pass

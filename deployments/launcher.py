@@ -11,6 +11,7 @@ proxy and, without the proxy hop, on each replica's own port, which `up` prints.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import threading
@@ -55,12 +56,13 @@ def wait_healthy(url: str, timeout_s: float, alive=lambda: True) -> bool:
 
 def serve_cluster(app_path: str | None, model: str | None, policy: str | None, host: str, port: int,
                   address: str | None = None, dashboard: bool = True, num_cpus: int = 8,
-                  ready_timeout_s: float = 600.0, on_ready=None, direct_ingress: bool = True) -> int:
+                  ready_timeout_s: float = 600.0, on_ready=None, direct_ingress: bool = True,
+                  state_file: Path | None = None) -> int:
     import ray
     from ray import serve
 
     from deployments import direct_ingress as di
-    from deployments.app import build_app
+    from deployments import scaling
     from raycluster.cluster.config import ClusterConfig
 
     spec = load_app_spec(app_path)
@@ -84,9 +86,12 @@ def serve_cluster(app_path: str | None, model: str | None, policy: str | None, h
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
     try:
-        serve.start(http_options={"host": host, "port": port})
-        serve.run(build_app(cfg.model_dump()), name=spec["name"], route_prefix=spec["route_prefix"],
-                  blocking=False)
+        http = {"host": host, "port": port}
+        serve.start(http_options=http)
+        # Declaratively, like `serve run CONFIG.yaml`: `raycluster scale` can then resize a pool
+        # without restarting the replicas of the others (see deployments/scaling.py).
+        scaling.deploy(scaling.app_document(spec["name"], spec["route_prefix"],
+                                            cfg.model_dump(mode="json")), http)
         url = f"http://{host}:{port}"
         if not wait_healthy(url + "/health", ready_timeout_s, alive=lambda: not stop.is_set()):
             print(f"raycluster: the cluster did not become healthy within {ready_timeout_s:.0f} s", flush=True)
@@ -96,12 +101,19 @@ def serve_cluster(app_path: str | None, model: str | None, policy: str | None, h
         direct = di.urls(spec["name"], host) if direct_ingress else []
         if direct:
             print(f"raycluster: gateway replicas without the proxy hop: {', '.join(direct)}", flush=True)
+        if state_file is not None:      # what `raycluster scale` needs to find this cluster
+            state_file.parent.mkdir(parents=True, exist_ok=True)
+            state_file.write_text(json.dumps({
+                "address": ray.get_runtime_context().gcs_address, "namespace": cfg.namespace,
+                "app": spec["name"], "url": url, "http": http, "pid": os.getpid()}))
         if on_ready:
             on_ready(url)
         while not stop.wait(1.0):
             pass
         return 0
     finally:
+        if state_file is not None:
+            state_file.unlink(missing_ok=True)
         if not started_ray:     # a shared cluster: remove only what we added
             try:
                 serve.delete(spec["name"])

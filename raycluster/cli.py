@@ -4,6 +4,7 @@
                 [--port P] [--address RAY_ADDRESS] [--detach] [--no-direct-ingress]
   raycluster down
   raycluster status [--json]
+  raycluster scale POOL N [--timeout S]
   raycluster engine-server [--model ...] [--policy ...]     (one engine, no Ray)
   raycluster tiny-model PATH
   raycluster sim --cluster SPEC.yaml --workload NAME|FILE.jsonl ... --out F.json
@@ -11,7 +12,8 @@
 
 `up` runs the cluster (Ray Serve gateway, router, engine pools) on a new local Ray cluster or
 the one at `--address`; `--detach` starts it in the background, records its PID under the cache
-directory and returns once /health answers; `down` stops it; `status` asks the gateway.
+directory and returns once /health answers; `down` stops it; `status` asks the gateway;
+`scale` resizes one pool of the running cluster (the others keep running untouched).
 """
 
 from __future__ import annotations
@@ -31,6 +33,11 @@ from raycluster.model.registry import cache_dir
 def _pid_file() -> Path:
     """Where `up --detach` records what it started ($RAYCLUSTER_STATE_DIR, else the cache dir)."""
     return Path(os.environ.get("RAYCLUSTER_STATE_DIR", cache_dir())) / "up.json"
+
+
+def _cluster_file() -> Path:
+    """Where a running `up` (foreground or detached) says how to reach its Ray cluster."""
+    return _pid_file().with_name("cluster.json")
 
 
 def _serve_engine(args: argparse.Namespace) -> None:
@@ -60,7 +67,8 @@ def _serve(args: argparse.Namespace) -> int:
     from deployments.launcher import serve_cluster
 
     return serve_cluster(args.app, args.model, args.policy, args.host, args.port, address=args.address,
-                         dashboard=not args.no_dashboard, direct_ingress=not args.no_direct_ingress)
+                         dashboard=not args.no_dashboard, direct_ingress=not args.no_direct_ingress,
+                         state_file=_cluster_file())
 
 
 def cmd_up(args: argparse.Namespace) -> int:
@@ -155,6 +163,41 @@ def cmd_status(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_scale(args: argparse.Namespace) -> int:
+    """Resize pool POOL to N instances on the cluster a running `up` recorded."""
+    cf = _cluster_file()
+    if not cf.exists():
+        print("raycluster: no running cluster found (start one with `raycluster up`)", file=sys.stderr)
+        return 1
+    info = json.loads(cf.read_text())
+    if (os.environ.get("RAY_AUTH_TOKEN") or os.environ.get("RAY_AUTH_TOKEN_PATH")
+            or (Path.home() / ".ray" / "auth_token").exists()):
+        # Ray 2.60 turns token auth on for clusters it starts; a client joining by address
+        # must ask for it (the token itself is read from the same places). Read at import.
+        os.environ.setdefault("RAY_AUTH_MODE", "token")
+    import ray
+
+    from deployments import scaling
+
+    ray.init(address=info["address"], namespace=info["namespace"], logging_level="ERROR",
+             log_to_driver=False)
+    try:
+        try:
+            scaling.scale(info["app"], args.pool, args.n, info.get("http"))
+        except (ValueError, LookupError) as e:
+            print(f"raycluster scale: {e}", file=sys.stderr)
+            return 2
+        print(f"raycluster: pool {args.pool} -> {args.n} instance(s); waiting for the replicas ...", flush=True)
+        if not scaling.wait_replicas(info["app"], args.pool, args.n, args.timeout):
+            print(f"raycluster: pool {args.pool} did not reach {args.n} running replicas within "
+                  f"{args.timeout:.0f} s; `raycluster status` shows where it is", file=sys.stderr)
+            return 1
+        print(f"raycluster: pool {args.pool} has {args.n} running instance(s)")
+        return 0
+    finally:
+        ray.shutdown()
+
+
 def cmd_tiny_model(args: argparse.Namespace) -> int:
     from raycluster.model.tiny import write_tiny_model
 
@@ -207,6 +250,12 @@ def build_parser() -> argparse.ArgumentParser:
     st.add_argument("--url", default=None, help="gateway URL (default: the one `up --detach` recorded)")
     st.add_argument("--json", action="store_true")
     st.set_defaults(fn=cmd_status)
+
+    sc = sub.add_parser("scale", help="resize one pool of the running cluster")
+    sc.add_argument("pool", help="pool role: mixed | prefill-short | prefill-long | decode")
+    sc.add_argument("n", type=int, help="instances the pool should have")
+    sc.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for the replicas")
+    sc.set_defaults(fn=cmd_scale)
 
     down = sub.add_parser("down", help="stop what `up --detach` started")
     down.set_defaults(fn=cmd_down)

@@ -8,6 +8,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import time
 
 import httpx
 import pytest
@@ -24,6 +25,37 @@ def _free_port() -> int:
 def _cli(*args: str, env: dict, timeout: float = 900) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "raycluster.cli", *args], env=env, capture_output=True,
                           text=True, timeout=timeout)
+
+
+def _instances(env: dict, want: int, timeout_s: float = 120.0) -> list[str]:
+    """Instance ids the router lists once it lists `want` of them (bounded wait)."""
+    deadline = time.monotonic() + timeout_s
+    ids: list[str] = []
+    while time.monotonic() < deadline:
+        st = _cli("status", "--json", env=env, timeout=60)
+        ids = [i["id"] for i in json.loads(st.stdout)["instances"]] if st.returncode == 0 else []
+        if len(ids) == want:
+            return ids
+        time.sleep(1.0)
+    raise AssertionError(f"router lists {ids}, wanted {want} instances")
+
+
+def _check_scale(env: dict, url: str, before: list[str], text: str) -> None:
+    """`scale mixed 2` adds an instance without restarting the running one; the new one serves
+    the same greedy text; `scale mixed 1` removes one; a pool the app lacks is a clear error."""
+    sc = _cli("scale", "mixed", "2", "--timeout", "300", env=env, timeout=400)
+    assert sc.returncode == 0, sc.stdout + sc.stderr
+    ids = _instances(env, 2)
+    assert before[0] in ids                      # a lightweight update: the old replica kept running
+    for _ in range(4):                           # load-aware dispatch reaches both in a few tries
+        r = httpx.post(url + "/v1/completions", json={"prompt": "hello", "max_tokens": 3,
+                                                      "temperature": 0}, timeout=60)
+        assert r.status_code == 200 and r.json()["choices"][0]["text"] == text
+    sc = _cli("scale", "mixed", "1", env=env, timeout=400)
+    assert sc.returncode == 0, sc.stdout + sc.stderr
+    assert len(_instances(env, 1)) == 1
+    bad = _cli("scale", "decode", "1", env=env, timeout=120)
+    assert bad.returncode == 2 and "no pool 'decode'" in bad.stderr
 
 
 def test_up_detach_status_generate_down(tmp_path):
@@ -50,6 +82,7 @@ def test_up_detach_status_generate_down(tmp_path):
         r2 = httpx.post(direct[0] + "/v1/completions",
                         json={"prompt": "hello", "max_tokens": 3, "temperature": 0}, timeout=60)
         assert r2.status_code == 200 and r2.json()["choices"][0]["text"] == r.json()["choices"][0]["text"]
+        _check_scale(env, url, [i["id"] for i in status["instances"]], r.json()["choices"][0]["text"])
     finally:
         down = _cli("down", env=env, timeout=120)
     assert down.returncode == 0, down.stderr
