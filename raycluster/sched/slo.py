@@ -35,6 +35,14 @@ def remaining_prefill_tokens(req: Request) -> int:
     return max(0, req.num_uncomputed_tokens) if req.is_prefill else 0
 
 
+def prefill_over(req: Request) -> bool:
+    """`remaining_prefill_tokens(req) == 0`, without the property chain: policies ask on every
+    progress event, i.e. per request per step."""
+    out = req.output_token_ids
+    left = len(req.prompt_token_ids) + len(out) - req.num_computed_tokens
+    return left <= 0 or (left == 1 and bool(out))
+
+
 def prefill_time(ctx: PolicyContext, num_tokens: int, kv_before: int = 0) -> float:
     """Predicted isolated time to prefill `num_tokens` after `kv_before` cached tokens."""
     if num_tokens <= 0:
@@ -61,6 +69,7 @@ class StaticSLO:
     deadline: float
     total_work: float
     ttft: float
+    work0: float = 0.0      # remaining work while nothing is computed (total_work before the floor)
 
 
 class SLOTracker:
@@ -73,9 +82,10 @@ class SLOTracker:
     def static(self, req: Request) -> StaticSLO:
         st = self._static.get(req.request_id)
         if st is None:
-            w = max(MIN_WORK_S, prefill_time(self.ctx, req.num_prompt_tokens, 0))
+            w0 = prefill_time(self.ctx, req.num_prompt_tokens, 0)
+            w = max(MIN_WORK_S, w0)
             ttft = ttft_budget(self.ctx, req, w)
-            st = StaticSLO(deadline=req.arrival_time + ttft, total_work=w, ttft=ttft)
+            st = StaticSLO(deadline=req.arrival_time + ttft, total_work=w, ttft=ttft, work0=w0)
             self._static[req.request_id] = st
         return st
 
@@ -86,12 +96,22 @@ class SLOTracker:
         return self.static(req).total_work
 
     def remaining_work(self, req: Request) -> float:
+        if req.num_computed_tokens == 0 and not req.output_token_ids:
+            return self.static(req).work0       # the whole prompt from an empty cache: cached
         return prefill_time(self.ctx, remaining_prefill_tokens(req), req.num_computed_tokens)
 
     def static_slack(self, req: Request) -> float:
         """D - R: slack plus now. Orders requests like slack does, and is constant between
         progress events, so heaps can key on it."""
         return self.deadline(req) - self.remaining_work(req)
+
+    def slack_and_work(self, req: Request) -> tuple[float, float]:
+        """(`static_slack`, `total_work`) with one cache lookup: what a push needs."""
+        st = self.static(req)
+        if req.num_computed_tokens == 0 and not req.output_token_ids:
+            return st.deadline - st.work0, st.total_work
+        return st.deadline - prefill_time(self.ctx, remaining_prefill_tokens(req),
+                                          req.num_computed_tokens), st.total_work
 
     def slack(self, req: Request, now: float) -> float:
         return self.static_slack(req) - now

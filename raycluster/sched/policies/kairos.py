@@ -30,7 +30,7 @@ import itertools
 from raycluster.request import Request
 from raycluster.sched.base import Policy, PolicyContext
 from raycluster.sched.policies.common import KineticLineTree
-from raycluster.sched.slo import SLOTracker, remaining_prefill_tokens
+from raycluster.sched.slo import SLOTracker, prefill_over
 
 
 class _Fenwick:
@@ -140,7 +140,7 @@ class KairosPolicy(Policy):
     def on_progress(self, req: Request, num_tokens: int) -> None:
         if req.request_id not in self._known:
             return
-        if remaining_prefill_tokens(req) == 0:
+        if prefill_over(req):
             self._untrack(req.request_id)
         else:
             self._track(req)

@@ -25,7 +25,7 @@ import itertools
 from raycluster.request import Request
 from raycluster.sched.base import Policy, PolicyContext
 from raycluster.sched.policies.common import KineticLineTree
-from raycluster.sched.slo import SLOTracker, remaining_prefill_tokens
+from raycluster.sched.slo import SLOTracker, prefill_over
 
 
 class LARSPolicy(Policy):
@@ -43,8 +43,8 @@ class LARSPolicy(Policy):
         rid = req.request_id
         seq = self._seq.setdefault(rid, next(self._counter))
         self._reqs[rid] = req
-        self._tree.insert(rid, self.slo.static_slack(req), self.slo.total_work(req),
-                          (req.arrival_time, seq), self.ctx.clock.now())
+        a, b = self.slo.slack_and_work(req)
+        self._tree.insert(rid, a, b, (req.arrival_time, seq), self.ctx.clock.now())
 
     def pop(self) -> Request | None:
         rid = self._tree.pop(self.ctx.clock.now())
@@ -57,13 +57,13 @@ class LARSPolicy(Policy):
         self.slo.forget(request_id)
 
     def __len__(self) -> int:
-        return len(self._tree)
+        return len(self._reqs)          # == len(self._tree): both change together; one call less
 
     def relative_slack(self, req: Request) -> float:
         return self.slo.relative_slack(req, self.ctx.clock.now())
 
     def on_progress(self, req: Request, num_tokens: int) -> None:
-        if remaining_prefill_tokens(req) == 0:   # prefill over (count already advanced)
+        if prefill_over(req):                    # (count already advanced)
             self._seq.pop(req.request_id, None)
             self.slo.forget(req.request_id)
 
