@@ -13,7 +13,6 @@ After each event, idle instances the router has work (or releases) for apply it 
 from __future__ import annotations
 
 import dataclasses
-import gc
 import json
 import math
 from pathlib import Path
@@ -27,6 +26,7 @@ from raycluster.sched.predictor import LinearBatchPredictor
 from raycluster.sched.pressure import InstanceSignals, PoolSignals, PressureConfig, decide
 from raycluster.sim.engine import EventLoop
 from raycluster.sim.fastpath import router_ok
+from raycluster.sim.gcquiet import quiet_gc
 from raycluster.sim.instance import SimInstance
 from raycluster.sim.spec import SimPool, SimSpec
 
@@ -309,13 +309,8 @@ class SimCluster:
     # ---- run -------------------------------------------------------------------------------------
     def run(self, horizon_s: float | None = None) -> None:
         total = len(self.records)
-        # The workload, records and instances live to the end: keep the cyclic GC from rescanning
-        # them on every full collection (no effect on results).
-        gc.freeze()
-        try:
+        with quiet_gc():          # the cyclic GC out of the hot loop (sim/gcquiet.py; no effect on results)
             self.loop.run(until=horizon_s, stop=lambda: self.done >= total)
-        finally:
-            gc.unfreeze()
         now = self.loop.clock.now()
         if self.fast_decode:      # tokens decode groups made but not yet reported (horizon hit)
             for inst in self.instances.values():

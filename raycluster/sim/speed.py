@@ -16,7 +16,6 @@ simulated seconds per wall second, wall seconds per simulated hour (window-extra
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import sys
 import time
@@ -24,6 +23,7 @@ from pathlib import Path
 
 from loadgen.workloads import make_workload
 from raycluster.sim.cluster import SimCluster
+from raycluster.sim.gcquiet import quiet_gc
 from raycluster.sim.spec import load_spec
 
 PATHS = {"fast": ({"coalesce_decode": False}, True), "exact": ({"coalesce_decode": False}, False),
@@ -35,12 +35,11 @@ def measure(spec, path: str, workload: str, qps: float, seed: int, warm: float, 
     wl = make_workload(name=workload, seed=seed, qps=qps, duration=until + 1.0)
     cluster = SimCluster(spec.model_copy(update=update), wl, fast_decode=fast)
     cluster.loop.run(until=warm)
-    gc.freeze()                   # as SimCluster.run does
-    ev0, steps0 = cluster.loop.processed, sum(i.steps for i in cluster.instances.values())
-    w0, c0 = time.perf_counter(), time.process_time()
-    cluster.loop.run(until=until)
-    wall, cpu = time.perf_counter() - w0, time.process_time() - c0
-    gc.unfreeze()
+    with quiet_gc():              # as SimCluster.run does
+        ev0, steps0 = cluster.loop.processed, sum(i.steps for i in cluster.instances.values())
+        w0, c0 = time.perf_counter(), time.process_time()
+        cluster.loop.run(until=until)
+        wall, cpu = time.perf_counter() - w0, time.process_time() - c0
     ev = cluster.loop.processed - ev0
     span = until - warm
     scheds = [i.scheduler for i in cluster.instances.values()]
