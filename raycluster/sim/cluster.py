@@ -140,6 +140,7 @@ class SimCluster:
         self.coalesce = spec.coalesce_decode and not self.fast_decode     # the group supersedes runs
         self.max_run_steps = spec.max_run_steps
         self.running_runs: set[SimInstance] = set()
+        arrivals = []
         for r in workload:
             self.records[r.request_id] = RequestRecord(
                 r.request_id, arrival_s=r.arrival_s, klass=r.klass, tenant=r.tenant, app_id=r.app_id,
@@ -150,7 +151,8 @@ class SimCluster:
             for d in live:
                 self.children.setdefault(d, []).append(r.request_id)
             if not live:      # dispatch_latency_s: serving path from client send to router submit
-                self.loop.at(r.arrival_s + spec.dispatch_latency_s, "arrival", r.request_id)
+                arrivals.append((r.arrival_s + spec.dispatch_latency_s, "arrival", r.request_id))
+        self.loop.preload(arrivals)     # as loop.at for each, in this order
         for inst in self.instances.values():      # register (first poll doubles as heartbeat)
             inst.apply(self.router.on_poll(inst.instance_id, inst.stats()))
         if spec.controller.enabled:
