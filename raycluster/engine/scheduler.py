@@ -159,21 +159,7 @@ class Scheduler:
         """Advance requests by the step `out` that ran; `sampled` maps request id -> new token for
         every request whose known tokens are now all computed. Returns finished requests."""
         now = self.clock.now()
-        finished: list[Request] = []
-        for req, n in out.prefills:
-            if req.status.finished:
-                continue        # aborted while the step ran
-            req.num_computed_tokens += n
-            self.policy.on_progress(req, n)
-            if req.num_computed_tokens < req.num_tokens:
-                self.policy.push(req)
-                continue
-            self.decoding[req.request_id] = req
-            if self._append(req, sampled[req.request_id], now):
-                finished.append(req)
-            elif req.prefill_only:
-                self._park(req)
-                finished.append(req)
+        finished = self._advance_prefills(out.prefills, sampled, now)
         # Decodes: `_append` and `_stop_status` inlined (same order of effects); this loop runs
         # once per decoding request per step.
         on_progress, max_len = self.policy.on_progress, self.config.max_model_len
@@ -200,6 +186,27 @@ class Scheduler:
                 continue
             self._finish(req, status)
             finished.append(req)
+        return finished
+
+    def _advance_prefills(self, prefills: list[tuple[Request, int]], sampled: dict[str, int],
+                          now: float) -> list[Request]:
+        """`update` for the prefill chunks of a step (the simulator's decode group calls it
+        alone); returns the requests that finished."""
+        finished: list[Request] = []
+        for req, n in prefills:
+            if req.status.finished:
+                continue        # aborted while the step ran
+            req.num_computed_tokens += n
+            self.policy.on_progress(req, n)
+            if req.num_computed_tokens < req.num_tokens:
+                self.policy.push(req)
+                continue
+            self.decoding[req.request_id] = req
+            if self._append(req, sampled[req.request_id], now):
+                finished.append(req)
+            elif req.prefill_only:
+                self._park(req)
+                finished.append(req)
         return finished
 
     def finish(self, request_id: str, status: RequestStatus) -> None:

@@ -101,7 +101,9 @@ class Packer(ABC):
     def plan(self, decodes: Sequence[Request], policy: Policy, limits: PackLimits,
              kv: KVAllocator) -> list[tuple[Request, int]]:
         """Return [(request, chunk_tokens)] in execution order. Pops candidates from `policy`
-        and pushes back every popped request it did not schedule. Scheduled requests stay out
+        and pushes back every popped request it did not schedule. `decodes` may carry
+        `kv_lens`, their KV lengths as the predictor reads them (len and sum; the simulator's
+        decode group passes counts instead of requests); else they are requests. Scheduled requests stay out
         of the policy: the caller calls `on_progress` after the step and pushes back those that
         still need prefill (so progress-dependent keys are recomputed)."""
 

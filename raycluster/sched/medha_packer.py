@@ -144,7 +144,9 @@ class MedhaPacker(Packer):
     # -- Alg. 1 ------------------------------------------------------------------------------
     def plan(self, decodes: Sequence[Request], policy: Policy, limits: PackLimits,
              kv: KVAllocator) -> list[tuple[Request, int]]:
-        decode_kv = [r.num_computed_tokens for r in decodes]
+        decode_kv = getattr(decodes, "kv_lens", None)       # see Packer.plan
+        if decode_kv is None:
+            decode_kv = [r.num_computed_tokens for r in decodes]
         tokens_left = limits.max_num_batched_tokens - len(decodes)
         seqs_left = limits.max_num_seqs - len(decodes)
         chunks: list[tuple[Request, int]] = []

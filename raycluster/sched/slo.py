@@ -63,9 +63,11 @@ def ttft_budget(ctx: PolicyContext, req: Request, total_work: float) -> float:
     return max(ctx.slo.ttft_ms / 1000.0, ctx.slo.ttft_scale * total_work)
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class StaticSLO:
-    """Per-request values fixed at first sight: they depend only on the prompt and the SLO."""
+    """Per-request values fixed at first sight: they depend only on the prompt and the SLO.
+    Treat as read-only (not frozen: a frozen __init__ costs an object.__setattr__ per field, and
+    one is built per request per policy queue)."""
     deadline: float
     total_work: float
     ttft: float

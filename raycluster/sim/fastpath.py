@@ -65,57 +65,25 @@ class KVSum:
         return iter((self.s,))
 
 
-class _Agg:
-    """What `[r.num_computed_tokens for r in decodes]` yields for a group: one marker."""
-    __slots__ = ("kv",)
-
-    def __init__(self, kv: KVSum) -> None:
-        self.kv = kv
-
-    @property
-    def num_computed_tokens(self) -> "_Agg":
-        # A property, not an attribute pointing at self: a self-reference is a cycle, and one
-        # per group step left for the cyclic GC kept it collecting (~15% of the run's CPU).
-        return self
-
-
 class GroupView:
-    """`SchedulerOutput.decodes` of a group step: len() = n; iterating yields one `_Agg`."""
-    __slots__ = ("kv",)
+    """`SchedulerOutput.decodes` of a group step: len() = n; `kv_lens` is what a packer hands
+    its predictor for the decodes (`sched.base.Packer`: decodes may carry `kv_lens`)."""
+    __slots__ = ("kv_lens",)
 
     def __init__(self, n: int, s: int) -> None:
-        self.kv = KVSum(n, s)
+        self.kv_lens = KVSum(n, s)
 
     def __len__(self) -> int:
-        return self.kv.n
-
-    def __iter__(self):
-        return iter((_Agg(self.kv),))
-
-
-class PredictorView:
-    """The packer's predictor: a group's decode list ([_Agg]) becomes its `KVSum`."""
-
-    def __init__(self, real) -> None:
-        self.real = real
-
-    def batch_time(self, prefills, decode_kv_lens) -> float:
-        if len(decode_kv_lens) == 1 and type(decode_kv_lens[0]) is _Agg:
-            return self.real.batch_time(prefills, decode_kv_lens[0].kv)
-        return self.real.batch_time(prefills, decode_kv_lens)
-
-    def __getattr__(self, name):
-        return getattr(self.real, name)
+        return self.kv_lens.n
 
 
 class FastScheduler(Scheduler):
     """`Scheduler` with the decode group (use `make_fast(sched)` on a built scheduler)."""
 
     def init_fast(self) -> None:
+        self.limits = PackLimits(self.config.max_num_batched_tokens, self.config.max_num_seqs)
         self.fast_ok = (type(self.decode_selector) is AllDecodes and policy_ok(self.policy)
                         and type(self.packer) in (MedhaPacker, TokenBudgetPacker))
-        if type(self.packer) is MedhaPacker:
-            self.packer.predictor = PredictorView(self.packer.predictor)
         self.active = False
         self.k = 0                      # group steps run so far
         self.members: dict[str, list] = {}   # rid -> [req, c0, out0, s0, ntab0, jr, fin]
@@ -219,8 +187,7 @@ class FastScheduler(Scheduler):
         if n:
             out.decodes = GroupView(n, self.S)
             self.flight = True
-        limits = PackLimits(self.config.max_num_batched_tokens, self.config.max_num_seqs)
-        out.prefills = self.packer.plan(out.decodes, self.policy, limits, _StepAllocator(self))
+        out.prefills = self.packer.plan(out.decodes, self.policy, self.limits, _StepAllocator(self))
         return out
 
     def update(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
@@ -229,7 +196,7 @@ class FastScheduler(Scheduler):
             return super().update(out, sampled)
         # Grouped: out.decodes is a GroupView, or [] when the group is empty.
         self.flight = False
-        finished = super().update(SchedulerOutput(prefills=out.prefills), sampled)
+        finished = self._advance_prefills(out.prefills, sampled, self.clock.now())
         self.group_steps += 1
         self.k += 1
         k = self.k

@@ -158,7 +158,7 @@ class SimInstance:
         decs = out.decodes
         grouped = type(decs) is GroupView
         dt = self.predictor.batch_time([(n, r.num_computed_tokens) for r, n in out.prefills],
-                                       decs.kv if grouped else [r.num_computed_tokens for r in decs])
+                                       decs.kv_lens if grouped else [r.num_computed_tokens for r in decs])
         self.out, self.busy = out, True
         self.busy_time += dt
         self.cluster.loop.after(dt, "step", (self, self._version))
