@@ -55,13 +55,19 @@ class RouterCore:
         self.classifier = LengthClassifier(initial_l_m=self.cfg.initial_l_m,
                                            beta_prior=self.cfg.beta_prior)
         self.instances: dict[str, Instance] = {}
+        self._alive_cache: dict[tuple[str, ...], list[Instance]] = {}
         self.requests: dict[str, ReqState] = {}
         self.gateways: dict[str, list[TokenEvent]] = {}
         self.dead: list[str] = []
 
     # ---------------------------------------------------------------- topology
     def _alive(self, *roles: str) -> list[Instance]:
-        return [i for i in self.instances.values() if i.role in roles]
+        """Instances serving any of `roles` (cached: asked on every arrival and dispatch, while
+        the set changes only when an instance appears, leaves or changes role). Read-only."""
+        found = self._alive_cache.get(roles)
+        if found is None:
+            found = self._alive_cache[roles] = [i for i in self.instances.values() if i.role in roles]
+        return found
 
     def _route(self, length_class: str) -> str:
         """Queue for a new (or resumed) prompt given the instances alive now."""
@@ -259,8 +265,10 @@ class RouterCore:
             if stats.role not in ROLES:
                 raise ValueError(f"instance {instance_id!r}: unknown role {stats.role!r}; one of {ROLES}")
             inst = self.instances[instance_id] = Instance(instance_id, stats.role, stats, now)
-        if stats.role in ROLES:
+            self._alive_cache.clear()
+        if stats.role in ROLES and inst.role != stats.role:
             inst.role = stats.role              # the controller moved it to another pool
+            self._alive_cache.clear()
         inst.stats, inst.last_seen = stats, now
         self._settle(inst, now)
         return inst
@@ -293,6 +301,7 @@ class RouterCore:
         inst = self.instances.pop(instance_id, None)
         if inst is None:
             return
+        self._alive_cache.clear()
         self.dead.append(instance_id)
         for st in self.requests.values():
             if st.kv_at == instance_id:          # parked KV is gone with it
