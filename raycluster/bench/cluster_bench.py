@@ -4,7 +4,9 @@
         [--streams 32] [--stream-tokens 128] [--variants default,throughput_optimized,direct_ingress]
 
 1. TTFT of 1-token requests (16-token prompts, sequential): (a) `LLMEngine.add_request` + `step`
-   to the first token in this process; (b) the cluster (local topology: one mixed instance,
+   to the first token in this process, back to back (the headline baseline) and, for context,
+   after 10 ms of idle before each request (the cold-cache cost every request through the
+   cluster pays, since each finds the instance idle); (b) the cluster (local topology: one mixed instance,
    threads_per_instance=1) over HTTP via the Serve gateway. To locate the added time the cluster
    phase also measures: the Serve HTTP floor (GET /v1/models), one Ray actor round trip to the
    router, and the same 1-token request submitted by a `ClusterClient` in the driver (router +
@@ -37,6 +39,7 @@ import time
 from contextlib import contextmanager
 
 PROMPT_LEN = 16
+IDLE_S = 0.010   # idle time before each request of the engine's second baseline
 
 
 def pct(xs: list[float], q: float) -> float | None:
@@ -80,11 +83,16 @@ def make_engine(threads: int = 1):
     return LLMEngine(ecfg, model, tokenizer=None)
 
 
-def engine_ttft(engine, ps: list[list[int]], warmup: int = 10) -> list[float]:
+def engine_ttft(engine, ps: list[list[int]], warmup: int = 10, idle_s: float = 0.0) -> list[float]:
+    """Seconds to the first token of each prompt, one request at a time. `idle_s` sleeps before
+    each request: a request that finds the engine idle (as every sequential request through the
+    cluster does) pays for cold caches, ~1 ms here, which back-to-back calls never see."""
     from raycluster.request import SamplingParams
 
     out = []
     for i, p in enumerate(ps[:warmup] + ps):
+        if idle_s:
+            time.sleep(idle_s)
         t0 = time.perf_counter()
         engine.add_request(f"t{i}", p, SamplingParams(max_tokens=1, ignore_eos=True))
         first = None
@@ -299,6 +307,7 @@ def main(argv: list[str] | None = None) -> int:
     engine = make_engine(1)
     print("engine baseline ...", flush=True)
     base_ttft = engine_ttft(engine, ps)
+    idle_ttft = engine_ttft(engine, ps, idle_s=IDLE_S)
     base_stream = engine_stream(engine, args.streams, args.stream_tokens)
     variants = [v for v in args.variants.split(",") if v]
     for name in variants:
@@ -306,8 +315,10 @@ def main(argv: list[str] | None = None) -> int:
         results[f"cluster_{name}"] = run_child(args, VARIANTS[name])
     print("engine baseline again ...", flush=True)
     base_ttft2 = engine_ttft(engine, ps)
+    idle_ttft2 = engine_ttft(engine, ps, idle_s=IDLE_S)
     base_stream2 = engine_stream(engine, args.streams, args.stream_tokens, seed=2)
     results["engine"] = {"ttft": summ(base_ttft), "ttft_after": summ(base_ttft2), "ttft_pooled": summ(base_ttft + base_ttft2),
+                         "ttft_idle_pooled": summ(idle_ttft + idle_ttft2), "idle_s": IDLE_S,
                          "stream": base_stream, "stream_after": base_stream2}
     eng_p50 = results["engine"]["ttft_pooled"]["p50_ms"]
     eng_tps = statistics.fmean([base_stream["tok_per_s"], base_stream2["tok_per_s"]])
@@ -321,10 +332,15 @@ def main(argv: list[str] | None = None) -> int:
         c["stream_tok_s_ratio_cluster_over_engine"] = c["stream"]["tok_per_s"] / eng_tps
         if c.get("http_ttft_direct"):
             c["added_p50_ms_http_direct"] = c["http_ttft_direct"]["p50_ms"] - eng_p50
+            c["added_p50_ms_http_direct_vs_idle_engine"] = (
+                c["http_ttft_direct"]["p50_ms"] - results["engine"]["ttft_idle_pooled"]["p50_ms"])
             c["stream_direct_tok_s_ratio"] = c["stream_direct"]["tok_per_s"] / eng_tps
             print(f"[{name}] direct ingress ({c['direct_url']}): 1-token TTFT p50/p99 "
                   f"{c['http_ttft_direct']['p50_ms']:.2f}/{c['http_ttft_direct']['p99_ms']:.2f} ms -> added p50 "
-                  f"{c['added_p50_ms_http_direct']:.2f} ms (HTTP floor {c['http_floor_direct']['p50_ms']:.2f}); "
+                  f"{c['added_p50_ms_http_direct']:.2f} ms ({c['added_p50_ms_http_direct_vs_idle_engine']:.2f} vs "
+                  f"the engine after {IDLE_S * 1e3:.0f} ms idle: "
+                  f"{results['engine']['ttft_idle_pooled']['p50_ms']:.2f}; "
+                  f"HTTP floor {c['http_floor_direct']['p50_ms']:.2f}); "
                   f"{args.streams} streams {c['stream_direct']['tok_per_s']:.0f} tok/s "
                   f"(ratio {c['stream_direct_tok_s_ratio']:.2f})", flush=True)
         print(f"[{name}] 1-token TTFT p50/p99 ms: engine {eng_p50:.2f}/{results['engine']['ttft_pooled']['p99_ms']:.2f}"
