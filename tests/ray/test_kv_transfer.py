@@ -82,6 +82,7 @@ def test_stuck_source_times_out(trio):
         pytest.skip("one-sided connectors need no work from the source")
     warm = ray.get(pre.offer.remote("req-warm", [8, 9], 20), timeout=30)
     assert ray.get(dec.pull.remote(warm, [10, 11], 20.0), timeout=40)["ok"]   # the pair exists
+    assert ray.get(pre.release.remote("req-warm"), timeout=30) is True
     h = ray.get(pre.offer.remote("req-stuck", [1, 2], 20), timeout=30)
     pid = ray.get(pre.pid.remote(), timeout=30)
     untouched = ray.get(dec.blocks.remote([3, 4]), timeout=30)
