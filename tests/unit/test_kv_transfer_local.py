@@ -327,6 +327,9 @@ def test_torch_dist_direct_runs_land_in_place_and_refusal_waits_for_fillers(monk
         assert torch.equal(b[:, others], before[:, others])
         st = dst.last_pull_stats
         assert (st["direct_msgs"], st["staged_blocks"], st["chunks"]) == (2 * L, 3, 1)
+        deadline = time.monotonic() + 5      # the sender records its stats after its own waits
+        while "direct_msgs" not in src.last_send_stats and time.monotonic() < deadline:
+            time.sleep(0.01)
         assert src.last_send_stats["direct_msgs"] == 2 * L
         # refused: the offer is gone; fillers answer the in-place receives before pull returns
         assert src.release("r1")
