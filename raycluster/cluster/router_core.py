@@ -49,8 +49,10 @@ class RouterCore:
         self.cfg = cfg or RouterConfig()
         self.clock = clock or EpochClock()
         pred = LinearBatchPredictor(**self.cfg.predictor) if self.cfg.predictor else None
-        self.ctx = PolicyContext(clock=self.clock, predictor=pred, slo=self.cfg.slo)
-        self.policies = {q: make_policy(self.cfg.policy, self.ctx) for q in QUEUES}
+        # One context per queue: they share clock, predictor and SLOs; `num_servers` is the
+        # queue's own (the instances serving it, kept current as instances come and go).
+        self.ctxs = {q: PolicyContext(clock=self.clock, predictor=pred, slo=self.cfg.slo) for q in QUEUES}
+        self.policies = {q: make_policy(self.cfg.policy, self.ctxs[q]) for q in QUEUES}
         self.front: dict[str, deque[str]] = {q: deque() for q in QUEUES}
         self.classifier = LengthClassifier(initial_l_m=self.cfg.initial_l_m,
                                            beta_prior=self.cfg.beta_prior)
@@ -61,6 +63,20 @@ class RouterCore:
         self.dead: list[str] = []
 
     # ---------------------------------------------------------------- topology
+    @property
+    def predictor(self):
+        return self.ctxs["mixed"].predictor
+
+    def set_predictor(self, predictor) -> None:
+        """The batch-time model every queue's policy plans with (the simulator sets its own)."""
+        for c in self.ctxs.values():
+            c.predictor = predictor
+
+    def _topology_changed(self) -> None:
+        self._alive_cache.clear()
+        for q, c in self.ctxs.items():
+            c.num_servers = max(1, len(self._alive(*self._serving_roles(q))))
+
     def _alive(self, *roles: str) -> list[Instance]:
         """Instances serving any of `roles` (cached: asked on every arrival and dispatch, while
         the set changes only when an instance appears, leaves or changes role). Read-only."""
@@ -265,10 +281,10 @@ class RouterCore:
             if stats.role not in ROLES:
                 raise ValueError(f"instance {instance_id!r}: unknown role {stats.role!r}; one of {ROLES}")
             inst = self.instances[instance_id] = Instance(instance_id, stats.role, stats, now)
-            self._alive_cache.clear()
+            self._topology_changed()
         if stats.role in ROLES and inst.role != stats.role:
             inst.role = stats.role              # the controller moved it to another pool
-            self._alive_cache.clear()
+            self._topology_changed()
         inst.stats, inst.last_seen = stats, now
         self._settle(inst, now)
         return inst
@@ -301,7 +317,7 @@ class RouterCore:
         inst = self.instances.pop(instance_id, None)
         if inst is None:
             return
-        self._alive_cache.clear()
+        self._topology_changed()
         self.dead.append(instance_id)
         for st in self.requests.values():
             if st.kv_at == instance_id:          # parked KV is gone with it

@@ -44,6 +44,7 @@ class PolicyContext:
     predictor: BatchPredictor | None = None
     slo: SLOConfig = field(default_factory=SLOConfig)
     num_slots: int = 1          # M in Justitia's GPS: service units shared by the active apps
+    num_servers: int = 1        # instances draining this queue in parallel (Kairos' FCFS backlog)
 
 
 class Policy(ABC):

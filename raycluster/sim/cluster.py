@@ -111,8 +111,8 @@ class SimCluster:
         for pool in spec.pools:
             ecfg = spec.engine_config(pool)
             pred = make_predictor(spec, pool)
-            if self.router.ctx.predictor is None:
-                self.router.ctx.predictor = pred        # the router's policies plan with the same model
+            if self.router.predictor is None:
+                self.router.set_predictor(pred)         # the router's policies plan with the same model
             blocks = kv_tokens(spec, pool, ecfg) // ecfg.block_size
             for _ in range(pool.instances):
                 iid = f"{pool.role}-{n}"

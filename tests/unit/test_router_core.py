@@ -345,3 +345,29 @@ def test_stranded_queue_drains_elsewhere_and_unservable_fails():
     assert [(e.request_id, e.finish_reason) for e in ev] == [("mid", "error")]
     core.abort("short")
     assert core.inflight() == 0
+
+
+def test_queue_server_counts_follow_instances_and_scale_kairos_backlog():
+    """Each queue's policy context counts the instances serving it; Kairos divides its FCFS
+    backlog by that count (k instances drain the router's queue in parallel)."""
+    clock = VirtualClock(0.0)
+    core = make(clock, policy="kairos", max_local_waiting=0)    # nothing leaves the queues
+    core.on_poll("p1", stats("p1", role="prefill-short"))
+    core.on_poll("d1", stats("d1", role="decode"))
+    assert core.ctxs["prefill-short"].num_servers == 1 and core.ctxs["decode"].num_servers == 1
+    assert core.ctxs["prefill-long"].num_servers == 1           # served by prefill-short: 1
+    core.submit(meta("a", n=1000, ttft=10.0))
+    pol = core.policies["prefill-short"]
+    req = core.requests["a"].req
+    x1, b = pol.urgency_line(req)
+    backlog = 10.0 - x1                                          # arrival 0, SLO 10 s: x = 10 - P
+    assert backlog > 0 and b == 10.0 * 1000
+    for i in (2, 3):
+        core.on_poll(f"p{i}", stats(f"p{i}", role="prefill-short"))
+    assert core.ctxs["prefill-short"].num_servers == 3
+    x3, _ = pol.urgency_line(req)
+    assert x3 == pytest.approx(10.0 - backlog / 3)
+    core.remove_instance("p3")
+    assert core.ctxs["prefill-short"].num_servers == 2 and core.ctxs["decode"].num_servers == 1
+    core.abort("a")
+    assert core.inflight() == 0

@@ -3,7 +3,9 @@
 Alg. 2 predicts each queued request's prefill finish time under FCFS: a cursor starts at now
 and walks the queue in arrival order adding each request's remaining prefill duration, so
 finish_r = now + P_r with P_r the sum of remaining durations of requests that arrived no later
-than r (r included; partially prefilled and in-flight requests count their remainder).
+than r (r included; partially prefilled and in-flight requests count their remainder), divided
+by `ctx.num_servers` when k instances drain the queue (the router's pool queues; an engine's own
+queue has one server).
 Alg. 1 scores
     u_r = (SLO_r - (finish_r - a_r)) / SLO_r / L_r        (L_r: prompt length)
 and serves the LARGEST u first (the paper sorts descending: a short request with slack gets an
@@ -109,7 +111,7 @@ class KairosPolicy(Policy):
         """(X, B): u(t) = (X - t) / B."""
         st = self._track(req)
         s = self.slo.static(req)
-        x = req.arrival_time + s.ttft - self._fw.prefix(st[0])
+        x = req.arrival_time + s.ttft - self._fw.prefix(st[0]) / max(1, self.ctx.num_servers)
         return x, s.ttft * max(1, req.num_prompt_tokens)
 
     def urgency(self, req: Request) -> float:
@@ -165,9 +167,9 @@ class KairosPolicy(Policy):
         # Queued requests' durations are current (every push and progress report re-tracks
         # them), so only P_r is re-read here, without asking the predictor again; slopes and
         # tie keys do not change, so the tree keeps its layout and only re-derives its nodes.
-        known, fw = self._known, self._fw
+        known, fw, k = self._known, self._fw, max(1, self.ctx.num_servers)
         xs = []
         for rid, req in self._reqs.items():
             st = known[rid]
-            xs.append((rid, req.arrival_time + self.slo.static(req).ttft - fw.prefix(st[0])))
+            xs.append((rid, req.arrival_time + self.slo.static(req).ttft - fw.prefix(st[0]) / k))
         self._tree.reset_intercepts(xs, self.ctx.clock.now())
