@@ -10,6 +10,7 @@ from ray import serve
 
 from deployments.engine_instance import EngineInstance
 from deployments.gateway import CONFIG_ENV, Gateway
+from deployments.scaling import pool_deployment
 from raycluster.cluster.config import ClusterConfig
 from raycluster.cluster.router_actor import get_or_create_router
 from raycluster.cluster.router_core import RouterConfig
@@ -28,7 +29,7 @@ def build_app(args: dict) -> serve.Application:
     get_or_create_router(router_config(cfg), name=cfg.router_name, namespace=cfg.namespace)
     blob = cfg.model_dump_json()
     pools = [
-        EngineInstance.options(name=f"pool-{p.role}", num_replicas=p.instances,
+        EngineInstance.options(name=pool_deployment(p.role), num_replicas=p.instances,
                                ray_actor_options={"num_cpus": p.num_cpus}).bind(p.role, blob)
         for p in cfg.pools if p.instances > 0
     ]

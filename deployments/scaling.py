@@ -20,10 +20,12 @@ import copy
 import time
 
 IMPORT_PATH = "deployments.app:build_app"
+POOL_PREFIX = "pool-"
 
 
 def pool_deployment(role: str) -> str:
-    return f"pool-{role}"
+    """The Serve deployment name of pool `role` (the app builder names its pools so)."""
+    return POOL_PREFIX + role
 
 
 def app_document(name: str, route_prefix: str, args: dict) -> dict:
@@ -61,8 +63,8 @@ def replica_counts(app_name: str) -> dict[str, int]:
     deps = details.get("applications", {}).get(app_name, {}).get("deployments", {})
     out = {}
     for name, d in deps.items():
-        if name.startswith("pool-"):
-            out[name.removeprefix("pool-")] = sum(1 for r in d.get("replicas", [])
+        if name.startswith(POOL_PREFIX):
+            out[name.removeprefix(POOL_PREFIX)] = sum(1 for r in d.get("replicas", [])
                                                   if r.get("state") == "RUNNING")
     return out
 
