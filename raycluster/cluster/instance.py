@@ -79,6 +79,7 @@ class InstanceWorker:
             instance_id=self.instance_id, role=self.role, waiting=eng.scheduler.num_waiting,
             running=len(eng.scheduler.decoding), kv_free_blocks=kv.num_free_blocks, kv_total_blocks=kv.num_blocks,
             block_size=kv.block_size, step_time_ema_s=self._step_ema, steps=self.steps,
+            queued_tokens=eng.scheduler.prefill_backlog,
             connector=(self.connector.local_descriptor() or {}) if self.connector else {},
             work_seen=self._work_seen)
 

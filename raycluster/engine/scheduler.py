@@ -85,6 +85,10 @@ class Scheduler:
         self._holders: dict[str, Request] = {}      # hold KV blocks, in admission order
         self.parked: dict[str, Request] = {}        # prefill-only requests whose KV awaits handoff
         self.preempted_total = 0
+        # Prompt (or recompute) tokens not yet computed, over requests still needing prefill: the
+        # instance's prefill backlog, reported to the router. Kept incrementally because the
+        # simulator reads it every report; `prefill_backlog_slow` is the definition.
+        self.prefill_backlog = 0
 
     # ---- interface -------------------------------------------------------------------------
     def add_request(self, req: Request) -> None:
@@ -92,6 +96,7 @@ class Scheduler:
             raise ValueError(f"request_id {req.request_id!r} is already in use")
         req.status = RequestStatus.WAITING
         self.requests[req.request_id] = req
+        self.prefill_backlog += req.num_tokens - req.num_computed_tokens
         self.policy.push(req)
 
     def abort(self, request_id: str) -> Request | None:
@@ -197,6 +202,7 @@ class Scheduler:
             if req.status.finished:
                 continue        # aborted while the step ran
             req.num_computed_tokens += n
+            self.prefill_backlog -= n
             self.policy.on_progress(req, n)
             if req.num_computed_tokens < req.num_tokens:
                 self.policy.push(req)
@@ -225,6 +231,11 @@ class Scheduler:
     @property
     def num_running(self) -> int:
         return len(self._holders)
+
+    def prefill_backlog_slow(self) -> int:
+        """What `prefill_backlog` tracks, summed from scratch (tests check the two agree)."""
+        return sum(r.num_tokens - r.num_computed_tokens for rid, r in self.requests.items()
+                   if rid not in self.decoding)
 
     # ---- internals -------------------------------------------------------------------------
     def _append(self, req: Request, token: int, now: float) -> bool:
@@ -257,6 +268,9 @@ class Scheduler:
         self.parked[req.request_id] = req
 
     def _retire(self, req: Request, status: RequestStatus) -> None:
+        rid = req.request_id
+        if rid in self.requests and rid not in self.decoding:     # ended before its prefill did
+            self.prefill_backlog -= req.num_tokens - req.num_computed_tokens
         req.status = status
         req.finish_time = self.clock.now()
         for table in (self.requests, self.decoding, self._holders):
@@ -299,6 +313,8 @@ class Scheduler:
         self.kv.free(req.request_id)
         self._holders.pop(req.request_id, None)
         was_decoding = self.decoding.pop(req.request_id, None) is not None
+        # Its whole context is prefill work again (a queued holder loses the chunks it had done).
+        self.prefill_backlog += req.num_tokens if was_decoding else req.num_computed_tokens
         req.num_computed_tokens = 0
         req.num_preemptions += 1
         req.status = RequestStatus.WAITING

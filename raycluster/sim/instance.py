@@ -96,7 +96,8 @@ class SimInstance:
         return InstanceStats(instance_id=self.instance_id, role=self.role, waiting=s.num_waiting,
                              running=len(s.decoding), kv_free_blocks=kv.num_free_blocks,
                              kv_total_blocks=kv.num_blocks, block_size=kv.block_size,
-                             step_time_ema_s=self.step_ema, steps=self.steps, work_seen=self.work_seen)
+                             step_time_ema_s=self.step_ema, steps=self.steps, work_seen=self.work_seen,
+                             queued_tokens=s.prefill_backlog)
 
     def apply(self, reply: PollReply) -> None:
         if reply.role:
