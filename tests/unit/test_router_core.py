@@ -10,9 +10,10 @@ from raycluster.cluster.messages import (InstanceStats, PrefillDone, RequestMeta
 from raycluster.cluster.router_core import RouterConfig, RouterCore
 
 
-def stats(iid, role="mixed", waiting=0, running=0, free=1000, total=1000, bs=16, steps=0):
+def stats(iid, role="mixed", waiting=0, running=0, free=1000, total=1000, bs=16, steps=0, queued_tokens=0):
     return InstanceStats(instance_id=iid, role=role, waiting=waiting, running=running,
-                         kv_free_blocks=free, kv_total_blocks=total, block_size=bs, steps=steps)
+                         kv_free_blocks=free, kv_total_blocks=total, block_size=bs, steps=steps,
+                         queued_tokens=queued_tokens)
 
 
 def meta(rid, n=10, gw="g1", max_tokens=3, ttft=None, arrival=0.0, **kw):
@@ -88,6 +89,25 @@ def test_max_local_waiting_and_in_transit_accounting():
     clock.advance(core.cfg.transit_timeout_s + 1)        # no step proof: the timeout frees the slot
     assert ids(core.on_poll("i1", stats("i1", waiting=0, running=4, steps=3))) == ["r4", "r5"]
     for rid in ("r0", "r1", "r2", "r3", "r4", "r5"):
+        core.abort(rid)
+    assert core.inflight() == 0
+
+
+def test_dispatch_prefers_the_smallest_prefill_backlog_in_tokens():
+    """One long prompt queued outweighs three short ones; work handed out but not yet seen by
+    the instance counts with its prompt tokens."""
+    core = make(policy="fcfs", max_local_waiting=8)
+    core.on_poll("long", stats("long", waiting=1, queued_tokens=8000))
+    core.on_poll("shorts", stats("shorts", waiting=3, queued_tokens=300))
+    core.submit(meta("a", n=100))
+    core.dispatch()
+    assert ids(core.take_outbox("shorts")) == ["a"] and core.take_outbox("long").work == []
+    core.submit(meta("b", n=7800))                       # shorts: 300 + 100 in transit < 8000
+    core.submit(meta("c", n=50))                         # shorts: 300 + 100 + 7800 > 8000
+    core.dispatch()
+    assert ids(core.take_outbox("shorts")) == ["b"] and ids(core.take_outbox("long")) == ["c"]
+    assert core.queue_depth() == 0
+    for rid in ("a", "b", "c"):
         core.abort(rid)
     assert core.inflight() == 0
 
