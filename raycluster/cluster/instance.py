@@ -141,6 +141,8 @@ class InstanceWorker:
                       app_id=m.app_id, arrival_time=self.engine.clock.now() - max(0.0, time.time() - m.arrival_time))
         if item.mode == "decode" and item.kv is not None and self.connector is not None:
             handle = item.kv
+            if item.first_token_time is not None:     # router epoch time -> this engine's clock
+                kwargs["first_token_time"] = self.engine.clock.now() - max(0.0, time.time() - item.first_token_time)
             self.engine.add_prefilled(
                 m.request_id, m.prompt_token_ids, item.output_token_ids[0], sampling_of(m),
                 lambda dst: pull_with_fallback(self.connector, handle, dst, self.transfer_timeout_s,

@@ -59,6 +59,10 @@ class WorkItem:
     mode: str = "full"                 # full | prefill | decode
     output_token_ids: list[int] = field(default_factory=list)
     kv: KVHandle | None = None
+    # When the router delivered the first token (its clock: epoch seconds in the cluster, like
+    # meta.arrival_time): a decode instance paces a handed-off request's TPOT budget from the
+    # client's first token, not from when the KV landed (Kairos Eq. 2).
+    first_token_time: float | None = None
 
 
 @dataclass

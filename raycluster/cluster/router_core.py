@@ -234,8 +234,8 @@ class RouterCore:
     def _assign(self, st: ReqState, inst: Instance) -> None:
         mode = self._mode_for(inst)
         kv = st.kv if mode == "decode" else None
-        inst.outbox.work.append(WorkItem(meta=st.meta, mode=mode,
-                                         output_token_ids=list(st.delivered), kv=kv))
+        inst.outbox.work.append(WorkItem(meta=st.meta, mode=mode, output_token_ids=list(st.delivered),
+                                         kv=kv, first_token_time=st.req.first_token_time))
         st.queue, st.instance, st.mode = None, inst.instance_id, mode
         inst.running.add(st.meta.request_id)
 
@@ -412,6 +412,8 @@ class RouterCore:
         self._enqueue(st, "decode")
 
     def _deliver(self, st: ReqState, ev: TokenEvent) -> None:
+        if ev.token_ids and st.req.first_token_time is None:
+            st.req.first_token_time = self.clock.now()
         st.delivered.extend(ev.token_ids)
         st.req.output_token_ids = st.delivered
         for q in st.policies:

@@ -134,6 +134,7 @@ class SimInstance:
         self.cut_run()
         self.transfers -= 1
         req = self._request(item)
+        req.first_token_time = item.first_token_time     # the client's, for the TPOT pacing
         if self.scheduler.admit_prefilled(req) is None:
             self.scheduler.add_request(req)
         self._admitted.append(item.meta.request_id)

@@ -102,6 +102,17 @@ def test_handoff_anchored_where_first_seen_not_at_local_first_token():
     assert sel.slack(h, 1.02) == pytest.approx(1.0 + 0.1 - 1.02 - 0.005)
 
 
+def test_handoff_with_client_first_token_time_is_paced_from_it():
+    # The router tells the decode side when the client got the first token (0.9); the KV
+    # landed at 1.0, so 100 ms of the budget are gone: token 2 was due at 0.95, token 3 at 1.0.
+    sel = KairosDecodeSelector(lut(), SLO50)
+    h = dec("H", 500, 1)
+    h.first_token_time = 0.9
+    assert sel.slack(h, 1.0) == pytest.approx(0.9 + 0.05 - 1.0 - 0.005)
+    h.output_token_ids.append(5)
+    assert sel.slack(h, 1.02) == pytest.approx(0.9 + 0.1 - 1.02 - 0.005)
+
+
 def test_fresh_handoff_does_not_force_decode_all():
     sel = KairosDecodeSelector(lut(), SLO50)
     a, b, c = dec("A", 100_000, 2), dec("B", 500, 1), dec("C", 800, 1)

@@ -185,14 +185,17 @@ def test_pd_flow_and_two_gateways():
     core.submit(meta("a", gw="g1", max_tokens=3))
     core.submit(meta("b", gw="g2", max_tokens=1))
     w = core.on_poll("p", stats("p", "prefill-short")).work
-    assert [x.mode for x in w] == ["prefill", "prefill"]
+    assert [x.mode for x in w] == ["prefill", "prefill"] and w[0].first_token_time is None
     # a: first token 11 with a KV handle; b: max_tokens=1, the instance ends it itself.
+    core.clock.advance(0.25)
     core.on_report(StepReport(stats("p", "prefill-short"),
                               events=[TokenEvent("b", [21], True, "length")],
                               prefilled=[PrefillDone("a", 11, kv="HANDLE-a")]))
+    core.clock.advance(0.1)
     dw = core.on_poll("d", stats("d", "decode")).work
     assert len(dw) == 1 and dw[0].mode == "decode" and dw[0].kv == "HANDLE-a"
     assert dw[0].output_token_ids == [11]
+    assert dw[0].first_token_time == 0.25            # when the client got it, not when handed out
     assert core.placements()["a"]["kv_at"] == "p"
     core.on_report(StepReport(stats("d", "decode"), admitted=["a"],
                               events=[TokenEvent("a", [12])]))
