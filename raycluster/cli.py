@@ -154,12 +154,12 @@ def cmd_status(args: argparse.Namespace) -> int:
     print(f"policy {status.get('policy')}   in flight {status.get('inflight')}   queues {status.get('queues')}")
     if status.get("gateway_urls"):
         print(f"gateway replicas (no proxy hop): {', '.join(status['gateway_urls'])}")
-    print(f"{'instance':28s} {'role':14s} {'waiting':>8s} {'running':>8s} {'kv used':>8s}")
+    print(f"{'instance':28s} {'role':14s} {'waiting':>8s} {'prefill tok':>11s} {'running':>8s} {'kv used':>8s}")
     for inst in status.get("instances", []):
         total = max(1, inst.get("kv_total_blocks", 0))
         used = 1 - inst.get("kv_free_blocks", 0) / total
         print(f"{inst.get('id', '?'):28s} {inst.get('role', '?'):14s} {inst.get('waiting', 0):8d} "
-              f"{inst.get('running', 0):8d} {used:8.1%}")
+              f"{inst.get('queued_tokens', 0):11d} {inst.get('running', 0):8d} {used:8.1%}")
     return 0
 
 

@@ -95,6 +95,10 @@ class ClusterClient:
         for inst in s.get("instances", []):
             lines.append(f'raycluster_instance_waiting{{instance="{inst.get("id")}",'
                          f'pool="{inst.get("role")}"}} {inst.get("waiting", 0)}')
+        lines.append("# TYPE raycluster_instance_prefill_backlog_tokens gauge")
+        for inst in s.get("instances", []):
+            lines.append(f'raycluster_instance_prefill_backlog_tokens{{instance="{inst.get("id")}",'
+                         f'pool="{inst.get("role")}"}} {inst.get("queued_tokens", 0)}')
         return "\n".join(lines) + "\n"
 
     async def generate(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams, *,

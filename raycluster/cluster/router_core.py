@@ -31,7 +31,7 @@ from collections import deque
 from raycluster.cluster.messages import (ROLES, GatewayReply, InstanceStats, PollReply, RequestMeta,
                                          StepReport, SubmitReply, TokenEvent, WorkItem)
 from raycluster.request import SLO, Request, SamplingParams
-from raycluster.cluster.router_state import EpochClock, Instance, ReqState, RouterConfig
+from raycluster.cluster.router_state import EpochClock, Instance, ReqState, RouterConfig, instance_summary
 from raycluster.sched.base import Clock, PolicyContext
 from raycluster.sched.boundary import LengthClassifier
 from raycluster.sched.predictor import LinearBatchPredictor
@@ -497,12 +497,6 @@ class RouterCore:
             "l_m_source": "fitted" if fitted else (
                 "initial" if self.cfg.beta_prior is not None
                 else "initial (no beta_prior: prefill samples cannot be fitted)"),
-            "instances": [{"id": i.instance_id, "role": i.role, "waiting": i.stats.waiting,
-                           "running": i.stats.running, "assigned": len(i.running),
-                           "kv_free_blocks": i.stats.kv_free_blocks,
-                           "kv_total_blocks": i.stats.kv_total_blocks,
-                           "kv_usage": (1 - i.stats.kv_free_blocks / i.stats.kv_total_blocks
-                                        if i.stats.kv_total_blocks else None),
-                           "last_seen_s_ago": now - i.last_seen} for i in self.instances.values()],
+            "instances": [instance_summary(i, now) for i in self.instances.values()],
             "dead_instances": list(self.dead[-32:]),
         }
