@@ -38,6 +38,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
+from raycluster.bench.hf_baseline import agreement, load_hf, run_hf, static_batch
 from raycluster.bench.hw_peaks import matmul_peak, memory_bandwidth
 from raycluster.engine.config import EngineConfig
 from raycluster.engine.engine import LLMEngine
@@ -197,55 +198,6 @@ def run_engine(model, workload, threads: int | None, seed: int = 0, max_num_seqs
         "time_in_step_s": step_s,
         "outputs": outputs,
     }
-
-
-# ---- HF static batching ---------------------------------------------------------------------
-def load_hf(path: str):
-    import transformers
-
-    return transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-
-
-def _hf_batch(hf, batch, pad_id: int) -> tuple[list[list[int]], int]:
-    """One static batch, left padded; every row generates exactly max(max_new) tokens."""
-    plen = max(len(p) for p, _ in batch)
-    mnt = max(m for _, m in batch)
-    ids = torch.full((len(batch), plen), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(batch), plen), dtype=torch.long)
-    for i, (p, _) in enumerate(batch):
-        ids[i, plen - len(p):] = torch.tensor(p)
-        mask[i, plen - len(p):] = 1
-    with torch.inference_mode():
-        seq = hf.generate(ids, attention_mask=mask, max_new_tokens=mnt, min_new_tokens=mnt, do_sample=False,
-                          pad_token_id=pad_id, top_p=None, top_k=None, temperature=None)
-    gen = seq[:, plen:]
-    if gen.shape[1] != mnt:
-        raise RuntimeError(f"HF generated {gen.shape[1]} tokens, expected {mnt}")
-    return [gen[i, :m].tolist() for i, (_, m) in enumerate(batch)], len(batch) * mnt
-
-
-def run_hf(hf, workload, batch_size: int, pad_id: int) -> dict:
-    t0 = time.perf_counter()
-    outputs: list[list[int]] = []
-    computed = 0
-    for s in range(0, len(workload), batch_size):
-        outs, n = _hf_batch(hf, workload[s:s + batch_size], pad_id)
-        outputs.extend(outs)
-        computed += n
-    wall = time.perf_counter() - t0
-    useful = sum(m for _, m in workload)
-    return {"batch_size": batch_size, "wall_s": wall, "output_tokens": useful,
-            "output_tokens_per_s": useful / wall, "generated_tokens_incl_padding": computed,
-            "useful_fraction": useful / computed, "outputs": outputs}
-
-
-def _agreement(a: list[list[int]], b: list[list[int]]) -> dict:
-    first = sum(x[:1] == y[:1] for x, y in zip(a, b))
-    full = sum(x == y for x, y in zip(a, b))
-    prefix = [next((i for i, (u, v) in enumerate(zip(x, y)) if u != v), min(len(x), len(y))) / max(len(x), 1)
-              for x, y in zip(a, b)]
-    return {"first_token_equal": first / len(a), "all_tokens_equal": full / len(a),
-            "mean_equal_prefix_fraction": statistics.fmean(prefix)}
 
 
 # ---- decode MBU -----------------------------------------------------------------------------
@@ -442,13 +394,13 @@ def _run(opts: BenchOptions, log) -> dict:
         hf = load_hf(path)
         pad = mcfg.eos_token_id[0] if mcfg.eos_token_id else 0
         pad = getattr(hf.config, "pad_token_id", None) if getattr(hf.config, "pad_token_id", None) is not None else pad
-        _hf_batch(hf, [([FIRST_NORMAL_TOKEN + 1] * 8, 4)] * 2, pad)
+        static_batch(hf, [([FIRST_NORMAL_TOKEN + 1] * 8, 4)] * 2, pad)
         runs = []
         for b in opts.batch_sizes:
             log(f"[bench] HF generate, static batches of {b}")
             r = run_hf(hf, workload, b, pad)
             log(f"[bench] HF b={b}: {r['output_tokens_per_s']:.1f} tok/s ({r['wall_s']:.1f} s)")
-            r["agreement_with_engine"] = _agreement(engine_outputs, r.pop("outputs"))
+            r["agreement_with_engine"] = agreement(engine_outputs, r.pop("outputs"))
             runs.append(r)
         best = max(runs, key=lambda r: r["output_tokens_per_s"])
         results["hf"] = {"attn_implementation": getattr(hf.config, "_attn_implementation", None),
