@@ -3,7 +3,7 @@ against each (topology, policy), side by side in one run.
 
     python -m raycluster.bench.cluster_convoy --out-dir DIR [--configs mixed-fcfs,mixed-lars,pd-fcfs,pd-lars]
         [--qps 1.5] [--duration 75] [--long-tokens 4096:8192] [--max-output-tokens 64] [--seed 0]
-        [--ttft-slo-ms 2000]
+        [--ttft-slo-ms 2000] [--tpot-ms 100]
 
 Configurations (threads_per_instance=1 everywhere: mixed has 2 instances, pd 3, on 2 cores):
 - `mixed-fcfs`: 2 mixed instances, router + engine policy fcfs, packer token, chunk_size 2048
@@ -12,6 +12,10 @@ Configurations (threads_per_instance=1 everywhere: mixed has 2 instances, pd 3, 
 - `pd-fcfs` / `pd-lars`: deployments/pd.yaml (prefill-short, prefill-long, decode; object_store
   KV; initial_l_m 1024) with the same two policy settings on the prefill pools (the decode pool
   keeps its own fcfs/token override from pd.yaml).
+`--tpot-ms` is every instance's TPOT SLO (`EngineConfig.tpot_ms`), which is also the Medha
+packer's step budget, and the TPOT SLO the requests carry; the token packer ignores it. Under
+lars a short prompt that arrives mid-step waits for that step and then runs in the next, so its
+TTFT tail is about two step budgets.
 Each configuration runs in a child process (fresh local Ray, 127.0.0.1, no dashboard, temp dir
 under /tmp) that starts the cluster, runs `loadgen run --prompt-format ids` (same seed: the same
 trace), writes DIR/<config>.json and tears the cluster down. Then `loadgen report` over all of
@@ -44,13 +48,16 @@ def loadgen_argv(args, url: str, out: str) -> list[str]:
             "--qps", str(args.qps), "--duration", str(args.duration), "--seed", str(args.seed),
             "--long-fraction", str(args.long_fraction), "--long-tokens", args.long_tokens,
             "--max-output-tokens", str(args.max_output_tokens), "--prompt-format", "ids",
-            "--ttft-slo-ms", str(args.ttft_slo_ms), "--timeout", "300", "--quiet", "--out", out]
+            "--ttft-slo-ms", str(args.ttft_slo_ms), "--tpot-slo-ms", str(args.tpot_ms),
+            "--timeout", "300", "--quiet", "--out", out]
 
 
 def one(args) -> int:
     from raycluster.bench.cluster_bench import free_port, local_cluster
 
-    cfg = {**BASE, **CONFIGS[args.config], "router_name": f"router-{args.config}"}
+    base = CONFIGS[args.config]
+    cfg = {**BASE, **base, "engine": {**base.get("engine", {}), "tpot_ms": args.tpot_ms},
+           "router_name": f"router-{args.config}"}
     out = os.path.join(args.out_dir, f"{args.config}.json")
     with tempfile.TemporaryDirectory(prefix="rcc-", dir="/tmp") as tmp:
         os.environ["RAY_TMPDIR"] = tmp
@@ -86,6 +93,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--ttft-slo-ms", type=float, default=2000.0,
                     help="TTFT SLO the requests carry (lars orders by it; fcfs ignores it)")
+    ap.add_argument("--tpot-ms", type=float, default=100.0,
+                    help="every instance's TPOT SLO, also the Medha packer's step budget (s/1000)")
     ap.add_argument("--config", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     os.makedirs(args.out_dir, exist_ok=True)
@@ -100,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
                "--out-dir", args.out_dir, "--qps", str(args.qps), "--duration", str(args.duration),
                "--long-fraction", str(args.long_fraction), "--long-tokens", args.long_tokens,
                "--max-output-tokens", str(args.max_output_tokens), "--seed", str(args.seed),
-               "--ttft-slo-ms", str(args.ttft_slo_ms)]
+               "--ttft-slo-ms", str(args.ttft_slo_ms), "--tpot-ms", str(args.tpot_ms)]
         env = {k: v for k, v in os.environ.items() if k != "RAY_SERVE_THROUGHPUT_OPTIMIZED"}
         try:
             rc = subprocess.run(cmd, env=env, timeout=args.duration * 4 + 700).returncode
@@ -111,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
         else:
             print(f"convoy: {name} failed (exit {rc})", flush=True)
     summary: dict = {"meta": {"argv": sys.argv, "qps": args.qps, "duration_s": args.duration, "seed": args.seed,
-                              "ttft_slo_ms": args.ttft_slo_ms,
+                              "ttft_slo_ms": args.ttft_slo_ms, "tpot_ms": args.tpot_ms,
                               "long_tokens": args.long_tokens, "long_fraction": args.long_fraction,
                               "max_output_tokens": args.max_output_tokens, "threads_per_instance": 1,
                               "configs": {n: CONFIGS[n] for n in names}}, "runs": {}}
