@@ -52,12 +52,18 @@ def loadgen_argv(args, url: str, out: str) -> list[str]:
             "--timeout", "300", "--quiet", "--out", out]
 
 
+def cluster_config(name: str, tpot_ms: float) -> dict:
+    """ClusterConfig fields of configuration `name` with every instance's TPOT SLO (the Medha
+    step budget) set to `tpot_ms`; pool-level engine overrides still win."""
+    base = CONFIGS[name]
+    return {**BASE, **base, "engine": {**base.get("engine", {}), "tpot_ms": tpot_ms},
+            "router_name": f"router-{name}"}
+
+
 def one(args) -> int:
     from raycluster.bench.cluster_bench import free_port, local_cluster
 
-    base = CONFIGS[args.config]
-    cfg = {**BASE, **base, "engine": {**base.get("engine", {}), "tpot_ms": args.tpot_ms},
-           "router_name": f"router-{args.config}"}
+    cfg = cluster_config(args.config, args.tpot_ms)
     out = os.path.join(args.out_dir, f"{args.config}.json")
     with tempfile.TemporaryDirectory(prefix="rcc-", dir="/tmp") as tmp:
         os.environ["RAY_TMPDIR"] = tmp

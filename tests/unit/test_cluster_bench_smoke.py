@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 
 from raycluster.bench.cluster_bench import pct, prompts, stream_stats, summ
-from raycluster.bench.cluster_convoy import BASE, CONFIGS, loadgen_argv
+from raycluster.bench.cluster_convoy import CONFIGS, cluster_config, loadgen_argv
 from raycluster.cluster.config import ClusterConfig
 
 
@@ -28,8 +28,8 @@ def test_stream_stats_counts_tokens_and_gaps():
 
 
 def test_convoy_configs_are_valid_cluster_configs():
-    for name, cfg in CONFIGS.items():
-        c = ClusterConfig(**{**BASE, **cfg})
+    for name in CONFIGS:
+        c = ClusterConfig(**cluster_config(name, 50.0))
         assert c.threads_per_instance == 1
         n = sum(p.instances for p in c.pools)
         assert n == (2 if name.startswith("mixed") else 3)
@@ -38,12 +38,17 @@ def test_convoy_configs_are_valid_cluster_configs():
             assert (c.policy, first.packer, first.chunk_size) == ("fcfs", "token", 2048)
         else:
             assert (c.policy, first.packer) == ("lars", "medha")
+        # --tpot-ms reaches every instance (the Medha step budget), pd's decode override kept
+        assert all(c.engine_config(p).tpot_ms == 50.0 for p in c.pools)
+        if name.startswith("pd"):
+            assert c.engine_config(c.pools[-1]).packer == "token"
 
 
 def test_loadgen_argv_uses_exact_token_ids_and_same_seed():
     args = argparse.Namespace(qps=2.0, duration=90.0, seed=4, long_fraction=0.05, long_tokens="4096:8192",
-                              max_output_tokens=64, ttft_slo_ms=500.0)
+                              max_output_tokens=64, ttft_slo_ms=500.0, tpot_ms=50.0)
     argv = loadgen_argv(args, "http://127.0.0.1:1", "/tmp/x.json")
     assert argv[argv.index("--ttft-slo-ms") + 1] == "500.0"
+    assert argv[argv.index("--tpot-slo-ms") + 1] == "50.0"
     assert argv[argv.index("--prompt-format") + 1] == "ids"
     assert argv[argv.index("--seed") + 1] == "4" and argv[argv.index("--workload") + 1] == "long-mix"
