@@ -160,6 +160,11 @@ def cmd_status(args: argparse.Namespace) -> int:
         used = 1 - inst.get("kv_free_blocks", 0) / total
         print(f"{inst.get('id', '?'):28s} {inst.get('role', '?'):14s} {inst.get('waiting', 0):8d} "
               f"{inst.get('queued_tokens', 0):11d} {inst.get('running', 0):8d} {used:8.1%}")
+    ctl = status.get("controller")
+    if ctl is not None:
+        moves = ctl.get("moves", [])
+        print(f"pressure controller every {ctl.get('period_s')} s: {len(moves)} recent move(s)"
+              + "".join(f"\n  {m['instance']}: {m['from']} -> {m['to']}" for m in moves))
     return 0
 
 

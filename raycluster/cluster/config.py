@@ -9,6 +9,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from raycluster.engine.config import EngineConfig
+from raycluster.sched.pressure import PressureConfig
 from raycluster.sched.registry import policy_names
 
 Role = Literal["mixed", "prefill-short", "prefill-long", "decode"]
@@ -20,6 +21,27 @@ class PoolSpec(BaseModel):
     instances: int = Field(1, ge=0)
     num_cpus: float = Field(1.0, ge=0)
     engine: dict = Field(default_factory=dict, description="EngineConfig overrides for this pool")
+
+
+class ControllerConfig(BaseModel):
+    """PLA-Serve's instance-pressure controller (`sched.pressure.decide`), run by the router every
+    `period_s`: moves one prefill instance at a time between the short and long pools."""
+    model_config = ConfigDict(extra="forbid")
+    enabled: bool = False
+    period_s: float = Field(5.0, gt=0)
+    cooldown_s: float = Field(30.0, ge=0)
+    tau: float = Field(0.2, ge=0)
+    min_per_pool: int = Field(1, ge=1)
+    alpha: float = 1.0
+    beta: float = 1.0
+    gamma: float = 0.5
+
+    def pressure(self) -> PressureConfig | None:
+        """The decision function's config, None when the controller is off."""
+        if not self.enabled:
+            return None
+        return PressureConfig(alpha=self.alpha, beta=self.beta, gamma=self.gamma, tau=self.tau,
+                              cooldown_s=self.cooldown_s, min_per_pool=self.min_per_pool)
 
 
 class ClusterConfig(BaseModel):
@@ -41,6 +63,7 @@ class ClusterConfig(BaseModel):
     engine: dict = Field(default_factory=dict, description="EngineConfig overrides for every instance")
     pools: list[PoolSpec] = Field(default_factory=lambda: [PoolSpec(role="mixed")])
     gateway_replicas: int = Field(1, ge=1)
+    controller: ControllerConfig = Field(default_factory=ControllerConfig)
     router_name: str = "raycluster-router"
     namespace: str = "raycluster"
 
@@ -61,6 +84,9 @@ class ClusterConfig(BaseModel):
             raise ValueError("pools: prefill pools need a decode pool to hand their KV to")
         if "decode" in roles and not prefill:
             raise ValueError("pools: a decode pool needs a prefill pool in front of it")
+        if self.controller.enabled and prefill != {"prefill-short", "prefill-long"}:
+            raise ValueError("controller: it moves instances between the prefill-short and prefill-long "
+                             "pools, so both need instances")
         for p in self.pools:
             self.engine_config(p)       # fail at deploy time, not in a replica
         return self

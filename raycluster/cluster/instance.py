@@ -55,6 +55,7 @@ class InstanceWorker:
         self._stop = threading.Event()
         self._step_ema = 0.0
         self.steps = 0
+        self.busy_s = 0.0
         self._admitted: list[str] = []
         self._work_seen = 0
         self._pending: list[TokenEvent] = []     # events made outside a step (errors, aborts)
@@ -78,7 +79,7 @@ class InstanceWorker:
         return InstanceStats(
             instance_id=self.instance_id, role=self.role, waiting=eng.scheduler.num_waiting,
             running=len(eng.scheduler.decoding), kv_free_blocks=kv.num_free_blocks, kv_total_blocks=kv.num_blocks,
-            block_size=kv.block_size, step_time_ema_s=self._step_ema, steps=self.steps,
+            block_size=kv.block_size, step_time_ema_s=self._step_ema, steps=self.steps, busy_s=self.busy_s,
             queued_tokens=eng.scheduler.prefill_backlog,
             connector=(self.connector.local_descriptor() or {}) if self.connector else {},
             work_seen=self._work_seen)
@@ -167,6 +168,7 @@ class InstanceWorker:
         if not result.outputs and result.num_prefill_tokens == 0 and result.num_decode_tokens == 0:
             time.sleep(0.001)       # the packer is holding requests back (AWD window): don't spin
         self.steps += 1
+        self.busy_s += result.duration_s
         self._step_ema = result.duration_s if self.steps == 1 else 0.9 * self._step_ema + 0.1 * result.duration_s
         events, prefilled = [], []
         for out in result.outputs:

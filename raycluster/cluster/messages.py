@@ -93,6 +93,7 @@ class InstanceStats:
     step_time_ema_s: float = 0.0
     steps: int = 0
     queued_tokens: int = 0             # prefill tokens not yet computed
+    busy_s: float = 0.0                # engine step time so far (the controller's utilization)
     connector: dict = field(default_factory=dict)     # this instance's connector descriptor
     work_seen: int | None = None       # work items applied so far (lets the router count in-transit work)
 

@@ -38,12 +38,15 @@ class RouterActor:
         self._gw_ev: dict[str, asyncio.Event] = {}
         self._reap_interval_s = reap_interval_s
         self._bg: asyncio.Task | None = None
+        self._ctl: asyncio.Task | None = None
         self._metrics = _Metrics()
 
     def _ensure_bg(self) -> None:
         # The loop exists only once a method runs, so the reaper starts lazily.
         if self._bg is None or self._bg.done():
             self._bg = asyncio.get_running_loop().create_task(self._reaper())
+        if self.core.pressure is not None and (self._ctl is None or self._ctl.done()):
+            self._ctl = asyncio.get_running_loop().create_task(self._control())
 
     async def _reaper(self) -> None:
         while True:
@@ -60,6 +63,18 @@ class RouterActor:
                 self._metrics.update(self.core)
             except Exception:                   # the reaper must outlive any one bad state
                 log.exception("router: reap failed")
+
+    async def _control(self) -> None:
+        """The pressure controller's period: a move lands in the instance's outbox, so waking
+        parked polls delivers it at once."""
+        while True:
+            await asyncio.sleep(self.core.cfg.pressure_period_s)
+            try:
+                for mv in self.core.pressure.step(self.core, self.core.clock.now()):
+                    log.info("router: controller moved %s from %s to %s", mv["instance"], mv["from"], mv["to"])
+                self._wake()
+            except Exception:                   # like the reaper: never let one tick end the loop
+                log.exception("router: control tick failed")
 
     def _wake(self) -> None:
         """Wake parked long-polls whose caller now has something waiting."""

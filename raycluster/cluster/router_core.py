@@ -31,6 +31,7 @@ from collections import deque
 from raycluster.cluster.messages import (ROLES, GatewayReply, InstanceStats, PollReply, RequestMeta,
                                          StepReport, SubmitReply, TokenEvent, WorkItem)
 from raycluster.request import SLO, Request, SamplingParams
+from raycluster.cluster.router_pressure import PressureLoop
 from raycluster.cluster.router_state import EpochClock, Instance, ReqState, RouterConfig, instance_summary
 from raycluster.sched.base import Clock, PolicyContext
 from raycluster.sched.boundary import LengthClassifier
@@ -57,6 +58,8 @@ class RouterCore:
         self.classifier = LengthClassifier(initial_l_m=self.cfg.initial_l_m,
                                            beta_prior=self.cfg.beta_prior)
         self.instances: dict[str, Instance] = {}
+        # PLA pressure controller; its owner calls `pressure.step(self, now)` every period.
+        self.pressure = PressureLoop(self.cfg.pressure) if self.cfg.pressure is not None else None
         self._alive_cache: dict[tuple[str, ...], list[Instance]] = {}
         self.requests: dict[str, ReqState] = {}
         self.gateways: dict[str, list[TokenEvent]] = {}
@@ -272,6 +275,15 @@ class RouterCore:
                                                len(w.meta.prompt_token_ids))
         return reply
 
+    def move_instance(self, instance_id: str, role: str) -> None:
+        """Move a prefill instance to the other prefill pool: dispatch treats it as `role` from
+        now on, and its next poll reply tells it (work it already holds stays there)."""
+        inst = self.instances[instance_id]
+        if role not in PREFILL_ROLES or inst.role not in PREFILL_ROLES:
+            raise ValueError(f"move {instance_id!r} ({inst.role}) to {role!r}: only between {PREFILL_ROLES}")
+        inst.role = inst.moving_to = inst.outbox.role = role
+        self._topology_changed()
+
     def has_outbox(self, instance_id: str) -> bool:
         inst = self.instances.get(instance_id)
         o = inst.outbox if inst else None
@@ -285,8 +297,11 @@ class RouterCore:
                 raise ValueError(f"instance {instance_id!r}: unknown role {stats.role!r}; one of {ROLES}")
             inst = self.instances[instance_id] = Instance(instance_id, stats.role, stats, now)
             self._topology_changed()
-        if stats.role in ROLES and inst.role != stats.role:
-            inst.role = stats.role              # the controller moved it to another pool
+        if inst.moving_to is not None:          # stats from before the move reached it: keep ours
+            if stats.role == inst.moving_to:
+                inst.moving_to = None
+        elif stats.role in ROLES and inst.role != stats.role:
+            inst.role = stats.role
             self._topology_changed()
         inst.stats, inst.last_seen = stats, now
         self._settle(inst, now)
@@ -499,4 +514,6 @@ class RouterCore:
                 else "initial (no beta_prior: prefill samples cannot be fitted)"),
             "instances": [instance_summary(i, now) for i in self.instances.values()],
             "dead_instances": list(self.dead[-32:]),
+            "controller": None if self.pressure is None else {
+                "period_s": self.cfg.pressure_period_s, "moves": self.pressure.moves[-8:]},
         }

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from raycluster.cluster.messages import InstanceStats, PollReply, RequestMeta
 from raycluster.request import Request
 from raycluster.sched.base import SLOConfig
+from raycluster.sched.pressure import PressureConfig
 
 
 class EpochClock:
@@ -31,6 +32,8 @@ class RouterConfig:
     retry_after_s: float = 1.0
     slo: SLOConfig = field(default_factory=SLOConfig)
     predictor: dict | None = None     # LinearBatchPredictor fields for the policies' context
+    pressure: PressureConfig | None = None   # run the pressure controller (router_pressure.py)
+    pressure_period_s: float = 5.0
 
 
 @dataclass
@@ -44,6 +47,8 @@ class Instance:
     # Items handed out that its stats may not show yet: rid -> (steps then, time, blocks, tokens).
     transit: dict[str, tuple[int, float, int, int]] = field(default_factory=dict)
     sent: int = 0                     # work items handed out, ever
+    moving_to: str | None = None      # role the controller gave it, until its stats carry it
+    busy_mark: tuple[float, float] | None = None     # (time, stats.busy_s) at the last control tick
 
     def transit_sum(self, k: int) -> int:
         return sum(v[k] for v in self.transit.values())

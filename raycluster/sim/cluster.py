@@ -23,7 +23,6 @@ from raycluster.cluster.messages import RequestMeta, StepReport, WorkItem
 from raycluster.cluster.router_core import RouterConfig, RouterCore
 from raycluster.sched.base import SLOConfig
 from raycluster.sched.predictor import LinearBatchPredictor
-from raycluster.sched.pressure import InstanceSignals, PoolSignals, PressureConfig, decide
 from raycluster.sim.engine import EventLoop
 from raycluster.sim.fastpath import router_ok
 from raycluster.sim.gcquiet import quiet_gc
@@ -102,7 +101,9 @@ class SimCluster:
         self.kv_bytes_per_token = kv_bytes_per_token(spec)
         rcfg = {"policy": spec.policy, "max_queue": 1 << 40, "heartbeat_timeout_s": math.inf,
                 "transit_timeout_s": math.inf,
-                "slo": SLOConfig(spec.slo.ttft_ms, spec.slo.tpot_ms, spec.slo.ttft_scale), **spec.router}
+                "slo": SLOConfig(spec.slo.ttft_ms, spec.slo.tpot_ms, spec.slo.ttft_scale),
+                "pressure": spec.controller.pressure(), "pressure_period_s": spec.controller.period_s,
+                **spec.router}
         self.router = RouterCore(RouterConfig(**rcfg), self.loop.clock)
         self.instances: dict[str, SimInstance] = {}
         # Decode fast path (sim/fastpath.py): only where every router policy ignores decode progress.
@@ -135,7 +136,6 @@ class SimCluster:
         self.transfers_done = 0
         self.transfer_bytes = 0.0
         self.moves: list[dict] = []
-        self._last_move: float | None = None
         self._waking = False
         self.coalesce = spec.coalesce_decode and not self.fast_decode     # the group supersedes runs
         self.max_run_steps = spec.max_run_steps
@@ -275,38 +275,18 @@ class SimCluster:
 
     # ---- PLA pressure controller ---------------------------------------------------------------------
     def _control(self, _) -> None:
-        c = self.spec.controller
+        """The router's own controller tick (cluster/router_pressure.py), as the router actor runs
+        it; a moved instance hears of it at once here (the actor wakes its parked poll)."""
         now = self.loop.clock.now()
-        sig = PoolSignals()
-        for inst in self.instances.values():
-            if inst.role not in ("prefill-short", "prefill-long"):
-                continue
-            util = min(1.0, (inst.busy_time - getattr(inst, "_busy_mark", 0.0)) / c.period_s)
-            inst._busy_mark = inst.busy_time
-            late = sum(1 for r in inst.scheduler.requests.values()
-                       if r.first_token_time is None and r.slo.ttft_s is not None
-                       and now - r.arrival_time > r.slo.ttft_s)
-            n = max(1, len(inst.scheduler.requests))
-            s = InstanceSignals(inst.instance_id, float(inst.scheduler.num_waiting), late / n, util)
-            (sig.short if inst.role == "prefill-short" else sig.long).append(s)
-        # Router-side backlog counts too: per instance share of its pool's queue.
-        for pool, lst in (("prefill-short", sig.short), ("prefill-long", sig.long)):
-            q = len(self.router.policies[pool]) / max(1, len(lst))
-            lst[:] = [InstanceSignals(s.instance_id, s.queue + q, s.sla_deviation, s.utilization) for s in lst]
-        cfg = PressureConfig(alpha=c.alpha, beta=c.beta, gamma=c.gamma, tau=c.tau, cooldown_s=c.cooldown_s,
-                             min_per_pool=c.min_per_pool)
-        if sig.short and sig.long:
-            for mv in decide(sig, now, self._last_move, cfg):
-                inst = self.instances[mv.instance_id]
-                inst.role = "prefill-short" if mv.dst == "short" else "prefill-long"
-                self._last_move = now
-                self.moves.append({"t": now, "instance": mv.instance_id, "to": inst.role})
-                inst.cut_run()
-                inst.apply(self.router.on_poll(inst.instance_id, inst.stats()))
-                inst.try_start()
-                self._wake()
+        for mv in self.router.pressure.step(self.router, now):
+            inst = self.instances[mv["instance"]]
+            self.moves.append({"t": now, "instance": mv["instance"], "to": mv["to"]})
+            inst.cut_run()
+            inst.apply(self.router.on_poll(inst.instance_id, inst.stats()))
+            inst.try_start()
+            self._wake()
         if self.done < len(self.records) and len(self.loop):     # other events pending: keep going
-            self.loop.after(c.period_s, "control", None)
+            self.loop.after(self.spec.controller.period_s, "control", None)
 
     # ---- run -------------------------------------------------------------------------------------
     def run(self, horizon_s: float | None = None) -> None:

@@ -97,7 +97,7 @@ class SimInstance:
                              running=len(s.decoding), kv_free_blocks=kv.num_free_blocks,
                              kv_total_blocks=kv.num_blocks, block_size=kv.block_size,
                              step_time_ema_s=self.step_ema, steps=self.steps, work_seen=self.work_seen,
-                             queued_tokens=s.prefill_backlog)
+                             queued_tokens=s.prefill_backlog, busy_s=self.busy_time)
 
     def apply(self, reply: PollReply) -> None:
         if reply.role:

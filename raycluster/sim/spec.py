@@ -29,6 +29,7 @@ from typing import Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from raycluster.cluster.config import ControllerConfig
 from raycluster.engine.config import EngineConfig
 from raycluster.sched.registry import policy_names
 
@@ -56,19 +57,6 @@ class SimPool(BaseModel):
         return self.tp * self.spp * self.kvp
 
 
-class ControllerSpec(BaseModel):
-    """PLA-Serve instance-pressure controller (raycluster.sched.pressure.decide) run every period."""
-    model_config = ConfigDict(extra="forbid")
-    enabled: bool = False
-    period_s: float = Field(5.0, gt=0)
-    cooldown_s: float = Field(30.0, ge=0)
-    tau: float = Field(0.2, ge=0)
-    min_per_pool: int = Field(1, ge=1)
-    alpha: float = 1.0
-    beta: float = 1.0
-    gamma: float = 0.5
-
-
 class SimSpec(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -79,7 +67,7 @@ class SimSpec(BaseModel):
     pools: list[SimPool] = Field(default_factory=lambda: [SimPool(role="mixed")])
     engine: dict = Field(default_factory=dict, description="EngineConfig overrides for every instance")
     router: dict = Field(default_factory=dict, description="RouterConfig overrides (max_queue, max_local_waiting, ...)")
-    controller: ControllerSpec = Field(default_factory=ControllerSpec)
+    controller: ControllerConfig = Field(default_factory=ControllerConfig)
     # Step-time model.
     mfu: float = Field(0.5, gt=0, le=1)
     mbu: float = Field(0.8, gt=0, le=1)

@@ -117,3 +117,31 @@ def test_named_router_is_found_twice(ray_cluster):
     assert ray.get(b.status.remote())["policy"] == "edf"
     assert ray.get_actor(name, namespace="raycluster")._actor_id == a._actor_id
     ray.kill(a)
+
+
+def test_controller_tick_moves_an_instance_and_wakes_its_parked_poll(ray_cluster):
+    """The router actor runs the pressure controller every period: short prompts pile up behind
+    the one short instance, a long instance is moved, and its parked poll returns the new role."""
+    from raycluster.sched.pressure import PressureConfig
+
+    router = RouterActor.remote(RouterConfig(policy="fcfs", max_local_waiting=1, initial_l_m=100,
+                                             pressure=PressureConfig(cooldown_s=0.0), pressure_period_s=0.2))
+
+    def st(iid, role):
+        return InstanceStats(instance_id=iid, role=role, kv_free_blocks=1000, kv_total_blocks=1000,
+                             block_size=16)
+
+    roles = {"s0": "prefill-short", "l0": "prefill-long", "l1": "prefill-long", "d0": "decode"}
+    ray.get([router.poll.remote(i, st(i, r), 0.0) for i, r in roles.items()], timeout=30)
+    for k in range(8):
+        assert ray.get(router.submit.remote(meta(f"r{k}", "g", 2))).accepted   # 3 tokens: short
+    t0 = time.monotonic()
+    reply = ray.get(router.poll.remote("l0", st("l0", "prefill-long"), 20.0), timeout=60)
+    assert reply.role == "prefill-short" and time.monotonic() - t0 < 10.0
+    status = ray.get(router.status.remote())
+    assert status["controller"]["moves"][0]["instance"] == "l0"
+    assert {i["id"]: i["role"] for i in status["instances"]}["l0"] == "prefill-short"
+    for k in range(8):
+        ray.get(router.abort.remote(f"r{k}"))
+    assert ray.get(router.inflight.remote()) == 0
+    ray.kill(router)

@@ -1,6 +1,8 @@
 """InstanceWorker without Ray or threads: the stats it heartbeats carry the engine's prefill
 backlog in tokens, and a handed-off request keeps the client's first-token time (converted from
-the router's epoch clock to the engine's) for the decode side's TPOT pacing."""
+the router's epoch clock to the engine's) for the decode side's TPOT pacing; a controller move
+in a poll reply changes the role it reports, and its busy time (the controller's utilization)
+accumulates per step."""
 
 from __future__ import annotations
 
@@ -73,3 +75,23 @@ def test_handoff_keeps_client_first_token_time(model):
     req = w.engine.scheduler.requests["h"]
     age = w.engine.clock.now() - req.first_token_time
     assert 0.3 <= age < 1.0
+
+
+def test_a_move_changes_the_role_it_reports_and_busy_time_accumulates(model):
+    seen = []
+
+    def poll(iid, stats, timeout_s):        # the router moves it, then tells it to stop
+        seen.append(stats.role)
+        return PollReply(role="prefill-short", shutdown=True)
+
+    eng = LLMEngine(EngineConfig(policy="fcfs", packer="token", kv_cache_tokens=4096, chunk_size=32), model)
+    w = InstanceWorker(eng, "prefill-long", "i0", poll_fn=poll, push_fn=lambda r: None)
+    w._poll_loop()                          # one poll: the reply carries the new role
+    assert seen == ["prefill-long"] and w.stats().role == "prefill-short"
+    assert w.stats().busy_s == 0.0
+    w._apply(PollReply(work=[WorkItem(_meta("a", 40))]))
+    for _ in range(20):
+        if not w.engine.has_unfinished():
+            break
+        w._step()
+    assert w.steps > 0 and w.stats().busy_s > 0.0 and w.stats().busy_s == w.busy_s
