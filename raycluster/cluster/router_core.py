@@ -32,7 +32,7 @@ from raycluster.cluster.messages import (ROLES, GatewayReply, InstanceStats, Pol
                                          StepReport, SubmitReply, TokenEvent, WorkItem)
 from raycluster.request import SLO, Request, SamplingParams
 from raycluster.cluster.router_pressure import PressureLoop
-from raycluster.cluster.router_state import EpochClock, Instance, ReqState, RouterConfig, instance_summary
+from raycluster.cluster.router_state import EpochClock, Instance, ReqState, RouterConfig, router_status
 from raycluster.sched.base import Clock, PolicyContext
 from raycluster.sched.boundary import LengthClassifier
 from raycluster.sched.predictor import LinearBatchPredictor
@@ -501,19 +501,4 @@ class RouterCore:
                 for rid, st in self.requests.items()}
 
     def status(self) -> dict:
-        now = self.clock.now()
-        fitted = self.classifier.boundary is not None
-        return {
-            "policy": self.cfg.policy,
-            "queues": {q: len(self.policies[q]) + len(self.front[q]) for q in QUEUES},
-            "queue_depth": self.queue_depth(), "max_queue": self.cfg.max_queue,
-            "inflight": self.inflight(),
-            "l_m": self.classifier.l_m(),
-            "l_m_source": "fitted" if fitted else (
-                "initial" if self.cfg.beta_prior is not None
-                else "initial (no beta_prior: prefill samples cannot be fitted)"),
-            "instances": [instance_summary(i, now) for i in self.instances.values()],
-            "dead_instances": list(self.dead[-32:]),
-            "controller": None if self.pressure is None else {
-                "period_s": self.cfg.pressure_period_s, "moves": self.pressure.moves[-8:]},
-        }
+        return router_status(self, QUEUES)

@@ -64,6 +64,26 @@ def instance_summary(i: Instance, now: float) -> dict:
             "last_seen_s_ago": now - i.last_seen}
 
 
+def router_status(core, queues: tuple[str, ...]) -> dict:
+    """What `raycluster status` and GET /v1/cluster/status show of a RouterCore."""
+    now = core.clock.now()
+    fitted = core.classifier.boundary is not None
+    return {
+        "policy": core.cfg.policy,
+        "queues": {q: len(core.policies[q]) + len(core.front[q]) for q in queues},
+        "queue_depth": core.queue_depth(), "max_queue": core.cfg.max_queue,
+        "inflight": core.inflight(),
+        "l_m": core.classifier.l_m(),
+        "l_m_source": "fitted" if fitted else (
+            "initial" if core.cfg.beta_prior is not None
+            else "initial (no beta_prior: prefill samples cannot be fitted)"),
+        "instances": [instance_summary(i, now) for i in core.instances.values()],
+        "dead_instances": list(core.dead[-32:]),
+        "controller": None if core.pressure is None else {
+            "period_s": core.cfg.pressure_period_s, "moves": core.pressure.moves[-8:]},
+    }
+
+
 @dataclass
 class ReqState:
     meta: RequestMeta
