@@ -1,7 +1,8 @@
 """The cluster over real HTTP on a local Ray cluster: mixed pools and prefill/decode pools with
 KV moved by each connector give exactly the single-engine greedy output for 50 mixed requests,
 streamed and not (for P/D: every decode-side pull succeeded, so the KV really moved and was not
-recomputed); the openai client works; afterwards every instance's KV is free and the router's
+recomputed), also while the pressure controller moves instances between the prefill pools; the
+openai client works; afterwards every instance's KV is free and the router's
 in-flight table is empty."""
 
 from __future__ import annotations
@@ -28,6 +29,10 @@ TOPOLOGIES = {
     "pd-object_store": {"connector": "object_store", "initial_l_m": 256, "pools": PD_POOLS},
     "pd-nixl": {"connector": "nixl", "initial_l_m": 256, "pools": PD_POOLS},
     "pd-torch_dist": {"connector": "torch_dist", "initial_l_m": 256, "pools": PD_POOLS},
+    # The pressure controller on: instances change pools while the requests run.
+    "pd-controller": {"connector": "object_store", "initial_l_m": 256,
+                      "controller": {"enabled": True, "period_s": 0.5, "cooldown_s": 2.0},
+                      "pools": [PD_POOLS[0], {**PD_POOLS[1], "instances": 2}, PD_POOLS[2]]},
 }
 
 
@@ -172,4 +177,27 @@ def test_client_disconnect_aborts_everywhere(cluster):
         for i, _ in enumerate(r.iter_lines()):
             if i >= 6:
                 break
+    _assert_drained(url)
+
+
+def test_controller_moves_a_long_instance_when_short_prompts_pile_up(cluster, workload, expected):
+    url, name = cluster
+    if name != "pd-controller":
+        pytest.skip("the controller runs in the pd-controller topology only")
+    shorts = [(i, p) for i, (p, _) in enumerate(workload) if isinstance(p, list) and len(p) < 256]
+
+    async def run():
+        async with httpx.AsyncClient(timeout=120) as client:
+            return await asyncio.gather(*(_one(client, url, p, workload[i][1], False) for i, p in shorts * 3))
+
+    got = asyncio.run(run())
+    assert got == [expected[i] for i, _ in shorts * 3]
+    status = httpx.get(url + "/v1/cluster/status", timeout=5).json()
+    # Earlier tests on this cluster sent bursts too, so the move may predate this one; at least
+    # one long instance went to the short pool, and min_per_pool kept one in each prefill pool.
+    moves = status["controller"]["moves"]
+    assert any(m["from"] == "prefill-long" and m["to"] == "prefill-short" for m in moves), moves
+    roles = sorted(i["role"] for i in status["instances"])
+    assert roles.count("decode") == 1 and len(roles) == 4, roles
+    assert "prefill-long" in roles and "prefill-short" in roles, roles
     _assert_drained(url)
