@@ -58,7 +58,6 @@ import threading
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
@@ -66,7 +65,8 @@ import torch
 import torch.distributed as dist
 
 from raycluster.kv_transfer.base import KVConnector, KVHandle, KVTransferError, check_compatible
-from raycluster.kv_transfer.torch_dist_wire import BufferPool, pair_group, wait_receives
+from raycluster.kv_transfer.torch_dist_wire import (BufferPool, Pair, kv_rows, pair_group, staging_view,
+                                                    wait_receives)
 from raycluster.kv_transfer.transfer_plan import (MAX_CHUNKS, MAX_DIRECT_MSGS, MIN_CHUNK_BYTES,
                                                   MIN_DIRECT_BYTES, TransferPlan, ids_checksum,
                                                   plan_transfer)
@@ -81,18 +81,6 @@ SERVER_BLOCK_S = 86400.0  # the server thread blocks on the queue; close() wakes
 
 class _Refused(KVTransferError):
     """The sender answered a pull with "not offered"; the pair is fine."""
-
-
-@dataclass
-class _Pair:
-    """One side's view of a pair group. Prefill side: `ready` is set once the group exists
-    (or failed: pg stays None); sends on it are serialized by `lock`."""
-    pair_id: str
-    pg: Any = None
-    store: Any = None            # decode side: client of the prefill's store
-    last_used: float = field(default_factory=time.monotonic)
-    ready: threading.Event = field(default_factory=threading.Event)
-    lock: threading.Lock = field(default_factory=threading.Lock)
 
 
 class TorchDistConnector(KVConnector):
@@ -134,7 +122,7 @@ class TorchDistConnector(KVConnector):
                                     master_listen_fd=sock.detach())
         self.nonce = uuid.uuid4().hex[:12]
         self._descriptor = {"host": host, "port": int(self._store.port), "nonce": self.nonce}
-        self._served: dict[str, _Pair] = {}
+        self._served: dict[str, Pair] = {}
         self._tls = threading.local()
         self._pool = ThreadPoolExecutor(send_workers, thread_name_prefix=f"kv-send-{instance_id}")
         self._closed = False
@@ -142,7 +130,7 @@ class TorchDistConnector(KVConnector):
                                         daemon=True)
         self._server.start()
         # decode side: pairs we opened, by the prefill's (host, port, nonce)
-        self._peers: dict[tuple, _Pair] = {}
+        self._peers: dict[tuple, Pair] = {}
         self._gone: dict[tuple, float] = {}     # incarnations whose store refused a connect
         # Where the last transfer's time went (seconds), for benchmarks and logs.
         self.last_send_stats: dict[str, float] = {}
@@ -162,21 +150,6 @@ class TorchDistConnector(KVConnector):
 
     def _next_tag(self) -> int:
         return TAG_STRIDE * (next(self._tags) % MAX_TAG_SLOTS + 1)
-
-    def _staging(self, pool: BufferPool, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-        kv = self.kv_cache
-        flat = pool.take(kv.shape[0] * k * kv[0, 0].numel(), kv.dtype, kv.device)
-        # [L * k, 2, B, H, D]: a chunk [a, b) of the flattened (layer, block) grid is buf[a:b].
-        return flat, flat[: kv.shape[0] * k * kv[0, 0].numel()].view(
-            (kv.shape[0] * k,) + tuple(kv.shape[2:]))
-
-    def _rows(self, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The KV tensor as [L * N, block elems] rows and the row index of cell (l, j) at
-        l * k + j (the staging buffer's flattened order)."""
-        kv = self.kv_cache
-        n = kv.shape[1]
-        layers = torch.arange(kv.shape[0], dtype=torch.long, device=kv.device)
-        return kv.view(kv.shape[0] * n, -1), (layers[:, None] * n + idx[None, :]).reshape(-1)
 
     # -- prefill side: the server ------------------------------------------------------------
     def _client(self):
@@ -216,7 +189,7 @@ class TorchDistConnector(KVConnector):
         if pair is not None:
             pair.last_used = now
         if op == "join":
-            pair = self._served[pid] = _Pair(pid)
+            pair = self._served[pid] = Pair(pid)
             self._pool.submit(self._join, pair, float(msg.get("timeout", 30.0)))
         elif op == "close":
             self._served.pop(pid, None)
@@ -225,7 +198,7 @@ class TorchDistConnector(KVConnector):
         else:
             log.warning("%s: kv server: unknown message %r", self.instance_id, msg)
 
-    def _join(self, pair: _Pair, timeout_s: float) -> None:
+    def _join(self, pair: Pair, timeout_s: float) -> None:
         try:
             prefix = dist.PrefixStore(f"pair/{pair.pair_id}/", self._client())
             pair.pg = pair_group(prefix, 0, self.host, timeout_s, self.cuda)
@@ -292,9 +265,8 @@ class TorchDistConnector(KVConnector):
                     works.append(pg.send([kv[l, s0:s0 + n]], 1, tag + 1 + j))
                 off = 1 + plan.num_direct_msgs
                 if plan.chunks:
-                    flat, buf = self._staging(self._send_pool, len(plan.gather_src))
-                    rows, fidx = self._rows(torch.as_tensor(plan.gather_src, dtype=torch.long,
-                                                            device=kv.device))
+                    flat, buf = staging_view(self._send_pool, kv, len(plan.gather_src))
+                    rows, fidx = kv_rows(kv, torch.as_tensor(plan.gather_src, dtype=torch.long, device=kv.device))
                     for i, (a, b) in enumerate(plan.chunks):
                         # one row-wise index_select over the [L * N, block] view: the fastest gather
                         torch.index_select(rows, 0, fidx[a:b], out=buf[a:b].view(b - a, -1))
@@ -333,7 +305,7 @@ class TorchDistConnector(KVConnector):
             return super().expire(now)
 
     # -- decode side -------------------------------------------------------------------------
-    def _peer(self, x: dict, deadline: float) -> _Pair:
+    def _peer(self, x: dict, deadline: float) -> Pair:
         """The pair with the prefill instance `x` describes, built on first use. TCPStore
         client calls to a frozen (SIGSTOPped, swapping) peer ignore their timeouts, so the
         building runs in a helper thread and this one gives up at the deadline."""
@@ -388,14 +360,14 @@ class TorchDistConnector(KVConnector):
             self._peers[key] = pair
         return pair
 
-    def _build_pair(self, x: dict, deadline: float) -> _Pair:
+    def _build_pair(self, x: dict, deadline: float) -> Pair:
         left = max(0.05, deadline - time.monotonic())
         # The connect retries until its timeout: a dead prefill process refuses at once, so
         # do not spend the whole budget on it.
         store = dist.TCPStore(x["host"], int(x["port"]), is_master=False,
                               timeout=timedelta(seconds=min(left, self.connect_timeout_s)))
         store.set_timeout(timedelta(seconds=max(0.05, deadline - time.monotonic())))
-        pair = _Pair(uuid.uuid4().hex[:16], store=store)
+        pair = Pair(uuid.uuid4().hex[:16], store=store)
         store.queue_push(QUEUE, json.dumps({"op": "join", "pair": pair.pair_id, "timeout": left}))
         prefix = dist.PrefixStore(f"pair/{pair.pair_id}/", store)
         pair.pg = pair_group(prefix, 1, self.host, max(0.05, deadline - time.monotonic()),
@@ -439,7 +411,7 @@ class TorchDistConnector(KVConnector):
         plan = self.plan_for(handle.src_block_ids, dst_block_ids)
         flat = buf = None
         if plan.chunks:
-            flat, buf = self._staging(self._recv_pool, len(plan.gather_dst))
+            flat, buf = staging_view(self._recv_pool, self.kv_cache, len(plan.gather_dst))
         header = torch.zeros(4, dtype=torch.int64, device=kv.device)
         tag = self._next_tag()   # header on tag, then direct messages, then staged chunks
         what = f"recv of {handle.request_id!r} from {x['host']}:{x['port']}"
@@ -480,7 +452,7 @@ class TorchDistConnector(KVConnector):
         if not chunks:
             return lambda i: None
         kv = self.kv_cache
-        rows, fidx = self._rows(torch.as_tensor(dst_block_ids, dtype=torch.long, device=kv.device))
+        rows, fidx = kv_rows(kv, torch.as_tensor(dst_block_ids, dtype=torch.long, device=kv.device))
 
         def scatter(i: int) -> None:
             a, b = chunks[i]

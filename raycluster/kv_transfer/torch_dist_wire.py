@@ -1,8 +1,10 @@
-"""The message mechanics under the torch_dist connector, with no pair or offer bookkeeping.
+"""The message mechanics under the torch_dist connector (which keeps the offers and which pairs exist).
 
-Owns: `BufferPool` (reusable staging buffers), `pair_group` (a 2-rank gloo / NCCL group over a
-store), and `wait_receives` (waiting for one transfer's posted receives under a deadline, with
-the rules that keep a late sender from writing into memory that was handed back).
+Owns: `BufferPool` (reusable staging buffers) and the views of the KV tensor and a staging
+buffer that gathers and scatters index (`staging_view`, `kv_rows`), `Pair` (one side's record of
+a pair group), `pair_group` (a 2-rank gloo / NCCL group over a store), and `wait_receives`
+(waiting for one transfer's posted receives under a deadline, with the rules that keep a late
+sender from writing into memory that was handed back).
 Data enters as posted `Work`s and a header tensor; what leaves is phase timings or a
 `KVTransferError`.
 """
@@ -13,7 +15,9 @@ import logging
 import queue
 import threading
 import time
+from dataclasses import dataclass, field
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -45,6 +49,33 @@ class BufferPool:
             self._free.append(buf)
             self._free.sort(key=lambda b: b.numel())
             del self._free[:-self.keep]
+
+
+def staging_view(pool: BufferPool, kv: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A pooled flat buffer for k blocks of every layer, and its [L * k, 2, B, H, D] view: a
+    chunk [a, b) of the flattened (layer, block) grid is view[a:b]."""
+    flat = pool.take(kv.shape[0] * k * kv[0, 0].numel(), kv.dtype, kv.device)
+    return flat, flat[: kv.shape[0] * k * kv[0, 0].numel()].view((kv.shape[0] * k,) + tuple(kv.shape[2:]))
+
+
+def kv_rows(kv: torch.Tensor, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The KV tensor as [L * N, block elems] rows, and the row of cell (l, j) of blocks `idx`
+    at position l * k + j (the staging buffer's flattened order)."""
+    n = kv.shape[1]
+    layers = torch.arange(kv.shape[0], dtype=torch.long, device=kv.device)
+    return kv.view(kv.shape[0] * n, -1), (layers[:, None] * n + idx[None, :]).reshape(-1)
+
+
+@dataclass
+class Pair:
+    """One side's view of a pair group. Prefill side: `ready` is set once the group exists
+    (or failed: pg stays None); sends on it are serialized by `lock`."""
+    pair_id: str
+    pg: Any = None
+    store: Any = None            # decode side: client of the prefill's store
+    last_used: float = field(default_factory=time.monotonic)
+    ready: threading.Event = field(default_factory=threading.Event)
+    lock: threading.Lock = field(default_factory=threading.Lock)
 
 
 def pair_group(store, rank: int, host: str, timeout_s: float, cuda: bool):
