@@ -23,14 +23,18 @@ class EngineInstance:
         from raycluster.kv_transfer import make_connector
         from raycluster.model.loader import load_model
         from raycluster.model.registry import resolve_model_path
+        from raycluster.parallel.factory import build_runner
 
         cfg = ClusterConfig.model_validate_json(config_json)
         pool = next(p for p in cfg.pools if p.role == role)
         ecfg = cfg.engine_config(pool)
         torch.set_num_threads(cfg.threads_per_instance)
         os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
-        model, _ = load_model(resolve_model_path(ecfg.model))
-        self.engine = LLMEngine(ecfg, model, tokenizer=None)
+        path = resolve_model_path(ecfg.model)
+        model, _ = load_model(path)
+        # A KVP / SPP pool: this replica leads the group; its other ranks are actors (or threads).
+        runner = build_runner(ecfg, model, ecfg.torch_dtype(), model_path=str(path), num_cpus=pool.num_cpus)
+        self.engine = LLMEngine(ecfg, model, tokenizer=None, runner=runner)
         replica = serve.get_replica_context().replica_id.unique_id
         self.instance_id = f"{role}-{replica}"
         connector = None
@@ -71,6 +75,10 @@ class EngineInstance:
         worker = getattr(self, "worker", None)
         if worker is not None:
             worker.stop(timeout=1.0)
+            try:
+                self.engine.close()      # a KVP / SPP group's ranks
+            except Exception:            # a rank already gone: its collective timed out
+                pass
             try:
                 ray.get(self._router.remove_instance.remote(self.instance_id), timeout=5)
             except Exception:       # router gone (cluster shutting down): nothing to tell

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict, Field
+from typing import Literal
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 
 class EngineConfig(BaseModel):
@@ -32,3 +35,21 @@ class EngineConfig(BaseModel):
                                                  "fill the time budget (keeps prefills moving on slow hardware)")
     seed: int = 0
     num_threads: int | None = Field(None, ge=1, description="torch intra-op threads")
+    kvp: int = Field(1, ge=1, le=64, description="KV-cache parallel ranks (Medha KVP): each rank holds the "
+                     "weights and kv_cache_tokens of KV; a request's KV is striped over all of them")
+    spp: int = Field(1, ge=1, le=64, description="stream pipeline stages (Medha SPP): layers split over the "
+                     "stages, prefill micro-chunks stream through them; at most the model's layer count")
+    spp_micro_tokens: int = Field(512, ge=1, description="SPP: prefill tokens per micro-chunk in the pipeline")
+    group_launch: Literal["threads", "ray"] = Field(
+        "threads", description="where the ranks of a KVP / SPP group run: threads of this process, or Ray actors")
+    group_host: str = Field("127.0.0.1", description="address the group's store and gloo sockets bind to")
+    group_timeout_s: float = Field(120.0, gt=0, description="a collective waiting longer fails the step")
+
+    def torch_dtype(self) -> torch.dtype:
+        return getattr(torch, self.dtype)
+
+    @model_validator(mode="after")
+    def _one_parallel_dimension(self) -> "EngineConfig":
+        if self.kvp > 1 and self.spp > 1:
+            raise ValueError("kvp and spp: only one of them may exceed 1 (3D parallelism is not built)")
+        return self

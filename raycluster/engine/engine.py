@@ -18,8 +18,7 @@ import torch
 
 from raycluster.clock import WallClock
 from raycluster.engine.config import EngineConfig
-from raycluster.engine.kv_manager import KVCacheManager
-from raycluster.engine.model_runner import ModelRunner
+from raycluster.parallel.factory import build_runner
 from raycluster.engine.sampler import Sampler
 from raycluster.engine.profiler import load_or_profile
 from raycluster.engine.sched_factory import build_scheduler, needs_predictor
@@ -82,7 +81,9 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 
 class LLMEngine:
     def __init__(self, config: EngineConfig, model, tokenizer=None, clock: Clock | None = None,
-                 predictor: LinearBatchPredictor | None = None) -> None:
+                 predictor: LinearBatchPredictor | None = None, runner=None) -> None:
+        """`runner`: a prebuilt runner (e.g. a KVP / SPP group whose ranks are Ray actors);
+        default one built from `config` (raycluster.parallel.factory)."""
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         self.config = config
@@ -93,8 +94,8 @@ class LLMEngine:
         self.max_model_len = min(config.max_model_len or mcfg.max_model_len, mcfg.max_model_len)
         self.vocab_size = mcfg.vocab_size
         self.eos_token_ids = tuple(tokenizer.eos_token_ids) if tokenizer is not None else tuple(mcfg.eos_token_id)
-        self.kv = KVCacheManager(config.kv_cache_tokens // config.block_size, config.block_size)
-        self.runner = ModelRunner(model, self.kv, _DTYPES[config.dtype], config.device)
+        self.runner = runner or build_runner(config, model, _DTYPES[config.dtype])
+        self.kv = self.runner.kv
         self.predictor = predictor or self._predictor()
         self.scheduler = build_scheduler(config, self.kv, self.clock, self.max_model_len, self.predictor)
         self.sampler = Sampler(config.seed)
@@ -116,7 +117,8 @@ class LLMEngine:
 
         path = resolve_model_path(config.model)
         model, mcfg = load_model(path, dtype=_DTYPES[config.dtype], device=config.device)
-        return cls(config, model, Tokenizer(path, mcfg.eos_token_id), clock)
+        runner = build_runner(config, model, _DTYPES[config.dtype], model_path=str(path))
+        return cls(config, model, Tokenizer(path, mcfg.eos_token_id), clock, runner=runner)
 
     # ---- requests --------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int],
@@ -180,6 +182,10 @@ class LLMEngine:
 
     def _validate(self, ids: list[int], sp: SamplingParams) -> None:
         validate_request(ids, sp, self.max_model_len, self.vocab_size, self.kv.capacity_tokens())
+
+    def close(self) -> None:
+        """Stop the runner's group ranks, if any (a single-process runner holds nothing)."""
+        self.runner.close()
 
     def abort_request(self, request_id: str) -> bool:
         self._texts.pop(request_id, None)

@@ -34,7 +34,15 @@ class BlockAllocator:
     def num_used(self) -> int:
         return self.num_blocks - len(self._free)
 
-    def allocate(self, n: int) -> list[int]:
+    def can_allocate(self, n: int, first_index: int = 0) -> bool:
+        """Whether `n` more blocks fit (`first_index`: the request's next logical block, which a
+        sharded allocator places by; this one has a single pool)."""
+        return n <= len(self._free)
+
+    def free_blocks(self) -> list[int]:
+        return list(self._free)
+
+    def allocate(self, n: int, first_index: int = 0) -> list[int]:
         if n > len(self._free):
             raise OutOfBlocks(f"need {n} blocks, {len(self._free)} free")
         free, refs = self._free, self._refs
@@ -72,11 +80,13 @@ class BlockAllocator:
 
 
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int) -> None:
+    def __init__(self, num_blocks: int, block_size: int, allocator=None) -> None:
+        """`allocator`: a `BlockAllocator`-like pool (e.g. the KVP ranks' striped one);
+        default a single pool of `num_blocks`."""
         if block_size <= 0:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
         self.block_size = block_size
-        self.allocator = BlockAllocator(num_blocks)
+        self.allocator = allocator or BlockAllocator(num_blocks)
         self.block_tables: dict[str, list[int]] = {}
 
     @property
@@ -103,10 +113,10 @@ class KVCacheManager:
         if need <= 0:
             self.block_tables.setdefault(req.request_id, table)
             return True
-        if need > self.allocator.num_free:
+        if not self.allocator.can_allocate(need, len(table)):
             return False
         table = self.block_tables.setdefault(req.request_id, table)
-        table.extend(self.allocator.allocate(need))
+        table.extend(self.allocator.allocate(need, len(table)))
         return True
 
     def fork(self, src_id: str, dst_id: str) -> None:
@@ -130,7 +140,7 @@ class KVCacheManager:
     def check(self) -> None:
         """Raise AssertionError if the bookkeeping is inconsistent."""
         a = self.allocator
-        free = list(a._free)
+        free = a.free_blocks()
         free_set = set(free)
         assert len(free_set) == len(free), "a block is on the free list twice"
         refs = Counter(b for table in self.block_tables.values() for b in table)

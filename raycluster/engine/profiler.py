@@ -19,8 +19,8 @@ from typing import Callable, Sequence
 
 import torch
 
-from kernels.metadata import AttentionMetadata
 from raycluster.engine.model_runner import ModelRunner
+from raycluster.parallel.plan import StepPlan
 from raycluster.model.registry import cache_dir
 from raycluster.sched.predictor import LinearBatchPredictor
 from raycluster.sched.profile import fit_and_report, profile
@@ -29,6 +29,7 @@ RunBatch = Callable[[Sequence[tuple[int, int]], Sequence[int]], float]
 
 
 def make_run_batch(runner: ModelRunner) -> RunBatch:
+    """Times synthetic steps through `runner.run_plan`, so a parallel group is profiled as it runs."""
     bs = runner.kv.block_size
     n_blocks = runner.kv.num_blocks
     vocab = runner.model.config.vocab_size
@@ -37,35 +38,25 @@ def make_run_batch(runner: ModelRunner) -> RunBatch:
         return [(offset + i) % n_blocks for i in range(-(-length // bs))]
 
     def run(prefills: Sequence[tuple[int, int]], decode_kv: Sequence[int]) -> float:
-        q_lens, kv_lens, p_tables, positions, slots = [], [], [], [], []
+        starts, lens, p_tables, d_tables = [], [], [], []
         offset = 0
         for q, kv in prefills:
             t = table(kv + q, offset)
             offset += len(t)
-            q_lens.append(q)
-            kv_lens.append(kv + q)
+            starts.append(kv)
+            lens.append(q)
             p_tables.append(t)
-            pos = torch.arange(kv, kv + q)
-            positions.append(pos)
-            slots.append(torch.tensor(t, dtype=torch.long)[pos // bs] * bs + pos % bs)
-        d_tables = []
         for kv in decode_kv:
             t = table(kv, offset)
             offset += len(t)
             d_tables.append(t)
-        if decode_kv:
-            pos = torch.tensor([kv - 1 for kv in decode_kv], dtype=torch.long)
-            positions.append(pos)
-            slots.append(torch.tensor([t[p // bs] for t, p in zip(d_tables, pos.tolist())]) * bs + pos % bs)
-        meta = AttentionMetadata(
-            num_prefill_tokens=sum(q_lens), num_decode_tokens=len(decode_kv), prefill_query_lens=q_lens,
-            prefill_kv_lens=kv_lens, prefill_block_tables=p_tables, decode_kv_lens=list(decode_kv),
-            decode_block_tables=d_tables, slot_mapping=torch.cat(slots), block_size=bs)
-        n = meta.num_tokens
-        ids = torch.randint(6, vocab, (n,))
+        n = sum(lens) + len(decode_kv)
+        rows = list(range(n - max(1, len(prefills) + len(decode_kv)), n))
+        plan = StepPlan(input_ids=torch.randint(6, vocab, (n,)).tolist(), prefill_starts=starts,
+                        prefill_lens=lens, prefill_tables=p_tables,
+                        decode_positions=[kv - 1 for kv in decode_kv], decode_tables=d_tables, sample_rows=rows)
         t0 = time.perf_counter()
-        hidden = runner.model(ids, torch.cat(positions), runner.kv_cache, meta)
-        runner.model.compute_logits(hidden[-max(1, len(prefills) + len(decode_kv)):])
+        runner.model.compute_logits(runner.run_plan(plan))
         return time.perf_counter() - t0
 
     return run
@@ -100,8 +91,11 @@ def profile_runner(runner: ModelRunner, plan: list, repeats: int = 2) -> tuple[L
 
 def profile_key(runner: ModelRunner) -> str:
     cfg = runner.model.config
-    ident = json.dumps({"features": 3, "cfg": repr(cfg), "threads": torch.get_num_threads(), "dtype": str(runner.kv_cache.dtype),
-                        "block": runner.kv.block_size}, sort_keys=True)
+    ident = {"features": 3, "cfg": repr(cfg), "threads": torch.get_num_threads(), "dtype": str(runner.dtype),
+             "block": runner.kv.block_size}
+    if runner.layout != "single":    # a KVP / SPP group runs the same step in a different time
+        ident["layout"] = runner.layout
+    ident = json.dumps(ident, sort_keys=True)
     return hashlib.sha256(ident.encode()).hexdigest()[:16]
 
 

@@ -109,8 +109,10 @@ class LlamaForCausalLM(nn.Module):
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
-                meta: AttentionMetadata) -> torch.Tensor:
-        backend = self._backend(input_ids.device)
+                meta: AttentionMetadata, backend=None) -> torch.Tensor:
+        """`backend`: an attention backend for this call only (a KVP rank's, with its own shard
+        and collective); default the model's."""
+        backend = backend or self._backend(input_ids.device)
         meta.prepare(kv_cache.device)
         x = self.model.embed_tokens(input_ids)
         cos, sin = self.rotary.cos_sin(positions, x.dtype)

@@ -1,0 +1,1 @@
+"""Parallel worker groups: KV-cache parallelism (KVP) and stream pipeline parallelism (SPP)."""

@@ -1,0 +1,46 @@
+"""Builds an engine's model runner from its config: one process (`ModelRunner`), or the leader of
+a KVP / SPP group whose other ranks run as threads here or as Ray actors
+(raycluster.parallel.ray_group). The runner's `kv` is the engine's block bookkeeping."""
+
+from __future__ import annotations
+
+import torch
+
+from raycluster.engine.config import EngineConfig
+from raycluster.engine.kv_manager import KVCacheManager
+from raycluster.engine.model_runner import ModelRunner
+from raycluster.parallel.group import Collective, GroupAddress, ThreadRanks, free_port
+
+
+def group_worker(kind: str, model, coll: Collective, config: EngineConfig, dtype: torch.dtype):
+    """The per-plan function rank `coll.rank` runs in a group of `kind` ("kvp" | "spp")."""
+    blocks = config.kv_cache_tokens // config.block_size
+    if kind == "kvp":
+        from raycluster.parallel.kvp import kvp_worker
+        return kvp_worker(model, coll, blocks, config.block_size, dtype, config.device)
+    from raycluster.parallel.spp import spp_worker
+    return spp_worker(model, coll, config.spp, blocks, config.block_size, dtype, config.device,
+                      config.spp_micro_tokens)
+
+
+def build_runner(config: EngineConfig, model, dtype: torch.dtype, model_path: str | None = None,
+                 num_cpus: float = 1.0):
+    blocks = config.kv_cache_tokens // config.block_size
+    if config.kvp == 1 and config.spp == 1:
+        return ModelRunner(model, KVCacheManager(blocks, config.block_size), dtype, config.device)
+    kind, world = ("kvp", config.kvp) if config.kvp > 1 else ("spp", config.spp)
+    if kind == "spp" and config.spp > model.config.num_hidden_layers:
+        raise ValueError(f"spp: {config.spp} stages for {model.config.num_hidden_layers} layers")
+    addr = GroupAddress(config.group_host, free_port(config.group_host), world, config.group_timeout_s)
+    if config.group_launch == "ray":
+        from raycluster.parallel.ray_group import RayRanks
+        ranks = RayRanks(addr, kind, config, model_path, num_cpus)
+    else:
+        ranks = ThreadRanks(addr, lambda coll: group_worker(kind, model, coll, config, dtype), config.device)
+    coll = Collective(addr, 0, config.device)      # returns once every rank has joined
+    if kind == "kvp":
+        from raycluster.parallel.kvp import KVPRunner
+        return KVPRunner(model, coll, world, blocks, config.block_size, dtype, config.device, ranks=ranks)
+    from raycluster.parallel.spp import SPPRunner
+    return SPPRunner(model, KVCacheManager(blocks, config.block_size), coll, world, dtype, config.device,
+                     config.spp_micro_tokens, ranks=ranks)

@@ -1,0 +1,280 @@
+"""KV-cache parallelism (Medha KVP): one request's KV spread over the ranks of a group.
+
+Every rank holds the full weights and a KV pool of `blocks_per_rank` blocks. Global block id
+g lives on rank g // blocks_per_rank at local block g % blocks_per_rank, and `StripedAllocator`
+places a request's logical block i on rank i % world, so each rank holds about 1/world of every
+request's KV and reads only that share in a step.
+
+A step (`KVPRank.run(plan)`): every rank runs the linear layers on all of the step's tokens
+(same inputs, same weights: same results). Per layer, each rank writes the new K/V it owns and
+computes a partial attention state (output, base-2 LSE) of every query over its own tokens --
+for a prefill chunk, over the earlier tokens it holds, plus, on one rank chosen per request, the
+chunk itself under the causal mask; for a decode token, over its tokens up to and including the
+new one. One `all_gather` per layer brings every rank all states, and each merges them by
+online softmax in rank order, so all ranks continue with the same attention output.
+
+Data enters as a `StepPlan` (global block tables) broadcast by the leader (rank 0, the engine's
+`KVPRunner`); what leaves is the leader's final hidden rows of `plan.sample_rows`.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from kernels.metadata import AttentionMetadata
+from kernels.torch_backend import LOG2E, Workspace, _attend, _gather_rows, merge_states, paged_decode_attention, write_kv
+from raycluster.engine.kv_manager import KVCacheManager, OutOfBlocks
+from raycluster.engine.model_runner import execute_step
+from raycluster.parallel.group import Collective
+from raycluster.parallel.plan import StepPlan, plan_inputs
+
+
+class StripedAllocator:
+    """`BlockAllocator`'s interface over `world` per-rank pools: logical block i of a request
+    comes from rank i % world (the `first_index` of `allocate` / `can_allocate`)."""
+
+    def __init__(self, blocks_per_rank: int, world: int) -> None:
+        if blocks_per_rank <= 0 or world <= 0:
+            raise ValueError(f"blocks_per_rank and world must be >= 1, got {blocks_per_rank}, {world}")
+        self.blocks_per_rank, self.world = blocks_per_rank, world
+        self.num_blocks = blocks_per_rank * world
+        self._pools = [deque(range(r * blocks_per_rank, (r + 1) * blocks_per_rank)) for r in range(world)]
+        self._refs = [0] * self.num_blocks
+        self._num_free = self.num_blocks
+
+    @property
+    def num_free(self) -> int:
+        return self._num_free
+
+    @property
+    def num_used(self) -> int:
+        return self.num_blocks - self._num_free
+
+    def _per_rank(self, n: int, first_index: int) -> list[int]:
+        base, extra = divmod(n, self.world)
+        return [base + ((r - first_index) % self.world < extra) for r in range(self.world)]
+
+    def can_allocate(self, n: int, first_index: int = 0) -> bool:
+        return all(k <= len(p) for k, p in zip(self._per_rank(n, first_index), self._pools))
+
+    def free_blocks(self) -> list[int]:
+        return [b for p in self._pools for b in p]
+
+    def allocate(self, n: int, first_index: int = 0) -> list[int]:
+        if not self.can_allocate(n, first_index):
+            raise OutOfBlocks(f"need {n} blocks from index {first_index}; free per rank "
+                              f"{[len(p) for p in self._pools]}")
+        blocks = [self._pools[(first_index + j) % self.world].popleft() for j in range(n)]
+        for b in blocks:
+            self._refs[b] = 1
+        self._num_free -= n
+        return blocks
+
+    def incref(self, block: int) -> None:
+        if self._refs[block] <= 0:
+            raise ValueError(f"block {block} is free; cannot share it")
+        self._refs[block] += 1
+
+    def free(self, block: int) -> None:
+        if self._refs[block] <= 0:
+            raise ValueError(f"double free of block {block}")
+        self._refs[block] -= 1
+        if self._refs[block] == 0:
+            self._pools[block // self.blocks_per_rank].append(block)
+            self._num_free += 1
+
+    def free_all(self, blocks) -> None:
+        for b in blocks:
+            self.free(b)
+
+    def refcount(self, block: int) -> int:
+        return self._refs[block]
+
+
+def local_share(table: list[int], length: int, rank: int, world: int, block_size: int,
+                blocks_per_rank: int) -> tuple[list[int], int]:
+    """The local block ids and token count of the first `length` tokens of a request that
+    `rank` holds (its logical blocks rank, rank + world, ...; the last may be partial)."""
+    nb = -(-length // block_size)
+    mine = [table[i] - rank * blocks_per_rank for i in range(rank, nb, world)]
+    n = len(mine) * block_size
+    if mine and (nb - 1) % world == rank:
+        n -= nb * block_size - length
+    return mine, n
+
+
+@dataclass
+class _PrefillPart:
+    q0: int                         # first row of the chunk in the step
+    n: int
+    prefix_rows: torch.Tensor       # K block rows then V block rows of kv_layer.view(N * 2, -1)
+    prefix_blocks: int
+    prefix_len: int                 # earlier tokens this rank holds
+    causal_here: bool               # this rank attends the chunk to itself
+
+
+@dataclass
+class KVPMeta:
+    """One rank's view of a step, built once and read by every layer."""
+    write_idx: torch.Tensor         # step rows whose new K/V this rank stores
+    write_rows: torch.Tensor        # their rows in kv_layer viewed as [N * 2 * B, Hkv * D]
+    prefills: list[_PrefillPart]
+    num_prefill_tokens: int
+    decode_idx: torch.Tensor | None  # decode rows (within the decodes) with tokens on this rank
+    decode_meta: AttentionMetadata | None
+    cache: dict = field(default_factory=dict)
+
+    def prepare(self, device=None) -> dict:   # the model calls this on any metadata
+        return self.cache
+
+
+def kvp_meta(plan: StepPlan, slot_mapping: torch.Tensor, rank: int, world: int, block_size: int,
+             blocks_per_rank: int, device) -> KVPMeta:
+    bs, nloc = block_size, blocks_per_rank
+    blocks = torch.div(slot_mapping, bs, rounding_mode="floor")
+    owned = torch.div(blocks, nloc, rounding_mode="floor") == rank
+    write_idx = owned.nonzero().flatten()
+    write_rows = (blocks[write_idx] - rank * nloc) * (2 * bs) + slot_mapping[write_idx] % bs
+    parts, q0 = [], 0
+    for j, (start, n, table) in enumerate(zip(plan.prefill_starts, plan.prefill_lens, plan.prefill_tables)):
+        mine, m = local_share(table, start, rank, world, bs, nloc) if start else ([], 0)
+        ids = torch.tensor(mine, dtype=torch.long)
+        parts.append(_PrefillPart(q0, n, torch.cat([ids * 2, ids * 2 + 1]).to(device), len(mine), m,
+                                  causal_here=j % world == rank))
+        q0 += n
+    sel, lens, tables = [], [], []
+    for i, (pos, table) in enumerate(zip(plan.decode_positions, plan.decode_tables)):
+        mine, m = local_share(table, pos + 1, rank, world, bs, nloc)
+        if m:
+            sel.append(i)
+            lens.append(m)
+            tables.append(mine)
+    dmeta = None
+    if sel:
+        dmeta = AttentionMetadata(num_prefill_tokens=0, num_decode_tokens=len(sel), prefill_query_lens=[],
+                                  prefill_kv_lens=[], prefill_block_tables=[], decode_kv_lens=lens,
+                                  decode_block_tables=tables, slot_mapping=torch.zeros(len(sel), dtype=torch.long),
+                                  block_size=bs)
+        dmeta.prepare(device)
+    return KVPMeta(write_idx.to(device), write_rows.to(device), parts, q0,
+                   torch.tensor(sel, dtype=torch.long, device=device) if sel else None, dmeta)
+
+
+class KVPAttention:
+    """The attention backend of one KVP rank: partial states over its shard, merged across ranks."""
+
+    name = "kvp"
+
+    def __init__(self, coll: Collective | None) -> None:
+        self.coll = coll
+        self.workspace = Workspace()
+
+    def forward(self, layer_kv: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                meta: KVPMeta, scale: float) -> torch.Tensor:
+        if meta.write_idx.numel():
+            write_kv(layer_kv, k.index_select(0, meta.write_idx), v.index_select(0, meta.write_idx), None,
+                     slot_row=meta.write_rows)
+        t, hq, d = q.shape
+        bs, hkv = layer_kv.shape[2], layer_kv.shape[3]
+        # [T, Hq * D + Hq]: output then base-2 LSE, so one all_gather carries both.
+        state = torch.zeros((t, hq * d + hq), dtype=torch.float32, device=q.device)
+        out, lse = state[:, :hq * d].view(t, hq, d), state[:, hq * d:]
+        lse.fill_(float("-inf"))
+        for p in meta.prefills:
+            qs = q[p.q0:p.q0 + p.n]
+            o = l_ = None
+            if p.causal_here:
+                o, l_ = _attend(qs, k[p.q0:p.q0 + p.n].to(layer_kv.dtype), v[p.q0:p.q0 + p.n].to(layer_kv.dtype),
+                                True, scale)
+            if p.prefix_len:
+                kv = _gather_rows(layer_kv, p.prefix_rows, "prefix", self.workspace)
+                nb = p.prefix_blocks
+                kp = kv[:nb].view(nb * bs, hkv, d)[:p.prefix_len]
+                vp = kv[nb:].view(nb * bs, hkv, d)[:p.prefix_len]
+                op, lp = _attend(qs.to(kp.dtype), kp, vp, False, scale)
+                o, l_ = (op, lp) if o is None else _merge_natural(o, l_, op, lp)
+            if o is not None:
+                out[p.q0:p.q0 + p.n] = o.float()
+                lse[p.q0:p.q0 + p.n] = l_ * LOG2E
+        if meta.decode_meta is not None:
+            rows = meta.decode_idx + meta.num_prefill_tokens
+            od, ld = paged_decode_attention(q.index_select(0, rows), layer_kv, meta.decode_meta, scale,
+                                            return_lse=True, workspace=self.workspace)
+            out.index_copy_(0, rows, od.float())
+            lse.index_copy_(0, rows, ld)
+        if self.coll is None:
+            return out.to(q.dtype)
+        states = self.coll.all_gather(state).transpose(0, 1)          # [T, world, Hq * D + Hq]
+        merged, _ = merge_states(states[..., :hq * d].reshape(t, -1, hq, d), states[..., hq * d:])
+        return merged.to(q.dtype)
+
+
+def _merge_natural(o1, l1, o2, l2):
+    m = torch.maximum(l1, l2)
+    w1, w2 = torch.exp(l1 - m), torch.exp(l2 - m)
+    s = w1 + w2
+    return (o1.float() * (w1 / s)[..., None] + o2.float() * (w2 / s)[..., None]), torch.log(s) + m
+
+
+class KVPRank:
+    """One rank: its KV shard [L, blocks_per_rank, 2, B, Hkv, D] and the step loop."""
+
+    def __init__(self, model, coll: Collective | None, rank: int, world: int, blocks_per_rank: int,
+                 block_size: int, dtype: torch.dtype, device: str | torch.device = "cpu") -> None:
+        self.model, self.rank, self.world = model, rank, world
+        self.blocks_per_rank, self.block_size = blocks_per_rank, block_size
+        self.device = torch.device(device)
+        self.kv_cache = torch.zeros(model.kv_cache_shape(blocks_per_rank, block_size), dtype=dtype,
+                                    device=self.device)
+        self.backend = KVPAttention(coll if world > 1 else None)
+
+    def run(self, plan: StepPlan) -> torch.Tensor:
+        input_ids, positions, gmeta = plan_inputs(plan, self.block_size, self.device)
+        meta = kvp_meta(plan, gmeta.slot_mapping, self.rank, self.world, self.block_size,
+                        self.blocks_per_rank, self.device)
+        hidden = self.model(input_ids, positions, self.kv_cache, meta, backend=self.backend)
+        return hidden.index_select(0, torch.tensor(plan.sample_rows, dtype=torch.long, device=hidden.device))
+
+
+def kvp_worker(model, coll: Collective, blocks_per_rank: int, block_size: int, dtype: torch.dtype,
+               device: str = "cpu") -> Callable[[StepPlan], torch.Tensor]:
+    """What a non-leader rank runs per plan (for `serve_rank`)."""
+    return KVPRank(model, coll, coll.rank, coll.world, blocks_per_rank, block_size, dtype, device).run
+
+
+class KVPRunner:
+    """The leader (rank 0): the engine's runner over a KVP group. `kv` spans every rank's blocks
+    (a `StripedAllocator`); `run_plan` broadcasts the plan and runs rank 0's share."""
+
+    def __init__(self, model, coll: Collective | None, world: int, blocks_per_rank: int, block_size: int,
+                 dtype: torch.dtype, device: str | torch.device = "cpu", ranks=None) -> None:
+        """`ranks`: the handle of ranks 1..world-1 (`join(timeout)`), stopped by `close`."""
+        self.model, self.coll, self.dtype, self.ranks = model, coll, dtype, ranks
+        self.layout = f"kvp{world}"
+        self.kv = KVCacheManager(blocks_per_rank * world, block_size, StripedAllocator(blocks_per_rank, world))
+        self.rank0 = KVPRank(model, coll, 0, world, blocks_per_rank, block_size, dtype, device)
+        self.device = self.rank0.device
+        self._closed = False
+
+    def kv_bytes_per_token(self) -> int:
+        kv = self.rank0.kv_cache
+        return kv[:, 0].numel() * kv.element_size() // self.kv.block_size
+
+    def run_plan(self, plan: StepPlan) -> torch.Tensor:
+        if self.coll is not None:
+            self.coll.broadcast_plan(plan)
+        return self.rank0.run(plan)
+
+    def execute(self, out):
+        return execute_step(self, out)
+
+    def close(self, timeout: float = 10.0) -> None:
+        if self.coll is not None and not self._closed:
+            self._closed = True
+            self.coll.broadcast_plan(None)
+            if self.ranks is not None:
+                self.ranks.join(timeout)

@@ -1,0 +1,84 @@
+"""The step plan: what the model runs in one engine step, as a plain message.
+
+`step_plan(out, tables)` turns a `SchedulerOutput` into a `StepPlan` (ints and lists only, so a
+parallel group's leader can broadcast it to its workers) plus the requests whose rows are
+sampled. `plan_inputs(plan, block_size)` turns a plan into the model's flat inputs and the
+attention metadata. Token layout (kernels.metadata): prefill chunks first, request by request,
+then one token per decode. A row is sampled for a request when the step computes its last known
+token.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kernels.metadata import AttentionMetadata
+from raycluster.engine.scheduler import SchedulerOutput
+from raycluster.request import Request
+
+
+@dataclass
+class StepPlan:
+    input_ids: list[int]
+    prefill_starts: list[int]           # per prefill request: tokens computed before this chunk
+    prefill_lens: list[int]             # per prefill request: tokens in this chunk
+    prefill_tables: list[list[int]]
+    decode_positions: list[int]         # per decode request: position of its new token
+    decode_tables: list[list[int]]
+    sample_rows: list[int]              # rows of the step's tokens whose logits are sampled
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.input_ids)
+
+
+def step_plan(out: SchedulerOutput, tables: dict[str, list[int]]) -> tuple[StepPlan, list[Request]]:
+    ids: list[int] = []
+    starts, lens, p_tables, rows, reqs = [], [], [], [], []
+    for req, n in out.prefills:
+        start = req.num_computed_tokens
+        known = req.all_token_ids
+        ids.extend(known[start:start + n])
+        starts.append(start)
+        lens.append(n)
+        p_tables.append(tables[req.request_id])
+        if start + n == len(known):
+            rows.append(len(ids) - 1)
+            reqs.append(req)
+    d_pos, d_tables = [], []
+    for req in out.decodes:
+        ids.append(req.output_token_ids[-1])
+        d_pos.append(req.num_computed_tokens)
+        d_tables.append(tables[req.request_id])
+        rows.append(len(ids) - 1)
+        reqs.append(req)
+    return StepPlan(ids, starts, lens, p_tables, d_pos, d_tables, rows), reqs
+
+
+def _slots(table: list[int], start: int, end: int, bs: int) -> torch.Tensor:
+    pos = torch.arange(start, end)
+    return torch.tensor(table, dtype=torch.long)[pos // bs] * bs + pos % bs
+
+
+def plan_inputs(plan: StepPlan, block_size: int,
+                device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+    """(input_ids [T], positions [T], metadata) of a plan; slots address the plan's block ids."""
+    bs = block_size
+    positions, slots = [], []
+    for start, n, table in zip(plan.prefill_starts, plan.prefill_lens, plan.prefill_tables):
+        positions.append(torch.arange(start, start + n))
+        slots.append(_slots(table, start, start + n, bs))
+    if plan.decode_positions:
+        positions.append(torch.tensor(plan.decode_positions, dtype=torch.long))
+        slots.append(torch.tensor([t[p // bs] * bs + p % bs for t, p in zip(plan.decode_tables, plan.decode_positions)],
+                                  dtype=torch.long))
+    meta = AttentionMetadata(
+        num_prefill_tokens=sum(plan.prefill_lens), num_decode_tokens=len(plan.decode_positions),
+        prefill_query_lens=list(plan.prefill_lens),
+        prefill_kv_lens=[s + n for s, n in zip(plan.prefill_starts, plan.prefill_lens)],
+        prefill_block_tables=plan.prefill_tables, decode_kv_lens=[p + 1 for p in plan.decode_positions],
+        decode_block_tables=plan.decode_tables, slot_mapping=torch.cat(slots).to(device), block_size=bs)
+    input_ids = torch.tensor(plan.input_ids, dtype=torch.long, device=device)
+    return input_ids, torch.cat(positions).to(device), meta

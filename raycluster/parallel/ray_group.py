@@ -1,0 +1,49 @@
+"""Ranks 1..world-1 of a KVP / SPP group as Ray actors (the leader is the engine's process).
+
+Each `GroupRank` actor loads the model itself from `model_path`, joins the group's store at the
+`GroupAddress` the leader chose, and runs `serve_rank` in one long actor call until the leader
+broadcasts None. `RayRanks.join` waits for those calls, then kills the actors.
+"""
+
+from __future__ import annotations
+
+import ray
+import torch
+
+from raycluster.engine.config import EngineConfig
+from raycluster.parallel.group import Collective, GroupAddress, serve_rank
+
+
+@ray.remote
+class GroupRank:
+    def __init__(self, model_path: str, config_json: str, threads: int) -> None:
+        from raycluster.model.loader import load_model
+
+        torch.set_num_threads(threads)
+        self.config = EngineConfig.model_validate_json(config_json)
+        self.dtype = self.config.torch_dtype()
+        self.model, _ = load_model(model_path, dtype=self.dtype, device=self.config.device)
+
+    def serve(self, kind: str, addr: GroupAddress, rank: int) -> int:
+        from raycluster.parallel.factory import group_worker
+
+        coll = Collective(addr, rank, self.config.device)
+        return serve_rank(coll, group_worker(kind, self.model, coll, self.config, self.dtype))
+
+
+class RayRanks:
+    def __init__(self, addr: GroupAddress, kind: str, config: EngineConfig, model_path: str | None,
+                 num_cpus: float = 1.0) -> None:
+        if model_path is None:
+            raise ValueError("group_launch 'ray' needs the checkpoint path for the ranks to load")
+        threads = config.num_threads or torch.get_num_threads()
+        self.actors = [GroupRank.options(num_cpus=num_cpus).remote(model_path, config.model_dump_json(), threads)
+                       for _ in range(1, addr.world)]
+        self.calls = [a.serve.remote(kind, addr, r) for r, a in enumerate(self.actors, start=1)]
+
+    def join(self, timeout: float) -> None:
+        try:
+            ray.get(self.calls, timeout=timeout)
+        finally:
+            for a in self.actors:
+                ray.kill(a)

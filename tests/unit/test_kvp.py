@@ -1,0 +1,151 @@
+"""KV-cache parallelism: the striped allocator, each rank's share, and a KVP group (ranks as
+threads over gloo) against the single-process runner -- step by step on the hidden states, and
+end to end on greedy tokens, including a context no single rank can hold."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from pydantic import ValidationError
+
+from raycluster.cluster.config import ClusterConfig
+from raycluster.engine.config import EngineConfig
+from raycluster.engine.engine import InvalidRequestError, LLMEngine
+from raycluster.engine.kv_manager import KVCacheManager
+from raycluster.engine.model_runner import ModelRunner
+from raycluster.model.loader import load_model
+from raycluster.parallel.factory import build_runner
+from raycluster.parallel.kvp import StripedAllocator, local_share
+from raycluster.parallel.plan import step_plan
+from raycluster.request import Request, SamplingParams
+
+pytestmark = pytest.mark.usefixtures("gloo_loopback")
+
+BASE = dict(policy="fcfs", packer="token", predictor="none", block_size=16)
+
+
+@pytest.fixture
+def gloo_loopback(monkeypatch):
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "lo")
+
+
+@pytest.fixture(scope="module")
+def model(tiny_model_dir):
+    return load_model(tiny_model_dir)[0]
+
+
+def test_striped_allocator_places_logical_block_i_on_rank_i_mod_world():
+    a = StripedAllocator(blocks_per_rank=4, world=2)
+    assert a.allocate(5, 0) == [0, 4, 1, 5, 2]          # ranks 0,1,0,1,0
+    assert a.allocate(2, 5) == [6, 3]                     # indices 5, 6 -> ranks 1, 0
+    assert a.num_free == 1 and a.free_blocks() == [7]
+    assert a.can_allocate(1, 1) and not a.can_allocate(1, 0)   # rank 0 is full, rank 1 is not
+    with pytest.raises(RuntimeError, match="free per rank"):
+        a.allocate(1, 2)
+    a.free(4)
+    a.free_all([0, 1])
+    assert sorted(a.free_blocks()) == [0, 1, 4, 7] and a.num_free == 4
+    with pytest.raises(ValueError, match="double free"):
+        a.free(0)
+    kv = KVCacheManager(8, 16, StripedAllocator(4, 2))
+    req = Request("r", list(range(70)), SamplingParams())
+    assert kv.try_allocate(req, 70)
+    assert kv.block_tables["r"] == [0, 4, 1, 5, 2]
+    kv.check()
+    kv.free("r")
+    kv.check()
+    assert kv.num_free_blocks == 8
+
+
+def test_local_share_counts_each_ranks_tokens():
+    table = [0, 4, 1, 5, 2]                 # blocks_per_rank 4, world 2, block 16
+    assert local_share(table, 70, 0, 2, 16, 4) == ([0, 1, 2], 16 + 16 + 6)
+    assert local_share(table, 70, 1, 2, 16, 4) == ([0, 1], 32)
+    assert local_share(table, 48, 1, 2, 16, 4) == ([0], 16)     # last block (index 2) is rank 0's
+    assert local_share(table, 17, 1, 2, 16, 4) == ([0], 1)
+    assert local_share(table, 16, 1, 2, 16, 4) == ([], 0)
+
+
+def _scripted_steps(kv: KVCacheManager, block_size: int) -> list:
+    """Step plans of two requests: a 300-token prompt in chunks of 100 (chunk starts mid-block),
+    a 40-token one joining in the second step, then decodes of both."""
+    rng = random.Random(1)
+    a = Request("a", [rng.randrange(6, 4000) for _ in range(300)], SamplingParams())
+    b = Request("b", [rng.randrange(6, 4000) for _ in range(40)], SamplingParams())
+
+    class Out:
+        def __init__(self, prefills, decodes):
+            self.prefills, self.decodes = prefills, decodes
+
+    steps = [([(a, 100)], []), ([(a, 100), (b, 40)], []), ([(a, 100)], [b])] + [([], [a, b])] * 5
+    plans = []
+    for prefills, decodes in steps:
+        for r, n in prefills:
+            assert kv.try_allocate(r, n)
+        for r in decodes:
+            assert kv.try_allocate(r, 1)
+        plans.append(step_plan(Out(prefills, decodes), kv.block_tables)[0])
+        for r, n in prefills:
+            r.num_computed_tokens += n
+            if r.num_computed_tokens == r.num_prompt_tokens:
+                r.output_token_ids.append(rng.randrange(6, 4000))
+        for r in decodes:
+            r.num_computed_tokens += 1
+            r.output_token_ids.append(rng.randrange(6, 4000))
+    return plans
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_kvp_group_matches_the_single_runner_step_by_step(model, world):
+    bs, per_rank = 16, 16
+    cfg = EngineConfig(**BASE, kv_cache_tokens=per_rank * bs, kvp=world, group_timeout_s=30)
+    kvp = build_runner(cfg, model, torch.float32)
+    try:
+        plans = _scripted_steps(kvp.kv, bs)
+        single = ModelRunner(model, KVCacheManager(per_rank * world, bs))   # same global block ids
+        used = {b // per_rank for p in plans for t in p.prefill_tables + p.decode_tables for b in t}
+        assert used == set(range(world))
+        for plan in plans:
+            want, got = single.run_plan(plan), kvp.run_plan(plan)
+            assert got.shape == want.shape
+            torch.testing.assert_close(got, want, atol=2e-4, rtol=1e-4)
+    finally:
+        kvp.close()
+    for t in kvp.ranks._threads:
+        assert not t.is_alive()
+    assert kvp.ranks.errors == []
+
+
+def _generate(model, prompts, **cfg):
+    engine = LLMEngine(EngineConfig(**BASE, **cfg), model)
+    try:
+        out = engine.generate(prompts, SamplingParams(max_tokens=10, ignore_eos=True), max_steps=500)
+        engine.kv.check()
+        assert engine.kv.num_free_blocks == engine.kv.num_blocks
+        return out
+    finally:
+        engine.close()
+
+
+def test_kvp_engine_greedy_tokens_equal_and_it_holds_a_context_no_rank_can(model):
+    rng = random.Random(0)
+    prompts = [[rng.randrange(6, 4000) for _ in range(n)] for n in (700, 33, 150, 1)]
+    want = _generate(model, prompts, kv_cache_tokens=4096, chunk_size=100)
+    assert _generate(model, prompts, kv_cache_tokens=512, chunk_size=100, kvp=2, group_timeout_s=30) == want
+    # 700 + 10 tokens need 45 blocks: more than one rank's 32, fewer than two ranks' 64.
+    with pytest.raises(InvalidRequestError):
+        _generate(model, prompts[:1], kv_cache_tokens=512, chunk_size=100)
+    assert _generate(model, prompts[:1], kv_cache_tokens=512, chunk_size=100, kvp=2,
+                     group_timeout_s=30) == want[:1]
+
+
+def test_parallel_config_errors_name_the_field():
+    with pytest.raises(ValidationError, match="kvp and spp"):
+        EngineConfig(kvp=2, spp=2)
+    with pytest.raises(ValidationError, match="kvp"):
+        EngineConfig(kvp=0)
+    with pytest.raises(ValidationError, match="KV handoff"):
+        ClusterConfig(pools=[{"role": "prefill-long", "engine": {"kvp": 2}}, {"role": "decode"}])
+    ClusterConfig(pools=[{"role": "mixed", "engine": {"kvp": 2, "group_launch": "ray"}}])
