@@ -25,6 +25,10 @@ import torch
 import torch.distributed as dist
 
 
+# A step plan up to this size (a few thousand block ids) goes in one broadcast.
+PLAN_BUFFER_BYTES = 64 * 1024
+
+
 @dataclass
 class GroupAddress:
     host: str
@@ -56,7 +60,7 @@ class Collective:
             opts._devices = [dist.ProcessGroupGloo.create_device(hostname=addr.host)]
             opts._timeout = t
             self.pg = dist.ProcessGroupGloo(self.store, rank, addr.world, opts)
-        self._len = torch.zeros(1, dtype=torch.int64)
+        self._buf = torch.zeros(PLAN_BUFFER_BYTES, dtype=torch.uint8)
 
     def all_gather(self, t: torch.Tensor) -> torch.Tensor:
         """[world, *t.shape]: every rank's tensor, in rank order."""
@@ -73,15 +77,29 @@ class Collective:
         return t
 
     def broadcast_plan(self, plan: Any = None) -> Any:
-        """Rank 0 passes the plan (None stops the group); every rank returns it."""
+        """Rank 0 passes the plan (None stops the group); every rank returns it. One broadcast of
+        a fixed buffer (length + pickle) when the plan fits, a second for the rest when not."""
+        buf = self._buf
         if self.rank == 0:
-            payload = torch.frombuffer(bytearray(pickle.dumps(plan, protocol=5)), dtype=torch.uint8)
-            self._len[0] = payload.numel()
-        self.pg.broadcast([self._len], dist.BroadcastOptions()).wait()
-        if self.rank != 0:
-            payload = torch.empty(int(self._len[0]), dtype=torch.uint8)
-        self.pg.broadcast([payload], dist.BroadcastOptions()).wait()
-        return plan if self.rank == 0 else pickle.loads(payload.numpy().tobytes())
+            data = pickle.dumps(plan, protocol=5)
+            n = len(data)
+            buf[:8] = torch.tensor([n], dtype=torch.int64).view(torch.uint8)
+            head = min(n, buf.numel() - 8)
+            buf[8:8 + head] = torch.frombuffer(bytearray(data[:head]), dtype=torch.uint8)
+        self.pg.broadcast([buf], dist.BroadcastOptions()).wait()
+        if self.rank == 0:
+            if n > head:
+                self.pg.broadcast([torch.frombuffer(bytearray(data[head:]), dtype=torch.uint8)],
+                                  dist.BroadcastOptions()).wait()
+            return plan
+        n = int(buf[:8].view(torch.int64)[0])
+        head = min(n, buf.numel() - 8)
+        data = buf[8:8 + head].numpy().tobytes()
+        if n > head:
+            rest = torch.empty(n - head, dtype=torch.uint8)
+            self.pg.broadcast([rest], dist.BroadcastOptions()).wait()
+            data += rest.numpy().tobytes()
+        return pickle.loads(data)
 
 
 def serve_rank(coll: Collective, run: Callable[[Any], Any]) -> int:

@@ -26,6 +26,10 @@ PD_POOLS = [{"role": "prefill-short", "instances": 1, "engine": {"packer": "awd"
              "engine": {"policy": "fcfs", "packer": "token", "decode_selector": "kairos"}}]
 TOPOLOGIES = {
     "mixed": {"pools": [{"role": "mixed", "instances": 2}]},
+    # One Medha KVP instance: the replica leads, its second rank is a Ray actor (token packer:
+    # no profiling run for the group's own predictor).
+    "mixed-kvp": {"pools": [{"role": "mixed", "instances": 1, "engine": {
+        "kvp": 2, "group_launch": "ray", "packer": "token", "predictor": "none"}}]},
     "pd-object_store": {"connector": "object_store", "initial_l_m": 256, "pools": PD_POOLS},
     "pd-nixl": {"connector": "nixl", "initial_l_m": 256, "pools": PD_POOLS},
     "pd-torch_dist": {"connector": "torch_dist", "initial_l_m": 256, "pools": PD_POOLS},

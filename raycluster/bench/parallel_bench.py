@@ -1,0 +1,143 @@
+"""Medha's parallel groups on this machine: KVP decode latency at long context, SPP prefill time.
+
+    raycluster bench parallel [--model tiny|PATH] [--contexts 8192,32768] [--kvp 2]
+        [--prompt 8192] [--chunk 2048] [--spp 2] [--decode-steps 16] [--repeats 3]
+        [--launch threads|ray] [--parts kvp,spp] --out FILE.json
+
+One request alone per run, greedy. Each configuration runs `--repeats` times, the
+configurations alternating within a repeat, so a noisy shared host moves them together; the
+report gives medians and ratios against the single-process engine on one thread:
+
+- kvp: TPOT (median decode step after the first token) of a request with `C` prompt tokens, for
+  one process on 1 thread, one process on `k` torch threads (the same cores used by intra-op
+  parallelism instead), and a KVP group of `k` ranks on 1 thread each.
+- spp: time to first token of one `--prompt`-token prompt in `--chunk` chunks, same three
+  configurations with an SPP group of `--spp` stages.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import sys
+import time
+
+import torch
+
+from raycluster.engine.config import EngineConfig
+from raycluster.engine.engine import LLMEngine
+from raycluster.model.loader import load_model
+from raycluster.model.registry import resolve_model_path
+from raycluster.request import SamplingParams
+
+
+def _engine(model, path: str, launch: str, **cfg) -> LLMEngine:
+    from raycluster.parallel.factory import build_runner
+
+    ecfg = EngineConfig(policy="fcfs", packer="token", predictor="none", group_launch=launch, **cfg)
+    torch.set_num_threads(ecfg.num_threads)
+    return LLMEngine(ecfg, model, runner=build_runner(ecfg, model, ecfg.torch_dtype(), model_path=path))
+
+
+def _one_request(engine: LLMEngine, prompt: list[int], decode_steps: int) -> tuple[float, list[float]]:
+    """(seconds to the first token, seconds of each later decode step)."""
+    engine.add_request("bench", prompt, SamplingParams(max_tokens=decode_steps + 1, ignore_eos=True))
+    t0 = time.perf_counter()
+    ttft, steps = None, []
+    for _ in range(100_000):
+        if not engine.has_unfinished():
+            break
+        t = time.perf_counter()
+        res = engine.step()
+        if ttft is None and any(o.new_token_ids for o in res.outputs):
+            ttft = time.perf_counter() - t0
+        elif ttft is not None:
+            steps.append(time.perf_counter() - t)
+    return ttft, steps
+
+
+def _configs(kind: str, k: int) -> list[tuple[str, dict]]:
+    return [("1 process, 1 thread", {"num_threads": 1}),
+            (f"1 process, {k} threads", {"num_threads": k}),
+            (f"{kind}{k}, 1 thread per rank", {"num_threads": 1, kind: k})]
+
+
+def run(args) -> dict:
+    path = str(resolve_model_path(args.model))
+    model, _ = load_model(path)
+    rng = random.Random(args.seed)
+    vocab = model.config.vocab_size
+    results: dict = {"meta": {"model": args.model, "launch": args.launch, "repeats": args.repeats}}
+    if "kvp" in args.parts:
+        rows = []
+        for ctx in args.contexts:
+            prompt = [rng.randrange(6, vocab) for _ in range(ctx)]
+            per_rank = ctx // args.kvp + 4096
+            samples: dict[str, list[float]] = {}
+            for _ in range(args.repeats):
+                for name, cfg in _configs("kvp", args.kvp):
+                    kv = per_rank if cfg.get("kvp") else ctx + 4096
+                    eng = _engine(model, path, args.launch, kv_cache_tokens=kv, chunk_size=args.chunk,
+                                  max_num_batched_tokens=args.chunk, **cfg)
+                    try:
+                        _, steps = _one_request(eng, prompt, args.decode_steps)
+                    finally:
+                        eng.close()
+                    samples.setdefault(name, []).append(statistics.median(steps))
+            tpot = {name: statistics.median(v) for name, v in samples.items()}
+            base = tpot["1 process, 1 thread"]
+            rows.append({"context": ctx, "tpot_ms": {n: t * 1e3 for n, t in tpot.items()},
+                         "speedup_vs_1_thread": {n: base / t for n, t in tpot.items()}})
+            print(f"kvp context {ctx}: " + ", ".join(f"{n} {t * 1e3:.1f} ms ({base / t:.2f}x)"
+                                                     for n, t in tpot.items()), flush=True)
+        results["kvp"] = rows
+    if "spp" in args.parts:
+        prompt = [rng.randrange(6, vocab) for _ in range(args.prompt)]
+        samples = {}
+        for _ in range(args.repeats):
+            for name, cfg in _configs("spp", args.spp):
+                eng = _engine(model, path, args.launch, kv_cache_tokens=args.prompt + 4096, chunk_size=args.chunk,
+                              max_num_batched_tokens=args.chunk, **cfg)
+                try:
+                    ttft, _ = _one_request(eng, prompt, 0)
+                finally:
+                    eng.close()
+                samples.setdefault(name, []).append(ttft)
+        ttft = {name: statistics.median(v) for name, v in samples.items()}
+        base = ttft["1 process, 1 thread"]
+        results["spp"] = {"prompt": args.prompt, "chunk": args.chunk, "ttft_s": ttft,
+                          "speedup_vs_1_thread": {n: base / t for n, t in ttft.items()}}
+        print(f"spp prompt {args.prompt}: " + ", ".join(f"{n} {t:.2f} s ({base / t:.2f}x)" for n, t in ttft.items()),
+              flush=True)
+    return results
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="raycluster bench parallel", description=__doc__.split("\n")[0])
+    ap.add_argument("--model", default="tiny")
+    ap.add_argument("--contexts", type=lambda s: [int(x) for x in s.split(",")], default=[8192, 32768])
+    ap.add_argument("--kvp", type=int, default=2)
+    ap.add_argument("--prompt", type=int, default=8192)
+    ap.add_argument("--chunk", type=int, default=2048)
+    ap.add_argument("--spp", type=int, default=2)
+    ap.add_argument("--decode-steps", type=int, default=16)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--launch", choices=["threads", "ray"], default="threads")
+    ap.add_argument("--parts", type=lambda s: s.split(","), default=["kvp", "spp"])
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args(argv)
+    if args.launch == "ray":
+        import ray
+        ray.init(num_cpus=8, include_dashboard=False, _node_ip_address="127.0.0.1",
+                 runtime_env={"env_vars": {"OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo"}})
+    results = run(args)
+    with open(args.out, "w") as f:
+        json.dump(results, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,38 @@
+"""A KVP group whose other ranks are Ray actors: the same greedy tokens as one process, and
+`close` ends the ranks' serve loops and their actors."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+pytestmark = pytest.mark.ray
+
+
+def test_kvp_ranks_as_ray_actors_match_the_single_engine(ray_cluster, tiny_model_dir, monkeypatch):
+    import ray
+
+    from raycluster.engine.config import EngineConfig
+    from raycluster.engine.engine import LLMEngine
+    from raycluster.request import SamplingParams
+
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "lo")
+    rng = random.Random(5)
+    prompts = [[rng.randrange(6, 4000) for _ in range(n)] for n in (400, 20, 90)]
+    sp = SamplingParams(max_tokens=8, ignore_eos=True)
+    base = dict(model=str(tiny_model_dir), policy="fcfs", packer="token", predictor="none",
+                kv_cache_tokens=2048, chunk_size=128, num_threads=1)
+    single = LLMEngine.from_config(EngineConfig(**base))
+    want = single.generate(prompts, sp, max_steps=500)
+    engine = LLMEngine.from_config(EngineConfig(**base, kvp=2, group_launch="ray", group_timeout_s=60))
+    ranks = engine.runner.ranks
+    try:
+        assert engine.generate(prompts, sp, max_steps=500) == want
+        engine.kv.check()
+    finally:
+        engine.close()
+    [plans_run] = ray.get(ranks.calls, timeout=5)     # the rank's serve loop returned
+    assert plans_run > 10
+    with pytest.raises(ray.exceptions.RayActorError):
+        ray.get(ranks.actors[0].serve.remote("kvp", None, 1), timeout=10)
