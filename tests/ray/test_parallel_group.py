@@ -1,4 +1,4 @@
-"""A KVP group whose other ranks are Ray actors: the same greedy tokens as one process, and
+"""A KVP / SPP group whose other ranks are Ray actors: the same greedy tokens as one process, and
 `close` ends the ranks' serve loops and their actors."""
 
 from __future__ import annotations
@@ -10,7 +10,8 @@ import pytest
 pytestmark = pytest.mark.ray
 
 
-def test_kvp_ranks_as_ray_actors_match_the_single_engine(ray_cluster, tiny_model_dir, monkeypatch):
+@pytest.mark.parametrize("group", [{"kvp": 2}, {"spp": 2, "spp_micro_tokens": 64}], ids=["kvp2", "spp2"])
+def test_group_ranks_as_ray_actors_match_the_single_engine(ray_cluster, tiny_model_dir, monkeypatch, group):
     import ray
 
     from raycluster.engine.config import EngineConfig
@@ -25,7 +26,7 @@ def test_kvp_ranks_as_ray_actors_match_the_single_engine(ray_cluster, tiny_model
                 kv_cache_tokens=2048, chunk_size=128, num_threads=1)
     single = LLMEngine.from_config(EngineConfig(**base))
     want = single.generate(prompts, sp, max_steps=500)
-    engine = LLMEngine.from_config(EngineConfig(**base, kvp=2, group_launch="ray", group_timeout_s=60))
+    engine = LLMEngine.from_config(EngineConfig(**base, **group, group_launch="ray", group_timeout_s=60))
     ranks = engine.runner.ranks
     try:
         assert engine.generate(prompts, sp, max_steps=500) == want
@@ -35,4 +36,4 @@ def test_kvp_ranks_as_ray_actors_match_the_single_engine(ray_cluster, tiny_model
     [plans_run] = ray.get(ranks.calls, timeout=5)     # the rank's serve loop returned
     assert plans_run > 10
     with pytest.raises(ray.exceptions.RayActorError):
-        ray.get(ranks.actors[0].serve.remote("kvp", None, 1), timeout=10)
+        ray.get(ranks.actors[0].serve.remote("kvp", None, 1), timeout=10)   # killed by close

@@ -1,0 +1,200 @@
+"""Stream pipeline parallelism (SPP, Medha section 3.3) over a group of ranks.
+
+Each rank is one pipeline stage (`SPPStage`) owning a contiguous range of decoder layers
+(`stage_layers`) and the KV tensor of just those layers. A step's `StepPlan` reaches every rank
+through `Collective.broadcast_plan` (the leader, rank 0, is `SPPRunner`; the others run
+`serve_rank` with `spp_worker`). Every rank splits the plan the same way (`split_plan`) into
+micro-batches of at most `micro_tokens` prefill tokens and streams them through the stages: the
+hidden states [T_mb, H] of a micro-batch go from rank r to rank r+1 with a non-blocking send, so
+stage r starts micro-batch j+1 while stage r+1 works on j. That is legal because sub-chunk j+1
+of a prefill needs sub-chunk j's KV in the same stage (written earlier there, stages run
+micro-batches in order), not its output. The last stage applies the final norm to the sampled
+rows only and sends them [n, H] back to rank 0, which returns them from `run_plan`.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from kernels import get_attention_backend
+from raycluster.engine.kv_manager import KVCacheManager
+from raycluster.engine.model_runner import StepLogits, execute_step
+from raycluster.engine.scheduler import SchedulerOutput
+from raycluster.parallel.group import Collective
+from raycluster.parallel.plan import StepPlan, plan_inputs
+
+HIDDEN_TAG = 1      # stage r -> r+1 hidden states
+RESULT_TAG = 2      # last stage -> rank 0 sampled rows
+
+
+def stage_layers(num_layers: int, spp: int) -> list[tuple[int, int]]:
+    """[lo, hi) layer range of each stage; earlier stages take the extra layers."""
+    if not 1 <= spp <= num_layers:
+        raise ValueError(f"spp must be in 1..{num_layers} (the number of layers), got {spp}")
+    base, extra = divmod(num_layers, spp)
+    out, lo = [], 0
+    for s in range(spp):
+        hi = lo + base + (1 if s < extra else 0)
+        out.append((lo, hi))
+        lo = hi
+    return out
+
+
+def split_plan(plan: StepPlan, micro_tokens: int) -> list[StepPlan]:
+    """Micro-batches of `plan`: each prefill chunk cut into sub-chunks of <= micro_tokens tokens
+    (one sub-chunk per micro-batch, in token order), then all decodes as one last micro-batch.
+    Concatenating the micro-batches' tokens gives plan.input_ids, and their sampled rows (local
+    row numbers) give plan.sample_rows in order."""
+    if micro_tokens < 1:
+        raise ValueError(f"micro_tokens must be >= 1, got {micro_tokens}")
+    if any(b <= a for a, b in zip(plan.sample_rows, plan.sample_rows[1:])):
+        # The stages return rows in token order; step_plan always sorts them.
+        raise ValueError(f"sample_rows must be strictly increasing, got {plan.sample_rows}")
+    ids = plan.input_ids
+    out: list[StepPlan] = []
+    off = 0         # row of the current prefill chunk's first token in the plan
+    for start, n, table in zip(plan.prefill_starts, plan.prefill_lens, plan.prefill_tables):
+        for s in range(0, n, micro_tokens):
+            m = min(micro_tokens, n - s)
+            a = off + s
+            # step_plan samples only a chunk's last row; any row is kept (the profiler samples
+            # trailing rows) so the group returns exactly len(plan.sample_rows) rows.
+            rows = [r - a for r in plan.sample_rows if a <= r < a + m]
+            out.append(StepPlan(ids[a:a + m], [start + s], [m], [table], [], [], rows))
+        off += n
+    if plan.decode_positions:
+        rows = [r - off for r in plan.sample_rows if r >= off]
+        out.append(StepPlan(ids[off:], [], [], [], list(plan.decode_positions), list(plan.decode_tables), rows))
+    return out
+
+
+class SPPStage:
+    """One pipeline stage: layers [lo, hi) of `model` and their KV [hi - lo, N, 2, B, Hkv, D]."""
+
+    def __init__(self, model, coll: Collective | None, rank: int, spp: int, num_blocks: int, block_size: int,
+                 dtype: torch.dtype, device: str | torch.device = "cpu", micro_tokens: int = 512) -> None:
+        if spp > 1 and (coll is None or coll.world != spp or coll.rank != rank):
+            raise ValueError(f"spp={spp} rank {rank} needs a Collective of world {spp} at that rank")
+        self.model, self.coll, self.rank, self.spp = model, coll, rank, spp
+        self.lo, self.hi = stage_layers(model.config.num_hidden_layers, spp)[rank]
+        self.block_size, self.micro_tokens = block_size, micro_tokens
+        self.device = torch.device(device)
+        shape = model.kv_cache_shape(num_blocks, block_size)
+        self.kv = torch.zeros((self.hi - self.lo,) + tuple(shape[1:]), dtype=dtype, device=self.device)
+        # A backend per stage: the torch backend's workspace buffers must not be shared by
+        # stages running concurrently in threads of one process (model.backend would be).
+        self.backend = model.backend if spp == 1 and model.backend is not None else get_attention_backend(self.device)
+        self.hidden_dtype = model.model.embed_tokens.weight.dtype
+        self.hidden_size = model.config.hidden_size
+
+    @property
+    def first(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def last(self) -> bool:
+        return self.rank == self.spp - 1
+
+    def run(self, plan: StepPlan) -> torch.Tensor | None:
+        """Run this stage's part of `plan`; rank 0 returns the normed rows of plan.sample_rows
+        [n, H], other ranks None."""
+        with torch.inference_mode():
+            rows = self._stream(plan)
+            n = len(plan.sample_rows)
+            if self.spp > 1 and n:      # every rank knows n from the plan: no size message
+                if self.last:
+                    self.coll.send(rows, 0, RESULT_TAG).wait()
+                elif self.first:
+                    rows = self.coll.recv(self._buf(n), self.spp - 1, RESULT_TAG)
+            if not self.first:
+                return None
+            return rows if rows is not None else self._buf(0)
+
+    def _buf(self, n: int) -> torch.Tensor:
+        return torch.empty(n, self.hidden_size, dtype=self.hidden_dtype, device=self.device)
+
+    def _stream(self, plan: StepPlan) -> torch.Tensor | None:
+        m = self.model
+        layers = m.model.layers
+        works, sent, kept = [], [], []
+        for mb in split_plan(plan, self.micro_tokens):
+            ids, pos, meta = plan_inputs(mb, self.block_size, self.device)
+            meta.prepare(self.device)
+            if self.first:
+                x = m.model.embed_tokens(ids)
+            else:
+                x = self.coll.recv(self._buf(mb.num_tokens), self.rank - 1, HIDDEN_TAG)
+            cos, sin = m.rotary.cos_sin(pos, x.dtype)
+            for i in range(self.lo, self.hi):
+                x = layers[i](x, cos, sin, self.kv[i - self.lo], meta, self.backend)
+            if not self.last:
+                # Don't wait: the next stage works on this micro-batch while we go on to the
+                # next. Keep `x` alive until its send completes.
+                works.append(self.coll.send(x, self.rank + 1, HIDDEN_TAG))
+                sent.append(x)
+            elif mb.sample_rows:
+                # RMSNorm is per row: norming only the sampled rows equals norm-then-select.
+                sel = torch.tensor(mb.sample_rows, dtype=torch.long, device=x.device)
+                kept.append(m.model.norm(x.index_select(0, sel)))
+        for w in works:
+            w.wait()
+        if not self.last:
+            return None
+        return torch.cat(kept) if kept else None
+
+
+def spp_worker(model, coll: Collective, spp: int, num_blocks: int, block_size: int, dtype: torch.dtype,
+               device: str | torch.device = "cpu", micro_tokens: int = 512) -> Callable[[StepPlan], None]:
+    """The `run` of a non-leader rank (what `ThreadRanks`/a Ray actor gets from `make_run(coll)`)."""
+    if coll.rank == 0:
+        raise ValueError("rank 0 is the leader: use SPPRunner")
+    return SPPStage(model, coll, coll.rank, spp, num_blocks, block_size, dtype, device, micro_tokens).run
+
+
+class SPPRunner:
+    """The leader's runner (rank 0): ModelRunner's interface over an SPP group."""
+
+    def __init__(self, model, kv: KVCacheManager, coll: Collective | None, spp: int,
+                 dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
+                 micro_tokens: int = 512, ranks=None) -> None:
+        """`ranks`: the handle of stages 1..spp-1 (`join(timeout)`), stopped by `close`."""
+        self.model, self.kv, self.coll, self.spp, self.ranks = model, kv, coll, spp, ranks
+        self.dtype = dtype
+        self.device = torch.device(device)
+        self.layout = f"spp{spp}"
+        self.stage = SPPStage(model, coll, 0, spp, kv.num_blocks, kv.block_size, dtype, device, micro_tokens)
+        self._closed = False
+
+    def kv_bytes_per_token(self) -> int:
+        """KV bytes per token over all layers (the whole group's, as ModelRunner reports it)."""
+        shape = self.model.kv_cache_shape(1, self.kv.block_size)
+        numel = 1
+        for d in shape:
+            numel *= d
+        return numel * torch.empty((), dtype=self.dtype).element_size() // self.kv.block_size
+
+    def run_plan(self, plan: StepPlan) -> torch.Tensor:
+        """Run one step across the group; returns the final hidden states of plan.sample_rows [n, H]."""
+        if self._closed:
+            raise RuntimeError("SPPRunner is closed")
+        if self.spp > 1:
+            self.coll.broadcast_plan(plan)
+        return self.stage.run(plan)
+
+    def execute(self, out: SchedulerOutput) -> StepLogits:
+        return execute_step(self, out)
+
+    def close(self, timeout: float = 10.0) -> None:
+        """Stop the workers' serve_rank loops (once)."""
+        if self._closed:
+            return
+        self._closed = True
+        if self.spp > 1:
+            self.coll.broadcast_plan(None)
+            if self.ranks is not None:
+                self.ranks.join(timeout)
+
+
+__all__ = ["SPPRunner", "SPPStage", "spp_worker", "split_plan", "stage_layers"]
