@@ -56,6 +56,9 @@ class EngineInstance:
     def check_health(self) -> None:
         if not all(t.is_alive() for t in self.worker._threads):
             raise RuntimeError(f"{self.instance_id}: worker thread died")
+        ranks = self.engine.runner.ranks
+        if ranks is not None and not ranks.alive():   # Serve replaces the replica and its group
+            raise RuntimeError(f"{self.instance_id}: a rank of its {self.engine.runner.layout} group is gone")
 
     def instance_id_(self) -> str:
         return self.instance_id

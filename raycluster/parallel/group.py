@@ -131,6 +131,9 @@ class ThreadRanks:
         except BaseException as e:   # surfaced through `errors`; the thread must not die silently
             self.errors.append(e)
 
+    def alive(self) -> bool:
+        return all(t.is_alive() for t in self._threads)
+
     def join(self, timeout: float) -> None:
         for t in self._threads:
             t.join(timeout)

@@ -41,6 +41,11 @@ class RayRanks:
                        for _ in range(1, addr.world)]
         self.calls = [a.serve.remote(kind, addr, r) for r, a in enumerate(self.actors, start=1)]
 
+    def alive(self) -> bool:
+        """False once any rank's serve loop has ended (a killed actor, a failed collective)."""
+        done, _ = ray.wait(self.calls, num_returns=1, timeout=0)
+        return not done
+
     def join(self, timeout: float) -> None:
         try:
             ray.get(self.calls, timeout=timeout)

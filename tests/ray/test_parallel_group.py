@@ -37,3 +37,28 @@ def test_group_ranks_as_ray_actors_match_the_single_engine(ray_cluster, tiny_mod
     assert plans_run > 10
     with pytest.raises(ray.exceptions.RayActorError):
         ray.get(ranks.actors[0].serve.remote("kvp", None, 1), timeout=10)   # killed by close
+
+
+def test_a_dead_rank_fails_the_step_instead_of_hanging(ray_cluster, tiny_model_dir, monkeypatch):
+    import time
+
+    import ray
+
+    from raycluster.engine.config import EngineConfig
+    from raycluster.engine.engine import LLMEngine
+    from raycluster.request import SamplingParams
+
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "lo")
+    engine = LLMEngine.from_config(EngineConfig(
+        model=str(tiny_model_dir), policy="fcfs", packer="token", predictor="none", kv_cache_tokens=2048,
+        num_threads=1, kvp=2, group_launch="ray", group_timeout_s=10))
+    engine.add_request("r", [7] * 50, SamplingParams(max_tokens=50, ignore_eos=True))
+    engine.step()
+    assert engine.runner.ranks.alive()
+    ray.kill(engine.runner.ranks.actors[0])
+    t0 = time.monotonic()
+    with pytest.raises(RuntimeError):
+        for _ in range(50):
+            engine.step()
+    assert time.monotonic() - t0 < 30
+    assert not engine.runner.ranks.alive()      # what the replica's health check reports

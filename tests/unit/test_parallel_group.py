@@ -23,13 +23,14 @@ def test_plans_small_and_larger_than_the_buffer_reach_every_rank(monkeypatch):
     big = list(range(PLAN_BUFFER_BYTES))        # pickles to several times the buffer
     plans = ["a", {"x": [1, 2]}, big, 7]
     try:
+        assert ranks.alive()
         for p in plans:
             assert lead.broadcast_plan(p) is p
             assert lead.all_gather(torch.tensor([0.0])).flatten().tolist() == [0.0, 10.0, 20.0]
     finally:
         lead.broadcast_plan(None)
         ranks.join(10)
-    assert ranks.errors == []
+    assert ranks.errors == [] and not ranks.alive()
     for r in (1, 2):
         assert [p for p, _ in seen[r]] == plans
         assert all(g == [0.0, 10.0, 20.0] for _, g in seen[r])
