@@ -78,6 +78,10 @@ class BlockAllocator:
     def refcount(self, block: int) -> int:
         return self._refs[block]
 
+    def alias_table(self, num_blocks: int, offset: int) -> list[int]:
+        """A synthetic table (blocks may be shared with other synthetic tables) for profiling."""
+        return [(offset + i) % self.num_blocks for i in range(num_blocks)]
+
 
 class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int, allocator=None) -> None:

@@ -31,11 +31,10 @@ RunBatch = Callable[[Sequence[tuple[int, int]], Sequence[int]], float]
 def make_run_batch(runner: ModelRunner) -> RunBatch:
     """Times synthetic steps through `runner.run_plan`, so a parallel group is profiled as it runs."""
     bs = runner.kv.block_size
-    n_blocks = runner.kv.num_blocks
     vocab = runner.model.config.vocab_size
 
     def table(length: int, offset: int) -> list[int]:
-        return [(offset + i) % n_blocks for i in range(-(-length // bs))]
+        return runner.kv.allocator.alias_table(-(-length // bs), offset)
 
     def run(prefills: Sequence[tuple[int, int]], decode_kv: Sequence[int]) -> float:
         starts, lens, p_tables, d_tables = [], [], [], []

@@ -94,15 +94,24 @@ class StripedAllocator:
     def refcount(self, block: int) -> int:
         return self._refs[block]
 
+    def alias_table(self, num_blocks: int, offset: int) -> list[int]:
+        """A synthetic table laid out as `allocate` would lay it out (blocks may be shared with
+        other synthetic tables): what the profiler times steps with."""
+        n, w = self.blocks_per_rank, self.world
+        return [(i % w) * n + (offset + i // w) % n for i in range(num_blocks)]
 
-def local_share(table: list[int], length: int, rank: int, world: int, block_size: int,
+
+def local_share(table: list[int], length: int, rank: int, block_size: int,
                 blocks_per_rank: int) -> tuple[list[int], int]:
     """The local block ids and token count of the first `length` tokens of a request that
-    `rank` holds (its logical blocks rank, rank + world, ...; the last may be partial)."""
+    `rank` holds: the blocks of its table that live on `rank` (only the request's last block
+    may be partial). Order does not matter: these tokens are attended without a mask."""
     nb = -(-length // block_size)
-    mine = [table[i] - rank * blocks_per_rank for i in range(rank, nb, world)]
+    lo = rank * blocks_per_rank
+    hi = lo + blocks_per_rank
+    mine = [b - lo for b in table[:nb] if lo <= b < hi]
     n = len(mine) * block_size
-    if mine and (nb - 1) % world == rank:
+    if mine and lo <= table[nb - 1] < hi:
         n -= nb * block_size - length
     return mine, n
 
@@ -141,14 +150,14 @@ def kvp_meta(plan: StepPlan, slot_mapping: torch.Tensor, rank: int, world: int, 
     write_rows = (blocks[write_idx] - rank * nloc) * (2 * bs) + slot_mapping[write_idx] % bs
     parts, q0 = [], 0
     for j, (start, n, table) in enumerate(zip(plan.prefill_starts, plan.prefill_lens, plan.prefill_tables)):
-        mine, m = local_share(table, start, rank, world, bs, nloc) if start else ([], 0)
+        mine, m = local_share(table, start, rank, bs, nloc) if start else ([], 0)
         ids = torch.tensor(mine, dtype=torch.long)
         parts.append(_PrefillPart(q0, n, torch.cat([ids * 2, ids * 2 + 1]).to(device), len(mine), m,
                                   causal_here=j % world == rank))
         q0 += n
     sel, lens, tables = [], [], []
     for i, (pos, table) in enumerate(zip(plan.decode_positions, plan.decode_tables)):
-        mine, m = local_share(table, pos + 1, rank, world, bs, nloc)
+        mine, m = local_share(table, pos + 1, rank, bs, nloc)
         if m:
             sel.append(i)
             lens.append(m)

@@ -61,11 +61,16 @@ def test_striped_allocator_places_logical_block_i_on_rank_i_mod_world():
 
 def test_local_share_counts_each_ranks_tokens():
     table = [0, 4, 1, 5, 2]                 # blocks_per_rank 4, world 2, block 16
-    assert local_share(table, 70, 0, 2, 16, 4) == ([0, 1, 2], 16 + 16 + 6)
-    assert local_share(table, 70, 1, 2, 16, 4) == ([0, 1], 32)
-    assert local_share(table, 48, 1, 2, 16, 4) == ([0], 16)     # last block (index 2) is rank 0's
-    assert local_share(table, 17, 1, 2, 16, 4) == ([0], 1)
-    assert local_share(table, 16, 1, 2, 16, 4) == ([], 0)
+    assert local_share(table, 70, 0, 16, 4) == ([0, 1, 2], 16 + 16 + 6)
+    assert local_share(table, 70, 1, 16, 4) == ([0, 1], 32)
+    assert local_share(table, 48, 1, 16, 4) == ([0], 16)     # last block (index 2) is rank 0's
+    assert local_share(table, 17, 1, 16, 4) == ([0], 1)
+    assert local_share(table, 16, 1, 16, 4) == ([], 0)
+    # Any table works: ownership is by block id (rank 1 holds ids 4..7), not by position.
+    assert local_share([4, 5, 0, 6], 60, 1, 16, 4) == ([0, 1, 2], 16 + 16 + 12)
+    assert local_share([4, 5, 0, 6], 60, 0, 16, 4) == ([0], 16)
+    a = StripedAllocator(4, 2)
+    assert a.alias_table(5, 3) == [3, 7, 0, 4, 1]       # logical block i on rank i % 2, like allocate
 
 
 def _scripted_steps(kv: KVCacheManager, block_size: int) -> list:
@@ -149,3 +154,31 @@ def test_parallel_config_errors_name_the_field():
     with pytest.raises(ValidationError, match="KV handoff"):
         ClusterConfig(pools=[{"role": "prefill-long", "engine": {"kvp": 2}}, {"role": "decode"}])
     ClusterConfig(pools=[{"role": "mixed", "engine": {"kvp": 2, "group_launch": "ray"}}])
+
+
+def test_every_topology_file_is_a_valid_cluster_config():
+    import pathlib
+
+    import yaml
+
+    files = sorted((pathlib.Path(__file__).parents[2] / "deployments").glob("*.yaml"))
+    assert {f.name for f in files} >= {"local.yaml", "mixed.yaml", "pd.yaml", "kvp.yaml"}
+    for f in files:
+        [app] = yaml.safe_load(f.read_text())["applications"]
+        ClusterConfig(**app["args"])
+
+
+def test_the_profiler_times_a_kvp_group_on_tables_laid_out_like_its_allocator(model):
+    """The batch-time predictor of a KVP instance is fitted on the group itself: synthetic
+    steps (aliased tables, KV deeper than one rank) must run through it."""
+    from raycluster.engine.profiler import make_run_batch
+
+    cfg = EngineConfig(**BASE, kv_cache_tokens=1024, kvp=2, group_timeout_s=30)
+    runner = build_runner(cfg, model, torch.float32)
+    try:
+        run = make_run_batch(runner)
+        for prefills, decodes in [([(128, 0)], []), ([(64, 1500)], [1800, 300]), ([], [4000] * 3)]:
+            assert run(prefills, decodes) > 0
+    finally:
+        runner.close()
+    assert runner.ranks.errors == []
