@@ -35,7 +35,7 @@ PROMPT_TOKEN = 1
 
 def make_predictor(spec: SimSpec, pool: SimPool):
     if spec.gpu == "cpu":
-        p = cpu_predictor(spec)
+        p = cpu_predictor(spec, pool)
         if spec.step_overhead_s or spec.step_overhead_per_seq_s:    # engine work outside the model forward
             x = spec.step_overhead_per_seq_s
             p = dataclasses.replace(p, overhead_s=p.overhead_s + spec.step_overhead_s,
@@ -49,20 +49,25 @@ def make_predictor(spec: SimSpec, pool: SimPool):
 _CPU_PRED: dict[str, LinearBatchPredictor] = {}
 
 
-def cpu_predictor(spec: SimSpec) -> LinearBatchPredictor:
+def cpu_predictor(spec: SimSpec, pool: SimPool | None = None) -> LinearBatchPredictor:
+    """The spec's own predictor, else the profile of the real engine on this machine -- of a
+    KVP / SPP group of the pool's degree when it has one (fitted through the group itself)."""
     p = spec.predictor
     if isinstance(p, dict):
         return LinearBatchPredictor(**p)
     if isinstance(p, str) and p != "auto":
         data = json.loads(Path(p).read_text())
         return LinearBatchPredictor(**data.get("predictor", data))
-    key = spec.model
+    kvp, spp = (pool.kvp, pool.spp) if pool is not None else (1, 1)
+    key = (spec.model, kvp, spp)
     if key not in _CPU_PRED:     # profile (or load the cached profile of) the model on this machine
         from raycluster.engine.engine import LLMEngine
         from raycluster.engine.config import EngineConfig
-        eng = LLMEngine.from_config(EngineConfig(model=spec.model, **{k: v for k, v in spec.engine.items()
-                                                                    if k in ("dtype", "num_threads")}))
+        eng = LLMEngine.from_config(EngineConfig(model=spec.model, kvp=kvp, spp=spp,
+                                                 **{k: v for k, v in spec.engine.items()
+                                                    if k in ("dtype", "num_threads")}))
         _CPU_PRED[key] = eng.predictor
+        eng.close()
     return _CPU_PRED[key]
 
 
@@ -85,7 +90,7 @@ def kv_tokens(spec: SimSpec, pool: SimPool, engine_cfg) -> int:
     if spec.kv_cache_tokens:
         return spec.kv_cache_tokens
     if spec.gpu == "cpu":
-        return engine_cfg.kv_cache_tokens
+        return engine_cfg.kv_cache_tokens * pool.kvp      # every KVP rank holds kv_cache_tokens
     from raycluster.sched.roofline import GPUS, MODELS
     g, m = GPUS[spec.gpu.upper()], MODELS[spec.model]
     free = g.memory_bytes * pool.gpus_per_instance * spec.gpu_memory_utilization - m.params * m.dtype_bytes

@@ -152,6 +152,17 @@ def test_bad_spec_names_the_field():
         SimSpec(gpu="a100", pools=[{"role": "decode", "instances": 1}])
     with pytest.raises(ValueError, match="model"):
         SimSpec(gpu="a100", model="gpt-9")
+    with pytest.raises(ValueError, match="tensor parallelism"):
+        SimSpec(gpu="cpu", pools=[{"role": "mixed", "tp": 2}])
+    with pytest.raises(ValueError, match="one of them"):
+        SimSpec(gpu="cpu", pools=[{"role": "mixed", "kvp": 2, "spp": 2}])
+
+
+def test_cpu_kvp_pool_holds_every_ranks_kv():
+    from raycluster.sim.cluster import kv_tokens
+
+    spec = SimSpec(gpu="cpu", engine={"kv_cache_tokens": 4096}, pools=[{"role": "mixed", "kvp": 3}])
+    assert kv_tokens(spec, spec.pools[0], spec.engine_config(spec.pools[0])) == 3 * 4096
 
 
 @pytest.mark.parametrize("pools", [
