@@ -158,7 +158,8 @@ def cmd_status(args: argparse.Namespace) -> int:
     for inst in status.get("instances", []):
         total = max(1, inst.get("kv_total_blocks", 0))
         used = 1 - inst.get("kv_free_blocks", 0) / total
-        print(f"{inst.get('id', '?'):28s} {inst.get('role', '?'):14s} {inst.get('waiting', 0):8d} "
+        role = inst.get("role", "?") + ("" if inst.get("layout", "single") == "single" else f" {inst['layout']}")
+        print(f"{inst.get('id', '?'):28s} {role:14s} {inst.get('waiting', 0):8d} "
               f"{inst.get('queued_tokens', 0):11d} {inst.get('running', 0):8d} {used:8.1%}")
     ctl = status.get("controller")
     if ctl is not None:

@@ -82,7 +82,7 @@ class InstanceWorker:
             block_size=kv.block_size, step_time_ema_s=self._step_ema, steps=self.steps, busy_s=self.busy_s,
             queued_tokens=eng.scheduler.prefill_backlog,
             connector=(self.connector.local_descriptor() or {}) if self.connector else {},
-            work_seen=self._work_seen)
+            work_seen=self._work_seen, layout=eng.runner.layout)
 
     # ---- threads ---------------------------------------------------------------------------
     def _poll_loop(self) -> None:

@@ -96,6 +96,7 @@ class InstanceStats:
     busy_s: float = 0.0                # engine step time so far (the controller's utilization)
     connector: dict = field(default_factory=dict)     # this instance's connector descriptor
     work_seen: int | None = None       # work items applied so far (lets the router count in-transit work)
+    layout: str = "single"             # "single", or a Medha group such as "kvp2" / "spp2"
 
 
 @dataclass

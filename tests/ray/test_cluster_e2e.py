@@ -159,7 +159,7 @@ def test_fifty_mixed_requests_equal_single_engine(cluster, workload, expected, s
 
 def test_openai_client_and_status(cluster):
     openai = pytest.importorskip("openai")
-    url, _ = cluster
+    url, name = cluster
     client = openai.OpenAI(base_url=url + "/v1", api_key="unused", timeout=60)
     out = client.completions.create(model="tiny", prompt="hello river", max_tokens=5, temperature=0)
     assert out.usage.completion_tokens <= 5
@@ -171,6 +171,8 @@ def test_openai_client_and_status(cluster):
     assert "raycluster_instance_prefill_backlog_tokens{" in metrics
     bad = httpx.post(url + "/v1/completions", json={"prompt": "x", "max_tokens": 0})
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "max_tokens"
+    layouts = {i["layout"] for i in httpx.get(url + "/v1/cluster/status", timeout=5).json()["instances"]}
+    assert layouts == ({"kvp2"} if name == "mixed-kvp" else {"single"})
     _assert_drained(url)
 
 
