@@ -43,7 +43,7 @@ class EngineInstance:
             if cfg.connector == "torch_dist":   # pairs are built per (prefill, decode) on demand
                 opts["host"] = ray.util.get_node_ip_address() if cfg.connector_host == "node" \
                     else cfg.connector_host
-            connector = make_connector(cfg.connector, self.engine.runner.kv_cache, self.instance_id,
+            connector = make_connector(cfg.connector, self.engine.runner.port.tensor, self.instance_id,
                                        lease_s=cfg.kv_lease_s, **opts)
         router = self._router = ray.get_actor(cfg.router_name, namespace=cfg.namespace)
         self.worker = InstanceWorker(

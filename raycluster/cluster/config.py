@@ -88,10 +88,7 @@ class ClusterConfig(BaseModel):
             raise ValueError("controller: it moves instances between the prefill-short and prefill-long "
                              "pools, so both need instances")
         for p in self.pools:
-            ecfg = self.engine_config(p)       # fail at deploy time, not in a replica
-            if (ecfg.kvp > 1 or ecfg.spp > 1) and p.role != "mixed":
-                raise ValueError(f"pools: {p.role} pool with kvp {ecfg.kvp} / spp {ecfg.spp}: KV handoff "
-                                 "to or from a KVP / SPP group is not built; such groups serve mixed pools")
+            self.engine_config(p)       # fail at deploy time, not in a replica
         return self
 
     def engine_config(self, pool: PoolSpec) -> EngineConfig:

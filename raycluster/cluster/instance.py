@@ -48,6 +48,7 @@ class InstanceWorker:
         self.poll_fn = poll_fn
         self.push_fn = push_fn
         self.connector = connector
+        self.port = engine.runner.port      # the KV the connector wraps (a group's: staged copies)
         self.transfer_timeout_s = transfer_timeout_s
         self.on_transfer_failure = on_transfer_failure
         self.poll_timeout_s = poll_timeout_s
@@ -125,9 +126,11 @@ class InstanceWorker:
             self.engine.abort_request(rid)
             if self.connector is not None:
                 self.connector.release(rid)
+                self.port.unstage(rid)
         for rid in reply.releases:
             if self.connector is not None:
                 self.connector.release(rid)
+                self.port.unstage(rid)
             self.engine.release(rid)
         for item in reply.work:
             self._work_seen += 1
@@ -146,8 +149,8 @@ class InstanceWorker:
                 kwargs["first_token_time"] = self.engine.clock.now() - max(0.0, time.time() - item.first_token_time)
             self.engine.add_prefilled(
                 m.request_id, m.prompt_token_ids, item.output_token_ids[0], sampling_of(m),
-                lambda dst: pull_with_fallback(self.connector, handle, dst, self.transfer_timeout_s,
-                                               self.on_transfer_failure), **kwargs)
+                lambda dst: self.port.receive(dst, lambda ids: pull_with_fallback(
+                    self.connector, handle, ids, self.transfer_timeout_s, self.on_transfer_failure)), **kwargs)
             self._admitted.append(m.request_id)
         else:
             self.engine.add_request(m.request_id, m.prompt_token_ids, sampling_of(m),
@@ -161,6 +164,7 @@ class InstanceWorker:
             return
         for rid in self.connector.expire():
             self.engine.release(rid)
+            self.port.unstage(rid)
 
     # ---- stepping and reporting ----------------------------------------------------------------
     def _step(self) -> None:
@@ -180,11 +184,14 @@ class InstanceWorker:
 
     def _offer(self, request_id: str):
         blocks = self.engine.parked_blocks(request_id)
-        if self.connector is None or not blocks:
+        ids = self.port.stage(request_id, blocks) if self.connector is not None and blocks else None
+        if ids is None:                 # nothing to offer: the decode side recomputes
             self.engine.release(request_id)
             return None
-        req = self.engine.scheduler.parked[request_id]
-        return self.connector.offer(request_id, blocks, req.num_prompt_tokens)
+        n = self.engine.scheduler.parked[request_id].num_prompt_tokens
+        if self.port.copies:            # a group's blocks were copied out: free them now
+            self.engine.release(request_id)
+        return self.connector.offer(request_id, ids, n)
 
     def _report(self, events: list[TokenEvent], prefilled: list[PrefillDone]) -> None:
         self._reports.put(StepReport(self.stats(), self._pending + events, prefilled, self._admitted))

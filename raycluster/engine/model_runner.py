@@ -12,6 +12,7 @@ import torch
 
 from raycluster.engine.kv_manager import KVCacheManager
 from raycluster.engine.scheduler import SchedulerOutput
+from raycluster.parallel.kv_port import DirectPort
 from raycluster.parallel.plan import StepPlan, plan_inputs, step_plan
 from raycluster.request import Request
 
@@ -34,6 +35,7 @@ class ModelRunner:
         self.dtype = dtype
         self.kv_cache = torch.zeros(model.kv_cache_shape(kv.num_blocks, kv.block_size),
                                     dtype=dtype, device=self.device)
+        self.port = DirectPort(self.kv_cache)      # what a KV connector wraps: this tensor itself
 
     def kv_bytes_per_token(self) -> int:
         per_block = self.kv_cache[:, 0].numel() * self.kv_cache.element_size()

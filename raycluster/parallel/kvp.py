@@ -30,6 +30,7 @@ from kernels.torch_backend import LOG2E, Workspace, _attend, _gather_rows, merge
 from raycluster.engine.kv_manager import KVCacheManager, OutOfBlocks
 from raycluster.engine.model_runner import execute_step
 from raycluster.parallel.group import Collective
+from raycluster.parallel.kv_port import KV_TAG, KVLoad, KVSave, StagedPort, rank_handler
 from raycluster.parallel.plan import StepPlan, plan_inputs
 
 
@@ -239,7 +240,38 @@ class KVPRank:
         self.device = torch.device(device)
         self.kv_cache = torch.zeros(model.kv_cache_shape(blocks_per_rank, block_size), dtype=dtype,
                                     device=self.device)
+        self.coll = coll
         self.backend = KVPAttention(coll if world > 1 else None)
+
+    def owned(self, block_ids: list[int]) -> tuple[list[int], torch.Tensor]:
+        """Positions in `block_ids` of the blocks on this rank, and their local ids."""
+        lo, n = self.rank * self.blocks_per_rank, self.blocks_per_rank
+        pos = [j for j, g in enumerate(block_ids) if lo <= g < lo + n]
+        return pos, torch.tensor([block_ids[j] - lo for j in pos], dtype=torch.long, device=self.device)
+
+    def _blocks(self, n: int) -> torch.Tensor:
+        kv = self.kv_cache
+        return torch.empty((kv.shape[0], n) + tuple(kv.shape[2:]), dtype=kv.dtype, device=kv.device)
+
+    def load(self, msg: KVLoad, data: torch.Tensor | None = None) -> None:
+        """Write this rank's share of blocks [L, n, ...] (the leader passes `data`, the others
+        receive their share from it)."""
+        pos, local = self.owned(msg.block_ids)
+        if not pos:
+            return
+        if data is not None:
+            chunk = data.index_select(1, torch.tensor(pos, dtype=torch.long, device=data.device))
+        else:
+            chunk = self.coll.recv(self._blocks(len(pos)), 0, KV_TAG)
+        self.kv_cache.index_copy_(1, local, chunk.to(self.kv_cache.device))
+
+    def save(self, msg: KVSave) -> torch.Tensor:
+        """This rank's share of the blocks; the non-leaders send it to the leader."""
+        pos, local = self.owned(msg.block_ids)
+        part = self.kv_cache.index_select(1, local)
+        if self.rank != 0 and pos:
+            self.coll.send(part, 0, KV_TAG).wait()
+        return part
 
     def run(self, plan: StepPlan) -> torch.Tensor:
         input_ids, positions, gmeta = plan_inputs(plan, self.block_size, self.device)
@@ -250,9 +282,9 @@ class KVPRank:
 
 
 def kvp_worker(model, coll: Collective, blocks_per_rank: int, block_size: int, dtype: torch.dtype,
-               device: str = "cpu") -> Callable[[StepPlan], torch.Tensor]:
-    """What a non-leader rank runs per plan (for `serve_rank`)."""
-    return KVPRank(model, coll, coll.rank, coll.world, blocks_per_rank, block_size, dtype, device).run
+               device: str = "cpu") -> Callable:
+    """What a non-leader rank runs per broadcast message (for `serve_rank`)."""
+    return rank_handler(KVPRank(model, coll, coll.rank, coll.world, blocks_per_rank, block_size, dtype, device))
 
 
 class KVPRunner:
@@ -267,6 +299,8 @@ class KVPRunner:
         self.kv = KVCacheManager(blocks_per_rank * world, block_size, StripedAllocator(blocks_per_rank, world))
         self.rank0 = KVPRank(model, coll, 0, world, blocks_per_rank, block_size, dtype, device)
         self.device = self.rank0.device
+        # Connectors see a staging area of one rank's size (whole blocks, every layer).
+        self.port = StagedPort(self, self.rank0.kv_cache.shape, dtype, self.device)
         self._closed = False
 
     def kv_bytes_per_token(self) -> int:
@@ -277,6 +311,31 @@ class KVPRunner:
         if self.coll is not None:
             self.coll.broadcast_plan(plan)
         return self.rank0.run(plan)
+
+    def load_blocks(self, block_ids: list[int], data: torch.Tensor) -> None:
+        """Write blocks [L, n, 2, B, Hkv, D] to engine block ids, each on the rank holding it."""
+        msg = KVLoad(list(block_ids))
+        if self.coll is not None:
+            self.coll.broadcast_plan(msg)
+            for r in range(1, self.coll.world):
+                pos = [j for j, g in enumerate(msg.block_ids) if g // self.rank0.blocks_per_rank == r]
+                if pos:
+                    self.coll.send(data.index_select(1, torch.tensor(pos, dtype=torch.long)), r, KV_TAG).wait()
+        self.rank0.load(msg, data)
+
+    def save_blocks(self, block_ids: list[int]) -> torch.Tensor:
+        """The data [L, n, 2, B, Hkv, D] of engine block ids, collected from the ranks."""
+        msg = KVSave(list(block_ids))
+        if self.coll is not None:
+            self.coll.broadcast_plan(msg)
+        out = self.rank0._blocks(len(block_ids))
+        for r in range(self.coll.world if self.coll is not None else 1):
+            pos = [j for j, g in enumerate(msg.block_ids) if g // self.rank0.blocks_per_rank == r]
+            if not pos:
+                continue
+            part = self.rank0.save(msg) if r == 0 else self.coll.recv(self.rank0._blocks(len(pos)), r, KV_TAG)
+            out.index_copy_(1, torch.tensor(pos, dtype=torch.long, device=out.device), part)
+        return out
 
     def execute(self, out):
         return execute_step(self, out)

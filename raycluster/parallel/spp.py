@@ -23,6 +23,7 @@ from raycluster.engine.kv_manager import KVCacheManager
 from raycluster.engine.model_runner import StepLogits, execute_step
 from raycluster.engine.scheduler import SchedulerOutput
 from raycluster.parallel.group import Collective
+from raycluster.parallel.kv_port import KV_TAG, KVLoad, KVSave, StagedPort, rank_handler
 from raycluster.parallel.plan import StepPlan, plan_inputs
 
 HIDDEN_TAG = 1      # stage r -> r+1 hidden states
@@ -97,6 +98,24 @@ class SPPStage:
     def last(self) -> bool:
         return self.rank == self.spp - 1
 
+    def load(self, msg: KVLoad, data: torch.Tensor | None = None) -> None:
+        """Write this stage's layers of blocks [L, n, ...] (the leader passes all of `data`,
+        the other stages receive their layers from it)."""
+        ids = torch.tensor(msg.block_ids, dtype=torch.long, device=self.device)
+        if data is not None:
+            chunk = data[self.lo:self.hi]
+        else:
+            chunk = self.coll.recv(torch.empty((self.hi - self.lo, len(ids)) + tuple(self.kv.shape[2:]),
+                                               dtype=self.kv.dtype, device=self.device), 0, KV_TAG)
+        self.kv.index_copy_(1, ids, chunk.to(self.device))
+
+    def save(self, msg: KVSave) -> torch.Tensor:
+        """This stage's layers of the blocks; the other stages send them to the leader."""
+        part = self.kv.index_select(1, torch.tensor(msg.block_ids, dtype=torch.long, device=self.device))
+        if not self.first:
+            self.coll.send(part, 0, KV_TAG).wait()
+        return part
+
     def run(self, plan: StepPlan) -> torch.Tensor | None:
         """Run this stage's part of `plan`; rank 0 returns the normed rows of plan.sample_rows
         [n, H], other ranks None."""
@@ -146,11 +165,11 @@ class SPPStage:
 
 
 def spp_worker(model, coll: Collective, spp: int, num_blocks: int, block_size: int, dtype: torch.dtype,
-               device: str | torch.device = "cpu", micro_tokens: int = 512) -> Callable[[StepPlan], None]:
+               device: str | torch.device = "cpu", micro_tokens: int = 512) -> Callable:
     """The `run` of a non-leader rank (what `ThreadRanks`/a Ray actor gets from `make_run(coll)`)."""
     if coll.rank == 0:
         raise ValueError("rank 0 is the leader: use SPPRunner")
-    return SPPStage(model, coll, coll.rank, spp, num_blocks, block_size, dtype, device, micro_tokens).run
+    return rank_handler(SPPStage(model, coll, coll.rank, spp, num_blocks, block_size, dtype, device, micro_tokens))
 
 
 class SPPRunner:
@@ -165,6 +184,9 @@ class SPPRunner:
         self.device = torch.device(device)
         self.layout = f"spp{spp}"
         self.stage = SPPStage(model, coll, 0, spp, kv.num_blocks, kv.block_size, dtype, device, micro_tokens)
+        self.layer_ranges = stage_layers(model.config.num_hidden_layers, spp)
+        # Connectors see a staging area of whole blocks (every layer), as many as the engine has.
+        self.port = StagedPort(self, model.kv_cache_shape(kv.num_blocks, kv.block_size), dtype, self.device)
         self._closed = False
 
     def kv_bytes_per_token(self) -> int:
@@ -185,6 +207,30 @@ class SPPRunner:
 
     def execute(self, out: SchedulerOutput) -> StepLogits:
         return execute_step(self, out)
+
+    def load_blocks(self, block_ids: list[int], data: torch.Tensor) -> None:
+        """Write blocks [L, n, 2, B, Hkv, D] to engine block ids, each stage its layers."""
+        msg = KVLoad(list(block_ids))
+        if self.spp > 1:
+            self.coll.broadcast_plan(msg)
+            for s, (lo, hi) in enumerate(self.layer_ranges[1:], start=1):
+                self.coll.send(data[lo:hi], s, KV_TAG).wait()
+        self.stage.load(msg, data)
+
+    def save_blocks(self, block_ids: list[int]) -> torch.Tensor:
+        """The data [L, n, 2, B, Hkv, D] of engine block ids, collected from the stages."""
+        msg = KVSave(list(block_ids))
+        if self.spp > 1:
+            self.coll.broadcast_plan(msg)
+        kv = self.stage.kv
+        out = torch.empty((self.model.config.num_hidden_layers, len(block_ids)) + tuple(kv.shape[2:]),
+                          dtype=kv.dtype, device=kv.device)
+        for s, (lo, hi) in enumerate(self.layer_ranges):
+            if s == 0:
+                out[lo:hi] = self.stage.save(msg)
+            else:
+                self.coll.recv(out[lo:hi], s, KV_TAG)
+        return out
 
     def close(self, timeout: float = 10.0) -> None:
         """Stop the workers' serve_rank loops (once)."""
