@@ -3,11 +3,13 @@
 `Collective` wraps one torch.distributed process group built directly over a store (gloo on
 CPU, NCCL on CUDA), so a process may hold several groups and no global default group is set.
 It offers what the group needs: `all_gather` of one tensor per rank, `send`/`recv` between
-ranks, and `broadcast_plan` (a pickled `StepPlan` or None from rank 0, the leader). Rank 0 hosts
+ranks, and the plan chain: the leader (rank 0) `post_plan`s each message (a pickled `StepPlan`,
+a block move, or None) to rank 1, and each rank's `next_plan` passes it on to the next, so no rank
+waits for the others to be idle before it gets its next message. Rank 0 hosts
 the `TCPStore`; `GroupAddress` is the plain message that tells the other ranks where it is.
 
-`serve_rank(coll, run)` is every non-leader rank's loop: receive a plan, run it, until the
-leader broadcasts None. `thread_group` starts ranks 1..world-1 as threads of this process
+`serve_rank(coll, run)` is every non-leader rank's loop: receive a message, run it, until the
+leader posts None. `thread_group` starts ranks 1..world-1 as threads of this process
 (tests and one-host use; torch releases the GIL in its kernels); raycluster.parallel.ray_group
 starts them as Ray actors.
 """
@@ -15,6 +17,7 @@ starts them as Ray actors.
 from __future__ import annotations
 
 import pickle
+from collections import deque
 import socket
 import threading
 from dataclasses import dataclass
@@ -25,8 +28,10 @@ import torch
 import torch.distributed as dist
 
 
-# A step plan up to this size (a few thousand block ids) goes in one broadcast.
+# A step plan up to this size (a few thousand block ids) goes in one message per hop.
 PLAN_BUFFER_BYTES = 64 * 1024
+MAX_POSTED = 8      # messages the leader (or a relaying rank) may have in flight down the chain
+PLAN_TAG = 4        # tags 1-3 are the SPP hidden states, sampled rows and KV block moves
 
 
 @dataclass
@@ -61,6 +66,7 @@ class Collective:
             opts._timeout = t
             self.pg = dist.ProcessGroupGloo(self.store, rank, addr.world, opts)
         self._buf = torch.zeros(PLAN_BUFFER_BYTES, dtype=torch.uint8)
+        self._posted: deque = deque()
 
     def all_gather(self, t: torch.Tensor) -> torch.Tensor:
         """[world, *t.shape]: every rank's tensor, in rank order."""
@@ -76,39 +82,64 @@ class Collective:
         self.pg.recv([t], src, tag).wait()
         return t
 
-    def broadcast_plan(self, plan: Any = None) -> Any:
-        """Rank 0 passes the plan (None stops the group); every rank returns it. One broadcast of
-        a fixed buffer (length + pickle) when the plan fits, a second for the rest when not."""
+    def post_plan(self, plan: Any) -> None:
+        """Leader: send the next message (a plan, a block move, or None to stop) down the chain
+        of ranks. It does not wait for the ranks to be idle: an SPP stage may still be running
+        the previous step when the next one is posted, which is what lets chunks stream."""
+        self._send_obj(plan, 1)
+
+    def next_plan(self) -> Any:
+        """Non-leader: the next message from rank - 1, forwarded to rank + 1 before returning."""
+        plan = self._recv_obj(self.rank - 1)
+        if self.rank + 1 < self.world:
+            self._send_obj(plan, self.rank + 1)
+        return plan
+
+    def flush(self) -> None:
+        """Wait until every posted message has been received (e.g. before tearing down)."""
+        while self._posted:
+            self._posted.popleft()[0].wait()
+
+    def _send_obj(self, obj: Any, dst: int) -> None:
+        # One message of a fixed size (length + pickle) when it fits, a second for the rest.
+        # Not waited for: gloo completes a send only once the peer has posted its receive, and
+        # a stage still busy with the last step must not hold the leader back. Sends complete
+        # in order; at most MAX_POSTED stay outstanding (with their buffers kept alive).
+        data = pickle.dumps(obj, protocol=5)
+        buf = torch.zeros(PLAN_BUFFER_BYTES, dtype=torch.uint8)
+        buf[:8] = torch.tensor([len(data)], dtype=torch.int64).view(torch.uint8)
+        head = min(len(data), PLAN_BUFFER_BYTES - 8)
+        buf[8:8 + head] = torch.frombuffer(bytearray(data[:head]), dtype=torch.uint8)
+        bufs = [buf]
+        if len(data) > head:
+            bufs.append(torch.frombuffer(bytearray(data[head:]), dtype=torch.uint8))
+        posted = self._posted
+        for b in bufs:
+            posted.append((self.pg.send([b], dst, PLAN_TAG), b))
+        while posted and (len(posted) > MAX_POSTED or posted[0][0].is_completed()):
+            posted.popleft()[0].wait()
+
+    def _recv_obj(self, src: int) -> Any:
         buf = self._buf
-        if self.rank == 0:
-            data = pickle.dumps(plan, protocol=5)
-            n = len(data)
-            buf[:8] = torch.tensor([n], dtype=torch.int64).view(torch.uint8)
-            head = min(n, buf.numel() - 8)
-            buf[8:8 + head] = torch.frombuffer(bytearray(data[:head]), dtype=torch.uint8)
-        self.pg.broadcast([buf], dist.BroadcastOptions()).wait()
-        if self.rank == 0:
-            if n > head:
-                self.pg.broadcast([torch.frombuffer(bytearray(data[head:]), dtype=torch.uint8)],
-                                  dist.BroadcastOptions()).wait()
-            return plan
+        self.pg.recv([buf], src, PLAN_TAG).wait()
         n = int(buf[:8].view(torch.int64)[0])
         head = min(n, buf.numel() - 8)
         data = buf[8:8 + head].numpy().tobytes()
         if n > head:
             rest = torch.empty(n - head, dtype=torch.uint8)
-            self.pg.broadcast([rest], dist.BroadcastOptions()).wait()
+            self.pg.recv([rest], src, PLAN_TAG).wait()
             data += rest.numpy().tobytes()
         return pickle.loads(data)
 
 
 def serve_rank(coll: Collective, run: Callable[[Any], Any]) -> int:
-    """A worker rank's loop: run each plan the leader broadcasts until it sends None. Returns
+    """A worker rank's loop: run each message the leader posts until it posts None. Returns
     the number of plans run."""
     steps = 0
-    while (plan := coll.broadcast_plan()) is not None:
+    while (plan := coll.next_plan()) is not None:
         run(plan)
         steps += 1
+    coll.flush()            # the None must reach the ranks after this one
     return steps
 
 

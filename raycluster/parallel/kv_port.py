@@ -9,7 +9,7 @@ whole blocks, all layers, with its own block allocator: a pull lands there and
 at once. A full staging area makes an offer return None and a pull fail, and the caller falls back
 to recomputing the prefill.
 
-`KVLoad` / `KVSave` are the messages the leader broadcasts to its ranks (beside `StepPlan`s)
+`KVLoad` / `KVSave` are the messages the leader posts to its ranks (beside `StepPlan`s)
 before the block data moves over the group.
 """
 
@@ -101,7 +101,7 @@ KV_TAG = 3      # group send/recv of block data, leader <-> rank
 
 
 def rank_handler(rank) -> Callable:
-    """What a non-leader rank runs for each broadcast message: a step plan (`rank.run`) or a
+    """What a non-leader rank runs for each message the leader posts: a step plan (`rank.run`) or a
     block move (`rank.load` / `rank.save`)."""
     def handle(msg) -> None:
         if isinstance(msg, KVLoad):

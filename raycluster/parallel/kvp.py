@@ -13,7 +13,7 @@ chunk itself under the causal mask; for a decode token, over its tokens up to an
 new one. One `all_gather` per layer brings every rank all states, and each merges them by
 online softmax in rank order, so all ranks continue with the same attention output.
 
-Data enters as a `StepPlan` (global block tables) broadcast by the leader (rank 0, the engine's
+Data enters as a `StepPlan` (global block tables) posted by the leader (rank 0, the engine's
 `KVPRunner`); what leaves is the leader's final hidden rows of `plan.sample_rows`.
 """
 
@@ -283,13 +283,13 @@ class KVPRank:
 
 def kvp_worker(model, coll: Collective, blocks_per_rank: int, block_size: int, dtype: torch.dtype,
                device: str = "cpu") -> Callable:
-    """What a non-leader rank runs per broadcast message (for `serve_rank`)."""
+    """What a non-leader rank runs per message the leader posts (for `serve_rank`)."""
     return rank_handler(KVPRank(model, coll, coll.rank, coll.world, blocks_per_rank, block_size, dtype, device))
 
 
 class KVPRunner:
     """The leader (rank 0): the engine's runner over a KVP group. `kv` spans every rank's blocks
-    (a `StripedAllocator`); `run_plan` broadcasts the plan and runs rank 0's share."""
+    (a `StripedAllocator`); `run_plan` posts the plan and runs rank 0's share."""
 
     def __init__(self, model, coll: Collective | None, world: int, blocks_per_rank: int, block_size: int,
                  dtype: torch.dtype, device: str | torch.device = "cpu", ranks=None) -> None:
@@ -309,14 +309,14 @@ class KVPRunner:
 
     def run_plan(self, plan: StepPlan) -> torch.Tensor:
         if self.coll is not None:
-            self.coll.broadcast_plan(plan)
+            self.coll.post_plan(plan)
         return self.rank0.run(plan)
 
     def load_blocks(self, block_ids: list[int], data: torch.Tensor) -> None:
         """Write blocks [L, n, 2, B, Hkv, D] to engine block ids, each on the rank holding it."""
         msg = KVLoad(list(block_ids))
         if self.coll is not None:
-            self.coll.broadcast_plan(msg)
+            self.coll.post_plan(msg)
             for r in range(1, self.coll.world):
                 pos = [j for j, g in enumerate(msg.block_ids) if g // self.rank0.blocks_per_rank == r]
                 if pos:
@@ -327,7 +327,7 @@ class KVPRunner:
         """The data [L, n, 2, B, Hkv, D] of engine block ids, collected from the ranks."""
         msg = KVSave(list(block_ids))
         if self.coll is not None:
-            self.coll.broadcast_plan(msg)
+            self.coll.post_plan(msg)
         out = self.rank0._blocks(len(block_ids))
         for r in range(self.coll.world if self.coll is not None else 1):
             pos = [j for j, g in enumerate(msg.block_ids) if g // self.rank0.blocks_per_rank == r]
@@ -343,6 +343,7 @@ class KVPRunner:
     def close(self, timeout: float = 10.0) -> None:
         if self.coll is not None and not self._closed:
             self._closed = True
-            self.coll.broadcast_plan(None)
+            self.coll.post_plan(None)
+            self.coll.flush()
             if self.ranks is not None:
                 self.ranks.join(timeout)

@@ -1,7 +1,7 @@
 """The step plan: what the model runs in one engine step, as a plain message.
 
 `step_plan(out, tables)` turns a `SchedulerOutput` into a `StepPlan` (ints and lists only, so a
-parallel group's leader can broadcast it to its workers) plus the requests whose rows are
+parallel group's leader can post it to its workers) plus the requests whose rows are
 sampled. `plan_inputs(plan, block_size)` turns a plan into the model's flat inputs and the
 attention metadata. Token layout (kernels.metadata): prefill chunks first, request by request,
 then one token per decode. A row is sampled for a request when the step computes its last known

@@ -2,7 +2,7 @@
 
 Each `GroupRank` actor loads the model itself from `model_path`, joins the group's store at the
 `GroupAddress` the leader chose, and runs `serve_rank` in one long actor call until the leader
-broadcasts None. `RayRanks.join` waits for those calls, then kills the actors.
+posts None. `RayRanks.join` waits for those calls, then kills the actors.
 """
 
 from __future__ import annotations

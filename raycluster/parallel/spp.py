@@ -2,7 +2,7 @@
 
 Each rank is one pipeline stage (`SPPStage`) owning a contiguous range of decoder layers
 (`stage_layers`) and the KV tensor of just those layers. A step's `StepPlan` reaches every rank
-through `Collective.broadcast_plan` (the leader, rank 0, is `SPPRunner`; the others run
+along the group's plan chain (the leader, rank 0, is `SPPRunner`; the others run
 `serve_rank` with `spp_worker`). Every rank splits the plan the same way (`split_plan`) into
 micro-batches of at most `micro_tokens` prefill tokens and streams them through the stages: the
 hidden states [T_mb, H] of a micro-batch go from rank r to rank r+1 with a non-blocking send, so
@@ -202,7 +202,7 @@ class SPPRunner:
         if self._closed:
             raise RuntimeError("SPPRunner is closed")
         if self.spp > 1:
-            self.coll.broadcast_plan(plan)
+            self.coll.post_plan(plan)
         return self.stage.run(plan)
 
     def execute(self, out: SchedulerOutput) -> StepLogits:
@@ -212,7 +212,7 @@ class SPPRunner:
         """Write blocks [L, n, 2, B, Hkv, D] to engine block ids, each stage its layers."""
         msg = KVLoad(list(block_ids))
         if self.spp > 1:
-            self.coll.broadcast_plan(msg)
+            self.coll.post_plan(msg)
             for s, (lo, hi) in enumerate(self.layer_ranges[1:], start=1):
                 self.coll.send(data[lo:hi], s, KV_TAG).wait()
         self.stage.load(msg, data)
@@ -221,7 +221,7 @@ class SPPRunner:
         """The data [L, n, 2, B, Hkv, D] of engine block ids, collected from the stages."""
         msg = KVSave(list(block_ids))
         if self.spp > 1:
-            self.coll.broadcast_plan(msg)
+            self.coll.post_plan(msg)
         kv = self.stage.kv
         out = torch.empty((self.model.config.num_hidden_layers, len(block_ids)) + tuple(kv.shape[2:]),
                           dtype=kv.dtype, device=kv.device)
@@ -238,7 +238,8 @@ class SPPRunner:
             return
         self._closed = True
         if self.spp > 1:
-            self.coll.broadcast_plan(None)
+            self.coll.post_plan(None)
+            self.coll.flush()
             if self.ranks is not None:
                 self.ranks.join(timeout)
 
