@@ -113,8 +113,8 @@ def build_app(engine, tokenizer, model_name: str) -> FastAPI:
         stream = _Stream(gen, first, t0, metrics)
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            return StreamingResponse(_sse(stream, rid, kind, model_name, len(prompt_ids), include_usage),
-                                     media_type="text/event-stream")
+            return _ClosingStreamingResponse(_sse(stream, rid, kind, model_name, len(prompt_ids), include_usage),
+                                             media_type="text/event-stream")
         text, n_out, reason = await stream.collect()
         usage = {"prompt_tokens": len(prompt_ids), "completion_tokens": n_out,
                  "total_tokens": len(prompt_ids) + n_out}
@@ -146,6 +146,18 @@ def build_app(engine, tokenizer, model_name: str) -> FastAPI:
         return await _run(body, tokenizer.encode(prompt), "chat.completion", http)
 
     return app
+
+
+class _ClosingStreamingResponse(StreamingResponse):
+    """Closes its body generator however the response ends. A client that disconnects cancels
+    the send loop while the generator waits at a `yield`; nothing else closes it then, and the
+    request would run on until the garbage collector finalised the generator."""
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self.body_iterator.aclose()
 
 
 class _Stream:
@@ -185,13 +197,17 @@ async def _sse(stream: _Stream, rid: str, kind: str, model: str, n_prompt: int,
                include_usage: bool) -> AsyncIterator[str]:
     obj = "text_completion" if kind == "text_completion" else "chat.completion.chunk"
     created = now_s()
-    async for out in stream.outputs():
-        if kind == "text_completion":
-            choice = {"index": 0, "text": out.new_text, "logprobs": None, "finish_reason": out.finish_reason}
-        else:
-            choice = {"index": 0, "delta": {"content": out.new_text}, "finish_reason": out.finish_reason}
-        chunk = {"id": rid, "object": obj, "created": created, "model": model, "choices": [choice]}
-        yield f"data: {json.dumps(chunk)}\n\n"
+    outputs = stream.outputs()
+    try:                # closing this generator must close the request's (which aborts it)
+        async for out in outputs:
+            if kind == "text_completion":
+                choice = {"index": 0, "text": out.new_text, "logprobs": None, "finish_reason": out.finish_reason}
+            else:
+                choice = {"index": 0, "delta": {"content": out.new_text}, "finish_reason": out.finish_reason}
+            chunk = {"id": rid, "object": obj, "created": created, "model": model, "choices": [choice]}
+            yield f"data: {json.dumps(chunk)}\n\n"
+    finally:
+        await outputs.aclose()
     if include_usage:
         usage = {"prompt_tokens": n_prompt, "completion_tokens": stream.n_out,
                  "total_tokens": n_prompt + stream.n_out}
