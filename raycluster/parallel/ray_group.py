@@ -1,14 +1,15 @@
 """Ranks 1..world-1 of a KVP / SPP group as Ray actors (the leader is the engine's process).
 
-Each `GroupRank` actor loads the model itself from `model_path`, joins the group's store at the
-`GroupAddress` the leader chose, and runs `serve_rank` in one long actor call until the leader
-posts None. `RayRanks.join` waits for those calls, then kills the actors.
+Each `GroupRank` actor, placed on the leader's node, loads the model itself from `model_path`,
+joins the group's store at the `GroupAddress` the leader chose, and runs `serve_rank` in one long
+actor call until the leader posts None. `RayRanks.join` waits for those calls, then kills the actors.
 """
 
 from __future__ import annotations
 
 import ray
 import torch
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from raycluster.engine.config import EngineConfig
 from raycluster.parallel.group import Collective, GroupAddress, serve_rank
@@ -37,8 +38,11 @@ class RayRanks:
         if model_path is None:
             raise ValueError("group_launch 'ray' needs the checkpoint path for the ranks to load")
         threads = config.num_threads or torch.get_num_threads()
-        self.actors = [GroupRank.options(num_cpus=num_cpus).remote(model_path, config.model_dump_json(), threads)
-                       for _ in range(1, addr.world)]
+        # On the leader's node: the group binds to `group_host` (loopback by default), and each
+        # gloo rank binds a socket there too; a group spanning nodes is not built.
+        here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
+        self.actors = [GroupRank.options(num_cpus=num_cpus, scheduling_strategy=here).remote(
+            model_path, config.model_dump_json(), threads) for _ in range(1, addr.world)]
         self.calls = [a.serve.remote(kind, addr, r) for r, a in enumerate(self.actors, start=1)]
 
     def alive(self) -> bool:
