@@ -32,6 +32,7 @@ import torch.distributed as dist
 PLAN_BUFFER_BYTES = 64 * 1024
 MAX_POSTED = 8      # messages the leader (or a relaying rank) may have in flight down the chain
 PLAN_TAG = 4        # tags 1-3 are the SPP hidden states, sampled rows and KV block moves
+GATHER_TAG = 5
 
 
 @dataclass
@@ -69,9 +70,19 @@ class Collective:
         self._posted: deque = deque()
 
     def all_gather(self, t: torch.Tensor) -> torch.Tensor:
-        """[world, *t.shape]: every rank's tensor, in rank order."""
+        """[world, *t.shape]: every rank's tensor, in rank order. Each rank sends its tensor to
+        every other and receives theirs (world - 1 messages each way, all in flight at once):
+        for the small groups and small states KVP exchanges per layer this has about half the
+        latency of gloo's ring allgather here."""
+        t = t.contiguous()
         out = t.new_empty((self.world,) + tuple(t.shape))
-        self.pg.allgather([list(out.unbind(0))], [t.contiguous()]).wait()
+        out[self.rank] = t
+        peers = [r for r in range(self.world) if r != self.rank]
+        sends = [self.pg.send([t], r, GATHER_TAG) for r in peers]
+        for r in peers:
+            self.pg.recv([out[r]], r, GATHER_TAG).wait()
+        for w in sends:
+            w.wait()
         return out
 
     def send(self, t: torch.Tensor, dst: int, tag: int = 0):
