@@ -70,6 +70,10 @@ def run(args) -> dict:
     rng = random.Random(args.seed)
     vocab = model.config.vocab_size
     results: dict = {"meta": {"model": args.model, "launch": args.launch, "repeats": args.repeats}}
+    longest = max([*args.contexts, args.prompt]) + args.decode_steps + 1
+    if longest > model.config.max_model_len:
+        raise SystemExit(f"--contexts / --prompt: {longest} tokens with the decode steps exceed the model's "
+                         f"context of {model.config.max_model_len}")
     if "kvp" in args.parts:
         rows = []
         for ctx in args.contexts:
@@ -133,7 +137,11 @@ def main(argv: list[str] | None = None) -> int:
         import ray
         ray.init(num_cpus=8, include_dashboard=False, _node_ip_address="127.0.0.1",
                  runtime_env={"env_vars": {"OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo"}})
-    results = run(args)
+    threads = torch.get_num_threads()
+    try:
+        results = run(args)
+    finally:
+        torch.set_num_threads(threads)      # the configurations set it process-wide
     with open(args.out, "w") as f:
         json.dump(results, f, indent=2)
     return 0

@@ -1,0 +1,24 @@
+"""`raycluster bench parallel` end to end on tiny sizes: every configuration runs and reports."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from raycluster.bench.parallel_bench import main
+
+
+def test_parallel_bench_writes_every_configuration(tmp_path, tiny_model_dir, monkeypatch):
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "lo")
+    out = tmp_path / "par.json"
+    assert main(["--model", str(tiny_model_dir), "--contexts", "300", "--prompt", "400", "--chunk", "128",
+                 "--decode-steps", "3", "--repeats", "1", "--out", str(out)]) == 0
+    res = json.loads(out.read_text())
+    names = {"1 process, 1 thread", "1 process, 2 threads"}
+    assert set(res["kvp"][0]["tpot_ms"]) == names | {"kvp2, 1 thread per rank"}
+    assert set(res["spp"]["ttft_s"]) == names | {"spp2, 1 thread per rank"}
+    assert res["kvp"][0]["speedup_vs_1_thread"]["1 process, 1 thread"] == 1.0
+    assert all(t > 0 for t in res["spp"]["ttft_s"].values())
+    with pytest.raises(SystemExit, match="context"):
+        main(["--model", str(tiny_model_dir), "--contexts", "40000", "--out", str(out)])
