@@ -32,7 +32,7 @@ class BlockAllocator:
 
     @property
     def num_used(self) -> int:
-        return self.num_blocks - len(self._free)
+        return self.num_blocks - self.num_free
 
     def can_allocate(self, n: int, first_index: int = 0) -> bool:
         """Whether `n` more blocks fit (`first_index`: the request's next logical block, which a
@@ -61,7 +61,11 @@ class BlockAllocator:
             raise ValueError(f"double free of block {block}")
         self._refs[block] -= 1
         if self._refs[block] == 0:
-            self._free.append(block)
+            self._release(block)
+
+    def _release(self, block: int) -> None:
+        """Return a block whose last reference is gone to the free pool."""
+        self._free.append(block)
 
     def free_all(self, blocks) -> None:
         """`free` of each block in order (same free-list order, same error on a double free):

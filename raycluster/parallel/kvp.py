@@ -27,18 +27,19 @@ import torch
 
 from kernels.metadata import AttentionMetadata
 from kernels.torch_backend import LOG2E, Workspace, _attend, _gather_rows, merge_states, paged_decode_attention, write_kv
-from raycluster.engine.kv_manager import KVCacheManager, OutOfBlocks
+from raycluster.engine.kv_manager import BlockAllocator, KVCacheManager, OutOfBlocks
 from raycluster.engine.model_runner import execute_step
 from raycluster.parallel.group import Collective
 from raycluster.parallel.kv_port import KV_TAG, KVLoad, KVSave, StagedPort, rank_handler
 from raycluster.parallel.plan import StepPlan, plan_inputs
 
 
-class StripedAllocator:
-    """`BlockAllocator`'s interface over `world` per-rank pools: logical block i of a request
-    comes from rank i % world (the `first_index` of `allocate` / `can_allocate`)."""
+class StripedAllocator(BlockAllocator):
+    """A `BlockAllocator` over `world` per-rank pools: logical block i of a request comes from
+    rank i % world (the `first_index` of `allocate` / `can_allocate`). Reference counting is
+    the base class's; only where free blocks live differs."""
 
-    def __init__(self, blocks_per_rank: int, world: int) -> None:
+    def __init__(self, blocks_per_rank: int, world: int) -> None:   # per-rank pools, not one list
         if blocks_per_rank <= 0 or world <= 0:
             raise ValueError(f"blocks_per_rank and world must be >= 1, got {blocks_per_rank}, {world}")
         self.blocks_per_rank, self.world = blocks_per_rank, world
@@ -50,10 +51,6 @@ class StripedAllocator:
     @property
     def num_free(self) -> int:
         return self._num_free
-
-    @property
-    def num_used(self) -> int:
-        return self.num_blocks - self._num_free
 
     def _per_rank(self, n: int, first_index: int) -> list[int]:
         base, extra = divmod(n, self.world)
@@ -75,25 +72,13 @@ class StripedAllocator:
         self._num_free -= n
         return blocks
 
-    def incref(self, block: int) -> None:
-        if self._refs[block] <= 0:
-            raise ValueError(f"block {block} is free; cannot share it")
-        self._refs[block] += 1
-
-    def free(self, block: int) -> None:
-        if self._refs[block] <= 0:
-            raise ValueError(f"double free of block {block}")
-        self._refs[block] -= 1
-        if self._refs[block] == 0:
-            self._pools[block // self.blocks_per_rank].append(block)
-            self._num_free += 1
+    def _release(self, block: int) -> None:
+        self._pools[block // self.blocks_per_rank].append(block)
+        self._num_free += 1
 
     def free_all(self, blocks) -> None:
         for b in blocks:
             self.free(b)
-
-    def refcount(self, block: int) -> int:
-        return self._refs[block]
 
     def alias_table(self, num_blocks: int, offset: int) -> list[int]:
         """A synthetic table laid out as `allocate` would lay it out (blocks may be shared with
