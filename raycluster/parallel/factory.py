@@ -13,7 +13,8 @@ from raycluster.parallel.group import Collective, GroupAddress, ThreadRanks, fre
 
 
 def group_worker(kind: str, model, coll: Collective, config: EngineConfig, dtype: torch.dtype):
-    """The per-plan function rank `coll.rank` runs in a group of `kind` ("kvp" | "spp")."""
+    """The handler rank `coll.rank` (not the leader) runs for each message in a group of `kind`
+    ("kvp" | "spp")."""
     blocks = config.kv_cache_tokens // config.block_size
     if kind == "kvp":
         from raycluster.parallel.kvp import kvp_worker
@@ -25,6 +26,8 @@ def group_worker(kind: str, model, coll: Collective, config: EngineConfig, dtype
 
 def build_runner(config: EngineConfig, model, dtype: torch.dtype, model_path: str | None = None,
                  num_cpus: float = 1.0):
+    """The engine's runner; for a group, start its other ranks (Ray actors need `model_path`
+    and take `num_cpus` each), join them, and return the leader."""
     blocks = config.kv_cache_tokens // config.block_size
     if config.kvp == 1 and config.spp == 1:
         return ModelRunner(model, KVCacheManager(blocks, config.block_size), dtype, config.device)
