@@ -48,8 +48,8 @@ class EngineInstance:
         router = self._router = ray.get_actor(cfg.router_name, namespace=cfg.namespace)
         self.worker = InstanceWorker(
             self.engine, role, self.instance_id,
-            poll_fn=lambda iid, stats, timeout: ray.get(router.poll.remote(iid, stats, timeout)),
-            push_fn=lambda report: ray.get(router.push.remote(report)),
+            poll_fn=lambda iid, stats, timeout: ray.get(router.poll.remote(iid, stats, timeout), timeout=timeout + 30),
+            push_fn=lambda report: ray.get(router.push.remote(report), timeout=30),
             connector=connector, transfer_timeout_s=cfg.transfer_timeout_s,
             on_transfer_failure=cfg.on_transfer_failure).start()
 

@@ -6,11 +6,18 @@ replica pulls every event for this gateway from the router in batches and fans t
 per-request queues, so no Ray call is made per token per request. Text, stop strings and the
 local admission check (the router's last reported queue depth) live here, before any
 tokenization. The router is reached through three async callables, so tests can fake it.
+
+Router restarts: router ids sort by start time. When replies come from a newer router than the
+one that accepted a request, the request is resubmitted under a new id with the tokens its
+client already has (`RequestMeta.resumed`), and its stream goes on where it stopped. If the
+router stays unreachable for `router_wait_s`, waiting requests fail with 503 (or an "error"
+finish once tokens were sent).
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import logging
 import time
@@ -25,6 +32,9 @@ from raycluster.server.protocol import OverloadedError
 
 log = logging.getLogger(__name__)
 
+_RESUBMIT = object()      # queue marker: the router that accepted the request is gone
+_LOST = object()          # queue marker: no router answered for router_wait_s
+
 
 class ClusterClient:
     def __init__(self, submit: Callable[[RequestMeta], Awaitable[SubmitReply]],
@@ -32,7 +42,8 @@ class ClusterClient:
                  pull: Callable[[str, float], Awaitable[GatewayReply]],
                  status: Callable[[], Awaitable[dict]],
                  tokenizer, max_model_len: int, vocab_size: int, eos_token_ids: tuple[int, ...],
-                 gateway_id: str | None = None, pull_timeout_s: float = 0.5) -> None:
+                 gateway_id: str | None = None, pull_timeout_s: float = 0.5,
+                 router_wait_s: float = 30.0) -> None:
         self._submit, self._abort, self._pull, self._status = submit, abort, pull, status
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
@@ -41,7 +52,11 @@ class ClusterClient:
         self.gateway_id = gateway_id or f"gw-{uuid.uuid4().hex[:8]}"
         self.pull_timeout_s = pull_timeout_s
         self._ids = itertools.count()
-        self._queues: dict[str, asyncio.Queue] = {}
+        self._queues: dict[str, asyncio.Queue] = {}     # by the id the router knows it under
+        self._accepted_by: dict[str, str] = {}          # that id -> the router id that took it
+        self._newest_router = ""                        # the newest router id seen (ids sort by start)
+        self.router_wait_s = router_wait_s
+        self.resubmitted = 0
         self._pull_task: asyncio.Task | None = None
         self.queue_depth = 0
         self.max_queue = 0
@@ -59,6 +74,7 @@ class ClusterClient:
         s = self._last_status
         instances = s.get("instances", [])
         return {"in_flight_here": len(self._queues), "queue_depth": self.queue_depth,
+                "resubmitted": self.resubmitted,
                 "policy": s.get("policy"), "instances": len(instances),
                 "waiting": sum(i.get("waiting", 0) for i in instances),
                 "running": sum(i.get("running", 0) for i in instances),
@@ -112,26 +128,40 @@ class ClusterClient:
                            priority, tenant, app_id, time.time())
         self._ensure_pulling()
         q: asyncio.Queue = asyncio.Queue()
-        self._queues[request_id] = q
-        done = False
+        live, out_ids, done = request_id, [], False
         try:
-            reply = await self._submit(meta)
+            reply = await self._place(meta, q)
             self.queue_depth = reply.queue_depth
             if not reply.accepted:
                 done = True
                 raise OverloadedError(reply.reason or "cluster is busy", reply.retry_after_s,
                                       503 if "no instances" in reply.reason else 429)
             text = TextStream(self.tokenizer, prompt_token_ids, sampling.stop) if self.tokenizer else None
-            n_out = 0
             while True:
-                ev: TokenEvent = await q.get()
-                if ev.finish_reason == "error" and n_out == 0:
+                ev = await q.get()
+                if ev is _RESUBMIT or ev is _LOST:
+                    self._forget(live)
+                    if ev is _RESUBMIT:
+                        self.resubmitted += 1
+                        live = f"{request_id}~{self.resubmitted}"
+                        meta = dataclasses.replace(meta, request_id=live, output_token_ids=list(out_ids),
+                                                   resumed=True)
+                        reply = await self._place(meta, q)
+                    if ev is _LOST or not reply.accepted:
+                        done = True
+                        why = "router unavailable" if ev is _LOST else f"resubmission refused: {reply.reason}"
+                        if not out_ids:
+                            raise OverloadedError(why, 1.0, 503)
+                        ev = TokenEvent(request_id, [], True, "error", why)
+                    else:
+                        continue
+                if ev.finish_reason == "error" and not out_ids:
                     done = True
                     field, _, msg = (ev.error or "request failed").partition(": ")
                     raise InvalidRequestError(field if msg else "request", msg or field)
                 delta, stopped = "", False
                 for tok in ev.token_ids:
-                    n_out += 1
+                    out_ids.append(tok)
                     if text is not None:
                         d, stopped = text.add(tok)
                         delta += d
@@ -143,13 +173,43 @@ class ClusterClient:
                     delta += text.flush()
                 done = ev.finished          # a gateway-side stop string still needs an abort
                 yield RequestOutput(request_id, list(ev.token_ids), delta, finished, reason,
-                                    len(prompt_token_ids), n_out)
+                                    len(prompt_token_ids), len(out_ids))
                 if finished:
                     return
         finally:
-            self._queues.pop(request_id, None)
+            self._forget(live)
             if not done:
-                await self._abort(request_id)
+                try:
+                    await self._abort(live)
+                except Exception as e:      # router restarting: it does not know the request
+                    log.warning("gateway %s: abort of %s failed: %s", self.gateway_id, live, e)
+
+    async def _place(self, meta: RequestMeta, q: asyncio.Queue) -> SubmitReply:
+        """Submit, retrying while the router restarts (and, for a resumed request, until
+        instances have registered with it again), for up to router_wait_s."""
+        self._queues[meta.request_id] = q
+        deadline = time.monotonic() + self.router_wait_s
+        while True:
+            try:
+                reply = await self._submit(meta)
+                if reply.accepted or not (meta.resumed and "no instances" in reply.reason):
+                    break
+            except Exception as e:
+                reply = SubmitReply(False, 1.0, f"no instances: router unreachable ({e})")
+            if time.monotonic() >= deadline:
+                break
+            await asyncio.sleep(0.2)
+        if reply.accepted:
+            if reply.router_id < self._newest_router:    # that router was replaced meanwhile
+                q.put_nowait(_RESUBMIT)
+            else:
+                self._accepted_by[meta.request_id] = reply.router_id
+                self._newest_router = reply.router_id
+        return reply
+
+    def _forget(self, live_id: str) -> None:
+        self._queues.pop(live_id, None)
+        self._accepted_by.pop(live_id, None)
 
     # ---- the event pump -----------------------------------------------------------------------
     def _ensure_pulling(self) -> None:
@@ -157,14 +217,33 @@ class ClusterClient:
             self._pull_task = asyncio.get_running_loop().create_task(self._pull_loop())
 
     async def _pull_loop(self) -> None:
-        last_status = 0.0
+        last_status, failing_since = 0.0, None
         while True:
             try:
                 reply = await self._pull(self.gateway_id, self.pull_timeout_s)
             except Exception as e:       # router restarting: keep the loop alive
                 log.warning("gateway %s: pull failed: %s", self.gateway_id, e)
+                now = time.monotonic()
+                failing_since = failing_since or now
+                if now - failing_since > self.router_wait_s:
+                    for q in list(self._queues.values()):
+                        q.put_nowait(_LOST)
+                    self._queues.clear()
+                    failing_since = now
                 await asyncio.sleep(0.5)
                 continue
+            failing_since = None
+            if reply.router_id > self._newest_router:
+                self._newest_router = reply.router_id
+                stale = [rid for rid, by in self._accepted_by.items() if by < reply.router_id]
+                if stale:
+                    log.warning("gateway %s: router restarted; resubmitting %d requests",
+                                self.gateway_id, len(stale))
+                for rid in stale:
+                    self._accepted_by.pop(rid)
+                    q = self._queues.get(rid)
+                    if q is not None:
+                        q.put_nowait(_RESUBMIT)
             self.queue_depth, self.max_queue = reply.queue_depth, reply.max_queue
             for ev in reply.events:
                 q = self._queues.get(ev.request_id)

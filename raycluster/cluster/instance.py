@@ -9,6 +9,9 @@
 - the push thread sends queued reports through `push_fn` one call at a time (merging reports
   that queued meanwhile), because an async actor does not run calls in arrival order and
   tokens must reach the router in the order they were made.
+A poll reply with a new `epoch` (the router restarted, or reaped this instance and re-queued its
+work) makes the step thread drop every request, parked KV and offer it holds before applying
+the reply; each report carries the epoch it was made under.
 No Ray import: the Serve deployment passes the two functions, so tests can drive it directly.
 """
 
@@ -61,6 +64,8 @@ class InstanceWorker:
         self._work_seen = 0
         self._pending: list[TokenEvent] = []     # events made outside a step (errors, aborts)
         self._reports: queue.Queue[StepReport] = queue.Queue()
+        self._epoch: str | None = None           # applied by the step thread, stamped on reports
+        self._polled_epoch: str | None = None    # last seen by the poll thread
         self._threads = [threading.Thread(target=self._poll_loop, name=f"{instance_id}-poll", daemon=True),
                          threading.Thread(target=self._step_loop, name=f"{instance_id}-step", daemon=True),
                          threading.Thread(target=self._push_loop, name=f"{instance_id}-push", daemon=True)]
@@ -96,7 +101,8 @@ class InstanceWorker:
                 continue
             if reply.role:
                 self.role = reply.role
-            if reply.work or reply.aborts or reply.releases:
+            if reply.work or reply.aborts or reply.releases or reply.epoch != self._polled_epoch:
+                self._polled_epoch = reply.epoch
                 self._replies.put(reply)
             if reply.shutdown:
                 self._stop.set()
@@ -122,6 +128,9 @@ class InstanceWorker:
 
     # ---- applying router replies -------------------------------------------------------------
     def _apply(self, reply: PollReply) -> None:
+        if reply.epoch is not None and reply.epoch != self._epoch:
+            self._drop_all()
+            self._epoch = reply.epoch
         for rid in reply.aborts:
             self.engine.abort_request(rid)
             if self.connector is not None:
@@ -148,7 +157,7 @@ class InstanceWorker:
             if item.first_token_time is not None:     # router epoch time -> this engine's clock
                 kwargs["first_token_time"] = self.engine.clock.now() - max(0.0, time.time() - item.first_token_time)
             self.engine.add_prefilled(
-                m.request_id, m.prompt_token_ids, item.output_token_ids[0], sampling_of(m),
+                m.request_id, m.prompt_token_ids, item.output_token_ids, sampling_of(m),
                 lambda dst: self.port.receive(dst, lambda ids: pull_with_fallback(
                     self.connector, handle, ids, self.transfer_timeout_s, self.on_transfer_failure)), **kwargs)
             self._admitted.append(m.request_id)
@@ -158,6 +167,23 @@ class InstanceWorker:
                                     output_token_ids=item.output_token_ids or None, **kwargs)
             if item.mode == "decode":        # no KV handle: recompute here
                 self._admitted.append(m.request_id)
+
+    def _drop_all(self) -> None:
+        """Forget all work: the router that handed it out is gone or has re-queued it."""
+        sched = self.engine.scheduler
+        dropped = len(sched.requests) + len(sched.parked)
+        for rid in list(sched.requests):
+            self.engine.abort_request(rid)
+        offered = self.connector.offered_ids() if self.connector is not None else []
+        for rid in offered:
+            self.connector.release(rid)
+            self.port.unstage(rid)
+        for rid in list(sched.parked):
+            self.engine.release(rid)
+        self._pending, self._admitted = [], []
+        if dropped or offered:
+            log.warning("%s: new router epoch: dropped %d requests and %d KV offers",
+                        self.instance_id, dropped, len(offered))
 
     def _expire_leases(self) -> None:
         if self.connector is None:
@@ -188,13 +214,14 @@ class InstanceWorker:
         if ids is None:                 # nothing to offer: the decode side recomputes
             self.engine.release(request_id)
             return None
-        n = self.engine.scheduler.parked[request_id].num_prompt_tokens
+        n = self.engine.scheduler.parked[request_id].num_tokens - 1    # KV-backed: all but the sampled token
         if self.port.copies:            # a group's blocks were copied out: free them now
             self.engine.release(request_id)
         return self.connector.offer(request_id, ids, n)
 
     def _report(self, events: list[TokenEvent], prefilled: list[PrefillDone]) -> None:
-        self._reports.put(StepReport(self.stats(), self._pending + events, prefilled, self._admitted))
+        self._reports.put(StepReport(self.stats(), self._pending + events, prefilled, self._admitted,
+                                     epoch=self._epoch))
         self._pending, self._admitted = [], []
 
     def _push_loop(self) -> None:
@@ -208,8 +235,11 @@ class InstanceWorker:
                     batch.append(self._reports.get_nowait())
                 except queue.Empty:
                     break
-            merged = StepReport(batch[-1].stats, [e for r in batch for e in r.events],
-                                [p for r in batch for p in r.prefilled], [a for r in batch for a in r.admitted])
+            last = batch[-1]
+            batch = [r for r in batch if r.epoch == last.epoch]   # older epochs: not applied anyway
+            merged = StepReport(last.stats, [e for r in batch for e in r.events],
+                                [p for r in batch for p in r.prefilled], [a for r in batch for a in r.admitted],
+                                epoch=last.epoch)
             for attempt in range(3):
                 try:
                     self.push_fn(merged)

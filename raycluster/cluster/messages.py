@@ -8,6 +8,10 @@ Flow (one request):
   instance --poll(InstanceStats)--> router           (long-poll; PollReply: work, aborts, releases)
   instance --push(StepReport)--> router              (one call per engine step, all its requests)
   gateway --pull(gateway_id)--> router               (long-poll; GatewayReply: token events)
+Router restarts: the router actor restarts on failure with no state. Each reply carries its
+`router_id`; a gateway that sees a new one resubmits its unfinished requests (under new ids, with
+the tokens the client already has), and each instance learns a new `epoch` on registering, drops
+whatever it held, and stamps its reports with the epoch so the router ignores older ones.
 Prefill/decode: a prefill instance reports `PrefillDone` (first token + KV handle); the router
 hands a `WorkItem(mode="decode", kv=handle)` to a decode instance; once that instance reports
 the request admitted, the router puts the id in the prefill instance's `releases`.
@@ -41,6 +45,10 @@ class RequestMeta:
     tenant: str = "default"
     app_id: str | None = None
     arrival_time: float = 0.0          # time.time() at the gateway
+    # Resubmitted after a router restart: tokens the client already has (the request resumes
+    # after them) and no admission bound (it was admitted once).
+    output_token_ids: list[int] = field(default_factory=list)
+    resumed: bool = False
 
 
 @dataclass
@@ -49,6 +57,7 @@ class SubmitReply:
     retry_after_s: float = 0.0
     reason: str = ""
     queue_depth: int = 0
+    router_id: str = ""
 
 
 @dataclass
@@ -107,6 +116,7 @@ class StepReport:
     prefilled: list[PrefillDone] = field(default_factory=list)
     admitted: list[str] = field(default_factory=list)       # decode-side handoffs now running
     prefill_samples: list[tuple[int, int, float]] = field(default_factory=list)  # (tokens, history, s)
+    epoch: str | None = None           # the registration it was made under (None: not tracked)
 
 
 @dataclass
@@ -116,6 +126,9 @@ class PollReply:
     releases: list[str] = field(default_factory=list)       # parked KV to free (decode side has it)
     role: str | None = None                                  # a new role when the controller moved us
     shutdown: bool = False
+    # This instance's registration with the router: a new value means the router does not know
+    # the work the instance holds (it restarted, or reaped the instance and re-queued it).
+    epoch: str | None = None
 
 
 @dataclass
@@ -123,3 +136,4 @@ class GatewayReply:
     events: list[TokenEvent] = field(default_factory=list)
     queue_depth: int = 0
     max_queue: int = 0
+    router_id: str = ""

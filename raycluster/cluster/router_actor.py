@@ -7,12 +7,17 @@ until work/events arrive or `timeout_s` passes. Tokens therefore travel as one b
 step (instance `push`) and one batch per gateway `pull`, never one Ray call per token per request.
 An instance's poll is also its heartbeat; a background task reaps silent instances every second
 and exports queue/in-flight gauges (ray.util.metrics, "ray_" prefix on the metrics port).
+
+Ray restarts the actor if its process dies (`max_restarts=-1`); the new incarnation starts empty
+under a new `router_id`, and instances and gateways recover their work from it (messages.py).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import time
+import uuid
 from dataclasses import asdict
 
 import ray
@@ -33,7 +38,10 @@ class RouterActor:
     def __init__(self, cfg: RouterConfig | dict | None = None, reap_interval_s: float = 1.0) -> None:
         if isinstance(cfg, dict):
             cfg = RouterConfig(**cfg)
-        self.core = RouterCore(cfg or RouterConfig())     # EpochClock: time.time() like arrivals
+        # EpochClock: time.time() like arrivals. A fresh id per incarnation (restarts included),
+        # sorting by start time, so a gateway can tell the newer of two routers.
+        router_id = f"{time.time_ns():016x}-{uuid.uuid4().hex[:6]}"
+        self.core = RouterCore(cfg or RouterConfig(), router_id=router_id)
         self._inst_ev: dict[str, asyncio.Event] = {}
         self._gw_ev: dict[str, asyncio.Event] = {}
         self._reap_interval_s = reap_interval_s
@@ -182,6 +190,7 @@ class _Metrics:
 def get_or_create_router(cfg: RouterConfig | None = None, name: str = ROUTER_NAME,
                          namespace: str = ROUTER_NAMESPACE):
     """The cluster's router handle: created detached on first use, the same actor afterwards
-    (a later caller's `cfg` is ignored when the actor exists)."""
-    return RouterActor.options(name=name, namespace=namespace, lifetime="detached",
+    (a later caller's `cfg` is ignored when the actor exists). Restarted whenever it dies, with
+    the same `cfg`; `ray.kill` (no_restart) ends it for good."""
+    return RouterActor.options(name=name, namespace=namespace, lifetime="detached", max_restarts=-1,
                                get_if_exists=True).remote(cfg)

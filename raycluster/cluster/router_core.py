@@ -8,6 +8,10 @@ one actor method; the unit tests drive it with a `VirtualClock`):
   take_events(gateway)              gateways collect token events (one batch per call)
 plus `reap(now)` for instance death.
 
+A router restart loses this state. Each registration gives the instance a new `epoch` (from
+`router_id` and a counter); the instance then drops what it held, and reports made under an
+older epoch are not applied. Gateways resubmit their requests with `resumed` set (messages.py).
+
 Queues: one Policy (by name, from the scheduling library) per pool queue: "mixed",
 "prefill-short", "prefill-long", "decode". Prompts are classified short/long by the L_m boundary.
 Requests re-queued after an instance died go to a per-queue `front` deque served before the
@@ -30,9 +34,9 @@ from collections import deque
 
 from raycluster.cluster.messages import (ROLES, GatewayReply, InstanceStats, PollReply, RequestMeta,
                                          StepReport, SubmitReply, TokenEvent, WorkItem)
-from raycluster.request import SLO, Request, SamplingParams
 from raycluster.cluster.router_pressure import PressureLoop
-from raycluster.cluster.router_state import EpochClock, Instance, ReqState, RouterConfig, router_status
+from raycluster.cluster.router_state import (EpochClock, Instance, ReqState, RouterConfig, policy_request,
+                                             router_status)
 from raycluster.sched.base import Clock, PolicyContext
 from raycluster.sched.boundary import LengthClassifier
 from raycluster.sched.predictor import LinearBatchPredictor
@@ -46,8 +50,11 @@ _SERVING_CHAIN = {"prefill-short": (("prefill-short",), ("prefill-long",), ("mix
 
 
 class RouterCore:
-    def __init__(self, cfg: RouterConfig | None = None, clock: Clock | None = None) -> None:
+    def __init__(self, cfg: RouterConfig | None = None, clock: Clock | None = None,
+                 router_id: str = "router") -> None:
         self.cfg = cfg or RouterConfig()
+        self.router_id = router_id              # unique per incarnation in a cluster (the actor's)
+        self._registrations = 0
         self.clock = clock or EpochClock()
         pred = LinearBatchPredictor(**self.cfg.predictor) if self.cfg.predictor else None
         # One context per queue: they share clock, predictor and SLOs; `num_servers` is the
@@ -123,29 +130,25 @@ class RouterCore:
         # Decided from counters only: no tokenization or KV allocation happens for a rejection.
         if not self.instances:
             return SubmitReply(False, self.cfg.retry_after_s, "no instances", depth)
-        if depth >= self.cfg.max_queue:
-            return SubmitReply(False, self.cfg.retry_after_s, "queue full", depth)
+        if depth >= self.cfg.max_queue and not meta.resumed:
+            return SubmitReply(False, self.cfg.retry_after_s, "queue full", depth, self.router_id)
         if meta.request_id in self.requests:
-            return SubmitReply(False, 0.0, "duplicate request id", depth)
+            return SubmitReply(False, 0.0, "duplicate request id", depth, self.router_id)
         n = len(meta.prompt_token_ids)
         if all(0 < i.stats.kv_total_blocks * (1 - self.cfg.kv_reserve_frac)
                < math.ceil((n + 1) / max(1, i.stats.block_size)) for i in self.instances.values()):
             # Never servable here (not a transient overload): no Retry-After.
-            return SubmitReply(False, 0.0, "prompt too long for any instance's KV cache", depth)
-        req = Request(
-            request_id=meta.request_id, prompt_token_ids=list(meta.prompt_token_ids),
-            sampling=SamplingParams(max_tokens=meta.max_tokens, temperature=meta.temperature,
-                                    top_p=meta.top_p, top_k=meta.top_k, seed=meta.seed,
-                                    stop_token_ids=list(meta.stop_token_ids),
-                                    ignore_eos=meta.ignore_eos),
-            arrival_time=meta.arrival_time or self.clock.now(),
-            slo=SLO(ttft_s=meta.ttft_slo_s, tpot_s=meta.tpot_slo_s),
-            priority=meta.priority, tenant=meta.tenant, app_id=meta.app_id)
-        st = ReqState(meta=meta, req=req, length_class=self.classifier.classify(n))
+            return SubmitReply(False, 0.0, "prompt too long for any instance's KV cache", depth, self.router_id)
+        st = ReqState(meta=meta, req=policy_request(meta, self.clock.now()),
+                      length_class=self.classifier.classify(n))
+        if meta.output_token_ids:               # resumed: the client has these already
+            st.delivered = list(meta.output_token_ids)
+            st.req.output_token_ids = st.delivered
+            st.req.first_token_time = self.clock.now()
         self.requests[meta.request_id] = st
-        self._enqueue(st, self._route(st.length_class))
+        self._enqueue(st, self._route(st.length_class), front=meta.resumed)
         self.dispatch()
-        return SubmitReply(True, queue_depth=self.queue_depth())
+        return SubmitReply(True, queue_depth=self.queue_depth(), router_id=self.router_id)
 
     def _enqueue(self, st: ReqState, queue: str, front: bool = False) -> None:
         st.queue, st.instance, st.mode = queue, None, None
@@ -267,6 +270,7 @@ class RouterCore:
         if inst is None:
             return PollReply()
         reply, inst.outbox = inst.outbox, PollReply()
+        reply.epoch = inst.epoch                # in every reply: a lost one must not matter
         now = self.clock.now()
         for w in reply.work:
             st = self.requests.get(w.meta.request_id)
@@ -295,7 +299,12 @@ class RouterCore:
         if inst is None:
             if stats.role not in ROLES:
                 raise ValueError(f"instance {instance_id!r}: unknown role {stats.role!r}; one of {ROLES}")
-            inst = self.instances[instance_id] = Instance(instance_id, stats.role, stats, now)
+            # Whatever it holds is unknown here (a restarted router) or re-queued already (a
+            # reaped instance): a new epoch tells it to drop that work.
+            self._registrations += 1
+            inst = self.instances[instance_id] = Instance(instance_id, stats.role, stats, now,
+                                                          epoch=f"{self.router_id}.{self._registrations}")
+            inst.sent = stats.work_seen or 0    # items applied before count against nothing here
             self._topology_changed()
         if inst.moving_to is not None:          # stats from before the move reached it: keep ours
             if stats.role == inst.moving_to:
@@ -359,6 +368,8 @@ class RouterCore:
     def on_report(self, report: StepReport) -> None:
         iid = report.stats.instance_id
         inst = self._touch(iid, report.stats)
+        if report.epoch is not None and report.epoch != inst.epoch:
+            return                              # made before the instance dropped that work
         # One iteration per request per engine step: `_deliver` inlined.
         requests, transit, policies, gateways = self.requests, inst.transit, self.policies, self.gateways
         for ev in report.events:
@@ -487,7 +498,8 @@ class RouterCore:
 
     # ---------------------------------------------------------------- gateways, status
     def take_events(self, gateway_id: str) -> GatewayReply:
-        return GatewayReply(self.gateways.pop(gateway_id, []), self.queue_depth(), self.cfg.max_queue)
+        return GatewayReply(self.gateways.pop(gateway_id, []), self.queue_depth(), self.cfg.max_queue,
+                            self.router_id)
 
     def has_events(self, gateway_id: str) -> bool:
         return bool(self.gateways.get(gateway_id))

@@ -6,7 +6,7 @@ import time
 from dataclasses import dataclass, field
 
 from raycluster.cluster.messages import InstanceStats, PollReply, RequestMeta
-from raycluster.request import Request
+from raycluster.request import SLO, Request, SamplingParams
 from raycluster.sched.base import SLOConfig
 from raycluster.sched.pressure import PressureConfig
 
@@ -49,6 +49,7 @@ class Instance:
     sent: int = 0                     # work items handed out, ever
     moving_to: str | None = None      # role the controller gave it, until its stats carry it
     busy_mark: tuple[float, float] | None = None     # (time, stats.busy_s) at the last control tick
+    epoch: str = ""                   # this registration (PollReply.epoch)
 
     def transit_sum(self, k: int) -> int:
         return sum(v[k] for v in self.transit.values())
@@ -69,6 +70,7 @@ def router_status(core, queues: tuple[str, ...]) -> dict:
     now = core.clock.now()
     fitted = core.classifier.boundary is not None
     return {
+        "router_id": core.router_id,
         "policy": core.cfg.policy,
         "queues": {q: len(core.policies[q]) + len(core.front[q]) for q in queues},
         "queue_depth": core.queue_depth(), "max_queue": core.cfg.max_queue,
@@ -82,6 +84,17 @@ def router_status(core, queues: tuple[str, ...]) -> dict:
         "controller": None if core.pressure is None else {
             "period_s": core.cfg.pressure_period_s, "moves": core.pressure.moves[-8:]},
     }
+
+
+def policy_request(meta: RequestMeta, now: float) -> Request:
+    """The `Request` the router's policies order for a submitted request."""
+    return Request(
+        request_id=meta.request_id, prompt_token_ids=list(meta.prompt_token_ids),
+        sampling=SamplingParams(max_tokens=meta.max_tokens, temperature=meta.temperature, top_p=meta.top_p,
+                                top_k=meta.top_k, seed=meta.seed, stop_token_ids=list(meta.stop_token_ids),
+                                ignore_eos=meta.ignore_eos),
+        arrival_time=meta.arrival_time or now, slo=SLO(ttft_s=meta.ttft_slo_s, tpot_s=meta.tpot_slo_s),
+        priority=meta.priority, tenant=meta.tenant, app_id=meta.app_id)
 
 
 @dataclass

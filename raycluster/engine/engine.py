@@ -135,17 +135,19 @@ class LLMEngine:
         self._track_text(req)
         return req
 
-    def add_prefilled(self, request_id: str, prompt_token_ids: list[int], first_token: int,
+    def add_prefilled(self, request_id: str, prompt_token_ids: list[int], output_token_ids: list[int],
                       sampling: SamplingParams | None, fill_kv, *, slo: SLO | None = None,
                       priority: int = 0, tenant: str = "default", app_id: str | None = None,
                       arrival_time: float | None = None, first_token_time: float | None = None) -> bool:
-        """Decode side of a P/D handoff: reserve blocks for the prompt, let `fill_kv(block_ids)`
-        bring the KV (True on success), and admit the request straight into decoding. Without
-        blocks or when the transfer fails, the request is queued to recompute its prefill here
-        instead; returns whether the KV was used. `first_token_time` (this engine's clock): when
-        the client got the first token, made elsewhere."""
+        """Decode side of a P/D handoff: `output_token_ids` are the tokens sampled so far (the
+        first one, or more on a resumed request); reserve blocks for the KV of every token but
+        the last, let `fill_kv(block_ids)` bring it (True on success), and admit the request
+        straight into decoding. Without blocks or when the transfer fails, the request is queued
+        to recompute its prefill here instead; returns whether the KV was used.
+        `first_token_time` (this engine's clock): when the client got the first token, made
+        elsewhere."""
         req = self._new_request(request_id, prompt_token_ids, sampling, slo, priority, tenant, app_id,
-                                arrival_time, [first_token])
+                                arrival_time, output_token_ids)
         req.first_token_time = first_token_time
         blocks = self.scheduler.admit_prefilled(req)
         if blocks is not None:

@@ -107,14 +107,16 @@ class Scheduler:
         return req
 
     def admit_prefilled(self, req: Request) -> list[int] | None:
-        """Admit a request whose prompt KV is computed elsewhere straight into decoding: reserve
-        blocks for its prompt and return them (the caller fills them), or None when KV is short."""
+        """Admit a request whose KV is computed elsewhere straight into decoding: reserve blocks
+        for all its tokens but the last one sampled (the prompt, and on a resumed request the
+        tokens before it too) and return them (the caller fills them), or None when KV is short."""
         if req.request_id in self.requests:
             raise ValueError(f"request_id {req.request_id!r} is already in use")
         req.num_computed_tokens = 0
-        if not self.kv.try_allocate(req, req.num_prompt_tokens):
+        n = req.num_tokens - 1
+        if not self.kv.try_allocate(req, n):
             return None
-        req.num_computed_tokens = req.num_prompt_tokens
+        req.num_computed_tokens = n
         req.status = RequestStatus.RUNNING
         self.requests[req.request_id] = req
         self._holders[req.request_id] = req

@@ -199,6 +199,9 @@ class KVConnector(ABC):
     def offered(self, request_id: str) -> list[int] | None:
         return self._offers.get(request_id)
 
+    def offered_ids(self) -> list[str]:
+        return list(self._offers)
+
     def _offer_extra(self, handle: KVHandle) -> dict[str, Any]:
         return {}
 

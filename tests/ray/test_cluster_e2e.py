@@ -2,8 +2,9 @@
 KV moved by each connector give exactly the single-engine greedy output for 50 mixed requests,
 streamed and not (for P/D: every decode-side pull succeeded, so the KV really moved and was not
 recomputed), also while the pressure controller moves instances between the prefill pools; the
-openai client works; afterwards every instance's KV is free and the router's
-in-flight table is empty."""
+openai client works; streams survive a router restart (killed mid-stream, Ray restarts it, the
+gateway resubmits, the text is still the single engine's); afterwards every instance's KV is
+free and the router's in-flight table is empty."""
 
 from __future__ import annotations
 
@@ -90,6 +91,25 @@ def expected(tiny_model_dir, workload):
     ids = [tok.encode(p) if isinstance(p, str) else p for p, _ in workload]
     outs = eng.generate(ids, [SamplingParams(max_tokens=m, ignore_eos=True) for _, m in workload])
     return [tok.decode(o) for o in outs]
+
+
+@pytest.fixture(scope="module")
+def restart_workload(tiny_model_dir):
+    """12 streams long enough to be cut mid-way (token-id prompts, 48 tokens each) and their
+    single-engine greedy text."""
+    from raycluster.engine.config import EngineConfig
+    from raycluster.engine.engine import LLMEngine
+    from raycluster.model.loader import load_model
+    from raycluster.model.tokenizer import Tokenizer
+    from raycluster.request import SamplingParams
+
+    rng = random.Random(5)
+    prompts = [[rng.randrange(6, 4000) for _ in range(rng.choice([20, 60, 150, 400]))] for _ in range(12)]
+    model, mcfg = load_model(tiny_model_dir)
+    eng = LLMEngine(EngineConfig(policy="fcfs", packer="token", kv_cache_tokens=32768), model)
+    outs = eng.generate(prompts, [SamplingParams(max_tokens=48, ignore_eos=True)] * len(prompts))
+    tok = Tokenizer(tiny_model_dir, mcfg.eos_token_id)
+    return prompts, [tok.decode(o) for o in outs]
 
 
 @pytest.fixture(scope="module", params=list(TOPOLOGIES))
@@ -213,3 +233,37 @@ def test_controller_moves_a_long_instance_when_short_prompts_pile_up(cluster, wo
     assert roles.count("decode") == 1 and len(roles) == 4, roles
     assert "prefill-long" in roles and "prefill-short" in roles, roles
     _assert_drained(url)
+
+
+def test_router_restart_resumes_every_stream(cluster, restart_workload):
+    url, name = cluster
+    if name not in ("mixed", "pd-object_store"):
+        pytest.skip("one mixed and one P/D topology")
+    import ray
+
+    prompts, expected = restart_workload
+    got: list[list[str]] = [[] for _ in prompts]
+
+    async def stream(client: httpx.AsyncClient, i: int) -> None:
+        body = {"prompt": prompts[i], "max_tokens": 48, "temperature": 0, "ignore_eos": True, "stream": True}
+        async with client.stream("POST", url + "/v1/completions", json=body) as r:
+            assert r.status_code == 200
+            async for line in r.aiter_lines():
+                if line.startswith("data: ") and line != "data: [DONE]":
+                    for c in json.loads(line[6:])["choices"]:
+                        got[i].append(c["text"])
+
+    async def run() -> None:
+        async with httpx.AsyncClient(timeout=180) as client:
+            tasks = [asyncio.create_task(stream(client, i)) for i in range(len(prompts))]
+            deadline = time.monotonic() + 120
+            while sum(map(len, got)) < 40 and time.monotonic() < deadline:    # SSE events, ~1 token each
+                await asyncio.sleep(0.02)
+            assert not all(t.done() for t in tasks), "all finished before the kill"
+            ray.kill(ray.get_actor(f"router-{name}", namespace="raycluster"), no_restart=False)
+            await asyncio.gather(*tasks)
+
+    asyncio.run(run())
+    assert ["".join(g) for g in got] == expected
+    assert httpx.get(url + "/health", timeout=30).json()["resubmitted"] > 0
+    _assert_drained(url, timeout=60)

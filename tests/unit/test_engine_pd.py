@@ -50,7 +50,7 @@ def test_prefill_park_handoff_decode_equals_single_engine(model):
             scatter_blocks(dec.runner.kv_cache, dst, gather_blocks(pre.runner.kv_cache, src))
             return True
 
-        assert dec.add_prefilled(f"r{i}", p, o.new_token_ids[0], sp, fill)
+        assert dec.add_prefilled(f"r{i}", p, [o.new_token_ids[0]], sp, fill)
         assert pre.release(f"r{i}")
     pre.kv.check()
     assert pre.kv.num_free_blocks == pre.kv.num_blocks
@@ -66,7 +66,7 @@ def test_failed_transfer_recomputes_on_decode_side(model):
     sp = SamplingParams(max_tokens=6, ignore_eos=True)
     expected = _engine(model).generate([PROMPTS[4]], sp)[0]
     dec = _engine(model)
-    assert not dec.add_prefilled("x", PROMPTS[4], expected[0], sp, lambda dst: False)
+    assert not dec.add_prefilled("x", PROMPTS[4], [expected[0]], sp, lambda dst: False)
     dec.kv.check()
     toks = [t for o in _run(dec)["x"] for t in o.new_token_ids]
     assert [expected[0]] + toks == expected
@@ -91,6 +91,30 @@ def test_resume_with_delivered_tokens_continues_exactly(model):
     eng.add_request("r", PROMPTS[3], sp, output_token_ids=full[:4])
     toks = [t for o in _run(eng)["r"] for t in o.new_token_ids]
     assert full[:4] + toks == full
+
+
+@pytest.mark.parametrize("delivered", [1, 7, 23])
+def test_resumed_request_hands_off_all_its_tokens(model, delivered):
+    """A request resumed with tokens already delivered (after an instance or router restart)
+    prefills prompt + those tokens, and the decode side continues after all of them."""
+    sp = SamplingParams(max_tokens=30, ignore_eos=True)
+    full = _engine(model).generate([PROMPTS[5]], sp)[0]
+    pre, dec = _engine(model), _engine(model, block_size=16)
+    pre.add_request("r", PROMPTS[5], sp, prefill_only=True, output_token_ids=full[:delivered])
+    (o,) = _run(pre)["r"]
+    assert o.finish_reason == "prefilled" and o.new_token_ids == [full[delivered]]
+    src = pre.parked_blocks("r")
+    assert len(src) == -(-(len(PROMPTS[5]) + delivered) // pre.kv.block_size)
+
+    def fill(dst):
+        scatter_blocks(dec.runner.kv_cache, dst, gather_blocks(pre.runner.kv_cache, src))
+        return True
+
+    assert dec.add_prefilled("r", PROMPTS[5], full[:delivered + 1], sp, fill)
+    toks = [t for o in _run(dec)["r"] for t in o.new_token_ids]
+    assert full[:delivered + 1] + toks == full
+    assert pre.release("r") and pre.kv.num_free_blocks == pre.kv.num_blocks
+    assert dec.kv.num_free_blocks == dec.kv.num_blocks
 
 
 def test_awd_packer_batches_short_prefills_and_output_is_exact(model):
