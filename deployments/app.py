@@ -31,7 +31,8 @@ def build_app(args: dict) -> serve.Application:
     blob = cfg.model_dump_json()
     pools = [
         EngineInstance.options(name=pool_deployment(p.role), num_replicas=p.instances,
-                               ray_actor_options={"num_cpus": p.num_cpus}).bind(p.role, blob)
+                               ray_actor_options={"num_cpus": p.num_cpus, "num_gpus": p.num_gpus}
+                               ).bind(p.role, blob)
         for p in cfg.pools if p.instances > 0
     ]
     return Gateway.options(num_replicas=cfg.gateway_replicas,

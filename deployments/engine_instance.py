@@ -31,9 +31,10 @@ class EngineInstance:
         torch.set_num_threads(cfg.threads_per_instance)
         os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
         path = resolve_model_path(ecfg.model)
-        model, _ = load_model(path)
+        model, _ = load_model(path, dtype=ecfg.torch_dtype(), device=ecfg.device)
         # A KVP / SPP pool: this replica leads the group; its other ranks are actors (or threads).
-        runner = build_runner(ecfg, model, ecfg.torch_dtype(), model_path=str(path), num_cpus=pool.num_cpus)
+        runner = build_runner(ecfg, model, ecfg.torch_dtype(), model_path=str(path), num_cpus=pool.num_cpus,
+                              num_gpus=pool.num_gpus)
         self.engine = LLMEngine(ecfg, model, tokenizer=None, runner=runner)
         replica = serve.get_replica_context().replica_id.unique_id
         self.instance_id = f"{role}-{replica}"

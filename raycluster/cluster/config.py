@@ -20,6 +20,8 @@ class PoolSpec(BaseModel):
     role: Role
     instances: int = Field(1, ge=0)
     num_cpus: float = Field(1.0, ge=0)
+    num_gpus: float = Field(0.0, ge=0, description="GPUs Ray gives each instance (and each Ray-actor rank of "
+                            "its KVP / SPP group); with GPUs the engine's device defaults to cuda")
     engine: dict = Field(default_factory=dict, description="EngineConfig overrides for this pool")
 
 
@@ -87,11 +89,14 @@ class ClusterConfig(BaseModel):
         if self.controller.enabled and prefill != {"prefill-short", "prefill-long"}:
             raise ValueError("controller: it moves instances between the prefill-short and prefill-long "
                              "pools, so both need instances")
-        for p in self.pools:
-            self.engine_config(p)       # fail at deploy time, not in a replica
+        for i, p in enumerate(self.pools):
+            ecfg = self.engine_config(p)       # fail at deploy time, not in a replica
+            if ecfg.device.startswith("cuda") and p.num_gpus == 0:
+                raise ValueError(f"pools[{i}].num_gpus: the engine runs on {ecfg.device!r}, so Ray must "
+                                 "give the instance GPUs (set num_gpus, e.g. 1)")
         return self
 
     def engine_config(self, pool: PoolSpec) -> EngineConfig:
         cfg = {"model": self.model, "policy": self.policy, "num_threads": self.threads_per_instance,
-               **self.engine, **pool.engine}
+               **({"device": "cuda"} if pool.num_gpus > 0 else {}), **self.engine, **pool.engine}
         return EngineConfig(**cfg)

@@ -25,9 +25,9 @@ def group_worker(kind: str, model, coll: Collective, config: EngineConfig, dtype
 
 
 def build_runner(config: EngineConfig, model, dtype: torch.dtype, model_path: str | None = None,
-                 num_cpus: float = 1.0):
+                 num_cpus: float = 1.0, num_gpus: float = 0.0):
     """The engine's runner; for a group, start its other ranks (Ray actors need `model_path`
-    and take `num_cpus` each), join them, and return the leader."""
+    and take `num_cpus` and `num_gpus` each), join them, and return the leader."""
     blocks = config.kv_cache_tokens // config.block_size
     if config.kvp == 1 and config.spp == 1:
         return ModelRunner(model, KVCacheManager(blocks, config.block_size), dtype, config.device)
@@ -37,7 +37,7 @@ def build_runner(config: EngineConfig, model, dtype: torch.dtype, model_path: st
     addr = GroupAddress(config.group_host, free_port(config.group_host), world, config.group_timeout_s)
     if config.group_launch == "ray":
         from raycluster.parallel.ray_group import RayRanks
-        ranks = RayRanks(addr, kind, config, model_path, num_cpus)
+        ranks = RayRanks(addr, kind, config, model_path, num_cpus, num_gpus)
     else:
         ranks = ThreadRanks(addr, lambda coll: group_worker(kind, model, coll, config, dtype), config.device)
     coll = Collective(addr, 0, config.device)      # returns once every rank has joined

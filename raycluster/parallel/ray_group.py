@@ -34,14 +34,14 @@ class GroupRank:
 
 class RayRanks:
     def __init__(self, addr: GroupAddress, kind: str, config: EngineConfig, model_path: str | None,
-                 num_cpus: float = 1.0) -> None:
+                 num_cpus: float = 1.0, num_gpus: float = 0.0) -> None:
         if model_path is None:
             raise ValueError("group_launch 'ray' needs the checkpoint path for the ranks to load")
         threads = config.num_threads or torch.get_num_threads()
         # On the leader's node: the group binds to `group_host` (loopback by default), and each
         # gloo rank binds a socket there too; a group spanning nodes is not built.
         here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
-        self.actors = [GroupRank.options(num_cpus=num_cpus, scheduling_strategy=here).remote(
+        self.actors = [GroupRank.options(num_cpus=num_cpus, num_gpus=num_gpus, scheduling_strategy=here).remote(
             model_path, config.model_dump_json(), threads) for _ in range(1, addr.world)]
         self.calls = [a.serve.remote(kind, addr, r) for r, a in enumerate(self.actors, start=1)]
 

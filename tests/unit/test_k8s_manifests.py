@@ -2,7 +2,7 @@
 the KubeRay ray.io/v1 CRD schema (vendored in tests/data/kuberay/) with no field the API server
 would prune; each serveConfigV2 passes Ray Serve's config schema and ClusterConfig and serves
 the same application as its deployments/*.yaml twin; the worker groups hold the CPUs the
-replicas ask Ray for; the Ray version matches the Dockerfile's base image. The checker itself
+replicas ask Ray for, and the GPUs; the Ray version matches the Dockerfiles' base images. The checker itself
 is shown to reject broken manifests, so a pass means something."""
 
 import copy
@@ -21,7 +21,7 @@ ROOT = Path(__file__).resolve().parents[2]
 K8S = ROOT / "k8s"
 SCHEMAS = ROOT / "tests" / "data" / "kuberay"
 # manifest -> the Serve config whose application it serves
-TWINS = {"rayservice.yaml": "mixed.yaml", "rayservice-pd.yaml": "pd.yaml"}
+TWINS = {"rayservice.yaml": "mixed.yaml", "rayservice-pd.yaml": "pd.yaml", "rayservice-pd-gpu.yaml": "pd-gpu.yaml"}
 GATEWAY_CPUS = 0.5     # deployments/app.py: the gateway replica's ray_actor_options
 
 
@@ -134,8 +134,25 @@ def test_worker_groups_hold_the_cpus_the_replicas_ask_for(name):
     assert asked <= have, f"{name}: replicas ask for {asked} CPUs, workers have {have}"
 
 
+@pytest.mark.parametrize("name", sorted(TWINS))
+def test_worker_groups_hold_the_gpus_the_replicas_ask_for(name):
+    m = load(K8S / name)
+    cfg = ClusterConfig(**yaml.safe_load(m["spec"]["serveConfigV2"])["applications"][0]["args"])
+    asked = sum(p.instances * p.num_gpus for p in cfg.pools)
+    groups = cluster_spec(m)["workerGroupSpecs"]
+    gpus = [float(g["template"]["spec"]["containers"][0]["resources"]["limits"].get("nvidia.com/gpu", 0))
+            for g in groups]
+    have = sum(g["replicas"] * n for g, n in zip(groups, gpus))
+    assert asked <= have, f"{name}: replicas ask for {asked} GPUs, workers have {have}"
+    # One GPU per instance: a worker pod must hold at least one instance's share.
+    assert all(n >= max(p.num_gpus for p in cfg.pools) for n in gpus if n), name
+    images = {c["image"] for g in groups for c in g["template"]["spec"]["containers"]}
+    assert images == ({"raycluster-gpu:0.1.0"} if asked else {"raycluster:0.1.0"}), (name, images)
+
+
 def test_ray_version_is_the_images():
-    base = re.search(r"^FROM rayproject/ray:(\S+?)-py311", (K8S / "Dockerfile").read_text(), re.M)
-    assert base, "k8s/Dockerfile must build FROM a rayproject/ray:<version>-py311 image"
-    for p in manifests():
-        assert cluster_spec(load(p))["rayVersion"] == base.group(1), p.name
+    for dockerfile in ("Dockerfile", "Dockerfile.gpu"):
+        base = re.search(r"^FROM rayproject/ray:(\S+?)-py311", (K8S / dockerfile).read_text(), re.M)
+        assert base, f"k8s/{dockerfile} must build FROM a rayproject/ray:<version>-py311 image"
+        for p in manifests():
+            assert cluster_spec(load(p))["rayVersion"] == base.group(1), (dockerfile, p.name)
