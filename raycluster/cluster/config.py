@@ -27,7 +27,8 @@ class PoolSpec(BaseModel):
 
 class ControllerConfig(BaseModel):
     """PLA-Serve's instance-pressure controller (`sched.pressure.decide`), run by the router every
-    `period_s`: moves one prefill instance at a time between the short and long pools."""
+    `period_s`: moves one prefill instance at a time between the short and long pools, and with
+    `decode` also between the prefill side and the decode pool (`sched.pressure.pd_direction`)."""
     model_config = ConfigDict(extra="forbid")
     enabled: bool = False
     period_s: float = Field(5.0, gt=0)
@@ -37,13 +38,15 @@ class ControllerConfig(BaseModel):
     alpha: float = 1.0
     beta: float = 1.0
     gamma: float = 0.5
+    decode: bool = Field(False, description="also move instances between the prefill pools and the decode pool")
 
     def pressure(self) -> PressureConfig | None:
         """The decision function's config, None when the controller is off."""
         if not self.enabled:
             return None
         return PressureConfig(alpha=self.alpha, beta=self.beta, gamma=self.gamma, tau=self.tau,
-                              cooldown_s=self.cooldown_s, min_per_pool=self.min_per_pool)
+                              cooldown_s=self.cooldown_s, min_per_pool=self.min_per_pool,
+                              balance_decode=self.decode)
 
 
 class ClusterConfig(BaseModel):

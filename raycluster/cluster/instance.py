@@ -152,7 +152,12 @@ class InstanceWorker:
         m = item.meta
         kwargs = dict(slo=SLO(m.ttft_slo_s, m.tpot_slo_s), priority=m.priority, tenant=m.tenant,
                       app_id=m.app_id, arrival_time=self.engine.clock.now() - max(0.0, time.time() - m.arrival_time))
-        if item.mode == "decode" and item.kv is not None and self.connector is not None:
+        if item.mode == "decode" and item.kv is not None and item.kv.src_instance == self.instance_id \
+                and self.engine.adopt_parked(m.request_id):
+            # Prefilled here before this instance moved to the decode pool: decode in place.
+            self.connector.release(m.request_id)
+            self._admitted.append(m.request_id)
+        elif item.mode == "decode" and item.kv is not None and self.connector is not None:
             handle = item.kv
             if item.first_token_time is not None:     # router epoch time -> this engine's clock
                 kwargs["first_token_time"] = self.engine.clock.now() - max(0.0, time.time() - item.first_token_time)

@@ -280,11 +280,12 @@ class RouterCore:
         return reply
 
     def move_instance(self, instance_id: str, role: str) -> None:
-        """Move a prefill instance to the other prefill pool: dispatch treats it as `role` from
-        now on, and its next poll reply tells it (work it already holds stays there)."""
+        """Move an instance between the prefill pools and the decode pool: dispatch treats it as
+        `role` from now on, and its next poll reply tells it (work it already holds stays there)."""
         inst = self.instances[instance_id]
-        if role not in PREFILL_ROLES or inst.role not in PREFILL_ROLES:
-            raise ValueError(f"move {instance_id!r} ({inst.role}) to {role!r}: only between {PREFILL_ROLES}")
+        movable = (*PREFILL_ROLES, "decode")
+        if role not in movable or inst.role not in movable:
+            raise ValueError(f"move {instance_id!r} ({inst.role}) to {role!r}: only between {movable}")
         inst.role = inst.moving_to = inst.outbox.role = role
         self._topology_changed()
 

@@ -10,13 +10,19 @@ Signals per prefill instance (`pressure_signals`), all from what the router alre
   e  the share of the requests whose work is there that have waited past their TTFT SLO with
      no first token;
   u  its engine's busy fraction since the previous tick (`InstanceStats.busy_s`, cumulative).
+With `balance_decode` (`decode_signals`, per decode instance): q counts handoffs waiting there and
+its share of the router's decode queue, e the share of its requests whose pace since their first
+token is behind their TPOT SLO (the router's default when they carry none), u as above. When the
+prefill pools do not move an instance, the prefill side and the decode pool may
+(`sched.pressure.pd_direction`).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from raycluster.sched.pressure import LONG, SHORT, InstanceSignals, PoolSignals, PressureConfig, decide
+from raycluster.sched.pressure import (DECODE, LONG, PREFILL, SHORT, InstanceSignals, PoolSignals, PressureConfig,
+                                       decide, instance_pressure, pd_direction, pool_pressure)
 
 POOL_OF = {"prefill-short": SHORT, "prefill-long": LONG}
 ROLE_OF = {SHORT: "prefill-short", LONG: "prefill-long"}
@@ -39,13 +45,40 @@ def pressure_signals(core, now: float) -> PoolSignals:
                         and now - r.arrival_time > r.slo.ttft_s):
                     late += 1
             e = late / max(1, len(inst.running))
-            util = 0.0
-            if inst.busy_mark is not None and now > inst.busy_mark[0]:
-                util = min(1.0, max(0.0, (s.busy_s - inst.busy_mark[1]) / (now - inst.busy_mark[0])))
-            inst.busy_mark = (now, s.busy_s)
             (sig.short if role == "prefill-short" else sig.long).append(
-                InstanceSignals(inst.instance_id, float(q), e, util))
+                InstanceSignals(inst.instance_id, float(q), e, _utilization(inst, now)))
     return sig
+
+
+def decode_signals(core, now: float) -> list[InstanceSignals]:
+    """The current signals of every decode instance; updates each one's busy mark."""
+    insts = [i for i in core.instances.values() if i.role == "decode"]
+    share = (len(core.policies["decode"]) + len(core.front["decode"])) / max(1, len(insts))
+    default_tpot = core.cfg.slo.tpot_ms / 1e3
+    out = []
+    for inst in insts:
+        s = inst.stats
+        q = s.waiting + len(inst.transit) + len(inst.outbox.work) + share
+        behind = 0
+        for rid in inst.running:
+            st = core.requests.get(rid)
+            if st is None or st.req.first_token_time is None or len(st.delivered) < 2:
+                continue
+            pace = (now - st.req.first_token_time) / (len(st.delivered) - 1)
+            if pace > (st.req.slo.tpot_s or default_tpot):
+                behind += 1
+        out.append(InstanceSignals(inst.instance_id, float(q), behind / max(1, len(inst.running)),
+                                   _utilization(inst, now)))
+    return out
+
+
+def _utilization(inst, now: float) -> float:
+    """Busy fraction of the engine since the previous tick; moves the mark to now."""
+    util = 0.0
+    if inst.busy_mark is not None and now > inst.busy_mark[0]:
+        util = min(1.0, max(0.0, (inst.stats.busy_s - inst.busy_mark[1]) / (now - inst.busy_mark[0])))
+    inst.busy_mark = (now, inst.stats.busy_s)
+    return util
 
 
 @dataclass
@@ -60,11 +93,35 @@ class PressureLoop:
         sig = pressure_signals(core, now)
         if not (sig.short and sig.long):
             return []
+        moves = [(mv.instance_id, ROLE_OF[mv.src], ROLE_OF[mv.dst]) for mv in decide(sig, now, self.last_move, self.cfg)]
+        if not moves and self.cfg.balance_decode:
+            moves = self._pd_move(decode_signals(core, now), sig, now)
         made = []
-        for mv in decide(sig, now, self.last_move, self.cfg):
-            core.move_instance(mv.instance_id, ROLE_OF[mv.dst])
+        for iid, src, dst in moves:
+            core.move_instance(iid, dst)
             self.last_move = now
-            made.append({"t": now, "instance": mv.instance_id, "from": ROLE_OF[mv.src], "to": ROLE_OF[mv.dst]})
+            made.append({"t": now, "instance": iid, "from": src, "to": dst})
         self.moves.extend(made)
         del self.moves[:-64]                                  # the recent ones are what status shows
         return made
+
+    def _pd_move(self, dec: list[InstanceSignals], sig: PoolSignals, now: float) -> list[tuple[str, str, str]]:
+        """One move between the prefill side and the decode pool, if `pd_direction` asks for it:
+        the donor is the least-pressured instance that may leave its pool; an instance joining
+        the prefill side goes to the more pressured prefill pool."""
+        if not dec:
+            return []
+        direction = pd_direction(sig.short + sig.long, dec, now, self.last_move, self.cfg)
+        key = lambda s: (instance_pressure(s, self.cfg), s.instance_id)  # noqa: E731
+        pools = {SHORT: sig.short, LONG: sig.long}
+        if direction == DECODE:
+            cands = [(s, ROLE_OF[p]) for p, members in pools.items() if len(members) > self.cfg.min_per_pool
+                     for s in members]
+            if not cands:
+                return []
+            donor, src = min(cands, key=lambda c: key(c[0]))
+            return [(donor.instance_id, src, "decode")]
+        if direction == PREFILL:
+            hot = max(pools, key=lambda p: (pool_pressure(pools[p], self.cfg), p == SHORT))
+            return [(min(dec, key=key).instance_id, "decode", ROLE_OF[hot])]
+        return []

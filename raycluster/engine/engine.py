@@ -159,6 +159,10 @@ class LLMEngine:
         self._track_text(req)
         return False
 
+    def adopt_parked(self, request_id: str) -> bool:
+        """Decode a parked request here, on the KV it already has (`Scheduler.adopt_parked`)."""
+        return self.scheduler.adopt_parked(request_id) is not None
+
     def release(self, request_id: str) -> bool:
         """Free a parked prefill-only request's KV (the decode side has it, or nobody came)."""
         return self.scheduler.release(request_id) is not None

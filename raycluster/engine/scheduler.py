@@ -131,6 +131,17 @@ class Scheduler:
         req.status = RequestStatus.WAITING
         req.num_computed_tokens = 0
 
+    def adopt_parked(self, request_id: str) -> Request | None:
+        """Decode a request this engine prefilled and parked, in place: the instance has moved
+        to the decode pool, so its handoff lands here and no KV needs to move."""
+        req = self.parked.pop(request_id, None)
+        if req is None:
+            return None
+        req.prefill_only, req.status, req.finish_time = False, RequestStatus.RUNNING, None
+        for table in (self.requests, self._holders, self.decoding):
+            table[request_id] = req
+        return req
+
     def release(self, request_id: str) -> Request | None:
         """Free the KV of a parked prefill-only request (handed off, or its lease ran out)."""
         req = self.parked.pop(request_id, None)

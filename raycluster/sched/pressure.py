@@ -19,6 +19,11 @@ as conserved (pressure ~ load / instances), the reverse move would fire right af
 discrete instances a narrow tau band alone can flip one instance back and forth forever.
 The donor instance is the least-pressured one of the donor pool: it has the least work to hand
 off and its departure raises the donor pool's pressure the least.
+
+Beyond the seed (`balance_decode`, off by default): the same rule between the prefill side (both
+prefill pools' instances together) and the decode pool, whose instances' signals are handoffs
+waiting, the share of their requests behind their TPOT SLO, and utilization. `pd_direction` says
+which side should gain an instance; the caller picks the donor and the receiving prefill pool.
 """
 
 from __future__ import annotations
@@ -29,6 +34,8 @@ from typing import Callable, Sequence
 
 SHORT = "short"
 LONG = "long"
+PREFILL = "prefill"
+DECODE = "decode"
 
 
 @dataclass(frozen=True)
@@ -69,6 +76,7 @@ class PressureConfig:
     min_per_pool: int = 1
     aggregate: Callable[[Sequence[float]], float] = p90
     predictive: bool = True             # skip moves the projected state would immediately undo
+    balance_decode: bool = False        # also move instances between the prefill side and decode
 
 
 def instance_pressure(s: InstanceSignals, cfg: PressureConfig) -> float:
@@ -96,6 +104,23 @@ def decide(signals: PoolSignals, now: float, last_move_time: float | None = None
         donor = min(signals.short, key=lambda s: (instance_pressure(s, cfg), s.instance_id))
         return [Move(donor.instance_id, SHORT, LONG)]
     return []
+
+
+def pd_direction(prefill: Sequence[InstanceSignals], decode: Sequence[InstanceSignals], now: float,
+                 last_move_time: float | None = None, cfg: PressureConfig = PressureConfig()) -> str | None:
+    """DECODE when the decode pool should take an instance from the prefill side, PREFILL for the
+    reverse, None to stay; the same hysteresis, cooldown, floor and projection as `decide`.
+    `prefill` holds both prefill pools' instances (the donor side needs more than
+    `min_per_pool` in total; the caller keeps each prefill pool at its own minimum)."""
+    if last_move_time is not None and now - last_move_time < cfg.cooldown_s:
+        return None
+    p_p, p_d = pool_pressure(prefill, cfg), pool_pressure(decode, cfg)
+    n_p, n_d = len(prefill), len(decode)
+    if _over(p_d, p_p, cfg) and n_p > cfg.min_per_pool and not _undone(p_d, n_d, p_p, n_p, cfg):
+        return DECODE
+    if _over(p_p, p_d, cfg) and n_d > cfg.min_per_pool and not _undone(p_p, n_p, p_d, n_d, cfg):
+        return PREFILL
+    return None
 
 
 def _over(p_hot: float, p_cold: float, cfg: PressureConfig) -> bool:

@@ -227,12 +227,23 @@ class FastScheduler(Scheduler):
 
     def admit_prefilled(self, req: Request) -> list[int] | None:
         table = super().admit_prefilled(req)
-        if table is not None and self.active:
+        if table is not None:
+            self._join_running(req)
+        return table
+
+    def adopt_parked(self, request_id: str) -> Request | None:
+        req = super().adopt_parked(request_id)
+        if req is not None:
+            self._join_running(req)
+        return req
+
+    def _join_running(self, req: Request) -> None:
+        """A request entered decoding outside a step: into the decode group, if one runs."""
+        if self.active:
             if self.flight:
                 self.joins.append(req)    # not in the running step: joins after it
             elif not self._register(req):
                 self._dissolve()
-        return table
 
     def _leave(self, request_id: str) -> None:
         """A member leaves outside a step's end (abort): its table gets the blocks reserved for

@@ -121,6 +121,10 @@ class SimInstance:
                        output_token_ids=list(item.output_token_ids))
 
     def _admit(self, item: WorkItem) -> None:
+        if item.mode == "decode" and item.kv is not None and item.kv.src_instance == self.instance_id \
+                and self.scheduler.adopt_parked(item.meta.request_id) is not None:
+            self._admitted.append(item.meta.request_id)      # prefilled here before a move: no transfer
+            return
         if item.mode == "decode" and item.kv is not None:
             self.transfers += 1
             self.cluster.start_transfer(self, item)
@@ -331,7 +335,7 @@ class SimInstance:
                 self.cluster.tokens_out += n
 
     def _offer(self, req: Request) -> SimKVHandle:
-        n = req.num_prompt_tokens
+        n = req.num_tokens - 1               # KV-backed: all but the token it just sampled
         return SimKVHandle(req.request_id, self.instance_id, n, n * self.cluster.kv_bytes_per_token)
 
     def report(self, events: list[TokenEvent], prefilled: list[PrefillDone]) -> None:

@@ -8,8 +8,8 @@ import random
 import pytest
 
 from raycluster.sched.boundary import Boundary, BoundaryFitter, LengthClassifier
-from raycluster.sched.pressure import (LONG, SHORT, InstanceSignals, Move, PoolSignals,
-                                       PressureConfig, decide, p90)
+from raycluster.sched.pressure import (DECODE, LONG, PREFILL, SHORT, InstanceSignals, Move, PoolSignals,
+                                       PressureConfig, decide, p90, pd_direction)
 
 TRUE = Boundary(alpha=2e-9, beta=1e-6, gamma_w=1.5e-6, gamma_r=4e-8)   # L_m(0) = 250 tokens
 
@@ -140,6 +140,21 @@ def test_without_prediction_a_narrow_band_oscillates():
     assert (SHORT, LONG) in moves and (LONG, SHORT) in moves     # why `predictive` exists
     pools, moves = run_loop(PressureConfig(**{**CFG.__dict__, "predictive": False, "tau": 0.5}))
     assert moves == [(LONG, SHORT)] * 2                          # a wide band also settles
+
+
+def test_pd_direction_hand_cases():
+    prefill = [sig("s0", 1), sig("l0", 2), sig("l1", 0)]
+    # decode P90 = 9 > prefill P90 = 2 by more than the band: decode takes an instance
+    assert pd_direction(prefill, [sig("d0", 9), sig("d1", 4)], 100.0, None, CFG) == DECODE
+    assert pd_direction(prefill, [sig("d0", 2.2)], 100.0, None, CFG) is None         # within tau
+    assert pd_direction(prefill, [sig("d0", 9)], 100.0, last_move_time=95.0, cfg=CFG) is None
+    hot = [sig("s0", 12), sig("l0", 14)]
+    assert pd_direction(hot, [sig("d0", 1), sig("d1", 1)], 100.0, None, CFG) == PREFILL
+    assert pd_direction(hot, [sig("d0", 1)], 100.0, None, CFG) is None               # min_per_pool
+    assert pd_direction([sig("s0", 3)], [sig("d0", 4), sig("d1", 4)], 100.0, None, CFG) is None   # keeps one
+    # decode 20 on 1 vs prefill 10 on 2: after a move decode 10 on 2, prefill 20 on 1, and the
+    # reverse would fire at once: held
+    assert pd_direction([sig("s0", 10), sig("l0", 10)], [sig("d0", 20)], 100.0, None, CFG) is None
 
 
 def test_p90_nearest_rank():

@@ -14,7 +14,7 @@ from raycluster.cluster.instance import InstanceWorker
 from raycluster.cluster.messages import PollReply, RequestMeta, WorkItem
 from raycluster.engine.config import EngineConfig
 from raycluster.engine.engine import LLMEngine
-from raycluster.kv_transfer.base import KVHandle
+from raycluster.kv_transfer.base import KVConnector, KVHandle
 from raycluster.model.loader import load_model
 
 
@@ -95,3 +95,38 @@ def test_a_move_changes_the_role_it_reports_and_busy_time_accumulates(model):
             break
         w._step()
     assert w.steps > 0 and w.stats().busy_s > 0.0 and w.stats().busy_s == w.busy_s
+
+
+class _NoPull(KVConnector):
+    """Offers like any connector; a pull would mean the KV was moved, which adoption must not."""
+
+    def pull(self, handle, dst, timeout_s):
+        raise AssertionError("pulled KV the instance already holds")
+
+
+def test_moved_to_decode_adopts_its_own_parked_kv(model):
+    from raycluster.request import SamplingParams
+
+    sp = SamplingParams(max_tokens=12, ignore_eos=True)
+    prompt = [11 + i % 40 for i in range(70)]
+    want = LLMEngine(EngineConfig(policy="fcfs", packer="token", kv_cache_tokens=4096, chunk_size=32),
+                     model).generate([prompt], sp)[0]
+    w = _worker(model)
+    w.connector = _NoPull(w.engine.runner.kv_cache, "i0", lease_s=30.0)
+    meta = RequestMeta(request_id="a", gateway_id="g", prompt_token_ids=prompt, max_tokens=12, ignore_eos=True)
+    w._apply(PollReply(work=[WorkItem(meta, mode="prefill")]))
+    while not w.engine.scheduler.parked:
+        w._step()
+    [done] = [p for _ in range(w._reports.qsize()) for p in w._reports.get_nowait().prefilled]
+    assert done.first_token == want[0] and done.kv.src_instance == "i0"
+    used = w.engine.kv.num_blocks - w.engine.kv.num_free_blocks
+    # The router hands the decode to this same instance (it moved to the decode pool meanwhile).
+    w._apply(PollReply(work=[WorkItem(meta, mode="decode", output_token_ids=[done.first_token], kv=done.kv)]))
+    assert not w.engine.scheduler.parked and w.connector.offered_ids() == []
+    assert w.engine.kv.num_blocks - w.engine.kv.num_free_blocks == used        # nothing copied
+    while w.engine.has_unfinished():
+        w._step()
+    events = [e for _ in range(w._reports.qsize()) for e in w._reports.get_nowait().events]
+    assert [done.first_token] + [t for e in events for t in e.token_ids] == want
+    w._apply(PollReply(releases=["a"]))                                       # the router's release
+    assert w.engine.kv.num_free_blocks == w.engine.kv.num_blocks

@@ -1,13 +1,16 @@
 """The PLA pressure controller on the router's state, without Ray: the signals it reads (checked
 by hand), the move it makes when short prompts pile up, how the moved instance learns its new
-role (and why stale stats cannot undo it), and that the requests still all finish."""
+role (and why stale stats cannot undo it), and that the requests still all finish; with
+`decode` balancing, a decode backlog pulls a prefill instance into the decode pool and a prefill
+backlog sends it back."""
 
 import pytest
 
 from raycluster.clock import VirtualClock
-from raycluster.cluster.messages import InstanceStats, StepReport, TokenEvent
+from raycluster.cluster.messages import InstanceStats, PrefillDone, StepReport, TokenEvent
+from raycluster.kv_transfer.base import KVHandle
 from raycluster.cluster.router_core import RouterConfig, RouterCore
-from raycluster.cluster.router_pressure import pressure_signals
+from raycluster.cluster.router_pressure import decode_signals, pressure_signals
 from raycluster.sched.pressure import PressureConfig
 
 
@@ -87,15 +90,58 @@ def test_short_backlog_moves_a_long_instance_and_every_request_finishes():
     assert core.inflight() == 0 and core.queue_depth() == 0
 
 
-def test_move_only_between_prefill_pools():
+def test_decode_balancing_moves_instances_both_ways():
+    from raycluster.cluster.messages import RequestMeta
+
+    clock = VirtualClock(0.0)
+    core = RouterCore(RouterConfig(policy="fcfs", max_local_waiting=2, initial_l_m=100,
+                                   pressure=PressureConfig(cooldown_s=0.0, balance_decode=True)), clock)
+    for iid, role in (("s0", "prefill-short"), ("l0", "prefill-long"), ("l1", "prefill-long")):
+        core.on_poll(iid, stats(iid, role))
+    core.on_poll("d0", stats("d0", "decode", waiting=2))              # full: handoffs queue up
+    for k in range(4):
+        core.submit(RequestMeta(f"r{k}", "g", [5] * 20, max_tokens=8, arrival_time=0.0))
+    for _ in range(2):                                               # s0 prefills 2 at a time
+        done = [PrefillDone(w.meta.request_id, 7, KVHandle(w.meta.request_id, "s0", [0, 1], 20, (), "float32"))
+                for w in core.on_poll("s0", stats("s0", "prefill-short")).work]
+        core.on_report(StepReport(stats("s0", "prefill-short"), prefilled=done))
+    assert core.status()["queues"]["decode"] == 4
+    [d0] = decode_signals(core, clock.now())
+    assert (d0.queue, d0.sla_deviation) == (2 + 4, 0.0)
+    assert core.pressure.step(core, clock.now()) == [
+        {"t": 0.0, "instance": "l0", "from": "prefill-long", "to": "decode"}]
+    r = core.on_poll("l0", stats("l0", "prefill-long"))
+    assert r.role == "decode" and [w.mode for w in r.work] == ["decode", "decode"]
+    assert core.pressure.step(core, clock.now()) == []                # each prefill pool keeps one
+
+    # Decode catches up (the queue drains, d0 idle), while short prompts pile up: l0 goes back
+    # to the busier prefill pool.
+    work = {"l0": r.work, "d0": core.on_poll("d0", stats("d0", "decode")).work}
+    for iid, items in work.items():
+        core.on_report(StepReport(stats(iid, "decode"), admitted=[w.meta.request_id for w in items],
+                                  events=[TokenEvent(w.meta.request_id, [9] * 7, True, "length") for w in items]))
+    assert core.inflight() == 0 and sorted(core.take_outbox("s0").releases) == [f"r{k}" for k in range(4)]
+    for k in range(6):
+        core.submit(RequestMeta(f"n{k}", "g", [5] * 20, max_tokens=8, arrival_time=0.0))
+    clock.advance(1.0)
+    assert core.pressure.step(core, clock.now()) == [
+        {"t": 1.0, "instance": "d0", "from": "decode", "to": "prefill-short"}]
+
+
+def test_moves_only_between_the_pd_pools():
     clock = VirtualClock(0.0)
     core, _ = make(clock)
+    core.on_poll("m0", stats("m0", "mixed"))
     core.on_poll("d0", stats("d0", "decode"))
     core.on_poll("s0", stats("s0", "prefill-short"))
     with pytest.raises(ValueError, match="only between"):
-        core.move_instance("d0", "prefill-short")
+        core.move_instance("m0", "prefill-short")
     with pytest.raises(ValueError, match="only between"):
-        core.move_instance("s0", "decode")
+        core.move_instance("s0", "mixed")
+    core.move_instance("d0", "prefill-short")
+    core.move_instance("s0", "decode")
+    assert {i: core.instances[i].role for i in ("d0", "s0")} == {"d0": "prefill-short", "s0": "decode"}
+    assert core.take_outbox("s0").role == "decode"
 
 
 def test_cluster_config_turns_the_controller_on_only_with_both_prefill_pools():

@@ -195,3 +195,21 @@ def test_pressure_controller_moves_an_instance_to_the_loaded_pool():
     moves = res["meta"]["sim"]["moves"]
     assert moves and moves[0]["to"] == "prefill-short"
     assert res["summary"]["completed"] == 200
+
+
+def test_decode_balancing_lends_a_prefill_instance_to_a_starved_decode_pool():
+    """One decode instance behind three prefill ones, long outputs: with `decode` balancing the
+    controller moves a prefill instance to the decode pool (it decodes the KV it parked in place)
+    and TPOT attainment rises on the same trace."""
+    pools = [{"role": "prefill-short", "instances": 1}, {"role": "prefill-long", "instances": 2},
+             {"role": "decode", "instances": 1}]
+    w = make_workload("chat", seed=1, qps=20, num_requests=200, max_output_tokens=256)
+    runs = {}
+    for decode in (False, True):
+        spec = cpu_spec(pools=pools, kv_cache_tokens=8192, router={"max_local_waiting": 4},
+                        controller={"enabled": True, "period_s": 0.5, "cooldown_s": 1.0, "decode": decode})
+        runs[decode] = simulate(spec, w, check=True)
+        assert runs[decode]["summary"]["completed"] == 200
+    to = [m["to"] for m in runs[True]["meta"]["sim"]["moves"]]
+    assert "decode" in to and "decode" not in [m["to"] for m in runs[False]["meta"]["sim"]["moves"]]
+    assert runs[True]["summary"]["tpot_slo_attainment"] > runs[False]["summary"]["tpot_slo_attainment"] + 0.2
