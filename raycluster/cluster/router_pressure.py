@@ -12,9 +12,10 @@ Signals per prefill instance (`pressure_signals`), all from what the router alre
   u  its engine's busy fraction since the previous tick (`InstanceStats.busy_s`, cumulative).
 With `balance_decode` (`decode_signals`, per decode instance): q counts handoffs waiting there and
 its share of the router's decode queue, e the share of its requests whose pace since their first
-token is behind their TPOT SLO (the router's default when they carry none), u as above. When the
-prefill pools do not move an instance, the prefill side and the decode pool may
-(`sched.pressure.pd_direction`).
+token is behind their TPOT SLO (the router's default when they carry none), u as above. A tick
+then makes at most one move: of the two candidates (between the prefill pools, `decide`; between
+the prefill side and the decode pool, `sched.pressure.pd_direction`), the one whose pools'
+pressures are further apart, relative to the larger of them.
 """
 
 from __future__ import annotations
@@ -93,9 +94,13 @@ class PressureLoop:
         sig = pressure_signals(core, now)
         if not (sig.short and sig.long):
             return []
-        moves = [(mv.instance_id, ROLE_OF[mv.src], ROLE_OF[mv.dst]) for mv in decide(sig, now, self.last_move, self.cfg)]
-        if not moves and self.cfg.balance_decode:
-            moves = self._pd_move(decode_signals(core, now), sig, now)
+        pla = [(mv.instance_id, ROLE_OF[mv.src], ROLE_OF[mv.dst]) for mv in decide(sig, now, self.last_move, self.cfg)]
+        moves = pla
+        if self.cfg.balance_decode:
+            dec = decode_signals(core, now)
+            pd = self._pd_move(dec, sig, now)
+            if pd and (not pla or self._gap(sig.short + sig.long, dec) > self._gap(sig.short, sig.long)):
+                moves = pd
         made = []
         for iid, src, dst in moves:
             core.move_instance(iid, dst)
@@ -104,6 +109,11 @@ class PressureLoop:
         self.moves.extend(made)
         del self.moves[:-64]                                  # the recent ones are what status shows
         return made
+
+    def _gap(self, a: list[InstanceSignals], b: list[InstanceSignals]) -> float:
+        """How far apart two pools' pressures are, relative to the larger one (as `decide`'s band)."""
+        pa, pb = pool_pressure(a, self.cfg), pool_pressure(b, self.cfg)
+        return abs(pa - pb) / max(abs(pa), abs(pb), self.cfg.floor)
 
     def _pd_move(self, dec: list[InstanceSignals], sig: PoolSignals, now: float) -> list[tuple[str, str, str]]:
         """One move between the prefill side and the decode pool, if `pd_direction` asks for it:
