@@ -5,8 +5,9 @@ call is atomic with no locks. Instances and gateways long-poll (`poll`, `pull`):
 at once when something is waiting for the caller, else parks on a per-caller asyncio.Event
 until work/events arrive or `timeout_s` passes. Tokens therefore travel as one batch per engine
 step (instance `push`) and one batch per gateway `pull`, never one Ray call per token per request.
-An instance's poll is also its heartbeat; a background task reaps silent instances every second
-and exports queue/in-flight gauges (ray.util.metrics, "ray_" prefix on the metrics port).
+An instance's poll is also its heartbeat, a gateway's pull too; a background task reaps silent
+instances (their work is re-queued) and silent gateways (their requests are aborted) every
+second and exports queue/in-flight gauges (ray.util.metrics, "ray_" prefix on the metrics port).
 
 Ray restarts the actor if its process dies (`max_restarts=-1`); the new incarnation starts empty
 under a new `router_id`, and instances and gateways recover their work from it (messages.py).
@@ -61,6 +62,9 @@ class RouterActor:
             await asyncio.sleep(self._reap_interval_s)
             try:
                 dead = self.core.reap()
+                gone = self.core.reap_gateways()
+                if gone:
+                    log.warning("router: gateways %s stopped pulling; their requests aborted", gone)
                 if dead:
                     log.warning("router: instances %s missed heartbeats; their requests re-queued", dead)
                     for iid in dead:

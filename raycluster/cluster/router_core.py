@@ -6,7 +6,7 @@ one actor method; the unit tests drive it with a `VirtualClock`):
   on_poll(instance, stats)          instances ask for work (doubles as heartbeat)
   on_report(StepReport)             instances report tokens, prefill handoffs, admissions
   take_events(gateway)              gateways collect token events (one batch per call)
-plus `reap(now)` for instance death.
+plus `reap(now)` for instance death and `reap_gateways(now)` for gateways that stopped pulling.
 
 A router restart loses this state. Each registration gives the instance a new `epoch` (from
 `router_id` and a counter); the instance then drops what it held, and reports made under an
@@ -70,6 +70,7 @@ class RouterCore:
         self._alive_cache: dict[tuple[str, ...], list[Instance]] = {}
         self.requests: dict[str, ReqState] = {}
         self.gateways: dict[str, list[TokenEvent]] = {}
+        self.gateway_seen: dict[str, float] = {}        # last submit or pull, per gateway
         self.dead: list[str] = []
 
     # ---------------------------------------------------------------- topology
@@ -126,6 +127,7 @@ class RouterCore:
         return sum(len(self.policies[q]) + len(self.front[q]) for q in QUEUES if q != "decode")
 
     def submit(self, meta: RequestMeta) -> SubmitReply:
+        self.gateway_seen[meta.gateway_id] = self.clock.now()
         depth = self.queue_depth()
         # Decided from counters only: no tokenization or KV allocation happens for a rejection.
         if not self.instances:
@@ -499,8 +501,21 @@ class RouterCore:
 
     # ---------------------------------------------------------------- gateways, status
     def take_events(self, gateway_id: str) -> GatewayReply:
+        self.gateway_seen[gateway_id] = self.clock.now()
         return GatewayReply(self.gateways.pop(gateway_id, []), self.queue_depth(), self.cfg.max_queue,
                             self.router_id)
+
+    def reap_gateways(self, now: float | None = None) -> list[str]:
+        """Gateways silent for gateway_timeout_s (a replica that died or was replaced) have no
+        client left to stream to: abort their requests and drop their undelivered events."""
+        now = self.clock.now() if now is None else now
+        gone = [g for g, t in self.gateway_seen.items() if now - t > self.cfg.gateway_timeout_s]
+        for gid in gone:
+            for rid in [r for r, st in self.requests.items() if st.meta.gateway_id == gid]:
+                self.abort(rid)
+            self.gateways.pop(gid, None)
+            del self.gateway_seen[gid]
+        return gone
 
     def has_events(self, gateway_id: str) -> bool:
         return bool(self.gateways.get(gateway_id))

@@ -28,6 +28,7 @@ class RouterConfig:
     initial_l_m: int = 2048
     beta_prior: float | None = None   # per-token FFN time: lets prefill samples refit L_m
     heartbeat_timeout_s: float = 10.0
+    gateway_timeout_s: float = 30.0   # a gateway not pulling for this long is gone: abort its requests
     transit_timeout_s: float = 5.0    # a handed-out item counts against the instance until then
     retry_after_s: float = 1.0
     slo: SLOConfig = field(default_factory=SLOConfig)

@@ -6,7 +6,8 @@ starts its in-transit accounting from there, and a resubmitted request skips the
 and resumes after the tokens its client has. InstanceWorker: a new epoch drops everything it
 holds. End to end (real engine threads, a real RouterCore swapped for a fresh one mid-run,
 `ClusterClient` in asyncio): every request finishes with the tokens an undisturbed engine makes,
-and nothing is left behind.
+and nothing is left behind. And the router's side of a gateway that goes away: after
+`gateway_timeout_s` without a pull its requests are aborted and its buffer dropped.
 """
 
 from __future__ import annotations
@@ -214,3 +215,22 @@ def test_requests_resume_across_a_router_restart(model, other_model):
     finally:
         for w in workers:
             w.stop()
+
+
+def test_a_gateway_that_stops_pulling_has_its_requests_aborted():
+    clock = VirtualClock(0.0)
+    core = RouterCore(RouterConfig(gateway_timeout_s=5.0), clock)
+    core.on_poll("i1", _stats("i1"))
+    for rid, gw in (("a", "live"), ("b", "gone"), ("c", "gone")):
+        core.submit(RequestMeta(request_id=rid, gateway_id=gw, prompt_token_ids=[5] * 4, max_tokens=9))
+    handed = [w.meta.request_id for w in core.on_poll("i1", _stats("i1")).work]
+    core.on_report(StepReport(_stats("i1"), [TokenEvent(r, [3]) for r in handed]))
+    for t in (2.0, 4.0, 6.0):                 # "live" pulls every 2 s, "gone" never again
+        clock.advance(2.0)
+        core.take_events("live")
+        assert core.reap_gateways() == ([] if t < 6.0 else ["gone"])
+    assert sorted(core.requests) == ["a"] and "gone" not in core.gateways
+    aborts = core.take_outbox("i1").aborts
+    assert sorted(aborts) == sorted(r for r in handed if r != "a")    # handed out: the instance stops them
+    core.abort("a")
+    assert core.inflight() == 0
