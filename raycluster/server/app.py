@@ -58,9 +58,12 @@ def build_app(engine, tokenizer, model_name: str) -> FastAPI:
     @app.exception_handler(RequestValidationError)
     async def _validation(_, exc: RequestValidationError):
         err = exc.errors()[0] if exc.errors() else {"loc": (), "msg": "invalid request"}
+        if err.get("type") == "json_invalid":
+            return _bad_request(f"the body is not valid JSON: {err.get('ctx', {}).get('error', '')}", None)
         loc = [str(p) for p in err.get("loc", ()) if p != "body"]
         param = ".".join(loc) or None
-        return _bad_request(f"{param}: {err.get('msg')}" if param else str(err.get("msg")), param)
+        msg = str(err.get("msg")).removeprefix("Value error, ")
+        return _bad_request(f"{param}: {msg}" if param else msg, param)
 
     @app.get("/health")
     async def health():
@@ -142,7 +145,7 @@ def build_app(engine, tokenizer, model_name: str) -> FastAPI:
             engine.admit()
         except OverloadedError as e:
             return _overloaded(e)
-        prompt = tokenizer.apply_chat_template([m.model_dump() for m in body.messages])
+        prompt = tokenizer.apply_chat_template([{"role": m.role, "content": m.text()} for m in body.messages])
         return await _run(body, tokenizer.encode(prompt), "chat.completion", http)
 
     return app

@@ -3,7 +3,10 @@
 Requests enter as JSON and are validated here; `to_sampling()` turns them into the engine's
 `SamplingParams`. Extra fields beyond OpenAI's (`ttft_slo_ms`, `tpot_slo_ms`, `priority`,
 `tenant`, `app_id`, vLLM's `ignore_eos`, `min_tokens`-free) are optional. Unknown fields are
-ignored, as OpenAI clients send many we do not use.
+ignored, as OpenAI clients send many we do not use; but OpenAI sampling options that would
+change the output and are not implemented (`logprobs`, `echo`, `logit_bias`, penalties,
+`best_of`, `suffix`) are refused with a 400 naming the field unless they hold their neutral
+value, rather than silently ignored. Chat `content` may be a string or a list of text parts.
 """
 
 from __future__ import annotations
@@ -11,7 +14,9 @@ from __future__ import annotations
 import time
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from raycluster.request import SamplingParams
 
@@ -40,6 +45,37 @@ class _GenerationFields(BaseModel):
     priority: int = 0
     tenant: str | None = None
     app_id: str | None = None
+    # OpenAI options not implemented: accepted only at their neutral values.
+    logprobs: Any = None
+    top_logprobs: Any = None
+    echo: Any = None
+    logit_bias: Any = None
+    presence_penalty: Any = None
+    frequency_penalty: Any = None
+    repetition_penalty: Any = None
+    best_of: Any = None
+    suffix: Any = None
+
+    @field_validator("logprobs", "top_logprobs", "echo", "logit_bias", "suffix")
+    @classmethod
+    def _absent(cls, v):
+        if v not in (None, False, 0, {}, "", []):
+            raise ValueError("not supported by this server (leave it out)")
+        return v
+
+    @field_validator("presence_penalty", "frequency_penalty")
+    @classmethod
+    def _zero(cls, v):
+        if v not in (None, 0):
+            raise ValueError("not supported by this server (only 0)")
+        return v
+
+    @field_validator("repetition_penalty", "best_of")
+    @classmethod
+    def _one(cls, v):
+        if v not in (None, 1):
+            raise ValueError("not supported by this server (only 1)")
+        return v
 
     def to_sampling(self, default_max_tokens: int = 16) -> SamplingParams:
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
@@ -53,10 +89,28 @@ class CompletionRequest(_GenerationFields):
     prompt: str | list[int] | list[str] | list[list[int]]
 
 
+class TextPart(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["text"]
+    text: str
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
     role: Literal["system", "user", "assistant", "tool", "developer"]
-    content: str
+    content: str | list[TextPart]
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _text_only(cls, v):
+        if isinstance(v, list):
+            kinds = {p.get("type") for p in v if isinstance(p, dict)} - {"text"}
+            if kinds:
+                raise ValueError(f"only text content parts are supported, got {sorted(map(str, kinds))}")
+        return v
+
+    def text(self) -> str:
+        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
 
 
 class ChatCompletionRequest(_GenerationFields):

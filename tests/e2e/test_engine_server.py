@@ -118,12 +118,41 @@ def test_chat_and_models_and_health_and_metrics(server):
     ({"max_tokens": 3}, "prompt"),
     ({"prompt": [1, 2, 10 ** 9]}, "prompt"),
     ({"prompt": "x" * 1, "top_p": 2}, "top_p"),
+    # OpenAI options this server does not implement: refused, not silently ignored
+    ({"prompt": "x", "logprobs": 3}, "logprobs"),
+    ({"prompt": "x", "echo": True}, "echo"),
+    ({"prompt": "x", "logit_bias": {"5": 10}}, "logit_bias"),
+    ({"prompt": "x", "presence_penalty": 0.5}, "presence_penalty"),
+    ({"prompt": "x", "frequency_penalty": -1}, "frequency_penalty"),
+    ({"prompt": "x", "best_of": 2}, "best_of"),
 ])
 def test_bad_requests_are_400_naming_the_field(server, payload, param):
     url, aeng, _, _ = server
     r = httpx.post(f"{url}/v1/completions", json=payload, timeout=30)
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == param
+    assert _all_free(aeng)
+
+
+def test_neutral_openai_options_and_text_parts_are_accepted(server):
+    url, aeng, _, _ = server
+    neutral = {"logprobs": None, "echo": False, "logit_bias": {}, "presence_penalty": 0, "frequency_penalty": 0,
+               "best_of": 1, "n": 1}
+    plain = {"prompt": "the river", "max_tokens": 4, "temperature": 0}
+    a = httpx.post(f"{url}/v1/completions", json=plain, timeout=30).json()["choices"][0]["text"]
+    b = httpx.post(f"{url}/v1/completions", json={**plain, **neutral}, timeout=30).json()["choices"][0]["text"]
+    assert a == b
+    msg = {"max_tokens": 4, "temperature": 0}
+    a = httpx.post(f"{url}/v1/chat/completions", timeout=30,
+                   json={**msg, "messages": [{"role": "user", "content": "hi there"}]}).json()
+    b = httpx.post(f"{url}/v1/chat/completions", timeout=30, json={**msg, "messages": [
+        {"role": "user", "content": [{"type": "text", "text": "hi "}, {"type": "text", "text": "there"}]}]}).json()
+    assert a["choices"][0]["message"]["content"] == b["choices"][0]["message"]["content"]
+    r = httpx.post(f"{url}/v1/chat/completions", timeout=30, json={**msg, "messages": [
+        {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "http://x"}}]}]})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages.0.content", r.text
+    r = httpx.post(f"{url}/v1/completions", content=b"{bad", headers={"content-type": "application/json"})
+    assert r.status_code == 400 and r.json()["error"]["param"] is None, r.text
     assert _all_free(aeng)
 
 
