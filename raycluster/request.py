@@ -25,6 +25,13 @@ class RequestStatus(enum.Enum):
                         RequestStatus.FINISHED_ABORTED, RequestStatus.FINISHED_PREFILLED)
 
 
+MAX_LOGPROBS = 20         # top alternatives a request may ask for per token (OpenAI's limit)
+
+# One sampled token's log-probability under the model (raw logits, before temperature, top-k and
+# top-p) and the `logprobs` most likely tokens with theirs, best first.
+TokenLogprob = tuple[float, list[tuple[int, float]]]
+
+
 @dataclass
 class SamplingParams:
     max_tokens: int = 16
@@ -35,6 +42,7 @@ class SamplingParams:
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
+    logprobs: int | None = None     # report each token's log-probability and this many top ones
 
     def validate(self) -> None:
         """Raise ValueError naming the field a user got wrong."""
@@ -46,6 +54,8 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:
             raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
 
 
 @dataclass

@@ -125,7 +125,7 @@ class ClusterClient:
         meta = RequestMeta(request_id, self.gateway_id, list(prompt_token_ids), sampling.max_tokens,
                            sampling.temperature, sampling.top_p, sampling.top_k, sampling.seed,
                            list(sampling.stop_token_ids), sampling.ignore_eos, slo.ttft_s, slo.tpot_s,
-                           priority, tenant, app_id, time.time())
+                           priority, tenant, app_id, time.time(), logprobs=sampling.logprobs)
         self._ensure_pulling()
         q: asyncio.Queue = asyncio.Queue()
         live, out_ids, done = request_id, [], False
@@ -173,7 +173,7 @@ class ClusterClient:
                     delta += text.flush()
                 done = ev.finished          # a gateway-side stop string still needs an abort
                 yield RequestOutput(request_id, list(ev.token_ids), delta, finished, reason,
-                                    len(prompt_token_ids), len(out_ids))
+                                    len(prompt_token_ids), len(out_ids), ev.logprobs)
                 if finished:
                     return
         finally:

@@ -38,7 +38,7 @@ PushFn = Callable[[StepReport], None]
 def sampling_of(meta: RequestMeta) -> SamplingParams:
     return SamplingParams(max_tokens=meta.max_tokens, temperature=meta.temperature, top_p=meta.top_p,
                           top_k=meta.top_k, seed=meta.seed, stop_token_ids=list(meta.stop_token_ids),
-                          ignore_eos=meta.ignore_eos)
+                          ignore_eos=meta.ignore_eos, logprobs=meta.logprobs)
 
 
 class InstanceWorker:
@@ -208,9 +208,11 @@ class InstanceWorker:
         events, prefilled = [], []
         for out in result.outputs:
             if out.finish_reason == "prefilled":
-                prefilled.append(PrefillDone(out.request_id, out.new_token_ids[0], self._offer(out.request_id)))
+                prefilled.append(PrefillDone(out.request_id, out.new_token_ids[0], self._offer(out.request_id),
+                                             out.logprobs))
             else:
-                events.append(TokenEvent(out.request_id, list(out.new_token_ids), out.finished, out.finish_reason))
+                events.append(TokenEvent(out.request_id, list(out.new_token_ids), out.finished, out.finish_reason,
+                                         logprobs=out.logprobs))
         self._report(events, prefilled)
 
     def _offer(self, request_id: str):

@@ -45,6 +45,7 @@ class RequestMeta:
     tenant: str = "default"
     app_id: str | None = None
     arrival_time: float = 0.0          # time.time() at the gateway
+    logprobs: int | None = None        # report per-token log-probabilities (and this many top ones)
     # Resubmitted after a router restart: tokens the client already has (the request resumes
     # after them) and no admission bound (it was admitted once).
     output_token_ids: list[int] = field(default_factory=list)
@@ -81,6 +82,7 @@ class TokenEvent:
     finished: bool = False
     finish_reason: str | None = None   # stop | length | abort | error
     error: str | None = None
+    logprobs: list | None = None       # one TokenLogprob per token, if the request asked
 
 
 @dataclass
@@ -88,6 +90,7 @@ class PrefillDone:
     request_id: str
     first_token: int
     kv: KVHandle | None                # None: the instance could not offer its KV (recompute)
+    logprobs: list | None = None       # the first token's, if the request asked
 
 
 @dataclass

@@ -407,7 +407,7 @@ class RouterCore:
                 inst.outbox.releases.append(pd.request_id)    # nobody will pull that KV
                 continue
             inst.transit.pop(pd.request_id, None)
-            self._prefill_done(st, inst, pd.first_token, pd.kv)
+            self._prefill_done(st, inst, pd.first_token, pd.kv, pd.logprobs)
         for rid in report.admitted:
             inst.transit.pop(rid, None)
             st = self.requests.get(rid)
@@ -417,7 +417,7 @@ class RouterCore:
             self.classifier.add_total(int(length), int(history), float(seconds))
         self.dispatch()
 
-    def _prefill_done(self, st: ReqState, inst: Instance, first: int, kv) -> None:
+    def _prefill_done(self, st: ReqState, inst: Instance, first: int, kv, logprobs=None) -> None:
         rid = st.meta.request_id
         inst.running.discard(rid)
         done = (len(st.delivered) + 1 >= st.meta.max_tokens
@@ -426,13 +426,13 @@ class RouterCore:
         if done:
             if kv is not None:
                 inst.outbox.releases.append(rid)
-            self._deliver(st, TokenEvent(rid, [first], True, reason))
+            self._deliver(st, TokenEvent(rid, [first], True, reason, logprobs=logprobs))
             return
         if st.mode == "prefill":
             # The prompt is computed: set it before the policies hear of the first token, so
             # that their remaining-work estimates (Kairos' queue ahead) drop this prompt.
             st.req.num_computed_tokens = st.req.num_tokens
-        self._deliver(st, TokenEvent(rid, [first]))
+        self._deliver(st, TokenEvent(rid, [first], logprobs=logprobs))
         if st.mode != "prefill":
             inst.running.add(rid)       # a "full" item decodes where it is
             return

@@ -23,7 +23,7 @@ from raycluster.engine.sampler import Sampler
 from raycluster.engine.profiler import load_or_profile
 from raycluster.engine.sched_factory import build_scheduler, needs_predictor
 from raycluster.engine.text import TextStream
-from raycluster.request import SLO, Request, RequestStatus, SamplingParams
+from raycluster.request import SLO, Request, RequestStatus, SamplingParams, TokenLogprob
 from raycluster.sched.base import Clock
 from raycluster.sched.predictor import LinearBatchPredictor
 
@@ -45,6 +45,7 @@ class RequestOutput:
     finish_reason: str | None          # "stop" | "length" | "abort" once finished
     num_prompt_tokens: int
     num_output_tokens: int
+    logprobs: list[TokenLogprob] | None = None     # one per new token, when the request asked
 
 
 @dataclass
@@ -209,12 +210,18 @@ class LLMEngine:
                             num_preempted=len(out.preempted))
         sampled_reqs: list[Request] = []
         tokens: list[int] = []
+        logprobs: dict[str, TokenLogprob] = {}
         if not out.is_empty:
             step = self.runner.execute(out)
             if step.requests:
                 sampled_reqs = step.requests
                 tokens = self.sampler.sample(step.logits, [r.request_id for r in sampled_reqs],
                                              [r.sampling for r in sampled_reqs])
+                rows = [i for i, r in enumerate(sampled_reqs) if r.sampling.logprobs is not None]
+                if rows:
+                    lps = self.sampler.logprobs(step.logits, rows, [tokens[i] for i in rows],
+                                                [sampled_reqs[i].sampling.logprobs for i in rows])
+                    logprobs = {sampled_reqs[i].request_id: lp for i, lp in zip(rows, lps)}
         sampled = {r.request_id: t for r, t in zip(sampled_reqs, tokens)}
         finished = {r.request_id for r in self.scheduler.update(out, sampled)}
         for req in out.finished:
@@ -231,7 +238,8 @@ class LLMEngine:
                     finished.add(rid)
             if rid in finished:
                 text += self._flush(rid)
-            result.outputs.append(self._output(req, [token], rid in finished, text))
+            lp = logprobs.get(rid)
+            result.outputs.append(self._output(req, [token], rid in finished, text, None if lp is None else [lp]))
         for rid in finished:
             self.sampler.forget(rid)
         result.duration_s = time.perf_counter() - t0
@@ -246,10 +254,11 @@ class LLMEngine:
         stream = self._texts.pop(rid, None)
         return stream.flush() if stream is not None else ""
 
-    def _output(self, req: Request, tokens: list[int], finished: bool, text: str = "") -> RequestOutput:
+    def _output(self, req: Request, tokens: list[int], finished: bool, text: str = "",
+                logprobs: list[TokenLogprob] | None = None) -> RequestOutput:
         reason = req.status.value if finished else None
         return RequestOutput(req.request_id, tokens, text, finished, reason,
-                             req.num_prompt_tokens, len(req.output_token_ids))
+                             req.num_prompt_tokens, len(req.output_token_ids), logprobs)
 
     # ---- convenience -----------------------------------------------------------------------
     def generate(self, prompts: list[list[int]], sampling: SamplingParams | list[SamplingParams],

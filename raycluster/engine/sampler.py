@@ -3,14 +3,14 @@
 Greedy rows are one batched argmax. Random rows apply temperature, top-k and top-p, then draw
 with the request's own `torch.Generator` when it has a seed, so a seeded request yields the same
 tokens whatever it is batched with. Logits enter as [n, vocab] float tensors; token ids leave as
-a Python list.
+a Python list. `logprobs` reads the same rows for the requests that ask for log-probabilities.
 """
 
 from __future__ import annotations
 
 import torch
 
-from raycluster.request import SamplingParams
+from raycluster.request import SamplingParams, TokenLogprob
 
 
 class Sampler:
@@ -35,6 +35,19 @@ class Sampler:
             if sp.temperature > 0:
                 out[i] = self._sample_row(logits[i], sp, self._generator(rid, sp))
         return out
+
+    @staticmethod
+    def logprobs(logits: torch.Tensor, rows: list[int], tokens: list[int], tops: list[int]) -> list[TokenLogprob]:
+        """Per listed row: log_softmax of the raw logits at the sampled token, and the `tops[i]`
+        most likely tokens."""
+        lp = torch.log_softmax(logits[rows].float(), dim=-1)
+        chosen = lp.gather(1, torch.tensor(tokens, dtype=torch.long).view(-1, 1)).view(-1).tolist()
+        k = max(tops)
+        if k == 0:
+            return [(c, []) for c in chosen]
+        vals, ids = lp.topk(k, dim=-1)
+        vals, ids = vals.tolist(), ids.tolist()
+        return [(c, list(zip(ids[i][:n], vals[i][:n]))) for i, (c, n) in enumerate(zip(chosen, tops))]
 
     @staticmethod
     def _sample_row(row: torch.Tensor, sp: SamplingParams, gen: torch.Generator) -> int:

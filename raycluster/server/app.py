@@ -23,6 +23,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 
 from raycluster.engine.engine import InvalidRequestError
 from raycluster.request import SLO
+from raycluster.server.openai_logprobs import chat_logprobs, completion_logprobs
 from raycluster.server.protocol import (ChatCompletionRequest, CompletionRequest, OverloadedError, error_body,
                                        now_s)
 
@@ -113,18 +114,19 @@ def build_app(engine, tokenizer, model_name: str) -> FastAPI:
             return _bad_request(str(e), e.field)
         except OverloadedError as e:
             return _overloaded(e)
-        stream = _Stream(gen, first, t0, metrics)
+        stream = _Stream(gen, first, t0, metrics, tokenizer.decode if sampling.logprobs is not None else None)
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             return _ClosingStreamingResponse(_sse(stream, rid, kind, model_name, len(prompt_ids), include_usage),
                                              media_type="text/event-stream")
-        text, n_out, reason = await stream.collect()
+        text, n_out, reason, logprobs = await stream.collect(kind)
         usage = {"prompt_tokens": len(prompt_ids), "completion_tokens": n_out,
                  "total_tokens": len(prompt_ids) + n_out}
         if kind == "text_completion":
-            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": reason}
+            choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": reason}
         else:
-            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": reason}
+            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
+                      "finish_reason": reason}
         return {"id": rid, "object": kind, "created": now_s(), "model": model_name,
                 "choices": [choice], "usage": usage}
 
@@ -166,9 +168,20 @@ class _ClosingStreamingResponse(StreamingResponse):
 class _Stream:
     """Consumes one request's outputs, recording TTFT/TPOT metrics."""
 
-    def __init__(self, gen, first, t0: float, metrics: _Metrics) -> None:
+    def __init__(self, gen, first, t0: float, metrics: _Metrics, decode=None) -> None:
         self.gen, self.first, self.t0, self.metrics = gen, first, t0, metrics
+        self.decode = decode          # set when the request asked for logprobs
         self.n_out = 0
+        self.chars = 0                # completion text so far (text_offset of the next token)
+
+    def logprobs(self, kind: str, token_ids: list[int], lps) -> dict | None:
+        if self.decode is None or lps is None:
+            return None
+        if kind == "text_completion":
+            out = completion_logprobs(self.decode, token_ids, lps, self.chars)
+            self.chars += sum(map(len, out["tokens"]))
+            return out
+        return chat_logprobs(self.decode, token_ids, lps)
 
     async def outputs(self):
         t_first = time.perf_counter()
@@ -188,12 +201,15 @@ class _Stream:
         finally:
             await self.gen.aclose()     # aborts the request if it has not finished
 
-    async def collect(self) -> tuple[str, int, str | None]:
-        parts, reason = [], None
+    async def collect(self, kind: str) -> tuple[str, int, str | None, dict | None]:
+        parts, reason, ids, lps = [], None, [], []
         async for out in self.outputs():
             parts.append(out.new_text)
             reason = out.finish_reason
-        return "".join(parts), self.n_out, reason
+            if out.logprobs is not None:
+                ids += out.new_token_ids
+                lps += out.logprobs
+        return "".join(parts), self.n_out, reason, self.logprobs(kind, ids, lps if self.decode else None)
 
 
 async def _sse(stream: _Stream, rid: str, kind: str, model: str, n_prompt: int,
@@ -204,9 +220,11 @@ async def _sse(stream: _Stream, rid: str, kind: str, model: str, n_prompt: int,
     try:                # closing this generator must close the request's (which aborts it)
         async for out in outputs:
             if kind == "text_completion":
-                choice = {"index": 0, "text": out.new_text, "logprobs": None, "finish_reason": out.finish_reason}
+                choice = {"index": 0, "text": out.new_text, "finish_reason": out.finish_reason,
+                          "logprobs": stream.logprobs(kind, out.new_token_ids, out.logprobs)}
             else:
-                choice = {"index": 0, "delta": {"content": out.new_text}, "finish_reason": out.finish_reason}
+                choice = {"index": 0, "delta": {"content": out.new_text}, "finish_reason": out.finish_reason,
+                          "logprobs": stream.logprobs(kind, out.new_token_ids, out.logprobs)}
             chunk = {"id": rid, "object": obj, "created": created, "model": model, "choices": [choice]}
             yield f"data: {json.dumps(chunk)}\n\n"
     finally:

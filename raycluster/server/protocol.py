@@ -3,10 +3,11 @@
 Requests enter as JSON and are validated here; `to_sampling()` turns them into the engine's
 `SamplingParams`. Extra fields beyond OpenAI's (`ttft_slo_ms`, `tpot_slo_ms`, `priority`,
 `tenant`, `app_id`, vLLM's `ignore_eos`, `min_tokens`-free) are optional. Unknown fields are
-ignored, as OpenAI clients send many we do not use; but OpenAI sampling options that would
-change the output and are not implemented (`logprobs`, `echo`, `logit_bias`, penalties,
-`best_of`, `suffix`) are refused with a 400 naming the field unless they hold their neutral
-value, rather than silently ignored. Chat `content` may be a string or a list of text parts.
+ignored, as OpenAI clients send many we do not use; but OpenAI options that would change the
+output and are not implemented (`echo`, `logit_bias`, penalties, `best_of`, `suffix`) are
+refused with a 400 naming the field unless they hold their neutral value, rather than silently
+ignored. `logprobs` is served: an int (top alternatives) on completions, a bool with
+`top_logprobs` on chat. Chat `content` may be a string or a list of text parts.
 """
 
 from __future__ import annotations
@@ -16,9 +17,9 @@ from typing import Literal
 
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
-from raycluster.request import SamplingParams
+from raycluster.request import MAX_LOGPROBS, SamplingParams
 
 
 class StreamOptions(BaseModel):
@@ -46,8 +47,6 @@ class _GenerationFields(BaseModel):
     tenant: str | None = None
     app_id: str | None = None
     # OpenAI options not implemented: accepted only at their neutral values.
-    logprobs: Any = None
-    top_logprobs: Any = None
     echo: Any = None
     logit_bias: Any = None
     presence_penalty: Any = None
@@ -56,7 +55,7 @@ class _GenerationFields(BaseModel):
     best_of: Any = None
     suffix: Any = None
 
-    @field_validator("logprobs", "top_logprobs", "echo", "logit_bias", "suffix")
+    @field_validator("echo", "logit_bias", "suffix")
     @classmethod
     def _absent(cls, v):
         if v not in (None, False, 0, {}, "", []):
@@ -82,11 +81,18 @@ class _GenerationFields(BaseModel):
         return SamplingParams(
             max_tokens=default_max_tokens if self.max_tokens is None else self.max_tokens,
             temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, seed=self.seed,
-            stop=stop, ignore_eos=self.ignore_eos)
+            stop=stop, ignore_eos=self.ignore_eos, logprobs=self.num_logprobs())
+
+    def num_logprobs(self) -> int | None:
+        return None
 
 
 class CompletionRequest(_GenerationFields):
     prompt: str | list[int] | list[str] | list[list[int]]
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS, description="top alternatives per token")
+
+    def num_logprobs(self) -> int | None:
+        return self.logprobs
 
 
 class TextPart(BaseModel):
@@ -116,6 +122,18 @@ class ChatMessage(BaseModel):
 class ChatCompletionRequest(_GenerationFields):
     messages: list[ChatMessage] = Field(..., min_length=1)
     max_completion_tokens: int | None = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def _top_needs_logprobs(cls, v, info: ValidationInfo):
+        if v and not info.data.get("logprobs"):
+            raise ValueError("needs logprobs: true")
+        return v
+
+    def num_logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
 
 
 class Usage(BaseModel):

@@ -119,7 +119,6 @@ def test_chat_and_models_and_health_and_metrics(server):
     ({"prompt": [1, 2, 10 ** 9]}, "prompt"),
     ({"prompt": "x" * 1, "top_p": 2}, "top_p"),
     # OpenAI options this server does not implement: refused, not silently ignored
-    ({"prompt": "x", "logprobs": 3}, "logprobs"),
     ({"prompt": "x", "echo": True}, "echo"),
     ({"prompt": "x", "logit_bias": {"5": 10}}, "logit_bias"),
     ({"prompt": "x", "presence_penalty": 0.5}, "presence_penalty"),
@@ -170,9 +169,48 @@ def test_openai_client_works(server):
     openai = pytest.importorskip("openai")
     url, aeng, _, _ = server
     client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", timeout=30)
-    out = client.completions.create(model="tiny", prompt="hello", max_tokens=4, temperature=0)
+    out = client.completions.create(model="tiny", prompt="hello", max_tokens=4, temperature=0, logprobs=2)
     assert out.usage.completion_tokens <= 4 and out.choices[0].finish_reason in ("length", "stop")
+    assert len(out.choices[0].logprobs.token_logprobs) == out.usage.completion_tokens
     stream = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hey"}],
                                             max_tokens=4, stream=True)
     assert sum(1 for _ in stream) >= 1
+    assert _all_free(aeng)
+
+
+def test_logprobs_in_openai_shapes_equal_the_engines(server):
+    url, aeng, tok, ref = server
+    prompt = "the quiet river and the light"
+    ids = tok.encode(prompt)
+    ref.add_request("lp", ids, SamplingParams(max_tokens=6, logprobs=3, ignore_eos=True))
+    want = []
+    while ref.has_unfinished():
+        for o in ref.step().outputs:
+            want += [(t, lp) for t, lp in zip(o.new_token_ids, o.logprobs or [])]
+    body = {"prompt": prompt, "max_tokens": 6, "temperature": 0, "ignore_eos": True, "logprobs": 3}
+    r = httpx.post(f"{url}/v1/completions", json=body, timeout=30).json()
+    lp = r["choices"][0]["logprobs"]
+    assert lp["tokens"] == [tok.decode([t]) for t, _ in want]
+    assert lp["token_logprobs"] == pytest.approx([v for _, (v, _) in want], abs=1e-5)
+    assert [list(d) for d in lp["top_logprobs"]] == [[tok.decode([a]) for a, _ in top] for _, (_, top) in want]
+    assert lp["text_offset"][0] == 0 and "".join(lp["tokens"]) == r["choices"][0]["text"]
+    # streamed: the chunks' logprobs add up to the same
+    chunks = []
+    with httpx.stream("POST", f"{url}/v1/completions", json={**body, "stream": True}, timeout=30) as s:
+        for line in s.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                chunks += [c["logprobs"] for c in json.loads(line[6:])["choices"]]
+    assert sum((c["token_logprobs"] for c in chunks), []) == pytest.approx(lp["token_logprobs"], abs=1e-5)
+    assert sum((c["text_offset"] for c in chunks), []) == lp["text_offset"]
+    # chat: a bool plus top_logprobs; without logprobs: null
+    msg = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "temperature": 0}
+    c = httpx.post(f"{url}/v1/chat/completions", json={**msg, "logprobs": True, "top_logprobs": 2}, timeout=30).json()
+    content = c["choices"][0]["logprobs"]["content"]
+    assert len(content) == c["usage"]["completion_tokens"] and all(len(e["top_logprobs"]) == 2 for e in content)
+    assert all(e["logprob"] == pytest.approx(e["top_logprobs"][0]["logprob"]) for e in content)    # greedy
+    assert httpx.post(f"{url}/v1/chat/completions", json=msg, timeout=30).json()["choices"][0]["logprobs"] is None
+    bad = httpx.post(f"{url}/v1/chat/completions", json={**msg, "top_logprobs": 2}, timeout=30)
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "top_logprobs"
+    bad = httpx.post(f"{url}/v1/completions", json={**body, "logprobs": 21}, timeout=30)
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "logprobs"
     assert _all_free(aeng)

@@ -187,8 +187,13 @@ def test_openai_client_and_status(cluster):
     openai = pytest.importorskip("openai")
     url, name = cluster
     client = openai.OpenAI(base_url=url + "/v1", api_key="unused", timeout=60)
-    out = client.completions.create(model="tiny", prompt="hello river", max_tokens=5, temperature=0)
+    out = client.completions.create(model="tiny", prompt="hello river", max_tokens=5, temperature=0, logprobs=2)
     assert out.usage.completion_tokens <= 5
+    # Logprobs travel with the tokens (in P/D the first one from the prefill instance): greedy
+    # picks the most likely token each time.
+    lp = out.choices[0].logprobs
+    assert len(lp.token_logprobs) == out.usage.completion_tokens
+    assert all(v == pytest.approx(max(top.values())) for v, top in zip(lp.token_logprobs, lp.top_logprobs))
     chunks = list(client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}],
                                                  max_tokens=4, temperature=0, stream=True))
     assert chunks

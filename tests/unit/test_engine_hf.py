@@ -127,3 +127,37 @@ def test_every_policy_with_medha_packer_and_kairos_decode_matches_hf(checkpoint,
     assert got == expected
     eng.kv.check()
     assert eng.kv.num_free_blocks == eng.kv.num_blocks
+
+
+def test_logprobs_match_hf_log_softmax(checkpoint):
+    """Each sampled token's log-probability and the top-k alternatives equal log_softmax of HF's
+    logits at that position (greedy and sampled, batched, chunked), within fp32 rounding."""
+    _, hf, model, _ = checkpoint
+    rng = random.Random(11)
+    prompts = [[rng.randrange(6, 500) for _ in range(n)] for n in (3, 40, 97)]
+    params = [SamplingParams(max_tokens=6, logprobs=5, ignore_eos=True),
+              SamplingParams(max_tokens=6, logprobs=0, ignore_eos=True, temperature=0.8, seed=3),
+              SamplingParams(max_tokens=6, ignore_eos=True)]
+    eng = LLMEngine(EngineConfig(policy="fcfs", packer="token", chunk_size=32, kv_cache_tokens=2048), model)
+    for i, (p, sp) in enumerate(zip(prompts, params)):
+        eng.add_request(f"r{i}", p, sp)
+    toks: dict[str, list[int]] = {}
+    lps: dict[str, list] = {}
+    while eng.has_unfinished():
+        for o in eng.step().outputs:
+            toks.setdefault(o.request_id, []).extend(o.new_token_ids)
+            if o.logprobs is not None:
+                assert len(o.logprobs) == len(o.new_token_ids)
+                lps.setdefault(o.request_id, []).extend(o.logprobs)
+    assert "r2" not in lps and [len(lps[r]) for r in ("r0", "r1")] == [6, 6]
+    for i, k in ((0, 5), (1, 0)):
+        ids = torch.tensor([prompts[i] + toks[f"r{i}"]])
+        with torch.no_grad():
+            ref = torch.log_softmax(hf(ids).logits[0].float(), dim=-1)[len(prompts[i]) - 1:-1]
+        for pos, (lp, top) in enumerate(lps[f"r{i}"]):
+            assert lp == pytest.approx(ref[pos, toks[f"r{i}"][pos]].item(), abs=2e-4)
+            vals, idx = ref[pos].topk(k) if k else (torch.empty(0), torch.empty(0, dtype=torch.long))
+            assert [t for t, _ in top] == idx.tolist()
+            assert [v for _, v in top] == pytest.approx(vals.tolist(), abs=2e-4)
+        if k:
+            assert all(top[0][0] == t for (_, top), t in zip(lps["r0"], toks["r0"]))   # greedy: the best
