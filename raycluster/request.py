@@ -43,6 +43,16 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None     # report each token's log-probability and this many top ones
+    # OpenAI's: subtract presence * [token seen in the output] + frequency * its count there.
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    # HF / vLLM's: a token seen in the prompt or output has its logit divided by this (if > 0,
+    # else multiplied).
+    repetition_penalty: float = 1.0
+
+    @property
+    def penalized(self) -> bool:
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
 
     def validate(self) -> None:
         """Raise ValueError naming the field a user got wrong."""
@@ -56,6 +66,11 @@ class SamplingParams:
             raise ValueError(f"top_k must be >= 0, got {self.top_k}")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
             raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2.0 <= getattr(self, name) <= 2.0:
+                raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
+        if self.repetition_penalty <= 0:
+            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
 
 
 @dataclass

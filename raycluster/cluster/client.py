@@ -125,7 +125,9 @@ class ClusterClient:
         meta = RequestMeta(request_id, self.gateway_id, list(prompt_token_ids), sampling.max_tokens,
                            sampling.temperature, sampling.top_p, sampling.top_k, sampling.seed,
                            list(sampling.stop_token_ids), sampling.ignore_eos, slo.ttft_s, slo.tpot_s,
-                           priority, tenant, app_id, time.time(), logprobs=sampling.logprobs)
+                           priority, tenant, app_id, time.time(), logprobs=sampling.logprobs,
+                           presence_penalty=sampling.presence_penalty, frequency_penalty=sampling.frequency_penalty,
+                           repetition_penalty=sampling.repetition_penalty)
         self._ensure_pulling()
         q: asyncio.Queue = asyncio.Queue()
         live, out_ids, done = request_id, [], False

@@ -46,6 +46,9 @@ class RequestMeta:
     app_id: str | None = None
     arrival_time: float = 0.0          # time.time() at the gateway
     logprobs: int | None = None        # report per-token log-probabilities (and this many top ones)
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
     # Resubmitted after a router restart: tokens the client already has (the request resumes
     # after them) and no admission bound (it was admitted once).
     output_token_ids: list[int] = field(default_factory=list)

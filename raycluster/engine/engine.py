@@ -215,8 +215,10 @@ class LLMEngine:
             step = self.runner.execute(out)
             if step.requests:
                 sampled_reqs = step.requests
-                tokens = self.sampler.sample(step.logits, [r.request_id for r in sampled_reqs],
-                                             [r.sampling for r in sampled_reqs])
+                params = [r.sampling for r in sampled_reqs]
+                logits = self.sampler.penalize(step.logits, params, [r.prompt_token_ids for r in sampled_reqs],
+                                               [r.output_token_ids for r in sampled_reqs])
+                tokens = self.sampler.sample(logits, [r.request_id for r in sampled_reqs], params)
                 rows = [i for i, r in enumerate(sampled_reqs) if r.sampling.logprobs is not None]
                 if rows:
                     lps = self.sampler.logprobs(step.logits, rows, [tokens[i] for i in rows],

@@ -3,7 +3,9 @@
 Greedy rows are one batched argmax. Random rows apply temperature, top-k and top-p, then draw
 with the request's own `torch.Generator` when it has a seed, so a seeded request yields the same
 tokens whatever it is batched with. Logits enter as [n, vocab] float tensors; token ids leave as
-a Python list. `logprobs` reads the same rows for the requests that ask for log-probabilities.
+a Python list. `logprobs` reads the same rows for the requests that ask for log-probabilities
+(raw logits: before penalties, temperature, top-k and top-p). `penalize` returns the logits
+with each penalized row adjusted by its request's history (a copy; other rows untouched).
 """
 
 from __future__ import annotations
@@ -35,6 +37,26 @@ class Sampler:
             if sp.temperature > 0:
                 out[i] = self._sample_row(logits[i], sp, self._generator(rid, sp))
         return out
+
+    @staticmethod
+    def penalize(logits: torch.Tensor, params: list[SamplingParams], prompts: list[list[int]],
+                 outputs: list[list[int]]) -> torch.Tensor:
+        rows = [i for i, sp in enumerate(params) if sp.penalized]
+        if not rows:
+            return logits
+        logits = logits.clone()
+        vocab = logits.shape[-1]
+        for i in rows:
+            sp, row = params[i], logits[i]
+            if sp.repetition_penalty != 1.0:
+                seen = torch.tensor(sorted(set(prompts[i]) | set(outputs[i])), dtype=torch.long)
+                seen = seen[seen < vocab]
+                vals = row[seen]
+                row[seen] = torch.where(vals < 0, vals * sp.repetition_penalty, vals / sp.repetition_penalty)
+            if outputs[i] and (sp.presence_penalty or sp.frequency_penalty):
+                counts = torch.bincount(torch.tensor(outputs[i], dtype=torch.long), minlength=vocab)[:vocab]
+                row -= sp.frequency_penalty * counts.to(row.dtype) + sp.presence_penalty * (counts > 0).to(row.dtype)
+        return logits
 
     @staticmethod
     def logprobs(logits: torch.Tensor, rows: list[int], tokens: list[int], tops: list[int]) -> list[TokenLogprob]:

@@ -4,9 +4,10 @@ Requests enter as JSON and are validated here; `to_sampling()` turns them into t
 `SamplingParams`. Extra fields beyond OpenAI's (`ttft_slo_ms`, `tpot_slo_ms`, `priority`,
 `tenant`, `app_id`, vLLM's `ignore_eos`, `min_tokens`-free) are optional. Unknown fields are
 ignored, as OpenAI clients send many we do not use; but OpenAI options that would change the
-output and are not implemented (`echo`, `logit_bias`, penalties, `best_of`, `suffix`) are
-refused with a 400 naming the field unless they hold their neutral value, rather than silently
-ignored. `logprobs` is served: an int (top alternatives) on completions, a bool with
+output and are not implemented (`echo`, `logit_bias`, `best_of`, `suffix`) are refused with a
+400 naming the field unless they hold their neutral value, rather than silently ignored.
+`presence_penalty` / `frequency_penalty` (OpenAI's) and `repetition_penalty` (vLLM's) are
+served. `logprobs` is served: an int (top alternatives) on completions, a bool with
 `top_logprobs` on chat. Chat `content` may be a string or a list of text parts.
 """
 
@@ -46,12 +47,12 @@ class _GenerationFields(BaseModel):
     priority: int = 0
     tenant: str | None = None
     app_id: str | None = None
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    repetition_penalty: float = Field(1.0, gt=0.0, le=10.0)
     # OpenAI options not implemented: accepted only at their neutral values.
     echo: Any = None
     logit_bias: Any = None
-    presence_penalty: Any = None
-    frequency_penalty: Any = None
-    repetition_penalty: Any = None
     best_of: Any = None
     suffix: Any = None
 
@@ -62,14 +63,7 @@ class _GenerationFields(BaseModel):
             raise ValueError("not supported by this server (leave it out)")
         return v
 
-    @field_validator("presence_penalty", "frequency_penalty")
-    @classmethod
-    def _zero(cls, v):
-        if v not in (None, 0):
-            raise ValueError("not supported by this server (only 0)")
-        return v
-
-    @field_validator("repetition_penalty", "best_of")
+    @field_validator("best_of")
     @classmethod
     def _one(cls, v):
         if v not in (None, 1):
@@ -81,7 +75,9 @@ class _GenerationFields(BaseModel):
         return SamplingParams(
             max_tokens=default_max_tokens if self.max_tokens is None else self.max_tokens,
             temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, seed=self.seed,
-            stop=stop, ignore_eos=self.ignore_eos, logprobs=self.num_logprobs())
+            stop=stop, ignore_eos=self.ignore_eos, logprobs=self.num_logprobs(),
+            presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
+            repetition_penalty=self.repetition_penalty)
 
     def num_logprobs(self) -> int | None:
         return None

@@ -118,11 +118,12 @@ def test_chat_and_models_and_health_and_metrics(server):
     ({"max_tokens": 3}, "prompt"),
     ({"prompt": [1, 2, 10 ** 9]}, "prompt"),
     ({"prompt": "x" * 1, "top_p": 2}, "top_p"),
-    # OpenAI options this server does not implement: refused, not silently ignored
+    # out of range, or OpenAI options this server does not implement: refused, not silently ignored
     ({"prompt": "x", "echo": True}, "echo"),
     ({"prompt": "x", "logit_bias": {"5": 10}}, "logit_bias"),
-    ({"prompt": "x", "presence_penalty": 0.5}, "presence_penalty"),
-    ({"prompt": "x", "frequency_penalty": -1}, "frequency_penalty"),
+    ({"prompt": "x", "presence_penalty": 2.5}, "presence_penalty"),
+    ({"prompt": "x", "frequency_penalty": -3}, "frequency_penalty"),
+    ({"prompt": "x", "repetition_penalty": 0}, "repetition_penalty"),
     ({"prompt": "x", "best_of": 2}, "best_of"),
 ])
 def test_bad_requests_are_400_naming_the_field(server, payload, param):
@@ -175,6 +176,19 @@ def test_openai_client_works(server):
     stream = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hey"}],
                                             max_tokens=4, stream=True)
     assert sum(1 for _ in stream) >= 1
+    assert _all_free(aeng)
+
+
+def test_penalties_reach_the_sampler(server):
+    url, aeng, tok, ref = server
+    prompt = [7, 300, 9, 11]
+    for fields in ({"repetition_penalty": 0.2}, {"frequency_penalty": -2.0}, {"presence_penalty": -2.0}):
+        want = ref.generate([prompt], SamplingParams(max_tokens=8, ignore_eos=True, **fields))[0]
+        plain = ref.generate([prompt], SamplingParams(max_tokens=8, ignore_eos=True))[0]
+        assert want != plain
+        r = httpx.post(f"{url}/v1/completions", timeout=30, json={"prompt": prompt, "max_tokens": 8, "temperature": 0,
+                                                                 "ignore_eos": True, **fields})
+        assert r.json()["choices"][0]["text"] == tok.decode(want), fields
     assert _all_free(aeng)
 
 

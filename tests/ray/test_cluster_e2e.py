@@ -194,6 +194,12 @@ def test_openai_client_and_status(cluster):
     lp = out.choices[0].logprobs
     assert len(lp.token_logprobs) == out.usage.completion_tokens
     assert all(v == pytest.approx(max(top.values())) for v, top in zip(lp.token_logprobs, lp.top_logprobs))
+    # Penalties travel with the request: a negative frequency penalty makes this tiny model repeat
+    # its first token (a plain greedy run does not).
+    body = {"prompt": [7, 300, 9, 11], "max_tokens": 6, "temperature": 0, "ignore_eos": True, "logprobs": 0}
+    toks = [httpx.post(url + "/v1/completions", json={**body, **extra}, timeout=60).json()["choices"][0]
+            ["logprobs"]["tokens"] for extra in ({}, {"frequency_penalty": -2.0})]
+    assert len(set(toks[0])) > 1 and len(set(toks[1])) == 1, toks
     chunks = list(client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}],
                                                  max_tokens=4, temperature=0, stream=True))
     assert chunks

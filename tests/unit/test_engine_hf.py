@@ -161,3 +161,54 @@ def test_logprobs_match_hf_log_softmax(checkpoint):
             assert [v for _, v in top] == pytest.approx(vals.tolist(), abs=2e-4)
         if k:
             assert all(top[0][0] == t for (_, top), t in zip(lps["r0"], toks["r0"]))   # greedy: the best
+
+
+def _penalized_reference(hf, prompt: list[int], n: int, presence: float, frequency: float, rep: float) -> list[int]:
+    """Greedy decoding over HF's logits with the penalties applied by their definitions."""
+    seq, out = list(prompt), []
+    for _ in range(n):
+        with torch.no_grad():
+            row = hf(torch.tensor([seq])).logits[0, -1].float()
+        seen = sorted(set(seq))
+        vals = row[seen]
+        row[seen] = torch.where(vals < 0, vals * rep, vals / rep)
+        for t in set(out):
+            row[t] -= presence + frequency * out.count(t)
+        out.append(int(row.argmax()))
+        seq.append(out[-1])
+    return out
+
+
+# A random tiny model hardly ever repeats a token, so positive penalties alone rarely change its
+# greedy output; these settings do (negative ones invite repeats, positive ones then push back).
+@pytest.mark.parametrize("presence, frequency, rep", [(-2.0, 1.5, 1.0), (0.0, -2.0, 1.0), (0.0, 0.0, 0.5),
+                                                       (0.5, -1.0, 1.2)])
+def test_penalties_match_their_definitions_over_hf_logits(checkpoint, presence, frequency, rep):
+    path, hf, model, _ = checkpoint
+    if "tiny_model" not in str(path):
+        pytest.skip("sampling runs on the tiny checkpoint (the variants repeat their last token regardless)")
+    rng = random.Random(5)
+    prompts = [[rng.choice([7, 8, 9, 10, 11, 300, 301]) for _ in range(n)] for n in (4, 33)]
+    sp = SamplingParams(max_tokens=12, ignore_eos=True, presence_penalty=presence, frequency_penalty=frequency,
+                        repetition_penalty=rep)
+    eng = LLMEngine(EngineConfig(policy="fcfs", packer="token", chunk_size=16, kv_cache_tokens=2048), model)
+    plain = SamplingParams(max_tokens=12, ignore_eos=True)
+    got = eng.generate(prompts + prompts, [sp, sp, plain, plain])
+    assert got[:2] == [_penalized_reference(hf, p, 12, presence, frequency, rep) for p in prompts]
+    assert got[:2] != got[2:]        # the penalties changed the output; the unpenalized neighbours kept theirs
+    if rep != 1.0 and presence == frequency == 0.0:     # HF's own processor agrees with ours
+        ref = hf.generate(torch.tensor([prompts[1]]), max_new_tokens=12, do_sample=False, repetition_penalty=rep,
+                          eos_token_id=None, pad_token_id=0)[0, len(prompts[1]):].tolist()
+        assert got[1] == ref
+
+
+def test_penalize_by_hand():
+    from raycluster.engine.sampler import Sampler
+
+    logits = torch.tensor([[2.0, -1.0, 0.5, 3.0], [1.0, 1.0, 1.0, 1.0]])
+    sps = [SamplingParams(presence_penalty=0.5, frequency_penalty=0.25, repetition_penalty=2.0), SamplingParams()]
+    out = Sampler.penalize(logits, sps, prompts=[[1], [0]], outputs=[[3, 3, 0], [1]])
+    # token 0: output once: 2/2 - 0.5 - 0.25; token 1: prompt only: -1*2; token 2: unseen; token 3:
+    # output twice: 3/2 - 0.5 - 0.5
+    assert out[0].tolist() == [0.25, -2.0, 0.5, 0.5]
+    assert out[1].tolist() == [1.0, 1.0, 1.0, 1.0] and logits[0].tolist() == [2.0, -1.0, 0.5, 3.0]
