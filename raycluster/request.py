@@ -49,10 +49,12 @@ class SamplingParams:
     # HF / vLLM's: a token seen in the prompt or output has its logit divided by this (if > 0,
     # else multiplied).
     repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] = field(default_factory=dict)    # OpenAI's: added to these logits
 
     @property
     def penalized(self) -> bool:
-        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
+        return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
+                or bool(self.logit_bias))
 
     def validate(self) -> None:
         """Raise ValueError naming the field a user got wrong."""
@@ -71,6 +73,8 @@ class SamplingParams:
                 raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
         if self.repetition_penalty <= 0:
             raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        if any(not -100.0 <= b <= 100.0 for b in self.logit_bias.values()):
+            raise ValueError("logit_bias values must be in [-100, 100]")
 
 
 @dataclass

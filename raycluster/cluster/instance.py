@@ -39,7 +39,8 @@ def sampling_of(meta: RequestMeta) -> SamplingParams:
     return SamplingParams(max_tokens=meta.max_tokens, temperature=meta.temperature, top_p=meta.top_p,
                           top_k=meta.top_k, seed=meta.seed, stop_token_ids=list(meta.stop_token_ids),
                           ignore_eos=meta.ignore_eos, logprobs=meta.logprobs, presence_penalty=meta.presence_penalty,
-                          frequency_penalty=meta.frequency_penalty, repetition_penalty=meta.repetition_penalty)
+                          frequency_penalty=meta.frequency_penalty, repetition_penalty=meta.repetition_penalty,
+                          logit_bias=dict(meta.logit_bias))
 
 
 class InstanceWorker:

@@ -49,6 +49,7 @@ class RequestMeta:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] = field(default_factory=dict)
     # Resubmitted after a router restart: tokens the client already has (the request resumes
     # after them) and no admission bound (it was admitted once).
     output_token_ids: list[int] = field(default_factory=list)

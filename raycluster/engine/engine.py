@@ -62,6 +62,8 @@ def validate_request(ids: list[int], sp: SamplingParams, max_model_len: int, voc
     """Raise InvalidRequestError naming the field a user got wrong (shared with the gateway)."""
     if not ids:
         raise InvalidRequestError("prompt", "must not be empty")
+    if any(not 0 <= t < vocab_size for t in sp.logit_bias):
+        raise InvalidRequestError("logit_bias", f"token ids must be in [0, {vocab_size})")
     if len(ids) >= max_model_len:
         raise InvalidRequestError(
             "prompt", f"{len(ids)} tokens leave no room to generate within the context of {max_model_len} tokens")

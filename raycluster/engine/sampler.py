@@ -5,7 +5,8 @@ with the request's own `torch.Generator` when it has a seed, so a seeded request
 tokens whatever it is batched with. Logits enter as [n, vocab] float tensors; token ids leave as
 a Python list. `logprobs` reads the same rows for the requests that ask for log-probabilities
 (raw logits: before penalties, temperature, top-k and top-p). `penalize` returns the logits
-with each penalized row adjusted by its request's history (a copy; other rows untouched).
+with each penalized row adjusted by its request's history and `logit_bias` (a copy; other rows
+untouched).
 """
 
 from __future__ import annotations
@@ -56,6 +57,9 @@ class Sampler:
             if outputs[i] and (sp.presence_penalty or sp.frequency_penalty):
                 counts = torch.bincount(torch.tensor(outputs[i], dtype=torch.long), minlength=vocab)[:vocab]
                 row -= sp.frequency_penalty * counts.to(row.dtype) + sp.presence_penalty * (counts > 0).to(row.dtype)
+            if sp.logit_bias:
+                ids = torch.tensor(list(sp.logit_bias), dtype=torch.long)
+                row[ids] += torch.tensor(list(sp.logit_bias.values()), dtype=row.dtype)
         return logits
 
     @staticmethod

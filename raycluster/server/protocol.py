@@ -4,11 +4,11 @@ Requests enter as JSON and are validated here; `to_sampling()` turns them into t
 `SamplingParams`. Extra fields beyond OpenAI's (`ttft_slo_ms`, `tpot_slo_ms`, `priority`,
 `tenant`, `app_id`, vLLM's `ignore_eos`, `min_tokens`-free) are optional. Unknown fields are
 ignored, as OpenAI clients send many we do not use; but OpenAI options that would change the
-output and are not implemented (`echo`, `logit_bias`, `best_of`, `suffix`) are refused with a
-400 naming the field unless they hold their neutral value, rather than silently ignored.
-`presence_penalty` / `frequency_penalty` (OpenAI's) and `repetition_penalty` (vLLM's) are
-served. `logprobs` is served: an int (top alternatives) on completions, a bool with
-`top_logprobs` on chat. Chat `content` may be a string or a list of text parts.
+output and are not implemented (`echo`, `best_of`, `suffix`) are refused with a 400 naming the
+field unless they hold their neutral value, rather than silently ignored. `presence_penalty` /
+`frequency_penalty` / `logit_bias` (OpenAI's) and `repetition_penalty` (vLLM's) are served, and
+`logprobs`: an int (top alternatives) on completions, a bool with `top_logprobs` on chat. Chat
+`content` may be a string or a list of text parts.
 """
 
 from __future__ import annotations
@@ -50,13 +50,20 @@ class _GenerationFields(BaseModel):
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     repetition_penalty: float = Field(1.0, gt=0.0, le=10.0)
+    logit_bias: dict[int, float] | None = Field(None, description="token id -> bias in [-100, 100]")
     # OpenAI options not implemented: accepted only at their neutral values.
     echo: Any = None
-    logit_bias: Any = None
     best_of: Any = None
     suffix: Any = None
 
-    @field_validator("echo", "logit_bias", "suffix")
+    @field_validator("logit_bias")
+    @classmethod
+    def _bias_range(cls, v):
+        if v and any(not -100.0 <= b <= 100.0 for b in v.values()):
+            raise ValueError("biases must be in [-100, 100]")
+        return v
+
+    @field_validator("echo", "suffix")
     @classmethod
     def _absent(cls, v):
         if v not in (None, False, 0, {}, "", []):
@@ -77,7 +84,7 @@ class _GenerationFields(BaseModel):
             temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, seed=self.seed,
             stop=stop, ignore_eos=self.ignore_eos, logprobs=self.num_logprobs(),
             presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
-            repetition_penalty=self.repetition_penalty)
+            repetition_penalty=self.repetition_penalty, logit_bias=dict(self.logit_bias or {}))
 
     def num_logprobs(self) -> int | None:
         return None

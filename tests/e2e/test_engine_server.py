@@ -120,7 +120,6 @@ def test_chat_and_models_and_health_and_metrics(server):
     ({"prompt": "x" * 1, "top_p": 2}, "top_p"),
     # out of range, or OpenAI options this server does not implement: refused, not silently ignored
     ({"prompt": "x", "echo": True}, "echo"),
-    ({"prompt": "x", "logit_bias": {"5": 10}}, "logit_bias"),
     ({"prompt": "x", "presence_penalty": 2.5}, "presence_penalty"),
     ({"prompt": "x", "frequency_penalty": -3}, "frequency_penalty"),
     ({"prompt": "x", "repetition_penalty": 0}, "repetition_penalty"),
@@ -189,6 +188,19 @@ def test_penalties_reach_the_sampler(server):
         r = httpx.post(f"{url}/v1/completions", timeout=30, json={"prompt": prompt, "max_tokens": 8, "temperature": 0,
                                                                  "ignore_eos": True, **fields})
         assert r.json()["choices"][0]["text"] == tok.decode(want), fields
+    # logit_bias: +100 forces a token at every step, -100 bans the greedy one
+    body = {"prompt": prompt, "max_tokens": 5, "temperature": 0, "ignore_eos": True, "logprobs": 0}
+    forced = httpx.post(f"{url}/v1/completions", timeout=30, json={**body, "logit_bias": {"42": 100}}).json()
+    assert forced["choices"][0]["logprobs"]["tokens"] == [tok.decode([42])] * 5
+    plain = ref.generate([prompt], SamplingParams(max_tokens=5, ignore_eos=True))[0]
+    banned = httpx.post(f"{url}/v1/completions", timeout=30,
+                        json={**body, "logit_bias": {str(plain[0]): -100}}).json()["choices"][0]["text"]
+    assert banned == tok.decode(ref.generate([prompt], SamplingParams(max_tokens=5, ignore_eos=True,
+                                                                      logit_bias={plain[0]: -100.0}))[0])
+    assert not banned.startswith(tok.decode([plain[0]]))
+    for bias in ({"99999": 1}, {"5": 200}, {"x": 1}):
+        r = httpx.post(f"{url}/v1/completions", timeout=30, json={**body, "logit_bias": bias})
+        assert r.status_code == 400 and r.json()["error"]["param"].startswith("logit_bias"), r.text
     assert _all_free(aeng)
 
 

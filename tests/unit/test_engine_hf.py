@@ -212,3 +212,5 @@ def test_penalize_by_hand():
     # output twice: 3/2 - 0.5 - 0.5
     assert out[0].tolist() == [0.25, -2.0, 0.5, 0.5]
     assert out[1].tolist() == [1.0, 1.0, 1.0, 1.0] and logits[0].tolist() == [2.0, -1.0, 0.5, 3.0]
+    out = Sampler.penalize(logits, [SamplingParams(logit_bias={2: 10.0, 0: -1.5})], [[1]], [[]])
+    assert out[0].tolist() == [0.5, -1.0, 10.5, 3.0]
