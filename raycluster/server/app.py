@@ -7,13 +7,16 @@ token ids go to the backend, text deltas come back. A backend provides `admit()`
 `OverloadedError` before any tokenization), `next_id`, `generate` (async iterator of
 `RequestOutput`; `InvalidRequestError` before the first one), `stats()`, `max_model_len` and
 `prometheus_text()` for extra metrics lines. Errors a client causes are 400 in
-OpenAI's error shape with `param` naming the field.
+OpenAI's error shape with `param` naming the field. `n` > 1 runs n backend requests (a seeded
+one with seed + i for choice i) and merges them into the choices, streamed as they come.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
+from dataclasses import replace
 from typing import AsyncIterator
 
 from fastapi import FastAPI, Request as HTTPRequest
@@ -105,30 +108,46 @@ def build_app(engine, tokenizer, model_name: str) -> FastAPI:
         slo = SLO(ttft_s=body.ttft_slo_ms / 1e3 if body.ttft_slo_ms else None,
                   tpot_s=body.tpot_slo_ms / 1e3 if body.tpot_slo_ms else None)
         rid = engine.next_id("cmpl" if kind == "text_completion" else "chatcmpl")
-        gen = engine.generate(rid, prompt_ids, sampling, slo=slo, priority=body.priority,
-                              tenant=body.tenant or "default", app_id=body.app_id)
+        # n choices are n requests (the i-th seeded seed + i, so seeded choices differ).
+        gens = [engine.generate(rid if body.n == 1 else f"{rid}-{i}", prompt_ids,
+                                sampling if sampling.seed is None else replace(sampling, seed=sampling.seed + i),
+                                slo=slo, priority=body.priority, tenant=body.tenant or "default", app_id=body.app_id)
+                for i in range(body.n)]
         t0 = time.perf_counter()
+        # The first output surfaces validation errors before any byte is sent.
         try:
-            first = await gen.__anext__()      # surfaces validation errors before any byte is sent
-        except InvalidRequestError as e:
-            return _bad_request(str(e), e.field)
-        except OverloadedError as e:
-            return _overloaded(e)
-        stream = _Stream(gen, first, t0, metrics, tokenizer.decode if sampling.logprobs is not None else None)
+            firsts = [await gens[0].__anext__()] if body.n == 1 else \
+                await asyncio.gather(*(g.__anext__() for g in gens), return_exceptions=True)
+        except (InvalidRequestError, OverloadedError) as e:
+            firsts = [e]
+        err = next((e for e in firsts if isinstance(e, BaseException)), None)
+        if err is not None:
+            for g in gens:
+                await g.aclose()
+            if isinstance(err, InvalidRequestError):
+                return _bad_request(str(err), err.field)
+            if isinstance(err, OverloadedError):
+                return _overloaded(err)
+            raise err
+        decode = tokenizer.decode if sampling.logprobs is not None else None
+        streams = [_Stream(g, f, t0, metrics, decode) for g, f in zip(gens, firsts)]
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            return _ClosingStreamingResponse(_sse(stream, rid, kind, model_name, len(prompt_ids), include_usage),
+            return _ClosingStreamingResponse(_sse(streams, rid, kind, model_name, len(prompt_ids), include_usage),
                                              media_type="text/event-stream")
-        text, n_out, reason, logprobs = await stream.collect(kind)
+        results = await asyncio.gather(*(s.collect(kind) for s in streams))
+        n_out = sum(r[1] for r in results)
         usage = {"prompt_tokens": len(prompt_ids), "completion_tokens": n_out,
                  "total_tokens": len(prompt_ids) + n_out}
-        if kind == "text_completion":
-            choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": reason}
-        else:
-            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
-                      "finish_reason": reason}
+        choices = []
+        for i, (text, _, reason, logprobs) in enumerate(results):
+            if kind == "text_completion":
+                choices.append({"index": i, "text": text, "logprobs": logprobs, "finish_reason": reason})
+            else:
+                choices.append({"index": i, "message": {"role": "assistant", "content": text},
+                                "logprobs": logprobs, "finish_reason": reason})
         return {"id": rid, "object": kind, "created": now_s(), "model": model_name,
-                "choices": [choice], "usage": usage}
+                "choices": choices, "usage": usage}
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, http: HTTPRequest):
@@ -212,25 +231,60 @@ class _Stream:
         return "".join(parts), self.n_out, reason, self.logprobs(kind, ids, lps if self.decode else None)
 
 
-async def _sse(stream: _Stream, rid: str, kind: str, model: str, n_prompt: int,
+async def _merged(streams: list[_Stream]) -> AsyncIterator[tuple[int, object]]:
+    """(choice index, output) from every stream as they come; closing this closes them all."""
+    q: asyncio.Queue = asyncio.Queue()
+
+    async def pump(i: int, s: _Stream) -> None:
+        try:
+            async for out in s.outputs():
+                await q.put((i, out))
+        finally:
+            q.put_nowait((i, None))
+
+    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        left = len(tasks)
+        while left:
+            i, out = await q.get()
+            if out is None:
+                left -= 1
+            else:
+                yield i, out
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def _one(stream: _Stream) -> AsyncIterator[tuple[int, object]]:
+    outputs = stream.outputs()
+    try:
+        async for out in outputs:
+            yield 0, out
+    finally:
+        await outputs.aclose()
+
+
+async def _sse(streams: list[_Stream], rid: str, kind: str, model: str, n_prompt: int,
                include_usage: bool) -> AsyncIterator[str]:
     obj = "text_completion" if kind == "text_completion" else "chat.completion.chunk"
     created = now_s()
-    outputs = stream.outputs()
-    try:                # closing this generator must close the request's (which aborts it)
-        async for out in outputs:
+    outputs = _one(streams[0]) if len(streams) == 1 else _merged(streams)
+    try:                # closing this generator must close the requests' (which aborts them)
+        async for i, out in outputs:
+            lp = streams[i].logprobs(kind, out.new_token_ids, out.logprobs)
             if kind == "text_completion":
-                choice = {"index": 0, "text": out.new_text, "finish_reason": out.finish_reason,
-                          "logprobs": stream.logprobs(kind, out.new_token_ids, out.logprobs)}
+                choice = {"index": i, "text": out.new_text, "finish_reason": out.finish_reason, "logprobs": lp}
             else:
-                choice = {"index": 0, "delta": {"content": out.new_text}, "finish_reason": out.finish_reason,
-                          "logprobs": stream.logprobs(kind, out.new_token_ids, out.logprobs)}
+                choice = {"index": i, "delta": {"content": out.new_text}, "finish_reason": out.finish_reason,
+                          "logprobs": lp}
             chunk = {"id": rid, "object": obj, "created": created, "model": model, "choices": [choice]}
             yield f"data: {json.dumps(chunk)}\n\n"
     finally:
         await outputs.aclose()
     if include_usage:
-        usage = {"prompt_tokens": n_prompt, "completion_tokens": stream.n_out,
-                 "total_tokens": n_prompt + stream.n_out}
+        n_out = sum(s.n_out for s in streams)
+        usage = {"prompt_tokens": n_prompt, "completion_tokens": n_out, "total_tokens": n_prompt + n_out}
         yield f"data: {json.dumps({'id': rid, 'object': obj, 'created': created, 'model': model, 'choices': [], 'usage': usage})}\n\n"
     yield "data: [DONE]\n\n"

@@ -40,7 +40,7 @@ class _GenerationFields(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False
-    n: int = Field(1, ge=1, le=1)
+    n: int = Field(1, ge=1, le=16, description="choices: each one its own request")
     # Scheduling hints (all optional).
     ttft_slo_ms: float | None = Field(None, gt=0)
     tpot_slo_ms: float | None = Field(None, gt=0)

@@ -240,3 +240,35 @@ def test_logprobs_in_openai_shapes_equal_the_engines(server):
     bad = httpx.post(f"{url}/v1/completions", json={**body, "logprobs": 21}, timeout=30)
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "logprobs"
     assert _all_free(aeng)
+
+
+def test_n_choices_are_separate_requests_merged(server):
+    url, aeng, tok, ref = server
+    prompt = [7, 300, 9, 11, 42]
+    sampled = {"prompt": prompt, "max_tokens": 6, "temperature": 0.9, "seed": 7, "ignore_eos": True}
+    r = httpx.post(f"{url}/v1/completions", json={**sampled, "n": 3}, timeout=30).json()
+    want = [tok.decode(ref.generate([prompt], SamplingParams(max_tokens=6, temperature=0.9, seed=7 + i,
+                                                             ignore_eos=True))[0]) for i in range(3)]
+    assert [c["text"] for c in sorted(r["choices"], key=lambda c: c["index"])] == want
+    assert len(set(want)) > 1 and r["usage"]["completion_tokens"] == 18
+    # streamed: chunks carry their choice index; per index they add up to the same texts
+    texts = ["", "", ""]
+    with httpx.stream("POST", f"{url}/v1/completions", json={**sampled, "n": 3, "stream": True}, timeout=30) as s:
+        for line in s.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                for c in json.loads(line[6:])["choices"]:
+                    texts[c["index"]] += c["text"]
+    assert texts == want
+    chat = httpx.post(f"{url}/v1/chat/completions", timeout=30, json={
+        "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "temperature": 0, "n": 2}).json()
+    assert [c["index"] for c in chat["choices"]] == [0, 1]
+    assert chat["choices"][0]["message"] == chat["choices"][1]["message"]      # greedy: the same
+    bad = httpx.post(f"{url}/v1/completions", json={"prompt": [10 ** 6], "n": 2}, timeout=30)
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "prompt"
+    # a client that hangs up mid-stream aborts every choice
+    with httpx.stream("POST", f"{url}/v1/completions", timeout=30,
+                      json={"prompt": [5] * 200, "max_tokens": 2000, "ignore_eos": True, "stream": True, "n": 3}) as s:
+        for i, _ in enumerate(s.iter_lines()):
+            if i >= 6:
+                break
+    assert _all_free(aeng, timeout=10)

@@ -200,6 +200,8 @@ def test_openai_client_and_status(cluster):
     toks = [httpx.post(url + "/v1/completions", json={**body, **extra}, timeout=60).json()["choices"][0]
             ["logprobs"]["tokens"] for extra in ({}, {"frequency_penalty": -2.0})]
     assert len(set(toks[0])) > 1 and len(set(toks[1])) == 1, toks
+    two = client.completions.create(model="tiny", prompt="hello river", max_tokens=5, temperature=0, n=2)
+    assert [c.text for c in two.choices] == [out.choices[0].text] * 2      # greedy: both the same
     chunks = list(client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}],
                                                  max_tokens=4, temperature=0, stream=True))
     assert chunks
