@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kernels import get_attention_backend
 from raycluster.engine.kv_manager import KVCacheManager
 from raycluster.engine.scheduler import SchedulerOutput
 from raycluster.parallel.kv_port import DirectPort
@@ -36,6 +37,9 @@ class ModelRunner:
         self.kv_cache = torch.zeros(model.kv_cache_shape(kv.num_blocks, kv.block_size),
                                     dtype=dtype, device=self.device)
         self.port = DirectPort(self.kv_cache)      # what a KV connector wraps: this tensor itself
+        # Its own attention backend unless the model was built with one: the torch backend's
+        # scratch buffers must not be shared by engines stepping in threads of one process.
+        self.backend = model.backend or get_attention_backend(self.device)
 
     def kv_bytes_per_token(self) -> int:
         per_block = self.kv_cache[:, 0].numel() * self.kv_cache.element_size()
@@ -44,7 +48,7 @@ class ModelRunner:
     def run_plan(self, plan: StepPlan) -> torch.Tensor:
         """Run one step; returns the final hidden states of `plan.sample_rows` [n, H]."""
         input_ids, positions, meta = plan_inputs(plan, self.kv.block_size, self.device)
-        hidden = self.model(input_ids, positions, self.kv_cache, meta)
+        hidden = self.model(input_ids, positions, self.kv_cache, meta, backend=self.backend)
         return hidden.index_select(0, torch.tensor(plan.sample_rows, dtype=torch.long, device=hidden.device))
 
     def execute(self, out: SchedulerOutput) -> StepLogits:

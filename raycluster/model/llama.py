@@ -95,13 +95,16 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = None if config.tie_word_embeddings else nn.Linear(
             config.hidden_size, config.vocab_size, bias=False)
         self.rotary = RotaryEmbedding.from_config(config)
-        self.backend = backend
+        self.backend = backend          # explicit; None: a default per device, made on first use
+        self._default_backend = None
 
     def _backend(self, device):
-        if self.backend is None:
+        if self.backend is not None:
+            return self.backend
+        if self._default_backend is None:
             from kernels import get_attention_backend
-            self.backend = get_attention_backend(device)
-        return self.backend
+            self._default_backend = get_attention_backend(device)
+        return self._default_backend
 
     def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
         c = self.config

@@ -129,3 +129,23 @@ def test_eos_and_stop_token_ids_stop_unless_ignored(loaded):
     eng.eos_token_ids = (third,)        # pretend the model's EOS is the third greedy token
     assert eng.generate([[20, 21, 22]], SamplingParams(max_tokens=8))[0] == greedy[:3]
     assert eng.generate([[20, 21, 22]], SamplingParams(max_tokens=8, ignore_eos=True))[0] == greedy
+
+
+def test_engines_sharing_a_model_step_concurrently_in_threads(loaded):
+    """Each runner has its own attention backend (scratch buffers), so two engines on one model
+    object, stepping at the same time in two threads, both produce the single engine's tokens."""
+    import threading
+
+    model, _ = loaded
+    prompts = [[(7 * i + j) % 900 + 6 for j in range(20 + 37 * i)] for i in range(6)]
+    sp = SamplingParams(max_tokens=30, ignore_eos=True)
+    mk = lambda: LLMEngine(EngineConfig(policy="fcfs", packer="token", kv_cache_tokens=4096, chunk_size=64),  # noqa: E731
+                           model)
+    want = mk().generate(prompts, sp)
+    got: dict[int, list] = {}
+    threads = [threading.Thread(target=lambda k=k: got.__setitem__(k, mk().generate(prompts, sp))) for k in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert got == {0: want, 1: want}

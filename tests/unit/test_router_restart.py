@@ -94,13 +94,6 @@ def model(tiny_model_dir):
     return load_model(tiny_model_dir)[0]
 
 
-@pytest.fixture(scope="module")
-def other_model(tiny_model_dir):
-    """A second copy: engines stepping in threads of one process must not share a model, whose
-    attention backend keeps scratch buffers (the cluster runs one process per instance)."""
-    return load_model(tiny_model_dir)[0]
-
-
 def _engine(model) -> LLMEngine:
     return LLMEngine(EngineConfig(policy="fcfs", packer="token", kv_cache_tokens=4096, chunk_size=64), model)
 
@@ -172,13 +165,13 @@ class _Switchboard:
             return self.core.status()
 
 
-def test_requests_resume_across_a_router_restart(model, other_model):
+def test_requests_resume_across_a_router_restart(model):
     prompts = [[(7 * i + j) % 900 + 6 for j in range(20 + 37 * i)] for i in range(8)]
     max_tokens = 40
     ref = _engine(model).generate(prompts, [SamplingParams(max_tokens=max_tokens, ignore_eos=True)] * 8)
 
     board = _Switchboard(lambda rid: RouterCore(RouterConfig(policy="fcfs", max_local_waiting=8), router_id=rid))
-    engines = [_engine(model), _engine(other_model)]
+    engines = [_engine(model), _engine(model)]
     workers = [InstanceWorker(e, "mixed", f"i{k}", board.poll, board.push, poll_timeout_s=0.05).start()
                for k, e in enumerate(engines)]
     client = ClusterClient(board.submit, board.abort, board.pull, board.status, tokenizer=None,
