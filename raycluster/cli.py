@@ -151,7 +151,8 @@ def cmd_status(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(status, indent=2))
         return 0
-    print(f"policy {status.get('policy')}   in flight {status.get('inflight')}   queues {status.get('queues')}")
+    print(f"policy {status.get('policy')}   in flight {status.get('inflight')}   queues {status.get('queues')}   "
+          f"router {status.get('router_id')}")
     if status.get("gateway_urls"):
         print(f"gateway replicas (no proxy hop): {', '.join(status['gateway_urls'])}")
     print(f"{'instance':28s} {'role':14s} {'waiting':>8s} {'prefill tok':>11s} {'running':>8s} {'kv used':>8s}")

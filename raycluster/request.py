@@ -50,11 +50,12 @@ class SamplingParams:
     # else multiplied).
     repetition_penalty: float = 1.0
     logit_bias: dict[int, float] = field(default_factory=dict)    # OpenAI's: added to these logits
+    min_tokens: int = 0             # vLLM's: EOS and stop_token_ids cannot be sampled before this many
 
     @property
     def penalized(self) -> bool:
         return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
-                or bool(self.logit_bias))
+                or bool(self.logit_bias) or self.min_tokens > 0)
 
     def validate(self) -> None:
         """Raise ValueError naming the field a user got wrong."""
@@ -75,6 +76,8 @@ class SamplingParams:
             raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
         if any(not -100.0 <= b <= 100.0 for b in self.logit_bias.values()):
             raise ValueError("logit_bias values must be in [-100, 100]")
+        if not 0 <= self.min_tokens <= self.max_tokens:
+            raise ValueError(f"min_tokens must be in [0, max_tokens], got {self.min_tokens}")
 
 
 @dataclass

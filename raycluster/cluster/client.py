@@ -127,7 +127,8 @@ class ClusterClient:
                            list(sampling.stop_token_ids), sampling.ignore_eos, slo.ttft_s, slo.tpot_s,
                            priority, tenant, app_id, time.time(), logprobs=sampling.logprobs,
                            presence_penalty=sampling.presence_penalty, frequency_penalty=sampling.frequency_penalty,
-                           repetition_penalty=sampling.repetition_penalty, logit_bias=dict(sampling.logit_bias))
+                           repetition_penalty=sampling.repetition_penalty, logit_bias=dict(sampling.logit_bias),
+                           min_tokens=sampling.min_tokens)
         self._ensure_pulling()
         q: asyncio.Queue = asyncio.Queue()
         live, out_ids, done = request_id, [], False

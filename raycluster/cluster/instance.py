@@ -40,7 +40,7 @@ def sampling_of(meta: RequestMeta) -> SamplingParams:
                           top_k=meta.top_k, seed=meta.seed, stop_token_ids=list(meta.stop_token_ids),
                           ignore_eos=meta.ignore_eos, logprobs=meta.logprobs, presence_penalty=meta.presence_penalty,
                           frequency_penalty=meta.frequency_penalty, repetition_penalty=meta.repetition_penalty,
-                          logit_bias=dict(meta.logit_bias))
+                          logit_bias=dict(meta.logit_bias), min_tokens=meta.min_tokens)
 
 
 class InstanceWorker:

@@ -50,6 +50,7 @@ class RequestMeta:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logit_bias: dict[int, float] = field(default_factory=dict)
+    min_tokens: int = 0
     # Resubmitted after a router restart: tokens the client already has (the request resumes
     # after them) and no admission bound (it was admitted once).
     output_token_ids: list[int] = field(default_factory=list)

@@ -5,8 +5,8 @@ with the request's own `torch.Generator` when it has a seed, so a seeded request
 tokens whatever it is batched with. Logits enter as [n, vocab] float tensors; token ids leave as
 a Python list. `logprobs` reads the same rows for the requests that ask for log-probabilities
 (raw logits: before penalties, temperature, top-k and top-p). `penalize` returns the logits
-with each penalized row adjusted by its request's history and `logit_bias` (a copy; other rows
-untouched).
+with each penalized row adjusted by its request's history and `logit_bias`, and `banned` ids
+(EOS and stop ids before `min_tokens`) at -inf (a copy; other rows untouched).
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ class Sampler:
 
     @staticmethod
     def penalize(logits: torch.Tensor, params: list[SamplingParams], prompts: list[list[int]],
-                 outputs: list[list[int]]) -> torch.Tensor:
+                 outputs: list[list[int]], banned: list[list[int]] | None = None) -> torch.Tensor:
         rows = [i for i, sp in enumerate(params) if sp.penalized]
         if not rows:
             return logits
@@ -60,6 +60,8 @@ class Sampler:
             if sp.logit_bias:
                 ids = torch.tensor(list(sp.logit_bias), dtype=torch.long)
                 row[ids] += torch.tensor(list(sp.logit_bias.values()), dtype=row.dtype)
+            if banned and banned[i] and len(outputs[i]) < sp.min_tokens:
+                row[torch.tensor(banned[i], dtype=torch.long)] = float("-inf")
         return logits
 
     @staticmethod

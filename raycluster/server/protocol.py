@@ -2,7 +2,7 @@
 
 Requests enter as JSON and are validated here; `to_sampling()` turns them into the engine's
 `SamplingParams`. Extra fields beyond OpenAI's (`ttft_slo_ms`, `tpot_slo_ms`, `priority`,
-`tenant`, `app_id`, vLLM's `ignore_eos`, `min_tokens`-free) are optional. Unknown fields are
+`tenant`, `app_id`, vLLM's `ignore_eos` and `min_tokens`) are optional. Unknown fields are
 ignored, as OpenAI clients send many we do not use; but OpenAI options that would change the
 output and are not implemented (`echo`, `best_of`, `suffix`) are refused with a 400 naming the
 field unless they hold their neutral value, rather than silently ignored. `presence_penalty` /
@@ -40,6 +40,7 @@ class _GenerationFields(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False
+    min_tokens: int = Field(0, ge=0, description="vLLM's: no EOS or stop_token_ids before this many tokens")
     n: int = Field(1, ge=1, le=16, description="choices: each one its own request")
     # Scheduling hints (all optional).
     ttft_slo_ms: float | None = Field(None, gt=0)
@@ -84,7 +85,8 @@ class _GenerationFields(BaseModel):
             temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, seed=self.seed,
             stop=stop, ignore_eos=self.ignore_eos, logprobs=self.num_logprobs(),
             presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
-            repetition_penalty=self.repetition_penalty, logit_bias=dict(self.logit_bias or {}))
+            repetition_penalty=self.repetition_penalty, logit_bias=dict(self.logit_bias or {}),
+            min_tokens=self.min_tokens)
 
     def num_logprobs(self) -> int | None:
         return None

@@ -272,3 +272,16 @@ def test_n_choices_are_separate_requests_merged(server):
             if i >= 6:
                 break
     assert _all_free(aeng, timeout=10)
+
+
+def test_min_tokens_holds_eos_back(server):
+    url, aeng, tok, _ = server
+    eos = aeng.engine.eos_token_ids[0]
+    body = {"prompt": [7, 300, 9], "max_tokens": 12, "temperature": 0, "logit_bias": {str(eos): 100}}
+    early = httpx.post(f"{url}/v1/completions", json=body, timeout=30).json()
+    assert early["usage"]["completion_tokens"] == 1 and early["choices"][0]["finish_reason"] == "stop"
+    held = httpx.post(f"{url}/v1/completions", json={**body, "min_tokens": 5}, timeout=30).json()
+    assert held["usage"]["completion_tokens"] == 6 and held["choices"][0]["finish_reason"] == "stop"
+    bad = httpx.post(f"{url}/v1/completions", json={**body, "min_tokens": 13}, timeout=30)
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "min_tokens"
+    assert _all_free(aeng)
