@@ -13,11 +13,13 @@ from pathlib import Path
 
 import ray
 from fastapi import Request
+from fastapi.responses import JSONResponse
 from ray import serve
 
 from deployments import direct_ingress
 from raycluster.cluster.client import ClusterClient
 from raycluster.cluster.config import ClusterConfig
+from raycluster.server.protocol import error_body
 
 CONFIG_ENV = "RAYCLUSTER_CLUSTER_CONFIG"
 
@@ -49,7 +51,11 @@ def build_gateway_app():
 
     @app.get("/v1/cluster/status")
     async def cluster_status(request: Request):
-        status = dict(await client.refresh_status())
+        try:
+            status = dict(await client.refresh_status())
+        except Exception as e:          # the router is restarting (or gone): say so, not 500
+            return JSONResponse(error_body(f"router unavailable: {e}", None, "unavailable", "unavailable"),
+                                status_code=503, headers={"Retry-After": "1"})
         if app_name is not None:        # each replica's own port (Serve direct ingress), if on
             status["gateway_urls"] = await asyncio.to_thread(
                 direct_ingress.urls, app_name, request.url.hostname or "127.0.0.1")
