@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from raycluster.kv_transfer.base import KVHandle
+from raycluster.kv_handle import KVHandle
 
 ROLES = ("mixed", "prefill-short", "prefill-long", "decode")
 

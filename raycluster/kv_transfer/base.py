@@ -1,10 +1,10 @@
 """The KV connector interface shared by every transport, plus the pieces that need no transport.
 
-Owns: `KVHandle` (the plain dataclass the prefill side hands to the router/decode side),
-`KVConnector` (the ABC: one instance per engine process, built around that engine's KV tensor
+Owns: `KVConnector` (the ABC: one instance per engine process, built around that engine's KV tensor
 `[L, N, 2, B, Hkv, D]`), `LeaseTable` (clock-injected expiry of offers that nobody pulls),
 the exact `gather_blocks` / `scatter_blocks` helpers, and `pull_with_fallback` (the
-recompute | fail policy).
+recompute | fail policy). `KVHandle`, the plain dataclass the prefill side hands to the
+router/decode side, lives in `raycluster.kv_handle` (no torch) and is re-exported here.
 
 Data flow: the prefill engine calls `offer(request_id, block_ids, num_tokens)` and ships the
 returned handle (ints, lists, bytes, at most an ObjectRef) to the decode engine, which allocates
@@ -18,12 +18,12 @@ from __future__ import annotations
 import logging
 import time
 from abc import ABC, abstractmethod
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from raycluster.clock import WallClock
+from raycluster.kv_handle import KVHandle  # noqa: F401  (re-exported: connectors import it from here)
 
 log = logging.getLogger(__name__)
 
@@ -35,27 +35,6 @@ class KVTransferError(RuntimeError):
 class KVLayoutError(ValueError):
     """Source and destination KV tensors disagree on per-block shape/dtype or block counts.
     A configuration bug, not a transient failure: never silently recomputed."""
-
-
-@dataclass
-class KVHandle:
-    request_id: str
-    src_instance: str
-    src_block_ids: list[int]
-    num_tokens: int
-    # Per-block layout of the source: (L, 2, B, Hkv, D) and the dtype name; checked on pull.
-    block_shape: tuple[int, ...]
-    dtype: str
-    # Connector-specific, plain values only (nixl: agent name/metadata/addresses;
-    # torch_dist: the source's store host/port/nonce; object_store: the ObjectRef of the blocks).
-    extra: dict[str, Any] = field(default_factory=dict)
-
-    @property
-    def nbytes(self) -> int:
-        n = len(self.src_block_ids) * torch.tensor([], dtype=getattr(torch, self.dtype)).element_size()
-        for s in self.block_shape:
-            n *= s
-        return n
 
 
 def block_shape_of(kv_cache: torch.Tensor) -> tuple[int, ...]:
