@@ -96,9 +96,12 @@ class ClusterClient:
         return self._last_status
 
     def prometheus_text(self) -> str:
-        """Per-pool and per-instance gauges from the router's last status."""
+        """Per-pool and per-instance gauges from the router's last status, and this gateway's
+        resubmissions after router restarts."""
         s = self._last_status
-        lines = ["# TYPE raycluster_router_queue_depth gauge"]
+        lines = ["# TYPE raycluster_gateway_resubmitted_total counter",
+                 f"raycluster_gateway_resubmitted_total {self.resubmitted}",
+                 "# TYPE raycluster_router_queue_depth gauge"]
         for pool, depth in sorted(s.get("queues", {}).items()):
             lines.append(f'raycluster_router_queue_depth{{pool="{pool}"}} {depth}')
         lines.append("# TYPE raycluster_instance_kv_usage gauge")

@@ -279,4 +279,7 @@ def test_router_restart_resumes_every_stream(cluster, restart_workload):
     asyncio.run(run())
     assert ["".join(g) for g in got] == expected
     assert httpx.get(url + "/health", timeout=30).json()["resubmitted"] > 0
+    metrics = httpx.get(url + "/metrics", timeout=30).text
+    assert any(line.startswith("raycluster_gateway_resubmitted_total ") and float(line.split()[1]) > 0
+               for line in metrics.splitlines())
     _assert_drained(url, timeout=60)
