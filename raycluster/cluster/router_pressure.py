@@ -31,46 +31,39 @@ ROLE_OF = {SHORT: "prefill-short", LONG: "prefill-long"}
 
 def pressure_signals(core, now: float) -> PoolSignals:
     """The current signals of every prefill instance; updates each one's busy mark."""
+    def late(st) -> bool:               # no first token yet, past its TTFT SLO
+        r = st.req
+        return r.first_token_time is None and r.slo.ttft_s is not None and now - r.arrival_time > r.slo.ttft_s
+
     sig = PoolSignals()
-    members = {role: [i for i in core.instances.values() if i.role == role] for role in POOL_OF}
-    for role, insts in members.items():
+    for role in POOL_OF:
+        insts = [i for i in core.instances.values() if i.role == role]
         share = len(core.policies[role]) / max(1, len(insts))
-        for inst in insts:
-            s = inst.stats
-            q = s.waiting + len(inst.transit) + len(inst.outbox.work) + share
-            late = 0
-            for rid in inst.running:
-                st = core.requests.get(rid)
-                r = st.req if st is not None else None
-                if (r is not None and r.first_token_time is None and r.slo.ttft_s is not None
-                        and now - r.arrival_time > r.slo.ttft_s):
-                    late += 1
-            e = late / max(1, len(inst.running))
-            (sig.short if role == "prefill-short" else sig.long).append(
-                InstanceSignals(inst.instance_id, float(q), e, _utilization(inst, now)))
+        (sig.short if role == "prefill-short" else sig.long).extend(
+            _instance_signals(core, inst, share, now, late) for inst in insts)
     return sig
 
 
 def decode_signals(core, now: float) -> list[InstanceSignals]:
     """The current signals of every decode instance; updates each one's busy mark."""
+    default_tpot = core.cfg.slo.tpot_ms / 1e3
+
+    def behind(st) -> bool:             # its pace since the first token is slower than its TPOT SLO
+        n, t1 = len(st.delivered), st.req.first_token_time
+        return t1 is not None and n >= 2 and (now - t1) / (n - 1) > (st.req.slo.tpot_s or default_tpot)
+
     insts = [i for i in core.instances.values() if i.role == "decode"]
     share = (len(core.policies["decode"]) + len(core.front["decode"])) / max(1, len(insts))
-    default_tpot = core.cfg.slo.tpot_ms / 1e3
-    out = []
-    for inst in insts:
-        s = inst.stats
-        q = s.waiting + len(inst.transit) + len(inst.outbox.work) + share
-        behind = 0
-        for rid in inst.running:
-            st = core.requests.get(rid)
-            if st is None or st.req.first_token_time is None or len(st.delivered) < 2:
-                continue
-            pace = (now - st.req.first_token_time) / (len(st.delivered) - 1)
-            if pace > (st.req.slo.tpot_s or default_tpot):
-                behind += 1
-        out.append(InstanceSignals(inst.instance_id, float(q), behind / max(1, len(inst.running)),
-                                   _utilization(inst, now)))
-    return out
+    return [_instance_signals(core, inst, share, now, behind) for inst in insts]
+
+
+def _instance_signals(core, inst, share: float, now: float, misses) -> InstanceSignals:
+    """q (work waiting there, plus its share of the router's queue), e (the share of its requests
+    for which `misses(state)` holds) and u of one instance."""
+    s = inst.stats
+    q = s.waiting + len(inst.transit) + len(inst.outbox.work) + share
+    missed = sum(1 for rid in inst.running if (st := core.requests.get(rid)) is not None and misses(st))
+    return InstanceSignals(inst.instance_id, float(q), missed / max(1, len(inst.running)), _utilization(inst, now))
 
 
 def _utilization(inst, now: float) -> float:
