@@ -218,11 +218,13 @@ class LLMEngine:
             if step.requests:
                 sampled_reqs = step.requests
                 params = [r.sampling for r in sampled_reqs]
-                logits = self.sampler.penalize(
-                    step.logits, params, [r.prompt_token_ids for r in sampled_reqs],
-                    [r.output_token_ids for r in sampled_reqs],
-                    [[*(() if r.sampling.ignore_eos else r.eos_token_ids), *r.sampling.stop_token_ids]
-                     if r.sampling.min_tokens else [] for r in sampled_reqs])
+                logits = step.logits
+                if any(p.penalized for p in params):        # rare: keep the plain step cheap
+                    logits = self.sampler.penalize(
+                        logits, params, [r.prompt_token_ids for r in sampled_reqs],
+                        [r.output_token_ids for r in sampled_reqs],
+                        [[*(() if r.sampling.ignore_eos else r.eos_token_ids), *r.sampling.stop_token_ids]
+                         if r.sampling.min_tokens else [] for r in sampled_reqs])
                 tokens = self.sampler.sample(logits, [r.request_id for r in sampled_reqs], params)
                 rows = [i for i, r in enumerate(sampled_reqs) if r.sampling.logprobs is not None]
                 if rows:
