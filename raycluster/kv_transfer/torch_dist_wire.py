@@ -137,7 +137,8 @@ def wait_receives(works: list, *, tag: int, timeout_s: float, deadline: float,
                     raise KVTransferError(f"{what} timed out after {timeout_s}s")
                 continue
             if isinstance(item, BaseException):
-                msg = "timed out" if "imeout" in str(item) else "failed"
+                text = str(item).lower()      # gloo says "Timeout ..." or "Timed out waiting ..."
+                msg = "timed out" if "timeout" in text or "timed out" in text else "failed"
                 raise KVTransferError(f"{what} {msg} after {timeout_s}s: {item}") from item
             got += 1
             if header is not None and item == 0:
