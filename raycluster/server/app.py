@@ -257,22 +257,15 @@ async def _merged(streams: list[_Stream]) -> AsyncIterator[tuple[int, object]]:
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
-async def _one(stream: _Stream) -> AsyncIterator[tuple[int, object]]:
-    outputs = stream.outputs()
-    try:
-        async for out in outputs:
-            yield 0, out
-    finally:
-        await outputs.aclose()
-
-
 async def _sse(streams: list[_Stream], rid: str, kind: str, model: str, n_prompt: int,
                include_usage: bool) -> AsyncIterator[str]:
     obj = "text_completion" if kind == "text_completion" else "chat.completion.chunk"
     created = now_s()
-    outputs = _one(streams[0]) if len(streams) == 1 else _merged(streams)
+    single = len(streams) == 1          # one request: its outputs directly, no merging layer
+    outputs = streams[0].outputs() if single else _merged(streams)
     try:                # closing this generator must close the requests' (which aborts them)
-        async for i, out in outputs:
+        async for item in outputs:
+            i, out = (0, item) if single else item
             lp = streams[i].logprobs(kind, out.new_token_ids, out.logprobs)
             if kind == "text_completion":
                 choice = {"index": i, "text": out.new_text, "finish_reason": out.finish_reason, "logprobs": lp}
