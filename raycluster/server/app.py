@@ -172,6 +172,13 @@ def build_app(engine, tokenizer, model_name: str) -> FastAPI:
     return app
 
 
+async def _close(agen) -> None:
+    """Close an async generator even if this task is being cancelled: the close runs as its own
+    task (shielded), so a request's abort does not depend on which await the cancel hits (a
+    cancelled close would leave the generator to the garbage collector)."""
+    await asyncio.shield(asyncio.ensure_future(agen.aclose()))
+
+
 class _ClosingStreamingResponse(StreamingResponse):
     """Closes its body generator however the response ends. A client that disconnects cancels
     the send loop while the generator waits at a `yield`; nothing else closes it then, and the
@@ -181,7 +188,7 @@ class _ClosingStreamingResponse(StreamingResponse):
         try:
             await super().__call__(scope, receive, send)
         finally:
-            await self.body_iterator.aclose()
+            await _close(self.body_iterator)
 
 
 class _Stream:
@@ -218,7 +225,7 @@ class _Stream:
                     return
                 out = await self.gen.__anext__()
         finally:
-            await self.gen.aclose()     # aborts the request if it has not finished
+            await _close(self.gen)      # aborts the request if it has not finished
 
     async def collect(self, kind: str) -> tuple[str, int, str | None, dict | None]:
         parts, reason, ids, lps = [], None, [], []
@@ -275,7 +282,7 @@ async def _sse(streams: list[_Stream], rid: str, kind: str, model: str, n_prompt
             chunk = {"id": rid, "object": obj, "created": created, "model": model, "choices": [choice]}
             yield f"data: {json.dumps(chunk)}\n\n"
     finally:
-        await outputs.aclose()
+        await _close(outputs)
     if include_usage:
         n_out = sum(s.n_out for s in streams)
         usage = {"prompt_tokens": n_prompt, "completion_tokens": n_out, "total_tokens": n_prompt + n_out}
