@@ -12,6 +12,7 @@ A router restart loses this state. Each registration gives the instance a new `e
 `router_id` and a counter); the instance then drops what it held, and reports made under an
 older epoch are not applied. Gateways resubmit their requests with `resumed` set (messages.py).
 
+Dispatch's per-instance arithmetic (slots, free KV, load order) is in `router_placement.py`.
 Queues: one Policy (by name, from the scheduling library) per pool queue: "mixed",
 "prefill-short", "prefill-long", "decode". Prompts are classified short/long by the L_m boundary.
 Requests re-queued after an instance died go to a per-queue `front` deque served before the
@@ -34,6 +35,7 @@ from collections import deque
 
 from raycluster.cluster.messages import (ROLES, GatewayReply, InstanceStats, PollReply, RequestMeta,
                                          StepReport, SubmitReply, TokenEvent, WorkItem)
+from raycluster.cluster.router_placement import blocks_needed, fits, has_slot, load_key, never_fits
 from raycluster.cluster.router_pressure import PressureLoop
 from raycluster.cluster.router_state import (EpochClock, Instance, ReqState, RouterConfig, policy_request,
                                              router_status)
@@ -163,38 +165,6 @@ class RouterCore:
             self.policies[queue].push(st.req)
 
     # ---------------------------------------------------------------- dispatch
-    def _blocks(self, st: ReqState, inst: Instance) -> int:
-        bs = max(1, inst.stats.block_size)
-        return math.ceil((len(st.meta.prompt_token_ids) + len(st.delivered) + 1) / bs)
-
-    def _has_slot(self, inst: Instance) -> bool:
-        return inst.stats.waiting + len(inst.transit) + len(inst.outbox.work) < self.cfg.max_local_waiting
-
-    def _kv_free(self, inst: Instance) -> float:
-        s = inst.stats
-        pending = sum(self._blocks(self.requests[w.meta.request_id], inst) for w in inst.outbox.work
-                      if w.meta.request_id in self.requests)
-        return s.kv_free_blocks - inst.transit_sum(2) - pending - self.cfg.kv_reserve_frac * s.kv_total_blocks
-
-    def _fits(self, st: ReqState, inst: Instance) -> bool:
-        if inst.stats.kv_total_blocks <= 0:
-            return True     # instance reported no KV figures yet: trust its own admission
-        return self._kv_free(inst) >= self._blocks(st, inst)
-
-    def _never_fits(self, st: ReqState, inst: Instance) -> bool:
-        total = inst.stats.kv_total_blocks * (1 - self.cfg.kv_reserve_frac)
-        return 0 < total < self._blocks(st, inst)
-
-    def _load(self, inst: Instance) -> tuple:
-        """Least-loaded first: prefill tokens ahead of a new request (reported backlog + sent,
-        not yet seen), then queued requests, running ones, free KV. Tokens lead because a short
-        prompt placed behind one 40K-token prompt waits far longer than behind three short ones."""
-        s = inst.stats
-        pend_tok = sum(len(w.meta.prompt_token_ids) for w in inst.outbox.work)
-        return (s.queued_tokens + inst.transit_sum(3) + pend_tok,
-                s.waiting + len(inst.transit) + len(inst.outbox.work), s.running, -self._kv_free(inst),
-                inst.instance_id)
-
     def _pop(self, queue: str) -> ReqState | None:
         fr = self.front[queue]
         while fr:
@@ -213,7 +183,7 @@ class RouterCore:
     def dispatch(self) -> int:
         """Hand queued work to instances with a free local slot and enough KV; returns the
         number of items placed. Order within a queue is the policy's (front deque first)."""
-        placed = 0
+        placed, reserve = 0, self.cfg.kv_reserve_frac
         if (self.front["decode"] or len(self.policies["decode"])) and not self._alive("decode"):
             self._dissolve_decode_queue()
         for queue in QUEUES:
@@ -221,21 +191,21 @@ class RouterCore:
                 continue                        # nothing queued (the common case per report)
             roles = self._serving_roles(queue)
             while roles and (self.front[queue] or len(self.policies[queue])):
-                cands = [i for i in self._alive(*roles) if self._has_slot(i)]
+                cands = [i for i in self._alive(*roles) if has_slot(i, self.cfg.max_local_waiting)]
                 if not cands:
                     break
                 from_front = bool(self.front[queue])
                 st = self._pop(queue)
                 if st is None:
                     break
-                fit = [i for i in cands if self._fits(st, i)]
+                fit = [i for i in cands if fits(st, i, self.requests, reserve)]
                 if not fit:
-                    if all(self._never_fits(st, i) for i in self._alive(*roles)):
+                    if all(never_fits(st, i, reserve) for i in self._alive(*roles)):
                         self._fail(st, "prompt does not fit in any instance's KV cache")
                         continue
                     self._push_back(st, queue, from_front)   # head of line waits for KV: order kept
                     break
-                self._assign(st, min(fit, key=self._load))
+                self._assign(st, min(fit, key=lambda i: load_key(i, self.requests, reserve)))
                 placed += 1
         return placed
 
@@ -277,7 +247,7 @@ class RouterCore:
         for w in reply.work:
             st = self.requests.get(w.meta.request_id)
             inst.sent += 1
-            inst.transit[w.meta.request_id] = (inst.stats.steps, now, self._blocks(st, inst) if st else 0,
+            inst.transit[w.meta.request_id] = (inst.stats.steps, now, blocks_needed(st, inst) if st else 0,
                                                len(w.meta.prompt_token_ids))
         return reply
 
