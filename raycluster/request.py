@@ -106,6 +106,7 @@ class Request:
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0    # tokens whose KV is in the cache
     num_preemptions: int = 0
+    num_cached_tokens: int = 0      # prompt tokens whose KV came from the prefix cache
     first_token_time: float | None = None
     finish_time: float | None = None
 

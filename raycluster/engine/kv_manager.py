@@ -88,6 +88,8 @@ class BlockAllocator:
 
 
 class KVCacheManager:
+    prefix_caching = False      # PrefixCachingKVManager (prefix_cache.py) finds shared prefixes
+
     def __init__(self, num_blocks: int, block_size: int, allocator=None) -> None:
         """`allocator`: a `BlockAllocator`-like pool (e.g. the KVP ranks' striped one);
         default a single pool of `num_blocks`."""

@@ -71,6 +71,29 @@ class _StepAllocator:
         return True
 
 
+class _PrefixMatchingQueue:
+    """The policy as the packer sees it with prefix caching on: a request popped for its first
+    chunk first takes the cached blocks of its prefix (ones registered while it waited), so the
+    packer sizes its chunk over what is left. The policy hears of them as progress."""
+
+    def __init__(self, sched: "Scheduler") -> None:
+        self.sched = sched
+
+    def pop(self) -> Request | None:
+        req = self.sched.policy.pop()
+        if req is not None:
+            hit = self.sched._take_cached_prefix(req)
+            if hit:
+                self.sched.policy.on_progress(req, hit)
+        return req
+
+    def push(self, req: Request) -> None:
+        self.sched.policy.push(req)
+
+    def __len__(self) -> int:
+        return len(self.sched.policy)
+
+
 class Scheduler:
     def __init__(self, config: SchedulerConfig, kv: KVCacheManager, policy: Policy, packer: Packer,
                  clock: Clock, decode_selector: DecodeSelector | None = None) -> None:
@@ -97,6 +120,9 @@ class Scheduler:
         req.status = RequestStatus.WAITING
         self.requests[req.request_id] = req
         self.prefill_backlog += req.num_tokens - req.num_computed_tokens
+        if self.kv.prefix_caching:
+            # A prefix cached already: the policy orders it by the shorter remainder.
+            self._take_cached_prefix(req)
         self.policy.push(req)
 
     def abort(self, request_id: str) -> Request | None:
@@ -170,13 +196,16 @@ class Scheduler:
             elif self._allocate_decode(req, selected, alloc, out):
                 decodes.append(req)
         limits = PackLimits(self.config.max_num_batched_tokens, self.config.max_num_seqs)
-        out.prefills = self.packer.plan(out.decodes, self.policy, limits, alloc)
+        queue = _PrefixMatchingQueue(self) if self.kv.prefix_caching else self.policy
+        out.prefills = self.packer.plan(out.decodes, queue, limits, alloc)
         return out
 
     def update(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
         """Advance requests by the step `out` that ran; `sampled` maps request id -> new token for
         every request whose known tokens are now all computed. Returns finished requests."""
         now = self.clock.now()
+        if self.kv.prefix_caching:
+            self._cache_blocks(out)
         finished = self._advance_prefills(out.prefills, sampled, now)
         # Decodes: `_append` and `_stop_status` inlined (same order of effects); this loop runs
         # once per decoding request per step.
@@ -205,6 +234,31 @@ class Scheduler:
             self._finish(req, status)
             finished.append(req)
         return finished
+
+    def _take_cached_prefix(self, req: Request) -> int:
+        """Give a request that holds no KV yet the cached blocks of its prefix; it holds them
+        from now on and prefills the rest. Like any queued holder it can lose them to a more
+        urgent request's allocation, and then recomputes from scratch. Returns the tokens."""
+        if req.num_computed_tokens or req.request_id in self.kv.block_tables:
+            return 0
+        hit = self.kv.match_prefix(req)
+        if hit:
+            req.num_computed_tokens = req.num_cached_tokens = hit
+            req.status = RequestStatus.RUNNING
+            self._holders[req.request_id] = req
+            self.prefill_backlog -= hit
+        return hit
+
+    def _cache_blocks(self, out: SchedulerOutput) -> None:
+        """Register the blocks the step `out` filled, before `update` lets requests finish and
+        free them, so a finished request's prefix stays findable."""
+        kv, bs = self.kv, self.kv.block_size
+        for req, n in out.prefills:
+            if not req.status.finished:
+                kv.cache_full_blocks(req, req.num_computed_tokens + n)
+        for req in out.decodes:
+            if not req.status.finished and (req.num_computed_tokens + 1) % bs == 0:
+                kv.cache_full_blocks(req, req.num_computed_tokens + 1)
 
     def _advance_prefills(self, prefills: list[tuple[Request, int]], sampled: dict[str, int],
                           now: float) -> list[Request]:

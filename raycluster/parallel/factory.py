@@ -9,6 +9,7 @@ import torch
 from raycluster.engine.config import EngineConfig
 from raycluster.engine.kv_manager import KVCacheManager
 from raycluster.engine.model_runner import ModelRunner
+from raycluster.engine.prefix_cache import PrefixCachingKVManager
 from raycluster.parallel.group import Collective, GroupAddress, ThreadRanks, free_port
 
 
@@ -29,8 +30,9 @@ def build_runner(config: EngineConfig, model, dtype: torch.dtype, model_path: st
     """The engine's runner; for a group, start its other ranks (Ray actors need `model_path`
     and take `num_cpus` and `num_gpus` each), join them, and return the leader."""
     blocks = config.kv_cache_tokens // config.block_size
+    kv_manager = PrefixCachingKVManager if config.enable_prefix_caching else KVCacheManager
     if config.kvp == 1 and config.spp == 1:
-        return ModelRunner(model, KVCacheManager(blocks, config.block_size), dtype, config.device)
+        return ModelRunner(model, kv_manager(blocks, config.block_size), dtype, config.device)
     kind, world = ("kvp", config.kvp) if config.kvp > 1 else ("spp", config.spp)
     if kind == "spp" and config.spp > model.config.num_hidden_layers:
         raise ValueError(f"spp: {config.spp} stages for {model.config.num_hidden_layers} layers")
@@ -45,5 +47,5 @@ def build_runner(config: EngineConfig, model, dtype: torch.dtype, model_path: st
         from raycluster.parallel.kvp import KVPRunner
         return KVPRunner(model, coll, world, blocks, config.block_size, dtype, config.device, ranks=ranks)
     from raycluster.parallel.spp import SPPRunner
-    return SPPRunner(model, KVCacheManager(blocks, config.block_size), coll, world, dtype, config.device,
+    return SPPRunner(model, kv_manager(blocks, config.block_size), coll, world, dtype, config.device,
                      config.spp_micro_tokens, ranks=ranks)

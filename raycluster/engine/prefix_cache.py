@@ -1,0 +1,195 @@
+"""Automatic prefix caching: full KV blocks found again by the tokens they hold.
+
+A full block's key chains SHA-256 over every token up to its end (vLLM's scheme:
+key_i = H(key_{i-1} || tokens of block i)), so equal keys mean equal token prefixes at equal
+positions, hence equal KV. `PrefixCachingAllocator` has `BlockAllocator`'s interface; a block
+whose last reference goes away keeps its key and joins the free pool, which is an LRU (least
+recently freed is handed out, and loses its key, first). So a freed prefix stays findable until
+its blocks are needed for something else, and cached blocks never reduce the free count.
+
+`PrefixCachingKVManager` is the `KVCacheManager` on top: the scheduler asks it for a new
+request's cached prefix (`match_prefix`: shares those blocks, returns the tokens they cover) and
+tells it after every step which requests computed more tokens (`cache_full_blocks`: registers
+the blocks that became full). Hits are counted in tokens, as vLLM's prefix-cache metrics are.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from array import array
+from collections import OrderedDict
+
+from raycluster.engine.kv_manager import KVCacheManager, OutOfBlocks
+from raycluster.request import Request
+
+
+def block_key(parent: bytes, tokens: list[int]) -> bytes:
+    """The key of a full block holding `tokens`, after the block whose key is `parent`
+    (b"" for the first block)."""
+    return hashlib.sha256(parent + array("q", tokens).tobytes()).digest()
+
+
+class PrefixCachingAllocator:
+    def __init__(self, num_blocks: int) -> None:
+        if num_blocks <= 0:
+            raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
+        self.num_blocks = num_blocks
+        self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        self._refs = [0] * num_blocks
+        self._key_of: dict[int, bytes] = {}
+        self._block_of: dict[bytes, int] = {}
+
+    # ---- BlockAllocator's interface ----------------------------------------------------------
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    @property
+    def num_used(self) -> int:
+        return self.num_blocks - len(self._free)
+
+    @property
+    def num_cached(self) -> int:
+        """Blocks holding a findable prefix (in use or free)."""
+        return len(self._key_of)
+
+    def can_allocate(self, n: int, first_index: int = 0) -> bool:
+        return n <= len(self._free)
+
+    def free_blocks(self) -> list[int]:
+        return list(self._free)
+
+    def allocate(self, n: int, first_index: int = 0) -> list[int]:
+        if n > len(self._free):
+            raise OutOfBlocks(f"need {n} blocks, {len(self._free)} free")
+        blocks = []
+        for _ in range(n):
+            b, _ = self._free.popitem(last=False)
+            key = self._key_of.pop(b, None)
+            if key is not None:             # evicted: its prefix is gone
+                del self._block_of[key]
+            self._refs[b] = 1
+            blocks.append(b)
+        return blocks
+
+    def incref(self, block: int) -> None:
+        if self._refs[block] <= 0:
+            raise ValueError(f"block {block} is free; cannot share it")
+        self._refs[block] += 1
+
+    def free(self, block: int) -> None:
+        if self._refs[block] <= 0:
+            raise ValueError(f"double free of block {block}")
+        self._refs[block] -= 1
+        if self._refs[block] == 0:
+            self._free[block] = None
+
+    def free_all(self, blocks) -> None:
+        """Free a table's blocks last to first, so that under pressure a freed prefix loses its
+        tail before its head (the head is what other prompts are likeliest to share)."""
+        for b in reversed(list(blocks)):
+            self.free(b)
+
+    def refcount(self, block: int) -> int:
+        return self._refs[block]
+
+    def alias_table(self, num_blocks: int, offset: int) -> list[int]:
+        """A synthetic table (blocks may be shared with other synthetic tables) for profiling."""
+        return [(offset + i) % self.num_blocks for i in range(num_blocks)]
+
+    # ---- the cache -----------------------------------------------------------------------------
+    def lookup(self, key: bytes) -> int | None:
+        return self._block_of.get(key)
+
+    def take(self, block: int) -> None:
+        """One more reference to a cached block, reviving it from the free pool if needed."""
+        if self._refs[block] == 0:
+            del self._free[block]
+        self._refs[block] += 1
+
+    def register(self, block: int, key: bytes) -> None:
+        """Make a full, computed block findable. A prefix cached already keeps its first block
+        (the duplicate is freed as a plain block later)."""
+        if key not in self._block_of and block not in self._key_of:
+            self._block_of[key] = block
+            self._key_of[block] = key
+
+    def check_keys(self) -> None:
+        assert len(self._key_of) == len(self._block_of), "key maps differ in size"
+        for b, k in self._key_of.items():
+            assert self._block_of.get(k) == b, f"block {b}: its key maps to {self._block_of.get(k)}"
+
+
+class PrefixCachingKVManager(KVCacheManager):
+    prefix_caching = True
+
+    def __init__(self, num_blocks: int, block_size: int) -> None:
+        super().__init__(num_blocks, block_size, PrefixCachingAllocator(num_blocks))
+        self._keys: dict[str, list[bytes]] = {}     # per request: keys of its leading full blocks
+        self.query_tokens = 0       # known tokens of requests looked up
+        self.hit_tokens = 0         # of those, found cached
+
+    def match_prefix(self, req: Request) -> int:
+        """Share the blocks of the longest cached prefix of `req`'s known tokens with it and
+        return the tokens they cover (a multiple of the block size). The last known token is
+        never matched: its logits are what the request needs next."""
+        rid = req.request_id
+        if rid in self.block_tables:
+            return 0
+        tokens, bs, a = req.all_token_ids, self.block_size, self.allocator
+        keys: list[bytes] = []
+        blocks: list[int] = []
+        parent = b""
+        for i in range((len(tokens) - 1) // bs):
+            key = block_key(parent, tokens[i * bs:(i + 1) * bs])
+            block = a.lookup(key)
+            if block is None:
+                break
+            keys.append(key)
+            blocks.append(block)
+            parent = key
+        self.query_tokens += len(tokens)
+        self.hit_tokens += len(blocks) * bs
+        if not blocks:
+            return 0
+        for b in blocks:
+            a.take(b)
+        self.block_tables[rid] = blocks
+        self._keys[rid] = keys
+        return len(blocks) * bs
+
+    def cache_full_blocks(self, req: Request, num_computed_tokens: int) -> None:
+        """Register `req`'s blocks that are full and computed (its first `num_computed_tokens`
+        tokens have KV) and not registered yet."""
+        table = self.block_tables.get(req.request_id)
+        if not table:
+            return
+        keys = self._keys.setdefault(req.request_id, [])
+        bs = self.block_size
+        n_full = min(num_computed_tokens // bs, len(table))
+        if len(keys) >= n_full:
+            return
+        tokens, a = req.all_token_ids, self.allocator
+        parent = keys[-1] if keys else b""
+        for i in range(len(keys), n_full):
+            parent = block_key(parent, tokens[i * bs:(i + 1) * bs])
+            a.register(table[i], parent)
+            keys.append(parent)
+
+    def hit_rate(self) -> float:
+        return self.hit_tokens / self.query_tokens if self.query_tokens else 0.0
+
+    def free(self, request_id: str) -> None:
+        self._keys.pop(request_id, None)
+        super().free(request_id)
+
+    def fork(self, src_id: str, dst_id: str) -> None:
+        super().fork(src_id, dst_id)
+        self._keys[dst_id] = list(self._keys.get(src_id, ()))
+
+    def check(self) -> None:
+        super().check()
+        self.allocator.check_keys()
+        for rid, keys in self._keys.items():
+            table = self.block_tables.get(rid, [])
+            assert len(keys) <= len(table), f"{rid}: {len(keys)} keys for {len(table)} blocks"
