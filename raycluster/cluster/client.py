@@ -17,6 +17,7 @@ finish once tokens were sent).
 from __future__ import annotations
 
 import asyncio
+import copy
 import dataclasses
 import itertools
 import logging
@@ -125,13 +126,10 @@ class ClusterClient:
                        app_id: str | None = None) -> AsyncIterator[RequestOutput]:
         validate_request(prompt_token_ids, sampling, self.max_model_len, self.vocab_size)
         slo = slo or SLO()
-        meta = RequestMeta(request_id, self.gateway_id, list(prompt_token_ids), sampling.max_tokens,
-                           sampling.temperature, sampling.top_p, sampling.top_k, sampling.seed,
-                           list(sampling.stop_token_ids), sampling.ignore_eos, slo.ttft_s, slo.tpot_s,
-                           priority, tenant, app_id, time.time(), logprobs=sampling.logprobs,
-                           presence_penalty=sampling.presence_penalty, frequency_penalty=sampling.frequency_penalty,
-                           repetition_penalty=sampling.repetition_penalty, logit_bias=dict(sampling.logit_bias),
-                           min_tokens=sampling.min_tokens)
+        # The meta gets its own copy: the caller may reuse its object (n choices share one).
+        meta = RequestMeta(request_id, self.gateway_id, list(prompt_token_ids), copy.deepcopy(sampling),
+                           ttft_slo_s=slo.ttft_s, tpot_slo_s=slo.tpot_s, priority=priority, tenant=tenant,
+                           app_id=app_id, arrival_time=time.time())
         self._ensure_pulling()
         q: asyncio.Queue = asyncio.Queue()
         live, out_ids, done = request_id, [], False

@@ -23,24 +23,16 @@ import threading
 import time
 from typing import Callable
 
-from raycluster.cluster.messages import (InstanceStats, PollReply, PrefillDone, RequestMeta, StepReport,
-                                         TokenEvent, WorkItem)
+from raycluster.cluster.messages import (InstanceStats, PollReply, PrefillDone, StepReport, TokenEvent,
+                                         WorkItem)
 from raycluster.engine.engine import LLMEngine
 from raycluster.kv_transfer.base import KVConnector, pull_with_fallback
-from raycluster.request import SLO, SamplingParams
+from raycluster.request import SLO
 
 log = logging.getLogger(__name__)
 
 PollFn = Callable[[str, InstanceStats, float], PollReply]
 PushFn = Callable[[StepReport], None]
-
-
-def sampling_of(meta: RequestMeta) -> SamplingParams:
-    return SamplingParams(max_tokens=meta.max_tokens, temperature=meta.temperature, top_p=meta.top_p,
-                          top_k=meta.top_k, seed=meta.seed, stop_token_ids=list(meta.stop_token_ids),
-                          ignore_eos=meta.ignore_eos, logprobs=meta.logprobs, presence_penalty=meta.presence_penalty,
-                          frequency_penalty=meta.frequency_penalty, repetition_penalty=meta.repetition_penalty,
-                          logit_bias=dict(meta.logit_bias), min_tokens=meta.min_tokens)
 
 
 class InstanceWorker:
@@ -151,7 +143,7 @@ class InstanceWorker:
                 self._pending.append(TokenEvent(item.meta.request_id, [], True, "error", str(e)))
 
     def _admit(self, item: WorkItem) -> None:
-        m = item.meta
+        m = item.meta       # the engine gets m.sampling itself: it never writes a request's SamplingParams
         kwargs = dict(slo=SLO(m.ttft_slo_s, m.tpot_slo_s), priority=m.priority, tenant=m.tenant,
                       app_id=m.app_id, arrival_time=self.engine.clock.now() - max(0.0, time.time() - m.arrival_time))
         if item.mode == "decode" and item.kv is not None and item.kv.src_instance == self.instance_id \
@@ -164,12 +156,12 @@ class InstanceWorker:
             if item.first_token_time is not None:     # router epoch time -> this engine's clock
                 kwargs["first_token_time"] = self.engine.clock.now() - max(0.0, time.time() - item.first_token_time)
             self.engine.add_prefilled(
-                m.request_id, m.prompt_token_ids, item.output_token_ids, sampling_of(m),
+                m.request_id, m.prompt_token_ids, item.output_token_ids, m.sampling,
                 lambda dst: self.port.receive(dst, lambda ids: pull_with_fallback(
                     self.connector, handle, ids, self.transfer_timeout_s, self.on_transfer_failure)), **kwargs)
             self._admitted.append(m.request_id)
         else:
-            self.engine.add_request(m.request_id, m.prompt_token_ids, sampling_of(m),
+            self.engine.add_request(m.request_id, m.prompt_token_ids, m.sampling,
                                     prefill_only=item.mode == "prefill",
                                     output_token_ids=item.output_token_ids or None, **kwargs)
             if item.mode == "decode":        # no KV handle: recompute here

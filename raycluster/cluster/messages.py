@@ -1,7 +1,8 @@
 """Messages between the cluster's actors: gateway <-> router <-> engine instances.
 
-Plain dataclasses of ints, strings, lists and `KVHandle`s (no behaviour), so they pickle cheaply
-through Ray calls. Times that cross processes are wall-clock `time.time()` seconds.
+Plain dataclasses of ints, strings, lists, dicts, `KVHandle`s and `SamplingParams` (no behaviour
+beyond its validation), so they pickle cheaply through Ray calls. Times that cross processes are
+wall-clock `time.time()` seconds.
 
 Flow (one request):
   gateway --submit(RequestMeta)--> router            (admission answer: SubmitReply)
@@ -22,6 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from raycluster.kv_handle import KVHandle
+from raycluster.request import SamplingParams
 
 ROLES = ("mixed", "prefill-short", "prefill-long", "decode")
 
@@ -32,25 +34,16 @@ class RequestMeta:
     request_id: str
     gateway_id: str
     prompt_token_ids: list[int]
-    max_tokens: int
-    temperature: float = 0.0
-    top_p: float = 1.0
-    top_k: int = 0
-    seed: int | None = None
-    stop_token_ids: list[int] = field(default_factory=list)
-    ignore_eos: bool = False
+    # Every sampling option, as the gateway validated it. The meta owns this object: the gateway
+    # puts its own copy here, and nothing writes to it afterwards (the router's policy `Request`
+    # and the engine's `Request` read it, in-process or as Ray's unpickled copy).
+    sampling: SamplingParams = field(default_factory=SamplingParams)
     ttft_slo_s: float | None = None
     tpot_slo_s: float | None = None
     priority: int = 0
     tenant: str = "default"
     app_id: str | None = None
     arrival_time: float = 0.0          # time.time() at the gateway
-    logprobs: int | None = None        # report per-token log-probabilities (and this many top ones)
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0
-    logit_bias: dict[int, float] = field(default_factory=dict)
-    min_tokens: int = 0
     # Resubmitted after a router restart: tokens the client already has (the request resumes
     # after them) and no admission bound (it was admitted once).
     output_token_ids: list[int] = field(default_factory=list)

@@ -390,9 +390,10 @@ class RouterCore:
     def _prefill_done(self, st: ReqState, inst: Instance, first: int, kv, logprobs=None) -> None:
         rid = st.meta.request_id
         inst.running.discard(rid)
-        done = (len(st.delivered) + 1 >= st.meta.max_tokens
-                or (first in st.meta.stop_token_ids and not st.meta.ignore_eos))
-        reason = "length" if len(st.delivered) + 1 >= st.meta.max_tokens else "stop"
+        sp = st.meta.sampling
+        done = (len(st.delivered) + 1 >= sp.max_tokens
+                or (first in sp.stop_token_ids and not sp.ignore_eos))
+        reason = "length" if len(st.delivered) + 1 >= sp.max_tokens else "stop"
         if done:
             if kv is not None:
                 inst.outbox.releases.append(rid)

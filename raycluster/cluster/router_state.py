@@ -6,7 +6,7 @@ import time
 from dataclasses import dataclass, field
 
 from raycluster.cluster.messages import InstanceStats, PollReply, RequestMeta
-from raycluster.request import SLO, Request, SamplingParams
+from raycluster.request import SLO, Request
 from raycluster.sched.base import SLOConfig
 from raycluster.sched.pressure import PressureConfig
 
@@ -91,9 +91,7 @@ def policy_request(meta: RequestMeta, now: float) -> Request:
     """The `Request` the router's policies order for a submitted request."""
     return Request(
         request_id=meta.request_id, prompt_token_ids=list(meta.prompt_token_ids),
-        sampling=SamplingParams(max_tokens=meta.max_tokens, temperature=meta.temperature, top_p=meta.top_p,
-                                top_k=meta.top_k, seed=meta.seed, stop_token_ids=list(meta.stop_token_ids),
-                                ignore_eos=meta.ignore_eos),
+        sampling=meta.sampling,       # read-only here (RequestMeta owns it)
         arrival_time=meta.arrival_time or now, slo=SLO(ttft_s=meta.ttft_slo_s, tpot_s=meta.tpot_slo_s),
         priority=meta.priority, tenant=meta.tenant, app_id=meta.app_id)
 

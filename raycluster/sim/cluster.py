@@ -21,6 +21,7 @@ from loadgen.metrics import RequestRecord
 from loadgen.workloads import Workload, WorkloadRequest
 from raycluster.cluster.messages import RequestMeta, StepReport, WorkItem
 from raycluster.cluster.router_core import RouterConfig, RouterCore
+from raycluster.request import SamplingParams
 from raycluster.sched.base import SLOConfig
 from raycluster.sched.predictor import LinearBatchPredictor
 from raycluster.sim.engine import EventLoop
@@ -170,7 +171,7 @@ class SimCluster:
         rec.arrival_s = rec.send_s = now - self.spec.dispatch_latency_s if r.depends_on else r.arrival_s
         rec.status = "sent"
         meta = RequestMeta(request_id=rid, gateway_id=GATEWAY, prompt_token_ids=[PROMPT_TOKEN] * r.prompt_tokens,
-                           max_tokens=r.output_tokens, ignore_eos=True,
+                           sampling=SamplingParams(max_tokens=r.output_tokens, ignore_eos=True),
                            ttft_slo_s=r.ttft_slo_ms / 1000.0 if r.ttft_slo_ms is not None else None,
                            tpot_slo_s=r.tpot_slo_ms / 1000.0 if r.tpot_slo_ms is not None else None,
                            priority=r.priority, tenant=r.tenant, app_id=r.app_id, arrival_time=now)

@@ -44,7 +44,7 @@ from typing import TYPE_CHECKING
 from raycluster.cluster.messages import InstanceStats, PollReply, PrefillDone, StepReport, TokenEvent, WorkItem
 from raycluster.engine.kv_manager import KVCacheManager
 from raycluster.engine.sched_factory import build_scheduler
-from raycluster.request import SLO, Request, RequestStatus, SamplingParams
+from raycluster.request import SLO, Request, RequestStatus
 from raycluster.sched.base import AllDecodes
 from raycluster.sim.fastpath import GroupView, make_fast
 
@@ -113,11 +113,10 @@ class SimInstance:
     def _request(self, item: WorkItem, prefill_only: bool = False) -> Request:
         m = item.meta
         return Request(request_id=m.request_id, prompt_token_ids=m.prompt_token_ids,
-                       sampling=SamplingParams(max_tokens=m.max_tokens, ignore_eos=m.ignore_eos,
-                                               stop_token_ids=list(m.stop_token_ids)),
+                       sampling=m.sampling,
                        arrival_time=m.arrival_time, slo=SLO(m.ttft_slo_s, m.tpot_slo_s),
                        priority=m.priority, tenant=m.tenant, app_id=m.app_id,
-                       expected_output_tokens=m.max_tokens, prefill_only=prefill_only,
+                       expected_output_tokens=m.sampling.max_tokens, prefill_only=prefill_only,
                        output_token_ids=list(item.output_token_ids))
 
     def _admit(self, item: WorkItem) -> None:

@@ -11,6 +11,7 @@ import ray
 from raycluster.cluster.messages import InstanceStats, RequestMeta, StepReport, TokenEvent
 from raycluster.cluster.router_actor import RouterActor, get_or_create_router
 from raycluster.cluster.router_core import RouterConfig
+from raycluster.request import SamplingParams
 
 pytestmark = pytest.mark.ray
 
@@ -22,7 +23,7 @@ def stats(iid, waiting=0, running=0):
 
 def meta(rid, gw, max_tokens):
     return RequestMeta(request_id=rid, gateway_id=gw, prompt_token_ids=[1, 2, 3],
-                       max_tokens=max_tokens, arrival_time=time.time())
+                       sampling=SamplingParams(max_tokens=max_tokens), arrival_time=time.time())
 
 
 def test_long_poll_times_out_then_wakes_on_work(ray_cluster):
@@ -51,7 +52,7 @@ async def fake_instance(router, iid, stop):
         reply = await router.poll.remote(iid, stats(iid, running=len(running)),
                                          0.0 if running else 0.2)
         for w in reply.work:
-            running[w.meta.request_id] = [w.meta.max_tokens, len(w.output_token_ids)]
+            running[w.meta.request_id] = [w.meta.sampling.max_tokens, len(w.output_token_ids)]
         for rid in reply.aborts:
             running.pop(rid, None)
         if not running:

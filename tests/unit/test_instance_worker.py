@@ -16,6 +16,7 @@ from raycluster.engine.config import EngineConfig
 from raycluster.engine.engine import LLMEngine
 from raycluster.kv_transfer.base import KVConnector, KVHandle
 from raycluster.model.loader import load_model
+from raycluster.request import SamplingParams
 
 
 @pytest.fixture(scope="module")
@@ -30,8 +31,8 @@ def _worker(model, connector=None) -> InstanceWorker:
 
 
 def _meta(rid: str, n: int) -> RequestMeta:
-    return RequestMeta(request_id=rid, gateway_id="g", prompt_token_ids=[7] * n, max_tokens=4,
-                       arrival_time=time.time(), ignore_eos=True)
+    return RequestMeta(request_id=rid, gateway_id="g", prompt_token_ids=[7] * n,
+                       sampling=SamplingParams(max_tokens=4, ignore_eos=True), arrival_time=time.time())
 
 
 def test_stats_report_prefill_backlog_in_tokens(model):
@@ -105,15 +106,13 @@ class _NoPull(KVConnector):
 
 
 def test_moved_to_decode_adopts_its_own_parked_kv(model):
-    from raycluster.request import SamplingParams
-
     sp = SamplingParams(max_tokens=12, ignore_eos=True)
     prompt = [11 + i % 40 for i in range(70)]
     want = LLMEngine(EngineConfig(policy="fcfs", packer="token", kv_cache_tokens=4096, chunk_size=32),
                      model).generate([prompt], sp)[0]
     w = _worker(model)
     w.connector = _NoPull(w.engine.runner.kv_cache, "i0", lease_s=30.0)
-    meta = RequestMeta(request_id="a", gateway_id="g", prompt_token_ids=prompt, max_tokens=12, ignore_eos=True)
+    meta = RequestMeta(request_id="a", gateway_id="g", prompt_token_ids=prompt, sampling=sp)
     w._apply(PollReply(work=[WorkItem(meta, mode="prefill")]))
     while not w.engine.scheduler.parked:
         w._step()

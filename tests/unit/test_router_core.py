@@ -8,6 +8,7 @@ from raycluster.clock import VirtualClock
 from raycluster.cluster.messages import (InstanceStats, PrefillDone, RequestMeta, StepReport,
                                          TokenEvent)
 from raycluster.cluster.router_core import RouterConfig, RouterCore
+from raycluster.request import SamplingParams
 
 
 def stats(iid, role="mixed", waiting=0, running=0, free=1000, total=1000, bs=16, steps=0, queued_tokens=0):
@@ -18,7 +19,7 @@ def stats(iid, role="mixed", waiting=0, running=0, free=1000, total=1000, bs=16,
 
 def meta(rid, n=10, gw="g1", max_tokens=3, ttft=None, arrival=0.0, **kw):
     return RequestMeta(request_id=rid, gateway_id=gw, prompt_token_ids=list(range(1, n + 1)),
-                       max_tokens=max_tokens, ttft_slo_s=ttft, arrival_time=arrival, **kw)
+                       sampling=SamplingParams(max_tokens=max_tokens), ttft_slo_s=ttft, arrival_time=arrival, **kw)
 
 
 def make(clock=None, **cfg):

@@ -11,6 +11,7 @@ from raycluster.cluster.messages import InstanceStats, PrefillDone, StepReport, 
 from raycluster.kv_transfer.base import KVHandle
 from raycluster.cluster.router_core import RouterConfig, RouterCore
 from raycluster.cluster.router_pressure import decode_signals, pressure_signals
+from raycluster.request import SamplingParams
 from raycluster.sched.pressure import PressureConfig
 
 
@@ -27,7 +28,7 @@ def make(clock, **cfg):
 
     def submit(rid, n, ttft=None):
         m = RequestMeta(request_id=rid, gateway_id="g", prompt_token_ids=list(range(1, n + 1)),
-                        max_tokens=2, ttft_slo_s=ttft, arrival_time=clock.now())
+                        sampling=SamplingParams(max_tokens=2), ttft_slo_s=ttft, arrival_time=clock.now())
         assert core.submit(m).accepted
     return core, submit
 
@@ -100,7 +101,7 @@ def test_decode_balancing_moves_instances_both_ways():
         core.on_poll(iid, stats(iid, role))
     core.on_poll("d0", stats("d0", "decode", waiting=2))              # full: handoffs queue up
     for k in range(4):
-        core.submit(RequestMeta(f"r{k}", "g", [5] * 20, max_tokens=8, arrival_time=0.0))
+        core.submit(RequestMeta(f"r{k}", "g", [5] * 20, SamplingParams(max_tokens=8), arrival_time=0.0))
     for _ in range(2):                                               # s0 prefills 2 at a time
         done = [PrefillDone(w.meta.request_id, 7, KVHandle(w.meta.request_id, "s0", [0, 1], 20, (), "float32"))
                 for w in core.on_poll("s0", stats("s0", "prefill-short")).work]
@@ -122,7 +123,7 @@ def test_decode_balancing_moves_instances_both_ways():
                                   events=[TokenEvent(w.meta.request_id, [9] * 7, True, "length") for w in items]))
     assert core.inflight() == 0 and sorted(core.take_outbox("s0").releases) == [f"r{k}" for k in range(4)]
     for k in range(6):
-        core.submit(RequestMeta(f"n{k}", "g", [5] * 20, max_tokens=8, arrival_time=0.0))
+        core.submit(RequestMeta(f"n{k}", "g", [5] * 20, SamplingParams(max_tokens=8), arrival_time=0.0))
     clock.advance(1.0)
     assert core.pressure.step(core, clock.now()) == [
         {"t": 1.0, "instance": "d0", "from": "decode", "to": "prefill-short"}]

@@ -36,7 +36,8 @@ def _stats(iid: str, work_seen: int | None = None, waiting: int = 0) -> Instance
 
 
 def _meta(rid: str, max_tokens: int = 4, **kw) -> RequestMeta:
-    return RequestMeta(request_id=rid, gateway_id="g", prompt_token_ids=[5, 6, 7], max_tokens=max_tokens, **kw)
+    return RequestMeta(request_id=rid, gateway_id="g", prompt_token_ids=[5, 6, 7],
+                       sampling=SamplingParams(max_tokens=max_tokens), **kw)
 
 
 def test_each_registration_has_its_own_epoch_and_older_reports_are_ignored():
@@ -101,14 +102,14 @@ def _engine(model) -> LLMEngine:
 def test_new_epoch_drops_everything_the_instance_holds(model):
     reports: list[StepReport] = []
     w = InstanceWorker(_engine(model), "mixed", "i0", poll_fn=lambda *a: PollReply(), push_fn=reports.append)
-    items = [WorkItem(RequestMeta(f"r{i}", "g", [9] * (40 + 30 * i), max_tokens=50, ignore_eos=True))
-             for i in range(3)]
+    items = [WorkItem(RequestMeta(f"r{i}", "g", [9] * (40 + 30 * i),
+                                  SamplingParams(max_tokens=50, ignore_eos=True))) for i in range(3)]
     w._apply(PollReply(work=items, epoch="x.1"))
     for _ in range(3):
         w._step()
     assert w.engine.has_unfinished() and w.engine.kv.num_free_blocks < w.engine.kv.num_blocks
     assert {w._reports.get_nowait().epoch for _ in range(3)} == {"x.1"} and w._reports.empty()
-    w._apply(PollReply(work=[WorkItem(RequestMeta("n", "g", [3] * 10, max_tokens=2))], epoch="y.1"))
+    w._apply(PollReply(work=[WorkItem(RequestMeta("n", "g", [3] * 10, SamplingParams(max_tokens=2)))], epoch="y.1"))
     assert list(w.engine.scheduler.requests) == ["n"]      # the old work is gone, the new applied
     w._step()
     w.engine.abort_request("n")
@@ -215,7 +216,8 @@ def test_a_gateway_that_stops_pulling_has_its_requests_aborted():
     core = RouterCore(RouterConfig(gateway_timeout_s=5.0), clock)
     core.on_poll("i1", _stats("i1"))
     for rid, gw in (("a", "live"), ("b", "gone"), ("c", "gone")):
-        core.submit(RequestMeta(request_id=rid, gateway_id=gw, prompt_token_ids=[5] * 4, max_tokens=9))
+        core.submit(RequestMeta(request_id=rid, gateway_id=gw, prompt_token_ids=[5] * 4,
+                                sampling=SamplingParams(max_tokens=9)))
     handed = [w.meta.request_id for w in core.on_poll("i1", _stats("i1")).work]
     core.on_report(StepReport(_stats("i1"), [TokenEvent(r, [3]) for r in handed]))
     for t in (2.0, 4.0, 6.0):                 # "live" pulls every 2 s, "gone" never again
