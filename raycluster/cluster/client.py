@@ -140,7 +140,8 @@ class ClusterClient:
                 done = True
                 raise OverloadedError(reply.reason or "cluster is busy", reply.retry_after_s,
                                       503 if "no instances" in reply.reason else 429)
-            text = TextStream(self.tokenizer, prompt_token_ids, sampling.stop) if self.tokenizer else None
+            text = (TextStream(self.tokenizer, prompt_token_ids, meta.sampling.stop, meta.sampling.min_tokens)
+                    if self.tokenizer else None)
             while True:
                 ev = await q.get()
                 if ev is _RESUBMIT or ev is _LOST:

@@ -40,7 +40,8 @@ class _GenerationFields(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False
-    min_tokens: int = Field(0, ge=0, description="vLLM's: no EOS or stop_token_ids before this many tokens")
+    min_tokens: int = Field(0, ge=0, description="vLLM's: no EOS, stop_token_ids or stop strings "
+                            "before this many tokens")
     n: int = Field(1, ge=1, le=16, description="choices: each one its own request")
     # Scheduling hints (all optional).
     ttft_slo_ms: float | None = Field(None, gt=0)

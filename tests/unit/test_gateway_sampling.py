@@ -4,6 +4,9 @@
 - Every `SamplingParams` field reaches the engine's `Request.sampling` (and the router's policy
   `Request`) unchanged: `RequestMeta` carries the whole object, so no field can be dropped by a
   hand-written copy on the way.
+- Stop strings (applied by the gateway's `TextStream`) honour `min_tokens` as vLLM v1 does: not
+  checked while at most `min_tokens` tokens were generated, and a match must end in text decoded
+  after them (it may start before).
 """
 
 from __future__ import annotations
@@ -20,9 +23,12 @@ from raycluster.cluster.instance import InstanceWorker
 from raycluster.cluster.router_core import RouterConfig, RouterCore
 from raycluster.engine.config import EngineConfig
 from raycluster.engine.engine import LLMEngine
+from raycluster.engine.text import TextStream
 from raycluster.model.loader import load_model
-from raycluster.model.tokenizer import Tokenizer
+from raycluster.model.tokenizer import IncrementalDetokenizer, Tokenizer
 from raycluster.request import SamplingParams
+
+PROMPT_TEXT = "The river ran down to the sea and the"
 
 
 @pytest.fixture(scope="module")
@@ -132,3 +138,86 @@ def test_every_sampling_field_reaches_the_engine(loaded):
     _, reason, ids = result
     assert reason in ("length", "stop") and 1 <= len(ids) <= 7
 
+
+def _pieces(tokenizer, prompt: list[int], ids: list[int]) -> list[str]:
+    det = IncrementalDetokenizer(tokenizer, prompt)
+    return [det.add(t) for t in ids]
+
+
+def _vllm_stop_text(pieces: list[str], stop: list[str], min_tokens: int) -> tuple[str, bool]:
+    """vLLM v1's rule, token by token: no stop check while n <= min_tokens; then a match must end
+    in text decoded after the first min_tokens tokens and after the text already checked."""
+    text, checked = "", 0
+    for n, piece in enumerate(pieces, 1):
+        text += piece
+        if n <= min_tokens:
+            checked = len(text)
+            continue
+        for s in stop:
+            at = text.find(s, max(0, checked - len(s) + 1))
+            if at >= 0:
+                return text[:at], True
+        checked = len(text)
+    return text, False
+
+
+def _cases(pieces: list[str]) -> list[tuple[list[str], int]]:
+    k = 5
+    head, nxt = "".join(pieces[:k]), pieces[k]
+    first_e = head.find("e")
+    assert 0 <= first_e and "e" in "".join(pieces[k:]), pieces    # the tiny model's text allows the cases
+    return [
+        (["e"], 0),                             # plain stop string: the first "e"
+        (["e"], k),                             # vLLM: the first "e" after k tokens
+        ([head[-3:] + nxt[:2]], k),             # starts inside the first k tokens' text, ends after
+        ([head[first_e:first_e + 3], "x" * 20], k),     # only inside them (a longer stop widens the hold)
+    ]
+
+
+def test_text_stream_checks_stop_strings_only_after_min_tokens(loaded):
+    model, tok = loaded
+    prompt = tok.encode(PROMPT_TEXT)
+    eng = LLMEngine(EngineConfig(policy="fcfs", packer="token", kv_cache_tokens=4096), model, tok)
+    ids = eng.generate([prompt], SamplingParams(max_tokens=24, ignore_eos=True))[0]
+    pieces = _pieces(tok, prompt, ids)
+    outcomes = []
+    for stop, min_tokens in _cases(pieces):
+        ts = TextStream(tok, prompt, stop, min_tokens)
+        text, hit = "", False
+        for t in ids:
+            d, hit = ts.add(t)
+            text += d
+            if hit:
+                break
+        if not hit:
+            text += ts.flush()
+        want = _vllm_stop_text(pieces, stop, min_tokens)
+        assert (text, hit) == want, (stop, min_tokens)
+        outcomes.append(want)
+    # The cases are not vacuous: min_tokens moves the first one, the boundary-spanning stop string
+    # truncates inside the first k tokens' text, the one inside them never stops the request.
+    k = 5
+    head = "".join(pieces[:k])
+    assert outcomes[0][1] and outcomes[1][1] and len(outcomes[1][0]) >= len(head) > len(outcomes[0][0])
+    assert outcomes[2] == (head[:-3], True)
+    assert outcomes[3] == ("".join(pieces), False)
+
+
+def test_gateway_stop_strings_honour_min_tokens(loaded):
+    model, tok = loaded
+    prompt = tok.encode(PROMPT_TEXT)
+    free = SamplingParams(max_tokens=24, ignore_eos=True)
+    eng = LLMEngine(EngineConfig(policy="fcfs", packer="token", kv_cache_tokens=4096), model)
+    ids = eng.generate([prompt], free)[0]
+    pieces = _pieces(tok, prompt, ids)
+    cases = _cases(pieces)
+    requests = [(prompt, dataclasses.replace(free, stop=stop, min_tokens=m)) for stop, m in cases]
+    results, _, board = _run(model, tok, requests)
+    for (stop, m), (text, reason, got) in zip(cases, results):
+        want, hit = _vllm_stop_text(pieces, stop, m)
+        assert (text, reason) == (want, "stop" if hit else "length"), (stop, m)
+        assert got == ids[:len(got)]
+    deadline = time.monotonic() + 10        # stopped at the gateway: the router aborts the rest
+    while board.core.inflight() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert board.core.inflight() == 0
