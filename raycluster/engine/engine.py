@@ -46,6 +46,7 @@ class RequestOutput:
     num_prompt_tokens: int
     num_output_tokens: int
     logprobs: list[TokenLogprob] | None = None     # one per new token, when the request asked
+    num_cached_tokens: int = 0         # prompt tokens whose KV came from the prefix cache
 
 
 @dataclass
@@ -187,7 +188,8 @@ class LLMEngine:
 
     def _track_text(self, req: Request) -> None:
         if self.tokenizer is not None:
-            self._texts[req.request_id] = TextStream(self.tokenizer, req.prompt_token_ids, req.sampling.stop)
+            self._texts[req.request_id] = TextStream(self.tokenizer, req.prompt_token_ids, req.sampling.stop,
+                                                     req.sampling.min_tokens)
 
     def _validate(self, ids: list[int], sp: SamplingParams) -> None:
         validate_request(ids, sp, self.max_model_len, self.vocab_size, self.kv.capacity_tokens())
@@ -267,7 +269,7 @@ class LLMEngine:
                 logprobs: list[TokenLogprob] | None = None) -> RequestOutput:
         reason = req.status.value if finished else None
         return RequestOutput(req.request_id, tokens, text, finished, reason,
-                             req.num_prompt_tokens, len(req.output_token_ids), logprobs)
+                             req.num_prompt_tokens, len(req.output_token_ids), logprobs, req.num_cached_tokens)
 
     # ---- convenience -----------------------------------------------------------------------
     def generate(self, prompts: list[list[int]], sampling: SamplingParams | list[SamplingParams],
