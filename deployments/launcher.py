@@ -57,7 +57,7 @@ def wait_healthy(url: str, timeout_s: float, alive=lambda: True) -> bool:
 def serve_cluster(app_path: str | None, model: str | None, policy: str | None, host: str, port: int,
                   address: str | None = None, dashboard: bool = True, num_cpus: int = 8,
                   ready_timeout_s: float = 600.0, on_ready=None, direct_ingress: bool = True,
-                  state_file: Path | None = None) -> int:
+                  state_file: Path | None = None, prefix_caching: bool = False) -> int:
     import ray
     from ray import serve
 
@@ -71,6 +71,8 @@ def serve_cluster(app_path: str | None, model: str | None, policy: str | None, h
         args["model"] = model
     if policy:
         args["policy"] = policy
+    if prefix_caching:
+        args["engine"] = {**args.get("engine", {}), "enable_prefix_caching": True}
     cfg = ClusterConfig(**args)             # validate before touching Ray
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     started_ray = address is None

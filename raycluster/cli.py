@@ -48,7 +48,8 @@ def _serve_engine(args: argparse.Namespace) -> None:
     from raycluster.server.app import build_app
     from raycluster.server.async_engine import AsyncEngine
 
-    cfg = EngineConfig(model=args.model, policy=args.policy, num_threads=args.threads)
+    cfg = EngineConfig(model=args.model, policy=args.policy, num_threads=args.threads,
+                       enable_prefix_caching=args.enable_prefix_caching)
     engine = LLMEngine.from_config(cfg)
     async_engine = AsyncEngine(engine)
     name = "tiny" if args.model == "tiny" else Path(args.model).name
@@ -68,7 +69,7 @@ def _serve(args: argparse.Namespace) -> int:
 
     return serve_cluster(args.app, args.model, args.policy, args.host, args.port, address=args.address,
                          dashboard=not args.no_dashboard, direct_ingress=not args.no_direct_ingress,
-                         state_file=_cluster_file())
+                         state_file=_cluster_file(), prefix_caching=args.enable_prefix_caching)
 
 
 def cmd_up(args: argparse.Namespace) -> int:
@@ -86,7 +87,7 @@ def cmd_up(args: argparse.Namespace) -> int:
     for flag in ("model", "policy", "app", "address", "threads"):
         if getattr(args, flag, None):
             cmd += [f"--{flag}", str(getattr(args, flag))]
-    for flag in ("no_dashboard", "no_direct_ingress"):
+    for flag in ("no_dashboard", "no_direct_ingress", "enable_prefix_caching"):
         if getattr(args, flag, False):
             cmd.append("--" + flag.replace("_", "-"))
     with open(log, "ab") as fh:
@@ -238,6 +239,9 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--no-dashboard", action="store_true", help="do not start the Ray dashboard")
     up.add_argument("--no-direct-ingress", action="store_true",
                     help="serve only through Serve's proxy (no per-replica gateway ports)")
+    up.add_argument("--enable-prefix-caching", action="store_true",
+                    help="every instance reuses the KV of prompt prefixes it computed before "
+                         "(the app's engine options can set it per pool instead)")
     up.add_argument("--host", default="127.0.0.1")
     up.add_argument("--port", type=int, default=8000)
     up.add_argument("--detach", action="store_true", help="run in the background; stop with `down`")
@@ -250,6 +254,8 @@ def build_parser() -> argparse.ArgumentParser:
     es.add_argument("--host", default="127.0.0.1")
     es.add_argument("--port", type=int, default=8000)
     es.add_argument("--threads", type=int, default=None, help="torch threads of the engine")
+    es.add_argument("--enable-prefix-caching", action="store_true",
+                    help="reuse the KV of prompt prefixes computed before")
     es.add_argument("--detach", action="store_true", help="run in the background; stop with `down`")
     es.add_argument("--timeout", type=float, default=300.0)
     es.set_defaults(fn=cmd_up)
