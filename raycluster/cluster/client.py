@@ -119,6 +119,13 @@ class ClusterClient:
         for inst in s.get("instances", []):
             lines.append(f'raycluster_instance_prefill_backlog_tokens{{instance="{inst.get("id")}",'
                          f'pool="{inst.get("role")}"}} {inst.get("queued_tokens", 0)}')
+        # vLLM's prefix-cache counters (in tokens), for instances that cache prefixes.
+        for name, key in (("queries", "prefix_query_tokens"), ("hits", "prefix_hit_tokens")):
+            lines.append(f"# TYPE raycluster_instance_prefix_cache_{name}_total counter")
+            for inst in s.get("instances", []):
+                if inst.get("prefix_caching"):
+                    lines.append(f'raycluster_instance_prefix_cache_{name}_total{{instance="{inst.get("id")}",'
+                                 f'pool="{inst.get("role")}"}} {inst.get(key, 0)}')
         return "\n".join(lines) + "\n"
 
     async def generate(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams, *,
@@ -132,7 +139,7 @@ class ClusterClient:
                            app_id=app_id, arrival_time=time.time())
         self._ensure_pulling()
         q: asyncio.Queue = asyncio.Queue()
-        live, out_ids, done = request_id, [], False
+        live, out_ids, done, cached = request_id, [], False, 0
         try:
             reply = await self._place(meta, q)
             self.queue_depth = reply.queue_depth
@@ -177,8 +184,9 @@ class ClusterClient:
                 if finished and text is not None and not stopped:
                     delta += text.flush()
                 done = ev.finished          # a gateway-side stop string still needs an abort
+                cached = max(cached, ev.num_cached_tokens)
                 yield RequestOutput(request_id, list(ev.token_ids), delta, finished, reason,
-                                    len(prompt_token_ids), len(out_ids), ev.logprobs)
+                                    len(prompt_token_ids), len(out_ids), ev.logprobs, cached)
                 if finished:
                     return
         finally:

@@ -82,7 +82,8 @@ class InstanceWorker:
             block_size=kv.block_size, step_time_ema_s=self._step_ema, steps=self.steps, busy_s=self.busy_s,
             queued_tokens=eng.scheduler.prefill_backlog,
             connector=(self.connector.local_descriptor() or {}) if self.connector else {},
-            work_seen=self._work_seen, layout=eng.runner.layout)
+            work_seen=self._work_seen, layout=eng.runner.layout, prefix_caching=kv.prefix_caching,
+            prefix_query_tokens=getattr(kv, "query_tokens", 0), prefix_hit_tokens=getattr(kv, "hit_tokens", 0))
 
     # ---- threads ---------------------------------------------------------------------------
     def _poll_loop(self) -> None:
@@ -203,10 +204,10 @@ class InstanceWorker:
         for out in result.outputs:
             if out.finish_reason == "prefilled":
                 prefilled.append(PrefillDone(out.request_id, out.new_token_ids[0], self._offer(out.request_id),
-                                             out.logprobs))
+                                             out.logprobs, out.num_cached_tokens))
             else:
                 events.append(TokenEvent(out.request_id, list(out.new_token_ids), out.finished, out.finish_reason,
-                                         logprobs=out.logprobs))
+                                         logprobs=out.logprobs, num_cached_tokens=out.num_cached_tokens))
         self._report(events, prefilled)
 
     def _offer(self, request_id: str):

@@ -81,6 +81,7 @@ class TokenEvent:
     finish_reason: str | None = None   # stop | length | abort | error
     error: str | None = None
     logprobs: list | None = None       # one TokenLogprob per token, if the request asked
+    num_cached_tokens: int = 0         # prompt tokens served from the instance's prefix cache
 
 
 @dataclass
@@ -89,6 +90,7 @@ class PrefillDone:
     first_token: int
     kv: KVHandle | None                # None: the instance could not offer its KV (recompute)
     logprobs: list | None = None       # the first token's, if the request asked
+    num_cached_tokens: int = 0         # prompt tokens served from the prefix cache
 
 
 @dataclass
@@ -107,6 +109,9 @@ class InstanceStats:
     connector: dict = field(default_factory=dict)     # this instance's connector descriptor
     work_seen: int | None = None       # work items applied so far (lets the router count in-transit work)
     layout: str = "single"             # "single", or a Medha group such as "kvp2" / "spp2"
+    prefix_caching: bool = False       # the engine keeps prompt prefixes (the router then places by them)
+    prefix_query_tokens: int = 0       # known tokens of requests looked up in the prefix cache, so far
+    prefix_hit_tokens: int = 0         # of those, found cached
 
 
 @dataclass

@@ -33,9 +33,11 @@ from __future__ import annotations
 import math
 from collections import deque
 
-from raycluster.cluster.messages import (ROLES, GatewayReply, InstanceStats, PollReply, RequestMeta,
-                                         StepReport, SubmitReply, TokenEvent, WorkItem)
-from raycluster.cluster.router_placement import blocks_needed, fits, has_slot, load_key, never_fits
+from raycluster.cluster.messages import (ROLES, GatewayReply, InstanceStats, PollReply, PrefillDone,
+                                         RequestMeta, StepReport, SubmitReply, TokenEvent, WorkItem)
+from raycluster.cluster import router_placement as placement
+from raycluster.cluster.prefix_index import PrefixIndex
+from raycluster.cluster.router_placement import blocks_needed, fits, has_slot, never_fits
 from raycluster.cluster.router_pressure import PressureLoop
 from raycluster.cluster.router_state import (EpochClock, Instance, ReqState, RouterConfig, policy_request,
                                              router_status)
@@ -67,6 +69,7 @@ class RouterCore:
         self.classifier = LengthClassifier(initial_l_m=self.cfg.initial_l_m,
                                            beta_prior=self.cfg.beta_prior)
         self.instances: dict[str, Instance] = {}
+        self.prefix_index = PrefixIndex()       # prompts sent to each prefix-caching instance
         # PLA pressure controller; its owner calls `pressure.step(self, now)` every period.
         self.pressure = PressureLoop(self.cfg.pressure) if self.cfg.pressure is not None else None
         self._alive_cache: dict[tuple[str, ...], list[Instance]] = {}
@@ -205,7 +208,8 @@ class RouterCore:
                         continue
                     self._push_back(st, queue, from_front)   # head of line waits for KV: order kept
                     break
-                self._assign(st, min(fit, key=lambda i: load_key(i, self.requests, reserve)))
+                self._assign(st, placement.pick(st, fit, self.requests, reserve,
+                                                self.prefix_index if self.cfg.prefix_affinity else None))
                 placed += 1
         return placed
 
@@ -216,6 +220,7 @@ class RouterCore:
                                          kv=kv, first_token_time=st.req.first_token_time))
         st.queue, st.instance, st.mode = None, inst.instance_id, mode
         inst.running.add(st.meta.request_id)
+        placement.sent(self.prefix_index, st, inst, mode)
 
     def _dissolve_decode_queue(self) -> None:
         """No decode pool left: handoffs waiting for one are recomputed through a prefill or
@@ -248,7 +253,7 @@ class RouterCore:
             st = self.requests.get(w.meta.request_id)
             inst.sent += 1
             inst.transit[w.meta.request_id] = (inst.stats.steps, now, blocks_needed(st, inst) if st else 0,
-                                               len(w.meta.prompt_token_ids))
+                                               placement.prefill_tokens(w.meta, self.requests))
         return reply
 
     def move_instance(self, instance_id: str, role: str) -> None:
@@ -278,6 +283,7 @@ class RouterCore:
             inst = self.instances[instance_id] = Instance(instance_id, stats.role, stats, now,
                                                           epoch=f"{self.router_id}.{self._registrations}")
             inst.sent = stats.work_seen or 0    # items applied before count against nothing here
+            self.prefix_index.forget(instance_id)
             self._topology_changed()
         if inst.moving_to is not None:          # stats from before the move reached it: keep ours
             if stats.role == inst.moving_to:
@@ -315,6 +321,7 @@ class RouterCore:
         """Forget an instance (dead, drained, or replaced: replicas come back with new ids).
         Its requests resume elsewhere from prompt + delivered tokens, ahead of the policy order."""
         inst = self.instances.pop(instance_id, None)
+        self.prefix_index.forget(instance_id)
         if inst is None:
             return
         self._topology_changed()
@@ -377,7 +384,7 @@ class RouterCore:
                 inst.outbox.releases.append(pd.request_id)    # nobody will pull that KV
                 continue
             inst.transit.pop(pd.request_id, None)
-            self._prefill_done(st, inst, pd.first_token, pd.kv, pd.logprobs)
+            self._prefill_done(st, inst, pd)
         for rid in report.admitted:
             inst.transit.pop(rid, None)
             st = self.requests.get(rid)
@@ -387,23 +394,23 @@ class RouterCore:
             self.classifier.add_total(int(length), int(history), float(seconds))
         self.dispatch()
 
-    def _prefill_done(self, st: ReqState, inst: Instance, first: int, kv, logprobs=None) -> None:
-        rid = st.meta.request_id
+    def _prefill_done(self, st: ReqState, inst: Instance, pd: PrefillDone) -> None:
+        rid, first, kv, logprobs = st.meta.request_id, pd.first_token, pd.kv, pd.logprobs
         inst.running.discard(rid)
         sp = st.meta.sampling
-        done = (len(st.delivered) + 1 >= sp.max_tokens
-                or (first in sp.stop_token_ids and not sp.ignore_eos))
+        done = len(st.delivered) + 1 >= sp.max_tokens or first in sp.stop_token_ids     # as the engine decides
         reason = "length" if len(st.delivered) + 1 >= sp.max_tokens else "stop"
         if done:
             if kv is not None:
                 inst.outbox.releases.append(rid)
-            self._deliver(st, TokenEvent(rid, [first], True, reason, logprobs=logprobs))
+            self._deliver(st, TokenEvent(rid, [first], True, reason, logprobs=logprobs,
+                                         num_cached_tokens=pd.num_cached_tokens))
             return
         if st.mode == "prefill":
             # The prompt is computed: set it before the policies hear of the first token, so
             # that their remaining-work estimates (Kairos' queue ahead) drop this prompt.
             st.req.num_computed_tokens = st.req.num_tokens
-        self._deliver(st, TokenEvent(rid, [first], logprobs=logprobs))
+        self._deliver(st, TokenEvent(rid, [first], logprobs=logprobs, num_cached_tokens=pd.num_cached_tokens))
         if st.mode != "prefill":
             inst.running.add(rid)       # a "full" item decodes where it is
             return

@@ -1,14 +1,17 @@
 """Where a request fits: the router's per-instance arithmetic for dispatch (pure functions).
 
 Inputs are the router's own records (`Instance`, `ReqState`, its request table) and two config
-values; nothing is mutated. `RouterCore.dispatch` keeps the instances that `has_slot` and that a
-request `fits`, fails a request that `never_fits` anywhere, and picks the smallest `load_key`.
+values; nothing is mutated but a request's memoised prompt keys and the prefix index on `sent`.
+`RouterCore.dispatch` keeps the instances that `has_slot` and that a request `fits`, fails a
+request that `never_fits` anywhere, and `pick`s the smallest `load_key`, where a prompt's prefix
+that an instance probably has cached (`PrefixIndex`) does not count as work there.
 """
 
 from __future__ import annotations
 
 import math
 
+from raycluster.cluster.prefix_index import PrefixIndex, prompt_keys
 from raycluster.cluster.router_state import Instance, ReqState
 
 
@@ -41,12 +44,52 @@ def never_fits(st: ReqState, inst: Instance, reserve_frac: float) -> bool:
     return 0 < total < blocks_needed(st, inst)
 
 
-def load_key(inst: Instance, requests: dict[str, ReqState], reserve_frac: float) -> tuple:
+def load_key(inst: Instance, requests: dict[str, ReqState], reserve_frac: float, cached_tokens: int = 0) -> tuple:
     """Least-loaded first: prefill tokens ahead of a new request (reported backlog + sent, not yet
-    seen), then queued requests, running ones, free KV. Tokens lead because a short prompt placed
-    behind one 40K-token prompt waits far longer than behind three short ones."""
+    seen) minus the request's own tokens it would find cached there, then queued requests,
+    running ones, free KV. Tokens lead because a short prompt placed behind one 40K-token prompt
+    waits far longer than behind three short ones."""
     s = inst.stats
-    pend_tok = sum(len(w.meta.prompt_token_ids) for w in inst.outbox.work)
-    return (s.queued_tokens + inst.transit_sum(3) + pend_tok,
+    pend_tok = sum(prefill_tokens(w.meta, requests) for w in inst.outbox.work)
+    return (s.queued_tokens + inst.transit_sum(3) + pend_tok - cached_tokens,
             s.waiting + len(inst.transit) + len(inst.outbox.work), s.running,
             -kv_free(inst, requests, reserve_frac), inst.instance_id)
+
+
+def prefill_tokens(meta, requests: dict[str, ReqState]) -> int:
+    """Prompt tokens a handed-out item will compute: its prompt less what it probably finds cached."""
+    st = requests.get(meta.request_id)
+    return len(meta.prompt_token_ids) - (st.cached_tokens if st is not None else 0)
+
+
+def _keys(st: ReqState, block_size: int) -> list:
+    if st.prefix_keys is None or st.prefix_keys[0] != block_size:
+        st.prefix_keys = (block_size, prompt_keys(st.meta.prompt_token_ids, block_size))
+    return st.prefix_keys[1]
+
+
+def cached_tokens(st: ReqState, inst: Instance, index: PrefixIndex) -> int:
+    """Tokens of `st`'s prompt that `inst` probably has in its prefix cache."""
+    if not inst.stats.prefix_caching or inst.role == "decode":
+        return 0
+    bs = max(1, inst.stats.block_size)
+    return index.matched_blocks(inst.instance_id, _keys(st, bs)) * bs
+
+
+def pick(st: ReqState, fit: list[Instance], requests: dict[str, ReqState], reserve_frac: float,
+         index: PrefixIndex | None) -> Instance:
+    """The instance to run `st`: the smallest `load_key`, with prefix affinity when `index` is
+    given (a tie between idle instances goes to the one holding the longest prefix; a busier
+    one wins only while its extra backlog is smaller than the prefix it saves)."""
+    if index is None or not any(i.stats.prefix_caching for i in fit):
+        return min(fit, key=lambda i: load_key(i, requests, reserve_frac))
+    return min(fit, key=lambda i: load_key(i, requests, reserve_frac, cached_tokens(st, i, index)))
+
+
+def sent(index: PrefixIndex, st: ReqState, inst: Instance, mode: str) -> None:
+    """Note what `st` probably finds cached on `inst`, then remember that `inst` computes (so
+    will cache) `st`'s prompt."""
+    st.cached_tokens = 0
+    if inst.stats.prefix_caching and mode != "decode":
+        st.cached_tokens = cached_tokens(st, inst, index)
+        index.record(inst.instance_id, _keys(st, max(1, inst.stats.block_size)), inst.stats.kv_total_blocks)

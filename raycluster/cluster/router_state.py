@@ -35,6 +35,7 @@ class RouterConfig:
     predictor: dict | None = None     # LinearBatchPredictor fields for the policies' context
     pressure: PressureConfig | None = None   # run the pressure controller (router_pressure.py)
     pressure_period_s: float = 5.0
+    prefix_affinity: bool = True      # place prompts where their prefix is cached (instances that cache)
 
 
 @dataclass
@@ -63,7 +64,8 @@ def instance_summary(i: Instance, now: float) -> dict:
             "queued_tokens": s.queued_tokens, "assigned": len(i.running),
             "kv_free_blocks": s.kv_free_blocks, "kv_total_blocks": s.kv_total_blocks,
             "kv_usage": 1 - s.kv_free_blocks / s.kv_total_blocks if s.kv_total_blocks else None,
-            "last_seen_s_ago": now - i.last_seen}
+            "prefix_caching": s.prefix_caching, "prefix_query_tokens": s.prefix_query_tokens,
+            "prefix_hit_tokens": s.prefix_hit_tokens, "last_seen_s_ago": now - i.last_seen}
 
 
 def router_status(core, queues: tuple[str, ...]) -> dict:
@@ -108,3 +110,5 @@ class ReqState:
     kv: object = None                 # KVHandle parked on a prefill instance
     kv_at: str | None = None          # that prefill instance
     policies: set[str] = field(default_factory=set)   # queues whose policy saw it
+    prefix_keys: tuple[int, list] | None = None        # (block size, its prompt's block keys), once asked
+    cached_tokens: int = 0            # of its prompt, probably cached where it was sent (prefill work saved)

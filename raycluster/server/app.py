@@ -136,9 +136,7 @@ def build_app(engine, tokenizer, model_name: str) -> FastAPI:
             return _ClosingStreamingResponse(_sse(streams, rid, kind, model_name, len(prompt_ids), include_usage),
                                              media_type="text/event-stream")
         results = await asyncio.gather(*(s.collect(kind) for s in streams))
-        n_out = sum(r[1] for r in results)
-        usage = {"prompt_tokens": len(prompt_ids), "completion_tokens": n_out,
-                 "total_tokens": len(prompt_ids) + n_out}
+        usage = _usage(len(prompt_ids), streams)
         choices = []
         for i, (text, _, reason, logprobs) in enumerate(results):
             if kind == "text_completion":
@@ -198,6 +196,7 @@ class _Stream:
         self.gen, self.first, self.t0, self.metrics = gen, first, t0, metrics
         self.decode = decode          # set when the request asked for logprobs
         self.n_out = 0
+        self.n_cached = 0             # prompt tokens the engine took from its prefix cache
         self.chars = 0                # completion text so far (text_offset of the next token)
 
     def logprobs(self, kind: str, token_ids: list[int], lps) -> dict | None:
@@ -216,6 +215,7 @@ class _Stream:
         try:
             while True:
                 self.n_out = out.num_output_tokens
+                self.n_cached = max(self.n_cached, out.num_cached_tokens)
                 yield out
                 if out.finished:
                     self.metrics.requests.labels(out.finish_reason).inc()
@@ -264,6 +264,14 @@ async def _merged(streams: list[_Stream]) -> AsyncIterator[tuple[int, object]]:
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
+def _usage(n_prompt: int, streams: list[_Stream]) -> dict:
+    """OpenAI's usage; `cached_tokens` as vLLM reports it (the first choice's: n choices share
+    one prompt, counted once)."""
+    n_out = sum(s.n_out for s in streams)
+    return {"prompt_tokens": n_prompt, "completion_tokens": n_out, "total_tokens": n_prompt + n_out,
+            "prompt_tokens_details": {"cached_tokens": streams[0].n_cached if streams else 0}}
+
+
 async def _sse(streams: list[_Stream], rid: str, kind: str, model: str, n_prompt: int,
                include_usage: bool) -> AsyncIterator[str]:
     obj = "text_completion" if kind == "text_completion" else "chat.completion.chunk"
@@ -284,7 +292,6 @@ async def _sse(streams: list[_Stream], rid: str, kind: str, model: str, n_prompt
     finally:
         await _close(outputs)
     if include_usage:
-        n_out = sum(s.n_out for s in streams)
-        usage = {"prompt_tokens": n_prompt, "completion_tokens": n_out, "total_tokens": n_prompt + n_out}
+        usage = _usage(n_prompt, streams)
         yield f"data: {json.dumps({'id': rid, 'object': obj, 'created': created, 'model': model, 'choices': [], 'usage': usage})}\n\n"
     yield "data: [DONE]\n\n"

@@ -32,7 +32,10 @@ def _free_port() -> int:
 def server(tiny_model_dir):
     model, mcfg = load_model(tiny_model_dir)
     tok = Tokenizer(tiny_model_dir, mcfg.eos_token_id)
-    engine = LLMEngine(EngineConfig(kv_cache_tokens=8192, policy="fcfs", packer="token"), model, tok)
+    # Prefix caching on in the served engine, off in the reference: every exact comparison
+    # below also checks that cached prefixes change no token.
+    engine = LLMEngine(EngineConfig(kv_cache_tokens=8192, policy="fcfs", packer="token", enable_prefix_caching=True),
+                       model, tok)
     aeng = AsyncEngine(engine)
     port = _free_port()
     srv = uvicorn.Server(uvicorn.Config(build_app(aeng, tok, "tiny"), host="127.0.0.1", port=port,
@@ -71,8 +74,10 @@ def test_completion_matches_engine_greedy(server):
     body = r.json()
     expected = ref.generate([tok.encode(prompt)], SamplingParams(max_tokens=12, ignore_eos=True))[0]
     assert body["choices"][0]["text"] == tok.decode(expected)
-    assert body["usage"] == {"prompt_tokens": len(tok.encode(prompt)), "completion_tokens": 12,
-                             "total_tokens": len(tok.encode(prompt)) + 12}
+    usage = dict(body["usage"])
+    assert usage.pop("prompt_tokens_details")["cached_tokens"] in (0, 16)     # 0 unless run before
+    assert usage == {"prompt_tokens": len(tok.encode(prompt)), "completion_tokens": 12,
+                     "total_tokens": len(tok.encode(prompt)) + 12}
     assert body["choices"][0]["finish_reason"] == "length"
     assert _all_free(aeng)
 
@@ -284,4 +289,28 @@ def test_min_tokens_holds_eos_back(server):
     assert held["usage"]["completion_tokens"] == 6 and held["choices"][0]["finish_reason"] == "stop"
     bad = httpx.post(f"{url}/v1/completions", json={**body, "min_tokens": 13}, timeout=30)
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "min_tokens"
+    assert _all_free(aeng)
+
+
+def test_a_repeated_prompt_reports_its_cached_tokens(server):
+    url, aeng, tok, ref = server
+    ids = [7 + (i * 37) % 400 for i in range(70)]       # 70 tokens: 4 full blocks of 16 reusable
+    expected = ref.generate([ids], SamplingParams(max_tokens=6, ignore_eos=True))[0]
+    cached = []
+    for stream in (False, True):
+        body = {"prompt": ids, "max_tokens": 6, "temperature": 0, "ignore_eos": True, "stream": stream}
+        if stream:
+            body["stream_options"] = {"include_usage": True}
+            with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=30) as r:
+                chunks = [json.loads(line[6:]) for line in r.iter_lines()
+                          if line.startswith("data: ") and line != "data: [DONE]"]
+            text = "".join(c["choices"][0]["text"] for c in chunks if c["choices"])
+            usage = chunks[-1]["usage"]
+        else:
+            r = httpx.post(f"{url}/v1/completions", json=body, timeout=30)
+            assert r.status_code == 200, r.text
+            text, usage = r.json()["choices"][0]["text"], r.json()["usage"]
+        assert text == tok.decode(expected)
+        cached.append(usage["prompt_tokens_details"]["cached_tokens"])
+    assert cached == [0, 64]
     assert _all_free(aeng)

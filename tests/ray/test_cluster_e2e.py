@@ -25,13 +25,16 @@ PD_POOLS = [{"role": "prefill-short", "instances": 1, "engine": {"packer": "awd"
             {"role": "prefill-long", "instances": 1},
             {"role": "decode", "instances": 1,
              "engine": {"policy": "fcfs", "packer": "token", "decode_selector": "kairos"}}]
+CACHING = {"engine": {**BASE["engine"], "enable_prefix_caching": True}}
 TOPOLOGIES = {
-    "mixed": {"pools": [{"role": "mixed", "instances": 2}]},
+    # Prefix caching on here and in pd-object_store: every exact comparison also checks that
+    # cached prefixes change no token.
+    "mixed": {"pools": [{"role": "mixed", "instances": 2}], **CACHING},
     # One Medha KVP instance: the replica leads, its second rank is a Ray actor (token packer:
     # no profiling run for the group's own predictor).
     "mixed-kvp": {"pools": [{"role": "mixed", "instances": 1, "engine": {
         "kvp": 2, "group_launch": "ray", "packer": "token", "predictor": "none"}}]},
-    "pd-object_store": {"connector": "object_store", "initial_l_m": 256, "pools": PD_POOLS},
+    "pd-object_store": {"connector": "object_store", "initial_l_m": 256, "pools": PD_POOLS, **CACHING},
     "pd-nixl": {"connector": "nixl", "initial_l_m": 256, "pools": PD_POOLS},
     "pd-torch_dist": {"connector": "torch_dist", "initial_l_m": 256, "pools": PD_POOLS},
     # Medha groups in P/D: long prompts prefill on an SPP group, decodes run on a KVP group; KV
@@ -91,6 +94,26 @@ def expected(tiny_model_dir, workload):
     ids = [tok.encode(p) if isinstance(p, str) else p for p, _ in workload]
     outs = eng.generate(ids, [SamplingParams(max_tokens=m, ignore_eos=True) for _, m in workload])
     return [tok.decode(o) for o in outs]
+
+
+@pytest.fixture(scope="module")
+def prefix_workload(tiny_model_dir):
+    """A 320-token system prompt (20 blocks of 16) and 6 prompts that continue it with 8-40
+    tokens of their own, and their single-engine greedy text."""
+    from raycluster.engine.config import EngineConfig
+    from raycluster.engine.engine import LLMEngine
+    from raycluster.model.loader import load_model
+    from raycluster.model.tokenizer import Tokenizer
+    from raycluster.request import SamplingParams
+
+    rng = random.Random(11)
+    system = [rng.randrange(6, 4000) for _ in range(320)]
+    prompts = [system + [rng.randrange(6, 4000) for _ in range(rng.randrange(8, 40))] for _ in range(6)]
+    model, mcfg = load_model(tiny_model_dir)
+    eng = LLMEngine(EngineConfig(policy="fcfs", packer="token", kv_cache_tokens=32768), model)
+    outs = eng.generate(prompts, [SamplingParams(max_tokens=6, ignore_eos=True)] * len(prompts))
+    tok = Tokenizer(tiny_model_dir, mcfg.eos_token_id)
+    return prompts, [tok.decode(o) for o in outs]
 
 
 @pytest.fixture(scope="module")
@@ -283,3 +306,32 @@ def test_router_restart_resumes_every_stream(cluster, restart_workload):
     assert any(line.startswith("raycluster_gateway_resubmitted_total ") and float(line.split()[1]) > 0
                for line in metrics.splitlines())
     _assert_drained(url, timeout=60)
+
+
+def test_a_shared_prefix_is_computed_once(cluster, prefix_workload):
+    """One request computes the system prompt; five sent together after it find it cached (the
+    router sends them where it is), and the text is the single engine's."""
+    url, name = cluster
+    if "enable_prefix_caching" not in TOPOLOGIES[name].get("engine", {}):
+        pytest.skip("prefix caching is on in the mixed and pd-object_store topologies")
+    prompts, expected = prefix_workload
+
+    async def one(client: httpx.AsyncClient, prompt) -> tuple[str, int]:
+        body = {"prompt": prompt, "max_tokens": 6, "temperature": 0, "ignore_eos": True}
+        r = await client.post(url + "/v1/completions", json=body)
+        assert r.status_code == 200, r.text
+        return r.json()["choices"][0]["text"], r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+    async def run():
+        async with httpx.AsyncClient(timeout=120) as client:
+            first = await one(client, prompts[0])
+            return [first, *await asyncio.gather(*(one(client, p) for p in prompts[1:]))]
+
+    got = asyncio.run(run())
+    assert [t for t, _ in got] == expected
+    assert [c for _, c in got] == [0] + [320] * 5, name
+    status = httpx.get(url + "/v1/cluster/status", timeout=5).json()
+    assert sum(i["prefix_hit_tokens"] for i in status["instances"]) >= 5 * 320
+    metrics = httpx.get(url + "/metrics", timeout=5).text
+    assert "raycluster_instance_prefix_cache_hits_total{" in metrics
+    _assert_drained(url)

@@ -1,0 +1,137 @@
+"""The router's approximate index of instances' cached prefixes."""
+
+from __future__ import annotations
+
+from raycluster.cluster.prefix_index import PrefixIndex, prompt_keys
+from raycluster.engine.prefix_cache import PrefixCachingKVManager
+from raycluster.request import Request
+
+
+def test_prompt_keys_are_the_engines_block_keys():
+    """What the router hashes is exactly what an engine registers for the same tokens."""
+    tokens = list(range(100, 141))                      # 41 tokens, block 8: 5 full blocks
+    kv = PrefixCachingKVManager(16, 8)
+    req = Request("a", tokens)
+    assert kv.try_allocate(req, 41)
+    kv.cache_full_blocks(req, 41)
+    engine_keys = kv._keys["a"]
+    assert prompt_keys(tokens, 8) == engine_keys[:5]
+    assert len(prompt_keys(tokens[:40], 8)) == 4        # never the block of the last token
+
+
+def test_matched_blocks_is_the_longest_recorded_prefix():
+    idx = PrefixIndex()
+    a = prompt_keys(list(range(64)) + [1], 8)           # 8 blocks
+    b = prompt_keys(list(range(32)) + [9] * 33, 8)      # shares the first 4
+    idx.record("i1", a, capacity_blocks=100)
+    assert idx.matched_blocks("i1", a) == 8
+    assert idx.matched_blocks("i1", b) == 4
+    assert idx.matched_blocks("i2", a) == 0
+    idx.forget("i1")
+    assert idx.matched_blocks("i1", a) == 0
+
+
+def test_capacity_drops_the_least_recently_sent_blocks():
+    idx = PrefixIndex()
+    a = prompt_keys([1] * 33, 8)                        # 4 blocks
+    b = prompt_keys([2] * 33, 8)
+    idx.record("i", a, capacity_blocks=6)
+    idx.record("i", b, capacity_blocks=6)               # a's first two blocks go
+    assert idx.size("i") == 6
+    assert idx.matched_blocks("i", b) == 4
+    assert idx.matched_blocks("i", a) == 0              # its head is gone, so nothing matches
+    idx.record("i", a[:2], capacity_blocks=6)           # a's head sent again: a's tail goes now
+    assert idx.matched_blocks("i", a) == 2 and idx.matched_blocks("i", b) == 4
+
+
+# ---- the router's placement by cached prefix ------------------------------------------------------
+from raycluster.clock import VirtualClock  # noqa: E402
+from raycluster.cluster.messages import InstanceStats, RequestMeta, StepReport, TokenEvent  # noqa: E402
+from raycluster.cluster.router_core import RouterConfig, RouterCore  # noqa: E402
+from raycluster.request import SamplingParams  # noqa: E402
+
+SYSTEM = list(range(1000, 1160))          # 160 shared tokens: 10 blocks of 16
+
+
+def _stats(iid, caching=True, queued_tokens=0):
+    return InstanceStats(instance_id=iid, role="mixed", kv_free_blocks=1000, kv_total_blocks=1000, block_size=16,
+                         queued_tokens=queued_tokens, prefix_caching=caching)
+
+
+def _meta(rid, prompt):
+    return RequestMeta(request_id=rid, gateway_id="g", prompt_token_ids=list(prompt),
+                       sampling=SamplingParams(max_tokens=1))
+
+
+def _place(core, rid, prompt, backlog=None):
+    """Both instances report the given prefill backlogs, then `rid` is submitted (dispatched at
+    once) and finishes; returns where it went."""
+    backlog = backlog or {}
+    for iid, inst in core.instances.items():
+        core.on_report(StepReport(_stats(iid, inst.stats.prefix_caching, backlog.get(iid, 0))))
+    core.submit(_meta(rid, prompt))
+    where = None
+    for iid, inst in list(core.instances.items()):
+        reply = core.take_outbox(iid)
+        if reply.work:
+            where = iid
+            core.on_report(StepReport(_stats(iid, inst.stats.prefix_caching),
+                                      events=[TokenEvent(w.meta.request_id, [5], True, "length") for w in reply.work]))
+    assert core.inflight() == 0
+    return where
+
+
+def _core(caching=(True, True), **cfg):
+    core = RouterCore(RouterConfig(**cfg), VirtualClock(0.0))
+    core.on_poll("i1", _stats("i1", caching[0]))
+    core.on_poll("i2", _stats("i2", caching[1]))
+    return core
+
+
+def test_prompts_sharing_a_prefix_follow_it():
+    core = _core()
+    first = _place(core, "a", SYSTEM + [1, 2, 3])
+    # Where the prefix went, though that instance is a little busier (by load alone: the other).
+    assert [_place(core, f"q{i}", SYSTEM + [7, i], backlog={first: 20}) for i in range(4)] == [first] * 4
+    other = "i2" if first == "i1" else "i1"
+    # Nothing of it cached anywhere: the least loaded.
+    assert _place(core, "b", list(range(5000, 5100)), backlog={first: 50}) == other
+
+
+def test_a_busier_instance_wins_only_while_its_backlog_is_below_the_saved_prefix():
+    core = _core()
+    home = _place(core, "a", SYSTEM + [1])
+    other = "i2" if home == "i1" else "i1"
+    assert _place(core, "b", SYSTEM + [2], backlog={home: 150}) == home      # 150 < 160 cached
+    assert _place(core, "c", SYSTEM + [3], backlog={home: 170}) == other     # 170 > 160
+
+
+def test_affinity_off_or_no_caching_instances_places_by_load_alone():
+    for core in (_core(prefix_affinity=False), _core(caching=(False, False))):
+        _place(core, "a", SYSTEM + [1])
+        # i1 busier by 10 tokens: load alone sends the next one to i2 whatever it shares.
+        assert _place(core, "b", SYSTEM + [2], backlog={"i1": 10}) == "i2"
+        assert _place(core, "c", SYSTEM + [3], backlog={"i2": 10}) == "i1"
+    assert _core(caching=(False, False)).prefix_index.size("i1") == 0
+
+
+def test_an_instance_that_leaves_or_registers_again_is_forgotten():
+    core = _core()
+    home = _place(core, "a", SYSTEM + [1])
+    assert core.prefix_index.size(home) == 10
+    core.remove_instance(home)
+    assert core.prefix_index.size(home) == 0
+
+
+def test_prompts_in_transit_count_only_their_uncached_part():
+    """Several prompts sharing the prefix arrive together: each one sent home adds only its
+    own few tokens to home's backlog, so the next one still goes home."""
+    core = _core(max_local_waiting=8)
+    home = _place(core, "a", SYSTEM + [1])
+    for rid in ("b", "c", "d"):
+        core.submit(_meta(rid, SYSTEM + [2, 3]))
+    assert [w.meta.request_id for w in core.take_outbox(home).work] == ["b", "c", "d"]
+    assert core.instances[home].transit_sum(3) == 3 * 2
+    for rid in ("b", "c", "d"):
+        core.abort(rid)
+    assert core.inflight() == 0
