@@ -54,6 +54,18 @@ def wait_healthy(url: str, timeout_s: float, alive=lambda: True) -> bool:
     return False
 
 
+def override_args(args: dict, model: str | None, policy: str | None, prefix_caching: bool) -> dict:
+    """The app's args with the CLI's overrides (`up --model/--policy/--enable-prefix-caching`)."""
+    args = dict(args)
+    if model:
+        args["model"] = model
+    if policy:
+        args["policy"] = policy
+    if prefix_caching:      # for every pool; a pool's own `engine` options still win
+        args["engine"] = {**args.get("engine", {}), "enable_prefix_caching": True}
+    return args
+
+
 def serve_cluster(app_path: str | None, model: str | None, policy: str | None, host: str, port: int,
                   address: str | None = None, dashboard: bool = True, num_cpus: int = 8,
                   ready_timeout_s: float = 600.0, on_ready=None, direct_ingress: bool = True,
@@ -66,13 +78,7 @@ def serve_cluster(app_path: str | None, model: str | None, policy: str | None, h
     from raycluster.cluster.config import ClusterConfig
 
     spec = load_app_spec(app_path)
-    args = spec["args"]
-    if model:
-        args["model"] = model
-    if policy:
-        args["policy"] = policy
-    if prefix_caching:
-        args["engine"] = {**args.get("engine", {}), "enable_prefix_caching": True}
+    args = spec["args"] = override_args(spec["args"], model, policy, prefix_caching)
     cfg = ClusterConfig(**args)             # validate before touching Ray
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     started_ray = address is None

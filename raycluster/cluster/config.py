@@ -64,6 +64,8 @@ class ClusterConfig(BaseModel):
     max_local_waiting: int = Field(8, ge=1, description="requests an instance may hold that have not started; "
                                    "small keeps the global order, large ramps bursts up faster")
     initial_l_m: int = Field(2048, ge=1, description="short/long prompt boundary until refitted")
+    prefix_affinity: bool = Field(True, description="with prefix-caching instances, send a prompt where its "
+                                                    "prefix probably is unless that instance is busier by more")
     threads_per_instance: int = Field(1, ge=1)
     engine: dict = Field(default_factory=dict, description="EngineConfig overrides for every instance")
     pools: list[PoolSpec] = Field(default_factory=lambda: [PoolSpec(role="mixed")])

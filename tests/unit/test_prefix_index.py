@@ -135,3 +135,17 @@ def test_prompts_in_transit_count_only_their_uncached_part():
     for rid in ("b", "c", "d"):
         core.abort(rid)
     assert core.inflight() == 0
+
+
+def test_the_apps_args_reach_the_router_and_the_engines():
+    from deployments.app import router_config
+    from deployments.launcher import load_app_spec, override_args
+    from raycluster.cluster.config import ClusterConfig
+
+    assert router_config(ClusterConfig()).prefix_affinity is True
+    assert router_config(ClusterConfig(prefix_affinity=False)).prefix_affinity is False
+    cfg = ClusterConfig(engine={"enable_prefix_caching": True}, pools=[{"role": "mixed"}])
+    assert cfg.engine_config(cfg.pools[0]).enable_prefix_caching
+    args = override_args(load_app_spec(None)["args"], None, None, prefix_caching=True)   # `up --enable-prefix-caching`
+    cfg = ClusterConfig(**args)
+    assert all(cfg.engine_config(p).enable_prefix_caching for p in cfg.pools)
