@@ -25,8 +25,36 @@ def test_kairos_setup_per_instance_queues_and_one_chunk_budget():
         chunk = spec["engine"]["chunk_size"]
         assert chunk in (None, spec["engine"]["max_num_batched_tokens"])   # Alg. 1: one chunk budget C
         assert j["wl"]["long_tokens"] == results_setup.KAIROS_LONG_TOKENS
+        assert j["wl"]["seed"] == j["key"][3] and j["ttft_misses"]
     whole = [j for j in jobs if j["key"][1] == "fcfs-whole/all"]
     assert whole and all(j["spec"]["engine"]["chunk_size"] is None for j in whole)
+    assert len({tuple(j["key"]) for j in jobs}) == len(jobs)
+
+
+def test_kairos_prefill_sweep_covers_every_seed_at_every_point():
+    jobs = results_setup.jobs_for("kairos", quick=False)
+    pre = [j for j in jobs if j["key"][4] == "prefill"]
+    assert {(j["key"][1], j["key"][2], j["key"][3]) for j in pre} == {
+        (c, q, s) for c in results_setup.KAIROS_PREFILL_CFGS for q in results_setup.KAIROS_QPS
+        for s in results_setup.KAIROS_SEEDS}
+    assert all(j["wl"]["duration"] == results_setup.KAIROS_DURATION_S for j in pre)
+    dec = [j for j in jobs if j["key"][4] == "decode"]
+    assert {j["key"][1] for j in dec} == set(results_setup.KAIROS_DECODE_CFGS)
+    assert all(j["wl"]["seed"] == results_setup.KAIROS_DECODE_SEED for j in dec)
+
+
+def test_ttft_misses_per_class():
+    reqs = [{"klass": "short", "ttft_ok": True, "prompt_tokens": 100, "ttft_s": 1.0},
+            {"klass": "long", "ttft_ok": False, "prompt_tokens": 30000, "ttft_s": 12.0},
+            {"klass": "long", "ttft_ok": False, "prompt_tokens": 20000, "ttft_s": 9.0},
+            {"klass": "long", "ttft_ok": True, "prompt_tokens": 9000, "ttft_s": 3.0},
+            {"klass": "short", "ttft_ok": False, "prompt_tokens": 50, "ttft_s": 20.0, "warmup": True}]
+    m = results_setup.ttft_misses(reqs)
+    assert m["short"] == {"n": 1, "misses": 0, "prompt_min": None, "prompt_max": None,
+                          "ttft_min_s": None, "ttft_max_s": None, "ttft_p50_s": None}
+    assert m["long"]["n"] == 3 and m["long"]["misses"] == 2
+    assert (m["long"]["prompt_min"], m["long"]["prompt_max"]) == (20000, 30000)
+    assert (m["long"]["ttft_min_s"], m["long"]["ttft_max_s"], m["long"]["ttft_p50_s"]) == (9.0, 12.0, 10.5)
 
 
 def test_highest_full_qps_stops_at_first_miss():
@@ -35,22 +63,54 @@ def test_highest_full_qps_stops_at_first_miss():
     assert results_render.highest_full_qps([2, 4], [0.9, 1.0]) is None
 
 
-def kairos_data(att: dict[str, list[float]], tpot: dict[str, list[float]], qps=(2, 4, 6)) -> dict:
+def kairos_data(att: dict[str, list[list[float]]], tpot: dict[str, list[float]], qps=(2, 4, 6), seeds=(1, 2)) -> dict:
+    """att: config -> per QPS point, one TTFT attainment per seed; tpot: the decode runs (one seed)."""
     d = {}
-    for c in results_setup.KAIROS_CFGS:
+    for c in results_setup.KAIROS_PREFILL_CFGS:
         for i, q in enumerate(qps):
-            d[("kairos", c, q)] = {"summary": {"ttft_slo_attainment": att.get(c, [1.0] * len(qps))[i],
-                                               "tpot_slo_attainment": tpot.get(c, [1.0] * len(qps))[i]}}
+            for j, s in enumerate(seeds):
+                a = att.get(c, [[1.0] * len(seeds)] * len(qps))[i][j]
+                d[("kairos", c, q, s, "prefill")] = {
+                    "key": ["kairos", c, q, s, "prefill"], "num_requests": 1000,
+                    "summary": {"ttft_slo_attainment": a},
+                    "by_class": {"short": {"ttft_p99_s": 2.0}, "long": {"ttft_p99_s": 9.0}},
+                    "ttft_misses": {"short": {"n": 900, "misses": 0},
+                                    "long": {"n": 100, "misses": round((1 - a) * 1000), "prompt_min": 20000,
+                                             "prompt_max": 40000, "ttft_min_s": 8.1, "ttft_max_s": 15.0}}}
+    for c in results_setup.KAIROS_DECODE_CFGS:
+        for i, q in enumerate(qps):
+            d[("kairos", c, q, 1, "decode")] = {"summary": {"tpot_slo_attainment": tpot.get(c, [1.0] * len(qps))[i]}}
     return d
 
 
-def test_kairos_verdict_from_data():
-    d = kairos_data({"fcfs-whole/all": [1.0, 0.9, 0.5], "fcfs/all": [1.0, 0.99, 0.6],
-                     "kairos/all": [1.0, 1.0, 0.7]},
+def test_kairos_verdict_from_mean_over_seeds(monkeypatch):
+    monkeypatch.setattr(results_render, "_plot", lambda *a, **k: None)     # not over docs/figures
+    d = kairos_data({"fcfs-whole/all": [[1.0, 1.0], [0.9, 0.95], [0.5, 0.6]],
+                     "fcfs/all": [[1.0, 1.0], [0.99, 1.0], [0.6, 0.7]],
+                     "kairos/all": [[1.0, 1.0], [1.0, 1.0], [0.7, 0.8]]},
                     {"kairos/all": [1.0, 0.98, 0.9], "kairos/kairos": [1.0, 0.99, 0.8]})
     v = results_render.kairos_verdict(d)
     assert v["kairos/all"]["full"] == 4 and v["fcfs/all"]["full"] == 2 and v["fcfs/all"]["99"] == 4
+    assert v["fcfs/all"]["mean"][1] == 0.995 and v["fcfs/all"]["min"][1] == 0.99
+    assert v["fcfs/all"]["seed_full"] == {1: 2, 2: 4} and v["kairos/all"]["seed_full"] == {1: 4, 2: 4}
+    assert v["claim_full"] and not v["claim_99"]
+    assert v["seeds_higher_full"] == [1] and v["seeds_lower_full"] == []
     assert v["tpot_better"] == [4] and v["tpot_worse"] == [6]
+    text = results_render.render_kairos(d)
+    assert "Urgency keeps 100% to a higher QPS than both FCFS baselines: yes" in text
+    assert "| 4 | 2000 |" in text and "0.9950 [0.9900, 1.0000]" in text
+
+
+def test_kairos_verdict_no_when_urgency_misses_first(monkeypatch):
+    monkeypatch.setattr(results_render, "_plot", lambda *a, **k: None)
+    d = kairos_data({"kairos/all": [[1.0, 0.999], [0.99, 0.995], [0.9, 0.9]],
+                     "fcfs/all": [[1.0, 1.0], [1.0, 0.999], [0.9, 0.9]]}, {})
+    v = results_render.kairos_verdict(d)
+    assert v["kairos/all"]["full"] is None and v["fcfs/all"]["full"] == 2 and v["fcfs-whole/all"]["full"] == 6
+    text = results_render.render_kairos(d)
+    assert "Urgency keeps 100% to a higher QPS than both FCFS baselines: NO" in text
+    # Who misses: at QPS 4 (every order >= 99% on average) urgency's misses are long prompts.
+    assert "At QPS 4" in text and "urgency misses 0 short and 15 long" in text
 
 
 def test_bounded_tail():
