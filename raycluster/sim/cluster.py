@@ -127,6 +127,9 @@ class SimCluster:
                 self.instances[iid] = SimInstance(self, iid, pool.role, ecfg, pred, blocks,
                                                   pool.gpus_per_instance, spec.max_model_len,
                                                   fast=self.fast_decode)
+        # Prefix caching needs the prompts' real token ids (the ones `loadgen run --prompt-format
+        # ids` sends for the same workload); otherwise every prompt is one repeated token.
+        self.token_ids = any(spec.engine_config(p).enable_prefix_caching for p in spec.pools)
         self.loop.on("arrival", self._arrival)
         self.loop.on("step", self._step)
         self.loop.on("transfer", self._transfer)
@@ -170,7 +173,8 @@ class SimCluster:
         now = self.loop.clock.now()
         rec.arrival_s = rec.send_s = now - self.spec.dispatch_latency_s if r.depends_on else r.arrival_s
         rec.status = "sent"
-        meta = RequestMeta(request_id=rid, gateway_id=GATEWAY, prompt_token_ids=[PROMPT_TOKEN] * r.prompt_tokens,
+        ids = r.prompt_token_ids() if self.token_ids else [PROMPT_TOKEN] * r.prompt_tokens
+        meta = RequestMeta(request_id=rid, gateway_id=GATEWAY, prompt_token_ids=ids,
                            sampling=SamplingParams(max_tokens=r.output_tokens, ignore_eos=True),
                            ttft_slo_s=r.ttft_slo_ms / 1000.0 if r.ttft_slo_ms is not None else None,
                            tpot_slo_s=r.tpot_slo_ms / 1000.0 if r.tpot_slo_ms is not None else None,

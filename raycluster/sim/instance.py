@@ -43,6 +43,7 @@ from typing import TYPE_CHECKING
 
 from raycluster.cluster.messages import InstanceStats, PollReply, PrefillDone, StepReport, TokenEvent, WorkItem
 from raycluster.engine.kv_manager import KVCacheManager
+from raycluster.engine.prefix_cache import PrefixCachingKVManager
 from raycluster.engine.sched_factory import build_scheduler
 from raycluster.request import SLO, Request, RequestStatus
 from raycluster.sched.base import AllDecodes
@@ -72,9 +73,12 @@ class SimInstance:
         self.gpus = gpus
         self.clock = cluster.loop.clock
         self.predictor = predictor
-        self.kv = KVCacheManager(kv_blocks, engine_cfg.block_size)
+        caching = engine_cfg.enable_prefix_caching
+        self.kv = (PrefixCachingKVManager if caching else KVCacheManager)(kv_blocks, engine_cfg.block_size)
         self.scheduler = build_scheduler(engine_cfg, self.kv, self.clock, max_model_len, predictor)
-        self.fast = bool(fast)          # decode group (sim/fastpath.py) instead of per-token decodes
+        # Decode group (sim/fastpath.py) instead of per-token decodes; not with prefix caching,
+        # whose blocks must stay in per-request tables.
+        self.fast = bool(fast) and not caching
         if self.fast:
             make_fast(self.scheduler)
         self.busy = False               # a STEP event is pending
@@ -97,7 +101,9 @@ class SimInstance:
                              running=len(s.decoding), kv_free_blocks=kv.num_free_blocks,
                              kv_total_blocks=kv.num_blocks, block_size=kv.block_size,
                              step_time_ema_s=self.step_ema, steps=self.steps, work_seen=self.work_seen,
-                             queued_tokens=s.prefill_backlog, busy_s=self.busy_time)
+                             queued_tokens=s.prefill_backlog, busy_s=self.busy_time,
+                             prefix_caching=kv.prefix_caching, prefix_query_tokens=getattr(kv, "query_tokens", 0),
+                             prefix_hit_tokens=getattr(kv, "hit_tokens", 0))
 
     def apply(self, reply: PollReply) -> None:
         if reply.role:

@@ -35,7 +35,9 @@ def simulate(spec: SimSpec, workload: Workload, *, horizon_s: float | None = Non
            "tie_break": "time, then scheduling order (FIFO)",
            "decode_path": "fast" if cluster.fast_decode else ("runs" if cluster.coalesce else "stepwise"),
            "group_steps": sum(getattr(i.scheduler, "group_steps", 0) for i in cluster.instances.values()),
-           "group_dissolved": sum(getattr(i.scheduler, "dissolved", 0) for i in cluster.instances.values())}
+           "group_dissolved": sum(getattr(i.scheduler, "dissolved", 0) for i in cluster.instances.values()),
+           "prefix_query_tokens": sum(getattr(i.kv, "query_tokens", 0) for i in cluster.instances.values()),
+           "prefix_hit_tokens": sum(getattr(i.kv, "hit_tokens", 0) for i in cluster.instances.values())}
     m = {"source": "sim", "workload": workload.name, "workload_params": workload.params,
          "qps": workload.params.get("qps"), "seed": seed if seed is not None else workload.params.get("seed"),
          "policy": spec.policy, "spec": spec.model_dump(), "sim": sim, **(meta or {})}
