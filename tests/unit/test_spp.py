@@ -175,3 +175,27 @@ def test_engine_with_spp_config_generates_the_same_greedy_tokens(model, monkeypa
     assert eng.runner.ranks.errors == [] and not any(t.is_alive() for t in eng.runner.ranks._threads)
     with pytest.raises(ValueError, match="spp"):
         LLMEngine(EngineConfig(**base, spp=5), model)       # the tiny model has 4 layers
+
+
+def test_spp_engine_with_prefix_caching_reuses_blocks_on_every_stage(model, monkeypatch):
+    """Each stage keeps its layers' KV under the leader's block ids, so a cached prefix is
+    valid on all of them: the second wave of prompts takes it and generates the same tokens."""
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "lo")
+    base = dict(kv_cache_tokens=4096, block_size=BS, policy="fcfs", packer="token", chunk_size=256,
+                predictor="none")
+    g = torch.Generator().manual_seed(3)
+    head = torch.randint(6, 4000, (300,), generator=g).tolist()
+    first = [head + torch.randint(6, 4000, (20,), generator=g).tolist()]
+    later = [head + torch.randint(6, 4000, (n,), generator=g).tolist() for n in (5, 40)]
+    sp = SamplingParams(max_tokens=6, ignore_eos=True)
+    ref = LLMEngine(EngineConfig(**base), model)
+    want = ref.generate(first, sp) + ref.generate(later, sp)
+    eng = LLMEngine(EngineConfig(**base, spp=2, spp_micro_tokens=64, group_timeout_s=30,
+                                 enable_prefix_caching=True), model)
+    try:
+        got = eng.generate(first, sp) + eng.generate(later, sp)
+        eng.kv.check()
+    finally:
+        eng.close()
+    assert got == want
+    assert eng.kv.hit_tokens == 2 * (300 // BS) * BS
