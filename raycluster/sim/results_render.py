@@ -13,6 +13,7 @@ from raycluster.sim.results_setup import (DOCS, JUSTITIA_APPS_DURATION_S, JUSTIT
                                           JUSTITIA_POLS, KAIROS_DECODE_DURATION_S, KAIROS_DECODE_SEED,
                                           KAIROS_DURATION_S, KAIROS_LONG_TOKENS, KAIROS_PREFILL_CFGS,
                                           MEDHA_CFGS, MEDHA_EDF_DURATION_S, MEDHA_LABEL)
+from raycluster.sim.results_prefix import render_prefix
 
 # ---------------------------------------------------------------------------------------------
 # rendering
@@ -592,5 +593,5 @@ def render_sim_to_real(d: dict) -> str:
 
 
 RENDER = {"sim-to-real": render_sim_to_real, "medha": render_medha, "medha-edf": render_medha_edf, "kairos": render_kairos, "justitia": render_justitia,
-          "justitia-apps": render_justitia_apps, "pla": render_pla,
+          "justitia-apps": render_justitia_apps, "pla": render_pla, "prefix": render_prefix,
           "speed": render_speed}

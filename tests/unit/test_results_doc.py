@@ -152,3 +152,22 @@ def test_speed_window_row_states_minutes_per_hour_and_verdict():
     text = render_speed({("speed", "window", 700.0): {"runs": [fast, exact]}})
     assert "30.0 minutes per simulated hour" in text and "120.0 minutes per hour" in text
     assert "speed-up 4.0x" in text and "NOT met" in text
+
+
+def test_prefix_jobs_and_verdict():
+    from raycluster.sim import results_prefix as rp
+
+    jobs = results_setup.jobs_for("prefix", quick=False)
+    assert {(j["key"][1], j["key"][2]) for j in jobs} == {(c, q) for c in rp.PREFIX_CFGS for q in rp.PREFIX_QPS}
+    for j in jobs:
+        eng = SimSpec(**j["spec"]).engine_config(SimSpec(**j["spec"]).pools[0])
+        assert eng.enable_prefix_caching == (j["key"][1] != "nocache")
+        assert j["spec"].get("router", {}).get("prefix_affinity", True) == (j["key"][1] != "cache-load")
+    p90 = {"nocache": [0.3, 0.9, 5.0], "cache-load": [0.2, 0.5, 1.2], "cache": [0.1, 0.3, 0.6]}
+    d = {("prefix", c, q): {"summary": {"ttft_p90_s": v}, "sim": {}} for c, vs in p90.items()
+         for q, v in zip([4, 8, 12], vs)}
+    assert [rp.holds_up_to(d, c) for c in ("nocache", "cache-load", "cache")] == [8, 8, 12]
+    d[("prefix", "cache", 4)]["summary"]["ttft_p90_s"] = 1.5        # the first point already fails
+    assert rp.holds_up_to(d, "cache") is None
+    assert rp.hit_rate({"sim": {"prefix_query_tokens": 200, "prefix_hit_tokens": 50}}) == 0.25
+    assert rp.hit_rate({"sim": {}}) is None
