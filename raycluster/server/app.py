@@ -27,8 +27,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from raycluster.engine.engine import InvalidRequestError
 from raycluster.request import SLO
 from raycluster.server.openai_logprobs import chat_logprobs, completion_logprobs
-from raycluster.server.protocol import (ChatCompletionRequest, CompletionRequest, OverloadedError, error_body,
-                                       now_s)
+from raycluster.server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
+                                       OverloadedError, TokenizeRequest, error_body, now_s)
 
 
 class _Metrics:
@@ -164,8 +164,30 @@ def build_app(engine, tokenizer, model_name: str) -> FastAPI:
             engine.admit()
         except OverloadedError as e:
             return _overloaded(e)
-        prompt = tokenizer.apply_chat_template([{"role": m.role, "content": m.text()} for m in body.messages])
-        return await _run(body, tokenizer.encode(prompt), "chat.completion", http)
+        return await _run(body, _chat_ids(body.messages), "chat.completion", http)
+
+    def _chat_ids(messages, add_generation_prompt: bool = True) -> list[int]:
+        prompt = tokenizer.apply_chat_template([{"role": m.role, "content": m.text()} for m in messages],
+                                               add_generation_prompt=add_generation_prompt)
+        return tokenizer.encode(prompt)
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest):
+        """vLLM's: the token ids a completion (or chat) request with this input would run."""
+        try:
+            ids = _encode_prompt(body.prompt) if body.messages is None else \
+                _chat_ids(body.messages, body.add_generation_prompt)
+        except InvalidRequestError as e:
+            return _bad_request(str(e), e.field)
+        return {"count": len(ids), "max_model_len": engine.max_model_len, "tokens": ids}
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest):
+        vocab = tokenizer.vocab_size
+        bad = next((t for t in body.tokens if not 0 <= t < vocab), None)
+        if bad is not None:
+            return _bad_request(f"tokens: {bad} is not a token id of this model (0 to {vocab - 1})", "tokens")
+        return {"prompt": tokenizer.decode(body.tokens)}
 
     return app
 

@@ -18,7 +18,7 @@ from typing import Literal
 
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from raycluster.request import MAX_LOGPROBS, SamplingParams
 
@@ -142,10 +142,25 @@ class ChatCompletionRequest(_GenerationFields):
         return (self.top_logprobs or 0) if self.logprobs else None
 
 
-class Usage(BaseModel):
-    prompt_tokens: int
-    completion_tokens: int
-    total_tokens: int
+class TokenizeRequest(BaseModel):
+    """vLLM's `POST /tokenize`: a completion prompt, or chat messages through the chat template."""
+    model_config = ConfigDict(extra="ignore")
+    model: str | None = None
+    prompt: str | list[int] | None = None
+    messages: list[ChatMessage] | None = None
+    add_generation_prompt: bool = True
+
+    @model_validator(mode="after")
+    def _one_input(self) -> "TokenizeRequest":
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("give exactly one of prompt and messages")
+        return self
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    model: str | None = None
+    tokens: list[int]
 
 
 def now_s() -> int:

@@ -314,3 +314,29 @@ def test_a_repeated_prompt_reports_its_cached_tokens(server):
         cached.append(usage["prompt_tokens_details"]["cached_tokens"])
     assert cached == [0, 64]
     assert _all_free(aeng)
+
+
+def test_tokenize_and_detokenize_as_vllm(server):
+    url, aeng, tok, ref = server
+    r = httpx.post(f"{url}/tokenize", json={"prompt": "Once upon a time"}, timeout=10)
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["tokens"] == tok.encode("Once upon a time") and body["count"] == len(body["tokens"])
+    assert body["max_model_len"] == aeng.max_model_len
+    assert httpx.post(f"{url}/tokenize", json={"prompt": [5, 9, 11]}, timeout=10).json()["tokens"] == [5, 9, 11]
+    # Chat messages go through the same template as /v1/chat/completions: the usage of a chat
+    # request counts exactly these tokens.
+    msgs = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello river"}]
+    ids = httpx.post(f"{url}/tokenize", json={"messages": msgs}, timeout=10).json()["tokens"]
+    chat = httpx.post(f"{url}/v1/chat/completions", json={"messages": msgs, "max_tokens": 2}, timeout=30).json()
+    assert chat["usage"]["prompt_tokens"] == len(ids)
+    no_gen = httpx.post(f"{url}/tokenize", json={"messages": msgs, "add_generation_prompt": False}, timeout=10)
+    assert len(no_gen.json()["tokens"]) <= len(ids)
+    r = httpx.post(f"{url}/detokenize", json={"tokens": body["tokens"]}, timeout=10)
+    assert r.status_code == 200 and r.json()["prompt"] == tok.decode(body["tokens"])
+    for path, payload, param in [("/tokenize", {}, None), ("/tokenize", {"prompt": "a", "messages": msgs}, None),
+                                 ("/tokenize", {"prompt": ""}, "prompt"),
+                                 ("/detokenize", {"tokens": [1, 10 ** 9]}, "tokens")]:
+        r = httpx.post(f"{url}{path}", json=payload, timeout=10)
+        assert r.status_code == 400, (path, payload, r.text)
+        assert r.json()["error"]["param"] == param, r.json()

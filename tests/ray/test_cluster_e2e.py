@@ -235,6 +235,8 @@ def test_openai_client_and_status(cluster):
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "max_tokens"
     layouts = {i["layout"] for i in httpx.get(url + "/v1/cluster/status", timeout=5).json()["instances"]}
     assert layouts == {"mixed-kvp": {"kvp2"}, "pd-groups": {"single", "spp2", "kvp2"}}.get(name, {"single"})
+    tok = httpx.post(url + "/tokenize", json={"prompt": "hello river"}, timeout=10).json()
+    assert tok["count"] == len(tok["tokens"]) > 0 and tok["max_model_len"] > tok["count"]
     _assert_drained(url)
 
 
