@@ -54,22 +54,23 @@ def wait_healthy(url: str, timeout_s: float, alive=lambda: True) -> bool:
     return False
 
 
-def override_args(args: dict, model: str | None, policy: str | None, prefix_caching: bool) -> dict:
-    """The app's args with the CLI's overrides (`up --model/--policy/--enable-prefix-caching`)."""
+def override_args(args: dict, model: str | None, policy: str | None, prefix_caching: bool | None) -> dict:
+    """The app's args with the CLI's overrides (`up --model/--policy/--[no-]enable-prefix-caching`;
+    None leaves the app's setting)."""
     args = dict(args)
     if model:
         args["model"] = model
     if policy:
         args["policy"] = policy
-    if prefix_caching:      # for every pool; a pool's own `engine` options still win
-        args["engine"] = {**args.get("engine", {}), "enable_prefix_caching": True}
+    if prefix_caching is not None:      # for every pool; a pool's own `engine` options still win
+        args["engine"] = {**args.get("engine", {}), "enable_prefix_caching": prefix_caching}
     return args
 
 
 def serve_cluster(app_path: str | None, model: str | None, policy: str | None, host: str, port: int,
                   address: str | None = None, dashboard: bool = True, num_cpus: int = 8,
                   ready_timeout_s: float = 600.0, on_ready=None, direct_ingress: bool = True,
-                  state_file: Path | None = None, prefix_caching: bool = False) -> int:
+                  state_file: Path | None = None, prefix_caching: bool | None = None) -> int:
     import ray
     from ray import serve
 

@@ -87,9 +87,11 @@ def cmd_up(args: argparse.Namespace) -> int:
     for flag in ("model", "policy", "app", "address", "threads"):
         if getattr(args, flag, None):
             cmd += [f"--{flag}", str(getattr(args, flag))]
-    for flag in ("no_dashboard", "no_direct_ingress", "enable_prefix_caching"):
+    for flag in ("no_dashboard", "no_direct_ingress"):
         if getattr(args, flag, False):
             cmd.append("--" + flag.replace("_", "-"))
+    if getattr(args, "enable_prefix_caching", None) is not None:
+        cmd.append("--enable-prefix-caching" if args.enable_prefix_caching else "--no-enable-prefix-caching")
     with open(log, "ab") as fh:
         proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, start_new_session=True)
     url = f"http://{args.host}:{args.port}"
@@ -242,9 +244,9 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--no-dashboard", action="store_true", help="do not start the Ray dashboard")
     up.add_argument("--no-direct-ingress", action="store_true",
                     help="serve only through Serve's proxy (no per-replica gateway ports)")
-    up.add_argument("--enable-prefix-caching", action="store_true",
-                    help="every instance reuses the KV of prompt prefixes it computed before "
-                         "(the app's engine options can set it per pool instead)")
+    up.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,
+                    help="every instance reuses (or, with --no-..., does not reuse) the KV of prompt prefixes "
+                         "it computed before; default: the app's engine options (on in deployments/*.yaml)")
     up.add_argument("--host", default="127.0.0.1")
     up.add_argument("--port", type=int, default=8000)
     up.add_argument("--detach", action="store_true", help="run in the background; stop with `down`")
@@ -257,8 +259,8 @@ def build_parser() -> argparse.ArgumentParser:
     es.add_argument("--host", default="127.0.0.1")
     es.add_argument("--port", type=int, default=8000)
     es.add_argument("--threads", type=int, default=None, help="torch threads of the engine")
-    es.add_argument("--enable-prefix-caching", action="store_true",
-                    help="reuse the KV of prompt prefixes computed before")
+    es.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                    help="reuse the KV of prompt prefixes computed before (default on, as in vLLM)")
     es.add_argument("--detach", action="store_true", help="run in the background; stop with `down`")
     es.add_argument("--timeout", type=float, default=300.0)
     es.set_defaults(fn=cmd_up)

@@ -126,6 +126,9 @@ class PrefixCachingKVManager(KVCacheManager):
     def __init__(self, num_blocks: int, block_size: int) -> None:
         super().__init__(num_blocks, block_size, PrefixCachingAllocator(num_blocks))
         self._keys: dict[str, list[bytes]] = {}     # per request: keys of its leading full blocks
+        # Counted once per admission (a request is looked up on arrival and again when first
+        # scheduled; a preemption, which frees its blocks, starts a new admission).
+        self._queried: set[str] = set()
         self.query_tokens = 0       # known tokens of requests looked up
         self.hit_tokens = 0         # of those, found cached
 
@@ -148,7 +151,9 @@ class PrefixCachingKVManager(KVCacheManager):
             keys.append(key)
             blocks.append(block)
             parent = key
-        self.query_tokens += len(tokens)
+        if rid not in self._queried:
+            self._queried.add(rid)
+            self.query_tokens += len(tokens)
         self.hit_tokens += len(blocks) * bs
         if not blocks:
             return 0
@@ -181,6 +186,7 @@ class PrefixCachingKVManager(KVCacheManager):
 
     def free(self, request_id: str) -> None:
         self._keys.pop(request_id, None)
+        self._queried.discard(request_id)
         super().free(request_id)
 
     def fork(self, src_id: str, dst_id: str) -> None:

@@ -134,6 +134,9 @@ def test_requests_arriving_together_reuse_what_the_first_ones_computed(loaded, p
     assert got == want
     cached = [r.num_cached_tokens for r in reqs.values()]
     assert cached[0] == 0 and cached[-5:] == [80] * 5      # the whole shared prefix, 10 blocks
+    # Each request is looked up on arrival and again when first scheduled, but counted once.
+    assert eng.kv.query_tokens == sum(len(p) for _, _, p, _ in arrivals)
+    assert eng.kv.hit_tokens == sum(cached)
     assert eng.scheduler.prefill_backlog == 0 == eng.scheduler.prefill_backlog_slow()
 
 

@@ -146,6 +146,8 @@ def test_the_apps_args_reach_the_router_and_the_engines():
     assert router_config(ClusterConfig(prefix_affinity=False)).prefix_affinity is False
     cfg = ClusterConfig(engine={"enable_prefix_caching": True}, pools=[{"role": "mixed"}])
     assert cfg.engine_config(cfg.pools[0]).enable_prefix_caching
-    args = override_args(load_app_spec(None)["args"], None, None, prefix_caching=True)   # `up --enable-prefix-caching`
-    cfg = ClusterConfig(**args)
-    assert all(cfg.engine_config(p).enable_prefix_caching for p in cfg.pools)
+    for flag in (None, True):       # the shipped default app caches prefixes; `up --enable-prefix-caching`
+        cfg = ClusterConfig(**override_args(load_app_spec(None)["args"], None, None, prefix_caching=flag))
+        assert all(cfg.engine_config(p).enable_prefix_caching for p in cfg.pools)
+    cfg = ClusterConfig(**override_args(load_app_spec(None)["args"], None, None, prefix_caching=False))
+    assert not any(cfg.engine_config(p).enable_prefix_caching for p in cfg.pools)     # `--no-enable-prefix-caching`
