@@ -74,7 +74,9 @@ class _StepAllocator:
 class _PrefixMatchingQueue:
     """The policy as the packer sees it with prefix caching on: a request popped for its first
     chunk first takes the cached blocks of its prefix (ones registered while it waited), so the
-    packer sizes its chunk over what is left. The policy hears of them as progress."""
+    packer sizes its chunk over what is left. The policy is not told: cached tokens are no
+    service to charge (VTC, Justitia), and remaining-work estimates (Kairos, SRJF) are re-read
+    from the request at its next push or progress report."""
 
     def __init__(self, sched: "Scheduler") -> None:
         self.sched = sched
@@ -82,9 +84,7 @@ class _PrefixMatchingQueue:
     def pop(self) -> Request | None:
         req = self.sched.policy.pop()
         if req is not None:
-            hit = self.sched._take_cached_prefix(req)
-            if hit:
-                self.sched.policy.on_progress(req, hit)
+            self.sched._take_cached_prefix(req)
         return req
 
     def push(self, req: Request) -> None:
