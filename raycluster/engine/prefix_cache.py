@@ -2,8 +2,8 @@
 
 A full block's key chains SHA-256 over every token up to its end (vLLM's scheme:
 key_i = H(key_{i-1} || tokens of block i)), so equal keys mean equal token prefixes at equal
-positions, hence equal KV. `PrefixCachingAllocator` has `BlockAllocator`'s interface; a block
-whose last reference goes away keeps its key and joins the free pool, which is an LRU (least
+positions, hence equal KV. `PrefixCachingAllocator` is a `BlockAllocator` whose block, when
+its last reference goes away, keeps its key and joins the free pool, which is an LRU (least
 recently freed is handed out, and loses its key, first). So a freed prefix stays findable until
 its blocks are needed for something else, and cached blocks never reduce the free count.
 
@@ -19,7 +19,7 @@ import hashlib
 from array import array
 from collections import OrderedDict
 
-from raycluster.engine.kv_manager import KVCacheManager, OutOfBlocks
+from raycluster.engine.kv_manager import BlockAllocator, KVCacheManager, OutOfBlocks
 from raycluster.request import Request
 
 
@@ -29,35 +29,19 @@ def block_key(parent: bytes, tokens: list[int]) -> bytes:
     return hashlib.sha256(parent + array("q", tokens).tobytes()).digest()
 
 
-class PrefixCachingAllocator:
+class PrefixCachingAllocator(BlockAllocator):
     def __init__(self, num_blocks: int) -> None:
-        if num_blocks <= 0:
-            raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
-        self.num_blocks = num_blocks
+        super().__init__(num_blocks)
+        # The free pool as an ordered set: least recently freed first, and a cached block can
+        # leave it from the middle when a prefix match revives it.
         self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
-        self._refs = [0] * num_blocks
         self._key_of: dict[int, bytes] = {}
         self._block_of: dict[bytes, int] = {}
-
-    # ---- BlockAllocator's interface ----------------------------------------------------------
-    @property
-    def num_free(self) -> int:
-        return len(self._free)
-
-    @property
-    def num_used(self) -> int:
-        return self.num_blocks - len(self._free)
 
     @property
     def num_cached(self) -> int:
         """Blocks holding a findable prefix (in use or free)."""
         return len(self._key_of)
-
-    def can_allocate(self, n: int, first_index: int = 0) -> bool:
-        return n <= len(self._free)
-
-    def free_blocks(self) -> list[int]:
-        return list(self._free)
 
     def allocate(self, n: int, first_index: int = 0) -> list[int]:
         if n > len(self._free):
@@ -72,30 +56,14 @@ class PrefixCachingAllocator:
             blocks.append(b)
         return blocks
 
-    def incref(self, block: int) -> None:
-        if self._refs[block] <= 0:
-            raise ValueError(f"block {block} is free; cannot share it")
-        self._refs[block] += 1
-
-    def free(self, block: int) -> None:
-        if self._refs[block] <= 0:
-            raise ValueError(f"double free of block {block}")
-        self._refs[block] -= 1
-        if self._refs[block] == 0:
-            self._free[block] = None
+    def _release(self, block: int) -> None:
+        self._free[block] = None            # keeps its key: findable until handed out again
 
     def free_all(self, blocks) -> None:
         """Free a table's blocks last to first, so that under pressure a freed prefix loses its
         tail before its head (the head is what other prompts are likeliest to share)."""
         for b in reversed(list(blocks)):
             self.free(b)
-
-    def refcount(self, block: int) -> int:
-        return self._refs[block]
-
-    def alias_table(self, num_blocks: int, offset: int) -> list[int]:
-        """A synthetic table (blocks may be shared with other synthetic tables) for profiling."""
-        return [(offset + i) % self.num_blocks for i in range(num_blocks)]
 
     # ---- the cache -----------------------------------------------------------------------------
     def lookup(self, key: bytes) -> int | None:
