@@ -13,10 +13,10 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import threading
 import time
 
 import pytest
+from switchboard import Switchboard
 
 from raycluster.cluster.client import ClusterClient
 from raycluster.cluster.instance import InstanceWorker
@@ -37,26 +37,12 @@ def loaded(tiny_model_dir):
     return model, Tokenizer(tiny_model_dir, mcfg.eos_token_id)
 
 
-class _Board:
-    """A RouterCore behind one lock, with the callables ClusterClient and InstanceWorker take."""
+class _Board(Switchboard):
+    """The switchboard, also recording the sampling parameters of the router's policy request."""
 
     def __init__(self) -> None:
-        self.core = RouterCore(RouterConfig(policy="fcfs"), router_id="r0001")
-        self.lock = threading.Lock()
+        super().__init__(lambda rid: RouterCore(RouterConfig(policy="fcfs"), router_id=rid))
         self.policy_sampling: dict[str, SamplingParams] = {}
-
-    def poll(self, iid, stats, timeout):
-        deadline = time.monotonic() + timeout
-        while True:
-            with self.lock:
-                reply = self.core.on_poll(iid, stats)
-            if reply.work or reply.aborts or reply.releases or time.monotonic() > deadline:
-                return reply
-            time.sleep(0.005)
-
-    def push(self, report):
-        with self.lock:
-            self.core.on_report(report)
 
     async def submit(self, meta):
         with self.lock:
@@ -65,22 +51,6 @@ class _Board:
             if st is not None:
                 self.policy_sampling[meta.request_id] = st.req.sampling
             return reply
-
-    async def abort(self, rid):
-        with self.lock:
-            return self.core.abort(rid)
-
-    async def pull(self, gid, timeout):
-        deadline = time.monotonic() + timeout
-        while True:
-            with self.lock:
-                if self.core.has_events(gid) or time.monotonic() > deadline:
-                    return self.core.take_events(gid)
-            await asyncio.sleep(0.005)
-
-    async def status(self):
-        with self.lock:
-            return self.core.status()
 
 
 def _run(model, tokenizer, requests: list[tuple[list[int], SamplingParams]]):

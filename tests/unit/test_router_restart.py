@@ -13,16 +13,22 @@ and nothing is left behind. And the router's side of a gateway that goes away: a
 from __future__ import annotations
 
 import asyncio
-import threading
 import time
 
 import pytest
+from switchboard import Switchboard
 
 from raycluster.clock import VirtualClock
 from raycluster.cluster.client import ClusterClient
 from raycluster.cluster.instance import InstanceWorker
-from raycluster.cluster.messages import (GatewayReply, InstanceStats, PollReply, RequestMeta, StepReport,
-                                         TokenEvent, WorkItem)
+from raycluster.cluster.messages import (
+    InstanceStats,
+    PollReply,
+    RequestMeta,
+    StepReport,
+    TokenEvent,
+    WorkItem,
+)
 from raycluster.cluster.router_core import RouterConfig, RouterCore
 from raycluster.engine.config import EngineConfig
 from raycluster.engine.engine import LLMEngine
@@ -119,59 +125,12 @@ def test_new_epoch_drops_everything_the_instance_holds(model):
         assert r.epoch == "y.1" and {e.request_id for e in r.events} <= {"n"}
 
 
-class _Switchboard:
-    """The router's methods behind one lock (RouterCore is not thread-safe), with the router
-    swappable for a fresh one, as a restarted actor would be."""
-
-    def __init__(self, make_core) -> None:
-        self.make_core, self.lock = make_core, threading.Lock()
-        self.core, self.incarnation = make_core("0001"), 1
-
-    def restart(self) -> None:
-        with self.lock:
-            self.incarnation += 1
-            self.core = self.make_core(f"{self.incarnation:04d}")
-
-    def poll(self, iid, stats, timeout):
-        deadline = time.monotonic() + timeout
-        while True:
-            with self.lock:
-                reply = self.core.on_poll(iid, stats)
-            if reply.work or reply.aborts or reply.releases or time.monotonic() > deadline:
-                return reply
-            time.sleep(0.005)
-
-    def push(self, report):
-        with self.lock:
-            self.core.on_report(report)
-
-    async def submit(self, meta):
-        with self.lock:
-            return self.core.submit(meta)
-
-    async def abort(self, rid):
-        with self.lock:
-            return self.core.abort(rid)
-
-    async def pull(self, gid, timeout):
-        deadline = time.monotonic() + timeout
-        while True:
-            with self.lock:
-                if self.core.has_events(gid) or time.monotonic() > deadline:
-                    return self.core.take_events(gid)
-            await asyncio.sleep(0.005)
-
-    async def status(self):
-        with self.lock:
-            return self.core.status()
-
-
 def test_requests_resume_across_a_router_restart(model):
     prompts = [[(7 * i + j) % 900 + 6 for j in range(20 + 37 * i)] for i in range(8)]
     max_tokens = 40
     ref = _engine(model).generate(prompts, [SamplingParams(max_tokens=max_tokens, ignore_eos=True)] * 8)
 
-    board = _Switchboard(lambda rid: RouterCore(RouterConfig(policy="fcfs", max_local_waiting=8), router_id=rid))
+    board = Switchboard(lambda rid: RouterCore(RouterConfig(policy="fcfs", max_local_waiting=8), router_id=rid))
     engines = [_engine(model), _engine(model)]
     workers = [InstanceWorker(e, "mixed", f"i{k}", board.poll, board.push, poll_timeout_s=0.05).start()
                for k, e in enumerate(engines)]
