@@ -171,6 +171,27 @@ def local_cluster(cfg: dict, port: int, tmp: str):
                 pass
 
 
+def run_configs(module: str, names: list[str], child_argv, done_file, timeout_s: float,
+                env: dict | None = None) -> list[str]:
+    """Run `python -m module --config NAME ...` (`child_argv(name)` gives the rest) for each
+    configuration in its own process, one after the other (a fresh local Ray each); returns the
+    names that exited 0 and left `done_file(name)`."""
+    done = []
+    tag = module.rsplit(".", 1)[-1]
+    for name in names:
+        print(f"{tag}: {name} ...", flush=True)
+        try:
+            rc = subprocess.run([sys.executable, "-m", module, "--config", name, *child_argv(name)],
+                                env=env, timeout=timeout_s).returncode
+        except subprocess.TimeoutExpired:
+            rc = -1
+        if rc == 0 and os.path.exists(done_file(name)):
+            done.append(name)
+        else:
+            print(f"{tag}: {name} failed (exit {rc})", flush=True)
+    return done
+
+
 def http_ttft(url: str, ps: list[list[int]], warmup: int = 10) -> list[float]:
     import httpx
 

@@ -107,24 +107,18 @@ def main(argv: list[str] | None = None) -> int:
     if args.config:
         return one(args)
 
+    from raycluster.bench.cluster_bench import run_configs
+
     names = [n for n in args.configs.split(",") if n]
-    done = []
-    for name in names:
-        print(f"convoy: {name} ...", flush=True)
-        cmd = [sys.executable, "-m", "raycluster.bench.cluster_convoy", "--config", name,
-               "--out-dir", args.out_dir, "--qps", str(args.qps), "--duration", str(args.duration),
-               "--long-fraction", str(args.long_fraction), "--long-tokens", args.long_tokens,
-               "--max-output-tokens", str(args.max_output_tokens), "--seed", str(args.seed),
-               "--ttft-slo-ms", str(args.ttft_slo_ms), "--tpot-ms", str(args.tpot_ms)]
-        env = {k: v for k, v in os.environ.items() if k != "RAY_SERVE_THROUGHPUT_OPTIMIZED"}
-        try:
-            rc = subprocess.run(cmd, env=env, timeout=args.duration * 4 + 700).returncode
-        except subprocess.TimeoutExpired:
-            rc = -1
-        if rc == 0 and os.path.exists(os.path.join(args.out_dir, f"{name}.json")):
-            done.append(name)
-        else:
-            print(f"convoy: {name} failed (exit {rc})", flush=True)
+    if unknown := [n for n in names if n not in CONFIGS]:
+        ap.error(f"--configs: unknown {', '.join(unknown)}; choose from {', '.join(CONFIGS)}")
+    env = {k: v for k, v in os.environ.items() if k != "RAY_SERVE_THROUGHPUT_OPTIMIZED"}
+    done = run_configs("raycluster.bench.cluster_convoy", names,
+                       lambda n: ["--out-dir", args.out_dir, "--qps", str(args.qps), "--duration", str(args.duration),
+                                  "--long-fraction", str(args.long_fraction), "--long-tokens", args.long_tokens,
+                                  "--max-output-tokens", str(args.max_output_tokens), "--seed", str(args.seed),
+                                  "--ttft-slo-ms", str(args.ttft_slo_ms), "--tpot-ms", str(args.tpot_ms)],
+                       lambda n: os.path.join(args.out_dir, f"{n}.json"), args.duration * 4 + 700, env=env)
     summary: dict = {"meta": {"argv": sys.argv, "qps": args.qps, "duration_s": args.duration, "seed": args.seed,
                               "ttft_slo_ms": args.ttft_slo_ms, "tpot_ms": args.tpot_ms,
                               "long_tokens": args.long_tokens, "long_fraction": args.long_fraction,

@@ -89,21 +89,15 @@ def main(argv: list[str] | None = None) -> int:
     os.makedirs(args.out_dir, exist_ok=True)
     if args.config:
         return one(args)
+    from raycluster.bench.cluster_bench import run_configs
+
     names = [n for n in args.configs.split(",") if n]
-    done = []
-    for name in names:
-        print(f"prefix: {name} ...", flush=True)
-        cmd = [sys.executable, "-m", "raycluster.bench.cluster_prefix", "--config", name, "--out-dir", args.out_dir,
-               "--qps", str(args.qps), "--duration", str(args.duration),
-               "--max-output-tokens", str(args.max_output_tokens), "--seed", str(args.seed)]
-        try:
-            rc = subprocess.run(cmd, timeout=args.duration * 6 + 1200).returncode
-        except subprocess.TimeoutExpired:
-            rc = -1
-        if rc == 0 and os.path.exists(os.path.join(args.out_dir, f"{name}.status.json")):
-            done.append(name)
-        else:
-            print(f"prefix: {name} failed (exit {rc})", flush=True)
+    if unknown := [n for n in names if n not in CONFIGS]:
+        ap.error(f"--configs: unknown {', '.join(unknown)}; choose from {', '.join(CONFIGS)}")
+    done = run_configs("raycluster.bench.cluster_prefix", names,
+                       lambda n: ["--out-dir", args.out_dir, "--qps", str(args.qps), "--duration", str(args.duration),
+                                  "--max-output-tokens", str(args.max_output_tokens), "--seed", str(args.seed)],
+                       lambda n: os.path.join(args.out_dir, f"{n}.status.json"), args.duration * 6 + 1200)
     summary: dict = {"meta": {"argv": sys.argv, "qps": args.qps, "duration_s": args.duration, "seed": args.seed,
                               "max_output_tokens": args.max_output_tokens,
                               "configs": {n: CONFIGS[n] for n in names}}, "runs": {}}
