@@ -9,6 +9,8 @@ the data. Registered in results_setup.jobs_for / EXPERIMENTS and results_render.
 
 from __future__ import annotations
 
+from raycluster.sim.results_fmt import fmt
+from raycluster.sim.results_fmt import plot as _plot
 from raycluster.sim.results_setup import DOCS
 
 PREFIX_CFGS = {"nocache": {}, "cache-load": {"engine": {"enable_prefix_caching": True},
@@ -48,13 +50,7 @@ def holds_up_to(d: dict, cfg: str) -> float | None:
     return best
 
 
-def _f(v, nd: int = 3) -> str:
-    return "–" if v is None else f"{v:.{nd}f}"
-
-
 def render_prefix(d: dict) -> str:
-    from raycluster.sim.results_render import _plot
-
     qps = sorted({k[2] for k in d})
     lines = ["## Prefix caching (ours: no seed claim)", "",
              "Setup: Llama-3-8B on 4 mixed instances (one A100 each, roofline predictor, LARS, Medha packer), "
@@ -75,9 +71,9 @@ def render_prefix(d: dict) -> str:
             continue
         s = {c: v["summary"] for c, v in r.items()}
         lines.append(f"| {q:g} | {r['nocache']['num_requests']} | "
-                     + " | ".join(f"{_f(s[c].get('ttft_p50_s'))} / {_f(s[c].get('ttft_p90_s'))}" for c in PREFIX_CFGS)
-                     + f" | {_f(hit_rate(r['cache-load']), 2)} / {_f(hit_rate(r['cache']), 2)} | "
-                     f"{_f(1e3 * s['nocache']['tpot_p50_s'], 1)} / {_f(1e3 * s['cache']['tpot_p50_s'], 1)} |")
+                     + " | ".join(f"{fmt(s[c].get('ttft_p50_s'), 3)} / {fmt(s[c].get('ttft_p90_s'), 3)}" for c in PREFIX_CFGS)
+                     + f" | {fmt(hit_rate(r['cache-load']), 2)} / {fmt(hit_rate(r['cache']), 2)} | "
+                     f"{fmt(1e3 * s['nocache']['tpot_p50_s'], 1)} / {fmt(1e3 * s['cache']['tpot_p50_s'], 1)} |")
     series = {f"TTFT P90 {PREFIX_LABEL[c]}": (qps, [d.get(("prefix", c, q), {}).get("summary", {}).get("ttft_p90_s")
                                                   for q in qps]) for c in PREFIX_CFGS}
     _plot(DOCS / "figures" / "prefix_ttft.png", "Prefix caching: TTFT P90 vs load (4 x A100, multiturn)",

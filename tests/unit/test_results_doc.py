@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 
-from raycluster.sim import results_doc, results_render, results_setup
+from raycluster.sim import results_doc, results_kairos, results_render, results_setup
 from raycluster.sim.spec import SimSpec
 
 
@@ -58,9 +58,9 @@ def test_ttft_misses_per_class():
 
 
 def test_highest_full_qps_stops_at_first_miss():
-    assert results_render.highest_full_qps([2, 4, 6, 8], [1.0, 1.0, 0.99, 1.0]) == 4
-    assert results_render.highest_full_qps([2, 4, 6, 8], [1.0, 1.0, 0.99, 1.0], 0.99) == 8
-    assert results_render.highest_full_qps([2, 4], [0.9, 1.0]) is None
+    assert results_kairos.highest_full_qps([2, 4, 6, 8], [1.0, 1.0, 0.99, 1.0]) == 4
+    assert results_kairos.highest_full_qps([2, 4, 6, 8], [1.0, 1.0, 0.99, 1.0], 0.99) == 8
+    assert results_kairos.highest_full_qps([2, 4], [0.9, 1.0]) is None
 
 
 def kairos_data(att: dict[str, list[list[float]]], tpot: dict[str, list[float]], qps=(2, 4, 6), seeds=(1, 2)) -> dict:
@@ -84,30 +84,30 @@ def kairos_data(att: dict[str, list[list[float]]], tpot: dict[str, list[float]],
 
 
 def test_kairos_verdict_from_mean_over_seeds(monkeypatch):
-    monkeypatch.setattr(results_render, "_plot", lambda *a, **k: None)     # not over docs/figures
+    monkeypatch.setattr(results_kairos, "_plot", lambda *a, **k: None)     # not over docs/figures
     d = kairos_data({"fcfs-whole/all": [[1.0, 1.0], [0.9, 0.95], [0.5, 0.6]],
                      "fcfs/all": [[1.0, 1.0], [0.99, 1.0], [0.6, 0.7]],
                      "kairos/all": [[1.0, 1.0], [1.0, 1.0], [0.7, 0.8]]},
                     {"kairos/all": [1.0, 0.98, 0.9], "kairos/kairos": [1.0, 0.99, 0.8]})
-    v = results_render.kairos_verdict(d)
+    v = results_kairos.kairos_verdict(d)
     assert v["kairos/all"]["full"] == 4 and v["fcfs/all"]["full"] == 2 and v["fcfs/all"]["99"] == 4
     assert v["fcfs/all"]["mean"][1] == 0.995 and v["fcfs/all"]["min"][1] == 0.99
     assert v["fcfs/all"]["seed_full"] == {1: 2, 2: 4} and v["kairos/all"]["seed_full"] == {1: 4, 2: 4}
     assert v["claim_full"] and not v["claim_99"]
     assert v["seeds_higher_full"] == [1] and v["seeds_lower_full"] == []
     assert v["tpot_better"] == [4] and v["tpot_worse"] == [6]
-    text = results_render.render_kairos(d)
+    text = results_kairos.render_kairos(d)
     assert "Urgency keeps 100% to a higher QPS than both FCFS baselines: yes" in text
     assert "| 4 | 2000 |" in text and "0.9950 [0.9900, 1.0000]" in text
 
 
 def test_kairos_verdict_no_when_urgency_misses_first(monkeypatch):
-    monkeypatch.setattr(results_render, "_plot", lambda *a, **k: None)
+    monkeypatch.setattr(results_kairos, "_plot", lambda *a, **k: None)
     d = kairos_data({"kairos/all": [[1.0, 0.999], [0.99, 0.995], [0.9, 0.9]],
                      "fcfs/all": [[1.0, 1.0], [1.0, 0.999], [0.9, 0.9]]}, {})
-    v = results_render.kairos_verdict(d)
+    v = results_kairos.kairos_verdict(d)
     assert v["kairos/all"]["full"] is None and v["fcfs/all"]["full"] == 2 and v["fcfs-whole/all"]["full"] == 6
-    text = results_render.render_kairos(d)
+    text = results_kairos.render_kairos(d)
     assert "Urgency keeps 100% to a higher QPS than both FCFS baselines: NO" in text
     # Who misses: at QPS 4 (every order >= 99% on average) urgency's misses are long prompts.
     assert "At QPS 4" in text and "urgency misses 0 short and 15 long" in text
