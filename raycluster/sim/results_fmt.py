@@ -1,5 +1,5 @@
 """Formatting and plotting helpers shared by the results.md renderers (results_render,
-results_kairos, results_prefix): numbers with a placeholder for missing values, and one
+results_kairos, results_prefix): numbers, with a dash where a value is missing, and one
 matplotlib line plot per figure."""
 
 from __future__ import annotations
