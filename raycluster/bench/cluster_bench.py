@@ -171,6 +171,14 @@ def local_cluster(cfg: dict, port: int, tmp: str):
                 pass
 
 
+def config_names(ap: argparse.ArgumentParser, text: str, configs: dict) -> list[str]:
+    """The comma-separated `--configs` names, each one of `configs` (else a usage error)."""
+    names = [n for n in text.split(",") if n]
+    if unknown := [n for n in names if n not in configs]:
+        ap.error(f"--configs: unknown {', '.join(unknown)}; choose from {', '.join(configs)}")
+    return names
+
+
 def run_configs(module: str, names: list[str], child_argv, done_file, timeout_s: float,
                 env: dict | None = None) -> list[str]:
     """Run `python -m module --config NAME ...` (`child_argv(name)` gives the rest) for each

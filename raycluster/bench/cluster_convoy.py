@@ -107,11 +107,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.config:
         return one(args)
 
-    from raycluster.bench.cluster_bench import run_configs
+    from raycluster.bench.cluster_bench import config_names, run_configs
 
-    names = [n for n in args.configs.split(",") if n]
-    if unknown := [n for n in names if n not in CONFIGS]:
-        ap.error(f"--configs: unknown {', '.join(unknown)}; choose from {', '.join(CONFIGS)}")
+    names = config_names(ap, args.configs, CONFIGS)
     env = {k: v for k, v in os.environ.items() if k != "RAY_SERVE_THROUGHPUT_OPTIMIZED"}
     done = run_configs("raycluster.bench.cluster_convoy", names,
                        lambda n: ["--out-dir", args.out_dir, "--qps", str(args.qps), "--duration", str(args.duration),

@@ -89,11 +89,9 @@ def main(argv: list[str] | None = None) -> int:
     os.makedirs(args.out_dir, exist_ok=True)
     if args.config:
         return one(args)
-    from raycluster.bench.cluster_bench import run_configs
+    from raycluster.bench.cluster_bench import config_names, run_configs
 
-    names = [n for n in args.configs.split(",") if n]
-    if unknown := [n for n in names if n not in CONFIGS]:
-        ap.error(f"--configs: unknown {', '.join(unknown)}; choose from {', '.join(CONFIGS)}")
+    names = config_names(ap, args.configs, CONFIGS)
     done = run_configs("raycluster.bench.cluster_prefix", names,
                        lambda n: ["--out-dir", args.out_dir, "--qps", str(args.qps), "--duration", str(args.duration),
                                   "--max-output-tokens", str(args.max_output_tokens), "--seed", str(args.seed)],
