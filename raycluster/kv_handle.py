@@ -25,14 +25,23 @@ class KVHandle:
     # Connector-specific, plain values only (nixl: agent name/metadata/addresses;
     # torch_dist: the source's store host/port/nonce; object_store: the ObjectRef of the blocks).
     extra: dict[str, Any] = field(default_factory=dict)
+    # Set by the decode side only: the leading source blocks it already holds (its own prefix
+    # cache), which a pull skips. The offer itself always covers every block.
+    skip_blocks: int = 0
+
+    @property
+    def pull_block_ids(self) -> list[int]:
+        """The source blocks a pull moves."""
+        return self.src_block_ids[self.skip_blocks:]
 
     @property
     def nbytes(self) -> int:
+        """Bytes a pull moves (the blocks after `skip_blocks`)."""
         size = _ITEMSIZE.get(self.dtype)
         if size is None:                  # a dtype not listed: ask torch (imported only then)
             import torch
             size = torch.tensor([], dtype=getattr(torch, self.dtype)).element_size()
-        n = len(self.src_block_ids) * size
+        n = len(self.pull_block_ids) * size
         for s in self.block_shape:
             n *= s
         return n

@@ -2,6 +2,7 @@
 conversation so far) replayed over HTTP against each configuration, side by side in one run.
 
     python -m raycluster.bench.cluster_prefix --out-dir DIR [--configs nocache,cache-load,cache]
+        [--configs pd-cache,pd-cache-prefill-only]
         [--qps 0.5] [--duration 90] [--max-output-tokens 32] [--seed 0]
 
 Configurations (deployments/mixed.yaml's topology: 2 mixed instances, lars with the Medha packer,
@@ -12,6 +13,10 @@ threads_per_instance=1, on this machine's 2 cores):
   previous turn ran;
 - `cache`: caching plus prefix affinity (the router's PrefixIndex sends a turn where its
   conversation probably is, unless that instance is busier by more than the cached part).
+- `pd-cache` / `pd-cache-prefill-only` (not in the default set): deployments/pd.yaml's P/D pools
+  with caching on every pool, or not on the decode pool. With it, a handoff pulls only the KV
+  blocks the decode instance lacks (`decode_reuse_rate`: the share of handed-off tokens whose KV
+  it already had).
 Each runs in a child process (fresh local Ray, 127.0.0.1, no dashboard) that starts the cluster,
 runs `loadgen run --workload multiturn --prompt-format ids` (same seed: the same trace), saves
 DIR/<config>.json and the router's final status (prefix-cache counters) in
@@ -34,6 +39,18 @@ MIXED = {"model": "tiny", "threads_per_instance": 1, "policy": "lars",
 CONFIGS = {"nocache": {**MIXED},
            "cache-load": {**MIXED, "engine": {"enable_prefix_caching": True}, "prefix_affinity": False},
            "cache": {**MIXED, "engine": {"enable_prefix_caching": True}, "prefix_affinity": True}}
+# P/D (deployments/pd.yaml's pools, object_store): caching on both sides, or on the prefill
+# pools only; the decode pool's hit tokens are handed-off tokens whose KV was not pulled.
+PD = {"model": "tiny", "threads_per_instance": 1, "policy": "lars", "connector": "object_store",
+      "initial_l_m": 1024, "engine": {"enable_prefix_caching": True},
+      "pools": [{"role": "prefill-short", "instances": 1, "engine": {"packer": "awd"}},
+                {"role": "prefill-long", "instances": 1},
+                {"role": "decode", "instances": 1,
+                 "engine": {"policy": "fcfs", "packer": "token", "decode_selector": "kairos"}}]}
+CONFIGS["pd-cache"] = PD
+CONFIGS["pd-cache-prefill-only"] = {**PD, "pools": PD["pools"][:2] + [
+    {**PD["pools"][2], "engine": {**PD["pools"][2]["engine"], "enable_prefix_caching": False}}]}
+DEFAULT_CONFIGS = "nocache,cache-load,cache"
 
 
 def loadgen_argv(args, url: str, out: str) -> list[str]:
@@ -68,18 +85,22 @@ def run_summary(out_dir: str, name: str) -> dict:
         s = json.load(fh)["summary"]
     with open(os.path.join(out_dir, f"{name}.status.json")) as fh:
         insts = json.load(fh)["instances"]
-    q = sum(i.get("prefix_query_tokens", 0) for i in insts)
-    h = sum(i.get("prefix_hit_tokens", 0) for i in insts)
+    q = sum(i.get("prefix_query_tokens", 0) for i in insts if i.get("role") != "decode")
+    h = sum(i.get("prefix_hit_tokens", 0) for i in insts if i.get("role") != "decode")
+    dq = sum(i.get("prefix_query_tokens", 0) for i in insts if i.get("role") == "decode")
+    dh = sum(i.get("prefix_hit_tokens", 0) for i in insts if i.get("role") == "decode")
     keys = ("completed", "failed", "ttft_p50_s", "ttft_p90_s", "ttft_p99_s", "e2e_p50_s", "e2e_p90_s",
             "tpot_p50_s", "output_tok_s")
     return {**{k: s.get(k) for k in keys}, "prefix_hit_rate": h / q if q else None,
-            "prefix_hit_tokens": h, "prefix_query_tokens": q}
+            "prefix_hit_tokens": h, "prefix_query_tokens": q,
+            "decode_reused_tokens": dh, "decode_handoff_tokens": dq,
+            "decode_reuse_rate": dh / dq if dq else None}
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m raycluster.bench.cluster_prefix", description=__doc__.split("\n\n")[0])
     ap.add_argument("--out-dir", required=True)
-    ap.add_argument("--configs", default=",".join(CONFIGS))
+    ap.add_argument("--configs", default=DEFAULT_CONFIGS, help=f"of {','.join(CONFIGS)}")
     ap.add_argument("--qps", type=float, default=0.5, help="conversations started per second")
     ap.add_argument("--duration", type=float, default=90.0)
     ap.add_argument("--max-output-tokens", type=int, default=32)
@@ -110,7 +131,8 @@ def main(argv: list[str] | None = None) -> int:
         json.dump(summary, fh, indent=2)
     for name, r in summary["runs"].items():
         print(f"{name:11s} TTFT p50 {r['ttft_p50_s']} p90 {r['ttft_p90_s']} E2E p50 {r['e2e_p50_s']} "
-              f"hit rate {r['prefix_hit_rate']} completed {r['completed']} failed {r['failed']}")
+              f"hit rate {r['prefix_hit_rate']} decode reuse {r['decode_reuse_rate']} "
+              f"completed {r['completed']} failed {r['failed']}")
     for k, v in summary.items():
         if k.startswith("ratio_"):
             print(f"{k}: {v}")

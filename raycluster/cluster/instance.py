@@ -17,6 +17,7 @@ No Ray import: the Serve deployment passes the two functions, so tests can drive
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import queue
 import threading
@@ -158,8 +159,9 @@ class InstanceWorker:
                 kwargs["first_token_time"] = self.engine.clock.now() - max(0.0, time.time() - item.first_token_time)
             self.engine.add_prefilled(
                 m.request_id, m.prompt_token_ids, item.output_token_ids, m.sampling,
-                lambda dst: self.port.receive(dst, lambda ids: pull_with_fallback(
-                    self.connector, handle, ids, self.transfer_timeout_s, self.on_transfer_failure)), **kwargs)
+                lambda dst, skip: self.port.receive(dst, lambda ids: pull_with_fallback(
+                    self.connector, dataclasses.replace(handle, skip_blocks=skip), ids,
+                    self.transfer_timeout_s, self.on_transfer_failure)), **kwargs)
             self._admitted.append(m.request_id)
         else:
             self.engine.add_request(m.request_id, m.prompt_token_ids, m.sampling,

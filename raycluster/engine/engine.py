@@ -145,17 +145,21 @@ class LLMEngine:
                       arrival_time: float | None = None, first_token_time: float | None = None) -> bool:
         """Decode side of a P/D handoff: `output_token_ids` are the tokens sampled so far (the
         first one, or more on a resumed request); reserve blocks for the KV of every token but
-        the last, let `fill_kv(block_ids)` bring it (True on success), and admit the request
-        straight into decoding. Without blocks or when the transfer fails, the request is queued
-        to recompute its prefill here instead; returns whether the KV was used.
+        the last, let `fill_kv(block_ids, skip_blocks)` bring it (True on success; the first
+        `skip_blocks` source blocks are in this engine's prefix cache already and `block_ids` are
+        for the rest), and admit the request straight into decoding. Without blocks or when the
+        transfer fails, the request is queued to recompute its prefill here instead; returns
+        whether the KV was used.
         `first_token_time` (this engine's clock): when the client got the first token, made
         elsewhere."""
         req = self._new_request(request_id, prompt_token_ids, sampling, slo, priority, tenant, app_id,
                                 arrival_time, output_token_ids)
         req.first_token_time = first_token_time
-        blocks = self.scheduler.admit_prefilled(req)
-        if blocks is not None:
-            if fill_kv(list(blocks)):
+        admitted = self.scheduler.admit_prefilled(req)
+        if admitted is not None:
+            blocks, skip = admitted
+            if not blocks or fill_kv(list(blocks), skip):     # all cached here: nothing to move
+                self.scheduler.kv_arrived(req)
                 self._track_text(req)
                 return True
             self.scheduler.cancel_admission(req)

@@ -108,17 +108,7 @@ class PrefixCachingKVManager(KVCacheManager):
         if rid in self.block_tables:
             return 0
         tokens, bs, a = req.all_token_ids, self.block_size, self.allocator
-        keys: list[bytes] = []
-        blocks: list[int] = []
-        parent = b""
-        for i in range((len(tokens) - 1) // bs):
-            key = block_key(parent, tokens[i * bs:(i + 1) * bs])
-            block = a.lookup(key)
-            if block is None:
-                break
-            keys.append(key)
-            blocks.append(block)
-            parent = key
+        keys, blocks = self._longest_cached(tokens)
         if rid not in self._queried:
             self._queried.add(rid)
             self.query_tokens += len(tokens)
@@ -130,6 +120,26 @@ class PrefixCachingKVManager(KVCacheManager):
         self.block_tables[rid] = blocks
         self._keys[rid] = keys
         return len(blocks) * bs
+
+    def cached_prefix_tokens(self, tokens: list[int]) -> int:
+        """What `match_prefix` would find for these known tokens, touching nothing."""
+        return len(self._longest_cached(tokens)[1]) * self.block_size
+
+    def _longest_cached(self, tokens: list[int]) -> tuple[list[bytes], list[int]]:
+        """Keys and blocks of the longest cached run of full blocks before the last token."""
+        bs, a = self.block_size, self.allocator
+        keys: list[bytes] = []
+        blocks: list[int] = []
+        parent = b""
+        for i in range((len(tokens) - 1) // bs):
+            key = block_key(parent, tokens[i * bs:(i + 1) * bs])
+            block = a.lookup(key)
+            if block is None:
+                break
+            keys.append(key)
+            blocks.append(block)
+            parent = key
+        return keys, blocks
 
     def cache_full_blocks(self, req: Request, num_computed_tokens: int) -> None:
         """Register `req`'s blocks that are full and computed (its first `num_computed_tokens`

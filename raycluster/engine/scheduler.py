@@ -132,22 +132,34 @@ class Scheduler:
         self._finish(req, RequestStatus.FINISHED_ABORTED)
         return req
 
-    def admit_prefilled(self, req: Request) -> list[int] | None:
+    def admit_prefilled(self, req: Request) -> tuple[list[int], int] | None:
         """Admit a request whose KV is computed elsewhere straight into decoding: reserve blocks
         for all its tokens but the last one sampled (the prompt, and on a resumed request the
-        tokens before it too) and return them (the caller fills them), or None when KV is short."""
+        tokens before it too). Returns (the blocks the caller must fill, how many leading blocks
+        it need not: with prefix caching, the ones this engine has cached already), or None when
+        KV is short. `kv_arrived` registers the filled blocks in the prefix cache."""
         if req.request_id in self.requests:
             raise ValueError(f"request_id {req.request_id!r} is already in use")
         req.num_computed_tokens = 0
         n = req.num_tokens - 1
-        if not self.kv.try_allocate(req, n):
+        cached = self.kv.match_prefix(req) if self.kv.prefix_caching else 0
+        req.num_computed_tokens = cached
+        if not self.kv.try_allocate(req, n - cached):
+            self.kv.free(req.request_id)
+            req.num_computed_tokens = 0
             return None
         req.num_computed_tokens = n
         req.status = RequestStatus.RUNNING
         self.requests[req.request_id] = req
         self._holders[req.request_id] = req
         self.decoding[req.request_id] = req
-        return self.kv.block_tables[req.request_id]
+        skip = cached // self.kv.block_size
+        return self.kv.block_tables[req.request_id][skip:], skip
+
+    def kv_arrived(self, req: Request) -> None:
+        """The KV `admit_prefilled` reserved is filled: make its full blocks findable."""
+        if self.kv.prefix_caching:
+            self.kv.cache_full_blocks(req, req.num_computed_tokens)
 
     def cancel_admission(self, req: Request) -> None:
         """Undo `admit_prefilled` (the KV never arrived): free its blocks, forget it."""

@@ -8,7 +8,9 @@ router/decode side, lives in `raycluster.kv_handle` (no torch) and is re-exporte
 
 Data flow: the prefill engine calls `offer(request_id, block_ids, num_tokens)` and ships the
 returned handle (ints, lists, bytes, at most an ObjectRef) to the decode engine, which allocates
-its own blocks and calls `pull(handle, dst_block_ids, timeout_s)`. After admitting the request it
+its own blocks and calls `pull(handle, dst_block_ids, timeout_s)` (a decode side whose prefix cache
+holds the leading blocks sets `handle.skip_blocks` and passes blocks for the rest only, so only
+those move). After admitting the request it
 tells the prefill side, which calls `release(request_id)` and frees its blocks. Offers never
 pulled come back from `expire()` after `lease_s`, so the engine can free those blocks too.
 """
@@ -52,8 +54,11 @@ def check_compatible(kv_cache: torch.Tensor, handle: KVHandle, dst_block_ids: li
         raise KVLayoutError(
             f"KV layout mismatch for {handle.request_id!r}: source block {tuple(handle.block_shape)} "
             f"{handle.dtype}, destination block {mine} {dtype_name(kv_cache)}")
-    if len(dst_block_ids) != len(handle.src_block_ids):
-        raise KVLayoutError(f"{handle.request_id!r}: {len(handle.src_block_ids)} source blocks but "
+    if not 0 <= handle.skip_blocks <= len(handle.src_block_ids):
+        raise KVLayoutError(f"{handle.request_id!r}: skip_blocks {handle.skip_blocks} outside "
+                            f"[0, {len(handle.src_block_ids)}]")
+    if len(dst_block_ids) != len(handle.pull_block_ids):
+        raise KVLayoutError(f"{handle.request_id!r}: {len(handle.pull_block_ids)} source blocks to pull but "
                             f"{len(dst_block_ids)} destination blocks")
     n = kv_cache.shape[1]
     if any(b < 0 or b >= n for b in dst_block_ids):
@@ -190,8 +195,9 @@ class KVConnector(ABC):
     # -- decode side -------------------------------------------------------------------------
     @abstractmethod
     def pull(self, handle: KVHandle, dst_block_ids: list[int], timeout_s: float) -> None:
-        """Fill kv_cache[:, dst_block_ids] with the source's blocks, or raise KVTransferError
-        (failure, dead peer, or `timeout_s` elapsed). Raises KVLayoutError on mismatch."""
+        """Fill kv_cache[:, dst_block_ids] with the source's blocks `handle.pull_block_ids`, or
+        raise KVTransferError (failure, dead peer, or `timeout_s` elapsed). Raises KVLayoutError
+        on mismatch."""
 
 
 def pull_with_fallback(connector: KVConnector, handle: KVHandle, dst_block_ids: list[int],

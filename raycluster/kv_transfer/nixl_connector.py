@@ -86,7 +86,7 @@ class NixlConnector(KVConnector):
             if peer not in self._peers:
                 self.add_peer(x["md"])
             src, dst = paired_descs(x, self._layout, self.kv_cache.shape[0], self.block_bytes,
-                                    handle.src_block_ids, dst_block_ids)
+                                    handle.pull_block_ids, dst_block_ids)
             local = self.agent.get_xfer_descs(dst, self.mem_type)
             remote = self.agent.get_xfer_descs(src, self.mem_type)
             t1 = time.perf_counter()

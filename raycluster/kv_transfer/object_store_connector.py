@@ -97,39 +97,43 @@ class ObjectStoreConnector(KVConnector):
             raise KVTransferError(f"object-store get of {handle.request_id!r} from "
                                   f"{handle.src_instance}: {type(e).__name__}: {e}") from e
         kv = self.kv_cache
+        skip, total = handle.skip_blocks, len(handle.src_block_ids)
         runs = handle.extra.get("runs")
         with warnings.catch_warnings():
             # The views are read-only shared memory; we only read them (index_copy_ copies out).
             warnings.simplefilter("ignore", UserWarning)
             if runs is None:
                 data = torch.from_numpy(obj)
-                expect = (kv.shape[0], len(dst_block_ids)) + tuple(kv.shape[2:])
+                expect = (kv.shape[0], total) + tuple(kv.shape[2:])
                 if tuple(data.shape) != expect:
                     raise KVTransferError(f"object for {handle.request_id!r} has shape "
                                           f"{tuple(data.shape)}, expected {expect}")
-                scatter_blocks(kv, dst_block_ids, data)
+                scatter_blocks(kv, dst_block_ids, data[:, skip:])
                 return
             pieces = [torch.from_numpy(a) for a in obj]
-        if len(pieces) != kv.shape[0] * len(runs) or \
-                sum(n for _, n in runs) != len(dst_block_ids) or \
+        if len(pieces) != kv.shape[0] * len(runs) or sum(n for _, n in runs) != total or \
                 any(tuple(pc.shape) != (n,) + tuple(kv.shape[2:])
                     for pc, (_, n) in zip(pieces, runs * kv.shape[0])):
             raise KVTransferError(f"object for {handle.request_id!r} does not match its runs "
-                                  f"{runs} and {len(dst_block_ids)} destination blocks")
-        # Destination runs per source run, computed once (not per layer): one copy per piece
-        # when the destination is consecutive too, else one index_copy_.
+                                  f"{runs} and {total} source blocks")
+        # Per source run, the part after `skip` and where it lands, computed once (not per
+        # layer): one copy per piece when the destination is consecutive too, else one index_copy_.
         dst = np.asarray(dst_block_ids, dtype=np.int64)
         idx = torch.as_tensor(dst, dtype=torch.long, device=kv.device)
         where = []
-        for p, n in runs:
-            d = dst[p:p + n]
-            contiguous = n == 1 or bool((np.diff(d) == 1).all())
-            where.append((int(d[0]), n, None if contiguous else idx[p:p + n]))
+        for r, (p, n) in enumerate(runs):
+            cut = min(max(skip - p, 0), n)          # leading blocks of this run already cached
+            if cut == n:
+                continue
+            a, k = p + cut - skip, n - cut          # its blocks' positions in dst_block_ids
+            d = dst[a:a + k]
+            contiguous = k == 1 or bool((np.diff(d) == 1).all())
+            where.append((r, cut, int(d[0]), k, None if contiguous else idx[a:a + k]))
         for l in range(kv.shape[0]):
             kl = kv[l]
-            for r, (d0, n, scattered) in enumerate(where):
-                piece = pieces[l * len(runs) + r]
+            for r, cut, d0, k, scattered in where:
+                piece = pieces[l * len(runs) + r][cut:]
                 if scattered is None:
-                    kl[d0:d0 + n].copy_(piece)
+                    kl[d0:d0 + k].copy_(piece)
                 else:
                     kl.index_copy_(0, scattered, piece.to(kv.device))

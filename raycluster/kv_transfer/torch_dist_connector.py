@@ -13,10 +13,10 @@ instance it has never seen. The store is both the rendezvous and the control cha
   0. first pull from P: pair id = uuid;
      queue_push("kvq", join pair) ---------------> join: build the pair's group (rank 0)
      build the pair's group (rank 1) <-- rendezvous under prefix "pair/<id>/" -->
-  1. plan = plan_transfer(src ids, dst ids): runs consecutive on both sides and >= ~1 MiB per
+  1. plan = plan_transfer(src ids after skip_blocks, dst ids): runs consecutive on both sides and >= ~1 MiB per
      layer go direct (one message per layer, in place); the rest is staged through a pooled
      buffer [L * k', 2, B, H, D] in chunks (`transfer_plan.py`); tag = fresh
-  2. queue_push("kvq", send rid tag k crc plan) -> a worker thread checks the plan names the
+  2. queue_push("kvq", send rid tag k crc skip plan) -> a worker thread checks the plan names the
      recv(header, tag); recv(kv[l, run], ...) for     offer it holds (count + checksum), sends
      each direct message; recv(buf[chunk i], ...);    header [offered?, nbytes, direct, chunks],
      all posted up front                              then each direct run straight from its
@@ -219,7 +219,8 @@ class TorchDistConnector(KVConnector):
                     self._send_raw(pair.pg, int(msg["nbytes"]), tag, timeout_s)
                 else:
                     self.send_blocks(pair.pg, str(msg["rid"]), tag, timeout_s, int(msg["k"]),
-                                     int(msg["crc"]), TransferPlan.from_wire(msg["plan"]))
+                                     int(msg["crc"]), TransferPlan.from_wire(msg["plan"]),
+                                     int(msg.get("skip", 0)))
         except _Refused:
             return       # every posted receive was answered: the pair stays healthy
         except Exception as e:
@@ -228,22 +229,25 @@ class TorchDistConnector(KVConnector):
             self._served.pop(pid, None)
 
     def send_blocks(self, pg, request_id: str, tag: int, timeout_s: float, num_blocks: int,
-                    crc: int, plan: TransferPlan) -> int:
+                    crc: int, plan: TransferPlan, skip: int = 0) -> int:
         """Send a header (ok?, nbytes, direct messages, chunks) on `tag`, then the receiver's
         `plan`: direct run j of layer l straight from the KV tensor on tag + 1 + j (layer-major),
         then staged chunk i, gathered into the send buffer just before its send, on
         tag + 1 + plan.num_direct_msgs + i. The plan is used only if it names the offer held
-        here (block count and checksum); otherwise every posted receive is answered (header
+        here (block count and checksum) and moves as many blocks as it holds after the first
+        `skip` (those the receiver has cached); otherwise every posted receive is answered (header
         [0, 0, ...] + one element per message) so the pair stays healthy. Returns the bytes
         sent."""
         kv = self.kv_cache
         with self._lock:
             blocks = self.offered(request_id)
             if blocks is not None and (num_blocks != len(blocks) or crc != ids_checksum(blocks)
+                                       or not 0 <= skip <= len(blocks)
                                        or len(plan.gather_src) + sum(n for _, _, n in plan.direct)
-                                       != len(blocks)):
+                                       != len(blocks) - skip):
                 blocks = None  # the receiver expects another layout: refuse rather than misplace
             if blocks is not None:
+                blocks = blocks[skip:]
                 self._sending[request_id] = self._sending.get(request_id, 0) + 1
                 self.leases.renew(request_id)  # a transfer in flight must not lose its blocks
         nbytes = 0 if blocks is None else len(blocks) * kv.shape[0] * self.block_bytes
@@ -408,7 +412,7 @@ class TorchDistConnector(KVConnector):
         pair = self._peer(x, deadline)
         t_pair = time.perf_counter()
         kv = self.kv_cache
-        plan = self.plan_for(handle.src_block_ids, dst_block_ids)
+        plan = self.plan_for(handle.pull_block_ids, dst_block_ids)
         flat = buf = None
         if plan.chunks:
             flat, buf = staging_view(self._recv_pool, self.kv_cache, len(plan.gather_dst))
@@ -422,7 +426,8 @@ class TorchDistConnector(KVConnector):
             # receive here) overlaps the sender's dispatch and first gather instead of preceding it.
             pair.store.queue_push(QUEUE, json.dumps(
                 {"op": "send", "pair": pair.pair_id, "rid": handle.request_id, "tag": tag,
-                 "k": len(dst_block_ids), "crc": ids_checksum(handle.src_block_ids),
+                 "k": len(handle.src_block_ids), "crc": ids_checksum(handle.src_block_ids),
+                 "skip": handle.skip_blocks,
                  "plan": plan.to_wire(), "timeout": max(0.05, deadline - time.monotonic())}))
             works.append(pair.pg.recv([header], 0, tag))
             works += [pair.pg.recv([kv[l, d:d + n]], 0, tag + 1 + j)

@@ -271,8 +271,9 @@ class SimCluster:
     def start_transfer(self, dst: SimInstance, item: WorkItem) -> None:
         h = item.kv
         src = self.instances.get(h.src_instance)
-        dt = self.spec.transfer_latency_s + h.nbytes / self.transfer_bw(src, dst)
-        self.transfer_bytes += h.nbytes
+        nbytes = h.nbytes * (1.0 - dst.cached_fraction(item))
+        dt = self.spec.transfer_latency_s + nbytes / self.transfer_bw(src, dst)
+        self.transfer_bytes += nbytes
         self.loop.after(dt, "transfer", (dst, item))
 
     def _transfer(self, payload) -> None:

@@ -138,6 +138,16 @@ class SimInstance:
         if item.mode == "decode":           # no KV handle: recompute here
             self._admitted.append(item.meta.request_id)
 
+    def cached_fraction(self, item: WorkItem) -> float:
+        """The share of a handoff's KV blocks this instance's prefix cache holds: a real pull
+        skips them (`KVHandle.skip_blocks`). Judged when the transfer starts; the real decode
+        side matches when its pull starts, which here is the same instant."""
+        kv = self.scheduler.kv
+        if not kv.prefix_caching or item.kv.num_tokens <= 0:
+            return 0.0
+        cached = kv.cached_prefix_tokens(item.meta.prompt_token_ids + list(item.output_token_ids))
+        return min(1.0, cached / (-(-item.kv.num_tokens // kv.block_size) * kv.block_size))
+
     def transfer_done(self, item: WorkItem) -> None:
         """The KV of a handed-off request landed: admit it straight into decoding (or recompute)."""
         self.cut_run()
@@ -146,6 +156,8 @@ class SimInstance:
         req.first_token_time = item.first_token_time     # the client's, for the TPOT pacing
         if self.scheduler.admit_prefilled(req) is None:
             self.scheduler.add_request(req)
+        else:
+            self.scheduler.kv_arrived(req)
         self._admitted.append(item.meta.request_id)
 
     # ---- stepping --------------------------------------------------------------------------------

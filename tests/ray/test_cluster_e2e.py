@@ -334,7 +334,11 @@ def test_a_shared_prefix_is_computed_once(cluster, prefix_workload):
     assert [t for t, _ in got] == expected
     assert [c for _, c in got] == [0] + [320] * 4, name
     status = httpx.get(url + "/v1/cluster/status", timeout=5).json()
-    assert sum(i["prefix_hit_tokens"] for i in status["instances"]) >= 4 * 320
+    assert sum(i["prefix_hit_tokens"] for i in status["instances"] if i["role"] != "decode") >= 4 * 320
+    if any(i["role"] == "decode" for i in status["instances"]):
+        # The decode pool kept the first handoff's KV findable: the other four pulled only
+        # the blocks after the system prompt.
+        assert sum(i["prefix_hit_tokens"] for i in status["instances"] if i["role"] == "decode") >= 4 * 320
     metrics = httpx.get(url + "/metrics", timeout=5).text
     assert "raycluster_instance_prefix_cache_hits_total{" in metrics
     _assert_drained(url)

@@ -179,3 +179,34 @@ def test_runs_and_scattered_layouts_bit_exact_and_pair_survives_refusal(trio):
     got = ray.get(dec.blocks.remote(list(range(40, 48))), timeout=30)
     assert np.array_equal(got.view(np.uint32), src.view(np.uint32))
     ray.get(pre.release.remote("req-after"), timeout=30)
+
+
+def test_a_pull_skipping_cached_leading_blocks_moves_only_the_rest(trio):
+    """A decode side whose prefix cache holds a request's first blocks pulls only the others
+    (`skip_blocks`): they land exactly in its blocks for the rest, no other block changes. The
+    skip cuts through a run (object_store's per-run views, nixl's merged descriptors, a
+    torch_dist direct run) and through a fragmented layout (object_store's gather path)."""
+    import dataclasses
+
+    import ray
+    name, pre, dec, _ = trio
+    frag = [int(b) for b in np.random.default_rng(2).choice(N, 24, replace=False)]
+    cases = [(list(range(20, 40)) + [3], 5, [50, 51, 52] + list(range(5, 18)))]
+    cases.append((frag, 9, list(range(30, 45))))
+    for i, (sb, skip, db) in enumerate(cases):
+        before = ray.get(dec.blocks.remote(), timeout=30)
+        src = ray.get(pre.blocks.remote(sb[skip:]), timeout=30)
+        h = ray.get(pre.offer.remote(f"req-skip{i}", sb, len(sb) * B), timeout=30)
+        h = dataclasses.replace(h, skip_blocks=skip)
+        assert h.pull_block_ids == sb[skip:] and h.nbytes == len(db) * L * 2 * B * H * D * 4
+        res = ray.get(dec.pull.remote(h, db, 20.0), timeout=40)
+        assert res["ok"], res
+        after = ray.get(dec.blocks.remote(), timeout=30)
+        assert np.array_equal(after[:, db].view(np.uint32), src.view(np.uint32))
+        others = [b for b in range(N) if b not in db]
+        assert np.array_equal(after[:, others].view(np.uint32), before[:, others].view(np.uint32))
+        assert ray.get(pre.release.remote(f"req-skip{i}"), timeout=30) is True
+    h = ray.get(pre.offer.remote("req-skipbad", [1, 2], 2 * B), timeout=30)
+    bad = ray.get(dec.pull.remote(dataclasses.replace(h, skip_blocks=1), [20, 21], 20.0), timeout=40)
+    assert not bad["ok"] and bad["error"] == "KVLayoutError"
+    ray.get(pre.release.remote("req-skipbad"), timeout=30)

@@ -46,7 +46,8 @@ def test_prefill_park_handoff_decode_equals_single_engine(model):
         assert o.finished and o.finish_reason == "prefilled" and o.new_token_ids == [expected[i][0]]
         src = pre.parked_blocks(f"r{i}")
 
-        def fill(dst, src=src):
+        def fill(dst, skip, src=src):
+            assert skip == 0        # no prefix cache on the decode side
             scatter_blocks(dec.runner.kv_cache, dst, gather_blocks(pre.runner.kv_cache, src))
             return True
 
@@ -66,7 +67,7 @@ def test_failed_transfer_recomputes_on_decode_side(model):
     sp = SamplingParams(max_tokens=6, ignore_eos=True)
     expected = _engine(model).generate([PROMPTS[4]], sp)[0]
     dec = _engine(model)
-    assert not dec.add_prefilled("x", PROMPTS[4], [expected[0]], sp, lambda dst: False)
+    assert not dec.add_prefilled("x", PROMPTS[4], [expected[0]], sp, lambda dst, skip: False)
     dec.kv.check()
     toks = [t for o in _run(dec)["x"] for t in o.new_token_ids]
     assert [expected[0]] + toks == expected
@@ -106,7 +107,7 @@ def test_resumed_request_hands_off_all_its_tokens(model, delivered):
     src = pre.parked_blocks("r")
     assert len(src) == -(-(len(PROMPTS[5]) + delivered) // pre.kv.block_size)
 
-    def fill(dst):
+    def fill(dst, skip):
         scatter_blocks(dec.runner.kv_cache, dst, gather_blocks(pre.runner.kv_cache, src))
         return True
 
@@ -114,6 +115,45 @@ def test_resumed_request_hands_off_all_its_tokens(model, delivered):
     toks = [t for o in _run(dec)["r"] for t in o.new_token_ids]
     assert full[:delivered + 1] + toks == full
     assert pre.release("r") and pre.kv.num_free_blocks == pre.kv.num_blocks
+    assert dec.kv.num_free_blocks == dec.kv.num_blocks
+
+
+def test_decode_side_prefix_cache_pulls_only_the_blocks_it_lacks(model):
+    """A decode engine with prefix caching keeps handed-off KV findable: a later handoff whose
+    prompt starts with a cached prefix asks for only the blocks after it, one whose KV it holds
+    entirely moves nothing, and every output equals a single engine's."""
+    sp = SamplingParams(max_tokens=7, ignore_eos=True)
+    system = [3 + i % 90 for i in range(64)]          # 4 full blocks of 16
+    prompts = [system + [200, 201, 202], system + [300 + i for i in range(21)], system + [200, 201, 202]]
+    prompts[2] = system[:48]                           # 3 full blocks, all cached once r0 is in
+    expected = _engine(model).generate(prompts, sp)
+    pre = _engine(model, block_size=16)
+    dec = _engine(model, block_size=16, enable_prefix_caching=True)
+    moved: list[tuple[int, int]] = []
+    for i, p in enumerate(prompts):
+        pre.add_request(f"r{i}", p, sp, prefill_only=True)
+        (o,) = _run(pre)[f"r{i}"]
+        src = pre.parked_blocks(f"r{i}")
+
+        def fill(dst, skip, src=src):
+            moved.append((skip, len(dst)))
+            assert len(dst) == len(src) - skip
+            scatter_blocks(dec.runner.kv_cache, dst, gather_blocks(pre.runner.kv_cache, src[skip:]))
+            return True
+
+        assert dec.add_prefilled(f"r{i}", p, [o.new_token_ids[0]], sp, fill)
+        assert pre.release(f"r{i}")
+        if i == 0:
+            outs = _run(dec)            # r0 decodes and finishes: its blocks stay cached
+            assert [expected[0][0]] + [t for o in outs["r0"] for t in o.new_token_ids] == expected[0]
+    # r0: nothing cached, 5 blocks move; r1 (85 tokens of KV): the 4 system blocks are cached,
+    # 2 move; r2 (48 tokens of KV, all in r0's first 3 blocks): nothing moves, fill not called.
+    assert moved == [(0, 5), (4, 2)]
+    outs = _run(dec)
+    for i in (1, 2):
+        assert [expected[i][0]] + [t for o in outs[f"r{i}"] for t in o.new_token_ids] == expected[i]
+    assert dec.kv.hit_tokens == 64 + 48
+    dec.kv.check()
     assert dec.kv.num_free_blocks == dec.kv.num_blocks
 
 

@@ -2,6 +2,7 @@
 checks, the fallback policy, nixl descriptors (pure numpy), and a real NIXL READ between two
 agents in this process (skipped without the nixl extra)."""
 
+import dataclasses
 import importlib.util
 import time
 
@@ -347,6 +348,11 @@ def test_torch_dist_direct_runs_land_in_place_and_refusal_waits_for_fillers(monk
         dst.max_direct_msgs = 0
         dst.pull(h2, list(range(44, 56)), timeout_s=20)
         assert torch.equal(b[:, 44:56], a[:, :12]) and dst.last_pull_stats["direct_msgs"] == 0
+        # a receiver holding the first 5 blocks (its prefix cache) pulls the other 7 only
+        dst.max_direct_msgs = 256
+        dst.pull(dataclasses.replace(h2, skip_blocks=5), list(range(56, 63)), timeout_s=20)
+        assert torch.equal(b[:, 56:63], a[:, 5:12]) and dst.last_pull_stats["staged_blocks"] == 0
+        assert torch.equal(b[:, 44:56], a[:, :12])
     finally:
         dst.close()
         src.close()

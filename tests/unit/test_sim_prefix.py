@@ -53,3 +53,18 @@ def test_deterministic(runs):
     again = simulate(SimSpec(**{**BASE, **CACHING}), wl)
     assert again["meta"]["sim"]["prefix_hit_tokens"] == res["cache"]["meta"]["sim"]["prefix_hit_tokens"]
     assert again["summary"]["ttft_p50_s"] == res["cache"]["summary"]["ttft_p50_s"]
+
+
+def test_a_caching_decode_pool_pulls_only_what_it_lacks():
+    """P/D: with prefix caching on the decode pool too, a turn's handoff skips the blocks the
+    decode instance holds from the conversation's earlier turns, so fewer bytes move; tokens
+    and completions are unchanged."""
+    pools = [{"role": "prefill-short", "instances": 1}, {"role": "decode", "instances": 1}]
+    wl = make_workload("multiturn", seed=1, qps=0.5, duration=40, max_output_tokens=16)
+    base = {**BASE, **CACHING, "pools": pools}
+    no_dec = {**base, "pools": [pools[0], {**pools[1], "engine": {"enable_prefix_caching": False}}]}
+    both, pre_only = simulate(SimSpec(**base), wl, check=True), simulate(SimSpec(**no_dec), wl, check=True)
+    sb, sp = both["meta"]["sim"], pre_only["meta"]["sim"]
+    assert both["summary"]["completed"] == pre_only["summary"]["completed"] == len(wl)
+    assert sb["kv_transfers"] == sp["kv_transfers"] > 0
+    assert sb["kv_transfer_bytes"] < 0.8 * sp["kv_transfer_bytes"]
