@@ -51,6 +51,9 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     logit_bias: dict[int, float] = field(default_factory=dict)    # OpenAI's: added to these logits
     min_tokens: int = 0             # vLLM's: EOS and stop_token_ids cannot be sampled before this many
+    # vLLM's: report each prompt token's log-probability (given the tokens before it) and this
+    # many top ones. Every prompt position is computed then: no prefix-cache hit for the request.
+    prompt_logprobs: int | None = None
 
     @property
     def penalized(self) -> bool:
@@ -67,8 +70,10 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:
             raise ValueError(f"top_k must be >= 0, got {self.top_k}")
-        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
-            raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
+        for name in ("logprobs", "prompt_logprobs"):
+            k = getattr(self, name)
+            if k is not None and not 0 <= k <= MAX_LOGPROBS:
+                raise ValueError(f"{name} must be in [0, {MAX_LOGPROBS}], got {k}")
         for name in ("presence_penalty", "frequency_penalty"):
             if not -2.0 <= getattr(self, name) <= 2.0:
                 raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
@@ -109,6 +114,9 @@ class Request:
     num_cached_tokens: int = 0      # prompt tokens whose KV came from the prefix cache
     first_token_time: float | None = None
     finish_time: float | None = None
+    # With sampling.prompt_logprobs: entry i for prompt token i + 1, filled as chunks compute
+    # (a recompute after preemption overwrites the same entries).
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
     @property
     def num_prompt_tokens(self) -> int:

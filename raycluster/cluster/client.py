@@ -186,7 +186,7 @@ class ClusterClient:
                 done = ev.finished          # a gateway-side stop string still needs an abort
                 cached = max(cached, ev.num_cached_tokens)
                 yield RequestOutput(request_id, list(ev.token_ids), delta, finished, reason,
-                                    len(prompt_token_ids), len(out_ids), ev.logprobs, cached)
+                                    len(prompt_token_ids), len(out_ids), ev.logprobs, cached, ev.prompt_logprobs)
                 if finished:
                     return
         finally:

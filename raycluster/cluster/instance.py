@@ -206,10 +206,11 @@ class InstanceWorker:
         for out in result.outputs:
             if out.finish_reason == "prefilled":
                 prefilled.append(PrefillDone(out.request_id, out.new_token_ids[0], self._offer(out.request_id),
-                                             out.logprobs, out.num_cached_tokens))
+                                             out.logprobs, out.num_cached_tokens, out.prompt_logprobs))
             else:
                 events.append(TokenEvent(out.request_id, list(out.new_token_ids), out.finished, out.finish_reason,
-                                         logprobs=out.logprobs, num_cached_tokens=out.num_cached_tokens))
+                                         logprobs=out.logprobs, num_cached_tokens=out.num_cached_tokens,
+                                         prompt_logprobs=out.prompt_logprobs))
         self._report(events, prefilled)
 
     def _offer(self, request_id: str):

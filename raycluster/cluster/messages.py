@@ -82,6 +82,7 @@ class TokenEvent:
     error: str | None = None
     logprobs: list | None = None       # one TokenLogprob per token, if the request asked
     num_cached_tokens: int = 0         # prompt tokens served from the instance's prefix cache
+    prompt_logprobs: list | None = None    # per prompt token (the first None), with the first token, if asked
 
 
 @dataclass
@@ -91,6 +92,7 @@ class PrefillDone:
     kv: KVHandle | None                # None: the instance could not offer its KV (recompute)
     logprobs: list | None = None       # the first token's, if the request asked
     num_cached_tokens: int = 0         # prompt tokens served from the prefix cache
+    prompt_logprobs: list | None = None    # per prompt token (the first None), if the request asked
 
 
 @dataclass

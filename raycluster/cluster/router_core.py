@@ -404,13 +404,14 @@ class RouterCore:
             if kv is not None:
                 inst.outbox.releases.append(rid)
             self._deliver(st, TokenEvent(rid, [first], True, reason, logprobs=logprobs,
-                                         num_cached_tokens=pd.num_cached_tokens))
+                                         num_cached_tokens=pd.num_cached_tokens, prompt_logprobs=pd.prompt_logprobs))
             return
         if st.mode == "prefill":
             # The prompt is computed: set it before the policies hear of the first token, so
             # that their remaining-work estimates (Kairos' queue ahead) drop this prompt.
             st.req.num_computed_tokens = st.req.num_tokens
-        self._deliver(st, TokenEvent(rid, [first], logprobs=logprobs, num_cached_tokens=pd.num_cached_tokens))
+        self._deliver(st, TokenEvent(rid, [first], logprobs=logprobs, num_cached_tokens=pd.num_cached_tokens,
+                                     prompt_logprobs=pd.prompt_logprobs))
         if st.mode != "prefill":
             inst.running.add(rid)       # a "full" item decodes where it is
             return

@@ -47,6 +47,9 @@ class RequestOutput:
     num_output_tokens: int
     logprobs: list[TokenLogprob] | None = None     # one per new token, when the request asked
     num_cached_tokens: int = 0         # prompt tokens whose KV came from the prefix cache
+    # With sampling.prompt_logprobs, on the output of a request's first token: one per prompt
+    # token, None for the first (nothing precedes it).
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
 
 @dataclass
@@ -237,6 +240,8 @@ class LLMEngine:
                     lps = self.sampler.logprobs(step.logits, rows, [tokens[i] for i in rows],
                                                 [sampled_reqs[i].sampling.logprobs for i in rows])
                     logprobs = {sampled_reqs[i].request_id: lp for i, lp in zip(rows, lps)}
+            for req, first, rows_logits in step.prompt:
+                self._record_prompt_logprobs(req, first, rows_logits)
         sampled = {r.request_id: t for r, t in zip(sampled_reqs, tokens)}
         finished = {r.request_id for r in self.scheduler.update(out, sampled)}
         for req in out.finished:
@@ -265,6 +270,15 @@ class LLMEngine:
                                                    result.duration_s)
         return result
 
+    def _record_prompt_logprobs(self, req: Request, first: int, logits) -> None:
+        """Row i of `logits` holds position first + i's prediction of prompt token first + i + 1."""
+        n = logits.shape[0]
+        targets = req.prompt_token_ids[first + 1:first + 1 + n]
+        lps = self.sampler.logprobs(logits, list(range(n)), targets, [req.sampling.prompt_logprobs] * n)
+        if req.prompt_logprobs is None:
+            req.prompt_logprobs = [None] * (req.num_prompt_tokens - 1)
+        req.prompt_logprobs[first:first + n] = lps
+
     def _flush(self, rid: str) -> str:
         stream = self._texts.pop(rid, None)
         return stream.flush() if stream is not None else ""
@@ -272,8 +286,12 @@ class LLMEngine:
     def _output(self, req: Request, tokens: list[int], finished: bool, text: str = "",
                 logprobs: list[TokenLogprob] | None = None) -> RequestOutput:
         reason = req.status.value if finished else None
+        prompt_lps = None
+        if req.sampling.prompt_logprobs is not None and tokens and len(req.output_token_ids) == 1:
+            prompt_lps = [None, *(req.prompt_logprobs or ())]     # with the first token, once
         return RequestOutput(req.request_id, tokens, text, finished, reason,
-                             req.num_prompt_tokens, len(req.output_token_ids), logprobs, req.num_cached_tokens)
+                             req.num_prompt_tokens, len(req.output_token_ids), logprobs, req.num_cached_tokens,
+                             prompt_lps)
 
     # ---- convenience -----------------------------------------------------------------------
     def generate(self, prompts: list[list[int]], sampling: SamplingParams | list[SamplingParams],

@@ -6,7 +6,7 @@ and returns the logits rows to sample from. Parallel groups (raycluster.parallel
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -22,6 +22,9 @@ from raycluster.request import Request
 class StepLogits:
     logits: torch.Tensor            # [n_sampled, vocab]
     requests: list[Request]         # the request of each row
+    # Requests asking for prompt log-probabilities: (request, first position, fp32 logits
+    # [positions, vocab]), row i predicting prompt token first position + i + 1.
+    prompt: list[tuple[Request, int, torch.Tensor]] = field(default_factory=list)
 
 
 class ModelRunner:
@@ -61,8 +64,15 @@ class ModelRunner:
 def execute_step(runner, out: SchedulerOutput) -> StepLogits:
     """What every runner's `execute` does: plan the step, run it (`runner.run_plan`), and turn
     the sampled rows into fp32 logits with the leader's copy of the output head."""
-    plan, reqs = step_plan(out, runner.kv.block_tables)
+    plan, reqs, prompt = step_plan(out, runner.kv.block_tables)
     hidden = runner.run_plan(plan)
     if not plan.sample_rows:
         return StepLogits(logits=hidden.new_empty((0, 0)).float(), requests=reqs)
-    return StepLogits(logits=runner.model.compute_logits(hidden).float(), requests=reqs)
+    logits = runner.model.compute_logits(hidden).float()
+    if not prompt:
+        return StepLogits(logits=logits, requests=reqs)
+    # Prompt rows (at most a step's prefill tokens of them) are split off the sampled ones.
+    sampled = [i for i, r in enumerate(reqs) if r is not None]
+    return StepLogits(logits=logits[sampled], requests=[reqs[i] for i in sampled],
+                      prompt=[(p.request, p.first_position, logits[p.first_row:p.first_row + p.count])
+                              for p in prompt])

@@ -5,7 +5,9 @@ parallel group's leader can post it to its workers) plus the requests whose rows
 sampled. `plan_inputs(plan, block_size)` turns a plan into the model's flat inputs and the
 attention metadata. Token layout (kernels.metadata): prefill chunks first, request by request,
 then one token per decode. A row is sampled for a request when the step computes its last known
-token.
+token. A request asking for prompt log-probabilities also gets the rows of its chunk's prompt
+positions (each predicts the next prompt token); those come before its sampled row, so
+`sample_rows` stays increasing.
 """
 
 from __future__ import annotations
@@ -34,9 +36,23 @@ class StepPlan:
         return len(self.input_ids)
 
 
-def step_plan(out: SchedulerOutput, tables: dict[str, list[int]]) -> tuple[StepPlan, list[Request]]:
+@dataclass
+class PromptRows:
+    """Rows of one request's prompt positions in a step: `count` rows from `first_row` (an index
+    into the step's output rows), for positions `first_position`... (each predicts the token
+    after it)."""
+    request: Request
+    first_position: int
+    first_row: int
+    count: int
+
+
+def step_plan(out: SchedulerOutput, tables: dict[str, list[int]]
+              ) -> tuple[StepPlan, list[Request | None], list[PromptRows]]:
+    """The plan, the request sampled at each output row (None: a prompt row) and the prompt
+    rows by request."""
     ids: list[int] = []
-    starts, lens, p_tables, rows, reqs = [], [], [], [], []
+    starts, lens, p_tables, rows, reqs, prompt = [], [], [], [], [], []
     for req, n in out.prefills:
         start = req.num_computed_tokens
         known = req.all_token_ids
@@ -44,6 +60,12 @@ def step_plan(out: SchedulerOutput, tables: dict[str, list[int]]) -> tuple[StepP
         starts.append(start)
         lens.append(n)
         p_tables.append(tables[req.request_id])
+        end = min(start + n, req.num_prompt_tokens - 1)    # the last prompt position predicts an output
+        if req.sampling.prompt_logprobs is not None and end > start:
+            prompt.append(PromptRows(req, start, len(rows), end - start))
+            base = len(ids) - n
+            rows.extend(range(base, base + end - start))
+            reqs.extend([None] * (end - start))
         if start + n == len(known):
             rows.append(len(ids) - 1)
             reqs.append(req)
@@ -54,7 +76,7 @@ def step_plan(out: SchedulerOutput, tables: dict[str, list[int]]) -> tuple[StepP
         d_tables.append(tables[req.request_id])
         rows.append(len(ids) - 1)
         reqs.append(req)
-    return StepPlan(ids, starts, lens, p_tables, d_pos, d_tables, rows), reqs
+    return StepPlan(ids, starts, lens, p_tables, d_pos, d_tables, rows), reqs, prompt
 
 
 def _slots(table: list[int], start: int, end: int, bs: int) -> torch.Tensor:

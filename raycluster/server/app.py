@@ -100,7 +100,8 @@ def build_app(engine, tokenizer, model_name: str) -> FastAPI:
             return _encode_prompt(prompt[0])
         raise InvalidRequestError("prompt", "must be a string or a list of token ids (batches of prompts are not supported)")
 
-    async def _run(body, prompt_ids: list[int], kind: str, http: HTTPRequest):
+    async def _run(body, prompt_ids: list[int], kind: str, http: HTTPRequest, echo: str | None = None):
+        """`echo`: the prompt text to put before each choice's completion."""
         max_tokens = getattr(body, "max_completion_tokens", None) or body.max_tokens
         sampling = body.to_sampling()
         if max_tokens is not None:
@@ -130,7 +131,8 @@ def build_app(engine, tokenizer, model_name: str) -> FastAPI:
                 return _overloaded(err)
             raise err
         decode = tokenizer.decode if sampling.logprobs is not None else None
-        streams = [_Stream(g, f, t0, metrics, decode) for g, f in zip(gens, firsts)]
+        streams = [_Stream(g, f, t0, metrics, decode, None if echo is None else (echo, prompt_ids))
+                   for g, f in zip(gens, firsts)]
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             return _ClosingStreamingResponse(_sse(streams, rid, kind, model_name, len(prompt_ids), include_usage),
@@ -156,7 +158,11 @@ def build_app(engine, tokenizer, model_name: str) -> FastAPI:
             return _overloaded(e)
         except InvalidRequestError as e:
             return _bad_request(str(e), e.field)
-        return await _run(body, ids, "text_completion", http)
+        echo = None
+        if body.echo:       # the prompt as sent; token ids as their text
+            echo = body.prompt if isinstance(body.prompt, str) else \
+                body.prompt[0] if isinstance(body.prompt[0], str) else tokenizer.decode(ids)
+        return await _run(body, ids, "text_completion", http, echo)
 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatCompletionRequest, http: HTTPRequest):
@@ -214,12 +220,26 @@ class _ClosingStreamingResponse(StreamingResponse):
 class _Stream:
     """Consumes one request's outputs, recording TTFT/TPOT metrics."""
 
-    def __init__(self, gen, first, t0: float, metrics: _Metrics, decode=None) -> None:
+    def __init__(self, gen, first, t0: float, metrics: _Metrics, decode=None,
+                 echo: tuple[str, list[int]] | None = None) -> None:
         self.gen, self.first, self.t0, self.metrics = gen, first, t0, metrics
         self.decode = decode          # set when the request asked for logprobs
+        self.echo = echo              # (prompt text, prompt ids) to put before the first output
         self.n_out = 0
         self.n_cached = 0             # prompt tokens the engine took from its prefix cache
         self.chars = 0                # completion text so far (text_offset of the next token)
+
+    def render(self, kind: str, out) -> tuple[str, dict | None]:
+        """One output's text and logprobs object; the first output also carries the echoed
+        prompt (and its tokens' logprobs, which the engine sends with the first token)."""
+        text, ids, lps = out.new_text, out.new_token_ids, out.logprobs
+        if self.echo is not None:
+            prompt, prompt_ids = self.echo
+            self.echo = None
+            text = prompt + text
+            if self.decode is not None:
+                ids, lps = prompt_ids + ids, list(out.prompt_logprobs or [None] * len(prompt_ids)) + (lps or [])
+        return text, self.logprobs(kind, ids, lps)
 
     def logprobs(self, kind: str, token_ids: list[int], lps) -> dict | None:
         if self.decode is None or lps is None:
@@ -250,14 +270,14 @@ class _Stream:
             await _close(self.gen)      # aborts the request if it has not finished
 
     async def collect(self, kind: str) -> tuple[str, int, str | None, dict | None]:
-        parts, reason, ids, lps = [], None, [], []
+        parts, reason, merged = [], None, None
         async for out in self.outputs():
-            parts.append(out.new_text)
+            text, lp = self.render(kind, out)
+            parts.append(text)
             reason = out.finish_reason
-            if out.logprobs is not None:
-                ids += out.new_token_ids
-                lps += out.logprobs
-        return "".join(parts), self.n_out, reason, self.logprobs(kind, ids, lps if self.decode else None)
+            if lp is not None:      # both shapes are dicts of per-token lists: concatenate them
+                merged = lp if merged is None else {k: merged[k] + v for k, v in lp.items()}
+        return "".join(parts), self.n_out, reason, merged
 
 
 async def _merged(streams: list[_Stream]) -> AsyncIterator[tuple[int, object]]:
@@ -303,11 +323,11 @@ async def _sse(streams: list[_Stream], rid: str, kind: str, model: str, n_prompt
     try:                # closing this generator must close the requests' (which aborts them)
         async for item in outputs:
             i, out = (0, item) if single else item
-            lp = streams[i].logprobs(kind, out.new_token_ids, out.logprobs)
+            text, lp = streams[i].render(kind, out)
             if kind == "text_completion":
-                choice = {"index": i, "text": out.new_text, "finish_reason": out.finish_reason, "logprobs": lp}
+                choice = {"index": i, "text": text, "finish_reason": out.finish_reason, "logprobs": lp}
             else:
-                choice = {"index": i, "delta": {"content": out.new_text}, "finish_reason": out.finish_reason,
+                choice = {"index": i, "delta": {"content": text}, "finish_reason": out.finish_reason,
                           "logprobs": lp}
             chunk = {"id": rid, "object": obj, "created": created, "model": model, "choices": [choice]}
             yield f"data: {json.dumps(chunk)}\n\n"

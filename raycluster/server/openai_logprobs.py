@@ -13,14 +13,16 @@ from __future__ import annotations
 from raycluster.request import TokenLogprob
 
 
-def completion_logprobs(decode, token_ids: list[int], lps: list[TokenLogprob], offset: int = 0) -> dict:
+def completion_logprobs(decode, token_ids: list[int], lps: list[TokenLogprob | None], offset: int = 0) -> dict:
+    """`lps` entries may be None (an echoed prompt's first token): null logprob and top there."""
     tokens = [decode([t]) for t in token_ids]
     offsets, at = [], offset
     for s in tokens:
         offsets.append(at)
         at += len(s)
-    return {"tokens": tokens, "token_logprobs": [lp for lp, _ in lps],
-            "top_logprobs": [{decode([t]): v for t, v in top} for _, top in lps], "text_offset": offsets}
+    return {"tokens": tokens, "token_logprobs": [None if e is None else e[0] for e in lps],
+            "top_logprobs": [None if e is None else {decode([t]): v for t, v in e[1]} for e in lps],
+            "text_offset": offsets}
 
 
 def chat_logprobs(decode, token_ids: list[int], lps: list[TokenLogprob]) -> dict:

@@ -4,8 +4,10 @@ Requests enter as JSON and are validated here; `to_sampling()` turns them into t
 `SamplingParams`. Extra fields beyond OpenAI's (`ttft_slo_ms`, `tpot_slo_ms`, `priority`,
 `tenant`, `app_id`, vLLM's `ignore_eos` and `min_tokens`) are optional. Unknown fields are
 ignored, as OpenAI clients send many we do not use; but OpenAI options that would change the
-output and are not implemented (`echo`, `best_of`, `suffix`) are refused with a 400 naming the
-field unless they hold their neutral value, rather than silently ignored. `presence_penalty` /
+output and are not implemented (`best_of`, `suffix`, and `echo` on chat) are refused with a 400
+naming the field unless they hold their neutral value, rather than silently ignored. `echo` on
+completions returns the prompt before the completion, and with `logprobs` the prompt tokens'
+log-probabilities too (vLLM's `prompt_logprobs`; the first token's is null). `presence_penalty` /
 `frequency_penalty` / `logit_bias` (OpenAI's) and `repetition_penalty` (vLLM's) are served, and
 `logprobs`: an int (top alternatives) on completions, a bool with `top_logprobs` on chat. Chat
 `content` may be a string or a list of text parts.
@@ -54,7 +56,6 @@ class _GenerationFields(BaseModel):
     repetition_penalty: float = Field(1.0, gt=0.0, le=10.0)
     logit_bias: dict[int, float] | None = Field(None, description="token id -> bias in [-100, 100]")
     # OpenAI options not implemented: accepted only at their neutral values.
-    echo: Any = None
     best_of: Any = None
     suffix: Any = None
 
@@ -65,7 +66,7 @@ class _GenerationFields(BaseModel):
             raise ValueError("biases must be in [-100, 100]")
         return v
 
-    @field_validator("echo", "suffix")
+    @field_validator("suffix")
     @classmethod
     def _absent(cls, v):
         if v not in (None, False, 0, {}, "", []):
@@ -87,18 +88,26 @@ class _GenerationFields(BaseModel):
             stop=stop, ignore_eos=self.ignore_eos, logprobs=self.num_logprobs(),
             presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
             repetition_penalty=self.repetition_penalty, logit_bias=dict(self.logit_bias or {}),
-            min_tokens=self.min_tokens)
+            min_tokens=self.min_tokens, prompt_logprobs=self.num_prompt_logprobs())
 
     def num_logprobs(self) -> int | None:
+        return None
+
+    def num_prompt_logprobs(self) -> int | None:
         return None
 
 
 class CompletionRequest(_GenerationFields):
     prompt: str | list[int] | list[str] | list[list[int]]
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS, description="top alternatives per token")
+    echo: bool = Field(False, strict=True, description="return the prompt before the completion (and its "
+                       "tokens' logprobs with `logprobs`)")
 
     def num_logprobs(self) -> int | None:
         return self.logprobs
+
+    def num_prompt_logprobs(self) -> int | None:
+        return self.logprobs if self.echo else None
 
 
 class TextPart(BaseModel):
@@ -130,6 +139,12 @@ class ChatCompletionRequest(_GenerationFields):
     max_completion_tokens: int | None = None
     logprobs: bool | None = None
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    echo: Any = None            # not OpenAI's on chat (vLLM's echoes the last message): refused
+
+    @field_validator("echo")
+    @classmethod
+    def _no_echo(cls, v):
+        return cls._absent(v)
 
     @field_validator("top_logprobs")
     @classmethod

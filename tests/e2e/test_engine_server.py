@@ -124,7 +124,8 @@ def test_chat_and_models_and_health_and_metrics(server):
     ({"prompt": [1, 2, 10 ** 9]}, "prompt"),
     ({"prompt": "x" * 1, "top_p": 2}, "top_p"),
     # out of range, or OpenAI options this server does not implement: refused, not silently ignored
-    ({"prompt": "x", "echo": True}, "echo"),
+    ({"prompt": "x", "echo": "yes"}, "echo"),
+    ({"prompt": "x", "suffix": "the end"}, "suffix"),
     ({"prompt": "x", "presence_penalty": 2.5}, "presence_penalty"),
     ({"prompt": "x", "frequency_penalty": -3}, "frequency_penalty"),
     ({"prompt": "x", "repetition_penalty": 0}, "repetition_penalty"),
@@ -206,6 +207,50 @@ def test_penalties_reach_the_sampler(server):
     for bias in ({"99999": 1}, {"5": 200}, {"x": 1}):
         r = httpx.post(f"{url}/v1/completions", timeout=30, json={**body, "logit_bias": bias})
         assert r.status_code == 400 and r.json()["error"]["param"].startswith("logit_bias"), r.text
+    assert _all_free(aeng)
+
+
+def test_echo_returns_the_prompt_and_its_logprobs(server):
+    """`echo` (lm-eval's loglikelihood request: echo + logprobs): the prompt text before the
+    completion, and logprobs over prompt + completion tokens, the first prompt token's null and
+    the rest the engine's `prompt_logprobs`; streamed, the first chunk carries the prompt. On
+    chat, `echo` is a 400 naming it."""
+    url, aeng, tok, ref = server
+    prompt = "the quiet river and the light"
+    ids = tok.encode(prompt)
+    ref.add_request("echo", ids, SamplingParams(max_tokens=3, logprobs=2, prompt_logprobs=2, ignore_eos=True))
+    want_prompt, gen = None, []
+    while ref.has_unfinished():
+        for o in ref.step().outputs:
+            want_prompt = o.prompt_logprobs if o.prompt_logprobs is not None else want_prompt
+            gen += [(t, lp) for t, lp in zip(o.new_token_ids, o.logprobs or [])]
+    body = {"prompt": prompt, "max_tokens": 3, "temperature": 0, "ignore_eos": True}
+    plain = httpx.post(f"{url}/v1/completions", json=body, timeout=30).json()["choices"][0]
+    echoed = httpx.post(f"{url}/v1/completions", json={**body, "echo": True}, timeout=30).json()["choices"][0]
+    assert echoed["text"] == prompt + plain["text"] and echoed["logprobs"] is None
+    r = httpx.post(f"{url}/v1/completions", json={**body, "echo": True, "logprobs": 2}, timeout=30).json()
+    lp, usage = r["choices"][0]["logprobs"], r["usage"]
+    assert usage["prompt_tokens"] == len(ids) and usage["completion_tokens"] == 3
+    assert lp["tokens"] == [tok.decode([t]) for t in ids + [t for t, _ in gen]]
+    assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+    assert lp["token_logprobs"][1:] == pytest.approx([v for v, _ in want_prompt[1:]] + [v for _, (v, _) in gen], abs=1e-5)
+    assert [list(d) for d in lp["top_logprobs"][1:len(ids)]] == \
+        [[tok.decode([a]) for a, _ in top] for _, top in want_prompt[1:]]
+    assert lp["text_offset"][0] == 0 and "".join(lp["tokens"]) == r["choices"][0]["text"]
+    chunks = []
+    with httpx.stream("POST", f"{url}/v1/completions", json={**body, "echo": True, "logprobs": 2, "stream": True},
+                      timeout=30) as s:
+        for line in s.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                chunks += json.loads(line[6:])["choices"]
+    assert chunks[0]["text"].startswith(prompt) and "".join(c["text"] for c in chunks) == r["choices"][0]["text"]
+    assert sum((c["logprobs"]["token_logprobs"] for c in chunks if c["logprobs"]), []) == \
+        pytest.approx(lp["token_logprobs"], abs=1e-5)
+    ids_prompt = httpx.post(f"{url}/v1/completions", json={**body, "prompt": ids, "echo": True}, timeout=30).json()
+    assert ids_prompt["choices"][0]["text"] == tok.decode(ids) + plain["text"]
+    bad = httpx.post(f"{url}/v1/chat/completions", timeout=30, json={
+        "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "echo": True})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "echo", bad.text
     assert _all_free(aeng)
 
 

@@ -206,6 +206,39 @@ def test_fifty_mixed_requests_equal_single_engine(cluster, workload, expected, s
         assert pulls["ok"] >= 10 and pulls["failed"] == 0, (name, pulls)
 
 
+def test_echo_with_logprobs_reports_the_prompts_logprobs(cluster, prefix_workload, tiny_model_dir):
+    """lm-eval's loglikelihood request (echo + logprobs) on every topology: the prompt's token
+    log-probabilities equal a single engine's (in P/D the prefill instance computes them and they
+    travel with the first token; a 350-token prompt takes the long pool, an SPP group in
+    pd-groups), also when the prompt is cached already (a request asking for them computes every
+    position)."""
+    from raycluster.engine.config import EngineConfig
+    from raycluster.engine.engine import LLMEngine
+    from raycluster.model.loader import load_model
+    from raycluster.request import SamplingParams
+
+    url, name = cluster
+    prompt = prefix_workload[0][1]
+    eng = LLMEngine(EngineConfig(policy="fcfs", packer="token", kv_cache_tokens=4096), load_model(tiny_model_dir)[0])
+    eng.add_request("r", prompt, SamplingParams(max_tokens=3, ignore_eos=True, prompt_logprobs=1, logprobs=1))
+    want, gen = None, []
+    for _ in range(100):
+        if not eng.has_unfinished():
+            break
+        for o in eng.step().outputs:
+            want = o.prompt_logprobs or want
+            gen += [lp for lp, _ in o.logprobs]
+    body = {"prompt": prompt, "max_tokens": 3, "temperature": 0, "ignore_eos": True, "echo": True, "logprobs": 1}
+    for attempt in range(2):        # the second time its blocks are cached where caching is on
+        r = httpx.post(url + "/v1/completions", json=body, timeout=120)
+        assert r.status_code == 200, r.text
+        lp = r.json()["choices"][0]["logprobs"]
+        assert len(lp["token_logprobs"]) == len(prompt) + 3 and lp["token_logprobs"][0] is None, (name, attempt)
+        assert lp["token_logprobs"][1:] == pytest.approx([v for v, _ in want[1:]] + gen, abs=2e-4), (name, attempt)
+        assert all(len(top) == 1 for top in lp["top_logprobs"][1:])
+    _assert_drained(url)
+
+
 def test_openai_client_and_status(cluster):
     openai = pytest.importorskip("openai")
     url, name = cluster

@@ -163,6 +163,62 @@ def test_logprobs_match_hf_log_softmax(checkpoint):
             assert all(top[0][0] == t for (_, top), t in zip(lps["r0"], toks["r0"]))   # greedy: the best
 
 
+@pytest.mark.parametrize("preempt", [False, True])
+def test_prompt_logprobs_match_hf_log_softmax(checkpoint, preempt):
+    """Prompt log-probabilities (vLLM's `prompt_logprobs`, what `echo` with `logprobs` reports):
+    for every prompt token after the first, log_softmax of HF's logits at the position before
+    it, and the top-k there; computed over chunks of 7 tokens, batched with requests that ask
+    for none, under prefix caching (a request asking for them computes every position), and
+    with preemption by recompute (entries are overwritten, not appended). Delivered once, with
+    the first token; generation is unchanged."""
+    _, hf, model, _ = checkpoint
+    rng = random.Random(5)
+    shared = [rng.randrange(6, 500) for _ in range(32)]
+    prompts = [shared + [rng.randrange(6, 500) for _ in range(n)] for n in (9, 30)] + [[17], shared + [9, 9]]
+    params = [SamplingParams(max_tokens=4, ignore_eos=True, prompt_logprobs=3),
+              SamplingParams(max_tokens=4, ignore_eos=True, prompt_logprobs=0, logprobs=1),
+              SamplingParams(max_tokens=4, ignore_eos=True, prompt_logprobs=2),
+              SamplingParams(max_tokens=4, ignore_eos=True)]
+    cfg = dict(policy="fcfs", packer="token", chunk_size=7, enable_prefix_caching=True, block_size=8,
+               kv_cache_tokens=2048)
+    if preempt:
+        cfg.update(kv_cache_tokens=96, max_num_seqs=4)
+    eng = LLMEngine(EngineConfig(**cfg), model)
+    plain = LLMEngine(EngineConfig(policy="fcfs", packer="token", kv_cache_tokens=2048), model)
+    eng.add_request("warm", shared + [5, 5], SamplingParams(max_tokens=1))   # caches the shared blocks
+    while eng.has_unfinished():
+        eng.step()
+    for i, (p, sp) in enumerate(zip(prompts, params)):
+        eng.add_request(f"r{i}", p, sp)
+    toks: dict[str, list[int]] = {}
+    plps: dict[str, list] = {}
+    for _ in range(10_000):
+        if not eng.has_unfinished():
+            break
+        for o in eng.step().outputs:
+            toks.setdefault(o.request_id, []).extend(o.new_token_ids)
+            if o.prompt_logprobs is not None:
+                assert o.request_id not in plps and len(toks[o.request_id]) == 1
+                plps[o.request_id] = o.prompt_logprobs
+    if preempt:
+        assert eng.scheduler.preempted_total > 0
+    assert sorted(plps) == ["r0", "r1", "r2"]
+    assert [toks[f"r{i}"] for i in range(4)] == plain.generate(prompts, SamplingParams(max_tokens=4, ignore_eos=True))
+    assert plps["r2"] == [None]                              # a one-token prompt: nothing to predict
+    for i, k in ((0, 3), (1, 0)):
+        got, prompt = plps[f"r{i}"], prompts[i]
+        assert len(got) == len(prompt) and got[0] is None
+        with torch.no_grad():
+            ref = torch.log_softmax(hf(torch.tensor([prompt])).logits[0].float(), dim=-1)
+        for pos in range(1, len(prompt)):
+            lp, top = got[pos]
+            assert lp == pytest.approx(ref[pos - 1, prompt[pos]].item(), abs=2e-4)
+            vals, idx = ref[pos - 1].topk(k) if k else (torch.empty(0), torch.empty(0, dtype=torch.long))
+            assert [t for t, _ in top] == idx.tolist()
+            assert [v for _, v in top] == pytest.approx(vals.tolist(), abs=2e-4)
+    assert eng.kv.hit_tokens == 32           # only r3, which asks for none, took the cached prefix
+
+
 def _penalized_reference(hf, prompt: list[int], n: int, presence: float, frequency: float, rep: float) -> list[int]:
     """Greedy decoding over HF's logits with the penalties applied by their definitions."""
     seq, out = list(prompt), []
