@@ -117,8 +117,9 @@ class LLMEngine:
         moved this instance there): its policy, packer, decode selector and limits
         (`EngineConfig.with_scheduling_of`; model, KV and parallelism stay ours). Call it between
         steps, on the thread that steps. Every request stays (`Scheduler.reconfigure`); a
-        predictor the new pieces need and this engine lacks is obtained as at start. Returns
-        whether anything changed."""
+        predictor the new pieces need and this engine lacks is obtained as at start. The new
+        pieces start as at start too (what the old ones learned online, e.g. Kairos' step-time
+        LUT or AWD's service-time estimate, is not carried over). Returns whether anything changed."""
         cfg = self.config.with_scheduling_of(pool)
         if cfg == self.config:
             return False
