@@ -52,7 +52,9 @@ class EngineInstance:
             poll_fn=lambda iid, stats, timeout: ray.get(router.poll.remote(iid, stats, timeout), timeout=timeout + 30),
             push_fn=lambda report: ray.get(router.push.remote(report), timeout=30),
             connector=connector, transfer_timeout_s=cfg.transfer_timeout_s,
-            on_transfer_failure=cfg.on_transfer_failure).start()
+            on_transfer_failure=cfg.on_transfer_failure,
+            # The pressure controller may move it to another pool: it then schedules as that pool's engines.
+            role_configs=cfg.role_engine_configs()).start()
 
     def check_health(self) -> None:
         if not all(t.is_alive() for t in self.worker._threads):

@@ -158,15 +158,15 @@ def cmd_status(args: argparse.Namespace) -> int:
           f"router {status.get('router_id')}")
     if status.get("gateway_urls"):
         print(f"gateway replicas (no proxy hop): {', '.join(status['gateway_urls'])}")
-    print(f"{'instance':28s} {'role':14s} {'waiting':>8s} {'prefill tok':>11s} {'running':>8s} {'kv used':>8s} "
-          f"{'prefix hits':>11s}")
+    print(f"{'instance':28s} {'role':14s} {'scheduling':18s} {'waiting':>8s} {'prefill tok':>11s} {'running':>8s} "
+          f"{'kv used':>8s} {'prefix hits':>11s}")
     for inst in status.get("instances", []):
         total = max(1, inst.get("kv_total_blocks", 0))
         used = 1 - inst.get("kv_free_blocks", 0) / total
         role = inst.get("role", "?") + ("" if inst.get("layout", "single") == "single" else f" {inst['layout']}")
         hits = (f"{inst.get('prefix_hit_tokens', 0) / max(1, inst.get('prefix_query_tokens', 0)):11.1%}"
                 if inst.get("prefix_caching") else f"{'off':>11s}")
-        print(f"{inst.get('id', '?'):28s} {role:14s} {inst.get('waiting', 0):8d} "
+        print(f"{inst.get('id', '?'):28s} {role:14s} {inst.get('scheduling') or '?':18s} {inst.get('waiting', 0):8d} "
               f"{inst.get('queued_tokens', 0):11d} {inst.get('running', 0):8d} {used:8.1%} {hits}")
     ctl = status.get("controller")
     if ctl is not None:

@@ -101,6 +101,14 @@ class ClusterConfig(BaseModel):
                                  "give the instance GPUs (set num_gpus, e.g. 1)")
         return self
 
+    def role_engine_configs(self) -> dict[str, EngineConfig]:
+        """Each role's engine config (its first pool's, the one a replica of that role runs): what
+        an instance the pressure controller moves to that role schedules by."""
+        configs: dict[str, EngineConfig] = {}
+        for p in self.pools:
+            configs.setdefault(p.role, self.engine_config(p))
+        return configs
+
     def engine_config(self, pool: PoolSpec) -> EngineConfig:
         cfg = {"model": self.model, "policy": self.policy, "num_threads": self.threads_per_instance,
                **({"device": "cuda"} if pool.num_gpus > 0 else {}), **self.engine, **pool.engine}

@@ -3,15 +3,19 @@
 `InstanceWorker` owns an `LLMEngine` and a KV connector and runs two threads:
 - the poll thread long-polls the router (`poll_fn(instance_id, stats, timeout) -> PollReply`,
   which doubles as the heartbeat) and queues each reply;
-- the step thread applies replies between steps (new work by mode full / prefill / decode,
-  aborts, KV releases, expired leases), runs `engine.step()`, and queues one `StepReport` per
-  step with every request's new tokens, prefill handoffs and admissions;
+- the step thread applies replies between steps (a move to another pool, new work by mode
+  full / prefill / decode, aborts, KV releases, expired leases), runs `engine.step()`, and
+  queues one `StepReport` per step with every request's new tokens, prefill handoffs and
+  admissions;
 - the push thread sends queued reports through `push_fn` one call at a time (merging reports
   that queued meanwhile), because an async actor does not run calls in arrival order and
   tokens must reach the router in the order they were made.
 A poll reply with a new `epoch` (the router restarted, or reaped this instance and re-queued its
 work) makes the step thread drop every request, parked KV and offer it holds before applying
 the reply; each report carries the epoch it was made under.
+A poll reply with a new `role` (the pressure controller moved the instance) makes the step
+thread adopt that pool's scheduling config (`role_configs`, `LLMEngine.reconfigure_scheduling`)
+before it applies the reply's work; the role and scheduling it reports change together then.
 No Ray import: the Serve deployment passes the two functions, so tests can drive it directly.
 """
 
@@ -26,6 +30,7 @@ from typing import Callable
 
 from raycluster.cluster.messages import (InstanceStats, PollReply, PrefillDone, StepReport, TokenEvent,
                                          WorkItem)
+from raycluster.engine.config import EngineConfig
 from raycluster.engine.engine import LLMEngine
 from raycluster.kv_transfer.base import KVConnector, pull_with_fallback
 from raycluster.request import SLO
@@ -39,9 +44,13 @@ PushFn = Callable[[StepReport], None]
 class InstanceWorker:
     def __init__(self, engine: LLMEngine, role: str, instance_id: str, poll_fn: PollFn, push_fn: PushFn,
                  connector: KVConnector | None = None, transfer_timeout_s: float = 10.0,
-                 on_transfer_failure: str = "recompute", poll_timeout_s: float = 0.5) -> None:
+                 on_transfer_failure: str = "recompute", poll_timeout_s: float = 0.5,
+                 role_configs: dict[str, EngineConfig] | None = None) -> None:
+        """`role_configs`: the engine config of each pool this instance may be moved to (a role
+        missing there keeps the scheduling the instance has)."""
         self.engine = engine
         self.role = role
+        self.role_configs = dict(role_configs or {})
         self.instance_id = instance_id
         self.poll_fn = poll_fn
         self.push_fn = push_fn
@@ -83,7 +92,8 @@ class InstanceWorker:
             block_size=kv.block_size, step_time_ema_s=self._step_ema, steps=self.steps, busy_s=self.busy_s,
             queued_tokens=eng.scheduler.prefill_backlog,
             connector=(self.connector.local_descriptor() or {}) if self.connector else {},
-            work_seen=self._work_seen, layout=eng.runner.layout, prefix_caching=kv.prefix_caching,
+            work_seen=self._work_seen, layout=eng.runner.layout, scheduling=eng.config.scheduling_label(),
+            prefix_caching=kv.prefix_caching,
             prefix_query_tokens=getattr(kv, "query_tokens", 0), prefix_hit_tokens=getattr(kv, "hit_tokens", 0))
 
     # ---- threads ---------------------------------------------------------------------------
@@ -95,9 +105,7 @@ class InstanceWorker:
                 log.warning("%s: poll failed: %s", self.instance_id, e)
                 self._stop.wait(0.5)
                 continue
-            if reply.role:
-                self.role = reply.role
-            if reply.work or reply.aborts or reply.releases or reply.epoch != self._polled_epoch:
+            if reply.work or reply.aborts or reply.releases or reply.role or reply.epoch != self._polled_epoch:
                 self._polled_epoch = reply.epoch
                 self._replies.put(reply)
             if reply.shutdown:
@@ -127,6 +135,8 @@ class InstanceWorker:
         if reply.epoch is not None and reply.epoch != self._epoch:
             self._drop_all()
             self._epoch = reply.epoch
+        if reply.role and reply.role != self.role:
+            self._move(reply.role)
         for rid in reply.aborts:
             self.engine.abort_request(rid)
             if self.connector is not None:
@@ -143,6 +153,17 @@ class InstanceWorker:
                 self._admit(item)
             except ValueError as e:         # invalid input: answer this request, keep serving
                 self._pending.append(TokenEvent(item.meta.request_id, [], True, "error", str(e)))
+
+    def _move(self, role: str) -> None:
+        """The controller moved this instance to `role`: schedule as that pool's engines do."""
+        target = self.role_configs.get(role)
+        if target is None:
+            log.warning("%s: moved to %s, whose engine config it was not given: keeps its scheduling",
+                        self.instance_id, role)
+        elif self.engine.reconfigure_scheduling(target):
+            log.info("%s: moved to %s, now schedules %s", self.instance_id, role,
+                     self.engine.config.scheduling_label())
+        self.role = role
 
     def _admit(self, item: WorkItem) -> None:
         m = item.meta       # the engine gets m.sampling itself: it never writes a request's SamplingParams

@@ -258,7 +258,7 @@ class RouterCore:
 
     def move_instance(self, instance_id: str, role: str) -> None:
         """Move an instance between the prefill pools and the decode pool: dispatch treats it as
-        `role` from now on, and its next poll reply tells it (work it already holds stays there)."""
+        `role` from now on; its next poll reply tells it, and it adopts that pool's scheduling."""
         inst = self.instances[instance_id]
         movable = (*PREFILL_ROLES, "decode")
         if role not in movable or inst.role not in movable:

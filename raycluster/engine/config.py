@@ -7,6 +7,13 @@ from typing import Literal
 import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+# The fields that say how an engine schedules, as opposed to what it runs (model, KV pool, block
+# size, parallelism, device): what an instance adopts when the pressure controller moves it to
+# another pool (`EngineConfig.with_scheduling_of`). `predictor` says where a batch-time predictor
+# comes from, should the new policy / packer / selector need one the engine did not.
+SCHEDULING_FIELDS = ("policy", "packer", "decode_selector", "chunk_size", "long_threshold", "min_chunk",
+                     "ttft_ms", "tpot_ms", "ttft_scale", "max_num_batched_tokens", "max_num_seqs", "predictor")
+
 
 class EngineConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
@@ -50,6 +57,19 @@ class EngineConfig(BaseModel):
 
     def torch_dtype(self) -> torch.dtype:
         return getattr(torch, self.dtype)
+
+    def with_scheduling_of(self, pool: "EngineConfig") -> "EngineConfig":
+        """This config with `pool`'s scheduling fields (`SCHEDULING_FIELDS`): what an instance of
+        this config runs after a move to `pool`. Everything else stays this instance's own: its
+        model, KV pool size, block size, parallelism and device are what it was started with, so
+        a target pool that differs in those gets an instance with its scheduling and our
+        hardware. (max_num_batched_tokens / max_num_seqs are scheduler limits only: no buffer
+        is sized by them.)"""
+        return self.model_copy(update={f: getattr(pool, f) for f in SCHEDULING_FIELDS})
+
+    def scheduling_label(self) -> str:
+        """'policy/packer/decode_selector', as instance stats and `raycluster status` show it."""
+        return f"{self.policy}/{self.packer}/{self.decode_selector}"
 
     @model_validator(mode="after")
     def _one_parallel_dimension(self) -> "EngineConfig":

@@ -21,7 +21,7 @@ from raycluster.engine.config import EngineConfig
 from raycluster.parallel.factory import build_runner
 from raycluster.engine.sampler import Sampler
 from raycluster.engine.profiler import load_or_profile
-from raycluster.engine.sched_factory import build_scheduler, needs_predictor
+from raycluster.engine.sched_factory import build_scheduler, build_scheduling, needs_predictor
 from raycluster.engine.text import TextStream
 from raycluster.request import SLO, Request, RequestStatus, SamplingParams, TokenLogprob
 from raycluster.sched.base import Clock
@@ -103,18 +103,35 @@ class LLMEngine:
         self.eos_token_ids = tuple(tokenizer.eos_token_ids) if tokenizer is not None else tuple(mcfg.eos_token_id)
         self.runner = runner or build_runner(config, model, _DTYPES[config.dtype])
         self.kv = self.runner.kv
-        self.predictor = predictor or self._predictor()
+        self.predictor = predictor or self._predictor(config)
         self.scheduler = build_scheduler(config, self.kv, self.clock, self.max_model_len, self.predictor)
         self.sampler = Sampler(config.seed)
         self._texts: dict[str, TextStream] = {}
 
-    def _predictor(self) -> LinearBatchPredictor | None:
-        cfg = self.config
+    def _predictor(self, cfg: EngineConfig) -> LinearBatchPredictor | None:
         if cfg.predictor == "none" or not needs_predictor(cfg):
             return None
         if cfg.predictor == "auto":
             return load_or_profile(self.runner, self.max_model_len, cfg.max_num_batched_tokens, cfg.max_num_seqs)
         return LinearBatchPredictor(**json.loads(Path(cfg.predictor).read_text())["predictor"])
+
+    def reconfigure_scheduling(self, pool: EngineConfig) -> bool:
+        """Schedule from now on as an engine of `pool`'s config does (the pressure controller
+        moved this instance there): its policy, packer, decode selector and limits
+        (`EngineConfig.with_scheduling_of`; model, KV and parallelism stay ours). Call it between
+        steps, on the thread that steps. Every request stays (`Scheduler.reconfigure`); a
+        predictor the new pieces need and this engine lacks is obtained as at start. The new
+        pieces start as at start too (what the old ones learned online, e.g. Kairos' step-time
+        LUT or AWD's service-time estimate, is not carried over). Returns whether anything changed."""
+        cfg = self.config.with_scheduling_of(pool)
+        if cfg == self.config:
+            return False
+        if self.predictor is None:
+            self.predictor = self._predictor(cfg)
+        parts = build_scheduling(cfg, self.clock, self.max_model_len, self.predictor)
+        self.scheduler.reconfigure(parts.config, parts.policy, parts.packer, parts.decode_selector)
+        self.config = cfg
+        return True
 
     @classmethod
     def from_config(cls, config: EngineConfig, clock: Clock | None = None) -> "LLMEngine":

@@ -1,13 +1,19 @@
 """Builds an engine's scheduler from its config: policy by name, packer, decode selector and the
-batch-time predictor they share (profiled once per machine, or loaded from a file)."""
+batch-time predictor they share (profiled once per machine, or loaded from a file).
+
+`build_scheduling` makes the pieces; `build_scheduler` wraps them in a `Scheduler` at start, and
+`Scheduler.reconfigure` takes a fresh set when the instance moves to another pool (so both paths
+construct the pieces the same way)."""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 from raycluster.engine.config import EngineConfig
 from raycluster.engine.kv_manager import KVCacheManager
 from raycluster.engine.scheduler import Scheduler, SchedulerConfig
 from raycluster.sched.awd_packer import AWDPacker
-from raycluster.sched.base import AllDecodes, Clock, PolicyContext, SLOConfig
+from raycluster.sched.base import AllDecodes, Clock, DecodeSelector, Packer, Policy, PolicyContext, SLOConfig
 from raycluster.sched.kairos_decode import KairosDecodeSelector, StepTimeLUT
 from raycluster.sched.medha_packer import MedhaPacker
 from raycluster.sched.predictor import LinearBatchPredictor
@@ -19,8 +25,17 @@ def needs_predictor(config: EngineConfig) -> bool:
     return config.packer == "medha" or config.decode_selector == "kairos" or config.policy != "fcfs"
 
 
-def build_scheduler(config: EngineConfig, kv: KVCacheManager, clock: Clock, max_model_len: int,
-                    predictor: LinearBatchPredictor | None) -> Scheduler:
+@dataclass
+class SchedulingParts:
+    """What a config's scheduling fields turn into: limits, policy, packer, decode selector."""
+    config: SchedulerConfig
+    policy: Policy
+    packer: Packer
+    decode_selector: DecodeSelector
+
+
+def build_scheduling(config: EngineConfig, clock: Clock, max_model_len: int,
+                     predictor: LinearBatchPredictor | None) -> SchedulingParts:
     slo = SLOConfig(ttft_ms=config.ttft_ms, tpot_ms=config.tpot_ms, ttft_scale=config.ttft_scale)
     ctx = PolicyContext(clock=clock, predictor=predictor, slo=slo, num_slots=config.max_num_seqs)
     policy = make_policy(config.policy, ctx)
@@ -39,5 +54,11 @@ def build_scheduler(config: EngineConfig, kv: KVCacheManager, clock: Clock, max_
         selector = KairosDecodeSelector(StepTimeLUT.from_predictor(predictor, config.max_num_seqs, max_model_len), slo)
     else:
         selector = AllDecodes()
-    return Scheduler(SchedulerConfig(config.max_num_batched_tokens, config.max_num_seqs, max_model_len),
-                     kv, policy, packer, clock, selector)
+    return SchedulingParts(SchedulerConfig(config.max_num_batched_tokens, config.max_num_seqs, max_model_len),
+                           policy, packer, selector)
+
+
+def build_scheduler(config: EngineConfig, kv: KVCacheManager, clock: Clock, max_model_len: int,
+                    predictor: LinearBatchPredictor | None) -> Scheduler:
+    p = build_scheduling(config, clock, max_model_len, predictor)
+    return Scheduler(p.config, kv, p.policy, p.packer, clock, p.decode_selector)

@@ -187,6 +187,22 @@ class Scheduler:
             self.kv.free(request_id)
         return req
 
+    def reconfigure(self, config: SchedulerConfig, policy: Policy, packer: Packer,
+                    decode_selector: DecodeSelector) -> None:
+        """Swap limits, policy, packer and decode selector between steps (the instance moved to
+        a pool that schedules differently). Requests waiting for prefill move to the new policy:
+        first those the old packer held (in the order it took them), then the old policy's in
+        its pop order, each pushed in turn so the new policy's ties keep that order. Decoding,
+        parked and KV-holding requests, their KV and `prefill_backlog` stay as they are: no
+        request enters or leaves."""
+        # Requests aborted while the packer held them are gone from `requests`: dropped here.
+        waiting = [r for r in self.packer.release_held() if self.requests.get(r.request_id) is r]
+        while (req := self.policy.pop()) is not None:
+            waiting.append(req)
+        self.config, self.policy, self.packer, self.decode_selector = config, policy, packer, decode_selector
+        for req in waiting:
+            policy.push(req)
+
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         alloc = _StepAllocator(self)

@@ -181,5 +181,11 @@ class AWDBatcher:
             return now
         return max(now, min(self._wakeups(batch)))
 
+    def release_all(self) -> list[Request]:
+        """Empty the queue: its requests in the order they were added (the round ends)."""
+        reqs = [e.req for e in self.queue]
+        self.queue, self.round_start = [], None
+        return reqs
+
     def __len__(self) -> int:
         return len(self.queue)

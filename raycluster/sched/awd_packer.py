@@ -62,6 +62,9 @@ class AWDPacker(Packer):
     def num_held(self) -> int:
         return len(self.awd)
 
+    def release_held(self) -> list[Request]:
+        return self.awd.release_all()
+
     def next_wakeup(self, now: float) -> float | None:
         return self.awd.next_wakeup(now)
 

@@ -112,6 +112,11 @@ class Packer(ABC):
         """Requests the packer holds itself (outside the policy), e.g. AWD's waiting batch."""
         return 0
 
+    def release_held(self) -> list[Request]:
+        """Give up every request the packer holds (in the order it took them), e.g. when the
+        engine swaps packers; the caller queues them elsewhere."""
+        return []
+
     def observe(self, chunks: Sequence[tuple[Request, int]], seconds: float) -> None:
         """The step that ran `chunks` (plus its decodes) took `seconds`."""
 

@@ -114,6 +114,10 @@ class SimCluster:
         self.instances: dict[str, SimInstance] = {}
         # Decode fast path (sim/fastpath.py): only where every router policy ignores decode progress.
         self.fast_decode = bool(fast_decode) and router_ok(self.router)
+        # What an instance the controller moves to a role schedules by: that role's (first) pool's config.
+        role_configs: dict = {}
+        for pool in spec.pools:
+            role_configs.setdefault(pool.role, spec.engine_config(pool))
         n = 0
         for pool in spec.pools:
             ecfg = spec.engine_config(pool)
@@ -126,7 +130,7 @@ class SimCluster:
                 n += 1
                 self.instances[iid] = SimInstance(self, iid, pool.role, ecfg, pred, blocks,
                                                   pool.gpus_per_instance, spec.max_model_len,
-                                                  fast=self.fast_decode)
+                                                  fast=self.fast_decode, role_configs=role_configs)
         # Prefix caching needs the prompts' real token ids (the ones `loadgen run --prompt-format
         # ids` sends for the same workload); otherwise every prompt is one repeated token.
         self.token_ids = any(spec.engine_config(p).enable_prefix_caching for p in spec.pools)
@@ -290,14 +294,22 @@ class SimCluster:
         it; a moved instance hears of it at once here (the actor wakes its parked poll)."""
         now = self.loop.clock.now()
         for mv in self.router.pressure.step(self.router, now):
-            inst = self.instances[mv["instance"]]
-            self.moves.append({"t": now, "instance": mv["instance"], "to": mv["to"]})
-            inst.cut_run()
-            inst.apply(self.router.on_poll(inst.instance_id, inst.stats()))
-            inst.try_start()
-            self._wake()
+            self._moved(self.instances[mv["instance"]], mv["to"])
         if self.done < len(self.records) and len(self.loop):     # other events pending: keep going
             self.loop.after(self.spec.controller.period_s, "control", None)
+
+    def move(self, instance_id: str, role: str) -> None:
+        """Move an instance to another pool now, as a controller tick deciding so would."""
+        self.router.move_instance(instance_id, role)
+        self._moved(self.instances[instance_id], role)
+
+    def _moved(self, inst: SimInstance, role: str) -> None:
+        """The router moved `inst`: it hears at once (it adopts the move between steps)."""
+        self.moves.append({"t": self.loop.clock.now(), "instance": inst.instance_id, "to": role})
+        inst.cut_run()
+        inst.apply(self.router.on_poll(inst.instance_id, inst.stats()))
+        inst.try_start()
+        self._wake()
 
     # ---- run -------------------------------------------------------------------------------------
     def run(self, horizon_s: float | None = None) -> None:

@@ -81,9 +81,7 @@ class FastScheduler(Scheduler):
     """`Scheduler` with the decode group (use `make_fast(sched)` on a built scheduler)."""
 
     def init_fast(self) -> None:
-        self.limits = PackLimits(self.config.max_num_batched_tokens, self.config.max_num_seqs)
-        self.fast_ok = (type(self.decode_selector) is AllDecodes and policy_ok(self.policy)
-                        and type(self.packer) in (MedhaPacker, TokenBudgetPacker))
+        self._check_fast()
         self.active = False
         self.k = 0                      # group steps run so far
         self.members: dict[str, list] = {}   # rid -> [req, c0, out0, s0, ntab0, jr, fin]
@@ -99,6 +97,18 @@ class FastScheduler(Scheduler):
         self.dissolved = 0
         self.flight = False             # a group step is running (between schedule and update)
         self.joins: list[Request] = []  # admitted while a group step ran: join after it
+
+    def _check_fast(self) -> None:
+        self.limits = PackLimits(self.config.max_num_batched_tokens, self.config.max_num_seqs)
+        self.fast_ok = (type(self.decode_selector) is AllDecodes and policy_ok(self.policy)
+                        and type(self.packer) in (MedhaPacker, TokenBudgetPacker))
+
+    def reconfigure(self, config, policy, packer, decode_selector) -> None:
+        """`Scheduler.reconfigure` (between steps): the group dissolves first (its members'
+        tokens go to `unreported`), and may re-form under the new pieces if they allow it."""
+        self._dissolve()
+        super().reconfigure(config, policy, packer, decode_selector)
+        self._check_fast()
 
     # ---- membership ------------------------------------------------------------------------
     def _eligible(self, req: Request) -> bool:

@@ -10,6 +10,11 @@ A step: `Scheduler.schedule()` -> the predictor's time for its shape (prefill ch
 sampled)` with a fake token id for every request that produced a token. Requests carry
 `ignore_eos` and `max_tokens` = the workload's output length, so lengths match the workload.
 
+A move (the pressure controller gave the instance another role) takes effect between steps,
+as on the real instance: it then schedules by the target pool's config (`role_configs`,
+`Scheduler.reconfigure`; its KV, predictor and GPUs stay its own), and its stats report the new
+role from then on.
+
 P/D handoff: a decode work item with a KV handle starts a TRANSFER event lasting
 latency + bytes / bandwidth; when it lands, the request is admitted into decoding
 (`Scheduler.admit_prefilled`), or queued to recompute its prefill when KV is short (what
@@ -44,7 +49,7 @@ from typing import TYPE_CHECKING
 from raycluster.cluster.messages import InstanceStats, PollReply, PrefillDone, StepReport, TokenEvent, WorkItem
 from raycluster.engine.kv_manager import KVCacheManager
 from raycluster.engine.prefix_cache import PrefixCachingKVManager
-from raycluster.engine.sched_factory import build_scheduler
+from raycluster.engine.sched_factory import build_scheduler, build_scheduling
 from raycluster.request import SLO, Request, RequestStatus
 from raycluster.sched.base import AllDecodes
 from raycluster.sim.fastpath import GroupView, make_fast
@@ -66,10 +71,17 @@ class SimKVHandle:
 
 class SimInstance:
     def __init__(self, cluster: "SimCluster", instance_id: str, role: str, engine_cfg, predictor,
-                 kv_blocks: int, gpus: int, max_model_len: int, fast: bool = False) -> None:
+                 kv_blocks: int, gpus: int, max_model_len: int, fast: bool = False,
+                 role_configs: dict | None = None) -> None:
+        """`role_configs`: role -> EngineConfig of the pools it may be moved to (as InstanceWorker)."""
         self.cluster = cluster
         self.instance_id = instance_id
         self.role = role
+        self.engine_cfg = engine_cfg
+        self.role_configs = role_configs or {}
+        self.max_model_len = max_model_len
+        self.scheduling = engine_cfg.scheduling_label()
+        self.moving_to: str | None = None   # a move heard while a step ran: applied after it
         self.gpus = gpus
         self.clock = cluster.loop.clock
         self.predictor = predictor
@@ -101,13 +113,16 @@ class SimInstance:
                              running=len(s.decoding), kv_free_blocks=kv.num_free_blocks,
                              kv_total_blocks=kv.num_blocks, block_size=kv.block_size,
                              step_time_ema_s=self.step_ema, steps=self.steps, work_seen=self.work_seen,
+                             scheduling=self.scheduling,
                              queued_tokens=s.prefill_backlog, busy_s=self.busy_time,
                              prefix_caching=kv.prefix_caching, prefix_query_tokens=getattr(kv, "query_tokens", 0),
                              prefix_hit_tokens=getattr(kv, "hit_tokens", 0))
 
     def apply(self, reply: PollReply) -> None:
-        if reply.role:
-            self.role = reply.role
+        if reply.role:          # (moved back before a pending move took effect: nothing to do)
+            self.moving_to = reply.role if reply.role != self.role else None
+            if self.moving_to is not None and not self.busy:
+                self._move()
         for rid in reply.aborts:
             self.scheduler.abort(rid)
         for rid in reply.releases:
@@ -115,6 +130,17 @@ class SimInstance:
         for item in reply.work:
             self.work_seen += 1
             self._admit(item)
+
+    def _move(self) -> None:
+        """Adopt the role the controller gave this instance, and its pool's scheduling config."""
+        role, self.moving_to = self.moving_to, None
+        target = self.role_configs.get(role)
+        cfg = self.engine_cfg.with_scheduling_of(target) if target is not None else self.engine_cfg
+        if cfg != self.engine_cfg:
+            p = build_scheduling(cfg, self.clock, self.max_model_len, self.predictor)
+            self.scheduler.reconfigure(p.config, p.policy, p.packer, p.decode_selector)
+            self.engine_cfg, self.scheduling = cfg, cfg.scheduling_label()
+        self.role = role
 
     def _request(self, item: WorkItem, prefill_only: bool = False) -> Request:
         m = item.meta
@@ -165,6 +191,8 @@ class SimInstance:
         """Start a step if idle and there is work; returns whether a step is now running."""
         if self.busy:
             return True
+        if self.moving_to is not None:
+            self._move()
         if not self.scheduler.requests:
             if self._pending or self._admitted:
                 self.report([], [])

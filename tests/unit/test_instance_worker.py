@@ -1,7 +1,8 @@
 """InstanceWorker without Ray or threads: the stats it heartbeats carry the engine's prefill
 backlog in tokens, and a handed-off request keeps the client's first-token time (converted from
 the router's epoch clock to the engine's) for the decode side's TPOT pacing; a controller move
-in a poll reply changes the role it reports, and its busy time (the controller's utilization)
+in a poll reply, applied by the step thread, changes the role and the scheduling (the target
+pool's) it reports, and its busy time (the controller's utilization)
 accumulates per step."""
 
 from __future__ import annotations
@@ -86,9 +87,14 @@ def test_a_move_changes_the_role_it_reports_and_busy_time_accumulates(model):
         return PollReply(role="prefill-short", shutdown=True)
 
     eng = LLMEngine(EngineConfig(policy="fcfs", packer="token", kv_cache_tokens=4096, chunk_size=32), model)
-    w = InstanceWorker(eng, "prefill-long", "i0", poll_fn=poll, push_fn=lambda r: None)
+    short = EngineConfig(policy="fcfs", packer="awd", chunk_size=32)
+    w = InstanceWorker(eng, "prefill-long", "i0", poll_fn=poll, push_fn=lambda r: None,
+                       role_configs={"prefill-short": short})
     w._poll_loop()                          # one poll: the reply carries the new role
-    assert seen == ["prefill-long"] and w.stats().role == "prefill-short"
+    assert seen == ["prefill-long"] and w.stats().role == "prefill-long"
+    assert w.stats().scheduling == "fcfs/token/all"
+    w._apply(w._replies.get_nowait())       # the step thread applies it between steps
+    assert w.stats().role == "prefill-short" and w.stats().scheduling == "fcfs/awd/all"
     assert w.stats().busy_s == 0.0
     w._apply(PollReply(work=[WorkItem(_meta("a", 40))]))
     for _ in range(20):
