@@ -8,7 +8,8 @@ token ids go to the backend, text deltas come back. A backend provides `admit()`
 `RequestOutput`; `InvalidRequestError` before the first one), `stats()`, `max_model_len` and
 `prometheus_text()` for extra metrics lines. Errors a client causes are 400 in
 OpenAI's error shape with `param` naming the field. `n` > 1 runs n backend requests (a seeded
-one with seed + i for choice i) and merges them into the choices, streamed as they come.
+one with seed + i for choice i) and merges them into the choices, streamed as they come; a
+completion request with a batch of prompts runs n per prompt (choice p * n + i).
 """
 
 from __future__ import annotations
@@ -89,19 +90,32 @@ def build_app(engine, tokenizer, model_name: str) -> FastAPI:
         body = generate_latest(metrics.registry) + engine.prometheus_text().encode()
         return Response(body, media_type=CONTENT_TYPE_LATEST)
 
-    def _encode_prompt(prompt) -> list[int]:
+    def _encode_prompt(prompt, field: str = "prompt") -> list[int]:
         if isinstance(prompt, str) and not prompt:
-            raise InvalidRequestError("prompt", "must not be empty")
+            raise InvalidRequestError(field, "must not be empty")
         if isinstance(prompt, str):
             return tokenizer.encode(prompt)
         if prompt and all(isinstance(t, int) for t in prompt):
             return list(prompt)
-        if isinstance(prompt, list) and len(prompt) == 1:
-            return _encode_prompt(prompt[0])
-        raise InvalidRequestError("prompt", "must be a string or a list of token ids (batches of prompts are not supported)")
+        raise InvalidRequestError(field, "must be a string or a list of token ids")
 
-    async def _run(body, prompt_ids: list[int], kind: str, http: HTTPRequest, echo: str | None = None):
-        """`echo`: the prompt text to put before each choice's completion."""
+    def _encode_prompts(prompt, echo: bool) -> list[tuple[list[int], str]]:
+        """(token ids, text) of each prompt of a completion request: one string or token-id list,
+        or a batch of them (OpenAI's list of strings / of token-id lists). The text is the
+        prompt as sent, or with `echo` its ids decoded (what `echo` returns)."""
+        if isinstance(prompt, list) and prompt and not all(isinstance(t, int) for t in prompt):
+            batch = [(p, f"prompt.{i}") for i, p in enumerate(prompt)]
+        else:
+            batch = [(prompt, "prompt")]
+        out = []
+        for p, field in batch:
+            ids = _encode_prompt(p, field)
+            out.append((ids, p if isinstance(p, str) else tokenizer.decode(ids) if echo else ""))
+        return out
+
+    async def _run(body, prompts: list[tuple[list[int], str]], kind: str, http: HTTPRequest, echo: bool = False):
+        """Serve `prompts` ((ids, text) each) with `body.n` choices each: choice p * n + i is
+        prompt p's i-th. `echo`: put each prompt's text before its choices' completions."""
         max_tokens = getattr(body, "max_completion_tokens", None) or body.max_tokens
         sampling = body.to_sampling()
         if max_tokens is not None:
@@ -109,15 +123,16 @@ def build_app(engine, tokenizer, model_name: str) -> FastAPI:
         slo = SLO(ttft_s=body.ttft_slo_ms / 1e3 if body.ttft_slo_ms else None,
                   tpot_s=body.tpot_slo_ms / 1e3 if body.tpot_slo_ms else None)
         rid = engine.next_id("cmpl" if kind == "text_completion" else "chatcmpl")
-        # n choices are n requests (the i-th seeded seed + i, so seeded choices differ).
-        gens = [engine.generate(rid if body.n == 1 else f"{rid}-{i}", prompt_ids,
+        # Each choice is a request (the i-th of a prompt seeded seed + i, so seeded choices differ).
+        slots = [(ids, text, i) for ids, text in prompts for i in range(body.n)]
+        gens = [engine.generate(rid if len(slots) == 1 else f"{rid}-{k}", ids,
                                 sampling if sampling.seed is None else replace(sampling, seed=sampling.seed + i),
                                 slo=slo, priority=body.priority, tenant=body.tenant or "default", app_id=body.app_id)
-                for i in range(body.n)]
+                for k, (ids, _, i) in enumerate(slots)]
         t0 = time.perf_counter()
         # The first output surfaces validation errors before any byte is sent.
         try:
-            firsts = [await gens[0].__anext__()] if body.n == 1 else \
+            firsts = [await gens[0].__anext__()] if len(gens) == 1 else \
                 await asyncio.gather(*(g.__anext__() for g in gens), return_exceptions=True)
         except (InvalidRequestError, OverloadedError) as e:
             firsts = [e]
@@ -131,14 +146,15 @@ def build_app(engine, tokenizer, model_name: str) -> FastAPI:
                 return _overloaded(err)
             raise err
         decode = tokenizer.decode if sampling.logprobs is not None else None
-        streams = [_Stream(g, f, t0, metrics, decode, None if echo is None else (echo, prompt_ids))
-                   for g, f in zip(gens, firsts)]
+        streams = [_Stream(g, f, t0, metrics, decode, (text, ids) if echo else None)
+                   for g, f, (ids, text, _) in zip(gens, firsts, slots)]
+        n_prompt = sum(len(ids) for ids, _ in prompts)
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            return _ClosingStreamingResponse(_sse(streams, rid, kind, model_name, len(prompt_ids), include_usage),
+            return _ClosingStreamingResponse(_sse(streams, rid, kind, model_name, n_prompt, body.n, include_usage),
                                              media_type="text/event-stream")
         results = await asyncio.gather(*(s.collect(kind) for s in streams))
-        usage = _usage(len(prompt_ids), streams)
+        usage = _usage(n_prompt, streams, body.n)
         choices = []
         for i, (text, _, reason, logprobs) in enumerate(results):
             if kind == "text_completion":
@@ -153,16 +169,12 @@ def build_app(engine, tokenizer, model_name: str) -> FastAPI:
     async def completions(body: CompletionRequest, http: HTTPRequest):
         try:
             engine.admit()
-            ids = _encode_prompt(body.prompt)
+            prompts = _encode_prompts(body.prompt, body.echo)
         except OverloadedError as e:
             return _overloaded(e)
         except InvalidRequestError as e:
             return _bad_request(str(e), e.field)
-        echo = None
-        if body.echo:       # the prompt as sent; token ids as their text
-            echo = body.prompt if isinstance(body.prompt, str) else \
-                body.prompt[0] if isinstance(body.prompt[0], str) else tokenizer.decode(ids)
-        return await _run(body, ids, "text_completion", http, echo)
+        return await _run(body, prompts, "text_completion", http, body.echo)
 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatCompletionRequest, http: HTTPRequest):
@@ -170,7 +182,7 @@ def build_app(engine, tokenizer, model_name: str) -> FastAPI:
             engine.admit()
         except OverloadedError as e:
             return _overloaded(e)
-        return await _run(body, _chat_ids(body.messages), "chat.completion", http)
+        return await _run(body, [(_chat_ids(body.messages), "")], "chat.completion", http)
 
     def _chat_ids(messages, add_generation_prompt: bool = True) -> list[int]:
         prompt = tokenizer.apply_chat_template([{"role": m.role, "content": m.text()} for m in messages],
@@ -306,15 +318,15 @@ async def _merged(streams: list[_Stream]) -> AsyncIterator[tuple[int, object]]:
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
-def _usage(n_prompt: int, streams: list[_Stream]) -> dict:
-    """OpenAI's usage; `cached_tokens` as vLLM reports it (the first choice's: n choices share
-    one prompt, counted once)."""
+def _usage(n_prompt: int, streams: list[_Stream], n: int) -> dict:
+    """OpenAI's usage; `cached_tokens` as vLLM reports it (per prompt its first choice's: the n
+    choices of a prompt share it, counted once)."""
     n_out = sum(s.n_out for s in streams)
     return {"prompt_tokens": n_prompt, "completion_tokens": n_out, "total_tokens": n_prompt + n_out,
-            "prompt_tokens_details": {"cached_tokens": streams[0].n_cached if streams else 0}}
+            "prompt_tokens_details": {"cached_tokens": sum(s.n_cached for s in streams[::n])}}
 
 
-async def _sse(streams: list[_Stream], rid: str, kind: str, model: str, n_prompt: int,
+async def _sse(streams: list[_Stream], rid: str, kind: str, model: str, n_prompt: int, n: int,
                include_usage: bool) -> AsyncIterator[str]:
     obj = "text_completion" if kind == "text_completion" else "chat.completion.chunk"
     created = now_s()
@@ -334,6 +346,6 @@ async def _sse(streams: list[_Stream], rid: str, kind: str, model: str, n_prompt
     finally:
         await _close(outputs)
     if include_usage:
-        usage = _usage(n_prompt, streams)
+        usage = _usage(n_prompt, streams, n)
         yield f"data: {json.dumps({'id': rid, 'object': obj, 'created': created, 'model': model, 'choices': [], 'usage': usage})}\n\n"
     yield "data: [DONE]\n\n"

@@ -254,6 +254,35 @@ def test_echo_returns_the_prompt_and_its_logprobs(server):
     assert _all_free(aeng)
 
 
+def test_a_batch_of_prompts_gives_n_choices_per_prompt_in_order(server):
+    """OpenAI's batched completions (a list of strings or of token-id lists): choice p * n + i is
+    prompt p's i-th, each the prompt's own greedy completion; usage adds the prompts up; echo
+    returns each its own prompt; streamed, every choice index arrives; a bad element is a 400
+    naming its index."""
+    url, aeng, tok, ref = server
+    texts = ["the river", "a small boat on the sea", "light"]
+    ids = [tok.encode(t) for t in texts]
+    want = [tok.decode(o) for o in ref.generate(ids, SamplingParams(max_tokens=4, ignore_eos=True))]
+    body = {"max_tokens": 4, "temperature": 0, "ignore_eos": True, "n": 2}
+    r = httpx.post(f"{url}/v1/completions", json={**body, "prompt": texts}, timeout=60).json()
+    assert [c["index"] for c in r["choices"]] == list(range(6))
+    assert [c["text"] for c in r["choices"]] == [w for w in want for _ in range(2)]
+    assert r["usage"]["prompt_tokens"] == sum(map(len, ids)) and r["usage"]["completion_tokens"] == 24
+    r = httpx.post(f"{url}/v1/completions", json={**body, "n": 1, "prompt": ids, "echo": True}, timeout=60).json()
+    assert [c["text"] for c in r["choices"]] == [tok.decode(i) + w for i, w in zip(ids, want)]
+    got: dict[int, str] = {}
+    with httpx.stream("POST", f"{url}/v1/completions", json={**body, "prompt": texts, "stream": True},
+                      timeout=60) as s:
+        for line in s.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                for c in json.loads(line[6:])["choices"]:
+                    got[c["index"]] = got.get(c["index"], "") + c["text"]
+    assert [got[i] for i in range(6)] == [w for w in want for _ in range(2)]
+    bad = httpx.post(f"{url}/v1/completions", json={**body, "prompt": ["fine", ""]}, timeout=30)
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "prompt.1", bad.text
+    assert _all_free(aeng)
+
+
 def test_logprobs_in_openai_shapes_equal_the_engines(server):
     url, aeng, tok, ref = server
     prompt = "the quiet river and the light"

@@ -258,6 +258,8 @@ def test_openai_client_and_status(cluster):
     assert len(set(toks[0])) > 1 and len(set(toks[1])) == 1, toks
     two = client.completions.create(model="tiny", prompt="hello river", max_tokens=5, temperature=0, n=2)
     assert [c.text for c in two.choices] == [out.choices[0].text] * 2      # greedy: both the same
+    batch = client.completions.create(model="tiny", prompt=["the sea", "hello river"], max_tokens=5, temperature=0)
+    assert [c.index for c in batch.choices] == [0, 1] and batch.choices[1].text == out.choices[0].text
     chunks = list(client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}],
                                                  max_tokens=4, temperature=0, stream=True))
     assert chunks
