@@ -206,7 +206,7 @@ def test_fifty_mixed_requests_equal_single_engine(cluster, workload, expected, s
         assert pulls["ok"] >= 10 and pulls["failed"] == 0, (name, pulls)
 
 
-def test_echo_with_logprobs_reports_the_prompts_logprobs(cluster, prefix_workload, tiny_model_dir):
+def test_echo_with_logprobs_reports_the_prompts_logprobs(cluster, tiny_model_dir):
     """lm-eval's loglikelihood request (echo + logprobs) on every topology: the prompt's token
     log-probabilities equal a single engine's (in P/D the prefill instance computes them and they
     travel with the first token; a 350-token prompt takes the long pool, an SPP group in
@@ -218,7 +218,8 @@ def test_echo_with_logprobs_reports_the_prompts_logprobs(cluster, prefix_workloa
     from raycluster.request import SamplingParams
 
     url, name = cluster
-    prompt = prefix_workload[0][1]
+    rng = random.Random(23)         # its own prompt: blocks it leaves cached must not serve other tests
+    prompt = [rng.randrange(6, 4000) for _ in range(350)]
     eng = LLMEngine(EngineConfig(policy="fcfs", packer="token", kv_cache_tokens=4096), load_model(tiny_model_dir)[0])
     eng.add_request("r", prompt, SamplingParams(max_tokens=3, ignore_eos=True, prompt_logprobs=1, logprobs=1))
     want, gen = None, []
