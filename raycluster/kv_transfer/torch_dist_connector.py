@@ -38,9 +38,8 @@ fails the connect; a dead peer mid-transfer raises "connection closed" from gloo
 a silent or frozen one is cut at timeout_s. The decode side makes no blocking store call on its
 own thread (TCPStore client reads ignore their timeout when the server process is stopped):
 the pair is built in a helper thread, requests are one-way queue_push, and the sender reports
-nothing but through the pair (header) itself. Any failure drops the pair on the decode side (and tells P,
-best effort), so the next pull builds a fresh one; a gloo wait that expires closes the pair's
-connection anyway. After a timeout, staged receives stay posted for recv_grace_s more in a daemon
+nothing but through the pair (header) itself. Any failure drops the pair on the decode side (and
+tells P, best effort), so the next pull builds a fresh one; an expired gloo wait closes it anyway. After a timeout, staged receives stay posted for recv_grace_s more in a daemon
 thread (a late sender finishes into the abandoned buffer, which is never reused); a transfer
 with in-place receives does not return before its receives completed or the connection closed
 (`torch_dist_wire.wait_receives`), so nothing lands in blocks the engine reused. With NCCL,
@@ -241,10 +240,9 @@ class TorchDistConnector(KVConnector):
         kv = self.kv_cache
         with self._lock:
             blocks = self.offered(request_id)
+            moved = len(plan.gather_src) + sum(n for _, _, n in plan.direct)
             if blocks is not None and (num_blocks != len(blocks) or crc != ids_checksum(blocks)
-                                       or not 0 <= skip <= len(blocks)
-                                       or len(plan.gather_src) + sum(n for _, _, n in plan.direct)
-                                       != len(blocks) - skip):
+                                       or not 0 <= skip <= len(blocks) or moved != len(blocks) - skip):
                 blocks = None  # the receiver expects another layout: refuse rather than misplace
             if blocks is not None:
                 blocks = blocks[skip:]
