@@ -65,7 +65,8 @@ class AWDPacker(Packer):
     def release_held(self) -> list[Request]:
         return self.awd.release_all()
 
-    def next_wakeup(self, now: float) -> float | None:
+    def next_release_time(self, now: float) -> float | None:
+        # AWD's own wake-up: window expiry, head-of-line cap or SLA trigger of the held batch.
         return self.awd.next_wakeup(now)
 
     def observe(self, chunks: Sequence[tuple[Request, int]], seconds: float) -> None:

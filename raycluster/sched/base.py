@@ -117,6 +117,13 @@ class Packer(ABC):
         engine swaps packers; the caller queues them elsewhere."""
         return []
 
+    def next_release_time(self, now: float) -> float | None:
+        """Absolute time at which requests the packer holds may be released without anything
+        else happening (an arrival, a finished step), or None when it holds none. A driver
+        whose step came back empty sleeps until then: the simulator schedules a wake-up there
+        instead of polling."""
+        return None
+
     def observe(self, chunks: Sequence[tuple[Request, int]], seconds: float) -> None:
         """The step that ran `chunks` (plus its decodes) took `seconds`."""
 

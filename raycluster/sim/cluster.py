@@ -7,6 +7,7 @@ Event kinds (see engine.EventLoop for the tie-break):
   step      an instance's step ends: `Scheduler.update`, StepReport -> `RouterCore.on_report`
   transfer  a KV handoff lands on the decode instance
   control   the pressure controller's period (only when enabled)
+  wake      an idle instance's packer holds requests that fall due now (AWD's waiting window)
 After each event, idle instances the router has work (or releases) for apply it and start a step.
 """
 
@@ -138,6 +139,7 @@ class SimCluster:
         self.loop.on("step", self._step)
         self.loop.on("transfer", self._transfer)
         self.loop.on("control", self._control)
+        self.loop.on("wake", self._wake_instance)
         # Workload client state.
         self.workload = workload
         self.wreqs: dict[str, WorkloadRequest] = {r.request_id: r for r in workload}
@@ -234,6 +236,11 @@ class SimCluster:
         if not inst.step_done(version):
             return
         if not inst.busy:
+            self._poll(inst)
+
+    def _wake_instance(self, payload) -> None:
+        inst, token = payload
+        if inst.woken(token):
             self._poll(inst)
 
     def _poll(self, inst: SimInstance) -> None:

@@ -13,11 +13,12 @@ group bag, and a member's counters, output tokens and block table are brought up
 
 Exact by construction, or not used: the group is active only when every member stops by length
 alone (ignore_eos or no EOS ids, the fake token not a stop token), the decode selector is
-`AllDecodes`, the packer is Medha's or the token-budget one, and the scheduler's policy does
-nothing on decode progress after prefill (fcfs, edf, srpt, lrs, lars). The group dissolves
-(materialize all, this step runs `Scheduler.schedule` as is) when a step's new blocks do not fit
-in free KV (preemption possible), when the batch exceeds max_num_seqs, on abort or cancelled
-admission. It re-forms at the next step that allows it.
+`AllDecodes`, the packer is Medha's or the token-budget one (not AWD's: an instance whose
+packer holds requests steps exactly, woken by sim/instance.py when they fall due), and the
+scheduler's policy does nothing on decode progress after prefill (fcfs, edf, srpt, lrs, lars).
+The group dissolves (materialize all, this step runs `Scheduler.schedule` as is) when a
+step's new blocks do not fit in free KV (preemption possible), when the batch exceeds
+max_num_seqs, on abort or cancelled admission. It re-forms at the next step that allows it.
 
 The instance (sim/instance.py) reports no per-token events for group members: a member's tokens
 reach the router in its finish event (or, if the group dissolves first, in the next report).

@@ -22,8 +22,15 @@ latency + bytes / bandwidth; when it lands, the request is admitted into decodin
 pulls, the simulated instance keeps stepping during the transfer and reserves the blocks when
 the transfer lands.
 
+Held requests (AWD's waiting window, `Packer.next_release_time`): when a step comes back empty
+while the packer holds requests, the instance schedules one WAKE event at the time the packer
+says they fall due (the real step loop polls every 1 ms and finds them then); a newer wake-up
+supersedes an older one, and one that fires while a step runs is dropped (the step's end
+re-plans anyway).
+
 Decode runs (speed; spec `coalesce_decode`, on by default): when an instance has only decodes
-(no prefill queued, no transfer in flight, continuous batching, all decodes fit max_num_seqs),
+(no prefill queued or held by the packer, no transfer in flight, continuous batching, all
+decodes fit max_num_seqs),
 its next k decode-only steps are known in advance -- each grows every request by one token --
 so they run as one event instead of k. k stops one step before the first request could finish
 (that step runs normally through `Scheduler.update`) and is capped by free KV (blocks for all k
@@ -105,6 +112,8 @@ class SimInstance:
         self.run = None                 # a decode run: [reqs, k, t_first, t_last, start]
         self.runs = 0
         self._version = 0               # invalidates the STEP event of a cut run
+        self.wake_at: float | None = None   # a WAKE event pending for requests the packer holds
+        self.wake_token = 0             # invalidates superseded WAKE events
 
     # ---- router interface (as InstanceWorker) ----------------------------------------------------
     def stats(self) -> InstanceStats:
@@ -200,12 +209,14 @@ class SimInstance:
         if self.cluster.coalesce and self._start_run():
             return True
         out = self.scheduler.schedule()
-        if out.finished and out.is_empty:
-            self._pending += [TokenEvent(r.request_id, [], True, r.status.value) for r in out.finished]
-            self.report([], [])
-            return False
         if out.is_empty:
-            return False                     # blocked on KV: a release or new work wakes us
+            # Nothing to run: blocked on KV (a release or new work wakes us), or the packer holds
+            # requests back (AWD's window), which become due at a time it knows.
+            self._sleep_until_release()
+            if out.finished:
+                self._pending += [TokenEvent(r.request_id, [], True, r.status.value) for r in out.finished]
+                self.report([], [])
+            return False
         decs = out.decodes
         grouped = type(decs) is GroupView
         dt = self.predictor.batch_time([(n, r.num_computed_tokens) for r, n in out.prefills],
@@ -218,10 +229,32 @@ class SimInstance:
         self._dt = dt
         return True
 
+    def _sleep_until_release(self) -> None:
+        """The step came back empty: if the packer holds requests, wake when they fall due. The
+        real step loop polls (1 ms sleeps) and finds them at about that time; here one WAKE
+        event lands exactly then. A newer wake-up supersedes an older one (`wake_token`)."""
+        now = self.clock.now()
+        t = self.scheduler.packer.next_release_time(now)
+        if t is None or t <= now or t == self.wake_at:
+            return          # nothing held, or due now yet unschedulable (KV-blocked), or pending
+        self.wake_at = t
+        self.wake_token += 1
+        self.cluster.loop.at(t, "wake", (self, self.wake_token))
+
+    def woken(self, token: int) -> bool:
+        """A WAKE event fired: True if it is the current one and the instance is idle (the
+        caller then polls it); a step in flight re-plans at its end anyway."""
+        if token != self.wake_token:
+            return False
+        self.wake_at = None
+        return not self.busy
+
     # ---- decode runs ------------------------------------------------------------------------------
     def _start_run(self) -> bool:
         s, kv = self.scheduler, self.kv
-        if (self.transfers or len(s.policy) or not s.decoding or type(s.decode_selector) is not AllDecodes
+        # Not while the packer holds requests (AWD): they fall due at a step boundary a run would
+        # skip. (Held requests are also in `requests` but not `decoding`; this says it outright.)
+        if (self.transfers or len(s.policy) or s.packer.num_held() or not s.decoding or type(s.decode_selector) is not AllDecodes
                 or len(s.decoding) > s.config.max_num_seqs or len(s.decoding) != len(s.requests)
                 or self.cluster.router.has_outbox(self.instance_id)):
             return False

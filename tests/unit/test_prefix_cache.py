@@ -8,6 +8,7 @@ import random
 import pytest
 from pydantic import ValidationError
 
+from raycluster.clock import VirtualClock
 from raycluster.engine.config import EngineConfig
 from raycluster.engine.engine import LLMEngine
 from raycluster.engine.kv_manager import OutOfBlocks
@@ -20,6 +21,10 @@ from raycluster.sched.predictor import LinearBatchPredictor
 # A fixed predictor for the medha packer: the test is about tokens, not timing, and profiling
 # the machine would cost seconds.
 PREDICTOR = LinearBatchPredictor(overhead_s=2e-3, per_prefill_token_s=2e-5, per_decode_s=1e-4)
+# Likewise a virtual clock, advanced by `_run` a fixed time per step: time-aware policies (Kairos,
+# LARS) order by arrival stamps and slack, so on the wall clock a stall between two
+# `add_request` calls on a loaded machine (19 ms seen) reorders requests "arriving together".
+STEP_S = 0.01
 
 
 # ---- the allocator -------------------------------------------------------------------------------
@@ -82,7 +87,7 @@ def _engine(loaded, caching: bool, **cfg) -> LLMEngine:
     model, tok = loaded
     base = {"kv_cache_tokens": 4096, "block_size": 8, "policy": "fcfs", "packer": "token", "chunk_size": 20,
             "enable_prefix_caching": caching, "num_threads": 1}
-    return LLMEngine(EngineConfig(**{**base, **cfg}), model, tok, predictor=PREDICTOR)
+    return LLMEngine(EngineConfig(**{**base, **cfg}), model, tok, clock=VirtualClock(), predictor=PREDICTOR)
 
 
 def _run(eng: LLMEngine, arrivals: list[tuple[int, str, list[int], SamplingParams]], max_steps: int = 5000):
@@ -95,6 +100,7 @@ def _run(eng: LLMEngine, arrivals: list[tuple[int, str, list[int], SamplingParam
         if not pending and not eng.has_unfinished():
             break
         eng.step()
+        eng.clock.advance(STEP_S)
     else:
         raise AssertionError("did not finish")
     eng.kv.check()

@@ -21,7 +21,7 @@ SPEC = {"gpu": "cpu", "model": "tiny", "policy": "lars", "kv_cache_tokens": 3276
         "predictor": {"overhead_s": 0.005, "per_prefill_token_s": 0.0001, "per_decode_s": 0.0003,
                       "per_decode_kv_s": 1e-6},
         "engine": {"max_num_batched_tokens": 1024, "max_num_seqs": 64},
-        # (The short pool is not AWD here: the simulator has no wakeup for AWD's waiting window.)
+        # (The short pool uses the token packer here; tests/unit/test_sim_awd.py covers AWD.)
         "pools": [{"role": "prefill-short", "instances": 2,
                    "engine": {"policy": "edf", "packer": "token", "chunk_size": 256}},
                   {"role": "prefill-long", "instances": 1},
