@@ -188,8 +188,8 @@ def render_pla(d: dict) -> str:
              "seed's concurrency axis. (a) 4 prefill instances as one pool vs 2 short + 2 long "
              "(20% long, + 4 decode). (b) 8 prefill instances, static 4/4 split vs the same start with "
              "the PLA pressure controller (`raycluster.sched.pressure.decide`, period 2 s, cooldown 10 s; "
-             "5% long, + 6 decode). Every pool runs the Medha packer: AWD short-prefill batching "
-             "(`packer: awd`) is not part of these runs.", "",
+             "5% long, + 6 decode). Every pool runs the token packer (2048-token chunks): AWD "
+             "short-prefill batching (`packer: awd`) is not part of these runs.", "",
              "| setup | QPS | SLO violation | TTFT P99 short (s) | TTFT P99 long (s) | moves |", "|---|---|---|---|---|---|"]
     for kind in ("single", "split", "static8", "ctrl8"):
         for q in sorted({k[2] for k in d if k[1] == kind}):
