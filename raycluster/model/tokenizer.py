@@ -71,7 +71,13 @@ class Tokenizer:
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
     def apply_chat_template(self, messages: list[dict[str, str]], add_generation_prompt: bool = True,
-                            tokenize: bool = False):
+                            tokenize: bool = False, continue_final_message: bool = False):
+        """The chat template rendered over `messages`. `continue_final_message` (HF's and
+        vLLM's): the text ends right after the last message's content, so the model continues
+        that message (e.g. an assistant reply begun by the client) instead of starting a new
+        turn; ValueError if the rendered text does not contain that content."""
+        if continue_final_message and add_generation_prompt:
+            raise ValueError("continue_final_message needs add_generation_prompt false")
         if self._compiled is None:
             from jinja2.sandbox import ImmutableSandboxedEnvironment
 
@@ -83,6 +89,13 @@ class Tokenizer:
             self._compiled = env.from_string(self.chat_template or DEFAULT_CHAT_TEMPLATE)
         text = self._compiled.render(messages=messages, add_generation_prompt=add_generation_prompt,
                                      bos_token=self.bos_token or "", eos_token=self.eos_token or "")
+        if continue_final_message:
+            # As HF does: cut after the final content's last occurrence (templates may strip it).
+            final = (messages[-1]["content"] if messages else "").strip()
+            at = text.rfind(final) if final else -1
+            if at < 0:
+                raise ValueError("the chat template's text does not contain the final message to continue")
+            text = text[:at + len(final)]
         if tokenize:
             return self.encode(text, add_special_tokens=False)  # the template places BOS itself
         return text

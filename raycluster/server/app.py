@@ -180,21 +180,31 @@ def build_app(engine, tokenizer, model_name: str) -> FastAPI:
     async def chat(body: ChatCompletionRequest, http: HTTPRequest):
         try:
             engine.admit()
+            ids = _chat_ids(body)
         except OverloadedError as e:
             return _overloaded(e)
-        return await _run(body, [(_chat_ids(body.messages), "")], "chat.completion", http)
+        except InvalidRequestError as e:
+            return _bad_request(str(e), e.field)
+        return await _run(body, [(ids, "")], "chat.completion", http)
 
-    def _chat_ids(messages, add_generation_prompt: bool = True) -> list[int]:
-        prompt = tokenizer.apply_chat_template([{"role": m.role, "content": m.text()} for m in messages],
-                                               add_generation_prompt=add_generation_prompt)
+    def _chat_ids(body) -> list[int]:
+        """The chat template over `body.messages` (a chat or tokenize request), tokenized. A
+        template that refuses the messages (e.g. roles that do not alternate) is the client's
+        error."""
+        try:
+            prompt = tokenizer.apply_chat_template([{"role": m.role, "content": m.text()} for m in body.messages],
+                                                   add_generation_prompt=body.add_generation_prompt,
+                                                   continue_final_message=body.continue_final_message)
+        except ValueError as e:
+            raise InvalidRequestError("continue_final_message" if body.continue_final_message else "messages",
+                                      str(e)) from e
         return tokenizer.encode(prompt)
 
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest):
         """vLLM's: the token ids a completion (or chat) request with this input would run."""
         try:
-            ids = _encode_prompt(body.prompt) if body.messages is None else \
-                _chat_ids(body.messages, body.add_generation_prompt)
+            ids = _encode_prompt(body.prompt) if body.messages is None else _chat_ids(body)
         except InvalidRequestError as e:
             return _bad_request(str(e), e.field)
         return {"count": len(ids), "max_model_len": engine.max_model_len, "tokens": ids}

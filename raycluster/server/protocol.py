@@ -140,6 +140,14 @@ class ChatCompletionRequest(_GenerationFields):
     logprobs: bool | None = None
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: Any = None            # not OpenAI's on chat (vLLM's echoes the last message): refused
+    # vLLM's: open a new assistant turn (default), or continue the last message as it is.
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+
+    @field_validator("continue_final_message")
+    @classmethod
+    def _continue_or_new_turn(cls, v, info: ValidationInfo):
+        return _continue_needs_no_new_turn(v, info)
 
     @field_validator("echo")
     @classmethod
@@ -157,6 +165,12 @@ class ChatCompletionRequest(_GenerationFields):
         return (self.top_logprobs or 0) if self.logprobs else None
 
 
+def _continue_needs_no_new_turn(v: bool, info: ValidationInfo) -> bool:
+    if v and info.data.get("add_generation_prompt", True):
+        raise ValueError("needs add_generation_prompt: false (a new turn cannot continue the last message)")
+    return v
+
+
 class TokenizeRequest(BaseModel):
     """vLLM's `POST /tokenize`: a completion prompt, or chat messages through the chat template."""
     model_config = ConfigDict(extra="ignore")
@@ -164,6 +178,12 @@ class TokenizeRequest(BaseModel):
     prompt: str | list[int] | None = None
     messages: list[ChatMessage] | None = None
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
+
+    @field_validator("continue_final_message")
+    @classmethod
+    def _continue_or_new_turn(cls, v, info: ValidationInfo):
+        return _continue_needs_no_new_turn(v, info)
 
     @model_validator(mode="after")
     def _one_input(self) -> "TokenizeRequest":

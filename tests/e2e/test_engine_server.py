@@ -390,6 +390,30 @@ def test_a_repeated_prompt_reports_its_cached_tokens(server):
     assert _all_free(aeng)
 
 
+def test_chat_continues_the_final_message_as_vllm(server):
+    """`continue_final_message` with `add_generation_prompt: false` (vLLM's, HF's rule): the
+    prompt ends right after the last message's content, so the reply continues it; the text
+    equals a completion of that prompt. Asking for both, or continuing a message the template
+    drops, is a 400 naming the field."""
+    url, aeng, tok, ref = server
+    msgs = [{"role": "user", "content": "name a river"}, {"role": "assistant", "content": "The river "}]
+    flags = {"add_generation_prompt": False, "continue_final_message": True}
+    ids = httpx.post(f"{url}/tokenize", json={"messages": msgs, **flags}, timeout=10).json()["tokens"]
+    text = tok.apply_chat_template(msgs, add_generation_prompt=False)
+    assert ids == tok.encode(text[:text.rindex("The river") + len("The river")])
+    chat = httpx.post(f"{url}/v1/chat/completions", timeout=30,
+                      json={"messages": msgs, "max_tokens": 5, "temperature": 0, "ignore_eos": True, **flags}).json()
+    assert chat["usage"]["prompt_tokens"] == len(ids)
+    assert chat["choices"][0]["message"]["content"] == tok.decode(ref.generate([ids], SamplingParams(
+        max_tokens=5, ignore_eos=True))[0])
+    for payload in ({"messages": msgs, "continue_final_message": True},
+                    {"messages": msgs[:1] + [{"role": "assistant", "content": "   "}], **flags}):
+        for path in ("/v1/chat/completions", "/tokenize"):
+            r = httpx.post(f"{url}{path}", json=payload, timeout=10)
+            assert r.status_code == 400 and r.json()["error"]["param"] == "continue_final_message", (path, r.text)
+    assert _all_free(aeng)
+
+
 def test_tokenize_and_detokenize_as_vllm(server):
     url, aeng, tok, ref = server
     r = httpx.post(f"{url}/tokenize", json={"prompt": "Once upon a time"}, timeout=10)
