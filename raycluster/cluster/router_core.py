@@ -194,7 +194,7 @@ class RouterCore:
                 continue                        # nothing queued (the common case per report)
             roles, slots = self._serving_roles(queue), self.cfg.max_local_waiting
             # Placing an item changes no instance's slot but its target's: cands is kept, not redone.
-            cands = [i for i in self._alive(*roles) if has_slot(i, slots)] if roles else []
+            cands = placement.with_slot(self._alive(*roles), slots) if roles else []
             while cands and (self.front[queue] or len(self.policies[queue])):
                 from_front = bool(self.front[queue])
                 st = self._pop(queue)

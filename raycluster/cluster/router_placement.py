@@ -25,6 +25,11 @@ def has_slot(inst: Instance, max_local_waiting: int) -> bool:
     return inst.stats.waiting + len(inst.transit) + len(inst.outbox.work) < max_local_waiting
 
 
+def with_slot(insts: list[Instance], max_local_waiting: int) -> list[Instance]:
+    """The instances that `has_slot` (its test inlined: dispatch asks it of a whole pool per call)."""
+    return [i for i in insts if i.stats.waiting + len(i.transit) + len(i.outbox.work) < max_local_waiting]
+
+
 def kv_free(inst: Instance, requests: dict[str, ReqState], reserve_frac: float) -> float:
     """Free blocks after what is in transit and in its outbox, minus the reserve."""
     s, work = inst.stats, inst.outbox.work
