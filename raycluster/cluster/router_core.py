@@ -40,7 +40,7 @@ from raycluster.cluster.prefix_index import PrefixIndex
 from raycluster.cluster.router_placement import blocks_needed, fits, has_slot, never_fits
 from raycluster.cluster.router_pressure import PressureLoop
 from raycluster.cluster.router_state import (EpochClock, Instance, ReqState, RouterConfig, policy_request,
-                                             router_status)
+                                             request_placements, router_status)
 from raycluster.sched.base import Clock, PolicyContext
 from raycluster.sched.boundary import LengthClassifier
 from raycluster.sched.predictor import LinearBatchPredictor
@@ -192,11 +192,10 @@ class RouterCore:
         for queue in QUEUES:
             if not (self.front[queue] or len(self.policies[queue])):
                 continue                        # nothing queued (the common case per report)
-            roles = self._serving_roles(queue)
-            while roles and (self.front[queue] or len(self.policies[queue])):
-                cands = [i for i in self._alive(*roles) if has_slot(i, self.cfg.max_local_waiting)]
-                if not cands:
-                    break
+            roles, slots = self._serving_roles(queue), self.cfg.max_local_waiting
+            # Placing an item changes no instance's slot but its target's: cands is kept, not redone.
+            cands = placement.with_slot(self._alive(*roles), slots) if roles else []
+            while cands and (self.front[queue] or len(self.policies[queue])):
                 from_front = bool(self.front[queue])
                 st = self._pop(queue)
                 if st is None:
@@ -208,9 +207,12 @@ class RouterCore:
                         continue
                     self._push_back(st, queue, from_front)   # head of line waits for KV: order kept
                     break
-                self._assign(st, placement.pick(st, fit, self.requests, reserve,
-                                                self.prefix_index if self.cfg.prefix_affinity else None))
+                inst = placement.pick(st, fit, self.requests, reserve,
+                                      self.prefix_index if self.cfg.prefix_affinity else None)
+                self._assign(st, inst)
                 placed += 1
+                if not has_slot(inst, slots):
+                    cands.remove(inst)
         return placed
 
     def _assign(self, st: ReqState, inst: Instance) -> None:
@@ -503,9 +505,7 @@ class RouterCore:
         return len(self.requests)
 
     def placements(self) -> dict[str, dict]:
-        return {rid: {"queue": st.queue, "instance": st.instance, "mode": st.mode,
-                      "kv_at": st.kv_at, "delivered": len(st.delivered), "class": st.length_class}
-                for rid, st in self.requests.items()}
+        return request_placements(self.requests)
 
     def status(self) -> dict:
         return router_status(self, QUEUES)

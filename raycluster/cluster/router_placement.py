@@ -25,11 +25,16 @@ def has_slot(inst: Instance, max_local_waiting: int) -> bool:
     return inst.stats.waiting + len(inst.transit) + len(inst.outbox.work) < max_local_waiting
 
 
+def with_slot(insts: list[Instance], max_local_waiting: int) -> list[Instance]:
+    """The instances that `has_slot` (its test inlined: dispatch asks it of a whole pool per call)."""
+    return [i for i in insts if i.stats.waiting + len(i.transit) + len(i.outbox.work) < max_local_waiting]
+
+
 def kv_free(inst: Instance, requests: dict[str, ReqState], reserve_frac: float) -> float:
     """Free blocks after what is in transit and in its outbox, minus the reserve."""
-    s = inst.stats
-    pending = sum(blocks_needed(requests[w.meta.request_id], inst) for w in inst.outbox.work
-                  if w.meta.request_id in requests)
+    s, work = inst.stats, inst.outbox.work
+    pending = sum(blocks_needed(requests[w.meta.request_id], inst) for w in work
+                  if w.meta.request_id in requests) if work else 0     # (usually empty: skip the generator)
     return s.kv_free_blocks - inst.transit_sum(2) - pending - reserve_frac * s.kv_total_blocks
 
 
@@ -49,8 +54,8 @@ def load_key(inst: Instance, requests: dict[str, ReqState], reserve_frac: float,
     seen) minus the request's own tokens it would find cached there, then queued requests,
     running ones, free KV. Tokens lead because a short prompt placed behind one 40K-token prompt
     waits far longer than behind three short ones."""
-    s = inst.stats
-    pend_tok = sum(prefill_tokens(w.meta, requests) for w in inst.outbox.work)
+    s, work = inst.stats, inst.outbox.work
+    pend_tok = sum(prefill_tokens(w.meta, requests) for w in work) if work else 0
     return (s.queued_tokens + inst.transit_sum(3) + pend_tok - cached_tokens,
             s.waiting + len(inst.transit) + len(inst.outbox.work), s.running,
             -kv_free(inst, requests, reserve_frac), inst.instance_id)

@@ -38,6 +38,54 @@ class RouterConfig:
     prefix_affinity: bool = True      # place prompts where their prefix is cached (instances that cache)
 
 
+class Transit(dict):
+    """An instance's in-transit items, rid -> (steps then, time, blocks, tokens), with running
+    totals of the blocks and tokens: dispatch reads both for every candidate instance, while
+    items come and go a few times per hand-out. The totals are int sums, so exact in any order.
+    Only these mutators keep them: item assignment, `del`, `pop`, `clear`."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = 0
+        self.tokens = 0
+
+    def __setitem__(self, rid: str, item: tuple[int, float, int, int]) -> None:
+        old = dict.get(self, rid)
+        if old is not None:
+            self.blocks -= old[2]
+            self.tokens -= old[3]
+        dict.__setitem__(self, rid, item)
+        self.blocks += item[2]
+        self.tokens += item[3]
+
+    def __delitem__(self, rid: str) -> None:
+        self.pop(rid)
+
+    _MISSING = object()
+
+    def pop(self, rid: str, default=_MISSING):
+        item = dict.pop(self, rid, None)
+        if item is None:
+            if default is Transit._MISSING:
+                raise KeyError(rid)
+            return default
+        self.blocks -= item[2]
+        self.tokens -= item[3]
+        return item
+
+    def clear(self) -> None:
+        dict.clear(self)
+        self.blocks = self.tokens = 0
+
+    def update(self, *args, **kwargs) -> None:
+        raise TypeError("Transit: assign items one by one (the totals follow only them)")
+
+    setdefault = popitem = update
+
+    def __reduce__(self):
+        return Transit, (), None, None, iter(self.items())     # copies rebuild the totals item by item
+
+
 @dataclass
 class Instance:
     instance_id: str
@@ -47,14 +95,19 @@ class Instance:
     outbox: PollReply = field(default_factory=PollReply)
     running: set[str] = field(default_factory=set)   # request ids whose current work is here
     # Items handed out that its stats may not show yet: rid -> (steps then, time, blocks, tokens).
-    transit: dict[str, tuple[int, float, int, int]] = field(default_factory=dict)
+    transit: Transit = field(default_factory=Transit)
     sent: int = 0                     # work items handed out, ever
     moving_to: str | None = None      # role the controller gave it, until its stats carry it
     busy_mark: tuple[float, float] | None = None     # (time, stats.busy_s) at the last control tick
     epoch: str = ""                   # this registration (PollReply.epoch)
 
     def transit_sum(self, k: int) -> int:
-        return sum(v[k] for v in self.transit.values())
+        t = self.transit
+        if k == 2:
+            return t.blocks
+        if k == 3:
+            return t.tokens
+        return sum(v[k] for v in t.values())
 
 
 def instance_summary(i: Instance, now: float) -> dict:
@@ -88,6 +141,13 @@ def router_status(core, queues: tuple[str, ...]) -> dict:
         "controller": None if core.pressure is None else {
             "period_s": core.cfg.pressure_period_s, "moves": core.pressure.moves[-8:]},
     }
+
+
+def request_placements(requests: dict[str, "ReqState"]) -> dict[str, dict]:
+    """Where each request is (`RouterCore.placements`: queue or instance, mode, parked KV)."""
+    return {rid: {"queue": st.queue, "instance": st.instance, "mode": st.mode,
+                  "kv_at": st.kv_at, "delivered": len(st.delivered), "class": st.length_class}
+            for rid, st in requests.items()}
 
 
 def policy_request(meta: RequestMeta, now: float) -> Request:

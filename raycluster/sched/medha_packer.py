@@ -156,12 +156,13 @@ class MedhaPacker(Packer):
         has_long = False
         skips = 0
         now = self.clock.now()
+        step_s = 0.0                           # batch_time(shapes, decode_kv), kept as chunks are added
 
         def next_candidate() -> Request | None:
             return lookahead.pop(0) if lookahead else policy.pop()
 
         while tokens_left > 0 and seqs_left > 0 and skips <= self.max_skips:
-            if chunks and self.predictor.batch_time(shapes, decode_kv) >= self.t_target - 1e-12:
+            if chunks and step_s >= self.t_target - 1e-12:
                 break
             req = next_candidate()
             if req is None:
@@ -192,7 +193,8 @@ class MedhaPacker(Packer):
             has_long = has_long or long
             tokens_left -= n
             seqs_left -= 1
-            if self.predictor.batch_time(shapes, decode_kv) > self.t_target + 1e-12:
+            step_s = self.predictor.batch_time(shapes, decode_kv)
+            if step_s > self.t_target + 1e-12:
                 break                          # only the minimal-chunk case gets here: stop
         for req in deferred + lookahead:
             policy.push(req)

@@ -51,13 +51,30 @@ class KineticLineTree:
         self.sign = 1 if sign >= 0 else -1
         self._t = -INF
         self._slot: dict[Hashable, int] = {}
+        self._solo: tuple | None = None     # see `_place_solo`
         self._layout([], 64 if capacity < 64 else capacity, -INF)
 
     def __len__(self) -> int:
-        return len(self._slot)
+        return len(self._slot) + (self._solo is not None)
 
     def __contains__(self, item_id: Hashable) -> bool:
-        return item_id in self._slot
+        return item_id in self._slot or (self._solo is not None and self._solo[0] == item_id)
+
+    # ---- the lone item, kept out of the arrays ---------------------------------------------------
+    # A queue that is empty between requests sees each one inserted and popped again, and both
+    # walk the whole leaf-to-root path. An item inserted into an empty tree whose slots are all
+    # spare therefore waits in `_solo` as (id, a, b, tie, t): `top` answers it (a lone line wins
+    # with no expiring claim), removing it just drops it, and any other operation first places
+    # it with exactly the calls `insert` would have made at its time t. The arrays then hold
+    # what they would have held, and a tree the lone item left untouched differs from one it
+    # passed through only in dead entries (claim times of empty nodes, a freed slot's line):
+    # the spare slot goes back to the end of `_spare`, where it came from.
+    def _place_solo(self) -> None:
+        item_id, a, b, tie, t = self._solo
+        self._solo = None
+        i = self._alloc(b)
+        self._put(i, item_id, a, b, tie)
+        self._update_path(i, t)
 
     # ---- slope-ordered slot layout -------------------------------------------------------------
     def _bucket(self, b: float) -> int:
@@ -141,6 +158,8 @@ class KineticLineTree:
             self._free.setdefault(key, []).append(i)
 
     def _items(self) -> list:
+        if self._solo is not None:
+            self._place_solo()
         a, b, tie, ids = self._a, self._b, self._tie, self._id
         return [(ids[i], a[i], b[i], tie[i]) for i in self._slot.values()]
 
@@ -314,11 +333,14 @@ class KineticLineTree:
         while cap < len(items) + len(items) // 4:     # a quarter spare, spread over the buckets
             cap *= 2
         self._t = t
+        self._solo = None
         self._layout(items, cap, t)
 
     def reset_intercepts(self, items, t: float) -> None:
         """Give stored lines new intercepts [(id, a)] (slopes and tie keys unchanged), then
         re-derive every claim at t in O(n): `rebuild` without a new layout."""
+        if self._solo is not None:
+            self._place_solo()
         a, slot = self._a, self._slot
         for item_id, new_a in items:
             a[slot[item_id]] = float(new_a)
@@ -327,9 +349,18 @@ class KineticLineTree:
             self._recompute(nd, t)
 
     def insert(self, item_id: Hashable, a: float, b: float, tie, t: float) -> None:
+        solo = self._solo
+        if solo is not None:
+            if solo[0] == item_id:
+                self.delete(item_id, t)
+            else:
+                self._place_solo()
         if item_id in self._slot:
             self.delete(item_id, t)
         t = self._now(t)
+        if not self._slot and not self._free and self._spare:
+            self._solo = (item_id, a, b, tie, t)      # empty, slots all spare: see `_place_solo`
+            return
         i = self._alloc(b)
         if i is None:                 # full: lay everything out again in twice the slots
             items = self._items()
@@ -340,6 +371,11 @@ class KineticLineTree:
         self._update_path(i, t)
 
     def delete(self, item_id: Hashable, t: float) -> bool:
+        solo = self._solo
+        if solo is not None and solo[0] == item_id:
+            self._solo = None
+            self._now(t)
+            return True
         i = self._slot.pop(item_id, None)
         if i is None:
             return False
@@ -354,6 +390,8 @@ class KineticLineTree:
 
     def top(self, t: float) -> Hashable | None:
         t = self._now(t)
+        if self._solo is not None:
+            return self._solo[0]
         if self._melt[1] <= t:
             self._refresh(1, t)
         w = self._win[1]
