@@ -16,6 +16,15 @@ whatever it held, and stamps its reports with the epoch so the router ignores ol
 Prefill/decode: a prefill instance reports `PrefillDone` (first token + KV handle); the router
 hands a `WorkItem(mode="decode", kv=handle)` to a decode instance; once that instance reports
 the request admitted, the router puts the id in the prefill instance's `releases`.
+
+Instance conventions the router relies on:
+- a work item's `output_token_ids` are tokens already delivered; the instance reports only
+  tokens after them;
+- a prefill instance reports `PrefillDone(first_token, kv)`; if the first token ends the request
+  (EOS, max_tokens reached) it reports a finished `TokenEvent([first])` instead;
+- work is applied between engine steps, so stats two steps after a hand-out include it
+  (`InstanceStats.steps`); an instance that reports `work_seen` (items applied, ever; optional
+  attribute) gets exact accounting instead.
 """
 
 from __future__ import annotations

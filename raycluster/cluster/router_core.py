@@ -10,27 +10,17 @@ plus `reap(now)` for instance death and `reap_gateways(now)` for gateways that s
 
 A router restart loses this state. Each registration gives the instance a new `epoch` (from
 `router_id` and a counter); the instance then drops what it held, and reports made under an
-older epoch are not applied. Gateways resubmit their requests with `resumed` set (messages.py).
+older epoch are not applied. Gateways resubmit their requests with `resumed` set. What the
+router relies on from instances: "Instance conventions" in `messages.py`.
 
 Dispatch's per-instance arithmetic (slots, free KV, load order) is in `router_placement.py`.
 Queues: one Policy (by name, from the scheduling library) per pool queue: "mixed",
 "prefill-short", "prefill-long", "decode". Prompts are classified short/long by the L_m boundary.
-Requests re-queued after an instance died go to a per-queue `front` deque served before the
-policy: they were admitted earliest and already streamed tokens.
-
-Instance conventions the router relies on:
-- a work item's `output_token_ids` are tokens already delivered; the instance reports only
-  tokens after them;
-- a prefill instance reports `PrefillDone(first_token, kv)`; if the first token ends the request
-  (EOS, max_tokens reached) it reports a finished `TokenEvent([first])` instead;
-- work is applied between engine steps, so stats two steps after a hand-out include it
-  (`InstanceStats.steps`); an instance that reports `work_seen` (items applied, ever; optional
-  attribute) gets exact accounting instead.
+Requests re-queued after an instance died go to a per-queue `front` deque served first.
 """
 
 from __future__ import annotations
 
-import math
 from collections import deque
 
 from raycluster.cluster.messages import (ROLES, GatewayReply, InstanceStats, PollReply, PrefillDone,
@@ -142,8 +132,8 @@ class RouterCore:
         if meta.request_id in self.requests:
             return SubmitReply(False, 0.0, "duplicate request id", depth, self.router_id)
         n = len(meta.prompt_token_ids)
-        if all(0 < i.stats.kv_total_blocks * (1 - self.cfg.kv_reserve_frac)
-               < math.ceil((n + 1) / max(1, i.stats.block_size)) for i in self.instances.values()):
+        if all(placement.tokens_never_fit(n + len(meta.output_token_ids), i, self.cfg.kv_reserve_frac)
+               for i in self.instances.values()):
             # Never servable here (not a transient overload): no Retry-After.
             return SubmitReply(False, 0.0, "prompt too long for any instance's KV cache", depth, self.router_id)
         st = ReqState(meta=meta, req=policy_request(meta, self.clock.now()),
@@ -203,7 +193,8 @@ class RouterCore:
                 fit = [i for i in cands if fits(st, i, self.requests, reserve)]
                 if not fit:
                     if all(never_fits(st, i, reserve) for i in self._alive(*roles)):
-                        self._fail(st, "prompt does not fit in any instance's KV cache")
+                        self._deliver(st, TokenEvent(st.meta.request_id, [], True, "error",
+                                                     "prompt does not fit in any instance's KV cache"))
                         continue
                     self._push_back(st, queue, from_front)   # head of line waits for KV: order kept
                     break
@@ -397,23 +388,24 @@ class RouterCore:
         self.dispatch()
 
     def _prefill_done(self, st: ReqState, inst: Instance, pd: PrefillDone) -> None:
-        rid, first, kv, logprobs = st.meta.request_id, pd.first_token, pd.kv, pd.logprobs
+        rid, kv = st.meta.request_id, pd.kv
         inst.running.discard(rid)
         sp = st.meta.sampling
-        done = len(st.delivered) + 1 >= sp.max_tokens or first in sp.stop_token_ids     # as the engine decides
-        reason = "length" if len(st.delivered) + 1 >= sp.max_tokens else "stop"
+        length = len(st.delivered) + 1 >= sp.max_tokens
+        done = length or pd.first_token in sp.stop_token_ids     # as the engine decides
+        ev = TokenEvent(rid, [pd.first_token], done, ("length" if length else "stop") if done else None,
+                        logprobs=pd.logprobs, num_cached_tokens=pd.num_cached_tokens,
+                        prompt_logprobs=pd.prompt_logprobs)
         if done:
             if kv is not None:
                 inst.outbox.releases.append(rid)
-            self._deliver(st, TokenEvent(rid, [first], True, reason, logprobs=logprobs,
-                                         num_cached_tokens=pd.num_cached_tokens, prompt_logprobs=pd.prompt_logprobs))
+            self._deliver(st, ev)
             return
         if st.mode == "prefill":
             # The prompt is computed: set it before the policies hear of the first token, so
             # that their remaining-work estimates (Kairos' queue ahead) drop this prompt.
             st.req.num_computed_tokens = st.req.num_tokens
-        self._deliver(st, TokenEvent(rid, [first], logprobs=logprobs, num_cached_tokens=pd.num_cached_tokens,
-                                     prompt_logprobs=pd.prompt_logprobs))
+        self._deliver(st, ev)
         if st.mode != "prefill":
             inst.running.add(rid)       # a "full" item decodes where it is
             return
@@ -432,9 +424,6 @@ class RouterCore:
         self.gateways.setdefault(st.meta.gateway_id, []).append(ev)
         if ev.finished:
             self._drop(st)
-
-    def _fail(self, st: ReqState, error: str) -> None:
-        self._deliver(st, TokenEvent(st.meta.request_id, [], True, "error", error))
 
     # ---------------------------------------------------------------- request end
     def _remove_queued(self, st: ReqState) -> None:

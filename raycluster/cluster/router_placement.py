@@ -45,8 +45,13 @@ def fits(st: ReqState, inst: Instance, requests: dict[str, ReqState], reserve_fr
 
 
 def never_fits(st: ReqState, inst: Instance, reserve_frac: float) -> bool:
+    return tokens_never_fit(len(st.meta.prompt_token_ids) + len(st.delivered), inst, reserve_frac)
+
+
+def tokens_never_fit(num_tokens: int, inst: Instance, reserve_frac: float) -> bool:
+    """A request of `num_tokens` known tokens cannot fit the instance's KV even when it is empty."""
     total = inst.stats.kv_total_blocks * (1 - reserve_frac)
-    return 0 < total < blocks_needed(st, inst)
+    return 0 < total < math.ceil((num_tokens + 1) / max(1, inst.stats.block_size))
 
 
 def load_key(inst: Instance, requests: dict[str, ReqState], reserve_frac: float, cached_tokens: int = 0) -> tuple:
