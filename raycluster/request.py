@@ -38,6 +38,7 @@ class SamplingParams:
     temperature: float = 0.0        # 0 means greedy
     top_p: float = 1.0
     top_k: int = 0                  # 0 disables top-k
+    min_p: float = 0.0              # vLLM's: drop tokens less likely than min_p x the likeliest one
     seed: int | None = None         # per-request generator: reproducible regardless of batching
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
@@ -70,6 +71,8 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:
             raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
         for name in ("logprobs", "prompt_logprobs"):
             k = getattr(self, name)
             if k is not None and not 0 <= k <= MAX_LOGPROBS:

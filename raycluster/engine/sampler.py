@@ -1,6 +1,7 @@
 """Token sampling from the logits rows of one step.
 
-Greedy rows are one batched argmax. Random rows apply temperature, top-k and top-p, then draw
+Greedy rows are one batched argmax. Random rows apply temperature, min-p, top-k and top-p (vLLM
+v1's order), then draw
 with the request's own `torch.Generator` when it has a seed, so a seeded request yields the same
 tokens whatever it is batched with. Logits enter as [n, vocab] float tensors; token ids leave as
 a Python list. `logprobs` reads the same rows for the requests that ask for log-probabilities
@@ -10,6 +11,8 @@ with each penalized row adjusted by its request's history and `logit_bias`, and 
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 
@@ -80,6 +83,9 @@ class Sampler:
     @staticmethod
     def _sample_row(row: torch.Tensor, sp: SamplingParams, gen: torch.Generator) -> int:
         row = row.float() / sp.temperature
+        if sp.min_p > 0.0:
+            # p_i < min_p * p_max  <=>  logit_i < max logit + log(min_p): no softmax needed.
+            row = row.masked_fill(row < row.max() + math.log(sp.min_p), float("-inf"))
         if 0 < sp.top_k < row.numel():
             kth = torch.topk(row, sp.top_k).values[-1]
             row = row.masked_fill(row < kth, float("-inf"))

@@ -37,6 +37,8 @@ class _GenerationFields(BaseModel):
     temperature: float = Field(1.0, ge=0.0, le=100.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     top_k: int = Field(0, ge=0)
+    min_p: float = Field(0.0, ge=0.0, le=1.0, description="vLLM's: drop tokens less likely than "
+                         "min_p times the likeliest one")
     seed: int | None = None
     stop: str | list[str] | None = None
     stream: bool = False
@@ -84,7 +86,7 @@ class _GenerationFields(BaseModel):
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         return SamplingParams(
             max_tokens=default_max_tokens if self.max_tokens is None else self.max_tokens,
-            temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, seed=self.seed,
+            temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, min_p=self.min_p, seed=self.seed,
             stop=stop, ignore_eos=self.ignore_eos, logprobs=self.num_logprobs(),
             presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
             repetition_penalty=self.repetition_penalty, logit_bias=dict(self.logit_bias or {}),

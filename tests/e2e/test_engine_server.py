@@ -129,6 +129,7 @@ def test_chat_and_models_and_health_and_metrics(server):
     ({"prompt": "x", "presence_penalty": 2.5}, "presence_penalty"),
     ({"prompt": "x", "frequency_penalty": -3}, "frequency_penalty"),
     ({"prompt": "x", "repetition_penalty": 0}, "repetition_penalty"),
+    ({"prompt": "x", "min_p": 1.5}, "min_p"),
     ({"prompt": "x", "best_of": 2}, "best_of"),
 ])
 def test_bad_requests_are_400_naming_the_field(server, payload, param):

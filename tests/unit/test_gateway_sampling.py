@@ -87,7 +87,7 @@ def _run(model, tokenizer, requests: list[tuple[list[int], SamplingParams]]):
 
 
 def _every_field_set() -> SamplingParams:
-    sp = SamplingParams(max_tokens=7, temperature=0.7, top_p=0.9, top_k=50, seed=1234, stop=["zz"],
+    sp = SamplingParams(max_tokens=7, temperature=0.7, top_p=0.9, top_k=50, min_p=0.05, seed=1234, stop=["zz"],
                         stop_token_ids=[3], ignore_eos=True, logprobs=2, presence_penalty=0.5,
                         frequency_penalty=-0.25, repetition_penalty=1.1, logit_bias={5: 1.5}, min_tokens=2,
                         prompt_logprobs=1)

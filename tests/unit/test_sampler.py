@@ -38,3 +38,17 @@ def test_seeded_request_is_reproducible_regardless_of_batch():
         b.append(batched.sample(torch.stack([rows[i], rows[(i + 1) % 8]]), ["x", "y"],
                                 [sp, SamplingParams(temperature=1.0)])[0])
     assert a == b
+
+
+def test_min_p_keeps_tokens_at_least_that_fraction_of_the_likeliest():
+    """vLLM's min_p: with logits 0..9 at temperature 1, p_i / p_max = e^(i - 9), so min_p 0.3 keeps
+    tokens 8 and 9 (e^-1 = 0.37), min_p 0.1 also 7 (e^-2 = 0.135), and min_p 1 only the best;
+    greedy rows ignore it. Checked against the definition over softmax probabilities."""
+    logits = torch.arange(10, dtype=torch.float32)[None]
+    s = Sampler(seed=2)
+    for min_p, support in ((0.3, {8, 9}), (0.1, {7, 8, 9}), (1.0, {9})):
+        seen = {s.sample(logits, [f"m{min_p}-{i}"], [SamplingParams(temperature=1.0, min_p=min_p)])[0]
+                for i in range(300)}
+        probs = torch.softmax(logits[0], -1)
+        assert seen == support == {i for i in range(10) if probs[i] >= min_p * probs.max()}
+    assert s.sample(logits - 5, ["g"], [SamplingParams(min_p=0.9)]) == [9]
