@@ -150,8 +150,10 @@ def build_app(engine, tokenizer, model_name: str) -> FastAPI:
                    for g, f, (ids, text, _) in zip(gens, firsts, slots)]
         n_prompt = sum(len(ids) for ids, _ in prompts)
         if body.stream:
-            include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            return _ClosingStreamingResponse(_sse(streams, rid, kind, model_name, n_prompt, body.n, include_usage),
+            opts = body.stream_options
+            usage_mode = "each" if opts and opts.include_usage and opts.continuous_usage_stats else \
+                "end" if opts and opts.include_usage else None
+            return _ClosingStreamingResponse(_sse(streams, rid, kind, model_name, n_prompt, body.n, usage_mode),
                                              media_type="text/event-stream")
         results = await asyncio.gather(*(s.collect(kind) for s in streams))
         usage = _usage(n_prompt, streams, body.n)
@@ -337,7 +339,9 @@ def _usage(n_prompt: int, streams: list[_Stream], n: int) -> dict:
 
 
 async def _sse(streams: list[_Stream], rid: str, kind: str, model: str, n_prompt: int, n: int,
-               include_usage: bool) -> AsyncIterator[str]:
+               usage: str | None) -> AsyncIterator[str]:
+    """`usage`: None, "end" (OpenAI's include_usage: one last chunk with it) or "each" (also in
+    every chunk, the counts so far: vLLM's continuous_usage_stats)."""
     obj = "text_completion" if kind == "text_completion" else "chat.completion.chunk"
     created = now_s()
     single = len(streams) == 1          # one request: its outputs directly, no merging layer
@@ -352,10 +356,13 @@ async def _sse(streams: list[_Stream], rid: str, kind: str, model: str, n_prompt
                 choice = {"index": i, "delta": {"content": text}, "finish_reason": out.finish_reason,
                           "logprobs": lp}
             chunk = {"id": rid, "object": obj, "created": created, "model": model, "choices": [choice]}
+            if usage == "each":
+                chunk["usage"] = _usage(n_prompt, streams, n)
             yield f"data: {json.dumps(chunk)}\n\n"
     finally:
         await _close(outputs)
-    if include_usage:
-        usage = _usage(n_prompt, streams, n)
-        yield f"data: {json.dumps({'id': rid, 'object': obj, 'created': created, 'model': model, 'choices': [], 'usage': usage})}\n\n"
+    if usage is not None:
+        final = {'id': rid, 'object': obj, 'created': created, 'model': model, 'choices': [],
+                 'usage': _usage(n_prompt, streams, n)}
+        yield f"data: {json.dumps(final)}\n\n"
     yield "data: [DONE]\n\n"

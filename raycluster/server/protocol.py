@@ -27,6 +27,7 @@ from raycluster.request import MAX_LOGPROBS, SamplingParams
 
 class StreamOptions(BaseModel):
     include_usage: bool = False
+    continuous_usage_stats: bool = False     # vLLM's: usage so far in every chunk too
 
 
 class _GenerationFields(BaseModel):

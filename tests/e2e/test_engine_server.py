@@ -100,6 +100,18 @@ def test_streaming_sse_concatenates_to_same_text(server):
                 usage = ev["usage"]
     assert "".join(chunks) == full
     assert usage["completion_tokens"] == 10
+    # vLLM's continuous_usage_stats: every chunk carries the counts so far, rising to the total.
+    running = []
+    with httpx.stream("POST", f"{url}/v1/completions", timeout=30, json={
+            **payload, "stream": True,
+            "stream_options": {"include_usage": True, "continuous_usage_stats": True}}) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                ev = json.loads(line[6:])
+                running.append((bool(ev["choices"]), ev["usage"]["prompt_tokens"], ev["usage"]["completion_tokens"]))
+    assert all(p == 4 for _, p, _ in running) and not running[-1][0] and running[-1][2] == 10
+    counts = [c for has_choice, _, c in running if has_choice]
+    assert counts == sorted(counts) and counts[-1] == 10 and len(counts) >= 2
     assert _all_free(aeng)
 
 
