@@ -147,6 +147,27 @@ def test_killed_source_raises_within_timeout(trio):
     assert not res["ok"] and res["error"] == "KVTransferError", res
 
 
+def _offer_pull_and_check(pre, dec, rid: str, sb: list[int], db: list[int], skip: int = 0):
+    """Offer `sb` on the prefill actor, pull all but its first `skip` blocks into `db`, and check
+    they land bit-exact there and nothing else changes; the offer is released. Returns the handle
+    pulled."""
+    import dataclasses
+
+    import ray
+    before = ray.get(dec.blocks.remote(), timeout=30)
+    src = ray.get(pre.blocks.remote(sb[skip:]), timeout=30)
+    h = ray.get(pre.offer.remote(rid, sb, len(sb) * B), timeout=30)
+    h = dataclasses.replace(h, skip_blocks=skip)
+    res = ray.get(dec.pull.remote(h, db, 20.0), timeout=40)
+    assert res["ok"], res
+    after = ray.get(dec.blocks.remote(), timeout=30)
+    assert np.array_equal(after[:, db].view(np.uint32), src.view(np.uint32))
+    others = [b for b in range(N) if b not in db]
+    assert np.array_equal(after[:, others].view(np.uint32), before[:, others].view(np.uint32))
+    assert ray.get(pre.release.remote(rid), timeout=30) is True
+    return h
+
+
 def test_runs_and_scattered_layouts_bit_exact_and_pair_survives_refusal(trio):
     """Long runs (object_store puts views, nixl merges descriptors) and a fragmented layout
     (object_store gathers: > max_pieces runs), runs split on the destination side; for
@@ -157,16 +178,7 @@ def test_runs_and_scattered_layouts_bit_exact_and_pair_survives_refusal(trio):
              ([int(b) for b in np.random.default_rng(1).choice(N, 24, replace=False)],
               list(range(30, 54)))]
     for i, (sb, db) in enumerate(cases):
-        before = ray.get(dec.blocks.remote(), timeout=30)
-        src = ray.get(pre.blocks.remote(sb), timeout=30)
-        h = ray.get(pre.offer.remote(f"req-lay{i}", sb, len(sb) * B), timeout=30)
-        res = ray.get(dec.pull.remote(h, db, 20.0), timeout=40)
-        assert res["ok"], res
-        after = ray.get(dec.blocks.remote(), timeout=30)
-        assert np.array_equal(after[:, db].view(np.uint32), src.view(np.uint32))
-        others = [b for b in range(N) if b not in db]
-        assert np.array_equal(after[:, others].view(np.uint32), before[:, others].view(np.uint32))
-        assert ray.get(pre.release.remote(f"req-lay{i}"), timeout=30) is True
+        _offer_pull_and_check(pre, dec, f"req-lay{i}", sb, db)
     if name != "torch_dist":
         return
     h = ray.get(pre.offer.remote("req-gone", list(range(8)), 8 * B), timeout=30)
@@ -194,18 +206,8 @@ def test_a_pull_skipping_cached_leading_blocks_moves_only_the_rest(trio):
     cases = [(list(range(20, 40)) + [3], 5, [50, 51, 52] + list(range(5, 18)))]
     cases.append((frag, 9, list(range(30, 45))))
     for i, (sb, skip, db) in enumerate(cases):
-        before = ray.get(dec.blocks.remote(), timeout=30)
-        src = ray.get(pre.blocks.remote(sb[skip:]), timeout=30)
-        h = ray.get(pre.offer.remote(f"req-skip{i}", sb, len(sb) * B), timeout=30)
-        h = dataclasses.replace(h, skip_blocks=skip)
+        h = _offer_pull_and_check(pre, dec, f"req-skip{i}", sb, db, skip)
         assert h.pull_block_ids == sb[skip:] and h.nbytes == len(db) * L * 2 * B * H * D * 4
-        res = ray.get(dec.pull.remote(h, db, 20.0), timeout=40)
-        assert res["ok"], res
-        after = ray.get(dec.blocks.remote(), timeout=30)
-        assert np.array_equal(after[:, db].view(np.uint32), src.view(np.uint32))
-        others = [b for b in range(N) if b not in db]
-        assert np.array_equal(after[:, others].view(np.uint32), before[:, others].view(np.uint32))
-        assert ray.get(pre.release.remote(f"req-skip{i}"), timeout=30) is True
     h = ray.get(pre.offer.remote("req-skipbad", [1, 2], 2 * B), timeout=30)
     bad = ray.get(dec.pull.remote(dataclasses.replace(h, skip_blocks=1), [20, 21], 20.0), timeout=40)
     assert not bad["ok"] and bad["error"] == "KVLayoutError"
