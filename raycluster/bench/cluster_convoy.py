@@ -1,13 +1,16 @@
 """The convoy demonstration on the real cluster: one loadgen long-mix trace replayed over HTTP
 against each (topology, policy), side by side in one run.
 
-    python -m raycluster.bench.cluster_convoy --out-dir DIR [--configs mixed-fcfs,mixed-lars,pd-fcfs,pd-lars]
+    python -m raycluster.bench.cluster_convoy --out-dir DIR [--configs mixed-fcfs,mixed-lars,pd-fcfs,pd-lars,mixed-fcfs-np]
         [--qps 1.5] [--duration 75] [--long-tokens 4096:8192] [--max-output-tokens 64] [--seed 0]
         [--ttft-slo-ms 2000] [--tpot-ms 100]
 
 Configurations (threads_per_instance=1 everywhere: mixed has 2 instances, pd 3, on 2 cores):
 - `mixed-fcfs`: 2 mixed instances, router + engine policy fcfs, packer token, chunk_size 2048
   (a long prefill takes the whole 2048-token budget, as vLLM's default scheduler does);
+- `mixed-fcfs-np`: the same with non-preemptive prefill (chunk_size and step budget 16384
+  tokens: a long prompt takes one step, and shorts wait all of it), the baseline of Medha's
+  30x / 174x claims;
 - `mixed-lars`: 2 mixed instances, policy lars, Medha time-budget packer;
 - `pd-fcfs` / `pd-lars`: deployments/pd.yaml (prefill-short, prefill-long, decode; object_store
   KV; initial_l_m 1024) with the same two policy settings on the prefill pools (the decode pool
@@ -33,13 +36,15 @@ import tempfile
 import time
 
 FCFS = {"policy": "fcfs", "engine": {"packer": "token", "chunk_size": 2048}}
+# Non-preemptive FCFS (Medha's baseline): a whole prompt, up to 16K tokens, prefills in one step.
+FCFS_NP = {"policy": "fcfs", "engine": {"packer": "token", "chunk_size": 16384, "max_num_batched_tokens": 16384}}
 LARS = {"policy": "lars", "engine": {"packer": "medha"}}
 MIXED = {"pools": [{"role": "mixed", "instances": 2}]}
 PD = {"connector": "object_store", "initial_l_m": 1024,
       "pools": [{"role": "prefill-short", "instances": 1}, {"role": "prefill-long", "instances": 1},
                 {"role": "decode", "instances": 1, "engine": {"policy": "fcfs", "packer": "token"}}]}
 CONFIGS = {"mixed-fcfs": {**MIXED, **FCFS}, "mixed-lars": {**MIXED, **LARS},
-           "pd-fcfs": {**PD, **FCFS}, "pd-lars": {**PD, **LARS}}
+           "pd-fcfs": {**PD, **FCFS}, "pd-lars": {**PD, **LARS}, "mixed-fcfs-np": {**MIXED, **FCFS_NP}}
 BASE = {"model": "tiny", "threads_per_instance": 1}
 
 
@@ -125,10 +130,11 @@ def main(argv: list[str] | None = None) -> int:
     for name in done:
         summary["runs"][name] = short_ttft(os.path.join(args.out_dir, f"{name}.json"))
     for topo in ("mixed", "pd"):
-        f, l = summary["runs"].get(f"{topo}-fcfs"), summary["runs"].get(f"{topo}-lars")
-        if f and l:
-            summary[f"ratio_{topo}_fcfs_over_lars"] = {
-                k: (f[k] / l[k] if f.get(k) and l.get(k) else None) for k in ("short_ttft_p50_s", "short_ttft_p99_s")}
+        for base in ("fcfs", "fcfs-np"):
+            f, l = summary["runs"].get(f"{topo}-{base}"), summary["runs"].get(f"{topo}-lars")
+            if f and l:
+                summary[f"ratio_{topo}_{base}_over_lars"] = {
+                    k: (f[k] / l[k] if f.get(k) and l.get(k) else None) for k in ("short_ttft_p50_s", "short_ttft_p99_s")}
     with open(os.path.join(args.out_dir, "summary.json"), "w") as fh:
         json.dump(summary, fh, indent=2)
     for name, r in summary["runs"].items():
