@@ -36,6 +36,9 @@ def test_convoy_configs_are_valid_cluster_configs():
         first = c.engine_config(c.pools[0])
         if name.endswith("fcfs"):
             assert (c.policy, first.packer, first.chunk_size) == ("fcfs", "token", 2048)
+        elif name.endswith("fcfs-np"):     # non-preemptive: a 16K-token prompt in one step
+            assert (c.policy, first.packer, first.chunk_size, first.max_num_batched_tokens) == \
+                ("fcfs", "token", 16384, 16384)
         else:
             assert (c.policy, first.packer) == ("lars", "medha")
         # --tpot-ms reaches every instance (the Medha step budget), pd's decode override kept
