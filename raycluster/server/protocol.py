@@ -100,6 +100,9 @@ class _GenerationFields(BaseModel):
         return None
 
 
+MAX_CHOICES = 256      # prompts x n per request: each is a backend request (the router's default queue bound)
+
+
 class CompletionRequest(_GenerationFields):
     prompt: str | list[int] | list[str] | list[list[int]]
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS, description="top alternatives per token")
@@ -111,6 +114,15 @@ class CompletionRequest(_GenerationFields):
 
     def num_prompt_logprobs(self) -> int | None:
         return self.logprobs if self.echo else None
+
+    @field_validator("prompt")
+    @classmethod
+    def _bounded_batch(cls, v, info: ValidationInfo):
+        batch = len(v) if isinstance(v, list) and v and not isinstance(v[0], int) else 1
+        n = info.data.get("n", 1)
+        if batch * n > MAX_CHOICES:
+            raise ValueError(f"{batch} prompts x n={n} is {batch * n} choices; at most {MAX_CHOICES} per request")
+        return v
 
 
 class TextPart(BaseModel):

@@ -293,6 +293,8 @@ def test_a_batch_of_prompts_gives_n_choices_per_prompt_in_order(server):
     assert [got[i] for i in range(6)] == [w for w in want for _ in range(2)]
     bad = httpx.post(f"{url}/v1/completions", json={**body, "prompt": ["fine", ""]}, timeout=30)
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "prompt.1", bad.text
+    bad = httpx.post(f"{url}/v1/completions", json={**body, "n": 2, "prompt": ["x"] * 129}, timeout=30)
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "prompt" and "258" in bad.text, bad.text
     assert _all_free(aeng)
 
 
