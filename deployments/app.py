@@ -21,6 +21,7 @@ def router_config(cfg: ClusterConfig) -> RouterConfig:
     ecfg = cfg.engine_config(cfg.pools[0])
     return RouterConfig(policy=cfg.policy, max_queue=cfg.max_queue, max_local_waiting=cfg.max_local_waiting,
                         initial_l_m=cfg.initial_l_m, prefix_affinity=cfg.prefix_affinity,
+                        decode_affinity_slack=cfg.decode_affinity_slack,
                         pressure=cfg.controller.pressure(),
                         pressure_period_s=cfg.controller.period_s,
                         slo=SLOConfig(ttft_ms=ecfg.ttft_ms, tpot_ms=ecfg.tpot_ms, ttft_scale=ecfg.ttft_scale))

@@ -2,7 +2,7 @@
 conversation so far) replayed over HTTP against each configuration, side by side in one run.
 
     python -m raycluster.bench.cluster_prefix --out-dir DIR [--configs nocache,cache-load,cache]
-        [--configs pd-cache,pd-cache-prefill-only]
+        [--configs pd-cache,pd-cache-prefill-only] [--configs pd2-cache,pd2-cache-load]
         [--qps 0.5] [--duration 90] [--max-output-tokens 32] [--seed 0]
 
 Configurations (deployments/mixed.yaml's topology: 2 mixed instances, lars with the Medha packer,
@@ -17,6 +17,9 @@ threads_per_instance=1, on this machine's 2 cores):
   with caching on every pool, or not on the decode pool. With it, a handoff pulls only the KV
   blocks the decode instance lacks (`decode_reuse_rate`: the share of handed-off tokens whose KV
   it already had).
+- `pd2-cache` / `pd2-cache-load` (not in the default set): the same with 2 decode instances,
+  handoffs placed by the router's prefix index (`decode_affinity_slack`) or by load alone
+  (`prefix_affinity: false`; each prefill pool has one instance, so only decode placement differs).
 Each runs in a child process (fresh local Ray, 127.0.0.1, no dashboard) that starts the cluster,
 runs `loadgen run --workload multiturn --prompt-format ids` (same seed: the same trace), saves
 DIR/<config>.json and the router's final status (prefix-cache counters) in
@@ -50,6 +53,10 @@ PD = {"model": "tiny", "threads_per_instance": 1, "policy": "lars", "connector":
 CONFIGS["pd-cache"] = PD
 CONFIGS["pd-cache-prefill-only"] = {**PD, "pools": PD["pools"][:2] + [
     {**PD["pools"][2], "engine": {**PD["pools"][2]["engine"], "enable_prefix_caching": False}}]}
+# Two caching decode instances: handoffs follow their conversation's prefix, or go by load alone.
+PD2 = {**PD, "pools": PD["pools"][:2] + [{**PD["pools"][2], "instances": 2}]}
+CONFIGS["pd2-cache"] = PD2
+CONFIGS["pd2-cache-load"] = {**PD2, "prefix_affinity": False}
 DEFAULT_CONFIGS = "nocache,cache-load,cache"
 
 

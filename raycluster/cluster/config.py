@@ -66,6 +66,9 @@ class ClusterConfig(BaseModel):
     initial_l_m: int = Field(2048, ge=1, description="short/long prompt boundary until refitted")
     prefix_affinity: bool = Field(True, description="with prefix-caching instances, send a prompt where its "
                                                     "prefix probably is unless that instance is busier by more")
+    decode_affinity_slack: int = Field(4, ge=0, description="with prefix affinity, a handoff goes to the decode "
+                                       "instance holding its prompt's prefix unless that one decodes more than "
+                                       "this many sequences beyond the least loaded")
     threads_per_instance: int = Field(1, ge=1)
     engine: dict = Field(default_factory=dict, description="EngineConfig overrides for every instance")
     pools: list[PoolSpec] = Field(default_factory=lambda: [PoolSpec(role="mixed")])

@@ -2,14 +2,16 @@
 
 Instances with `enable_prefix_caching` keep the KV of full blocks findable by a SHA-256 chain
 over their tokens (raycluster.engine.prefix_cache). The router cannot see those caches, so it
-remembers the block keys of the prompts it sent to each instance, most recent last, bounded by
-the instance's KV size: an approximate index in the spirit of SGLang's cache-aware router.
+remembers the block keys of the prompts it sent to each instance (and of the output a request
+left there), most recent last, bounded by the instance's KV size: an approximate index in the
+spirit of SGLang's cache-aware router.
 Dispatch asks `matched_tokens(instance, keys)` (the leading blocks of a prompt the instance
 probably still holds) and counts only the rest of the prompt as prefill work for that instance,
 so a prompt goes where its prefix is unless that instance is busier by more than the prefix.
 
-Data in: `prompt_keys(tokens, block_size)` once per request, `record` when work is sent,
-`forget` when an instance leaves or re-registers. Out: matched token counts. Torch-free.
+Data in: `prompt_keys(tokens, block_size)` once per request (`extend_keys` over its output when
+it ends), `record` when work is sent or ends, `forget` when an instance leaves or re-registers.
+Out: matched token counts. Torch-free.
 """
 
 from __future__ import annotations
@@ -21,11 +23,17 @@ from raycluster.engine.prefix_cache import block_key
 
 def prompt_keys(tokens: list[int], block_size: int) -> list[bytes]:
     """Keys of the full blocks an engine could reuse for `tokens` (never the last token's)."""
-    keys, parent = [], b""
-    for i in range((len(tokens) - 1) // block_size):
+    return extend_keys([], tokens, block_size)
+
+
+def extend_keys(keys: list[bytes], tokens: list[int], block_size: int) -> list[bytes]:
+    """`keys` (those of a prefix of `tokens`) continued over `tokens`' further full blocks (never
+    the last token's); a new list, `keys` untouched."""
+    out, parent = list(keys), keys[-1] if keys else b""
+    for i in range(len(keys), (len(tokens) - 1) // block_size):
         parent = block_key(parent, tokens[i * block_size:(i + 1) * block_size])
-        keys.append(parent)
-    return keys
+        out.append(parent)
+    return out
 
 
 class PrefixIndex:

@@ -198,8 +198,8 @@ class RouterCore:
                         continue
                     self._push_back(st, queue, from_front)   # head of line waits for KV: order kept
                     break
-                inst = placement.pick(st, fit, self.requests, reserve,
-                                      self.prefix_index if self.cfg.prefix_affinity else None)
+                inst = placement.pick(st, fit, self.requests, reserve, self.prefix_index if self.cfg.prefix_affinity
+                                      else None, self.cfg.decode_affinity_slack)
                 self._assign(st, inst)
                 placed += 1
                 if not has_slot(inst, slots):
@@ -446,10 +446,10 @@ class RouterCore:
         rid = st.meta.request_id
         self._remove_queued(st)
         self._release_kv(st)
-        inst = self.instances.get(st.instance) if st.instance else None
-        if inst is not None:
+        if (inst := self.instances.get(st.instance) if st.instance else None) is not None:
             inst.running.discard(rid)
             inst.transit.pop(rid, None)
+            placement.finished(self.prefix_index, st, inst)
         for q in st.policies:
             self.policies[q].on_finish(st.req)
         self.requests.pop(rid, None)

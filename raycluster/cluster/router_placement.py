@@ -4,14 +4,18 @@ Inputs are the router's own records (`Instance`, `ReqState`, its request table) 
 values; nothing is mutated but a request's memoised prompt keys and the prefix index on `sent`.
 `RouterCore.dispatch` keeps the instances that `has_slot` and that a request `fits`, fails a
 request that `never_fits` anywhere, and `pick`s the smallest `load_key`, where a prompt's prefix
-that an instance probably has cached (`PrefixIndex`) does not count as work there.
+that an instance probably has cached (`PrefixIndex`) does not count as work there. A handoff
+goes to the decode instance holding most of its prompt (its KV need not move) unless that one
+decodes more than `decode_slack` sequences beyond the least loaded (`pick_decode`).
+The index learns from `sent` (a prompt computed or received there) and `finished` (the blocks
+of prompt + output a request leaves cached where it ran).
 """
 
 from __future__ import annotations
 
 import math
 
-from raycluster.cluster.prefix_index import PrefixIndex, prompt_keys
+from raycluster.cluster.prefix_index import PrefixIndex, extend_keys, prompt_keys
 from raycluster.cluster.router_state import Instance, ReqState
 
 
@@ -80,26 +84,64 @@ def _keys(st: ReqState, block_size: int) -> list:
 
 def cached_tokens(st: ReqState, inst: Instance, index: PrefixIndex) -> int:
     """Tokens of `st`'s prompt that `inst` probably has in its prefix cache."""
-    if not inst.stats.prefix_caching or inst.role == "decode":
+    if not inst.stats.prefix_caching:
         return 0
     bs = max(1, inst.stats.block_size)
     return index.matched_blocks(inst.instance_id, _keys(st, bs)) * bs
 
 
 def pick(st: ReqState, fit: list[Instance], requests: dict[str, ReqState], reserve_frac: float,
-         index: PrefixIndex | None) -> Instance:
+         index: PrefixIndex | None, decode_slack: int = 0) -> Instance:
     """The instance to run `st`: the smallest `load_key`, with prefix affinity when `index` is
     given (a tie between idle instances goes to the one holding the longest prefix; a busier
-    one wins only while its extra backlog is smaller than the prefix it saves)."""
+    one wins only while its extra backlog is smaller than the prefix it saves). Decode
+    instances (a queue's candidates share one role) go by `pick_decode`."""
     if index is None or not any(i.stats.prefix_caching for i in fit):
         return min(fit, key=lambda i: load_key(i, requests, reserve_frac))
+    if fit[0].role == "decode":
+        return pick_decode(st, fit, min(fit, key=lambda i: load_key(i, requests, reserve_frac)), index, decode_slack)
     return min(fit, key=lambda i: load_key(i, requests, reserve_frac, cached_tokens(st, i, index)))
 
 
+def decode_load(inst: Instance) -> int:
+    """Sequences a decode instance has or will have: running, waiting, handed out, in its outbox."""
+    return inst.stats.running + inst.stats.waiting + len(inst.transit) + len(inst.outbox.work)
+
+
+def pick_decode(st: ReqState, fit: list[Instance], least: Instance, index: PrefixIndex, slack: int) -> Instance:
+    """A handoff's decode instance: the one with the longest cached prefix of its prompt (the
+    blocks it holds are not pulled again; in multi-turn chat, the previous turn's conversation)
+    among those decoding at most `slack` more sequences than `least`; `least` if none holds any.
+    Prefill placement weighs a prefix against a token backlog; a decode instance's cost is one
+    more sequence per step, so the bound is in sequences (SGLang's router balances the same way)."""
+    bound = decode_load(least) + slack
+    best, best_tokens = least, cached_tokens(st, least, index)
+    for inst in fit:
+        if inst is not least and decode_load(inst) <= bound:
+            n = cached_tokens(st, inst, index)
+            if n > best_tokens:
+                best, best_tokens = inst, n
+    return best
+
+
 def sent(index: PrefixIndex, st: ReqState, inst: Instance, mode: str) -> None:
-    """Note what `st` probably finds cached on `inst`, then remember that `inst` computes (so
-    will cache) `st`'s prompt."""
+    """Note what `st` probably finds cached on `inst` (prefill work saved; none for a handoff,
+    which computes no prompt), then remember that `inst` will cache `st`'s prompt: it computes
+    it, or (decode) receives its KV and registers it."""
     st.cached_tokens = 0
-    if inst.stats.prefix_caching and mode != "decode":
-        st.cached_tokens = cached_tokens(st, inst, index)
+    if inst.stats.prefix_caching:
+        if mode != "decode":
+            st.cached_tokens = cached_tokens(st, inst, index)
         index.record(inst.instance_id, _keys(st, max(1, inst.stats.block_size)), inst.stats.kv_total_blocks)
+
+
+def finished(index: PrefixIndex, st: ReqState, inst: Instance | None) -> None:
+    """`st` ends while running on `inst`: the engine keeps the full blocks of its prompt and
+    output it computed (all but the last token's) cached, so the next turn of a conversation,
+    which repeats them, can find its reply there too."""
+    if inst is None or not inst.stats.prefix_caching or not st.delivered:
+        return      # (a handoff still queued for decode: `inst` is its prefill instance, which
+        #             computed the prompt, i.e. prompt + first token less the last token)
+    bs = max(1, inst.stats.block_size)
+    keys = extend_keys(_keys(st, bs), st.meta.prompt_token_ids + st.delivered, bs)
+    index.record(inst.instance_id, keys, inst.stats.kv_total_blocks)

@@ -36,6 +36,7 @@ class RouterConfig:
     pressure: PressureConfig | None = None   # run the pressure controller (router_pressure.py)
     pressure_period_s: float = 5.0
     prefix_affinity: bool = True      # place prompts where their prefix is cached (instances that cache)
+    decode_affinity_slack: int = 4    # ... and handoffs, unless that decode instance has this many more sequences
 
 
 class Transit(dict):

@@ -46,7 +46,7 @@ def test_capacity_drops_the_least_recently_sent_blocks():
 
 # ---- the router's placement by cached prefix ------------------------------------------------------
 from raycluster.clock import VirtualClock  # noqa: E402
-from raycluster.cluster.messages import InstanceStats, RequestMeta, StepReport, TokenEvent  # noqa: E402
+from raycluster.cluster.messages import InstanceStats, PrefillDone, RequestMeta, StepReport, TokenEvent  # noqa: E402
 from raycluster.cluster.router_core import RouterConfig, RouterCore  # noqa: E402
 from raycluster.request import SamplingParams  # noqa: E402
 
@@ -144,6 +144,7 @@ def test_the_apps_args_reach_the_router_and_the_engines():
 
     assert router_config(ClusterConfig()).prefix_affinity is True
     assert router_config(ClusterConfig(prefix_affinity=False)).prefix_affinity is False
+    assert router_config(ClusterConfig(decode_affinity_slack=9)).decode_affinity_slack == 9
     cfg = ClusterConfig(engine={"enable_prefix_caching": True}, pools=[{"role": "mixed"}])
     assert cfg.engine_config(cfg.pools[0]).enable_prefix_caching
     for flag in (None, True):       # the shipped default app caches prefixes; `up --enable-prefix-caching`
@@ -151,3 +152,61 @@ def test_the_apps_args_reach_the_router_and_the_engines():
         assert all(cfg.engine_config(p).enable_prefix_caching for p in cfg.pools)
     cfg = ClusterConfig(**override_args(load_app_spec(None)["args"], None, None, prefix_caching=False))
     assert not any(cfg.engine_config(p).enable_prefix_caching for p in cfg.pools)     # `--no-enable-prefix-caching`
+
+
+# ---- P/D: a handoff goes to the decode instance holding its conversation ---------------------------
+def _pd_stats(iid, role, running=0):
+    return InstanceStats(instance_id=iid, role=role, kv_free_blocks=1000, kv_total_blocks=1000, block_size=16,
+                         running=running, prefix_caching=True)
+
+
+def _pd_core(**cfg):
+    core = RouterCore(RouterConfig(**cfg), VirtualClock(0.0))
+    core.on_poll("p", _pd_stats("p", "prefill-short"))
+    for d in ("d1", "d2"):
+        core.on_poll(d, _pd_stats(d, "decode"))
+    return core
+
+
+def _pd_turn(core, rid, prompt, output, running=None):
+    """`rid` is prefilled on p (its first token output[0], no KV offered: the decode side
+    recomputes), handed to a decode instance while d1/d2 report `running` sequences, and
+    finishes there with `output`; returns that decode instance."""
+    core.submit(RequestMeta(request_id=rid, gateway_id="g", prompt_token_ids=list(prompt),
+                            sampling=SamplingParams(max_tokens=len(output), ignore_eos=True)))
+    assert [w.meta.request_id for w in core.take_outbox("p").work] == [rid]
+    for d in ("d1", "d2"):
+        core.on_report(StepReport(_pd_stats(d, "decode", (running or {}).get(d, 0))))
+    core.on_report(StepReport(_pd_stats("p", "prefill-short"), prefilled=[PrefillDone(rid, output[0], None)]))
+    where = [d for d in ("d1", "d2") if core.take_outbox(d).work]
+    assert len(where) == 1
+    core.on_report(StepReport(_pd_stats(where[0], "decode"), events=[TokenEvent(rid, output[1:], True, "length")]))
+    assert core.inflight() == 0
+    return where[0]
+
+
+def test_a_handoff_follows_its_conversation_to_the_decode_instance_that_holds_it():
+    core = _pd_core()
+    reply = list(range(2000, 2040))                      # 40 tokens: the reply's blocks count too
+    home = _pd_turn(core, "t1", SYSTEM + [1], reply)
+    assert home == "d1"                                  # both idle: by id
+    turn2 = SYSTEM + [1] + reply + [7, 8, 9]             # the conversation so far, then the user's turn
+    keys = prompt_keys(turn2, 16)
+    assert core.prefix_index.matched_blocks("d1", keys) == (160 + 1 + 39) // 16   # prompt + reply but its last token
+    assert core.prefix_index.matched_blocks("p", keys) == 10                       # the prefill side: the prompt only
+    # d1 decodes 4 more sequences than d2 (the slack): the conversation still goes home.
+    assert _pd_turn(core, "t2", turn2, [5, 6], running={"d1": 4}) == "d1"
+    # 5 more: by load.
+    assert _pd_turn(core, "t3", turn2 + [5, 10], [5, 6], running={"d1": 5}) == "d2"
+
+
+def test_decode_placement_by_load_alone_without_affinity_or_a_cached_prefix():
+    core = _pd_core(prefix_affinity=False)
+    _pd_turn(core, "t1", SYSTEM + [1], [3, 4, 5])
+    assert _pd_turn(core, "t2", SYSTEM + [1, 3, 4, 6], [5, 6], running={"d1": 1}) == "d2"
+    core = _pd_core(decode_affinity_slack=0)
+    _pd_turn(core, "t1", SYSTEM + [1], [3, 4, 5])                          # d1 holds SYSTEM
+    longer = SYSTEM + [1, 3, 4] + list(range(4000, 4040))                  # d1 holds 10 of its blocks
+    assert _pd_turn(core, "t2", longer, [5, 6], running={"d1": 1}) == "d2"     # 0 slack: by load
+    assert _pd_turn(core, "t3", longer + [5, 8], [5, 6]) == "d2"           # a tie of loads: the longer prefix
+    assert _pd_turn(core, "t4", list(range(3000, 3100)), [5, 6], running={"d2": 1}) == "d1"  # nothing cached: load

@@ -68,3 +68,17 @@ def test_a_caching_decode_pool_pulls_only_what_it_lacks():
     assert both["summary"]["completed"] == pre_only["summary"]["completed"] == len(wl)
     assert sb["kv_transfers"] == sp["kv_transfers"] > 0
     assert sb["kv_transfer_bytes"] < 0.8 * sp["kv_transfer_bytes"]
+
+
+def test_handoffs_follow_their_conversation_to_a_decode_instance_that_holds_it():
+    """Two caching decode instances: with the router's prefix affinity a turn's handoff goes
+    where its conversation's earlier turns left their KV (unless that instance is busier by
+    more than the slack), so fewer bytes move than when handoffs are placed by load alone."""
+    pools = [{"role": "prefill-short", "instances": 1}, {"role": "decode", "instances": 2}]
+    wl = make_workload("multiturn", seed=1, qps=2.0, duration=40, max_output_tokens=16)
+    base = {**BASE, **CACHING, "pools": pools}
+    aff = simulate(SimSpec(**base), wl, check=True)
+    load = simulate(SimSpec(**{**base, "router": {"prefix_affinity": False}}), wl, check=True)
+    assert aff["summary"]["completed"] == load["summary"]["completed"] == len(wl)
+    assert aff["meta"]["sim"]["kv_transfers"] == load["meta"]["sim"]["kv_transfers"] == len(wl)
+    assert aff["meta"]["sim"]["kv_transfer_bytes"] < 0.85 * load["meta"]["sim"]["kv_transfer_bytes"]
