@@ -144,6 +144,10 @@ class KVCacheManager:
         if table:
             self.allocator.free_all(table)
 
+    def withdraw(self, request_id: str) -> None:
+        """Free an admission that never ran (KV short)."""
+        self.free(request_id)
+
     def holds(self, request_id: str) -> bool:
         return request_id in self.block_tables
 

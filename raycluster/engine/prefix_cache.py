@@ -95,8 +95,9 @@ class PrefixCachingKVManager(KVCacheManager):
         super().__init__(num_blocks, block_size, PrefixCachingAllocator(num_blocks))
         self._keys: dict[str, list[bytes]] = {}     # per request: keys of its leading full blocks
         # Counted once per admission (a request is looked up on arrival and again when first
-        # scheduled; a preemption, which frees its blocks, starts a new admission).
-        self._queried: set[str] = set()
+        # scheduled; a preemption, which frees its blocks, starts a new admission): per request,
+        # the (query, hit) tokens this admission counted, so one that never runs takes them back.
+        self._queried: dict[str, list[int]] = {}
         self.query_tokens = 0       # known tokens of requests looked up
         self.hit_tokens = 0         # of those, found cached
 
@@ -109,10 +110,12 @@ class PrefixCachingKVManager(KVCacheManager):
             return 0
         tokens, bs, a = req.all_token_ids, self.block_size, self.allocator
         keys, blocks = self._longest_cached(tokens)
-        if rid not in self._queried:
-            self._queried.add(rid)
+        counted = self._queried.get(rid)
+        if counted is None:
+            counted = self._queried[rid] = [len(tokens), 0]
             self.query_tokens += len(tokens)
         self.hit_tokens += len(blocks) * bs
+        counted[1] += len(blocks) * bs
         if not blocks:
             return 0
         for b in blocks:
@@ -164,8 +167,16 @@ class PrefixCachingKVManager(KVCacheManager):
 
     def free(self, request_id: str) -> None:
         self._keys.pop(request_id, None)
-        self._queried.discard(request_id)
+        self._queried.pop(request_id, None)
         super().free(request_id)
+
+    def withdraw(self, request_id: str) -> None:
+        """Free an admission that never ran (KV short): its lookup leaves the counters, since the
+        request will be looked up again when it is admitted for real."""
+        q, h = self._queried.get(request_id, (0, 0))
+        self.query_tokens -= q
+        self.hit_tokens -= h
+        self.free(request_id)
 
     def fork(self, src_id: str, dst_id: str) -> None:
         super().fork(src_id, dst_id)

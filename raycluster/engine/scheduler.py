@@ -145,7 +145,7 @@ class Scheduler:
         cached = self.kv.match_prefix(req) if self.kv.prefix_caching else 0
         req.num_computed_tokens = cached
         if not self.kv.try_allocate(req, n - cached):
-            self.kv.free(req.request_id)
+            self.kv.withdraw(req.request_id)
             req.num_computed_tokens = 0
             return None
         req.num_computed_tokens = n

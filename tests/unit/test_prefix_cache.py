@@ -235,3 +235,30 @@ def test_a_parked_prefill_is_findable_and_released_blocks_stay_cached(loaded):
 def test_prefix_caching_is_refused_with_kvp():
     with pytest.raises(ValidationError, match="enable_prefix_caching"):
         EngineConfig(kvp=2, enable_prefix_caching=True)
+
+
+def test_a_handoff_admission_short_of_kv_leaves_the_hit_counters_alone():
+    """A decode-side admission that fails for lack of KV is looked up again when it is admitted
+    for real: only that one counts, and the cached prefix it matched stays findable."""
+    from raycluster.engine.sched_factory import build_scheduler
+
+    kv = PrefixCachingKVManager(6, 4)
+    sched = build_scheduler(EngineConfig(policy="fcfs", packer="token", block_size=4, enable_prefix_caching=True),
+                            kv, VirtualClock(), 4096, PREDICTOR)
+    a = Request("a", list(range(9)))
+    assert kv.try_allocate(a, 8)
+    kv.cache_full_blocks(a, 8)
+    kv.free("a")                                     # 2 cached blocks in the free pool
+    hog = Request("hog", [99] * 12)
+    assert kv.try_allocate(hog, 12)                  # 3 of the 4 uncached blocks
+    b = Request("b", list(range(16)), SamplingParams(max_tokens=4))
+    b.output_token_ids.append(7)                     # KV for 16 tokens: 2 cached + 2 new blocks
+    before = (kv.query_tokens, kv.hit_tokens)
+    assert sched.admit_prefilled(b) is None          # 1 block free
+    assert (kv.query_tokens, kv.hit_tokens) == before
+    assert kv.cached_prefix_tokens(b.all_token_ids) == 8
+    kv.check()
+    kv.free("hog")
+    blocks, skip = sched.admit_prefilled(b)
+    assert (len(blocks), skip) == (2, 2)
+    assert (kv.query_tokens - before[0], kv.hit_tokens - before[1]) == (17, 8)
