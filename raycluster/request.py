@@ -27,9 +27,16 @@ class RequestStatus(enum.Enum):
 
 MAX_LOGPROBS = 20         # top alternatives a request may ask for per token (OpenAI's limit)
 
-# One sampled token's log-probability under the model (raw logits, before temperature, top-k and
-# top-p) and the `logprobs` most likely tokens with theirs, best first.
-TokenLogprob = tuple[float, list[tuple[int, float]]]
+
+@dataclass
+class TokenLogprob:
+    """One token's log-probability under the model (raw logits, before penalties, temperature,
+    top-k and top-p), given the tokens before it: a sampled token's or a prompt token's."""
+    logprob: float
+    # The `logprobs` (or `prompt_logprobs`) most likely tokens with theirs, best first.
+    top: list[tuple[int, float]]
+    # 1 + the number of vocabulary tokens with a strictly higher log-probability (vLLM's `rank`).
+    rank: int
 
 
 @dataclass

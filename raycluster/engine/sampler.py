@@ -5,9 +5,10 @@ v1's order), then draw
 with the request's own `torch.Generator` when it has a seed, so a seeded request yields the same
 tokens whatever it is batched with. Logits enter as [n, vocab] float tensors; token ids leave as
 a Python list. `logprobs` reads the same rows for the requests that ask for log-probabilities
-(raw logits: before penalties, temperature, top-k and top-p). `penalize` returns the logits
-with each penalized row adjusted by its request's history and `logit_bias`, and `banned` ids
-(EOS and stop ids before `min_tokens`) at -inf (a copy; other rows untouched).
+(raw logits: before penalties, temperature, top-k and top-p), with each token's rank in the
+vocabulary. `penalize` returns the logits with each penalized row adjusted by its request's
+history and `logit_bias`, and `banned` ids (EOS and stop ids before `min_tokens`) at -inf (a
+copy; other rows untouched).
 """
 
 from __future__ import annotations
@@ -69,16 +70,21 @@ class Sampler:
 
     @staticmethod
     def logprobs(logits: torch.Tensor, rows: list[int], tokens: list[int], tops: list[int]) -> list[TokenLogprob]:
-        """Per listed row: log_softmax of the raw logits at the sampled token, and the `tops[i]`
-        most likely tokens."""
+        """Per listed row: log_softmax of the raw logits at `tokens[i]` (the sampled token, or the
+        prompt token the row predicts), its rank in the vocabulary, and the `tops[i]` most likely
+        tokens."""
         lp = torch.log_softmax(logits[rows].float(), dim=-1)
-        chosen = lp.gather(1, torch.tensor(tokens, dtype=torch.long).view(-1, 1)).view(-1).tolist()
+        chosen = lp.gather(1, torch.tensor(tokens, dtype=torch.long).view(-1, 1))
+        # One comparison pass over rows already in hand (no sort): ties share the better rank.
+        ranks = ((lp > chosen).sum(dim=-1) + 1).tolist()
+        chosen = chosen.view(-1).tolist()
         k = max(tops)
         if k == 0:
-            return [(c, []) for c in chosen]
+            return [TokenLogprob(c, [], r) for c, r in zip(chosen, ranks)]
         vals, ids = lp.topk(k, dim=-1)
         vals, ids = vals.tolist(), ids.tolist()
-        return [(c, list(zip(ids[i][:n], vals[i][:n]))) for i, (c, n) in enumerate(zip(chosen, tops))]
+        return [TokenLogprob(c, list(zip(ids[i][:n], vals[i][:n])), r)
+                for i, (c, n, r) in enumerate(zip(chosen, tops, ranks))]
 
     @staticmethod
     def _sample_row(row: torch.Tensor, sp: SamplingParams, gen: torch.Generator) -> int:

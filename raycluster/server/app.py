@@ -27,7 +27,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 
 from raycluster.engine.engine import InvalidRequestError
 from raycluster.request import SLO
-from raycluster.server.openai_logprobs import chat_logprobs, completion_logprobs
+from raycluster.server.openai_logprobs import chat_logprobs, completion_logprobs, prompt_logprobs
 from raycluster.server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                        OverloadedError, TokenizeRequest, error_body, now_s)
 
@@ -146,7 +146,7 @@ def build_app(engine, tokenizer, model_name: str) -> FastAPI:
                 return _overloaded(err)
             raise err
         decode = tokenizer.decode if sampling.logprobs is not None else None
-        streams = [_Stream(g, f, t0, metrics, decode, (text, ids) if echo else None)
+        streams = [_Stream(g, f, t0, metrics, decode, (text, ids) if echo else None, sampling.logprobs)
                    for g, f, (ids, text, _) in zip(gens, firsts, slots)]
         n_prompt = sum(len(ids) for ids, _ in prompts)
         if body.stream:
@@ -157,15 +157,21 @@ def build_app(engine, tokenizer, model_name: str) -> FastAPI:
                                              media_type="text/event-stream")
         results = await asyncio.gather(*(s.collect(kind) for s in streams))
         usage = _usage(n_prompt, streams, body.n)
+        shown = body.shown_prompt_logprobs()
+        plps = [None if shown is None or s.prompt_lps is None else
+                prompt_logprobs(tokenizer.decode, ids, s.prompt_lps, shown) for s, (ids, _, _) in zip(streams, slots)]
         choices = []
         for i, (text, _, reason, logprobs) in enumerate(results):
             if kind == "text_completion":
-                choices.append({"index": i, "text": text, "logprobs": logprobs, "finish_reason": reason})
+                choices.append({"index": i, "text": text, "logprobs": logprobs, "finish_reason": reason,
+                                "prompt_logprobs": plps[i]})
             else:
                 choices.append({"index": i, "message": {"role": "assistant", "content": text},
                                 "logprobs": logprobs, "finish_reason": reason})
-        return {"id": rid, "object": kind, "created": now_s(), "model": model_name,
-                "choices": choices, "usage": usage}
+        out = {"id": rid, "object": kind, "created": now_s(), "model": model_name, "choices": choices, "usage": usage}
+        if kind != "text_completion":       # vLLM's chat has them once per response (one prompt)
+            out["prompt_logprobs"] = plps[0]
+        return out
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, http: HTTPRequest):
@@ -245,10 +251,12 @@ class _Stream:
     """Consumes one request's outputs, recording TTFT/TPOT metrics."""
 
     def __init__(self, gen, first, t0: float, metrics: _Metrics, decode=None,
-                 echo: tuple[str, list[int]] | None = None) -> None:
+                 echo: tuple[str, list[int]] | None = None, num_top: int | None = None) -> None:
         self.gen, self.first, self.t0, self.metrics = gen, first, t0, metrics
         self.decode = decode          # set when the request asked for logprobs
         self.echo = echo              # (prompt text, prompt ids) to put before the first output
+        self.num_top = num_top        # alternatives per token asked for (the echoed prompt's may hold more)
+        self.prompt_lps = None        # the engine's prompt logprobs, once the first output brought them
         self.n_out = 0
         self.n_cached = 0             # prompt tokens the engine took from its prefix cache
         self.chars = 0                # completion text so far (text_offset of the next token)
@@ -269,7 +277,7 @@ class _Stream:
         if self.decode is None or lps is None:
             return None
         if kind == "text_completion":
-            out = completion_logprobs(self.decode, token_ids, lps, self.chars)
+            out = completion_logprobs(self.decode, token_ids, lps, self.chars, self.num_top)
             self.chars += sum(map(len, out["tokens"]))
             return out
         return chat_logprobs(self.decode, token_ids, lps)
@@ -282,6 +290,8 @@ class _Stream:
             while True:
                 self.n_out = out.num_output_tokens
                 self.n_cached = max(self.n_cached, out.num_cached_tokens)
+                if out.prompt_logprobs is not None:
+                    self.prompt_lps = out.prompt_logprobs
                 yield out
                 if out.finished:
                     self.metrics.requests.labels(out.finish_reason).inc()

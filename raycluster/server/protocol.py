@@ -7,7 +7,11 @@ ignored, as OpenAI clients send many we do not use; but OpenAI options that woul
 output and are not implemented (`best_of`, `suffix`, and `echo` on chat) are refused with a 400
 naming the field unless they hold their neutral value, rather than silently ignored. `echo` on
 completions returns the prompt before the completion, and with `logprobs` the prompt tokens'
-log-probabilities too (vLLM's `prompt_logprobs`; the first token's is null). `presence_penalty` /
+log-probabilities too (the first token's is null). vLLM's `prompt_logprobs` (an int k in [0, 20],
+both endpoints) returns vLLM's `prompt_logprobs` list: per prompt token, the first null, a dict
+from token id to {logprob, rank, decoded_token} holding the prompt token with its rank in the
+vocabulary and the top k; in each choice on completions (there also with echo + logprobs, as
+vLLM), once per response on chat; refused with `stream` unless 0, as vLLM. `presence_penalty` /
 `frequency_penalty` / `logit_bias` (OpenAI's) and `repetition_penalty` (vLLM's) are served, and
 `logprobs`: an int (top alternatives) on completions, a bool with `top_logprobs` on chat. Chat
 `content` may be a string or a list of text parts.
@@ -44,6 +48,9 @@ class _GenerationFields(BaseModel):
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
+    # vLLM's: each prompt token's log-probability, rank and this many alternatives. After
+    # `stream`, so that its validator sees it.
+    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS, strict=True)
     ignore_eos: bool = False
     min_tokens: int = Field(0, ge=0, description="vLLM's: no EOS, stop_token_ids or stop strings "
                             "before this many tokens")
@@ -67,6 +74,14 @@ class _GenerationFields(BaseModel):
     def _bias_range(cls, v):
         if v and any(not -100.0 <= b <= 100.0 for b in v.values()):
             raise ValueError("biases must be in [-100, 100]")
+        return v
+
+    @field_validator("prompt_logprobs")
+    @classmethod
+    def _not_streamed(cls, v, info: ValidationInfo):
+        # vLLM's rule: a stream's chunks have no place for them (0 asks for nothing to show).
+        if v and info.data.get("stream"):
+            raise ValueError("not available with stream: true")
         return v
 
     @field_validator("suffix")
@@ -96,8 +111,15 @@ class _GenerationFields(BaseModel):
     def num_logprobs(self) -> int | None:
         return None
 
+    def shown_prompt_logprobs(self) -> int | None:
+        """Alternatives per entry of the response's `prompt_logprobs`; None: it is null. A stream
+        carries none (vLLM's chunks have no such field)."""
+        return None if self.stream else self.prompt_logprobs
+
     def num_prompt_logprobs(self) -> int | None:
-        return None
+        """Alternatives per prompt token the engine computes; None: none computed (they cost the
+        request its prefix-cache hits)."""
+        return self.shown_prompt_logprobs()
 
 
 MAX_CHOICES = 256      # prompts x n per request: each is a backend request (the router's default queue bound)
@@ -112,8 +134,16 @@ class CompletionRequest(_GenerationFields):
     def num_logprobs(self) -> int | None:
         return self.logprobs
 
+    def shown_prompt_logprobs(self) -> int | None:
+        k = super().shown_prompt_logprobs()
+        # vLLM's: echo with logprobs computes the prompt's, and a choice returns what was computed.
+        return self.logprobs if k is None and self.echo and not self.stream else k
+
     def num_prompt_logprobs(self) -> int | None:
-        return self.logprobs if self.echo else None
+        k = self.shown_prompt_logprobs()
+        if self.echo and self.logprobs is not None:     # the echoed prompt's entries need as many
+            k = max(k or 0, self.logprobs)
+        return k
 
     @field_validator("prompt")
     @classmethod

@@ -246,10 +246,12 @@ def test_echo_returns_the_prompt_and_its_logprobs(server):
     assert usage["prompt_tokens"] == len(ids) and usage["completion_tokens"] == 3
     assert lp["tokens"] == [tok.decode([t]) for t in ids + [t for t, _ in gen]]
     assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
-    assert lp["token_logprobs"][1:] == pytest.approx([v for v, _ in want_prompt[1:]] + [v for _, (v, _) in gen], abs=1e-5)
+    assert lp["token_logprobs"][1:] == pytest.approx([e.logprob for e in want_prompt[1:]] +
+                                                     [e.logprob for _, e in gen], abs=1e-5)
     assert [list(d) for d in lp["top_logprobs"][1:len(ids)]] == \
-        [[tok.decode([a]) for a, _ in top] for _, top in want_prompt[1:]]
+        [[tok.decode([a]) for a, _ in e.top] for e in want_prompt[1:]]
     assert lp["text_offset"][0] == 0 and "".join(lp["tokens"]) == r["choices"][0]["text"]
+    assert len(r["choices"][0]["prompt_logprobs"]) == len(ids)     # vLLM's: echo + logprobs computes them
     chunks = []
     with httpx.stream("POST", f"{url}/v1/completions", json={**body, "echo": True, "logprobs": 2, "stream": True},
                       timeout=30) as s:
@@ -264,6 +266,58 @@ def test_echo_returns_the_prompt_and_its_logprobs(server):
     bad = httpx.post(f"{url}/v1/chat/completions", timeout=30, json={
         "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "echo": True})
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "echo", bad.text
+    assert _all_free(aeng)
+
+
+def test_prompt_logprobs_in_vllms_shape(server):
+    """vLLM's `prompt_logprobs` (k), per completion choice and once per chat response: per prompt
+    token null (the first) or {token id: {logprob, rank, decoded_token}}, the prompt token with its
+    vocabulary rank then the top k ranked 1..k, all the engine's; also with echo + logprobs (each
+    cut to its own k). A bad k, or k > 0 with `stream` (as vLLM), is a 400 naming the field."""
+    url, aeng, tok, ref = server
+    prompt = "the quiet river and the light"
+    ids = tok.encode(prompt)
+    ref.add_request("plp", ids, SamplingParams(max_tokens=2, prompt_logprobs=3, ignore_eos=True))
+    outs = [o for _ in range(100) if ref.has_unfinished() for o in ref.step().outputs]
+    want = next(o.prompt_logprobs for o in outs if o.prompt_logprobs)
+    body = {"prompt": prompt, "max_tokens": 2, "temperature": 0, "ignore_eos": True}
+    r = httpx.post(f"{url}/v1/completions", json={**body, "prompt_logprobs": 3, "n": 2}, timeout=30).json()
+    plain = httpx.post(f"{url}/v1/completions", json=body, timeout=30).json()["choices"][0]
+    assert plain["prompt_logprobs"] is None and [c["text"] for c in r["choices"]] == [plain["text"]] * 2
+    got = r["choices"][0]["prompt_logprobs"]
+    assert r["choices"][1]["prompt_logprobs"] == got and r["choices"][0]["logprobs"] is None
+    assert len(got) == len(ids) and got[0] is None and all(d is not None for d in got[1:])
+    for t, d, w in zip(ids[1:], got[1:], want[1:]):
+        assert list(d)[0] == str(t) and d[str(t)]["rank"] == w.rank >= 1
+        assert d[str(t)]["logprob"] == pytest.approx(w.logprob, abs=1e-5)
+        assert all(v.keys() == {"logprob", "rank", "decoded_token"} and v["decoded_token"] == tok.decode([int(a)])
+                   for a, v in d.items())
+        top = {str(a): (i, v) for i, (a, v) in enumerate(w.top, 1)}
+        assert set(d) == top.keys() | {str(t)} and len(d) == 3 + (w.rank > 3)
+        assert all(d[a]["rank"] == i and d[a]["logprob"] == pytest.approx(v, abs=1e-5) for a, (i, v) in top.items())
+    assert max(w.rank for w in want[1:]) > 3           # some prompt token outside the top 3
+    zero = httpx.post(f"{url}/v1/completions", json={**body, "prompt_logprobs": 0}, timeout=30).json()
+    assert [list(d) for d in zero["choices"][0]["prompt_logprobs"][1:]] == [[str(t)] for t in ids[1:]]
+    echo = httpx.post(f"{url}/v1/completions", json={**body, "echo": True, "logprobs": 1, "prompt_logprobs": 3},
+                      timeout=30).json()["choices"][0]
+    assert echo["prompt_logprobs"] == got and all(len(t) == 1 for t in echo["logprobs"]["top_logprobs"][1:])
+    msgs = [{"role": "user", "content": prompt}]
+    chat_ids = httpx.post(f"{url}/tokenize", json={"messages": msgs}, timeout=10).json()["tokens"]
+    chat = httpx.post(f"{url}/v1/chat/completions", json={"messages": msgs, "max_tokens": 2, "prompt_logprobs": 1},
+                      timeout=30).json()
+    assert len(chat["prompt_logprobs"]) == len(chat_ids) and chat["prompt_logprobs"][0] is None
+    assert "prompt_logprobs" not in chat["choices"][0]          # vLLM's chat: once, beside the choices
+    assert all(str(t) in d and 1 <= len(d) <= 2 for t, d in zip(chat_ids[1:], chat["prompt_logprobs"][1:]))
+    for path, req in (("/v1/completions", body), ("/v1/chat/completions", {"messages": msgs, "max_tokens": 2})):
+        for bad in (-1, 21, 1.5, "2", True, {"prompt_logprobs": 2, "stream": True}):
+            extra = bad if isinstance(bad, dict) else {"prompt_logprobs": bad}
+            e = httpx.post(f"{url}{path}", json={**req, **extra}, timeout=30)
+            assert e.status_code == 400 and e.json()["error"]["param"] == "prompt_logprobs", (path, bad, e.text)
+    with httpx.stream("POST", f"{url}/v1/completions", json={**body, "prompt_logprobs": 0, "stream": True},
+                      timeout=30) as s:
+        chunks = [json.loads(x[6:]) for x in s.iter_lines() if x.startswith("data: {")]
+    assert "".join(c["choices"][0]["text"] for c in chunks) == plain["text"] and \
+        not any("prompt_logprobs" in c["choices"][0] for c in chunks)
     assert _all_free(aeng)
 
 
@@ -311,8 +365,8 @@ def test_logprobs_in_openai_shapes_equal_the_engines(server):
     r = httpx.post(f"{url}/v1/completions", json=body, timeout=30).json()
     lp = r["choices"][0]["logprobs"]
     assert lp["tokens"] == [tok.decode([t]) for t, _ in want]
-    assert lp["token_logprobs"] == pytest.approx([v for _, (v, _) in want], abs=1e-5)
-    assert [list(d) for d in lp["top_logprobs"]] == [[tok.decode([a]) for a, _ in top] for _, (_, top) in want]
+    assert lp["token_logprobs"] == pytest.approx([e.logprob for _, e in want], abs=1e-5)
+    assert [list(d) for d in lp["top_logprobs"]] == [[tok.decode([a]) for a, _ in e.top] for _, e in want]
     assert lp["text_offset"][0] == 0 and "".join(lp["tokens"]) == r["choices"][0]["text"]
     # streamed: the chunks' logprobs add up to the same
     chunks = []

@@ -154,13 +154,14 @@ def test_logprobs_match_hf_log_softmax(checkpoint):
         ids = torch.tensor([prompts[i] + toks[f"r{i}"]])
         with torch.no_grad():
             ref = torch.log_softmax(hf(ids).logits[0].float(), dim=-1)[len(prompts[i]) - 1:-1]
-        for pos, (lp, top) in enumerate(lps[f"r{i}"]):
+        for pos, e in enumerate(lps[f"r{i}"]):
+            lp, top = e.logprob, e.top
             assert lp == pytest.approx(ref[pos, toks[f"r{i}"][pos]].item(), abs=2e-4)
             vals, idx = ref[pos].topk(k) if k else (torch.empty(0), torch.empty(0, dtype=torch.long))
             assert [t for t, _ in top] == idx.tolist()
             assert [v for _, v in top] == pytest.approx(vals.tolist(), abs=2e-4)
         if k:
-            assert all(top[0][0] == t for (_, top), t in zip(lps["r0"], toks["r0"]))   # greedy: the best
+            assert all(e.top[0][0] == t for e, t in zip(lps["r0"], toks["r0"]))   # greedy: the best
 
 
 @pytest.mark.parametrize("preempt", [False, True])
@@ -211,12 +212,63 @@ def test_prompt_logprobs_match_hf_log_softmax(checkpoint, preempt):
         with torch.no_grad():
             ref = torch.log_softmax(hf(torch.tensor([prompt])).logits[0].float(), dim=-1)
         for pos in range(1, len(prompt)):
-            lp, top = got[pos]
+            lp, top = got[pos].logprob, got[pos].top
             assert lp == pytest.approx(ref[pos - 1, prompt[pos]].item(), abs=2e-4)
             vals, idx = ref[pos - 1].topk(k) if k else (torch.empty(0), torch.empty(0, dtype=torch.long))
             assert [t for t, _ in top] == idx.tolist()
             assert [v for _, v in top] == pytest.approx(vals.tolist(), abs=2e-4)
     assert eng.kv.hit_tokens == 32           # only r3, which asks for none, took the cached prefix
+
+
+def _rank_bounds(row: torch.Tensor, token: int, tol: float = 2e-4) -> tuple[int, int]:
+    """The rank of `token` in a reference log_softmax row (1 + the tokens strictly above it),
+    as an interval: tokens within `tol` of it may fall on either side in the engine's fp32
+    arithmetic (batched, chunked), so only those may move it."""
+    v = row[token].item()
+    return 1 + int((row > v + tol).sum()), 1 + int((row > v - tol).sum())
+
+
+def test_ranks_match_hf_log_softmax(checkpoint):
+    """vLLM's `rank` of each prompt token (with `prompt_logprobs`) and of each sampled token
+    (with `logprobs`): 1 + the number of vocabulary tokens with a strictly higher log-probability
+    under log_softmax of HF's logits at the position before it (greedy tokens: rank 1). Chunks
+    of 7, batched with a sampled request; with or without top alternatives."""
+    _, hf, model, _ = checkpoint
+    rng = random.Random(23)
+    prompts = [[rng.randrange(6, 500) for _ in range(n)] for n in (19, 40)]
+    params = [SamplingParams(max_tokens=8, ignore_eos=True, prompt_logprobs=2, logprobs=2),
+              SamplingParams(max_tokens=8, ignore_eos=True, prompt_logprobs=0, logprobs=0, temperature=1.5, seed=9)]
+    eng = LLMEngine(EngineConfig(policy="fcfs", packer="token", chunk_size=7, kv_cache_tokens=2048), model)
+    for i, (p, sp) in enumerate(zip(prompts, params)):
+        eng.add_request(f"r{i}", p, sp)
+    toks: dict[str, list[int]] = {}
+    lps: dict[str, list] = {}
+    plps: dict[str, list] = {}
+    for _ in range(1_000):
+        if not eng.has_unfinished():
+            break
+        for o in eng.step().outputs:
+            toks.setdefault(o.request_id, []).extend(o.new_token_ids)
+            lps.setdefault(o.request_id, []).extend(o.logprobs or [])
+            if o.prompt_logprobs is not None:
+                plps[o.request_id] = o.prompt_logprobs
+    exact = total = 0
+    for i in range(2):
+        seq = prompts[i] + toks[f"r{i}"]
+        with torch.no_grad():
+            ref = torch.log_softmax(hf(torch.tensor([seq])).logits[0].float(), dim=-1)
+        got = plps[f"r{i}"][1:] + lps[f"r{i}"]           # entry j: token j + 1 of seq
+        assert len(got) == len(seq) - 1
+        for pos, e in enumerate(got):
+            lo, hi = _rank_bounds(ref[pos], seq[pos + 1])
+            assert lo <= e.rank <= hi, (i, pos, e.rank, lo, hi)
+            exact += e.rank == 1 + int((ref[pos] > ref[pos, seq[pos + 1]]).sum())
+            total += 1
+            if e.top:                               # the top-k are ranks 1..k, the token among them by its rank
+                assert e.rank > len(e.top) or e.top[e.rank - 1][0] == seq[pos + 1] or lo < hi
+    assert exact >= 0.9 * total, (exact, total)     # ties within fp32 noise are rare
+    assert [e.rank for e in lps["r0"]] == [1] * 8    # greedy
+    assert max(e.rank for e in plps["r0"][1:]) > 20  # random prompt tokens: far down the vocabulary
 
 
 def _penalized_reference(hf, prompt: list[int], n: int, presence: float, frequency: float, rep: float) -> list[int]:

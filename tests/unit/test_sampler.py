@@ -1,5 +1,6 @@
 """Sampling: greedy, temperature, top-k, top-p, per-request seeds independent of batching."""
 
+import pytest
 import torch
 
 from raycluster.engine.sampler import Sampler
@@ -52,3 +53,14 @@ def test_min_p_keeps_tokens_at_least_that_fraction_of_the_likeliest():
         probs = torch.softmax(logits[0], -1)
         assert seen == support == {i for i in range(10) if probs[i] >= min_p * probs.max()}
     assert s.sample(logits - 5, ["g"], [SamplingParams(min_p=0.9)]) == [9]
+
+
+def test_logprobs_rank_counts_strictly_likelier_tokens():
+    """vLLM's `rank`: 1 + the tokens with a strictly higher log-probability in the row (ties
+    share the better rank), the same with or without top alternatives; log_softmax values."""
+    logits = torch.tensor([[1.0, 3.0, 3.0, 0.0], [0.5, -2.0, 4.0, 0.5]])
+    lps = Sampler.logprobs(logits, [0, 0, 0, 1, 1], [0, 1, 3, 3, 1], [0, 2, 0, 1, 0])
+    assert [e.rank for e in lps] == [3, 1, 4, 2, 4]
+    ref = torch.log_softmax(logits, dim=-1)
+    assert [e.logprob for e in lps] == pytest.approx([ref[0, 0], ref[0, 1], ref[0, 3], ref[1, 3], ref[1, 1]])
+    assert {t for t, _ in lps[1].top} == {1, 2} and lps[3].top == [(2, pytest.approx(ref[1, 2].item()))]
