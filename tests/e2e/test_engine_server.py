@@ -3,29 +3,20 @@
 from __future__ import annotations
 
 import json
-import socket
-import threading
 import time
 
 import httpx
 import pytest
-import uvicorn
+from engine_http import serve_engine
 
 from raycluster.engine.config import EngineConfig
 from raycluster.engine.engine import LLMEngine
 from raycluster.model.loader import load_model
 from raycluster.model.tokenizer import Tokenizer
 from raycluster.request import SamplingParams
-from raycluster.server.app import build_app
 from raycluster.server.async_engine import AsyncEngine
 
 pytestmark = pytest.mark.e2e
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -34,24 +25,11 @@ def server(tiny_model_dir):
     tok = Tokenizer(tiny_model_dir, mcfg.eos_token_id)
     # Prefix caching on in the served engine, off in the reference: every exact comparison
     # below also checks that cached prefixes change no token.
-    engine = LLMEngine(EngineConfig(kv_cache_tokens=8192, policy="fcfs", packer="token", enable_prefix_caching=True),
-                       model, tok)
-    aeng = AsyncEngine(engine)
-    port = _free_port()
-    srv = uvicorn.Server(uvicorn.Config(build_app(aeng, tok, "tiny"), host="127.0.0.1", port=port,
-                                        log_level="warning"))
-    th = threading.Thread(target=srv.run, daemon=True)
-    th.start()
-    deadline = time.monotonic() + 30
-    while not srv.started and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert srv.started
-    # A reference engine on the same weights, for exact greedy comparisons.
-    ref = LLMEngine(EngineConfig(kv_cache_tokens=8192, policy="fcfs", packer="token"), model, tok)
-    yield f"http://127.0.0.1:{port}", aeng, tok, ref
-    srv.should_exit = True
-    th.join(timeout=10)
-    aeng.shutdown()
+    cfg = EngineConfig(kv_cache_tokens=8192, policy="fcfs", packer="token", enable_prefix_caching=True)
+    with serve_engine(cfg, model, tok) as (url, aeng):
+        # A reference engine on the same weights, for exact greedy comparisons.
+        ref = LLMEngine(EngineConfig(kv_cache_tokens=8192, policy="fcfs", packer="token"), model, tok)
+        yield url, aeng, tok, ref
 
 
 def _all_free(aeng: AsyncEngine, timeout: float = 5.0) -> bool:

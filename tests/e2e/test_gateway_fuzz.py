@@ -15,21 +15,17 @@ from __future__ import annotations
 
 import json
 import random
-import socket
-import threading
 import time
 
 import httpx
 import pytest
-import uvicorn
+from engine_http import serve_engine
 
 from raycluster.engine.config import EngineConfig
 from raycluster.engine.engine import LLMEngine
 from raycluster.model.loader import load_model
 from raycluster.model.tokenizer import Tokenizer
 from raycluster.request import SamplingParams
-from raycluster.server.app import build_app
-from raycluster.server.async_engine import AsyncEngine
 
 pytestmark = pytest.mark.e2e
 
@@ -41,7 +37,7 @@ ROUTES = [("/v1/completions", COMPLETION), ("/v1/chat/completions", CHAT), ("/to
           ("/detokenize", DETOKENIZE)]
 FIELDS = ["prompt", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "min_p",
           "n", "stream", "stream_options", "stop", "stop_token_ids", "seed", "logprobs", "top_logprobs", "echo",
-          "ignore_eos", "min_tokens", "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias",
+          "ignore_eos", "min_tokens", "prompt_logprobs", "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias",
           "ttft_slo_ms", "tpot_slo_ms", "priority", "tenant", "app_id", "tokens", "add_generation_prompt",
           "continue_final_message", "model", "user", "no_such_field"]
 NUMBERS = [0, 1, -1, 2, 7, 2**31, -2**31, 2**63, 10**30, 0.5, -0.5, 1e308, -1e308, 1e-320]
@@ -61,6 +57,7 @@ EDGES = {
     "n": [0, 1, 3, 300, -1],
     "logprobs": [0, 5, 20, 21, -1, True],
     "top_logprobs": [0, 5, 21, -1],
+    "prompt_logprobs": [0, 3, 21, -1, True, 1.5, "2"],
     # The scheduling fields reach the policies (a kinetic tree, virtual-time tags, urgency scores).
     "priority": [2**63, -2**63, 10**30, -1],
     "ttft_slo_ms": [1e-320, 1e-9, 1e308, 0, -5],
@@ -117,32 +114,13 @@ def _request(rng: random.Random) -> tuple[str, bytes]:
     return route, json.dumps(body).encode()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module", params=list(SCHEDULING))
 def fuzz_server(tiny_model_dir, request):
     model, mcfg = load_model(tiny_model_dir)
     tok = Tokenizer(tiny_model_dir, mcfg.eos_token_id)
-    engine = LLMEngine(EngineConfig(kv_cache_tokens=8192, enable_prefix_caching=True, num_threads=1,
-                                    **SCHEDULING[request.param]), model, tok)
-    aeng = AsyncEngine(engine)
-    port = _free_port()
-    srv = uvicorn.Server(uvicorn.Config(build_app(aeng, tok, "tiny"), host="127.0.0.1", port=port,
-                                        log_level="critical"))
-    th = threading.Thread(target=srv.run, daemon=True)
-    th.start()
-    deadline = time.monotonic() + 30
-    while not srv.started and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert srv.started
-    yield f"http://127.0.0.1:{port}", aeng, tok
-    srv.should_exit = True
-    th.join(timeout=10)
-    aeng.shutdown()
+    cfg = EngineConfig(kv_cache_tokens=8192, enable_prefix_caching=True, num_threads=1, **SCHEDULING[request.param])
+    with serve_engine(cfg, model, tok, log_level="critical") as (url, aeng):
+        yield url, aeng, tok
 
 
 def _send(client: httpx.Client, url: str, route: str, raw: bytes) -> tuple[int, bytes]:

@@ -1,0 +1,43 @@
+"""Serve one engine over real HTTP on 127.0.0.1 for the e2e tests: the OpenAI app (`build_app`)
+on an `AsyncEngine`, under uvicorn in a daemon thread, torn down when the context exits."""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import threading
+import time
+
+import uvicorn
+
+from raycluster.engine.config import EngineConfig
+from raycluster.engine.engine import LLMEngine
+from raycluster.server.app import build_app
+from raycluster.server.async_engine import AsyncEngine
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def serve_engine(config: EngineConfig, model, tok, log_level: str = "warning"):
+    """Yields (base URL, the AsyncEngine) while the server runs."""
+    aeng = AsyncEngine(LLMEngine(config, model, tok))
+    port = _free_port()
+    srv = uvicorn.Server(uvicorn.Config(build_app(aeng, tok, "tiny"), host="127.0.0.1", port=port,
+                                        log_level=log_level))
+    th = threading.Thread(target=srv.run, daemon=True)
+    th.start()
+    deadline = time.monotonic() + 30
+    while not srv.started and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert srv.started, "uvicorn did not start in 30 s"
+    try:
+        yield f"http://127.0.0.1:{port}", aeng
+    finally:
+        srv.should_exit = True
+        th.join(timeout=10)
+        aeng.shutdown()
