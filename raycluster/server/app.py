@@ -154,7 +154,7 @@ def build_app(engine, tokenizer, model_name: str) -> FastAPI:
             usage_mode = "each" if opts and opts.include_usage and opts.continuous_usage_stats else \
                 "end" if opts and opts.include_usage else None
             return _ClosingStreamingResponse(_sse(streams, rid, kind, model_name, n_prompt, body.n, usage_mode),
-                                             media_type="text/event-stream")
+                                             media_type="text/event-stream", requests=[s.gen for s in streams])
         results = await asyncio.gather(*(s.collect(kind) for s in streams))
         usage = _usage(n_prompt, streams, body.n)
         shown = body.shown_prompt_logprobs()
@@ -236,15 +236,29 @@ async def _close(agen) -> None:
 
 
 class _ClosingStreamingResponse(StreamingResponse):
-    """Closes its body generator however the response ends. A client that disconnects cancels
-    the send loop while the generator waits at a `yield`; nothing else closes it then, and the
-    request would run on until the garbage collector finalised the generator."""
+    """Closes its body generator, then the requests' own generators (`requests`), however the
+    response ends. A client that disconnects cancels the send loop while the body waits at a
+    `yield`; nothing else closes it then, and the requests would run on until the garbage
+    collector finalised them. A hang-up before the body's first step (while the response start
+    is sent) leaves the body unstarted: closing it runs none of its code, so the requests, which
+    the handler started already (their first output is awaited before responding), are closed
+    here directly (a no-op for one the body closed)."""
+
+    def __init__(self, content, *, requests=(), **kwargs) -> None:
+        super().__init__(content, **kwargs)
+        self.requests = list(requests)
 
     async def __call__(self, scope, receive, send) -> None:
         try:
             await super().__call__(scope, receive, send)
         finally:
-            await _close(self.body_iterator)
+            # One shielded task for both steps: a cancel landing between them cannot skip the second.
+            await asyncio.shield(asyncio.ensure_future(self._close_all()))
+
+    async def _close_all(self) -> None:
+        await self.body_iterator.aclose()       # the body closes the requests it has started
+        for gen in self.requests:
+            await gen.aclose()
 
 
 class _Stream:
