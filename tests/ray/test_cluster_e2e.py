@@ -166,7 +166,23 @@ def _assert_drained(url: str, timeout: float = 20.0) -> None:
                 for i in status["instances"]):
             return
         time.sleep(0.3)
-    pytest.fail(f"cluster did not drain: {json.dumps(status)[:2000]}")
+    pytest.fail(f"cluster did not drain: {json.dumps(status)[:2000]}; where the requests are: {json.dumps(_placements(), default=str)[:2000]}")
+
+
+def _placements() -> dict:
+    """Every router actor's request placements (queue or instance, mode, parked KV), to say
+    where a request that did not drain is stuck."""
+    import ray
+
+    found = {}
+    for a in ray.util.list_named_actors(all_namespaces=True):
+        if a["name"].startswith("router"):
+            try:
+                found[a["name"]] = ray.get(ray.get_actor(a["name"], namespace=a["namespace"]).placements.remote(),
+                                           timeout=10)
+            except Exception as e:  # noqa: BLE001 -- a diagnostic on the failure path only
+                found[a["name"]] = repr(e)
+    return found
 
 
 async def _one(client: httpx.AsyncClient, url: str, prompt, max_tokens: int, stream: bool) -> str:
