@@ -166,7 +166,8 @@ def _assert_drained(url: str, timeout: float = 20.0) -> None:
                 for i in status["instances"]):
             return
         time.sleep(0.3)
-    pytest.fail(f"cluster did not drain: {json.dumps(status)[:2000]}; where the requests are: {json.dumps(_placements(), default=str)[:2000]}")
+    where = json.dumps(_placements(), default=str)[:2000]
+    pytest.fail(f"cluster did not drain: {json.dumps(status)[:2000]}; where the requests are: {where}")
 
 
 def _placements() -> dict:
