@@ -42,7 +42,7 @@ class EngineConfig(BaseModel):
                                                  "fill the time budget (keeps prefills moving on slow hardware)")
     enable_prefix_caching: bool = Field(
         False, description="keep full KV blocks findable by their tokens after use, so a prompt that "
-                           "starts like an earlier one prefills only the rest (not with kvp > 1)")
+                           "starts like an earlier one prefills only the rest")
     seed: int = 0
     num_threads: int | None = Field(None, ge=1, description="torch intra-op threads")
     kvp: int = Field(1, ge=1, le=64, description="KV-cache parallel ranks (Medha KVP): each rank holds the "
@@ -75,6 +75,4 @@ class EngineConfig(BaseModel):
     def _one_parallel_dimension(self) -> "EngineConfig":
         if self.kvp > 1 and self.spp > 1:
             raise ValueError("kvp and spp: only one of them may exceed 1 (3D parallelism is not built)")
-        if self.kvp > 1 and self.enable_prefix_caching:
-            raise ValueError("enable_prefix_caching: not built for kvp > 1 (striped KV)")
         return self

@@ -5,7 +5,10 @@ key_i = H(key_{i-1} || tokens of block i)), so equal keys mean equal token prefi
 positions, hence equal KV. `PrefixCachingAllocator` is a `BlockAllocator` whose block, when
 its last reference goes away, keeps its key and joins the free pool, which is an LRU (least
 recently freed is handed out, and loses its key, first). So a freed prefix stays findable until
-its blocks are needed for something else, and cached blocks never reduce the free count.
+its blocks are needed for something else, and cached blocks never reduce the free count. The
+free pool may be sharded (KVP's `StripedCachingAllocator`, one LRU per rank): a key fixes its
+block's position in the chain, and the striping fixes a position's rank, so a cached block is
+always on the rank a new request needs it on.
 
 `PrefixCachingKVManager` is the `KVCacheManager` on top: the scheduler asks it for a new
 request's cached prefix (`match_prefix`: shares those blocks, returns the tokens they cover) and
@@ -30,13 +33,43 @@ def block_key(parent: bytes, tokens: list[int]) -> bytes:
 
 
 class PrefixCachingAllocator(BlockAllocator):
+    """Free blocks live in LRU pools (`_pools`: ordered sets, least recently freed first), and
+    a block keeps its key there until it is handed out again. This class has one pool; a
+    sharded subclass (KVP's `StripedCachingAllocator`) lays out several by overriding
+    `_make_pools`, `_pool_for` and `_pool_of` (and `can_allocate`): the key maps, refcounts,
+    eviction and revival are the same whichever pool a block lives in."""
+
     def __init__(self, num_blocks: int) -> None:
         super().__init__(num_blocks)
-        # The free pool as an ordered set: least recently freed first, and a cached block can
-        # leave it from the middle when a prefix match revives it.
-        self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        del self._free                  # the base class's deque: the pools replace it
+        # Ordered sets rather than deques: a cached block can leave its pool from the middle
+        # when a prefix match revives it.
+        self._pools: list[OrderedDict[int, None]] = self._make_pools()
+        self._num_free = num_blocks
         self._key_of: dict[int, bytes] = {}
         self._block_of: dict[bytes, int] = {}
+
+    # ---- where free blocks live ------------------------------------------------------------------
+    def _make_pools(self) -> list[OrderedDict[int, None]]:
+        return [OrderedDict.fromkeys(range(self.num_blocks))]
+
+    def _pool_for(self, index: int) -> OrderedDict[int, None]:
+        """The pool a request's logical block `index` is taken from."""
+        return self._pools[0]
+
+    def _pool_of(self, block: int) -> OrderedDict[int, None]:
+        """The pool `block` returns to when free."""
+        return self._pools[0]
+
+    @property
+    def num_free(self) -> int:
+        return self._num_free
+
+    def can_allocate(self, n: int, first_index: int = 0) -> bool:
+        return n <= self._num_free
+
+    def free_blocks(self) -> list[int]:
+        return [b for p in self._pools for b in p]
 
     @property
     def num_cached(self) -> int:
@@ -44,20 +77,23 @@ class PrefixCachingAllocator(BlockAllocator):
         return len(self._key_of)
 
     def allocate(self, n: int, first_index: int = 0) -> list[int]:
-        if n > len(self._free):
-            raise OutOfBlocks(f"need {n} blocks, {len(self._free)} free")
+        if not self.can_allocate(n, first_index):
+            raise OutOfBlocks(f"need {n} blocks from index {first_index}; free per pool "
+                              f"{[len(p) for p in self._pools]}")
         blocks = []
-        for _ in range(n):
-            b, _ = self._free.popitem(last=False)
+        for j in range(n):
+            b, _ = self._pool_for(first_index + j).popitem(last=False)
             key = self._key_of.pop(b, None)
             if key is not None:             # evicted: its prefix is gone
                 del self._block_of[key]
             self._refs[b] = 1
             blocks.append(b)
+        self._num_free -= n
         return blocks
 
     def _release(self, block: int) -> None:
-        self._free[block] = None            # keeps its key: findable until handed out again
+        self._pool_of(block)[block] = None  # keeps its key: findable until handed out again
+        self._num_free += 1
 
     def free_all(self, blocks) -> None:
         """Free a table's blocks last to first, so that under pressure a freed prefix loses its
@@ -72,7 +108,8 @@ class PrefixCachingAllocator(BlockAllocator):
     def take(self, block: int) -> None:
         """One more reference to a cached block, reviving it from the free pool if needed."""
         if self._refs[block] == 0:
-            del self._free[block]
+            del self._pool_of(block)[block]
+            self._num_free -= 1
         self._refs[block] += 1
 
     def register(self, block: int, key: bytes) -> None:
@@ -91,8 +128,10 @@ class PrefixCachingAllocator(BlockAllocator):
 class PrefixCachingKVManager(KVCacheManager):
     prefix_caching = True
 
-    def __init__(self, num_blocks: int, block_size: int) -> None:
-        super().__init__(num_blocks, block_size, PrefixCachingAllocator(num_blocks))
+    def __init__(self, num_blocks: int, block_size: int, allocator: PrefixCachingAllocator | None = None) -> None:
+        """`allocator`: a `PrefixCachingAllocator` (e.g. KVP's striped one); default a single
+        pool of `num_blocks`."""
+        super().__init__(num_blocks, block_size, allocator or PrefixCachingAllocator(num_blocks))
         self._keys: dict[str, list[bytes]] = {}     # per request: keys of its leading full blocks
         # Counted once per admission (a request is looked up on arrival and again when first
         # scheduled; a preemption, which frees its blocks, starts a new admission): per request,

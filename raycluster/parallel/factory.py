@@ -45,7 +45,8 @@ def build_runner(config: EngineConfig, model, dtype: torch.dtype, model_path: st
     coll = Collective(addr, 0, config.device)      # returns once every rank has joined
     if kind == "kvp":
         from raycluster.parallel.kvp import KVPRunner
-        return KVPRunner(model, coll, world, blocks, config.block_size, dtype, config.device, ranks=ranks)
+        return KVPRunner(model, coll, world, blocks, config.block_size, dtype, config.device, ranks=ranks,
+                         prefix_caching=config.enable_prefix_caching)
     from raycluster.parallel.spp import SPPRunner
     return SPPRunner(model, kv_manager(blocks, config.block_size), coll, world, dtype, config.device,
                      config.spp_micro_tokens, ranks=ranks)

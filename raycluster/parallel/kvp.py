@@ -3,7 +3,9 @@
 Every rank holds the full weights and a KV pool of `blocks_per_rank` blocks. Global block id
 g lives on rank g // blocks_per_rank at local block g % blocks_per_rank, and `StripedAllocator`
 places a request's logical block i on rank i % world, so each rank holds about 1/world of every
-request's KV and reads only that share in a step.
+request's KV and reads only that share in a step. With prefix caching, `StripedCachingAllocator`
+keeps freed blocks findable in per-rank LRU pools; a prompt that starts with a cached prefix
+prefills the rest exactly as a later chunk of it (the ranks attend the cached blocks they hold).
 
 A step (`KVPRank.run(plan)`): every rank runs the linear layers on all of the step's tokens
 (same inputs, same weights: same results). Per layer, each rank writes the new K/V it owns and
@@ -19,7 +21,7 @@ Data enters as a `StepPlan` (global block tables) posted by the leader (rank 0, 
 
 from __future__ import annotations
 
-from collections import deque
+from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -29,28 +31,31 @@ from kernels.metadata import AttentionMetadata
 from kernels.torch_backend import LOG2E, Workspace, _attend, _gather_rows, merge_states, paged_decode_attention, write_kv
 from raycluster.engine.kv_manager import BlockAllocator, KVCacheManager, OutOfBlocks
 from raycluster.engine.model_runner import execute_step
+from raycluster.engine.prefix_cache import PrefixCachingAllocator, PrefixCachingKVManager
 from raycluster.parallel.group import Collective
 from raycluster.parallel.kv_port import KV_TAG, KVLoad, KVSave, StagedPort, rank_handler
 from raycluster.parallel.plan import StepPlan, plan_inputs
 
 
-class StripedAllocator(BlockAllocator):
-    """A `BlockAllocator` over `world` per-rank pools: logical block i of a request comes from
-    rank i % world (the `first_index` of `allocate` / `can_allocate`). Reference counting is
-    the base class's; only where free blocks live differs."""
+class _Striping:
+    """Where a KVP group's blocks live, for the allocators below: global block g on rank
+    g // blocks_per_rank, and logical block i of a request from rank i % world (`first_index`
+    of `allocate` / `can_allocate`). `_pools` holds each rank's free blocks."""
 
-    def __init__(self, blocks_per_rank: int, world: int) -> None:   # per-rank pools, not one list
+    def _stripe(self, blocks_per_rank: int, world: int) -> None:
         if blocks_per_rank <= 0 or world <= 0:
             raise ValueError(f"blocks_per_rank and world must be >= 1, got {blocks_per_rank}, {world}")
         self.blocks_per_rank, self.world = blocks_per_rank, world
         self.num_blocks = blocks_per_rank * world
-        self._pools = [deque(range(r * blocks_per_rank, (r + 1) * blocks_per_rank)) for r in range(world)]
-        self._refs = [0] * self.num_blocks
-        self._num_free = self.num_blocks
 
-    @property
-    def num_free(self) -> int:
-        return self._num_free
+    def _rank_blocks(self, rank: int) -> range:
+        return range(rank * self.blocks_per_rank, (rank + 1) * self.blocks_per_rank)
+
+    def _pool_for(self, index: int):
+        return self._pools[index % self.world]
+
+    def _pool_of(self, block: int):
+        return self._pools[block // self.blocks_per_rank]
 
     def _per_rank(self, n: int, first_index: int) -> list[int]:
         base, extra = divmod(n, self.world)
@@ -59,6 +64,27 @@ class StripedAllocator(BlockAllocator):
     def can_allocate(self, n: int, first_index: int = 0) -> bool:
         return all(k <= len(p) for k, p in zip(self._per_rank(n, first_index), self._pools))
 
+    def alias_table(self, num_blocks: int, offset: int) -> list[int]:
+        """A synthetic table laid out as `allocate` would lay it out (blocks may be shared with
+        other synthetic tables): what the profiler times steps with."""
+        n, w = self.blocks_per_rank, self.world
+        return [(i % w) * n + (offset + i // w) % n for i in range(num_blocks)]
+
+
+class StripedAllocator(_Striping, BlockAllocator):
+    """A `BlockAllocator` over `world` per-rank pools (`_Striping`). Reference counting is the
+    base class's; only where free blocks live differs."""
+
+    def __init__(self, blocks_per_rank: int, world: int) -> None:   # per-rank pools, not one list
+        self._stripe(blocks_per_rank, world)
+        self._pools = [deque(self._rank_blocks(r)) for r in range(world)]
+        self._refs = [0] * self.num_blocks
+        self._num_free = self.num_blocks
+
+    @property
+    def num_free(self) -> int:
+        return self._num_free
+
     def free_blocks(self) -> list[int]:
         return [b for p in self._pools for b in p]
 
@@ -66,25 +92,33 @@ class StripedAllocator(BlockAllocator):
         if not self.can_allocate(n, first_index):
             raise OutOfBlocks(f"need {n} blocks from index {first_index}; free per rank "
                               f"{[len(p) for p in self._pools]}")
-        blocks = [self._pools[(first_index + j) % self.world].popleft() for j in range(n)]
+        blocks = [self._pool_for(first_index + j).popleft() for j in range(n)]
         for b in blocks:
             self._refs[b] = 1
         self._num_free -= n
         return blocks
 
     def _release(self, block: int) -> None:
-        self._pools[block // self.blocks_per_rank].append(block)
+        self._pool_of(block).append(block)
         self._num_free += 1
 
     def free_all(self, blocks) -> None:
         for b in blocks:
             self.free(b)
 
-    def alias_table(self, num_blocks: int, offset: int) -> list[int]:
-        """A synthetic table laid out as `allocate` would lay it out (blocks may be shared with
-        other synthetic tables): what the profiler times steps with."""
-        n, w = self.blocks_per_rank, self.world
-        return [(i % w) * n + (offset + i // w) % n for i in range(num_blocks)]
+
+class StripedCachingAllocator(_Striping, PrefixCachingAllocator):
+    """Prefix caching over striped KV: a `PrefixCachingAllocator` whose LRU free pool is one per
+    rank. A cached block of logical index i sits on rank i % world, which is where any request
+    sharing that prefix needs its block i, so `take` just revives it from that rank's pool;
+    eviction is least recently freed first within the rank asked for a block."""
+
+    def __init__(self, blocks_per_rank: int, world: int) -> None:
+        self._stripe(blocks_per_rank, world)
+        super().__init__(self.num_blocks)
+
+    def _make_pools(self):
+        return [OrderedDict.fromkeys(self._rank_blocks(r)) for r in range(self.world)]
 
 
 def local_share(table: list[int], length: int, rank: int, block_size: int,
@@ -274,14 +308,22 @@ def kvp_worker(model, coll: Collective, blocks_per_rank: int, block_size: int, d
 
 class KVPRunner:
     """The leader (rank 0): the engine's runner over a KVP group. `kv` spans every rank's blocks
-    (a `StripedAllocator`); `run_plan` posts the plan and runs rank 0's share."""
+    (a `StripedAllocator`, or with prefix caching a `StripedCachingAllocator`); `run_plan` posts
+    the plan and runs rank 0's share."""
 
     def __init__(self, model, coll: Collective | None, world: int, blocks_per_rank: int, block_size: int,
-                 dtype: torch.dtype, device: str | torch.device = "cpu", ranks=None) -> None:
+                 dtype: torch.dtype, device: str | torch.device = "cpu", ranks=None,
+                 prefix_caching: bool = False) -> None:
         """`ranks`: the handle of ranks 1..world-1 (`join(timeout)`), stopped by `close`."""
         self.model, self.coll, self.dtype, self.ranks = model, coll, dtype, ranks
         self.layout = f"kvp{world}"
-        self.kv = KVCacheManager(blocks_per_rank * world, block_size, StripedAllocator(blocks_per_rank, world))
+        num_blocks = blocks_per_rank * world
+        if prefix_caching:
+            # A prefill after a cached prefix is a later chunk to the ranks (`kvp_meta`: each
+            # attends the earlier tokens it holds), so nothing below the allocator changes.
+            self.kv = PrefixCachingKVManager(num_blocks, block_size, StripedCachingAllocator(blocks_per_rank, world))
+        else:
+            self.kv = KVCacheManager(num_blocks, block_size, StripedAllocator(blocks_per_rank, world))
         self.rank0 = KVPRank(model, coll, 0, world, blocks_per_rank, block_size, dtype, device)
         self.device = self.rank0.device
         # Connectors see a staging area of one rank's size (whole blocks, every layer).

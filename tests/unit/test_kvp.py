@@ -167,14 +167,17 @@ def test_every_topology_file_is_a_valid_cluster_config():
         ClusterConfig(**app["args"])
 
 
-def test_the_profiler_times_a_kvp_group_on_tables_laid_out_like_its_allocator(model):
+@pytest.mark.parametrize("caching", [False, True], ids=["plain", "prefix-caching"])
+def test_the_profiler_times_a_kvp_group_on_tables_laid_out_like_its_allocator(model, caching):
     """The batch-time predictor of a KVP instance is fitted on the group itself: synthetic
-    steps (aliased tables, KV deeper than one rank) must run through it."""
+    steps (aliased tables, KV deeper than one rank) must run through it, with the striped
+    caching allocator too."""
     from raycluster.engine.profiler import make_run_batch
 
-    cfg = EngineConfig(**BASE, kv_cache_tokens=1024, kvp=2, group_timeout_s=30)
+    cfg = EngineConfig(**BASE, kv_cache_tokens=1024, kvp=2, group_timeout_s=30, enable_prefix_caching=caching)
     runner = build_runner(cfg, model, torch.float32)
     try:
+        assert runner.kv.prefix_caching is caching
         run = make_run_batch(runner)
         for prefills, decodes in [([(128, 0)], []), ([(64, 1500)], [1800, 300]), ([], [4000] * 3)]:
             assert run(prefills, decodes) > 0

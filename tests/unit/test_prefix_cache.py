@@ -6,7 +6,6 @@ from __future__ import annotations
 import random
 
 import pytest
-from pydantic import ValidationError
 
 from raycluster.clock import VirtualClock
 from raycluster.engine.config import EngineConfig
@@ -230,11 +229,6 @@ def test_a_parked_prefill_is_findable_and_released_blocks_stay_cached(loaded):
         eng.step()
     eng.kv.check()
     assert eng.kv.num_free_blocks == eng.kv.num_blocks and eng.kv.allocator.num_cached >= 5
-
-
-def test_prefix_caching_is_refused_with_kvp():
-    with pytest.raises(ValidationError, match="enable_prefix_caching"):
-        EngineConfig(kvp=2, enable_prefix_caching=True)
 
 
 def test_a_handoff_admission_short_of_kv_leaves_the_hit_counters_alone():
