@@ -21,7 +21,7 @@ from raycluster.engine.config import EngineConfig
 from raycluster.parallel.factory import build_runner
 from raycluster.engine.sampler import Sampler
 from raycluster.engine.profiler import load_or_profile
-from raycluster.engine.sched_factory import build_scheduler, build_scheduling, needs_predictor
+from raycluster.engine.sched_factory import RetiredScheduling, build_scheduler, needs_predictor
 from raycluster.engine.text import TextStream
 from raycluster.request import SLO, Request, RequestStatus, SamplingParams, TokenLogprob
 from raycluster.sched.base import Clock
@@ -105,6 +105,7 @@ class LLMEngine:
         self.kv = self.runner.kv
         self.predictor = predictor or self._predictor(config)
         self.scheduler = build_scheduler(config, self.kv, self.clock, self.max_model_len, self.predictor)
+        self._retired = RetiredScheduling()       # pieces of pools it left (reconfigure_scheduling)
         self.sampler = Sampler(config.seed)
         self._texts: dict[str, TextStream] = {}
 
@@ -120,16 +121,14 @@ class LLMEngine:
         moved this instance there): its policy, packer, decode selector and limits
         (`EngineConfig.with_scheduling_of`; model, KV and parallelism stay ours). Call it between
         steps, on the thread that steps. Every request stays (`Scheduler.reconfigure`); a
-        predictor the new pieces need and this engine lacks is obtained as at start. The new
-        pieces start as at start too (what the old ones learned online, e.g. Kairos' step-time
-        LUT or AWD's service-time estimate, is not carried over). Returns whether anything changed."""
+        predictor the new pieces need and this engine lacks is obtained as at start. The pieces
+        left behind are kept for a return (`RetiredScheduling`). Returns whether anything changed."""
         cfg = self.config.with_scheduling_of(pool)
         if cfg == self.config:
             return False
         if self.predictor is None:
             self.predictor = self._predictor(cfg)
-        parts = build_scheduling(cfg, self.clock, self.max_model_len, self.predictor)
-        self.scheduler.reconfigure(parts.config, parts.policy, parts.packer, parts.decode_selector)
+        self._retired.switch(self.scheduler, self.config, cfg, self.clock, self.max_model_len, self.predictor)
         self.config = cfg
         return True
 

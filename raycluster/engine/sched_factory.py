@@ -2,8 +2,8 @@
 batch-time predictor they share (profiled once per machine, or loaded from a file).
 
 `build_scheduling` makes the pieces; `build_scheduler` wraps them in a `Scheduler` at start, and
-`Scheduler.reconfigure` takes a fresh set when the instance moves to another pool (so both paths
-construct the pieces the same way)."""
+when the instance moves to another pool `RetiredScheduling.switch` hands `Scheduler.reconfigure`
+a set built the same way, or the set it used when it last served a pool scheduled like that."""
 
 from __future__ import annotations
 
@@ -62,3 +62,27 @@ def build_scheduler(config: EngineConfig, kv: KVCacheManager, clock: Clock, max_
                     predictor: LinearBatchPredictor | None) -> Scheduler:
     p = build_scheduling(config, clock, max_model_len, predictor)
     return Scheduler(p.config, kv, p.policy, p.packer, clock, p.decode_selector)
+
+
+class RetiredScheduling:
+    """The scheduling pieces an instance left behind when it moved, one set per scheduling config
+    (a handful of pools), taken up again if it returns: what they learned online there (Kairos'
+    step-time LUT, AWD's service-time estimates) is not lost to a move and back, as the pressure
+    controller makes between the prefill pools. A kept set holds no request: `reconfigure`
+    drains the policy and packer it replaces."""
+
+    def __init__(self) -> None:
+        self._sets: list[tuple[EngineConfig, SchedulingParts]] = []
+
+    def __len__(self) -> int:
+        return len(self._sets)
+
+    def switch(self, scheduler: Scheduler, old: EngineConfig, new: EngineConfig, clock: Clock, max_model_len: int,
+               predictor: LinearBatchPredictor | None) -> None:
+        """`scheduler` (scheduling as `old`) schedules as `new` from now on."""
+        back = next((p for c, p in self._sets if c == new), None)
+        self._sets = [(c, p) for c, p in self._sets if c not in (new, old)]
+        s = scheduler
+        self._sets.append((old, SchedulingParts(s.config, s.policy, s.packer, s.decode_selector)))
+        parts = back or build_scheduling(new, clock, max_model_len, predictor)
+        s.reconfigure(parts.config, parts.policy, parts.packer, parts.decode_selector)

@@ -56,7 +56,7 @@ from typing import TYPE_CHECKING
 from raycluster.cluster.messages import InstanceStats, PollReply, PrefillDone, StepReport, TokenEvent, WorkItem
 from raycluster.engine.kv_manager import KVCacheManager
 from raycluster.engine.prefix_cache import PrefixCachingKVManager
-from raycluster.engine.sched_factory import build_scheduler, build_scheduling
+from raycluster.engine.sched_factory import RetiredScheduling, build_scheduler
 from raycluster.request import SLO, Request, RequestStatus
 from raycluster.sched.base import AllDecodes
 from raycluster.sim.fastpath import GroupView, make_fast
@@ -95,6 +95,7 @@ class SimInstance:
         caching = engine_cfg.enable_prefix_caching
         self.kv = (PrefixCachingKVManager if caching else KVCacheManager)(kv_blocks, engine_cfg.block_size)
         self.scheduler = build_scheduler(engine_cfg, self.kv, self.clock, max_model_len, predictor)
+        self.retired = RetiredScheduling()          # pieces of pools it left, for a return (_move)
         # Decode group (sim/fastpath.py) instead of per-token decodes; not with prefix caching,
         # whose blocks must stay in per-request tables.
         self.fast = bool(fast) and not caching
@@ -146,8 +147,7 @@ class SimInstance:
         target = self.role_configs.get(role)
         cfg = self.engine_cfg.with_scheduling_of(target) if target is not None else self.engine_cfg
         if cfg != self.engine_cfg:
-            p = build_scheduling(cfg, self.clock, self.max_model_len, self.predictor)
-            self.scheduler.reconfigure(p.config, p.policy, p.packer, p.decode_selector)
+            self.retired.switch(self.scheduler, self.engine_cfg, cfg, self.clock, self.max_model_len, self.predictor)
             self.engine_cfg, self.scheduling = cfg, cfg.scheduling_label()
         self.role = role
 

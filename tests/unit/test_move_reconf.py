@@ -21,6 +21,7 @@ from raycluster.engine.kv_manager import KVCacheManager
 from raycluster.engine.sched_factory import build_scheduler, build_scheduling
 from raycluster.model.loader import load_model
 from raycluster.request import Request, SamplingParams
+from raycluster.sched.awd import AWDConfig
 from raycluster.sched.base import AllDecodes
 from raycluster.sched.kairos_decode import KairosDecodeSelector
 from raycluster.sched.medha_packer import MedhaPacker
@@ -157,3 +158,35 @@ def test_pd_yaml_gives_each_role_its_pools_scheduling():
     cfgs = ClusterConfig(**app["applications"][0]["args"]).role_engine_configs()
     assert {r: c.scheduling_label() for r, c in cfgs.items()} == {
         "prefill-short": "lars/awd/all", "prefill-long": "lars/medha/all", "decode": "fcfs/token/kairos"}
+
+
+def test_a_pool_left_and_rejoined_takes_back_what_its_pieces_learned(model):
+    """short -> long -> short (the pressure controller's moves between the prefill pools): the
+    AWD packer and policy the instance had come back, with AWD's service-time estimate as it
+    had learned it; a decode selector's step-time LUT likewise. Tokens are unchanged."""
+    eng = LLMEngine(SHORT, model, predictor=PRED)
+    outs: dict[str, list[int]] = {}
+    finished: list[str] = []
+    for i, p in enumerate(PROMPTS):
+        eng.add_request(f"r{i}", p, SP)
+    deadline = time.monotonic() + 30
+    awd = eng.scheduler.packer
+    while awd.awd.service == AWDConfig().service_s and eng.has_unfinished() and time.monotonic() < deadline:
+        _drive(eng, outs, finished, 1)
+        time.sleep(0.001)           # AWD holds its batch for a wall-clock window
+    learned = awd.awd.service
+    assert learned != AWDConfig().service_s, "AWD observed no batch"
+    policy = eng.scheduler.policy
+    assert eng.reconfigure_scheduling(LONG) and type(eng.scheduler.packer) is MedhaPacker
+    medha = eng.scheduler.packer
+    assert eng.reconfigure_scheduling(SHORT)
+    assert eng.scheduler.packer is awd and eng.scheduler.policy is policy and awd.awd.service == learned
+    assert eng.reconfigure_scheduling(LONG) and eng.scheduler.packer is medha     # each kept once
+    assert eng.reconfigure_scheduling(DECODE)
+    lut = eng.scheduler.decode_selector.lut
+    lut.observe(4, 100, 0.5)
+    assert eng.reconfigure_scheduling(SHORT) and eng.reconfigure_scheduling(DECODE)
+    assert eng.scheduler.decode_selector.lut is lut
+    assert len(eng._retired) == 2                                   # SHORT's and LONG's sets
+    _drive(eng, outs, finished, 5000)
+    _check_same_as_unmoved(model, SHORT, eng, outs, finished)

@@ -51,3 +51,23 @@ def test_sim_moved_instance_runs_the_target_pools_scheduling(fast, target):
     assert cluster.router.instances["prefill-short-0"].role == target
     assert all(r.status == "ok" for r in cluster.records.values())
     cluster.check_conservation()
+
+
+def test_sim_instance_moved_away_and_back_takes_up_its_old_pieces():
+    """There and back (the controller's moves between the prefill pools): the pieces it had
+    come back (RetiredScheduling), and every request still finishes."""
+    wl = make_workload("long-mix", seed=3, qps=30, num_requests=80, long_fraction=0.2,
+                       long_tokens=(1024, 3000), max_output_tokens=24)
+    cluster = SimCluster(SimSpec(**SPEC), wl)
+    cluster.loop.run(until=0.8)
+    inst = cluster.instances["prefill-short-0"]
+    pieces = (inst.scheduler.policy, inst.scheduler.packer)
+    cluster.move("prefill-short-0", "prefill-long")
+    cluster.loop.run(until=1.2)
+    assert inst.role == "prefill-long" and type(inst.scheduler.packer) is MedhaPacker
+    cluster.move("prefill-short-0", "prefill-short")
+    cluster.run()
+    assert inst.role == "prefill-short"
+    assert inst.scheduler.policy is pieces[0] and inst.scheduler.packer is pieces[1]
+    assert all(r.status == "ok" for r in cluster.records.values())
+    cluster.check_conservation()
