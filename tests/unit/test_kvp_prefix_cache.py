@@ -9,12 +9,17 @@ from __future__ import annotations
 import random
 
 import pytest
+from engine_arrivals import run_arrivals
 
 from raycluster.clock import VirtualClock
 from raycluster.engine.config import EngineConfig
 from raycluster.engine.engine import LLMEngine
 from raycluster.engine.kv_manager import OutOfBlocks
-from raycluster.engine.prefix_cache import PrefixCachingAllocator, PrefixCachingKVManager, block_key
+from raycluster.engine.prefix_cache import (
+    PrefixCachingAllocator,
+    PrefixCachingKVManager,
+    block_key,
+)
 from raycluster.model.loader import load_model
 from raycluster.parallel.kvp import StripedAllocator, StripedCachingAllocator
 from raycluster.request import Request, SamplingParams
@@ -152,23 +157,14 @@ def _engine(model, kvp: int, caching: bool, **cfg) -> LLMEngine:
 def _run(eng: LLMEngine, arrivals):
     """Add each (step, id, prompt, sampling) at its step and step until done (bounded); checks
     the KV is consistent after every step and all free at the end. Returns the requests by id."""
-    reqs, pending = {}, sorted(arrivals, key=lambda a: a[0])
-    try:
-        for step in range(MAX_STEPS):
-            while pending and pending[0][0] <= step:
-                _, rid, prompt, sp = pending.pop(0)
-                reqs[rid] = eng.add_request(rid, prompt, sp)
-            if not pending and not eng.has_unfinished():
-                break
-            eng.step()
-            eng.clock.advance(0.01)
-            eng.kv.check()
-            if eng.config.kvp > 1 and eng.config.enable_prefix_caching:
-                _striped(eng.kv)
-        else:
-            raise AssertionError("did not finish")
+
+    def check(eng: LLMEngine) -> None:
         eng.kv.check()
-        assert eng.kv.num_free_blocks == eng.kv.num_blocks
+        if eng.config.kvp > 1 and eng.config.enable_prefix_caching:
+            _striped(eng.kv)
+
+    try:
+        reqs = run_arrivals(eng, arrivals, MAX_STEPS, 0.01, after_step=check)
     finally:
         eng.close()
     if eng.config.kvp > 1:

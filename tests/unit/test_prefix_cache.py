@@ -6,12 +6,17 @@ from __future__ import annotations
 import random
 
 import pytest
+from engine_arrivals import run_arrivals
 
 from raycluster.clock import VirtualClock
 from raycluster.engine.config import EngineConfig
 from raycluster.engine.engine import LLMEngine
 from raycluster.engine.kv_manager import OutOfBlocks
-from raycluster.engine.prefix_cache import PrefixCachingAllocator, PrefixCachingKVManager, block_key
+from raycluster.engine.prefix_cache import (
+    PrefixCachingAllocator,
+    PrefixCachingKVManager,
+    block_key,
+)
 from raycluster.model.loader import load_model
 from raycluster.model.tokenizer import Tokenizer
 from raycluster.request import Request, SamplingParams
@@ -91,19 +96,7 @@ def _engine(loaded, caching: bool, **cfg) -> LLMEngine:
 
 def _run(eng: LLMEngine, arrivals: list[tuple[int, str, list[int], SamplingParams]], max_steps: int = 5000):
     """Add each (step, id, prompt, sampling) at its step, step until done; outputs by id."""
-    reqs, pending = {}, sorted(arrivals, key=lambda a: a[0])
-    for step in range(max_steps):
-        while pending and pending[0][0] <= step:
-            _, rid, prompt, sp = pending.pop(0)
-            reqs[rid] = eng.add_request(rid, prompt, sp)
-        if not pending and not eng.has_unfinished():
-            break
-        eng.step()
-        eng.clock.advance(STEP_S)
-    else:
-        raise AssertionError("did not finish")
-    eng.kv.check()
-    assert eng.kv.num_free_blocks == eng.kv.num_blocks
+    reqs = run_arrivals(eng, arrivals, max_steps, STEP_S)
     return {rid: list(r.output_token_ids) for rid, r in reqs.items()}, reqs
 
 

@@ -1,0 +1,25 @@
+"""Drives an engine through arrivals at given steps (a shared helper of the no-Ray engine tests)."""
+
+from __future__ import annotations
+
+
+def run_arrivals(eng, arrivals, max_steps: int = 5000, step_s: float = 0.01, after_step=None) -> dict:
+    """Add each (step, id, prompt, sampling) at its step and step until done (bounded in steps),
+    advancing the engine's virtual clock by `step_s` and calling `after_step(eng)` after each
+    step; checks the KV is consistent and all free at the end. Returns the requests by id."""
+    reqs, pending = {}, sorted(arrivals, key=lambda a: a[0])
+    for step in range(max_steps):
+        while pending and pending[0][0] <= step:
+            _, rid, prompt, sp = pending.pop(0)
+            reqs[rid] = eng.add_request(rid, prompt, sp)
+        if not pending and not eng.has_unfinished():
+            break
+        eng.step()
+        eng.clock.advance(step_s)
+        if after_step is not None:
+            after_step(eng)
+    else:
+        raise AssertionError("did not finish")
+    eng.kv.check()
+    assert eng.kv.num_free_blocks == eng.kv.num_blocks
+    return reqs
