@@ -23,3 +23,18 @@ def run_arrivals(eng, arrivals, max_steps: int = 5000, step_s: float = 0.01, aft
     eng.kv.check()
     assert eng.kv.num_free_blocks == eng.kv.num_blocks
     return reqs
+
+
+def shared_prefix_arrivals(rng, n: int, prefix_len: tuple[int, int], last_step: int, max_tokens: tuple[int, int]):
+    """`n` arrivals (step, id, prompt, sampling) at random steps up to `last_step`: each prompt is
+    one of 3 random prefixes (lengths in `prefix_len`) plus 1-19 random tokens; greedy up to a
+    random `max_tokens`, EOS ignored. Token ids in [3, 500)."""
+    from raycluster.request import SamplingParams
+
+    prefixes = [[rng.randrange(3, 500) for _ in range(rng.randrange(*prefix_len))] for _ in range(3)]
+    arrivals = []
+    for i in range(n):
+        p = rng.choice(prefixes) + [rng.randrange(3, 500) for _ in range(rng.randrange(1, 20))]
+        arrivals.append((rng.randrange(0, last_step), f"q{i}", p,
+                         SamplingParams(max_tokens=rng.randrange(*max_tokens), ignore_eos=True)))
+    return arrivals

@@ -9,7 +9,7 @@ from __future__ import annotations
 import random
 
 import pytest
-from engine_arrivals import run_arrivals
+from engine_arrivals import run_arrivals, shared_prefix_arrivals
 
 from raycluster.clock import VirtualClock
 from raycluster.engine.config import EngineConfig
@@ -198,12 +198,7 @@ def test_a_kvp_engine_reuses_a_prefix_striped_over_every_rank_with_the_plain_eng
 def test_under_kv_pressure_a_kvp_engine_evicts_per_rank_and_keeps_outputs_exact(model, seed):
     """Cached blocks are evicted, holders preempted and recomputed; outputs stay exact."""
     rng = random.Random(seed)
-    prefixes = [[rng.randrange(3, 500) for _ in range(rng.randrange(20, 50))] for _ in range(3)]
-    arrivals = []
-    for i in range(12):
-        p = rng.choice(prefixes) + [rng.randrange(3, 500) for _ in range(rng.randrange(1, 20))]
-        arrivals.append((rng.randrange(0, 40), f"q{i}", p, SamplingParams(max_tokens=rng.randrange(4, 20),
-                                                                           ignore_eos=True)))
+    arrivals = shared_prefix_arrivals(rng, 12, (20, 50), 40, (4, 20))
     want = _outputs(_run(_engine(model, 1, False), arrivals))
     eng = _engine(model, 2, True, kv_cache_tokens=96)            # 12 blocks per rank, 24 in all
     alloc = eng.kv.allocator

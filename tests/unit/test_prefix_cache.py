@@ -6,7 +6,7 @@ from __future__ import annotations
 import random
 
 import pytest
-from engine_arrivals import run_arrivals
+from engine_arrivals import run_arrivals, shared_prefix_arrivals
 
 from raycluster.clock import VirtualClock
 from raycluster.engine.config import EngineConfig
@@ -175,12 +175,7 @@ def test_under_kv_pressure_evictions_and_preemptions_keep_outputs_exact(loaded, 
     """A KV cache too small for the load: cached blocks are evicted, holders are preempted and
     recompute; every output still equals the run without the cache, and nothing leaks."""
     rng = random.Random(seed)
-    prefixes = [[rng.randrange(3, 500) for _ in range(rng.randrange(10, 50))] for _ in range(3)]
-    arrivals = []
-    for i in range(14):
-        p = rng.choice(prefixes) + [rng.randrange(3, 500) for _ in range(rng.randrange(1, 20))]
-        arrivals.append((rng.randrange(0, 60), f"q{i}", p, SamplingParams(max_tokens=rng.randrange(4, 25),
-                                                                           ignore_eos=True)))
+    arrivals = shared_prefix_arrivals(rng, 14, (10, 50), 60, (4, 25))
     cfg = {"kv_cache_tokens": 160, "policy": "lars", "packer": "medha"}
     want, _ = _run(_engine(loaded, False, **cfg), arrivals)
     eng = _engine(loaded, True, **cfg)
