@@ -12,6 +12,13 @@ one that accepted a request, the request is resubmitted under a new id with the 
 client already has (`RequestMeta.resumed`), and its stream goes on where it stopped. If the
 router stays unreachable for `router_wait_s`, waiting requests fail with 503 (or an "error"
 finish once tokens were sent).
+
+Aborts: a request whose client is gone is aborted from a task of its own (`_abort_soon`), not
+from the request generator's closing code: that code often runs inside a task being cancelled,
+and under Starlette's disconnect listener (an anyio cancel scope) every await there is cancelled
+again, so an awaited abort never reached the router. As a backstop, a token event for a request
+nobody here listens to any more aborts it too (an abort lost on the way would otherwise leave
+it decoding to max_tokens).
 """
 
 from __future__ import annotations
@@ -62,6 +69,7 @@ class ClusterClient:
         self.queue_depth = 0
         self.max_queue = 0
         self._last_status: dict = {}
+        self._aborting: dict[str, asyncio.Task] = {}    # aborts in flight (held: the loop keeps tasks weakly)
 
     # ---- backend interface used by raycluster.server.app -------------------------------------
     def admit(self) -> None:
@@ -192,10 +200,22 @@ class ClusterClient:
         finally:
             self._forget(live)
             if not done:
-                try:
-                    await self._abort(live)
-                except Exception as e:      # router restarting: it does not know the request
-                    log.warning("gateway %s: abort of %s failed: %s", self.gateway_id, live, e)
+                await asyncio.shield(self._abort_soon(live))     # a cancel here leaves the abort running
+
+    def _abort_soon(self, request_id: str) -> asyncio.Task:
+        """Send the router an abort from a task of its own (one per request at a time)."""
+        task = self._aborting.get(request_id)
+        if task is None:
+            task = asyncio.get_running_loop().create_task(self._send_abort(request_id))
+            self._aborting[request_id] = task
+            task.add_done_callback(lambda _: self._aborting.pop(request_id, None))
+        return task
+
+    async def _send_abort(self, request_id: str) -> None:
+        try:
+            await self._abort(request_id)
+        except Exception as e:      # router restarting: it does not know the request
+            log.warning("gateway %s: abort of %s failed: %s", self.gateway_id, request_id, e)
 
     async def _place(self, meta: RequestMeta, q: asyncio.Queue) -> SubmitReply:
         """Submit, retrying while the router restarts (and, for a resumed request, until
@@ -262,6 +282,8 @@ class ClusterClient:
                 q = self._queues.get(ev.request_id)
                 if q is not None:
                     q.put_nowait(ev)
+                elif not ev.finished:       # its generator is gone and the router did not hear
+                    self._abort_soon(ev.request_id)
             if time.monotonic() - last_status > 2.0:
                 last_status = time.monotonic()
                 try:

@@ -3,13 +3,20 @@ when the hang-up lands while the send loop waits on the socket (the body generat
 a `yield` that nothing resumes; without an explicit close, only the garbage collector would
 finalise it and abort the request), and even when it lands while the response start is sent:
 the body generator has not run a step then, so closing it reaches none of the requests, which
-the handler had already started."""
+the handler had already started.
+
+With the cluster backend the abort is an actor call that suspends. A hang-up while the request
+waits for its next token event closes its generator inside the cancelled task, where Starlette's
+disconnect listener (an anyio cancel scope) cancels every await again: the abort must still reach
+the router (the cause of the disconnect test that failed now and then on real clusters)."""
 
 from __future__ import annotations
 
 import asyncio
 import json
 
+from raycluster.cluster.client import ClusterClient
+from raycluster.cluster.messages import GatewayReply, SubmitReply, TokenEvent
 from raycluster.engine.engine import RequestOutput
 from raycluster.server.app import build_app
 
@@ -47,16 +54,50 @@ class EndlessEngine:
             self.closed.append(request_id)
 
 
+class SlowRouter:
+    """A fake router for `ClusterClient`: one token per live request every 20 ms; an abort (and
+    each pull) suspends, as a Ray actor call does."""
+
+    def __init__(self) -> None:
+        self.live: set[str] = set()
+        self.aborted: list[str] = []
+
+    async def submit(self, meta) -> SubmitReply:
+        self.live.add(meta.request_id)
+        return SubmitReply(True, router_id="r1")
+
+    async def abort(self, request_id: str) -> None:
+        await asyncio.sleep(0.01)
+        self.aborted.append(request_id)
+        self.live.discard(request_id)
+
+    async def pull(self, gateway_id: str, timeout_s: float) -> GatewayReply:
+        await asyncio.sleep(0.02)
+        return GatewayReply([TokenEvent(r, [7]) for r in sorted(self.live)], router_id="r1")
+
+    async def status(self) -> dict:
+        return {}
+
+    def client(self) -> ClusterClient:
+        return ClusterClient(self.submit, self.abort, self.pull, self.status, tokenizer=None,
+                             max_model_len=4096, vocab_size=1000, eos_token_ids=(2,), pull_timeout_s=0.02)
+
+
+def _scope(spec_version: str | None = None) -> dict:
+    asgi = {"version": "3.0"} if spec_version is None else {"version": "3.0", "spec_version": spec_version}
+    return {"type": "http", "asgi": asgi, "http_version": "1.1", "method": "POST",
+            "scheme": "http", "path": "/v1/completions", "raw_path": b"/v1/completions", "query_string": b"",
+            "root_path": "", "headers": [(b"content-type", b"application/json")],
+            "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 8000)}
+
+
 def _hang_up(engine, send_ok: int, **request) -> tuple[list[bytes], list[str]]:
     """POST a streaming completion; the client takes `send_ok` messages (the response start is
     the first), then hangs up while the next send waits on it, and stops reading. Returns the
     body chunks sent and the requests closed by the time the response call returned."""
     app = build_app(engine, None, "tiny")
     body = json.dumps({"prompt": [5, 6, 7], "max_tokens": 100, "stream": True, **request}).encode()
-    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST",
-             "scheme": "http", "path": "/v1/completions", "raw_path": b"/v1/completions", "query_string": b"",
-             "root_path": "", "headers": [(b"content-type", b"application/json")],
-             "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 8000)}
+    scope = _scope()
     chunks: list[bytes] = []
     sent, requested = [], []
 
@@ -97,3 +138,59 @@ def test_disconnect_while_the_response_starts_closes_the_request_generators():
     assert chunks == [] and closed == ["cmpl-1"]
     chunks, closed = _hang_up(EndlessEngine(), send_ok=0, n=2)
     assert chunks == [] and sorted(closed) == ["cmpl-1-0", "cmpl-1-1"]
+
+
+def test_a_hang_up_while_waiting_for_a_token_aborts_on_the_router():
+    """uvicorn's scopes say ASGI spec 2.3, so Starlette runs its disconnect listener beside the
+    body; the hang-up arrives while the request's generator waits for its next token event."""
+    router = SlowRouter()
+    client = router.client()
+    app = build_app(client, None, "tiny")
+    body = json.dumps({"prompt": [5, 6, 7], "max_tokens": 1000, "stream": True}).encode()
+
+    async def main():
+        gone, sent, requested = asyncio.Event(), [], []
+
+        async def receive():
+            if not requested:
+                requested.append(True)
+                return {"type": "http.request", "body": body, "more_body": False}
+            await gone.wait()
+            return {"type": "http.disconnect"}
+
+        async def send(message):
+            sent.append(message)
+            if len(sent) == 4:      # mid-wait for the next event, 20 ms apart
+                asyncio.get_running_loop().call_later(0.005, gone.set)
+
+        await asyncio.wait_for(app(_scope("2.3"), receive, send), timeout=10)
+        for _ in range(100):        # the abort runs on its own task: allow it its actor call
+            if router.aborted:
+                break
+            await asyncio.sleep(0.01)
+        client._pull_task.cancel()
+        return sent
+
+    sent = asyncio.run(main())
+    assert len(sent) >= 4
+    assert len(router.aborted) == 1 and router.aborted[0].startswith("cmpl-") and not router.live
+
+
+def test_a_token_event_for_a_request_nobody_listens_to_aborts_it():
+    """The backstop for an abort lost on the way: events keep coming for a request whose
+    generator is gone, so the pull loop aborts it (once, while that abort is in flight)."""
+    router = SlowRouter()
+    client = router.client()
+
+    async def main():
+        router.live.add("orphan")
+        client._ensure_pulling()
+        for _ in range(100):
+            if router.aborted:
+                break
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0.05)
+        client._pull_task.cancel()
+
+    asyncio.run(main())
+    assert router.aborted == ["orphan"] and not router.live
