@@ -14,6 +14,7 @@ from ray import serve
 
 from raycluster.cluster.config import ClusterConfig
 from raycluster.cluster.instance import InstanceWorker
+from raycluster.cluster.router_calls import await_router
 
 
 @serve.deployment(max_ongoing_requests=16, health_check_period_s=5, health_check_timeout_s=30)
@@ -49,8 +50,10 @@ class EngineInstance:
         router = self._router = ray.get_actor(cfg.router_name, namespace=cfg.namespace)
         self.worker = InstanceWorker(
             self.engine, role, self.instance_id,
-            poll_fn=lambda iid, stats, timeout: ray.get(router.poll.remote(iid, stats, timeout), timeout=timeout + 30),
-            push_fn=lambda report: ray.get(router.push.remote(report), timeout=30),
+            # A slow router is waited for on the same call: calling again would lose a poll's reply
+            # or deliver a report twice (raycluster.cluster.router_calls).
+            poll_fn=lambda iid, stats, timeout: await_router(router.poll.remote(iid, stats, timeout), iid),
+            push_fn=lambda report: await_router(router.push.remote(report), self.instance_id),
             connector=connector, transfer_timeout_s=cfg.transfer_timeout_s,
             on_transfer_failure=cfg.on_transfer_failure,
             # The pressure controller may move it to another pool: it then schedules as that pool's engines.
