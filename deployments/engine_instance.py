@@ -33,7 +33,7 @@ class EngineInstance:
         os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
         path = resolve_model_path(ecfg.model)
         model, _ = load_model(path, dtype=ecfg.torch_dtype(), device=ecfg.device)
-        # A KVP / SPP pool: this replica leads the group; its other ranks are actors (or threads).
+        # A KVP / SPP / TP pool: this replica leads the group; its other ranks are actors (or threads).
         runner = build_runner(ecfg, model, ecfg.torch_dtype(), model_path=str(path), num_cpus=pool.num_cpus,
                               num_gpus=pool.num_gpus)
         self.engine = LLMEngine(ecfg, model, tokenizer=None, runner=runner)
@@ -85,7 +85,7 @@ class EngineInstance:
         if worker is not None:
             worker.stop(timeout=1.0)
             try:
-                self.engine.close()      # a KVP / SPP group's ranks
+                self.engine.close()      # a KVP / SPP / TP group's ranks
             except Exception:            # a rank already gone: its collective timed out
                 pass
             try:

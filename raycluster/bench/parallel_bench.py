@@ -1,8 +1,9 @@
-"""Medha's parallel groups on this machine: KVP decode latency at long context, SPP prefill time.
+"""The parallel groups on this machine: KVP decode latency at long context, SPP prefill time, TP
+prefill time and decode latency.
 
     raycluster bench parallel [--model tiny|PATH] [--contexts 8192,32768] [--kvp 2]
-        [--prompt 8192] [--chunk 2048] [--spp 2] [--decode-steps 16] [--repeats 3]
-        [--launch threads|ray] [--parts kvp,spp] --out FILE.json
+        [--prompt 8192] [--chunk 2048] [--spp 2] [--tp 2] [--decode-steps 16] [--repeats 3]
+        [--launch threads|ray] [--parts kvp,spp,tp] --out FILE.json
 
 One request alone per run, greedy. Each configuration runs `--repeats` times, the
 configurations alternating within a repeat, so a noisy shared host moves them together; the
@@ -13,6 +14,8 @@ report gives medians and ratios against the single-process engine on one thread:
   parallelism instead), and a KVP group of `k` ranks on 1 thread each.
 - spp: time to first token of one `--prompt`-token prompt in `--chunk` chunks, same three
   configurations with an SPP group of `--spp` stages.
+- tp: the same prompt's time to first token and then TPOT, same three configurations with a TP
+  group of `--tp` ranks.
 """
 
 from __future__ import annotations
@@ -115,6 +118,29 @@ def run(args) -> dict:
                           "speedup_vs_1_thread": {n: base / t for n, t in ttft.items()}}
         print(f"spp prompt {args.prompt}: " + ", ".join(f"{n} {t:.2f} s ({base / t:.2f}x)" for n, t in ttft.items()),
               flush=True)
+    if "tp" in args.parts:
+        prompt = [rng.randrange(6, vocab) for _ in range(args.prompt)]
+        samples, decode = {}, {}
+        for _ in range(args.repeats):
+            for name, cfg in _configs("tp", args.tp):
+                eng = _engine(model, path, args.launch, kv_cache_tokens=args.prompt + 4096, chunk_size=args.chunk,
+                              max_num_batched_tokens=args.chunk, **cfg)
+                try:
+                    ttft, steps = _one_request(eng, prompt, args.decode_steps)
+                finally:
+                    eng.close()
+                samples.setdefault(name, []).append(ttft)
+                decode.setdefault(name, []).append(statistics.median(steps))
+        ttft = {name: statistics.median(v) for name, v in samples.items()}
+        tpot = {name: statistics.median(v) for name, v in decode.items()}
+        base, base_d = ttft["1 process, 1 thread"], tpot["1 process, 1 thread"]
+        results["tp"] = {"prompt": args.prompt, "chunk": args.chunk, "ttft_s": ttft,
+                         "tpot_ms": {n: t * 1e3 for n, t in tpot.items()},
+                         "ttft_speedup_vs_1_thread": {n: base / t for n, t in ttft.items()},
+                         "tpot_speedup_vs_1_thread": {n: base_d / t for n, t in tpot.items()}}
+        print(f"tp prompt {args.prompt}: " + ", ".join(
+            f"{n} TTFT {ttft[n]:.2f} s ({base / ttft[n]:.2f}x), TPOT {tpot[n] * 1e3:.1f} ms ({base_d / tpot[n]:.2f}x)"
+            for n in ttft), flush=True)
     return results
 
 
@@ -126,11 +152,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prompt", type=int, default=8192)
     ap.add_argument("--chunk", type=int, default=2048)
     ap.add_argument("--spp", type=int, default=2)
+    ap.add_argument("--tp", type=int, default=2)
     ap.add_argument("--decode-steps", type=int, default=16)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--launch", choices=["threads", "ray"], default="threads")
-    ap.add_argument("--parts", type=lambda s: s.split(","), default=["kvp", "spp"])
+    ap.add_argument("--parts", type=lambda s: s.split(","), default=["kvp", "spp", "tp"])
     ap.add_argument("--out", required=True)
     args = ap.parse_args(argv)
     if args.launch == "ray":

@@ -21,7 +21,7 @@ class PoolSpec(BaseModel):
     instances: int = Field(1, ge=0)
     num_cpus: float = Field(1.0, ge=0)
     num_gpus: float = Field(0.0, ge=0, description="GPUs Ray gives each instance (and each Ray-actor rank of "
-                            "its KVP / SPP group); with GPUs the engine's device defaults to cuda")
+                            "its KVP / SPP / TP group); with GPUs the engine's device defaults to cuda")
     engine: dict = Field(default_factory=dict, description="EngineConfig overrides for this pool")
 
 

@@ -50,8 +50,11 @@ class EngineConfig(BaseModel):
     spp: int = Field(1, ge=1, le=64, description="stream pipeline stages (Medha SPP): layers split over the "
                      "stages, prefill micro-chunks stream through them; at most the model's layer count")
     spp_micro_tokens: int = Field(512, ge=1, description="SPP: prefill tokens per micro-chunk in the pipeline")
+    tp: int = Field(1, ge=1, le=64, description="tensor-parallel ranks (Megatron, vLLM's tensor_parallel_size): "
+                    "attention heads and the MLP split over them, one all-reduce after o_proj and after "
+                    "down_proj per layer; each rank holds kv_cache_tokens of KV for its KV heads")
     group_launch: Literal["threads", "ray"] = Field(
-        "threads", description="where the ranks of a KVP / SPP group run: threads of this process, or Ray actors")
+        "threads", description="where the ranks of a KVP / SPP / TP group run: threads of this process, or Ray actors")
     group_host: str = Field("127.0.0.1", description="address the group's store and gloo sockets bind to")
     group_timeout_s: float = Field(120.0, gt=0, description="a collective waiting longer fails the step")
 
@@ -73,6 +76,7 @@ class EngineConfig(BaseModel):
 
     @model_validator(mode="after")
     def _one_parallel_dimension(self) -> "EngineConfig":
-        if self.kvp > 1 and self.spp > 1:
-            raise ValueError("kvp and spp: only one of them may exceed 1 (3D parallelism is not built)")
+        if sum(n > 1 for n in (self.kvp, self.spp, self.tp)) > 1:
+            raise ValueError(f"kvp {self.kvp}, spp {self.spp}, tp {self.tp}: only one of kvp, spp and tp may "
+                             "exceed 1 (3D parallelism is not built)")
         return self

@@ -89,7 +89,7 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 class LLMEngine:
     def __init__(self, config: EngineConfig, model, tokenizer=None, clock: Clock | None = None,
                  predictor: LinearBatchPredictor | None = None, runner=None) -> None:
-        """`runner`: a prebuilt runner (e.g. a KVP / SPP group whose ranks are Ray actors);
+        """`runner`: a prebuilt runner (e.g. a KVP / SPP / TP group whose ranks are Ray actors);
         default one built from `config` (raycluster.parallel.factory)."""
         if config.num_threads:
             torch.set_num_threads(config.num_threads)

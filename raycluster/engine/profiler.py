@@ -92,7 +92,7 @@ def profile_key(runner: ModelRunner) -> str:
     cfg = runner.model.config
     ident = {"features": 3, "cfg": repr(cfg), "threads": torch.get_num_threads(), "dtype": str(runner.dtype),
              "block": runner.kv.block_size}
-    if runner.layout != "single":    # a KVP / SPP group runs the same step in a different time
+    if runner.layout != "single":    # a KVP / SPP / TP group runs the same step in a different time
         ident["layout"] = runner.layout
     ident = json.dumps(ident, sort_keys=True)
     return hashlib.sha256(ident.encode()).hexdigest()[:16]

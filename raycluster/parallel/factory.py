@@ -1,5 +1,5 @@
 """Builds an engine's model runner from its config: one process (`ModelRunner`), or the leader of
-a KVP / SPP group whose other ranks run as threads here or as Ray actors
+a KVP / SPP / TP group whose other ranks run as threads here or as Ray actors
 (raycluster.parallel.ray_group). The runner's `kv` is the engine's block bookkeeping."""
 
 from __future__ import annotations
@@ -15,11 +15,14 @@ from raycluster.parallel.group import Collective, GroupAddress, ThreadRanks, fre
 
 def group_worker(kind: str, model, coll: Collective, config: EngineConfig, dtype: torch.dtype):
     """The handler rank `coll.rank` (not the leader) runs for each message in a group of `kind`
-    ("kvp" | "spp")."""
+    ("kvp" | "spp" | "tp"). `model` is the full model (a TP rank shards it)."""
     blocks = config.kv_cache_tokens // config.block_size
     if kind == "kvp":
         from raycluster.parallel.kvp import kvp_worker
         return kvp_worker(model, coll, blocks, config.block_size, dtype, config.device)
+    if kind == "tp":
+        from raycluster.parallel.tp import tp_worker
+        return tp_worker(model, coll, blocks, config.block_size, dtype, config.device)
     from raycluster.parallel.spp import spp_worker
     return spp_worker(model, coll, config.spp, blocks, config.block_size, dtype, config.device,
                       config.spp_micro_tokens)
@@ -31,11 +34,15 @@ def build_runner(config: EngineConfig, model, dtype: torch.dtype, model_path: st
     and take `num_cpus` and `num_gpus` each), join them, and return the leader."""
     blocks = config.kv_cache_tokens // config.block_size
     kv_manager = PrefixCachingKVManager if config.enable_prefix_caching else KVCacheManager
-    if config.kvp == 1 and config.spp == 1:
+    kind, world = next(((k, n) for k, n in (("kvp", config.kvp), ("spp", config.spp), ("tp", config.tp))
+                        if n > 1), ("single", 1))
+    if kind == "single":
         return ModelRunner(model, kv_manager(blocks, config.block_size), dtype, config.device)
-    kind, world = ("kvp", config.kvp) if config.kvp > 1 else ("spp", config.spp)
     if kind == "spp" and config.spp > model.config.num_hidden_layers:
         raise ValueError(f"spp: {config.spp} stages for {model.config.num_hidden_layers} layers")
+    if kind == "tp":
+        from raycluster.parallel.tp import check_tp
+        check_tp(model.config, config.tp)       # before any rank starts
     addr = GroupAddress(config.group_host, free_port(config.group_host), world, config.group_timeout_s)
     if config.group_launch == "ray":
         from raycluster.parallel.ray_group import RayRanks
@@ -47,6 +54,10 @@ def build_runner(config: EngineConfig, model, dtype: torch.dtype, model_path: st
         from raycluster.parallel.kvp import KVPRunner
         return KVPRunner(model, coll, world, blocks, config.block_size, dtype, config.device, ranks=ranks,
                          prefix_caching=config.enable_prefix_caching)
+    if kind == "tp":
+        from raycluster.parallel.tp import TPRunner
+        # Every rank holds its heads of the same block ids: the engine's bookkeeping is unchanged.
+        return TPRunner(model, kv_manager(blocks, config.block_size), coll, world, dtype, config.device, ranks=ranks)
     from raycluster.parallel.spp import SPPRunner
     return SPPRunner(model, kv_manager(blocks, config.block_size), coll, world, dtype, config.device,
                      config.spp_micro_tokens, ranks=ranks)

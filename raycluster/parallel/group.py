@@ -1,9 +1,9 @@
-"""The collective layer of a parallel worker group (KVP ranks or SPP stages).
+"""The collective layer of a parallel worker group (KVP or TP ranks, SPP stages).
 
 `Collective` wraps one torch.distributed process group built directly over a store (gloo on
 CPU, NCCL on CUDA), so a process may hold several groups and no global default group is set.
-It offers what the group needs: `all_gather` of one tensor per rank, `send`/`recv` between
-ranks, and the plan chain: the leader (rank 0) `post_plan`s each message (a pickled `StepPlan`,
+It offers what the group needs: `all_gather` of one tensor per rank, `all_reduce` (sum, in
+place; tensor parallelism's per-layer exchange), `send`/`recv` between ranks, and the plan chain: the leader (rank 0) `post_plan`s each message (a pickled `StepPlan`,
 a block move, or None) to rank 1, and each rank's `next_plan` passes it on to the next, so no rank
 waits for the others to be idle before it gets its next message. Rank 0 hosts
 the `TCPStore`; `GroupAddress` is the plain message that tells the other ranks where it is.
@@ -84,6 +84,12 @@ class Collective:
         for w in sends:
             w.wait()
         return out
+
+    def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
+        """Sum `t` over the ranks, in place on every rank; returns `t`. Every rank ends with the
+        same values (gloo's ring copies the reduced chunks back out), so ranks stay in step."""
+        self.pg.allreduce([t]).wait()
+        return t
 
     def send(self, t: torch.Tensor, dst: int, tag: int = 0):
         """Posts the send; returns the work to wait on before reusing `t`."""

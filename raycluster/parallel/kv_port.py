@@ -1,8 +1,8 @@
 """Where a KV connector meets a runner's KV: the tensor it wraps and how blocks get in and out.
 
 A single-process runner's port is its own KV tensor (`DirectPort`): a pull lands in the engine's
-blocks, an offer exposes them, nothing is copied. A KVP / SPP group's KV is spread over its ranks
-(by block or by layer), so its port (`StagedPort`) is a staging tensor on the leader holding
+blocks, an offer exposes them, nothing is copied. A KVP / SPP / TP group's KV is spread over its
+ranks (by block, by layer or by KV head), so its port (`StagedPort`) is a staging tensor on the leader holding
 whole blocks, all layers, with its own block allocator: a pull lands there and
 `runner.load_blocks` spreads it to the ranks; an offer first collects the blocks from the ranks
 (`runner.save_blocks`) and then exposes the staged copy, so the engine may free its own blocks

@@ -1,6 +1,7 @@
-"""Ranks 1..world-1 of a KVP / SPP group as Ray actors (the leader is the engine's process).
+"""Ranks 1..world-1 of a KVP / SPP / TP group as Ray actors (the leader is the engine's process).
 
-Each `GroupRank` actor, placed on the leader's node, loads the model itself from `model_path`,
+Each `GroupRank` actor, placed on the leader's node, loads the model itself from `model_path`
+(a TP rank then keeps only its shard of the layers, `raycluster.parallel.tp.shard_model`),
 joins the group's store at the `GroupAddress` the leader chose, and runs `serve_rank` in one long
 actor call until the leader posts None. `RayRanks.join` waits for those calls, then kills the actors.
 """
@@ -29,7 +30,10 @@ class GroupRank:
         from raycluster.parallel.factory import group_worker
 
         coll = Collective(addr, rank, self.config.device)
-        return serve_rank(coll, group_worker(kind, self.model, coll, self.config, self.dtype))
+        run = group_worker(kind, self.model, coll, self.config, self.dtype)
+        if kind == "tp":
+            self.model = None       # the rank's shard holds what it needs; free the full layers
+        return serve_rank(coll, run)
 
 
 class RayRanks:

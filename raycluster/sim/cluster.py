@@ -53,19 +53,19 @@ _CPU_PRED: dict[str, LinearBatchPredictor] = {}
 
 def cpu_predictor(spec: SimSpec, pool: SimPool | None = None) -> LinearBatchPredictor:
     """The spec's own predictor, else the profile of the real engine on this machine -- of a
-    KVP / SPP group of the pool's degree when it has one (fitted through the group itself)."""
+    KVP / SPP / TP group of the pool's degree when it has one (fitted through the group itself)."""
     p = spec.predictor
     if isinstance(p, dict):
         return LinearBatchPredictor(**p)
     if isinstance(p, str) and p != "auto":
         data = json.loads(Path(p).read_text())
         return LinearBatchPredictor(**data.get("predictor", data))
-    kvp, spp = (pool.kvp, pool.spp) if pool is not None else (1, 1)
-    key = (spec.model, kvp, spp)
+    kvp, spp, tp = (pool.kvp, pool.spp, pool.tp) if pool is not None else (1, 1, 1)
+    key = (spec.model, kvp, spp, tp)
     if key not in _CPU_PRED:     # profile (or load the cached profile of) the model on this machine
         from raycluster.engine.engine import LLMEngine
         from raycluster.engine.config import EngineConfig
-        eng = LLMEngine.from_config(EngineConfig(model=spec.model, kvp=kvp, spp=spp,
+        eng = LLMEngine.from_config(EngineConfig(model=spec.model, kvp=kvp, spp=spp, tp=tp,
                                                  **{k: v for k, v in spec.engine.items()
                                                     if k in ("dtype", "num_threads")}))
         _CPU_PRED[key] = eng.predictor
@@ -92,7 +92,9 @@ def kv_tokens(spec: SimSpec, pool: SimPool, engine_cfg) -> int:
     if spec.kv_cache_tokens:
         return spec.kv_cache_tokens
     if spec.gpu == "cpu":
-        return engine_cfg.kv_cache_tokens * pool.kvp      # every KVP rank holds kv_cache_tokens
+        # Every KVP rank holds kv_cache_tokens of its own tokens; a TP rank holds kv_cache_tokens
+        # of its heads of every token, so a TP instance holds kv_cache_tokens in all.
+        return engine_cfg.kv_cache_tokens * pool.kvp
     from raycluster.sched.roofline import GPUS, MODELS
     g, m = GPUS[spec.gpu.upper()], MODELS[spec.model]
     free = g.memory_bytes * pool.gpus_per_instance * spec.gpu_memory_utilization - m.params * m.dtype_bytes

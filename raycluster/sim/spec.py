@@ -112,11 +112,8 @@ class SimSpec(BaseModel):
                                  f"{', '.join(MODELS)} (or gpu: cpu with a checkpoint directory)")
         for p in self.pools:
             self.engine_config(p)
-            if self.gpu == "cpu" and p.tp > 1:
-                raise ValueError(f"pools: {p.role} tp {p.tp}: the CPU engine has no tensor parallelism "
-                                 "(kvp or spp groups it has)")
-            if p.kvp > 1 and p.spp > 1 and self.gpu == "cpu":
-                raise ValueError(f"pools: {p.role} kvp {p.kvp} and spp {p.spp}: the CPU engine runs one "
+            if self.gpu == "cpu" and sum(n > 1 for n in (p.kvp, p.spp, p.tp)) > 1:
+                raise ValueError(f"pools: {p.role} kvp {p.kvp}, spp {p.spp}, tp {p.tp}: the CPU engine runs one "
                                  "of them at a time")
         return self
 

@@ -1,4 +1,4 @@
-"""A KVP / SPP group whose other ranks are Ray actors: the same greedy tokens as one process, and
+"""A KVP / SPP / TP group whose other ranks are Ray actors: the same greedy tokens as one process, and
 `close` ends the ranks' serve loops and their actors."""
 
 from __future__ import annotations
@@ -10,7 +10,8 @@ import pytest
 pytestmark = pytest.mark.ray
 
 
-@pytest.mark.parametrize("group", [{"kvp": 2}, {"spp": 2, "spp_micro_tokens": 64}], ids=["kvp2", "spp2"])
+@pytest.mark.parametrize("group", [{"kvp": 2}, {"spp": 2, "spp_micro_tokens": 64}, {"tp": 2}],
+                         ids=["kvp2", "spp2", "tp2"])
 def test_group_ranks_as_ray_actors_match_the_single_engine(ray_cluster, tiny_model_dir, monkeypatch, group):
     import ray
 

@@ -20,5 +20,7 @@ def test_parallel_bench_writes_every_configuration(tmp_path, tiny_model_dir, mon
     assert set(res["spp"]["ttft_s"]) == names | {"spp2, 1 thread per rank"}
     assert res["kvp"][0]["speedup_vs_1_thread"]["1 process, 1 thread"] == 1.0
     assert all(t > 0 for t in res["spp"]["ttft_s"].values())
+    assert set(res["tp"]["ttft_s"]) == set(res["tp"]["tpot_ms"]) == names | {"tp2, 1 thread per rank"}
+    assert all(t > 0 for t in res["tp"]["tpot_ms"].values())
     with pytest.raises(SystemExit, match="context"):
         main(["--model", str(tiny_model_dir), "--contexts", "40000", "--out", str(out)])

@@ -1,0 +1,273 @@
+"""Tensor parallelism: weight shards, the group's all_reduce, a TP group (ranks as threads over
+gloo) against the single-process runner step by step on the logits, an engine's greedy tokens
+and prompt log-probabilities with prefix caching, P/D handoffs into and out of a TP engine, and
+the configurations it refuses. Checkpoints: the tiny one (GQA 8/2), a Qwen2-style one (q/k/v
+biases, tied embeddings), a Mistral-style one, one with o_proj and MLP biases (the row-parallel
+biases, added once), and an MHA one split four ways."""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+import threading
+
+import pytest
+import torch
+from engine_arrivals import run_arrivals
+from pydantic import ValidationError
+
+from raycluster.clock import VirtualClock
+from raycluster.engine.config import EngineConfig
+from raycluster.engine.engine import LLMEngine
+from raycluster.engine.kv_manager import KVCacheManager
+from raycluster.engine.model_runner import ModelRunner
+from raycluster.model.loader import load_model
+from raycluster.model.tiny import write_tiny_model
+from raycluster.parallel.factory import build_runner
+from raycluster.parallel.group import Collective, GroupAddress, free_port
+from raycluster.parallel.plan import StepPlan
+from raycluster.parallel.tp import TPRunner, check_tp, shard_layer_state
+from raycluster.request import SamplingParams
+
+BS = 16
+BASE = dict(policy="fcfs", packer="token", predictor="none", block_size=BS, num_threads=1, group_timeout_s=30)
+GREEDY = SamplingParams(max_tokens=8, ignore_eos=True)
+VARIANTS = {
+    "tiny": None,
+    "qwen2": dict(architectures=["Qwen2ForCausalLM"], hidden_size=128, num_attention_heads=4,
+                  num_key_value_heads=2, intermediate_size=256, num_hidden_layers=2, tie_word_embeddings=True,
+                  rope_parameters={"rope_type": "default", "rope_theta": 1e6}),
+    "mistral": dict(architectures=["MistralForCausalLM"], sliding_window=4096, num_hidden_layers=2,
+                    rope_parameters={"rope_type": "default", "rope_theta": 1e6}),
+    "gqa-bias": dict(num_attention_heads=8, num_key_value_heads=2, head_dim=16, attention_bias=True,
+                     mlp_bias=True, num_hidden_layers=2),
+    "mha": dict(hidden_size=128, num_attention_heads=4, num_key_value_heads=4, head_dim=32,
+                intermediate_size=256, num_hidden_layers=2),
+}
+
+
+@pytest.fixture(autouse=True)
+def gloo_loopback(monkeypatch):
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "lo")
+
+
+@pytest.fixture(scope="module")
+def models(tiny_model_dir, tmp_path_factory):
+    out = {}
+    for name, over in VARIANTS.items():
+        path = tiny_model_dir if over is None else write_tiny_model(tmp_path_factory.mktemp(name), seed=1, **over)
+        out[name] = load_model(path)[0]
+    return out
+
+
+def _group(model, tp: int, **cfg) -> TPRunner:
+    runner = build_runner(EngineConfig(**{**BASE, "kv_cache_tokens": 64 * BS, **cfg, "tp": tp}), model, torch.float32)
+    assert isinstance(runner, TPRunner) and runner.layout == f"tp{tp}"
+    return runner
+
+
+def _close(runner: TPRunner) -> None:
+    runner.close()
+    runner.close()              # idempotent
+    assert runner.ranks.errors == []
+    assert not any(t.is_alive() for t in runner.ranks._threads), "ranks did not leave serve_rank"
+
+
+# ---- shards and the collective ----------------------------------------------------------------------
+def test_shards_put_back_together_are_the_layer_and_row_biases_live_on_rank_0(models):
+    full = {k[len("model.layers.0."):]: v for k, v in models["gqa-bias"].state_dict().items()
+            if k.startswith("model.layers.0.")}
+    parts = [shard_layer_state(full, r, 2) for r in range(2)]
+    column = ["self_attn.q_proj.weight", "self_attn.k_proj.bias", "self_attn.v_proj.weight", "mlp.gate_proj.weight",
+              "mlp.up_proj.bias"]
+    for name in column:
+        torch.testing.assert_close(torch.cat([p[name] for p in parts], 0), full[name], atol=0, rtol=0)
+    for name in ("self_attn.o_proj.weight", "mlp.down_proj.weight"):
+        assert all(p[name].is_contiguous() for p in parts)
+        torch.testing.assert_close(torch.cat([p[name] for p in parts], 1), full[name], atol=0, rtol=0)
+    # q heads 0-3 read KV heads 0 (of 2 in all): rank 0 holds both, as a whole GQA group.
+    assert parts[0]["self_attn.q_proj.weight"].shape[0] == 4 * 16 and parts[0]["self_attn.k_proj.weight"].shape[0] == 16
+    for name in ("self_attn.o_proj.bias", "mlp.down_proj.bias"):
+        assert parts[0][name] is full[name] and name not in parts[1]
+    assert parts[1]["input_layernorm.weight"] is full["input_layernorm.weight"]       # replicated, shared
+
+
+def test_all_reduce_sums_in_place_on_every_rank():
+    addr = GroupAddress("127.0.0.1", free_port("127.0.0.1"), 3, timeout_s=30)
+    got, errors = {}, []
+
+    def rank(r: int) -> None:
+        try:
+            t = torch.full((2, 3), float(r + 1))
+            out = Collective(addr, r).all_reduce(t)
+            got[r] = (out is t, t.clone())
+        except BaseException as e:      # surfaced below; a thread must not die silently
+            errors.append(e)
+
+    threads = [threading.Thread(target=rank, args=(r,), daemon=True) for r in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not errors and sorted(got) == [0, 1, 2]
+    for same, t in got.values():
+        assert same and torch.equal(t, torch.full((2, 3), 6.0))
+
+
+# ---- a group against the single runner --------------------------------------------------------------
+def _plans(table_a: list[int], table_b: list[int], vocab: int) -> list[StepPlan]:
+    """A 300-token prompt A in chunks of 100 (the second starts mid-block) with a 40-token B
+    joining in the second step, then decodes of both; A's rows are all sampled in one step
+    (as prompt log-probabilities would be)."""
+    rng = random.Random(1)
+    a = [rng.randrange(6, vocab) for _ in range(300)]
+    b = [rng.randrange(6, vocab) for _ in range(40)]
+    plans = [StepPlan(a[:100], [0], [100], [table_a], [], [], list(range(100))),
+             StepPlan(a[100:200] + b, [100, 0], [100, 40], [table_a, table_b], [], [], [139]),
+             StepPlan(a[200:] + [7], [200], [100], [table_a], [40], [table_b], [99, 100])]
+    for i in range(4):
+        plans.append(StepPlan([9 + i, 10 + i], [], [], [], [300 + i, 41 + i], [table_a, table_b], [0, 1]))
+    return plans
+
+
+@pytest.mark.parametrize("variant,tp", [("tiny", 2), ("qwen2", 2), ("mistral", 2), ("gqa-bias", 2), ("mha", 4)])
+def test_a_tp_group_gives_the_single_runners_logits_step_by_step(models, variant, tp):
+    model = models[variant]
+    runner = _group(model, tp)
+    try:
+        single = ModelRunner(model, KVCacheManager(64, BS))           # same block ids
+        table_a, table_b = list(range(40, 20, -1)), [5, 3, 9]        # out of order, as after frees
+        for plan in _plans(table_a, table_b, model.config.vocab_size - 10):
+            want = model.compute_logits(single.run_plan(plan))
+            got = model.compute_logits(runner.run_plan(plan))
+            assert got.shape == want.shape
+            torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-5)
+        # Each rank holds its heads of the same blocks: put together they are the single KV.
+        ids = table_a[:19] + table_b
+        torch.testing.assert_close(runner.save_blocks(ids), single.kv_cache[:, ids], atol=1e-5, rtol=1e-5)
+        assert runner.rank0.kv_cache.shape[4] == model.config.num_key_value_heads // tp
+        assert runner.kv_bytes_per_token() == single.kv_bytes_per_token()
+    finally:
+        _close(runner)
+
+
+def _prefix_arrivals(vocab: int, seed: int):
+    """Mixed prompts (1 to 200 tokens), half of them starting with one shared 70-token prefix,
+    arriving over the first steps; two ask for prompt log-probabilities."""
+    rng = random.Random(seed)
+    shared = [rng.randrange(6, vocab) for _ in range(70)]
+    arrivals = []
+    for i, n in enumerate((200, 33, 1, 90, 17, 150, 5, 64)):
+        tail = [rng.randrange(6, vocab) for _ in range(n)]
+        sp = SamplingParams(max_tokens=8, ignore_eos=True, prompt_logprobs=2 if i in (1, 3) else None)
+        arrivals.append((i * 3, f"r{i}", shared + tail if i % 2 else tail, sp))
+    return arrivals
+
+
+@pytest.mark.parametrize("variant", ["tiny", "qwen2", "mistral", "gqa-bias"])
+def test_a_tp_engine_gives_the_plain_engines_tokens_with_prefix_caching(models, variant):
+    model = models[variant]
+    arrivals = _prefix_arrivals(model.config.vocab_size - 10, 4)
+    cfg = dict(BASE, kv_cache_tokens=4096, chunk_size=48)
+    plain = LLMEngine(EngineConfig(**cfg), model, clock=VirtualClock())
+    try:
+        want = run_arrivals(plain, arrivals, 500)
+    finally:
+        plain.close()
+    eng = LLMEngine(EngineConfig(**cfg, tp=2, enable_prefix_caching=True), model, clock=VirtualClock())
+    try:
+        got = run_arrivals(eng, arrivals, 500)
+    finally:
+        _close(eng.runner)
+    assert {r: q.output_token_ids for r, q in got.items()} == {r: q.output_token_ids for r, q in want.items()}
+    assert eng.kv.hit_tokens >= 2 * 64 and sum(q.num_cached_tokens for q in got.values()) == eng.kv.hit_tokens
+    for rid in ("r1", "r3"):
+        g, w = got[rid].prompt_logprobs, want[rid].prompt_logprobs
+        assert len(g) == len(w) == len(want[rid].prompt_token_ids) - 1
+        assert [e.logprob for e in g] == pytest.approx([e.logprob for e in w], abs=1e-4)
+        assert [e.top[0][0] for e in g] == [e.top[0][0] for e in w]
+
+
+# ---- P/D handoffs -----------------------------------------------------------------------------------
+def _prefill(eng: LLMEngine, rid: str, prompt: list[int]) -> tuple[list[int], torch.Tensor]:
+    """Run `prompt` prefill-only on `eng` and offer its KV as an instance does (through the
+    runner's port: a TP leader stages whole blocks gathered from its ranks). Returns the first
+    token and the offered blocks [L, n, 2, B, Hkv, D]."""
+    eng.add_request(rid, prompt, GREEDY, prefill_only=True)
+    for _ in range(100):
+        if rid in eng.scheduler.parked:
+            break
+        eng.step()
+    first = list(eng.scheduler.parked[rid].output_token_ids)
+    port = eng.runner.port
+    ids = port.stage(rid, eng.parked_blocks(rid))
+    data = port.tensor[:, ids].clone()
+    port.unstage(rid)
+    assert eng.release(rid)
+    return first, data
+
+
+def _decode(eng: LLMEngine, rid: str, prompt: list[int], first: list[int], data: torch.Tensor) -> list[int]:
+    """Admit the handed-off request on `eng`, its KV pulled through the port as an instance's
+    connector would, and decode it to the end. Returns its tokens and the skipped blocks."""
+    moved = []
+
+    def fill_kv(block_ids, skip):
+        moved.append(skip)
+        port = eng.runner.port
+        return port.receive(block_ids, lambda ids: port.tensor.index_copy_(
+            1, torch.tensor(ids), data[:, skip:]) is not None)
+
+    assert eng.add_prefilled(rid, prompt, first, GREEDY, fill_kv)
+    req = eng.scheduler.requests[rid]
+    for _ in range(100):
+        if not eng.has_unfinished():
+            break
+        eng.step()
+    eng.kv.check()
+    assert eng.kv.num_free_blocks == eng.kv.num_blocks
+    return req.output_token_ids, moved
+
+
+@pytest.mark.parametrize("direction", ["plain-to-tp", "tp-to-plain"])
+def test_a_handoff_into_or_out_of_a_tp_engine_gives_the_plain_engines_tokens(models, direction):
+    model = models["tiny"]
+    rng = random.Random(3)
+    shared = [rng.randrange(6, 4000) for _ in range(40)]             # 2 full blocks + 8
+    warm = shared + [rng.randrange(6, 4000) for _ in range(6)]
+    prompt = shared + [rng.randrange(6, 4000) for _ in range(57)]
+    cfg = dict(BASE, kv_cache_tokens=2048, chunk_size=32)
+    plain = LLMEngine(EngineConfig(**cfg), model)
+    want = plain.generate([prompt], GREEDY)[0]
+    tp_cfg = EngineConfig(**cfg, tp=2, enable_prefix_caching=True)
+    pre = LLMEngine(tp_cfg, model) if direction == "tp-to-plain" else plain
+    dec = LLMEngine(tp_cfg, model) if direction == "plain-to-tp" else plain
+    tp_engine = pre if pre is not plain else dec
+    try:
+        if dec is tp_engine:        # the decode group already caches the shared prefix
+            dec.generate([warm], GREEDY)
+        first, data = _prefill(pre, "h", prompt)
+        assert first == want[:1] and data.shape[1] == -(-len(prompt) // BS)
+        assert data.shape[4] == model.config.num_key_value_heads           # whole blocks, every head
+        tokens, moved = _decode(dec, "h", prompt, first, data)
+        assert tokens == want
+        assert moved == ([2] if dec is tp_engine else [0])
+    finally:
+        _close(tp_engine.runner)
+        plain.close()
+
+
+# ---- what it refuses --------------------------------------------------------------------------------
+def test_tp_refuses_uneven_heads_or_mlp_and_other_parallel_dimensions(models):
+    tiny = models["tiny"]                          # 8 heads, 2 KV heads, intermediate 768
+    with pytest.raises(ValueError, match="tp: 3 ranks do not divide the model's num_attention_heads"):
+        LLMEngine(EngineConfig(**BASE, tp=3), tiny)
+    with pytest.raises(ValueError, match="tp: 4 ranks do not divide the model's num_key_value_heads"):
+        build_runner(EngineConfig(**BASE, tp=4), tiny, torch.float32)
+    with pytest.raises(ValueError, match="intermediate_size"):
+        check_tp(dataclasses.replace(tiny.config, intermediate_size=769), 2)
+    for other in ({"kvp": 2}, {"spp": 2}):
+        with pytest.raises(ValidationError, match="only one of kvp, spp and tp"):
+            EngineConfig(tp=2, **other)
+    with pytest.raises(ValidationError, match="tp"):
+        EngineConfig(tp=0)
