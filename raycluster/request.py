@@ -62,6 +62,9 @@ class SamplingParams:
     # vLLM's: report each prompt token's log-probability (given the tokens before it) and this
     # many top ones. Every prompt position is computed then: no prefix-cache hit for the request.
     prompt_logprobs: int | None = None
+    # A structured output: the whole output must match this regular expression (the gateway
+    # builds it from a JSON schema, a choice list or json_object; raycluster.engine.guided).
+    guided_regex: str | None = None
 
     @property
     def penalized(self) -> bool:

@@ -1,8 +1,11 @@
 """One engine instance inside the cluster: pulls work from the router, steps, reports back.
 
-`InstanceWorker` owns an `LLMEngine` and a KV connector and runs two threads:
+`InstanceWorker` owns an `LLMEngine` and a KV connector and runs four threads:
 - the poll thread long-polls the router (`poll_fn(instance_id, stats, timeout) -> PollReply`,
   which doubles as the heartbeat) and queues each reply;
+- the compile thread compiles the structured-output patterns of new work the engine has not
+  seen (seconds, for a big schema over a big vocabulary) before its reply reaches the step
+  thread, which must not stall on one; replies keep their order (`_deliver`);
 - the step thread applies replies between steps (a move to another pool, new work by mode
   full / prefill / decode, aborts, KV releases, expired leases), runs `engine.step()`, and
   queues one `StepReport` per step with every request's new tokens, prefill handoffs and
@@ -60,6 +63,9 @@ class InstanceWorker:
         self.on_transfer_failure = on_transfer_failure
         self.poll_timeout_s = poll_timeout_s
         self._replies: queue.Queue[PollReply] = queue.Queue()
+        self._to_compile: queue.Queue[PollReply] = queue.Queue()
+        self._compile_backlog = 0                # replies on the compile thread (under its lock)
+        self._compile_lock = threading.Lock()
         self._stop = threading.Event()
         self._step_ema = 0.0
         self.steps = 0
@@ -72,7 +78,8 @@ class InstanceWorker:
         self._polled_epoch: str | None = None    # last seen by the poll thread
         self._threads = [threading.Thread(target=self._poll_loop, name=f"{instance_id}-poll", daemon=True),
                          threading.Thread(target=self._step_loop, name=f"{instance_id}-step", daemon=True),
-                         threading.Thread(target=self._push_loop, name=f"{instance_id}-push", daemon=True)]
+                         threading.Thread(target=self._push_loop, name=f"{instance_id}-push", daemon=True),
+                         threading.Thread(target=self._compile_loop, name=f"{instance_id}-compile", daemon=True)]
 
     def start(self) -> "InstanceWorker":
         for t in self._threads:
@@ -107,9 +114,39 @@ class InstanceWorker:
                 continue
             if reply.work or reply.aborts or reply.releases or reply.role or reply.epoch != self._polled_epoch:
                 self._polled_epoch = reply.epoch
-                self._replies.put(reply)
+                self._deliver(reply)
             if reply.shutdown:
                 self._stop.set()
+
+    def _deliver(self, reply: PollReply) -> None:
+        """Queue a reply for the step thread. One with a pattern to compile goes by the compile
+        thread, and so does every reply after it until that thread is idle: an abort must not
+        overtake the work it aborts."""
+        with self._compile_lock:
+            if self._compile_backlog or any(
+                    w.meta.sampling.guided_regex is not None and not self.engine.pattern_ready(w.meta.sampling.guided_regex)
+                    for w in reply.work):
+                self._compile_backlog += 1
+                self._to_compile.put(reply)
+                return
+        self._replies.put(reply)
+
+    def _compile_loop(self) -> None:
+        while not self._stop.is_set():
+            try:
+                reply = self._to_compile.get(timeout=0.2)
+            except queue.Empty:
+                continue
+            for item in reply.work:
+                regex = item.meta.sampling.guided_regex
+                if regex is not None:
+                    try:
+                        self.engine.guided_decoding().index(regex)
+                    except ValueError:
+                        pass        # admitting it answers the request with the error
+            self._replies.put(reply)
+            with self._compile_lock:
+                self._compile_backlog -= 1
 
     def _step_loop(self) -> None:
         while not self._stop.is_set():

@@ -10,6 +10,7 @@ Single-threaded: callers serialise access (the async server runs steps on one th
 from __future__ import annotations
 
 import json
+import threading
 import time
 from pathlib import Path
 from dataclasses import dataclass, field
@@ -18,6 +19,7 @@ import torch
 
 from raycluster.clock import WallClock
 from raycluster.engine.config import EngineConfig
+from raycluster.engine.guided import GuidedDecoding
 from raycluster.parallel.factory import build_runner
 from raycluster.engine.sampler import Sampler
 from raycluster.engine.profiler import load_or_profile
@@ -108,6 +110,8 @@ class LLMEngine:
         self._retired = RetiredScheduling()       # pieces of pools it left (reconfigure_scheduling)
         self.sampler = Sampler(config.seed)
         self._texts: dict[str, TextStream] = {}
+        self._guided: GuidedDecoding | None = None     # built at the first structured-output request
+        self._guided_lock = threading.Lock()            # compile threads may build it too
 
     def _predictor(self, cfg: EngineConfig) -> LinearBatchPredictor | None:
         if cfg.predictor == "none" or not needs_predictor(cfg):
@@ -216,6 +220,28 @@ class LLMEngine:
 
     def _validate(self, ids: list[int], sp: SamplingParams) -> None:
         validate_request(ids, sp, self.max_model_len, self.vocab_size, self.kv.capacity_tokens())
+        if sp.guided_regex is not None:
+            try:
+                self.guided_decoding().index(sp.guided_regex)
+            except ValueError as e:
+                raise InvalidRequestError("guided_regex", str(e)) from None
+
+    def pattern_ready(self, regex: str) -> bool:
+        """Whether `regex` is compiled already (admitting a request with it costs no compile)."""
+        return self._guided is not None and self._guided.compiled(regex)
+
+    def guided_decoding(self) -> GuidedDecoding:
+        """The structured-output state; its vocabulary comes from the engine's tokenizer or, for
+        an engine that serves token ids only (a cluster instance), the checkpoint's."""
+        with self._guided_lock:
+            if self._guided is None:
+                tok = self.tokenizer
+                if tok is None:
+                    from raycluster.model.registry import resolve_model_path
+                    from raycluster.model.tokenizer import Tokenizer
+                    tok = Tokenizer(resolve_model_path(self.config.model), self.eos_token_ids)
+                self._guided = GuidedDecoding(tok.token_bytes(), self.eos_token_ids)
+            return self._guided
 
     def close(self) -> None:
         """Stop the runner's group ranks, if any (a single-process runner holds nothing)."""
@@ -223,7 +249,7 @@ class LLMEngine:
 
     def abort_request(self, request_id: str) -> bool:
         self._texts.pop(request_id, None)
-        self.sampler.forget(request_id)
+        self._forget(request_id)
         return self.scheduler.abort(request_id) is not None
 
     def has_unfinished(self) -> bool:
@@ -250,7 +276,14 @@ class LLMEngine:
                         [r.output_token_ids for r in sampled_reqs],
                         [[*(() if r.sampling.ignore_eos else r.eos_token_ids), *r.sampling.stop_token_ids]
                          if r.sampling.min_tokens else [] for r in sampled_reqs])
+                guided = [i for i, p in enumerate(params) if p.guided_regex is not None]
+                if guided:
+                    logits = self._guided.mask(logits, guided, [sampled_reqs[i].request_id for i in guided],
+                                               [params[i].guided_regex for i in guided],
+                                               [sampled_reqs[i].output_token_ids for i in guided], raw=step.logits)
                 tokens = self.sampler.sample(logits, [r.request_id for r in sampled_reqs], params)
+                for i in guided:
+                    self._guided.advance(sampled_reqs[i].request_id, tokens[i])
                 rows = [i for i, r in enumerate(sampled_reqs) if r.sampling.logprobs is not None]
                 if rows:
                     lps = self.sampler.logprobs(step.logits, rows, [tokens[i] for i in rows],
@@ -277,7 +310,7 @@ class LLMEngine:
             lp = logprobs.get(rid)
             result.outputs.append(self._output(req, [token], rid in finished, text, None if lp is None else [lp]))
         for rid in finished:
-            self.sampler.forget(rid)
+            self._forget(rid)
         result.duration_s = time.perf_counter() - t0
         if out.prefills:
             self.scheduler.packer.observe(out.prefills, result.duration_s)
@@ -285,6 +318,11 @@ class LLMEngine:
             self.scheduler.decode_selector.observe(len(out.decodes), max(r.num_computed_tokens for r in out.decodes),
                                                    result.duration_s)
         return result
+
+    def _forget(self, rid: str) -> None:
+        self.sampler.forget(rid)
+        if self._guided is not None:
+            self._guided.forget(rid)
 
     def _record_prompt_logprobs(self, req: Request, first: int, logits) -> None:
         """Row i of `logits` holds position first + i's prediction of prompt token first + i + 1."""

@@ -1,6 +1,6 @@
 """Tokenizer: a `tokenizers.Tokenizer` loaded from tokenizer.json plus tokenizer_config.json
-(special tokens, add_bos, chat template), and streaming detokenization that never emits a
-broken multi-byte character."""
+(special tokens, add_bos, chat template), streaming detokenization that never emits a
+broken multi-byte character, and each token's bytes (`token_bytes`, for structured outputs)."""
 
 from __future__ import annotations
 
@@ -59,8 +59,37 @@ class Tokenizer:
     def vocab_size(self) -> int:
         return self._tok.get_vocab_size()
 
+    def token_bytes(self) -> dict[bytes, list[int]]:
+        """The bytes each ordinary token stands for -> its ids (special / added tokens left out).
+        Byte-level BPE (GPT-2, Llama-3, Qwen2) spells bytes as printable characters; SentencePiece
+        BPE (Llama-2, Mistral) writes a space as U+2581 and a byte it cannot spell as <0xXX>."""
+        added = set(self._tok.get_added_tokens_decoder())      # id -> AddedToken
+        byte_level = "ByteLevel" in json.dumps(json.loads(self._tok.to_str()).get("decoder"))
+        unbyte = _unicode_to_byte() if byte_level else None
+        out: dict[bytes, list[int]] = {}
+        for tok, i in self._tok.get_vocab(with_added_tokens=False).items():
+            if i in added:
+                continue
+            if unbyte is not None:
+                b = bytes(unbyte[c] for c in tok) if all(c in unbyte for c in tok) else tok.encode()
+            elif len(tok) == 6 and tok.startswith("<0x") and tok.endswith(">"):
+                b = bytes([int(tok[3:5], 16)])
+            else:
+                b = tok.replace("\u2581", " ").encode()
+            out.setdefault(b, []).append(i)
+        return out
+
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        ids = self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+        """ValueError for text that is not valid Unicode (a lone surrogate, which JSON's \\ud800
+        escapes can carry): it has no UTF-8 bytes to tokenize."""
+        try:
+            ids = self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+        except TypeError:
+            try:
+                text.encode("utf-8")
+            except UnicodeEncodeError:
+                raise ValueError("is not valid Unicode (it holds a lone surrogate)") from None
+            raise
         # tokenizer_config may ask for BOS even when tokenizer.json's post-processor does not add it.
         if (add_special_tokens and self.add_bos and self.bos_token_id is not None
                 and (not ids or ids[0] != self.bos_token_id)):
@@ -103,6 +132,18 @@ class Tokenizer:
     def incremental_detokenizer(self, prompt_ids: list[int] | None = None,
                                 skip_special_tokens: bool = True) -> "IncrementalDetokenizer":
         return IncrementalDetokenizer(self, prompt_ids, skip_special_tokens)
+
+
+def _unicode_to_byte() -> dict[str, int]:
+    """GPT-2's byte <-> printable character table, inverted: printable bytes stand for
+    themselves, the other 68 map to U+0100 upwards in byte order."""
+    keep = [*range(ord("!"), ord("~") + 1), *range(ord("\u00a1"), ord("\u00ac") + 1),
+            *range(ord("\u00ae"), ord("\u00ff") + 1)]
+    table = {chr(b): b for b in keep}
+    shifted = (b for b in range(256) if b not in set(keep))
+    for n, b in enumerate(shifted):
+        table[chr(256 + n)] = b
+    return table
 
 
 class IncrementalDetokenizer:

@@ -30,6 +30,7 @@ from raycluster.request import SLO
 from raycluster.server.openai_logprobs import chat_logprobs, completion_logprobs, prompt_logprobs
 from raycluster.server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                        OverloadedError, TokenizeRequest, error_body, now_s)
+from raycluster.server.structured import PatternCheck, pattern_of
 
 
 class _Metrics:
@@ -94,7 +95,10 @@ def build_app(engine, tokenizer, model_name: str) -> FastAPI:
         if isinstance(prompt, str) and not prompt:
             raise InvalidRequestError(field, "must not be empty")
         if isinstance(prompt, str):
-            return tokenizer.encode(prompt)
+            try:
+                return tokenizer.encode(prompt)
+            except ValueError as e:
+                raise InvalidRequestError(field, str(e)) from None
         if prompt and all(isinstance(t, int) for t in prompt):
             return list(prompt)
         raise InvalidRequestError(field, "must be a string or a list of token ids")
@@ -113,11 +117,24 @@ def build_app(engine, tokenizer, model_name: str) -> FastAPI:
             out.append((ids, p if isinstance(p, str) else tokenizer.decode(ids) if echo else ""))
         return out
 
-    async def _run(body, prompts: list[tuple[list[int], str]], kind: str, http: HTTPRequest, echo: bool = False):
+    patterns = PatternCheck(tokenizer)
+
+    async def _structured(body) -> str | None:
+        """The regex the output must match (checked to compile), or None."""
+        asked = pattern_of(body)
+        if asked is None:
+            return None
+        await patterns.check(*asked)
+        return asked[1]
+
+    async def _run(body, prompts: list[tuple[list[int], str]], kind: str, http: HTTPRequest, echo: bool = False,
+                   guided: str | None = None):
         """Serve `prompts` ((ids, text) each) with `body.n` choices each: choice p * n + i is
-        prompt p's i-th. `echo`: put each prompt's text before its choices' completions."""
+        prompt p's i-th. `echo`: put each prompt's text before its choices' completions.
+        `guided`: the regex every choice's output must match."""
         max_tokens = getattr(body, "max_completion_tokens", None) or body.max_tokens
         sampling = body.to_sampling()
+        sampling.guided_regex = guided
         if max_tokens is not None:
             sampling.max_tokens = max_tokens
         slo = SLO(ttft_s=body.ttft_slo_ms / 1e3 if body.ttft_slo_ms else None,
@@ -178,22 +195,24 @@ def build_app(engine, tokenizer, model_name: str) -> FastAPI:
         try:
             engine.admit()
             prompts = _encode_prompts(body.prompt, body.echo)
+            guided = await _structured(body)
         except OverloadedError as e:
             return _overloaded(e)
         except InvalidRequestError as e:
             return _bad_request(str(e), e.field)
-        return await _run(body, prompts, "text_completion", http, body.echo)
+        return await _run(body, prompts, "text_completion", http, body.echo, guided)
 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatCompletionRequest, http: HTTPRequest):
         try:
             engine.admit()
             ids = _chat_ids(body)
+            guided = await _structured(body)
         except OverloadedError as e:
             return _overloaded(e)
         except InvalidRequestError as e:
             return _bad_request(str(e), e.field)
-        return await _run(body, [(ids, "")], "chat.completion", http)
+        return await _run(body, [(ids, "")], "chat.completion", http, guided=guided)
 
     def _chat_ids(body) -> list[int]:
         """The chat template over `body.messages` (a chat or tokenize request), tokenized. A
@@ -206,7 +225,10 @@ def build_app(engine, tokenizer, model_name: str) -> FastAPI:
         except ValueError as e:
             raise InvalidRequestError("continue_final_message" if body.continue_final_message else "messages",
                                       str(e)) from e
-        return tokenizer.encode(prompt)
+        try:
+            return tokenizer.encode(prompt)
+        except ValueError as e:
+            raise InvalidRequestError("messages", str(e)) from None
 
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest):

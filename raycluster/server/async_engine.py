@@ -4,7 +4,8 @@ Requests and aborts enter through a thread-safe inbox that the step thread drain
 steps; each step's outputs go back to the event loop in one `call_soon_threadsafe` call and are
 fanned out to per-request queues. `generate()` yields `RequestOutput`s until the request
 finishes; if the consumer stops early (client disconnect), the request is aborted and its KV
-freed.
+freed. A structured output's pattern is compiled in a worker thread before the request enters
+the inbox, so the step thread never stalls on a compile.
 """
 
 from __future__ import annotations
@@ -70,6 +71,11 @@ class AsyncEngine:
                        app_id: str | None = None) -> AsyncIterator[RequestOutput]:
         """Validation errors (InvalidRequestError) are raised before the first output."""
         q: asyncio.Queue = asyncio.Queue()
+        if sampling.guided_regex is not None:
+            try:        # cached in the engine; a failure is raised again (fast) by add_request
+                await asyncio.to_thread(self.engine.guided_decoding().index, sampling.guided_regex)
+            except ValueError:
+                pass
         self._inbox.put(_Add(request_id, prompt_token_ids, sampling, slo or SLO(), priority, tenant,
                              app_id, q, asyncio.get_running_loop()))
         finished = False

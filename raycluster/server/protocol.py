@@ -14,7 +14,9 @@ vocabulary and the top k; in each choice on completions (there also with echo + 
 vLLM), once per response on chat; refused with `stream` unless 0, as vLLM. `presence_penalty` /
 `frequency_penalty` / `logit_bias` (OpenAI's) and `repetition_penalty` (vLLM's) are served, and
 `logprobs`: an int (top alternatives) on completions, a bool with `top_logprobs` on chat. Chat
-`content` may be a string or a list of text parts.
+`content` may be a string or a list of text parts. Structured outputs: OpenAI's
+`response_format`, vLLM's `structured_outputs` and its older `guided_json` / `guided_regex` /
+`guided_choice` (raycluster.server.structured turns them into the regex the engine enforces).
 """
 
 from __future__ import annotations
@@ -32,6 +34,47 @@ from raycluster.request import MAX_LOGPROBS, SamplingParams
 class StreamOptions(BaseModel):
     include_usage: bool = False
     continuous_usage_stats: bool = False     # vLLM's: usage so far in every chunk too
+
+
+class JsonSchemaFormat(BaseModel):
+    model_config = ConfigDict(populate_by_name=True)
+
+    name: str | None = None
+    description: str | None = None
+    schema_: dict = Field(..., alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    """OpenAI's `response_format`."""
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_given(self) -> "ResponseFormat":
+        if self.type == "json_schema" and self.json_schema is None:
+            raise ValueError("type json_schema needs a json_schema object ({name, schema})")
+        return self
+
+
+class StructuredOutputs(BaseModel):
+    """vLLM's `structured_outputs`: exactly one of json / regex / choice / json_object."""
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+    json_: dict | str | None = Field(None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    json_object: bool | None = None
+    grammar: str | None = None
+    whitespace_pattern: str | None = None
+    disable_any_whitespace: bool = False
+
+    @field_validator("grammar")
+    @classmethod
+    def _no_grammar(cls, v):
+        if v is not None:
+            raise ValueError("context-free grammars are not supported (use json, regex or choice)")
+        return v
 
 
 class _GenerationFields(BaseModel):
@@ -65,6 +108,12 @@ class _GenerationFields(BaseModel):
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     repetition_penalty: float = Field(1.0, gt=0.0, le=10.0)
     logit_bias: dict[int, float] | None = Field(None, description="token id -> bias in [-100, 100]")
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None
+    guided_json: dict | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_whitespace_pattern: str | None = None
     # OpenAI options not implemented: accepted only at their neutral values.
     best_of: Any = None
     suffix: Any = None

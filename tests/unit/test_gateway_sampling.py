@@ -90,7 +90,7 @@ def _every_field_set() -> SamplingParams:
     sp = SamplingParams(max_tokens=7, temperature=0.7, top_p=0.9, top_k=50, min_p=0.05, seed=1234, stop=["zz"],
                         stop_token_ids=[3], ignore_eos=True, logprobs=2, presence_penalty=0.5,
                         frequency_penalty=-0.25, repetition_penalty=1.1, logit_bias={5: 1.5}, min_tokens=2,
-                        prompt_logprobs=1)
+                        prompt_logprobs=1, guided_regex="[a-z ]{1,40}")
     defaults = SamplingParams()
     unset = [f.name for f in dataclasses.fields(SamplingParams) if getattr(sp, f.name) == getattr(defaults, f.name)]
     assert not unset, f"give these new SamplingParams fields a non-default value here: {unset}"

@@ -135,3 +135,74 @@ def test_moved_to_decode_adopts_its_own_parked_kv(model):
     assert [done.first_token] + [t for e in events for t in e.token_ids] == want
     w._apply(PollReply(releases=["a"]))                                       # the router's release
     assert w.engine.kv.num_free_blocks == w.engine.kv.num_blocks
+
+
+def test_a_pattern_compiles_off_the_step_thread_and_replies_keep_their_order(model, tiny_model_dir):
+    """While request b's structured-output pattern compiles (held here until released), the step
+    thread keeps decoding a; b's abort, polled after b, is applied after b (b ends aborted and
+    frees its KV), and c, polled later with a pattern compiled already, waits its turn too."""
+    import queue
+    import threading
+
+    from raycluster.cluster.messages import TokenEvent
+    from raycluster.engine.guided import GuidedDecoding
+    from raycluster.model.tokenizer import Tokenizer
+
+    tok = Tokenizer(tiny_model_dir)
+    release = threading.Event()
+    slow, fast = "[a-z]{1,8}", "[0-9]{1,3}"
+
+    class HeldCompile(GuidedDecoding):
+        def index(self, regex):
+            if regex == slow and not self.compiled(regex):
+                assert release.wait(30)
+            return super().index(regex)
+
+    eng = LLMEngine(EngineConfig(policy="fcfs", packer="token", kv_cache_tokens=4096, chunk_size=32,
+                                 num_threads=1), model, tokenizer=tok)
+    eng._guided = HeldCompile(tok.token_bytes(), eng.eos_token_ids)
+    eng.guided_decoding().index(fast)
+    script: queue.Queue = queue.Queue()
+    events: list[TokenEvent] = []
+
+    def poll(iid, stats, timeout):
+        try:
+            return script.get(timeout=timeout)
+        except queue.Empty:
+            return PollReply()
+
+    w = InstanceWorker(eng, "mixed", "i0", poll_fn=poll, push_fn=lambda r: events.extend(r.events),
+                       poll_timeout_s=0.02).start()
+
+    def meta(rid, regex, max_tokens):
+        return RequestMeta(request_id=rid, gateway_id="g", prompt_token_ids=[7] * 20, arrival_time=time.time(),
+                           sampling=SamplingParams(max_tokens=max_tokens, ignore_eos=regex is None,
+                                                   guided_regex=regex))
+
+    def tokens(rid):
+        return [t for e in list(events) if e.request_id == rid for t in e.token_ids]
+
+    try:
+        script.put(PollReply(work=[WorkItem(meta("a", None, 400))]))
+        deadline = time.monotonic() + 30
+        while not tokens("a") and time.monotonic() < deadline:
+            time.sleep(0.01)
+        script.put(PollReply(work=[WorkItem(meta("b", slow, 50))]))
+        script.put(PollReply(aborts=["b"]))
+        script.put(PollReply(work=[WorkItem(meta("c", fast, 5))]))
+        time.sleep(0.5)
+        during = len(tokens("a"))
+        time.sleep(0.5)
+        assert len(tokens("a")) > during > 0               # a decodes while b's pattern compiles
+        assert "b" not in eng.scheduler.requests and not tokens("c")   # both wait behind b's compile
+        release.set()
+        while (eng.has_unfinished() or not w._to_compile.empty() or not w._replies.empty()) \
+                and time.monotonic() < deadline + 30:
+            time.sleep(0.02)
+        assert not eng.has_unfinished()
+        assert not tokens("b")                              # admitted, then aborted before any step
+        assert tok.decode(tokens("c")).isdigit()
+        assert eng.kv.num_free_blocks == eng.kv.num_blocks
+    finally:
+        release.set()
+        w.stop()

@@ -1,0 +1,162 @@
+"""Structured-output request fields -> the one regular expression the engine enforces.
+
+A request may ask for its output's shape in one of the ways OpenAI and vLLM clients do:
+- OpenAI's `response_format`: `{"type": "json_object"}` or `{"type": "json_schema",
+  "json_schema": {"name": ..., "schema": {...}}}` (`"text"` asks for nothing);
+- vLLM's `structured_outputs`: one of `json` (a schema), `regex`, `choice` (a list of strings),
+  `json_object: true`; `grammar` (a CFG) is refused: a regular expression cannot hold one;
+- vLLM's older `guided_json` / `guided_regex` / `guided_choice`.
+At most one of them. `pattern_of(body)` returns (the field it came from, the regex), or None, or
+raises `InvalidRequestError` naming the field. JSON schemas become regexes through outlines-core.
+`PatternCheck` compiles each new pattern at the gateway, in a child process with a time limit
+(raycluster.engine.guided_compile), so a pattern the engine could not enforce, or could only
+after minutes of compiling, is a 400 naming the client's field before any instance sees it.
+
+JSON whitespace is one optional space by default (`[ ]?`; vLLM's `whitespace_pattern` /
+`guided_whitespace_pattern` set another, `disable_any_whitespace` none): a pattern allowing any
+run of whitespace lets a model emit spaces until max_tokens. `json_object` is an object whose
+values are strings, numbers, booleans, null, or objects / arrays of those (two levels): the
+regex of arbitrary nesting compiles for seconds even over a 4K-token vocabulary.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections import OrderedDict
+
+from raycluster.engine.engine import InvalidRequestError
+from raycluster.engine.guided import MAX_REGEX_CHARS
+from raycluster.engine.guided_compile import PatternCompiler
+
+DEFAULT_WHITESPACE = r"[ ]?"
+_REGEX_SPECIAL = set("\\.^$|?*+()[]{}-&~#")
+
+
+def escape(text: str) -> str:
+    """`text` as a regex matching just itself (for the Rust regex syntax outlines-core uses:
+    only punctuation is escaped, never letters or spaces)."""
+    return "".join("\\" + c if c in _REGEX_SPECIAL else c for c in text)
+
+
+def choice_regex(choices: list[str], field: str) -> str:
+    if not choices or not all(isinstance(c, str) and c for c in choices):
+        raise InvalidRequestError(field, "must be a non-empty list of non-empty strings")
+    return "(" + "|".join(escape(c) for c in choices) + ")"
+
+
+def json_object_regex(ws: str = DEFAULT_WHITESPACE) -> str:
+    from outlines_core.json_schema import BOOLEAN, NULL, NUMBER, STRING
+
+    def obj(value: str) -> str:
+        pair = f"{STRING}{ws}:{ws}{value}"
+        return rf"\{{{ws}({pair}({ws},{ws}{pair})*)?{ws}\}}"
+
+    def arr(value: str) -> str:
+        return rf"\[{ws}({value}({ws},{ws}{value})*)?{ws}\]"
+
+    scalar = f"({STRING}|{NUMBER}|{BOOLEAN}|{NULL})"
+    return obj(f"({STRING}|{NUMBER}|{BOOLEAN}|{NULL}|{obj(scalar)}|{arr(scalar)})")
+
+
+def schema_regex(schema, field: str, ws: str = DEFAULT_WHITESPACE) -> str:
+    from outlines_core.json_schema import build_regex_from_schema
+
+    if isinstance(schema, str):
+        try:
+            schema = json.loads(schema)
+        except json.JSONDecodeError as e:
+            raise InvalidRequestError(field, f"is not valid JSON: {e}") from None
+    if not isinstance(schema, dict):
+        raise InvalidRequestError(field, "must be a JSON schema (an object)")
+    try:
+        return build_regex_from_schema(json.dumps(schema), ws)
+    except Exception as e:      # outlines-core raises ValueError / TypeError / its own errors
+        raise InvalidRequestError(field, f"is not a JSON schema this server can enforce: {e}") from None
+
+
+def pattern_of(body) -> tuple[str, str] | None:
+    """(field, regex): the regex `body` (a completion or chat request) asks its output to match
+    and the field that asked, or None."""
+    asked: list[tuple[str, object]] = []
+    rf = body.response_format
+    if rf is not None and rf.type != "text":
+        asked.append(("response_format", rf))
+    so = body.structured_outputs
+    if so is not None:
+        asked.append(("structured_outputs", so))
+    for name in ("guided_json", "guided_regex", "guided_choice"):
+        if getattr(body, name) is not None:
+            asked.append((name, getattr(body, name)))
+    if not asked:
+        return None
+    if len(asked) > 1:
+        raise InvalidRequestError(asked[1][0], f"only one structured output per request (also {asked[0][0]})")
+    name, spec = asked[0]
+    return name, _pattern(name, spec, body.guided_whitespace_pattern)
+
+
+def _pattern(name: str, spec, ws: str | None) -> str:
+    ws = DEFAULT_WHITESPACE if ws is None else ws
+    if name == "response_format":
+        if spec.type == "json_object":
+            return json_object_regex(ws)
+        return schema_regex(spec.json_schema.schema_, "response_format.json_schema.schema", ws)
+    if name == "structured_outputs":
+        return _vllm_pattern(spec)
+    if name == "guided_json":
+        return schema_regex(spec, name, ws)
+    if name == "guided_choice":
+        return choice_regex(spec, name)
+    return spec     # guided_regex
+
+
+def _vllm_pattern(so) -> str:
+    ws = "" if so.disable_any_whitespace else (so.whitespace_pattern if so.whitespace_pattern is not None
+                                               else DEFAULT_WHITESPACE)
+    kinds = [k for k in ("json_", "regex", "choice", "json_object") if getattr(so, k) not in (None, False)]
+    if len(kinds) != 1:
+        raise InvalidRequestError("structured_outputs", "set exactly one of json, regex, choice, json_object")
+    kind = kinds[0]
+    if kind == "json_":
+        return schema_regex(so.json_, "structured_outputs.json", ws)
+    if kind == "choice":
+        return choice_regex(so.choice, "structured_outputs.choice")
+    if kind == "json_object":
+        return json_object_regex(ws)
+    return so.regex
+
+
+class PatternCheck:
+    """Compiles patterns against the gateway's tokenizer: one that cannot be compiled (or not
+    within `timeout_s`) is the client's error, reported with the field it came from. Patterns
+    that compiled are remembered (up to `remember`), so a repeated schema costs nothing."""
+
+    def __init__(self, tokenizer, timeout_s: float = 10.0, remember: int = 256) -> None:
+        self.tokenizer = tokenizer
+        self.timeout_s = timeout_s
+        self._compiler: PatternCompiler | None = None
+        self._ok: OrderedDict[str, None] = OrderedDict()
+        self._remember = remember
+
+    async def check(self, field: str, regex: str) -> None:
+        if len(regex) > MAX_REGEX_CHARS:
+            raise InvalidRequestError(field, f"the pattern has {len(regex)} characters; at most {MAX_REGEX_CHARS}")
+        if self.tokenizer is None:
+            return                  # an ids-only server: the engine checks it when the request arrives
+        if regex in self._ok:
+            self._ok.move_to_end(regex)
+            return
+        if self._compiler is None:
+            self._compiler = PatternCompiler(self.tokenizer.token_bytes(), self.tokenizer.eos_token_ids[0],
+                                             self.timeout_s)
+        why = await asyncio.to_thread(self._compiler.check, regex)
+        if why is not None:
+            raise InvalidRequestError(field, why)
+        self._ok[regex] = None
+        if len(self._ok) > self._remember:
+            self._ok.popitem(last=False)
+
+    def close(self) -> None:
+        if self._compiler is not None:
+            self._compiler.close()

@@ -1,0 +1,250 @@
+"""Structured outputs in the engine: every finished output matches its pattern (a JSON schema, a
+choice list, a regex), greedy or sampled, on a model with random weights; a request resumed
+elsewhere with tokens it already has (a P/D handoff) continues in the same state; the request
+fields become the pattern with errors naming the field; token bytes are exact."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import jsonschema
+import pytest
+
+from raycluster.engine.config import EngineConfig
+from raycluster.engine.engine import InvalidRequestError, LLMEngine
+from raycluster.model.loader import load_model
+from raycluster.model.tokenizer import Tokenizer
+from raycluster.request import SamplingParams
+from raycluster.server.protocol import ChatCompletionRequest, CompletionRequest
+from raycluster.server.structured import choice_regex, json_object_regex, pattern_of, schema_regex
+
+SCHEMA = {"type": "object",
+          "properties": {"name": {"type": "string", "maxLength": 12},
+                         "age": {"type": "integer"},
+                         "pets": {"type": "array", "items": {"enum": ["cat", "dog", "fish"]}, "maxItems": 3},
+                         "ok": {"type": "boolean"}},
+          "required": ["name", "age", "pets", "ok"]}
+COLOURS = ["red", "green", "light blue (sky)"]
+CODE = r"[A-Z]{3}-[0-9]{2,4}"
+
+
+@pytest.fixture(scope="module")
+def tok(tiny_model_dir):
+    return Tokenizer(tiny_model_dir)
+
+
+@pytest.fixture(scope="module")
+def model(tiny_model_dir):
+    return load_model(tiny_model_dir)[0]
+
+
+def _engine(model, tok, **kw) -> LLMEngine:
+    cfg = {"policy": "fcfs", "packer": "token", "kv_cache_tokens": 8192, "chunk_size": 32, "num_threads": 1, **kw}
+    return LLMEngine(EngineConfig(**cfg), model, tokenizer=tok)
+
+
+def _prompts(tok) -> list[list[int]]:
+    return [tok.encode(t) for t in ("Tell me about a person:", "Pick a colour", "The code is", "{")]
+
+
+def _check(text: str, kind: str) -> None:
+    if kind == "schema":
+        jsonschema.validate(json.loads(text), SCHEMA)
+    elif kind == "choice":
+        assert text in COLOURS
+    else:
+        assert re.fullmatch(CODE, text), text
+
+
+def test_every_output_matches_its_pattern_greedy_and_sampled(model, tok):
+    eng = _engine(model, tok)
+    kinds = ["schema", "choice", "regex", "schema"]
+    pats = {"schema": schema_regex(SCHEMA, "f"), "choice": choice_regex(COLOURS, "f"), "regex": CODE}
+    for temperature, seed in ((0.0, None), (1.0, 1), (1.0, 2), (0.8, 3)):
+        params = [SamplingParams(max_tokens=200, temperature=temperature, seed=seed, guided_regex=pats[k])
+                  for k in kinds]
+        reqs = [eng.add_request(f"g{temperature}-{seed}-{i}", p, sp)
+                for i, (p, sp) in enumerate(zip(_prompts(tok), params))]
+        for _ in range(2000):
+            if not eng.has_unfinished():
+                break
+            eng.step()
+        for r, kind in zip(reqs, kinds):
+            assert r.output_token_ids[-1] in eng.eos_token_ids, (kind, tok.decode(r.output_token_ids))
+            _check(tok.decode(r.output_token_ids), kind)
+    assert eng.kv.num_free_blocks == eng.kv.num_blocks and not eng._guided._guides
+
+
+def test_unguided_output_does_not_match(model, tok):
+    """The test above is not vacuous: the same model, unconstrained, writes no such JSON."""
+    out = _engine(model, tok).generate(_prompts(tok)[:1], SamplingParams(max_tokens=60))[0]
+    with pytest.raises(ValueError):
+        json.loads(tok.decode(out))
+
+
+def test_a_resumed_request_continues_its_pattern_exactly(model, tok):
+    """A P/D handoff: the prefill side samples the first token, the decode side gets the
+    request with that token and replays it into a fresh guide; the whole output equals one
+    engine's (greedy), token for token."""
+    sp = SamplingParams(max_tokens=120, guided_regex=schema_regex(SCHEMA, "f"))
+    prompt = _prompts(tok)[0]
+    whole = _engine(model, tok).generate([prompt], sp)[0]
+    pre = _engine(model, tok)
+    pre.add_request("p", prompt, sp, prefill_only=True)
+    (first,) = [t for o in pre.step().outputs for t in o.new_token_ids]
+    assert first == whole[0] and not pre._guided._guides          # forgotten when it finished
+    for cut in (1, 7):      # also a request resumed mid-output (a router restart)
+        dec = _engine(model, tok)
+        r = dec.add_request("d", prompt, sp, output_token_ids=whole[:cut])
+        for _ in range(500):
+            if not dec.has_unfinished():
+                break
+            dec.step()
+        assert r.output_token_ids == whole
+    _check(tok.decode(whole), "schema")
+
+
+def test_min_tokens_beyond_the_pattern_still_ends_at_eos(model, tok):
+    """The choice is complete after 1-5 tokens, min_tokens bans EOS for 20: the pattern wins
+    (no row left without a token to sample)."""
+    eng = _engine(model, tok)
+    out = eng.generate(_prompts(tok)[1:2], SamplingParams(max_tokens=40, min_tokens=20,
+                                                          guided_regex=choice_regex(COLOURS, "f")))[0]
+    assert out[-1] in eng.eos_token_ids and tok.decode(out) in COLOURS
+
+
+def test_engine_refuses_what_it_cannot_enforce(model, tok):
+    eng = _engine(model, tok)
+    with pytest.raises(InvalidRequestError) as e:
+        eng.add_request("a", [5, 6], SamplingParams(guided_regex="(unclosed"))
+    assert e.value.field == "guided_regex"
+    with pytest.raises(InvalidRequestError) as e:
+        eng.add_request("b", [5, 6], SamplingParams(guided_regex="x" * 40000))
+    assert e.value.field == "guided_regex"
+    assert not eng.has_unfinished()
+
+
+def test_ignore_eos_runs_on_with_eos_once_the_pattern_is_complete(model, tok):
+    """vLLM's benchmarking switch: the output is the pattern's text, then EOS to max_tokens."""
+    eng = _engine(model, tok)
+    out = eng.generate(_prompts(tok)[1:2], SamplingParams(max_tokens=30, ignore_eos=True,
+                                                          guided_regex=choice_regex(COLOURS, "f")))[0]
+    assert len(out) == 30 and tok.decode(out) in COLOURS
+    n = next(i for i, t in enumerate(out) if t in eng.eos_token_ids)
+    assert set(out[n:]) <= set(eng.eos_token_ids)
+
+
+def test_engine_without_a_tokenizer_takes_the_checkpoints(model, tok, tiny_model_dir):
+    """A cluster instance serves ids only: its vocabulary comes from its model's directory."""
+    plain = LLMEngine(EngineConfig(model=str(tiny_model_dir), policy="fcfs", packer="token",
+                                   kv_cache_tokens=4096, num_threads=1), model)
+    sp = SamplingParams(max_tokens=30, guided_regex=CODE)
+    assert plain.generate([tok.encode("Code:")], sp) == _engine(model, tok).generate([tok.encode("Code:")], sp)
+
+
+def _completion(**fields):
+    return CompletionRequest.model_validate({"prompt": "x", **fields})
+
+
+def test_request_fields_become_one_pattern():
+    assert pattern_of(_completion()) is None
+    assert pattern_of(_completion(response_format={"type": "text"})) is None
+    field, pat = pattern_of(_completion(response_format={"type": "json_schema",
+                                                         "json_schema": {"name": "p", "schema": SCHEMA}}))
+    assert field == "response_format" and pat == schema_regex(SCHEMA, "f")
+    assert pattern_of(_completion(response_format={"type": "json_object"})) == ("response_format", json_object_regex())
+    assert pattern_of(_completion(structured_outputs={"choice": COLOURS}))[1] == r"(red|green|light blue \(sky\))"
+    assert pattern_of(_completion(structured_outputs={"regex": CODE})) == ("structured_outputs", CODE)
+    assert pattern_of(_completion(structured_outputs={"json": json.dumps(SCHEMA)}))[1] == schema_regex(SCHEMA, "f")
+    assert pattern_of(_completion(guided_choice=["a", "b"])) == ("guided_choice", "(a|b)")
+    assert pattern_of(_completion(guided_regex="[0-9]+")) == ("guided_regex", "[0-9]+")
+    compact = pattern_of(_completion(structured_outputs={"json": SCHEMA, "disable_any_whitespace": True}))[1]
+    assert "[ ]?" not in compact and re.fullmatch(compact, '{"name":"a","age":3,"pets":["cat"],"ok":true}')
+    chat = ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "hi"}],
+                                                 "guided_json": SCHEMA})
+    assert pattern_of(chat) == ("guided_json", schema_regex(SCHEMA, "f"))
+
+
+@pytest.mark.parametrize("fields, param", [
+    ({"guided_regex": "a", "guided_choice": ["b"]}, "guided_choice"),
+    ({"response_format": {"type": "json_object"}, "structured_outputs": {"regex": "a"}}, "structured_outputs"),
+    ({"structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs"),
+    ({"structured_outputs": {}}, "structured_outputs"),
+    ({"guided_choice": []}, "guided_choice"),
+    ({"guided_json": "{not json"}, "guided_json"),
+    ({"guided_json": {"type": "object", "properties": {"a": {"type": "nonsense"}}}}, "guided_json"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "n", "schema": {"type": 5}}}},
+     "response_format.json_schema.schema"),
+])
+def test_conflicting_or_broken_fields_name_the_field(fields, param):
+    with pytest.raises(InvalidRequestError) as e:
+        pattern_of(_completion(**fields))
+    assert e.value.field == param
+
+
+def test_token_bytes_spell_every_text_byte_for_byte(tok):
+    inverse = {i: b for b, ids in tok.token_bytes().items() for i in ids}
+    special = set(range(6))
+    assert special.isdisjoint(inverse) and len(inverse) == tok.vocab_size - len(special)
+    for text in ("Hello world", "  two  spaces\tand a tab\n", "café über naïve ñ", "日本語のテキスト 🙂", "{\"a\": [1, 2]}"):
+        ids = tok.encode(text, add_special_tokens=False)
+        assert b"".join(inverse[i] for i in ids) == text.encode()
+
+
+def test_token_bytes_of_a_sentencepiece_style_tokenizer(tmp_path):
+    """Llama-2 / Mistral spell a space U+2581 and unknown bytes <0xXX> (byte fallback)."""
+    from tokenizers import Tokenizer as HFTokenizer, decoders, models, pre_tokenizers, trainers
+
+    hf = HFTokenizer(models.BPE(byte_fallback=True, unk_token="<unk>"))
+    hf.pre_tokenizer = pre_tokenizers.Metaspace()
+    hf.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                    decoders.Strip(" ", 1, 0)])
+    bytes_ = [f"<0x{b:02X}>" for b in range(256)]
+    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=["<unk>", "<s>", "</s>"], initial_alphabet=[],
+                                  limit_alphabet=60)
+    hf.train_from_iterator(["the quick brown fox jumps over the lazy dog"] * 50, trainer)
+    hf.add_tokens([b for b in bytes_ if hf.token_to_id(b) is None])
+    # Byte tokens must be ordinary vocabulary entries, as in a real SentencePiece file.
+    spec = json.loads(hf.to_str())
+    vocab = spec["model"]["vocab"]
+    for t in spec["added_tokens"]:
+        if t["content"].startswith("<0x"):
+            vocab[t["content"]] = t["id"]
+    spec["added_tokens"] = [t for t in spec["added_tokens"] if not t["content"].startswith("<0x")]
+    (tmp_path / "tokenizer.json").write_text(json.dumps(spec))
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "</s>"}))
+    sp = Tokenizer(tmp_path)
+    inverse = {i: b for b, ids in sp.token_bytes().items() for i in ids}
+    for text in ("the lazy fox", "a jumpy dog é"):
+        ids = sp.encode(text, add_special_tokens=False)
+        assert b"".join(inverse[i] for i in ids).lstrip(b" ") == text.encode()
+
+
+def test_the_gateway_refuses_a_pattern_that_compiles_too_long(tok):
+    """`(.{0,100}x){0,10}` takes about a minute over this vocabulary: the child compiling it is
+    stopped at the limit, and the next pattern compiles in a fresh one."""
+    import asyncio
+    import time
+
+    from raycluster.server.structured import PatternCheck
+
+    check = PatternCheck(tok, timeout_s=1.5)
+
+    async def main():
+        t0 = time.monotonic()
+        with pytest.raises(InvalidRequestError) as e:
+            await check.check("guided_regex", "(.{0,100}x){0,10}")
+        assert "too complex" in str(e.value) and e.value.field == "guided_regex"
+        assert time.monotonic() - t0 < 30
+        with pytest.raises(InvalidRequestError) as e:
+            await check.check("structured_outputs", "(unclosed")
+        assert "cannot be compiled" in str(e.value) and e.value.field == "structured_outputs"
+        await check.check("guided_regex", CODE)
+        await check.check("guided_regex", CODE)         # remembered: no second compile
+
+    try:
+        asyncio.run(main())
+    finally:
+        check.close()
+    assert list(check._ok) == [CODE]
