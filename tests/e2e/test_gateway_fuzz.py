@@ -39,7 +39,8 @@ FIELDS = ["prompt", "messages", "max_tokens", "max_completion_tokens", "temperat
           "n", "stream", "stream_options", "stop", "stop_token_ids", "seed", "logprobs", "top_logprobs", "echo",
           "ignore_eos", "min_tokens", "prompt_logprobs", "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias",
           "ttft_slo_ms", "tpot_slo_ms", "priority", "tenant", "app_id", "tokens", "add_generation_prompt",
-          "continue_final_message", "model", "user", "no_such_field"]
+          "continue_final_message", "model", "user", "no_such_field", "response_format", "structured_outputs",
+          "guided_json", "guided_regex", "guided_choice", "guided_whitespace_pattern"]
 NUMBERS = [0, 1, -1, 2, 7, 2**31, -2**31, 2**63, 10**30, 0.5, -0.5, 1e308, -1e308, 1e-320]
 STRINGS = ["", "a", "\ud800", "\x00", "x" * 5000, "日本語", "<|eot_id|>", "{{ raise }}"]
 # Near misses per field: the right shape with a wrong value (out-of-vocab ids, empty lists, ...).
@@ -64,6 +65,16 @@ EDGES = {
     "tpot_slo_ms": [1e-320, 1e308, 0],
     "tenant": ["", "\ud800", "x" * 5000, None],
     "app_id": ["", "\ud800", None],
+    # Structured outputs: patterns that do not compile, schemas that are not schemas, conflicts.
+    "response_format": [{"type": "json_object"}, {"type": "json_schema"}, {"type": "bogus"}, {"type": "text"},
+                        {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": 5}}},
+                        {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "integer"}}}],
+    "structured_outputs": [{"regex": "("}, {"choice": []}, {"choice": ["a", ""]}, {"grammar": "x"}, {"json": "{"},
+                           {"regex": "[0-9]+", "choice": ["a"]}, {}, {"json_object": True}, {"regex": "\ud800"}],
+    "guided_regex": ["(", "", "\ud800", "[0-9]{1,3}", "x" * 40000, "a{2,1}", "\\p{Nonsense}"],
+    "guided_choice": [[], [""], ["\ud800"], ["a"] * 50, [None]],
+    "guided_json": ["{", {"type": "nonsense"}, {"type": "object", "properties": {"a": {"$ref": "#/nope"}}}, []],
+    "guided_whitespace_pattern": ["(", "\ud800", ""],
 }
 # Engines ordering by each family of policy (fcfs, slack over work, urgency, virtual time).
 SCHEDULING = {"fcfs": {"policy": "fcfs", "packer": "token"}, "lars": {"policy": "lars", "packer": "medha"},
