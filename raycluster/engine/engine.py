@@ -280,7 +280,8 @@ class LLMEngine:
                 if guided:
                     logits = self._guided.mask(logits, guided, [sampled_reqs[i].request_id for i in guided],
                                                [params[i].guided_regex for i in guided],
-                                               [sampled_reqs[i].output_token_ids for i in guided], raw=step.logits)
+                                               [sampled_reqs[i].output_token_ids for i in guided],
+                                               raw=None if logits is step.logits else step.logits)
                 tokens = self.sampler.sample(logits, [r.request_id for r in sampled_reqs], params)
                 for i in guided:
                     self._guided.advance(sampled_reqs[i].request_id, tokens[i])

@@ -21,6 +21,8 @@ from collections import OrderedDict
 import torch
 
 MAX_REGEX_CHARS = 32768     # a pattern this long compiles for seconds: refuse longer ones
+# Row v: which of byte value v's 8 bits are clear (token not allowed).
+_BLOCKED = ((torch.arange(256).unsqueeze(1) >> torch.arange(8)) & 1) == 0
 
 
 class GuidedDecoding:
@@ -74,24 +76,24 @@ class GuidedDecoding:
 
     def mask(self, logits: torch.Tensor, rows: list[int], request_ids: list[str], regexes: list[str],
              outputs: list[list[int]], raw: torch.Tensor | None = None) -> torch.Tensor:
-        """`logits` with each listed row limited to its guide's allowed tokens (a copy). A row
-        left with no finite logit (e.g. min_tokens banned the EOS the complete regex needs)
-        takes its allowed tokens from `raw` (the logits before penalties) instead."""
+        """`logits` with each listed row limited to its guide's allowed tokens (a copy). Give
+        `raw` (the logits before penalties) when penalties ran: a row they left with no allowed
+        finite logit (min_tokens banned the EOS a complete pattern needs) takes its allowed
+        tokens from `raw` instead."""
         logits = logits.clone()
         vocab = logits.shape[-1]
-        words = torch.zeros((vocab + 31) // 32, dtype=torch.int32)
-        shifts = torch.arange(32, dtype=torch.int32)
-        for row, rid, regex, out in zip(rows, request_ids, regexes, outputs):
-            guide = self._guide(rid, regex, out)
-            words.zero_()
-            guide.write_mask_into(words.data_ptr(), words.numel(), 4)
-            allowed = ((words.unsqueeze(-1) >> shifts) & 1).bool().view(-1)[:vocab]
-            if allowed[self.eos_token_ids[0]]:
-                allowed[list(self.eos_token_ids)] = True
-            masked = logits[row].masked_fill(~allowed, float("-inf"))
-            if not torch.isfinite(masked).any() and raw is not None:
-                masked = raw[row].masked_fill(~allowed, float("-inf"))
-            logits[row] = masked
+        # One bitmask row per guided request (outlines writes them; bit i of byte k is token
+        # 8k + i), unpacked through a byte -> 8 bits table: a gather, not 32 shifts per word.
+        words = torch.zeros((len(rows), (vocab + 31) // 32), dtype=torch.int32)
+        for k, (rid, regex, out) in enumerate(zip(request_ids, regexes, outputs)):
+            self._guide(rid, regex, out).write_mask_into(words[k].data_ptr(), words.shape[1], 4)
+        blocked = _BLOCKED[words.view(torch.uint8).long()].view(len(rows), -1)[:, :vocab]
+        eos = list(self.eos_token_ids)
+        blocked[:, eos] &= blocked[:, eos[:1]]          # every EOS id where the pattern allows the first
+        for k, row in enumerate(rows):
+            masked = logits[row].masked_fill_(blocked[k], float("-inf"))
+            if raw is not None and not torch.isfinite(masked).any():
+                masked.copy_(raw[row].masked_fill(blocked[k], float("-inf")))
         return logits
 
     def advance(self, request_id: str, token: int) -> None:
