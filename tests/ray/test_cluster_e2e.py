@@ -263,6 +263,42 @@ def test_echo_with_logprobs_reports_the_prompts_logprobs(cluster, tiny_model_dir
     _assert_drained(url)
 
 
+def test_structured_outputs_follow_the_request_across_instances(cluster, tiny_model_dir):
+    """A JSON schema on every topology, streamed and not: in P/D the prefill instance samples
+    the first token under the pattern and the decode instance replays it into its own guide
+    (a 350-token prompt takes the long pool, an SPP group in pd-groups); the text equals a single
+    engine's and is valid JSON."""
+    from raycluster.engine.config import EngineConfig
+    from raycluster.engine.engine import LLMEngine
+    from raycluster.model.loader import load_model
+    from raycluster.model.tokenizer import Tokenizer
+    from raycluster.request import SamplingParams
+    from raycluster.server.structured import schema_regex
+
+    url, name = cluster
+    schema = {"type": "object", "properties": {"word": {"type": "string", "maxLength": 8},
+                                               "n": {"enum": [1, 2, 3]}, "flag": {"type": "boolean"}},
+              "required": ["word", "n", "flag"]}
+    tok = Tokenizer(tiny_model_dir)
+    rng = random.Random(41)
+    prompts = [[rng.randrange(6, 4000) for _ in range(k)] for k in (12, 350)]
+    eng = LLMEngine(EngineConfig(policy="fcfs", packer="token", kv_cache_tokens=4096), load_model(tiny_model_dir)[0], tok)
+    want = [tok.decode(o) for o in eng.generate(prompts, SamplingParams(max_tokens=80, guided_regex=schema_regex(schema, "f")))]
+    for p, w in zip(prompts, want):
+        body = {"prompt": p, "max_tokens": 80, "temperature": 0, "guided_json": schema}
+        r = httpx.post(url + "/v1/completions", json=body, timeout=120)
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["text"] == w, (name, len(p))
+        parts = []
+        with httpx.stream("POST", url + "/v1/completions", json={**body, "stream": True}, timeout=120) as s:
+            for line in s.iter_lines():
+                if line.startswith("data: ") and line != "data: [DONE]":
+                    parts.extend(c["text"] for c in json.loads(line[6:])["choices"])
+        assert "".join(parts) == w, (name, len(p))
+    assert all(isinstance(json.loads(w), dict) for w in want)
+    _assert_drained(url)
+
+
 def test_openai_client_and_status(cluster):
     openai = pytest.importorskip("openai")
     url, name = cluster
