@@ -77,7 +77,7 @@ class Collective:
         self._buf = torch.zeros(PLAN_BUFFER_BYTES, dtype=torch.uint8)
         self._posted: deque = deque()
 
-    def subgroup(self, members: list[int]) -> "Collective":
+    def subgroup(self, members: list[int]) -> Collective:
         """A Collective of its own over world ranks `members` (this rank among them), e.g. the
         TP ranks of one pipeline stage: its own process group, met in this group's store under
         a prefix naming the members, so only the members build it (each once, all at about the

@@ -116,7 +116,7 @@ def test_a_stage_shard_holds_its_layer_range_and_its_heads(models):
     torch.testing.assert_close(shard.model.layers[0].self_attn.q_proj.weight,
                                full["model.layers.1.self_attn.q_proj.weight"][64:], atol=0, rtol=0)
     assert shard.model.layers[0].self_attn.o_proj.bias is None          # rank 0 adds it
-    for bad in (range(0, 3), range(2, 2), range(0, 2, 2)):
+    for bad in (range(3), range(2, 2), range(0, 2, 2)):
         with pytest.raises(ValueError, match="layers"):
             shard_model(model, 0, 2, layers=bad)
 
