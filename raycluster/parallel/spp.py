@@ -34,6 +34,7 @@ from raycluster.engine.scheduler import SchedulerOutput
 from raycluster.parallel.group import Collective
 from raycluster.parallel.kv_port import KV_TAG, KVLoad, KVSave, StagedPort, rank_handler
 from raycluster.parallel.plan import StepPlan, plan_inputs
+from raycluster.parallel.tp import shard_model
 
 HIDDEN_TAG = 1      # stage r -> r+1 hidden states
 RESULT_TAG = 2      # last stage -> rank 0 sampled rows
@@ -84,7 +85,7 @@ class SPPStage:
     """One rank of the pipeline: stage `rank // tp` owns layers [lo, hi) of `model` and their KV
     [hi - lo, N, 2, B, Hkv / tp, D]; with tp > 1 it is TP rank `rank % tp` (its lane) of the
     stage, running tp.shard_model's shard of those layers, which all-reduces over the stage's
-    ranks only (`self.lanes`, a subgroup). World ranks are stage * tp + lane; rank 0 leads."""
+    ranks only (`self.tp_group`, a subgroup). World ranks are stage * tp + lane; rank 0 leads."""
 
     def __init__(self, model, coll: Collective | None, rank: int, spp: int, num_blocks: int, block_size: int,
                  dtype: torch.dtype, device: str | torch.device = "cpu", micro_tokens: int = 512,
@@ -101,12 +102,11 @@ class SPPStage:
         self.result_rank = (spp - 1) * tp         # lane 0 of the last stage returns the rows
         self.block_size, self.micro_tokens = block_size, micro_tokens
         self.device = torch.device(device)
-        self.lanes = None
+        self.tp_group = None
         if tp > 1:
-            from raycluster.parallel.tp import shard_model
             # Every rank of the stage builds this subgroup (and no other) as it starts.
-            self.lanes = coll.subgroup(range(self.stage * tp, (self.stage + 1) * tp))
-            self.model = shard_model(model, self.lane, tp, self.lanes.all_reduce, range(self.lo, self.hi))
+            self.tp_group = coll.subgroup(range(self.stage * tp, (self.stage + 1) * tp))
+            self.model = shard_model(model, self.lane, tp, self.tp_group.all_reduce, range(self.lo, self.hi))
             self.layers = list(self.model.model.layers)
         else:
             self.model = model
