@@ -167,6 +167,9 @@ def test_cpu_kvp_pool_holds_every_ranks_kv():
     # A TP rank holds its heads of every token: the instance holds kv_cache_tokens in all.
     spec = SimSpec(gpu="cpu", engine={"kv_cache_tokens": 4096}, pools=[{"role": "mixed", "tp": 2}])
     assert kv_tokens(spec, spec.pools[0], spec.engine_config(spec.pools[0])) == 4096
+    # SPP x TP: each rank holds its layers and heads of every token, so again kv_cache_tokens in all.
+    spec = SimSpec(gpu="cpu", engine={"kv_cache_tokens": 4096}, pools=[{"role": "mixed", "tp": 2, "spp": 2}])
+    assert kv_tokens(spec, spec.pools[0], spec.engine_config(spec.pools[0])) == 4096
 
 
 @pytest.mark.parametrize("pools", [
