@@ -1,9 +1,9 @@
 """The parallel groups on this machine: KVP decode latency at long context, SPP prefill time, TP
-prefill time and decode latency.
+(and SPP x TP) prefill time and decode latency.
 
     raycluster bench parallel [--model tiny|PATH] [--contexts 8192,32768] [--kvp 2]
         [--prompt 8192] [--chunk 2048] [--spp 2] [--tp 2] [--decode-steps 16] [--repeats 3]
-        [--launch threads|ray] [--parts kvp,spp,tp] --out FILE.json
+        [--launch threads|ray] [--parts kvp,spp,tp[,spp-tp]] --out FILE.json
 
 One request alone per run, greedy. Each configuration runs `--repeats` times, the
 configurations alternating within a repeat, so a noisy shared host moves them together; the
@@ -16,6 +16,8 @@ report gives medians and ratios against the single-process engine on one thread:
   configurations with an SPP group of `--spp` stages.
 - tp: the same prompt's time to first token and then TPOT, same three configurations with a TP
   group of `--tp` ranks.
+- spp-tp (only when asked for): the same as tp with an SPP group of `--spp` stages that are each
+  a TP group of `--tp` ranks (`--spp` x `--tp` ranks, and as many threads for the one process).
 """
 
 from __future__ import annotations
@@ -61,10 +63,40 @@ def _one_request(engine: LLMEngine, prompt: list[int], decode_steps: int) -> tup
     return ttft, steps
 
 
-def _configs(kind: str, k: int) -> list[tuple[str, dict]]:
+def _configs(kind: str, k: int, group: dict | None = None, name: str | None = None) -> list[tuple[str, dict]]:
+    """One process on 1 and on `k` threads, and the group (`group`, default {kind: k}) of `k` ranks."""
     return [("1 process, 1 thread", {"num_threads": 1}),
             (f"1 process, {k} threads", {"num_threads": k}),
-            (f"{kind}{k}, 1 thread per rank", {"num_threads": 1, kind: k})]
+            (f"{name or kind + str(k)}, 1 thread per rank", {"num_threads": 1, **(group or {kind: k})})]
+
+
+def _prefill_decode(model, path: str, args, prompt: list[int], configs) -> dict:
+    """TTFT and TPOT of `prompt` alone under each configuration, medians over the repeats."""
+    samples, decode = {}, {}
+    for _ in range(args.repeats):
+        for name, cfg in configs:
+            eng = _engine(model, path, args.launch, kv_cache_tokens=args.prompt + 4096, chunk_size=args.chunk,
+                          max_num_batched_tokens=args.chunk, **cfg)
+            try:
+                ttft, steps = _one_request(eng, prompt, args.decode_steps)
+            finally:
+                eng.close()
+            samples.setdefault(name, []).append(ttft)
+            decode.setdefault(name, []).append(statistics.median(steps))
+    ttft = {name: statistics.median(v) for name, v in samples.items()}
+    tpot = {name: statistics.median(v) for name, v in decode.items()}
+    base, base_d = ttft["1 process, 1 thread"], tpot["1 process, 1 thread"]
+    return {"prompt": args.prompt, "chunk": args.chunk, "ttft_s": ttft,
+            "tpot_ms": {n: t * 1e3 for n, t in tpot.items()},
+            "ttft_speedup_vs_1_thread": {n: base / t for n, t in ttft.items()},
+            "tpot_speedup_vs_1_thread": {n: base_d / t for n, t in tpot.items()}}
+
+
+def _print_prefill_decode(part: str, res: dict) -> None:
+    ttft, tpot = res["ttft_s"], res["tpot_ms"]
+    up, up_d = res["ttft_speedup_vs_1_thread"], res["tpot_speedup_vs_1_thread"]
+    print(f"{part} prompt {res['prompt']}: " + ", ".join(
+        f"{n} TTFT {ttft[n]:.2f} s ({up[n]:.2f}x), TPOT {tpot[n]:.1f} ms ({up_d[n]:.2f}x)" for n in ttft), flush=True)
 
 
 def run(args) -> dict:
@@ -120,27 +152,14 @@ def run(args) -> dict:
               flush=True)
     if "tp" in args.parts:
         prompt = [rng.randrange(6, vocab) for _ in range(args.prompt)]
-        samples, decode = {}, {}
-        for _ in range(args.repeats):
-            for name, cfg in _configs("tp", args.tp):
-                eng = _engine(model, path, args.launch, kv_cache_tokens=args.prompt + 4096, chunk_size=args.chunk,
-                              max_num_batched_tokens=args.chunk, **cfg)
-                try:
-                    ttft, steps = _one_request(eng, prompt, args.decode_steps)
-                finally:
-                    eng.close()
-                samples.setdefault(name, []).append(ttft)
-                decode.setdefault(name, []).append(statistics.median(steps))
-        ttft = {name: statistics.median(v) for name, v in samples.items()}
-        tpot = {name: statistics.median(v) for name, v in decode.items()}
-        base, base_d = ttft["1 process, 1 thread"], tpot["1 process, 1 thread"]
-        results["tp"] = {"prompt": args.prompt, "chunk": args.chunk, "ttft_s": ttft,
-                         "tpot_ms": {n: t * 1e3 for n, t in tpot.items()},
-                         "ttft_speedup_vs_1_thread": {n: base / t for n, t in ttft.items()},
-                         "tpot_speedup_vs_1_thread": {n: base_d / t for n, t in tpot.items()}}
-        print(f"tp prompt {args.prompt}: " + ", ".join(
-            f"{n} TTFT {ttft[n]:.2f} s ({base / ttft[n]:.2f}x), TPOT {tpot[n] * 1e3:.1f} ms ({base_d / tpot[n]:.2f}x)"
-            for n in ttft), flush=True)
+        results["tp"] = _prefill_decode(model, path, args, prompt, _configs("tp", args.tp))
+        _print_prefill_decode("tp", results["tp"])
+    if "spp-tp" in args.parts:
+        prompt = [rng.randrange(6, vocab) for _ in range(args.prompt)]
+        group = {"spp": args.spp, "tp": args.tp}
+        results["spp-tp"] = _prefill_decode(model, path, args, prompt, _configs(
+            "spp-tp", args.spp * args.tp, group, f"spp{args.spp}xtp{args.tp}"))
+        _print_prefill_decode("spp-tp", results["spp-tp"])
     return results
 
 

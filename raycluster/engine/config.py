@@ -52,7 +52,8 @@ class EngineConfig(BaseModel):
     spp_micro_tokens: int = Field(512, ge=1, description="SPP: prefill tokens per micro-chunk in the pipeline")
     tp: int = Field(1, ge=1, le=64, description="tensor-parallel ranks (Megatron, vLLM's tensor_parallel_size): "
                     "attention heads and the MLP split over them, one all-reduce after o_proj and after "
-                    "down_proj per layer; each rank holds kv_cache_tokens of KV for its KV heads")
+                    "down_proj per layer; each rank holds kv_cache_tokens of KV for its KV heads. With spp > 1: "
+                    "each stage is a TP group of this many ranks (spp x tp ranks in all)")
     group_launch: Literal["threads", "ray"] = Field(
         "threads", description="where the ranks of a KVP / SPP / TP group run: threads of this process, or Ray actors")
     group_host: str = Field("127.0.0.1", description="address the group's store and gloo sockets bind to")
@@ -75,8 +76,15 @@ class EngineConfig(BaseModel):
         return f"{self.policy}/{self.packer}/{self.decode_selector}"
 
     @model_validator(mode="after")
-    def _one_parallel_dimension(self) -> "EngineConfig":
-        if sum(n > 1 for n in (self.kvp, self.spp, self.tp)) > 1:
-            raise ValueError(f"kvp {self.kvp}, spp {self.spp}, tp {self.tp}: only one of kvp, spp and tp may "
-                             "exceed 1 (3D parallelism is not built)")
+    def _parallel_dimensions(self) -> "EngineConfig":
+        # SPP stages that are each a TP group are built (raycluster.parallel.spp); KVP beside
+        # either is not.
+        if self.kvp > 1 and (self.spp > 1 or self.tp > 1):
+            raise ValueError(f"kvp {self.kvp}, spp {self.spp}, tp {self.tp}: kvp may not be combined with spp "
+                             "or tp (only spp x tp is built)")
         return self
+
+    @property
+    def parallel_world(self) -> int:
+        """Ranks of the engine's group (1: one process)."""
+        return self.kvp * self.spp * self.tp

@@ -28,7 +28,8 @@ class StepLogits:
 
 
 class ModelRunner:
-    layout = "single"      # parallel runners say e.g. "kvp2" / "spp2" / "tp2" (the profile cache keys on it)
+    # Parallel runners say e.g. "kvp2" / "spp2" / "tp2" / "spp2xtp2" (the profile cache keys on it).
+    layout = "single"
     ranks = None           # parallel runners: the group's other ranks (`alive()`, `join(timeout)`)
 
     def __init__(self, model, kv: KVCacheManager, dtype: torch.dtype = torch.float32,

@@ -1,5 +1,5 @@
 """Builds an engine's model runner from its config: one process (`ModelRunner`), or the leader of
-a KVP / SPP / TP group whose other ranks run as threads here or as Ray actors
+a KVP / SPP / TP / SPP x TP group whose other ranks run as threads here or as Ray actors
 (raycluster.parallel.ray_group). The runner's `kv` is the engine's block bookkeeping."""
 
 from __future__ import annotations
@@ -13,9 +13,16 @@ from raycluster.engine.prefix_cache import PrefixCachingKVManager
 from raycluster.parallel.group import Collective, GroupAddress, ThreadRanks, free_port
 
 
+def group_kind(config: EngineConfig) -> str:
+    """"single", "kvp", "spp", "tp" or "spp-tp" (the config refuses kvp beside the others)."""
+    if config.spp > 1 and config.tp > 1:
+        return "spp-tp"
+    return next((k for k, n in (("kvp", config.kvp), ("spp", config.spp), ("tp", config.tp)) if n > 1), "single")
+
+
 def group_worker(kind: str, model, coll: Collective, config: EngineConfig, dtype: torch.dtype):
     """The handler rank `coll.rank` (not the leader) runs for each message in a group of `kind`
-    ("kvp" | "spp" | "tp"). `model` is the full model (a TP rank shards it)."""
+    ("kvp" | "spp" | "tp" | "spp-tp"). `model` is the full model (a TP rank shards it)."""
     blocks = config.kv_cache_tokens // config.block_size
     if kind == "kvp":
         from raycluster.parallel.kvp import kvp_worker
@@ -25,7 +32,7 @@ def group_worker(kind: str, model, coll: Collective, config: EngineConfig, dtype
         return tp_worker(model, coll, blocks, config.block_size, dtype, config.device)
     from raycluster.parallel.spp import spp_worker
     return spp_worker(model, coll, config.spp, blocks, config.block_size, dtype, config.device,
-                      config.spp_micro_tokens)
+                      config.spp_micro_tokens, config.tp)       # tp: 1, or the lanes of each stage
 
 
 def build_runner(config: EngineConfig, model, dtype: torch.dtype, model_path: str | None = None,
@@ -34,13 +41,13 @@ def build_runner(config: EngineConfig, model, dtype: torch.dtype, model_path: st
     and take `num_cpus` and `num_gpus` each), join them, and return the leader."""
     blocks = config.kv_cache_tokens // config.block_size
     kv_manager = PrefixCachingKVManager if config.enable_prefix_caching else KVCacheManager
-    kind, world = next(((k, n) for k, n in (("kvp", config.kvp), ("spp", config.spp), ("tp", config.tp))
-                        if n > 1), ("single", 1))
+    kind = group_kind(config)
+    world = config.parallel_world
     if kind == "single":
         return ModelRunner(model, kv_manager(blocks, config.block_size), dtype, config.device)
-    if kind == "spp" and config.spp > model.config.num_hidden_layers:
+    if kind in ("spp", "spp-tp") and config.spp > model.config.num_hidden_layers:
         raise ValueError(f"spp: {config.spp} stages for {model.config.num_hidden_layers} layers")
-    if kind == "tp":
+    if kind in ("tp", "spp-tp"):
         from raycluster.parallel.tp import check_tp
         check_tp(model.config, config.tp)       # before any rank starts
     addr = GroupAddress(config.group_host, free_port(config.group_host), world, config.group_timeout_s)
@@ -59,5 +66,6 @@ def build_runner(config: EngineConfig, model, dtype: torch.dtype, model_path: st
         # Every rank holds its heads of the same block ids: the engine's bookkeeping is unchanged.
         return TPRunner(model, kv_manager(blocks, config.block_size), coll, world, dtype, config.device, ranks=ranks)
     from raycluster.parallel.spp import SPPRunner
-    return SPPRunner(model, kv_manager(blocks, config.block_size), coll, world, dtype, config.device,
-                     config.spp_micro_tokens, ranks=ranks)
+    # SPP x TP too: every rank holds its layers and heads of the same block ids.
+    return SPPRunner(model, kv_manager(blocks, config.block_size), coll, config.spp, dtype, config.device,
+                     config.spp_micro_tokens, ranks=ranks, tp=config.tp)

@@ -7,6 +7,8 @@ place; tensor parallelism's per-layer exchange), `send`/`recv` between ranks, an
 a block move, or None) to rank 1, and each rank's `next_plan` passes it on to the next, so no rank
 waits for the others to be idle before it gets its next message. Rank 0 hosts
 the `TCPStore`; `GroupAddress` is the plain message that tells the other ranks where it is.
+`subgroup(members)` builds a further `Collective` over some of the ranks (its own process
+group, met in the same store under a prefix): a pipeline stage's TP ranks all-reduce in one.
 
 `serve_rank(coll, run)` is every non-leader rank's loop: receive a message, run it, until the
 leader posts None. `thread_group` starts ranks 1..world-1 as threads of this process
@@ -49,25 +51,51 @@ def free_port(host: str) -> int:
         return s.getsockname()[1]
 
 
+def _process_group(store, rank: int, world: int, host: str, timeout: timedelta, device: str):
+    """A gloo (CPU) or NCCL (CUDA) process group of `world` ranks meeting in `store`."""
+    if device.startswith("cuda"):   # pragma: no cover - no GPU here
+        opts = dist.ProcessGroupNCCL.Options()
+        opts._timeout = timeout
+        return dist.ProcessGroupNCCL(store, rank, world, opts)
+    opts = dist.ProcessGroupGloo._Options()
+    opts._devices = [dist.ProcessGroupGloo.create_device(hostname=host)]
+    opts._timeout = timeout
+    return dist.ProcessGroupGloo(store, rank, world, opts)
+
+
 class Collective:
     def __init__(self, addr: GroupAddress, rank: int, device: str = "cpu") -> None:
         if not 0 <= rank < addr.world:
             raise ValueError(f"rank {rank} outside world {addr.world}")
         self.rank, self.world = rank, addr.world
-        t = timedelta(seconds=addr.timeout_s)
+        self.members = list(range(addr.world))     # world rank of each rank of this group
+        self._host, self._device = addr.host, device
+        self._timeout = timedelta(seconds=addr.timeout_s)
         self.store = dist.TCPStore(addr.host, addr.port, addr.world, is_master=rank == 0,
-                                   timeout=t, wait_for_workers=False)
-        if device.startswith("cuda"):   # pragma: no cover - no GPU here
-            opts = dist.ProcessGroupNCCL.Options()
-            opts._timeout = t
-            self.pg = dist.ProcessGroupNCCL(self.store, rank, addr.world, opts)
-        else:
-            opts = dist.ProcessGroupGloo._Options()
-            opts._devices = [dist.ProcessGroupGloo.create_device(hostname=addr.host)]
-            opts._timeout = t
-            self.pg = dist.ProcessGroupGloo(self.store, rank, addr.world, opts)
+                                   timeout=self._timeout, wait_for_workers=False)
+        self.pg = _process_group(self.store, rank, addr.world, addr.host, self._timeout, device)
         self._buf = torch.zeros(PLAN_BUFFER_BYTES, dtype=torch.uint8)
         self._posted: deque = deque()
+
+    def subgroup(self, members: list[int]) -> Collective:
+        """A Collective of its own over world ranks `members` (this rank among them), e.g. the
+        TP ranks of one pipeline stage: its own process group, met in this group's store under
+        a prefix naming the members, so only the members build it (each once, all at about the
+        same time: building waits for them all). Its `rank` / `world` / `send` / `recv` count
+        in the subgroup's ranks (`members[i]` is subgroup rank i). No plan chain of its own."""
+        members = list(members)
+        if self.rank not in members or len(set(members)) != len(members):
+            raise ValueError(f"rank {self.rank}: subgroup {members} must hold this rank, each rank once")
+        if any(not 0 <= m < self.world for m in members):
+            raise ValueError(f"subgroup {members} outside world {self.world}")
+        sub = Collective.__new__(Collective)
+        sub.rank, sub.world = members.index(self.rank), len(members)
+        sub.members = [self.members[m] for m in members]
+        sub._host, sub._device, sub._timeout = self._host, self._device, self._timeout
+        sub.store = dist.PrefixStore("sub/" + ",".join(map(str, sub.members)) + "/", self.store)
+        sub.pg = _process_group(sub.store, sub.rank, sub.world, self._host, self._timeout, self._device)
+        sub._buf, sub._posted = torch.zeros(PLAN_BUFFER_BYTES, dtype=torch.uint8), deque()
+        return sub
 
     def all_gather(self, t: torch.Tensor) -> torch.Tensor:
         """[world, *t.shape]: every rank's tensor, in rank order. Each rank sends its tensor to

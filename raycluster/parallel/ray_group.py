@@ -1,7 +1,7 @@
-"""Ranks 1..world-1 of a KVP / SPP / TP group as Ray actors (the leader is the engine's process).
+"""Ranks 1..world-1 of a KVP / SPP / TP / SPP x TP group as Ray actors (the leader is the engine's process).
 
 Each `GroupRank` actor, placed on the leader's node, loads the model itself from `model_path`
-(a TP rank then keeps only its shard of the layers, `raycluster.parallel.tp.shard_model`),
+(a TP rank, or an SPP x TP rank, then keeps only its shard of the layers, `raycluster.parallel.tp.shard_model`),
 joins the group's store at the `GroupAddress` the leader chose, and runs `serve_rank` in one long
 actor call until the leader posts None. `RayRanks.join` waits for those calls, then kills the actors.
 """
@@ -31,7 +31,7 @@ class GroupRank:
 
         coll = Collective(addr, rank, self.config.device)
         run = group_worker(kind, self.model, coll, self.config, self.dtype)
-        if kind == "tp":
+        if kind in ("tp", "spp-tp"):
             self.model = None       # the rank's shard holds what it needs; free the full layers
         return serve_rank(coll, run)
 

@@ -10,6 +10,15 @@ stage r starts micro-batch j+1 while stage r+1 works on j. That is legal because
 of a prefill needs sub-chunk j's KV in the same stage (written earlier there, stages run
 micro-batches in order), not its output. The last stage applies the final norm to the sampled
 rows only and sends them [n, H] back to rank 0, which returns them from `run_plan`.
+
+SPP x TP (Medha's TP x SPP, e.g. TP8 x SPP2; `tp` > 1): each stage is a TP group of `tp` ranks,
+world rank = stage * tp + lane. A rank runs raycluster.parallel.tp's shard of its stage's layers
+(its heads and MLP share), whose row-parallel all-reduces run over its stage's ranks only (a
+`Collective.subgroup`); the plan chain still runs over the whole world. A stage's lanes all end
+with the same hidden states, so lane t of stage s sends its micro-batch to lane t of stage s+1;
+lane 0 of the last stage returns the sampled rows. A rank's KV holds its stage's layers and its
+lane's KV heads of the same engine block ids, so the leader's block bookkeeping is the plain
+engine's; P/D handoffs move each (layers x heads) slice to or from its rank.
 """
 
 from __future__ import annotations
@@ -25,6 +34,7 @@ from raycluster.engine.scheduler import SchedulerOutput
 from raycluster.parallel.group import Collective
 from raycluster.parallel.kv_port import KV_TAG, KVLoad, KVSave, StagedPort, rank_handler
 from raycluster.parallel.plan import StepPlan, plan_inputs
+from raycluster.parallel.tp import shard_model
 
 HIDDEN_TAG = 1      # stage r -> r+1 hidden states
 RESULT_TAG = 2      # last stage -> rank 0 sampled rows
@@ -72,62 +82,86 @@ def split_plan(plan: StepPlan, micro_tokens: int) -> list[StepPlan]:
 
 
 class SPPStage:
-    """One pipeline stage: layers [lo, hi) of `model` and their KV [hi - lo, N, 2, B, Hkv, D]."""
+    """One rank of the pipeline: stage `rank // tp` owns layers [lo, hi) of `model` and their KV
+    [hi - lo, N, 2, B, Hkv / tp, D]; with tp > 1 it is TP rank `rank % tp` (its lane) of the
+    stage, running tp.shard_model's shard of those layers, which all-reduces over the stage's
+    ranks only (`self.tp_group`, a subgroup). World ranks are stage * tp + lane; rank 0 leads."""
 
     def __init__(self, model, coll: Collective | None, rank: int, spp: int, num_blocks: int, block_size: int,
-                 dtype: torch.dtype, device: str | torch.device = "cpu", micro_tokens: int = 512) -> None:
-        if spp > 1 and (coll is None or coll.world != spp or coll.rank != rank):
-            raise ValueError(f"spp={spp} rank {rank} needs a Collective of world {spp} at that rank")
-        self.model, self.coll, self.rank, self.spp = model, coll, rank, spp
-        self.lo, self.hi = stage_layers(model.config.num_hidden_layers, spp)[rank]
+                 dtype: torch.dtype, device: str | torch.device = "cpu", micro_tokens: int = 512,
+                 tp: int = 1) -> None:
+        world = spp * tp
+        if world > 1 and (coll is None or coll.world != world or coll.rank != rank):
+            raise ValueError(f"spp={spp} x tp={tp} rank {rank} needs a Collective of world {world} at that rank")
+        self.coll, self.rank, self.spp, self.tp, self.world = coll, rank, spp, tp, world
+        self.stage, self.lane = divmod(rank, tp)
+        self.lo, self.hi = stage_layers(model.config.num_hidden_layers, spp)[self.stage]
+        # The same lane of the neighbouring stages: every rank of a stage ends its layers with
+        # the same full hidden states (the all-reduce), so each lane feeds its own successor.
+        self.prev, self.next = rank - tp, rank + tp
+        self.result_rank = (spp - 1) * tp         # lane 0 of the last stage returns the rows
         self.block_size, self.micro_tokens = block_size, micro_tokens
         self.device = torch.device(device)
-        shape = model.kv_cache_shape(num_blocks, block_size)
+        self.tp_group = None
+        if tp > 1:
+            # Every rank of the stage builds this subgroup (and no other) as it starts.
+            self.tp_group = coll.subgroup(range(self.stage * tp, (self.stage + 1) * tp))
+            self.model = shard_model(model, self.lane, tp, self.tp_group.all_reduce, range(self.lo, self.hi))
+            self.layers = list(self.model.model.layers)
+        else:
+            self.model = model
+            self.layers = list(model.model.layers[self.lo:self.hi])
+        shape = self.model.kv_cache_shape(num_blocks, block_size)
         self.kv = torch.zeros((self.hi - self.lo,) + tuple(shape[1:]), dtype=dtype, device=self.device)
-        # A backend per stage: the torch backend's workspace buffers must not be shared by
-        # stages running concurrently in threads of one process (model.backend would be).
-        self.backend = model.backend if spp == 1 and model.backend is not None else get_attention_backend(self.device)
+        # A backend per rank: the torch backend's workspace buffers must not be shared by
+        # ranks running concurrently in threads of one process (model.backend would be).
+        self.backend = model.backend if world == 1 and model.backend is not None else get_attention_backend(self.device)
         self.hidden_dtype = model.model.embed_tokens.weight.dtype
         self.hidden_size = model.config.hidden_size
 
     @property
     def first(self) -> bool:
-        return self.rank == 0
+        return self.stage == 0
 
     @property
     def last(self) -> bool:
-        return self.rank == self.spp - 1
+        return self.stage == self.spp - 1
+
+    def heads(self, blocks: torch.Tensor, lane: int) -> torch.Tensor:
+        """Lane `lane`'s KV heads of blocks [.., n, 2, B, Hkv, D] (all of them when tp == 1)."""
+        hk = self.kv.shape[4]
+        return blocks.narrow(4, lane * hk, hk)
 
     def load(self, msg: KVLoad, data: torch.Tensor | None = None) -> None:
-        """Write this stage's layers of blocks [L, n, ...] (the leader passes all of `data`,
-        the other stages receive their layers from it)."""
+        """Write this rank's layers and heads of blocks [L, n, ...] (the leader passes all of
+        `data`, the other ranks receive their slice from it)."""
         ids = torch.tensor(msg.block_ids, dtype=torch.long, device=self.device)
         if data is not None:
-            chunk = data[self.lo:self.hi]
+            chunk = self.heads(data[self.lo:self.hi], self.lane)
         else:
             chunk = self.coll.recv(torch.empty((self.hi - self.lo, len(ids)) + tuple(self.kv.shape[2:]),
                                                dtype=self.kv.dtype, device=self.device), 0, KV_TAG)
         self.kv.index_copy_(1, ids, chunk.to(self.device))
 
     def save(self, msg: KVSave) -> torch.Tensor:
-        """This stage's layers of the blocks; the other stages send them to the leader."""
+        """This rank's layers and heads of the blocks; the other ranks send them to the leader."""
         part = self.kv.index_select(1, torch.tensor(msg.block_ids, dtype=torch.long, device=self.device))
-        if not self.first:
+        if self.rank != 0:
             self.coll.send(part, 0, KV_TAG).wait()
         return part
 
     def run(self, plan: StepPlan) -> torch.Tensor | None:
-        """Run this stage's part of `plan`; rank 0 returns the normed rows of plan.sample_rows
+        """Run this rank's part of `plan`; rank 0 returns the normed rows of plan.sample_rows
         [n, H], other ranks None."""
         with torch.inference_mode():
             rows = self._stream(plan)
             n = len(plan.sample_rows)
-            if self.spp > 1 and n:      # every rank knows n from the plan: no size message
-                if self.last:
+            if self.result_rank != 0 and n:      # every rank knows n from the plan: no size message
+                if self.rank == self.result_rank:
                     self.coll.send(rows, 0, RESULT_TAG).wait()
-                elif self.first:
-                    rows = self.coll.recv(self._buf(n), self.spp - 1, RESULT_TAG)
-            if not self.first:
+                elif self.rank == 0:
+                    rows = self.coll.recv(self._buf(n), self.result_rank, RESULT_TAG)
+            if self.rank != 0:
                 return None
             return rows if rows is not None else self._buf(0)
 
@@ -136,7 +170,7 @@ class SPPStage:
 
     def _stream(self, plan: StepPlan) -> torch.Tensor | None:
         m = self.model
-        layers = m.model.layers
+        returns = self.rank == self.result_rank     # the other lanes of the last stage norm nothing
         works, sent, kept = [], [], []
         for mb in split_plan(plan, self.micro_tokens):
             ids, pos, meta = plan_inputs(mb, self.block_size, self.device)
@@ -144,49 +178,54 @@ class SPPStage:
             if self.first:
                 x = m.model.embed_tokens(ids)
             else:
-                x = self.coll.recv(self._buf(mb.num_tokens), self.rank - 1, HIDDEN_TAG)
+                x = self.coll.recv(self._buf(mb.num_tokens), self.prev, HIDDEN_TAG)
             cos, sin = m.rotary.cos_sin(pos, x.dtype)
-            for i in range(self.lo, self.hi):
-                x = layers[i](x, cos, sin, self.kv[i - self.lo], meta, self.backend)
+            for layer, layer_kv in zip(self.layers, self.kv):
+                x = layer(x, cos, sin, layer_kv, meta, self.backend)
             if not self.last:
                 # Don't wait: the next stage works on this micro-batch while we go on to the
                 # next. Keep `x` alive until its send completes.
-                works.append(self.coll.send(x, self.rank + 1, HIDDEN_TAG))
+                works.append(self.coll.send(x, self.next, HIDDEN_TAG))
                 sent.append(x)
-            elif mb.sample_rows:
+            elif returns and mb.sample_rows:
                 # RMSNorm is per row: norming only the sampled rows equals norm-then-select.
                 sel = torch.tensor(mb.sample_rows, dtype=torch.long, device=x.device)
                 kept.append(m.model.norm(x.index_select(0, sel)))
         for w in works:
             w.wait()
-        if not self.last:
+        if not returns:
             return None
         return torch.cat(kept) if kept else None
 
 
 def spp_worker(model, coll: Collective, spp: int, num_blocks: int, block_size: int, dtype: torch.dtype,
-               device: str | torch.device = "cpu", micro_tokens: int = 512) -> Callable:
+               device: str | torch.device = "cpu", micro_tokens: int = 512, tp: int = 1) -> Callable:
     """The `run` of a non-leader rank (what `ThreadRanks`/a Ray actor gets from `make_run(coll)`)."""
     if coll.rank == 0:
         raise ValueError("rank 0 is the leader: use SPPRunner")
-    return rank_handler(SPPStage(model, coll, coll.rank, spp, num_blocks, block_size, dtype, device, micro_tokens))
+    return rank_handler(SPPStage(model, coll, coll.rank, spp, num_blocks, block_size, dtype, device, micro_tokens,
+                                 tp))
 
 
 class SPPRunner:
-    """The leader's runner (rank 0): ModelRunner's interface over an SPP group."""
+    """The leader's runner (rank 0): ModelRunner's interface over an SPP group, whose stages are
+    each a TP group of `tp` ranks when tp > 1."""
 
     def __init__(self, model, kv: KVCacheManager, coll: Collective | None, spp: int,
                  dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
-                 micro_tokens: int = 512, ranks=None) -> None:
-        """`ranks`: the handle of stages 1..spp-1 (`join(timeout)`), stopped by `close`."""
-        self.model, self.kv, self.coll, self.spp, self.ranks = model, kv, coll, spp, ranks
+                 micro_tokens: int = 512, ranks=None, tp: int = 1) -> None:
+        """`ranks`: the handle of ranks 1..spp*tp-1 (`join(timeout)`), stopped by `close`."""
+        self.model, self.kv, self.coll, self.spp, self.tp, self.ranks = model, kv, coll, spp, tp, ranks
+        self.world = spp * tp
         self.dtype = dtype
         self.device = torch.device(device)
-        self.layout = f"spp{spp}"
-        self.stage = SPPStage(model, coll, 0, spp, kv.num_blocks, kv.block_size, dtype, device, micro_tokens)
+        self.layout = f"spp{spp}" if tp == 1 else f"spp{spp}xtp{tp}"
+        self.stage = SPPStage(model, coll, 0, spp, kv.num_blocks, kv.block_size, dtype, device, micro_tokens, tp)
         self.layer_ranges = stage_layers(model.config.num_hidden_layers, spp)
-        # Connectors see a staging area of whole blocks (every layer), as many as the engine has.
-        self.port = StagedPort(self, model.kv_cache_shape(kv.num_blocks, kv.block_size), dtype, self.device)
+        # Connectors see a staging area of whole blocks (every layer, every head): as many as the
+        # engine has, or with TP lanes 1/tp of them, as a TP leader stages its own KV bytes' worth.
+        staged = kv.num_blocks if tp == 1 else max(1, kv.num_blocks // tp)
+        self.port = StagedPort(self, model.kv_cache_shape(staged, kv.block_size), dtype, self.device)
         self._closed = False
 
     def kv_bytes_per_token(self) -> int:
@@ -201,35 +240,44 @@ class SPPRunner:
         """Run one step across the group; returns the final hidden states of plan.sample_rows [n, H]."""
         if self._closed:
             raise RuntimeError("SPPRunner is closed")
-        if self.spp > 1:
+        if self.world > 1:
             self.coll.post_plan(plan)
         return self.stage.run(plan)
 
     def execute(self, out: SchedulerOutput) -> StepLogits:
         return execute_step(self, out)
 
+    def _slices(self):
+        """(world rank, its layers [lo, hi), its lane) of every rank but the leader."""
+        for r in range(1, self.world):
+            s, lane = divmod(r, self.tp)
+            yield r, self.layer_ranges[s], lane
+
     def load_blocks(self, block_ids: list[int], data: torch.Tensor) -> None:
-        """Write blocks [L, n, 2, B, Hkv, D] to engine block ids, each stage its layers."""
+        """Write blocks [L, n, 2, B, Hkv, D] to engine block ids, each rank its layers and heads."""
         msg = KVLoad(list(block_ids))
-        if self.spp > 1:
+        if self.world > 1:
             self.coll.post_plan(msg)
-            for s, (lo, hi) in enumerate(self.layer_ranges[1:], start=1):
-                self.coll.send(data[lo:hi], s, KV_TAG).wait()
+            for r, (lo, hi), lane in self._slices():
+                self.coll.send(self.stage.heads(data[lo:hi], lane), r, KV_TAG).wait()
         self.stage.load(msg, data)
 
     def save_blocks(self, block_ids: list[int]) -> torch.Tensor:
-        """The data [L, n, 2, B, Hkv, D] of engine block ids, collected from the stages."""
+        """The data [L, n, 2, B, Hkv, D] of engine block ids, collected from the ranks."""
         msg = KVSave(list(block_ids))
-        if self.spp > 1:
+        if self.world > 1:
             self.coll.post_plan(msg)
         kv = self.stage.kv
-        out = torch.empty((self.model.config.num_hidden_layers, len(block_ids)) + tuple(kv.shape[2:]),
-                          dtype=kv.dtype, device=kv.device)
-        for s, (lo, hi) in enumerate(self.layer_ranges):
-            if s == 0:
-                out[lo:hi] = self.stage.save(msg)
+        out = torch.empty((self.model.config.num_hidden_layers, len(block_ids), 2, kv.shape[3],
+                           kv.shape[4] * self.tp, kv.shape[5]), dtype=kv.dtype, device=kv.device)
+        lo, hi = self.layer_ranges[0]
+        self.stage.heads(out[lo:hi], 0).copy_(self.stage.save(msg))
+        for r, (lo, hi), lane in self._slices():
+            dst = self.stage.heads(out[lo:hi], lane)
+            if dst.is_contiguous():         # every head (tp == 1): receive in place
+                self.coll.recv(dst, r, KV_TAG)
             else:
-                self.coll.recv(out[lo:hi], s, KV_TAG)
+                dst.copy_(self.coll.recv(torch.empty(dst.shape, dtype=kv.dtype, device=kv.device), r, KV_TAG))
         return out
 
     def close(self, timeout: float = 10.0) -> None:
@@ -237,7 +285,7 @@ class SPPRunner:
         if self._closed:
             return
         self._closed = True
-        if self.spp > 1:
+        if self.world > 1:
             self.coll.post_plan(None)
             self.coll.flush()
             if self.ranks is not None:

@@ -110,25 +110,30 @@ def _shard_layer(cfg: ModelConfig, full_cfg: ModelConfig, rank: int, reduce: Cal
 
 @torch.no_grad()
 def shard_model(model: LlamaForCausalLM, rank: int, tp: int,
-                reduce: Callable[[torch.Tensor], torch.Tensor] = _identity) -> LlamaForCausalLM:
+                reduce: Callable[[torch.Tensor], torch.Tensor] = _identity,
+                layers: range | None = None) -> LlamaForCausalLM:
     """Rank `rank`'s model of a `tp`-way group, from a loaded full model: its own sharded
     decoder layers, and the full model's embedding, final norm and output head (shared modules,
     not copies). Its config has the rank's head counts, so `kv_cache_shape` is the rank's KV.
     `reduce` sums a row-parallel layer's output over the group (identity: one rank's partial
-    sums, for tests)."""
+    sums, for tests). `layers`: only these decoder layers of the full model (an SPP stage's
+    range; default all); the shard's config then counts just them, as does its KV shape."""
     full_cfg = model.config
-    cfg = shard_config(full_cfg, tp)
+    layers = range(full_cfg.num_hidden_layers) if layers is None else layers
+    if not (layers and 0 <= layers[0] and layers[-1] < full_cfg.num_hidden_layers and layers.step == 1):
+        raise ValueError(f"layers {layers} is not a contiguous range of the model's {full_cfg.num_hidden_layers}")
+    cfg = dataclasses.replace(shard_config(full_cfg, tp), num_hidden_layers=len(layers))
     if not 0 <= rank < tp:
         raise ValueError(f"rank {rank} outside tp {tp}")
     with torch.device("meta"):
         sharded = LlamaForCausalLM(cfg)
-        layers = [_shard_layer(cfg, full_cfg, rank, reduce) for _ in range(cfg.num_hidden_layers)]
+        shards = [_shard_layer(cfg, full_cfg, rank, reduce) for _ in layers]
     state = model.state_dict()
-    for i, layer in enumerate(layers):
+    for i, layer in zip(layers, shards):
         prefix = f"model.layers.{i}."
         mine = {k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)}
         layer.load_state_dict(shard_layer_state(mine, rank, tp), strict=True, assign=True)
-    sharded.model.layers = nn.ModuleList(layers)
+    sharded.model.layers = nn.ModuleList(shards)
     sharded.model.embed_tokens = model.model.embed_tokens
     sharded.model.norm = model.model.norm
     sharded.lm_head = model.lm_head

@@ -53,7 +53,8 @@ _CPU_PRED: dict[str, LinearBatchPredictor] = {}
 
 def cpu_predictor(spec: SimSpec, pool: SimPool | None = None) -> LinearBatchPredictor:
     """The spec's own predictor, else the profile of the real engine on this machine -- of a
-    KVP / SPP / TP group of the pool's degree when it has one (fitted through the group itself)."""
+    KVP / SPP / TP / SPP x TP group of the pool's degrees when it has one (fitted through the
+    group itself)."""
     p = spec.predictor
     if isinstance(p, dict):
         return LinearBatchPredictor(**p)

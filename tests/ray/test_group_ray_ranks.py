@@ -1,4 +1,4 @@
-"""A KVP / SPP / TP group whose other ranks are Ray actors: the same greedy tokens as one process, and
+"""A KVP / SPP / TP / SPP x TP group whose other ranks are Ray actors: the same greedy tokens as one process, and
 `close` ends the ranks' serve loops and their actors."""
 
 from __future__ import annotations
@@ -10,8 +10,9 @@ import pytest
 pytestmark = pytest.mark.ray
 
 
-@pytest.mark.parametrize("group", [{"kvp": 2}, {"spp": 2, "spp_micro_tokens": 64}, {"tp": 2}],
-                         ids=["kvp2", "spp2", "tp2"])
+@pytest.mark.parametrize("group", [{"kvp": 2}, {"spp": 2, "spp_micro_tokens": 64}, {"tp": 2},
+                                   {"spp": 2, "tp": 2, "spp_micro_tokens": 64}],
+                         ids=["kvp2", "spp2", "tp2", "spp2xtp2"])
 def test_group_ranks_as_ray_actors_match_the_single_engine(ray_cluster, tiny_model_dir, monkeypatch, group):
     import ray
 
@@ -34,8 +35,8 @@ def test_group_ranks_as_ray_actors_match_the_single_engine(ray_cluster, tiny_mod
         engine.kv.check()
     finally:
         engine.close()
-    [plans_run] = ray.get(ranks.calls, timeout=5)     # the rank's serve loop returned
-    assert plans_run > 10
+    plans_run = ray.get(ranks.calls, timeout=5)       # every rank's serve loop returned
+    assert len(plans_run) == engine.config.parallel_world - 1 and min(plans_run) > 10
     with pytest.raises(ray.exceptions.RayActorError):
         ray.get(ranks.actors[0].serve.remote("kvp", None, 1), timeout=10)   # killed by close
 

@@ -22,5 +22,13 @@ def test_parallel_bench_writes_every_configuration(tmp_path, tiny_model_dir, mon
     assert all(t > 0 for t in res["spp"]["ttft_s"].values())
     assert set(res["tp"]["ttft_s"]) == set(res["tp"]["tpot_ms"]) == names | {"tp2, 1 thread per rank"}
     assert all(t > 0 for t in res["tp"]["tpot_ms"].values())
+    assert "spp-tp" not in res                   # only when asked for:
+    assert main(["--model", str(tiny_model_dir), "--parts", "spp-tp", "--contexts", "300", "--prompt", "200",
+                 "--chunk", "64", "--decode-steps", "2", "--repeats", "1", "--out", str(out)]) == 0
+    res = json.loads(out.read_text())
+    assert set(res) == {"meta", "spp-tp"}
+    assert set(res["spp-tp"]["tpot_ms"]) == {"1 process, 1 thread", "1 process, 4 threads",
+                                             "spp2xtp2, 1 thread per rank"}
+    assert all(t > 0 for t in res["spp-tp"]["ttft_s"].values())
     with pytest.raises(SystemExit, match="context"):
         main(["--model", str(tiny_model_dir), "--contexts", "40000", "--out", str(out)])

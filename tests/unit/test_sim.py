@@ -152,10 +152,11 @@ def test_bad_spec_names_the_field():
         SimSpec(gpu="a100", pools=[{"role": "decode", "instances": 1}])
     with pytest.raises(ValueError, match="model"):
         SimSpec(gpu="a100", model="gpt-9")
-    with pytest.raises(ValueError, match="one of them"):
+    with pytest.raises(ValueError, match="does not combine kvp with spp or tp"):
         SimSpec(gpu="cpu", pools=[{"role": "mixed", "kvp": 2, "spp": 2}])
-    with pytest.raises(ValueError, match="one of them"):
+    with pytest.raises(ValueError, match="does not combine kvp with spp or tp"):
         SimSpec(gpu="cpu", pools=[{"role": "mixed", "tp": 2, "kvp": 2}])
+    SimSpec(gpu="cpu", pools=[{"role": "mixed", "tp": 2, "spp": 2}])       # SPP x TP the CPU engine runs
 
 
 def test_cpu_kvp_pool_holds_every_ranks_kv():
@@ -165,6 +166,9 @@ def test_cpu_kvp_pool_holds_every_ranks_kv():
     assert kv_tokens(spec, spec.pools[0], spec.engine_config(spec.pools[0])) == 3 * 4096
     # A TP rank holds its heads of every token: the instance holds kv_cache_tokens in all.
     spec = SimSpec(gpu="cpu", engine={"kv_cache_tokens": 4096}, pools=[{"role": "mixed", "tp": 2}])
+    assert kv_tokens(spec, spec.pools[0], spec.engine_config(spec.pools[0])) == 4096
+    # SPP x TP: each rank holds its layers and heads of every token, so again kv_cache_tokens in all.
+    spec = SimSpec(gpu="cpu", engine={"kv_cache_tokens": 4096}, pools=[{"role": "mixed", "tp": 2, "spp": 2}])
     assert kv_tokens(spec, spec.pools[0], spec.engine_config(spec.pools[0])) == 4096
 
 
