@@ -11,7 +11,7 @@ the `TCPStore`; `GroupAddress` is the plain message that tells the other ranks w
 group, met in the same store under a prefix): a pipeline stage's TP ranks all-reduce in one.
 
 `serve_rank(coll, run)` is every non-leader rank's loop: receive a message, run it, until the
-leader posts None. `thread_group` starts ranks 1..world-1 as threads of this process
+leader posts None. `ThreadRanks` starts ranks 1..world-1 as threads of this process
 (tests and one-host use; torch releases the GIL in its kernels); raycluster.parallel.ray_group
 starts them as Ray actors.
 """
