@@ -8,7 +8,7 @@
   raycluster engine-server [--model ...] [--policy ...]     (one engine, no Ray)
   raycluster tiny-model PATH
   raycluster sim --cluster SPEC.yaml --workload NAME|FILE.jsonl ... --out F.json
-  raycluster bench engine|convoy|policy|profile|kv-transfer|parallel ...
+  raycluster bench engine|convoy|policy|profile|kv-transfer|parallel|prefix|guided ...
 
 `up` runs the cluster (Ray Serve gateway, router, engine pools) on a new local Ray cluster or
 the one at `--address`; `--detach` starts it in the background, records its PID under the cache
@@ -224,7 +224,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
     benches = {"engine": "engine_bench", "convoy": "convoy_bench", "policy": "policy_bench",
                "profile": "profile_bench", "kv-transfer": "kv_transfer_bench",
-               "parallel": "parallel_bench", "prefix": "prefix_bench"}
+               "parallel": "parallel_bench", "prefix": "prefix_bench", "guided": "guided_bench"}
     if not args.rest or args.rest[0] not in benches:
         print(f"raycluster bench: choose one of {', '.join(benches)}", file=sys.stderr)
         return 2

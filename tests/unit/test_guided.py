@@ -248,3 +248,14 @@ def test_the_gateway_refuses_a_pattern_that_compiles_too_long(tok):
     finally:
         check.close()
     assert list(check._ok) == [CODE]
+
+
+def test_guided_bench_writes_its_figures(tmp_path, tiny_model_dir):
+    from raycluster.bench import guided_bench
+
+    out = tmp_path / "g.json"
+    assert guided_bench.main(["--model", str(tiny_model_dir), "--num-requests", "3", "--max-tokens", "12",
+                              "--rounds", "2", "--out", str(out)]) == 0
+    res = json.loads(out.read_text())
+    assert res["valid"] and res["guided_over_free"] > 0 and res["mask_ms_per_step"] > 0
+    assert set(res["tokens_per_s"]) == {"free", "guided"} and res["compile_s"] > 0
