@@ -15,13 +15,11 @@ import pytest
 import torch
 from engine_arrivals import run_arrivals
 from pydantic import ValidationError
-from test_tp import VARIANTS, _decode, _plans, _prefill, _prefix_arrivals
+from test_tp import VARIANTS, _decode, _prefill, _prefix_arrivals, same_as_single_runner
 
 from raycluster.clock import VirtualClock
 from raycluster.engine.config import EngineConfig
 from raycluster.engine.engine import LLMEngine
-from raycluster.engine.kv_manager import KVCacheManager
-from raycluster.engine.model_runner import ModelRunner
 from raycluster.model.loader import load_model
 from raycluster.model.tiny import write_tiny_model
 from raycluster.parallel.factory import build_runner
@@ -127,21 +125,11 @@ def test_an_spp_tp_group_gives_the_single_runners_logits_and_kv_step_by_step(mod
     model = models[variant]
     runner = _group(model, spp, tp)
     try:
-        single = ModelRunner(model, KVCacheManager(64, BS))           # same block ids
-        table_a, table_b = list(range(40, 20, -1)), [5, 3, 9]        # out of order, as after frees
-        for plan in _plans(table_a, table_b, model.config.vocab_size - 10):
-            want = model.compute_logits(single.run_plan(plan))
-            got = model.compute_logits(runner.run_plan(plan))
-            assert got.shape == want.shape
-            torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-5)
-        # Each rank holds its stage's layers and its heads of the same blocks: put together
-        # they are the single runner's KV.
-        ids = table_a[:19] + table_b
-        torch.testing.assert_close(runner.save_blocks(ids), single.kv_cache[:, ids], atol=1e-5, rtol=1e-5)
+        # Each rank holds its stage's layers and its heads of the same blocks.
+        single = same_as_single_runner(model, runner)
         lo, hi = runner.layer_ranges[0]
         assert runner.stage.kv.shape[0] == hi - lo
         assert runner.stage.kv.shape[4] == model.config.num_key_value_heads // tp
-        assert runner.kv_bytes_per_token() == single.kv_bytes_per_token()
         # load_blocks routes each (layers x heads) slice to its rank: a round trip through the
         # ranks gives the data back, and the leader holds its own slice.
         data = torch.randn_like(single.kv_cache[:, [1, 2, 7]])

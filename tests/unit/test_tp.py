@@ -130,23 +130,30 @@ def _plans(table_a: list[int], table_b: list[int], vocab: int) -> list[StepPlan]
     return plans
 
 
+def same_as_single_runner(model, runner) -> ModelRunner:
+    """Run `_plans` through a group `runner` and a single-process runner with the same block ids:
+    the logits agree step by step, and the KV the group gathers from its ranks (each holding its
+    share of the same blocks) is the single runner's. Returns the single runner."""
+    single = ModelRunner(model, KVCacheManager(64, BS))           # same block ids
+    table_a, table_b = list(range(40, 20, -1)), [5, 3, 9]        # out of order, as after frees
+    for plan in _plans(table_a, table_b, model.config.vocab_size - 10):
+        want = model.compute_logits(single.run_plan(plan))
+        got = model.compute_logits(runner.run_plan(plan))
+        assert got.shape == want.shape
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-5)
+    ids = table_a[:19] + table_b
+    torch.testing.assert_close(runner.save_blocks(ids), single.kv_cache[:, ids], atol=1e-5, rtol=1e-5)
+    assert runner.kv_bytes_per_token() == single.kv_bytes_per_token()
+    return single
+
+
 @pytest.mark.parametrize("variant,tp", [("tiny", 2), ("qwen2", 2), ("mistral", 2), ("gqa-bias", 2), ("mha", 4)])
 def test_a_tp_group_gives_the_single_runners_logits_step_by_step(models, variant, tp):
     model = models[variant]
     runner = _group(model, tp)
     try:
-        single = ModelRunner(model, KVCacheManager(64, BS))           # same block ids
-        table_a, table_b = list(range(40, 20, -1)), [5, 3, 9]        # out of order, as after frees
-        for plan in _plans(table_a, table_b, model.config.vocab_size - 10):
-            want = model.compute_logits(single.run_plan(plan))
-            got = model.compute_logits(runner.run_plan(plan))
-            assert got.shape == want.shape
-            torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-5)
-        # Each rank holds its heads of the same blocks: put together they are the single KV.
-        ids = table_a[:19] + table_b
-        torch.testing.assert_close(runner.save_blocks(ids), single.kv_cache[:, ids], atol=1e-5, rtol=1e-5)
+        same_as_single_runner(model, runner)
         assert runner.rank0.kv_cache.shape[4] == model.config.num_key_value_heads // tp
-        assert runner.kv_bytes_per_token() == single.kv_bytes_per_token()
     finally:
         _close(runner)
 
