@@ -8,18 +8,14 @@ Mistral-style; o_proj and MLP biases), each split into 2 stages of 2 TP ranks.""
 
 from __future__ import annotations
 
-import random
 import threading
 
 import pytest
 import torch
-from engine_arrivals import run_arrivals
 from pydantic import ValidationError
-from test_tp import VARIANTS, _decode, _prefill, _prefix_arrivals, same_as_single_runner
+from test_tp import VARIANTS, engine_matches_plain, handoff_matches_plain, same_as_single_runner
 
-from raycluster.clock import VirtualClock
 from raycluster.engine.config import EngineConfig
-from raycluster.engine.engine import LLMEngine
 from raycluster.model.loader import load_model
 from raycluster.model.tiny import write_tiny_model
 from raycluster.parallel.factory import build_runner
@@ -145,58 +141,14 @@ def test_an_spp_tp_group_gives_the_single_runners_logits_and_kv_step_by_step(mod
 def test_an_spp_tp_engine_gives_the_plain_engines_tokens_with_prefix_caching(models, variant):
     """Chunks of 48 tokens in micro-batches of 16: several micro-batches per step stream through
     the stages."""
-    model = models[variant]
-    arrivals = _prefix_arrivals(model.config.vocab_size - 10, 4)
-    cfg = dict(BASE, kv_cache_tokens=4096, chunk_size=48)
-    plain = LLMEngine(EngineConfig(**cfg), model, clock=VirtualClock())
-    try:
-        want = run_arrivals(plain, arrivals, 500)
-    finally:
-        plain.close()
-    eng = LLMEngine(EngineConfig(**cfg, spp=2, tp=2, spp_micro_tokens=16, enable_prefix_caching=True), model,
-                    clock=VirtualClock())
-    try:
-        assert eng.runner.layout == "spp2xtp2"
-        got = run_arrivals(eng, arrivals, 500)
-    finally:
-        _close(eng.runner)
-    assert {r: q.output_token_ids for r, q in got.items()} == {r: q.output_token_ids for r, q in want.items()}
-    assert eng.kv.hit_tokens >= 2 * 64 and sum(q.num_cached_tokens for q in got.values()) == eng.kv.hit_tokens
-    for rid in ("r1", "r3"):
-        g, w = got[rid].prompt_logprobs, want[rid].prompt_logprobs
-        assert len(g) == len(w) == len(want[rid].prompt_token_ids) - 1
-        assert [e.logprob for e in g] == pytest.approx([e.logprob for e in w], abs=1e-4)
-        assert [e.top[0][0] for e in g] == [e.top[0][0] for e in w]
+    engine_matches_plain(models[variant], {"spp": 2, "tp": 2, "spp_micro_tokens": 16}, "spp2xtp2")
 
 
 # ---- P/D handoffs -----------------------------------------------------------------------------------
 @pytest.mark.parametrize("direction", ["plain-to-spp-tp", "spp-tp-to-plain"])
 def test_a_handoff_into_or_out_of_an_spp_tp_engine_gives_the_plain_engines_tokens(models, direction):
-    model = models["tiny"]
-    rng = random.Random(3)
-    shared = [rng.randrange(6, 4000) for _ in range(40)]             # 2 full blocks + 8
-    warm = shared + [rng.randrange(6, 4000) for _ in range(6)]
-    prompt = shared + [rng.randrange(6, 4000) for _ in range(57)]
-    cfg = dict(BASE, kv_cache_tokens=2048, chunk_size=32)
-    plain = LLMEngine(EngineConfig(**cfg), model)
-    want = plain.generate([prompt], GREEDY)[0]
-    group_cfg = EngineConfig(**cfg, spp=2, tp=2, spp_micro_tokens=16, enable_prefix_caching=True)
-    pre = LLMEngine(group_cfg, model) if direction == "spp-tp-to-plain" else plain
-    dec = LLMEngine(group_cfg, model) if direction == "plain-to-spp-tp" else plain
-    group = pre if pre is not plain else dec
-    try:
-        if dec is group:            # the decode group already caches the shared prefix
-            dec.generate([warm], GREEDY)
-        first, data = _prefill(pre, "h", prompt)
-        assert first == want[:1] and data.shape[1] == -(-len(prompt) // BS)
-        assert data.shape[0] == model.config.num_hidden_layers                  # whole blocks: every layer
-        assert data.shape[4] == model.config.num_key_value_heads                # and every head
-        tokens, moved = _decode(dec, "h", prompt, first, data)
-        assert tokens == want
-        assert moved == ([2] if dec is group else [0])
-    finally:
-        _close(group.runner)
-        plain.close()
+    handoff_matches_plain(models["tiny"], {"spp": 2, "tp": 2, "spp_micro_tokens": 16},
+                          direction == "plain-to-spp-tp")
 
 
 # ---- what it refuses --------------------------------------------------------------------------------

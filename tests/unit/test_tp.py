@@ -171,9 +171,10 @@ def _prefix_arrivals(vocab: int, seed: int):
     return arrivals
 
 
-@pytest.mark.parametrize("variant", ["tiny", "qwen2", "mistral", "gqa-bias"])
-def test_a_tp_engine_gives_the_plain_engines_tokens_with_prefix_caching(models, variant):
-    model = models[variant]
+def engine_matches_plain(model, group: dict, layout: str) -> None:
+    """Timed arrivals sharing prefixes through a plain engine and through one led by a group
+    (`group`: its config fields, prefix caching on): the same tokens, prefix hits counted where
+    they were served, and the prompt logprobs asked for."""
     arrivals = _prefix_arrivals(model.config.vocab_size - 10, 4)
     cfg = dict(BASE, kv_cache_tokens=4096, chunk_size=48)
     plain = LLMEngine(EngineConfig(**cfg), model, clock=VirtualClock())
@@ -181,8 +182,9 @@ def test_a_tp_engine_gives_the_plain_engines_tokens_with_prefix_caching(models, 
         want = run_arrivals(plain, arrivals, 500)
     finally:
         plain.close()
-    eng = LLMEngine(EngineConfig(**cfg, tp=2, enable_prefix_caching=True), model, clock=VirtualClock())
+    eng = LLMEngine(EngineConfig(**cfg, **group, enable_prefix_caching=True), model, clock=VirtualClock())
     try:
+        assert eng.runner.layout == layout
         got = run_arrivals(eng, arrivals, 500)
     finally:
         _close(eng.runner)
@@ -193,6 +195,11 @@ def test_a_tp_engine_gives_the_plain_engines_tokens_with_prefix_caching(models, 
         assert len(g) == len(w) == len(want[rid].prompt_token_ids) - 1
         assert [e.logprob for e in g] == pytest.approx([e.logprob for e in w], abs=1e-4)
         assert [e.top[0][0] for e in g] == [e.top[0][0] for e in w]
+
+
+@pytest.mark.parametrize("variant", ["tiny", "qwen2", "mistral", "gqa-bias"])
+def test_a_tp_engine_gives_the_plain_engines_tokens_with_prefix_caching(models, variant):
+    engine_matches_plain(models[variant], {"tp": 2}, "tp2")
 
 
 # ---- P/D handoffs -----------------------------------------------------------------------------------
@@ -236,9 +243,11 @@ def _decode(eng: LLMEngine, rid: str, prompt: list[int], first: list[int], data:
     return req.output_token_ids, moved
 
 
-@pytest.mark.parametrize("direction", ["plain-to-tp", "tp-to-plain"])
-def test_a_handoff_into_or_out_of_a_tp_engine_gives_the_plain_engines_tokens(models, direction):
-    model = models["tiny"]
+def handoff_matches_plain(model, group: dict, into_group: bool) -> None:
+    """A P/D handoff between a plain engine and one led by a group (`group`: its config fields,
+    prefix caching on), into the group (whose cache holds the shared prefix: 2 blocks skipped)
+    or out of it: the offered KV is whole blocks (every layer, every head) and the decoded tokens
+    are the plain engine's."""
     rng = random.Random(3)
     shared = [rng.randrange(6, 4000) for _ in range(40)]             # 2 full blocks + 8
     warm = shared + [rng.randrange(6, 4000) for _ in range(6)]
@@ -246,22 +255,26 @@ def test_a_handoff_into_or_out_of_a_tp_engine_gives_the_plain_engines_tokens(mod
     cfg = dict(BASE, kv_cache_tokens=2048, chunk_size=32)
     plain = LLMEngine(EngineConfig(**cfg), model)
     want = plain.generate([prompt], GREEDY)[0]
-    tp_cfg = EngineConfig(**cfg, tp=2, enable_prefix_caching=True)
-    pre = LLMEngine(tp_cfg, model) if direction == "tp-to-plain" else plain
-    dec = LLMEngine(tp_cfg, model) if direction == "plain-to-tp" else plain
-    tp_engine = pre if pre is not plain else dec
+    grouped = LLMEngine(EngineConfig(**cfg, **group, enable_prefix_caching=True), model)
+    pre, dec = (plain, grouped) if into_group else (grouped, plain)
     try:
-        if dec is tp_engine:        # the decode group already caches the shared prefix
+        if into_group:
             dec.generate([warm], GREEDY)
         first, data = _prefill(pre, "h", prompt)
         assert first == want[:1] and data.shape[1] == -(-len(prompt) // BS)
-        assert data.shape[4] == model.config.num_key_value_heads           # whole blocks, every head
+        assert data.shape[0] == model.config.num_hidden_layers              # whole blocks: every layer
+        assert data.shape[4] == model.config.num_key_value_heads            # and every head
         tokens, moved = _decode(dec, "h", prompt, first, data)
         assert tokens == want
-        assert moved == ([2] if dec is tp_engine else [0])
+        assert moved == ([2] if into_group else [0])
     finally:
-        _close(tp_engine.runner)
+        _close(grouped.runner)
         plain.close()
+
+
+@pytest.mark.parametrize("direction", ["plain-to-tp", "tp-to-plain"])
+def test_a_handoff_into_or_out_of_a_tp_engine_gives_the_plain_engines_tokens(models, direction):
+    handoff_matches_plain(models["tiny"], {"tp": 2}, direction == "plain-to-tp")
 
 
 # ---- what it refuses --------------------------------------------------------------------------------
