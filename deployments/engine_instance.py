@@ -60,6 +60,8 @@ class EngineInstance:
             role_configs=cfg.role_engine_configs()).start()
 
     def check_health(self) -> None:
+        if self.worker.fatal is not None:
+            raise RuntimeError(f"{self.instance_id}: stopped serving: {self.worker.fatal}")
         if not all(t.is_alive() for t in self.worker._threads):
             raise RuntimeError(f"{self.instance_id}: worker thread died")
         ranks = self.engine.runner.ranks

@@ -35,7 +35,7 @@ from raycluster.cluster.messages import (InstanceStats, PollReply, PrefillDone, 
                                          WorkItem)
 from raycluster.engine.config import EngineConfig
 from raycluster.engine.engine import LLMEngine
-from raycluster.kv_transfer.base import KVConnector, pull_with_fallback
+from raycluster.kv_transfer.base import KVConnector, KVTransferUnquiesced, pull_with_fallback
 from raycluster.request import SLO
 
 log = logging.getLogger(__name__)
@@ -67,6 +67,7 @@ class InstanceWorker:
         self._compile_backlog = 0                # replies on the compile thread (under its lock)
         self._compile_lock = threading.Lock()
         self._stop = threading.Event()
+        self.fatal: str | None = None            # why this worker stopped for good (fail closed)
         self._step_ema = 0.0
         self.steps = 0
         self.busy_s = 0.0
@@ -157,6 +158,15 @@ class InstanceWorker:
                     self._apply(self._replies.get_nowait())
             except queue.Empty:
                 pass
+            except KVTransferUnquiesced as e:
+                # Blocks of this KV may still be written by a transfer nobody can stop: serve
+                # nothing more from it. Every thread stops (no more heartbeats, so the router
+                # resumes this instance's requests elsewhere) and check_health reports it, so
+                # Serve replaces the replica with fresh memory.
+                log.critical("%s: failing closed: %s", self.instance_id, e)
+                self.fatal = str(e)
+                self._stop.set()
+                return
             self._expire_leases()
             if self.engine.has_unfinished():
                 try:

@@ -13,7 +13,7 @@ import importlib
 import torch
 
 from raycluster.kv_transfer.base import (KVConnector, KVHandle, KVLayoutError, KVTransferError,
-                                         LeaseTable, gather_blocks, pull_with_fallback,
+                                         KVTransferUnquiesced, LeaseTable, gather_blocks, pull_with_fallback,
                                          scatter_blocks)
 
 _REGISTRY = {
@@ -38,6 +38,6 @@ def make_connector(name: str, kv_cache: torch.Tensor, instance_id: str = "engine
     return connector_class(name)(kv_cache, instance_id, **opts)
 
 
-__all__ = ["CONNECTORS", "KVConnector", "KVHandle", "KVLayoutError", "KVTransferError",
+__all__ = ["CONNECTORS", "KVConnector", "KVHandle", "KVLayoutError", "KVTransferError", "KVTransferUnquiesced",
            "LeaseTable", "connector_class", "gather_blocks", "make_connector",
            "pull_with_fallback", "scatter_blocks"]

@@ -34,6 +34,12 @@ class KVTransferError(RuntimeError):
     """A transfer failed or timed out; the caller may recompute the prefill instead."""
 
 
+class KVTransferUnquiesced(RuntimeError):
+    """A transfer into this process's KV could neither finish nor be stopped, so its destination
+    blocks may still be written. Not a KVTransferError: recomputing into (or reusing) those blocks
+    could be overwritten later. The instance must stop using its KV (fail closed)."""
+
+
 class KVLayoutError(ValueError):
     """Source and destination KV tensors disagree on per-block shape/dtype or block counts.
     A configuration bug, not a transient failure: never silently recomputed."""
@@ -203,7 +209,8 @@ class KVConnector(ABC):
 def pull_with_fallback(connector: KVConnector, handle: KVHandle, dst_block_ids: list[int],
                        timeout_s: float, on_failure: str = "recompute") -> bool:
     """True if the KV arrived; False if the caller should recompute the prefill locally
-    (on_failure="recompute"); re-raises KVTransferError when on_failure="fail"."""
+    (on_failure="recompute"); re-raises KVTransferError when on_failure="fail".
+    KVTransferUnquiesced always propagates: there are no blocks to recompute into."""
     if on_failure not in ("recompute", "fail"):
         raise ValueError(f"on_failure must be 'recompute' or 'fail', got {on_failure!r}")
     t0 = time.monotonic()

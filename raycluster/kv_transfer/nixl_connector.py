@@ -10,9 +10,13 @@ carry a random suffix, so a restarted instance is a new peer with fresh metadata
 
 Descriptors are built in numpy (Nx3 uint64 addr/len/devid, ~200x faster than tensor lists) by
 `descs.paired_descs`, which also merges runs of consecutive blocks that are consecutive on both sides.
-Failure: a dead peer raises from transfer()/check_xfer_state() within ~1 s; a stuck transfer is
-cut at timeout_s. Either way the peer is forgotten (re-added from the next handle) and
-KVTransferError is raised.
+Failure: a dead peer raises from transfer()/check_xfer_state() within ~1 s; a transfer still
+running at timeout_s is given `drain_s` more to end (done or failed) before its handle is
+released, because the destination blocks go back to the engine, which recomputes into them or
+frees them. Either way the peer is then forgotten (re-added from the next handle) and
+KVTransferError is raised. A READ still running after that cannot be stopped safely (releasing a
+handle cancels UCX requests, not a NIC's RDMA in flight): `KVTransferUnquiesced` is raised
+instead, and the instance fails closed (raycluster.cluster.instance).
 """
 
 from __future__ import annotations
@@ -24,7 +28,8 @@ from typing import Any
 
 import torch
 
-from raycluster.kv_transfer.base import KVConnector, KVHandle, KVTransferError, check_compatible
+from raycluster.kv_transfer.base import (KVConnector, KVHandle, KVTransferError, KVTransferUnquiesced,
+                                         check_compatible)
 from raycluster.kv_transfer.descs import paired_descs
 
 os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")  # its INFO logs are per agent and per peer
@@ -40,7 +45,7 @@ class NixlConnector(KVConnector):
 
     def __init__(self, kv_cache: torch.Tensor, instance_id: str, lease_s: float = 30.0,
                  clock=None, backends: tuple[str, ...] = ("UCX",), poll_s: float = 2e-4,
-                 spin_s: float = 0.0) -> None:
+                 spin_s: float = 0.0, drain_s: float = 10.0) -> None:
         super().__init__(kv_cache, instance_id, lease_s, clock)
         self.agent_name = f"{instance_id}-{uuid.uuid4().hex[:8]}"
         self.agent = nixl_agent(self.agent_name, nixl_agent_config(backends=list(backends)))
@@ -52,7 +57,8 @@ class NixlConnector(KVConnector):
         # Snapshot taken after registration: peers must see the registered KV region.
         self._md = self.agent.get_agent_metadata()
         self._peers: set[str] = set()
-        self.poll_s, self.spin_s = poll_s, spin_s
+        self.poll_s, self.spin_s, self.drain_s = poll_s, spin_s, drain_s
+        self._unquiesced: list = []     # handles of READs that could not be stopped (never released)
         self.last_pull_stats: dict[str, float] = {}   # where the last pull's time went (s)
 
     def local_descriptor(self) -> bytes:
@@ -81,6 +87,7 @@ class NixlConnector(KVConnector):
         peer = x["agent"]
         deadline = time.monotonic() + timeout_s
         xfer = None
+        failed = False
         t0 = time.perf_counter()
         try:
             if peer not in self._peers:
@@ -96,6 +103,18 @@ class NixlConnector(KVConnector):
             t2 = time.perf_counter()
             state, polls = self.wait_xfer(xfer, deadline)
             if state == "PROC":
+                # The READ may still write into dst_block_ids: they go back to the caller (to
+                # recompute into, or to free) only once it has ended, done or failed.
+                state, _ = self._poll(xfer, "PROC", time.monotonic() + self.drain_s)
+                if state == "PROC":
+                    # Releasing the handle cancels UCX requests, not an RDMA READ the NIC has
+                    # started, so the handle is kept and the caller must fail closed.
+                    self._unquiesced.append(xfer)
+                    xfer = None
+                    raise KVTransferUnquiesced(
+                        f"nixl READ of {handle.request_id!r} from {peer} still running "
+                        f"{timeout_s + self.drain_s:.1f}s after it started; blocks {list(dst_block_ids)} may "
+                        "still be written")
                 raise KVTransferError(f"nixl READ of {handle.request_id!r} from {peer} "
                                       f"timed out after {timeout_s}s")
             if state != "DONE":
@@ -104,10 +123,12 @@ class NixlConnector(KVConnector):
                                     "xfer_s": time.perf_counter() - t2, "descs": len(src),
                                     "polls": polls}
         except KVTransferError:
-            self._forget(peer)
+            failed = True
+            raise
+        except KVTransferUnquiesced:
             raise
         except Exception as e:  # nixlRemoteDisconnectError and friends come from the bindings
-            self._forget(peer)
+            failed = True
             raise KVTransferError(f"nixl READ of {handle.request_id!r} from {peer} failed: "
                                   f"{type(e).__name__}: {e}") from e
         finally:
@@ -119,12 +140,20 @@ class NixlConnector(KVConnector):
                     pass
                 self.last_pull_stats["release_s"] = time.perf_counter() - t3
                 self.last_pull_stats["total_s"] = time.perf_counter() - t0
+            if failed:
+                # After the release: forgetting the peer first would leave NIXL a handle whose
+                # remote is gone (its status check then frees the handle under us).
+                self._forget(peer)
 
     def wait_xfer(self, xfer, deadline: float) -> tuple[str, int]:
         """Start a prepared transfer and poll it until it leaves "PROC" or the deadline passes;
-        returns (state, polls). Spins for the first `spin_s` (a sleep costs 0.1-1 ms on a busy
-        host, longer than many whole transfers), then sleeps poll_s between checks."""
-        state = self.agent.transfer(xfer)
+        returns (state, polls)."""
+        return self._poll(xfer, self.agent.transfer(xfer), deadline)
+
+    def _poll(self, xfer, state: str, deadline: float) -> tuple[str, int]:
+        """Poll a started transfer until it leaves "PROC" or the deadline passes. Spins for the
+        first `spin_s` (a sleep costs 0.1-1 ms on a busy host, longer than many whole
+        transfers), then sleeps poll_s between checks."""
         polls = 0
         spin_until = time.monotonic() + self.spin_s
         while state == "PROC":

@@ -15,7 +15,7 @@ from raycluster.cluster.instance import InstanceWorker
 from raycluster.cluster.messages import PollReply, RequestMeta, WorkItem
 from raycluster.engine.config import EngineConfig
 from raycluster.engine.engine import LLMEngine
-from raycluster.kv_transfer.base import KVConnector, KVHandle
+from raycluster.kv_transfer.base import KVConnector, KVHandle, KVTransferUnquiesced
 from raycluster.model.loader import load_model
 from raycluster.request import SamplingParams
 
@@ -135,6 +135,28 @@ def test_moved_to_decode_adopts_its_own_parked_kv(model):
     assert [done.first_token] + [t for e in events for t in e.token_ids] == want
     w._apply(PollReply(releases=["a"]))                                       # the router's release
     assert w.engine.kv.num_free_blocks == w.engine.kv.num_blocks
+
+
+class _UnquiescedPull(_FillConnector):
+    def pull(self, handle, dst, timeout_s):
+        raise KVTransferUnquiesced(f"blocks {dst} may still be written")
+
+
+def test_a_transfer_that_cannot_be_stopped_stops_the_worker_for_good(model):
+    """Its blocks may still be written: neither recomputed into nor reused. The step thread
+    applies no more work and every thread stops (no heartbeat: the router resumes the requests
+    elsewhere), and `fatal` says why (the replica's health check raises it)."""
+    w = _worker(model, connector=_UnquiescedPull())
+    handle = KVHandle(request_id="h", src_instance="p", src_block_ids=[0, 1], num_tokens=20,
+                      block_shape=(), dtype="float32")
+    w._replies.put(PollReply(work=[WorkItem(_meta("h", 20), mode="decode", output_token_ids=[5], kv=handle)]))
+    w._replies.put(PollReply(work=[WorkItem(_meta("later", 8))]))
+    t0 = time.monotonic()
+    w._step_loop()                          # returns: it does not go on serving
+    assert time.monotonic() - t0 < 5
+    assert w.fatal is not None and "may still be written" in w.fatal and w._stop.is_set()
+    assert "later" not in w.engine.scheduler.requests and w._replies.qsize() == 1
+    assert w.steps == 0                     # nothing ran on those blocks
 
 
 def test_a_pattern_compiles_off_the_step_thread_and_replies_keep_their_order(model, tiny_model_dir):

@@ -186,6 +186,69 @@ def test_nixl_read_between_two_agents_in_process():
         dst.close()
 
 
+class _SlowReads:
+    """A connector's real NIXL agent whose READs look in progress until `done_at` (None: for
+    ever); records the state checks, releases and forgotten peers in order."""
+
+    def __init__(self, agent, done_at):
+        self._agent, self.done_at, self.calls = agent, done_at, []
+
+    def __getattr__(self, name):
+        return getattr(self._agent, name)
+
+    def transfer(self, xfer):
+        self._agent.transfer(xfer)
+        return "PROC"
+
+    def check_xfer_state(self, xfer):
+        state = self._agent.check_xfer_state(xfer)
+        if self.done_at is None or time.monotonic() < self.done_at:
+            state = "PROC"
+        if not self.calls or self.calls[-1] != state:
+            self.calls.append(state)
+        return state
+
+    def release_xfer_handle(self, xfer):
+        self.calls.append("release")
+        return self._agent.release_xfer_handle(xfer)
+
+    def remove_remote_agent(self, name):
+        self.calls.append("forget")
+        return self._agent.remove_remote_agent(name)
+
+
+@pytest.mark.skipif(not HAVE_NIXL, reason="nixl extra not installed")
+def test_nixl_timed_out_read_is_released_only_once_it_has_ended():
+    """The blocks of a timed-out pull go back to the engine (recompute / free): the READ must have
+    ended first. One that ends within drain_s is released, then its peer forgotten; one that
+    never ends is not released, and the failure is not one to recompute after."""
+    from raycluster.kv_transfer import KVTransferUnquiesced
+    src = make_connector("nixl", kv(1), "prefill-0", lease_s=5)
+    dst = make_connector("nixl", kv(2), "decode-0", lease_s=5, drain_s=5.0)
+    agent = dst.agent
+    try:
+        h = src.offer("r1", [3, 4], num_tokens=20)
+        dst.agent = slow = _SlowReads(agent, time.monotonic() + 0.5)
+        with pytest.raises(KVTransferError, match="timed out"):
+            dst.pull(h, [7, 8], timeout_s=0.2)
+        assert slow.calls == ["PROC", "DONE", "release", "forget"]
+        assert torch.equal(dst.kv_cache[:, [7, 8]], src.kv_cache[:, [3, 4]])   # it did land, late
+
+        dst.drain_s = 0.3
+        dst.agent = stuck = _SlowReads(agent, None)
+        t0 = time.monotonic()
+        with pytest.raises(KVTransferUnquiesced, match="may still be written"):
+            pull_with_fallback(dst, h, [9, 10], timeout_s=0.2)
+        assert 0.5 <= time.monotonic() - t0 < 5
+        assert stuck.calls == ["PROC"] and len(dst._unquiesced) == 1
+    finally:
+        dst.agent = agent
+        for xfer in dst._unquiesced:        # it did finish underneath: free it before closing
+            agent.release_xfer_handle(xfer)
+        src.close()
+        dst.close()
+
+
 def test_torch_dist_chunk_plan():
     from raycluster.kv_transfer.torch_dist_connector import TAG_STRIDE
     from raycluster.kv_transfer.transfer_plan import (MAX_CHUNKS, MAX_DIRECT_MSGS, chunk_plan,
