@@ -37,10 +37,11 @@ TOPOLOGIES = {
     "pd-object_store": {"connector": "object_store", "initial_l_m": 256, "pools": PD_POOLS, **CACHING},
     "pd-nixl": {"connector": "nixl", "initial_l_m": 256, "pools": PD_POOLS},
     "pd-torch_dist": {"connector": "torch_dist", "initial_l_m": 256, "pools": PD_POOLS},
-    # Medha groups in P/D: long prompts prefill on an SPP group, decodes run on a KVP group; KV
-    # leaves the SPP stages and reaches the KVP ranks through each group's staging port.
+    # Groups in P/D: short prompts prefill on a TP group, long ones on an SPP group, decodes run
+    # on a KVP group; KV leaves the TP / SPP ranks and reaches the KVP ranks through each group's
+    # staging port.
     "pd-groups": {"connector": "object_store", "initial_l_m": 256, "pools": [
-        PD_POOLS[0],
+        {**PD_POOLS[0], "engine": {**PD_POOLS[0]["engine"], "tp": 2, "group_launch": "ray"}},
         {**PD_POOLS[1], "engine": {"spp": 2, "spp_micro_tokens": 128, "group_launch": "ray"}},
         {**PD_POOLS[2], "engine": {**PD_POOLS[2]["engine"], "kvp": 2, "group_launch": "ray"}}]},
     # The pressure controller on: instances change pools while the requests run.
@@ -329,7 +330,7 @@ def test_openai_client_and_status(cluster):
     bad = httpx.post(url + "/v1/completions", json={"prompt": "x", "max_tokens": 0})
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "max_tokens"
     layouts = {i["layout"] for i in httpx.get(url + "/v1/cluster/status", timeout=5).json()["instances"]}
-    assert layouts == {"mixed-kvp": {"kvp2"}, "pd-groups": {"single", "spp2", "kvp2"}}.get(name, {"single"})
+    assert layouts == {"mixed-kvp": {"kvp2"}, "pd-groups": {"tp2", "spp2", "kvp2"}}.get(name, {"single"})
     tok = httpx.post(url + "/tokenize", json={"prompt": "hello river"}, timeout=10).json()
     assert tok["count"] == len(tok["tokens"]) > 0 and tok["max_model_len"] > tok["count"]
     _assert_drained(url)
