@@ -19,6 +19,7 @@ from ray import serve
 from deployments import direct_ingress
 from raycluster.cluster.client import ClusterClient
 from raycluster.cluster.config import ClusterConfig
+from raycluster.server.auth import keys_from_env
 from raycluster.server.protocol import error_body
 
 CONFIG_ENV = "RAYCLUSTER_CLUSTER_CONFIG"
@@ -47,7 +48,8 @@ def build_gateway_app():
         tokenizer=tokenizer, max_model_len=min(max_len, mcfg.max_model_len), vocab_size=mcfg.vocab_size,
         eos_token_ids=tokenizer.eos_token_ids, gateway_id=gateway_id)
     name = "tiny" if cfg.model == "tiny" else Path(cfg.model).name
-    app = build_app(client, tokenizer, name)
+    # The key comes from the replica's environment (its node's), never from the Serve config.
+    app = build_app(client, tokenizer, name, api_keys=keys_from_env())
 
     @app.get("/v1/cluster/status")
     async def cluster_status(request: Request):

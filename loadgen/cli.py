@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -67,6 +68,8 @@ def _add_client_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("client")
     g.add_argument("--url", required=True, help="server base URL, e.g. http://127.0.0.1:8000")
     g.add_argument("--model", default=None, help="default: first entry of GET /v1/models")
+    g.add_argument("--api-key", default=(os.environ.get("RAYCLUSTER_API_KEY") or "").split(",")[0].strip() or None,
+                   help="bearer token for a server that wants one (default: the first key in $RAYCLUSTER_API_KEY)")
     g.add_argument("--concurrency", type=int, default=None,
                    help="closed loop with C requests in flight: requests go in workload order as slots "
                         "free; --qps then only sets how many requests --duration yields")
@@ -96,11 +99,12 @@ def _run_one(args: argparse.Namespace, qps: float) -> dict:
                        run_timeout_s=args.run_timeout, concurrency=args.concurrency,
                        retry_429=args.retry_429, max_retries=args.max_retries,
                        send_extras=not args.no_extras, prompt_format=args.prompt_format,
-                       id_range=args.id_range, keep_token_times=True, progress=not args.quiet)
+                       id_range=args.id_range, keep_token_times=True, progress=not args.quiet,
+                       api_key=args.api_key)
     if cfg.model is None:
         import asyncio
         from loadgen.client import fetch_model
-        cfg.model = asyncio.run(fetch_model(cfg.url))
+        cfg.model = asyncio.run(fetch_model(cfg.url, headers=cfg.headers()))
     started = time.time()
     records = run(wl, cfg)
     meta = {"source": "loadgen", "url": cfg.url, "model": cfg.model, "workload": wl.name,

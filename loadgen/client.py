@@ -44,6 +44,10 @@ class ClientConfig:
     id_range: tuple[int, int] = (100, 1000)
     keep_token_times: bool = True
     progress: bool = True
+    api_key: str | None = None             # sent as "Authorization: Bearer <key>"
+
+    def headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
 
 
 class StreamError(Exception):
@@ -64,8 +68,8 @@ def _retry_after(value: str | None, default: float = 1.0) -> float:
             return default
 
 
-async def fetch_model(url: str, timeout_s: float = 10.0) -> str:
-    async with httpx.AsyncClient(base_url=url, timeout=timeout_s) as c:
+async def fetch_model(url: str, timeout_s: float = 10.0, headers: dict[str, str] | None = None) -> str:
+    async with httpx.AsyncClient(base_url=url, timeout=timeout_s, headers=headers) as c:
         r = await c.get("/v1/models")
         r.raise_for_status()
         data = r.json().get("data") or []
@@ -141,7 +145,7 @@ async def _stream(client: httpx.AsyncClient, body: dict, rec: RequestRecord, cfg
 
 async def run_workload(workload: Workload, cfg: ClientConfig) -> list[RequestRecord]:
     """Send every request of `workload`; returns records in workload order."""
-    model = cfg.model or await fetch_model(cfg.url)
+    model = cfg.model or await fetch_model(cfg.url, headers=cfg.headers())
     reqs = list(workload)
     records = {r.request_id: RequestRecord(
         r.request_id, arrival_s=r.arrival_s, klass=r.klass, tenant=r.tenant, app_id=r.app_id,
@@ -160,7 +164,7 @@ async def run_workload(workload: Workload, cfg: ClientConfig) -> list[RequestRec
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=256)
     timeout = httpx.Timeout(cfg.timeout_s, connect=min(cfg.timeout_s, 30.0))
 
-    async with httpx.AsyncClient(base_url=cfg.url, limits=limits, timeout=timeout) as client:
+    async with httpx.AsyncClient(base_url=cfg.url, limits=limits, timeout=timeout, headers=cfg.headers()) as client:
         t0 = time.perf_counter()  # after the client exists: building it (TLS context) takes ~50 ms
         clock = lambda: time.perf_counter() - t0  # noqa: E731
 

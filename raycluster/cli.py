@@ -28,6 +28,7 @@ import time
 from pathlib import Path
 
 from raycluster.model.registry import cache_dir
+from raycluster.server.auth import API_KEY_ENV, bearer_headers
 
 
 def _pid_file() -> Path:
@@ -47,13 +48,14 @@ def _serve_engine(args: argparse.Namespace) -> None:
     from raycluster.engine.engine import LLMEngine
     from raycluster.server.app import build_app
     from raycluster.server.async_engine import AsyncEngine
+    from raycluster.server.auth import keys_from_env
 
     cfg = EngineConfig(model=args.model, policy=args.policy, num_threads=args.threads,
                        enable_prefix_caching=args.enable_prefix_caching)
     engine = LLMEngine.from_config(cfg)
     async_engine = AsyncEngine(engine)
     name = "tiny" if args.model == "tiny" else Path(args.model).name
-    app = build_app(async_engine, engine.tokenizer, name)
+    app = build_app(async_engine, engine.tokenizer, name, api_keys=keys_from_env())
     print(f"raycluster: serving {name} on http://{args.host}:{args.port} (policy {args.policy})", flush=True)
     try:
         uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
@@ -73,6 +75,14 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def cmd_up(args: argparse.Namespace) -> int:
+    if getattr(args, "api_key", None):
+        # In the environment, not on a command line or in a config: the engine server reads it
+        # there, Ray processes started from here inherit it (the gateway replicas read it), and so
+        # does the process `--detach` starts.
+        os.environ[API_KEY_ENV] = args.api_key
+        if getattr(args, "address", None):
+            print(f"raycluster: --api-key with --address: the gateway replicas read {API_KEY_ENV} from their "
+                  "nodes' environment; start the cluster's nodes with it set", file=sys.stderr)
     if not args.detach:
         return _serve(args)
     pf = _pid_file()
@@ -147,7 +157,11 @@ def cmd_status(args: argparse.Namespace) -> int:
         pf = _pid_file()
         url = json.loads(pf.read_text())["url"] if pf.exists() else "http://127.0.0.1:8000"
     try:
-        status = httpx.get(url.rstrip("/") + "/v1/cluster/status", timeout=10).json()
+        resp = httpx.get(url.rstrip("/") + "/v1/cluster/status", timeout=10, headers=bearer_headers())
+        if resp.status_code == 401:
+            print(f"raycluster: {url} wants an API key: set {API_KEY_ENV}", file=sys.stderr)
+            return 1
+        status = resp.json()
     except httpx.HTTPError as e:
         print(f"raycluster: no cluster answers at {url} ({e})", file=sys.stderr)
         return 1
@@ -250,6 +264,8 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--host", default="127.0.0.1")
     up.add_argument("--port", type=int, default=8000)
     up.add_argument("--detach", action="store_true", help="run in the background; stop with `down`")
+    up.add_argument("--api-key", default=None, help=f"require this bearer token on the API (default: ${API_KEY_ENV}, "
+                    "comma-separated keys; /health and /metrics stay open)")
     up.add_argument("--timeout", type=float, default=900.0, help="seconds to wait for health with --detach")
     up.set_defaults(fn=cmd_up)
 
@@ -262,6 +278,7 @@ def build_parser() -> argparse.ArgumentParser:
     es.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                     help="reuse the KV of prompt prefixes computed before (default on, as in vLLM)")
     es.add_argument("--detach", action="store_true", help="run in the background; stop with `down`")
+    es.add_argument("--api-key", default=None, help=f"require this bearer token on the API (default: ${API_KEY_ENV})")
     es.add_argument("--timeout", type=float, default=300.0)
     es.set_defaults(fn=cmd_up)
 

@@ -2,7 +2,8 @@
 or the cluster (`ClusterClient`, used by the Serve gateway).
 
 Routes: POST /v1/completions, POST /v1/chat/completions (both with `stream` over SSE),
-GET /v1/models, GET /health, GET /metrics (Prometheus text). Prompts are tokenized once here;
+GET /v1/models, GET /health, GET /metrics (Prometheus text); with API keys, a bearer token
+(raycluster.server.auth) on all but /health, /metrics and the docs. Prompts are tokenized once here;
 token ids go to the backend, text deltas come back. A backend provides `admit()` (raises
 `OverloadedError` before any tokenization), `next_id`, `generate` (async iterator of
 `RequestOutput`; `InvalidRequestError` before the first one), `stats()`, `max_model_len` and
@@ -18,7 +19,7 @@ import asyncio
 import json
 import time
 from dataclasses import replace
-from typing import AsyncIterator
+from typing import AsyncIterator, Sequence
 
 from fastapi import FastAPI, Request as HTTPRequest
 from fastapi.exceptions import RequestValidationError
@@ -27,6 +28,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 
 from raycluster.engine.engine import InvalidRequestError
 from raycluster.request import SLO
+from raycluster.server.auth import ApiKeyMiddleware
 from raycluster.server.openai_logprobs import chat_logprobs, completion_logprobs, prompt_logprobs
 from raycluster.server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                        OverloadedError, TokenizeRequest, error_body, now_s)
@@ -57,8 +59,12 @@ def _overloaded(e: OverloadedError) -> JSONResponse:
                         headers={"Retry-After": str(max(1, round(e.retry_after_s)))})
 
 
-def build_app(engine, tokenizer, model_name: str) -> FastAPI:
+def build_app(engine, tokenizer, model_name: str, api_keys: Sequence[str] = ()) -> FastAPI:
+    """`api_keys`: if any, every route but /health, /metrics and the docs wants one of them as
+    a bearer token (raycluster.server.auth)."""
     app = FastAPI(title="raycluster", version="0.1.0")
+    if api_keys:
+        app.add_middleware(ApiKeyMiddleware, keys=api_keys)
     metrics = _Metrics()
 
     @app.exception_handler(RequestValidationError)

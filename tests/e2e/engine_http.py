@@ -23,11 +23,11 @@ def _free_port() -> int:
 
 
 @contextlib.contextmanager
-def serve_engine(config: EngineConfig, model, tok, log_level: str = "warning"):
-    """Yields (base URL, the AsyncEngine) while the server runs."""
+def serve_engine(config: EngineConfig, model, tok, log_level: str = "warning", api_keys=()):
+    """Yields (base URL, the AsyncEngine) while the server runs (`api_keys`: build_app's)."""
     aeng = AsyncEngine(LLMEngine(config, model, tok))
     port = _free_port()
-    srv = uvicorn.Server(uvicorn.Config(build_app(aeng, tok, "tiny"), host="127.0.0.1", port=port,
+    srv = uvicorn.Server(uvicorn.Config(build_app(aeng, tok, "tiny", api_keys=api_keys), host="127.0.0.1", port=port,
                                         log_level=log_level))
     th = threading.Thread(target=srv.run, daemon=True)
     th.start()

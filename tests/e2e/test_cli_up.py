@@ -15,6 +15,9 @@ import pytest
 
 pytestmark = pytest.mark.e2e
 
+KEY = "sk-cli-test"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+
 
 def _free_port() -> int:
     with socket.socket() as s:
@@ -49,7 +52,7 @@ def _check_scale(env: dict, url: str, before: list[str], text: str) -> None:
     assert before[0] in ids                      # a lightweight update: the old replica kept running
     for _ in range(4):                           # load-aware dispatch reaches both in a few tries
         r = httpx.post(url + "/v1/completions", json={"prompt": "hello", "max_tokens": 3,
-                                                      "temperature": 0}, timeout=60)
+                                                      "temperature": 0}, timeout=60, headers=AUTH)
         assert r.status_code == 200 and r.json()["choices"][0]["text"] == text
     sc = _cli("scale", "mixed", "1", env=env, timeout=400)
     assert sc.returncode == 0, sc.stdout + sc.stderr
@@ -59,19 +62,25 @@ def _check_scale(env: dict, url: str, before: list[str], text: str) -> None:
 
 
 def test_up_detach_status_generate_down(tmp_path):
+    """With `--api-key`: the gateway replicas (behind the proxy and on their own ports) want it,
+    /health does not, and `status` sends the key from RAYCLUSTER_API_KEY."""
     port = _free_port()
     ray_tmp = tempfile.mkdtemp(prefix="rcup", dir="/tmp")      # short: Ray's unix sockets live here
     env = {**os.environ, "RAYCLUSTER_STATE_DIR": str(tmp_path), "RAY_TMPDIR": ray_tmp}
+    env.pop("RAYCLUSTER_API_KEY", None)
     direct: list[str] = []
-    up = _cli("up", "--detach", "--no-dashboard", "--port", str(port), "--policy", "edf", env=env)
+    up = _cli("up", "--detach", "--no-dashboard", "--port", str(port), "--policy", "edf", "--api-key", KEY, env=env)
     try:
         assert up.returncode == 0, up.stdout + up.stderr
         info = json.loads((tmp_path / "up.json").read_text())
         url = f"http://127.0.0.1:{port}"
         assert info["url"] == url
-        r = httpx.post(url + "/v1/completions", json={"prompt": "hello", "max_tokens": 3, "temperature": 0},
-                       timeout=60)
+        body = {"prompt": "hello", "max_tokens": 3, "temperature": 0}
+        assert httpx.post(url + "/v1/completions", json=body, timeout=60).status_code == 401
+        r = httpx.post(url + "/v1/completions", json=body, timeout=60, headers=AUTH)
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
+        assert _cli("status", "--json", env=env, timeout=60).returncode == 1          # no key here
+        env["RAYCLUSTER_API_KEY"] = KEY
         st = _cli("status", "--json", env=env, timeout=60)
         assert st.returncode == 0, st.stderr
         status = json.loads(st.stdout)
@@ -79,8 +88,8 @@ def test_up_detach_status_generate_down(tmp_path):
         # Serve direct ingress: the gateway replica also answers on its own port, same API.
         direct = status["gateway_urls"]
         assert len(direct) == 1 and direct[0].startswith("http://127.0.0.1:") and direct[0] != url
-        r2 = httpx.post(direct[0] + "/v1/completions",
-                        json={"prompt": "hello", "max_tokens": 3, "temperature": 0}, timeout=60)
+        assert httpx.post(direct[0] + "/v1/completions", json=body, timeout=60).status_code == 401
+        r2 = httpx.post(direct[0] + "/v1/completions", json=body, timeout=60, headers=AUTH)
         assert r2.status_code == 200 and r2.json()["choices"][0]["text"] == r.json()["choices"][0]["text"]
         _check_scale(env, url, [i["id"] for i in status["instances"]], r.json()["choices"][0]["text"])
     finally:

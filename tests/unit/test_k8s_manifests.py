@@ -117,6 +117,19 @@ def test_serve_config_is_valid_and_serves_the_deployments_app(name):
         ClusterConfig(**app["args"])
 
 
+@pytest.mark.parametrize("path", manifests(), ids=lambda p: p.name)
+def test_every_ray_container_reads_the_api_key_from_an_optional_secret(path):
+    """The gateway replicas read RAYCLUSTER_API_KEY from their pod's environment, wherever Ray
+    places them; without the Secret the cluster still starts (and serves without a key)."""
+    rc = cluster_spec(load(path))
+    groups = [rc["headGroupSpec"], *rc["workerGroupSpecs"]]
+    for g in groups:
+        for c in g["template"]["spec"]["containers"]:
+            env = {e["name"]: e for e in c.get("env", [])}
+            ref = env["RAYCLUSTER_API_KEY"]["valueFrom"]["secretKeyRef"]
+            assert ref == {"name": "raycluster-api-key", "key": "key", "optional": True}, (path.name, c["name"])
+
+
 @pytest.mark.parametrize("name", sorted(TWINS))
 def test_worker_groups_hold_the_cpus_the_replicas_ask_for(name):
     m = load(K8S / name)
