@@ -99,12 +99,14 @@ class Tokenizer:
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
-    def apply_chat_template(self, messages: list[dict[str, str]], add_generation_prompt: bool = True,
-                            tokenize: bool = False, continue_final_message: bool = False):
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                            tokenize: bool = False, continue_final_message: bool = False,
+                            tools: list[dict] | None = None):
         """The chat template rendered over `messages`. `continue_final_message` (HF's and
         vLLM's): the text ends right after the last message's content, so the model continues
         that message (e.g. an assistant reply begun by the client) instead of starting a new
-        turn; ValueError if the rendered text does not contain that content."""
+        turn; ValueError if the rendered text does not contain that content. `tools`: OpenAI
+        tool definitions, for templates that render them (as HF's `tools`)."""
         if continue_final_message and add_generation_prompt:
             raise ValueError("continue_final_message needs add_generation_prompt false")
         if self._compiled is None:
@@ -117,7 +119,7 @@ class Tokenizer:
             env.globals["raise_exception"] = raise_exception
             self._compiled = env.from_string(self.chat_template or DEFAULT_CHAT_TEMPLATE)
         text = self._compiled.render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                     bos_token=self.bos_token or "", eos_token=self.eos_token or "")
+                                     bos_token=self.bos_token or "", eos_token=self.eos_token or "", tools=tools)
         if continue_final_message:
             # As HF does: cut after the final content's last occurrence (templates may strip it).
             final = (messages[-1]["content"] if messages else "").strip()

@@ -24,6 +24,7 @@ from typing import AsyncIterator, Sequence
 from fastapi import FastAPI, Request as HTTPRequest
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from jinja2 import TemplateError
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest, CONTENT_TYPE_LATEST
 
 from raycluster.engine.engine import InvalidRequestError
@@ -33,6 +34,7 @@ from raycluster.server.openai_logprobs import chat_logprobs, completion_logprobs
 from raycluster.server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                        OverloadedError, TokenizeRequest, error_body, now_s)
 from raycluster.server.structured import PatternCheck, pattern_of
+from raycluster.server.tools import ToolCallOutput, template_message, template_tools, tool_mode
 
 
 class _Metrics:
@@ -134,10 +136,11 @@ def build_app(engine, tokenizer, model_name: str, api_keys: Sequence[str] = ()) 
         return asked[1]
 
     async def _run(body, prompts: list[tuple[list[int], str]], kind: str, http: HTTPRequest, echo: bool = False,
-                   guided: str | None = None):
+                   guided: str | None = None, tool: tuple[str, str | None] | None = None):
         """Serve `prompts` ((ids, text) each) with `body.n` choices each: choice p * n + i is
         prompt p's i-th. `echo`: put each prompt's text before its choices' completions.
-        `guided`: the regex every choice's output must match."""
+        `guided`: the regex every choice's output must match. `tool`: (mode, function name) of a
+        forced tool call (raycluster.server.tools): the outputs are returned as tool calls."""
         max_tokens = getattr(body, "max_completion_tokens", None) or body.max_tokens
         sampling = body.to_sampling()
         sampling.guided_regex = guided
@@ -176,7 +179,8 @@ def build_app(engine, tokenizer, model_name: str, api_keys: Sequence[str] = ()) 
             opts = body.stream_options
             usage_mode = "each" if opts and opts.include_usage and opts.continuous_usage_stats else \
                 "end" if opts and opts.include_usage else None
-            return _ClosingStreamingResponse(_sse(streams, rid, kind, model_name, n_prompt, body.n, usage_mode),
+            calls = [ToolCallOutput(*tool) for _ in streams] if tool else None
+            return _ClosingStreamingResponse(_sse(streams, rid, kind, model_name, n_prompt, body.n, usage_mode, calls),
                                              media_type="text/event-stream", requests=[s.gen for s in streams])
         results = await asyncio.gather(*(s.collect(kind) for s in streams))
         usage = _usage(n_prompt, streams, body.n)
@@ -189,8 +193,10 @@ def build_app(engine, tokenizer, model_name: str, api_keys: Sequence[str] = ()) 
                 choices.append({"index": i, "text": text, "logprobs": logprobs, "finish_reason": reason,
                                 "prompt_logprobs": plps[i]})
             else:
-                choices.append({"index": i, "message": {"role": "assistant", "content": text},
-                                "logprobs": logprobs, "finish_reason": reason})
+                message = {"role": "assistant", "content": text}
+                if tool:
+                    message, reason = ToolCallOutput(*tool).message(text, reason)
+                choices.append({"index": i, "message": message, "logprobs": logprobs, "finish_reason": reason})
         out = {"id": rid, "object": kind, "created": now_s(), "model": model_name, "choices": choices, "usage": usage}
         if kind != "text_completion":       # vLLM's chat has them once per response (one prompt)
             out["prompt_logprobs"] = plps[0]
@@ -214,23 +220,28 @@ def build_app(engine, tokenizer, model_name: str, api_keys: Sequence[str] = ()) 
             engine.admit()
             ids = _chat_ids(body)
             guided = await _structured(body)
+            mode = tool_mode(body)
         except OverloadedError as e:
             return _overloaded(e)
         except InvalidRequestError as e:
             return _bad_request(str(e), e.field)
-        return await _run(body, [(ids, "")], "chat.completion", http, guided=guided)
+        tool = None if mode is None else (mode, body.tool_choice.function.name if mode == "named" else None)
+        return await _run(body, [(ids, "")], "chat.completion", http, guided=guided, tool=tool)
 
     def _chat_ids(body) -> list[int]:
         """The chat template over `body.messages` (a chat or tokenize request), tokenized. A
         template that refuses the messages (e.g. roles that do not alternate) is the client's
         error."""
         try:
-            prompt = tokenizer.apply_chat_template([{"role": m.role, "content": m.text()} for m in body.messages],
+            prompt = tokenizer.apply_chat_template([template_message(m) for m in body.messages],
                                                    add_generation_prompt=body.add_generation_prompt,
-                                                   continue_final_message=body.continue_final_message)
+                                                   continue_final_message=body.continue_final_message,
+                                                   tools=template_tools(body))
         except ValueError as e:
             raise InvalidRequestError("continue_final_message" if body.continue_final_message else "messages",
                                       str(e)) from e
+        except (TemplateError, TypeError) as e:       # a template that cannot render these messages
+            raise InvalidRequestError("messages", f"the chat template cannot render them: {e}") from e
         try:
             return tokenizer.encode(prompt)
         except ValueError as e:
@@ -391,9 +402,10 @@ def _usage(n_prompt: int, streams: list[_Stream], n: int) -> dict:
 
 
 async def _sse(streams: list[_Stream], rid: str, kind: str, model: str, n_prompt: int, n: int,
-               usage: str | None) -> AsyncIterator[str]:
+               usage: str | None, calls: list[ToolCallOutput] | None = None) -> AsyncIterator[str]:
     """`usage`: None, "end" (OpenAI's include_usage: one last chunk with it) or "each" (also in
-    every chunk, the counts so far: vLLM's continuous_usage_stats)."""
+    every chunk, the counts so far: vLLM's continuous_usage_stats). `calls`: each choice's tool
+    calls, made of its text (a forced tool call)."""
     obj = "text_completion" if kind == "text_completion" else "chat.completion.chunk"
     created = now_s()
     single = len(streams) == 1          # one request: its outputs directly, no merging layer
@@ -404,6 +416,9 @@ async def _sse(streams: list[_Stream], rid: str, kind: str, model: str, n_prompt
             text, lp = streams[i].render(kind, out)
             if kind == "text_completion":
                 choice = {"index": i, "text": text, "finish_reason": out.finish_reason, "logprobs": lp}
+            elif calls is not None:
+                delta, reason = calls[i].delta(text, out.finished, out.finish_reason)
+                choice = {"index": i, "delta": delta, "finish_reason": reason, "logprobs": lp}
             else:
                 choice = {"index": i, "delta": {"content": text}, "finish_reason": out.finish_reason,
                           "logprobs": lp}

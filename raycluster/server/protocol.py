@@ -29,6 +29,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from raycluster.request import MAX_LOGPROBS, SamplingParams
+from raycluster.server.tools import ToolCall, ToolChoice, ToolDef
 
 
 class StreamOptions(BaseModel):
@@ -213,7 +214,18 @@ class TextPart(BaseModel):
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
     role: Literal["system", "user", "assistant", "tool", "developer"]
-    content: str | list[TextPart]
+    content: str | list[TextPart] | None = None
+    tool_calls: list[ToolCall] | None = None       # an assistant's earlier calls
+    tool_call_id: str | None = None                # a tool message: the call it answers
+    name: str | None = None
+
+    @model_validator(mode="after")
+    def _content_or_calls(self) -> "ChatMessage":
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise ValueError("content is required (it may be null only in an assistant message with tool_calls)")
+        if self.tool_calls and self.role != "assistant":
+            raise ValueError("only assistant messages carry tool_calls")
+        return self
 
     @field_validator("content", mode="before")
     @classmethod
@@ -225,6 +237,8 @@ class ChatMessage(BaseModel):
         return v
 
     def text(self) -> str:
+        if self.content is None:
+            return ""
         return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
 
 
@@ -237,6 +251,9 @@ class ChatCompletionRequest(_GenerationFields):
     # vLLM's: open a new assistant turn (default), or continue the last message as it is.
     add_generation_prompt: bool = True
     continue_final_message: bool = False
+    tools: list[ToolDef] | None = Field(None, max_length=128)
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: bool | None = None
 
     @field_validator("continue_final_message")
     @classmethod
@@ -273,6 +290,7 @@ class TokenizeRequest(BaseModel):
     messages: list[ChatMessage] | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False
+    tools: list[ToolDef] | None = Field(None, max_length=128)
 
     @field_validator("continue_final_message")
     @classmethod

@@ -5,7 +5,8 @@ A request may ask for its output's shape in one of the ways OpenAI and vLLM clie
   "json_schema": {"name": ..., "schema": {...}}}` (`"text"` asks for nothing);
 - vLLM's `structured_outputs`: one of `json` (a schema), `regex`, `choice` (a list of strings),
   `json_object: true`; `grammar` (a CFG) is refused: a regular expression cannot hold one;
-- vLLM's older `guided_json` / `guided_regex` / `guided_choice`.
+- vLLM's older `guided_json` / `guided_regex` / `guided_choice`;
+- a forced tool call (`tool_choice` "required" or a named function: raycluster.server.tools).
 At most one of them. `pattern_of(body)` returns (the field it came from, the regex), or None, or
 raises `InvalidRequestError` naming the field. JSON schemas become regexes through outlines-core.
 `PatternCheck` compiles each new pattern at the gateway, in a child process with a time limit
@@ -28,6 +29,7 @@ from collections import OrderedDict
 from raycluster.engine.engine import InvalidRequestError
 from raycluster.engine.guided import MAX_REGEX_CHARS
 from raycluster.engine.guided_compile import PatternCompiler
+from raycluster.server.tools import tool_schema
 
 DEFAULT_WHITESPACE = r"[ ]?"
 _REGEX_SPECIAL = set("\\.^$|?*+()[]{}-&~#")
@@ -88,11 +90,19 @@ def pattern_of(body) -> tuple[str, str] | None:
     for name in ("guided_json", "guided_regex", "guided_choice"):
         if getattr(body, name) is not None:
             asked.append((name, getattr(body, name)))
+    tool = tool_schema(body) if getattr(body, "tools", None) is not None or \
+        getattr(body, "tool_choice", None) is not None else None
+    if tool is not None:        # a forced tool call: its arguments' schema is the pattern
+        asked.insert(0, ("tool_choice", tool))
     if not asked:
         return None
     if len(asked) > 1:
         raise InvalidRequestError(asked[1][0], f"only one structured output per request (also {asked[0][0]})")
     name, spec = asked[0]
+    if name == "tool_choice":
+        field, schema = spec
+        return field, schema_regex(schema, field, DEFAULT_WHITESPACE if body.guided_whitespace_pattern is None
+                                   else body.guided_whitespace_pattern)
     return name, _pattern(name, spec, body.guided_whitespace_pattern)
 
 

@@ -40,7 +40,8 @@ FIELDS = ["prompt", "messages", "max_tokens", "max_completion_tokens", "temperat
           "ignore_eos", "min_tokens", "prompt_logprobs", "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias",
           "ttft_slo_ms", "tpot_slo_ms", "priority", "tenant", "app_id", "tokens", "add_generation_prompt",
           "continue_final_message", "model", "user", "no_such_field", "response_format", "structured_outputs",
-          "guided_json", "guided_regex", "guided_choice", "guided_whitespace_pattern"]
+          "guided_json", "guided_regex", "guided_choice", "guided_whitespace_pattern", "tools", "tool_choice",
+          "parallel_tool_calls"]
 NUMBERS = [0, 1, -1, 2, 7, 2**31, -2**31, 2**63, 10**30, 0.5, -0.5, 1e308, -1e308, 1e-320]
 STRINGS = ["", "a", "\ud800", "\x00", "x" * 5000, "日本語", "<|eot_id|>", "{{ raise }}"]
 # Near misses per field: the right shape with a wrong value (out-of-vocab ids, empty lists, ...).
@@ -50,7 +51,11 @@ EDGES = {
     "tokens": [[-1], [10**9], [], [1.5], ["a"], [2**63]],
     "messages": [[], [{"role": "user"}], [{"content": "hi"}], [{"role": "user", "content": None}],
                  [{"role": "user", "content": [{"type": "text", "text": "hi"}]}],
-                 [{"role": "user", "content": [{"type": "image_url"}]}], [{"role": "assistant", "content": "x"}]],
+                 [{"role": "user", "content": [{"type": "image_url"}]}], [{"role": "assistant", "content": "x"}],
+                 [{"role": "assistant", "content": None, "tool_calls": [{"id": "c", "function": {"name": "f",
+                                                                                    "arguments": "{"}}]}],
+                 [{"role": "tool", "content": "r", "tool_call_id": None}],
+                 [{"role": "user", "content": "x", "tool_calls": []}]],
     "logit_bias": [{"-1": 5}, {"999999": 5}, {"5": 1e308}, {"5": -100}, {"a": 1}, {}],
     "stop_token_ids": [[-1], [10**9], [2**63], [], ["a"]],
     "stop": ["", [""], ["a"] * 100, [None], "x" * 5000],
@@ -75,6 +80,13 @@ EDGES = {
     "guided_choice": [[], [""], ["\ud800"], ["a"] * 50, [None]],
     "guided_json": ["{", {"type": "nonsense"}, {"type": "object", "properties": {"a": {"$ref": "#/nope"}}}, []],
     "guided_whitespace_pattern": ["(", "\ud800", ""],
+    # Tool calling: forced calls become patterns too; messages may carry calls and results.
+    "tools": [[], [{"type": "function"}], [{"type": "function", "function": {"name": "f"}}],
+              [{"type": "function", "function": {"name": "f", "parameters": {"type": 5}}}],
+              [{"type": "function", "function": {"name": "\ud800"}}], [{"type": "retrieval"}]],
+    "tool_choice": ["none", "auto", "required", "sometimes", {"type": "function", "function": {"name": "f"}},
+                    {"type": "function"}, {"type": "function", "function": {"name": "nope"}}],
+    "parallel_tool_calls": [False, True, "no"],
 }
 # Engines ordering by each family of policy (fcfs, slack over work, urgency, virtual time).
 SCHEDULING = {"fcfs": {"policy": "fcfs", "packer": "token"}, "lars": {"policy": "lars", "packer": "medha"},

@@ -268,7 +268,7 @@ def test_structured_outputs_follow_the_request_across_instances(cluster, tiny_mo
     """A JSON schema on every topology, streamed and not: in P/D the prefill instance samples
     the first token under the pattern and the decode instance replays it into its own guide
     (a 350-token prompt takes the long pool, an SPP group in pd-groups); the text equals a single
-    engine's and is valid JSON."""
+    engine's and is valid JSON. A forced tool call's arguments are the same pattern's text."""
     from raycluster.engine.config import EngineConfig
     from raycluster.engine.engine import LLMEngine
     from raycluster.model.loader import load_model
@@ -297,6 +297,15 @@ def test_structured_outputs_follow_the_request_across_instances(cluster, tiny_mo
                     parts.extend(c["text"] for c in json.loads(line[6:])["choices"])
         assert "".join(parts) == w, (name, len(p))
     assert all(isinstance(json.loads(w), dict) for w in want)
+    # A forced tool call rides on the same pattern: its arguments are that text.
+    chat = [{"role": "user", "content": "call it"}]
+    ids = tok.encode(tok.apply_chat_template(chat))
+    [args] = [tok.decode(o) for o in eng.generate([ids], SamplingParams(max_tokens=80, guided_regex=schema_regex(schema, "f")))]
+    r = httpx.post(url + "/v1/chat/completions", timeout=120, json={
+        "messages": chat, "max_tokens": 80, "temperature": 0, "tool_choice": {"type": "function", "function": {"name": "f"}},
+        "tools": [{"type": "function", "function": {"name": "f", "parameters": schema}}]})
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["message"]["tool_calls"][0]["function"] == {"name": "f", "arguments": args}
     _assert_drained(url)
 
 
