@@ -49,7 +49,7 @@ def build_gateway_app():
         eos_token_ids=tokenizer.eos_token_ids, gateway_id=gateway_id)
     name = "tiny" if cfg.model == "tiny" else Path(cfg.model).name
     # The key comes from the replica's environment (its node's), never from the Serve config.
-    app = build_app(client, tokenizer, name, api_keys=keys_from_env())
+    app = build_app(client, tokenizer, name, api_keys=keys_from_env(), tool_call_parser=cfg.tool_call_parser)
 
     @app.get("/v1/cluster/status")
     async def cluster_status(request: Request):

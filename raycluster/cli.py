@@ -29,6 +29,7 @@ from pathlib import Path
 
 from raycluster.model.registry import cache_dir
 from raycluster.server.auth import API_KEY_ENV, bearer_headers
+from raycluster.server.tool_parsers import TOOL_PARSERS
 
 
 def _pid_file() -> Path:
@@ -55,7 +56,8 @@ def _serve_engine(args: argparse.Namespace) -> None:
     engine = LLMEngine.from_config(cfg)
     async_engine = AsyncEngine(engine)
     name = "tiny" if args.model == "tiny" else Path(args.model).name
-    app = build_app(async_engine, engine.tokenizer, name, api_keys=keys_from_env())
+    app = build_app(async_engine, engine.tokenizer, name, api_keys=keys_from_env(),
+                    tool_call_parser=args.tool_call_parser)
     print(f"raycluster: serving {name} on http://{args.host}:{args.port} (policy {args.policy})", flush=True)
     try:
         uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
@@ -71,7 +73,8 @@ def _serve(args: argparse.Namespace) -> int:
 
     return serve_cluster(args.app, args.model, args.policy, args.host, args.port, address=args.address,
                          dashboard=not args.no_dashboard, direct_ingress=not args.no_direct_ingress,
-                         state_file=_cluster_file(), prefix_caching=args.enable_prefix_caching)
+                         state_file=_cluster_file(), prefix_caching=args.enable_prefix_caching,
+                         tool_call_parser=args.tool_call_parser)
 
 
 def cmd_up(args: argparse.Namespace) -> int:
@@ -94,9 +97,9 @@ def cmd_up(args: argparse.Namespace) -> int:
     pf.parent.mkdir(parents=True, exist_ok=True)
     log = pf.parent / "up.log"
     cmd = [sys.executable, "-m", "raycluster.cli", args.cmd, "--host", args.host, "--port", str(args.port)]
-    for flag in ("model", "policy", "app", "address", "threads"):
+    for flag in ("model", "policy", "app", "address", "threads", "tool_call_parser"):
         if getattr(args, flag, None):
-            cmd += [f"--{flag}", str(getattr(args, flag))]
+            cmd += ["--" + flag.replace("_", "-"), str(getattr(args, flag))]
     for flag in ("no_dashboard", "no_direct_ingress"):
         if getattr(args, flag, False):
             cmd.append("--" + flag.replace("_", "-"))
@@ -264,6 +267,8 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--host", default="127.0.0.1")
     up.add_argument("--port", type=int, default=8000)
     up.add_argument("--detach", action="store_true", help="run in the background; stop with `down`")
+    up.add_argument("--tool-call-parser", default=None, choices=sorted(TOOL_PARSERS),
+                    help="the model's tool-call syntax, which tool_choice 'auto' needs (vLLM's --tool-call-parser)")
     up.add_argument("--api-key", default=None, help=f"require this bearer token on the API (default: ${API_KEY_ENV}, "
                     "comma-separated keys; /health and /metrics stay open)")
     up.add_argument("--timeout", type=float, default=900.0, help="seconds to wait for health with --detach")
@@ -278,6 +283,8 @@ def build_parser() -> argparse.ArgumentParser:
     es.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                     help="reuse the KV of prompt prefixes computed before (default on, as in vLLM)")
     es.add_argument("--detach", action="store_true", help="run in the background; stop with `down`")
+    es.add_argument("--tool-call-parser", default=None, choices=sorted(TOOL_PARSERS),
+                    help="the model's tool-call syntax, which tool_choice 'auto' needs (vLLM's --tool-call-parser)")
     es.add_argument("--api-key", default=None, help=f"require this bearer token on the API (default: ${API_KEY_ENV})")
     es.add_argument("--timeout", type=float, default=300.0)
     es.set_defaults(fn=cmd_up)

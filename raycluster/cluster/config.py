@@ -73,6 +73,9 @@ class ClusterConfig(BaseModel):
     engine: dict = Field(default_factory=dict, description="EngineConfig overrides for every instance")
     pools: list[PoolSpec] = Field(default_factory=lambda: [PoolSpec(role="mixed")])
     gateway_replicas: int = Field(1, ge=1)
+    tool_call_parser: Literal["hermes", "llama3_json", "mistral"] | None = Field(
+        None, description="the model's own tool-call syntax, which tool_choice 'auto' needs (vLLM's "
+        "--tool-call-parser); none: 'auto' is refused")
     controller: ControllerConfig = Field(default_factory=ControllerConfig)
     router_name: str = "raycluster-router"
     namespace: str = "raycluster"

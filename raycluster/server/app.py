@@ -34,6 +34,7 @@ from raycluster.server.openai_logprobs import chat_logprobs, completion_logprobs
 from raycluster.server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                        OverloadedError, TokenizeRequest, error_body, now_s)
 from raycluster.server.structured import PatternCheck, pattern_of
+from raycluster.server.tool_parsers import tool_parser
 from raycluster.server.tools import ToolCallOutput, template_message, template_tools, tool_mode
 
 
@@ -61,9 +62,12 @@ def _overloaded(e: OverloadedError) -> JSONResponse:
                         headers={"Retry-After": str(max(1, round(e.retry_after_s)))})
 
 
-def build_app(engine, tokenizer, model_name: str, api_keys: Sequence[str] = ()) -> FastAPI:
+def build_app(engine, tokenizer, model_name: str, api_keys: Sequence[str] = (),
+              tool_call_parser: str | None = None) -> FastAPI:
     """`api_keys`: if any, every route but /health, /metrics and the docs wants one of them as
-    a bearer token (raycluster.server.auth)."""
+    a bearer token (raycluster.server.auth). `tool_call_parser`: the model's tool-call syntax
+    (raycluster.server.tool_parsers), which `tool_choice: "auto"` needs."""
+    parser = tool_parser(tool_call_parser)
     app = FastAPI(title="raycluster", version="0.1.0")
     if api_keys:
         app.add_middleware(ApiKeyMiddleware, keys=api_keys)
@@ -127,20 +131,22 @@ def build_app(engine, tokenizer, model_name: str, api_keys: Sequence[str] = ()) 
 
     patterns = PatternCheck(tokenizer)
 
-    async def _structured(body) -> str | None:
-        """The regex the output must match (checked to compile), or None."""
-        asked = pattern_of(body)
+    async def _structured(body, tool: str | None = None) -> str | None:
+        """The regex the output must match (checked to compile), or None. `tool`: the resolved
+        tool choice of a chat request."""
+        asked = pattern_of(body, tool)
         if asked is None:
             return None
         await patterns.check(*asked)
         return asked[1]
 
     async def _run(body, prompts: list[tuple[list[int], str]], kind: str, http: HTTPRequest, echo: bool = False,
-                   guided: str | None = None, tool: tuple[str, str | None] | None = None):
+                   guided: str | None = None, tool: tuple | None = None):
         """Serve `prompts` ((ids, text) each) with `body.n` choices each: choice p * n + i is
         prompt p's i-th. `echo`: put each prompt's text before its choices' completions.
-        `guided`: the regex every choice's output must match. `tool`: (mode, function name) of a
-        forced tool call (raycluster.server.tools): the outputs are returned as tool calls."""
+        `guided`: the regex every choice's output must match. `tool`: (mode, function name,
+        parser) of a chat request's tool choice (raycluster.server.tools): the outputs are
+        returned as tool calls."""
         max_tokens = getattr(body, "max_completion_tokens", None) or body.max_tokens
         sampling = body.to_sampling()
         sampling.guided_regex = guided
@@ -219,13 +225,13 @@ def build_app(engine, tokenizer, model_name: str, api_keys: Sequence[str] = ()) 
         try:
             engine.admit()
             ids = _chat_ids(body)
-            guided = await _structured(body)
-            mode = tool_mode(body)
+            mode = tool_mode(body, parser)
+            guided = await _structured(body, mode)
         except OverloadedError as e:
             return _overloaded(e)
         except InvalidRequestError as e:
             return _bad_request(str(e), e.field)
-        tool = None if mode is None else (mode, body.tool_choice.function.name if mode == "named" else None)
+        tool = None if mode is None else (mode, body.tool_choice.function.name if mode == "named" else None, parser)
         return await _run(body, [(ids, "")], "chat.completion", http, guided=guided, tool=tool)
 
     def _chat_ids(body) -> list[int]:

@@ -77,9 +77,10 @@ def schema_regex(schema, field: str, ws: str = DEFAULT_WHITESPACE) -> str:
         raise InvalidRequestError(field, f"is not a JSON schema this server can enforce: {e}") from None
 
 
-def pattern_of(body) -> tuple[str, str] | None:
+def pattern_of(body, tool_mode: str | None = None) -> tuple[str, str] | None:
     """(field, regex): the regex `body` (a completion or chat request) asks its output to match
-    and the field that asked, or None."""
+    and the field that asked, or None. `tool_mode`: the request's resolved tool choice
+    (raycluster.server.tools.tool_mode)."""
     asked: list[tuple[str, object]] = []
     rf = body.response_format
     if rf is not None and rf.type != "text":
@@ -90,8 +91,7 @@ def pattern_of(body) -> tuple[str, str] | None:
     for name in ("guided_json", "guided_regex", "guided_choice"):
         if getattr(body, name) is not None:
             asked.append((name, getattr(body, name)))
-    tool = tool_schema(body) if getattr(body, "tools", None) is not None or \
-        getattr(body, "tool_choice", None) is not None else None
+    tool = tool_schema(body, tool_mode)
     if tool is not None:        # a forced tool call: its arguments' schema is the pattern
         asked.insert(0, ("tool_choice", tool))
     if not asked:

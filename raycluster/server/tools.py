@@ -12,12 +12,16 @@ A request's `tools` go to the chat template (as `tools`, for templates that rend
   tool calls (finish_reason "tool_calls").
 Both forced modes ride on structured outputs (raycluster.server.structured): the regex of the
 schema is the request's guided pattern. "auto" (the default with tools) needs a parser of the
-model's own tool-call syntax, which this server does not have: it is a 400 naming `tool_choice`,
-as vLLM answers without --enable-auto-tool-choice.
+model's own tool-call syntax: without one configured it is a 400 naming `tool_choice`, as vLLM
+answers without --enable-auto-tool-choice.
 
 Messages may carry earlier calls and their results: an assistant message's `tool_calls` (its
 content may then be null) and `tool` messages with `tool_call_id`. For the template, each call's
 `arguments` string is parsed into an object (what HF chat templates expect, as vLLM does).
+
+With a tool-call parser configured (`tool_call_parser`: raycluster.server.tool_parsers),
+"auto" lets the model answer in text or call tools in its own syntax, which is parsed into the
+response's tool calls; without one, "auto" is refused as above.
 
 `ToolCallOutput` turns one choice's generated text into the response's message / stream deltas.
 """
@@ -75,10 +79,11 @@ ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
 NO_PARAMETERS = {"type": "object", "properties": {}}
 
 
-def tool_mode(body) -> str | None:
-    """"named" | "required" | None (text: "none", or no tools); InvalidRequestError for a choice
-    this server cannot serve or one that names no tool of the request."""
-    choice, tools = body.tool_choice, body.tools or []
+def tool_mode(body, parser=None) -> str | None:
+    """"named" | "required" | "auto" | None (text: "none", or no tools); InvalidRequestError for a
+    choice this server cannot serve ("auto" without a `parser`, raycluster.server.tool_parsers) or
+    one that names no tool of the request."""
+    choice, tools = getattr(body, "tool_choice", None), getattr(body, "tools", None) or []
     if choice is None:
         choice = "auto" if tools else "none"
     if choice == "none":
@@ -86,8 +91,11 @@ def tool_mode(body) -> str | None:
     if not tools:
         raise InvalidRequestError("tool_choice", f"{_label(choice)} needs `tools`")
     if choice == "auto":
-        raise InvalidRequestError("tool_choice", "\"auto\" needs a parser of the model's own tool-call syntax, which "
-                                  "this server does not have; use \"required\", a named function, or \"none\"")
+        if parser is None:
+            raise InvalidRequestError("tool_choice", "\"auto\" needs a parser of the model's tool-call syntax, and "
+                                      "this server has none (tool_call_parser); use \"required\", a named function "
+                                      "or \"none\"")
+        return "auto"
     if choice == "required":
         return "required"
     if all(t.function.name != choice.function.name for t in tools):
@@ -100,10 +108,10 @@ def _label(choice) -> str:
     return f"function {choice.function.name!r}" if isinstance(choice, NamedToolChoice) else json.dumps(choice)
 
 
-def tool_schema(body) -> tuple[str, dict] | None:
-    """(field, JSON schema) the output must match for a forced tool call, or None."""
-    mode = tool_mode(body)
-    if mode is None:
+def tool_schema(body, mode: str | None) -> tuple[str, dict] | None:
+    """(field, JSON schema) the output must match for a forced tool call (`mode` named or
+    required), or None."""
+    if mode not in ("named", "required"):
         return None
     tools = body.tools
     if mode == "named":
@@ -149,44 +157,52 @@ def new_call_id() -> str:
 
 
 class ToolCallOutput:
-    """One choice's text as tool calls. `mode` "named" (the text is the function's arguments)
-    or "required" (a JSON array of {name, parameters})."""
+    """One choice's text as tool calls. `mode` "named" (the text is the function's arguments),
+    "required" (a JSON array of {name, parameters}) or "auto" (text in the model's own syntax,
+    read by `parser`, raycluster.server.tool_parsers; it may hold no call at all)."""
 
-    def __init__(self, mode: str, function_name: str | None = None) -> None:
-        self.mode, self.function_name = mode, function_name
+    def __init__(self, mode: str, function_name: str | None = None, parser=None) -> None:
+        self.mode, self.function_name, self.parser = mode, function_name, parser
         self._parts: list[str] = []
         self._id = new_call_id()
         self._started = False
+        self._sent = 0              # auto: characters already streamed as content
+        self._in_calls = False      # auto: the calls have begun (the rest waits for the end)
 
-    def calls(self, text: str) -> list[dict] | None:
-        """The tool calls in the complete text; None when it is not (a length cut, for "required")."""
+    def parse(self, text: str) -> tuple[str | None, list[dict] | None]:
+        """(content, calls) of the complete text; calls None when it holds none that parse (a
+        length cut, for "required"; no call, for "auto")."""
         if self.mode == "named":
-            return [self._call(self._id, self.function_name, text)]
+            return None, [self._call(self._id, self.function_name, text)]
+        if self.mode == "auto":
+            content, calls = self.parser.parse(text)
+            return (content, [self._call(new_call_id(), c.name, c.arguments) for c in calls]) if calls else (text, None)
         try:
             items = json.loads(text)
         except json.JSONDecodeError:
-            return None
-        return [self._call(new_call_id(), it["name"], json.dumps(it["parameters"], ensure_ascii=False))
-                for it in items]
+            return text, None
+        return None, [self._call(new_call_id(), it["name"], json.dumps(it["parameters"], ensure_ascii=False))
+                      for it in items]
 
     @staticmethod
     def _call(call_id: str, name: str, arguments: str) -> dict:
         return {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}
 
-    def finish_reason(self, reason: str | None) -> str | None:
-        return "tool_calls" if self.mode == "required" and reason == "stop" else reason
+    def finish_reason(self, reason: str | None, calls: bool = True) -> str | None:
+        return "tool_calls" if calls and self.mode != "named" and reason == "stop" else reason
 
     def message(self, text: str, reason: str | None) -> tuple[dict, str | None]:
         """The response's message and finish_reason for the whole text."""
-        calls = self.calls(text)
-        if calls is None:       # cut short: what was written, as text
+        content, calls = self.parse(text)
+        if calls is None:       # no calls (or cut short): what was written, as text
             return {"role": "assistant", "content": text, "tool_calls": []}, reason
-        return {"role": "assistant", "content": None, "tool_calls": calls}, self.finish_reason(reason)
+        return {"role": "assistant", "content": content, "tool_calls": calls}, self.finish_reason(reason)
 
     def delta(self, text: str, finished: bool, reason: str | None) -> tuple[dict, str | None]:
         """A stream chunk's delta and finish_reason for the next piece of text. A named call
-        streams its arguments as they come (the first delta names the function); "required"
-        calls are sent whole once the array is complete."""
+        streams its arguments as they come (the first delta names the function); "auto" streams
+        text as content until the model's tool-call syntax begins; calls other than a named one
+        are sent whole at the end."""
         if self.mode == "named":
             call = {"index": 0, "function": {"arguments": text}}
             if not self._started:
@@ -195,10 +211,20 @@ class ToolCallOutput:
                         "function": {"name": self.function_name, "arguments": text}}
             return {"tool_calls": [call]}, self.finish_reason(reason)
         self._parts.append(text)
-        if not finished:
-            return {}, None
         whole = "".join(self._parts)
-        calls = self.calls(whole)
+        if not finished:
+            if self.mode != "auto" or self._in_calls:
+                return {}, None
+            begin, held = self.parser.start(whole)
+            self._in_calls = begin is not None
+            upto = begin if begin is not None else len(whole) - held
+            piece, self._sent = whole[self._sent:upto], max(self._sent, upto)
+            return ({"content": piece} if piece else {}), None
+        content, calls = self.parse(whole)
         if calls is None:
-            return {"content": whole}, reason
-        return {"tool_calls": [{"index": i, **c} for i, c in enumerate(calls)]}, self.finish_reason(reason)
+            return {"content": whole[self._sent:]}, reason
+        delta: dict = {"tool_calls": [{"index": i, **c} for i, c in enumerate(calls)]}
+        rest = (content or "")[self._sent:]
+        if rest:
+            delta["content"] = rest
+        return delta, self.finish_reason(reason)

@@ -23,12 +23,14 @@ def _free_port() -> int:
 
 
 @contextlib.contextmanager
-def serve_engine(config: EngineConfig, model, tok, log_level: str = "warning", api_keys=()):
-    """Yields (base URL, the AsyncEngine) while the server runs (`api_keys`: build_app's)."""
+def serve_engine(config: EngineConfig, model, tok, log_level: str = "warning", api_keys=(),
+                 tool_call_parser: str | None = None):
+    """Yields (base URL, the AsyncEngine) while the server runs (`api_keys`, `tool_call_parser`:
+    build_app's)."""
     aeng = AsyncEngine(LLMEngine(config, model, tok))
     port = _free_port()
-    srv = uvicorn.Server(uvicorn.Config(build_app(aeng, tok, "tiny", api_keys=api_keys), host="127.0.0.1", port=port,
-                                        log_level=log_level))
+    app = build_app(aeng, tok, "tiny", api_keys=api_keys, tool_call_parser=tool_call_parser)
+    srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level=log_level))
     th = threading.Thread(target=srv.run, daemon=True)
     th.start()
     deadline = time.monotonic() + 30

@@ -21,7 +21,7 @@ from raycluster.model.loader import load_model
 from raycluster.model.tokenizer import Tokenizer
 from raycluster.request import SamplingParams
 from raycluster.server.protocol import ChatCompletionRequest
-from raycluster.server.structured import schema_regex
+from raycluster.server.structured import escape, schema_regex
 from raycluster.server.tools import template_message, template_tools
 
 pytestmark = pytest.mark.e2e
@@ -168,3 +168,41 @@ def test_what_it_cannot_serve_is_a_400_naming_the_field(served, body, param):
     r = _chat(url, **body)
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"].startswith(param), r.json()
+
+
+@pytest.fixture(scope="module")
+def served_hermes(tiny_model_dir):
+    model, mcfg = load_model(tiny_model_dir)
+    tok = Tokenizer(tiny_model_dir, mcfg.eos_token_id)
+    with serve_engine(EngineConfig(**CFG), model, tok, tool_call_parser="hermes") as (url, _):
+        yield url
+
+
+def test_auto_with_a_parser_returns_text_when_the_model_calls_nothing(served_hermes):
+    plain = _chat(served_hermes, max_tokens=12)
+    auto = _chat(served_hermes, max_tokens=12, tools=TOOLS)           # tool_choice defaults to auto
+    assert auto.status_code == 200, auto.text
+    [choice] = auto.json()["choices"]
+    assert choice["message"]["tool_calls"] == []
+    assert choice["message"]["content"] == plain.json()["choices"][0]["message"]["content"]
+    assert choice["finish_reason"] == plain.json()["choices"][0]["finish_reason"]
+
+
+def test_auto_with_a_parser_reads_the_models_calls(served_hermes):
+    """The model is steered into Hermes syntax by a regex (a random-weight model would not write
+    it): text, then a call whose arguments the parser reads."""
+    lit = lambda t: escape(t)       # noqa: E731
+    regex = lit('Sure.<tool_call>{"name": "get_weather", "arguments": {"city": "') + "[a-z]{1,6}" + lit('"}}</tool_call>')
+    body = dict(tools=TOOLS, tool_choice="auto", guided_regex=regex, max_tokens=80)
+    r = _chat(served_hermes, **body)
+    assert r.status_code == 200, r.text
+    [choice] = r.json()["choices"]
+    assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] == "Sure."
+    [call] = choice["message"]["tool_calls"]
+    assert call["function"]["name"] == "get_weather" and call["id"].startswith("chatcmpl-tool-")
+    assert set(json.loads(call["function"]["arguments"])) == {"city"}
+    chunks = _stream(served_hermes, **body)
+    deltas = [c["choices"][0]["delta"] for c in chunks if c["choices"]]
+    assert "".join(d.get("content", "") for d in deltas) == "Sure."
+    assert [t["function"] for d in deltas for t in d.get("tool_calls", [])] == [call["function"]]
+    assert chunks[-1]["choices"][0]["finish_reason"] == "tool_calls"

@@ -20,7 +20,7 @@ import pytest
 pytestmark = [pytest.mark.ray, pytest.mark.e2e]
 
 BASE = {"model": "tiny", "policy": "lars", "threads_per_instance": 1, "max_local_waiting": 4,
-        "engine": {"kv_cache_tokens": 16384}}
+        "engine": {"kv_cache_tokens": 16384}, "tool_call_parser": "hermes"}
 PD_POOLS = [{"role": "prefill-short", "instances": 1, "engine": {"packer": "awd"}},
             {"role": "prefill-long", "instances": 1},
             {"role": "decode", "instances": 1,
@@ -274,7 +274,7 @@ def test_structured_outputs_follow_the_request_across_instances(cluster, tiny_mo
     from raycluster.model.loader import load_model
     from raycluster.model.tokenizer import Tokenizer
     from raycluster.request import SamplingParams
-    from raycluster.server.structured import schema_regex
+    from raycluster.server.structured import escape, schema_regex
 
     url, name = cluster
     schema = {"type": "object", "properties": {"word": {"type": "string", "maxLength": 8},
@@ -306,6 +306,14 @@ def test_structured_outputs_follow_the_request_across_instances(cluster, tiny_mo
         "tools": [{"type": "function", "function": {"name": "f", "parameters": schema}}]})
     assert r.status_code == 200, r.text
     assert r.json()["choices"][0]["message"]["tool_calls"][0]["function"] == {"name": "f", "arguments": args}
+    # tool_choice "auto" with the cluster's parser (hermes): a call in the model's syntax is read.
+    regex = escape('<tool_call>{"name": "f", "arguments": {"n": ') + "[1-3]" + escape("}}</tool_call>")
+    r = httpx.post(url + "/v1/chat/completions", timeout=120, json={
+        "messages": chat, "max_tokens": 150, "temperature": 0, "guided_regex": regex,
+        "tools": [{"type": "function", "function": {"name": "f", "parameters": schema}}]})
+    assert r.status_code == 200, r.text
+    [call] = r.json()["choices"][0]["message"]["tool_calls"] or [r.json()["choices"][0]]     # (shows the text)
+    assert call["function"]["name"] == "f" and json.loads(call["function"]["arguments"])["n"] in (1, 2, 3)
     _assert_drained(url)
 
 
