@@ -138,14 +138,22 @@ class LLMEngine:
 
     @classmethod
     def from_config(cls, config: EngineConfig, clock: Clock | None = None) -> "LLMEngine":
-        from raycluster.model.loader import load_model
+        from raycluster.model.loader import load_config, load_model
         from raycluster.model.registry import resolve_model_path
         from raycluster.model.tokenizer import Tokenizer
+        from raycluster.parallel.factory import SHARDED_KINDS, group_kind
+        from raycluster.parallel.shard import Checkpoint
 
         path = resolve_model_path(config.model)
-        model, mcfg = load_model(path, dtype=_DTYPES[config.dtype], device=config.device)
+        if group_kind(config) in SHARDED_KINDS:
+            # Each rank, the leader too, reads only its part: no process holds the full model.
+            mcfg = load_config(path)
+            model = Checkpoint(str(path), mcfg)
+        else:
+            model, mcfg = load_model(path, dtype=_DTYPES[config.dtype], device=config.device)
         runner = build_runner(config, model, _DTYPES[config.dtype], model_path=str(path))
-        return cls(config, model, Tokenizer(path, mcfg.eos_token_id), clock, runner=runner)
+        # The runner's model: the full model, or the group's view of it (config, logits).
+        return cls(config, runner.model, Tokenizer(path, mcfg.eos_token_id), clock, runner=runner)
 
     # ---- requests --------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int],
