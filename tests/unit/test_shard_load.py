@@ -28,7 +28,6 @@ from raycluster.request import SamplingParams
 
 BASE = dict(policy="fcfs", packer="token", predictor="none", block_size=16, num_threads=1, group_timeout_s=30,
             kv_cache_tokens=2048, chunk_size=48)
-GREEDY = SamplingParams(max_tokens=8, ignore_eos=True)
 
 
 @pytest.fixture(autouse=True)
@@ -120,6 +119,25 @@ def _prompts(vocab: int) -> list[list[int]]:
     return [shared + [rng.randrange(6, vocab) for _ in range(n)] for n in (150, 9, 60)] + [[7, 8, 9]]
 
 
+def _run(eng: LLMEngine, prompts: list[list[int]], tag: str) -> list[tuple[list[int], list[float] | None]]:
+    """Each prompt's greedy tokens and, for the first, its prompt log-probabilities (every prompt
+    token's logits: a finer check than the tokens of a tiny random model)."""
+    reqs = [eng.add_request(f"{tag}{i}", p, SamplingParams(max_tokens=8, ignore_eos=True,
+                                                           prompt_logprobs=1 if i == 0 else None))
+            for i, p in enumerate(prompts)]
+    for _ in range(500):
+        if not eng.has_unfinished():
+            break
+        eng.step()
+    return [(list(r.output_token_ids), None if r.prompt_logprobs is None else [e.logprob for e in r.prompt_logprobs])
+            for r in reqs]
+
+
+def _same_run(got, want) -> None:
+    assert [t for t, _ in got] == [t for t, _ in want]
+    assert got[0][1] == pytest.approx(want[0][1], abs=1e-4)
+
+
 def _layer_elems(modules) -> int:
     """Elements of the decoder-layer parameters these modules hold (each tensor counted once)."""
     seen = {}
@@ -151,7 +169,7 @@ def test_an_engine_built_from_the_path_matches_the_single_engine_and_its_leader_
     full, cfg = load_model(paths[name])
     prompts = _prompts(cfg.vocab_size - 10)
     single = LLMEngine.from_config(EngineConfig(model=paths[name], **BASE))
-    want = single.generate(prompts, GREEDY, max_steps=500)
+    want = _run(single, prompts, "a")
     eng = LLMEngine.from_config(EngineConfig(model=paths[name], **BASE, **group, enable_prefix_caching=True))
     try:
         assert eng.runner.layout == layout
@@ -159,9 +177,9 @@ def test_an_engine_built_from_the_path_matches_the_single_engine_and_its_leader_
         assert eng.vocab_size == single.vocab_size and eng.max_model_len == single.max_model_len
         assert eng.runner.kv_bytes_per_token() == single.runner.kv_bytes_per_token()
         assert eng.runner.model.kv_cache_shape(5, 16) == full.kv_cache_shape(5, 16)
-        assert eng.generate(prompts, GREEDY, max_steps=500) == want
-        assert eng.generate(prompts[:2], GREEDY, max_steps=500) == want[:2]     # again, from the prefix cache
-        assert eng.kv.hit_tokens >= 2 * 48
+        _same_run(_run(eng, prompts, "a"), want)
+        _same_run(_run(eng, prompts[:2], "b"), want[:2])        # again, from the prefix cache
+        assert eng.kv.hit_tokens >= 32         # prompt 1 reused the shared prefix (prompt 0 asks for prompt logprobs)
         whole = _layer_elems([full])
         held = _leader_layer_elems(eng)
         # 1/share of the layers, give or take the replicated norms and rank 0's row biases.
