@@ -11,6 +11,7 @@ against the full tensor's."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from dataclasses import dataclass
@@ -166,26 +167,56 @@ def load_tensors(path: str | os.PathLike, config: ModelConfig, wanted: Mapping[s
         raise ValueError(f"not parameters of this model: {', '.join(unknown)}")
     out: dict[str, torch.Tensor] = {}
     for file in _weight_files(path):
-        try:
-            with safe_open(file, framework="pt", device="cpu") as f:
-                for name in f.keys():
-                    if _skipped(name, config):
-                        continue
-                    if name not in shapes:
-                        raise CheckpointError(f"unexpected tensor {name!r} in {os.path.basename(file)}")
-                    part = wanted.get(name)
-                    if part is None:
-                        continue
-                    sl = f.get_slice(name)
-                    shape = tuple(sl.get_shape())
-                    if shape != shapes[name]:
-                        raise CheckpointError(
-                            f"shape mismatch for tensor {name!r}: checkpoint {shape}, model expects {shapes[name]}")
-                    # Cast on the host, then move just this part to the device.
-                    out[name] = part.read(sl, shape).to(dtype).to(device)
-        except CheckpointError:
-            raise
-        except Exception as e:  # safetensors raises its own error types for corrupt headers/data
-            raise CheckpointError(f"cannot read safetensors file {file!r}: {e}") from e
+        for batch in _batches(_checked_names(file, config, shapes, wanted)):
+            with _open(file) as f:
+                for name in batch:
+                    # The slice is a view into the mapped file (safetensors maps it; only the
+                    # pages the slice covers are read): copy it out so the parameter owns
+                    # exactly its part, contiguous, and holds no reference to the mapping.
+                    view = wanted[name].read(f.get_slice(name), shapes[name])
+                    out[name] = torch.empty(view.shape, dtype=dtype, device=device).copy_(view)
     _check_missing(set(wanted) - set(out))
     return out
+
+
+@contextlib.contextmanager
+def _open(file: str):
+    """safe_open, its errors (corrupt header or data) as CheckpointError naming the file."""
+    try:
+        with safe_open(file, framework="pt", device="cpu") as f:
+            yield f
+    except CheckpointError:
+        raise
+    except Exception as e:  # safetensors raises its own error types for corrupt headers/data
+        raise CheckpointError(f"cannot read safetensors file {file!r}: {e}") from e
+
+
+def _checked_names(file: str, config: ModelConfig, shapes: dict[str, tuple[int, ...]],
+                   wanted: Mapping[str, TensorPart]) -> list[str]:
+    """The wanted tensors in `file`, after checking every name in it is the model's and every
+    wanted one has the model's shape (the header only: no tensor data is read)."""
+    names = []
+    with _open(file) as f:
+        for name in f.keys():
+            if _skipped(name, config):
+                continue
+            if name not in shapes:
+                raise CheckpointError(f"unexpected tensor {name!r} in {os.path.basename(file)}")
+            if name in wanted:
+                shape = tuple(f.get_slice(name).get_shape())
+                if shape != shapes[name]:
+                    raise CheckpointError(
+                        f"shape mismatch for tensor {name!r}: checkpoint {shape}, model expects {shapes[name]}")
+                names.append(name)
+    return names
+
+
+def _batches(names: list[str]) -> list[list[str]]:
+    """The names grouped by decoder layer (other tensors one by one). Each batch is read with
+    the file opened afresh: the checkpoint pages a batch touched leave this process's RSS when
+    the mapping closes, so at most one layer's are mapped at a time."""
+    groups: dict[str, list[str]] = {}
+    for name in names:
+        key = ".".join(name.split(".")[:3]) if name.startswith("model.layers.") else name
+        groups.setdefault(key, []).append(name)
+    return list(groups.values())

@@ -70,7 +70,11 @@ def _ranges(n: int) -> list[range]:
 
 
 def _same_shard(a: torch.nn.Module, b: torch.nn.Module) -> None:
+    """`a` (read from the files) is `b` (cut from the full model), and each of a's tensors owns
+    its storage: no view into a larger tensor or the mapped file keeps more than the part."""
     assert a.config == b.config
+    for name, t in a.state_dict().items():
+        assert t.is_contiguous() and t.untyped_storage().nbytes() == t.numel() * t.element_size(), name
     assert [(n, type(m)) for n, m in a.named_modules()] == [(n, type(m)) for n, m in b.named_modules()]
     sa, sb = a.state_dict(), b.state_dict()
     assert sa.keys() == sb.keys()
@@ -139,12 +143,14 @@ def _same_run(got, want) -> None:
 
 
 def _layer_elems(modules) -> int:
-    """Elements of the decoder-layer parameters these modules hold (each tensor counted once)."""
+    """Elements of the storage behind the decoder-layer parameters these modules hold (each
+    storage counted once, whole: a slice that is a view of a full tensor counts as the full one)."""
     seen = {}
     for m in modules:
         for name, p in m.named_parameters():
             if ".layers." in f".{name}" and p.device.type != "meta":
-                seen[p.data_ptr()] = p.numel()
+                st = p.untyped_storage()
+                seen[st.data_ptr()] = st.nbytes() // p.element_size()
     return sum(seen.values())
 
 
