@@ -82,3 +82,14 @@ def build_runner(config: EngineConfig, model, dtype: torch.dtype, model_path: st
     # SPP x TP too: every rank holds its layers and heads of the same block ids.
     return SPPRunner(model, kv_manager(blocks, config.block_size), coll, config.spp, dtype, config.device,
                      config.spp_micro_tokens, ranks=ranks, tp=config.tp)
+
+
+def model_source(config: EngineConfig, path: str):
+    """What `build_runner` takes for `config`, from the checkpoint at `path`: a `Checkpoint` for
+    `SHARDED_KINDS` (each rank, the leader too, reads only its part: no process holds the full
+    model), else the full model loaded onto the config's device."""
+    from raycluster.model.loader import load_config, load_model
+
+    if group_kind(config) in SHARDED_KINDS:
+        return Checkpoint(str(path), load_config(path))
+    return load_model(path, dtype=config.torch_dtype(), device=config.device)[0]
