@@ -22,9 +22,8 @@ class EngineInstance:
     def __init__(self, role: str, config_json: str) -> None:
         from raycluster.engine.engine import LLMEngine
         from raycluster.kv_transfer import make_connector
-        from raycluster.model.loader import load_model
         from raycluster.model.registry import resolve_model_path
-        from raycluster.parallel.factory import build_runner
+        from raycluster.parallel.factory import build_runner, model_source
 
         cfg = ClusterConfig.model_validate_json(config_json)
         pool = next(p for p in cfg.pools if p.role == role)
@@ -32,11 +31,12 @@ class EngineInstance:
         torch.set_num_threads(cfg.threads_per_instance)
         os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
         path = resolve_model_path(ecfg.model)
-        model, _ = load_model(path, dtype=ecfg.torch_dtype(), device=ecfg.device)
+        # The full model, or for a TP / SPP pool the checkpoint each rank reads its own part from.
+        model = model_source(ecfg, str(path))
         # A KVP / SPP / TP pool: this replica leads the group; its other ranks are actors (or threads).
         runner = build_runner(ecfg, model, ecfg.torch_dtype(), model_path=str(path), num_cpus=pool.num_cpus,
                               num_gpus=pool.num_gpus)
-        self.engine = LLMEngine(ecfg, model, tokenizer=None, runner=runner)
+        self.engine = LLMEngine(ecfg, runner.model, tokenizer=None, runner=runner)
         replica = serve.get_replica_context().replica_id.unique_id
         self.instance_id = f"{role}-{replica}"
         connector = None

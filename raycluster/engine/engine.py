@@ -92,7 +92,9 @@ class LLMEngine:
     def __init__(self, config: EngineConfig, model, tokenizer=None, clock: Clock | None = None,
                  predictor: LinearBatchPredictor | None = None, runner=None) -> None:
         """`runner`: a prebuilt runner (e.g. a KVP / SPP / TP group whose ranks are Ray actors);
-        default one built from `config` (raycluster.parallel.factory)."""
+        default one built from `config` (raycluster.parallel.factory). `model`: what the engine
+        reads its vocab, length and EOS from (`model.config`): the full model, or the
+        `GroupModel` of a prebuilt group whose ranks read their parts from the checkpoint."""
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         self.config = config
@@ -138,14 +140,15 @@ class LLMEngine:
 
     @classmethod
     def from_config(cls, config: EngineConfig, clock: Clock | None = None) -> "LLMEngine":
-        from raycluster.model.loader import load_model
         from raycluster.model.registry import resolve_model_path
         from raycluster.model.tokenizer import Tokenizer
+        from raycluster.parallel.factory import model_source
 
         path = resolve_model_path(config.model)
-        model, mcfg = load_model(path, dtype=_DTYPES[config.dtype], device=config.device)
+        model = model_source(config, str(path))
         runner = build_runner(config, model, _DTYPES[config.dtype], model_path=str(path))
-        return cls(config, model, Tokenizer(path, mcfg.eos_token_id), clock, runner=runner)
+        # The runner's model: the full model, or the group's view of it (config, logits).
+        return cls(config, runner.model, Tokenizer(path, model.config.eos_token_id), clock, runner=runner)
 
     # ---- requests --------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int],

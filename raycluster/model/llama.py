@@ -125,5 +125,6 @@ class LlamaForCausalLM(nn.Module):
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        w = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        # By the config, not by lm_head being None: a pipeline/TP rank without the head has None too.
+        w = self.model.embed_tokens.weight if self.config.tie_word_embeddings else self.lm_head.weight
         return F.linear(hidden, w)

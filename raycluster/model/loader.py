@@ -1,11 +1,21 @@
 """Checkpoint loading: config.json + model.safetensors (or a sharded index) into
 LlamaForCausalLM, with strict checks (every parameter loaded, nothing unexpected, shapes match)
-and errors that name the offending tensor or file."""
+and errors that name the offending tensor or file.
+
+`load_model` builds the whole model (one process serves it). `load_tensors` reads just the
+tensors a caller names, each whole or one `TensorPart` of it (a contiguous chunk along one dim,
+read from the file with `safe_open(...).get_slice`, so the rest of the tensor is never read):
+a tensor-parallel or pipeline rank loads only its shard this way (raycluster.parallel.shard).
+Both check every checkpoint name against the model the config describes and every shape
+against the full tensor's."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+from dataclasses import dataclass
+from typing import Mapping
 
 import torch
 from safetensors import safe_open
@@ -51,12 +61,30 @@ def _read_tensors(file: str):
         raise CheckpointError(f"cannot read safetensors file {file!r}: {e}") from e
 
 
-def load_model(path: str | os.PathLike, dtype: torch.dtype = torch.float32,
-               device: str | torch.device = "cpu", backend=None) -> tuple[LlamaForCausalLM, ModelConfig]:
+def load_config(path: str | os.PathLike) -> ModelConfig:
     path = os.fspath(path)
     if not os.path.exists(os.path.join(path, "config.json")):
         raise FileNotFoundError(f"model directory {path!r} has no config.json")
-    config = ModelConfig.from_pretrained(path)
+    return ModelConfig.from_pretrained(path)
+
+
+def _skipped(name: str, config: ModelConfig) -> bool:
+    """Checkpoint tensors we never load: recomputed buffers, and the copy of a tied head some
+    tied checkpoints still store."""
+    return name.endswith(_IGNORED_SUFFIXES) or (name == "lm_head.weight" and config.tie_word_embeddings)
+
+
+def _check_missing(missing: set[str]) -> None:
+    if missing:
+        names = sorted(missing)
+        more = f" (and {len(names) - 5} more)" if len(names) > 5 else ""
+        raise CheckpointError(f"missing tensors in checkpoint: {', '.join(names[:5])}{more}")
+
+
+def load_model(path: str | os.PathLike, dtype: torch.dtype = torch.float32,
+               device: str | torch.device = "cpu", backend=None) -> tuple[LlamaForCausalLM, ModelConfig]:
+    path = os.fspath(path)
+    config = load_config(path)
     files = _weight_files(path)
 
     # Build on the meta device so no memory or time is spent on random init.
@@ -68,10 +96,8 @@ def load_model(path: str | os.PathLike, dtype: torch.dtype = torch.float32,
     loaded: set[str] = set()
     for file in files:
         for name, tensor in _read_tensors(file):
-            if name.endswith(_IGNORED_SUFFIXES):
+            if _skipped(name, config):
                 continue
-            if name == "lm_head.weight" and config.tie_word_embeddings:
-                continue  # some tied checkpoints still store a copy
             p = params.get(name)
             if p is None:
                 raise CheckpointError(f"unexpected tensor {name!r} in {os.path.basename(file)}")
@@ -82,10 +108,115 @@ def load_model(path: str | os.PathLike, dtype: torch.dtype = torch.float32,
             with torch.no_grad():
                 p.copy_(tensor.to(dtype))
             loaded.add(name)
-    missing = sorted(set(params) - loaded)
-    if missing:
-        more = f" (and {len(missing) - 5} more)" if len(missing) > 5 else ""
-        raise CheckpointError(f"missing tensors in checkpoint: {', '.join(missing[:5])}{more}")
+    _check_missing(set(params) - loaded)
     model.eval()
     model.requires_grad_(False)  # inference only; avoids autograd bookkeeping outside inference_mode
     return model, config
+
+
+@dataclass(frozen=True)
+class TensorPart:
+    """Chunk `index` of `parts` equal chunks along `dim` of a tensor (what torch.chunk gives for a
+    size `parts` divides); parts == 1 is the whole tensor. The one rule both an in-memory
+    tensor (`take`) and a checkpoint slice (`read`) are cut by."""
+    dim: int = 0
+    index: int = 0
+    parts: int = 1
+
+    def bounds(self, size: int) -> tuple[int, int]:
+        if size % self.parts or not 0 <= self.index < self.parts:
+            raise ValueError(f"chunk {self.index} of {self.parts}: a size of {size} does not split evenly")
+        n = size // self.parts
+        return self.index * n, (self.index + 1) * n
+
+    def take(self, t: torch.Tensor) -> torch.Tensor:
+        if self.parts == 1:
+            return t
+        lo, hi = self.bounds(t.shape[self.dim])
+        return t.narrow(self.dim, lo, hi - lo)
+
+    def read(self, tensor_slice, shape: tuple[int, ...]) -> torch.Tensor:
+        """This part of a safetensors `get_slice` handle of a tensor of `shape` (only it is read)."""
+        index = [slice(None)] * len(shape)
+        if self.parts > 1:
+            index[self.dim] = slice(*self.bounds(shape[self.dim]))
+        return tensor_slice[tuple(index)]
+
+
+WHOLE = TensorPart()
+
+
+def model_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Every parameter name of the full model `config` describes, and its shape (built on the
+    meta device: nothing is allocated)."""
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config)
+    return {name: tuple(p.shape) for name, p in model.named_parameters()}
+
+
+def load_tensors(path: str | os.PathLike, config: ModelConfig, wanted: Mapping[str, TensorPart],
+                 dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
+    """The checkpoint tensors named in `wanted` (full-model parameter names), each cut to its
+    part, cast to `dtype` and placed on `device`; nothing else is read. Strict as `load_model`:
+    every wanted tensor present, every name in the checkpoint one the model has, each full shape
+    the model's; errors name the tensor (and file)."""
+    path = os.fspath(path)
+    shapes = model_shapes(config)
+    unknown = sorted(set(wanted) - set(shapes))
+    if unknown:
+        raise ValueError(f"not parameters of this model: {', '.join(unknown)}")
+    out: dict[str, torch.Tensor] = {}
+    for file in _weight_files(path):
+        for batch in _batches(_checked_names(file, config, shapes, wanted)):
+            with _open(file) as f:
+                for name in batch:
+                    # The slice is a view into the mapped file (safetensors maps it; only the
+                    # pages the slice covers are read): copy it out so the parameter owns
+                    # exactly its part, contiguous, and holds no reference to the mapping.
+                    view = wanted[name].read(f.get_slice(name), shapes[name])
+                    out[name] = torch.empty(view.shape, dtype=dtype, device=device).copy_(view)
+    _check_missing(set(wanted) - set(out))
+    return out
+
+
+@contextlib.contextmanager
+def _open(file: str):
+    """safe_open, its errors (corrupt header or data) as CheckpointError naming the file."""
+    try:
+        with safe_open(file, framework="pt", device="cpu") as f:
+            yield f
+    except CheckpointError:
+        raise
+    except Exception as e:  # safetensors raises its own error types for corrupt headers/data
+        raise CheckpointError(f"cannot read safetensors file {file!r}: {e}") from e
+
+
+def _checked_names(file: str, config: ModelConfig, shapes: dict[str, tuple[int, ...]],
+                   wanted: Mapping[str, TensorPart]) -> list[str]:
+    """The wanted tensors in `file`, after checking every name in it is the model's and every
+    wanted one has the model's shape (the header only: no tensor data is read)."""
+    names = []
+    with _open(file) as f:
+        for name in f.keys():
+            if _skipped(name, config):
+                continue
+            if name not in shapes:
+                raise CheckpointError(f"unexpected tensor {name!r} in {os.path.basename(file)}")
+            if name in wanted:
+                shape = tuple(f.get_slice(name).get_shape())
+                if shape != shapes[name]:
+                    raise CheckpointError(
+                        f"shape mismatch for tensor {name!r}: checkpoint {shape}, model expects {shapes[name]}")
+                names.append(name)
+    return names
+
+
+def _batches(names: list[str]) -> list[list[str]]:
+    """The names grouped by decoder layer (other tensors one by one). Each batch is read with
+    the file opened afresh: the checkpoint pages a batch touched leave this process's RSS when
+    the mapping closes, so at most one layer's are mapped at a time."""
+    groups: dict[str, list[str]] = {}
+    for name in names:
+        key = ".".join(name.split(".")[:3]) if name.startswith("model.layers.") else name
+        groups.setdefault(key, []).append(name)
+    return list(groups.values())

@@ -1,6 +1,10 @@
 """Builds an engine's model runner from its config: one process (`ModelRunner`), or the leader of
 a KVP / SPP / TP / SPP x TP group whose other ranks run as threads here or as Ray actors
-(raycluster.parallel.ray_group). The runner's `kv` is the engine's block bookkeeping."""
+(raycluster.parallel.ray_group). The runner's `kv` is the engine's block bookkeeping.
+
+The model enters as a full model in memory or, for the kinds whose ranks hold only their shard
+(`SHARDED_KINDS`: TP, SPP, SPP x TP), as a `Checkpoint` each rank reads its own part from
+(raycluster.parallel.shard); KVP ranks replicate the full model."""
 
 from __future__ import annotations
 
@@ -11,6 +15,9 @@ from raycluster.engine.kv_manager import KVCacheManager
 from raycluster.engine.model_runner import ModelRunner
 from raycluster.engine.prefix_cache import PrefixCachingKVManager
 from raycluster.parallel.group import Collective, GroupAddress, ThreadRanks, free_port
+from raycluster.parallel.shard import Checkpoint
+
+SHARDED_KINDS = ("tp", "spp", "spp-tp")     # each rank loads only its part of the weights
 
 
 def group_kind(config: EngineConfig) -> str:
@@ -22,7 +29,8 @@ def group_kind(config: EngineConfig) -> str:
 
 def group_worker(kind: str, model, coll: Collective, config: EngineConfig, dtype: torch.dtype):
     """The handler rank `coll.rank` (not the leader) runs for each message in a group of `kind`
-    ("kvp" | "spp" | "tp" | "spp-tp"). `model` is the full model (a TP rank shards it)."""
+    ("kvp" | "spp" | "tp" | "spp-tp"). `model` is the full model (a TP rank shards it) or, for
+    `SHARDED_KINDS`, the `Checkpoint` the rank reads its part from."""
     blocks = config.kv_cache_tokens // config.block_size
     if kind == "kvp":
         from raycluster.parallel.kvp import kvp_worker
@@ -38,7 +46,9 @@ def group_worker(kind: str, model, coll: Collective, config: EngineConfig, dtype
 def build_runner(config: EngineConfig, model, dtype: torch.dtype, model_path: str | None = None,
                  num_cpus: float = 1.0, num_gpus: float = 0.0):
     """The engine's runner; for a group, start its other ranks (Ray actors need `model_path`
-    and take `num_cpus` and `num_gpus` each), join them, and return the leader."""
+    and take `num_cpus` and `num_gpus` each), join them, and return the leader. `model`: the
+    full model, or (`SHARDED_KINDS` only) a `Checkpoint`; with a full model and a `model_path`,
+    thread ranks of those kinds read their own part from the path rather than cut it from it."""
     blocks = config.kv_cache_tokens // config.block_size
     kv_manager = PrefixCachingKVManager if config.enable_prefix_caching else KVCacheManager
     kind = group_kind(config)
@@ -55,7 +65,10 @@ def build_runner(config: EngineConfig, model, dtype: torch.dtype, model_path: st
         from raycluster.parallel.ray_group import RayRanks
         ranks = RayRanks(addr, kind, config, model_path, num_cpus, num_gpus)
     else:
-        ranks = ThreadRanks(addr, lambda coll: group_worker(kind, model, coll, config, dtype), config.device)
+        source = model
+        if kind in SHARDED_KINDS and model_path is not None and not isinstance(model, Checkpoint):
+            source = Checkpoint(model_path, model.config)
+        ranks = ThreadRanks(addr, lambda coll: group_worker(kind, source, coll, config, dtype), config.device)
     coll = Collective(addr, 0, config.device)      # returns once every rank has joined
     if kind == "kvp":
         from raycluster.parallel.kvp import KVPRunner
@@ -69,3 +82,14 @@ def build_runner(config: EngineConfig, model, dtype: torch.dtype, model_path: st
     # SPP x TP too: every rank holds its layers and heads of the same block ids.
     return SPPRunner(model, kv_manager(blocks, config.block_size), coll, config.spp, dtype, config.device,
                      config.spp_micro_tokens, ranks=ranks, tp=config.tp)
+
+
+def model_source(config: EngineConfig, path: str):
+    """What `build_runner` takes for `config`, from the checkpoint at `path`: a `Checkpoint` for
+    `SHARDED_KINDS` (each rank, the leader too, reads only its part: no process holds the full
+    model), else the full model loaded onto the config's device."""
+    from raycluster.model.loader import load_config, load_model
+
+    if group_kind(config) in SHARDED_KINDS:
+        return Checkpoint(str(path), load_config(path))
+    return load_model(path, dtype=config.torch_dtype(), device=config.device)[0]

@@ -1,8 +1,8 @@
 """Ranks 1..world-1 of a KVP / SPP / TP / SPP x TP group as Ray actors (the leader is the engine's process).
 
-Each `GroupRank` actor, placed on the leader's node, loads the model itself from `model_path`
-(a TP rank, or an SPP x TP rank, then keeps only its shard of the layers, `raycluster.parallel.tp.shard_model`),
-joins the group's store at the `GroupAddress` the leader chose, and runs `serve_rank` in one long
+Each `GroupRank` actor, placed on the leader's node, loads its weights itself from `model_path`:
+a TP / SPP / SPP x TP rank reads only its part (raycluster.parallel.shard.load_shard, when it
+joins the group and knows its rank), a KVP rank the full model. It joins the group's store at the `GroupAddress` the leader chose, and runs `serve_rank` in one long
 actor call until the leader posts None. `RayRanks.join` waits for those calls, then kills the actors.
 """
 
@@ -14,26 +14,28 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from raycluster.engine.config import EngineConfig
 from raycluster.parallel.group import Collective, GroupAddress, serve_rank
+from raycluster.parallel.shard import Checkpoint
 
 
 @ray.remote
 class GroupRank:
     def __init__(self, model_path: str, config_json: str, threads: int) -> None:
-        from raycluster.model.loader import load_model
+        from raycluster.model.loader import load_config, load_model
+        from raycluster.parallel.factory import SHARDED_KINDS, group_kind
 
         torch.set_num_threads(threads)
         self.config = EngineConfig.model_validate_json(config_json)
         self.dtype = self.config.torch_dtype()
-        self.model, _ = load_model(model_path, dtype=self.dtype, device=self.config.device)
+        if group_kind(self.config) in SHARDED_KINDS:
+            self.model = Checkpoint(model_path, load_config(model_path))   # read at `serve`, by rank
+        else:
+            self.model, _ = load_model(model_path, dtype=self.dtype, device=self.config.device)
 
     def serve(self, kind: str, addr: GroupAddress, rank: int) -> int:
         from raycluster.parallel.factory import group_worker
 
         coll = Collective(addr, rank, self.config.device)
-        run = group_worker(kind, self.model, coll, self.config, self.dtype)
-        if kind in ("tp", "spp-tp"):
-            self.model = None       # the rank's shard holds what it needs; free the full layers
-        return serve_rank(coll, run)
+        return serve_rank(coll, group_worker(kind, self.model, coll, self.config, self.dtype))
 
 
 class RayRanks:

@@ -19,6 +19,12 @@ with the same hidden states, so lane t of stage s sends its micro-batch to lane 
 lane 0 of the last stage returns the sampled rows. A rank's KV holds its stage's layers and its
 lane's KV heads of the same engine block ids, so the leader's block bookkeeping is the plain
 engine's; P/D handoffs move each (layers x heads) slice to or from its rank.
+
+Weights: given a `Checkpoint` (raycluster.parallel.shard), each rank reads only its stage's
+layers (its lane's heads of them with TP), the embedding if it is in the first stage, the final
+norm if it returns the rows, and the output head if it is the leader (which computes the logits;
+`SPPRunner.model` is then a `GroupModel`): no rank holds the full decoder weights. Given a full
+model in memory, the stages use its layers (cut per lane with TP) and the leader keeps it.
 """
 
 from __future__ import annotations
@@ -31,10 +37,11 @@ from kernels import get_attention_backend
 from raycluster.engine.kv_manager import KVCacheManager
 from raycluster.engine.model_runner import StepLogits, execute_step
 from raycluster.engine.scheduler import SchedulerOutput
+from raycluster.model.llama import LlamaForCausalLM
 from raycluster.parallel.group import Collective
 from raycluster.parallel.kv_port import KV_TAG, KVLoad, KVSave, StagedPort, rank_handler
 from raycluster.parallel.plan import StepPlan, plan_inputs
-from raycluster.parallel.tp import shard_model
+from raycluster.parallel.shard import Checkpoint, GroupModel, _identity, rank_model
 
 HIDDEN_TAG = 1      # stage r -> r+1 hidden states
 RESULT_TAG = 2      # last stage -> rank 0 sampled rows
@@ -82,10 +89,11 @@ def split_plan(plan: StepPlan, micro_tokens: int) -> list[StepPlan]:
 
 
 class SPPStage:
-    """One rank of the pipeline: stage `rank // tp` owns layers [lo, hi) of `model` and their KV
-    [hi - lo, N, 2, B, Hkv / tp, D]; with tp > 1 it is TP rank `rank % tp` (its lane) of the
-    stage, running tp.shard_model's shard of those layers, which all-reduces over the stage's
-    ranks only (`self.tp_group`, a subgroup). World ranks are stage * tp + lane; rank 0 leads."""
+    """One rank of the pipeline: stage `rank // tp` owns layers [lo, hi) of `model` (a full model
+    or a `Checkpoint`) and their KV [hi - lo, N, 2, B, Hkv / tp, D]; with tp > 1 it is TP rank
+    `rank % tp` (its lane) of the stage, running the lane's shard of those layers
+    (raycluster.parallel.shard), which all-reduces over the stage's ranks only (`self.tp_group`,
+    a subgroup). World ranks are stage * tp + lane; rank 0 leads."""
 
     def __init__(self, model, coll: Collective | None, rank: int, spp: int, num_blocks: int, block_size: int,
                  dtype: torch.dtype, device: str | torch.device = "cpu", micro_tokens: int = 512,
@@ -106,7 +114,10 @@ class SPPStage:
         if tp > 1:
             # Every rank of the stage builds this subgroup (and no other) as it starts.
             self.tp_group = coll.subgroup(range(self.stage * tp, (self.stage + 1) * tp))
-            self.model = shard_model(model, self.lane, tp, self.tp_group.all_reduce, range(self.lo, self.hi))
+        if tp > 1 or isinstance(model, Checkpoint):
+            reduce = self.tp_group.all_reduce if tp > 1 else _identity
+            self.model = rank_model(model, self.lane, tp, reduce, range(self.lo, self.hi), dtype, self.device,
+                                    embed=self.first, norm=rank == self.result_rank, head=rank == 0)
             self.layers = list(self.model.model.layers)
         else:
             self.model = model
@@ -115,8 +126,9 @@ class SPPStage:
         self.kv = torch.zeros((self.hi - self.lo,) + tuple(shape[1:]), dtype=dtype, device=self.device)
         # A backend per rank: the torch backend's workspace buffers must not be shared by
         # ranks running concurrently in threads of one process (model.backend would be).
-        self.backend = model.backend if world == 1 and model.backend is not None else get_attention_backend(self.device)
-        self.hidden_dtype = model.model.embed_tokens.weight.dtype
+        backend = getattr(model, "backend", None)
+        self.backend = backend if world == 1 and backend is not None else get_attention_backend(self.device)
+        self.hidden_dtype = self.layers[0].input_layernorm.weight.dtype
         self.hidden_size = model.config.hidden_size
 
     @property
@@ -198,8 +210,9 @@ class SPPStage:
         return torch.cat(kept) if kept else None
 
 
-def spp_worker(model, coll: Collective, spp: int, num_blocks: int, block_size: int, dtype: torch.dtype,
-               device: str | torch.device = "cpu", micro_tokens: int = 512, tp: int = 1) -> Callable:
+def spp_worker(model: LlamaForCausalLM | Checkpoint, coll: Collective, spp: int, num_blocks: int,
+               block_size: int, dtype: torch.dtype, device: str | torch.device = "cpu", micro_tokens: int = 512,
+               tp: int = 1) -> Callable:
     """The `run` of a non-leader rank (what `ThreadRanks`/a Ray actor gets from `make_run(coll)`)."""
     if coll.rank == 0:
         raise ValueError("rank 0 is the leader: use SPPRunner")
@@ -209,23 +222,26 @@ def spp_worker(model, coll: Collective, spp: int, num_blocks: int, block_size: i
 
 class SPPRunner:
     """The leader's runner (rank 0): ModelRunner's interface over an SPP group, whose stages are
-    each a TP group of `tp` ranks when tp > 1."""
+    each a TP group of `tp` ranks when tp > 1. `model`: the full model, or the `Checkpoint` each
+    rank reads its part from; `self.model` computes the logits with the leader's output head
+    (the full model, or a `GroupModel` over the leader's stage)."""
 
-    def __init__(self, model, kv: KVCacheManager, coll: Collective | None, spp: int,
+    def __init__(self, model: LlamaForCausalLM | Checkpoint, kv: KVCacheManager, coll: Collective | None, spp: int,
                  dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
                  micro_tokens: int = 512, ranks=None, tp: int = 1) -> None:
         """`ranks`: the handle of ranks 1..spp*tp-1 (`join(timeout)`), stopped by `close`."""
-        self.model, self.kv, self.coll, self.spp, self.tp, self.ranks = model, kv, coll, spp, tp, ranks
+        self.kv, self.coll, self.spp, self.tp, self.ranks = kv, coll, spp, tp, ranks
         self.world = spp * tp
         self.dtype = dtype
         self.device = torch.device(device)
         self.layout = f"spp{spp}" if tp == 1 else f"spp{spp}xtp{tp}"
         self.stage = SPPStage(model, coll, 0, spp, kv.num_blocks, kv.block_size, dtype, device, micro_tokens, tp)
+        self.model = GroupModel(model.config, self.stage.model) if isinstance(model, Checkpoint) else model
         self.layer_ranges = stage_layers(model.config.num_hidden_layers, spp)
         # Connectors see a staging area of whole blocks (every layer, every head): as many as the
         # engine has, or with TP lanes 1/tp of them, as a TP leader stages its own KV bytes' worth.
         staged = kv.num_blocks if tp == 1 else max(1, kv.num_blocks // tp)
-        self.port = StagedPort(self, model.kv_cache_shape(staged, kv.block_size), dtype, self.device)
+        self.port = StagedPort(self, self.model.kv_cache_shape(staged, kv.block_size), dtype, self.device)
         self._closed = False
 
     def kv_bytes_per_token(self) -> int:

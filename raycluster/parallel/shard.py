@@ -1,0 +1,263 @@
+"""What one rank of a tensor-parallel (TP) group or pipeline stage holds of the model's weights,
+and where it gets them: cut from a full model already in memory (`shard_model`), or read from
+the checkpoint files (`load_shard`: only the rank's slices are read, so no process of the
+group ever holds the full decoder weights).
+
+The slicing rule, in one place (`layer_part`): q/k/v_proj split by heads (rank r takes a
+contiguous block of the query heads and of the KV heads they read, so GQA groups stay whole),
+o_proj split along its input over the same heads, gate/up_proj split and down_proj split along
+its input over the intermediate size. o_proj and down_proj become `RowParallelLinear`: each
+rank's partial output is summed over the group by `reduce`, the bias added once (rank 0 holds it).
+Norms are replicated.
+
+The modules outside the decoder layers, loaded only where they run (`load_shard`'s flags, chosen
+by raycluster.parallel.tp and .spp): the embedding on every rank that embeds the step's tokens
+(every TP rank; an SPP stage's first-stage ranks), the final norm where the final hidden rows
+are normed (every TP rank; the SPP rank that returns the rows), the output head (`lm_head`,
+untied checkpoints) on the group's leader only, which computes the logits from the returned
+rows (engine.model_runner.execute_step, through `GroupModel`). A module a rank does not load
+is None, so using it by mistake fails at once.
+
+A rank's weights enter as a `Checkpoint` (path + config) or a loaded full model
+(`rank_model` takes either); the rank's model leaves, on its device, with the rank's config
+(its heads, its layers), so its `kv_cache_shape` is the rank's KV.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from raycluster.model.config import ModelConfig
+from raycluster.model.llama import DecoderLayer, LlamaForCausalLM
+from raycluster.model.loader import WHOLE, TensorPart, load_tensors
+
+# Decoder-layer parameters split over the ranks, and along which dim (nn.Linear weights are
+# [out, in]: column-parallel layers split dim 0 and their bias, row-parallel ones dim 1).
+_SPLIT = {f"self_attn.{p}_proj.{w}": 0 for p in "qkv" for w in ("weight", "bias")}
+_SPLIT.update({f"mlp.{p}_proj.{w}": 0 for p in ("gate", "up") for w in ("weight", "bias")})
+_SPLIT.update({"self_attn.o_proj.weight": 1, "mlp.down_proj.weight": 1})
+_ROW_BIASES = ("self_attn.o_proj.bias", "mlp.down_proj.bias")     # whole, on rank 0 only
+
+
+@dataclasses.dataclass(frozen=True)
+class Checkpoint:
+    """A checkpoint directory and its config: what a rank loads its own part from."""
+    path: str
+    config: ModelConfig
+
+
+def check_tp(cfg: ModelConfig, tp: int) -> None:
+    """Refuse a model whose heads or MLP do not split evenly over `tp` ranks (KV heads are not
+    replicated to make them fit)."""
+    for name in ("num_attention_heads", "num_key_value_heads", "intermediate_size"):
+        n = getattr(cfg, name)
+        if n % tp:
+            raise ValueError(f"tp: {tp} ranks do not divide the model's {name} ({n}); choose a tp that "
+                             "divides the attention heads, the KV heads and the intermediate size")
+
+
+def shard_config(cfg: ModelConfig, tp: int) -> ModelConfig:
+    """The config one rank's layers are built from: its heads and its share of the MLP."""
+    check_tp(cfg, tp)
+    return dataclasses.replace(cfg, num_attention_heads=cfg.num_attention_heads // tp,
+                               num_key_value_heads=cfg.num_key_value_heads // tp,
+                               intermediate_size=cfg.intermediate_size // tp)
+
+
+def layer_part(name: str, rank: int, tp: int) -> TensorPart | None:
+    """What rank `rank` of `tp` holds of a decoder layer's tensor `name` (relative to the layer):
+    its chunk along the split dim, the whole tensor (norms), or None (a row-parallel bias off
+    rank 0)."""
+    if name in _SPLIT:
+        return TensorPart(_SPLIT[name], rank, tp)
+    if name in _ROW_BIASES and rank != 0:
+        return None
+    return WHOLE
+
+
+def shard_layer_state(state: dict[str, torch.Tensor], rank: int, tp: int) -> dict[str, torch.Tensor]:
+    """Rank `rank`'s tensors of one decoder layer's state dict (names relative to the layer):
+    split ones are copied out (contiguous, so the full weights may be freed), norms are shared,
+    row-parallel biases are kept by rank 0 only."""
+    out = {}
+    for name, t in state.items():
+        part = layer_part(name, rank, tp)
+        if part is None:
+            continue
+        out[name] = part.take(t).clone(memory_format=torch.contiguous_format) if name in _SPLIT else t
+    return out
+
+
+def _identity(t: torch.Tensor) -> torch.Tensor:
+    return t
+
+
+class RowParallelLinear(nn.Linear):
+    """A linear layer over this rank's share of the input features: the partial output is
+    summed over the group by `reduce` (the bias, on one rank only, is summed in once)."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, reduce: Callable) -> None:
+        super().__init__(in_features, out_features, bias=bias)
+        self.reduce = reduce
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.reduce(F.linear(x, self.weight, self.bias))
+
+
+def _shard_layer(cfg: ModelConfig, full_cfg: ModelConfig, rank: int, reduce: Callable) -> DecoderLayer:
+    """An empty (meta) decoder layer of the shard config with its o_proj / down_proj row-parallel."""
+    layer = DecoderLayer(cfg)
+    attn, mlp = layer.self_attn, layer.mlp
+    attn.o_proj = RowParallelLinear(attn.num_heads * attn.head_dim, cfg.hidden_size,
+                                    full_cfg.o_bias and rank == 0, reduce)
+    mlp.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, full_cfg.mlp_bias and rank == 0,
+                                      reduce)
+    return layer
+
+
+def _check_layers(full_cfg: ModelConfig, rank: int, tp: int, layers: range | None) -> range:
+    layers = range(full_cfg.num_hidden_layers) if layers is None else layers
+    if not (layers and 0 <= layers[0] and layers[-1] < full_cfg.num_hidden_layers and layers.step == 1):
+        raise ValueError(f"layers {layers} is not a contiguous range of the model's {full_cfg.num_hidden_layers}")
+    if not 0 <= rank < tp:
+        raise ValueError(f"rank {rank} outside tp {tp}")
+    return layers
+
+
+def _assemble(full_cfg: ModelConfig, rank: int, tp: int, reduce: Callable, layers: range,
+              layer_state: Callable[[int], dict[str, torch.Tensor]]) -> LlamaForCausalLM:
+    """A meta shard model whose decoder layers are filled with `layer_state(i)` (rank's tensors
+    of full layer i); the embedding, final norm and head are left for the caller to set."""
+    cfg = dataclasses.replace(shard_config(full_cfg, tp), num_hidden_layers=len(layers))
+    with torch.device("meta"):
+        sharded = LlamaForCausalLM(cfg)
+        shards = [_shard_layer(cfg, full_cfg, rank, reduce) for _ in layers]
+    for i, layer in zip(layers, shards):
+        layer.load_state_dict(layer_state(i), strict=True, assign=True)
+    sharded.model.layers = nn.ModuleList(shards)
+    return sharded
+
+
+def _finish(model: LlamaForCausalLM) -> LlamaForCausalLM:
+    model.eval()
+    model.requires_grad_(False)
+    return model
+
+
+@torch.no_grad()
+def shard_model(model: LlamaForCausalLM, rank: int, tp: int,
+                reduce: Callable[[torch.Tensor], torch.Tensor] = _identity,
+                layers: range | None = None) -> LlamaForCausalLM:
+    """Rank `rank`'s model of a `tp`-way group, from a loaded full model: its own sharded
+    decoder layers, and the full model's embedding, final norm and output head (shared modules,
+    not copies). Its config has the rank's head counts, so `kv_cache_shape` is the rank's KV.
+    `reduce` sums a row-parallel layer's output over the group (identity: one rank's partial
+    sums, for tests). `layers`: only these decoder layers of the full model (an SPP stage's
+    range; default all); the shard's config then counts just them, as does its KV shape."""
+    layers = _check_layers(model.config, rank, tp, layers)
+    state = model.state_dict()
+
+    def layer_state(i: int) -> dict[str, torch.Tensor]:
+        prefix = f"model.layers.{i}."
+        return shard_layer_state({k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)}, rank, tp)
+
+    sharded = _assemble(model.config, rank, tp, reduce, layers, layer_state)
+    sharded.model.embed_tokens = model.model.embed_tokens
+    sharded.model.norm = model.model.norm
+    sharded.lm_head = model.lm_head
+    return _finish(sharded)
+
+
+@torch.no_grad()
+def load_shard(ckpt: Checkpoint, rank: int, tp: int, reduce: Callable[[torch.Tensor], torch.Tensor] = _identity,
+               layers: range | None = None, dtype: torch.dtype = torch.float32,
+               device: str | torch.device = "cpu", *, embed: bool = True, norm: bool = True,
+               head: bool = True) -> LlamaForCausalLM:
+    """What `shard_model(load_model(ckpt.path), rank, tp, reduce, layers)` builds (the same
+    modules, the same values), read from the checkpoint: only the rank's slices of its layers,
+    plus the embedding / final norm / output head where `embed` / `norm` / `head` ask for them
+    (None otherwise). A tied checkpoint's head is the embedding: `head` then loads it."""
+    full_cfg = ckpt.config
+    layers = _check_layers(full_cfg, rank, tp, layers)
+    names = _layer_names(full_cfg)
+    wanted: dict[str, TensorPart] = {}
+    for i in layers:
+        for name in names:
+            part = layer_part(name, rank, tp)
+            if part is not None:
+                wanted[f"model.layers.{i}.{name}"] = part
+    tied = full_cfg.tie_word_embeddings
+    embed = embed or (head and tied)
+    if embed:
+        wanted["model.embed_tokens.weight"] = WHOLE
+    if norm:
+        wanted["model.norm.weight"] = WHOLE
+    if head and not tied:
+        wanted["lm_head.weight"] = WHOLE
+    tensors = load_tensors(ckpt.path, full_cfg, wanted, dtype, device)
+
+    def layer_state(i: int) -> dict[str, torch.Tensor]:
+        prefix = f"model.layers.{i}."
+        return {k[len(prefix):]: v for k, v in tensors.items() if k.startswith(prefix)}
+
+    sharded = _assemble(full_cfg, rank, tp, reduce, layers, layer_state)
+    top = sharded.model
+    if embed:
+        top.embed_tokens.load_state_dict({"weight": tensors["model.embed_tokens.weight"]}, assign=True)
+    else:
+        top.embed_tokens = None
+    if norm:
+        top.norm.load_state_dict({"weight": tensors["model.norm.weight"]}, assign=True)
+    else:
+        top.norm = None
+    if head and not tied:
+        sharded.lm_head.load_state_dict({"weight": tensors["lm_head.weight"]}, assign=True)
+    else:
+        sharded.lm_head = None      # tied: the embedding is the head (compute_logits reads the config)
+    return _finish(sharded)
+
+
+def _layer_names(cfg: ModelConfig) -> list[str]:
+    """Parameter names of one full decoder layer, relative to the layer (every layer has the same)."""
+    with torch.device("meta"):
+        layer = DecoderLayer(cfg)
+    return [n for n, _ in layer.named_parameters()]
+
+
+def rank_model(source: LlamaForCausalLM | Checkpoint, rank: int, tp: int,
+               reduce: Callable[[torch.Tensor], torch.Tensor] = _identity, layers: range | None = None,
+               dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu", *, embed: bool = True,
+               norm: bool = True, head: bool = True) -> LlamaForCausalLM:
+    """A rank's model from either source: read from the checkpoint (`load_shard`, just what the
+    flags ask for), or cut from a full model in memory (`shard_model`, sharing its embedding,
+    norm and head whatever the flags say)."""
+    if isinstance(source, Checkpoint):
+        return load_shard(source, rank, tp, reduce, layers, dtype, device, embed=embed, norm=norm, head=head)
+    return shard_model(source, rank, tp, reduce, layers)
+
+
+class GroupModel:
+    """What the engine and the leader's runner read from "the model" when no process holds it
+    whole: the full config (vocab, heads, layers, so `kv_cache_shape` is the whole group's KV)
+    and the logits, from the leader's shard, which holds the output head."""
+
+    backend = None
+
+    def __init__(self, config: ModelConfig, leader_shard: LlamaForCausalLM) -> None:
+        self.config = config
+        self.leader_shard = leader_shard
+
+    def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
+        return LlamaForCausalLM.kv_cache_shape(self, num_blocks, block_size)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.leader_shard.compute_logits(hidden)
+
+
+__all__ = ["Checkpoint", "GroupModel", "RowParallelLinear", "check_tp", "layer_part", "load_shard", "rank_model",
+           "shard_config", "shard_layer_state", "shard_model"]
