@@ -1,4 +1,4 @@
-"""ModelConfig: the subset of a Hugging Face config.json (Llama / Qwen2 / Mistral) that the
+"""ModelConfig: the subset of a Hugging Face config.json (Llama / Qwen2 / Qwen3 / Mistral) that the
 from-scratch model needs, validated with errors that name the offending field.
 
 Accepts both transformers-5 files (`rope_parameters`, `dtype`) and older ones (top-level
@@ -14,7 +14,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM")
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
 
@@ -41,6 +41,7 @@ class ModelConfig:
     qkv_bias: bool = False
     o_bias: bool = False
     mlp_bias: bool = False
+    qk_norm: bool = False           # Qwen3: RMSNorm over each query / key head before RoPE
     bos_token_id: int | None = None
     eos_token_id: tuple[int, ...] = ()
     dtype: str | None = None
@@ -105,6 +106,10 @@ class ModelConfig:
         if arch == "Qwen2ForCausalLM":
             # Qwen2 always has q/k/v biases and never o_proj/MLP biases.
             qkv_bias, o_bias, mlp_bias = True, False, False
+        elif arch == "Qwen3ForCausalLM":
+            # Qwen3: attention_bias on q/k/v and o_proj alike (off in the released models), none in the MLP.
+            ab = bool(d.get("attention_bias", False))
+            qkv_bias, o_bias, mlp_bias = ab, ab, False
         elif arch == "LlamaForCausalLM":
             ab = bool(d.get("attention_bias", False))
             qkv_bias, o_bias, mlp_bias = ab, ab, bool(d.get("mlp_bias", False))
@@ -129,7 +134,7 @@ class ModelConfig:
             head_dim=head_dim, rms_norm_eps=eps, rope_theta=theta, rope_scaling=scaling,
             max_position_embeddings=max_pos, max_model_len=max_len,
             tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
-            qkv_bias=qkv_bias, o_bias=o_bias, mlp_bias=mlp_bias,
+            qkv_bias=qkv_bias, o_bias=o_bias, mlp_bias=mlp_bias, qk_norm=arch == "Qwen3ForCausalLM",
             bos_token_id=int(bos) if bos is not None else None, eos_token_id=eos_t,
             dtype=d.get("dtype") or d.get("torch_dtype"), sliding_window=window, raw=dict(d))
 
@@ -170,10 +175,10 @@ def _active_sliding_window(arch: str, d: dict[str, Any], layers: int) -> int | N
     layer_types = d.get("layer_types")
     if isinstance(layer_types, list) and layer_types:
         return int(window) if "sliding_attention" in layer_types else None
-    if arch == "Qwen2ForCausalLM":
+    if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM"):
         if not d.get("use_sliding_window", False):
             return None
-        # HF Qwen2 slides only on layers i >= max_window_layers.
+        # HF Qwen2 / Qwen3 slide only on layers i >= max_window_layers.
         if int(d.get("max_window_layers", layers)) >= layers:
             return None
     if arch == "LlamaForCausalLM":

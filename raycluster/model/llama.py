@@ -1,4 +1,4 @@
-"""From-scratch Llama-family decoder (Llama, Qwen2, Mistral) in a flat, varlen layout over a
+"""From-scratch Llama-family decoder (Llama, Qwen2, Qwen3, Mistral) in a flat, varlen layout over a
 paged KV cache. Parameter names are identical to Hugging Face's so checkpoints load directly.
 
 forward(input_ids [T], positions [T], kv_cache [L, N, 2, B, Hkv, D], meta) -> hidden [T, H];
@@ -42,12 +42,18 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(h, self.num_kv_heads * self.head_dim, bias=cfg.qkv_bias)
         self.v_proj = nn.Linear(h, self.num_kv_heads * self.head_dim, bias=cfg.qkv_bias)
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, h, bias=cfg.o_bias)
+        if cfg.qk_norm:     # per head, over head_dim: one weight serves every head (and TP rank)
+            self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+        self.qk_norm = cfg.qk_norm
 
     def forward(self, x, cos, sin, layer_kv, meta, backend):
         t = x.shape[0]
         q = self.q_proj(x).view(t, self.num_heads, self.head_dim)
         k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)
         v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, k, cos, sin)
         o = backend.forward(layer_kv, q, k, v, meta, self.scale)
         return self.o_proj(o.reshape(t, self.num_heads * self.head_dim))

@@ -64,6 +64,10 @@ def tiny_config(**overrides) -> dict:
         for k in ("attention_bias", "mlp_bias", "head_dim"):
             cfg.pop(k)
         cfg.update(use_sliding_window=False, sliding_window=None, max_window_layers=cfg["num_hidden_layers"])
+    elif overrides.get("architectures") == ["Qwen3ForCausalLM"]:
+        cfg["model_type"] = "qwen3"
+        cfg.pop("mlp_bias")
+        cfg.update(use_sliding_window=False, sliding_window=None, max_window_layers=cfg["num_hidden_layers"])
     elif overrides.get("architectures") == ["MistralForCausalLM"]:
         cfg["model_type"] = "mistral"
         for k in ("attention_bias", "mlp_bias"):

@@ -23,6 +23,10 @@ VARIANTS = {
     "qwen2": dict(architectures=["Qwen2ForCausalLM"], hidden_size=128, num_attention_heads=4,
                   num_key_value_heads=1, intermediate_size=256, num_hidden_layers=2,
                   tie_word_embeddings=True, rope_parameters={"rope_type": "default", "rope_theta": 1e6}),
+    # Qwen3: RMSNorm on every query and key head before RoPE; biases on q/k/v and o_proj.
+    "qwen3_bias": dict(architectures=["Qwen3ForCausalLM"], hidden_size=128, num_attention_heads=4,
+                       num_key_value_heads=2, head_dim=48, intermediate_size=256, num_hidden_layers=2,
+                       attention_bias=True, rope_parameters={"rope_type": "default", "rope_theta": 1e6}),
     # Window longer than the prompt: HF's sliding attention equals full attention here.
     "mistral_window": dict(architectures=["MistralForCausalLM"], sliding_window=4096, num_hidden_layers=2,
                            rope_parameters={"rope_type": "default", "rope_theta": 1e6}),
@@ -79,7 +83,7 @@ def test_logits_match_transformers(variant, variant_dirs):
         assert len(set(ours.argmax(-1).tolist())) > 10
 
 
-@pytest.mark.parametrize("variant", ["tiny", "mha_tied_llama3", "qwen2"])
+@pytest.mark.parametrize("variant", ["tiny", "mha_tied_llama3", "qwen2", "qwen3_bias"])
 def test_chunked_prefill_and_decode_match_unchunked(variant, variant_dirs):
     model, cfg = load_model(variant_dirs[variant])
     ids = _prompt(1 + 7 + 64 + 20, 2000, seed=3)

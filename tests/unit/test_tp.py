@@ -43,6 +43,10 @@ VARIANTS = {
                      mlp_bias=True, num_hidden_layers=2),
     "mha": dict(hidden_size=128, num_attention_heads=4, num_key_value_heads=4, head_dim=32,
                 intermediate_size=256, num_hidden_layers=2),
+    # Qwen3's per-head q/k norms are replicated: every rank normalises its own heads.
+    "qwen3": dict(architectures=["Qwen3ForCausalLM"], hidden_size=128, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=32, intermediate_size=256, num_hidden_layers=2,
+                  attention_bias=True, rope_parameters={"rope_type": "default", "rope_theta": 1e6}),
 }
 
 
@@ -147,7 +151,8 @@ def same_as_single_runner(model, runner) -> ModelRunner:
     return single
 
 
-@pytest.mark.parametrize("variant,tp", [("tiny", 2), ("qwen2", 2), ("mistral", 2), ("gqa-bias", 2), ("mha", 4)])
+@pytest.mark.parametrize("variant,tp", [("tiny", 2), ("qwen2", 2), ("mistral", 2), ("gqa-bias", 2), ("mha", 4),
+                                        ("qwen3", 2)])
 def test_a_tp_group_gives_the_single_runners_logits_step_by_step(models, variant, tp):
     model = models[variant]
     runner = _group(model, tp)
