@@ -59,6 +59,7 @@ def test_a_kvp_tp_group_gives_the_single_runners_logits_and_kv_step_by_step(mode
         single = same_as_single_runner(model, runner)
         hk = model.config.num_key_value_heads // tp
         assert runner.rank0.kv_cache.shape[1] == per_rank and runner.rank0.kv_cache.shape[4] == hk
+        assert runner.kv.num_blocks == kvp * per_rank            # every KVP rank's blocks, as plain KVP
         # The leader (KVP rank 0, lane 0) holds lane 0's heads of the blocks below `per_rank`, as
         # the single runner has them.
         torch.testing.assert_close(runner.rank0.kv_cache[:, [5, 3, 9]], single.kv_cache[:, [5, 3, 9], ..., :hk, :],
