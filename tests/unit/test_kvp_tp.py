@@ -86,6 +86,22 @@ def test_a_handoff_into_or_out_of_a_kvp_tp_engine_gives_the_plain_engines_tokens
     handoff_matches_plain(models["tiny"], {"kvp": 2, "tp": 2}, direction == "plain-to-kvp-tp")
 
 
+def test_the_profiler_times_a_kvp_tp_group_on_tables_laid_out_like_its_allocator(models):
+    """An instance's batch-time predictor is fitted on the group itself: synthetic steps (aliased
+    striped tables, KV deeper than one KVP rank) run through the lanes too."""
+    from raycluster.engine.profiler import make_run_batch
+
+    cfg = EngineConfig(**BASE, kv_cache_tokens=1024, kvp=2, tp=2, enable_prefix_caching=True)
+    runner = build_runner(cfg, models["tiny"], torch.float32)
+    try:
+        assert runner.kv.prefix_caching
+        run = make_run_batch(runner)
+        for prefills, decodes in [([(128, 0)], []), ([(64, 1500)], [1800, 300]), ([], [4000] * 3)]:
+            assert run(prefills, decodes) > 0
+    finally:
+        _close(runner)
+
+
 # ---- what it refuses --------------------------------------------------------------------------------
 def test_kvp_beside_spp_is_refused_naming_the_fields_and_uneven_heads_too(models):
     for fields in ({"kvp": 2, "spp": 2}, {"kvp": 2, "spp": 2, "tp": 2}):
