@@ -1,9 +1,9 @@
-"""The parallel groups on this machine: KVP decode latency at long context, SPP prefill time, TP
-(and SPP x TP) prefill time and decode latency.
+"""The parallel groups on this machine: KVP (and KVP x TP) decode latency at long context, SPP
+prefill time, TP (and SPP x TP) prefill time and decode latency.
 
     raycluster bench parallel [--model tiny|PATH] [--contexts 8192,32768] [--kvp 2]
         [--prompt 8192] [--chunk 2048] [--spp 2] [--tp 2] [--decode-steps 16] [--repeats 3]
-        [--launch threads|ray] [--parts kvp,spp,tp[,spp-tp]] --out FILE.json
+        [--launch threads|ray] [--parts kvp,spp,tp[,spp-tp][,kvp-tp]] --out FILE.json
 
 One request alone per run, greedy. Each configuration runs `--repeats` times, the
 configurations alternating within a repeat, so a noisy shared host moves them together; the
@@ -18,6 +18,8 @@ report gives medians and ratios against the single-process engine on one thread:
   group of `--tp` ranks.
 - spp-tp (only when asked for): the same as tp with an SPP group of `--spp` stages that are each
   a TP group of `--tp` ranks (`--spp` x `--tp` ranks, and as many threads for the one process).
+- kvp-tp (only when asked for): the same as kvp with a KVP group of `--kvp` ranks that are each
+  a TP group of `--tp` ranks (`--kvp` x `--tp` ranks, and as many threads for the one process).
 """
 
 from __future__ import annotations
@@ -99,6 +101,34 @@ def _print_prefill_decode(part: str, res: dict) -> None:
         f"{n} TTFT {ttft[n]:.2f} s ({up[n]:.2f}x), TPOT {tpot[n]:.1f} ms ({up_d[n]:.2f}x)" for n in ttft), flush=True)
 
 
+def _tpot_at_contexts(part: str, model, path: str, args, rng, kvp: int, configs) -> list[dict]:
+    """TPOT of one request with each of `args.contexts` prompt tokens under each configuration,
+    medians over the repeats; a configuration with `kvp` ranks holds 1/kvp of the context per rank."""
+    rows = []
+    vocab = model.config.vocab_size
+    for ctx in args.contexts:
+        prompt = [rng.randrange(6, vocab) for _ in range(ctx)]
+        per_rank = ctx // kvp + 4096
+        samples: dict[str, list[float]] = {}
+        for _ in range(args.repeats):
+            for name, cfg in configs:
+                kv = per_rank if cfg.get("kvp") else ctx + 4096
+                eng = _engine(model, path, args.launch, kv_cache_tokens=kv, chunk_size=args.chunk,
+                              max_num_batched_tokens=args.chunk, **cfg)
+                try:
+                    _, steps = _one_request(eng, prompt, args.decode_steps)
+                finally:
+                    eng.close()
+                samples.setdefault(name, []).append(statistics.median(steps))
+        tpot = {name: statistics.median(v) for name, v in samples.items()}
+        base = tpot["1 process, 1 thread"]
+        rows.append({"context": ctx, "tpot_ms": {n: t * 1e3 for n, t in tpot.items()},
+                     "speedup_vs_1_thread": {n: base / t for n, t in tpot.items()}})
+        print(f"{part} context {ctx}: " + ", ".join(f"{n} {t * 1e3:.1f} ms ({base / t:.2f}x)"
+                                                    for n, t in tpot.items()), flush=True)
+    return rows
+
+
 def run(args) -> dict:
     path = str(resolve_model_path(args.model))
     model, _ = load_model(path)
@@ -110,28 +140,11 @@ def run(args) -> dict:
         raise SystemExit(f"--contexts / --prompt: {longest} tokens with the decode steps exceed the model's "
                          f"context of {model.config.max_model_len}")
     if "kvp" in args.parts:
-        rows = []
-        for ctx in args.contexts:
-            prompt = [rng.randrange(6, vocab) for _ in range(ctx)]
-            per_rank = ctx // args.kvp + 4096
-            samples: dict[str, list[float]] = {}
-            for _ in range(args.repeats):
-                for name, cfg in _configs("kvp", args.kvp):
-                    kv = per_rank if cfg.get("kvp") else ctx + 4096
-                    eng = _engine(model, path, args.launch, kv_cache_tokens=kv, chunk_size=args.chunk,
-                                  max_num_batched_tokens=args.chunk, **cfg)
-                    try:
-                        _, steps = _one_request(eng, prompt, args.decode_steps)
-                    finally:
-                        eng.close()
-                    samples.setdefault(name, []).append(statistics.median(steps))
-            tpot = {name: statistics.median(v) for name, v in samples.items()}
-            base = tpot["1 process, 1 thread"]
-            rows.append({"context": ctx, "tpot_ms": {n: t * 1e3 for n, t in tpot.items()},
-                         "speedup_vs_1_thread": {n: base / t for n, t in tpot.items()}})
-            print(f"kvp context {ctx}: " + ", ".join(f"{n} {t * 1e3:.1f} ms ({base / t:.2f}x)"
-                                                     for n, t in tpot.items()), flush=True)
-        results["kvp"] = rows
+        results["kvp"] = _tpot_at_contexts("kvp", model, path, args, rng, args.kvp, _configs("kvp", args.kvp))
+    if "kvp-tp" in args.parts:
+        group = {"kvp": args.kvp, "tp": args.tp}
+        results["kvp-tp"] = _tpot_at_contexts("kvp-tp", model, path, args, rng, args.kvp, _configs(
+            "kvp-tp", args.kvp * args.tp, group, f"kvp{args.kvp}xtp{args.tp}"))
     if "spp" in args.parts:
         prompt = [rng.randrange(6, vocab) for _ in range(args.prompt)]
         samples = {}

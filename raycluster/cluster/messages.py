@@ -119,7 +119,7 @@ class InstanceStats:
     busy_s: float = 0.0                # engine step time so far (the controller's utilization)
     connector: dict = field(default_factory=dict)     # this instance's connector descriptor
     work_seen: int | None = None       # work items applied so far (lets the router count in-transit work)
-    layout: str = "single"             # "single", or a group such as "kvp2" / "spp2" / "tp2" / "spp2xtp2"
+    layout: str = "single"             # "single", or a group such as "kvp2" / "spp2" / "tp2" / "spp2xtp2" / "kvp2xtp2"
     scheduling: str = ""               # its engine's "policy/packer/decode_selector" (changes on a move)
     prefix_caching: bool = False       # the engine keeps prompt prefixes (the router then places by them)
     prefix_query_tokens: int = 0       # known tokens of requests looked up in the prefix cache, so far

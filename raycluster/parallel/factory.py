@@ -1,10 +1,11 @@
 """Builds an engine's model runner from its config: one process (`ModelRunner`), or the leader of
-a KVP / SPP / TP / SPP x TP group whose other ranks run as threads here or as Ray actors
+a KVP / SPP / TP / SPP x TP / KVP x TP group whose other ranks run as threads here or as Ray actors
 (raycluster.parallel.ray_group). The runner's `kv` is the engine's block bookkeeping.
 
 The model enters as a full model in memory or, for the kinds whose ranks hold only their shard
 (`SHARDED_KINDS`: TP, SPP, SPP x TP), as a `Checkpoint` each rank reads its own part from
-(raycluster.parallel.shard); KVP ranks replicate the full model."""
+(raycluster.parallel.shard); KVP ranks replicate the full model (KVP x TP ranks cut their heads
+from it)."""
 
 from __future__ import annotations
 
@@ -21,20 +22,22 @@ SHARDED_KINDS = ("tp", "spp", "spp-tp")     # each rank loads only its part of t
 
 
 def group_kind(config: EngineConfig) -> str:
-    """"single", "kvp", "spp", "tp" or "spp-tp" (the config refuses kvp beside the others)."""
+    """"single", "kvp", "spp", "tp", "spp-tp" or "kvp-tp" (the config refuses kvp beside spp)."""
     if config.spp > 1 and config.tp > 1:
         return "spp-tp"
+    if config.kvp > 1 and config.tp > 1:
+        return "kvp-tp"
     return next((k for k, n in (("kvp", config.kvp), ("spp", config.spp), ("tp", config.tp)) if n > 1), "single")
 
 
 def group_worker(kind: str, model, coll: Collective, config: EngineConfig, dtype: torch.dtype):
     """The handler rank `coll.rank` (not the leader) runs for each message in a group of `kind`
-    ("kvp" | "spp" | "tp" | "spp-tp"). `model` is the full model (a TP rank shards it) or, for
-    `SHARDED_KINDS`, the `Checkpoint` the rank reads its part from."""
+    ("kvp" | "spp" | "tp" | "spp-tp" | "kvp-tp"). `model` is the full model (a TP rank shards it)
+    or, for `SHARDED_KINDS`, the `Checkpoint` the rank reads its part from."""
     blocks = config.kv_cache_tokens // config.block_size
-    if kind == "kvp":
+    if kind in ("kvp", "kvp-tp"):
         from raycluster.parallel.kvp import kvp_worker
-        return kvp_worker(model, coll, blocks, config.block_size, dtype, config.device)
+        return kvp_worker(model, coll, blocks, config.block_size, dtype, config.device, config.tp)
     if kind == "tp":
         from raycluster.parallel.tp import tp_worker
         return tp_worker(model, coll, blocks, config.block_size, dtype, config.device)
@@ -57,7 +60,7 @@ def build_runner(config: EngineConfig, model, dtype: torch.dtype, model_path: st
         return ModelRunner(model, kv_manager(blocks, config.block_size), dtype, config.device)
     if kind in ("spp", "spp-tp") and config.spp > model.config.num_hidden_layers:
         raise ValueError(f"spp: {config.spp} stages for {model.config.num_hidden_layers} layers")
-    if kind in ("tp", "spp-tp"):
+    if kind in ("tp", "spp-tp", "kvp-tp"):
         from raycluster.parallel.tp import check_tp
         check_tp(model.config, config.tp)       # before any rank starts
     addr = GroupAddress(config.group_host, free_port(config.group_host), world, config.group_timeout_s)
@@ -70,10 +73,11 @@ def build_runner(config: EngineConfig, model, dtype: torch.dtype, model_path: st
             source = Checkpoint(model_path, model.config)
         ranks = ThreadRanks(addr, lambda coll: group_worker(kind, source, coll, config, dtype), config.device)
     coll = Collective(addr, 0, config.device)      # returns once every rank has joined
-    if kind == "kvp":
+    if kind in ("kvp", "kvp-tp"):
         from raycluster.parallel.kvp import KVPRunner
-        return KVPRunner(model, coll, world, blocks, config.block_size, dtype, config.device, ranks=ranks,
-                         prefix_caching=config.enable_prefix_caching)
+        # KVP x TP too: the lanes of a KVP rank hold their heads of that rank's blocks.
+        return KVPRunner(model, coll, config.kvp, blocks, config.block_size, dtype, config.device, ranks=ranks,
+                         prefix_caching=config.enable_prefix_caching, tp=config.tp)
     if kind == "tp":
         from raycluster.parallel.tp import TPRunner
         # Every rank holds its heads of the same block ids: the engine's bookkeeping is unchanged.

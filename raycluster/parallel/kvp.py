@@ -15,8 +15,19 @@ chunk itself under the causal mask; for a decode token, over its tokens up to an
 new one. One `all_gather` per layer brings every rank all states, and each merges them by
 online softmax in rank order, so all ranks continue with the same attention output.
 
-Data enters as a `StepPlan` (global block tables) posted by the leader (rank 0, the engine's
-`KVPRunner`); what leaves is the leader's final hidden rows of `plan.sample_rows`.
+KVP x TP (`tp` > 1; Medha's KVP with TP): each KVP rank is a TP group of `tp` lanes, world rank
+= k * tp + t (k the KVP rank, t the lane), as SPP x TP numbers stage lanes. Lane t of KVP rank k
+holds rank k's blocks (the same striping) but only lane t's KV heads, and runs
+raycluster.parallel.tp's shard of the layers, whose row-parallel all-reduces run over the lanes
+of rank k (a `Collective.subgroup`). The per-layer all_gather of attention states runs over the
+KVP peers of its lane (ranks k' * tp + t: the same heads), merged in KVP rank order as above.
+`kvp_rank` builds either kind of rank; the leader's block bookkeeping is plain KVP's.
+
+Data enters as a `StepPlan` (global block tables) posted by the leader (world rank 0, the
+engine's `KVPRunner`); what leaves is the leader's final hidden rows of `plan.sample_rows`. KV
+for P/D handoffs enters and leaves as whole blocks (all layers, all heads) through the leader's
+`StagedPort`: `load_blocks` sends each block's heads to the lanes of the KVP rank holding it,
+`save_blocks` gathers them back.
 """
 
 from __future__ import annotations
@@ -35,6 +46,7 @@ from raycluster.engine.prefix_cache import PrefixCachingAllocator, PrefixCaching
 from raycluster.parallel.group import Collective
 from raycluster.parallel.kv_port import KV_TAG, KVLoad, KVSave, StagedPort, rank_handler
 from raycluster.parallel.plan import StepPlan, plan_inputs
+from raycluster.parallel.tp import shard_model
 
 
 class _Striping:
@@ -250,46 +262,58 @@ def _merge_natural(o1, l1, o2, l2):
 
 
 class KVPRank:
-    """One rank: its KV shard [L, blocks_per_rank, 2, B, Hkv, D] and the step loop."""
+    """One rank: its KV shard [L, blocks_per_rank, 2, B, Hkv', D] and the step loop. `rank` / `world`
+    are its KVP rank and the KVP width; `coll` the group its attention states are gathered over
+    (its KVP peers); `link` the group whose rank 0 is the leader, over which block data of P/D
+    handoffs moves (default `coll`); `lane`: which Hkv' of a whole block's KV heads it holds
+    (a KVP x TP lane holds Hkv / tp of them; plain KVP all, lane 0)."""
 
     def __init__(self, model, coll: Collective | None, rank: int, world: int, blocks_per_rank: int,
-                 block_size: int, dtype: torch.dtype, device: str | torch.device = "cpu") -> None:
-        self.model, self.rank, self.world = model, rank, world
+                 block_size: int, dtype: torch.dtype, device: str | torch.device = "cpu",
+                 link: Collective | None = None, lane: int = 0) -> None:
+        self.model, self.rank, self.world, self.lane = model, rank, world, lane
         self.blocks_per_rank, self.block_size = blocks_per_rank, block_size
         self.device = torch.device(device)
         self.kv_cache = torch.zeros(model.kv_cache_shape(blocks_per_rank, block_size), dtype=dtype,
                                     device=self.device)
         self.coll = coll
+        self.link = coll if link is None else link
         self.backend = KVPAttention(coll if world > 1 else None)
 
     def owned(self, block_ids: list[int]) -> tuple[list[int], torch.Tensor]:
         """Positions in `block_ids` of the blocks on this rank, and their local ids."""
-        lo, n = self.rank * self.blocks_per_rank, self.blocks_per_rank
-        pos = [j for j, g in enumerate(block_ids) if lo <= g < lo + n]
+        pos = owned_positions(block_ids, self.rank, self.blocks_per_rank)
+        lo = self.rank * self.blocks_per_rank
         return pos, torch.tensor([block_ids[j] - lo for j in pos], dtype=torch.long, device=self.device)
+
+    def heads(self, blocks: torch.Tensor, lane: int) -> torch.Tensor:
+        """Lane `lane`'s KV heads of whole blocks [L, n, 2, B, Hkv, D] (all of them for plain KVP)."""
+        hk = self.kv_cache.shape[4]
+        return blocks.narrow(4, lane * hk, hk)
 
     def _blocks(self, n: int) -> torch.Tensor:
         kv = self.kv_cache
         return torch.empty((kv.shape[0], n) + tuple(kv.shape[2:]), dtype=kv.dtype, device=kv.device)
 
     def load(self, msg: KVLoad, data: torch.Tensor | None = None) -> None:
-        """Write this rank's share of blocks [L, n, ...] (the leader passes `data`, the others
-        receive their share from it)."""
+        """Write this rank's share of blocks [L, n, ...] (the leader passes whole blocks `data`,
+        the others receive their share from it)."""
         pos, local = self.owned(msg.block_ids)
         if not pos:
             return
         if data is not None:
-            chunk = data.index_select(1, torch.tensor(pos, dtype=torch.long, device=data.device))
+            chunk = self.heads(data.index_select(1, torch.tensor(pos, dtype=torch.long, device=data.device)),
+                               self.lane)
         else:
-            chunk = self.coll.recv(self._blocks(len(pos)), 0, KV_TAG)
+            chunk = self.link.recv(self._blocks(len(pos)), 0, KV_TAG)
         self.kv_cache.index_copy_(1, local, chunk.to(self.kv_cache.device))
 
     def save(self, msg: KVSave) -> torch.Tensor:
         """This rank's share of the blocks; the non-leaders send it to the leader."""
         pos, local = self.owned(msg.block_ids)
         part = self.kv_cache.index_select(1, local)
-        if self.rank != 0 and pos:
-            self.coll.send(part, 0, KV_TAG).wait()
+        if self.link.rank != 0 and pos:
+            self.link.send(part, 0, KV_TAG).wait()
         return part
 
     def run(self, plan: StepPlan) -> torch.Tensor:
@@ -300,23 +324,53 @@ class KVPRank:
         return hidden.index_select(0, torch.tensor(plan.sample_rows, dtype=torch.long, device=hidden.device))
 
 
+def owned_positions(block_ids: list[int], kvp_rank: int, blocks_per_rank: int) -> list[int]:
+    """Positions in `block_ids` of the blocks KVP rank `kvp_rank` holds."""
+    lo = kvp_rank * blocks_per_rank
+    return [j for j, g in enumerate(block_ids) if lo <= g < lo + blocks_per_rank]
+
+
+def kvp_rank(model, coll: Collective | None, world_rank: int, kvp: int, tp: int, blocks_per_rank: int,
+             block_size: int, dtype: torch.dtype, device: str | torch.device = "cpu") -> KVPRank:
+    """World rank `world_rank` of a KVP group of `kvp` ranks, each a TP group of `tp` lanes
+    (world rank k * tp + t). With tp == 1 a plain KVP rank over `coll`. Otherwise it builds its
+    two subgroups -- its KVP rank's lanes (row-parallel all-reduces of `tp.shard_model`'s shard
+    of `model`), then its lane's KVP peers (the attention all_gather) -- every rank in that
+    order, so each subgroup's members build it at about the same time."""
+    if tp == 1:
+        return KVPRank(model, coll, world_rank, kvp, blocks_per_rank, block_size, dtype, device)
+    if coll is None or coll.world != kvp * tp or coll.rank != world_rank:
+        raise ValueError(f"kvp={kvp} x tp={tp} rank {world_rank} needs a Collective of world {kvp * tp} at that rank")
+    k, t = divmod(world_rank, tp)
+    lanes = coll.subgroup(range(k * tp, (k + 1) * tp))
+    peers = coll.subgroup(range(t, kvp * tp, tp))
+    shard = shard_model(model, t, tp, lanes.all_reduce)
+    return KVPRank(shard, peers, k, kvp, blocks_per_rank, block_size, dtype, device, link=coll, lane=t)
+
+
 def kvp_worker(model, coll: Collective, blocks_per_rank: int, block_size: int, dtype: torch.dtype,
-               device: str = "cpu") -> Callable:
-    """What a non-leader rank runs per message the leader posts (for `serve_rank`)."""
-    return rank_handler(KVPRank(model, coll, coll.rank, coll.world, blocks_per_rank, block_size, dtype, device))
+               device: str = "cpu", tp: int = 1) -> Callable:
+    """What a non-leader rank runs per message the leader posts (for `serve_rank`); `tp` > 1: a
+    lane of a KVP x TP group (it shards the full `model` it is given)."""
+    if coll.rank == 0:
+        raise ValueError("rank 0 is the leader: use KVPRunner")
+    return rank_handler(kvp_rank(model, coll, coll.rank, coll.world // tp, tp, blocks_per_rank, block_size, dtype,
+                                 device))
 
 
 class KVPRunner:
-    """The leader (rank 0): the engine's runner over a KVP group. `kv` spans every rank's blocks
-    (a `StripedAllocator`, or with prefix caching a `StripedCachingAllocator`); `run_plan` posts
+    """The leader (world rank 0): the engine's runner over a KVP group of `world` ranks, each a
+    TP group of `tp` lanes when tp > 1 (`kvp_rank`). `kv` spans every KVP rank's blocks (a
+    `StripedAllocator`, or with prefix caching a `StripedCachingAllocator`); `run_plan` posts
     the plan and runs rank 0's share."""
 
     def __init__(self, model, coll: Collective | None, world: int, blocks_per_rank: int, block_size: int,
                  dtype: torch.dtype, device: str | torch.device = "cpu", ranks=None,
-                 prefix_caching: bool = False) -> None:
-        """`ranks`: the handle of ranks 1..world-1 (`join(timeout)`), stopped by `close`."""
+                 prefix_caching: bool = False, tp: int = 1) -> None:
+        """`ranks`: the handle of world ranks 1..world*tp-1 (`join(timeout)`), stopped by `close`."""
         self.model, self.coll, self.dtype, self.ranks = model, coll, dtype, ranks
-        self.layout = f"kvp{world}"
+        self.kvp, self.tp = world, tp
+        self.layout = f"kvp{world}" if tp == 1 else f"kvp{world}xtp{tp}"
         num_blocks = blocks_per_rank * world
         if prefix_caching:
             # A prefill after a cached prefix is a later chunk to the ranks (`kvp_meta`: each
@@ -324,44 +378,57 @@ class KVPRunner:
             self.kv = PrefixCachingKVManager(num_blocks, block_size, StripedCachingAllocator(blocks_per_rank, world))
         else:
             self.kv = KVCacheManager(num_blocks, block_size, StripedAllocator(blocks_per_rank, world))
-        self.rank0 = KVPRank(model, coll, 0, world, blocks_per_rank, block_size, dtype, device)
+        self.rank0 = kvp_rank(model, coll, 0, world, tp, blocks_per_rank, block_size, dtype, device)
         self.device = self.rank0.device
-        # Connectors see a staging area of one rank's size (whole blocks, every layer).
-        self.port = StagedPort(self, self.rank0.kv_cache.shape, dtype, self.device)
+        # Connectors see a staging area of whole blocks (every layer, every head) of the leader's
+        # own KV bytes: one KVP rank's blocks, or 1/tp of them with TP lanes (as a TP leader).
+        staged = max(1, blocks_per_rank // tp)
+        self.port = StagedPort(self, model.kv_cache_shape(staged, block_size), dtype, self.device)
         self._closed = False
 
     def kv_bytes_per_token(self) -> int:
+        """KV bytes per token of every layer and head (one KVP rank's lanes together hold a token)."""
         kv = self.rank0.kv_cache
-        return kv[:, 0].numel() * kv.element_size() // self.kv.block_size
+        return kv[:, 0].numel() * kv.element_size() * self.tp // self.kv.block_size
 
     def run_plan(self, plan: StepPlan) -> torch.Tensor:
         if self.coll is not None:
             self.coll.post_plan(plan)
         return self.rank0.run(plan)
 
+    def _shares(self, block_ids: list[int]):
+        """(world rank, positions in `block_ids` of the blocks it holds, its lane) of every rank
+        holding some of them, the leader first."""
+        for r in range(self.kvp * self.tp):
+            k, lane = divmod(r, self.tp)
+            pos = owned_positions(block_ids, k, self.rank0.blocks_per_rank)
+            if pos:
+                yield r, pos, lane
+
     def load_blocks(self, block_ids: list[int], data: torch.Tensor) -> None:
-        """Write blocks [L, n, 2, B, Hkv, D] to engine block ids, each on the rank holding it."""
+        """Write whole blocks [L, n, 2, B, Hkv, D] to engine block ids: each to the lanes of the
+        KVP rank holding it, every lane its heads."""
         msg = KVLoad(list(block_ids))
         if self.coll is not None:
             self.coll.post_plan(msg)
-            for r in range(1, self.coll.world):
-                pos = [j for j, g in enumerate(msg.block_ids) if g // self.rank0.blocks_per_rank == r]
-                if pos:
-                    self.coll.send(data.index_select(1, torch.tensor(pos, dtype=torch.long)), r, KV_TAG).wait()
+            for r, pos, lane in self._shares(msg.block_ids):
+                if r:
+                    part = self.rank0.heads(data.index_select(1, torch.tensor(pos, dtype=torch.long)), lane)
+                    self.coll.send(part, r, KV_TAG).wait()
         self.rank0.load(msg, data)
 
     def save_blocks(self, block_ids: list[int]) -> torch.Tensor:
-        """The data [L, n, 2, B, Hkv, D] of engine block ids, collected from the ranks."""
+        """Whole blocks [L, n, 2, B, Hkv, D] of engine block ids, collected from the ranks
+        holding them (every lane its heads)."""
         msg = KVSave(list(block_ids))
         if self.coll is not None:
             self.coll.post_plan(msg)
-        out = self.rank0._blocks(len(block_ids))
-        for r in range(self.coll.world if self.coll is not None else 1):
-            pos = [j for j, g in enumerate(msg.block_ids) if g // self.rank0.blocks_per_rank == r]
-            if not pos:
-                continue
+        kv = self.rank0.kv_cache
+        out = torch.empty((kv.shape[0], len(block_ids)) + tuple(kv.shape[2:4]) + (kv.shape[4] * self.tp, kv.shape[5]),
+                          dtype=kv.dtype, device=kv.device)
+        for r, pos, lane in self._shares(msg.block_ids):
             part = self.rank0.save(msg) if r == 0 else self.coll.recv(self.rank0._blocks(len(pos)), r, KV_TAG)
-            out.index_copy_(1, torch.tensor(pos, dtype=torch.long, device=out.device), part)
+            self.rank0.heads(out, lane).index_copy_(1, torch.tensor(pos, dtype=torch.long, device=out.device), part)
         return out
 
     def execute(self, out):

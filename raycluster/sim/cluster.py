@@ -53,7 +53,7 @@ _CPU_PRED: dict[str, LinearBatchPredictor] = {}
 
 def cpu_predictor(spec: SimSpec, pool: SimPool | None = None) -> LinearBatchPredictor:
     """The spec's own predictor, else the profile of the real engine on this machine -- of a
-    KVP / SPP / TP / SPP x TP group of the pool's degrees when it has one (fitted through the
+    KVP / SPP / TP / SPP x TP / KVP x TP group of the pool's degrees when it has one (fitted through the
     group itself)."""
     p = spec.predictor
     if isinstance(p, dict):
@@ -94,7 +94,8 @@ def kv_tokens(spec: SimSpec, pool: SimPool, engine_cfg) -> int:
         return spec.kv_cache_tokens
     if spec.gpu == "cpu":
         # Every KVP rank holds kv_cache_tokens of its own tokens; a TP rank holds kv_cache_tokens
-        # of its heads of every token, so a TP instance holds kv_cache_tokens in all.
+        # of its heads of every token, so a TP instance holds kv_cache_tokens in all (and a
+        # KVP x TP one, whose KVP ranks are TP groups, kv_cache_tokens per KVP rank).
         return engine_cfg.kv_cache_tokens * pool.kvp
     from raycluster.sched.roofline import GPUS, MODELS
     g, m = GPUS[spec.gpu.upper()], MODELS[spec.model]

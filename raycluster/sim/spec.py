@@ -113,10 +113,10 @@ class SimSpec(BaseModel):
         for p in self.pools:
             self.engine_config(p)
             # The CPU engine (profiled for the pool's predictor) builds what EngineConfig allows:
-            # spp x tp, but kvp beside neither.
-            if self.gpu == "cpu" and p.kvp > 1 and (p.spp > 1 or p.tp > 1):
+            # spp x tp and kvp x tp, but not kvp beside spp.
+            if self.gpu == "cpu" and p.kvp > 1 and p.spp > 1:
                 raise ValueError(f"pools: {p.role} kvp {p.kvp}, spp {p.spp}, tp {p.tp}: the CPU engine does not "
-                                 "combine kvp with spp or tp (spp x tp it runs)")
+                                 "combine kvp with spp (spp x tp and kvp x tp it runs)")
         return self
 
     def engine_config(self, pool: SimPool) -> EngineConfig:

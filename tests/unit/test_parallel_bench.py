@@ -30,5 +30,12 @@ def test_parallel_bench_writes_every_configuration(tmp_path, tiny_model_dir, mon
     assert set(res["spp-tp"]["tpot_ms"]) == {"1 process, 1 thread", "1 process, 4 threads",
                                              "spp2xtp2, 1 thread per rank"}
     assert all(t > 0 for t in res["spp-tp"]["ttft_s"].values())
+    assert main(["--model", str(tiny_model_dir), "--parts", "kvp-tp", "--contexts", "300", "--chunk", "128",
+                 "--decode-steps", "2", "--repeats", "1", "--out", str(out)]) == 0
+    res = json.loads(out.read_text())
+    assert set(res) == {"meta", "kvp-tp"}
+    assert set(res["kvp-tp"][0]["tpot_ms"]) == {"1 process, 1 thread", "1 process, 4 threads",
+                                                "kvp2xtp2, 1 thread per rank"}
+    assert all(t > 0 for t in res["kvp-tp"][0]["tpot_ms"].values())
     with pytest.raises(SystemExit, match="context"):
         main(["--model", str(tiny_model_dir), "--contexts", "40000", "--out", str(out)])

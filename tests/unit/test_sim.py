@@ -152,11 +152,12 @@ def test_bad_spec_names_the_field():
         SimSpec(gpu="a100", pools=[{"role": "decode", "instances": 1}])
     with pytest.raises(ValueError, match="model"):
         SimSpec(gpu="a100", model="gpt-9")
-    with pytest.raises(ValueError, match="does not combine kvp with spp or tp"):
+    with pytest.raises(ValueError, match="kvp 2, spp 2, tp 1: the CPU engine does not combine kvp with spp"):
         SimSpec(gpu="cpu", pools=[{"role": "mixed", "kvp": 2, "spp": 2}])
-    with pytest.raises(ValueError, match="does not combine kvp with spp or tp"):
-        SimSpec(gpu="cpu", pools=[{"role": "mixed", "tp": 2, "kvp": 2}])
+    with pytest.raises(ValueError, match="kvp 2, spp 2, tp 2: the CPU engine does not combine kvp with spp"):
+        SimSpec(gpu="cpu", pools=[{"role": "mixed", "kvp": 2, "spp": 2, "tp": 2}])
     SimSpec(gpu="cpu", pools=[{"role": "mixed", "tp": 2, "spp": 2}])       # SPP x TP the CPU engine runs
+    SimSpec(gpu="cpu", pools=[{"role": "mixed", "tp": 2, "kvp": 2}])       # and KVP x TP
 
 
 def test_cpu_kvp_pool_holds_every_ranks_kv():
@@ -170,6 +171,10 @@ def test_cpu_kvp_pool_holds_every_ranks_kv():
     # SPP x TP: each rank holds its layers and heads of every token, so again kv_cache_tokens in all.
     spec = SimSpec(gpu="cpu", engine={"kv_cache_tokens": 4096}, pools=[{"role": "mixed", "tp": 2, "spp": 2}])
     assert kv_tokens(spec, spec.pools[0], spec.engine_config(spec.pools[0])) == 4096
+    # KVP x TP: each KVP rank (a TP group) holds kv_cache_tokens of its tokens, as the engine's
+    # striped pool does (kvp x kv_cache_tokens in all: tests/unit/test_kvp_tp.py).
+    spec = SimSpec(gpu="cpu", engine={"kv_cache_tokens": 4096}, pools=[{"role": "mixed", "tp": 2, "kvp": 2}])
+    assert kv_tokens(spec, spec.pools[0], spec.engine_config(spec.pools[0])) == 2 * 4096
 
 
 @pytest.mark.parametrize("pools", [

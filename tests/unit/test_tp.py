@@ -283,7 +283,7 @@ def test_a_handoff_into_or_out_of_a_tp_engine_gives_the_plain_engines_tokens(mod
 
 
 # ---- what it refuses --------------------------------------------------------------------------------
-def test_tp_refuses_uneven_heads_or_mlp_and_kvp_beside_it(models):
+def test_tp_refuses_uneven_heads_or_mlp(models):
     tiny = models["tiny"]                          # 8 heads, 2 KV heads, intermediate 768
     with pytest.raises(ValueError, match="tp: 3 ranks do not divide the model's num_attention_heads"):
         LLMEngine(EngineConfig(**BASE, tp=3), tiny)
@@ -291,8 +291,7 @@ def test_tp_refuses_uneven_heads_or_mlp_and_kvp_beside_it(models):
         build_runner(EngineConfig(**BASE, tp=4), tiny, torch.float32)
     with pytest.raises(ValueError, match="intermediate_size"):
         check_tp(dataclasses.replace(tiny.config, intermediate_size=769), 2)
-    with pytest.raises(ValidationError, match="kvp may not be combined with spp or tp"):
-        EngineConfig(tp=2, kvp=2)
     assert EngineConfig(tp=2, spp=2).parallel_world == 4        # SPP x TP: tests/unit/test_spp_tp.py
+    assert EngineConfig(tp=2, kvp=2).parallel_world == 4        # KVP x TP: tests/unit/test_kvp_tp.py
     with pytest.raises(ValidationError, match="tp"):
         EngineConfig(tp=0)
