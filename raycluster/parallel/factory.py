@@ -3,9 +3,8 @@ a KVP / SPP / TP / SPP x TP / KVP x TP group whose other ranks run as threads he
 (raycluster.parallel.ray_group). The runner's `kv` is the engine's block bookkeeping.
 
 The model enters as a full model in memory or, for the kinds whose ranks hold only their shard
-(`SHARDED_KINDS`: TP, SPP, SPP x TP), as a `Checkpoint` each rank reads its own part from
-(raycluster.parallel.shard); KVP ranks replicate the full model (KVP x TP ranks cut their heads
-from it)."""
+(`SHARDED_KINDS`: TP, SPP, SPP x TP, KVP x TP), as a `Checkpoint` each rank reads its own part
+from (raycluster.parallel.shard); plain KVP ranks replicate the full model."""
 
 from __future__ import annotations
 
@@ -18,7 +17,7 @@ from raycluster.engine.prefix_cache import PrefixCachingKVManager
 from raycluster.parallel.group import Collective, GroupAddress, ThreadRanks, free_port
 from raycluster.parallel.shard import Checkpoint
 
-SHARDED_KINDS = ("tp", "spp", "spp-tp")     # each rank loads only its part of the weights
+SHARDED_KINDS = ("tp", "spp", "spp-tp", "kvp-tp")     # each rank loads only its part of the weights
 
 
 def group_kind(config: EngineConfig) -> str:

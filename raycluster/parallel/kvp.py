@@ -46,7 +46,7 @@ from raycluster.engine.prefix_cache import PrefixCachingAllocator, PrefixCaching
 from raycluster.parallel.group import Collective
 from raycluster.parallel.kv_port import KV_TAG, KVLoad, KVSave, StagedPort, rank_handler
 from raycluster.parallel.plan import StepPlan, plan_inputs
-from raycluster.parallel.tp import shard_model
+from raycluster.parallel.shard import Checkpoint, GroupModel, rank_model
 
 
 class _Striping:
@@ -334,7 +334,7 @@ def kvp_rank(model, coll: Collective | None, world_rank: int, kvp: int, tp: int,
              block_size: int, dtype: torch.dtype, device: str | torch.device = "cpu") -> KVPRank:
     """World rank `world_rank` of a KVP group of `kvp` ranks, each a TP group of `tp` lanes
     (world rank k * tp + t). With tp == 1 a plain KVP rank over `coll`. Otherwise it builds its
-    two subgroups -- its KVP rank's lanes (row-parallel all-reduces of `tp.shard_model`'s shard
+    two subgroups -- its KVP rank's lanes (row-parallel all-reduces of `shard.rank_model`'s shard
     of `model`), then its lane's KVP peers (the attention all_gather) -- every rank in that
     order, so each subgroup's members build it at about the same time."""
     if tp == 1:
@@ -344,7 +344,8 @@ def kvp_rank(model, coll: Collective | None, world_rank: int, kvp: int, tp: int,
     k, t = divmod(world_rank, tp)
     lanes = coll.subgroup(range(k * tp, (k + 1) * tp))
     peers = coll.subgroup(range(t, kvp * tp, tp))
-    shard = shard_model(model, t, tp, lanes.all_reduce)
+    # Cut from a full model, or read from the checkpoint (only the leader reads the output head).
+    shard = rank_model(model, t, tp, lanes.all_reduce, None, dtype, device, head=world_rank == 0)
     return KVPRank(shard, peers, k, kvp, blocks_per_rank, block_size, dtype, device, link=coll, lane=t)
 
 
@@ -368,7 +369,7 @@ class KVPRunner:
                  dtype: torch.dtype, device: str | torch.device = "cpu", ranks=None,
                  prefix_caching: bool = False, tp: int = 1) -> None:
         """`ranks`: the handle of world ranks 1..world*tp-1 (`join(timeout)`), stopped by `close`."""
-        self.model, self.coll, self.dtype, self.ranks = model, coll, dtype, ranks
+        self.coll, self.dtype, self.ranks = coll, dtype, ranks
         self.kvp, self.tp = world, tp
         self.layout = f"kvp{world}" if tp == 1 else f"kvp{world}xtp{tp}"
         num_blocks = blocks_per_rank * world
@@ -379,11 +380,13 @@ class KVPRunner:
         else:
             self.kv = KVCacheManager(num_blocks, block_size, StripedAllocator(blocks_per_rank, world))
         self.rank0 = kvp_rank(model, coll, 0, world, tp, blocks_per_rank, block_size, dtype, device)
+        # The logits: the full model's head, or (KVP x TP from a checkpoint) the leader shard's.
+        self.model = GroupModel(model.config, self.rank0.model) if isinstance(model, Checkpoint) else model
         self.device = self.rank0.device
         # Connectors see a staging area of whole blocks (every layer, every head) of the leader's
         # own KV bytes: one KVP rank's blocks, or 1/tp of them with TP lanes (as a TP leader).
         staged = max(1, blocks_per_rank // tp)
-        self.port = StagedPort(self, model.kv_cache_shape(staged, block_size), dtype, self.device)
+        self.port = StagedPort(self, self.model.kv_cache_shape(staged, block_size), dtype, self.device)
         self._closed = False
 
     def kv_bytes_per_token(self) -> int:

@@ -169,7 +169,8 @@ def _leader_layer_elems(eng: LLMEngine) -> int:
     ("tiny", {"tp": 2}, "tp2", 2), ("qwen2", {"tp": 2}, "tp2", 2), ("sharded", {"tp": 2}, "tp2", 2),
     ("tiny", {"spp": 2, "spp_micro_tokens": 16}, "spp2", 2),
     ("tiny", {"spp": 2, "tp": 2, "spp_micro_tokens": 16}, "spp2xtp2", 4),
-    ("gqa-bias", {"spp": 2, "tp": 2, "spp_micro_tokens": 16}, "spp2xtp2", 4)])
+    ("gqa-bias", {"spp": 2, "tp": 2, "spp_micro_tokens": 16}, "spp2xtp2", 4),
+    ("qwen2", {"kvp": 2, "tp": 2}, "kvp2xtp2", 2)])         # KVP replicates: a lane's share is 1/tp
 def test_an_engine_built_from_the_path_matches_the_single_engine_and_its_leader_holds_its_part(
         paths, name, group, layout, share):
     full, cfg = load_model(paths[name])
