@@ -1,4 +1,5 @@
-"""Shared fixtures: the tiny checkpoint, written once per session."""
+"""Shared fixtures: the tiny checkpoint, written once per session. gloo binds loopback in every
+test (tests never leave the machine), here and in every process a test starts."""
 
 import os
 import sys
@@ -9,6 +10,7 @@ import pytest
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if _ROOT not in sys.path:
     sys.path.insert(0, _ROOT)
+os.environ["GLOO_SOCKET_IFNAME"] = "lo"
 
 
 @pytest.fixture(scope="session")

@@ -12,8 +12,16 @@ import uvicorn
 
 from raycluster.engine.config import EngineConfig
 from raycluster.engine.engine import LLMEngine
+from raycluster.model.loader import load_model
+from raycluster.model.tokenizer import Tokenizer
 from raycluster.server.app import build_app
 from raycluster.server.async_engine import AsyncEngine
+
+
+def tiny_parts(path) -> tuple:
+    """(model, tokenizer) of the checkpoint at `path`."""
+    model, mcfg = load_model(path)
+    return model, Tokenizer(path, mcfg.eos_token_id)
 
 
 def _free_port() -> int:

@@ -8,13 +8,11 @@ from __future__ import annotations
 import httpx
 import openai
 import pytest
-from engine_http import serve_engine
+from engine_http import serve_engine, tiny_parts
 
 from loadgen.client import ClientConfig, run
 from loadgen.workloads import make_workload
 from raycluster.engine.config import EngineConfig
-from raycluster.model.loader import load_model
-from raycluster.model.tokenizer import Tokenizer
 from raycluster.server.auth import bearer_headers, keys_from_env
 
 pytestmark = pytest.mark.e2e
@@ -25,8 +23,7 @@ CFG = dict(kv_cache_tokens=4096, policy="fcfs", packer="token", num_threads=1)
 
 @pytest.fixture(scope="module")
 def url(tiny_model_dir):
-    model, mcfg = load_model(tiny_model_dir)
-    tok = Tokenizer(tiny_model_dir, mcfg.eos_token_id)
+    model, tok = tiny_parts(tiny_model_dir)
     with serve_engine(EngineConfig(**CFG), model, tok, api_keys=KEYS) as (base, _):
         yield base
 

@@ -11,12 +11,10 @@ import re
 import httpx
 import jsonschema
 import pytest
-from engine_http import serve_engine
+from engine_http import serve_engine, tiny_parts
 
 from raycluster.engine.config import EngineConfig
 from raycluster.engine.engine import LLMEngine
-from raycluster.model.loader import load_model
-from raycluster.model.tokenizer import Tokenizer
 from raycluster.request import SamplingParams
 from raycluster.server.structured import choice_regex, schema_regex
 
@@ -31,8 +29,7 @@ CFG = dict(kv_cache_tokens=8192, policy="fcfs", packer="token", num_threads=1)
 
 @pytest.fixture(scope="module")
 def served(tiny_model_dir):
-    model, mcfg = load_model(tiny_model_dir)
-    tok = Tokenizer(tiny_model_dir, mcfg.eos_token_id)
+    model, tok = tiny_parts(tiny_model_dir)
     ref = LLMEngine(EngineConfig(**CFG), model, tok)
     with serve_engine(EngineConfig(**CFG), model, tok) as (url, aeng):
         yield url, ref, tok, aeng

@@ -13,11 +13,10 @@ import httpx
 import jsonschema
 import openai
 import pytest
-from engine_http import serve_engine
+from engine_http import serve_engine, tiny_parts
 
 from raycluster.engine.config import EngineConfig
 from raycluster.engine.engine import LLMEngine
-from raycluster.model.loader import load_model
 from raycluster.model.tokenizer import Tokenizer
 from raycluster.request import SamplingParams
 from raycluster.server.protocol import ChatCompletionRequest
@@ -42,8 +41,7 @@ CFG = dict(kv_cache_tokens=8192, policy="fcfs", packer="token", num_threads=1)
 
 @pytest.fixture(scope="module")
 def served(tiny_model_dir):
-    model, mcfg = load_model(tiny_model_dir)
-    tok = Tokenizer(tiny_model_dir, mcfg.eos_token_id)
+    model, tok = tiny_parts(tiny_model_dir)
     ref = LLMEngine(EngineConfig(**CFG), model, tok)
     with serve_engine(EngineConfig(**CFG), model, tok) as (url, _):
         yield url, ref, tok
@@ -172,8 +170,7 @@ def test_what_it_cannot_serve_is_a_400_naming_the_field(served, body, param):
 
 @pytest.fixture(scope="module")
 def served_hermes(tiny_model_dir):
-    model, mcfg = load_model(tiny_model_dir)
-    tok = Tokenizer(tiny_model_dir, mcfg.eos_token_id)
+    model, tok = tiny_parts(tiny_model_dir)
     with serve_engine(EngineConfig(**CFG), model, tok, tool_call_parser="hermes") as (url, _):
         yield url
 

@@ -26,10 +26,6 @@ def model(tiny_model_dir):
     return load_model(tiny_model_dir)[0]
 
 
-@pytest.fixture(autouse=True)
-def gloo_loopback(monkeypatch):
-    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "lo")
-
 
 def _group(model, **kw):
     cfg = EngineConfig(policy="fcfs", packer="token", predictor="none", block_size=BS, kv_cache_tokens=BS * 64,

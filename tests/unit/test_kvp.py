@@ -21,14 +21,7 @@ from raycluster.parallel.kvp import StripedAllocator, local_share
 from raycluster.parallel.plan import step_plan
 from raycluster.request import Request, SamplingParams
 
-pytestmark = pytest.mark.usefixtures("gloo_loopback")
-
 BASE = dict(policy="fcfs", packer="token", predictor="none", block_size=16)
-
-
-@pytest.fixture
-def gloo_loopback(monkeypatch):
-    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "lo")
 
 
 @pytest.fixture(scope="module")

@@ -29,10 +29,6 @@ GREEDY = SamplingParams(max_tokens=12, ignore_eos=True)
 MAX_STEPS = 3000
 
 
-@pytest.fixture(autouse=True)
-def gloo_loopback(monkeypatch):
-    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "lo")
-
 
 @pytest.fixture(scope="module")
 def model(tiny_model_dir):

@@ -11,11 +11,9 @@ from __future__ import annotations
 import pytest
 import torch
 from pydantic import ValidationError
-from test_tp import VARIANTS, _close, engine_matches_plain, handoff_matches_plain, same_as_single_runner
+from test_tp import variant_models, _close, engine_matches_plain, handoff_matches_plain, same_as_single_runner
 
 from raycluster.engine.config import EngineConfig
-from raycluster.model.loader import load_model
-from raycluster.model.tiny import write_tiny_model
 from raycluster.parallel.factory import build_runner, group_kind
 from raycluster.parallel.kvp import KVPRunner
 
@@ -24,19 +22,10 @@ BASE = dict(policy="fcfs", packer="token", predictor="none", block_size=BS, num_
 CHECKPOINTS = ("tiny", "qwen2", "gqa-bias", "mha")
 
 
-@pytest.fixture(autouse=True)
-def gloo_loopback(monkeypatch):
-    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "lo")
-
 
 @pytest.fixture(scope="module")
 def models(tiny_model_dir, tmp_path_factory):
-    out = {}
-    for name in CHECKPOINTS:
-        over = VARIANTS[name]
-        path = tiny_model_dir if over is None else write_tiny_model(tmp_path_factory.mktemp(name), seed=1, **over)
-        out[name] = load_model(path)[0]
-    return out
+    return variant_models(CHECKPOINTS, tiny_model_dir, tmp_path_factory)
 
 
 def _group(model, kvp: int, tp: int, blocks_per_rank: int) -> KVPRunner:

@@ -30,10 +30,6 @@ BASE = dict(policy="fcfs", packer="token", predictor="none", block_size=16, num_
             kv_cache_tokens=2048, chunk_size=48)
 
 
-@pytest.fixture(autouse=True)
-def gloo_loopback(monkeypatch):
-    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "lo")
-
 
 def _split_with_index(src: str, dst: str) -> str:
     """The checkpoint at `src` copied to `dst` as two safetensors files and an index."""

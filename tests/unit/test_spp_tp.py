@@ -13,11 +13,9 @@ import threading
 import pytest
 import torch
 from pydantic import ValidationError
-from test_tp import VARIANTS, engine_matches_plain, handoff_matches_plain, same_as_single_runner
+from test_tp import variant_models, engine_matches_plain, handoff_matches_plain, same_as_single_runner
 
 from raycluster.engine.config import EngineConfig
-from raycluster.model.loader import load_model
-from raycluster.model.tiny import write_tiny_model
 from raycluster.parallel.factory import build_runner
 from raycluster.parallel.group import Collective, GroupAddress, free_port
 from raycluster.parallel.spp import SPPRunner
@@ -30,19 +28,10 @@ GREEDY = SamplingParams(max_tokens=8, ignore_eos=True)
 CHECKPOINTS = ("tiny", "qwen2", "mistral", "gqa-bias")
 
 
-@pytest.fixture(autouse=True)
-def gloo_loopback(monkeypatch):
-    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "lo")
-
 
 @pytest.fixture(scope="module")
 def models(tiny_model_dir, tmp_path_factory):
-    out = {}
-    for name in CHECKPOINTS:
-        over = VARIANTS[name]
-        path = tiny_model_dir if over is None else write_tiny_model(tmp_path_factory.mktemp(name), seed=1, **over)
-        out[name] = load_model(path)[0]
-    return out
+    return variant_models(CHECKPOINTS, tiny_model_dir, tmp_path_factory)
 
 
 def _group(model, spp: int, tp: int, **cfg) -> SPPRunner:

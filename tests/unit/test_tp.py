@@ -50,18 +50,19 @@ VARIANTS = {
 }
 
 
-@pytest.fixture(autouse=True)
-def gloo_loopback(monkeypatch):
-    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "lo")
+def variant_models(names, tiny_model_dir, tmp_path_factory) -> dict:
+    """The named VARIANTS' checkpoints, written and loaded (for the group test modules)."""
+    out = {}
+    for name in names:
+        over = VARIANTS[name]
+        path = tiny_model_dir if over is None else write_tiny_model(tmp_path_factory.mktemp(name), seed=1, **over)
+        out[name] = load_model(path)[0]
+    return out
 
 
 @pytest.fixture(scope="module")
 def models(tiny_model_dir, tmp_path_factory):
-    out = {}
-    for name, over in VARIANTS.items():
-        path = tiny_model_dir if over is None else write_tiny_model(tmp_path_factory.mktemp(name), seed=1, **over)
-        out[name] = load_model(path)[0]
-    return out
+    return variant_models(VARIANTS, tiny_model_dir, tmp_path_factory)
 
 
 def _group(model, tp: int, **cfg) -> TPRunner:
