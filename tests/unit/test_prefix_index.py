@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from raycluster.cluster.prefix_index import PrefixIndex, prompt_keys
 from raycluster.engine.prefix_cache import PrefixCachingKVManager
 from raycluster.request import Request
@@ -152,6 +154,12 @@ def test_the_apps_args_reach_the_router_and_the_engines():
         assert all(cfg.engine_config(p).enable_prefix_caching for p in cfg.pools)
     cfg = ClusterConfig(**override_args(load_app_spec(None)["args"], None, None, prefix_caching=False))
     assert not any(cfg.engine_config(p).enable_prefix_caching for p in cfg.pools)     # `--no-enable-prefix-caching`
+    # `up --tool-call-parser`: the gateway's tool_choice "auto" parser; the app's own otherwise.
+    args = load_app_spec(None)["args"]
+    assert ClusterConfig(**override_args(args, None, None, None, "hermes")).tool_call_parser == "hermes"
+    assert ClusterConfig(**override_args(args, None, None, None)).tool_call_parser is None
+    with pytest.raises(ValueError, match="tool_call_parser"):
+        ClusterConfig(**override_args(args, None, None, None, "granite"))
 
 
 # ---- P/D: a handoff goes to the decode instance holding its conversation ---------------------------
