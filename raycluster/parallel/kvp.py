@@ -330,6 +330,18 @@ def owned_positions(block_ids: list[int], kvp_rank: int, blocks_per_rank: int) -
     return [j for j, g in enumerate(block_ids) if lo <= g < lo + blocks_per_rank]
 
 
+def striped_kv_manager(blocks_per_rank: int, world: int, block_size: int,
+                       prefix_caching: bool = False) -> KVCacheManager:
+    """The leader's block bookkeeping over `world` KVP ranks of `blocks_per_rank` blocks each
+    (plain KVP's, and each stage's of a KVP x SPP group)."""
+    num_blocks = blocks_per_rank * world
+    if prefix_caching:
+        # A prefill after a cached prefix is a later chunk to the ranks (`kvp_meta`: each
+        # attends the earlier tokens it holds), so nothing below the allocator changes.
+        return PrefixCachingKVManager(num_blocks, block_size, StripedCachingAllocator(blocks_per_rank, world))
+    return KVCacheManager(num_blocks, block_size, StripedAllocator(blocks_per_rank, world))
+
+
 def kvp_rank(model, coll: Collective | None, world_rank: int, kvp: int, tp: int, blocks_per_rank: int,
              block_size: int, dtype: torch.dtype, device: str | torch.device = "cpu") -> KVPRank:
     """World rank `world_rank` of a KVP group of `kvp` ranks, each a TP group of `tp` lanes
@@ -372,13 +384,7 @@ class KVPRunner:
         self.coll, self.dtype, self.ranks = coll, dtype, ranks
         self.kvp, self.tp = world, tp
         self.layout = f"kvp{world}" if tp == 1 else f"kvp{world}xtp{tp}"
-        num_blocks = blocks_per_rank * world
-        if prefix_caching:
-            # A prefill after a cached prefix is a later chunk to the ranks (`kvp_meta`: each
-            # attends the earlier tokens it holds), so nothing below the allocator changes.
-            self.kv = PrefixCachingKVManager(num_blocks, block_size, StripedCachingAllocator(blocks_per_rank, world))
-        else:
-            self.kv = KVCacheManager(num_blocks, block_size, StripedAllocator(blocks_per_rank, world))
+        self.kv = striped_kv_manager(blocks_per_rank, world, block_size, prefix_caching)
         self.rank0 = kvp_rank(model, coll, 0, world, tp, blocks_per_rank, block_size, dtype, device)
         # The logits: the full model's head, or (KVP x TP from a checkpoint) the leader shard's.
         self.model = GroupModel(model.config, self.rank0.model) if isinstance(model, Checkpoint) else model
