@@ -174,7 +174,10 @@ class KVPMeta:
 
 
 def kvp_meta(plan: StepPlan, slot_mapping: torch.Tensor, rank: int, world: int, block_size: int,
-             blocks_per_rank: int, device) -> KVPMeta:
+             blocks_per_rank: int, device, causal_offset: int = 0) -> KVPMeta:
+    """Rank `rank`'s view of `plan`. Prefill j's chunk attends itself on rank (j + causal_offset)
+    % world (any rank can: every rank has the chunk's K/V); an SPP stage passes the micro-batch
+    index, as each of its micro-batches holds one chunk."""
     bs, nloc = block_size, blocks_per_rank
     blocks = torch.div(slot_mapping, bs, rounding_mode="floor")
     owned = torch.div(blocks, nloc, rounding_mode="floor") == rank
@@ -185,7 +188,7 @@ def kvp_meta(plan: StepPlan, slot_mapping: torch.Tensor, rank: int, world: int, 
         mine, m = local_share(table, start, rank, bs, nloc) if start else ([], 0)
         ids = torch.tensor(mine, dtype=torch.long)
         parts.append(_PrefillPart(q0, n, torch.cat([ids * 2, ids * 2 + 1]).to(device), len(mine), m,
-                                  causal_here=j % world == rank))
+                                  causal_here=(j + causal_offset) % world == rank))
         q0 += n
     sel, lens, tables = [], [], []
     for i, (pos, table) in enumerate(zip(plan.decode_positions, plan.decode_tables)):

@@ -27,8 +27,8 @@ heads of the blocks striped to KVP rank k -- the same striping in every stage, s
 bookkeeping is plain KVP's (`kvp.striped_kv_manager`, prefix caching too). Its attention backend
 is a `KVPAttention` over ranks (s, *, t) (`kvp_group`); each micro-batch's metadata is
 `kvp_meta` of it (a prefill sub-chunk attends the earlier sub-chunks as a later chunk would: their
-KV was written at this stage, by its owners, in earlier micro-batches; with one chunk per
-micro-batch, KVP rank 0 attends each sub-chunk to itself). The merged attention output and the
+KV was written at this stage, by its owners, in earlier micro-batches; the KVP ranks take turns
+attending a sub-chunk to itself, micro-batch by micro-batch). The merged attention output and the
 replicated linear layers leave every (k, t) rank of a stage with the same hidden states, so
 (s, k, t) sends to (s+1, k, t); (last stage, 0, 0) returns the rows. P/D handoffs move each
 block's (stage layers x lane heads) slice to or from the ranks of the KVP rank holding it.
@@ -225,13 +225,14 @@ class SPPStage:
         m = self.model
         returns = self.rank == self.result_rank     # the other ranks of the last stage norm nothing
         works, sent, kept = [], [], []
-        for mb in split_plan(plan, self.micro_tokens):
+        for i, mb in enumerate(split_plan(plan, self.micro_tokens)):
             ids, pos, meta = plan_inputs(mb, self.block_size, self.device)
             if self.kvp > 1:
                 # A prefill sub-chunk's prefix includes the earlier sub-chunks, written at this
-                # stage by their owners in earlier micro-batches: a later chunk to kvp_meta.
+                # stage by their owners in earlier micro-batches: a later chunk to kvp_meta. The
+                # sub-chunks' causal parts take turns over the KVP ranks (the offset i).
                 meta = kvp_meta(mb, meta.slot_mapping, self.kvp_rank, self.kvp, self.block_size,
-                                self.blocks_per_rank, self.device)
+                                self.blocks_per_rank, self.device, causal_offset=i)
             meta.prepare(self.device)
             if self.first:
                 x = m.model.embed_tokens(ids)
