@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Literal
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field
 
 # The fields that say how an engine schedules, as opposed to what it runs (model, KV pool, block
 # size, parallelism, device): what an instance adopts when the pressure controller moves it to
@@ -47,15 +47,16 @@ class EngineConfig(BaseModel):
     num_threads: int | None = Field(None, ge=1, description="torch intra-op threads")
     kvp: int = Field(1, ge=1, le=64, description="KV-cache parallel ranks (Medha KVP): each rank holds the "
                      "weights (with tp > 1: a TP group of that many ranks, its heads' share each) and kv_cache_tokens "
-                     "of KV; a request's KV is striped over all of them")
+                     "of KV; a request's KV is striped over all of them. With spp > 1: each stage is a KVP "
+                     "group of this many ranks over its layers (kvp x spp, kvp x spp x tp ranks in all)")
     spp: int = Field(1, ge=1, le=64, description="stream pipeline stages (Medha SPP): layers split over the "
                      "stages, prefill micro-chunks stream through them; at most the model's layer count")
     spp_micro_tokens: int = Field(512, ge=1, description="SPP: prefill tokens per micro-chunk in the pipeline")
     tp: int = Field(1, ge=1, le=64, description="tensor-parallel ranks (Megatron, vLLM's tensor_parallel_size): "
                     "attention heads and the MLP split over them, one all-reduce after o_proj and after "
                     "down_proj per layer; each rank holds kv_cache_tokens of KV for its KV heads. With spp > 1 "
-                    "(or kvp > 1): each stage (each KVP rank) is a TP group of this many ranks (spp x tp, "
-                    "kvp x tp ranks in all)")
+                    "(or kvp > 1): each stage (each KVP rank, of each stage) is a TP group of this many ranks "
+                    "(spp x tp, kvp x tp, kvp x spp x tp ranks in all)")
     group_launch: Literal["threads", "ray"] = Field(
         "threads", description="where the ranks of a KVP / SPP / TP group run: threads of this process, or Ray actors")
     group_host: str = Field("127.0.0.1", description="address the group's store and gloo sockets bind to")
@@ -76,15 +77,6 @@ class EngineConfig(BaseModel):
     def scheduling_label(self) -> str:
         """'policy/packer/decode_selector', as instance stats and `raycluster status` show it."""
         return f"{self.policy}/{self.packer}/{self.decode_selector}"
-
-    @model_validator(mode="after")
-    def _parallel_dimensions(self) -> "EngineConfig":
-        # SPP stages that are each a TP group (raycluster.parallel.spp) and KVP ranks that are
-        # each a TP group (raycluster.parallel.kvp) are built; KVP beside SPP is not.
-        if self.kvp > 1 and self.spp > 1:
-            raise ValueError(f"kvp {self.kvp}, spp {self.spp}, tp {self.tp}: kvp may not be combined with spp "
-                             "(kvp x tp and spp x tp are built, kvp x spp is not)")
-        return self
 
     @property
     def parallel_world(self) -> int:

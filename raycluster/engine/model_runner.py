@@ -28,7 +28,8 @@ class StepLogits:
 
 
 class ModelRunner:
-    # Parallel runners say e.g. "kvp2" / "spp2" / "tp2" / "spp2xtp2" / "kvp2xtp2" (the profile cache keys on it).
+    # Parallel runners say e.g. "kvp2" / "spp2" / "tp2" / "spp2xtp2" / "kvp2xtp2" / "kvp2xspp2" /
+    # "kvp2xspp2xtp2" (the profile cache keys on it).
     layout = "single"
     ranks = None           # parallel runners: the group's other ranks (`alive()`, `join(timeout)`)
 

@@ -1,10 +1,11 @@
 """Builds an engine's model runner from its config: one process (`ModelRunner`), or the leader of
-a KVP / SPP / TP / SPP x TP / KVP x TP group whose other ranks run as threads here or as Ray actors
-(raycluster.parallel.ray_group). The runner's `kv` is the engine's block bookkeeping.
+a KVP / SPP / TP / SPP x TP / KVP x TP / KVP x SPP / KVP x SPP x TP group whose other ranks run
+as threads here or as Ray actors (raycluster.parallel.ray_group). The runner's `kv` is the
+engine's block bookkeeping (striped over the KVP ranks when kvp > 1).
 
 The model enters as a full model in memory or, for the kinds whose ranks hold only their shard
-(`SHARDED_KINDS`: TP, SPP, SPP x TP, KVP x TP), as a `Checkpoint` each rank reads its own part
-from (raycluster.parallel.shard); plain KVP ranks replicate the full model."""
+(`SHARDED_KINDS`: all but plain KVP), as a `Checkpoint` each rank reads its own part from
+(raycluster.parallel.shard); plain KVP ranks replicate the full model."""
 
 from __future__ import annotations
 
@@ -17,11 +18,15 @@ from raycluster.engine.prefix_cache import PrefixCachingKVManager
 from raycluster.parallel.group import Collective, GroupAddress, ThreadRanks, free_port
 from raycluster.parallel.shard import Checkpoint
 
-SHARDED_KINDS = ("tp", "spp", "spp-tp", "kvp-tp")     # each rank loads only its part of the weights
+# Each rank loads only its part of the weights.
+SHARDED_KINDS = ("tp", "spp", "spp-tp", "kvp-tp", "kvp-spp", "kvp-spp-tp")
+SPP_KINDS = ("spp", "spp-tp", "kvp-spp", "kvp-spp-tp")         # pipelines, led by SPPRunner
 
 
 def group_kind(config: EngineConfig) -> str:
-    """"single", "kvp", "spp", "tp", "spp-tp" or "kvp-tp" (the config refuses kvp beside spp)."""
+    """"single", "kvp", "spp", "tp", "spp-tp", "kvp-tp", "kvp-spp" or "kvp-spp-tp"."""
+    if config.kvp > 1 and config.spp > 1:
+        return "kvp-spp-tp" if config.tp > 1 else "kvp-spp"
     if config.spp > 1 and config.tp > 1:
         return "spp-tp"
     if config.kvp > 1 and config.tp > 1:
@@ -31,7 +36,7 @@ def group_kind(config: EngineConfig) -> str:
 
 def group_worker(kind: str, model, coll: Collective, config: EngineConfig, dtype: torch.dtype):
     """The handler rank `coll.rank` (not the leader) runs for each message in a group of `kind`
-    ("kvp" | "spp" | "tp" | "spp-tp" | "kvp-tp"). `model` is the full model (a TP rank shards it)
+    (`group_kind`'s kinds but "single"). `model` is the full model (a TP rank shards it)
     or, for `SHARDED_KINDS`, the `Checkpoint` the rank reads its part from."""
     blocks = config.kv_cache_tokens // config.block_size
     if kind in ("kvp", "kvp-tp"):
@@ -41,8 +46,10 @@ def group_worker(kind: str, model, coll: Collective, config: EngineConfig, dtype
         from raycluster.parallel.tp import tp_worker
         return tp_worker(model, coll, blocks, config.block_size, dtype, config.device)
     from raycluster.parallel.spp import spp_worker
+    # tp: 1, or the lanes of each stage (or of each KVP rank of it); kvp: 1, or each stage's KVP
+    # ranks, each holding `blocks` blocks as a plain KVP rank does.
     return spp_worker(model, coll, config.spp, blocks, config.block_size, dtype, config.device,
-                      config.spp_micro_tokens, config.tp)       # tp: 1, or the lanes of each stage
+                      config.spp_micro_tokens, config.tp, config.kvp)
 
 
 def build_runner(config: EngineConfig, model, dtype: torch.dtype, model_path: str | None = None,
@@ -57,9 +64,9 @@ def build_runner(config: EngineConfig, model, dtype: torch.dtype, model_path: st
     world = config.parallel_world
     if kind == "single":
         return ModelRunner(model, kv_manager(blocks, config.block_size), dtype, config.device)
-    if kind in ("spp", "spp-tp") and config.spp > model.config.num_hidden_layers:
+    if kind in SPP_KINDS and config.spp > model.config.num_hidden_layers:
         raise ValueError(f"spp: {config.spp} stages for {model.config.num_hidden_layers} layers")
-    if kind in ("tp", "spp-tp", "kvp-tp"):
+    if config.tp > 1:
         from raycluster.parallel.tp import check_tp
         check_tp(model.config, config.tp)       # before any rank starts
     addr = GroupAddress(config.group_host, free_port(config.group_host), world, config.group_timeout_s)
@@ -82,9 +89,15 @@ def build_runner(config: EngineConfig, model, dtype: torch.dtype, model_path: st
         # Every rank holds its heads of the same block ids: the engine's bookkeeping is unchanged.
         return TPRunner(model, kv_manager(blocks, config.block_size), coll, world, dtype, config.device, ranks=ranks)
     from raycluster.parallel.spp import SPPRunner
-    # SPP x TP too: every rank holds its layers and heads of the same block ids.
-    return SPPRunner(model, kv_manager(blocks, config.block_size), coll, config.spp, dtype, config.device,
-                     config.spp_micro_tokens, ranks=ranks, tp=config.tp)
+    # SPP x TP too: every rank holds its layers and heads of the same block ids. With KVP, each
+    # stage's KVP ranks hold the blocks striped to them, the same striping in every stage.
+    if config.kvp > 1:
+        from raycluster.parallel.kvp import striped_kv_manager
+        kv = striped_kv_manager(blocks, config.kvp, config.block_size, config.enable_prefix_caching)
+    else:
+        kv = kv_manager(blocks, config.block_size)
+    return SPPRunner(model, kv, coll, config.spp, dtype, config.device, config.spp_micro_tokens, ranks=ranks,
+                     tp=config.tp, kvp=config.kvp)
 
 
 def model_source(config: EngineConfig, path: str):

@@ -174,7 +174,10 @@ class KVPMeta:
 
 
 def kvp_meta(plan: StepPlan, slot_mapping: torch.Tensor, rank: int, world: int, block_size: int,
-             blocks_per_rank: int, device) -> KVPMeta:
+             blocks_per_rank: int, device, causal_offset: int = 0) -> KVPMeta:
+    """Rank `rank`'s view of `plan`. Prefill j's chunk attends itself on rank (j + causal_offset)
+    % world (any rank can: every rank has the chunk's K/V); an SPP stage passes the micro-batch
+    index, as each of its micro-batches holds one chunk."""
     bs, nloc = block_size, blocks_per_rank
     blocks = torch.div(slot_mapping, bs, rounding_mode="floor")
     owned = torch.div(blocks, nloc, rounding_mode="floor") == rank
@@ -185,7 +188,7 @@ def kvp_meta(plan: StepPlan, slot_mapping: torch.Tensor, rank: int, world: int, 
         mine, m = local_share(table, start, rank, bs, nloc) if start else ([], 0)
         ids = torch.tensor(mine, dtype=torch.long)
         parts.append(_PrefillPart(q0, n, torch.cat([ids * 2, ids * 2 + 1]).to(device), len(mine), m,
-                                  causal_here=j % world == rank))
+                                  causal_here=(j + causal_offset) % world == rank))
         q0 += n
     sel, lens, tables = [], [], []
     for i, (pos, table) in enumerate(zip(plan.decode_positions, plan.decode_tables)):
@@ -330,6 +333,18 @@ def owned_positions(block_ids: list[int], kvp_rank: int, blocks_per_rank: int) -
     return [j for j, g in enumerate(block_ids) if lo <= g < lo + blocks_per_rank]
 
 
+def striped_kv_manager(blocks_per_rank: int, world: int, block_size: int,
+                       prefix_caching: bool = False) -> KVCacheManager:
+    """The leader's block bookkeeping over `world` KVP ranks of `blocks_per_rank` blocks each
+    (plain KVP's, and each stage's of a KVP x SPP group)."""
+    num_blocks = blocks_per_rank * world
+    if prefix_caching:
+        # A prefill after a cached prefix is a later chunk to the ranks (`kvp_meta`: each
+        # attends the earlier tokens it holds), so nothing below the allocator changes.
+        return PrefixCachingKVManager(num_blocks, block_size, StripedCachingAllocator(blocks_per_rank, world))
+    return KVCacheManager(num_blocks, block_size, StripedAllocator(blocks_per_rank, world))
+
+
 def kvp_rank(model, coll: Collective | None, world_rank: int, kvp: int, tp: int, blocks_per_rank: int,
              block_size: int, dtype: torch.dtype, device: str | torch.device = "cpu") -> KVPRank:
     """World rank `world_rank` of a KVP group of `kvp` ranks, each a TP group of `tp` lanes
@@ -372,13 +387,7 @@ class KVPRunner:
         self.coll, self.dtype, self.ranks = coll, dtype, ranks
         self.kvp, self.tp = world, tp
         self.layout = f"kvp{world}" if tp == 1 else f"kvp{world}xtp{tp}"
-        num_blocks = blocks_per_rank * world
-        if prefix_caching:
-            # A prefill after a cached prefix is a later chunk to the ranks (`kvp_meta`: each
-            # attends the earlier tokens it holds), so nothing below the allocator changes.
-            self.kv = PrefixCachingKVManager(num_blocks, block_size, StripedCachingAllocator(blocks_per_rank, world))
-        else:
-            self.kv = KVCacheManager(num_blocks, block_size, StripedAllocator(blocks_per_rank, world))
+        self.kv = striped_kv_manager(blocks_per_rank, world, block_size, prefix_caching)
         self.rank0 = kvp_rank(model, coll, 0, world, tp, blocks_per_rank, block_size, dtype, device)
         # The logits: the full model's head, or (KVP x TP from a checkpoint) the leader shard's.
         self.model = GroupModel(model.config, self.rank0.model) if isinstance(model, Checkpoint) else model

@@ -1,7 +1,7 @@
-"""Ranks 1..world-1 of a KVP / SPP / TP / SPP x TP group as Ray actors (the leader is the engine's process).
+"""Ranks 1..world-1 of a parallel group (any `factory.group_kind`) as Ray actors (the leader is the engine's process).
 
 Each `GroupRank` actor, placed on the leader's node, loads its weights itself from `model_path`:
-a TP / SPP / SPP x TP rank reads only its part (raycluster.parallel.shard.load_shard, when it
+a rank of a `SHARDED_KINDS` group reads only its part (raycluster.parallel.shard.load_shard, when it
 joins the group and knows its rank), a KVP rank the full model. It joins the group's store at the `GroupAddress` the leader chose, and runs `serve_rank` in one long
 actor call until the leader posts None. `RayRanks.join` waits for those calls, then kills the actors.
 """

@@ -20,6 +20,19 @@ lane 0 of the last stage returns the sampled rows. A rank's KV holds its stage's
 lane's KV heads of the same engine block ids, so the leader's block bookkeeping is the plain
 engine's; P/D handoffs move each (layers x heads) slice to or from its rank.
 
+KVP x SPP (x TP), Medha's 3D parallelism (`kvp` > 1): each stage is a KVP group
+(raycluster.parallel.kvp) over its layer range, each KVP rank of it a TP group when tp > 1;
+world rank = (stage * kvp + k) * tp + lane. Rank (s, k, t) holds its stage's layers and lane t's
+heads of the blocks striped to KVP rank k -- the same striping in every stage, so the leader's
+bookkeeping is plain KVP's (`kvp.striped_kv_manager`, prefix caching too). Its attention backend
+is a `KVPAttention` over ranks (s, *, t) (`kvp_group`); each micro-batch's metadata is
+`kvp_meta` of it (a prefill sub-chunk attends the earlier sub-chunks as a later chunk would: their
+KV was written at this stage, by its owners, in earlier micro-batches; the KVP ranks take turns
+attending a sub-chunk to itself, micro-batch by micro-batch). The merged attention output and the
+replicated linear layers leave every (k, t) rank of a stage with the same hidden states, so
+(s, k, t) sends to (s+1, k, t); (last stage, 0, 0) returns the rows. P/D handoffs move each
+block's (stage layers x lane heads) slice to or from the ranks of the KVP rank holding it.
+
 Weights: given a `Checkpoint` (raycluster.parallel.shard), each rank reads only its stage's
 layers (its lane's heads of them with TP), the embedding if it is in the first stage, the final
 norm if it returns the rows, and the output head if it is the leader (which computes the logits;
@@ -40,6 +53,7 @@ from raycluster.engine.scheduler import SchedulerOutput
 from raycluster.model.llama import LlamaForCausalLM
 from raycluster.parallel.group import Collective
 from raycluster.parallel.kv_port import KV_TAG, KVLoad, KVSave, StagedPort, rank_handler
+from raycluster.parallel.kvp import KVPAttention, kvp_meta, owned_positions
 from raycluster.parallel.plan import StepPlan, plan_inputs
 from raycluster.parallel.shard import Checkpoint, GroupModel, _identity, rank_model
 
@@ -89,31 +103,44 @@ def split_plan(plan: StepPlan, micro_tokens: int) -> list[StepPlan]:
 
 
 class SPPStage:
-    """One rank of the pipeline: stage `rank // tp` owns layers [lo, hi) of `model` (a full model
-    or a `Checkpoint`) and their KV [hi - lo, N, 2, B, Hkv / tp, D]; with tp > 1 it is TP rank
-    `rank % tp` (its lane) of the stage, running the lane's shard of those layers
-    (raycluster.parallel.shard), which all-reduces over the stage's ranks only (`self.tp_group`,
-    a subgroup). World ranks are stage * tp + lane; rank 0 leads."""
+    """One rank of the pipeline: stage s owns layers [lo, hi) of `model` (a full model or a
+    `Checkpoint`) and their KV [hi - lo, N, 2, B, Hkv / tp, D]. World rank = (s * kvp + k) * tp
+    + t; rank 0 leads. With tp > 1 it is lane t of a TP group, running the lane's shard of those
+    layers (raycluster.parallel.shard), which all-reduces over ranks (s, k, *) only
+    (`self.tp_group`, a subgroup). With kvp > 1 it is KVP rank k of its stage: its N =
+    `num_blocks` blocks are the engine blocks striped to k (raycluster.parallel.kvp), and its
+    attention backend is a `KVPAttention` gathering partial states over ranks (s, *, t)
+    (`self.kvp_group`, its KVP peers in the stage)."""
 
     def __init__(self, model, coll: Collective | None, rank: int, spp: int, num_blocks: int, block_size: int,
                  dtype: torch.dtype, device: str | torch.device = "cpu", micro_tokens: int = 512,
-                 tp: int = 1) -> None:
-        world = spp * tp
+                 tp: int = 1, kvp: int = 1) -> None:
+        world = spp * kvp * tp
         if world > 1 and (coll is None or coll.world != world or coll.rank != rank):
-            raise ValueError(f"spp={spp} x tp={tp} rank {rank} needs a Collective of world {world} at that rank")
-        self.coll, self.rank, self.spp, self.tp, self.world = coll, rank, spp, tp, world
-        self.stage, self.lane = divmod(rank, tp)
+            raise ValueError(f"spp={spp} x kvp={kvp} x tp={tp} rank {rank} needs a Collective of world {world} "
+                             "at that rank")
+        self.coll, self.rank, self.spp, self.tp, self.kvp, self.world = coll, rank, spp, tp, kvp, world
+        per_stage = kvp * tp
+        self.stage, within = divmod(rank, per_stage)
+        self.kvp_rank, self.lane = divmod(within, tp)
         self.lo, self.hi = stage_layers(model.config.num_hidden_layers, spp)[self.stage]
-        # The same lane of the neighbouring stages: every rank of a stage ends its layers with
-        # the same full hidden states (the all-reduce), so each lane feeds its own successor.
-        self.prev, self.next = rank - tp, rank + tp
-        self.result_rank = (spp - 1) * tp         # lane 0 of the last stage returns the rows
+        # The same (KVP rank, lane) of the neighbouring stages: every rank of a stage ends its
+        # layers with the same full hidden states (the all-reduce over lanes, the merge of
+        # attention states over KVP ranks), so each rank feeds its own successor.
+        self.prev, self.next = rank - per_stage, rank + per_stage
+        self.result_rank = (spp - 1) * per_stage   # KVP rank 0, lane 0 of the last stage returns the rows
         self.block_size, self.micro_tokens = block_size, micro_tokens
+        self.blocks_per_rank = num_blocks
         self.device = torch.device(device)
-        self.tp_group = None
+        self.tp_group = self.kvp_group = None
+        base = self.stage * per_stage
+        # Every rank builds its lanes' subgroup, then its KVP peers' (and no other), so each
+        # subgroup's members build it at about the same time.
         if tp > 1:
-            # Every rank of the stage builds this subgroup (and no other) as it starts.
-            self.tp_group = coll.subgroup(range(self.stage * tp, (self.stage + 1) * tp))
+            lanes0 = base + self.kvp_rank * tp
+            self.tp_group = coll.subgroup(range(lanes0, lanes0 + tp))
+        if kvp > 1:
+            self.kvp_group = coll.subgroup(range(base + self.lane, base + per_stage, tp))
         if tp > 1 or isinstance(model, Checkpoint):
             reduce = self.tp_group.all_reduce if tp > 1 else _identity
             self.model = rank_model(model, self.lane, tp, reduce, range(self.lo, self.hi), dtype, self.device,
@@ -127,7 +154,10 @@ class SPPStage:
         # A backend per rank: the torch backend's workspace buffers must not be shared by
         # ranks running concurrently in threads of one process (model.backend would be).
         backend = getattr(model, "backend", None)
-        self.backend = backend if world == 1 and backend is not None else get_attention_backend(self.device)
+        if kvp > 1:
+            self.backend = KVPAttention(self.kvp_group)
+        else:
+            self.backend = backend if world == 1 and backend is not None else get_attention_backend(self.device)
         self.hidden_dtype = self.layers[0].input_layernorm.weight.dtype
         self.hidden_size = model.config.hidden_size
 
@@ -144,21 +174,32 @@ class SPPStage:
         hk = self.kv.shape[4]
         return blocks.narrow(4, lane * hk, hk)
 
+    def owned(self, block_ids: list[int]) -> tuple[list[int], torch.Tensor]:
+        """Positions in `block_ids` of the engine blocks this rank holds (all of them without
+        KVP), and their local ids."""
+        pos = owned_positions(block_ids, self.kvp_rank, self.blocks_per_rank)
+        lo = self.kvp_rank * self.blocks_per_rank
+        return pos, torch.tensor([block_ids[j] - lo for j in pos], dtype=torch.long, device=self.device)
+
     def load(self, msg: KVLoad, data: torch.Tensor | None = None) -> None:
-        """Write this rank's layers and heads of blocks [L, n, ...] (the leader passes all of
-        `data`, the other ranks receive their slice from it)."""
-        ids = torch.tensor(msg.block_ids, dtype=torch.long, device=self.device)
+        """Write this rank's layers and heads of the blocks [L, n, ...] it holds (the leader
+        passes all of `data`, the other ranks receive their slice from it)."""
+        pos, local = self.owned(msg.block_ids)
+        if not pos:
+            return
         if data is not None:
-            chunk = self.heads(data[self.lo:self.hi], self.lane)
+            sel = torch.tensor(pos, dtype=torch.long, device=data.device)
+            chunk = self.heads(data[self.lo:self.hi].index_select(1, sel), self.lane)
         else:
-            chunk = self.coll.recv(torch.empty((self.hi - self.lo, len(ids)) + tuple(self.kv.shape[2:]),
+            chunk = self.coll.recv(torch.empty((self.hi - self.lo, len(pos)) + tuple(self.kv.shape[2:]),
                                                dtype=self.kv.dtype, device=self.device), 0, KV_TAG)
-        self.kv.index_copy_(1, ids, chunk.to(self.device))
+        self.kv.index_copy_(1, local, chunk.to(self.device))
 
     def save(self, msg: KVSave) -> torch.Tensor:
-        """This rank's layers and heads of the blocks; the other ranks send them to the leader."""
-        part = self.kv.index_select(1, torch.tensor(msg.block_ids, dtype=torch.long, device=self.device))
-        if self.rank != 0:
+        """This rank's layers and heads of the blocks it holds; the other ranks send them to the leader."""
+        pos, local = self.owned(msg.block_ids)
+        part = self.kv.index_select(1, local)
+        if self.rank != 0 and pos:
             self.coll.send(part, 0, KV_TAG).wait()
         return part
 
@@ -182,10 +223,16 @@ class SPPStage:
 
     def _stream(self, plan: StepPlan) -> torch.Tensor | None:
         m = self.model
-        returns = self.rank == self.result_rank     # the other lanes of the last stage norm nothing
+        returns = self.rank == self.result_rank     # the other ranks of the last stage norm nothing
         works, sent, kept = [], [], []
-        for mb in split_plan(plan, self.micro_tokens):
+        for i, mb in enumerate(split_plan(plan, self.micro_tokens)):
             ids, pos, meta = plan_inputs(mb, self.block_size, self.device)
+            if self.kvp > 1:
+                # A prefill sub-chunk's prefix includes the earlier sub-chunks, written at this
+                # stage by their owners in earlier micro-batches: a later chunk to kvp_meta. The
+                # sub-chunks' causal parts take turns over the KVP ranks (the offset i).
+                meta = kvp_meta(mb, meta.slot_mapping, self.kvp_rank, self.kvp, self.block_size,
+                                self.blocks_per_rank, self.device, causal_offset=i)
             meta.prepare(self.device)
             if self.first:
                 x = m.model.embed_tokens(ids)
@@ -212,35 +259,43 @@ class SPPStage:
 
 def spp_worker(model: LlamaForCausalLM | Checkpoint, coll: Collective, spp: int, num_blocks: int,
                block_size: int, dtype: torch.dtype, device: str | torch.device = "cpu", micro_tokens: int = 512,
-               tp: int = 1) -> Callable:
-    """The `run` of a non-leader rank (what `ThreadRanks`/a Ray actor gets from `make_run(coll)`)."""
+               tp: int = 1, kvp: int = 1) -> Callable:
+    """The `run` of a non-leader rank (what `ThreadRanks`/a Ray actor gets from `make_run(coll)`);
+    `num_blocks`: the blocks of one KVP rank (all of the engine's without KVP)."""
     if coll.rank == 0:
         raise ValueError("rank 0 is the leader: use SPPRunner")
     return rank_handler(SPPStage(model, coll, coll.rank, spp, num_blocks, block_size, dtype, device, micro_tokens,
-                                 tp))
+                                 tp, kvp))
 
 
 class SPPRunner:
     """The leader's runner (rank 0): ModelRunner's interface over an SPP group, whose stages are
-    each a TP group of `tp` ranks when tp > 1. `model`: the full model, or the `Checkpoint` each
-    rank reads its part from; `self.model` computes the logits with the leader's output head
-    (the full model, or a `GroupModel` over the leader's stage)."""
+    each a KVP group of `kvp` ranks (kvp > 1), each of those (or each stage) a TP group of `tp`
+    ranks (tp > 1). `model`: the full model, or the `Checkpoint` each rank reads its part from;
+    `self.model` computes the logits with the leader's output head (the full model, or a
+    `GroupModel` over the leader's stage). `kv`: the engine's block bookkeeping; with kvp > 1 it
+    spans every KVP rank's blocks, striped (`kvp.striped_kv_manager`), the same for every stage."""
 
     def __init__(self, model: LlamaForCausalLM | Checkpoint, kv: KVCacheManager, coll: Collective | None, spp: int,
                  dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
-                 micro_tokens: int = 512, ranks=None, tp: int = 1) -> None:
-        """`ranks`: the handle of ranks 1..spp*tp-1 (`join(timeout)`), stopped by `close`."""
-        self.kv, self.coll, self.spp, self.tp, self.ranks = kv, coll, spp, tp, ranks
-        self.world = spp * tp
+                 micro_tokens: int = 512, ranks=None, tp: int = 1, kvp: int = 1) -> None:
+        """`ranks`: the handle of ranks 1..spp*kvp*tp-1 (`join(timeout)`), stopped by `close`."""
+        self.kv, self.coll, self.spp, self.tp, self.kvp, self.ranks = kv, coll, spp, tp, kvp, ranks
+        self.world = spp * kvp * tp
         self.dtype = dtype
         self.device = torch.device(device)
-        self.layout = f"spp{spp}" if tp == 1 else f"spp{spp}xtp{tp}"
-        self.stage = SPPStage(model, coll, 0, spp, kv.num_blocks, kv.block_size, dtype, device, micro_tokens, tp)
+        self.layout = (f"kvp{kvp}x" if kvp > 1 else "") + f"spp{spp}" + (f"xtp{tp}" if tp > 1 else "")
+        if kv.num_blocks % kvp:
+            raise ValueError(f"kvp {kvp}: the engine's {kv.num_blocks} blocks do not stripe evenly")
+        self.blocks_per_rank = kv.num_blocks // kvp
+        self.stage = SPPStage(model, coll, 0, spp, self.blocks_per_rank, kv.block_size, dtype, device, micro_tokens,
+                              tp, kvp)
         self.model = GroupModel(model.config, self.stage.model) if isinstance(model, Checkpoint) else model
         self.layer_ranges = stage_layers(model.config.num_hidden_layers, spp)
-        # Connectors see a staging area of whole blocks (every layer, every head): as many as the
-        # engine has, or with TP lanes 1/tp of them, as a TP leader stages its own KV bytes' worth.
-        staged = kv.num_blocks if tp == 1 else max(1, kv.num_blocks // tp)
+        # Connectors see a staging area of whole blocks (every layer, every head) of the leader's
+        # own blocks: one KVP rank's (all the engine's without KVP), or 1/tp of them with TP
+        # lanes, as a TP leader stages its own KV bytes' worth.
+        staged = max(1, self.blocks_per_rank // tp)
         self.port = StagedPort(self, self.model.kv_cache_shape(staged, kv.block_size), dtype, self.device)
         self._closed = False
 
@@ -263,19 +318,27 @@ class SPPRunner:
     def execute(self, out: SchedulerOutput) -> StepLogits:
         return execute_step(self, out)
 
-    def _slices(self):
-        """(world rank, its layers [lo, hi), its lane) of every rank but the leader."""
-        for r in range(1, self.world):
-            s, lane = divmod(r, self.tp)
-            yield r, self.layer_ranges[s], lane
+    def _shares(self, block_ids: list[int]):
+        """(world rank, its layers [lo, hi), its lane, positions in `block_ids` of the blocks it
+        holds) of every rank holding some of them, the leader first."""
+        per_stage = self.kvp * self.tp
+        for r in range(self.world):
+            s, within = divmod(r, per_stage)
+            k, lane = divmod(within, self.tp)
+            pos = owned_positions(block_ids, k, self.blocks_per_rank)
+            if pos:
+                yield r, self.layer_ranges[s], lane, pos
 
     def load_blocks(self, block_ids: list[int], data: torch.Tensor) -> None:
-        """Write blocks [L, n, 2, B, Hkv, D] to engine block ids, each rank its layers and heads."""
+        """Write blocks [L, n, 2, B, Hkv, D] to engine block ids: each rank its layers and heads
+        of the blocks its KVP rank holds."""
         msg = KVLoad(list(block_ids))
         if self.world > 1:
             self.coll.post_plan(msg)
-            for r, (lo, hi), lane in self._slices():
-                self.coll.send(self.stage.heads(data[lo:hi], lane), r, KV_TAG).wait()
+            for r, (lo, hi), lane, pos in self._shares(msg.block_ids):
+                if r:
+                    sel = torch.tensor(pos, dtype=torch.long, device=data.device)
+                    self.coll.send(self.stage.heads(data[lo:hi].index_select(1, sel), lane), r, KV_TAG).wait()
         self.stage.load(msg, data)
 
     def save_blocks(self, block_ids: list[int]) -> torch.Tensor:
@@ -286,14 +349,15 @@ class SPPRunner:
         kv = self.stage.kv
         out = torch.empty((self.model.config.num_hidden_layers, len(block_ids), 2, kv.shape[3],
                            kv.shape[4] * self.tp, kv.shape[5]), dtype=kv.dtype, device=kv.device)
-        lo, hi = self.layer_ranges[0]
-        self.stage.heads(out[lo:hi], 0).copy_(self.stage.save(msg))
-        for r, (lo, hi), lane in self._slices():
-            dst = self.stage.heads(out[lo:hi], lane)
-            if dst.is_contiguous():         # every head (tp == 1): receive in place
-                self.coll.recv(dst, r, KV_TAG)
+        for r, (lo, hi), lane, pos in self._shares(msg.block_ids):
+            if r == 0:
+                part = self.stage.save(msg)
             else:
-                dst.copy_(self.coll.recv(torch.empty(dst.shape, dtype=kv.dtype, device=kv.device), r, KV_TAG))
+                part = self.coll.recv(torch.empty((hi - lo, len(pos)) + tuple(kv.shape[2:]), dtype=kv.dtype,
+                                                  device=kv.device), r, KV_TAG)
+            # index_copy_ into the (layers x heads) view writes `out` in place.
+            self.stage.heads(out[lo:hi], lane).index_copy_(1, torch.tensor(pos, dtype=torch.long,
+                                                                          device=out.device), part)
         return out
 
     def close(self, timeout: float = 10.0) -> None:

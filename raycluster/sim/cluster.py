@@ -95,7 +95,8 @@ def kv_tokens(spec: SimSpec, pool: SimPool, engine_cfg) -> int:
     if spec.gpu == "cpu":
         # Every KVP rank holds kv_cache_tokens of its own tokens; a TP rank holds kv_cache_tokens
         # of its heads of every token, so a TP instance holds kv_cache_tokens in all (and a
-        # KVP x TP one, whose KVP ranks are TP groups, kv_cache_tokens per KVP rank).
+        # KVP x TP one, whose KVP ranks are TP groups, kv_cache_tokens per KVP rank; SPP stages
+        # hold other layers of the same tokens, so KVP x SPP (x TP) holds kv_cache_tokens per KVP rank too).
         return engine_cfg.kv_cache_tokens * pool.kvp
     from raycluster.sched.roofline import GPUS, MODELS
     g, m = GPUS[spec.gpu.upper()], MODELS[spec.model]

@@ -111,12 +111,9 @@ class SimSpec(BaseModel):
                 raise ValueError(f"model: {self.model!r} has no analytic shape; choose one of "
                                  f"{', '.join(MODELS)} (or gpu: cpu with a checkpoint directory)")
         for p in self.pools:
-            self.engine_config(p)
             # The CPU engine (profiled for the pool's predictor) builds what EngineConfig allows:
-            # spp x tp and kvp x tp, but not kvp beside spp.
-            if self.gpu == "cpu" and p.kvp > 1 and p.spp > 1:
-                raise ValueError(f"pools: {p.role} kvp {p.kvp}, spp {p.spp}, tp {p.tp}: the CPU engine does not "
-                                 "combine kvp with spp (spp x tp and kvp x tp it runs)")
+            # every combination of kvp, spp and tp.
+            self.engine_config(p)
         return self
 
     def engine_config(self, pool: SimPool) -> EngineConfig:

@@ -140,8 +140,7 @@ def test_kvp_engine_greedy_tokens_equal_and_it_holds_a_context_no_rank_can(model
 
 
 def test_parallel_config_errors_name_the_field():
-    with pytest.raises(ValidationError, match="kvp may not be combined with spp"):
-        EngineConfig(kvp=2, spp=2)
+    assert EngineConfig(kvp=2, spp=2).parallel_world == 4      # KVP x SPP: tests/unit/test_kvp_spp.py
     with pytest.raises(ValidationError, match="kvp"):
         EngineConfig(kvp=0)
     ClusterConfig(pools=[{"role": "prefill-long", "engine": {"spp": 2}}, {"role": "decode", "engine": {"kvp": 2}}])

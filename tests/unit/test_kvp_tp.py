@@ -2,15 +2,14 @@
 threads over gloo). The group against the single-process runner step by step on the logits and
 on the KV its ranks hold, block moves routed to the lanes of the KVP rank holding each block, an
 engine's greedy tokens and prompt log-probabilities with prefix caching over the striped blocks,
-P/D handoffs into and out of a kvp2xtp2 engine, and what the config still refuses (kvp beside
-spp). Checkpoints: test_tp.py's tiny (GQA 8/2), Qwen2-style (q/k/v biases, tied embeddings),
+P/D handoffs into and out of a kvp2xtp2 engine, and what it refuses (uneven heads).
+Checkpoints: test_tp.py's tiny (GQA 8/2), Qwen2-style (q/k/v biases, tied embeddings),
 o_proj and MLP biases, and MHA (4/4, split four ways)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-from pydantic import ValidationError
 from test_tp import variant_models, _close, engine_matches_plain, handoff_matches_plain, same_as_single_runner
 
 from raycluster.engine.config import EngineConfig
@@ -92,11 +91,7 @@ def test_the_profiler_times_a_kvp_tp_group_on_tables_laid_out_like_its_allocator
 
 
 # ---- what it refuses --------------------------------------------------------------------------------
-def test_kvp_beside_spp_is_refused_naming_the_fields_and_uneven_heads_too(models):
-    for fields in ({"kvp": 2, "spp": 2}, {"kvp": 2, "spp": 2, "tp": 2}):
-        with pytest.raises(ValidationError, match=r"kvp 2, spp 2, tp \d: kvp may not be combined with spp "
-                                                  r"\(kvp x tp and spp x tp are built, kvp x spp is not\)"):
-            EngineConfig(**fields)
+def test_kvp_tp_refuses_uneven_heads(models):
     assert EngineConfig(kvp=2, tp=2).parallel_world == 4
     with pytest.raises(ValueError, match="tp: 4 ranks do not divide the model's num_key_value_heads"):
         build_runner(EngineConfig(**BASE, kvp=2, tp=4), models["tiny"], torch.float32)

@@ -152,12 +152,10 @@ def test_bad_spec_names_the_field():
         SimSpec(gpu="a100", pools=[{"role": "decode", "instances": 1}])
     with pytest.raises(ValueError, match="model"):
         SimSpec(gpu="a100", model="gpt-9")
-    with pytest.raises(ValueError, match="kvp 2, spp 2, tp 1: the CPU engine does not combine kvp with spp"):
-        SimSpec(gpu="cpu", pools=[{"role": "mixed", "kvp": 2, "spp": 2}])
-    with pytest.raises(ValueError, match="kvp 2, spp 2, tp 2: the CPU engine does not combine kvp with spp"):
-        SimSpec(gpu="cpu", pools=[{"role": "mixed", "kvp": 2, "spp": 2, "tp": 2}])
     SimSpec(gpu="cpu", pools=[{"role": "mixed", "tp": 2, "spp": 2}])       # SPP x TP the CPU engine runs
     SimSpec(gpu="cpu", pools=[{"role": "mixed", "tp": 2, "kvp": 2}])       # and KVP x TP
+    SimSpec(gpu="cpu", pools=[{"role": "mixed", "kvp": 2, "spp": 2}])      # and KVP x SPP
+    SimSpec(gpu="cpu", pools=[{"role": "mixed", "kvp": 2, "spp": 2, "tp": 2}])   # and all three
 
 
 def test_cpu_kvp_pool_holds_every_ranks_kv():
