@@ -32,7 +32,7 @@ def _call(obj, args_key: str) -> ParsedCall:
     return ParsedCall(obj["name"], args if isinstance(args, str) else json.dumps(args, ensure_ascii=False))
 
 
-def _skip_space(text: str, i: int) -> int:
+def skip_space(text: str, i: int) -> int:
     while i < len(text) and text[i].isspace():
         i += 1
     return i
@@ -80,12 +80,12 @@ class Llama3JsonParser:
             while True:
                 obj, i = dec.raw_decode(body, i)
                 calls.append(_call(obj, "parameters"))
-                i = _skip_space(body, i)
+                i = skip_space(body, i)
                 if i == len(body):
                     break
                 if body[i] != ";":
                     raise ValueError("text after a call")
-                i = _skip_space(body, i + 1)
+                i = skip_space(body, i + 1)
                 if i == len(body):
                     break
         except ValueError:

@@ -35,6 +35,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from raycluster.engine.engine import InvalidRequestError
+from raycluster.server.tool_parsers import skip_space
 
 
 class FunctionDef(BaseModel):
@@ -152,6 +153,32 @@ def _arguments(text: str):
         return text       # a template may still show it as written
 
 
+def array_items(text: str) -> tuple[list, bool]:
+    """The complete elements of the JSON array `text` begins (a `required` answer being
+    written) and whether the array is closed; elements other than objects with a string
+    `name` end the scan."""
+    dec, items = json.JSONDecoder(), []
+    i = skip_space(text, 0)
+    if not text.startswith("[", i):
+        return items, False
+    i += 1
+    while True:
+        i = skip_space(text, i)
+        if text.startswith("]", i):
+            return items, True
+        if items:
+            if not text.startswith(",", i):
+                return items, False
+            i = skip_space(text, i + 1)
+        try:
+            item, i = dec.raw_decode(text, i)
+        except json.JSONDecodeError:
+            return items, False
+        if not (isinstance(item, dict) and isinstance(item.get("name"), str)):
+            return items, False
+        items.append({"name": item["name"], "parameters": item.get("parameters", {})})
+
+
 def new_call_id() -> str:
     return f"chatcmpl-tool-{uuid.uuid4().hex}"
 
@@ -168,18 +195,19 @@ class ToolCallOutput:
         self._started = False
         self._sent = 0              # auto: characters already streamed as content
         self._in_calls = False      # auto: the calls have begun (the rest waits for the end)
+        self._emitted = 0           # calls already streamed
 
     def parse(self, text: str) -> tuple[str | None, list[dict] | None]:
-        """(content, calls) of the complete text; calls None when it holds none that parse (a
-        length cut, for "required"; no call, for "auto")."""
+        """(content, calls) of the complete text; calls None when it holds none that parse (no
+        call, for "auto"; for "required", an array cut before its first call was complete:
+        a cut later keeps the calls written whole)."""
         if self.mode == "named":
             return None, [self._call(self._id, self.function_name, text)]
         if self.mode == "auto":
             content, calls = self.parser.parse(text)
             return (content, [self._call(new_call_id(), c.name, c.arguments) for c in calls]) if calls else (text, None)
-        try:
-            items = json.loads(text)
-        except json.JSONDecodeError:
+        items, _ = array_items(text)
+        if not items:
             return text, None
         return None, [self._call(new_call_id(), it["name"], json.dumps(it["parameters"], ensure_ascii=False))
                       for it in items]
@@ -200,9 +228,9 @@ class ToolCallOutput:
 
     def delta(self, text: str, finished: bool, reason: str | None) -> tuple[dict, str | None]:
         """A stream chunk's delta and finish_reason for the next piece of text. A named call
-        streams its arguments as they come (the first delta names the function); "auto" streams
-        text as content until the model's tool-call syntax begins; calls other than a named one
-        are sent whole at the end."""
+        streams its arguments as they come (the first delta names the function); "required"
+        sends each call once the array holds it whole; "auto" streams text as content until the
+        model's tool-call syntax begins, and the calls at the end."""
         if self.mode == "named":
             call = {"index": 0, "function": {"arguments": text}}
             if not self._started:
@@ -212,8 +240,13 @@ class ToolCallOutput:
             return {"tool_calls": [call]}, self.finish_reason(reason)
         self._parts.append(text)
         whole = "".join(self._parts)
+        if not finished and self.mode == "required":
+            items, _ = array_items(whole)
+            calls = [self._call(new_call_id(), it["name"], json.dumps(it["parameters"], ensure_ascii=False))
+                     for it in items[self._emitted:]]
+            return self._calls_delta(calls), None
         if not finished:
-            if self.mode != "auto" or self._in_calls:
+            if self._in_calls:
                 return {}, None
             begin, held = self.parser.start(whole)
             self._in_calls = begin is not None
@@ -223,8 +256,15 @@ class ToolCallOutput:
         content, calls = self.parse(whole)
         if calls is None:
             return {"content": whole[self._sent:]}, reason
-        delta: dict = {"tool_calls": [{"index": i, **c} for i, c in enumerate(calls)]}
+        delta = self._calls_delta(calls[self._emitted:])
         rest = (content or "")[self._sent:]
         if rest:
             delta["content"] = rest
         return delta, self.finish_reason(reason)
+
+    def _calls_delta(self, calls: list[dict]) -> dict:
+        """A delta sending `calls`, numbered after the ones already sent."""
+        if not calls:
+            return {}
+        first, self._emitted = self._emitted, self._emitted + len(calls)
+        return {"tool_calls": [{"index": first + i, **c} for i, c in enumerate(calls)]}

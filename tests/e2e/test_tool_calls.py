@@ -91,7 +91,8 @@ def test_a_named_function_gets_arguments_matching_its_schema(served):
 @pytest.mark.parametrize("parallel", [None, False])
 def test_required_calls_the_requests_tools(served, parallel):
     """One call at most (parallel_tool_calls false) always completes here; an open array may run
-    to max_tokens on a random-weight model, and a cut array comes back as text, no calls."""
+    to max_tokens on a random-weight model: a cut array keeps its whole calls (a stream has sent
+    each as it completed)."""
     url, _, _ = served
     extra = {} if parallel is None else {"parallel_tool_calls": parallel}
     r = _chat(url, tools=TOOLS, tool_choice="required", max_tokens=200, **extra)
@@ -100,10 +101,10 @@ def test_required_calls_the_requests_tools(served, parallel):
     msg, calls = choice["message"], choice["message"]["tool_calls"]
     if parallel is False:
         assert choice["finish_reason"] == "tool_calls" and len(calls) == 1
-    if choice["finish_reason"] == "length":
-        assert calls == [] and msg["content"].startswith("[")
+    if not calls:       # cut before the first call was whole
+        assert choice["finish_reason"] == "length" and msg["content"].startswith("[")
     else:
-        assert choice["finish_reason"] == "tool_calls" and msg["content"] is None and len(calls) >= 1
+        assert choice["finish_reason"] in ("tool_calls", "length") and msg["content"] is None
     for c in calls:
         jsonschema.validate(json.loads(c["function"]["arguments"]), SCHEMAS[c["function"]["name"]])
     assert len({c["id"] for c in calls}) == len(calls)

@@ -9,7 +9,7 @@ import pytest
 
 from raycluster.server.tool_parsers import (HermesParser, Llama3JsonParser, MistralParser, ParsedCall,
                                             tool_parser)
-from raycluster.server.tools import ToolCallOutput
+from raycluster.server.tools import ToolCallOutput, array_items
 
 HERMES = ('Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n'
           '<tool_call>\n{"name": "search", "arguments": {"q": "Paris"}}\n</tool_call>')
@@ -81,9 +81,38 @@ def test_text_before_a_call_streams_before_the_call_ends():
     assert [c["function"] for c in delta["tool_calls"]] == [{"name": "f", "arguments": "{}"}]
 
 
-def test_a_length_cut_keeps_its_reason_and_its_text():
+def test_a_length_cut_keeps_its_reason_and_what_was_whole():
     text = '<tool_call>{"name": "f", "argu'
     msg, reason = ToolCallOutput("auto", parser=HermesParser()).message(text, "length")
     assert msg == {"role": "assistant", "content": text, "tool_calls": []} and reason == "length"
     msg, reason = ToolCallOutput("required").message('[{"name": "f", "param', "length")
-    assert msg["tool_calls"] == [] and reason == "length"
+    assert msg["tool_calls"] == [] and msg["content"] == '[{"name": "f", "param' and reason == "length"
+    # A cut after a whole call keeps that call (a stream has sent it already).
+    msg, reason = ToolCallOutput("required").message('[{"name": "f", "parameters": {"a": 1}}, {"name": "g"', "length")
+    assert [c["function"] for c in msg["tool_calls"]] == [{"name": "f", "arguments": '{"a": 1}'}]
+    assert msg["content"] is None and reason == "length"
+
+
+REQUIRED = '[ {"name": "f", "parameters": {"q": "a]b"}} , {"name": "g", "parameters": {}}]'
+
+
+def test_array_items_sees_whole_calls_only():
+    assert array_items(REQUIRED) == ([{"name": "f", "parameters": {"q": "a]b"}}, {"name": "g", "parameters": {}}], True)
+    cut = REQUIRED.index("{\"name\": \"g\"")
+    assert array_items(REQUIRED[:cut]) == ([{"name": "f", "parameters": {"q": "a]b"}}], False)
+    assert array_items(REQUIRED[:20]) == ([], False) and array_items("") == ([], False)
+    assert array_items('[{"parameters": {}}]') == ([], False)        # not a call: the scan stops
+
+
+@pytest.mark.parametrize("step", [1, 4, 1000])
+@pytest.mark.parametrize("reason", ["stop", "length"])
+def test_required_streams_each_call_once_it_is_whole(step, reason):
+    text = REQUIRED if reason == "stop" else REQUIRED[:-12]
+    whole, want_reason = ToolCallOutput("required").message(text, reason)
+    content, calls, last = _streamed(ToolCallOutput("required"), text, step, reason)
+    assert [(c["index"], c["function"]) for c in calls] == [(i, c["function"]) for i, c in enumerate(whole["tool_calls"])]
+    assert content == (whole["content"] or "") and last == want_reason
+    assert want_reason == ("tool_calls" if reason == "stop" else "length")
+    out = ToolCallOutput("required")
+    first, _ = out.delta(REQUIRED[:REQUIRED.index("} ,") + 2], False, None)     # the first call, before the end
+    assert [c["function"]["name"] for c in first["tool_calls"]] == ["f"]
