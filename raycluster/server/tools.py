@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import json
 import uuid
+from dataclasses import dataclass, field
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -153,30 +154,45 @@ def _arguments(text: str):
         return text       # a template may still show it as written
 
 
-def array_items(text: str) -> tuple[list, bool]:
+@dataclass
+class ArrayScan:
+    """How far `array_items` has read a JSON array being written: `pos`, the index after the
+    last whole element (after `[` before the first; 0 before that), and the elements so far."""
+    pos: int = 0
+    items: list = field(default_factory=list)
+    closed: bool = False
+
+
+def array_items(text: str, scan: ArrayScan | None = None) -> ArrayScan:
     """The complete elements of the JSON array `text` begins (a `required` answer being
     written) and whether the array is closed; elements other than objects with a string
-    `name` end the scan."""
-    dec, items = json.JSONDecoder(), []
-    i = skip_space(text, 0)
-    if not text.startswith("[", i):
-        return items, False
-    i += 1
-    while True:
-        i = skip_space(text, i)
+    `name` end the scan. `scan`: the result for a prefix of `text`, read on from there (a
+    stream scans each character once)."""
+    scan = ArrayScan() if scan is None else scan
+    dec, i = json.JSONDecoder(), scan.pos
+    if i == 0:
+        i = skip_space(text, 0)
+        if not text.startswith("[", i):
+            return scan
+        scan.pos = i = i + 1
+    while not scan.closed:
+        i = skip_space(text, scan.pos)
         if text.startswith("]", i):
-            return items, True
-        if items:
+            scan.closed = True
+            break
+        if scan.items:
             if not text.startswith(",", i):
-                return items, False
+                break
             i = skip_space(text, i + 1)
         try:
             item, i = dec.raw_decode(text, i)
         except json.JSONDecodeError:
-            return items, False
+            break
         if not (isinstance(item, dict) and isinstance(item.get("name"), str)):
-            return items, False
-        items.append({"name": item["name"], "parameters": item.get("parameters", {})})
+            break
+        scan.items.append({"name": item["name"], "parameters": item.get("parameters", {})})
+        scan.pos = i
+    return scan
 
 
 def new_call_id() -> str:
@@ -190,7 +206,8 @@ class ToolCallOutput:
 
     def __init__(self, mode: str, function_name: str | None = None, parser=None) -> None:
         self.mode, self.function_name, self.parser = mode, function_name, parser
-        self._parts: list[str] = []
+        self._text = ""             # the text so far (not a named call's: it is sent as it comes)
+        self._scan = ArrayScan()    # required: how far the array has been read
         self._id = new_call_id()
         self._started = False
         self._sent = 0              # auto: characters already streamed as content
@@ -206,7 +223,7 @@ class ToolCallOutput:
         if self.mode == "auto":
             content, calls = self.parser.parse(text)
             return (content, [self._call(new_call_id(), c.name, c.arguments) for c in calls]) if calls else (text, None)
-        items, _ = array_items(text)
+        items = array_items(text).items
         if not items:
             return text, None
         return None, [self._call(new_call_id(), it["name"], json.dumps(it["parameters"], ensure_ascii=False))
@@ -238,10 +255,10 @@ class ToolCallOutput:
                 call = {"index": 0, "id": self._id, "type": "function",
                         "function": {"name": self.function_name, "arguments": text}}
             return {"tool_calls": [call]}, self.finish_reason(reason)
-        self._parts.append(text)
-        whole = "".join(self._parts)
+        self._text += text
+        whole = self._text
         if not finished and self.mode == "required":
-            items, _ = array_items(whole)
+            items = array_items(whole, self._scan).items
             calls = [self._call(new_call_id(), it["name"], json.dumps(it["parameters"], ensure_ascii=False))
                      for it in items[self._emitted:]]
             return self._calls_delta(calls), None

@@ -96,12 +96,22 @@ def test_a_length_cut_keeps_its_reason_and_what_was_whole():
 REQUIRED = '[ {"name": "f", "parameters": {"q": "a]b"}} , {"name": "g", "parameters": {}}]'
 
 
-def test_array_items_sees_whole_calls_only():
-    assert array_items(REQUIRED) == ([{"name": "f", "parameters": {"q": "a]b"}}, {"name": "g", "parameters": {}}], True)
+def _found(scan):
+    return scan.items, scan.closed
+
+
+def test_array_items_sees_whole_calls_only_and_reads_on_from_a_prefix():
+    both = [{"name": "f", "parameters": {"q": "a]b"}}, {"name": "g", "parameters": {}}]
+    assert _found(array_items(REQUIRED)) == (both, True)
     cut = REQUIRED.index("{\"name\": \"g\"")
-    assert array_items(REQUIRED[:cut]) == ([{"name": "f", "parameters": {"q": "a]b"}}], False)
-    assert array_items(REQUIRED[:20]) == ([], False) and array_items("") == ([], False)
-    assert array_items('[{"parameters": {}}]') == ([], False)        # not a call: the scan stops
+    assert _found(array_items(REQUIRED[:cut])) == (both[:1], False)
+    assert _found(array_items(REQUIRED[:20])) == ([], False) and _found(array_items("")) == ([], False)
+    assert _found(array_items('[{"parameters": {}}]')) == ([], False)        # not a call: the scan stops
+    # Read on, a character at a time, from each prefix's scan: the same as one scan of the whole.
+    scan = None
+    for k in range(len(REQUIRED) + 1):
+        scan = array_items(REQUIRED[:k], scan)
+        assert _found(scan) == _found(array_items(REQUIRED[:k])), k
 
 
 @pytest.mark.parametrize("step", [1, 4, 1000])
