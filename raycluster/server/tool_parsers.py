@@ -38,12 +38,13 @@ def skip_space(text: str, i: int) -> int:
     return i
 
 
-def _held(text: str, marker: str) -> int:
-    """How many trailing characters of `text` could be the start of `marker`."""
-    for k in range(min(len(marker) - 1, len(text)), 0, -1):
-        if text.endswith(marker[:k]):
-            return k
-    return 0
+def _marker_start(text: str, marker: str) -> tuple[int | None, int]:
+    """`start` for a syntax whose calls begin at `marker`: where it is, or how many trailing
+    characters of `text` could be the start of it."""
+    at = text.find(marker)
+    if at >= 0:
+        return at, 0
+    return None, next((k for k in range(min(len(marker) - 1, len(text)), 0, -1) if text.endswith(marker[:k])), 0)
 
 
 class HermesParser:
@@ -62,8 +63,7 @@ class HermesParser:
         return text[:at] or None, calls
 
     def start(self, text: str) -> tuple[int | None, int]:
-        at = text.find(self.OPEN)
-        return (at, 0) if at >= 0 else (None, _held(text, self.OPEN))
+        return _marker_start(text, self.OPEN)
 
 
 class Llama3JsonParser:
@@ -119,8 +119,7 @@ class MistralParser:
         return text[:at] or None, calls
 
     def start(self, text: str) -> tuple[int | None, int]:
-        at = text.find(self.MARK)
-        return (at, 0) if at >= 0 else (None, _held(text, self.MARK))
+        return _marker_start(text, self.MARK)
 
 
 TOOL_PARSERS = {p.name: p for p in (HermesParser, Llama3JsonParser, MistralParser)}
