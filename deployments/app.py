@@ -11,7 +11,7 @@ from ray import serve
 from deployments.engine_instance import EngineInstance
 from deployments.gateway import CONFIG_ENV, Gateway
 from deployments.scaling import pool_deployment
-from raycluster.cluster.config import ClusterConfig
+from raycluster.cluster.config import ClusterConfig, PoolSpec
 from raycluster.cluster.router_actor import get_or_create_router
 from raycluster.cluster.router_core import RouterConfig
 from raycluster.sched.base import SLOConfig
@@ -27,16 +27,22 @@ def router_config(cfg: ClusterConfig) -> RouterConfig:
                         slo=SLOConfig(ttft_ms=ecfg.ttft_ms, tpot_ms=ecfg.tpot_ms, ttft_scale=ecfg.ttft_scale))
 
 
+def placement(cfg: ClusterConfig, pool: PoolSpec) -> dict:
+    """Serve options that reserve a group-leading replica's ranks with it (one bundle each)."""
+    bundles = cfg.placement_bundles(pool)
+    if bundles is None:
+        return {}
+    return {"placement_group_bundles": bundles, "placement_group_strategy": pool.placement_strategy}
+
+
 def build_app(args: dict) -> serve.Application:
     cfg = ClusterConfig(**(args or {}))
     get_or_create_router(router_config(cfg), name=cfg.router_name, namespace=cfg.namespace)
     blob = cfg.model_dump_json()
-    pools = [
-        EngineInstance.options(name=pool_deployment(p.role), num_replicas=p.instances,
-                               ray_actor_options={"num_cpus": p.num_cpus, "num_gpus": p.num_gpus}
-                               ).bind(p.role, blob)
-        for p in cfg.pools if p.instances > 0
-    ]
+    pools = [EngineInstance.options(name=pool_deployment(p.role), num_replicas=p.instances,
+                                    ray_actor_options={"num_cpus": p.num_cpus, "num_gpus": p.num_gpus},
+                                    **placement(cfg, p)).bind(p.role, blob)
+             for p in cfg.pools if p.instances > 0]
     return Gateway.options(num_replicas=cfg.gateway_replicas,
                            ray_actor_options={"num_cpus": 0.5,
                                               "runtime_env": {"env_vars": {CONFIG_ENV: blob}}}).bind(*pools)

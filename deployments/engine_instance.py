@@ -17,6 +17,17 @@ from raycluster.cluster.instance import InstanceWorker
 from raycluster.cluster.router_calls import await_router
 
 
+def rank_nodes(runner, world: int) -> list[str]:
+    """The Ray node id of each rank of `runner`'s group, the leader (this replica) first."""
+    from raycluster.parallel.ray_group import RayRanks
+
+    here = ray.get_runtime_context().get_node_id()
+    ranks = getattr(runner, "ranks", None)
+    if isinstance(ranks, RayRanks):
+        return [here] + [n["node_id"] for n in ranks.nodes()]
+    return [here] * world           # thread ranks, or a single engine
+
+
 @serve.deployment(max_ongoing_requests=16, health_check_period_s=5, health_check_timeout_s=30)
 class EngineInstance:
     def __init__(self, role: str, config_json: str) -> None:
@@ -57,7 +68,7 @@ class EngineInstance:
             connector=connector, transfer_timeout_s=cfg.transfer_timeout_s,
             on_transfer_failure=cfg.on_transfer_failure,
             # The pressure controller may move it to another pool: it then schedules as that pool's engines.
-            role_configs=cfg.role_engine_configs()).start()
+            role_configs=cfg.role_engine_configs(), nodes=rank_nodes(self.engine.runner, ecfg.parallel_world)).start()
 
     def check_health(self) -> None:
         if self.worker.fatal is not None:

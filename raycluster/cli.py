@@ -185,6 +185,9 @@ def cmd_status(args: argparse.Namespace) -> int:
                 if inst.get("prefix_caching") else f"{'off':>11s}")
         print(f"{inst.get('id', '?'):28s} {role:14s} {inst.get('scheduling') or '?':18s} {inst.get('waiting', 0):8d} "
               f"{inst.get('queued_tokens', 0):11d} {inst.get('running', 0):8d} {used:8.1%} {hits}")
+        nodes = inst.get("nodes") or []
+        if len(set(nodes)) > 1:     # a group spanning nodes: where each rank runs (Ray node ids)
+            print("  ranks on nodes: " + ", ".join(f"{r}:{n[:8]}" for r, n in enumerate(nodes)))
     ctl = status.get("controller")
     if ctl is not None:
         moves = ctl.get("moves", [])

@@ -9,6 +9,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from raycluster.engine.config import EngineConfig
+from raycluster.parallel.group import is_loopback
 from raycluster.sched.pressure import PressureConfig
 from raycluster.sched.registry import policy_names
 
@@ -23,6 +24,11 @@ class PoolSpec(BaseModel):
     num_gpus: float = Field(0.0, ge=0, description="GPUs Ray gives each instance (and each Ray-actor rank of "
                             "its KVP / SPP / TP group); with GPUs the engine's device defaults to cuda")
     engine: dict = Field(default_factory=dict, description="EngineConfig overrides for this pool")
+    placement_strategy: Literal["STRICT_PACK", "PACK", "SPREAD", "STRICT_SPREAD"] = Field(
+        "STRICT_PACK", description="for a pool whose instances lead a group of Ray-actor ranks (engine "
+        "group_launch: ray): each replica reserves one placement-group bundle per rank (num_cpus, num_gpus "
+        "each) with this strategy; STRICT_PACK keeps a group on one node, the others let it span nodes "
+        "(Medha's SPP stages on different nodes), which needs engine group_host: node")
 
 
 class ControllerConfig(BaseModel):
@@ -105,7 +111,25 @@ class ClusterConfig(BaseModel):
             if ecfg.device.startswith("cuda") and p.num_gpus == 0:
                 raise ValueError(f"pools[{i}].num_gpus: the engine runs on {ecfg.device!r}, so Ray must "
                                  "give the instance GPUs (set num_gpus, e.g. 1)")
+            if p.placement_strategy != "STRICT_PACK":
+                if self.placement_bundles(p) is None:
+                    raise ValueError(f"pools[{i}].placement_strategy: only a pool whose instances lead a group "
+                                     "of Ray-actor ranks (engine group_launch: ray, tp / spp / kvp > 1) is "
+                                     "placed by bundles")
+                if is_loopback(ecfg.group_host):
+                    raise ValueError(f"pools[{i}].engine.group_host: {ecfg.group_host!r} is loopback, but "
+                                     f"placement_strategy {p.placement_strategy} may put the group's ranks on "
+                                     "other nodes; set group_host: node")
         return self
+
+    def placement_bundles(self, pool: PoolSpec) -> list[dict[str, float]] | None:
+        """One bundle per rank for a replica that leads a group of Ray-actor ranks (the replica
+        takes bundle 0, rank r bundle r), None for any other pool."""
+        ecfg = self.engine_config(pool)
+        if ecfg.group_launch != "ray" or ecfg.parallel_world == 1:
+            return None
+        bundle = {"CPU": pool.num_cpus, **({"GPU": pool.num_gpus} if pool.num_gpus else {})}
+        return [dict(bundle) for _ in range(ecfg.parallel_world)]
 
     def role_engine_configs(self) -> dict[str, EngineConfig]:
         """Each role's engine config (its first pool's, the one a replica of that role runs): what

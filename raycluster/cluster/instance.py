@@ -48,13 +48,14 @@ class InstanceWorker:
     def __init__(self, engine: LLMEngine, role: str, instance_id: str, poll_fn: PollFn, push_fn: PushFn,
                  connector: KVConnector | None = None, transfer_timeout_s: float = 10.0,
                  on_transfer_failure: str = "recompute", poll_timeout_s: float = 0.5,
-                 role_configs: dict[str, EngineConfig] | None = None) -> None:
+                 role_configs: dict[str, EngineConfig] | None = None, nodes: list[str] | None = None) -> None:
         """`role_configs`: the engine config of each pool this instance may be moved to (a role
-        missing there keeps the scheduling the instance has)."""
+        missing there keeps the scheduling the instance has). `nodes`: where its ranks run (stats)."""
         self.engine = engine
         self.role = role
         self.role_configs = dict(role_configs or {})
         self.instance_id = instance_id
+        self.nodes = list(nodes or [])
         self.poll_fn = poll_fn
         self.push_fn = push_fn
         self.connector = connector
@@ -101,7 +102,7 @@ class InstanceWorker:
             queued_tokens=eng.scheduler.prefill_backlog,
             connector=(self.connector.local_descriptor() or {}) if self.connector else {},
             work_seen=self._work_seen, layout=eng.runner.layout, scheduling=eng.config.scheduling_label(),
-            prefix_caching=kv.prefix_caching,
+            nodes=self.nodes, prefix_caching=kv.prefix_caching,
             prefix_query_tokens=getattr(kv, "query_tokens", 0), prefix_hit_tokens=getattr(kv, "hit_tokens", 0))
 
     # ---- threads ---------------------------------------------------------------------------

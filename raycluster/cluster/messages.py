@@ -121,6 +121,7 @@ class InstanceStats:
     work_seen: int | None = None       # work items applied so far (lets the router count in-transit work)
     layout: str = "single"             # "single", or a group such as "kvp2" / "spp2" / "tp2" / "spp2xtp2" / "kvp2xtp2"
     scheduling: str = ""               # its engine's "policy/packer/decode_selector" (changes on a move)
+    nodes: list[str] = field(default_factory=list)    # the Ray node id of each rank (the leader first)
     prefix_caching: bool = False       # the engine keeps prompt prefixes (the router then places by them)
     prefix_query_tokens: int = 0       # known tokens of requests looked up in the prefix cache, so far
     prefix_hit_tokens: int = 0         # of those, found cached

@@ -114,7 +114,7 @@ class Instance:
 def instance_summary(i: Instance, now: float) -> dict:
     """One instance as `raycluster status` shows it."""
     s = i.stats
-    return {"id": i.instance_id, "role": i.role, "layout": s.layout, "scheduling": s.scheduling,
+    return {"id": i.instance_id, "role": i.role, "layout": s.layout, "scheduling": s.scheduling, "nodes": s.nodes,
             "waiting": s.waiting, "running": s.running,
             "queued_tokens": s.queued_tokens, "assigned": len(i.running),
             "kv_free_blocks": s.kv_free_blocks, "kv_total_blocks": s.kv_total_blocks,

@@ -59,7 +59,9 @@ class EngineConfig(BaseModel):
                     "(spp x tp, kvp x tp, kvp x spp x tp ranks in all)")
     group_launch: Literal["threads", "ray"] = Field(
         "threads", description="where the ranks of a KVP / SPP / TP group run: threads of this process, or Ray actors")
-    group_host: str = Field("127.0.0.1", description="address the group's store and gloo sockets bind to")
+    group_host: str = Field("127.0.0.1", description="address the group's store and gloo sockets bind to: "
+                            "loopback for a group on one node, 'node' for each rank's Ray node address (a "
+                            "group that may span nodes)")
     group_timeout_s: float = Field(120.0, gt=0, description="a collective waiting longer fails the step")
 
     def torch_dtype(self) -> torch.dtype:

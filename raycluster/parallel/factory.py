@@ -52,6 +52,17 @@ def group_worker(kind: str, model, coll: Collective, config: EngineConfig, dtype
                       config.spp_micro_tokens, config.tp, config.kvp)
 
 
+def group_host(config: EngineConfig) -> str:
+    """The address the group's store binds to: `group_host`, or for 'node' this Ray node's."""
+    if config.group_host != "node":
+        return config.group_host
+    import ray
+
+    if not ray.is_initialized():
+        raise ValueError("group_host: 'node' means the Ray node's address, but this process is not in Ray")
+    return ray.util.get_node_ip_address()
+
+
 def build_runner(config: EngineConfig, model, dtype: torch.dtype, model_path: str | None = None,
                  num_cpus: float = 1.0, num_gpus: float = 0.0):
     """The engine's runner; for a group, start its other ranks (Ray actors need `model_path`
@@ -69,7 +80,8 @@ def build_runner(config: EngineConfig, model, dtype: torch.dtype, model_path: st
     if config.tp > 1:
         from raycluster.parallel.tp import check_tp
         check_tp(model.config, config.tp)       # before any rank starts
-    addr = GroupAddress(config.group_host, free_port(config.group_host), world, config.group_timeout_s)
+    host = group_host(config)
+    addr = GroupAddress(host, free_port(host), world, config.group_timeout_s)
     if config.group_launch == "ray":
         from raycluster.parallel.ray_group import RayRanks
         ranks = RayRanks(addr, kind, config, model_path, num_cpus, num_gpus)

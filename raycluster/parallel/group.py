@@ -63,17 +63,24 @@ def _process_group(store, rank: int, world: int, host: str, timeout: timedelta, 
     return dist.ProcessGroupGloo(store, rank, world, opts)
 
 
+def is_loopback(host: str) -> bool:
+    return host in ("localhost", "::1") or host.startswith("127.")
+
+
 class Collective:
-    def __init__(self, addr: GroupAddress, rank: int, device: str = "cpu") -> None:
+    """`bind_host`: the address this rank's gloo sockets bind to, the store's host by default;
+    a rank on another node than the store binds its own node's address."""
+
+    def __init__(self, addr: GroupAddress, rank: int, device: str = "cpu", bind_host: str | None = None) -> None:
         if not 0 <= rank < addr.world:
             raise ValueError(f"rank {rank} outside world {addr.world}")
         self.rank, self.world = rank, addr.world
         self.members = list(range(addr.world))     # world rank of each rank of this group
-        self._host, self._device = addr.host, device
+        self._host, self._device = bind_host or addr.host, device
         self._timeout = timedelta(seconds=addr.timeout_s)
         self.store = dist.TCPStore(addr.host, addr.port, addr.world, is_master=rank == 0,
                                    timeout=self._timeout, wait_for_workers=False)
-        self.pg = _process_group(self.store, rank, addr.world, addr.host, self._timeout, device)
+        self.pg = _process_group(self.store, rank, addr.world, self._host, self._timeout, device)
         self._buf = torch.zeros(PLAN_BUFFER_BYTES, dtype=torch.uint8)
         self._posted: deque = deque()
 

@@ -1,6 +1,9 @@
 """ClusterConfig's GPU pools: GPUs per instance make the engine's device default to cuda, an
 engine on cuda without GPUs from Ray is refused naming the pool's field, and an explicit device
-wins."""
+wins. Group placement: a replica leading Ray-actor ranks reserves one bundle per rank, and a
+strategy that may span nodes needs a routable group_host."""
+
+from pathlib import Path
 
 import pytest
 from pydantic import ValidationError
@@ -28,3 +31,40 @@ def test_cuda_without_gpus_names_the_pool_field():
         ClusterConfig(pools=[PD[0], {**PD[1], "engine": {"device": "cuda"}}, PD[2]])
     with pytest.raises(ValidationError, match="num_gpus"):
         ClusterConfig(pools=[{"role": "mixed", "num_gpus": -1}])
+
+
+def _group_pool(**kw):
+    return {"role": "mixed", "num_cpus": 2, "num_gpus": 1,
+            "engine": {"spp": 2, "tp": 2, "group_launch": "ray", "group_host": "node"}, **kw}
+
+
+def test_a_group_leading_replica_reserves_one_bundle_per_rank():
+    from deployments.app import placement
+
+    cfg = ClusterConfig(pools=[_group_pool(placement_strategy="PACK")])
+    assert placement(cfg, cfg.pools[0]) == {"placement_group_bundles": [{"CPU": 2, "GPU": 1}] * 4,
+                                            "placement_group_strategy": "PACK"}
+    cfg = ClusterConfig(pools=[{"role": "mixed", "engine": {"tp": 2, "group_launch": "ray"}}])
+    assert placement(cfg, cfg.pools[0]) == {"placement_group_bundles": [{"CPU": 1.0}] * 2,
+                                            "placement_group_strategy": "STRICT_PACK"}
+    # Thread ranks or a single engine: the replica's own resources only.
+    for engine in ({"tp": 2}, {}):
+        cfg = ClusterConfig(pools=[{"role": "mixed", "engine": engine}])
+        assert placement(cfg, cfg.pools[0]) == {}
+
+
+def test_a_group_that_may_span_nodes_needs_a_routable_group_host():
+    for strategy in ("PACK", "SPREAD", "STRICT_SPREAD"):
+        with pytest.raises(ValidationError, match=r"pools\[0\]\.engine\.group_host.*set group_host: node"):
+            ClusterConfig(pools=[{**_group_pool(placement_strategy=strategy),
+                                  "engine": {"tp": 2, "group_launch": "ray"}}])
+    ClusterConfig(pools=[{**_group_pool(), "engine": {"tp": 2, "group_launch": "ray"}}])   # STRICT_PACK: one node
+    with pytest.raises(ValidationError, match=r"pools\[0\]\.placement_strategy"):
+        ClusterConfig(pools=[{"role": "mixed", "placement_strategy": "SPREAD", "engine": {"tp": 2}}])
+
+
+@pytest.mark.parametrize("name", sorted(p.name for p in (Path(__file__).parents[2] / "deployments").glob("*.yaml")))
+def test_every_shipped_serve_config_validates(name):
+    from deployments.launcher import load_app_spec
+
+    ClusterConfig(**load_app_spec(name)["args"])
