@@ -25,11 +25,15 @@ class ParsedCall:
     arguments: str      # JSON text
 
 
+def _json(value) -> str:
+    return json.dumps(value, ensure_ascii=False)
+
+
 def _call(obj, args_key: str) -> ParsedCall:
     if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
         raise ValueError("not a call")
     args = obj.get(args_key, obj.get("arguments", {}))
-    return ParsedCall(obj["name"], args if isinstance(args, str) else json.dumps(args, ensure_ascii=False))
+    return ParsedCall(obj["name"], args if isinstance(args, str) else _json(args))
 
 
 def skip_space(text: str, i: int) -> int:
@@ -38,59 +42,85 @@ def skip_space(text: str, i: int) -> int:
     return i
 
 
-def _marker_start(text: str, marker: str) -> tuple[int | None, int]:
-    """`start` for a syntax whose calls begin at `marker`: where it is, or how many trailing
-    characters of `text` could be the start of it."""
-    at = text.find(marker)
-    if at >= 0:
-        return at, 0
-    return None, next((k for k in range(min(len(marker) - 1, len(text)), 0, -1) if text.endswith(marker[:k])), 0)
-
-
-class HermesParser:
-    name = "hermes"
-    OPEN, CLOSE = "<tool_call>", "</tool_call>"
-    _BLOCK = re.compile(r"<tool_call>(.*?)(?:</tool_call>|$)", re.S)
+class ToolParser:
+    """A syntax's parser: `_read(text)` finds the calls, `start` where a stream's calls begin."""
+    name: str
 
     def parse(self, text: str) -> tuple[str | None, list[ParsedCall]]:
-        at = text.find(self.OPEN)
-        if at < 0:
-            return text, []
         try:
-            calls = [_call(json.loads(m.group(1).strip()), "arguments") for m in self._BLOCK.finditer(text, at)]
+            found = self._read(text)
         except ValueError:
+            found = None
+        if found is None or not found[1]:
             return text, []
+        at, calls = found
         return text[:at] or None, calls
 
+    def _read(self, text: str) -> tuple[int, list[ParsedCall]] | None:
+        """(where the calls begin, the calls), None when the text holds none; ValueError when
+        what should be calls does not parse."""
+        raise NotImplementedError
+
     def start(self, text: str) -> tuple[int | None, int]:
-        return _marker_start(text, self.OPEN)
+        raise NotImplementedError
 
 
-class Llama3JsonParser:
+class MarkerParser(ToolParser):
+    """A syntax whose calls begin at `MARK`, after optional text: `_calls(text, at)` reads those
+    after the `MARK` at `at`."""
+    MARK: str
+
+    def _read(self, text: str) -> tuple[int, list[ParsedCall]] | None:
+        at = text.find(self.MARK)
+        return None if at < 0 else (at, self._calls(text, at))
+
+    def _calls(self, text: str, at: int) -> list[ParsedCall]:
+        raise NotImplementedError
+
+    def start(self, text: str) -> tuple[int | None, int]:
+        """Where `MARK` is, or how many trailing characters of `text` could be the start of it."""
+        at = text.find(self.MARK)
+        if at >= 0:
+            return at, 0
+        mark = self.MARK
+        return None, next((k for k in range(min(len(mark) - 1, len(text)), 0, -1) if text.endswith(mark[:k])), 0)
+
+
+class HermesParser(MarkerParser):
+    name = "hermes"
+    MARK = "<tool_call>"
+    _BLOCK = re.compile(r"<tool_call>(.*?)(?:</tool_call>|$)", re.S)
+
+    def _calls(self, text: str, at: int) -> list[ParsedCall]:
+        return [self._block(m.group(1)) for m in self._BLOCK.finditer(text, at)]
+
+    def _block(self, body: str) -> ParsedCall:
+        """The call one `<tool_call>` block holds."""
+        return _call(json.loads(body.strip()), "arguments")
+
+
+class Llama3JsonParser(ToolParser):
     name = "llama3_json"
     TAG = "<|python_tag|>"
 
-    def parse(self, text: str) -> tuple[str | None, list[ParsedCall]]:
+    def _read(self, text: str) -> tuple[int, list[ParsedCall]] | None:
         body = text.strip()
         body = body[len(self.TAG):].lstrip() if body.startswith(self.TAG) else body
         if not body.startswith("{"):
-            return text, []
-        try:
-            calls, dec, i = [], json.JSONDecoder(), 0
-            while True:
-                obj, i = dec.raw_decode(body, i)
-                calls.append(_call(obj, "parameters"))
-                i = skip_space(body, i)
-                if i == len(body):
-                    break
-                if body[i] != ";":
-                    raise ValueError("text after a call")
-                i = skip_space(body, i + 1)
-                if i == len(body):
-                    break
-        except ValueError:
-            return text, []
-        return None, calls
+            return None
+        calls, dec, i = [], json.JSONDecoder(), 0
+        while True:
+            obj, i = dec.raw_decode(body, i)
+            calls.append(_call(obj, "parameters"))
+            i = skip_space(body, i)
+            if i == len(body):
+                break
+            if body[i] != ";":
+                raise ValueError("text after a call")
+            i = skip_space(body, i + 1)
+            if i == len(body):
+                break
+        return 0, calls
 
     def start(self, text: str) -> tuple[int | None, int]:
         body = text.lstrip()
@@ -103,23 +133,13 @@ class Llama3JsonParser:
         return None, 0                       # text: it stays text to the end
 
 
-class MistralParser:
+class MistralParser(MarkerParser):
     name = "mistral"
     MARK = "[TOOL_CALLS]"
 
-    def parse(self, text: str) -> tuple[str | None, list[ParsedCall]]:
-        at = text.find(self.MARK)
-        if at < 0:
-            return text, []
-        try:
-            items = json.loads(text[at + len(self.MARK):].strip())
-            calls = [_call(obj, "arguments") for obj in (items if isinstance(items, list) else [items])]
-        except ValueError:
-            return text, []
-        return text[:at] or None, calls
-
-    def start(self, text: str) -> tuple[int | None, int]:
-        return _marker_start(text, self.MARK)
+    def _calls(self, text: str, at: int) -> list[ParsedCall]:
+        items = json.loads(text[at + len(self.MARK):].strip())
+        return [_call(obj, "arguments") for obj in (items if isinstance(items, list) else [items])]
 
 
 TOOL_PARSERS = {p.name: p for p in (HermesParser, Llama3JsonParser, MistralParser)}
