@@ -4,17 +4,29 @@ name as vLLM's `--tool-call-parser`:
   blocks, after optional text;
 - `llama3_json` (Llama 3.1-3.3): the whole output is one or more JSON objects
   `{"name": ..., "parameters": {...}}` separated by `;`, optionally after `<|python_tag|>`;
-- `mistral`: `[TOOL_CALLS]` then a JSON array of `{"name": ..., "arguments": {...}}`.
+- `mistral`: `[TOOL_CALLS]` then a JSON array of `{"name": ..., "arguments": {...}}`;
+- `pythonic` (Llama 3.2 / Llama 4, ToolACE, ...): a Python list of calls with keyword arguments,
+  `[get_weather(city="Paris"), get_time(tz="UTC")]`, ending the output (after optional text); read
+  with `ast` (never evaluated): arguments must be literals, a positional one is not a call;
+- `qwen3_coder` (Qwen3-Coder): `<tool_call>` blocks of XML, `<function=NAME>` holding
+  `<parameter=ARG>VALUE</parameter>` each; a value is a string unless the tool's schema types that
+  parameter number / integer / boolean / object / array / null (then JSON, if it reads as JSON);
+- `deepseek_v3` (DeepSeek-V3 / R1): `<｜tool▁calls▁begin｜>`, then per call
+  `<｜tool▁call▁begin｜>function<｜tool▁sep｜>NAME` and a ```json fenced arguments object before
+  `<｜tool▁call▁end｜>`, then `<｜tool▁calls▁end｜>`.
 
 A parser takes a choice's whole text and returns (content, calls): the text before the calls
 (None when there is none) and each call's name and arguments (a JSON string). A text whose calls
 do not parse is returned as content with no calls, as vLLM does. `start(text)` tells a stream
 where tool calls begin (text before it can be sent as content), or that they may begin at the
-end of the text so far (`held` characters must wait)."""
+end of the text so far (`held` characters must wait). `for_tools(parameters)` is the parser for a
+request whose tools take those parameter schemas (only `qwen3_coder` reads them)."""
 
 from __future__ import annotations
 
+import ast
 import json
+import math
 import re
 from dataclasses import dataclass
 
@@ -49,7 +61,7 @@ class ToolParser:
     def parse(self, text: str) -> tuple[str | None, list[ParsedCall]]:
         try:
             found = self._read(text)
-        except ValueError:
+        except (ValueError, RecursionError):        # RecursionError: JSON nested too deep
             found = None
         if found is None or not found[1]:
             return text, []
@@ -63,6 +75,11 @@ class ToolParser:
 
     def start(self, text: str) -> tuple[int | None, int]:
         raise NotImplementedError
+
+    def for_tools(self, parameters: dict[str, dict]) -> ToolParser:
+        """This parser for a request whose tools take `parameters` (function name: its JSON
+        schema); a syntax that writes typed arguments needs none of it."""
+        return self
 
 
 class MarkerParser(ToolParser):
@@ -142,7 +159,132 @@ class MistralParser(MarkerParser):
         return [_call(obj, "arguments") for obj in (items if isinstance(items, list) else [items])]
 
 
-TOOL_PARSERS = {p.name: p for p in (HermesParser, Llama3JsonParser, MistralParser)}
+class PythonicParser(ToolParser):
+    name = "pythonic"
+    _LIST = re.compile(r"\[\s*[A-Za-z_]\w*\(")          # where a list of calls may begin
+    _BEGUN = re.compile(r"\[\s*(?:[A-Za-z_]\w*)?\Z")     # ... or may be beginning, at the end
+
+    def _read(self, text: str) -> tuple[int, list[ParsedCall]] | None:
+        """The first list that runs to the end of the text and holds only calls."""
+        for m in self._LIST.finditer(text):
+            try:
+                calls = _python_calls(text[m.start():])
+            except (SyntaxError, ValueError, RecursionError):
+                continue
+            return (m.start() if text[:m.start()].strip() else 0), calls
+        return None
+
+    def start(self, text: str) -> tuple[int | None, int]:
+        m = self._LIST.search(text)
+        if m:
+            return (m.start() if text[:m.start()].strip() else 0), 0
+        m = self._BEGUN.search(text)
+        at = m.start() if m else len(text)
+        return None, (len(text) - at if text[:at].strip() else len(text))   # leading space waits too
+
+
+def _python_calls(source: str) -> list[ParsedCall]:
+    tree = ast.parse(source.strip(), mode="eval").body
+    if not isinstance(tree, ast.List) or not tree.elts:
+        raise ValueError("not a list of calls")
+    calls = []
+    for node in tree.elts:
+        if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)) or node.args:
+            raise ValueError("not a call by keywords")
+        if any(k.arg is None for k in node.keywords):
+            raise ValueError("**kwargs")
+        calls.append(ParsedCall(node.func.id, _json({k.arg: _literal(k.value) for k in node.keywords})))
+    return calls
+
+
+_CONSTANTS = (str, int, float, bool, type(None))
+
+
+def _literal(node: ast.expr):
+    """A JSON value written as a Python literal (strings, numbers, True / False / None, lists,
+    tuples, dicts with string keys)."""
+    if isinstance(node, ast.UnaryOp) and isinstance(node.op, (ast.USub, ast.UAdd)) \
+            and isinstance(node.operand, ast.Constant) and type(node.operand.value) in (int, float):
+        value = node.operand.value
+        return -value if isinstance(node.op, ast.USub) else value
+    if isinstance(node, ast.Constant) and isinstance(node.value, _CONSTANTS):
+        if isinstance(node.value, float) and not math.isfinite(node.value):
+            raise ValueError("not a JSON number")
+        return node.value
+    if isinstance(node, (ast.List, ast.Tuple)):
+        return [_literal(e) for e in node.elts]
+    if isinstance(node, ast.Dict) and all(isinstance(k, ast.Constant) and isinstance(k.value, str) for k in node.keys):
+        return {k.value: _literal(v) for k, v in zip(node.keys, node.values)}
+    raise ValueError("not a literal")
+
+
+class Qwen3CoderParser(HermesParser):
+    name = "qwen3_coder"
+    _FUNCTION = re.compile(r"\s*<function=([^>\n]+)>(.*)</function>\s*", re.S)
+    _PARAMETER = re.compile(r"\s*<parameter=([^>\n]+)>(.*?)</parameter>", re.S)
+    TYPED = frozenset({"number", "integer", "boolean", "object", "array", "null"})     # JSON values; else strings
+
+    def __init__(self, parameters: dict[str, dict] | None = None) -> None:
+        self.parameters = parameters or {}
+
+    def for_tools(self, parameters: dict[str, dict]) -> ToolParser:
+        return type(self)(parameters)
+
+    def _block(self, body: str) -> ParsedCall:
+        m = self._FUNCTION.fullmatch(body)
+        if m is None:
+            raise ValueError("not a function")
+        name, rest = m.group(1).strip(), m.group(2)
+        schema = self.parameters.get(name)
+        props = schema.get("properties") if isinstance(schema, dict) else None
+        props = props if isinstance(props, dict) else {}
+        args, i = {}, skip_space(rest, 0)
+        while i < len(rest):
+            p = self._PARAMETER.match(rest, i)
+            if p is None or "<parameter=" in p.group(2):
+                raise ValueError("not a parameter")
+            key = p.group(1).strip()
+            args[key] = self._value(p.group(2), props.get(key))
+            i = skip_space(rest, p.end())
+        return ParsedCall(name, _json(args))
+
+    def _value(self, text: str, schema):
+        """A parameter's value: its text without the newline after `>` and before `</`, as JSON
+        when the schema types it so and it reads as JSON."""
+        text = text.removeprefix("\n").removesuffix("\n")
+        kinds = schema.get("type") if isinstance(schema, dict) else None
+        kinds = {kinds} if isinstance(kinds, str) else set(kinds) if isinstance(kinds, list) else set()
+        if kinds & self.TYPED and "string" not in kinds:
+            try:
+                return json.loads(text)
+            except ValueError:
+                pass
+        return text
+
+
+class DeepSeekV3Parser(MarkerParser):
+    name = "deepseek_v3"
+    MARK, END = "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"
+    _CALL = re.compile(r"\s*<｜tool▁call▁begin｜>[^<\n]*<｜tool▁sep｜>([^\n]+)\n```(?:json)?\n(.*?)\n```\s*"
+                       r"<｜tool▁call▁end｜>", re.S)
+
+    def _calls(self, text: str, at: int) -> list[ParsedCall]:
+        """The calls after the begin marker, up to the end marker (or the end of the text)."""
+        calls, i = [], at + len(self.MARK)
+        while m := self._CALL.match(text, i):
+            args = json.loads(m.group(2))
+            if not isinstance(args, dict):
+                raise ValueError("arguments are not an object")
+            calls.append(ParsedCall(m.group(1).strip(), _json(args)))
+            i = m.end()
+        i = skip_space(text, i)
+        if i < len(text) and not text.startswith(self.END, i):
+            raise ValueError("not a call")
+        return calls
+
+
+TOOL_PARSERS = {p.name: p for p in (HermesParser, Llama3JsonParser, MistralParser, PythonicParser,
+                                    Qwen3CoderParser, DeepSeekV3Parser)}
 
 
 def tool_parser(name: str | None):
