@@ -3,10 +3,12 @@
 (arguments in pieces after a delta naming the function) and not; "required" returns calls to the
 request's tools (one with parallel_tool_calls false), streamed and not alike; the `openai` client
 reads them; earlier calls and tool results in the messages reach the chat template (arguments as
-objects); "auto" and other choices this server cannot serve are 400s naming the field."""
+objects); "auto" and other choices this server cannot serve are 400s naming the field; with a
+tool-call parser (hermes, pythonic, qwen3_coder) "auto" returns the calls the model writes in that syntax."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 
 import httpx
@@ -169,10 +171,28 @@ def test_what_it_cannot_serve_is_a_400_naming_the_field(served, body, param):
     assert r.json()["error"]["param"].startswith(param), r.json()
 
 
+@contextlib.contextmanager
+def _served_with(tiny_model_dir, parser: str):
+    model, tok = tiny_parts(tiny_model_dir)
+    with serve_engine(EngineConfig(**CFG), model, tok, tool_call_parser=parser) as (url, _):
+        yield url
+
+
 @pytest.fixture(scope="module")
 def served_hermes(tiny_model_dir):
-    model, tok = tiny_parts(tiny_model_dir)
-    with serve_engine(EngineConfig(**CFG), model, tok, tool_call_parser="hermes") as (url, _):
+    with _served_with(tiny_model_dir, "hermes") as url:
+        yield url
+
+
+@pytest.fixture(scope="module")
+def served_pythonic(tiny_model_dir):
+    with _served_with(tiny_model_dir, "pythonic") as url:
+        yield url
+
+
+@pytest.fixture(scope="module")
+def served_qwen3_coder(tiny_model_dir):
+    with _served_with(tiny_model_dir, "qwen3_coder") as url:
         yield url
 
 
@@ -204,3 +224,44 @@ def test_auto_with_a_parser_reads_the_models_calls(served_hermes):
     assert "".join(d.get("content", "") for d in deltas) == "Sure."
     assert [t["function"] for d in deltas for t in d.get("tool_calls", [])] == [call["function"]]
     assert chunks[-1]["choices"][0]["finish_reason"] == "tool_calls"
+
+
+def test_auto_with_the_pythonic_parser_reads_a_list_of_calls(served_pythonic):
+    """Steered into a Python list of calls (the whole message, as Llama 3.2 writes it): no
+    content, streamed or not, and the keyword arguments as a JSON object."""
+    regex = escape('[get_weather(city="') + "[a-z]{1,6}" + escape('", unit="c"), search(q="x", exact=True)]')
+    body = dict(tools=TOOLS, tool_choice="auto", guided_regex=regex, max_tokens=80)
+    r = _chat(served_pythonic, **body)
+    assert r.status_code == 200, r.text
+    [choice] = r.json()["choices"]
+    assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] is None
+    weather, search = choice["message"]["tool_calls"]
+    assert weather["function"]["name"] == "get_weather" and weather["id"] != search["id"]
+    jsonschema.validate(json.loads(weather["function"]["arguments"]), WEATHER)
+    assert search["function"] == {"name": "search", "arguments": '{"q": "x", "exact": true}'}
+    chunks = _stream(served_pythonic, **body)
+    deltas = [c["choices"][0]["delta"] for c in chunks if c["choices"]]
+    assert "".join(d.get("content") or "" for d in deltas) == ""
+    assert [t["function"] for d in deltas for t in d.get("tool_calls", [])] == [weather["function"], search["function"]]
+    assert chunks[-1]["choices"][0]["finish_reason"] == "tool_calls"
+
+
+def test_auto_with_the_qwen3_coder_parser_types_values_by_the_tools_schema(served_qwen3_coder):
+    """Qwen3-Coder's XML carries every value as text: `exact`, a boolean in the request's schema
+    for `search`, comes back as JSON true, `q` as a string."""
+    regex = escape("On it.<tool_call>\n<function=search>\n<parameter=q>\n") + "[a-z]{1,6}" + \
+        escape("\n</parameter>\n<parameter=exact>\ntrue\n</parameter>\n</function>\n</tool_call>")
+    body = dict(tools=TOOLS, tool_choice="auto", guided_regex=regex, max_tokens=160)
+    r = _chat(served_qwen3_coder, **body)
+    assert r.status_code == 200, r.text
+    [choice] = r.json()["choices"]
+    assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] == "On it."
+    [call] = choice["message"]["tool_calls"]
+    assert call["function"]["name"] == "search"
+    args = json.loads(call["function"]["arguments"])
+    assert args["exact"] is True
+    jsonschema.validate(args, SEARCH)
+    chunks = _stream(served_qwen3_coder, **body)
+    deltas = [c["choices"][0]["delta"] for c in chunks if c["choices"]]
+    assert "".join(d.get("content") or "" for d in deltas) == "On it."
+    assert [t["function"] for d in deltas for t in d.get("tool_calls", [])] == [call["function"]]
