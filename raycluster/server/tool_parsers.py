@@ -6,8 +6,9 @@ name as vLLM's `--tool-call-parser`:
   `{"name": ..., "parameters": {...}}` separated by `;`, optionally after `<|python_tag|>`;
 - `mistral`: `[TOOL_CALLS]` then a JSON array of `{"name": ..., "arguments": {...}}`;
 - `pythonic` (Llama 3.2 / Llama 4, ToolACE, ...): a Python list of calls with keyword arguments,
-  `[get_weather(city="Paris"), get_time(tz="UTC")]`, ending the output (after optional text); read
-  with `ast` (never evaluated): arguments must be literals, a positional one is not a call;
+  `[get_weather(city="Paris"), get_time(tz="UTC")]`, ending the output (after optional text without
+  such a list); read with `ast` (never evaluated): arguments must be literals, a positional one is
+  not a call;
 - `qwen3_coder` (Qwen3-Coder): `<tool_call>` blocks of XML, `<function=NAME>` holding
   `<parameter=ARG>VALUE</parameter>` each; a value is a string unless the tool's schema types that
   parameter number / integer / boolean / object / array / null (then JSON, if it reads as JSON);
@@ -164,27 +165,30 @@ class PythonicParser(ToolParser):
     _LIST = re.compile(r"\[\s*[A-Za-z_]\w*\(")          # where a list of calls may begin
     _BEGUN = re.compile(r"\[\s*(?:[A-Za-z_]\w*)?\Z")     # ... or may be beginning, at the end
 
+    def _begin(self, text: str) -> int | None:
+        """Where the first list of calls may begin (0 when only space is before it): the calls
+        must run from there to the end, one parse (a later list would make it quadratic)."""
+        m = self._LIST.search(text)
+        return None if m is None else m.start() if text[:m.start()].strip() else 0
+
     def _read(self, text: str) -> tuple[int, list[ParsedCall]] | None:
-        """The first list that runs to the end of the text and holds only calls."""
-        for m in self._LIST.finditer(text):
-            try:
-                calls = _python_calls(text[m.start():])
-            except (SyntaxError, ValueError, RecursionError):
-                continue
-            return (m.start() if text[:m.start()].strip() else 0), calls
-        return None
+        at = self._begin(text)
+        return None if at is None else (at, _python_calls(text[at:]))
 
     def start(self, text: str) -> tuple[int | None, int]:
-        m = self._LIST.search(text)
-        if m:
-            return (m.start() if text[:m.start()].strip() else 0), 0
+        at = self._begin(text)
+        if at is not None:
+            return at, 0
         m = self._BEGUN.search(text)
         at = m.start() if m else len(text)
         return None, (len(text) - at if text[:at].strip() else len(text))   # leading space waits too
 
 
 def _python_calls(source: str) -> list[ParsedCall]:
-    tree = ast.parse(source.strip(), mode="eval").body
+    try:
+        tree = ast.parse(source.strip(), mode="eval").body
+    except SyntaxError as e:
+        raise ValueError("not Python") from e
     if not isinstance(tree, ast.List) or not tree.elts:
         raise ValueError("not a list of calls")
     calls = []

@@ -68,6 +68,7 @@ def test_each_parser_reads_its_models_calls():
     (PythonicParser(), "[f(**kw)]"), (PythonicParser(), "[f(a={1: 2})]"), (PythonicParser(), "[os.system(a=1)]"),
     (PythonicParser(), "[f(a=1), 2]"), (PythonicParser(), '[f(a=1)] and then'), (PythonicParser(), '[f(a="x'),
     (PythonicParser(), "[1, 2]"), (PythonicParser(), "[f(a=1e999)]"),
+    (PythonicParser(), "[f(1)] then [g(b=2)]"),        # calls begin at the first list: that one must be them
     (Qwen3CoderParser(), "no calls"), (Qwen3CoderParser(), "<tool_call>\n<function=f>\n<parameter=a>\n1\n"),
     (Qwen3CoderParser(), "<tool_call>\n<function=f>\n<parameter=a>\n1\n</function>\n</tool_call>"),   # unclosed
     (Qwen3CoderParser(), "<tool_call>\n<function=f>\n<parameter=a>1<parameter=b>2</parameter></function></tool_call>"),
