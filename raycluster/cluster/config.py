@@ -12,6 +12,7 @@ from raycluster.engine.config import EngineConfig
 from raycluster.parallel.group import is_loopback
 from raycluster.sched.pressure import PressureConfig
 from raycluster.sched.registry import policy_names
+from raycluster.server.tool_parsers import TOOL_PARSERS
 
 Role = Literal["mixed", "prefill-short", "prefill-long", "decode"]
 
@@ -79,7 +80,7 @@ class ClusterConfig(BaseModel):
     engine: dict = Field(default_factory=dict, description="EngineConfig overrides for every instance")
     pools: list[PoolSpec] = Field(default_factory=lambda: [PoolSpec(role="mixed")])
     gateway_replicas: int = Field(1, ge=1)
-    tool_call_parser: Literal["hermes", "llama3_json", "mistral"] | None = Field(
+    tool_call_parser: str | None = Field(
         None, description="the model's own tool-call syntax, which tool_choice 'auto' needs (vLLM's "
         "--tool-call-parser); none: 'auto' is refused")
     controller: ControllerConfig = Field(default_factory=ControllerConfig)
@@ -91,6 +92,13 @@ class ClusterConfig(BaseModel):
     def _known_policy(cls, v: str) -> str:
         if v not in policy_names():
             raise ValueError(f"unknown policy {v!r}; choose one of {', '.join(policy_names())}")
+        return v
+
+    @field_validator("tool_call_parser")
+    @classmethod
+    def _known_tool_parser(cls, v: str | None) -> str | None:
+        if v is not None and v not in TOOL_PARSERS:
+            raise ValueError(f"unknown tool_call_parser {v!r}; choose one of {', '.join(TOOL_PARSERS)}")
         return v
 
     @model_validator(mode="after")

@@ -35,7 +35,7 @@ from raycluster.server.protocol import (ChatCompletionRequest, CompletionRequest
                                        OverloadedError, TokenizeRequest, error_body, now_s)
 from raycluster.server.structured import PatternCheck, pattern_of
 from raycluster.server.tool_parsers import tool_parser
-from raycluster.server.tools import ToolCallOutput, template_message, template_tools, tool_mode
+from raycluster.server.tools import ToolCallOutput, template_message, template_tools, tool_mode, tool_parameters
 
 
 class _Metrics:
@@ -231,7 +231,8 @@ def build_app(engine, tokenizer, model_name: str, api_keys: Sequence[str] = (),
             return _overloaded(e)
         except InvalidRequestError as e:
             return _bad_request(str(e), e.field)
-        tool = None if mode is None else (mode, body.tool_choice.function.name if mode == "named" else None, parser)
+        tool = None if mode is None else (mode, body.tool_choice.function.name if mode == "named" else None,
+                                          parser.for_tools(tool_parameters(body)) if mode == "auto" else parser)
         return await _run(body, [(ids, "")], "chat.completion", http, guided=guided, tool=tool)
 
     def _chat_ids(body) -> list[int]:

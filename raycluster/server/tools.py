@@ -128,6 +128,12 @@ def tool_schema(body, mode: str | None) -> tuple[str, dict] | None:
     return "tools", schema
 
 
+def tool_parameters(body) -> dict[str, dict]:
+    """Each tool's `parameters` schema by function name (what a parser of untyped arguments,
+    e.g. qwen3_coder's, converts values by: `ToolParser.for_tools`)."""
+    return {t.function.name: t.function.parameters or NO_PARAMETERS for t in body.tools or []}
+
+
 def template_tools(body) -> list[dict] | None:
     return [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
 

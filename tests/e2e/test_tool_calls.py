@@ -3,10 +3,12 @@
 (arguments in pieces after a delta naming the function) and not; "required" returns calls to the
 request's tools (one with parallel_tool_calls false), streamed and not alike; the `openai` client
 reads them; earlier calls and tool results in the messages reach the chat template (arguments as
-objects); "auto" and other choices this server cannot serve are 400s naming the field."""
+objects); "auto" and other choices this server cannot serve are 400s naming the field; with a
+tool-call parser (hermes, pythonic, qwen3_coder) "auto" returns the calls the model writes in that syntax."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 
 import httpx
@@ -169,10 +171,28 @@ def test_what_it_cannot_serve_is_a_400_naming_the_field(served, body, param):
     assert r.json()["error"]["param"].startswith(param), r.json()
 
 
+@contextlib.contextmanager
+def _served_with(tiny_model_dir, parser: str):
+    model, tok = tiny_parts(tiny_model_dir)
+    with serve_engine(EngineConfig(**CFG), model, tok, tool_call_parser=parser) as (url, _):
+        yield url
+
+
 @pytest.fixture(scope="module")
 def served_hermes(tiny_model_dir):
-    model, tok = tiny_parts(tiny_model_dir)
-    with serve_engine(EngineConfig(**CFG), model, tok, tool_call_parser="hermes") as (url, _):
+    with _served_with(tiny_model_dir, "hermes") as url:
+        yield url
+
+
+@pytest.fixture(scope="module")
+def served_pythonic(tiny_model_dir):
+    with _served_with(tiny_model_dir, "pythonic") as url:
+        yield url
+
+
+@pytest.fixture(scope="module")
+def served_qwen3_coder(tiny_model_dir):
+    with _served_with(tiny_model_dir, "qwen3_coder") as url:
         yield url
 
 
@@ -186,21 +206,58 @@ def test_auto_with_a_parser_returns_text_when_the_model_calls_nothing(served_her
     assert choice["finish_reason"] == plain.json()["choices"][0]["finish_reason"]
 
 
-def test_auto_with_a_parser_reads_the_models_calls(served_hermes):
-    """The model is steered into Hermes syntax by a regex (a random-weight model would not write
-    it): text, then a call whose arguments the parser reads."""
-    lit = lambda t: escape(t)       # noqa: E731
-    regex = lit('Sure.<tool_call>{"name": "get_weather", "arguments": {"city": "') + "[a-z]{1,6}" + lit('"}}</tool_call>')
-    body = dict(tools=TOOLS, tool_choice="auto", guided_regex=regex, max_tokens=80)
-    r = _chat(served_hermes, **body)
+def _steered(url: str, regex: str, max_tokens: int = 80) -> dict:
+    """The message of an "auto" answer steered by `regex` (a random-weight model would not write
+    a tool-call syntax on its own), after checking that it ends in tool calls and that the stream
+    sends the same content and calls."""
+    body = dict(tools=TOOLS, tool_choice="auto", guided_regex=regex, max_tokens=max_tokens)
+    r = _chat(url, **body)
     assert r.status_code == 200, r.text
     [choice] = r.json()["choices"]
-    assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] == "Sure."
-    [call] = choice["message"]["tool_calls"]
-    assert call["function"]["name"] == "get_weather" and call["id"].startswith("chatcmpl-tool-")
-    assert set(json.loads(call["function"]["arguments"])) == {"city"}
-    chunks = _stream(served_hermes, **body)
+    assert choice["finish_reason"] == "tool_calls"
+    msg = choice["message"]
+    assert all(c["id"].startswith("chatcmpl-tool-") for c in msg["tool_calls"])
+    assert len({c["id"] for c in msg["tool_calls"]}) == len(msg["tool_calls"])
+    chunks = _stream(url, **body)
     deltas = [c["choices"][0]["delta"] for c in chunks if c["choices"]]
-    assert "".join(d.get("content", "") for d in deltas) == "Sure."
-    assert [t["function"] for d in deltas for t in d.get("tool_calls", [])] == [call["function"]]
+    assert "".join(d.get("content") or "" for d in deltas) == (msg["content"] or "")
+    assert [t["function"] for d in deltas for t in d.get("tool_calls", [])] == [c["function"] for c in msg["tool_calls"]]
     assert chunks[-1]["choices"][0]["finish_reason"] == "tool_calls"
+    return msg
+
+
+def test_auto_with_a_parser_reads_the_models_calls(served_hermes):
+    """Hermes syntax: text, then a call whose arguments the parser reads."""
+    regex = escape('Sure.<tool_call>{"name": "get_weather", "arguments": {"city": "') + "[a-z]{1,6}" + \
+        escape('"}}</tool_call>')
+    msg = _steered(served_hermes, regex)
+    assert msg["content"] == "Sure."
+    [call] = msg["tool_calls"]
+    assert call["function"]["name"] == "get_weather"
+    assert set(json.loads(call["function"]["arguments"])) == {"city"}
+
+
+def test_auto_with_the_pythonic_parser_reads_a_list_of_calls(served_pythonic):
+    """A Python list of calls (the whole message, as Llama 3.2 writes it): no content, and the
+    keyword arguments as a JSON object."""
+    regex = escape('[get_weather(city="') + "[a-z]{1,6}" + escape('", unit="c"), search(q="x", exact=True)]')
+    msg = _steered(served_pythonic, regex)
+    assert msg["content"] is None
+    weather, search = msg["tool_calls"]
+    assert weather["function"]["name"] == "get_weather"
+    jsonschema.validate(json.loads(weather["function"]["arguments"]), WEATHER)
+    assert search["function"] == {"name": "search", "arguments": '{"q": "x", "exact": true}'}
+
+
+def test_auto_with_the_qwen3_coder_parser_types_values_by_the_tools_schema(served_qwen3_coder):
+    """Qwen3-Coder's XML carries every value as text: `exact`, a boolean in the request's schema
+    for `search`, comes back as JSON true, `q` as a string."""
+    regex = escape("On it.<tool_call>\n<function=search>\n<parameter=q>\n") + "[a-z]{1,6}" + \
+        escape("\n</parameter>\n<parameter=exact>\ntrue\n</parameter>\n</function>\n</tool_call>")
+    msg = _steered(served_qwen3_coder, regex, max_tokens=160)
+    assert msg["content"] == "On it."
+    [call] = msg["tool_calls"]
+    assert call["function"]["name"] == "search"
+    args = json.loads(call["function"]["arguments"])
+    assert args["exact"] is True
+    jsonschema.validate(args, SEARCH)
