@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import random
 import threading
+import types
 
 import pytest
 import torch
@@ -47,6 +48,14 @@ VARIANTS = {
     "qwen3": dict(architectures=["Qwen3ForCausalLM"], hidden_size=128, num_attention_heads=4,
                   num_key_value_heads=2, head_dim=32, intermediate_size=256, num_hidden_layers=2,
                   attention_bias=True, rope_parameters={"rope_type": "default", "rope_theta": 1e6}),
+    # Fewer KV heads than ranks (vLLM replicates them): 8 heads over 2 KV heads at tp 4 (each KV
+    # head on two ranks), with Qwen3's k_norm and k/v biases on the replicated head ...
+    "kv-rep": dict(architectures=["Qwen3ForCausalLM"], hidden_size=128, num_attention_heads=8,
+                   num_key_value_heads=2, head_dim=16, intermediate_size=256, num_hidden_layers=2,
+                   attention_bias=True, rope_parameters={"rope_type": "default", "rope_theta": 1e6}),
+    # ... and MQA (one KV head) at tp 2 or 4, with q/k/v and o_proj biases.
+    "mqa": dict(hidden_size=128, num_attention_heads=4, num_key_value_heads=1, head_dim=32,
+                intermediate_size=256, num_hidden_layers=2, attention_bias=True),
 }
 
 
@@ -82,7 +91,7 @@ def _close(runner: TPRunner) -> None:
 def test_shards_put_back_together_are_the_layer_and_row_biases_live_on_rank_0(models):
     full = {k[len("model.layers.0."):]: v for k, v in models["gqa-bias"].state_dict().items()
             if k.startswith("model.layers.0.")}
-    parts = [shard_layer_state(full, r, 2) for r in range(2)]
+    parts = [shard_layer_state(full, r, 2, 2) for r in range(2)]
     column = ["self_attn.q_proj.weight", "self_attn.k_proj.bias", "self_attn.v_proj.weight", "mlp.gate_proj.weight",
               "mlp.up_proj.bias"]
     for name in column:
@@ -153,13 +162,13 @@ def same_as_single_runner(model, runner) -> ModelRunner:
 
 
 @pytest.mark.parametrize("variant,tp", [("tiny", 2), ("qwen2", 2), ("mistral", 2), ("gqa-bias", 2), ("mha", 4),
-                                        ("qwen3", 2)])
+                                        ("qwen3", 2), ("kv-rep", 4), ("mqa", 2), ("mqa", 4)])
 def test_a_tp_group_gives_the_single_runners_logits_step_by_step(models, variant, tp):
     model = models[variant]
     runner = _group(model, tp)
     try:
         same_as_single_runner(model, runner)
-        assert runner.rank0.kv_cache.shape[4] == model.config.num_key_value_heads // tp
+        assert runner.rank0.kv_cache.shape[4] == max(1, model.config.num_key_value_heads // tp)
     finally:
         _close(runner)
 
@@ -284,14 +293,27 @@ def test_a_handoff_into_or_out_of_a_tp_engine_gives_the_plain_engines_tokens(mod
 
 
 # ---- what it refuses --------------------------------------------------------------------------------
+def uneven_kv(model) -> types.SimpleNamespace:
+    """A stand-in for `model` with 12 heads over 4 KV heads (intermediate 768): tp 6 divides the
+    heads and the MLP but neither divides the KV heads nor is a multiple of them (refused before
+    any rank starts, so only its config is read)."""
+    return types.SimpleNamespace(config=dataclasses.replace(model.config, num_attention_heads=12,
+                                                            num_key_value_heads=4, intermediate_size=768))
+
+
+UNEVEN_KV = "tp: 6 ranks neither divide the model's num_key_value_heads"
+
+
 def test_tp_refuses_uneven_heads_or_mlp(models):
     tiny = models["tiny"]                          # 8 heads, 2 KV heads, intermediate 768
     with pytest.raises(ValueError, match="tp: 3 ranks do not divide the model's num_attention_heads"):
         LLMEngine(EngineConfig(**BASE, tp=3), tiny)
-    with pytest.raises(ValueError, match="tp: 4 ranks do not divide the model's num_key_value_heads"):
-        build_runner(EngineConfig(**BASE, tp=4), tiny, torch.float32)
+    with pytest.raises(ValueError, match=UNEVEN_KV):
+        build_runner(EngineConfig(**BASE, tp=6), uneven_kv(tiny), torch.float32)
     with pytest.raises(ValueError, match="intermediate_size"):
         check_tp(dataclasses.replace(tiny.config, intermediate_size=769), 2)
+    check_tp(tiny.config, 4)                       # 2 KV heads over 4 ranks: replicated (test_kv_replicate.py)
+    check_tp(tiny.config, 8)
     assert EngineConfig(tp=2, spp=2).parallel_world == 4        # SPP x TP: tests/unit/test_spp_tp.py
     assert EngineConfig(tp=2, kvp=2).parallel_world == 4        # KVP x TP: tests/unit/test_kvp_tp.py
     with pytest.raises(ValidationError, match="tp"):
