@@ -3,7 +3,8 @@ gloo) against the single-process runner step by step on the logits, an engine's 
 and prompt log-probabilities with prefix caching, P/D handoffs into and out of a TP engine, and
 the configurations it refuses. Checkpoints: the tiny one (GQA 8/2), a Qwen2-style one (q/k/v
 biases, tied embeddings), a Mistral-style one, one with o_proj and MLP biases (the row-parallel
-biases, added once), and an MHA one split four ways."""
+biases, added once), an MHA one split four ways, and two with fewer KV heads than ranks (their
+heads replicated: 8/2 at tp 4, MQA at tp 2 and 4; more in test_kv_replicate.py)."""
 
 from __future__ import annotations
 
