@@ -140,14 +140,14 @@ def test_every_replica_holds_its_head_and_blocks_are_gathered_once_from_the_firs
             assert rank.kv_cache.shape == (2, 64, 2, BS, 1, model.config.head_dim)
             torch.testing.assert_close(rank.kv_cache[:, ids], single.kv_cache[:, ids, ..., h:h + 1, :],
                                        atol=1e-5, rtol=1e-5)
-        # Gathered from the first holder of each head: spoiling the other replicas changes
-        # nothing, spoiling a first holder does.
+        # Gathered from the first holder of each head (rank h * tp / Hkv): spoiling the other
+        # replicas changes nothing, spoiling a first holder does.
+        firsts = list(range(0, tp, tp // hkv))
         for r, rank in held.items():
-            if not kv_holder(hkv, tp, r):
+            if r not in firsts:
                 rank.kv_cache[:, ids] = float("nan")
         torch.testing.assert_close(runner.save_blocks(ids), single.kv_cache[:, ids], atol=1e-5, rtol=1e-5)
-        last = max(r for r in held if kv_holder(hkv, tp, r))
-        held[last].kv_cache[:, 3] = 0.0
+        held[firsts[-1]].kv_cache[:, 3] = 0.0
         assert not torch.equal(runner.save_blocks([3]), single.kv_cache[:, [3]])
         # A load sends every replica its head (and nothing else).
         data = torch.randn_like(single.kv_cache[:, [7, 1, 60]])
@@ -218,11 +218,17 @@ def test_a_replicated_group_of_each_kind_gives_the_single_runners_logits_and_kv(
         single = same_as_single_runner(model, runner)
         kv = runner.stage.kv if "spp" in group else runner.rank0.kv_cache
         assert kv.shape[4] == 1
-        # A round trip through every rank (each replica its head, each head back once).
-        ids = [per_rank * 2 - 1, 1, per_rank, 2, per_rank + 3] if "kvp" in group else [63, 1, 30, 2]
+        # A round trip through every rank (each replica its head, each head back once) ...
+        ids = [per_rank * 2 - 1, 1, per_rank, 2, per_rank + 3] if "kvp" in group else [63, 1, 30, 2, 45]
         data = torch.randn_like(single.kv_cache[:, ids])
         runner.load_blocks(ids, data)
         assert torch.equal(runner.save_blocks(ids), data)
+        # ... and every replica attends over what it was sent: a decode over those blocks as a
+        # request's table gives the single runner's logits on the same data.
+        single.kv_cache[:, ids] = data
+        plan = StepPlan([11], [], [], [], [len(ids) * BS - 1], [ids], [0])
+        torch.testing.assert_close(model.compute_logits(runner.run_plan(plan)),
+                                   model.compute_logits(single.run_plan(plan)), atol=1e-4, rtol=1e-5)
         assert runner.kv_bytes_per_token() == single.kv_bytes_per_token()
     finally:
         _close(runner)
@@ -280,3 +286,8 @@ def test_the_simulators_memory_model_counts_replicated_kv_heads():
         # Every rank holds max(1, 8 / tp) heads of each token: tp / 8 copies of every head past tp 8.
         assert got[tp] == int(free // (m.kv_bytes_per_token() * max(1, tp // m.kv_heads)))
     assert got[16] < 2 * got[8]                       # twice the GPUs, not twice the tokens
+    # The step-time model already reads a rank's max(1, 8 / tp) heads: past tp 8 a decode's
+    # (memory-bound) attention time stops shrinking.
+    from raycluster.sched.roofline import RooflinePredictor
+    att = {tp: RooflinePredictor(tp=tp).cost([], [4096] * 64).attention for tp in (4, 8, 16)}
+    assert att[8] == pytest.approx(att[4] / 2) and att[16] == pytest.approx(att[8])

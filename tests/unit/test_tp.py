@@ -34,6 +34,7 @@ from raycluster.request import SamplingParams
 BS = 16
 BASE = dict(policy="fcfs", packer="token", predictor="none", block_size=BS, num_threads=1, group_timeout_s=30)
 GREEDY = SamplingParams(max_tokens=8, ignore_eos=True)
+LOGPROBS = SamplingParams(max_tokens=8, ignore_eos=True, logprobs=0)
 VARIANTS = {
     "tiny": None,
     "qwen2": dict(architectures=["Qwen2ForCausalLM"], hidden_size=128, num_attention_heads=4,
@@ -237,10 +238,12 @@ def _prefill(eng: LLMEngine, rid: str, prompt: list[int]) -> tuple[list[int], to
     return first, data
 
 
-def _decode(eng: LLMEngine, rid: str, prompt: list[int], first: list[int], data: torch.Tensor) -> list[int]:
+def _decode(eng: LLMEngine, rid: str, prompt: list[int], first: list[int], data: torch.Tensor,
+            sampling: SamplingParams = GREEDY) -> tuple[list[int], list[int], list[float]]:
     """Admit the handed-off request on `eng`, its KV pulled through the port as an instance's
-    connector would, and decode it to the end. Returns its tokens and the skipped blocks."""
-    moved = []
+    connector would, and decode it to the end. Returns its tokens, the skipped blocks and the
+    log-probabilities of the tokens it decoded (when `sampling` asks for them)."""
+    moved, logprobs = [], []
 
     def fill_kv(block_ids, skip):
         moved.append(skip)
@@ -248,29 +251,33 @@ def _decode(eng: LLMEngine, rid: str, prompt: list[int], first: list[int], data:
         return port.receive(block_ids, lambda ids: port.tensor.index_copy_(
             1, torch.tensor(ids), data[:, skip:]) is not None)
 
-    assert eng.add_prefilled(rid, prompt, first, GREEDY, fill_kv)
+    assert eng.add_prefilled(rid, prompt, first, sampling, fill_kv)
     req = eng.scheduler.requests[rid]
     for _ in range(100):
         if not eng.has_unfinished():
             break
-        eng.step()
+        logprobs += [e.logprob for o in eng.step().outputs if o.request_id == rid for e in o.logprobs or ()]
     eng.kv.check()
     assert eng.kv.num_free_blocks == eng.kv.num_blocks
-    return req.output_token_ids, moved
+    return req.output_token_ids, moved, logprobs
 
 
 def handoff_matches_plain(model, group: dict, into_group: bool) -> None:
     """A P/D handoff between a plain engine and one led by a group (`group`: its config fields,
     prefix caching on), into the group (whose cache holds the shared prefix: 2 blocks skipped)
     or out of it: the offered KV is whole blocks (every layer, every head) and the decoded tokens
-    are the plain engine's."""
+    and their log-probabilities are the plain engine's."""
     rng = random.Random(3)
     shared = [rng.randrange(6, 4000) for _ in range(40)]             # 2 full blocks + 8
     warm = shared + [rng.randrange(6, 4000) for _ in range(6)]
     prompt = shared + [rng.randrange(6, 4000) for _ in range(57)]
     cfg = dict(BASE, kv_cache_tokens=2048, chunk_size=32)
     plain = LLMEngine(EngineConfig(**cfg), model)
-    want = plain.generate([prompt], GREEDY)[0]
+    want_req = plain.add_request("w", prompt, LOGPROBS)
+    want_lp = []
+    while plain.has_unfinished():
+        want_lp += [e.logprob for o in plain.step().outputs if o.request_id == "w" for e in o.logprobs or ()]
+    want = list(want_req.output_token_ids)
     grouped = LLMEngine(EngineConfig(**cfg, **group, enable_prefix_caching=True), model)
     pre, dec = (plain, grouped) if into_group else (grouped, plain)
     try:
@@ -280,8 +287,9 @@ def handoff_matches_plain(model, group: dict, into_group: bool) -> None:
         assert first == want[:1] and data.shape[1] == -(-len(prompt) // BS)
         assert data.shape[0] == model.config.num_hidden_layers              # whole blocks: every layer
         assert data.shape[4] == model.config.num_key_value_heads            # and every head
-        tokens, moved = _decode(dec, "h", prompt, first, data)
+        tokens, moved, logprobs = _decode(dec, "h", prompt, first, data, LOGPROBS)
         assert tokens == want
+        assert len(logprobs) == len(want) - 1 and logprobs == pytest.approx(want_lp[1:], abs=1e-4)
         assert moved == ([2] if into_group else [0])
     finally:
         _close(grouped.runner)
