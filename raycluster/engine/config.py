@@ -54,7 +54,8 @@ class EngineConfig(BaseModel):
     spp_micro_tokens: int = Field(512, ge=1, description="SPP: prefill tokens per micro-chunk in the pipeline")
     tp: int = Field(1, ge=1, le=64, description="tensor-parallel ranks (Megatron, vLLM's tensor_parallel_size): "
                     "attention heads and the MLP split over them, one all-reduce after o_proj and after "
-                    "down_proj per layer; each rank holds kv_cache_tokens of KV for its KV heads. With spp > 1 "
+                    "down_proj per layer; each rank holds kv_cache_tokens of KV for its KV heads (one head, "
+                    "replicated on tp / KV heads ranks, when tp is a multiple of the KV heads). With spp > 1 "
                     "(or kvp > 1): each stage (each KVP rank, of each stage) is a TP group of this many ranks "
                     "(spp x tp, kvp x tp, kvp x spp x tp ranks in all)")
     group_launch: Literal["threads", "ray"] = Field(

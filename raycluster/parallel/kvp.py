@@ -17,7 +17,8 @@ online softmax in rank order, so all ranks continue with the same attention outp
 
 KVP x TP (`tp` > 1; Medha's KVP with TP): each KVP rank is a TP group of `tp` lanes, world rank
 = k * tp + t (k the KVP rank, t the lane), as SPP x TP numbers stage lanes. Lane t of KVP rank k
-holds rank k's blocks (the same striping) but only lane t's KV heads, and runs
+holds rank k's blocks (the same striping) but only lane t's KV heads (with tp > Hkv the one
+head t // (tp / Hkv), replicated over the lanes sharing it: raycluster.parallel.shard.kv_split), and runs
 raycluster.parallel.tp's shard of the layers, whose row-parallel all-reduces run over the lanes
 of rank k (a `Collective.subgroup`). The per-layer all_gather of attention states runs over the
 KVP peers of its lane (ranks k' * tp + t: the same heads), merged in KVP rank order as above.
@@ -26,8 +27,9 @@ KVP peers of its lane (ranks k' * tp + t: the same heads), merged in KVP rank or
 Data enters as a `StepPlan` (global block tables) posted by the leader (world rank 0, the
 engine's `KVPRunner`); what leaves is the leader's final hidden rows of `plan.sample_rows`. KV
 for P/D handoffs enters and leaves as whole blocks (all layers, all heads) through the leader's
-`StagedPort`: `load_blocks` sends each block's heads to the lanes of the KVP rank holding it,
-`save_blocks` gathers them back.
+`StagedPort`: `load_blocks` sends each block's heads to the lanes of the KVP rank holding it
+(every replica of a replicated head its copy), `save_blocks` gathers each head back once, from
+the first lane holding it.
 """
 
 from __future__ import annotations
@@ -46,7 +48,7 @@ from raycluster.engine.prefix_cache import PrefixCachingAllocator, PrefixCaching
 from raycluster.parallel.group import Collective
 from raycluster.parallel.kv_port import KV_TAG, KVLoad, KVSave, StagedPort, rank_handler
 from raycluster.parallel.plan import StepPlan, plan_inputs
-from raycluster.parallel.shard import Checkpoint, GroupModel, rank_model
+from raycluster.parallel.shard import Checkpoint, GroupModel, kv_heads_of, kv_holder, rank_model
 
 
 class _Striping:
@@ -269,12 +271,16 @@ class KVPRank:
     are its KVP rank and the KVP width; `coll` the group its attention states are gathered over
     (its KVP peers); `link` the group whose rank 0 is the leader, over which block data of P/D
     handoffs moves (default `coll`); `lane`: which Hkv' of a whole block's KV heads it holds
-    (a KVP x TP lane holds Hkv / tp of them; plain KVP all, lane 0)."""
+    (a KVP x TP lane of `tp` holds Hkv / tp of them, or one replicated head when tp > Hkv:
+    `shard.kv_heads_of`; plain KVP all, lane 0); `num_kv_heads`: the whole model's Hkv (default
+    the model's, which is the whole one for plain KVP)."""
 
     def __init__(self, model, coll: Collective | None, rank: int, world: int, blocks_per_rank: int,
                  block_size: int, dtype: torch.dtype, device: str | torch.device = "cpu",
-                 link: Collective | None = None, lane: int = 0) -> None:
-        self.model, self.rank, self.world, self.lane = model, rank, world, lane
+                 link: Collective | None = None, lane: int = 0, tp: int = 1,
+                 num_kv_heads: int | None = None) -> None:
+        self.model, self.rank, self.world, self.lane, self.tp = model, rank, world, lane, tp
+        self.num_kv_heads = model.config.num_key_value_heads if num_kv_heads is None else num_kv_heads
         self.blocks_per_rank, self.block_size = blocks_per_rank, block_size
         self.device = torch.device(device)
         self.kv_cache = torch.zeros(model.kv_cache_shape(blocks_per_rank, block_size), dtype=dtype,
@@ -291,8 +297,8 @@ class KVPRank:
 
     def heads(self, blocks: torch.Tensor, lane: int) -> torch.Tensor:
         """Lane `lane`'s KV heads of whole blocks [L, n, 2, B, Hkv, D] (all of them for plain KVP)."""
-        hk = self.kv_cache.shape[4]
-        return blocks.narrow(4, lane * hk, hk)
+        first, n = kv_heads_of(self.num_kv_heads, self.tp, lane)
+        return blocks.narrow(4, first, n)
 
     def _blocks(self, n: int) -> torch.Tensor:
         kv = self.kv_cache
@@ -311,8 +317,11 @@ class KVPRank:
             chunk = self.link.recv(self._blocks(len(pos)), 0, KV_TAG)
         self.kv_cache.index_copy_(1, local, chunk.to(self.kv_cache.device))
 
-    def save(self, msg: KVSave) -> torch.Tensor:
-        """This rank's share of the blocks; the non-leaders send it to the leader."""
+    def save(self, msg: KVSave) -> torch.Tensor | None:
+        """This rank's share of the blocks; the non-leaders send it to the leader. A lane that
+        is not the first holding its (replicated) heads sends nothing and returns None."""
+        if not kv_holder(self.num_kv_heads, self.tp, self.lane):
+            return None
         pos, local = self.owned(msg.block_ids)
         part = self.kv_cache.index_select(1, local)
         if self.link.rank != 0 and pos:
@@ -361,7 +370,8 @@ def kvp_rank(model, coll: Collective | None, world_rank: int, kvp: int, tp: int,
     peers = coll.subgroup(range(t, kvp * tp, tp))
     # Cut from a full model, or read from the checkpoint (only the leader reads the output head).
     shard = rank_model(model, t, tp, lanes.all_reduce, None, dtype, device, head=world_rank == 0)
-    return KVPRank(shard, peers, k, kvp, blocks_per_rank, block_size, dtype, device, link=coll, lane=t)
+    return KVPRank(shard, peers, k, kvp, blocks_per_rank, block_size, dtype, device, link=coll, lane=t, tp=tp,
+                   num_kv_heads=model.config.num_key_value_heads)
 
 
 def kvp_worker(model, coll: Collective, blocks_per_rank: int, block_size: int, dtype: torch.dtype,
@@ -393,15 +403,17 @@ class KVPRunner:
         self.model = GroupModel(model.config, self.rank0.model) if isinstance(model, Checkpoint) else model
         self.device = self.rank0.device
         # Connectors see a staging area of whole blocks (every layer, every head) of the leader's
-        # own KV bytes: one KVP rank's blocks, or 1/tp of them with TP lanes (as a TP leader).
-        staged = max(1, blocks_per_rank // tp)
+        # own KV bytes: one KVP rank's blocks, or 1/tp of them with TP lanes (1/Hkv with
+        # replicated heads), as a TP leader.
+        staged = max(1, blocks_per_rank // min(tp, model.config.num_key_value_heads))
         self.port = StagedPort(self, self.model.kv_cache_shape(staged, block_size), dtype, self.device)
         self._closed = False
 
     def kv_bytes_per_token(self) -> int:
-        """KV bytes per token of every layer and head (one KVP rank's lanes together hold a token)."""
-        kv = self.rank0.kv_cache
-        return kv[:, 0].numel() * kv.element_size() * self.tp // self.kv.block_size
+        """KV bytes per token of every layer and KV head once (one KVP rank's lanes together hold
+        a token), as ModelRunner reports it: what a handoff stages and moves (replicated heads'
+        extra copies on the lanes are not counted)."""
+        return self.port.tensor[:, 0].numel() * self.port.tensor.element_size() // self.kv.block_size
 
     def run_plan(self, plan: StepPlan) -> torch.Tensor:
         if self.coll is not None:
@@ -431,14 +443,16 @@ class KVPRunner:
 
     def save_blocks(self, block_ids: list[int]) -> torch.Tensor:
         """Whole blocks [L, n, 2, B, Hkv, D] of engine block ids, collected from the ranks
-        holding them (every lane its heads)."""
+        holding them (every lane its heads; a replicated head from the first lane holding it)."""
         msg = KVSave(list(block_ids))
         if self.coll is not None:
             self.coll.post_plan(msg)
         kv = self.rank0.kv_cache
-        out = torch.empty((kv.shape[0], len(block_ids)) + tuple(kv.shape[2:4]) + (kv.shape[4] * self.tp, kv.shape[5]),
+        out = torch.empty((kv.shape[0], len(block_ids)) + tuple(kv.shape[2:4]) + (self.rank0.num_kv_heads, kv.shape[5]),
                           dtype=kv.dtype, device=kv.device)
         for r, pos, lane in self._shares(msg.block_ids):
+            if not kv_holder(self.rank0.num_kv_heads, self.tp, lane):
+                continue
             part = self.rank0.save(msg) if r == 0 else self.coll.recv(self.rank0._blocks(len(pos)), r, KV_TAG)
             self.rank0.heads(out, lane).index_copy_(1, torch.tensor(pos, dtype=torch.long, device=out.device), part)
         return out

@@ -8,7 +8,15 @@ contiguous block of the query heads and of the KV heads they read, so GQA groups
 o_proj split along its input over the same heads, gate/up_proj split and down_proj split along
 its input over the intermediate size. o_proj and down_proj become `RowParallelLinear`: each
 rank's partial output is summed over the group by `reduce`, the bias added once (rank 0 holds it).
-Norms are replicated.
+Norms are replicated (Qwen3's q/k norms too: they are per head_dim, one weight for every head).
+
+KV heads, as vLLM places them (`kv_split`, `kv_heads_of`): when tp divides the KV heads, rank r
+holds the contiguous num_kv_heads / tp of them its query heads read. When tp is a multiple of
+them (tp > num_kv_heads, e.g. Qwen2-7B's 4 KV heads over tp 8, or an MQA model over any tp), KV
+heads are replicated: rank r holds the one head r // (tp / num_kv_heads), so tp / num_kv_heads
+consecutive ranks hold (and each computes and caches its own copy of) the same head, and its
+num_attention_heads / tp query heads are all in that head's GQA group. `check_tp` refuses any
+other tp.
 
 The modules outside the decoder layers, loaded only where they run (`load_shard`'s flags, chosen
 by raycluster.parallel.tp and .spp): the embedding on every rank that embeds the step's tokens
@@ -42,6 +50,7 @@ _SPLIT = {f"self_attn.{p}_proj.{w}": 0 for p in "qkv" for w in ("weight", "bias"
 _SPLIT.update({f"mlp.{p}_proj.{w}": 0 for p in ("gate", "up") for w in ("weight", "bias")})
 _SPLIT.update({"self_attn.o_proj.weight": 1, "mlp.down_proj.weight": 1})
 _ROW_BIASES = ("self_attn.o_proj.bias", "mlp.down_proj.bias")     # whole, on rank 0 only
+_KV = {f"self_attn.{p}_proj.{w}" for p in "kv" for w in ("weight", "bias")}     # rows by KV head (`kv_heads_of`)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,27 +61,61 @@ class Checkpoint:
 
 
 def check_tp(cfg: ModelConfig, tp: int) -> None:
-    """Refuse a model whose heads or MLP do not split evenly over `tp` ranks (KV heads are not
-    replicated to make them fit)."""
-    for name in ("num_attention_heads", "num_key_value_heads", "intermediate_size"):
+    """Refuse a model whose query heads or MLP do not split evenly over `tp` ranks, or whose KV
+    heads neither split evenly over them nor replicate evenly (`kv_split`: tp must divide the
+    KV heads, or be a multiple of them)."""
+    for name in ("num_attention_heads", "intermediate_size"):
         n = getattr(cfg, name)
         if n % tp:
             raise ValueError(f"tp: {tp} ranks do not divide the model's {name} ({n}); choose a tp that "
-                             "divides the attention heads, the KV heads and the intermediate size")
+                             "divides the attention heads and the intermediate size")
+    kv = cfg.num_key_value_heads
+    if kv % tp and tp % kv:
+        raise ValueError(f"tp: {tp} ranks neither divide the model's num_key_value_heads ({kv}) nor are a "
+                         "multiple of them (to replicate each KV head on tp / num_key_value_heads ranks)")
+
+
+def kv_split(num_kv_heads: int, tp: int) -> tuple[int, int]:
+    """(KV heads each rank holds, ranks holding each KV head) over `tp` ranks: num_kv_heads / tp
+    heads per rank, each on one rank; or, when tp > num_kv_heads (vLLM's replication), one head
+    per rank, each on tp / num_kv_heads consecutive ranks."""
+    if tp <= num_kv_heads:
+        return num_kv_heads // tp, 1
+    return 1, tp // num_kv_heads
+
+
+def kv_heads_of(num_kv_heads: int, tp: int, rank: int) -> tuple[int, int]:
+    """(first, count) of the KV heads rank `rank` of `tp` holds: a contiguous block of count
+    heads, or with replication the one head rank // (tp / num_kv_heads). Its query heads
+    (a contiguous num_attention_heads / tp of them) all read these heads under GQA."""
+    per, replicas = kv_split(num_kv_heads, tp)
+    return (rank // replicas) * per, per
+
+
+def kv_holder(num_kv_heads: int, tp: int, rank: int) -> bool:
+    """Whether rank `rank` is the first of the ranks holding its KV heads (every rank without
+    replication): the one a whole block's heads are gathered from."""
+    return rank % kv_split(num_kv_heads, tp)[1] == 0
 
 
 def shard_config(cfg: ModelConfig, tp: int) -> ModelConfig:
-    """The config one rank's layers are built from: its heads and its share of the MLP."""
+    """The config one rank's layers are built from: its heads (one KV head when replicated) and
+    its share of the MLP."""
     check_tp(cfg, tp)
     return dataclasses.replace(cfg, num_attention_heads=cfg.num_attention_heads // tp,
-                               num_key_value_heads=cfg.num_key_value_heads // tp,
+                               num_key_value_heads=kv_split(cfg.num_key_value_heads, tp)[0],
                                intermediate_size=cfg.intermediate_size // tp)
 
 
-def layer_part(name: str, rank: int, tp: int) -> TensorPart | None:
+def layer_part(name: str, rank: int, tp: int, num_kv_heads: int) -> TensorPart | None:
     """What rank `rank` of `tp` holds of a decoder layer's tensor `name` (relative to the layer):
-    its chunk along the split dim, the whole tensor (norms), or None (a row-parallel bias off
-    rank 0)."""
+    its chunk along the split dim, the whole tensor (norms, Qwen3's per-head-dim q/k norms), or
+    None (a row-parallel bias off rank 0). k/v_proj rows (and biases) are its KV heads': chunk
+    `rank` of `tp`, or when tp > `num_kv_heads` (replicated) the rows of its one head, chunk
+    rank // (tp / num_kv_heads) of num_kv_heads."""
+    if name in _KV and tp > num_kv_heads:
+        first, _ = kv_heads_of(num_kv_heads, tp, rank)
+        return TensorPart(0, first, num_kv_heads)
     if name in _SPLIT:
         return TensorPart(_SPLIT[name], rank, tp)
     if name in _ROW_BIASES and rank != 0:
@@ -80,13 +123,15 @@ def layer_part(name: str, rank: int, tp: int) -> TensorPart | None:
     return WHOLE
 
 
-def shard_layer_state(state: dict[str, torch.Tensor], rank: int, tp: int) -> dict[str, torch.Tensor]:
+def shard_layer_state(state: dict[str, torch.Tensor], rank: int, tp: int,
+                      num_kv_heads: int) -> dict[str, torch.Tensor]:
     """Rank `rank`'s tensors of one decoder layer's state dict (names relative to the layer):
     split ones are copied out (contiguous, so the full weights may be freed), norms are shared,
-    row-parallel biases are kept by rank 0 only."""
+    row-parallel biases are kept by rank 0 only. `num_kv_heads`: the model's, which k/v_proj are
+    cut by (`layer_part`)."""
     out = {}
     for name, t in state.items():
-        part = layer_part(name, rank, tp)
+        part = layer_part(name, rank, tp, num_kv_heads)
         if part is None:
             continue
         out[name] = part.take(t).clone(memory_format=torch.contiguous_format) if name in _SPLIT else t
@@ -164,7 +209,8 @@ def shard_model(model: LlamaForCausalLM, rank: int, tp: int,
 
     def layer_state(i: int) -> dict[str, torch.Tensor]:
         prefix = f"model.layers.{i}."
-        return shard_layer_state({k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)}, rank, tp)
+        return shard_layer_state({k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)}, rank, tp,
+                                 model.config.num_key_value_heads)
 
     sharded = _assemble(model.config, rank, tp, reduce, layers, layer_state)
     sharded.model.embed_tokens = model.model.embed_tokens
@@ -188,7 +234,7 @@ def load_shard(ckpt: Checkpoint, rank: int, tp: int, reduce: Callable[[torch.Ten
     wanted: dict[str, TensorPart] = {}
     for i in layers:
         for name in names:
-            part = layer_part(name, rank, tp)
+            part = layer_part(name, rank, tp, full_cfg.num_key_value_heads)
             if part is not None:
                 wanted[f"model.layers.{i}.{name}"] = part
     tied = full_cfg.tie_word_embeddings
@@ -259,5 +305,5 @@ class GroupModel:
         return self.leader_shard.compute_logits(hidden)
 
 
-__all__ = ["Checkpoint", "GroupModel", "RowParallelLinear", "check_tp", "layer_part", "load_shard", "rank_model",
-           "shard_config", "shard_layer_state", "shard_model"]
+__all__ = ["Checkpoint", "GroupModel", "RowParallelLinear", "check_tp", "kv_heads_of", "kv_holder", "kv_split",
+           "layer_part", "load_shard", "rank_model", "shard_config", "shard_layer_state", "shard_model"]

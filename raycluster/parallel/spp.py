@@ -17,8 +17,10 @@ world rank = stage * tp + lane. A rank runs raycluster.parallel.tp's shard of it
 `Collective.subgroup`); the plan chain still runs over the whole world. A stage's lanes all end
 with the same hidden states, so lane t of stage s sends its micro-batch to lane t of stage s+1;
 lane 0 of the last stage returns the sampled rows. A rank's KV holds its stage's layers and its
-lane's KV heads of the same engine block ids, so the leader's block bookkeeping is the plain
-engine's; P/D handoffs move each (layers x heads) slice to or from its rank.
+lane's KV heads of the same engine block ids (with tp > Hkv, the lane's one replicated head:
+raycluster.parallel.shard.kv_split), so the leader's block bookkeeping is the plain engine's;
+P/D handoffs move each (layers x heads) slice to its rank (every replica its copy) and back from
+it (a replicated head from the first lane holding it).
 
 KVP x SPP (x TP), Medha's 3D parallelism (`kvp` > 1): each stage is a KVP group
 (raycluster.parallel.kvp) over its layer range, each KVP rank of it a TP group when tp > 1;
@@ -55,7 +57,7 @@ from raycluster.parallel.group import Collective
 from raycluster.parallel.kv_port import KV_TAG, KVLoad, KVSave, StagedPort, rank_handler
 from raycluster.parallel.kvp import KVPAttention, kvp_meta, owned_positions
 from raycluster.parallel.plan import StepPlan, plan_inputs
-from raycluster.parallel.shard import Checkpoint, GroupModel, _identity, rank_model
+from raycluster.parallel.shard import Checkpoint, GroupModel, _identity, kv_heads_of, kv_holder, rank_model
 
 HIDDEN_TAG = 1      # stage r -> r+1 hidden states
 RESULT_TAG = 2      # last stage -> rank 0 sampled rows
@@ -104,7 +106,8 @@ def split_plan(plan: StepPlan, micro_tokens: int) -> list[StepPlan]:
 
 class SPPStage:
     """One rank of the pipeline: stage s owns layers [lo, hi) of `model` (a full model or a
-    `Checkpoint`) and their KV [hi - lo, N, 2, B, Hkv / tp, D]. World rank = (s * kvp + k) * tp
+    `Checkpoint`) and their KV [hi - lo, N, 2, B, Hkv / tp, D] (Hkv' = 1, a replicated head, when
+    tp > Hkv). World rank = (s * kvp + k) * tp
     + t; rank 0 leads. With tp > 1 it is lane t of a TP group, running the lane's shard of those
     layers (raycluster.parallel.shard), which all-reduces over ranks (s, k, *) only
     (`self.tp_group`, a subgroup). With kvp > 1 it is KVP rank k of its stage: its N =
@@ -120,6 +123,7 @@ class SPPStage:
             raise ValueError(f"spp={spp} x kvp={kvp} x tp={tp} rank {rank} needs a Collective of world {world} "
                              "at that rank")
         self.coll, self.rank, self.spp, self.tp, self.kvp, self.world = coll, rank, spp, tp, kvp, world
+        self.num_kv_heads = model.config.num_key_value_heads      # the whole model's
         per_stage = kvp * tp
         self.stage, within = divmod(rank, per_stage)
         self.kvp_rank, self.lane = divmod(within, tp)
@@ -171,8 +175,8 @@ class SPPStage:
 
     def heads(self, blocks: torch.Tensor, lane: int) -> torch.Tensor:
         """Lane `lane`'s KV heads of blocks [.., n, 2, B, Hkv, D] (all of them when tp == 1)."""
-        hk = self.kv.shape[4]
-        return blocks.narrow(4, lane * hk, hk)
+        first, n = kv_heads_of(self.num_kv_heads, self.tp, lane)
+        return blocks.narrow(4, first, n)
 
     def owned(self, block_ids: list[int]) -> tuple[list[int], torch.Tensor]:
         """Positions in `block_ids` of the engine blocks this rank holds (all of them without
@@ -195,8 +199,12 @@ class SPPStage:
                                                dtype=self.kv.dtype, device=self.device), 0, KV_TAG)
         self.kv.index_copy_(1, local, chunk.to(self.device))
 
-    def save(self, msg: KVSave) -> torch.Tensor:
-        """This rank's layers and heads of the blocks it holds; the other ranks send them to the leader."""
+    def save(self, msg: KVSave) -> torch.Tensor | None:
+        """This rank's layers and heads of the blocks it holds; the other ranks send them to the
+        leader. A lane that is not the first holding its (replicated) heads sends nothing and
+        returns None."""
+        if not kv_holder(self.num_kv_heads, self.tp, self.lane):
+            return None
         pos, local = self.owned(msg.block_ids)
         part = self.kv.index_select(1, local)
         if self.rank != 0 and pos:
@@ -294,13 +302,14 @@ class SPPRunner:
         self.layer_ranges = stage_layers(model.config.num_hidden_layers, spp)
         # Connectors see a staging area of whole blocks (every layer, every head) of the leader's
         # own blocks: one KVP rank's (all the engine's without KVP), or 1/tp of them with TP
-        # lanes, as a TP leader stages its own KV bytes' worth.
-        staged = max(1, self.blocks_per_rank // tp)
+        # lanes (1/Hkv with replicated heads), as a TP leader stages its own KV bytes' worth.
+        staged = max(1, self.blocks_per_rank // min(tp, model.config.num_key_value_heads))
         self.port = StagedPort(self, self.model.kv_cache_shape(staged, kv.block_size), dtype, self.device)
         self._closed = False
 
     def kv_bytes_per_token(self) -> int:
-        """KV bytes per token over all layers (the whole group's, as ModelRunner reports it)."""
+        """KV bytes per token over all layers and KV heads, each once (the whole group's, as
+        ModelRunner reports it: what a handoff stages and moves)."""
         shape = self.model.kv_cache_shape(1, self.kv.block_size)
         numel = 1
         for d in shape:
@@ -342,14 +351,17 @@ class SPPRunner:
         self.stage.load(msg, data)
 
     def save_blocks(self, block_ids: list[int]) -> torch.Tensor:
-        """The data [L, n, 2, B, Hkv, D] of engine block ids, collected from the ranks."""
+        """The data [L, n, 2, B, Hkv, D] of engine block ids, collected from the ranks (each
+        head once: a replicated head from the first lane holding it)."""
         msg = KVSave(list(block_ids))
         if self.world > 1:
             self.coll.post_plan(msg)
         kv = self.stage.kv
         out = torch.empty((self.model.config.num_hidden_layers, len(block_ids), 2, kv.shape[3],
-                           kv.shape[4] * self.tp, kv.shape[5]), dtype=kv.dtype, device=kv.device)
+                           self.stage.num_kv_heads, kv.shape[5]), dtype=kv.dtype, device=kv.device)
         for r, (lo, hi), lane, pos in self._shares(msg.block_ids):
+            if not kv_holder(self.stage.num_kv_heads, self.tp, lane):
+                continue
             if r == 0:
                 part = self.stage.save(msg)
             else:

@@ -13,13 +13,17 @@ from it (`shard_model`) and the leader keeps it.
 
 A rank's KV tensor [L, N, 2, B, Hkv / tp, D] holds only its KV heads, for the same engine block
 ids on every rank, so the leader's block bookkeeping is the plain engine's (`KVCacheManager`, or
-`PrefixCachingKVManager`: a cached block is cached on every rank at once).
+`PrefixCachingKVManager`: a cached block is cached on every rank at once). When tp > Hkv (tp a
+multiple of Hkv), KV heads are replicated as vLLM does (raycluster.parallel.shard.kv_split): each
+rank's KV is [L, N, 2, B, 1, D], the one head rank // (tp / Hkv), and the tp / Hkv ranks sharing
+a head each compute and cache their own copy of it.
 
 Data enters as a `StepPlan` the leader (rank 0, the engine's `TPRunner`) posts down the group's
 plan chain; every rank runs the same forward; what leaves is the leader's final hidden rows of
-`plan.sample_rows`. KV for P/D handoffs enters and leaves as whole blocks (all heads) through the
-leader's `StagedPort`: `load_blocks` sends each rank its heads of them, `save_blocks` gathers
-the ranks' heads back into whole blocks.
+`plan.sample_rows`. KV for P/D handoffs enters and leaves as whole blocks (all heads, each once:
+a plain engine's layout and bytes) through the leader's `StagedPort`: `load_blocks` sends each
+rank its heads of them (every replica of a replicated head its copy), `save_blocks` gathers each
+head back once, from the first rank holding it (`shard.kv_holder`), into whole blocks.
 """
 
 from __future__ import annotations
@@ -36,13 +40,14 @@ from raycluster.model.llama import LlamaForCausalLM
 from raycluster.parallel.group import Collective
 from raycluster.parallel.kv_port import KV_TAG, KVLoad, KVSave, StagedPort, rank_handler
 from raycluster.parallel.plan import StepPlan, plan_inputs
-from raycluster.parallel.shard import (Checkpoint, GroupModel, RowParallelLinear, _identity, check_tp, rank_model,
-                                       shard_config, shard_layer_state, shard_model)
+from raycluster.parallel.shard import (Checkpoint, GroupModel, RowParallelLinear, _identity, check_tp, kv_heads_of,
+                                       kv_holder, rank_model, shard_config, shard_layer_state, shard_model)
 
 
 
 class TPRank:
-    """One rank: its sharded model, its KV heads [L, N, 2, B, Hkv / tp, D] and its attention backend.
+    """One rank: its sharded model, its KV heads [L, N, 2, B, Hkv / tp, D] ([.., 1, D] when KV
+    heads are replicated) and its attention backend.
     `model`: the full model to cut the shard from, or the `Checkpoint` to read it from (then
     only rank 0, the leader, loads the output head)."""
 
@@ -52,6 +57,7 @@ class TPRank:
             raise ValueError(f"tp={tp} rank {rank} needs a Collective of world {tp} at that rank")
         self.coll, self.rank, self.tp, self.block_size = coll, rank, tp, block_size
         self.device = torch.device(device)
+        self.num_kv_heads = model.config.num_key_value_heads      # the whole model's
         self.model = rank_model(model, rank, tp, coll.all_reduce if tp > 1 else _identity, None, dtype, self.device,
                                 head=rank == 0)
         self.kv_cache = torch.zeros(self.model.kv_cache_shape(num_blocks, block_size), dtype=dtype,
@@ -65,9 +71,9 @@ class TPRank:
         return torch.empty((kv.shape[0], n) + tuple(kv.shape[2:]), dtype=kv.dtype, device=kv.device)
 
     def heads(self, blocks: torch.Tensor, rank: int) -> torch.Tensor:
-        """Rank `rank`'s KV heads of whole blocks [L, n, 2, B, Hkv, D]."""
-        hk = self.kv_cache.shape[4]
-        return blocks.narrow(4, rank * hk, hk)
+        """Rank `rank`'s KV heads of whole blocks [L, n, 2, B, Hkv, D] (a view)."""
+        first, n = kv_heads_of(self.num_kv_heads, self.tp, rank)
+        return blocks.narrow(4, first, n)
 
     def load(self, msg: KVLoad, data: torch.Tensor | None = None) -> None:
         """Write this rank's heads of blocks (the leader passes whole blocks `data`, the other
@@ -79,8 +85,11 @@ class TPRank:
             part = self.coll.recv(self._blocks(len(ids)), 0, KV_TAG)
         self.kv_cache.index_copy_(1, ids, part.to(self.device))
 
-    def save(self, msg: KVSave) -> torch.Tensor:
-        """This rank's heads of the blocks; the non-leaders send them to the leader."""
+    def save(self, msg: KVSave) -> torch.Tensor | None:
+        """This rank's heads of the blocks; the non-leaders that are the first holders of their
+        heads send them to the leader (a replica sends nothing and returns None)."""
+        if not kv_holder(self.num_kv_heads, self.tp, self.rank):
+            return None
         part = self.kv_cache.index_select(1, torch.tensor(msg.block_ids, dtype=torch.long, device=self.device))
         if self.rank != 0:
             self.coll.send(part, 0, KV_TAG).wait()
@@ -118,14 +127,17 @@ class TPRunner:
         self.model = GroupModel(model.config, self.rank0.model) if isinstance(model, Checkpoint) else model
         self.device = self.rank0.device
         # Connectors see whole blocks (every head, every layer): a staging area of the leader's
-        # own KV bytes, i.e. 1/tp of the engine's blocks, as a KVP leader stages one rank's worth.
-        staged = max(1, kv.num_blocks // tp)
+        # own KV bytes, i.e. 1/tp of the engine's blocks (1/Hkv with replicated heads: the
+        # leader holds one of Hkv heads), as a KVP leader stages one rank's worth.
+        staged = max(1, kv.num_blocks // min(tp, model.config.num_key_value_heads))
         self.port = StagedPort(self, self.model.kv_cache_shape(staged, kv.block_size), dtype, self.device)
         self._closed = False
 
     def kv_bytes_per_token(self) -> int:
-        """KV bytes per token over all ranks (every head), as ModelRunner reports it."""
-        return self.rank0.kv_cache[:, 0].numel() * self.rank0.kv_cache.element_size() * self.tp // self.kv.block_size
+        """KV bytes per token of whole blocks (every layer, every KV head once), as ModelRunner
+        reports it: what a handoff stages and moves. Replicated heads' extra copies on the ranks
+        are not counted."""
+        return self.port.tensor[:, 0].numel() * self.port.tensor.element_size() // self.kv.block_size
 
     def run_plan(self, plan: StepPlan) -> torch.Tensor:
         """Run one step across the group; returns the final hidden states of plan.sample_rows [n, H]."""
@@ -148,13 +160,20 @@ class TPRunner:
         self.rank0.load(msg, data)
 
     def save_blocks(self, block_ids: list[int]) -> torch.Tensor:
-        """Whole blocks [L, n, 2, B, Hkv, D] of engine block ids, their heads gathered from the ranks."""
+        """Whole blocks [L, n, 2, B, Hkv, D] of engine block ids, each head gathered once, from
+        the first rank holding it."""
         msg = KVSave(list(block_ids))
         if self.tp > 1:
             self.coll.post_plan(msg)
-        parts = [self.rank0.save(msg)]
-        parts += [self.coll.recv(self.rank0._blocks(len(block_ids)), r, KV_TAG) for r in range(1, self.tp)]
-        return torch.cat(parts, dim=4)
+        kv = self.rank0.kv_cache
+        out = torch.empty((kv.shape[0], len(block_ids), 2, kv.shape[3], self.rank0.num_kv_heads, kv.shape[5]),
+                          dtype=kv.dtype, device=kv.device)
+        for r in range(self.tp):
+            if kv_holder(self.rank0.num_kv_heads, self.tp, r):
+                part = self.rank0.save(msg) if r == 0 else self.coll.recv(self.rank0._blocks(len(block_ids)), r,
+                                                                          KV_TAG)
+                self.rank0.heads(out, r).copy_(part)
+        return out
 
     def close(self, timeout: float = 10.0) -> None:
         """Stop the other ranks' serve_rank loops (once)."""

@@ -103,7 +103,10 @@ def kv_tokens(spec: SimSpec, pool: SimPool, engine_cfg) -> int:
     free = g.memory_bytes * pool.gpus_per_instance * spec.gpu_memory_utilization - m.params * m.dtype_bytes
     if free <= 0:
         raise ValueError(f"pools: {m.name} does not fit in {pool.gpus_per_instance} x {g.name}")
-    return int(free // m.kv_bytes_per_token())
+    # A TP rank holds max(1, kv_heads / tp) KV heads of each token: past tp = kv_heads every head
+    # is replicated on tp / kv_heads ranks (as vLLM and the engine place them), each a full copy.
+    replicas = max(1, pool.tp // m.kv_heads)
+    return int(free // (m.kv_bytes_per_token() * replicas))
 
 
 class SimCluster:

@@ -1,5 +1,6 @@
-"""A KVP / SPP / TP / SPP x TP / KVP x TP / KVP x SPP group whose other ranks are Ray actors: the same greedy tokens as one process, and
-`close` ends the ranks' serve loops and their actors."""
+"""A KVP / SPP / TP / SPP x TP / KVP x TP / KVP x SPP group whose other ranks are Ray actors (and a
+TP group with more ranks than the tiny model's 2 KV heads, which it replicates): the same greedy
+tokens as one process, and `close` ends the ranks' serve loops and their actors."""
 
 from __future__ import annotations
 
@@ -13,8 +14,8 @@ pytestmark = pytest.mark.ray
 
 @pytest.mark.parametrize("group", [{"kvp": 2}, {"spp": 2, "spp_micro_tokens": 64}, {"tp": 2},
                                    {"spp": 2, "tp": 2, "spp_micro_tokens": 64}, {"kvp": 2, "tp": 2},
-                                   {"kvp": 2, "spp": 2, "spp_micro_tokens": 64}],
-                         ids=["kvp2", "spp2", "tp2", "spp2xtp2", "kvp2xtp2", "kvp2xspp2"])
+                                   {"kvp": 2, "spp": 2, "spp_micro_tokens": 64}, {"tp": 4}],
+                         ids=["kvp2", "spp2", "tp2", "spp2xtp2", "kvp2xtp2", "kvp2xspp2", "tp4-kv-replicated"])
 def test_group_ranks_as_ray_actors_match_the_single_engine(ray_cluster, tiny_model_dir, monkeypatch, group):
     import ray
 

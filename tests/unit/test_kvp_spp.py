@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_tp import variant_models, _close, engine_matches_plain, handoff_matches_plain, same_as_single_runner
+from test_tp import (UNEVEN_KV, _close, engine_matches_plain, handoff_matches_plain, same_as_single_runner,
+                     uneven_kv, variant_models)
 
 from raycluster.engine.config import EngineConfig
 from raycluster.parallel.factory import SHARDED_KINDS, build_runner, group_kind
@@ -121,5 +122,5 @@ def test_every_combination_of_kvp_spp_and_tp_is_a_group_kind_and_too_many_stages
     assert EngineConfig(kvp=2, spp=2, tp=2).parallel_world == 8
     with pytest.raises(ValueError, match="spp: 5 stages for 4 layers"):
         build_runner(EngineConfig(**BASE, kvp=2, spp=5), models["tiny"], torch.float32)
-    with pytest.raises(ValueError, match="tp: 4 ranks do not divide the model's num_key_value_heads"):
-        build_runner(EngineConfig(**BASE, kvp=2, spp=2, tp=4), models["tiny"], torch.float32)
+    with pytest.raises(ValueError, match=UNEVEN_KV):
+        build_runner(EngineConfig(**BASE, kvp=2, spp=2, tp=6), uneven_kv(models["tiny"]), torch.float32)

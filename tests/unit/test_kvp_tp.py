@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_tp import variant_models, _close, engine_matches_plain, handoff_matches_plain, same_as_single_runner
+from test_tp import (UNEVEN_KV, _close, engine_matches_plain, handoff_matches_plain, same_as_single_runner,
+                     uneven_kv, variant_models)
 
 from raycluster.engine.config import EngineConfig
 from raycluster.parallel.factory import build_runner, group_kind
@@ -93,5 +94,5 @@ def test_the_profiler_times_a_kvp_tp_group_on_tables_laid_out_like_its_allocator
 # ---- what it refuses --------------------------------------------------------------------------------
 def test_kvp_tp_refuses_uneven_heads(models):
     assert EngineConfig(kvp=2, tp=2).parallel_world == 4
-    with pytest.raises(ValueError, match="tp: 4 ranks do not divide the model's num_key_value_heads"):
-        build_runner(EngineConfig(**BASE, kvp=2, tp=4), models["tiny"], torch.float32)
+    with pytest.raises(ValueError, match=UNEVEN_KV):
+        build_runner(EngineConfig(**BASE, kvp=2, tp=6), uneven_kv(models["tiny"]), torch.float32)

@@ -12,7 +12,8 @@ import threading
 
 import pytest
 import torch
-from test_tp import variant_models, engine_matches_plain, handoff_matches_plain, same_as_single_runner
+from test_tp import (UNEVEN_KV, engine_matches_plain, handoff_matches_plain, same_as_single_runner, uneven_kv,
+                     variant_models)
 
 from raycluster.engine.config import EngineConfig
 from raycluster.parallel.factory import build_runner
@@ -145,5 +146,5 @@ def test_spp_tp_refuses_too_many_stages_and_uneven_heads(models):
     assert EngineConfig(spp=2, tp=2).parallel_world == 4
     with pytest.raises(ValueError, match="spp: 5 stages for 4 layers"):
         build_runner(EngineConfig(**BASE, spp=5, tp=2), tiny, torch.float32)
-    with pytest.raises(ValueError, match="tp: 4 ranks do not divide the model's num_key_value_heads"):
-        build_runner(EngineConfig(**BASE, spp=2, tp=4), tiny, torch.float32)
+    with pytest.raises(ValueError, match=UNEVEN_KV):
+        build_runner(EngineConfig(**BASE, spp=2, tp=6), uneven_kv(tiny), torch.float32)

@@ -3,13 +3,15 @@ gloo) against the single-process runner step by step on the logits, an engine's 
 and prompt log-probabilities with prefix caching, P/D handoffs into and out of a TP engine, and
 the configurations it refuses. Checkpoints: the tiny one (GQA 8/2), a Qwen2-style one (q/k/v
 biases, tied embeddings), a Mistral-style one, one with o_proj and MLP biases (the row-parallel
-biases, added once), and an MHA one split four ways."""
+biases, added once), an MHA one split four ways, and two with fewer KV heads than ranks (their
+heads replicated: 8/2 at tp 4, MQA at tp 2 and 4; more in test_kv_replicate.py)."""
 
 from __future__ import annotations
 
 import dataclasses
 import random
 import threading
+import types
 
 import pytest
 import torch
@@ -32,6 +34,7 @@ from raycluster.request import SamplingParams
 BS = 16
 BASE = dict(policy="fcfs", packer="token", predictor="none", block_size=BS, num_threads=1, group_timeout_s=30)
 GREEDY = SamplingParams(max_tokens=8, ignore_eos=True)
+LOGPROBS = SamplingParams(max_tokens=8, ignore_eos=True, logprobs=0)
 VARIANTS = {
     "tiny": None,
     "qwen2": dict(architectures=["Qwen2ForCausalLM"], hidden_size=128, num_attention_heads=4,
@@ -47,6 +50,14 @@ VARIANTS = {
     "qwen3": dict(architectures=["Qwen3ForCausalLM"], hidden_size=128, num_attention_heads=4,
                   num_key_value_heads=2, head_dim=32, intermediate_size=256, num_hidden_layers=2,
                   attention_bias=True, rope_parameters={"rope_type": "default", "rope_theta": 1e6}),
+    # Fewer KV heads than ranks (vLLM replicates them): 8 heads over 2 KV heads at tp 4 (each KV
+    # head on two ranks), with Qwen3's k_norm and k/v biases on the replicated head ...
+    "kv-rep": dict(architectures=["Qwen3ForCausalLM"], hidden_size=128, num_attention_heads=8,
+                   num_key_value_heads=2, head_dim=16, intermediate_size=256, num_hidden_layers=2,
+                   attention_bias=True, rope_parameters={"rope_type": "default", "rope_theta": 1e6}),
+    # ... and MQA (one KV head) at tp 2 or 4, with q/k/v and o_proj biases.
+    "mqa": dict(hidden_size=128, num_attention_heads=4, num_key_value_heads=1, head_dim=32,
+                intermediate_size=256, num_hidden_layers=2, attention_bias=True),
 }
 
 
@@ -82,7 +93,7 @@ def _close(runner: TPRunner) -> None:
 def test_shards_put_back_together_are_the_layer_and_row_biases_live_on_rank_0(models):
     full = {k[len("model.layers.0."):]: v for k, v in models["gqa-bias"].state_dict().items()
             if k.startswith("model.layers.0.")}
-    parts = [shard_layer_state(full, r, 2) for r in range(2)]
+    parts = [shard_layer_state(full, r, 2, 2) for r in range(2)]
     column = ["self_attn.q_proj.weight", "self_attn.k_proj.bias", "self_attn.v_proj.weight", "mlp.gate_proj.weight",
               "mlp.up_proj.bias"]
     for name in column:
@@ -153,13 +164,13 @@ def same_as_single_runner(model, runner) -> ModelRunner:
 
 
 @pytest.mark.parametrize("variant,tp", [("tiny", 2), ("qwen2", 2), ("mistral", 2), ("gqa-bias", 2), ("mha", 4),
-                                        ("qwen3", 2)])
+                                        ("qwen3", 2), ("kv-rep", 4), ("mqa", 2), ("mqa", 4)])
 def test_a_tp_group_gives_the_single_runners_logits_step_by_step(models, variant, tp):
     model = models[variant]
     runner = _group(model, tp)
     try:
         same_as_single_runner(model, runner)
-        assert runner.rank0.kv_cache.shape[4] == model.config.num_key_value_heads // tp
+        assert runner.rank0.kv_cache.shape[4] == max(1, model.config.num_key_value_heads // tp)
     finally:
         _close(runner)
 
@@ -227,10 +238,12 @@ def _prefill(eng: LLMEngine, rid: str, prompt: list[int]) -> tuple[list[int], to
     return first, data
 
 
-def _decode(eng: LLMEngine, rid: str, prompt: list[int], first: list[int], data: torch.Tensor) -> list[int]:
+def _decode(eng: LLMEngine, rid: str, prompt: list[int], first: list[int], data: torch.Tensor,
+            sampling: SamplingParams = GREEDY) -> tuple[list[int], list[int], list[float]]:
     """Admit the handed-off request on `eng`, its KV pulled through the port as an instance's
-    connector would, and decode it to the end. Returns its tokens and the skipped blocks."""
-    moved = []
+    connector would, and decode it to the end. Returns its tokens, the skipped blocks and the
+    log-probabilities of the tokens it decoded (when `sampling` asks for them)."""
+    moved, logprobs = [], []
 
     def fill_kv(block_ids, skip):
         moved.append(skip)
@@ -238,29 +251,33 @@ def _decode(eng: LLMEngine, rid: str, prompt: list[int], first: list[int], data:
         return port.receive(block_ids, lambda ids: port.tensor.index_copy_(
             1, torch.tensor(ids), data[:, skip:]) is not None)
 
-    assert eng.add_prefilled(rid, prompt, first, GREEDY, fill_kv)
+    assert eng.add_prefilled(rid, prompt, first, sampling, fill_kv)
     req = eng.scheduler.requests[rid]
     for _ in range(100):
         if not eng.has_unfinished():
             break
-        eng.step()
+        logprobs += [e.logprob for o in eng.step().outputs if o.request_id == rid for e in o.logprobs or ()]
     eng.kv.check()
     assert eng.kv.num_free_blocks == eng.kv.num_blocks
-    return req.output_token_ids, moved
+    return req.output_token_ids, moved, logprobs
 
 
 def handoff_matches_plain(model, group: dict, into_group: bool) -> None:
     """A P/D handoff between a plain engine and one led by a group (`group`: its config fields,
     prefix caching on), into the group (whose cache holds the shared prefix: 2 blocks skipped)
     or out of it: the offered KV is whole blocks (every layer, every head) and the decoded tokens
-    are the plain engine's."""
+    and their log-probabilities are the plain engine's."""
     rng = random.Random(3)
     shared = [rng.randrange(6, 4000) for _ in range(40)]             # 2 full blocks + 8
     warm = shared + [rng.randrange(6, 4000) for _ in range(6)]
     prompt = shared + [rng.randrange(6, 4000) for _ in range(57)]
     cfg = dict(BASE, kv_cache_tokens=2048, chunk_size=32)
     plain = LLMEngine(EngineConfig(**cfg), model)
-    want = plain.generate([prompt], GREEDY)[0]
+    want_req = plain.add_request("w", prompt, LOGPROBS)
+    want_lp = []
+    while plain.has_unfinished():
+        want_lp += [e.logprob for o in plain.step().outputs if o.request_id == "w" for e in o.logprobs or ()]
+    want = list(want_req.output_token_ids)
     grouped = LLMEngine(EngineConfig(**cfg, **group, enable_prefix_caching=True), model)
     pre, dec = (plain, grouped) if into_group else (grouped, plain)
     try:
@@ -270,8 +287,9 @@ def handoff_matches_plain(model, group: dict, into_group: bool) -> None:
         assert first == want[:1] and data.shape[1] == -(-len(prompt) // BS)
         assert data.shape[0] == model.config.num_hidden_layers              # whole blocks: every layer
         assert data.shape[4] == model.config.num_key_value_heads            # and every head
-        tokens, moved = _decode(dec, "h", prompt, first, data)
+        tokens, moved, logprobs = _decode(dec, "h", prompt, first, data, LOGPROBS)
         assert tokens == want
+        assert len(logprobs) == len(want) - 1 and logprobs == pytest.approx(want_lp[1:], abs=1e-4)
         assert moved == ([2] if into_group else [0])
     finally:
         _close(grouped.runner)
@@ -284,14 +302,27 @@ def test_a_handoff_into_or_out_of_a_tp_engine_gives_the_plain_engines_tokens(mod
 
 
 # ---- what it refuses --------------------------------------------------------------------------------
+def uneven_kv(model) -> types.SimpleNamespace:
+    """A stand-in for `model` with 12 heads over 4 KV heads (intermediate 768): tp 6 divides the
+    heads and the MLP but neither divides the KV heads nor is a multiple of them (refused before
+    any rank starts, so only its config is read)."""
+    return types.SimpleNamespace(config=dataclasses.replace(model.config, num_attention_heads=12,
+                                                            num_key_value_heads=4, intermediate_size=768))
+
+
+UNEVEN_KV = "tp: 6 ranks neither divide the model's num_key_value_heads"
+
+
 def test_tp_refuses_uneven_heads_or_mlp(models):
     tiny = models["tiny"]                          # 8 heads, 2 KV heads, intermediate 768
     with pytest.raises(ValueError, match="tp: 3 ranks do not divide the model's num_attention_heads"):
         LLMEngine(EngineConfig(**BASE, tp=3), tiny)
-    with pytest.raises(ValueError, match="tp: 4 ranks do not divide the model's num_key_value_heads"):
-        build_runner(EngineConfig(**BASE, tp=4), tiny, torch.float32)
+    with pytest.raises(ValueError, match=UNEVEN_KV):
+        build_runner(EngineConfig(**BASE, tp=6), uneven_kv(tiny), torch.float32)
     with pytest.raises(ValueError, match="intermediate_size"):
         check_tp(dataclasses.replace(tiny.config, intermediate_size=769), 2)
+    check_tp(tiny.config, 4)                       # 2 KV heads over 4 ranks: replicated (test_kv_replicate.py)
+    check_tp(tiny.config, 8)
     assert EngineConfig(tp=2, spp=2).parallel_world == 4        # SPP x TP: tests/unit/test_spp_tp.py
     assert EngineConfig(tp=2, kvp=2).parallel_world == 4        # KVP x TP: tests/unit/test_kvp_tp.py
     with pytest.raises(ValidationError, match="tp"):
