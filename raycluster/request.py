@@ -63,8 +63,10 @@ class SamplingParams:
     # many top ones. Every prompt position is computed then: no prefix-cache hit for the request.
     prompt_logprobs: int | None = None
     # A structured output: the whole output must match this regular expression (the gateway
-    # builds it from a JSON schema, a choice list or json_object; raycluster.engine.guided).
+    # builds it from a JSON schema, a choice list or json_object; raycluster.engine.guided) or
+    # be a sentence of this grammar (Lark or GBNF text). At most one of the two.
     guided_regex: str | None = None
+    guided_grammar: str | None = None
 
     @property
     def penalized(self) -> bool:
@@ -96,6 +98,8 @@ class SamplingParams:
             raise ValueError("logit_bias values must be in [-100, 100]")
         if not 0 <= self.min_tokens <= self.max_tokens:
             raise ValueError(f"min_tokens must be in [0, max_tokens], got {self.min_tokens}")
+        if self.guided_regex is not None and self.guided_grammar is not None:
+            raise ValueError("guided_grammar: set at most one of guided_regex and guided_grammar")
 
 
 @dataclass

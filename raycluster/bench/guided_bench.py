@@ -23,6 +23,7 @@ import torch
 
 from raycluster.engine.config import EngineConfig
 from raycluster.engine.engine import LLMEngine
+from raycluster.engine.guided import Regex
 from raycluster.request import SamplingParams
 from raycluster.server.structured import schema_regex
 
@@ -54,7 +55,7 @@ def main(argv: list[str] | None = None) -> int:
     tok = eng.tokenizer
     regex = schema_regex(SCHEMA, "schema")
     t0 = time.perf_counter()
-    eng.guided_decoding().index(regex)
+    eng.guided_decoding().index(Regex(regex))
     compile_s = time.perf_counter() - t0
     guided = eng.guided_decoding()
     mask_s, mask_calls = [0.0], [0]

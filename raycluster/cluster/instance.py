@@ -35,6 +35,7 @@ from raycluster.cluster.messages import (InstanceStats, PollReply, PrefillDone, 
                                          WorkItem)
 from raycluster.engine.config import EngineConfig
 from raycluster.engine.engine import LLMEngine
+from raycluster.engine.guided import constraint_of
 from raycluster.kv_transfer.base import KVConnector, KVTransferUnquiesced, pull_with_fallback
 from raycluster.request import SLO
 
@@ -125,9 +126,7 @@ class InstanceWorker:
         thread, and so does every reply after it until that thread is idle: an abort must not
         overtake the work it aborts."""
         with self._compile_lock:
-            if self._compile_backlog or any(
-                    w.meta.sampling.guided_regex is not None and not self.engine.pattern_ready(w.meta.sampling.guided_regex)
-                    for w in reply.work):
+            if self._compile_backlog or any(not self.engine.pattern_ready(w.meta.sampling) for w in reply.work):
                 self._compile_backlog += 1
                 self._to_compile.put(reply)
                 return
@@ -140,10 +139,10 @@ class InstanceWorker:
             except queue.Empty:
                 continue
             for item in reply.work:
-                regex = item.meta.sampling.guided_regex
-                if regex is not None:
+                constraint = constraint_of(item.meta.sampling)
+                if constraint is not None:
                     try:
-                        self.engine.guided_decoding().index(regex)
+                        self.engine.guided_decoding().index(constraint)
                     except ValueError:
                         pass        # admitting it answers the request with the error
             self._replies.put(reply)

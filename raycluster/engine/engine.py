@@ -19,7 +19,7 @@ import torch
 
 from raycluster.clock import WallClock
 from raycluster.engine.config import EngineConfig
-from raycluster.engine.guided import GuidedDecoding
+from raycluster.engine.guided import GuidedDecoding, constraint_of
 from raycluster.parallel.factory import build_runner
 from raycluster.engine.sampler import Sampler
 from raycluster.engine.profiler import load_or_profile
@@ -223,15 +223,18 @@ class LLMEngine:
 
     def _validate(self, ids: list[int], sp: SamplingParams) -> None:
         validate_request(ids, sp, self.max_model_len, self.vocab_size, self.kv.capacity_tokens())
-        if sp.guided_regex is not None:
+        constraint = constraint_of(sp)
+        if constraint is not None:
             try:
-                self.guided_decoding().index(sp.guided_regex)
+                self.guided_decoding().index(constraint)
             except ValueError as e:
-                raise InvalidRequestError("guided_regex", str(e)) from None
+                raise InvalidRequestError(constraint.field, str(e)) from None
 
-    def pattern_ready(self, regex: str) -> bool:
-        """Whether `regex` is compiled already (admitting a request with it costs no compile)."""
-        return self._guided is not None and self._guided.compiled(regex)
+    def pattern_ready(self, sp: SamplingParams) -> bool:
+        """Whether `sp`'s structured-output constraint, if any, is compiled already (admitting a
+        request with it costs no compile)."""
+        constraint = constraint_of(sp)
+        return constraint is None or self._guided is not None and self._guided.compiled(constraint)
 
     def guided_decoding(self) -> GuidedDecoding:
         """The structured-output state; its vocabulary comes from the engine's tokenizer or, for
@@ -243,7 +246,8 @@ class LLMEngine:
                     from raycluster.model.registry import resolve_model_path
                     from raycluster.model.tokenizer import Tokenizer
                     tok = Tokenizer(resolve_model_path(self.config.model), self.eos_token_ids)
-                self._guided = GuidedDecoding(tok.token_bytes(), self.eos_token_ids)
+                self._guided = GuidedDecoding(tok.token_bytes(), self.eos_token_ids,
+                                              tokenizer_json=tok.to_json(), vocab_size=self.vocab_size)
             return self._guided
 
     def close(self) -> None:
@@ -279,10 +283,11 @@ class LLMEngine:
                         [r.output_token_ids for r in sampled_reqs],
                         [[*(() if r.sampling.ignore_eos else r.eos_token_ids), *r.sampling.stop_token_ids]
                          if r.sampling.min_tokens else [] for r in sampled_reqs])
-                guided = [i for i, p in enumerate(params) if p.guided_regex is not None]
+                constraints = [constraint_of(p) for p in params]
+                guided = [i for i, c in enumerate(constraints) if c is not None]
                 if guided:
                     logits = self._guided.mask(logits, guided, [sampled_reqs[i].request_id for i in guided],
-                                               [params[i].guided_regex for i in guided],
+                                               [constraints[i] for i in guided],
                                                [sampled_reqs[i].output_token_ids for i in guided],
                                                raw=None if logits is step.logits else step.logits)
                 tokens = self.sampler.sample(logits, [r.request_id for r in sampled_reqs], params)

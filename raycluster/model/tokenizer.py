@@ -55,6 +55,10 @@ class Tokenizer:
         self.chat_template: str | None = template
         self._compiled = None
 
+    def to_json(self) -> str:
+        """The tokenizer.json text (what llguidance builds its tokenizer from)."""
+        return self._tok.to_str()
+
     @property
     def vocab_size(self) -> int:
         return self._tok.get_vocab_size()

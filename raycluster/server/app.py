@@ -33,6 +33,7 @@ from raycluster.server.auth import ApiKeyMiddleware
 from raycluster.server.openai_logprobs import chat_logprobs, completion_logprobs, prompt_logprobs
 from raycluster.server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                        OverloadedError, TokenizeRequest, error_body, now_s)
+from raycluster.engine.guided import Grammar, Regex
 from raycluster.server.structured import PatternCheck, pattern_of
 from raycluster.server.tool_parsers import tool_parser
 from raycluster.server.tools import ToolCallOutput, template_message, template_tools, tool_mode, tool_parameters
@@ -131,9 +132,9 @@ def build_app(engine, tokenizer, model_name: str, api_keys: Sequence[str] = (),
 
     patterns = PatternCheck(tokenizer)
 
-    async def _structured(body, tool: str | None = None) -> str | None:
-        """The regex the output must match (checked to compile), or None. `tool`: the resolved
-        tool choice of a chat request."""
+    async def _structured(body, tool: str | None = None) -> Regex | Grammar | None:
+        """The regex or grammar the output must match (checked to compile), or None. `tool`: the
+        resolved tool choice of a chat request."""
         asked = pattern_of(body, tool)
         if asked is None:
             return None
@@ -141,15 +142,16 @@ def build_app(engine, tokenizer, model_name: str, api_keys: Sequence[str] = (),
         return asked[1]
 
     async def _run(body, prompts: list[tuple[list[int], str]], kind: str, http: HTTPRequest, echo: bool = False,
-                   guided: str | None = None, tool: tuple | None = None):
+                   guided: Regex | Grammar | None = None, tool: tuple | None = None):
         """Serve `prompts` ((ids, text) each) with `body.n` choices each: choice p * n + i is
         prompt p's i-th. `echo`: put each prompt's text before its choices' completions.
-        `guided`: the regex every choice's output must match. `tool`: (mode, function name,
+        `guided`: the regex or grammar every choice's output must match. `tool`: (mode, function name,
         parser) of a chat request's tool choice (raycluster.server.tools): the outputs are
         returned as tool calls."""
         max_tokens = getattr(body, "max_completion_tokens", None) or body.max_tokens
         sampling = body.to_sampling()
-        sampling.guided_regex = guided
+        if guided is not None:
+            guided.into(sampling)
         if max_tokens is not None:
             sampling.max_tokens = max_tokens
         slo = SLO(ttft_s=body.ttft_slo_ms / 1e3 if body.ttft_slo_ms else None,

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import AsyncIterator
 
 from raycluster.engine.engine import LLMEngine, RequestOutput
+from raycluster.engine.guided import constraint_of
 from raycluster.request import SLO, SamplingParams
 
 
@@ -71,9 +72,10 @@ class AsyncEngine:
                        app_id: str | None = None) -> AsyncIterator[RequestOutput]:
         """Validation errors (InvalidRequestError) are raised before the first output."""
         q: asyncio.Queue = asyncio.Queue()
-        if sampling.guided_regex is not None:
+        constraint = constraint_of(sampling)
+        if constraint is not None:
             try:        # cached in the engine; a failure is raised again (fast) by add_request
-                await asyncio.to_thread(self.engine.guided_decoding().index, sampling.guided_regex)
+                await asyncio.to_thread(self.engine.guided_decoding().index, constraint)
             except ValueError:
                 pass
         self._inbox.put(_Add(request_id, prompt_token_ids, sampling, slo or SLO(), priority, tenant,

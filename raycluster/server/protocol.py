@@ -16,7 +16,8 @@ vLLM), once per response on chat; refused with `stream` unless 0, as vLLM. `pres
 `logprobs`: an int (top alternatives) on completions, a bool with `top_logprobs` on chat. Chat
 `content` may be a string or a list of text parts. Structured outputs: OpenAI's
 `response_format`, vLLM's `structured_outputs` and its older `guided_json` / `guided_regex` /
-`guided_choice` (raycluster.server.structured turns them into the regex the engine enforces).
+`guided_choice` / `guided_grammar` (raycluster.server.structured turns them into the regex or
+grammar the engine enforces).
 """
 
 from __future__ import annotations
@@ -59,23 +60,16 @@ class ResponseFormat(BaseModel):
 
 
 class StructuredOutputs(BaseModel):
-    """vLLM's `structured_outputs`: exactly one of json / regex / choice / json_object."""
+    """vLLM's `structured_outputs`: exactly one of json / regex / choice / json_object / grammar."""
     model_config = ConfigDict(extra="forbid", populate_by_name=True)
 
     json_: dict | str | None = Field(None, alias="json")
     regex: str | None = None
     choice: list[str] | None = None
     json_object: bool | None = None
-    grammar: str | None = None
+    grammar: str | None = None         # a context-free grammar: Lark, or llama.cpp's GBNF
     whitespace_pattern: str | None = None
     disable_any_whitespace: bool = False
-
-    @field_validator("grammar")
-    @classmethod
-    def _no_grammar(cls, v):
-        if v is not None:
-            raise ValueError("context-free grammars are not supported (use json, regex or choice)")
-        return v
 
 
 class _GenerationFields(BaseModel):
@@ -114,6 +108,7 @@ class _GenerationFields(BaseModel):
     guided_json: dict | str | None = None
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
     guided_whitespace_pattern: str | None = None
     # OpenAI options not implemented: accepted only at their neutral values.
     best_of: Any = None

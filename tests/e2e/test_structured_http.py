@@ -1,7 +1,7 @@
 """Structured outputs over real HTTP on one engine: OpenAI's `response_format` (through the
-`openai` client too), vLLM's `structured_outputs` and `guided_*` fields, streamed and not; the
-text equals the in-process engine's for the same pattern; broken or conflicting fields are a
-400 naming the field."""
+`openai` client too), vLLM's `structured_outputs` and `guided_*` fields (grammars included),
+streamed and not; the text equals the in-process engine's for the same pattern; broken or
+conflicting fields are a 400 naming the field."""
 
 from __future__ import annotations
 
@@ -86,7 +86,10 @@ def test_vllm_fields_streamed_and_not(served):
 @pytest.mark.parametrize("fields, param", [
     ({"guided_regex": "a", "guided_choice": ["b"]}, "guided_choice"),
     ({"guided_regex": "(unclosed"}, "guided_regex"),
-    ({"structured_outputs": {"grammar": "root ::= 'a'"}}, "structured_outputs.grammar"),
+    ({"structured_outputs": {"regex": "(unclosed"}}, "structured_outputs.regex"),
+    ({"structured_outputs": {"grammar": "root ::= [a"}}, "structured_outputs.grammar"),
+    ({"structured_outputs": {"grammar": "start: no_such_rule"}}, "structured_outputs.grammar"),
+    ({"guided_grammar": "start: ("}, "guided_grammar"),
     ({"structured_outputs": {"jsn": {}}}, "structured_outputs.jsn"),
     ({"response_format": {"type": "json_schema"}}, "response_format"),
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "n", "schema": {"type": 5}}}},
@@ -99,3 +102,29 @@ def test_broken_fields_are_a_400_naming_the_field(served, fields, param):
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == param, r.json()
     assert not aeng.engine.has_unfinished()
+
+
+def test_a_grammar_streamed_and_not(served):
+    """vLLM's `structured_outputs.grammar` (Lark) and `guided_grammar` (GBNF): sentences of a
+    language no regex holds (balanced parentheses around x), equal to the in-process engine's."""
+    url, ref, tok, _ = served
+    lark, gbnf = 'start: "(" start ")" | "x"', 'root ::= "(" root ")" | "x"'
+    ids = tok.encode("{")
+    want = tok.decode(ref.generate([ids], SamplingParams(max_tokens=30, guided_grammar=lark))[0])
+    body = {"model": "tiny", "prompt": "{", "max_tokens": 30, "temperature": 0}
+    r = httpx.post(url + "/v1/completions", json={**body, "structured_outputs": {"grammar": lark}}, timeout=60)
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["text"] == want == "(x)"
+    assert r.json()["choices"][0]["finish_reason"] == "stop"
+    parts = []
+    with httpx.stream("POST", url + "/v1/completions", timeout=60,
+                      json={**body, "guided_grammar": gbnf, "stream": True}) as s:
+        for line in s.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                parts.extend(c["text"] for c in json.loads(line[6:])["choices"])
+    assert "".join(parts) == want
+    r = httpx.post(url + "/v1/completions", timeout=60,       # sampled choices, each its own parser
+                   json={**body, "temperature": 1.0, "seed": 2, "n": 4, "guided_grammar": gbnf})
+    for c in r.json()["choices"]:
+        k = len(c["text"]) - len(c["text"].lstrip("("))
+        assert c["text"] == "(" * k + "x" + ")" * k and c["finish_reason"] == "stop", c

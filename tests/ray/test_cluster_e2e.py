@@ -268,7 +268,8 @@ def test_structured_outputs_follow_the_request_across_instances(cluster, tiny_mo
     """A JSON schema on every topology, streamed and not: in P/D the prefill instance samples
     the first token under the pattern and the decode instance replays it into its own guide
     (a 350-token prompt takes the long pool, an SPP group in pd-groups); the text equals a single
-    engine's and is valid JSON. A forced tool call's arguments are the same pattern's text."""
+    engine's and is valid JSON. So does a grammar's. A forced tool call's arguments are the same
+    pattern's text."""
     from raycluster.engine.config import EngineConfig
     from raycluster.engine.engine import LLMEngine
     from raycluster.model.loader import load_model
@@ -297,6 +298,14 @@ def test_structured_outputs_follow_the_request_across_instances(cluster, tiny_mo
                     parts.extend(c["text"] for c in json.loads(line[6:])["choices"])
         assert "".join(parts) == w, (name, len(p))
     assert all(isinstance(json.loads(w), dict) for w in want)
+    # A context-free grammar (llguidance) crosses instances the same way: the decode side
+    # replays the first token into its own parser.
+    grammar = 'start: "(" start ")" | "x" | "[" start "]"'
+    want = [tok.decode(o) for o in eng.generate(prompts, SamplingParams(max_tokens=40, guided_grammar=grammar))]
+    for p, w in zip(prompts, want):
+        r = httpx.post(url + "/v1/completions", timeout=120, json={
+            "prompt": p, "max_tokens": 40, "temperature": 0, "structured_outputs": {"grammar": grammar}})
+        assert r.status_code == 200 and r.json()["choices"][0]["text"] == w, (name, len(p), r.text)
     # A forced tool call rides on the same pattern: its arguments are that text.
     chat = [{"role": "user", "content": "call it"}]
     ids = tok.encode(tok.apply_chat_template(chat))

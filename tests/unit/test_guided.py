@@ -1,7 +1,8 @@
 """Structured outputs in the engine: every finished output matches its pattern (a JSON schema, a
-choice list, a regex), greedy or sampled, on a model with random weights; a request resumed
-elsewhere with tokens it already has (a P/D handoff) continues in the same state; the request
-fields become the pattern with errors naming the field; token bytes are exact."""
+choice list, a regex, a context-free grammar in Lark or GBNF), greedy or sampled, on a model with
+random weights; a request resumed elsewhere with tokens it already has (a P/D handoff) continues
+in the same state; the request fields become the pattern with errors naming the field; token
+bytes are exact."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from raycluster.model.loader import load_model
 from raycluster.model.tokenizer import Tokenizer
 from raycluster.request import SamplingParams
 from raycluster.server.protocol import ChatCompletionRequest, CompletionRequest
+from raycluster.engine.guided import Grammar, Regex
 from raycluster.server.structured import choice_regex, json_object_regex, pattern_of, schema_regex
 
 SCHEMA = {"type": "object",
@@ -27,6 +29,9 @@ SCHEMA = {"type": "object",
           "required": ["name", "age", "pets", "ok"]}
 COLOURS = ["red", "green", "light blue (sky)"]
 CODE = r"[A-Z]{3}-[0-9]{2,4}"
+# Balanced parentheses around one x: a context-free language no regular expression holds.
+PARENS = 'start: "(" start ")" | "x"'
+PARENS_GBNF = 'root ::= "(" root ")" | "x"'
 
 
 @pytest.fixture(scope="module")
@@ -152,18 +157,23 @@ def test_request_fields_become_one_pattern():
     assert pattern_of(_completion(response_format={"type": "text"})) is None
     field, pat = pattern_of(_completion(response_format={"type": "json_schema",
                                                          "json_schema": {"name": "p", "schema": SCHEMA}}))
-    assert field == "response_format" and pat == schema_regex(SCHEMA, "f")
-    assert pattern_of(_completion(response_format={"type": "json_object"})) == ("response_format", json_object_regex())
-    assert pattern_of(_completion(structured_outputs={"choice": COLOURS}))[1] == r"(red|green|light blue \(sky\))"
-    assert pattern_of(_completion(structured_outputs={"regex": CODE})) == ("structured_outputs", CODE)
-    assert pattern_of(_completion(structured_outputs={"json": json.dumps(SCHEMA)}))[1] == schema_regex(SCHEMA, "f")
-    assert pattern_of(_completion(guided_choice=["a", "b"])) == ("guided_choice", "(a|b)")
-    assert pattern_of(_completion(guided_regex="[0-9]+")) == ("guided_regex", "[0-9]+")
-    compact = pattern_of(_completion(structured_outputs={"json": SCHEMA, "disable_any_whitespace": True}))[1]
+    assert field == "response_format" and pat == Regex(schema_regex(SCHEMA, "f"))
+    assert pattern_of(_completion(response_format={"type": "json_object"})) == ("response_format",
+                                                                                 Regex(json_object_regex()))
+    assert pattern_of(_completion(structured_outputs={"choice": COLOURS})) == (
+        "structured_outputs.choice", Regex(r"(red|green|light blue \(sky\))"))
+    assert pattern_of(_completion(structured_outputs={"regex": CODE})) == ("structured_outputs.regex", Regex(CODE))
+    assert pattern_of(_completion(structured_outputs={"json": json.dumps(SCHEMA)}))[1] == Regex(schema_regex(SCHEMA, "f"))
+    assert pattern_of(_completion(structured_outputs={"grammar": PARENS})) == ("structured_outputs.grammar",
+                                                                               Grammar(PARENS))
+    assert pattern_of(_completion(guided_choice=["a", "b"])) == ("guided_choice", Regex("(a|b)"))
+    assert pattern_of(_completion(guided_regex="[0-9]+")) == ("guided_regex", Regex("[0-9]+"))
+    assert pattern_of(_completion(guided_grammar=PARENS_GBNF)) == ("guided_grammar", Grammar(PARENS_GBNF))
+    compact = pattern_of(_completion(structured_outputs={"json": SCHEMA, "disable_any_whitespace": True}))[1].text
     assert "[ ]?" not in compact and re.fullmatch(compact, '{"name":"a","age":3,"pets":["cat"],"ok":true}')
     chat = ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "hi"}],
                                                  "guided_json": SCHEMA})
-    assert pattern_of(chat) == ("guided_json", schema_regex(SCHEMA, "f"))
+    assert pattern_of(chat) == ("guided_json", Regex(schema_regex(SCHEMA, "f")))
 
 
 @pytest.mark.parametrize("fields, param", [
@@ -171,6 +181,8 @@ def test_request_fields_become_one_pattern():
     ({"response_format": {"type": "json_object"}, "structured_outputs": {"regex": "a"}}, "structured_outputs"),
     ({"structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs"),
     ({"structured_outputs": {}}, "structured_outputs"),
+    ({"structured_outputs": {"grammar": "  "}}, "structured_outputs.grammar"),
+    ({"guided_grammar": PARENS, "guided_regex": "a"}, "guided_grammar"),
     ({"guided_choice": []}, "guided_choice"),
     ({"guided_json": "{not json"}, "guided_json"),
     ({"guided_json": {"type": "object", "properties": {"a": {"type": "nonsense"}}}}, "guided_json"),
@@ -234,20 +246,25 @@ def test_the_gateway_refuses_a_pattern_that_compiles_too_long(tok):
     async def main():
         t0 = time.monotonic()
         with pytest.raises(InvalidRequestError) as e:
-            await check.check("guided_regex", "(.{0,100}x){0,10}")
+            await check.check("guided_regex", Regex("(.{0,100}x){0,10}"))
         assert "too complex" in str(e.value) and e.value.field == "guided_regex"
         assert time.monotonic() - t0 < 30
         with pytest.raises(InvalidRequestError) as e:
-            await check.check("structured_outputs", "(unclosed")
-        assert "cannot be compiled" in str(e.value) and e.value.field == "structured_outputs"
-        await check.check("guided_regex", CODE)
-        await check.check("guided_regex", CODE)         # remembered: no second compile
+            await check.check("structured_outputs.regex", Regex("(unclosed"))
+        assert "cannot be compiled" in str(e.value) and e.value.field == "structured_outputs.regex"
+        await check.check("guided_regex", Regex(CODE))
+        await check.check("guided_regex", Regex(CODE))         # remembered: no second compile
+        for bad, why in (("start: undefined_rule", "unknown name"), ("root ::= [", "GBNF"), ("start: (", "")):
+            with pytest.raises(InvalidRequestError) as e:
+                await check.check("structured_outputs.grammar", Grammar(bad))
+            assert e.value.field == "structured_outputs.grammar" and why in str(e.value)
+        await check.check("guided_grammar", Grammar(PARENS_GBNF))
 
     try:
         asyncio.run(main())
     finally:
         check.close()
-    assert list(check._ok) == [CODE]
+    assert list(check._ok) == [CODE, Grammar(PARENS_GBNF)]
 
 
 def test_guided_bench_writes_its_figures(tmp_path, tiny_model_dir):
@@ -259,3 +276,54 @@ def test_guided_bench_writes_its_figures(tmp_path, tiny_model_dir):
     res = json.loads(out.read_text())
     assert res["valid"] and res["guided_over_free"] > 0 and res["mask_ms_per_step"] > 0
     assert set(res["tokens_per_s"]) == {"free", "guided"} and res["compile_s"] > 0
+
+
+def _parens_depth(text: str) -> int:
+    """k for '(' * k + 'x' + ')' * k, else an AssertionError."""
+    k = len(text) - len(text.lstrip("("))
+    assert text == "(" * k + "x" + ")" * k, text
+    return k
+
+
+@pytest.mark.parametrize("grammar", [PARENS, PARENS_GBNF], ids=["lark", "gbnf"])
+def test_every_output_is_a_sentence_of_its_grammar(model, tok, grammar):
+    """Greedy and sampled: each output is balanced (depth up to 12 with 40 tokens), and the
+    grammar's parser leaves EOS as the only choice once it is complete."""
+    eng = _engine(model, tok)
+    prompts = _prompts(tok)
+    depths = []
+    for sp in (SamplingParams(max_tokens=40, guided_grammar=grammar),
+               SamplingParams(max_tokens=40, temperature=1.0, seed=3, guided_grammar=grammar)):
+        outs = eng.generate(prompts * 2, sp)
+        for out in outs:
+            assert out[-1] in eng.eos_token_ids        # it ended because the sentence did
+            depths.append(_parens_depth(tok.decode(out[:-1])))
+    assert max(depths) > 0          # not only the trivial sentence 'x'
+    eng.kv.check()
+
+
+def test_a_resumed_grammar_request_continues_exactly(model, tok):
+    """A request resumed with the tokens it had (a P/D handoff, a router restart) replays them
+    into a fresh parser: the whole output equals one engine's (greedy), token for token."""
+    sp = SamplingParams(max_tokens=40, guided_grammar=PARENS)
+    prompt = tok.encode("{")
+    whole = _engine(model, tok).generate([prompt], sp)[0]
+    assert tok.decode(whole[:-1]) == "(x)"         # this model's greedy sentence for this prompt
+    for cut in (1, 2):
+        dec = _engine(model, tok)
+        r = dec.add_request("d", prompt, sp, output_token_ids=whole[:cut])
+        for _ in range(200):
+            if not dec.has_unfinished():
+                break
+            dec.step()
+        assert r.output_token_ids == whole
+
+
+def test_engine_refuses_a_grammar_it_cannot_compile(model, tok):
+    eng = _engine(model, tok)
+    for bad in ("start: nothing_here", "root ::= [", "x" * 70000):
+        with pytest.raises(InvalidRequestError) as e:
+            eng.add_request("r", [7, 8], SamplingParams(max_tokens=4, guided_grammar=bad))
+        assert e.value.field == "guided_grammar"
+    with pytest.raises(ValueError, match="guided_grammar"):
+        SamplingParams(max_tokens=4, guided_regex="a", guided_grammar=PARENS).validate()

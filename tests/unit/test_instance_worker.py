@@ -167,7 +167,7 @@ def test_a_pattern_compiles_off_the_step_thread_and_replies_keep_their_order(mod
     import threading
 
     from raycluster.cluster.messages import TokenEvent
-    from raycluster.engine.guided import GuidedDecoding
+    from raycluster.engine.guided import GuidedDecoding, Regex
     from raycluster.model.tokenizer import Tokenizer
 
     tok = Tokenizer(tiny_model_dir)
@@ -175,15 +175,15 @@ def test_a_pattern_compiles_off_the_step_thread_and_replies_keep_their_order(mod
     slow, fast = "[a-z]{1,8}", "[0-9]{1,3}"
 
     class HeldCompile(GuidedDecoding):
-        def index(self, regex):
-            if regex == slow and not self.compiled(regex):
+        def index(self, constraint):
+            if constraint == Regex(slow) and not self.compiled(constraint):
                 assert release.wait(30)
-            return super().index(regex)
+            return super().index(constraint)
 
     eng = LLMEngine(EngineConfig(policy="fcfs", packer="token", kv_cache_tokens=4096, chunk_size=32,
                                  num_threads=1), model, tokenizer=tok)
     eng._guided = HeldCompile(tok.token_bytes(), eng.eos_token_ids)
-    eng.guided_decoding().index(fast)
+    eng.guided_decoding().index(Regex(fast))
     script: queue.Queue = queue.Queue()
     events: list[TokenEvent] = []
 
