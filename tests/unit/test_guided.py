@@ -274,8 +274,26 @@ def test_guided_bench_writes_its_figures(tmp_path, tiny_model_dir):
     assert guided_bench.main(["--model", str(tiny_model_dir), "--num-requests", "3", "--max-tokens", "12",
                               "--rounds", "2", "--out", str(out)]) == 0
     res = json.loads(out.read_text())
-    assert res["valid"] and res["guided_over_free"] > 0 and res["mask_ms_per_step"] > 0
-    assert set(res["tokens_per_s"]) == {"free", "guided"} and res["compile_s"] > 0
+    assert res["valid"] and res["guided_over_free"] > 0 and res["grammar_over_free"] > 0
+    assert set(res["tokens_per_s"]) == {"free", "guided", "grammar"}
+    assert all(res["mask_ms_per_step"][k] > 0 and res["compile_s"][k] > 0 for k in ("guided", "grammar"))
+
+
+def test_the_bench_grammar_writes_the_bench_schemas_objects(model, tok):
+    """The guided bench compares a regex and a grammar: the grammar's finished sentences are
+    the schema regex's (greedy and sampled, until EOS)."""
+    from raycluster.bench.guided_bench import GRAMMAR, SCHEMA
+
+    regex = schema_regex(SCHEMA, "s")
+    eng = _engine(model, tok)
+    finished = 0
+    for sp in (SamplingParams(max_tokens=200, guided_grammar=GRAMMAR),
+               SamplingParams(max_tokens=200, temperature=1.0, seed=1, guided_grammar=GRAMMAR)):
+        for out in eng.generate(_prompts(tok), sp):
+            if out[-1] in eng.eos_token_ids:
+                finished += 1
+                assert re.fullmatch(regex, tok.decode(out[:-1])), tok.decode(out)
+    assert finished >= 4
 
 
 def _parens_depth(text: str) -> int:
