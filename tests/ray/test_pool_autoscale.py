@@ -23,9 +23,9 @@ CFG = {"model": "tiny", "policy": "fcfs", "threads_per_instance": 1, "max_local_
        "engine": {"kv_cache_tokens": 4096, "packer": "token", "predictor": "none"},
        "pools": [{"role": "mixed", "instances": 1, "autoscaling": {
            "min_instances": 1, "max_instances": 2, "target_per_instance": 2,
-           "upscale_delay_s": 1.0, "downscale_delay_s": 3.0,
+           "upscale_delay_s": 1.0, "downscale_delay_s": 2.0,
            "metrics_interval_s": 0.5, "look_back_period_s": 2.0}}]}
-BURST_TOKENS, LONG_TOKENS = 48, 900
+BURST_TOKENS, LONG_TOKENS = 48, 600
 
 
 def _free_port() -> int:
@@ -36,7 +36,7 @@ def _free_port() -> int:
 
 @pytest.fixture(scope="module")
 def prompts(tiny_model_dir):
-    """6 burst prompts (48 tokens out) and 2 long ones (900 out), with the single engine's text."""
+    """6 burst prompts (48 tokens out) and 2 long ones (600 out), with the single engine's text."""
     from raycluster.engine.config import EngineConfig
     from raycluster.engine.engine import LLMEngine
     from raycluster.model.loader import load_model
