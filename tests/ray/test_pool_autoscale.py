@@ -2,7 +2,8 @@
 and the router-signal policy (raycluster.cluster.autoscale): sustained concurrent load scales it
 up to 2 and the new instance takes work; once the load drops to two long streams it scales back
 to 1 (Serve stops a replica, which tells the router; its stream resumes on the other instance);
-every request's text equals the single engine's greedy text and nothing is left in flight."""
+every request's text equals the single engine's greedy text and nothing is left in flight.
+Deployed declaratively as `raycluster up` does, so `raycluster scale` is tried on it too."""
 
 from __future__ import annotations
 
@@ -60,12 +61,15 @@ def cluster(ray_cluster):
     import ray
     from ray import serve
 
-    from deployments.app import build_app
+    from deployments import scaling
     from deployments.launcher import wait_healthy
+    from raycluster.cluster.config import ClusterConfig
 
     port = _free_port()
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
-    serve.run(build_app(CFG), name="raycluster", route_prefix="/", blocking=False)
+    http = {"host": "127.0.0.1", "port": port}
+    serve.start(http_options=http)
+    # Declaratively, as `raycluster up` does (the args it applies are the config's JSON dump).
+    scaling.deploy(scaling.app_document("raycluster", "/", ClusterConfig(**CFG).model_dump(mode="json")), http)
     url = f"http://127.0.0.1:{port}"
     try:
         if not wait_healthy(url + "/health", 180):
@@ -220,5 +224,9 @@ def test_pool_scales_up_under_load_and_back_down_without_losing_requests(cluster
         print(f"\nscaled up at {t_up:.1f} s, last seen at 2 at {t_down:.1f} s, streams done at {t_long:.1f} s; "
               f"{len(got)} burst requests; served per instance {served}; resumed after the scale-down: {resumed}")
         assert t_down < t_long and len(resumed) == 1, (t_down, t_long, watch.where)
+        # `raycluster scale` on the deployed config: refused, Serve's autoscaler owns the size.
+        from deployments import scaling
+        with pytest.raises(ValueError, match="pool 'mixed' autoscales"):
+            scaling.scale("raycluster", "mixed", 2)
     finally:
         watch.stop()
