@@ -35,14 +35,20 @@ def placement(cfg: ClusterConfig, pool: PoolSpec) -> dict:
     return {"placement_group_bundles": bundles, "placement_group_strategy": pool.placement_strategy}
 
 
+def pool_options(cfg: ClusterConfig, pool: PoolSpec) -> dict:
+    """The Serve options of pool `pool`'s deployment: a fixed `num_replicas`, or for an autoscaled
+    pool Serve's `autoscaling_config` with the router-signal policy (raycluster.cluster.autoscale)."""
+    size = {"num_replicas": pool.instances} if pool.autoscaling is None else \
+        {"autoscaling_config": pool.autoscaling.serve_config(pool.instances)}
+    return {"name": pool_deployment(pool.role), **size,
+            "ray_actor_options": {"num_cpus": pool.num_cpus, "num_gpus": pool.num_gpus}, **placement(cfg, pool)}
+
+
 def build_app(args: dict) -> serve.Application:
     cfg = ClusterConfig(**(args or {}))
     get_or_create_router(router_config(cfg), name=cfg.router_name, namespace=cfg.namespace)
     blob = cfg.model_dump_json()
-    pools = [EngineInstance.options(name=pool_deployment(p.role), num_replicas=p.instances,
-                                    ray_actor_options={"num_cpus": p.num_cpus, "num_gpus": p.num_gpus},
-                                    **placement(cfg, p)).bind(p.role, blob)
-             for p in cfg.pools if p.instances > 0]
+    pools = [EngineInstance.options(**pool_options(cfg, p)).bind(p.role, blob) for p in cfg.pools if p.instances > 0]
     return Gateway.options(num_replicas=cfg.gateway_replicas,
                            ray_actor_options={"num_cpus": 0.5,
                                               "runtime_env": {"env_vars": {CONFIG_ENV: blob}}}).bind(*pools)

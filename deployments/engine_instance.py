@@ -6,6 +6,7 @@ through the named router actor, which the worker long-polls and reports to once 
 
 from __future__ import annotations
 
+import asyncio
 import os
 
 import ray
@@ -78,6 +79,14 @@ class EngineInstance:
         ranks = self.engine.runner.ranks
         if ranks is not None and not ranks.alive():   # Serve replaces the replica and its group
             raise RuntimeError(f"{self.instance_id}: a rank of its {self.engine.runner.layout} group is gone")
+
+    async def record_autoscaling_stats(self) -> dict[str, float]:
+        """Serve's custom autoscaling metrics (used by an autoscaled pool's policy,
+        raycluster.cluster.autoscale): this instance's requests and its pool's router queue, as
+        the router counts them. A router that does not answer (restarting) fails this sample:
+        Serve logs it and the policy averages over the samples it has."""
+        ref = self._router.autoscale_stats.remote(self.instance_id, self.worker.role)
+        return await asyncio.wait_for(ref, timeout=5.0)
 
     def instance_id_(self) -> str:
         return self.instance_id

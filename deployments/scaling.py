@@ -77,6 +77,13 @@ def scaled(app: dict, role: str, num_replicas: int) -> dict:
         raise ValueError(f"POOL: this cluster has no pool {role!r} (pools: {', '.join(pools)})")
     if num_replicas < 1:
         raise ValueError(f"N: a pool needs at least 1 instance, got {num_replicas}")
+    auto = next(p.get("autoscaling") for p in app["args"]["pools"]
+                if p.get("role") == role and p.get("instances", 1) > 0)
+    if auto:
+        raise ValueError(f"POOL: pool {role!r} autoscales (min_instances {auto.get('min_instances', 1)}, "
+                         f"max_instances {auto.get('max_instances')}): Serve's autoscaler sets its size from "
+                         "the router's load; change its pools[].autoscaling bounds in the app config and "
+                         "re-deploy it instead")
     out = copy.deepcopy(app)
     name = pool_deployment(role)
     deps = [d for d in out.get("deployments") or [] if d.get("name") != name]

@@ -13,7 +13,8 @@
 `up` runs the cluster (Ray Serve gateway, router, engine pools) on a new local Ray cluster or
 the one at `--address`; `--detach` starts it in the background, records its PID under the cache
 directory and returns once /health answers; `down` stops it; `status` asks the gateway;
-`scale` resizes one pool of the running cluster (the others keep running untouched).
+`scale` resizes one pool of the running cluster (the others keep running untouched); a pool
+with `autoscaling` is refused (Serve's autoscaler sizes it).
 """
 
 from __future__ import annotations

@@ -17,6 +17,47 @@ from raycluster.server.tool_parsers import TOOL_PARSERS
 Role = Literal["mixed", "prefill-short", "prefill-long", "decode"]
 
 
+class PoolAutoscaling(BaseModel):
+    """Serve autoscales the pool between `min_instances` and `max_instances` on the router's load
+    signal (raycluster.cluster.autoscale): requests queued in the router for the pool plus those
+    on its instances, `target_per_instance` of them per instance. The pool's `instances` is the
+    count it starts with."""
+    model_config = ConfigDict(extra="forbid")
+    min_instances: int = Field(1, ge=1, description="no scale to zero: a pool keeps one instance")
+    max_instances: int = Field(..., ge=1)
+    target_per_instance: float = Field(4.0, gt=0, description="requests (queued for the pool in the "
+                                       "router, or on an instance) per instance the pool is sized for")
+    upscale_delay_s: float = Field(5.0, ge=0, description="a larger size must be wanted this long")
+    downscale_delay_s: float = Field(60.0, ge=0, description="a smaller size must be wanted this long")
+    metrics_interval_s: float = Field(2.0, gt=0, description="how often each replica pushes its load "
+                                      "to Serve's controller (Serve's own default is 10 s)")
+    look_back_period_s: float = Field(10.0, gt=0, description="the window Serve averages the load over")
+
+    def problems(self, where: str, instances: int) -> list[str]:
+        """What is inconsistent in these bounds for a pool starting with `instances`, each
+        naming its field under `where` (e.g. "pools[1].autoscaling")."""
+        out = []
+        if self.max_instances < self.min_instances:
+            out.append(f"{where}.max_instances: {self.max_instances} is below min_instances ({self.min_instances})")
+        elif not self.min_instances <= instances <= self.max_instances:
+            out.append(f"{where[:-len('.autoscaling')]}.instances: the pool starts with {instances} instance(s), "
+                       f"outside its autoscaling bounds [{self.min_instances}, {self.max_instances}]")
+        if self.look_back_period_s <= self.metrics_interval_s:
+            out.append(f"{where}.look_back_period_s: {self.look_back_period_s} must exceed metrics_interval_s "
+                       f"({self.metrics_interval_s}), the window has to hold more than one report")
+        return out
+
+    def serve_config(self, initial: int) -> dict:
+        """Serve's `autoscaling_config` for the pool's deployment (it starts with `initial`)."""
+        from raycluster.cluster.autoscale import POLICY
+
+        return {"min_replicas": self.min_instances, "max_replicas": self.max_instances,
+                "initial_replicas": initial, "target_ongoing_requests": self.target_per_instance,
+                "upscale_delay_s": self.upscale_delay_s, "downscale_delay_s": self.downscale_delay_s,
+                "metrics_interval_s": self.metrics_interval_s, "look_back_period_s": self.look_back_period_s,
+                "policy": {"policy_function": POLICY}}
+
+
 class PoolSpec(BaseModel):
     model_config = ConfigDict(extra="forbid")
     role: Role
@@ -30,6 +71,9 @@ class PoolSpec(BaseModel):
         "group_launch: ray): each replica reserves one placement-group bundle per rank (num_cpus, num_gpus "
         "each) with this strategy; STRICT_PACK keeps a group on one node, the others let it span nodes "
         "(Medha's SPP stages on different nodes), which needs engine group_host: node")
+    autoscaling: PoolAutoscaling | None = Field(
+        None, description="None: the pool keeps `instances`; set: Serve's autoscaler sizes it between "
+        "min_instances and max_instances on the router's load signal, starting at `instances`")
 
 
 class ControllerConfig(BaseModel):
@@ -115,6 +159,16 @@ class ClusterConfig(BaseModel):
             raise ValueError("controller: it moves instances between the prefill-short and prefill-long "
                              "pools, so both need instances")
         for i, p in enumerate(self.pools):
+            a = p.autoscaling
+            if a is not None:
+                if self.controller.enabled:
+                    raise ValueError(f"pools[{i}].autoscaling: the pressure controller (controller.enabled) "
+                                     "moves instances between pools while Serve's autoscaler sizes each pool "
+                                     "on its own load; the two would work against each other on the same "
+                                     "instances, so turn one of them off")
+                problems = a.problems(f"pools[{i}].autoscaling", p.instances)
+                if problems:
+                    raise ValueError("; ".join(problems))
             ecfg = self.engine_config(p)       # fail at deploy time, not in a replica
             if ecfg.device.startswith("cuda") and p.num_gpus == 0:
                 raise ValueError(f"pools[{i}].num_gpus: the engine runs on {ecfg.device!r}, so Ray must "

@@ -150,6 +150,9 @@ class RouterActor:
     async def inflight(self) -> int:
         return self.core.inflight()
 
+    async def autoscale_stats(self, instance_id: str, role: str) -> dict:
+        return self.core.autoscale_stats(instance_id, role)
+
     async def placements(self) -> dict:
         return self.core.placements()
 

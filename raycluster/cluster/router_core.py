@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from collections import deque
 
+from raycluster.cluster.autoscale import INSTANCE_LOAD, POOL_QUEUE
 from raycluster.cluster.messages import (ROLES, GatewayReply, InstanceStats, PollReply, PrefillDone,
                                          RequestMeta, StepReport, SubmitReply, TokenEvent, WorkItem)
 from raycluster.cluster import router_placement as placement
@@ -492,6 +493,17 @@ class RouterCore:
 
     def inflight(self) -> int:
         return len(self.requests)
+
+    def autoscale_stats(self, instance_id: str, role: str) -> dict[str, float]:
+        """An autoscaled pool replica's load signal (raycluster.cluster.autoscale): the requests
+        handed to `instance_id` and not done there (queued, prefilling or decoding on it; 0 before
+        it first polls), and the requests waiting in the queues pool `role` serves (a queue no live
+        instance serves counts for the pool it is named after)."""
+        inst = self.instances.get(instance_id)
+        role = inst.role if inst is not None else role
+        queued = sum(len(self.policies[q]) + len(self.front[q]) for q in QUEUES
+                     if role in (self._serving_roles(q) or (q,)))     # nobody serves it: its own pool's
+        return {INSTANCE_LOAD: float(len(inst.running)) if inst is not None else 0.0, POOL_QUEUE: float(queued)}
 
     def placements(self) -> dict[str, dict]:
         return request_placements(self.requests)
