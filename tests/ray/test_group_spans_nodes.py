@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.ray
+pytestmark = [pytest.mark.ray, pytest.mark.slow]     # ~60-80 s: CI runs it (RUN_SLOW=1)
 
 SCRIPT = Path(__file__).with_name("two_node_groups.py")
 

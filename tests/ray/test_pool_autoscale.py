@@ -16,7 +16,7 @@ import time
 import httpx
 import pytest
 
-pytestmark = [pytest.mark.ray, pytest.mark.e2e]
+pytestmark = [pytest.mark.ray, pytest.mark.e2e, pytest.mark.slow]     # ~100 s: CI runs it (RUN_SLOW=1)
 
 ROUTER = "router-autoscale"
 CFG = {"model": "tiny", "policy": "fcfs", "threads_per_instance": 1, "max_local_waiting": 2,
