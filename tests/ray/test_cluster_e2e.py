@@ -16,6 +16,7 @@ import time
 
 import httpx
 import pytest
+from cluster_http import complete
 
 pytestmark = [pytest.mark.ray, pytest.mark.e2e]
 
@@ -187,29 +188,13 @@ def _placements() -> dict:
     return found
 
 
-async def _one(client: httpx.AsyncClient, url: str, prompt, max_tokens: int, stream: bool) -> str:
-    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, "stream": stream}
-    if not stream:
-        r = await client.post(url + "/v1/completions", json=body)
-        assert r.status_code == 200, r.text
-        return r.json()["choices"][0]["text"]
-    parts = []
-    async with client.stream("POST", url + "/v1/completions", json=body) as r:
-        assert r.status_code == 200
-        async for line in r.aiter_lines():
-            if line.startswith("data: ") and line != "data: [DONE]":
-                ev = json.loads(line[6:])
-                parts.extend(c["text"] for c in ev["choices"])
-    return "".join(parts)
-
-
 @pytest.mark.parametrize("stream", [False, True])
 def test_fifty_mixed_requests_equal_single_engine(cluster, workload, expected, stream):
     url, name = cluster
 
     async def run():
         async with httpx.AsyncClient(timeout=120) as client:
-            return await asyncio.gather(*(_one(client, url, p, m, stream) for p, m in workload))
+            return await asyncio.gather(*(complete(client, url, p, m, stream) for p, m in workload))
 
     got = asyncio.run(run())
     bad = [(i, g, e) for i, (g, e) in enumerate(zip(got, expected)) if g != e]
@@ -380,7 +365,7 @@ def test_controller_moves_a_long_instance_when_short_prompts_pile_up(cluster, wo
 
     async def run():
         async with httpx.AsyncClient(timeout=120) as client:
-            return await asyncio.gather(*(_one(client, url, p, workload[i][1], False) for i, p in shorts * 3))
+            return await asyncio.gather(*(complete(client, url, p, workload[i][1], False) for i, p in shorts * 3))
 
     got = asyncio.run(run())
     assert got == [expected[i] for i, _ in shorts * 3]

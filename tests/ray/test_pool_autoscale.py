@@ -15,6 +15,7 @@ import time
 
 import httpx
 import pytest
+from cluster_http import complete
 
 pytestmark = [pytest.mark.ray, pytest.mark.e2e, pytest.mark.slow]     # ~100 s: CI runs it (RUN_SLOW=1)
 
@@ -82,22 +83,6 @@ def cluster(ray_cluster):
             ray.kill(ray.get_actor(ROUTER, namespace="raycluster"))
         except ValueError:
             pass
-
-
-async def _complete(client: httpx.AsyncClient, url: str, prompt, max_tokens: int, stream: bool) -> str:
-    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, "stream": stream}
-    if not stream:
-        r = await client.post(url + "/v1/completions", json=body)
-        assert r.status_code == 200, r.text
-        return r.json()["choices"][0]["text"]
-    import json
-    parts = []
-    async with client.stream("POST", url + "/v1/completions", json=body) as r:
-        assert r.status_code == 200
-        async for line in r.aiter_lines():
-            if line.startswith("data: ") and line != "data: [DONE]":
-                parts.extend(c["text"] for c in json.loads(line[6:])["choices"])
-    return "".join(parts)
 
 
 class _Watch:
@@ -171,7 +156,7 @@ def test_pool_scales_up_under_load_and_back_down_without_losing_requests(cluster
                     if time.monotonic() - grown_at > 3:
                         break
                 prompt, want = burst[i % len(burst)]
-                got.append((await _complete(client_, url, prompt, BURST_TOKENS, stream=k % 2 == 0), want))
+                got.append((await complete(client_, url, prompt, BURST_TOKENS, stream=k % 2 == 0), want))
                 i += 1
 
         async def burst_phase() -> None:
@@ -205,7 +190,7 @@ def test_pool_scales_up_under_load_and_back_down_without_losing_requests(cluster
         async def long_phase() -> list[str]:
             async with httpx.AsyncClient(timeout=90) as c:
                 async def one(j):
-                    return await _complete(c, url, long_[j][0], LONG_TOKENS, stream=True)
+                    return await complete(c, url, long_[j][0], LONG_TOKENS, stream=True)
                 tasks = [asyncio.ensure_future(one(j)) for j in range(2)]
                 return await asyncio.gather(*tasks)
 

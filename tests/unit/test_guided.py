@@ -88,6 +88,17 @@ def test_unguided_output_does_not_match(model, tok):
         json.loads(tok.decode(out))
 
 
+def _resumed(model, tok, prompt: list[int], sp: SamplingParams, had: list[int]) -> list[int]:
+    """The output of a request resumed on a fresh engine with the tokens it `had`."""
+    dec = _engine(model, tok)
+    r = dec.add_request("d", prompt, sp, output_token_ids=had)
+    for _ in range(500):
+        if not dec.has_unfinished():
+            break
+        dec.step()
+    return r.output_token_ids
+
+
 def test_a_resumed_request_continues_its_pattern_exactly(model, tok):
     """A P/D handoff: the prefill side samples the first token, the decode side gets the
     request with that token and replays it into a fresh guide; the whole output equals one
@@ -100,13 +111,7 @@ def test_a_resumed_request_continues_its_pattern_exactly(model, tok):
     (first,) = [t for o in pre.step().outputs for t in o.new_token_ids]
     assert first == whole[0] and not pre._guided._guides          # forgotten when it finished
     for cut in (1, 7):      # also a request resumed mid-output (a router restart)
-        dec = _engine(model, tok)
-        r = dec.add_request("d", prompt, sp, output_token_ids=whole[:cut])
-        for _ in range(500):
-            if not dec.has_unfinished():
-                break
-            dec.step()
-        assert r.output_token_ids == whole
+        assert _resumed(model, tok, prompt, sp, whole[:cut]) == whole
     _check(tok.decode(whole), "schema")
 
 
@@ -328,13 +333,7 @@ def test_a_resumed_grammar_request_continues_exactly(model, tok):
     whole = _engine(model, tok).generate([prompt], sp)[0]
     assert tok.decode(whole[:-1]) == "(x)"         # this model's greedy sentence for this prompt
     for cut in (1, 2):
-        dec = _engine(model, tok)
-        r = dec.add_request("d", prompt, sp, output_token_ids=whole[:cut])
-        for _ in range(200):
-            if not dec.has_unfinished():
-                break
-            dec.step()
-        assert r.output_token_ids == whole
+        assert _resumed(model, tok, prompt, sp, whole[:cut]) == whole
 
 
 def test_engine_refuses_a_grammar_it_cannot_compile(model, tok):
