@@ -21,7 +21,8 @@ ROOT = Path(__file__).resolve().parents[2]
 K8S = ROOT / "k8s"
 SCHEMAS = ROOT / "tests" / "data" / "kuberay"
 # manifest -> the Serve config whose application it serves
-TWINS = {"rayservice.yaml": "mixed.yaml", "rayservice-pd.yaml": "pd.yaml", "rayservice-pd-gpu.yaml": "pd-gpu.yaml"}
+TWINS = {"rayservice.yaml": "mixed.yaml", "rayservice-pd.yaml": "pd.yaml", "rayservice-pd-gpu.yaml": "pd-gpu.yaml",
+         "rayservice-spp-nodes-gpu.yaml": "spp-nodes-gpu.yaml"}
 GATEWAY_CPUS = 0.5     # deployments/app.py: the gateway replica's ray_actor_options
 
 
@@ -130,6 +131,11 @@ def test_every_ray_container_reads_the_api_key_from_an_optional_secret(path):
             assert ref == {"name": "raycluster-api-key", "key": "key", "optional": True}, (path.name, c["name"])
 
 
+def ranks(cfg: ClusterConfig, pool) -> int:
+    """Bundles a replica of `pool` reserves: one per rank of the group it leads, else its own."""
+    return len(cfg.placement_bundles(pool) or [None])
+
+
 @pytest.mark.parametrize("name", sorted(TWINS))
 def test_worker_groups_hold_the_cpus_the_replicas_ask_for(name):
     m = load(K8S / name)
@@ -137,7 +143,7 @@ def test_worker_groups_hold_the_cpus_the_replicas_ask_for(name):
     cfg = ClusterConfig(**app["args"])
     replicas = {f"pool-{p.role}": p.instances for p in cfg.pools}
     replicas.update({d["name"]: d["num_replicas"] for d in app.get("deployments", [])})
-    by_pool = {f"pool-{p.role}": p.num_cpus for p in cfg.pools}
+    by_pool = {f"pool-{p.role}": p.num_cpus * ranks(cfg, p) for p in cfg.pools}
     asked = sum(n * by_pool[d] for d, n in replicas.items()) + GATEWAY_CPUS * cfg.gateway_replicas
     rc = cluster_spec(m)
     # The head runs with num-cpus 0: Ray places every replica on the workers.
@@ -151,7 +157,7 @@ def test_worker_groups_hold_the_cpus_the_replicas_ask_for(name):
 def test_worker_groups_hold_the_gpus_the_replicas_ask_for(name):
     m = load(K8S / name)
     cfg = ClusterConfig(**yaml.safe_load(m["spec"]["serveConfigV2"])["applications"][0]["args"])
-    asked = sum(p.instances * p.num_gpus for p in cfg.pools)
+    asked = sum(p.instances * p.num_gpus * ranks(cfg, p) for p in cfg.pools)
     groups = cluster_spec(m)["workerGroupSpecs"]
     gpus = [float(g["template"]["spec"]["containers"][0]["resources"]["limits"].get("nvidia.com/gpu", 0))
             for g in groups]
