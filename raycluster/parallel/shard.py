@@ -217,15 +217,22 @@ def _vocab_modules(sharded: LlamaForCausalLM, full_cfg: ModelConfig, rank: int, 
         sharded.lm_head = ParallelLMHead(head)
 
 
+def _lane_rows(weight: torch.Tensor, lo: int, hi: int, rows: int) -> torch.Tensor:
+    """A lane's `rows` rows of a full embedding or head: a view of rows [lo, hi) when no padding
+    falls in them (the full model, which its holder keeps anyway, is not copied again), else a
+    padded copy."""
+    return weight[lo:hi] if hi - lo == rows else pad_rows(weight[lo:hi], rows)
+
+
 @torch.no_grad()
 def shard_model(model: LlamaForCausalLM, rank: int, tp: int,
                 reduce: Callable[[torch.Tensor], torch.Tensor] = _identity,
                 layers: range | None = None, *, embed: bool = True, head: bool = True) -> LlamaForCausalLM:
     """Rank `rank`'s model of a `tp`-way group, from a loaded full model: its own sharded
     decoder layers and the full model's final norm (shared, not copied). With tp > 1 the
-    embedding and the output head are vocab-parallel (raycluster.parallel.vocab): copies of
-    lane `rank`'s padded rows of them (where `embed` / `head` ask; a tied model's head the same
-    tensor as its embedding rows), the embedding summed over the lanes by `reduce`; with tp == 1
+    embedding and the output head are vocab-parallel (raycluster.parallel.vocab): lane `rank`'s
+    rows of them, views of the full model's (copies padded with zero rows where the padding
+    falls), where `embed` / `head` ask (a tied model's head the same tensor as its embedding rows), the embedding summed over the lanes by `reduce`; with tp == 1
     the full model's embedding and head, shared. Its config has the rank's head counts, so
     `kv_cache_shape` is the rank's KV. `reduce` sums a row-parallel layer's (and the vocab-
     parallel embedding's) output over the group (identity: one rank's partial sums, for
@@ -248,10 +255,10 @@ def shard_model(model: LlamaForCausalLM, rank: int, tp: int,
     cfg = model.config
     lo, hi, rows = vocab_rows(cfg.vocab_size, tp, rank)
     tied = cfg.tie_word_embeddings
-    emb = pad_rows(model.model.embed_tokens.weight[lo:hi], rows) if embed or (head and tied) else None
+    emb = _lane_rows(model.model.embed_tokens.weight, lo, hi, rows) if embed or (head and tied) else None
     out = None
     if head:
-        out = emb if tied else pad_rows(model.lm_head.weight[lo:hi], rows)
+        out = emb if tied else _lane_rows(model.lm_head.weight, lo, hi, rows)
     _vocab_modules(sharded, cfg, rank, tp, reduce, emb if embed else None, out)
     return _finish(sharded)
 

@@ -71,10 +71,11 @@ def test_each_lane_holds_only_its_rows_read_from_the_file_as_cut_from_the_model(
             assert isinstance(emb, VocabParallelEmbedding) and isinstance(head, ParallelLMHead)
             assert (emb.lo, emb.hi) == (lo, hi)
             assert emb.weight.shape == head.weight.shape == (rows, H)
-            # Only V' / tp rows are held: tied, one tensor for both; untied, two.
             assert (head.weight is emb.weight) == tied
-            assert _storage_elems(emb.weight, head.weight) == rows * H * (1 if tied else 2)
             assert torch.equal(emb.weight[hi - lo:], torch.zeros(rows - (hi - lo), H))    # padding rows
+        # Read from the file, only V' / tp rows are held: tied, one tensor for both; untied, two.
+        # (Cut from the full model, they are views of it where no padding falls.)
+        assert _storage_elems(read.model.embed_tokens.weight, read.lm_head.weight) == rows * H * (1 if tied else 2)
         assert torch.equal(read.model.embed_tokens.weight, cut.model.embed_tokens.weight)
         assert torch.equal(read.lm_head.weight, cut.lm_head.weight)
         embeds.append(read.model.embed_tokens.weight[:hi - lo])
