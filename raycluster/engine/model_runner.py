@@ -63,14 +63,24 @@ class ModelRunner:
         pass
 
 
+def plan_logits(runner, plan) -> torch.Tensor:
+    """The logits [n, vocab] of plan.sample_rows, in the model's dtype: `runner.run_plan`'s own
+    when the runner computes them (`returns_logits`: groups with vocab-parallel TP lanes, which
+    gather them from the lanes), else the output head on the final hidden rows it returns."""
+    out = runner.run_plan(plan)
+    if getattr(runner, "returns_logits", False):
+        return out
+    return runner.model.compute_logits(out)
+
+
 def execute_step(runner, out: SchedulerOutput) -> StepLogits:
-    """What every runner's `execute` does: plan the step, run it (`runner.run_plan`), and turn
-    the sampled rows into fp32 logits with the leader's copy of the output head."""
+    """What every runner's `execute` does: plan the step, run it, and turn the sampled rows into
+    fp32 logits (`plan_logits`: the leader's output head, or the group's vocab-parallel lanes)."""
     plan, reqs, prompt = step_plan(out, runner.kv.block_tables)
-    hidden = runner.run_plan(plan)
     if not plan.sample_rows:
+        hidden = runner.run_plan(plan)
         return StepLogits(logits=hidden.new_empty((0, 0)).float(), requests=reqs)
-    logits = runner.model.compute_logits(hidden).float()
+    logits = plan_logits(runner, plan).float()
     if not prompt:
         return StepLogits(logits=logits, requests=reqs)
     # Prompt rows (at most a step's prefill tokens of them) are split off the sampled ones.

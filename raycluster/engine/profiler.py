@@ -19,7 +19,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from raycluster.engine.model_runner import ModelRunner
+from raycluster.engine.model_runner import ModelRunner, plan_logits
 from raycluster.parallel.plan import StepPlan
 from raycluster.model.registry import cache_dir
 from raycluster.sched.predictor import LinearBatchPredictor
@@ -55,7 +55,7 @@ def make_run_batch(runner: ModelRunner) -> RunBatch:
                         prefill_lens=lens, prefill_tables=p_tables,
                         decode_positions=[kv - 1 for kv in decode_kv], decode_tables=d_tables, sample_rows=rows)
         t0 = time.perf_counter()
-        runner.model.compute_logits(runner.run_plan(plan))
+        plan_logits(runner, plan)
         return time.perf_counter() - t0
 
     return run

@@ -4,6 +4,7 @@ and errors that name the offending tensor or file.
 
 `load_model` builds the whole model (one process serves it). `load_tensors` reads just the
 tensors a caller names, each whole or one `TensorPart` of it (a contiguous chunk along one dim,
+or a `RowsPart`: a range of rows padded with zeros,
 read from the file with `safe_open(...).get_slice`, so the rest of the tensor is never read):
 a tensor-parallel or pipeline rank loads only its shard this way (raycluster.parallel.shard).
 Both check every checkpoint name against the model the config describes and every shape
@@ -142,8 +143,33 @@ class TensorPart:
             index[self.dim] = slice(*self.bounds(shape[self.dim]))
         return tensor_slice[tuple(index)]
 
+    def out_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
+        """The shape of this part of a tensor of `shape`."""
+        out = list(shape)
+        if self.parts > 1:
+            lo, hi = self.bounds(shape[self.dim])
+            out[self.dim] = hi - lo
+        return tuple(out)
+
 
 WHOLE = TensorPart()
+
+
+@dataclass(frozen=True)
+class RowsPart:
+    """Rows [lo, hi) of a tensor, padded with zero rows up to `rows` (a vocab-parallel lane's
+    embedding or head rows: raycluster.parallel.vocab.vocab_rows); only [lo, hi) is read."""
+    lo: int
+    hi: int
+    rows: int
+
+    def read(self, tensor_slice, shape: tuple[int, ...]) -> torch.Tensor:
+        if not 0 <= self.lo <= self.hi <= shape[0] or self.hi - self.lo > self.rows:
+            raise ValueError(f"rows [{self.lo}, {self.hi}) padded to {self.rows} do not fit {shape[0]} rows")
+        return tensor_slice[self.lo:self.hi]
+
+    def out_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
+        return (self.rows,) + tuple(shape[1:])
 
 
 def model_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
@@ -173,8 +199,14 @@ def load_tensors(path: str | os.PathLike, config: ModelConfig, wanted: Mapping[s
                     # The slice is a view into the mapped file (safetensors maps it; only the
                     # pages the slice covers are read): copy it out so the parameter owns
                     # exactly its part, contiguous, and holds no reference to the mapping.
-                    view = wanted[name].read(f.get_slice(name), shapes[name])
-                    out[name] = torch.empty(view.shape, dtype=dtype, device=device).copy_(view)
+                    part = wanted[name]
+                    view = part.read(f.get_slice(name), shapes[name])
+                    shape = part.out_shape(shapes[name])
+                    if tuple(view.shape) == shape:
+                        out[name] = torch.empty(shape, dtype=dtype, device=device).copy_(view)
+                    else:       # a padded part (`RowsPart`): the rows read, then zeros
+                        out[name] = torch.zeros(shape, dtype=dtype, device=device)
+                        out[name][:view.shape[0]].copy_(view)
     _check_missing(set(wanted) - set(out))
     return out
 

@@ -22,10 +22,15 @@ head t // (tp / Hkv), replicated over the lanes sharing it: raycluster.parallel.
 raycluster.parallel.tp's shard of the layers, whose row-parallel all-reduces run over the lanes
 of rank k (a `Collective.subgroup`). The per-layer all_gather of attention states runs over the
 KVP peers of its lane (ranks k' * tp + t: the same heads), merged in KVP rank order as above.
-`kvp_rank` builds either kind of rank; the leader's block bookkeeping is plain KVP's.
+The embedding is vocab-parallel (raycluster.parallel.vocab: lane t's vocab rows, the lookups
+summed over rank k's lanes), and so is the output head, held by KVP rank 0's lanes only: they
+compute the logits of their vocab slices of the sampled rows, which the leader gathers (one
+gather per step; `KVPRunner.run_plan` returns the logits). `kvp_rank` builds either kind of
+rank; the leader's block bookkeeping is plain KVP's.
 
 Data enters as a `StepPlan` (global block tables) posted by the leader (world rank 0, the
-engine's `KVPRunner`); what leaves is the leader's final hidden rows of `plan.sample_rows`. KV
+engine's `KVPRunner`); what leaves is the leader's final hidden rows of `plan.sample_rows`
+(with TP lanes, their logits). KV
 for P/D handoffs enters and leaves as whole blocks (all layers, all heads) through the leader's
 `StagedPort`: `load_blocks` sends each block's heads to the lanes of the KVP rank holding it
 (every replica of a replicated head its copy), `save_blocks` gathers each head back once, from
@@ -49,6 +54,7 @@ from raycluster.parallel.group import Collective
 from raycluster.parallel.kv_port import KV_TAG, KVLoad, KVSave, StagedPort, rank_handler
 from raycluster.parallel.plan import StepPlan, plan_inputs
 from raycluster.parallel.shard import Checkpoint, GroupModel, kv_heads_of, kv_holder, rank_model
+from raycluster.parallel.vocab import gather_logits
 
 
 class _Striping:
@@ -288,6 +294,10 @@ class KVPRank:
         self.coll = coll
         self.link = coll if link is None else link
         self.backend = KVPAttention(coll if world > 1 else None)
+        # KVP x TP: the lanes of KVP rank 0 (world ranks 0..tp-1) hold the vocab-parallel head
+        # and compute the logits; the leader gathers them over `link` (`kvp_rank` sets the
+        # whole model's vocab size).
+        self.vocab: int | None = None
 
     def owned(self, block_ids: list[int]) -> tuple[list[int], torch.Tensor]:
         """Positions in `block_ids` of the blocks on this rank, and their local ids."""
@@ -328,12 +338,22 @@ class KVPRank:
             self.link.send(part, 0, KV_TAG).wait()
         return part
 
-    def run(self, plan: StepPlan) -> torch.Tensor:
+    def run(self, plan: StepPlan) -> torch.Tensor | None:
+        """The final hidden rows of plan.sample_rows [n, H] (plain KVP); with TP lanes, the
+        leader's full logits [n, vocab], gathered from KVP rank 0's lanes (None elsewhere)."""
         input_ids, positions, gmeta = plan_inputs(plan, self.block_size, self.device)
         meta = kvp_meta(plan, gmeta.slot_mapping, self.rank, self.world, self.block_size,
                         self.blocks_per_rank, self.device)
         hidden = self.model(input_ids, positions, self.kv_cache, meta, backend=self.backend)
-        return hidden.index_select(0, torch.tensor(plan.sample_rows, dtype=torch.long, device=hidden.device))
+        rows = hidden.index_select(0, torch.tensor(plan.sample_rows, dtype=torch.long, device=hidden.device))
+        if self.tp == 1:
+            return rows
+        if self.rank != 0:          # only KVP rank 0's lanes hold the head
+            return None
+        w = self.model.lm_head.weight
+        local = self.model.lm_head(rows) if len(plan.sample_rows) else None
+        return gather_logits(self.link, local, list(range(self.tp)), self.vocab, len(plan.sample_rows), w.shape[0],
+                             w.dtype, w.device)
 
 
 def owned_positions(block_ids: list[int], kvp_rank: int, blocks_per_rank: int) -> list[int]:
@@ -368,10 +388,13 @@ def kvp_rank(model, coll: Collective | None, world_rank: int, kvp: int, tp: int,
     k, t = divmod(world_rank, tp)
     lanes = coll.subgroup(range(k * tp, (k + 1) * tp))
     peers = coll.subgroup(range(t, kvp * tp, tp))
-    # Cut from a full model, or read from the checkpoint (only the leader reads the output head).
-    shard = rank_model(model, t, tp, lanes.all_reduce, None, dtype, device, head=world_rank == 0)
-    return KVPRank(shard, peers, k, kvp, blocks_per_rank, block_size, dtype, device, link=coll, lane=t, tp=tp,
+    # Cut from a full model, or read from the checkpoint: every lane its vocab rows of the
+    # embedding (summed over `lanes`), KVP rank 0's lanes their rows of the output head.
+    shard = rank_model(model, t, tp, lanes.all_reduce, None, dtype, device, head=k == 0)
+    rank = KVPRank(shard, peers, k, kvp, blocks_per_rank, block_size, dtype, device, link=coll, lane=t, tp=tp,
                    num_kv_heads=model.config.num_key_value_heads)
+    rank.vocab = model.config.vocab_size
+    return rank
 
 
 def kvp_worker(model, coll: Collective, blocks_per_rank: int, block_size: int, dtype: torch.dtype,
@@ -399,8 +422,10 @@ class KVPRunner:
         self.layout = f"kvp{world}" if tp == 1 else f"kvp{world}xtp{tp}"
         self.kv = striped_kv_manager(blocks_per_rank, world, block_size, prefix_caching)
         self.rank0 = kvp_rank(model, coll, 0, world, tp, blocks_per_rank, block_size, dtype, device)
-        # The logits: the full model's head, or (KVP x TP from a checkpoint) the leader shard's.
-        self.model = GroupModel(model.config, self.rank0.model) if isinstance(model, Checkpoint) else model
+        # The logits: plain KVP's from the full model's head; KVP x TP's from run_plan.
+        self.model = (GroupModel(model.config, self.rank0.model, tp > 1) if isinstance(model, Checkpoint)
+                      else model)
+        self.returns_logits = tp > 1        # run_plan gathers them from KVP rank 0's lanes
         self.device = self.rank0.device
         # Connectors see a staging area of whole blocks (every layer, every head) of the leader's
         # own KV bytes: one KVP rank's blocks, or 1/tp of them with TP lanes (1/Hkv with

@@ -19,12 +19,19 @@ num_attention_heads / tp query heads are all in that head's GQA group. `check_tp
 other tp.
 
 The modules outside the decoder layers, loaded only where they run (`load_shard`'s flags, chosen
-by raycluster.parallel.tp and .spp): the embedding on every rank that embeds the step's tokens
-(every TP rank; an SPP stage's first-stage ranks), the final norm where the final hidden rows
-are normed (every TP rank; the SPP rank that returns the rows), the output head (`lm_head`,
-untied checkpoints) on the group's leader only, which computes the logits from the returned
-rows (engine.model_runner.execute_step, through `GroupModel`). A module a rank does not load
-is None, so using it by mistake fails at once.
+by raycluster.parallel.tp, .kvp and .spp). With tp > 1 the embedding and the output head are
+vocab-parallel (raycluster.parallel.vocab, vLLM's VocabParallelEmbedding / ParallelLMHead): lane
+t holds only its rows [t V' / tp, (t + 1) V' / tp) of each, V' the vocab padded to a multiple of
+tp with zero rows (`RowsPart` reads just those rows from the file), a tied model's head the same
+tensor as its embedding rows. The embedding is on every rank that embeds the step's tokens
+(every TP rank and KVP x TP lane; the first SPP stage's), its lookups summed over the lanes by
+the layers' `reduce`; the final norm and the head are on the lanes that compute the logits
+(every TP rank; KVP rank 0's lanes; the last SPP stage's KVP rank 0 lanes), whose slices the
+leader gathers (its runner's `run_plan` returns the logits). With tp == 1 (plain SPP) the whole
+embedding is on the first stage, the final norm on the rank returning the rows, the whole head
+(`lm_head`, untied checkpoints) on the leader, which computes the logits from the returned rows
+(engine.model_runner.execute_step, through `GroupModel`). A module a rank does not load is None,
+so using it by mistake fails at once.
 
 A rank's weights enter as a `Checkpoint` (path + config) or a loaded full model
 (`rank_model` takes either); the rank's model leaves, on its device, with the rank's config
@@ -42,7 +49,8 @@ from torch import nn
 
 from raycluster.model.config import ModelConfig
 from raycluster.model.llama import DecoderLayer, LlamaForCausalLM
-from raycluster.model.loader import WHOLE, TensorPart, load_tensors
+from raycluster.model.loader import WHOLE, RowsPart, TensorPart, load_tensors
+from raycluster.parallel.vocab import ParallelLMHead, VocabParallelEmbedding, pad_rows, vocab_rows
 
 # Decoder-layer parameters split over the ranks, and along which dim (nn.Linear weights are
 # [out, in]: column-parallel layers split dim 0 and their bias, row-parallel ones dim 1).
@@ -194,16 +202,42 @@ def _finish(model: LlamaForCausalLM) -> LlamaForCausalLM:
     return model
 
 
+def _vocab_modules(sharded: LlamaForCausalLM, full_cfg: ModelConfig, rank: int, tp: int, reduce: Callable,
+                   embed: torch.Tensor | None, head: torch.Tensor | None) -> None:
+    """Set a tp > 1 shard's vocab-parallel embedding and head from lane `rank`'s padded rows
+    (None: the module is not held). A tied model's head is the embedding's Parameter itself."""
+    lo, hi, _ = vocab_rows(full_cfg.vocab_size, tp, rank)
+    top = sharded.model
+    top.embed_tokens = None if embed is None else VocabParallelEmbedding(embed, lo, hi, reduce)
+    if head is None:
+        sharded.lm_head = None
+    elif top.embed_tokens is not None and head is embed:
+        sharded.lm_head = ParallelLMHead(top.embed_tokens.weight)
+    else:
+        sharded.lm_head = ParallelLMHead(head)
+
+
+def _lane_rows(weight: torch.Tensor, lo: int, hi: int, rows: int) -> torch.Tensor:
+    """A lane's `rows` rows of a full embedding or head: a view of rows [lo, hi) when no padding
+    falls in them (the full model, which its holder keeps anyway, is not copied again), else a
+    padded copy."""
+    return weight[lo:hi] if hi - lo == rows else pad_rows(weight[lo:hi], rows)
+
+
 @torch.no_grad()
 def shard_model(model: LlamaForCausalLM, rank: int, tp: int,
                 reduce: Callable[[torch.Tensor], torch.Tensor] = _identity,
-                layers: range | None = None) -> LlamaForCausalLM:
+                layers: range | None = None, *, embed: bool = True, head: bool = True) -> LlamaForCausalLM:
     """Rank `rank`'s model of a `tp`-way group, from a loaded full model: its own sharded
-    decoder layers, and the full model's embedding, final norm and output head (shared modules,
-    not copies). Its config has the rank's head counts, so `kv_cache_shape` is the rank's KV.
-    `reduce` sums a row-parallel layer's output over the group (identity: one rank's partial
-    sums, for tests). `layers`: only these decoder layers of the full model (an SPP stage's
-    range; default all); the shard's config then counts just them, as does its KV shape."""
+    decoder layers and the full model's final norm (shared, not copied). With tp > 1 the
+    embedding and the output head are vocab-parallel (raycluster.parallel.vocab): lane `rank`'s
+    rows of them, views of the full model's (copies padded with zero rows where the padding
+    falls), where `embed` / `head` ask (a tied model's head the same tensor as its embedding rows), the embedding summed over the lanes by `reduce`; with tp == 1
+    the full model's embedding and head, shared. Its config has the rank's head counts, so
+    `kv_cache_shape` is the rank's KV. `reduce` sums a row-parallel layer's (and the vocab-
+    parallel embedding's) output over the group (identity: one rank's partial sums, for
+    tests). `layers`: only these decoder layers of the full model (an SPP stage's range;
+    default all); the shard's config then counts just them, as does its KV shape."""
     layers = _check_layers(model.config, rank, tp, layers)
     state = model.state_dict()
 
@@ -213,9 +247,19 @@ def shard_model(model: LlamaForCausalLM, rank: int, tp: int,
                                  model.config.num_key_value_heads)
 
     sharded = _assemble(model.config, rank, tp, reduce, layers, layer_state)
-    sharded.model.embed_tokens = model.model.embed_tokens
     sharded.model.norm = model.model.norm
-    sharded.lm_head = model.lm_head
+    if tp == 1:
+        sharded.model.embed_tokens = model.model.embed_tokens
+        sharded.lm_head = model.lm_head
+        return _finish(sharded)
+    cfg = model.config
+    lo, hi, rows = vocab_rows(cfg.vocab_size, tp, rank)
+    tied = cfg.tie_word_embeddings
+    emb = _lane_rows(model.model.embed_tokens.weight, lo, hi, rows) if embed or (head and tied) else None
+    out = None
+    if head:
+        out = emb if tied else _lane_rows(model.lm_head.weight, lo, hi, rows)
+    _vocab_modules(sharded, cfg, rank, tp, reduce, emb if embed else None, out)
     return _finish(sharded)
 
 
@@ -227,7 +271,10 @@ def load_shard(ckpt: Checkpoint, rank: int, tp: int, reduce: Callable[[torch.Ten
     """What `shard_model(load_model(ckpt.path), rank, tp, reduce, layers)` builds (the same
     modules, the same values), read from the checkpoint: only the rank's slices of its layers,
     plus the embedding / final norm / output head where `embed` / `norm` / `head` ask for them
-    (None otherwise). A tied checkpoint's head is the embedding: `head` then loads it."""
+    (None otherwise). With tp > 1 only lane `rank`'s vocab rows of the embedding and head are
+    read (padded with zero rows: raycluster.parallel.vocab); a tied checkpoint's head is the
+    embedding: `head` then reads those rows (the head and the embedding, if both are asked
+    for, share them)."""
     full_cfg = ckpt.config
     layers = _check_layers(full_cfg, rank, tp, layers)
     names = _layer_names(full_cfg)
@@ -238,13 +285,14 @@ def load_shard(ckpt: Checkpoint, rank: int, tp: int, reduce: Callable[[torch.Ten
             if part is not None:
                 wanted[f"model.layers.{i}.{name}"] = part
     tied = full_cfg.tie_word_embeddings
-    embed = embed or (head and tied)
-    if embed:
-        wanted["model.embed_tokens.weight"] = WHOLE
+    vocab = WHOLE if tp == 1 else RowsPart(*vocab_rows(full_cfg.vocab_size, tp, rank))
+    read_embed = embed or (head and tied)
+    if read_embed:
+        wanted["model.embed_tokens.weight"] = vocab
     if norm:
         wanted["model.norm.weight"] = WHOLE
     if head and not tied:
-        wanted["lm_head.weight"] = WHOLE
+        wanted["lm_head.weight"] = vocab
     tensors = load_tensors(ckpt.path, full_cfg, wanted, dtype, device)
 
     def layer_state(i: int) -> dict[str, torch.Tensor]:
@@ -253,14 +301,21 @@ def load_shard(ckpt: Checkpoint, rank: int, tp: int, reduce: Callable[[torch.Ten
 
     sharded = _assemble(full_cfg, rank, tp, reduce, layers, layer_state)
     top = sharded.model
-    if embed:
-        top.embed_tokens.load_state_dict({"weight": tensors["model.embed_tokens.weight"]}, assign=True)
-    else:
-        top.embed_tokens = None
     if norm:
         top.norm.load_state_dict({"weight": tensors["model.norm.weight"]}, assign=True)
     else:
         top.norm = None
+    if tp > 1:
+        emb = tensors.get("model.embed_tokens.weight")
+        out = None
+        if head:
+            out = emb if tied else tensors["lm_head.weight"]
+        _vocab_modules(sharded, full_cfg, rank, tp, reduce, emb if embed else None, out)
+        return _finish(sharded)
+    if read_embed:
+        top.embed_tokens.load_state_dict({"weight": tensors["model.embed_tokens.weight"]}, assign=True)
+    else:
+        top.embed_tokens = None
     if head and not tied:
         sharded.lm_head.load_state_dict({"weight": tensors["lm_head.weight"]}, assign=True)
     else:
@@ -280,28 +335,35 @@ def rank_model(source: LlamaForCausalLM | Checkpoint, rank: int, tp: int,
                dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu", *, embed: bool = True,
                norm: bool = True, head: bool = True) -> LlamaForCausalLM:
     """A rank's model from either source: read from the checkpoint (`load_shard`, just what the
-    flags ask for), or cut from a full model in memory (`shard_model`, sharing its embedding,
-    norm and head whatever the flags say)."""
+    flags ask for), or cut from a full model in memory (`shard_model`: with tp > 1 the vocab
+    rows of the embedding and head the flags ask for; it shares the norm, and with tp == 1 the
+    embedding and head, whatever the flags say)."""
     if isinstance(source, Checkpoint):
         return load_shard(source, rank, tp, reduce, layers, dtype, device, embed=embed, norm=norm, head=head)
-    return shard_model(source, rank, tp, reduce, layers)
+    return shard_model(source, rank, tp, reduce, layers, embed=embed, head=head)
 
 
 class GroupModel:
     """What the engine and the leader's runner read from "the model" when no process holds it
     whole: the full config (vocab, heads, layers, so `kv_cache_shape` is the whole group's KV)
-    and the logits, from the leader's shard, which holds the output head."""
+    and, for a group without TP lanes (plain SPP), the logits from the leader's shard, which
+    holds the output head. A group with TP lanes (`vocab_parallel`) computes its logits itself:
+    its runner's `run_plan` returns them gathered from the lanes' vocab slices."""
 
     backend = None
 
-    def __init__(self, config: ModelConfig, leader_shard: LlamaForCausalLM) -> None:
+    def __init__(self, config: ModelConfig, leader_shard: LlamaForCausalLM, vocab_parallel: bool = False) -> None:
         self.config = config
         self.leader_shard = leader_shard
+        self.vocab_parallel = vocab_parallel
 
     def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
         return LlamaForCausalLM.kv_cache_shape(self, num_blocks, block_size)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self.vocab_parallel:
+            raise RuntimeError("a vocab-parallel group's logits come from its runner's run_plan (its lanes' head "
+                               "slices, gathered): the leader holds no whole output head")
         return self.leader_shard.compute_logits(hidden)
 
 

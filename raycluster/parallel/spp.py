@@ -15,8 +15,12 @@ SPP x TP (Medha's TP x SPP, e.g. TP8 x SPP2; `tp` > 1): each stage is a TP group
 world rank = stage * tp + lane. A rank runs raycluster.parallel.tp's shard of its stage's layers
 (its heads and MLP share), whose row-parallel all-reduces run over its stage's ranks only (a
 `Collective.subgroup`); the plan chain still runs over the whole world. A stage's lanes all end
-with the same hidden states, so lane t of stage s sends its micro-batch to lane t of stage s+1;
-lane 0 of the last stage returns the sampled rows. A rank's KV holds its stage's layers and its
+with the same hidden states, so lane t of stage s sends its micro-batch to lane t of stage s+1.
+The embedding and output head are vocab-parallel (raycluster.parallel.vocab): the first
+stage's lane t holds its vocab rows of the embedding (the lookups summed over the stage's
+lanes), the last stage's lane t its rows of the head; every last-stage lane norms the sampled
+rows and computes the logits of its vocab slice, which the leader gathers (one gather per step)
+and `run_plan` returns. A rank's KV holds its stage's layers and its
 lane's KV heads of the same engine block ids (with tp > Hkv, the lane's one replicated head:
 raycluster.parallel.shard.kv_split), so the leader's block bookkeeping is the plain engine's;
 P/D handoffs move each (layers x heads) slice to its rank (every replica its copy) and back from
@@ -32,14 +36,18 @@ is a `KVPAttention` over ranks (s, *, t) (`kvp_group`); each micro-batch's metad
 KV was written at this stage, by its owners, in earlier micro-batches; the KVP ranks take turns
 attending a sub-chunk to itself, micro-batch by micro-batch). The merged attention output and the
 replicated linear layers leave every (k, t) rank of a stage with the same hidden states, so
-(s, k, t) sends to (s+1, k, t); (last stage, 0, 0) returns the rows. P/D handoffs move each
+(s, k, t) sends to (s+1, k, t); (last stage, 0, 0) returns the rows (tp == 1), or the lanes
+(last stage, 0, *) their logit slices (tp > 1). P/D handoffs move each
 block's (stage layers x lane heads) slice to or from the ranks of the KVP rank holding it.
 
 Weights: given a `Checkpoint` (raycluster.parallel.shard), each rank reads only its stage's
 layers (its lane's heads of them with TP), the embedding if it is in the first stage, the final
 norm if it returns the rows, and the output head if it is the leader (which computes the logits;
-`SPPRunner.model` is then a `GroupModel`): no rank holds the full decoder weights. Given a full
-model in memory, the stages use its layers (cut per lane with TP) and the leader keeps it.
+`SPPRunner.model` is then a `GroupModel`); with TP, its lane's vocab rows of the embedding
+(first stage) and of the head and the final norm (last stage's KVP rank 0 lanes): no rank holds
+the full decoder weights, nor with TP the full embedding or head. Given a full model in memory,
+the stages use its layers (cut per lane with TP, with the lane's vocab rows) and the leader
+keeps it.
 """
 
 from __future__ import annotations
@@ -58,6 +66,7 @@ from raycluster.parallel.kv_port import KV_TAG, KVLoad, KVSave, StagedPort, rank
 from raycluster.parallel.kvp import KVPAttention, kvp_meta, owned_positions
 from raycluster.parallel.plan import StepPlan, plan_inputs
 from raycluster.parallel.shard import Checkpoint, GroupModel, _identity, kv_heads_of, kv_holder, rank_model
+from raycluster.parallel.vocab import gather_logits
 
 HIDDEN_TAG = 1      # stage r -> r+1 hidden states
 RESULT_TAG = 2      # last stage -> rank 0 sampled rows
@@ -145,10 +154,16 @@ class SPPStage:
             self.tp_group = coll.subgroup(range(lanes0, lanes0 + tp))
         if kvp > 1:
             self.kvp_group = coll.subgroup(range(base + self.lane, base + per_stage, tp))
+        # With TP lanes, the last stage's lanes of KVP rank 0 norm the sampled rows and compute
+        # the logits of their vocab slices (world ranks result_rank + t), which the leader gathers.
+        self.vocab = model.config.vocab_size
+        self.logit_lanes = list(range(self.result_rank, self.result_rank + tp)) if tp > 1 else []
+        logits = rank in self.logit_lanes
         if tp > 1 or isinstance(model, Checkpoint):
             reduce = self.tp_group.all_reduce if tp > 1 else _identity
             self.model = rank_model(model, self.lane, tp, reduce, range(self.lo, self.hi), dtype, self.device,
-                                    embed=self.first, norm=rank == self.result_rank, head=rank == 0)
+                                    embed=self.first, norm=logits if tp > 1 else rank == self.result_rank,
+                                    head=logits if tp > 1 else rank == 0)
             self.layers = list(self.model.model.layers)
         else:
             self.model = model
@@ -213,10 +228,16 @@ class SPPStage:
 
     def run(self, plan: StepPlan) -> torch.Tensor | None:
         """Run this rank's part of `plan`; rank 0 returns the normed rows of plan.sample_rows
-        [n, H], other ranks None."""
+        [n, H] (tp == 1) or their logits [n, vocab] gathered from the last stage's lanes
+        (tp > 1), other ranks None."""
         with torch.inference_mode():
             rows = self._stream(plan)
             n = len(plan.sample_rows)
+            if self.tp > 1:
+                local = self.model.lm_head(rows) if rows is not None and n else None
+                per = -(-self.vocab // self.tp)
+                return gather_logits(self.coll, local, self.logit_lanes, self.vocab, n, per, self.hidden_dtype,
+                                     self.device)
             if self.result_rank != 0 and n:      # every rank knows n from the plan: no size message
                 if self.rank == self.result_rank:
                     self.coll.send(rows, 0, RESULT_TAG).wait()
@@ -231,7 +252,9 @@ class SPPStage:
 
     def _stream(self, plan: StepPlan) -> torch.Tensor | None:
         m = self.model
-        returns = self.rank == self.result_rank     # the other ranks of the last stage norm nothing
+        # The rank returning the rows (tp == 1), or every logits lane (tp > 1); the other ranks
+        # of the last stage norm nothing.
+        returns = self.rank in self.logit_lanes if self.tp > 1 else self.rank == self.result_rank
         works, sent, kept = [], [], []
         for i, mb in enumerate(split_plan(plan, self.micro_tokens)):
             ids, pos, meta = plan_inputs(mb, self.block_size, self.device)
@@ -298,7 +321,8 @@ class SPPRunner:
         self.blocks_per_rank = kv.num_blocks // kvp
         self.stage = SPPStage(model, coll, 0, spp, self.blocks_per_rank, kv.block_size, dtype, device, micro_tokens,
                               tp, kvp)
-        self.model = GroupModel(model.config, self.stage.model) if isinstance(model, Checkpoint) else model
+        self.model = GroupModel(model.config, self.stage.model, tp > 1) if isinstance(model, Checkpoint) else model
+        self.returns_logits = tp > 1        # gathered from the last stage's lanes' vocab slices
         self.layer_ranges = stage_layers(model.config.num_hidden_layers, spp)
         # Connectors see a staging area of whole blocks (every layer, every head) of the leader's
         # own blocks: one KVP rank's (all the engine's without KVP), or 1/tp of them with TP
@@ -317,7 +341,8 @@ class SPPRunner:
         return numel * torch.empty((), dtype=self.dtype).element_size() // self.kv.block_size
 
     def run_plan(self, plan: StepPlan) -> torch.Tensor:
-        """Run one step across the group; returns the final hidden states of plan.sample_rows [n, H]."""
+        """Run one step across the group; returns the final hidden states of plan.sample_rows
+        [n, H], or with TP lanes their logits [n, vocab]."""
         if self._closed:
             raise RuntimeError("SPPRunner is closed")
         if self.world > 1:

@@ -3,12 +3,16 @@
 Each rank runs the model's own decoder layers (raycluster.model.llama) on a shard of their
 weights (raycluster.parallel.shard: q/k/v_proj, gate/up_proj split by heads / intermediate size,
 o_proj and down_proj row-parallel: each rank's partial output is summed over the group by one
-all_reduce, the bias added once on rank 0). So there are two all_reduces per layer. Every rank
-embeds the step's tokens itself and norms its final hidden states, so each holds the embedding
-and the final norm; only the leader computes logits, so only it holds the output head (no
-vocab-parallel embedding or head). Given a `Checkpoint`, each rank reads just that from the files
-(`load_shard`) and the leader's `model` is a `GroupModel` (the full config, its shard's head):
-no rank holds the full decoder weights. Given a full model in memory, each rank cuts its shard
+all_reduce, the bias added once on rank 0). So there are two all_reduces per layer. The
+embedding and the output head are vocab-parallel, as vLLM's (raycluster.parallel.vocab): rank t
+holds rows [t V' / tp, (t + 1) V' / tp) of each (V' the vocab padded to a multiple of tp; a tied
+model's head is the same tensor), looks up the step's ids in its range and the ranks sum the
+rows by one more all_reduce; every rank norms its final hidden states (each holds the final
+norm) and computes the logits of its vocab slice for plan.sample_rows, and the leader gathers
+the slices (one gather per step) into the full logits, padding columns dropped, which
+`run_plan` returns. Given a `Checkpoint`, each rank reads just that from the files
+(`load_shard`) and the leader's `model` is a `GroupModel` (the full config): no rank holds the
+full decoder weights, embedding or head. Given a full model in memory, each rank cuts its shard
 from it (`shard_model`) and the leader keeps it.
 
 A rank's KV tensor [L, N, 2, B, Hkv / tp, D] holds only its KV heads, for the same engine block
@@ -19,8 +23,8 @@ rank's KV is [L, N, 2, B, 1, D], the one head rank // (tp / Hkv), and the tp / H
 a head each compute and cache their own copy of it.
 
 Data enters as a `StepPlan` the leader (rank 0, the engine's `TPRunner`) posts down the group's
-plan chain; every rank runs the same forward; what leaves is the leader's final hidden rows of
-`plan.sample_rows`. KV for P/D handoffs enters and leaves as whole blocks (all heads, each once:
+plan chain; every rank runs the same forward; what leaves is the leader's logits of
+`plan.sample_rows` [n, vocab]. KV for P/D handoffs enters and leaves as whole blocks (all heads, each once:
 a plain engine's layout and bytes) through the leader's `StagedPort`: `load_blocks` sends each
 rank its heads of them (every replica of a replicated head its copy), `save_blocks` gathers each
 head back once, from the first rank holding it (`shard.kv_holder`), into whole blocks.
@@ -40,6 +44,7 @@ from raycluster.model.llama import LlamaForCausalLM
 from raycluster.parallel.group import Collective
 from raycluster.parallel.kv_port import KV_TAG, KVLoad, KVSave, StagedPort, rank_handler
 from raycluster.parallel.plan import StepPlan, plan_inputs
+from raycluster.parallel.vocab import gather_logits
 from raycluster.parallel.shard import (Checkpoint, GroupModel, RowParallelLinear, _identity, check_tp, kv_heads_of,
                                        kv_holder, rank_model, shard_config, shard_layer_state, shard_model)
 
@@ -48,8 +53,8 @@ from raycluster.parallel.shard import (Checkpoint, GroupModel, RowParallelLinear
 class TPRank:
     """One rank: its sharded model, its KV heads [L, N, 2, B, Hkv / tp, D] ([.., 1, D] when KV
     heads are replicated) and its attention backend.
-    `model`: the full model to cut the shard from, or the `Checkpoint` to read it from (then
-    only rank 0, the leader, loads the output head)."""
+    `model`: the full model to cut the shard from, or the `Checkpoint` to read it from. Every
+    rank holds its vocab rows of the embedding and the output head (raycluster.parallel.vocab)."""
 
     def __init__(self, model: LlamaForCausalLM | Checkpoint, coll: Collective | None, rank: int, tp: int,
                  num_blocks: int, block_size: int, dtype: torch.dtype, device: str | torch.device = "cpu") -> None:
@@ -58,8 +63,8 @@ class TPRank:
         self.coll, self.rank, self.tp, self.block_size = coll, rank, tp, block_size
         self.device = torch.device(device)
         self.num_kv_heads = model.config.num_key_value_heads      # the whole model's
-        self.model = rank_model(model, rank, tp, coll.all_reduce if tp > 1 else _identity, None, dtype, self.device,
-                                head=rank == 0)
+        self.vocab = model.config.vocab_size
+        self.model = rank_model(model, rank, tp, coll.all_reduce if tp > 1 else _identity, None, dtype, self.device)
         self.kv_cache = torch.zeros(self.model.kv_cache_shape(num_blocks, block_size), dtype=dtype,
                                     device=self.device)
         # Its own backend: the torch backend's scratch buffers must not be shared by ranks
@@ -95,12 +100,22 @@ class TPRank:
             self.coll.send(part, 0, KV_TAG).wait()
         return part
 
-    def run(self, plan: StepPlan) -> torch.Tensor:
-        """Every rank runs the whole step (its heads); returns the final hidden rows of
-        plan.sample_rows [n, H] (the same on every rank)."""
+    def run(self, plan: StepPlan) -> torch.Tensor | None:
+        """Every rank runs the whole step (its heads) and computes its vocab slice of the logits
+        of plan.sample_rows; the leader returns the full logits [n, vocab] gathered from the
+        ranks (one gather per step), the other ranks None."""
         input_ids, positions, meta = plan_inputs(plan, self.block_size, self.device)
         hidden = self.model(input_ids, positions, self.kv_cache, meta, backend=self.backend)
-        return hidden.index_select(0, torch.tensor(plan.sample_rows, dtype=torch.long, device=hidden.device))
+        n = len(plan.sample_rows)
+        if self.tp == 1:
+            rows = hidden.index_select(0, torch.tensor(plan.sample_rows, dtype=torch.long, device=hidden.device))
+            return self.model.compute_logits(rows)
+        local = None
+        if n:
+            rows = hidden.index_select(0, torch.tensor(plan.sample_rows, dtype=torch.long, device=hidden.device))
+            local = self.model.lm_head(rows)
+        w = self.model.lm_head.weight
+        return gather_logits(self.coll, local, list(range(self.tp)), self.vocab, n, w.shape[0], w.dtype, w.device)
 
 
 def tp_worker(model: LlamaForCausalLM | Checkpoint, coll: Collective, num_blocks: int, block_size: int,
@@ -115,8 +130,11 @@ def tp_worker(model: LlamaForCausalLM | Checkpoint, coll: Collective, num_blocks
 class TPRunner:
     """The leader (rank 0): ModelRunner's interface over a TP group. `kv` is the engine's
     bookkeeping of block ids every rank shares; `model` is the full model, or the `Checkpoint`
-    each rank reads its shard from. `self.model` computes the logits with the leader's output
-    head: the full model, or a `GroupModel` over the leader's shard."""
+    each rank reads its shard from (`self.model` is then a `GroupModel` over the leader's
+    shard). `run_plan` returns the step's logits, gathered from the ranks' vocab slices
+    (`returns_logits`: execute_step computes none itself)."""
+
+    returns_logits = True
 
     def __init__(self, model: LlamaForCausalLM | Checkpoint, kv: KVCacheManager, coll: Collective | None, tp: int,
                  dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu", ranks=None) -> None:
@@ -124,7 +142,7 @@ class TPRunner:
         self.kv, self.coll, self.tp, self.dtype, self.ranks = kv, coll, tp, dtype, ranks
         self.layout = f"tp{tp}"
         self.rank0 = TPRank(model, coll, 0, tp, kv.num_blocks, kv.block_size, dtype, device)
-        self.model = GroupModel(model.config, self.rank0.model) if isinstance(model, Checkpoint) else model
+        self.model = GroupModel(model.config, self.rank0.model, True) if isinstance(model, Checkpoint) else model
         self.device = self.rank0.device
         # Connectors see whole blocks (every head, every layer): a staging area of the leader's
         # own KV bytes, i.e. 1/tp of the engine's blocks (1/Hkv with replicated heads: the
@@ -140,7 +158,7 @@ class TPRunner:
         return self.port.tensor[:, 0].numel() * self.port.tensor.element_size() // self.kv.block_size
 
     def run_plan(self, plan: StepPlan) -> torch.Tensor:
-        """Run one step across the group; returns the final hidden states of plan.sample_rows [n, H]."""
+        """Run one step across the group; returns the logits of plan.sample_rows [n, vocab]."""
         if self._closed:
             raise RuntimeError("TPRunner is closed")
         if self.tp > 1:

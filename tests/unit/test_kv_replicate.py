@@ -22,6 +22,7 @@ from test_tp import (BS, UNEVEN_KV, VARIANTS, _close, engine_matches_plain, hand
 from raycluster.engine.config import EngineConfig
 from raycluster.engine.engine import LLMEngine
 from raycluster.engine.kv_manager import KVCacheManager
+from raycluster.engine.model_runner import plan_logits
 from raycluster.model.loader import load_model
 from raycluster.model.tiny import write_tiny_model
 from raycluster.parallel.factory import build_runner
@@ -227,8 +228,7 @@ def test_a_replicated_group_of_each_kind_gives_the_single_runners_logits_and_kv(
         # request's table gives the single runner's logits on the same data.
         single.kv_cache[:, ids] = data
         plan = StepPlan([11], [], [], [], [len(ids) * BS - 1], [ids], [0])
-        torch.testing.assert_close(model.compute_logits(runner.run_plan(plan)),
-                                   model.compute_logits(single.run_plan(plan)), atol=1e-4, rtol=1e-5)
+        torch.testing.assert_close(plan_logits(runner, plan), plan_logits(single, plan), atol=1e-4, rtol=1e-5)
         assert runner.kv_bytes_per_token() == single.kv_bytes_per_token()
     finally:
         _close(runner)

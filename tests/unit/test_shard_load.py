@@ -1,7 +1,8 @@
 """Ranks that read only their shard from the checkpoint (raycluster.parallel.shard.load_shard):
 the file-loaded shard equals the one cut from the loaded full model, tensor for tensor, for every
 rank of TP groups and SPP stage ranges; engines built from a path as tp2, spp2 and spp2xtp2 give
-the single engine's greedy tokens while their leader holds only its part of the decoder layers;
+the single engine's greedy tokens while their leader holds only its part of the decoder layers
+and, with TP lanes, only its vocab rows of the embedding and head (where it uses them);
 a checkpoint missing a tensor a rank needs names it. Checkpoints: test_tp.py's tiny one (GQA
 8/2, untied), a Qwen2-style one (q/k/v biases, tied embeddings), one with o_proj and MLP biases,
 and that one again split over two files with an index."""
@@ -104,12 +105,19 @@ def test_a_shard_loads_only_the_modules_it_is_asked_for(paths):
     assert all(k.startswith("model.layers.") for k in bare.state_dict())
     head = load_shard(Checkpoint(paths["tiny"], cfg), 0, 2, embed=False, norm=False, head=True)
     assert head.lm_head is not None and head.model.embed_tokens is None
+    assert head.lm_head.weight.shape == (cfg.vocab_size // 2, cfg.hidden_size)      # its vocab rows only
     tied_cfg = load_config(paths["qwen2"])
     tied = load_shard(Checkpoint(paths["qwen2"], tied_cfg), 0, 2, embed=False, norm=False, head=True)
-    assert tied.lm_head is None and tied.model.embed_tokens is not None      # the tied head is the embedding
+    # The tied head is lane 0's rows of the embedding, read as the head (no embedding asked for).
+    assert tied.lm_head is not None and tied.model.embed_tokens is None
     full, _ = load_model(paths["qwen2"])
     h = torch.randn(3, tied_cfg.hidden_size)
-    assert torch.equal(tied.compute_logits(h), full.compute_logits(h))
+    half = tied_cfg.vocab_size // 2
+    torch.testing.assert_close(tied.lm_head(h), full.compute_logits(h)[:, :half], atol=1e-6, rtol=1e-6)
+    # Without TP lanes the head is the whole tied embedding, as before.
+    whole = load_shard(Checkpoint(paths["qwen2"], tied_cfg), 0, 1, embed=False, norm=False, head=True)
+    assert whole.lm_head is None and whole.model.embed_tokens is not None
+    assert torch.equal(whole.compute_logits(h), full.compute_logits(h))
 
 
 # ---- engines built from the path ----------------------------------------------------------------------
@@ -138,27 +146,51 @@ def _same_run(got, want) -> None:
     assert got[0][1] == pytest.approx(want[0][1], abs=1e-4)
 
 
-def _layer_elems(modules) -> int:
+def _layer_elems(modules, layers: bool = True) -> int:
     """Elements of the storage behind the decoder-layer parameters these modules hold (each
-    storage counted once, whole: a slice that is a view of a full tensor counts as the full one)."""
+    storage counted once, whole: a slice that is a view of a full tensor counts as the full one);
+    `layers=False`: behind the others (embedding, final norm, output head)."""
     seen = {}
     for m in modules:
-        for name, p in m.named_parameters():
-            if ".layers." in f".{name}" and p.device.type != "meta":
+        for name, p in m.named_parameters(remove_duplicate=False):
+            if (".layers." in f".{name}") == layers and p.device.type != "meta":
                 st = p.untyped_storage()
                 seen[st.data_ptr()] = st.nbytes() // p.element_size()
     return sum(seen.values())
 
 
-def _leader_layer_elems(eng: LLMEngine) -> int:
-    """What the leader keeps of the decoder layers: the engine's model, the runner's model and
-    the leader rank's own shard."""
+def _leader_modules(eng: LLMEngine) -> list:
+    """The engine's model, the runner's model and the leader rank's own shard."""
     runner = eng.runner
     mods = [getattr(runner, "rank0", None), getattr(runner, "stage", None)]
     mods = [r.model for r in mods if r is not None]
     for m in (eng.model, runner.model):
         mods.append(m.leader_shard if isinstance(m, GroupModel) else m)
-    return _layer_elems(mods)
+    return mods
+
+
+def _leader_layer_elems(eng: LLMEngine) -> int:
+    """What the leader keeps of the decoder layers."""
+    return _layer_elems(_leader_modules(eng))
+
+
+def _leader_vocab_elems(eng: LLMEngine) -> int:
+    """What the leader keeps outside the decoder layers: its embedding, final norm and head."""
+    return _layer_elems(_leader_modules(eng), layers=False)
+
+
+def _want_vocab_elems(cfg, group: dict) -> int:
+    """What a leader reading from the path holds outside the layers. With TP lanes (vocab-
+    parallel): its V / tp rows of the embedding, and of the head where it computes logits (a
+    tied head the same rows), and the final norm where it norms: TP and KVP x TP leaders both,
+    an SPP x TP leader (first stage) neither. Plain SPP: the whole embedding and head, no norm.
+    (Before the vocab-parallel head every such leader held the whole embedding and head.)"""
+    tp, V, H = group.get("tp", 1), cfg.vocab_size, cfg.hidden_size
+    heads = 1 if cfg.tie_word_embeddings else 2
+    if tp == 1:
+        return V * H * heads
+    rows = -(-V // tp)
+    return rows * H if group.get("spp", 1) > 1 else rows * H * heads + H
 
 
 @pytest.mark.parametrize("name,group,layout,share", [
@@ -185,8 +217,10 @@ def test_an_engine_built_from_the_path_matches_the_single_engine_and_its_leader_
         assert eng.kv.hit_tokens >= 32         # prompt 1 reused the shared prefix (prompt 0 asks for prompt logprobs)
         whole = _layer_elems([full])
         held = _leader_layer_elems(eng)
-        # 1/share of the layers, give or take the replicated norms and rank 0's row biases.
+        # 1/share of the layers, give or take the replicated norms and rank 0's row biases ...
         assert whole / share <= held <= whole / share * 1.02, (held, whole)
+        # ... and of the embedding and head its vocab rows only, where it uses them.
+        assert _leader_vocab_elems(eng) == _want_vocab_elems(cfg, group), (_leader_vocab_elems(eng), layout)
     finally:
         eng.close()
         assert eng.runner.ranks.errors == []

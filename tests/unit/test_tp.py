@@ -4,7 +4,9 @@ and prompt log-probabilities with prefix caching, P/D handoffs into and out of a
 the configurations it refuses. Checkpoints: the tiny one (GQA 8/2), a Qwen2-style one (q/k/v
 biases, tied embeddings), a Mistral-style one, one with o_proj and MLP biases (the row-parallel
 biases, added once), an MHA one split four ways, and two with fewer KV heads than ranks (their
-heads replicated: 8/2 at tp 4, MQA at tp 2 and 4; more in test_kv_replicate.py)."""
+heads replicated: 8/2 at tp 4, MQA at tp 2 and 4; more in test_kv_replicate.py), and two whose
+vocab (4099) no tp divides, untied and tied (the vocab-parallel embedding and head padded; more in
+test_vocab_parallel.py)."""
 
 from __future__ import annotations
 
@@ -22,7 +24,7 @@ from raycluster.clock import VirtualClock
 from raycluster.engine.config import EngineConfig
 from raycluster.engine.engine import LLMEngine
 from raycluster.engine.kv_manager import KVCacheManager
-from raycluster.engine.model_runner import ModelRunner
+from raycluster.engine.model_runner import ModelRunner, plan_logits
 from raycluster.model.loader import load_model
 from raycluster.model.tiny import write_tiny_model
 from raycluster.parallel.factory import build_runner
@@ -58,6 +60,12 @@ VARIANTS = {
     # ... and MQA (one KV head) at tp 2 or 4, with q/k/v and o_proj biases.
     "mqa": dict(hidden_size=128, num_attention_heads=4, num_key_value_heads=1, head_dim=32,
                 intermediate_size=256, num_hidden_layers=2, attention_bias=True),
+    # A vocab no tp divides (4099 is prime): the vocab-parallel embedding and head are padded
+    # to a multiple of tp. Untied, and Qwen2-style tied (the head is the embedding's shard).
+    "odd-vocab": dict(vocab_size=4099, num_hidden_layers=2),
+    "qwen2-odd": dict(architectures=["Qwen2ForCausalLM"], hidden_size=128, num_attention_heads=4,
+                      num_key_value_heads=2, intermediate_size=256, num_hidden_layers=2, tie_word_embeddings=True,
+                      vocab_size=4099, rope_parameters={"rope_type": "default", "rope_theta": 1e6}),
 }
 
 
@@ -153,8 +161,8 @@ def same_as_single_runner(model, runner) -> ModelRunner:
     single = ModelRunner(model, KVCacheManager(64, BS))           # same block ids
     table_a, table_b = list(range(40, 20, -1)), [5, 3, 9]        # out of order, as after frees
     for plan in _plans(table_a, table_b, model.config.vocab_size - 10):
-        want = model.compute_logits(single.run_plan(plan))
-        got = model.compute_logits(runner.run_plan(plan))
+        want = plan_logits(single, plan)
+        got = plan_logits(runner, plan)         # a vocab-parallel group's own, gathered from its lanes
         assert got.shape == want.shape
         torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-5)
     ids = table_a[:19] + table_b
@@ -164,7 +172,8 @@ def same_as_single_runner(model, runner) -> ModelRunner:
 
 
 @pytest.mark.parametrize("variant,tp", [("tiny", 2), ("qwen2", 2), ("mistral", 2), ("gqa-bias", 2), ("mha", 4),
-                                        ("qwen3", 2), ("kv-rep", 4), ("mqa", 2), ("mqa", 4)])
+                                        ("qwen3", 2), ("kv-rep", 4), ("mqa", 2), ("mqa", 4), ("odd-vocab", 2),
+                                        ("qwen2-odd", 4)])
 def test_a_tp_group_gives_the_single_runners_logits_step_by_step(models, variant, tp):
     model = models[variant]
     runner = _group(model, tp)
@@ -214,7 +223,7 @@ def engine_matches_plain(model, group: dict, layout: str) -> None:
         assert [e.top[0][0] for e in g] == [e.top[0][0] for e in w]
 
 
-@pytest.mark.parametrize("variant", ["tiny", "qwen2", "mistral", "gqa-bias"])
+@pytest.mark.parametrize("variant", ["tiny", "qwen2", "mistral", "gqa-bias", "qwen2-odd"])
 def test_a_tp_engine_gives_the_plain_engines_tokens_with_prefix_caching(models, variant):
     engine_matches_plain(models[variant], {"tp": 2}, "tp2")
 
