@@ -86,28 +86,33 @@ def _run(model, tokenizer, requests: list[tuple[list[int], SamplingParams]]):
     return results, given, board
 
 
-def _every_field_set() -> SamplingParams:
+def _every_field_set() -> list[SamplingParams]:
+    """Two requests that between them set every field (guided_regex and guided_grammar exclude
+    each other)."""
     sp = SamplingParams(max_tokens=7, temperature=0.7, top_p=0.9, top_k=50, min_p=0.05, seed=1234, stop=["zz"],
                         stop_token_ids=[3], ignore_eos=True, logprobs=2, presence_penalty=0.5,
                         frequency_penalty=-0.25, repetition_penalty=1.1, logit_bias={5: 1.5}, min_tokens=2,
                         prompt_logprobs=1, guided_regex="[a-z ]{1,40}")
+    grammar = dataclasses.replace(sp, guided_regex=None, guided_grammar='start: "(" start ")" | "x"')
     defaults = SamplingParams()
-    unset = [f.name for f in dataclasses.fields(SamplingParams) if getattr(sp, f.name) == getattr(defaults, f.name)]
+    unset = [f.name for f in dataclasses.fields(SamplingParams)
+             if all(getattr(s, f.name) == getattr(defaults, f.name) for s in (sp, grammar))]
     assert not unset, f"give these new SamplingParams fields a non-default value here: {unset}"
-    return sp
+    return [sp, grammar]
 
 
 def test_every_sampling_field_reaches_the_engine(loaded):
     model, _ = loaded
-    sp = _every_field_set()
-    want = dataclasses.replace(sp)          # what the caller asked for, whatever happens to `sp`
-    (result,), given, board = _run(model, None, [([11, 12, 13, 14], sp)])
-    assert [r.request_id for r in given] == ["q0"]
-    assert given[0].sampling == want
-    assert given[0].sampling is not sp      # the meta owns its copy, not the caller's object
-    assert board.policy_sampling["q0"] == want
-    _, reason, ids = result
-    assert reason in ("length", "stop") and 1 <= len(ids) <= 7
+    sps = _every_field_set()
+    want = [dataclasses.replace(sp) for sp in sps]      # what the caller asked for, whatever happens to `sp`
+    results, given, board = _run(model, None, [([11, 12, 13, 14], sp) for sp in sps])
+    assert [r.request_id for r in given] == ["q0", "q1"]
+    for i, sp in enumerate(sps):
+        assert given[i].sampling == want[i]
+        assert given[i].sampling is not sp      # the meta owns its copy, not the caller's object
+        assert board.policy_sampling[f"q{i}"] == want[i]
+        _, reason, ids = results[i]
+        assert reason in ("length", "stop") and 1 <= len(ids) <= 7
 
 
 def _pieces(tokenizer, prompt: list[int], ids: list[int]) -> list[str]:
