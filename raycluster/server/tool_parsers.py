@@ -29,6 +29,7 @@ import ast
 import json
 import math
 import re
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
 
@@ -55,7 +56,7 @@ def skip_space(text: str, i: int) -> int:
     return i
 
 
-class ToolParser:
+class ToolParser(ABC):
     """A syntax's parser: `_read(text)` finds the calls, `start` where a stream's calls begin."""
     name: str
 
@@ -69,13 +70,15 @@ class ToolParser:
         at, calls = found
         return text[:at] or None, calls
 
+    @abstractmethod
     def _read(self, text: str) -> tuple[int, list[ParsedCall]] | None:
         """(where the calls begin, the calls), None when the text holds none; ValueError when
         what should be calls does not parse."""
-        raise NotImplementedError
 
+    @abstractmethod
     def start(self, text: str) -> tuple[int | None, int]:
-        raise NotImplementedError
+        """Where a stream's calls begin in `text` (None: not yet), and how many trailing
+        characters to hold back because they may begin them."""
 
     def for_tools(self, parameters: dict[str, dict]) -> ToolParser:
         """This parser for a request whose tools take `parameters` (function name: its JSON
@@ -92,8 +95,9 @@ class MarkerParser(ToolParser):
         at = text.find(self.MARK)
         return None if at < 0 else (at, self._calls(text, at))
 
+    @abstractmethod
     def _calls(self, text: str, at: int) -> list[ParsedCall]:
-        raise NotImplementedError
+        """The calls after the `MARK` at `at`; ValueError when they do not parse."""
 
     def start(self, text: str) -> tuple[int | None, int]:
         """Where `MARK` is, or how many trailing characters of `text` could be the start of it."""
