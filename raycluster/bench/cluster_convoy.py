@@ -3,7 +3,7 @@ against each (topology, policy), side by side in one run.
 
     python -m raycluster.bench.cluster_convoy --out-dir DIR [--configs mixed-fcfs,mixed-lars,pd-fcfs,pd-lars,mixed-fcfs-np]
         [--qps 1.5] [--duration 75] [--long-tokens 4096:8192] [--max-output-tokens 64] [--seed 0]
-        [--ttft-slo-ms 2000] [--tpot-ms 100]
+        [--ttft-slo-ms 2000] [--long-ttft-ms-per-token 1] [--tpot-ms 100]
 
 Configurations (threads_per_instance=1 everywhere: mixed has 2 instances, pd 3, on 2 cores):
 - `mixed-fcfs`: 2 mixed instances, router + engine policy fcfs, packer token, chunk_size 2048
@@ -54,6 +54,7 @@ def loadgen_argv(args, url: str, out: str) -> list[str]:
             "--long-fraction", str(args.long_fraction), "--long-tokens", args.long_tokens,
             "--max-output-tokens", str(args.max_output_tokens), "--prompt-format", "ids",
             "--ttft-slo-ms", str(args.ttft_slo_ms), "--tpot-slo-ms", str(args.tpot_ms),
+            "--long-ttft-ms-per-token", str(args.long_ttft_ms_per_token),
             "--timeout", "300", "--quiet", "--out", out]
 
 
@@ -73,9 +74,12 @@ def one(args) -> int:
     with tempfile.TemporaryDirectory(prefix="rcc-", dir="/tmp") as tmp:
         os.environ["RAY_TMPDIR"] = tmp
         with local_cluster(cfg, free_port(), tmp) as (url, router):
-            t0 = time.monotonic()
+            t0, load0 = time.monotonic(), os.getloadavg()[0]
             p = subprocess.run(loadgen_argv(args, url, out), timeout=args.duration * 4 + 400)
             print(f"convoy {args.config}: loadgen exited {p.returncode} after {time.monotonic() - t0:.0f} s", flush=True)
+            # The host is shared: the 1-minute load average around each run says how comparable they are.
+            with open(os.path.join(args.out_dir, f"{args.config}.load.json"), "w") as fh:
+                json.dump({"loadavg_1m_start": load0, "loadavg_1m_end": os.getloadavg()[0]}, fh)
             return p.returncode
 
 
@@ -104,6 +108,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--ttft-slo-ms", type=float, default=2000.0,
                     help="TTFT SLO the requests carry (lars orders by it; fcfs ignores it)")
+    ap.add_argument("--long-ttft-ms-per-token", type=float, default=1.0,
+                    help="a long prompt's TTFT SLO is max(--ttft-slo-ms, this x its prompt tokens): "
+                         "Medha's 1 ms/token suits its GPUs; a prompt that cannot meet its deadline "
+                         "even alone is overdue from arrival and lars then serves it ahead of shorts")
     ap.add_argument("--tpot-ms", type=float, default=100.0,
                     help="every instance's TPOT SLO, also the Medha packer's step budget (s/1000)")
     ap.add_argument("--config", help=argparse.SUPPRESS)
@@ -120,15 +128,21 @@ def main(argv: list[str] | None = None) -> int:
                        lambda n: ["--out-dir", args.out_dir, "--qps", str(args.qps), "--duration", str(args.duration),
                                   "--long-fraction", str(args.long_fraction), "--long-tokens", args.long_tokens,
                                   "--max-output-tokens", str(args.max_output_tokens), "--seed", str(args.seed),
-                                  "--ttft-slo-ms", str(args.ttft_slo_ms), "--tpot-ms", str(args.tpot_ms)],
+                                  "--ttft-slo-ms", str(args.ttft_slo_ms), "--tpot-ms", str(args.tpot_ms),
+                                  "--long-ttft-ms-per-token", str(args.long_ttft_ms_per_token)],
                        lambda n: os.path.join(args.out_dir, f"{n}.json"), args.duration * 4 + 700, env=env)
     summary: dict = {"meta": {"argv": sys.argv, "qps": args.qps, "duration_s": args.duration, "seed": args.seed,
                               "ttft_slo_ms": args.ttft_slo_ms, "tpot_ms": args.tpot_ms,
+                              "long_ttft_ms_per_token": args.long_ttft_ms_per_token,
                               "long_tokens": args.long_tokens, "long_fraction": args.long_fraction,
                               "max_output_tokens": args.max_output_tokens, "threads_per_instance": 1,
                               "configs": {n: CONFIGS[n] for n in names}}, "runs": {}}
     for name in done:
         summary["runs"][name] = short_ttft(os.path.join(args.out_dir, f"{name}.json"))
+        load = os.path.join(args.out_dir, f"{name}.load.json")
+        if os.path.exists(load):
+            with open(load) as fh:
+                summary["runs"][name]["host_load"] = json.load(fh)
     for topo in ("mixed", "pd"):
         for base in ("fcfs", "fcfs-np"):
             f, l = summary["runs"].get(f"{topo}-{base}"), summary["runs"].get(f"{topo}-lars")

@@ -49,8 +49,9 @@ def test_convoy_configs_are_valid_cluster_configs():
 
 def test_loadgen_argv_uses_exact_token_ids_and_same_seed():
     args = argparse.Namespace(qps=2.0, duration=90.0, seed=4, long_fraction=0.05, long_tokens="4096:8192",
-                              max_output_tokens=64, ttft_slo_ms=500.0, tpot_ms=50.0)
+                              max_output_tokens=64, ttft_slo_ms=500.0, tpot_ms=50.0, long_ttft_ms_per_token=3.0)
     argv = loadgen_argv(args, "http://127.0.0.1:1", "/tmp/x.json")
+    assert argv[argv.index("--long-ttft-ms-per-token") + 1] == "3.0"
     assert argv[argv.index("--ttft-slo-ms") + 1] == "500.0"
     assert argv[argv.index("--tpot-slo-ms") + 1] == "50.0"
     assert argv[argv.index("--prompt-format") + 1] == "ids"
