@@ -109,6 +109,11 @@ class PoolPolicy:
         own, queue = metrics.get(INSTANCE_LOAD) or {}, metrics.get(POOL_QUEUE) or {}
         own_tok, queue_tok = metrics.get(INSTANCE_TOKENS) or {}, metrics.get(POOL_QUEUE_TOKENS) or {}
         lo, hi = ctx.capacity_adjusted_min_replicas, ctx.capacity_adjusted_max_replicas
+        if ctx.current_num_replicas > 0 and self.probe is not None:
+            # Its answers describe a zero-replica period that is over: the next one must start
+            # afresh (an answer kept from just before the first replica ran would show the
+            # request that replica has long served, and scale the pool straight back up from 0).
+            self.probe.reset()
         if own or queue:
             return desired_replicas(pool_load(own, queue), self.target_requests, lo, hi,
                                     pool_load(own_tok, queue_tok), self.target_tokens), ctx.policy_state
@@ -139,6 +144,10 @@ class _Probe:
         self.inflight = None         # concurrent Future of the router call
         self.started = -math.inf
         self.latest: tuple[float, dict] | None = None
+
+    def reset(self) -> None:
+        """Forget every answer, and the call in flight (its answer would be from before now)."""
+        self.latest, self.inflight, self.started = None, None, -math.inf
 
     def poll(self) -> dict | None:
         now = self.clock()
