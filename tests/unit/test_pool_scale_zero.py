@@ -260,3 +260,28 @@ def test_config_of_a_pool_that_scales_to_zero():
         ClusterConfig(pools=[{"role": "mixed", "autoscaling": {"max_instances": 2, "downscale_to_zero_delay_s": 5}}])
     with pytest.raises(ValidationError, match="at least one pool needs instances"):
         ClusterConfig(pools=[{"role": "mixed", "instances": 0}])
+
+
+def test_gateway_is_healthy_with_no_instance_only_when_a_pool_scales_from_zero():
+    import asyncio
+
+    from raycluster.cluster.client import ClusterClient
+    from raycluster.cluster.messages import GatewayReply
+
+    async def health(status: dict) -> bool:
+        async def pull(gid, timeout):
+            await asyncio.sleep(timeout)
+            return GatewayReply([], 0, 8, "")
+
+        async def get_status():
+            return status
+
+        c = ClusterClient(submit=None, abort=None, pull=pull, status=get_status, tokenizer=None,
+                          max_model_len=64, vocab_size=100, eos_token_ids=(0,), pull_timeout_s=0.01)
+        ok, _ = await c.health()
+        c._pull_task.cancel()
+        return ok
+
+    assert asyncio.run(health({"instances": [], "config": {"standby_roles": ["mixed"]}}))
+    assert not asyncio.run(health({"instances": [], "config": {"standby_roles": []}}))
+    assert asyncio.run(health({"instances": [{"id": "m0"}], "config": {}}))
