@@ -129,16 +129,18 @@ class PoolPolicy:
 
 
 class _Probe:
-    """The pool's router queue, read from Serve's controller without ever waiting: `poll()`
-    starts a router call when none is in flight (at most every `interval_s`) and returns the
-    latest finished answer (None before the first, or when it is older than `max_age_s`).
+    """The pool's load as the router sees it, read from Serve's controller without ever
+    waiting: `poll()` starts a router call when none is in flight (at most every `interval_s`)
+    and returns the latest finished answer (None before the first, or when it was asked more
+    than `max_age_s` ago: a router slow to answer must not leave an old view standing).
     The actor lookup runs on a thread (it is a blocking GCS call); a failed call drops the
     handle so the next one looks the router up again (it may have been replaced)."""
 
     def __init__(self, router_name: str, namespace: str, role: str, interval_s: float,
-                 max_age_s: float = 10.0, clock=time.monotonic) -> None:
+                 max_age_s: float | None = None, clock=time.monotonic) -> None:
         self.router_name, self.namespace, self.role = router_name, namespace, role
-        self.interval_s, self.max_age_s, self.clock = interval_s, max_age_s, clock
+        self.interval_s, self.clock = interval_s, clock
+        self.max_age_s = max_age_s if max_age_s is not None else max(10.0, 3 * interval_s)
         self.handle = None
         self.lookup = None           # concurrent Future of the actor lookup
         self.inflight = None         # concurrent Future of the router call
@@ -153,7 +155,7 @@ class _Probe:
         now = self.clock()
         if self.inflight is not None and self.inflight.done():
             try:
-                self.latest = (now, dict(self.inflight.result()))
+                self.latest = (self.started, dict(self.inflight.result()))     # as of when asked
             except Exception:       # router restarting or gone: find it again next time
                 self.handle = None
             self.inflight = None
@@ -182,5 +184,8 @@ class _Probe:
                 return
             self.lookup = None
         self.started = now
-        # ObjectRef.future(): a concurrent Future completed by Ray's callback, read with done().
-        self.inflight = self.handle.pool_autoscale_stats.remote(self.role).future()
+        try:
+            # ObjectRef.future(): a concurrent Future completed by Ray's callback, read with done().
+            self.inflight = self.handle.pool_autoscale_stats.remote(self.role).future()
+        except Exception:           # a handle Ray no longer accepts calls on: look the router up again
+            self.handle = None

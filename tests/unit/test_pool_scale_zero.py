@@ -105,6 +105,14 @@ def test_probe_never_waits_one_call_in_flight_at_most_and_answers_go_stale():
     assert probe.poll() == seen(queue=1) and len(calls) == 3
     now[0] += 6.0                                               # last answer now older than max_age_s
     assert probe.poll() is None
+    now[0] += 20.0
+    calls[-1].fut.set_result(seen(queue=9))                     # asked 26 s ago, answered now: too old
+    assert probe.poll() is None and len(calls) == 4
+
+
+def test_probe_max_age_covers_a_few_intervals():
+    assert _Probe("r", "ns", "mixed", interval_s=0.5).max_age_s == 10.0
+    assert _Probe("r", "ns", "mixed", interval_s=8.0).max_age_s == 24.0
 
 
 def test_probe_failure_drops_the_handle_and_looks_the_router_up_again(monkeypatch):
