@@ -25,6 +25,7 @@ CFG = {"model": "tiny", "policy": "fcfs", "threads_per_instance": 1, "max_local_
        "engine": {"kv_cache_tokens": 4096, "packer": "token", "predictor": "none"},
        "pools": [{"role": "mixed", "instances": 0, "autoscaling": {
            "min_instances": 0, "max_instances": 1, "target_per_instance": 2,
+           "target_tokens_per_instance": 100000,        # both units through Serve's controller (not binding)
            "upscale_delay_s": 1.0, "downscale_delay_s": 2.0, "downscale_to_zero_delay_s": 4.0,
            "metrics_interval_s": 0.5, "look_back_period_s": 2.0}}]}
 OUT_TOKENS = 24
