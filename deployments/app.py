@@ -21,7 +21,7 @@ def router_config(cfg: ClusterConfig) -> RouterConfig:
     ecfg = cfg.engine_config(cfg.pools[0])
     return RouterConfig(policy=cfg.policy, max_queue=cfg.max_queue, max_local_waiting=cfg.max_local_waiting,
                         initial_l_m=cfg.initial_l_m, prefix_affinity=cfg.prefix_affinity,
-                        decode_affinity_slack=cfg.decode_affinity_slack,
+                        decode_affinity_slack=cfg.decode_affinity_slack, standby_roles=cfg.standby_roles(),
                         pressure=cfg.controller.pressure(),
                         pressure_period_s=cfg.controller.period_s,
                         slo=SLOConfig(ttft_ms=ecfg.ttft_ms, tpot_ms=ecfg.tpot_ms, ttft_scale=ecfg.ttft_scale))
@@ -39,7 +39,8 @@ def pool_options(cfg: ClusterConfig, pool: PoolSpec) -> dict:
     """The Serve options of pool `pool`'s deployment: a fixed `num_replicas`, or for an autoscaled
     pool Serve's `autoscaling_config` with the router-signal policy (raycluster.cluster.autoscale)."""
     size = {"num_replicas": pool.instances} if pool.autoscaling is None else \
-        {"autoscaling_config": pool.autoscaling.serve_config(pool.instances)}
+        {"autoscaling_config": pool.autoscaling.serve_config(pool.instances, pool.role, cfg.router_name,
+                                                              cfg.namespace)}
     return {"name": pool_deployment(pool.role), **size,
             "ray_actor_options": {"num_cpus": pool.num_cpus, "num_gpus": pool.num_gpus}, **placement(cfg, pool)}
 
@@ -48,7 +49,7 @@ def build_app(args: dict) -> serve.Application:
     cfg = ClusterConfig(**(args or {}))
     get_or_create_router(router_config(cfg), name=cfg.router_name, namespace=cfg.namespace)
     blob = cfg.model_dump_json()
-    pools = [EngineInstance.options(**pool_options(cfg, p)).bind(p.role, blob) for p in cfg.pools if p.instances > 0]
+    pools = [EngineInstance.options(**pool_options(cfg, p)).bind(p.role, blob) for p in cfg.deployed_pools()]
     return Gateway.options(num_replicas=cfg.gateway_replicas,
                            ray_actor_options={"num_cpus": 0.5,
                                               "runtime_env": {"env_vars": {CONFIG_ENV: blob}}}).bind(*pools)

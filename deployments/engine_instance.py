@@ -82,9 +82,10 @@ class EngineInstance:
 
     async def record_autoscaling_stats(self) -> dict[str, float]:
         """Serve's custom autoscaling metrics (used by an autoscaled pool's policy,
-        raycluster.cluster.autoscale): this instance's requests and its pool's router queue, as
-        the router counts them. A router that does not answer (restarting) fails this sample:
-        Serve logs it and the policy averages over the samples it has."""
+        raycluster.cluster.autoscale): this instance's requests and prefill tokens and its pool's
+        router queue in both units, as the router counts them. A router that does not answer
+        (restarting) fails this sample: Serve logs it and the policy averages over the samples
+        it has."""
         ref = self._router.autoscale_stats.remote(self.instance_id, self.worker.role)
         return await asyncio.wait_for(ref, timeout=5.0)
 

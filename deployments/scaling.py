@@ -71,14 +71,14 @@ def replica_counts(app_name: str) -> dict[str, int]:
 
 def scaled(app: dict, role: str, num_replicas: int) -> dict:
     """`app` (a deployed application config) with pool `role` set to `num_replicas`."""
-    pools = [p.get("role") for p in (app.get("args") or {}).get("pools", [])
-             if p.get("instances", 1) > 0]
+    deployed = [p for p in (app.get("args") or {}).get("pools", [])     # as ClusterConfig.deployed_pools
+                if p.get("instances", 1) > 0 or p.get("autoscaling")]
+    pools = [p.get("role") for p in deployed]
     if role not in pools:
         raise ValueError(f"POOL: this cluster has no pool {role!r} (pools: {', '.join(pools)})")
     if num_replicas < 1:
         raise ValueError(f"N: a pool needs at least 1 instance, got {num_replicas}")
-    auto = next(p.get("autoscaling") for p in app["args"]["pools"]
-                if p.get("role") == role and p.get("instances", 1) > 0)
+    auto = next(p.get("autoscaling") for p in deployed if p.get("role") == role)
     if auto:
         raise ValueError(f"POOL: pool {role!r} autoscales (min_instances {auto.get('min_instances', 1)}, "
                          f"max_instances {auto.get('max_instances')}): Serve's autoscaler sets its size from "

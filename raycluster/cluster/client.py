@@ -91,14 +91,15 @@ class ClusterClient:
                 "kv_total_blocks": sum(i.get("kv_total_blocks", 0) for i in instances)}
 
     async def health(self) -> tuple[bool, dict]:
-        """Healthy once the router answers and at least one instance has registered."""
+        """Healthy once the router answers and at least one instance has registered, or the
+        router has a pool that scales from zero (its requests wait for its first instance)."""
         self._ensure_pulling()
         try:
-            await self.refresh_status()
+            status = await self.refresh_status()
         except Exception as e:
             return False, {"error": f"router unreachable: {e}"}
         stats = self.stats()
-        return stats["instances"] > 0, stats
+        return stats["instances"] > 0 or bool((status.get("config") or {}).get("standby_roles")), stats
 
     async def refresh_status(self) -> dict:
         self._last_status = await self._status()

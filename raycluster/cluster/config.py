@@ -20,22 +20,33 @@ Role = Literal["mixed", "prefill-short", "prefill-long", "decode"]
 class PoolAutoscaling(BaseModel):
     """Serve autoscales the pool between `min_instances` and `max_instances` on the router's load
     signal (raycluster.cluster.autoscale): requests queued in the router for the pool plus those
-    on its instances, `target_per_instance` of them per instance. The pool's `instances` is the
-    count it starts with."""
+    on its instances, `target_per_instance` of them per instance, and for a prefill or mixed pool
+    optionally prompt tokens still to prefill, `target_tokens_per_instance` per instance (the
+    larger of the two sizes wins). The pool's `instances` is the count it starts with; with
+    `min_instances: 0` it may have none, and its requests wait in the router until one starts."""
     model_config = ConfigDict(extra="forbid")
-    min_instances: int = Field(1, ge=1, description="no scale to zero: a pool keeps one instance")
+    min_instances: int = Field(1, ge=0, description="0: the pool scales to zero when idle (mixed and prefill "
+                               "pools); a request for it then waits in the router's queue while one starts")
     max_instances: int = Field(..., ge=1)
-    target_per_instance: float = Field(4.0, gt=0, description="requests (queued for the pool in the "
-                                       "router, or on an instance) per instance the pool is sized for")
-    upscale_delay_s: float = Field(5.0, ge=0, description="a larger size must be wanted this long")
+    target_per_instance: float | None = Field(4.0, gt=0, description="requests (queued for the pool in the "
+                                              "router, or on an instance) per instance the pool is sized for; "
+                                              "null: size by target_tokens_per_instance alone")
+    target_tokens_per_instance: float | None = Field(
+        None, gt=0, description="prefill and mixed pools: prompt tokens still to prefill (queued for the pool in "
+        "the router, or handed to an instance and not computed yet) per instance the pool is sized for")
+    upscale_delay_s: float = Field(5.0, ge=0, description="a larger size must be wanted this long "
+                                   "(not from zero: Serve starts the first instance at once)")
     downscale_delay_s: float = Field(60.0, ge=0, description="a smaller size must be wanted this long")
+    downscale_to_zero_delay_s: float | None = Field(None, ge=0, description="with min_instances 0: zero "
+                                                    "instances must be wanted this long (default: downscale_delay_s)")
     metrics_interval_s: float = Field(2.0, gt=0, description="how often each replica pushes its load "
-                                      "to Serve's controller (Serve's own default is 10 s)")
+                                      "to Serve's controller (Serve's own default is 10 s); also how often "
+                                      "the policy asks the router while the pool has no running instance")
     look_back_period_s: float = Field(10.0, gt=0, description="the window Serve averages the load over")
 
-    def problems(self, where: str, instances: int) -> list[str]:
-        """What is inconsistent in these bounds for a pool starting with `instances`, each
-        naming its field under `where` (e.g. "pools[1].autoscaling")."""
+    def problems(self, where: str, instances: int, role: str = "mixed") -> list[str]:
+        """What is inconsistent in these bounds for a pool of `role` starting with `instances`,
+        each naming its field under `where` (e.g. "pools[1].autoscaling")."""
         out = []
         if self.max_instances < self.min_instances:
             out.append(f"{where}.max_instances: {self.max_instances} is below min_instances ({self.min_instances})")
@@ -45,17 +56,37 @@ class PoolAutoscaling(BaseModel):
         if self.look_back_period_s <= self.metrics_interval_s:
             out.append(f"{where}.look_back_period_s: {self.look_back_period_s} must exceed metrics_interval_s "
                        f"({self.metrics_interval_s}), the window has to hold more than one report")
+        if self.target_per_instance is None and self.target_tokens_per_instance is None:
+            out.append(f"{where}.target_per_instance: null needs target_tokens_per_instance, or nothing sizes the pool")
+        if role == "decode" and self.target_tokens_per_instance is not None:
+            out.append(f"{where}.target_tokens_per_instance: a decode pool computes no prompts (its load is the "
+                       "handoffs it decodes); size it by target_per_instance")
+        if role == "decode" and self.min_instances == 0:
+            # With no decode instance the router has prefill instances decode themselves, so a
+            # decode pool at zero would never see the queue that should scale it up.
+            out.append(f"{where}.min_instances: a decode pool cannot scale to zero (the prefill pools would "
+                       "decode in its place and it would never be asked for again); use 1 or more")
+        if self.downscale_to_zero_delay_s is not None and self.min_instances > 0:
+            out.append(f"{where}.downscale_to_zero_delay_s: only for a pool that scales to zero (min_instances 0)")
         return out
 
-    def serve_config(self, initial: int) -> dict:
-        """Serve's `autoscaling_config` for the pool's deployment (it starts with `initial`)."""
+    def serve_config(self, initial: int, role: str, router_name: str, namespace: str) -> dict:
+        """Serve's `autoscaling_config` for pool `role`'s deployment (it starts with `initial`):
+        the policy class gets the targets, and the router to probe while the pool has no replica."""
         from raycluster.cluster.autoscale import POLICY
 
-        return {"min_replicas": self.min_instances, "max_replicas": self.max_instances,
-                "initial_replicas": initial, "target_ongoing_requests": self.target_per_instance,
-                "upscale_delay_s": self.upscale_delay_s, "downscale_delay_s": self.downscale_delay_s,
-                "metrics_interval_s": self.metrics_interval_s, "look_back_period_s": self.look_back_period_s,
-                "policy": {"policy_function": POLICY}}
+        kwargs = {"target_requests": self.target_per_instance, "target_tokens": self.target_tokens_per_instance,
+                  "role": role, "router_name": router_name, "namespace": namespace,
+                  "probe_interval_s": self.metrics_interval_s}
+        # target_ongoing_requests: Serve requires one; the policy reads its own targets.
+        out = {"min_replicas": self.min_instances, "max_replicas": self.max_instances,
+               "initial_replicas": initial, "target_ongoing_requests": self.target_per_instance or 1.0,
+               "upscale_delay_s": self.upscale_delay_s, "downscale_delay_s": self.downscale_delay_s,
+               "metrics_interval_s": self.metrics_interval_s, "look_back_period_s": self.look_back_period_s,
+               "policy": {"policy_function": POLICY, "policy_kwargs": kwargs}}
+        if self.downscale_to_zero_delay_s is not None:
+            out["downscale_to_zero_delay_s"] = self.downscale_to_zero_delay_s
+        return out
 
 
 class PoolSpec(BaseModel):
@@ -147,7 +178,8 @@ class ClusterConfig(BaseModel):
 
     @model_validator(mode="after")
     def _topology(self) -> "ClusterConfig":
-        roles = {p.role for p in self.pools if p.instances > 0}
+        # An autoscaled pool counts even at 0 instances: it starts one for its first request.
+        roles = {p.role for p in self.pools if p.instances > 0 or p.autoscaling is not None}
         prefill = roles & {"prefill-short", "prefill-long"}
         if not roles:
             raise ValueError("pools: at least one pool needs instances")
@@ -166,7 +198,7 @@ class ClusterConfig(BaseModel):
                                      "moves instances between pools while Serve's autoscaler sizes each pool "
                                      "on its own load; the two would work against each other on the same "
                                      "instances, so turn one of them off")
-                problems = a.problems(f"pools[{i}].autoscaling", p.instances)
+                problems = a.problems(f"pools[{i}].autoscaling", p.instances, p.role)
                 if problems:
                     raise ValueError("; ".join(problems))
             ecfg = self.engine_config(p)       # fail at deploy time, not in a replica
@@ -183,6 +215,15 @@ class ClusterConfig(BaseModel):
                                      f"placement_strategy {p.placement_strategy} may put the group's ranks on "
                                      "other nodes; set group_host: node")
         return self
+
+    def deployed_pools(self) -> list[PoolSpec]:
+        """The pools that get a Serve deployment: those with instances, and autoscaled ones
+        (which may start at zero)."""
+        return [p for p in self.pools if p.instances > 0 or p.autoscaling is not None]
+
+    def standby_roles(self) -> tuple[str, ...]:
+        """Roles of the pools that may scale to zero: the router holds their queue meanwhile."""
+        return tuple(p.role for p in self.pools if p.autoscaling is not None and p.autoscaling.min_instances == 0)
 
     def placement_bundles(self, pool: PoolSpec) -> list[dict[str, float]] | None:
         """One bundle per rank for a replica that leads a group of Ray-actor ranks (the replica

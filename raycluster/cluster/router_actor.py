@@ -23,6 +23,7 @@ from dataclasses import asdict
 
 import ray
 
+from raycluster.cluster import router_autoscale
 from raycluster.cluster.messages import (GatewayReply, InstanceStats, PollReply, RequestMeta,
                                          StepReport, SubmitReply)
 from raycluster.cluster.router_core import QUEUES, RouterConfig, RouterCore
@@ -151,7 +152,12 @@ class RouterActor:
         return self.core.inflight()
 
     async def autoscale_stats(self, instance_id: str, role: str) -> dict:
-        return self.core.autoscale_stats(instance_id, role)
+        """A pool replica's autoscaling metrics (its `record_autoscaling_stats`)."""
+        return router_autoscale.instance_stats(self.core, instance_id, role)
+
+    async def pool_autoscale_stats(self, role: str) -> dict:
+        """A whole pool's load: what Serve's policy probes while the pool has no running replica."""
+        return router_autoscale.pool_stats(self.core, role)
 
     async def placements(self) -> dict:
         return self.core.placements()

@@ -17,13 +17,14 @@ Dispatch's per-instance arithmetic (slots, free KV, load order) is in `router_pl
 Queues: one Policy (by name, from the scheduling library) per pool queue: "mixed",
 "prefill-short", "prefill-long", "decode". Prompts are classified short/long by the L_m boundary.
 Requests re-queued after an instance died go to a per-queue `front` deque served first.
+A pool in `cfg.standby_roles` (autoscaled from zero) keeps its queue while it has no instance;
+its autoscaling load numbers are read from this state by `router_autoscale.py`.
 """
 
 from __future__ import annotations
 
 from collections import deque
 
-from raycluster.cluster.autoscale import INSTANCE_LOAD, POOL_QUEUE
 from raycluster.cluster.messages import (ROLES, GatewayReply, InstanceStats, PollReply, PrefillDone,
                                          RequestMeta, StepReport, SubmitReply, TokenEvent, WorkItem)
 from raycluster.cluster import router_placement as placement
@@ -92,9 +93,14 @@ class RouterCore:
             found = self._alive_cache[roles] = [i for i in self.instances.values() if i.role in roles]
         return found
 
+    def _present(self, role: str) -> bool:
+        """A pool that takes work now, or will: live instances, or a standby pool (autoscaled
+        from zero: its queue waits for its first instance)."""
+        return bool(self._alive(role)) or role in self.cfg.standby_roles
+
     def _route(self, length_class: str) -> str:
-        """Queue for a new (or resumed) prompt given the instances alive now."""
-        short, long_ = bool(self._alive("prefill-short")), bool(self._alive("prefill-long"))
+        """Queue for a new (or resumed) prompt given the instances alive now (and standby pools)."""
+        short, long_ = self._present("prefill-short"), self._present("prefill-long")
         if length_class == "short":
             return "prefill-short" if short else "prefill-long" if long_ else "mixed"
         return "prefill-long" if long_ else "prefill-short" if short else "mixed"
@@ -104,6 +110,8 @@ class RouterCore:
         (a queue stranded by a topology change drains instead of waiting forever)."""
         if queue == "decode":
             return ("decode",)
+        if queue in self.cfg.standby_roles and not self._alive(queue):
+            return ()                           # its pool scales up from zero for it: hold it
         for roles in _SERVING_CHAIN[queue]:
             if self._alive(*roles):
                 return roles
@@ -126,15 +134,17 @@ class RouterCore:
         self.gateway_seen[meta.gateway_id] = self.clock.now()
         depth = self.queue_depth()
         # Decided from counters only: no tokenization or KV allocation happens for a rejection.
-        if not self.instances:
+        if not self.instances and not self.cfg.standby_roles:
             return SubmitReply(False, self.cfg.retry_after_s, "no instances", depth)
         if depth >= self.cfg.max_queue and not meta.resumed:
             return SubmitReply(False, self.cfg.retry_after_s, "queue full", depth, self.router_id)
         if meta.request_id in self.requests:
             return SubmitReply(False, 0.0, "duplicate request id", depth, self.router_id)
         n = len(meta.prompt_token_ids)
-        if all(placement.tokens_never_fit(n + len(meta.output_token_ids), i, self.cfg.kv_reserve_frac)
-               for i in self.instances.values()):
+        # (With a standby pool at zero instances, its KV size is not known yet: dispatch decides.)
+        if all(self._alive(r) for r in self.cfg.standby_roles) and all(
+                placement.tokens_never_fit(n + len(meta.output_token_ids), i, self.cfg.kv_reserve_frac)
+                for i in self.instances.values()):
             # Never servable here (not a transient overload): no Retry-After.
             return SubmitReply(False, 0.0, "prompt too long for any instance's KV cache", depth, self.router_id)
         st = ReqState(meta=meta, req=policy_request(meta, self.clock.now()),
@@ -493,17 +503,6 @@ class RouterCore:
 
     def inflight(self) -> int:
         return len(self.requests)
-
-    def autoscale_stats(self, instance_id: str, role: str) -> dict[str, float]:
-        """An autoscaled pool replica's load signal (raycluster.cluster.autoscale): the requests
-        handed to `instance_id` and not done there (queued, prefilling or decoding on it; 0 before
-        it first polls), and the requests waiting in the queues pool `role` serves (a queue no live
-        instance serves counts for the pool it is named after)."""
-        inst = self.instances.get(instance_id)
-        role = inst.role if inst is not None else role
-        queued = sum(len(self.policies[q]) + len(self.front[q]) for q in QUEUES
-                     if role in (self._serving_roles(q) or (q,)))     # nobody serves it: its own pool's
-        return {INSTANCE_LOAD: float(len(inst.running)) if inst is not None else 0.0, POOL_QUEUE: float(queued)}
 
     def placements(self) -> dict[str, dict]:
         return request_placements(self.requests)

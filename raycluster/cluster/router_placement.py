@@ -63,11 +63,18 @@ def load_key(inst: Instance, requests: dict[str, ReqState], reserve_frac: float,
     seen) minus the request's own tokens it would find cached there, then queued requests,
     running ones, free KV. Tokens lead because a short prompt placed behind one 40K-token prompt
     waits far longer than behind three short ones."""
-    s, work = inst.stats, inst.outbox.work
-    pend_tok = sum(prefill_tokens(w.meta, requests) for w in work) if work else 0
-    return (s.queued_tokens + inst.transit_sum(3) + pend_tok - cached_tokens,
+    s = inst.stats
+    return (backlog_tokens(inst, requests) - cached_tokens,
             s.waiting + len(inst.transit) + len(inst.outbox.work), s.running,
             -kv_free(inst, requests, reserve_frac), inst.instance_id)
+
+
+def backlog_tokens(inst: Instance, requests: dict[str, ReqState]) -> int:
+    """Prompt tokens the instance has still to prefill: its reported backlog, plus the items it
+    was sent that its stats do not show yet (in transit) and those in its outbox."""
+    work = inst.outbox.work
+    pend_tok = sum(prefill_tokens(w.meta, requests) for w in work) if work else 0
+    return inst.stats.queued_tokens + inst.transit_sum(3) + pend_tok
 
 
 def prefill_tokens(meta, requests: dict[str, ReqState]) -> int:

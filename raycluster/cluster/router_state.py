@@ -37,6 +37,9 @@ class RouterConfig:
     pressure_period_s: float = 5.0
     prefix_affinity: bool = True      # place prompts where their prefix is cached (instances that cache)
     decode_affinity_slack: int = 4    # ... and handoffs, unless that decode instance has this many more sequences
+    # Pools autoscaled from zero: with no instance, their queue holds its requests (bounded by
+    # max_queue) until one registers, instead of refusing them or routing them to another pool.
+    standby_roles: tuple[str, ...] = ()
 
 
 class Transit(dict):
