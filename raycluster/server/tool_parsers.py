@@ -5,13 +5,17 @@ name as vLLM's `--tool-call-parser`:
 - `llama3_json` (Llama 3.1-3.3): the whole output is one or more JSON objects
   `{"name": ..., "parameters": {...}}` separated by `;`, optionally after `<|python_tag|>`;
 - `mistral`: `[TOOL_CALLS]` then a JSON array of `{"name": ..., "arguments": {...}}`;
-- `pythonic` (Llama 3.2 / Llama 4, ToolACE, ...): a Python list of calls with keyword arguments,
+- `pythonic` (Llama 3.2, ToolACE, ...): a Python list of calls with keyword arguments,
   `[get_weather(city="Paris"), get_time(tz="UTC")]`, ending the output (after optional text without
   such a list); read with `ast` (never evaluated): arguments must be literals, a positional one is
   not a call;
+- `llama4_pythonic` (Llama 4): `pythonic`'s list, bare or wrapped in `<|python_start|>` ...
+  `<|python_end|>` (the end marker optional, only space after it);
 - `qwen3_coder` (Qwen3-Coder): `<tool_call>` blocks of XML, `<function=NAME>` holding
   `<parameter=ARG>VALUE</parameter>` each; a value is a string unless the tool's schema types that
-  parameter number / integer / boolean / object / array / null (then JSON, if it reads as JSON);
+  parameter number / integer / boolean / object / array / null (then JSON, if it reads as JSON).
+  Also bare `<function=NAME>...</function>` blocks without `<tool_call>`: the first begins a line
+  (only spaces / tabs before it on the line) and they run, space between them, to the end;
 - `deepseek_v3` (DeepSeek-V3 / R1): `<｜tool▁calls▁begin｜>`, then per call
   `<｜tool▁call▁begin｜>function<｜tool▁sep｜>NAME` and a ```json fenced arguments object before
   `<｜tool▁call▁end｜>`, then `<｜tool▁calls▁end｜>`.
@@ -102,10 +106,12 @@ class MarkerParser(ToolParser):
     def start(self, text: str) -> tuple[int | None, int]:
         """Where `MARK` is, or how many trailing characters of `text` could be the start of it."""
         at = text.find(self.MARK)
-        if at >= 0:
-            return at, 0
-        mark = self.MARK
-        return None, next((k for k in range(min(len(mark) - 1, len(text)), 0, -1) if text.endswith(mark[:k])), 0)
+        return (at, 0) if at >= 0 else (None, _partial(text, self.MARK))
+
+
+def _partial(text: str, mark: str) -> int:
+    """How many trailing characters of `text` could be the start of `mark` (a proper prefix)."""
+    return next((k for k in range(min(len(mark) - 1, len(text)), 0, -1) if text.endswith(mark[:k])), 0)
 
 
 class HermesParser(MarkerParser):
@@ -169,23 +175,57 @@ class PythonicParser(ToolParser):
     _LIST = re.compile(r"\[\s*[A-Za-z_]\w*\(")          # where a list of calls may begin
     _BEGUN = re.compile(r"\[\s*(?:[A-Za-z_]\w*)?\Z")     # ... or may be beginning, at the end
 
-    def _begin(self, text: str) -> int | None:
-        """Where the first list of calls may begin (0 when only space is before it): the calls
-        must run from there to the end, one parse (a later list would make it quadratic)."""
+    def _first(self, text: str) -> int | None:
+        """Where the first list of calls may begin: the calls must run from there to the end,
+        one parse (a later list would make it quadratic)."""
         m = self._LIST.search(text)
-        return None if m is None else m.start() if text[:m.start()].strip() else 0
+        return None if m is None else m.start()
+
+    def _begin(self, text: str) -> int | None:
+        """`_first`, or 0 when only space is before it."""
+        at = self._first(text)
+        return None if at is None else at if text[:at].strip() else 0
 
     def _read(self, text: str) -> tuple[int, list[ParsedCall]] | None:
         at = self._begin(text)
-        return None if at is None else (at, _python_calls(text[at:]))
+        return None if at is None else (at, self._calls(text[at:]))
+
+    def _calls(self, source: str) -> list[ParsedCall]:
+        """The calls `source` (from where they begin to the end) holds; ValueError if not calls."""
+        return _python_calls(source)
+
+    def _may_begin(self, text: str) -> int:
+        """Where calls may be beginning at the end of `text` (len(text): nowhere)."""
+        m = self._BEGUN.search(text)
+        return m.start() if m else len(text)
 
     def start(self, text: str) -> tuple[int | None, int]:
         at = self._begin(text)
         if at is not None:
             return at, 0
-        m = self._BEGUN.search(text)
-        at = m.start() if m else len(text)
+        at = self._may_begin(text)
         return None, (len(text) - at if text[:at].strip() else len(text))   # leading space waits too
+
+
+class Llama4PythonicParser(PythonicParser):
+    """Llama 4's pythonic calls: `pythonic`'s list, bare or wrapped in `<|python_start|>` ...
+    `<|python_end|>` (the end optional: it may be cut, or dropped as a special token). Calls
+    begin at the first list or start marker; after the end marker only space may follow."""
+    name = "llama4_pythonic"
+    START, END = "<|python_start|>", "<|python_end|>"
+
+    def _first(self, text: str) -> int | None:
+        listed, mark = super()._first(text), text.find(self.START)
+        return listed if mark < 0 or (listed is not None and listed < mark) else mark
+
+    def _calls(self, source: str) -> list[ParsedCall]:
+        source = source.strip()
+        if source.startswith(self.START):
+            source = source[len(self.START):].rstrip().removesuffix(self.END)
+        return _python_calls(source)
+
+    def _may_begin(self, text: str) -> int:
+        return min(super()._may_begin(text), len(text) - _partial(text, self.START))
 
 
 def _python_calls(source: str) -> list[ParsedCall]:
@@ -232,11 +272,49 @@ class Qwen3CoderParser(HermesParser):
     _PARAMETER = re.compile(r"\s*<parameter=([^>\n]+)>(.*?)</parameter>", re.S)
     TYPED = frozenset({"number", "integer", "boolean", "object", "array", "null"})     # JSON values; else strings
 
+    # A bare call (no `<tool_call>` around it) begins at `<function=` starting a line (only spaces
+    # or tabs before it on its line): in prose, mid-line, it stays text. Bare calls run to the end.
+    _BARE = re.compile(r"^[ \t]*(<function=)", re.M)
+    _BARE_CALL = re.compile(r"<function=[^>\n]+>.*?</function>", re.S)
+    BARE = "<function="
+
     def __init__(self, parameters: dict[str, dict] | None = None) -> None:
         self.parameters = parameters or {}
 
     def for_tools(self, parameters: dict[str, dict]) -> ToolParser:
         return type(self)(parameters)
+
+    def _bare(self, text: str) -> int | None:
+        """Where the first bare call begins (None: nowhere)."""
+        m = self._BARE.search(text)
+        return None if m is None else m.start(1)
+
+    def _read(self, text: str) -> tuple[int, list[ParsedCall]] | None:
+        bare, wrapped = self._bare(text), text.find(self.MARK)
+        if bare is None or 0 <= wrapped < bare:
+            return super()._read(text)
+        return bare, self._bare_calls(text, bare)
+
+    def _bare_calls(self, text: str, at: int) -> list[ParsedCall]:
+        """The `<function=...>` blocks from `at`, space between them, to the end of `text`."""
+        calls = []
+        while at < len(text):
+            m = self._BARE_CALL.match(text, at)
+            if m is None:
+                raise ValueError("not a function")
+            calls.append(self._block(m.group()))
+            at = skip_space(text, m.end())
+        return calls
+
+    def start(self, text: str) -> tuple[int | None, int]:
+        begin, held = super().start(text)
+        bare = self._bare(text)
+        if bare is not None and (begin is None or bare < begin):
+            return bare, 0
+        if begin is not None:
+            return begin, 0
+        line = text[text.rfind("\n") + 1:].lstrip(" \t")      # a bare call's start may be coming
+        return None, max(held, len(line) if line and self.BARE.startswith(line) else 0)
 
     def _block(self, body: str) -> ParsedCall:
         m = self._FUNCTION.fullmatch(body)
@@ -292,7 +370,7 @@ class DeepSeekV3Parser(MarkerParser):
 
 
 TOOL_PARSERS = {p.name: p for p in (HermesParser, Llama3JsonParser, MistralParser, PythonicParser,
-                                    Qwen3CoderParser, DeepSeekV3Parser)}
+                                    Llama4PythonicParser, Qwen3CoderParser, DeepSeekV3Parser)}
 
 
 def tool_parser(name: str | None):

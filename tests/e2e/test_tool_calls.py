@@ -4,7 +4,8 @@
 request's tools (one with parallel_tool_calls false), streamed and not alike; the `openai` client
 reads them; earlier calls and tool results in the messages reach the chat template (arguments as
 objects); "auto" and other choices this server cannot serve are 400s naming the field; with a
-tool-call parser (hermes, pythonic, qwen3_coder) "auto" returns the calls the model writes in that syntax."""
+tool-call parser (hermes, pythonic, llama4_pythonic, qwen3_coder, bare and wrapped) "auto" returns
+the calls the model writes in that syntax."""
 
 from __future__ import annotations
 
@@ -191,6 +192,12 @@ def served_pythonic(tiny_model_dir):
 
 
 @pytest.fixture(scope="module")
+def served_llama4_pythonic(tiny_model_dir):
+    with _served_with(tiny_model_dir, "llama4_pythonic") as url:
+        yield url
+
+
+@pytest.fixture(scope="module")
 def served_qwen3_coder(tiny_model_dir):
     with _served_with(tiny_model_dir, "qwen3_coder") as url:
         yield url
@@ -260,4 +267,30 @@ def test_auto_with_the_qwen3_coder_parser_types_values_by_the_tools_schema(serve
     assert call["function"]["name"] == "search"
     args = json.loads(call["function"]["arguments"])
     assert args["exact"] is True
+    jsonschema.validate(args, SEARCH)
+
+
+def test_auto_with_the_llama4_pythonic_parser_reads_the_wrapped_list(served_llama4_pythonic):
+    """Llama 4's list of calls inside <|python_start|> ... <|python_end|>, after text: the text
+    is the content, the wrapper no part of the calls."""
+    regex = escape('Sure.<|python_start|>[search(q="') + "[a-z]{1,6}" + escape('", exact=False)]<|python_end|>')
+    msg = _steered(served_llama4_pythonic, regex)
+    assert msg["content"] == "Sure."
+    [call] = msg["tool_calls"]
+    assert call["function"]["name"] == "search"
+    args = json.loads(call["function"]["arguments"])
+    assert args["exact"] is False
+    jsonschema.validate(args, SEARCH)
+
+
+def test_auto_with_the_qwen3_coder_parser_reads_a_bare_function_block(served_qwen3_coder):
+    """A `<function=...>` block without `<tool_call>` around it, on its own line after text."""
+    regex = escape("On it.\n<function=search>\n<parameter=q>\n") + "[a-z]{1,6}" + \
+        escape("\n</parameter>\n<parameter=exact>\nfalse\n</parameter>\n</function>")
+    msg = _steered(served_qwen3_coder, regex, max_tokens=160)
+    assert msg["content"] == "On it.\n"
+    [call] = msg["tool_calls"]
+    assert call["function"]["name"] == "search"
+    args = json.loads(call["function"]["arguments"])
+    assert args["exact"] is False
     jsonschema.validate(args, SEARCH)

@@ -1,7 +1,8 @@
 """ClusterConfig's GPU pools: GPUs per instance make the engine's device default to cuda, an
 engine on cuda without GPUs from Ray is refused naming the pool's field, and an explicit device
 wins. Group placement: a replica leading Ray-actor ranks reserves one bundle per rank, and a
-strategy that may span nodes needs a routable group_host."""
+strategy that may span nodes needs a routable group_host. tool_call_parser takes each parser's
+name (llama4_pythonic too) and refuses others."""
 
 from pathlib import Path
 
@@ -68,3 +69,10 @@ def test_every_shipped_serve_config_validates(name):
     from deployments.launcher import load_app_spec
 
     ClusterConfig(**load_app_spec(name)["args"])
+
+
+def test_tool_call_parser_takes_each_parsers_name():
+    for name in ("pythonic", "llama4_pythonic", "qwen3_coder"):
+        assert ClusterConfig(tool_call_parser=name).tool_call_parser == name
+    with pytest.raises(ValidationError, match="unknown tool_call_parser 'llama4'"):
+        ClusterConfig(tool_call_parser="llama4")

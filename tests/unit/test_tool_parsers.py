@@ -1,16 +1,19 @@
-"""The tool-call parsers of tool_choice "auto" (hermes, llama3_json, mistral, pythonic, qwen3_coder,
-deepseek_v3) on the syntax each model family writes, and how a choice's text becomes tool calls,
+"""The tool-call parsers of tool_choice "auto" (hermes, llama3_json, mistral, pythonic, llama4_pythonic,
+qwen3_coder, deepseek_v3) on the syntax each model family writes, and how a choice's text becomes tool calls,
 whole and streamed: a stream sends the text before the calls as content as it comes (holding back
 what may begin a call marker), then the calls at the end, and the pieces add up to the
-non-streamed message; a stream cut inside a call is text."""
+non-streamed message; a stream cut inside a call is text. Llama 4's list bare or in
+<|python_start|> ... <|python_end|>, and qwen3_coder's <function=...> blocks without <tool_call>
+(the first starting a line: mid-line it is prose), streamed equal to the whole message at every cut."""
 
 from __future__ import annotations
 
 import pytest
 
 from raycluster.server.protocol import ChatCompletionRequest
-from raycluster.server.tool_parsers import (DeepSeekV3Parser, HermesParser, Llama3JsonParser, MistralParser,
-                                            ParsedCall, PythonicParser, Qwen3CoderParser, tool_parser)
+from raycluster.server.tool_parsers import (TOOL_PARSERS, DeepSeekV3Parser, HermesParser, Llama3JsonParser,
+                                            Llama4PythonicParser, MistralParser, ParsedCall, PythonicParser,
+                                            Qwen3CoderParser, tool_parser)
 from raycluster.server.tools import NO_PARAMETERS, ToolCallOutput, array_items, tool_parameters
 
 HERMES = ('Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n'
@@ -24,6 +27,13 @@ QWEN3_CODER = ('Let me check.\n<tool_call>\n<function=get_weather>\n<parameter=c
                '<parameter=q>\nline one\nline two\n</parameter>\n<parameter=exact>\ntrue\n</parameter>\n'
                '<parameter=opts>\n{"depth": 2, "tags": ["a"]}\n</parameter>\n<parameter=n>\nmany\n</parameter>\n'
                '</function>\n</tool_call>')
+# Llama 4: the pythonic list wrapped in <|python_start|> ... <|python_end|>, or bare.
+LLAMA4 = 'Let me check.<|python_start|>[get_weather(city="Paris"), search(q="a b", n=2)]<|python_end|>'
+LLAMA4_BARE = 'Checking.\n[get_weather(city="Paris")]'
+# Qwen3-Coder's <function=...> blocks without <tool_call> around them.
+QWEN3_BARE = ('Let me check.\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n<parameter=days>\n3\n'
+              '</parameter>\n</function>\n<function=search>\n<parameter=opts>\n{"depth": 2}\n</parameter>\n'
+              '<parameter=q>\n3\n</parameter>\n</function>\n')
 DEEPSEEK = ('Let me check.<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>get_weather\n```json\n'
             '{"city": "Paris"}\n```<｜tool▁call▁end｜>\n<｜tool▁call▁begin｜>function<｜tool▁sep｜>search\n```json\n'
             '{"q": "Paris", "n": 2}\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜>')
@@ -132,14 +142,21 @@ def _auto(name: str) -> ToolCallOutput:
 
 
 CALLS = [("hermes", HERMES), ("llama3_json", LLAMA), ("mistral", MISTRAL), ("pythonic", PYTHONIC),
-         ("pythonic", '\n[get_weather(city="Paris")]'), ("qwen3_coder", QWEN3_CODER), ("deepseek_v3", DEEPSEEK)]
+         ("pythonic", '\n[get_weather(city="Paris")]'), ("llama4_pythonic", LLAMA4), ("llama4_pythonic", LLAMA4_BARE),
+         ("llama4_pythonic", ' <|python_start|>[search(q="x")]'), ("qwen3_coder", QWEN3_CODER),
+         ("qwen3_coder", QWEN3_BARE),
+         ("qwen3_coder", '<function=search>\n<parameter=q>\n"x"\n</parameter>\n</function>'),
+         ("deepseek_v3", DEEPSEEK)]
 STEPS = [1, 3, 4, 0.75, 1000]       # a float: pieces of that share of the text
+PROSE = "Qwen3-Coder wraps <function=NAME> in <tool_call>, e.g. <function=f></function>."   # mid-line: text
 
 
 @pytest.mark.parametrize("name,text", [*CALLS, ("hermes", "Just text, <tool and more text."),
                                        ("llama3_json", "Plain text."), ("pythonic", "See [1] or [f(x)], [g"),
                                        ("pythonic", "[f(a=1)] is how one calls f."),
                                        ("qwen3_coder", "Text, <tool_c and <tool_call>\n<function=f>\n</tool_call>"),
+                                       ("qwen3_coder", PROSE), ("qwen3_coder", "Tags:\n  <function=f> opens a call."),
+                                       ("llama4_pythonic", "See <|python_st and [f(x)] or <|python_start|>print(1)"),
                                        ("deepseek_v3", "Text <｜tool▁calls and more.")])
 @pytest.mark.parametrize("step", STEPS)
 def test_auto_streams_what_the_message_holds(name, text, step):
@@ -228,3 +245,90 @@ def test_required_streams_each_call_once_it_is_whole(step, reason):
     out = ToolCallOutput("required")
     first, _ = out.delta(REQUIRED[:REQUIRED.index("} ,") + 2], False, None)     # the first call, before the end
     assert [c["function"]["name"] for c in first["tool_calls"]] == ["f"]
+
+
+def test_llama4_pythonic_reads_the_list_wrapped_or_bare():
+    parser = tool_parser("llama4_pythonic")
+    assert isinstance(parser, Llama4PythonicParser) and TOOL_PARSERS["llama4_pythonic"] is Llama4PythonicParser
+    assert parser.parse(LLAMA4) == ("Let me check.", [ParsedCall("get_weather", '{"city": "Paris"}'),
+                                                      ParsedCall("search", '{"q": "a b", "n": 2}')])
+    assert parser.parse(LLAMA4_BARE) == ("Checking.\n", [ParsedCall("get_weather", '{"city": "Paris"}')])
+    # The whole message, the end marker left out (cut, or dropped as a special token), space around it.
+    assert parser.parse('\n<|python_start|>[f(a=[1, {"b": None}])]') == \
+        (None, [ParsedCall("f", '{"a": [1, {"b": null}]}')])
+    assert parser.parse('<|python_start|> [f(), g(s="<|python_end|>")] <|python_end|>\n') == \
+        (None, [ParsedCall("f", "{}"), ParsedCall("g", '{"s": "<|python_end|>"}')])
+    assert PythonicParser().parse(LLAMA4_BARE) == parser.parse(LLAMA4_BARE)      # bare: pythonic's reading
+
+
+@pytest.mark.parametrize("text", [
+    "plain", "<|python_start|>", "<|python_start|><|python_end|>", "<|python_start|>[]<|python_end|>",
+    '<|python_start|>[get_weather("Paris")]<|python_end|>', "<|python_start|>[f(a=lookup(1))]<|python_end|>",
+    "<|python_start|>print(1)<|python_end|>",                                   # code, not calls
+    "<|python_start|>[f(a=1)]<|python_end|> and then",                          # text after the end marker
+    "[f(a=1)]<|python_end|>",                                                   # an end marker without a start
+    "<|python_start|>[f(a=1)]<|python_end|><|python_start|>[g(b=2)]<|python_end|>",   # one list only
+    "Sure [f(a=1)] <|python_start|>[g(b=2)]<|python_end|>",                     # calls begin at the first list
+    '<|python_start|>[f(a="x', "<|python_start|>[f(a=1)", "<|python_start|>Sure [f(a=1)]<|python_end|>",
+])
+def test_llama4_pythonic_text_without_calls_that_parse_is_content(text):
+    assert Llama4PythonicParser().parse(text) == (text, [])
+
+
+def test_qwen3_coder_reads_bare_function_blocks():
+    parser = Qwen3CoderParser().for_tools(PARAMETERS)
+    assert parser.parse(QWEN3_BARE) == ("Let me check.\n", [
+        ParsedCall("get_weather", '{"city": "Paris", "days": 3}'),
+        ParsedCall("search", '{"opts": {"depth": 2}, "q": "3"}')])      # q is a string in the schema: "3"
+    assert parser.parse('  <function=now>\n</function>') == ("  ", [ParsedCall("now", "{}")])
+    assert parser.parse('<function=now></function>\n\n<function=now></function>') == \
+        (None, [ParsedCall("now", "{}"), ParsedCall("now", "{}")])
+    # A line's `<function=` begins the calls, one mid-line is text: the calls are the last line's.
+    text = 'Use <function=x> tags.\n<function=search>\n<parameter=exact>\nfalse\n</parameter>\n</function>'
+    assert parser.parse(text) == ('Use <function=x> tags.\n', [ParsedCall("search", '{"exact": false}')])
+    # The wrapped form as before, also when a bare-looking line is inside (or after) its block.
+    assert parser.parse(QWEN3_CODER) == Qwen3CoderParser().for_tools(PARAMETERS).parse(QWEN3_CODER)
+    assert parser.parse("<tool_call>\n<function=now>\n</function>\n</tool_call>") == (None, [ParsedCall("now", "{}")])
+
+
+@pytest.mark.parametrize("text", [
+    PROSE, "Tags:\n<function=f> opens a call, </function> ends it.",       # a line's start, then prose
+    "<function=f>\n<parameter=a>\n1\n</parameter>\n",                      # unfinished: no </function>
+    "<function=f>\n<parameter=a>\n1\n</function>",                          # unclosed parameter
+    "<function=f></function> and more", "<function=f></function>\n<tool_call>\n<function=g></function>\n</tool_call>",
+    "<function=f></function>\n<function=g>", "<function=>\n</function>", "<function=f\n></function>",
+    "<function=f>\nloose text\n</function>", "\t<function=f>\n<parameter=a>1<parameter=b>2</parameter></function>",
+])
+def test_qwen3_coder_bare_text_without_calls_that_parse_is_content(text):
+    assert Qwen3CoderParser().for_tools(PARAMETERS).parse(text) == (text, [])
+
+
+def test_where_a_stream_of_the_new_syntaxes_may_hold_back_text():
+    l4 = Llama4PythonicParser()
+    assert l4.start("Sure <|pyth") == (None, 6) and l4.start("Sure [get") == (None, 4) and l4.start(" <|") == (None, 3)
+    assert l4.start("Sure.<|python_start|>") == (5, 0) and l4.start("\n<|python_start|>") == (0, 0)
+    assert l4.start("Sure [f(") == (5, 0) and l4.start("a [f( <|python_start|>") == (2, 0)
+    assert l4.start("Sure <|python_end|>") == (None, 0) and l4.start("a <b") == (None, 0)
+    q = Qwen3CoderParser()
+    assert q.start("ok\n  <func") == (None, 5) and q.start("ok <func") == (None, 0)      # mid-line: text
+    assert q.start("ok\n<function=") == (3, 0) and q.start("ok\n\t<function=") == (4, 0)
+    assert q.start("ok <function=f>") == (None, 0) and q.start("<") == (None, 1)
+    assert q.start("<tool_call>\n<function=f>") == (0, 0) and q.start("a\n<function=f>\n<tool_call>") == (2, 0)
+
+
+@pytest.mark.parametrize("name,text", [("llama4_pythonic", LLAMA4), ("llama4_pythonic", LLAMA4_BARE),
+                                       ("qwen3_coder", QWEN3_BARE), ("qwen3_coder", "Hi.\n" + QWEN3_CODER)])
+def test_every_cut_streams_what_the_message_holds(name, text):
+    """Each prefix of the text (a stream cut there by max_tokens) streamed a character at a time
+    and in two pieces split at each point gives the whole-message parse of that prefix."""
+    for k in range(len(text) + 1):
+        cut = text[:k]
+        whole, reason = _auto(name).message(cut, "length")
+        want = (whole["content"] or "", [(i, c["function"]) for i, c in enumerate(whole["tool_calls"])], reason)
+        for pieces in ([cut[:j] for j in range(k + 1)], [cut[:k // 3], cut]):     # prefixes: what is whole so far
+            out, content, calls, last = _auto(name), "", [], None
+            for n, (a, b) in enumerate(zip([""] + pieces, pieces)):
+                delta, last = out.delta(b[len(a):], n == len(pieces) - 1, "length" if n == len(pieces) - 1 else None)
+                content += delta.get("content", "")
+                calls += [(c["index"], c["function"]) for c in delta.get("tool_calls", [])]
+            assert (content, calls, last) == want, (k, pieces[-1])
