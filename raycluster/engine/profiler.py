@@ -80,23 +80,21 @@ def quick_plan(max_model_len: int, max_num_batched_tokens: int, max_num_seqs: in
                seed: int = 0) -> list:
     """~35 shapes, most of them small (serving steps are; the fixed per-step cost and the small-
     chunk rate are pinned by them): prefill chunks 1..max_chunk at KV 0 (doubling), a few chunks
-    over earlier KV, decode batches of 1..16 at three KV lengths, a few mixed steps. About 1.5 s
-    a round for the tiny model on one thread."""
+    over earlier KV, decode batches of 1..16 at three KV lengths, a few mixed steps. With the
+    held-out steps about 2.5 s a round for the tiny model on one thread."""
     max_chunk, max_kv, max_dec = _plan_limits(max_model_len, max_num_batched_tokens, max_num_seqs)
     plan: list = []
     for q in sorted({q for q in (1, 4, 16, 32, 64, 128, 256, 512) if q < max_chunk} | {max_chunk}):
         plan.append(([(q, 0)], []))
-    for q in sorted({min(16, max_chunk), min(128, max_chunk), max(1, max_chunk // 2)}):
+    for q in sorted({min(16, max_chunk), min(64, max_chunk), max(1, max_chunk // 4)}):
         for kv in sorted({max(1, max_kv // 4), max_kv}):
             plan.append(([(q, kv)], []))
     for n in sorted({min(n, max_dec) for n in (1, 2, 4, 8, 16)}):
         for kv in sorted({max(1, min(kv, max_kv)) for kv in (128, 512, max_kv // 2)}):
             plan.append(([], [kv] * n))
-    rng = random.Random(seed)
-    for _ in range(4):
-        q = rng.randint(1, max_chunk)
-        plan.append(([(q, rng.randint(0, max_kv // 2))],
-                     [rng.randint(1, max_kv) for _ in range(rng.randint(1, max_dec))]))
+    # Mixed steps as the serving ones are (short chunks mostly): a uniform draw up to max_chunk
+    # made these four cost half a round.
+    plan += [s for s in serving_plan(seed, 24, max(1, max_chunk // 2), max_kv, max_dec) if s[0] and s[1]][:4]
     return plan
 
 
@@ -108,14 +106,16 @@ def startup_holdout_plan(max_model_len: int, max_num_batched_tokens: int, max_nu
     return serving_plan(seed, n, max_chunk, max_kv, max_dec)
 
 
-def profile_runner(runner: ModelRunner, plan: list, repeats: int = 5,
+def profile_runner(runner: ModelRunner, plan: list, repeats: int = 6,
                    holdout_plan: list | None = None) -> tuple[LinearBatchPredictor, dict]:
     """Measure `plan` (+ `holdout_plan`, interleaved in the same rounds so host noise hits both
     alike), fit, and report the error on the held-out shapes (a random quarter of `plan` without
     one); the returned fit uses every shape."""
     t0 = time.perf_counter()
     held = list(holdout_plan or [])
-    samples = profile(make_run_batch(runner), list(plan) + held, repeats=repeats, warmup=1)
+    # No warm-up pass: the first round's cold steps (workspace growth) lose to later ones in the
+    # minimum anyway, so a warm-up round is better spent as one more repeat.
+    samples = profile(make_run_batch(runner), list(plan) + held, repeats=repeats, warmup=0)
     train, test = samples[:len(plan)], (samples[len(plan):] if held else None)
     predictor, report = fit_and_report(train, test=test)
     return predictor, {"samples": len(samples), "heldout_samples": report.n, "repeats": repeats,
