@@ -146,27 +146,28 @@ def default_plan(max_chunk: int = 2048, max_kv: int = 16384, max_decodes: int = 
 def serving_plan(seed: int, n: int, max_chunk: int = 1024, max_kv: int = 4096,
                  max_decodes: int = 16) -> list[Shape]:
     """`n` random steps of the kind a serving instance runs: decode-only batches of 1 to
-    `max_decodes` requests at KV 16..max_kv (about a third), one prefill chunk of 16..max_chunk
-    tokens (log-uniform: most chunks are short), at KV 0 or an earlier depth (a third), and a
-    chunk with a decode batch beside it (the rest)."""
+    `max_decodes` requests (about a third), one prefill chunk at KV 0 or over an earlier part of
+    its prompt (a third), and a chunk with a decode batch beside it (the rest). Chunk sizes
+    (16..max_chunk) and KV lengths (16..max_kv) are log-uniform: most requests are short, a few
+    long ones set the tail (as in chat traces)."""
     rng = random.Random(seed)
-    lo = min(16, max_chunk)
+
+    def log_uniform(lo: int, hi: int) -> int:
+        lo = max(1, min(lo, hi))
+        return max(1, int(round(lo * (hi / lo) ** rng.random())))
+
+    def decodes() -> list[int]:
+        return [log_uniform(16, max_kv) for _ in range(rng.randint(1, max(1, max_decodes)))]
+
     plan: list[Shape] = []
-
-    def chunk() -> int:
-        return max(1, int(round(lo * (max_chunk / lo) ** rng.random())))
-
-    def decodes(most: int) -> list[int]:
-        return [rng.randint(min(16, max_kv), max_kv) for _ in range(rng.randint(1, max(1, most)))]
-
     for _ in range(n):
         kind = rng.random()
         if kind < 1 / 3:
-            plan.append(([], decodes(max_decodes)))
+            plan.append(([], decodes()))
         elif kind < 2 / 3:
-            plan.append(([(chunk(), rng.choice((0, rng.randint(0, max_kv))))], []))
+            plan.append(([(log_uniform(16, max_chunk), rng.choice((0, log_uniform(16, max_kv))))], []))
         else:
-            plan.append(([(chunk(), rng.randint(0, max_kv // 2))], decodes(max_decodes)))
+            plan.append(([(log_uniform(16, max_chunk), log_uniform(16, max(1, max_kv // 2)))], decodes()))
     return plan
 
 
