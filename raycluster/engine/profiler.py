@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import fcntl
 import hashlib
-import random
 import json
 import time
 from pathlib import Path

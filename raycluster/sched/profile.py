@@ -154,7 +154,7 @@ def serving_plan(seed: int, n: int, max_chunk: int = 1024, max_kv: int = 4096,
 
     def log_uniform(lo: int, hi: int) -> int:
         lo = max(1, min(lo, hi))
-        return max(1, int(round(lo * (hi / lo) ** rng.random())))
+        return max(1, round(lo * (hi / lo) ** rng.random()))
 
     def decodes() -> list[int]:
         return [log_uniform(16, max_kv) for _ in range(rng.randint(1, max(1, max_decodes)))]

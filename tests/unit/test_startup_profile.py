@@ -13,7 +13,13 @@ from raycluster.engine.kv_manager import KVCacheManager
 from raycluster.engine.model_runner import ModelRunner
 from raycluster.model.loader import load_model
 from raycluster.sched.predictor import LinearBatchPredictor
-from raycluster.sched.profile import error_report, fit_and_report, fit_predictor, profile, serving_plan
+from raycluster.sched.profile import (
+    error_report,
+    fit_and_report,
+    fit_predictor,
+    profile,
+    serving_plan,
+)
 
 TRUE = LinearBatchPredictor(overhead_s=3e-3, per_prefill_token_s=1e-4, per_attn_pair_s=8e-8,
                             per_decode_s=2e-4, per_decode_kv_s=1e-6, per_prefill_s=5e-4)
@@ -63,7 +69,7 @@ def test_profile_warmup_runs_are_not_timed_and_stat_is_pluggable():
 def test_noiseless_samples_of_the_startup_plan_recover_the_coefficients_exactly():
     fit_plan = profiler.quick_plan(*LIMITS)
     held = profiler.startup_holdout_plan(*LIMITS)
-    run = lambda p, d: TRUE.batch_time(p, d)    # noqa: E731
+    run = lambda p, d: TRUE.batch_time(p, d)
     train = profile(run, fit_plan, repeats=1, warmup=0)
     test = profile(run, held, repeats=1, warmup=0)
     fitted, report = fit_and_report(train, test=test)
@@ -73,7 +79,7 @@ def test_noiseless_samples_of_the_startup_plan_recover_the_coefficients_exactly(
 
 
 def test_an_explicit_holdout_is_reported_on_and_then_fitted_too():
-    run = lambda p, d: TRUE.batch_time(p, d)    # noqa: E731
+    run = lambda p, d: TRUE.batch_time(p, d)
     train = profile(run, profiler.quick_plan(*LIMITS), repeats=1, warmup=0)
     off = [s.__class__(s.prefills, s.decode_kv_lens, 2 * s.seconds) for s in
            profile(run, serving_plan(3, 8), repeats=1, warmup=0)]      # held-out steps 2x slower
