@@ -3,15 +3,17 @@
 `make_run_batch(runner)` returns a function that runs one forward pass of a synthetic batch with
 the given shape (prefill chunks as (tokens, kv_before), decode KV lengths) on the engine's own
 model and KV tensor and returns its wall time. Block tables are synthetic and may alias: the
-values read are junk, only the work matters. `load_or_profile` caches the fitted predictor per
-(model, threads, dtype) under the cache directory, so an instance profiles once per machine.
+values read are junk, only the work matters. `quick_plan` is what an instance profiles at start
+(mostly small steps: serving steps are), `startup_holdout_plan` the serving-like steps its
+report is measured on (`raycluster.sched.profile` says how repeats are taken). `load_or_profile`
+caches the fitted predictor per (model, threads, dtype, fit version) under the cache directory,
+so an instance profiles once per machine.
 """
 
 from __future__ import annotations
 
 import fcntl
 import hashlib
-import random
 import json
 import time
 from pathlib import Path
@@ -23,7 +25,7 @@ from raycluster.engine.model_runner import ModelRunner, plan_logits
 from raycluster.parallel.plan import StepPlan
 from raycluster.model.registry import cache_dir
 from raycluster.sched.predictor import LinearBatchPredictor
-from raycluster.sched.profile import fit_and_report, profile
+from raycluster.sched.profile import fit_and_report, profile, serving_plan
 
 RunBatch = Callable[[Sequence[tuple[int, int]], Sequence[int]], float]
 
@@ -61,37 +63,70 @@ def make_run_batch(runner: ModelRunner) -> RunBatch:
     return run
 
 
+# Bump when the plan, the estimator or the features change: cached profiles are then re-measured.
+PROFILE_VERSION = 4
+
+
+def _plan_limits(max_model_len: int, max_num_batched_tokens: int, max_num_seqs: int) -> tuple[int, int, int]:
+    """(largest chunk, deepest KV, largest decode batch) the startup profile covers: the range an
+    instance of this config mostly runs, not its limits (a fit stretched to 128 decodes of 8K
+    tokens is off at the small end, where most steps are)."""
+    max_kv = max(1, min(4096, max_model_len // 2))
+    return max(1, min(1024, max_num_batched_tokens, max_model_len // 2)), max_kv, max(1, min(16, max_num_seqs))
+
+
 def quick_plan(max_model_len: int, max_num_batched_tokens: int, max_num_seqs: int,
                seed: int = 0) -> list:
-    """~25 shapes covering what this instance runs (chunk sizes x KV depths, decode batch sizes
-    x lengths, a few mixed steps): about a minute on 2 busy cores, once per machine."""
-    max_chunk = min(1024, max_num_batched_tokens)
-    max_kv = min(8192, max_model_len // 2)
+    """~35 shapes, most of them small (serving steps are; the fixed per-step cost and the small-
+    chunk rate are pinned by them): prefill chunks 1..max_chunk at KV 0 (doubling), a few chunks
+    over earlier KV, decode batches of 1..16 at three KV lengths, a few mixed steps. With the
+    held-out steps about 2.5 s a round for the tiny model on one thread."""
+    max_chunk, max_kv, max_dec = _plan_limits(max_model_len, max_num_batched_tokens, max_num_seqs)
     plan: list = []
-    for q in sorted({max(1, max_chunk // 16), max(1, max_chunk // 4), max_chunk}):
-        for kv in (0, max_kv // 4, max_kv):
+    for q in sorted({q for q in (1, 4, 16, 32, 64, 128, 256, 512) if q < max_chunk} | {max_chunk}):
+        plan.append(([(q, 0)], []))
+    for q in sorted({min(16, max_chunk), min(64, max_chunk), max(1, max_chunk // 4)}):
+        for kv in sorted({max(1, max_kv // 4), max_kv}):
             plan.append(([(q, kv)], []))
-    for n in sorted({1, min(8, max_num_seqs), min(32, max_num_seqs)}):
-        for kv in (256, max_kv // 2):
+    for n in sorted({min(n, max_dec) for n in (1, 2, 4, 8, 16)}):
+        for kv in sorted({max(1, min(kv, max_kv)) for kv in (128, 512, max_kv // 2)}):
             plan.append(([], [kv] * n))
-    rng = random.Random(seed)
-    for _ in range(8):
-        pre = [(rng.randint(1, max_chunk // 2), rng.randint(0, max_kv // 2)) for _ in range(rng.randint(1, 2))]
-        plan.append((pre, [rng.randint(1, max_kv // 2) for _ in range(rng.randint(0, 16))]))
+    # Mixed steps as the serving ones are (short chunks mostly): a uniform draw up to max_chunk
+    # made these four cost half a round.
+    plan += [s for s in serving_plan(seed, 24, max(1, max_chunk // 2), max_kv, max_dec) if s[0] and s[1]][:4]
     return plan
 
 
-def profile_runner(runner: ModelRunner, plan: list, repeats: int = 2) -> tuple[LinearBatchPredictor, dict]:
-    samples = profile(make_run_batch(runner), plan, repeats=repeats, warmup=1)
-    predictor, report = fit_and_report(samples)
-    return predictor, {"samples": len(samples), "heldout_median_rel_err": report.median_rel,
-                       "heldout_p90_rel_err": report.p90_rel, "heldout_max_rel_err": report.max_rel}
+def startup_holdout_plan(max_model_len: int, max_num_batched_tokens: int, max_num_seqs: int,
+                         seed: int = 1, n: int = 16) -> list:
+    """Steps like those the instance serves (`serving_plan` within `_plan_limits`), measured in the
+    same rounds as the fit's shapes and kept out of the fit for the report."""
+    max_chunk, max_kv, max_dec = _plan_limits(max_model_len, max_num_batched_tokens, max_num_seqs)
+    return serving_plan(seed, n, max_chunk, max_kv, max_dec)
+
+
+def profile_runner(runner: ModelRunner, plan: list, repeats: int = 6,
+                   holdout_plan: list | None = None) -> tuple[LinearBatchPredictor, dict]:
+    """Measure `plan` (+ `holdout_plan`, interleaved in the same rounds so host noise hits both
+    alike), fit, and report the error on the held-out shapes (a random quarter of `plan` without
+    one); the returned fit uses every shape."""
+    t0 = time.perf_counter()
+    held = list(holdout_plan or [])
+    # No warm-up pass: the first round's cold steps (workspace growth) lose to later ones in the
+    # minimum anyway, so a warm-up round is better spent as one more repeat.
+    samples = profile(make_run_batch(runner), list(plan) + held, repeats=repeats, warmup=0)
+    train, test = samples[:len(plan)], (samples[len(plan):] if held else None)
+    predictor, report = fit_and_report(train, test=test)
+    return predictor, {"samples": len(samples), "heldout_samples": report.n, "repeats": repeats,
+                       "estimator": "min", "heldout_median_rel_err": report.median_rel,
+                       "heldout_p90_rel_err": report.p90_rel, "heldout_max_rel_err": report.max_rel,
+                       "profile_wall_s": time.perf_counter() - t0}
 
 
 def profile_key(runner: ModelRunner) -> str:
     cfg = runner.model.config
-    ident = {"features": 3, "cfg": repr(cfg), "threads": torch.get_num_threads(), "dtype": str(runner.dtype),
-             "block": runner.kv.block_size}
+    ident = {"features": PROFILE_VERSION, "cfg": repr(cfg), "threads": torch.get_num_threads(),
+             "dtype": str(runner.dtype), "block": runner.kv.block_size}
     if runner.layout != "single":    # a KVP / SPP / TP group runs the same step in a different time
         ident["layout"] = runner.layout
     ident = json.dumps(ident, sort_keys=True)
@@ -113,7 +148,9 @@ def load_or_profile(runner: ModelRunner, max_model_len: int, max_num_batched_tok
 def _profile_and_save(runner: ModelRunner, path: Path, max_model_len: int, max_num_batched_tokens: int,
                       max_num_seqs: int, log: Callable[[str], None]) -> LinearBatchPredictor:
     log("raycluster: profiling the model for the batch-time predictor (once per machine)...")
-    predictor, report = profile_runner(runner, quick_plan(max_model_len, max_num_batched_tokens, max_num_seqs))
+    predictor, report = profile_runner(runner, quick_plan(max_model_len, max_num_batched_tokens, max_num_seqs),
+                                       holdout_plan=startup_holdout_plan(max_model_len, max_num_batched_tokens,
+                                                                         max_num_seqs))
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps({"predictor": predictor.__dict__, "report": report}, indent=2))
     tmp.rename(path)

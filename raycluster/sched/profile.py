@@ -1,11 +1,19 @@
 """Profiling: measure real steps, fit a `LinearBatchPredictor`, report held-out error.
 
 Owns: the offline/startup calibration of the batch-time model. Data enters as a plan of batch
-shapes (`default_plan` or the caller's) and a `run_batch(prefills, decode_kv_lens) -> seconds`
-callable that the engine supplies (it runs one real step of that shape and times it). `profile`
-returns `ProfileSample`s; `fit_predictor` turns samples into coefficients by non-negative least
-squares over `raycluster.sched.predictor.batch_features`; `error_report` gives median and P90
-relative error on samples the fit did not see; `fit_and_report` does the split and both.
+shapes (`default_plan`, `serving_plan` or the caller's) and a `run_batch(prefills, decode_kv_lens)
+-> seconds` callable that the engine supplies (it runs one real step of that shape and times it).
+`profile` returns `ProfileSample`s; `fit_predictor` turns samples into coefficients by
+non-negative least squares over `raycluster.sched.predictor.batch_features`; `error_report`
+gives median and P90 relative error on samples the fit did not see; `fit_and_report` does the
+split (a random share, or a held-out set the caller measured alongside) and both.
+
+Measuring on a shared host: other processes only ever add time to a step, in bursts of a second
+or so that slow every shape run meanwhile. So `profile` runs the plan in rounds (every shape once
+per round, in a fresh random order each round) and keeps each shape's fastest repeat: a burst
+then costs one repeat of a few random shapes instead of all repeats of one, and the minimum is
+the estimate of the step's own time that the burst cannot bias. (Sorted or fixed orders measured
+worse: a burst then hits a run of neighbouring shapes and tilts the fit.)
 
 Fitting minimizes relative error by default (each row divided by its measured time): step times
 span 1 ms to seconds and the scheduler cares about ratios against a budget, not absolute error.
@@ -96,16 +104,22 @@ def error_report(predictor, samples: Sequence[ProfileSample]) -> ErrorReport:
 
 
 def fit_and_report(samples: Sequence[ProfileSample], holdout: float = 0.25, seed: int = 0,
-                   relative: bool = True) -> tuple[LinearBatchPredictor, ErrorReport]:
-    """Fit on a random (1 - holdout) share, report on the rest; then refit on everything (the
-    report describes how well the model generalizes, the returned fit uses all data)."""
-    idx = list(range(len(samples)))
-    random.Random(seed).shuffle(idx)
-    n_test = max(1, int(len(idx) * holdout)) if len(idx) > 1 else 0
-    test = [samples[i] for i in idx[:n_test]]
-    train = [samples[i] for i in idx[n_test:]]
+                   relative: bool = True, test: Sequence[ProfileSample] | None = None
+                   ) -> tuple[LinearBatchPredictor, ErrorReport]:
+    """Fit on the training share, report on the rest; then refit on everything (the report
+    describes how well the model generalizes, the returned fit uses all data). `test`: a
+    held-out set measured alongside (e.g. `serving_plan` shapes), used instead of a random
+    `holdout` share of `samples`."""
+    if test is not None:
+        train = list(samples)
+    else:
+        idx = list(range(len(samples)))
+        random.Random(seed).shuffle(idx)
+        n_test = max(1, int(len(idx) * holdout)) if len(idx) > 1 else 0
+        test = [samples[i] for i in idx[:n_test]]
+        train = [samples[i] for i in idx[n_test:]]
     report = error_report(fit_predictor(train, relative), test)
-    return fit_predictor(samples, relative), report
+    return fit_predictor(list(train) + list(test), relative), report
 
 
 def default_plan(max_chunk: int = 2048, max_kv: int = 16384, max_decodes: int = 64,
@@ -129,16 +143,50 @@ def default_plan(max_chunk: int = 2048, max_kv: int = 16384, max_decodes: int = 
     return plan
 
 
-def profile(run_batch: RunBatch, plan: Sequence[Shape], repeats: int = 3,
-            warmup: int = 1) -> list[ProfileSample]:
-    """Run every shape `warmup + repeats` times through the engine's step function; keep the
-    median of the timed repeats (robust to a stray slow step)."""
+def serving_plan(seed: int, n: int, max_chunk: int = 1024, max_kv: int = 4096,
+                 max_decodes: int = 16) -> list[Shape]:
+    """`n` random steps of the kind a serving instance runs: decode-only batches of 1 to
+    `max_decodes` requests (about a third), one prefill chunk at KV 0 or over an earlier part of
+    its prompt (a third), and a chunk with a decode batch beside it (the rest). Chunk sizes
+    (16..max_chunk) and KV lengths (16..max_kv) are log-uniform: most requests are short, a few
+    long ones set the tail (as in chat traces)."""
+    rng = random.Random(seed)
+
+    def log_uniform(lo: int, hi: int) -> int:
+        lo = max(1, min(lo, hi))
+        return max(1, round(lo * (hi / lo) ** rng.random()))
+
+    def decodes() -> list[int]:
+        return [log_uniform(16, max_kv) for _ in range(rng.randint(1, max(1, max_decodes)))]
+
+    plan: list[Shape] = []
+    for _ in range(n):
+        kind = rng.random()
+        if kind < 1 / 3:
+            plan.append(([], decodes()))
+        elif kind < 2 / 3:
+            plan.append(([(log_uniform(16, max_chunk), rng.choice((0, log_uniform(16, max_kv))))], []))
+        else:
+            plan.append(([(log_uniform(16, max_chunk), log_uniform(16, max(1, max_kv // 2)))], decodes()))
+    return plan
+
+
+def profile(run_batch: RunBatch, plan: Sequence[Shape], repeats: int = 3, warmup: int = 1,
+            seed: int = 0, stat: Callable[[list[float]], float] = min) -> list[ProfileSample]:
+    """Run the plan `warmup` times (untimed), then `repeats` timed rounds, each visiting every
+    shape once in its own shuffled order (seeded: reproducible call order); keep `stat` of each
+    shape's repeats, by default the minimum (noise on a shared host only adds time)."""
     if repeats < 1:
         raise ValueError(f"repeats must be >= 1, got {repeats}")
-    out: list[ProfileSample] = []
-    for prefills, decode_kv in plan:
-        for _ in range(warmup):
+    for _ in range(warmup):
+        for prefills, decode_kv in plan:
             run_batch(list(prefills), list(decode_kv))
-        times = [float(run_batch(list(prefills), list(decode_kv))) for _ in range(repeats)]
-        out.append(ProfileSample(list(prefills), list(decode_kv), statistics.median(times)))
-    return out
+    times: list[list[float]] = [[] for _ in plan]
+    rng = random.Random(seed)
+    order = list(range(len(plan)))
+    for _ in range(repeats):
+        rng.shuffle(order)
+        for i in order:
+            prefills, decode_kv = plan[i]
+            times[i].append(float(run_batch(list(prefills), list(decode_kv))))
+    return [ProfileSample(list(p), list(d), float(stat(t))) for (p, d), t in zip(plan, times)]

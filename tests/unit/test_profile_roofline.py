@@ -33,7 +33,7 @@ def test_nnls_matches_known_solution_and_clamps():
     assert (x >= 0).all() and x[1] == 0.0
 
 
-def test_profile_driver_calls_run_batch_and_takes_median():
+def test_profile_driver_calls_run_batch_warmup_plus_repeats_times():
     run, calls = noisy_runner(TRUE)
     plan = default_plan(max_chunk=1024, max_kv=8192, max_decodes=32)
     samples = profile(run, plan, repeats=3, warmup=1)
