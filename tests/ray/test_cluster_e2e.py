@@ -11,12 +11,12 @@ from __future__ import annotations
 import asyncio
 import json
 import random
-import socket
 import time
 
 import httpx
 import pytest
 from cluster_http import complete
+from serve_app import free_port
 
 pytestmark = [pytest.mark.ray, pytest.mark.e2e]
 
@@ -52,17 +52,12 @@ TOPOLOGIES = {
 }
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 @pytest.fixture(scope="module")
 def serve_port(ray_cluster):
     from ray import serve
 
-    port = _free_port()
+    port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     yield port
     serve.shutdown()

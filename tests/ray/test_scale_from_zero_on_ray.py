@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import asyncio
 import random
-import socket
 import threading
 import time
 
 import httpx
 import pytest
 from cluster_http import complete
+from serve_app import deployed_app
 
 pytestmark = [pytest.mark.ray, pytest.mark.e2e, pytest.mark.slow]     # ~2 min: CI runs it (RUN_SLOW=1)
 
@@ -30,11 +30,6 @@ CFG = {"model": "tiny", "policy": "fcfs", "threads_per_instance": 1, "max_local_
            "metrics_interval_s": 0.5, "look_back_period_s": 2.0}}]}
 OUT_TOKENS = 24
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -57,30 +52,9 @@ def prompts(tiny_model_dir):
 
 @pytest.fixture(scope="module")
 def cluster(ray_cluster):
-    import ray
-    from ray import serve
-
-    from deployments import scaling
-    from deployments.launcher import wait_healthy
-    from raycluster.cluster.config import ClusterConfig
-
-    port = _free_port()
-    http = {"host": "127.0.0.1", "port": port}
-    serve.start(http_options=http)
-    scaling.deploy(scaling.app_document("raycluster", "/", ClusterConfig(**CFG).model_dump(mode="json")), http)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        # Healthy with no instance: the router has a pool that starts one on demand.
-        if not wait_healthy(url + "/health", 120):
-            pytest.fail("scale-to-zero cluster not healthy within 120 s")
+    # Healthy with no instance: the router has a pool that starts one on demand.
+    with deployed_app(CFG, ROUTER, 120, "scale-to-zero cluster") as url:
         yield url
-    finally:
-        serve.delete("raycluster")
-        serve.shutdown()
-        try:
-            ray.kill(ray.get_actor(ROUTER, namespace="raycluster"))
-        except ValueError:
-            pass
 
 
 class _Watch:

@@ -14,6 +14,7 @@ from pydantic import ValidationError
 from raycluster.cluster.autoscale import (INSTANCE_LOAD, INSTANCE_TOKENS, POOL_QUEUE, POOL_QUEUE_TOKENS, PoolPolicy,
                                           _Probe)
 from raycluster.cluster.config import ClusterConfig
+from test_pool_autoscale import _core, _meta, _stats     # a router on a virtual clock, requests, polls
 
 
 class FakeProbe:
@@ -188,27 +189,6 @@ def test_serve_wrapper_scales_from_zero_at_once_and_to_zero_after_its_delay():
     time.sleep(0.35)
     n, state = run(1, 1, idle, state)
     assert n == 0
-
-
-def _core(**cfg):
-    from raycluster.clock import VirtualClock
-    from raycluster.cluster.router_core import RouterConfig, RouterCore
-
-    return RouterCore(RouterConfig(policy="fcfs", **cfg), VirtualClock(0.0))
-
-
-def _meta(rid: str, n: int = 8):
-    from raycluster.cluster.messages import RequestMeta
-    from raycluster.request import SamplingParams
-
-    return RequestMeta(request_id=rid, gateway_id="g", prompt_token_ids=list(range(10, 10 + n)),
-                       sampling=SamplingParams(max_tokens=4))
-
-
-def _stats(iid: str, role: str, free: int = 1000):
-    from raycluster.cluster.messages import InstanceStats
-
-    return InstanceStats(instance_id=iid, role=role, kv_free_blocks=free, kv_total_blocks=1000, block_size=16)
 
 
 def test_router_holds_a_standby_pools_requests_bounded_until_its_first_instance():
