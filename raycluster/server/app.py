@@ -410,6 +410,13 @@ def _usage(n_prompt: int, streams: list[_Stream], n: int) -> dict:
             "prompt_tokens_details": {"cached_tokens": sum(s.n_cached for s in streams[::n])}}
 
 
+def _chunk(rid: str, obj: str, created: int, model: str, choice: dict, usage: dict | None) -> str:
+    chunk = {"id": rid, "object": obj, "created": created, "model": model, "choices": [choice]}
+    if usage is not None:
+        chunk["usage"] = usage
+    return f"data: {json.dumps(chunk)}\n\n"
+
+
 async def _sse(streams: list[_Stream], rid: str, kind: str, model: str, n_prompt: int, n: int,
                usage: str | None, calls: list[ToolCallOutput] | None = None) -> AsyncIterator[str]:
     """`usage`: None, "end" (OpenAI's include_usage: one last chunk with it) or "each" (also in
@@ -420,6 +427,11 @@ async def _sse(streams: list[_Stream], rid: str, kind: str, model: str, n_prompt
     single = len(streams) == 1          # one request: its outputs directly, no merging layer
     outputs = streams[0].outputs() if single else _merged(streams)
     try:                # closing this generator must close the requests' (which aborts them)
+        if kind != "text_completion":   # OpenAI's (and vLLM's) first chunk per choice: the role
+            for i in range(len(streams)):
+                yield _chunk(rid, obj, created, model, {"index": i, "delta": {"role": "assistant", "content": ""},
+                                                        "finish_reason": None, "logprobs": None},
+                             _usage(n_prompt, streams, n) if usage == "each" else None)
         async for item in outputs:
             i, out = (0, item) if single else item
             text, lp = streams[i].render(kind, out)
@@ -431,10 +443,7 @@ async def _sse(streams: list[_Stream], rid: str, kind: str, model: str, n_prompt
             else:
                 choice = {"index": i, "delta": {"content": text}, "finish_reason": out.finish_reason,
                           "logprobs": lp}
-            chunk = {"id": rid, "object": obj, "created": created, "model": model, "choices": [choice]}
-            if usage == "each":
-                chunk["usage"] = _usage(n_prompt, streams, n)
-            yield f"data: {json.dumps(chunk)}\n\n"
+            yield _chunk(rid, obj, created, model, choice, _usage(n_prompt, streams, n) if usage == "each" else None)
     finally:
         await _close(outputs)
     if usage is not None:

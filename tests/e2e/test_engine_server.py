@@ -169,9 +169,30 @@ def test_openai_client_works(server):
     out = client.completions.create(model="tiny", prompt="hello", max_tokens=4, temperature=0, logprobs=2)
     assert out.usage.completion_tokens <= 4 and out.choices[0].finish_reason in ("length", "stop")
     assert len(out.choices[0].logprobs.token_logprobs) == out.usage.completion_tokens
-    stream = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hey"}],
-                                            max_tokens=4, stream=True)
-    assert sum(1 for _ in stream) >= 1
+    chat = dict(model="tiny", messages=[{"role": "user", "content": "hey"}], max_tokens=4, temperature=0)
+    whole = client.chat.completions.create(**chat).choices[0].message
+    chunks = list(client.chat.completions.create(**chat, stream=True))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == whole.content
+    assert _all_free(aeng)
+
+
+def test_chat_stream_opens_each_choice_with_its_role(server):
+    """As OpenAI and vLLM: before any token, one chunk per choice with the role and empty content;
+    completions (text) streams have no such chunk."""
+    url, aeng, _, _ = server
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, "n": 2, "stream": True}
+    with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=30) as r:
+        events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+    assert [e["choices"] for e in events[:2]] == [
+        [{"index": i, "delta": {"role": "assistant", "content": ""}, "finish_reason": None, "logprobs": None}]
+        for i in (0, 1)]
+    assert all("role" not in e["choices"][0]["delta"] for e in events[2:])
+    assert sorted(e["choices"][0]["index"] for e in events[2:]) == [0, 0, 0, 1, 1, 1]
+    with httpx.stream("POST", f"{url}/v1/completions", json={"prompt": "hi", "max_tokens": 2, "stream": True},
+                      timeout=30) as r:
+        first = json.loads(next(line for line in r.iter_lines() if line.startswith("data: {"))[6:])
+    assert "text" in first["choices"][0] and "delta" not in first["choices"][0]
     assert _all_free(aeng)
 
 

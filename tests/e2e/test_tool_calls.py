@@ -84,7 +84,9 @@ def test_a_named_function_gets_arguments_matching_its_schema(served):
     assert call["function"]["arguments"] == tok.decode(want)
 
     chunks = _stream(url, tools=TOOLS, tool_choice=NAMED)
-    deltas = [c["choices"][0]["delta"]["tool_calls"][0] for c in chunks if c["choices"]]
+    assert chunks[0]["choices"] == [{"index": 0, "delta": {"role": "assistant", "content": ""},
+                                     "finish_reason": None, "logprobs": None}]
+    deltas = [c["choices"][0]["delta"]["tool_calls"][0] for c in chunks[1:] if c["choices"]]
     assert deltas[0]["id"].startswith("chatcmpl-tool-") and deltas[0]["function"]["name"] == "get_weather"
     assert all("name" not in d["function"] and d["index"] == 0 for d in deltas[1:])
     assert "".join(d["function"]["arguments"] for d in deltas) == call["function"]["arguments"]

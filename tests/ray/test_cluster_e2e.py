@@ -329,7 +329,7 @@ def test_openai_client_and_status(cluster):
     assert [c.index for c in batch.choices] == [0, 1] and batch.choices[1].text == out.choices[0].text
     chunks = list(client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}],
                                                  max_tokens=4, temperature=0, stream=True))
-    assert chunks
+    assert chunks[0].choices[0].delta.role == "assistant" and len(chunks) >= 2
     metrics = httpx.get(url + "/metrics").text
     assert "raycluster_ttft_seconds_bucket" in metrics and "raycluster_instance_kv_usage" in metrics
     assert "raycluster_instance_prefill_backlog_tokens{" in metrics
