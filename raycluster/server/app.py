@@ -152,6 +152,13 @@ def build_app(engine, tokenizer, model_name: str, api_keys: Sequence[str] = (),
         sampling = body.to_sampling()
         if guided is not None:
             guided.into(sampling)
+        room = engine.max_model_len - max(len(ids) for ids, _ in prompts)
+        if max_tokens is not None and 0 < room < max_tokens:     # room <= 0: the prompt's own error
+            field = "max_completion_tokens" if getattr(body, "max_completion_tokens", None) else "max_tokens"
+            return _bad_request(f"{field}: {max_tokens} is too large: the context is {engine.max_model_len} tokens "
+                                f"and the prompt takes {engine.max_model_len - room}", field)
+        if max_tokens is None and kind != "text_completion":
+            max_tokens = max(room, 1)   # as vLLM's chat: up to the end of the context (or of the KV)
         if max_tokens is not None:
             sampling.max_tokens = max_tokens
         slo = SLO(ttft_s=body.ttft_slo_ms / 1e3 if body.ttft_slo_ms else None,
@@ -210,8 +217,16 @@ def build_app(engine, tokenizer, model_name: str, api_keys: Sequence[str] = (),
             out["prompt_logprobs"] = plps[0]
         return out
 
+    def _unknown_model(body) -> JSONResponse | None:
+        if body.model is None or body.model == model_name:
+            return None
+        return JSONResponse(error_body(f"model: `{body.model}` does not exist (this server has `{model_name}`)",
+                                       "model", code="model_not_found"), status_code=404)
+
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, http: HTTPRequest):
+        if (missing := _unknown_model(body)) is not None:
+            return missing
         try:
             engine.admit()
             prompts = _encode_prompts(body.prompt, body.echo)
@@ -224,6 +239,8 @@ def build_app(engine, tokenizer, model_name: str, api_keys: Sequence[str] = (),
 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatCompletionRequest, http: HTTPRequest):
+        if (missing := _unknown_model(body)) is not None:
+            return missing
         try:
             engine.admit()
             ids = _chat_ids(body)

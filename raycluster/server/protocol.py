@@ -76,7 +76,8 @@ class _GenerationFields(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     model: str | None = None
-    max_tokens: int | None = Field(None, description="default 16; must be >= 1")
+    max_tokens: int | None = Field(None, description="completions: default 16; chat: default the rest of the "
+                                      "context (as vLLM); at most the context minus the prompt; >= 1")
     temperature: float = Field(1.0, ge=0.0, le=100.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     top_k: int = Field(0, ge=0)

@@ -7,7 +7,7 @@ import time
 
 import httpx
 import pytest
-from engine_http import serve_engine
+from engine_http import serve_engine, tiny_parts
 
 from raycluster.engine.config import EngineConfig
 from raycluster.engine.engine import LLMEngine
@@ -127,6 +127,44 @@ def test_bad_requests_are_400_naming_the_field(server, payload, param):
     r = httpx.post(f"{url}/v1/completions", json=payload, timeout=30)
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == param
+    assert _all_free(aeng)
+
+
+def test_max_tokens_past_the_context_is_400_and_chat_defaults_to_the_rest(tiny_model_dir):
+    """As vLLM: an explicit max_tokens (or max_completion_tokens) beyond the context left after the
+    prompt is a 400 naming it; a chat request without one runs to the end of the context; a
+    completion without one gets 16 tokens."""
+    model, tok = tiny_parts(tiny_model_dir)
+    with serve_engine(EngineConfig(kv_cache_tokens=1024, max_model_len=48, policy="fcfs", packer="token"),
+                      model, tok) as (url, aeng):
+        msgs = [{"role": "user", "content": "hi"}]
+        n_prompt = httpx.post(f"{url}/tokenize", json={"messages": msgs}, timeout=30).json()["count"]
+        room = 48 - n_prompt
+        for field in ("max_tokens", "max_completion_tokens"):
+            r = httpx.post(f"{url}/v1/chat/completions", json={"messages": msgs, field: room + 1}, timeout=30)
+            assert r.status_code == 400 and r.json()["error"]["param"] == field, r.text
+            ok = httpx.post(f"{url}/v1/chat/completions", timeout=30,
+                            json={"messages": msgs, field: room, "ignore_eos": True}).json()
+            assert ok["usage"]["completion_tokens"] == room
+        whole = httpx.post(f"{url}/v1/chat/completions", json={"messages": msgs, "ignore_eos": True}, timeout=30).json()
+        assert whole["usage"]["completion_tokens"] == room and whole["choices"][0]["finish_reason"] == "length"
+        text = httpx.post(f"{url}/v1/completions", json={"prompt": [5, 6], "ignore_eos": True}, timeout=30).json()
+        assert text["usage"]["completion_tokens"] == 16
+        r = httpx.post(f"{url}/v1/completions", json={"prompt": [5, 6], "max_tokens": 47}, timeout=30)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens"
+        assert _all_free(aeng)
+
+
+def test_an_unknown_model_is_404(server):
+    """As OpenAI and vLLM; leaving `model` out picks the served one."""
+    url, aeng, _, _ = server
+    for path, body in (("/v1/completions", {"prompt": "x", "max_tokens": 1}),
+                       ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "max_tokens": 1})):
+        r = httpx.post(url + path, json={**body, "model": "gpt-4"}, timeout=30)
+        assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found", r.text
+        assert r.json()["error"]["param"] == "model"
+        assert httpx.post(url + path, json=body, timeout=30).status_code == 200
+        assert httpx.post(url + path, json={**body, "model": "tiny"}, timeout=30).status_code == 200
     assert _all_free(aeng)
 
 
