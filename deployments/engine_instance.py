@@ -7,6 +7,7 @@ through the named router actor, which the worker long-polls and reports to once 
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 
 import ray
@@ -16,6 +17,7 @@ from ray import serve
 from raycluster.cluster.config import ClusterConfig
 from raycluster.cluster.instance import InstanceWorker
 from raycluster.cluster.router_calls import await_router
+from raycluster.engine.stat_log import StatLogger
 
 
 def rank_nodes(runner, world: int) -> list[str]:
@@ -69,7 +71,10 @@ class EngineInstance:
             connector=connector, transfer_timeout_s=cfg.transfer_timeout_s,
             on_transfer_failure=cfg.on_transfer_failure,
             # The pressure controller may move it to another pool: it then schedules as that pool's engines.
-            role_configs=cfg.role_engine_configs(), nodes=rank_nodes(self.engine.runner, ecfg.parallel_world)).start()
+            role_configs=cfg.role_engine_configs(), nodes=rank_nodes(self.engine.runner, ecfg.parallel_world),
+            # Serve's replica logger: lines reach the replica's log file, the dashboard and the driver.
+            stat_logger=StatLogger(self.instance_id, cfg.log_stats_interval_s, logging.getLogger("ray.serve").info)
+            if cfg.log_stats_interval_s > 0 else None).start()
 
     def check_health(self) -> None:
         if self.worker.fatal is not None:

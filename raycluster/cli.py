@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import signal
 import subprocess
@@ -43,11 +44,18 @@ def _cluster_file() -> Path:
     return _pid_file().with_name("cluster.json")
 
 
+def _stderr_handler() -> logging.Handler:
+    h = logging.StreamHandler()
+    h.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s"))
+    return h
+
+
 def _serve_engine(args: argparse.Namespace) -> None:
     import uvicorn
 
     from raycluster.engine.config import EngineConfig
     from raycluster.engine.engine import LLMEngine
+    from raycluster.engine.stat_log import StatLogger
     from raycluster.server.app import build_app
     from raycluster.server.async_engine import AsyncEngine
     from raycluster.server.auth import keys_from_env
@@ -55,7 +63,13 @@ def _serve_engine(args: argparse.Namespace) -> None:
     cfg = EngineConfig(model=args.model, policy=args.policy, num_threads=args.threads,
                        enable_prefix_caching=args.enable_prefix_caching)
     engine = LLMEngine.from_config(cfg)
-    async_engine = AsyncEngine(engine)
+    stats = None
+    if args.log_stats_interval > 0:
+        log = logging.getLogger("raycluster.stats")
+        log.addHandler(_stderr_handler())
+        log.setLevel(logging.INFO)
+        stats = StatLogger("engine", args.log_stats_interval, log.info)
+    async_engine = AsyncEngine(engine, stat_logger=stats)
     name = "tiny" if args.model == "tiny" else Path(args.model).name
     app = build_app(async_engine, engine.tokenizer, name, api_keys=keys_from_env(),
                     tool_call_parser=args.tool_call_parser)
@@ -98,8 +112,8 @@ def cmd_up(args: argparse.Namespace) -> int:
     pf.parent.mkdir(parents=True, exist_ok=True)
     log = pf.parent / "up.log"
     cmd = [sys.executable, "-m", "raycluster.cli", args.cmd, "--host", args.host, "--port", str(args.port)]
-    for flag in ("model", "policy", "app", "address", "threads", "tool_call_parser"):
-        if getattr(args, flag, None):
+    for flag in ("model", "policy", "app", "address", "threads", "tool_call_parser", "log_stats_interval"):
+        if getattr(args, flag, None) is not None:
             cmd += ["--" + flag.replace("_", "-"), str(getattr(args, flag))]
     for flag in ("no_dashboard", "no_direct_ingress"):
         if getattr(args, flag, False):
@@ -290,6 +304,8 @@ def build_parser() -> argparse.ArgumentParser:
     es.add_argument("--tool-call-parser", default=None, choices=sorted(TOOL_PARSERS),
                     help="the model's tool-call syntax, which tool_choice 'auto' needs (vLLM's --tool-call-parser)")
     es.add_argument("--api-key", default=None, help=f"require this bearer token on the API (default: ${API_KEY_ENV})")
+    es.add_argument("--log-stats-interval", type=float, default=10.0, metavar="S",
+                    help="log a line of throughput, requests and KV usage every S seconds while busy (0: never)")
     es.add_argument("--timeout", type=float, default=300.0)
     es.set_defaults(fn=cmd_up)
 

@@ -152,6 +152,9 @@ class ClusterConfig(BaseModel):
                                        "instance holding its prompt's prefix unless that one decodes more than "
                                        "this many sequences beyond the least loaded")
     threads_per_instance: int = Field(1, ge=1)
+    log_stats_interval_s: float = Field(10.0, ge=0, description="each instance logs a line of throughput, "
+                                        "requests and KV usage this often while busy (0: never, as vLLM's "
+                                        "--disable-log-stats)")
     engine: dict = Field(default_factory=dict, description="EngineConfig overrides for every instance")
     pools: list[PoolSpec] = Field(default_factory=lambda: [PoolSpec(role="mixed")])
     gateway_replicas: int = Field(1, ge=1)

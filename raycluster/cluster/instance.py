@@ -36,6 +36,7 @@ from raycluster.cluster.messages import (InstanceStats, PollReply, PrefillDone, 
 from raycluster.engine.config import EngineConfig
 from raycluster.engine.engine import LLMEngine
 from raycluster.engine.guided import constraint_of
+from raycluster.engine.stat_log import StatLogger
 from raycluster.kv_transfer.base import KVConnector, KVTransferUnquiesced, pull_with_fallback
 from raycluster.request import SLO
 
@@ -49,9 +50,11 @@ class InstanceWorker:
     def __init__(self, engine: LLMEngine, role: str, instance_id: str, poll_fn: PollFn, push_fn: PushFn,
                  connector: KVConnector | None = None, transfer_timeout_s: float = 10.0,
                  on_transfer_failure: str = "recompute", poll_timeout_s: float = 0.5,
-                 role_configs: dict[str, EngineConfig] | None = None, nodes: list[str] | None = None) -> None:
+                 role_configs: dict[str, EngineConfig] | None = None, nodes: list[str] | None = None,
+                 stat_logger: StatLogger | None = None) -> None:
         """`role_configs`: the engine config of each pool this instance may be moved to (a role
-        missing there keeps the scheduling the instance has). `nodes`: where its ranks run (stats)."""
+        missing there keeps the scheduling the instance has). `nodes`: where its ranks run (stats).
+        `stat_logger`: fed every step and idle tick of the step thread (periodic stats lines)."""
         self.engine = engine
         self.role = role
         self.role_configs = dict(role_configs or {})
@@ -64,6 +67,7 @@ class InstanceWorker:
         self.transfer_timeout_s = transfer_timeout_s
         self.on_transfer_failure = on_transfer_failure
         self.poll_timeout_s = poll_timeout_s
+        self.stat_logger = stat_logger
         self._replies: queue.Queue[PollReply] = queue.Queue()
         self._to_compile: queue.Queue[PollReply] = queue.Queue()
         self._compile_backlog = 0                # replies on the compile thread (under its lock)
@@ -174,8 +178,11 @@ class InstanceWorker:
                 except Exception:       # a bug must not leave requests hanging silently
                     log.exception("%s: engine step failed; failing its requests", self.instance_id)
                     self._fail_all("engine step failed")
-            elif self._pending or self._admitted:
-                self._report([], [])
+            else:
+                if self._pending or self._admitted:
+                    self._report([], [])
+                if self.stat_logger is not None:
+                    self.stat_logger.observe(self.engine, None)
 
     # ---- applying router replies -------------------------------------------------------------
     def _apply(self, reply: PollReply) -> None:
@@ -270,6 +277,8 @@ class InstanceWorker:
         self.steps += 1
         self.busy_s += result.duration_s
         self._step_ema = result.duration_s if self.steps == 1 else 0.9 * self._step_ema + 0.1 * result.duration_s
+        if self.stat_logger is not None:
+            self.stat_logger.observe(self.engine, result)
         events, prefilled = [], []
         for out in result.outputs:
             if out.finish_reason == "prefilled":

@@ -19,6 +19,7 @@ from typing import AsyncIterator
 
 from raycluster.engine.engine import LLMEngine, RequestOutput
 from raycluster.engine.guided import constraint_of
+from raycluster.engine.stat_log import StatLogger
 from raycluster.request import SLO, SamplingParams
 
 
@@ -41,8 +42,10 @@ class _Abort:
 
 
 class AsyncEngine:
-    def __init__(self, engine: LLMEngine) -> None:
+    def __init__(self, engine: LLMEngine, stat_logger: StatLogger | None = None) -> None:
+        """`stat_logger`: fed every step and idle tick of the step thread (periodic stats lines)."""
         self.engine = engine
+        self.stat_logger = stat_logger
         self._inbox: queue.Queue = queue.Queue()
         self._queues: dict[str, tuple[asyncio.Queue, asyncio.AbstractEventLoop]] = {}
         self._ids = itertools.count()
@@ -131,9 +134,13 @@ class AsyncEngine:
         while not self._stop.is_set():
             self._drain(block=not self.engine.has_unfinished())
             if not self.engine.has_unfinished():
+                if self.stat_logger is not None:
+                    self.stat_logger.observe(self.engine, None)
                 continue
             result = self.engine.step()
             self.steps += 1
+            if self.stat_logger is not None:
+                self.stat_logger.observe(self.engine, result)
             by_loop: dict[asyncio.AbstractEventLoop, list] = {}
             for out in result.outputs:
                 target = self._queues.get(out.request_id)
