@@ -70,6 +70,16 @@ def override_args(args: dict, model: str | None, policy: str | None, prefix_cach
     return args
 
 
+def dashboard_hint(dashboard_url: str) -> str:
+    """The dashboard's URL, and where its login token is when Ray's token auth is on (Ray 2.60
+    turns it on for a local cluster and keeps the token in ~/.ray/auth_token)."""
+    url = dashboard_url if "://" in dashboard_url else f"http://{dashboard_url}"
+    token = os.environ.get("RAY_AUTH_TOKEN_PATH") or str(Path.home() / ".ray" / "auth_token")
+    if os.environ.get("RAY_AUTH_TOKEN"):
+        return f"{url} (token: $RAY_AUTH_TOKEN)"
+    return f"{url} (token in {token})" if Path(token).exists() else url
+
+
 def serve_cluster(app_path: str | None, model: str | None, policy: str | None, host: str, port: int,
                   address: str | None = None, dashboard: bool = True, num_cpus: int = 8,
                   ready_timeout_s: float = 600.0, on_ready=None, direct_ingress: bool = True,
@@ -91,10 +101,10 @@ def serve_cluster(app_path: str | None, model: str | None, policy: str | None, h
         di.enable_env()                     # before ray.init: every Ray process inherits it
     if started_ray:
         # address="local": always a cluster of our own, never one some other process started.
-        ray.init(address="local", num_cpus=num_cpus, include_dashboard=dashboard, dashboard_host="127.0.0.1",
-                 namespace=cfg.namespace, _node_ip_address=None if address else "127.0.0.1")
+        ctx = ray.init(address="local", num_cpus=num_cpus, include_dashboard=dashboard, dashboard_host="127.0.0.1",
+                       namespace=cfg.namespace, _node_ip_address=None if address else "127.0.0.1")
     else:
-        ray.init(address=address, namespace=cfg.namespace)
+        ctx = ray.init(address=address, namespace=cfg.namespace)
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
@@ -114,6 +124,8 @@ def serve_cluster(app_path: str | None, model: str | None, policy: str | None, h
         direct = di.urls(spec["name"], host) if direct_ingress else []
         if direct:
             print(f"raycluster: gateway replicas without the proxy hop: {', '.join(direct)}", flush=True)
+        if ctx.dashboard_url:
+            print(f"raycluster: Ray dashboard at {dashboard_hint(ctx.dashboard_url)}", flush=True)
         if state_file is not None:      # what `raycluster scale` needs to find this cluster
             state_file.parent.mkdir(parents=True, exist_ok=True)
             state_file.write_text(json.dumps({

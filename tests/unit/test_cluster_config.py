@@ -76,3 +76,17 @@ def test_tool_call_parser_takes_each_parsers_name():
         assert ClusterConfig(tool_call_parser=name).tool_call_parser == name
     with pytest.raises(ValidationError, match="unknown tool_call_parser 'llama4'"):
         ClusterConfig(tool_call_parser="llama4")
+
+
+def test_the_dashboard_hint_says_where_the_login_token_is(tmp_path, monkeypatch):
+    from deployments.launcher import dashboard_hint
+
+    monkeypatch.delenv("RAY_AUTH_TOKEN", raising=False)
+    monkeypatch.delenv("RAY_AUTH_TOKEN_PATH", raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path))
+    assert dashboard_hint("127.0.0.1:8265") == "http://127.0.0.1:8265"         # no token written: no auth
+    (tmp_path / ".ray").mkdir()
+    (tmp_path / ".ray" / "auth_token").write_text("t")
+    assert dashboard_hint("127.0.0.1:8265") == f"http://127.0.0.1:8265 (token in {tmp_path}/.ray/auth_token)"
+    monkeypatch.setenv("RAY_AUTH_TOKEN", "secret")
+    assert dashboard_hint("http://h:1") == "http://h:1 (token: $RAY_AUTH_TOKEN)"
