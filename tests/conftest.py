@@ -18,3 +18,13 @@ def tiny_model_dir(tmp_path_factory):
     from raycluster.model.tiny import write_tiny_model
 
     return write_tiny_model(tmp_path_factory.mktemp("tiny_model"), seed=0)
+
+
+@pytest.fixture(scope="session")
+def loaded(tiny_model_dir):
+    """(model, tokenizer) of the tiny checkpoint, loaded once for the modules that only read them."""
+    from raycluster.model.loader import load_model
+    from raycluster.model.tokenizer import Tokenizer
+
+    model, mcfg = load_model(tiny_model_dir)
+    return model, Tokenizer(tiny_model_dir, mcfg.eos_token_id)

@@ -6,15 +6,7 @@ import pytest
 
 from raycluster.engine.config import EngineConfig
 from raycluster.engine.engine import InvalidRequestError, LLMEngine
-from raycluster.model.loader import load_model
-from raycluster.model.tokenizer import Tokenizer
 from raycluster.request import SamplingParams
-
-
-@pytest.fixture(scope="module")
-def loaded(tiny_model_dir):
-    model, mcfg = load_model(tiny_model_dir)
-    return model, Tokenizer(tiny_model_dir, mcfg.eos_token_id)
 
 
 def _engine(loaded, **cfg) -> LLMEngine:

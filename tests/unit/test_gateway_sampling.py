@@ -15,7 +15,6 @@ import asyncio
 import dataclasses
 import time
 
-import pytest
 from switchboard import Switchboard
 
 from raycluster.cluster.client import ClusterClient
@@ -24,17 +23,10 @@ from raycluster.cluster.router_core import RouterConfig, RouterCore
 from raycluster.engine.config import EngineConfig
 from raycluster.engine.engine import LLMEngine
 from raycluster.engine.text import TextStream
-from raycluster.model.loader import load_model
-from raycluster.model.tokenizer import IncrementalDetokenizer, Tokenizer
+from raycluster.model.tokenizer import IncrementalDetokenizer
 from raycluster.request import SamplingParams
 
 PROMPT_TEXT = "The river ran down to the sea and the"
-
-
-@pytest.fixture(scope="module")
-def loaded(tiny_model_dir):
-    model, mcfg = load_model(tiny_model_dir)
-    return model, Tokenizer(tiny_model_dir, mcfg.eos_token_id)
 
 
 class _Board(Switchboard):

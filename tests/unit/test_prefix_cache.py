@@ -17,8 +17,6 @@ from raycluster.engine.prefix_cache import (
     PrefixCachingKVManager,
     block_key,
 )
-from raycluster.model.loader import load_model
-from raycluster.model.tokenizer import Tokenizer
 from raycluster.request import Request, SamplingParams
 from raycluster.sched.predictor import LinearBatchPredictor
 
@@ -81,12 +79,6 @@ def test_match_never_covers_the_last_token():
 
 
 # ---- the engine -----------------------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def loaded(tiny_model_dir):
-    model, mcfg = load_model(tiny_model_dir)
-    return model, Tokenizer(tiny_model_dir, mcfg.eos_token_id)
-
-
 def _engine(loaded, caching: bool, **cfg) -> LLMEngine:
     model, tok = loaded
     base = {"kv_cache_tokens": 4096, "block_size": 8, "policy": "fcfs", "packer": "token", "chunk_size": 20,

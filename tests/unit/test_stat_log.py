@@ -7,8 +7,6 @@ import pytest
 from raycluster.engine.config import EngineConfig
 from raycluster.engine.engine import LLMEngine
 from raycluster.engine.stat_log import StatLogger
-from raycluster.model.loader import load_model
-from raycluster.model.tokenizer import Tokenizer
 from raycluster.request import SamplingParams
 
 
@@ -18,12 +16,6 @@ class _Clock:
 
     def __call__(self) -> float:
         return self.t
-
-
-@pytest.fixture(scope="module")
-def loaded(tiny_model_dir):
-    model, mcfg = load_model(tiny_model_dir)
-    return model, Tokenizer(tiny_model_dir, mcfg.eos_token_id)
 
 
 def _engine(loaded, **cfg) -> LLMEngine:
