@@ -45,6 +45,10 @@ class _Metrics:
         r = self.registry
         self.requests = Counter("raycluster_requests", "Finished requests", ["finish_reason"], registry=r)
         self.tokens = Counter("raycluster_generated_tokens", "Generated tokens", registry=r)
+        self.prompt_tokens = Counter("raycluster_prompt_tokens", "Prompt tokens of admitted requests (each choice's)",
+                                     registry=r)
+        self.e2e = Histogram("raycluster_e2e_request_latency_seconds", "Arrival to last token", registry=r,
+                             buckets=(.05, .1, .25, .5, 1, 2.5, 5, 10, 30, 60, 120, 300))
         self.ttft = Histogram("raycluster_ttft_seconds", "Time to first token", registry=r,
                               buckets=(.005, .01, .025, .05, .1, .25, .5, 1, 2.5, 5, 10, 30, 60))
         self.tpot = Histogram("raycluster_tpot_seconds", "Time per output token after the first", registry=r,
@@ -190,6 +194,7 @@ def build_app(engine, tokenizer, model_name: str, api_keys: Sequence[str] = (),
         streams = [_Stream(g, f, t0, metrics, decode, (text, ids) if echo else None, sampling.logprobs)
                    for g, f, (ids, text, _) in zip(gens, firsts, slots)]
         n_prompt = sum(len(ids) for ids, _ in prompts)
+        metrics.prompt_tokens.inc(sum(len(ids) for ids, _, _ in slots))
         if body.stream:
             opts = body.stream_options
             usage_mode = "each" if opts and opts.include_usage and opts.continuous_usage_stats else \
@@ -375,8 +380,10 @@ class _Stream:
                 if out.finished:
                     self.metrics.requests.labels(out.finish_reason).inc()
                     self.metrics.tokens.inc(out.num_output_tokens)
+                    now = time.perf_counter()
+                    self.metrics.e2e.observe(now - self.t0)
                     if out.num_output_tokens > 1:
-                        self.metrics.tpot.observe((time.perf_counter() - t_first) / (out.num_output_tokens - 1))
+                        self.metrics.tpot.observe((now - t_first) / (out.num_output_tokens - 1))
                     return
                 out = await self.gen.__anext__()
         finally:

@@ -106,6 +106,27 @@ def test_chat_and_models_and_health_and_metrics(server):
     assert httpx.get(f"{url}/openapi.json").status_code == 200
 
 
+def _samples(url: str) -> dict[str, float]:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(f"{url}/metrics", timeout=10).text
+    return {s.name: s.value for fam in text_string_to_metric_families(text) for s in fam.samples if not s.labels
+            or set(s.labels) == {"le"} and s.labels["le"] == "+Inf"}
+
+
+def test_metrics_count_prompt_tokens_and_request_latency(server):
+    url, aeng, _, _ = server
+    before = _samples(url)
+    r = httpx.post(f"{url}/v1/completions", json={"prompt": [5] * 37, "max_tokens": 3, "n": 2, "ignore_eos": True}, timeout=30)
+    assert r.status_code == 200
+    after = _samples(url)
+    assert after["raycluster_prompt_tokens_total"] - before.get("raycluster_prompt_tokens_total", 0) == 74
+    assert after["raycluster_e2e_request_latency_seconds_count"] - \
+        before.get("raycluster_e2e_request_latency_seconds_count", 0) == 2
+    assert after["raycluster_generated_tokens_total"] - before.get("raycluster_generated_tokens_total", 0) == 6
+    assert _all_free(aeng)
+
+
 @pytest.mark.parametrize("payload, param", [
     ({"prompt": "x", "max_tokens": 0}, "max_tokens"),
     ({"prompt": "", "max_tokens": 3}, "prompt"),
