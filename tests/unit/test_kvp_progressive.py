@@ -292,3 +292,20 @@ def test_the_profiler_times_a_progressive_group_on_tables_laid_out_like_its_allo
         assert profile_key(striped) != key          # a layout is profiled under its own key
     finally:
         _close(striped)
+
+
+def test_the_parallel_bench_times_both_layouts_side_by_side(tmp_path, tiny_model_dir):
+    import json
+
+    from raycluster.bench.parallel_bench import main
+
+    out = tmp_path / "layout.json"
+    assert main(["--model", str(tiny_model_dir), "--parts", "kvp-layout", "--contexts", "40,300", "--chunk", "128",
+                 "--kvp-tokens-per-rank", "64", "--decode-steps", "2", "--repeats", "1", "--out", str(out)]) == 0
+    res = json.loads(out.read_text())
+    assert set(res) == {"meta", "kvp-layout"} and res["meta"]["kvp_tokens_per_rank"] == 64
+    assert [r["context"] for r in res["kvp-layout"]] == [40, 300]
+    for row in res["kvp-layout"]:
+        assert set(row["tpot_ms"]) == {"1 process, 1 thread", "kvp2 striped, 1 thread per rank",
+                                       "kvp2 progressive, 1 thread per rank"}
+        assert all(t > 0 for t in row["tpot_ms"].values())
