@@ -3,7 +3,8 @@ prefill time, TP (and SPP x TP) prefill time and decode latency.
 
     raycluster bench parallel [--model tiny|PATH] [--contexts 8192,32768] [--kvp 2]
         [--prompt 8192] [--chunk 2048] [--spp 2] [--tp 2] [--decode-steps 16] [--repeats 3]
-        [--launch threads|ray] [--parts kvp,spp,tp[,spp-tp][,kvp-tp]] --out FILE.json
+        [--launch threads|ray] [--parts kvp,spp,tp[,spp-tp][,kvp-tp][,kvp-layout]]
+        [--kvp-tokens-per-rank N] --out FILE.json
 
 One request alone per run, greedy. Each configuration runs `--repeats` times, the
 configurations alternating within a repeat, so a noisy shared host moves them together; the
@@ -20,6 +21,10 @@ report gives medians and ratios against the single-process engine on one thread:
   a TP group of `--tp` ranks (`--spp` x `--tp` ranks, and as many threads for the one process).
 - kvp-tp (only when asked for): the same as kvp with a KVP group of `--kvp` ranks that are each
   a TP group of `--tp` ranks (`--kvp` x `--tp` ranks, and as many threads for the one process).
+- kvp-layout (only when asked for): the same as kvp for one process on 1 thread and a KVP group
+  of `--kvp` ranks striped and progressive (`kvp_layout`; `--kvp-tokens-per-rank` tokens of the
+  request per rank, default the engine's: one rank's pool / kvp), so a short context's TPOT
+  (on one rank when progressive) and a long one's are measured under both layouts side by side.
 """
 
 from __future__ import annotations
@@ -70,6 +75,15 @@ def _configs(kind: str, k: int, group: dict | None = None, name: str | None = No
     return [("1 process, 1 thread", {"num_threads": 1}),
             (f"1 process, {k} threads", {"num_threads": k}),
             (f"{name or kind + str(k)}, 1 thread per rank", {"num_threads": 1, **(group or {kind: k})})]
+
+
+def _layout_configs(k: int, tokens_per_rank: int | None) -> list[tuple[str, dict]]:
+    """One process on 1 thread, and a KVP group of `k` ranks striped and progressive."""
+    cap = {} if tokens_per_rank is None else {"kvp_tokens_per_rank": tokens_per_rank}
+    return [("1 process, 1 thread", {"num_threads": 1}),
+            (f"kvp{k} striped, 1 thread per rank", {"num_threads": 1, "kvp": k}),
+            (f"kvp{k} progressive, 1 thread per rank", {"num_threads": 1, "kvp": k, "kvp_layout": "progressive",
+                                                         **cap})]
 
 
 def _prefill_decode(model, path: str, args, prompt: list[int], configs) -> dict:
@@ -134,7 +148,8 @@ def run(args) -> dict:
     model, _ = load_model(path)
     rng = random.Random(args.seed)
     vocab = model.config.vocab_size
-    results: dict = {"meta": {"model": args.model, "launch": args.launch, "repeats": args.repeats}}
+    results: dict = {"meta": {"model": args.model, "launch": args.launch, "repeats": args.repeats,
+                              "kvp_tokens_per_rank": args.kvp_tokens_per_rank}}
     longest = max([*args.contexts, args.prompt]) + args.decode_steps + 1
     if longest > model.config.max_model_len:
         raise SystemExit(f"--contexts / --prompt: {longest} tokens with the decode steps exceed the model's "
@@ -145,6 +160,9 @@ def run(args) -> dict:
         group = {"kvp": args.kvp, "tp": args.tp}
         results["kvp-tp"] = _tpot_at_contexts("kvp-tp", model, path, args, rng, args.kvp, _configs(
             "kvp-tp", args.kvp * args.tp, group, f"kvp{args.kvp}xtp{args.tp}"))
+    if "kvp-layout" in args.parts:
+        results["kvp-layout"] = _tpot_at_contexts("kvp-layout", model, path, args, rng, args.kvp,
+                                                  _layout_configs(args.kvp, args.kvp_tokens_per_rank))
     if "spp" in args.parts:
         prompt = [rng.randrange(6, vocab) for _ in range(args.prompt)]
         samples = {}
@@ -185,6 +203,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--chunk", type=int, default=2048)
     ap.add_argument("--spp", type=int, default=2)
     ap.add_argument("--tp", type=int, default=2)
+    ap.add_argument("--kvp-tokens-per-rank", type=int, default=None,
+                    help="kvp-layout: the progressive layout's tokens of a request per rank (default the engine's)")
     ap.add_argument("--decode-steps", type=int, default=16)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--seed", type=int, default=0)

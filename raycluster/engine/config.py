@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Literal
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 # The fields that say how an engine schedules, as opposed to what it runs (model, KV pool, block
 # size, parallelism, device): what an instance adopts when the pressure controller moves it to
@@ -47,8 +47,18 @@ class EngineConfig(BaseModel):
     num_threads: int | None = Field(None, ge=1, description="torch intra-op threads")
     kvp: int = Field(1, ge=1, le=64, description="KV-cache parallel ranks (Medha KVP): each rank holds the "
                      "weights (with tp > 1: a TP group of that many ranks, its heads' share each) and kv_cache_tokens "
-                     "of KV; a request's KV is striped over all of them. With spp > 1: each stage is a KVP "
+                     "of KV; a request's KV is spread over them as kvp_layout says. With spp > 1: each stage is a KVP "
                      "group of this many ranks over its layers (kvp x spp, kvp x spp x tp ranks in all)")
+    kvp_layout: Literal["striped", "progressive"] = Field(
+        "striped", description="where a request's KV goes over the KVP ranks: 'striped' (block i on rank i % kvp, "
+        "every request over every rank) or 'progressive' (Medha's progressive scaling: contiguous ranges of "
+        "kvp_tokens_per_rank tokens, starting on the rank with the most free KV, so a short request lives on one "
+        "rank and a long one onboards the next rank as its context grows; a full rank passes blocks on to the "
+        "next with room). Works with prefix caching (a cached prefix fixes the start rank), TP and SPP")
+    kvp_tokens_per_rank: int | None = Field(
+        None, ge=1, description="kvp_layout 'progressive': tokens of one request a KVP rank holds before the next "
+        "rank takes over; a multiple of block_size, at most one rank's pool (kv_cache_tokens). Default: "
+        "kv_cache_tokens / kvp in whole blocks, so a request as long as one rank's pool spreads over every rank")
     spp: int = Field(1, ge=1, le=64, description="stream pipeline stages (Medha SPP): layers split over the "
                      "stages, prefill micro-chunks stream through them; at most the model's layer count")
     spp_micro_tokens: int = Field(512, ge=1, description="SPP: prefill tokens per micro-chunk in the pipeline")
@@ -64,6 +74,31 @@ class EngineConfig(BaseModel):
                             "loopback for a group on one node, 'node' for each rank's Ray node address (a "
                             "group that may span nodes)")
     group_timeout_s: float = Field(120.0, gt=0, description="a collective waiting longer fails the step")
+
+    @model_validator(mode="after")
+    def _kvp_range(self) -> "EngineConfig":
+        n, bs = self.kvp_tokens_per_rank, self.block_size
+        if n is None:
+            return self
+        if self.kvp_layout != "progressive":
+            raise ValueError(f"kvp_tokens_per_rank: {n} is only for kvp_layout 'progressive' (kvp_layout is "
+                             f"{self.kvp_layout!r})")
+        if n % bs:
+            raise ValueError(f"kvp_tokens_per_rank: {n} is not a multiple of block_size {bs}")
+        pool = self.kv_cache_tokens // bs * bs
+        if n > pool:
+            raise ValueError(f"kvp_tokens_per_rank: {n} is more than one rank's KV pool (kv_cache_tokens: {pool})")
+        return self
+
+    def kvp_progressive_tokens(self) -> int | None:
+        """Tokens of one request per KVP rank under the progressive layout (`kvp_tokens_per_rank`,
+        default one rank's pool / kvp in whole blocks, at least one block); None when striped."""
+        if self.kvp_layout != "progressive":
+            return None
+        if self.kvp_tokens_per_rank is not None:
+            return self.kvp_tokens_per_rank
+        bs = self.block_size
+        return max(1, self.kv_cache_tokens // bs // self.kvp) * bs
 
     def torch_dtype(self) -> torch.dtype:
         return getattr(torch, self.dtype)

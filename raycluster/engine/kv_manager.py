@@ -51,6 +51,11 @@ class BlockAllocator:
             refs[b] = 1
         return blocks
 
+    def allocate_for(self, table: list[int], n: int) -> list[int]:
+        """`n` more blocks for the request whose blocks so far are `table`: `allocate` from its
+        next logical block (a layout that places a request by its first block overrides this)."""
+        return self.allocate(n, len(table))
+
     def incref(self, block: int) -> None:
         if self._refs[block] <= 0:
             raise ValueError(f"block {block} is free; cannot share it")
@@ -85,6 +90,16 @@ class BlockAllocator:
     def alias_table(self, num_blocks: int, offset: int) -> list[int]:
         """A synthetic table (blocks may be shared with other synthetic tables) for profiling."""
         return [(offset + i) % self.num_blocks for i in range(num_blocks)]
+
+    def alias_tables(self, lengths: list[int]) -> list[list[int]]:
+        """Synthetic tables of `lengths` blocks, one per request of a profiled step: here each
+        `alias_table` after the ones before it (a layout that places requests by the load
+        before them overrides this)."""
+        tables, offset = [], 0
+        for n in lengths:
+            tables.append(self.alias_table(n, offset))
+            offset += n
+        return tables
 
 
 class KVCacheManager:
@@ -126,7 +141,7 @@ class KVCacheManager:
         if not self.allocator.can_allocate(need, len(table)):
             return False
         table = self.block_tables.setdefault(req.request_id, table)
-        table.extend(self.allocator.allocate(need, len(table)))
+        table.extend(self.allocator.allocate_for(table, need))
         return True
 
     def fork(self, src_id: str, dst_id: str) -> None:

@@ -6,9 +6,11 @@ positions, hence equal KV. `PrefixCachingAllocator` is a `BlockAllocator` whose 
 its last reference goes away, keeps its key and joins the free pool, which is an LRU (least
 recently freed is handed out, and loses its key, first). So a freed prefix stays findable until
 its blocks are needed for something else, and cached blocks never reduce the free count. The
-free pool may be sharded (KVP's `StripedCachingAllocator`, one LRU per rank): a key fixes its
-block's position in the chain, and the striping fixes a position's rank, so a cached block is
-always on the rank a new request needs it on.
+free pool may be sharded (KVP's `StripedCachingAllocator` and `ProgressiveCachingAllocator`,
+one LRU per rank, raycluster.parallel.kvp_layout): a key fixes its block's position in the chain,
+and the layout places a position's block on a rank (striped: by the position alone; progressive:
+from the rank of the chain's block 0), so a cached block is on the rank a request sharing it
+would have placed it on.
 
 `PrefixCachingKVManager` is the `KVCacheManager` on top: the scheduler asks it for a new
 request's cached prefix (`match_prefix`: shares those blocks, returns the tokens they cover) and
@@ -35,7 +37,7 @@ def block_key(parent: bytes, tokens: list[int]) -> bytes:
 class PrefixCachingAllocator(BlockAllocator):
     """Free blocks live in LRU pools (`_pools`: ordered sets, least recently freed first), and
     a block keeps its key there until it is handed out again. This class has one pool; a
-    sharded subclass (KVP's `StripedCachingAllocator`) lays out several by overriding
+    sharded subclass (KVP's, raycluster.parallel.kvp_layout) lays out several by overriding
     `_make_pools`, `_pool_for` and `_pool_of` (and `can_allocate`): the key maps, refcounts,
     eviction and revival are the same whichever pool a block lives in."""
 
@@ -53,8 +55,9 @@ class PrefixCachingAllocator(BlockAllocator):
     def _make_pools(self) -> list[OrderedDict[int, None]]:
         return [OrderedDict.fromkeys(range(self.num_blocks))]
 
-    def _pool_for(self, index: int) -> OrderedDict[int, None]:
-        """The pool a request's logical block `index` is taken from."""
+    def _pool_for(self, index: int, first_block: int | None = None) -> OrderedDict[int, None]:
+        """The pool a request's logical block `index` is taken from (`first_block`: the
+        request's block 0, None for a new request; a layout may place by it)."""
         return self._pools[0]
 
     def _pool_of(self, block: int) -> OrderedDict[int, None]:
@@ -76,18 +79,19 @@ class PrefixCachingAllocator(BlockAllocator):
         """Blocks holding a findable prefix (in use or free)."""
         return len(self._key_of)
 
-    def allocate(self, n: int, first_index: int = 0) -> list[int]:
+    def allocate(self, n: int, first_index: int = 0, first_block: int | None = None) -> list[int]:
         if not self.can_allocate(n, first_index):
             raise OutOfBlocks(f"need {n} blocks from index {first_index}; free per pool "
                               f"{[len(p) for p in self._pools]}")
         blocks = []
         for j in range(n):
-            b, _ = self._pool_for(first_index + j).popitem(last=False)
+            b, _ = self._pool_for(first_index + j, first_block).popitem(last=False)
             key = self._key_of.pop(b, None)
             if key is not None:             # evicted: its prefix is gone
                 del self._block_of[key]
             self._refs[b] = 1
             blocks.append(b)
+            first_block = b if first_block is None else first_block
         self._num_free -= n
         return blocks
 

@@ -35,22 +35,13 @@ def make_run_batch(runner: ModelRunner) -> RunBatch:
     bs = runner.kv.block_size
     vocab = runner.model.config.vocab_size
 
-    def table(length: int, offset: int) -> list[int]:
-        return runner.kv.allocator.alias_table(-(-length // bs), offset)
-
     def run(prefills: Sequence[tuple[int, int]], decode_kv: Sequence[int]) -> float:
-        starts, lens, p_tables, d_tables = [], [], [], []
-        offset = 0
-        for q, kv in prefills:
-            t = table(kv + q, offset)
-            offset += len(t)
-            starts.append(kv)
-            lens.append(q)
-            p_tables.append(t)
-        for kv in decode_kv:
-            t = table(kv, offset)
-            offset += len(t)
-            d_tables.append(t)
+        starts = [kv for _, kv in prefills]
+        lens = [q for q, _ in prefills]
+        # Laid out as the engine's allocator would lay out these requests (a KVP group's layout).
+        tables = runner.kv.allocator.alias_tables([-(-(kv + q) // bs) for q, kv in prefills]
+                                                  + [-(-kv // bs) for kv in decode_kv])
+        p_tables, d_tables = tables[:len(prefills)], tables[len(prefills):]
         n = sum(lens) + len(decode_kv)
         rows = list(range(n - max(1, len(prefills) + len(decode_kv)), n))
         plan = StepPlan(input_ids=torch.randint(6, vocab, (n,)).tolist(), prefill_starts=starts,

@@ -1,7 +1,7 @@
 """Builds an engine's model runner from its config: one process (`ModelRunner`), or the leader of
 a KVP / SPP / TP / SPP x TP / KVP x TP / KVP x SPP / KVP x SPP x TP group whose other ranks run
 as threads here or as Ray actors (raycluster.parallel.ray_group). The runner's `kv` is the
-engine's block bookkeeping (striped over the KVP ranks when kvp > 1).
+engine's block bookkeeping (over the KVP ranks when kvp > 1, in `kvp_layout`).
 
 The model enters as a full model in memory or, for the kinds whose ranks hold only their shard
 (`SHARDED_KINDS`: all but plain KVP), as a `Checkpoint` each rank reads its own part from
@@ -95,17 +95,19 @@ def build_runner(config: EngineConfig, model, dtype: torch.dtype, model_path: st
         from raycluster.parallel.kvp import KVPRunner
         # KVP x TP too: the lanes of a KVP rank hold their heads of that rank's blocks.
         return KVPRunner(model, coll, config.kvp, blocks, config.block_size, dtype, config.device, ranks=ranks,
-                         prefix_caching=config.enable_prefix_caching, tp=config.tp)
+                         prefix_caching=config.enable_prefix_caching, tp=config.tp,
+                         tokens_per_rank=config.kvp_progressive_tokens())
     if kind == "tp":
         from raycluster.parallel.tp import TPRunner
         # Every rank holds its heads of the same block ids: the engine's bookkeeping is unchanged.
         return TPRunner(model, kv_manager(blocks, config.block_size), coll, world, dtype, config.device, ranks=ranks)
     from raycluster.parallel.spp import SPPRunner
     # SPP x TP too: every rank holds its layers and heads of the same block ids. With KVP, each
-    # stage's KVP ranks hold the blocks striped to them, the same striping in every stage.
+    # stage's KVP ranks hold the blocks the layout gives them, the same in every stage.
     if config.kvp > 1:
-        from raycluster.parallel.kvp import striped_kv_manager
-        kv = striped_kv_manager(blocks, config.kvp, config.block_size, config.enable_prefix_caching)
+        from raycluster.parallel.kvp_layout import kvp_kv_manager
+        kv = kvp_kv_manager(blocks, config.kvp, config.block_size, config.enable_prefix_caching,
+                            config.kvp_progressive_tokens())
     else:
         kv = kv_manager(blocks, config.block_size)
     return SPPRunner(model, kv, coll, config.spp, dtype, config.device, config.spp_micro_tokens, ranks=ranks,

@@ -1,23 +1,29 @@
 """KV-cache parallelism (Medha KVP): one request's KV spread over the ranks of a group.
 
 Every rank holds the full weights and a KV pool of `blocks_per_rank` blocks. Global block id
-g lives on rank g // blocks_per_rank at local block g % blocks_per_rank, and `StripedAllocator`
-places a request's logical block i on rank i % world, so each rank holds about 1/world of every
-request's KV and reads only that share in a step. With prefix caching, `StripedCachingAllocator`
-keeps freed blocks findable in per-rank LRU pools; a prompt that starts with a cached prefix
-prefills the rest exactly as a later chunk of it (the ranks attend the cached blocks they hold).
+g lives on rank g // blocks_per_rank at local block g % blocks_per_rank. Where a request's
+blocks go is the layout's (raycluster.parallel.kvp_layout, `EngineConfig.kvp_layout`):
+striped (the default: logical block i on rank i % world, so each rank holds about 1/world of
+every request's KV and reads only that share in a step), or Medha's progressive scaling
+(contiguous ranges of `kvp_tokens_per_rank` tokens per rank, from the least loaded rank on: a
+short request lives on one rank, a long one onboards the next rank as its context grows past
+each range). Nothing below the allocator depends on the layout: each rank finds its share of a
+request in the block table (`local_share`). With prefix caching the per-rank pools are LRUs
+that keep freed blocks findable; a prompt that starts with a cached prefix prefills the rest
+exactly as a later chunk of it (the ranks attend the cached blocks they hold).
 
 A step (`KVPRank.run(plan)`): every rank runs the linear layers on all of the step's tokens
 (same inputs, same weights: same results). Per layer, each rank writes the new K/V it owns and
 computes a partial attention state (output, base-2 LSE) of every query over its own tokens --
 for a prefill chunk, over the earlier tokens it holds, plus, on one rank chosen per request, the
 chunk itself under the causal mask; for a decode token, over its tokens up to and including the
-new one. One `all_gather` per layer brings every rank all states, and each merges them by
+new one (a rank holding none of a request's tokens, as with a short progressive one, gives an
+empty state, which the merge weighs zero). One `all_gather` per layer brings every rank all states, and each merges them by
 online softmax in rank order, so all ranks continue with the same attention output.
 
 KVP x TP (`tp` > 1; Medha's KVP with TP): each KVP rank is a TP group of `tp` lanes, world rank
 = k * tp + t (k the KVP rank, t the lane), as SPP x TP numbers stage lanes. Lane t of KVP rank k
-holds rank k's blocks (the same striping) but only lane t's KV heads (with tp > Hkv the one
+holds rank k's blocks (the same layout) but only lane t's KV heads (with tp > Hkv the one
 head t // (tp / Hkv), replicated over the lanes sharing it: raycluster.parallel.shard.kv_split), and runs
 raycluster.parallel.tp's shard of the layers, whose row-parallel all-reduces run over the lanes
 of rank k (a `Collective.subgroup`). The per-layer all_gather of attention states runs over the
@@ -39,7 +45,6 @@ the first lane holding it.
 
 from __future__ import annotations
 
-from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -47,98 +52,20 @@ import torch
 
 from kernels.metadata import AttentionMetadata
 from kernels.torch_backend import LOG2E, Workspace, _attend, _gather_rows, merge_states, paged_decode_attention, write_kv
-from raycluster.engine.kv_manager import BlockAllocator, KVCacheManager, OutOfBlocks
 from raycluster.engine.model_runner import execute_step
-from raycluster.engine.prefix_cache import PrefixCachingAllocator, PrefixCachingKVManager
 from raycluster.parallel.group import Collective
 from raycluster.parallel.kv_port import KV_TAG, KVLoad, KVSave, StagedPort, rank_handler
+# The layouts' allocators live in kvp_layout; imported here too, where they were first defined.
+from raycluster.parallel.kvp_layout import (  # noqa: F401
+    ProgressiveAllocator,
+    ProgressiveCachingAllocator,
+    StripedAllocator,
+    StripedCachingAllocator,
+    kvp_kv_manager,
+)
 from raycluster.parallel.plan import StepPlan, plan_inputs
 from raycluster.parallel.shard import Checkpoint, GroupModel, kv_heads_of, kv_holder, rank_model
 from raycluster.parallel.vocab import gather_logits
-
-
-class _Striping:
-    """Where a KVP group's blocks live, for the allocators below: global block g on rank
-    g // blocks_per_rank, and logical block i of a request from rank i % world (`first_index`
-    of `allocate` / `can_allocate`). `_pools` holds each rank's free blocks."""
-
-    def _stripe(self, blocks_per_rank: int, world: int) -> None:
-        if blocks_per_rank <= 0 or world <= 0:
-            raise ValueError(f"blocks_per_rank and world must be >= 1, got {blocks_per_rank}, {world}")
-        self.blocks_per_rank, self.world = blocks_per_rank, world
-        self.num_blocks = blocks_per_rank * world
-
-    def _rank_blocks(self, rank: int) -> range:
-        return range(rank * self.blocks_per_rank, (rank + 1) * self.blocks_per_rank)
-
-    def _pool_for(self, index: int):
-        return self._pools[index % self.world]
-
-    def _pool_of(self, block: int):
-        return self._pools[block // self.blocks_per_rank]
-
-    def _per_rank(self, n: int, first_index: int) -> list[int]:
-        base, extra = divmod(n, self.world)
-        return [base + ((r - first_index) % self.world < extra) for r in range(self.world)]
-
-    def can_allocate(self, n: int, first_index: int = 0) -> bool:
-        return all(k <= len(p) for k, p in zip(self._per_rank(n, first_index), self._pools))
-
-    def alias_table(self, num_blocks: int, offset: int) -> list[int]:
-        """A synthetic table laid out as `allocate` would lay it out (blocks may be shared with
-        other synthetic tables): what the profiler times steps with."""
-        n, w = self.blocks_per_rank, self.world
-        return [(i % w) * n + (offset + i // w) % n for i in range(num_blocks)]
-
-
-class StripedAllocator(_Striping, BlockAllocator):
-    """A `BlockAllocator` over `world` per-rank pools (`_Striping`). Reference counting is the
-    base class's; only where free blocks live differs."""
-
-    def __init__(self, blocks_per_rank: int, world: int) -> None:   # per-rank pools, not one list
-        self._stripe(blocks_per_rank, world)
-        self._pools = [deque(self._rank_blocks(r)) for r in range(world)]
-        self._refs = [0] * self.num_blocks
-        self._num_free = self.num_blocks
-
-    @property
-    def num_free(self) -> int:
-        return self._num_free
-
-    def free_blocks(self) -> list[int]:
-        return [b for p in self._pools for b in p]
-
-    def allocate(self, n: int, first_index: int = 0) -> list[int]:
-        if not self.can_allocate(n, first_index):
-            raise OutOfBlocks(f"need {n} blocks from index {first_index}; free per rank "
-                              f"{[len(p) for p in self._pools]}")
-        blocks = [self._pool_for(first_index + j).popleft() for j in range(n)]
-        for b in blocks:
-            self._refs[b] = 1
-        self._num_free -= n
-        return blocks
-
-    def _release(self, block: int) -> None:
-        self._pool_of(block).append(block)
-        self._num_free += 1
-
-    def free_all(self, blocks) -> None:
-        for b in blocks:
-            self.free(b)
-
-
-class StripedCachingAllocator(_Striping, PrefixCachingAllocator):
-    """Prefix caching over striped KV: a `PrefixCachingAllocator` whose LRU free pool is one per
-    rank. A cached block of logical index i sits on rank i % world, which is where any request
-    sharing that prefix needs its block i, so `take` just revives it from that rank's pool;
-    eviction is least recently freed first within the rank asked for a block."""
-
-    def __init__(self, blocks_per_rank: int, world: int) -> None:
-        self._stripe(blocks_per_rank, world)
-        super().__init__(self.num_blocks)
-
-    def _make_pools(self):
-        return [OrderedDict.fromkeys(self._rank_blocks(r)) for r in range(self.world)]
 
 
 def local_share(table: list[int], length: int, rank: int, block_size: int,
@@ -362,18 +289,6 @@ def owned_positions(block_ids: list[int], kvp_rank: int, blocks_per_rank: int) -
     return [j for j, g in enumerate(block_ids) if lo <= g < lo + blocks_per_rank]
 
 
-def striped_kv_manager(blocks_per_rank: int, world: int, block_size: int,
-                       prefix_caching: bool = False) -> KVCacheManager:
-    """The leader's block bookkeeping over `world` KVP ranks of `blocks_per_rank` blocks each
-    (plain KVP's, and each stage's of a KVP x SPP group)."""
-    num_blocks = blocks_per_rank * world
-    if prefix_caching:
-        # A prefill after a cached prefix is a later chunk to the ranks (`kvp_meta`: each
-        # attends the earlier tokens it holds), so nothing below the allocator changes.
-        return PrefixCachingKVManager(num_blocks, block_size, StripedCachingAllocator(blocks_per_rank, world))
-    return KVCacheManager(num_blocks, block_size, StripedAllocator(blocks_per_rank, world))
-
-
 def kvp_rank(model, coll: Collective | None, world_rank: int, kvp: int, tp: int, blocks_per_rank: int,
              block_size: int, dtype: torch.dtype, device: str | torch.device = "cpu") -> KVPRank:
     """World rank `world_rank` of a KVP group of `kvp` ranks, each a TP group of `tp` lanes
@@ -409,18 +324,19 @@ def kvp_worker(model, coll: Collective, blocks_per_rank: int, block_size: int, d
 
 class KVPRunner:
     """The leader (world rank 0): the engine's runner over a KVP group of `world` ranks, each a
-    TP group of `tp` lanes when tp > 1 (`kvp_rank`). `kv` spans every KVP rank's blocks (a
-    `StripedAllocator`, or with prefix caching a `StripedCachingAllocator`); `run_plan` posts
-    the plan and runs rank 0's share."""
+    TP group of `tp` lanes when tp > 1 (`kvp_rank`). `kv` spans every KVP rank's blocks (striped,
+    or progressive with `tokens_per_rank` tokens of a request per rank: `kvp_layout`, with
+    prefix caching their caching allocators); `run_plan` posts the plan and runs rank 0's share."""
 
     def __init__(self, model, coll: Collective | None, world: int, blocks_per_rank: int, block_size: int,
                  dtype: torch.dtype, device: str | torch.device = "cpu", ranks=None,
-                 prefix_caching: bool = False, tp: int = 1) -> None:
+                 prefix_caching: bool = False, tp: int = 1, tokens_per_rank: int | None = None) -> None:
         """`ranks`: the handle of world ranks 1..world*tp-1 (`join(timeout)`), stopped by `close`."""
         self.coll, self.dtype, self.ranks = coll, dtype, ranks
         self.kvp, self.tp = world, tp
-        self.layout = f"kvp{world}" if tp == 1 else f"kvp{world}xtp{tp}"
-        self.kv = striped_kv_manager(blocks_per_rank, world, block_size, prefix_caching)
+        self.kv = kvp_kv_manager(blocks_per_rank, world, block_size, prefix_caching, tokens_per_rank)
+        # The layout names the profile a group is timed under: a progressive one its range too.
+        self.layout = (f"kvp{world}" if tp == 1 else f"kvp{world}xtp{tp}") + self.kv.allocator.layout_label(block_size)
         self.rank0 = kvp_rank(model, coll, 0, world, tp, blocks_per_rank, block_size, dtype, device)
         # The logits: plain KVP's from the full model's head; KVP x TP's from run_plan.
         self.model = (GroupModel(model.config, self.rank0.model, tp > 1) if isinstance(model, Checkpoint)

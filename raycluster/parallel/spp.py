@@ -29,8 +29,9 @@ it (a replicated head from the first lane holding it).
 KVP x SPP (x TP), Medha's 3D parallelism (`kvp` > 1): each stage is a KVP group
 (raycluster.parallel.kvp) over its layer range, each KVP rank of it a TP group when tp > 1;
 world rank = (stage * kvp + k) * tp + lane. Rank (s, k, t) holds its stage's layers and lane t's
-heads of the blocks striped to KVP rank k -- the same striping in every stage, so the leader's
-bookkeeping is plain KVP's (`kvp.striped_kv_manager`, prefix caching too). Its attention backend
+heads of the blocks the KVP layout gives KVP rank k (striped or progressive) -- the same in
+every stage, so the leader's bookkeeping is plain KVP's (`kvp_layout.kvp_kv_manager`, prefix
+caching too). Its attention backend
 is a `KVPAttention` over ranks (s, *, t) (`kvp_group`); each micro-batch's metadata is
 `kvp_meta` of it (a prefill sub-chunk attends the earlier sub-chunks as a later chunk would: their
 KV was written at this stage, by its owners, in earlier micro-batches; the KVP ranks take turns
@@ -120,7 +121,7 @@ class SPPStage:
     + t; rank 0 leads. With tp > 1 it is lane t of a TP group, running the lane's shard of those
     layers (raycluster.parallel.shard), which all-reduces over ranks (s, k, *) only
     (`self.tp_group`, a subgroup). With kvp > 1 it is KVP rank k of its stage: its N =
-    `num_blocks` blocks are the engine blocks striped to k (raycluster.parallel.kvp), and its
+    `num_blocks` blocks are the engine blocks of KVP rank k (raycluster.parallel.kvp), and its
     attention backend is a `KVPAttention` gathering partial states over ranks (s, *, t)
     (`self.kvp_group`, its KVP peers in the stage)."""
 
@@ -305,7 +306,8 @@ class SPPRunner:
     ranks (tp > 1). `model`: the full model, or the `Checkpoint` each rank reads its part from;
     `self.model` computes the logits with the leader's output head (the full model, or a
     `GroupModel` over the leader's stage). `kv`: the engine's block bookkeeping; with kvp > 1 it
-    spans every KVP rank's blocks, striped (`kvp.striped_kv_manager`), the same for every stage."""
+    spans every KVP rank's blocks, in the KVP layout (`kvp_layout.kvp_kv_manager`), the same for
+    every stage."""
 
     def __init__(self, model: LlamaForCausalLM | Checkpoint, kv: KVCacheManager, coll: Collective | None, spp: int,
                  dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
@@ -316,6 +318,8 @@ class SPPRunner:
         self.dtype = dtype
         self.device = torch.device(device)
         self.layout = (f"kvp{kvp}x" if kvp > 1 else "") + f"spp{spp}" + (f"xtp{tp}" if tp > 1 else "")
+        if kvp > 1:     # a progressive KVP layout names its range (and so its own profile)
+            self.layout += kv.allocator.layout_label(kv.block_size)
         if kv.num_blocks % kvp:
             raise ValueError(f"kvp {kvp}: the engine's {kv.num_blocks} blocks do not stripe evenly")
         self.blocks_per_rank = kv.num_blocks // kvp
