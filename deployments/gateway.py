@@ -17,6 +17,7 @@ from fastapi.responses import JSONResponse
 from ray import serve
 
 from deployments import direct_ingress
+from deployments.gateway_metrics import RayRequestMetrics
 from raycluster.cluster.client import ClusterClient
 from raycluster.cluster.config import ClusterConfig
 from raycluster.server.auth import keys_from_env
@@ -49,7 +50,10 @@ def build_gateway_app():
         eos_token_ids=tokenizer.eos_token_ids, gateway_id=gateway_id)
     name = "tiny" if cfg.model == "tiny" else Path(cfg.model).name
     # The key comes from the replica's environment (its node's), never from the Serve config.
-    app = build_app(client, tokenizer, name, api_keys=keys_from_env(), tool_call_parser=cfg.tool_call_parser)
+    # In a replica its request metrics also go to Ray's metrics export (summable over replicas).
+    sinks = [RayRequestMetrics(gateway_id)] if gateway_id is not None else []
+    app = build_app(client, tokenizer, name, api_keys=keys_from_env(), tool_call_parser=cfg.tool_call_parser,
+                    metrics_sinks=sinks)
 
     @app.get("/v1/cluster/status")
     async def cluster_status(request: Request):

@@ -25,7 +25,6 @@ from fastapi import FastAPI, Request as HTTPRequest
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from jinja2 import TemplateError
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest, CONTENT_TYPE_LATEST
 
 from raycluster.engine.engine import InvalidRequestError
 from raycluster.request import SLO
@@ -33,29 +32,11 @@ from raycluster.server.auth import ApiKeyMiddleware
 from raycluster.server.openai_logprobs import chat_logprobs, completion_logprobs, prompt_logprobs
 from raycluster.server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                        OverloadedError, TokenizeRequest, error_body, now_s)
+from raycluster.server.request_metrics import RequestMetrics, RequestMetricsSink
 from raycluster.engine.guided import Grammar, Regex
 from raycluster.server.structured import PatternCheck, pattern_of
 from raycluster.server.tool_parsers import tool_parser
 from raycluster.server.tools import ToolCallOutput, template_message, template_tools, tool_mode, tool_parameters
-
-
-class _Metrics:
-    def __init__(self) -> None:
-        self.registry = CollectorRegistry()
-        r = self.registry
-        self.requests = Counter("raycluster_requests", "Finished requests", ["finish_reason"], registry=r)
-        self.tokens = Counter("raycluster_generated_tokens", "Generated tokens", registry=r)
-        self.prompt_tokens = Counter("raycluster_prompt_tokens", "Prompt tokens of admitted requests (each choice's)",
-                                     registry=r)
-        self.e2e = Histogram("raycluster_e2e_request_latency_seconds", "Arrival to last token", registry=r,
-                             buckets=(.05, .1, .25, .5, 1, 2.5, 5, 10, 30, 60, 120, 300))
-        self.ttft = Histogram("raycluster_ttft_seconds", "Time to first token", registry=r,
-                              buckets=(.005, .01, .025, .05, .1, .25, .5, 1, 2.5, 5, 10, 30, 60))
-        self.tpot = Histogram("raycluster_tpot_seconds", "Time per output token after the first", registry=r,
-                              buckets=(.001, .0025, .005, .01, .025, .05, .1, .25, .5, 1))
-        self.waiting = Gauge("raycluster_queue_waiting", "Requests waiting for prefill", registry=r)
-        self.running = Gauge("raycluster_queue_running", "Requests holding KV", registry=r)
-        self.kv_usage = Gauge("raycluster_kv_usage", "Fraction of KV blocks in use", registry=r)
 
 
 def _bad_request(message: str, param: str | None, status: int = 400) -> JSONResponse:
@@ -68,15 +49,16 @@ def _overloaded(e: OverloadedError) -> JSONResponse:
 
 
 def build_app(engine, tokenizer, model_name: str, api_keys: Sequence[str] = (),
-              tool_call_parser: str | None = None) -> FastAPI:
+              tool_call_parser: str | None = None, metrics_sinks: Sequence[RequestMetricsSink] = ()) -> FastAPI:
     """`api_keys`: if any, every route but /health, /metrics and the docs wants one of them as
     a bearer token (raycluster.server.auth). `tool_call_parser`: the model's tool-call syntax
-    (raycluster.server.tool_parsers), which `tool_choice: "auto"` needs."""
+    (raycluster.server.tool_parsers), which `tool_choice: "auto"` needs. `metrics_sinks`: where
+    each request's metrics go besides /metrics (raycluster.server.request_metrics)."""
     parser = tool_parser(tool_call_parser)
     app = FastAPI(title="raycluster", version="0.1.0")
     if api_keys:
         app.add_middleware(ApiKeyMiddleware, keys=api_keys)
-    metrics = _Metrics()
+    metrics = RequestMetrics(metrics_sinks)
 
     @app.exception_handler(RequestValidationError)
     async def _validation(_, exc: RequestValidationError):
@@ -102,11 +84,8 @@ def build_app(engine, tokenizer, model_name: str, api_keys: Sequence[str] = (),
     @app.get("/metrics")
     async def prom():
         s = engine.stats()
-        metrics.waiting.set(s["waiting"])
-        metrics.running.set(s["running"])
-        metrics.kv_usage.set(s["kv_used_blocks"] / max(1, s["kv_total_blocks"]))
-        body = generate_latest(metrics.registry) + engine.prometheus_text().encode()
-        return Response(body, media_type=CONTENT_TYPE_LATEST)
+        body = metrics.render(s) + engine.prometheus_text().encode()
+        return Response(body, media_type=metrics.content_type)
 
     def _encode_prompt(prompt, field: str = "prompt") -> list[int]:
         if isinstance(prompt, str) and not prompt:
@@ -194,7 +173,7 @@ def build_app(engine, tokenizer, model_name: str, api_keys: Sequence[str] = (),
         streams = [_Stream(g, f, t0, metrics, decode, (text, ids) if echo else None, sampling.logprobs)
                    for g, f, (ids, text, _) in zip(gens, firsts, slots)]
         n_prompt = sum(len(ids) for ids, _ in prompts)
-        metrics.prompt_tokens.inc(sum(len(ids) for ids, _, _ in slots))
+        metrics.admitted(sum(len(ids) for ids, _, _ in slots))
         if body.stream:
             opts = body.stream_options
             usage_mode = "each" if opts and opts.include_usage and opts.continuous_usage_stats else \
@@ -334,7 +313,7 @@ class _ClosingStreamingResponse(StreamingResponse):
 class _Stream:
     """Consumes one request's outputs, recording TTFT/TPOT metrics."""
 
-    def __init__(self, gen, first, t0: float, metrics: _Metrics, decode=None,
+    def __init__(self, gen, first, t0: float, metrics: RequestMetrics, decode=None,
                  echo: tuple[str, list[int]] | None = None, num_top: int | None = None) -> None:
         self.gen, self.first, self.t0, self.metrics = gen, first, t0, metrics
         self.decode = decode          # set when the request asked for logprobs
@@ -368,7 +347,7 @@ class _Stream:
 
     async def outputs(self):
         t_first = time.perf_counter()
-        self.metrics.ttft.observe(t_first - self.t0)
+        self.metrics.first_token(t_first - self.t0)
         out = self.first
         try:
             while True:
@@ -378,12 +357,9 @@ class _Stream:
                     self.prompt_lps = out.prompt_logprobs
                 yield out
                 if out.finished:
-                    self.metrics.requests.labels(out.finish_reason).inc()
-                    self.metrics.tokens.inc(out.num_output_tokens)
-                    now = time.perf_counter()
-                    self.metrics.e2e.observe(now - self.t0)
-                    if out.num_output_tokens > 1:
-                        self.metrics.tpot.observe((now - t_first) / (out.num_output_tokens - 1))
+                    now, n = time.perf_counter(), out.num_output_tokens
+                    self.metrics.finished(out.finish_reason, n, now - self.t0,
+                                          (now - t_first) / (n - 1) if n > 1 else None)
                     return
                 out = await self.gen.__anext__()
         finally:
