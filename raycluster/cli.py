@@ -353,5 +353,15 @@ def main(argv: list[str] | None = None) -> int:
     return args.fn(args)
 
 
+def entry() -> int:
+    """The console script: `main`, quiet when its output is piped into a reader that stops early
+    (`raycluster status | head`)."""
+    try:
+        return main()
+    except BrokenPipeError:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())   # no second error at exit
+        return 1
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(entry())
