@@ -295,6 +295,7 @@ def fit_on_trace(cal_spec: Path, trace: Path, real: dict, d: Path, iters: int = 
 
 def one_seed(args, seed: int) -> dict | None:
     from raycluster.sim.cluster import cpu_predictor
+    from raycluster.sim.s2r_noise import noise_column
     from raycluster.sim.spec import load_spec
 
     d = Path(args.out_dir) / f"seed{seed}"
@@ -331,6 +332,7 @@ def one_seed(args, seed: int) -> dict | None:
                             json.loads((d / "calib-trace.json").read_text()), d)
         cal["trace_fit"] = tcal
         sims["sim_tcal"] = run_sim(d / "local-cpu-trace-calibrated.yaml", d / "trace.jsonl", d / "sim-trace-calibrated.json")
+        sims.update(noise_column(d, seed, cal))
     cmp = compare(real, sims)
     load = d / "host_load.json"
     out = {"seed": seed, "calibration": cal, "compare": cmp,
