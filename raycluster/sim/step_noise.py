@@ -129,7 +129,7 @@ def fit_from_samples(samples: list[tuple[float, float]], n: int = N_QUANTILES, s
 
 
 def fit_dispatch(real: list[dict], sim: list[dict], predictor, n: int = N_QUANTILES, seed: int = 0) -> dict:
-    """The `dispatch_noise` block from the calibration trace: quantiles of real TTFT - simulated TTFT
+    """The `dispatch_noise` block (plus `fit`: its sample count) from the calibration trace: quantiles of real TTFT - simulated TTFT
     at dispatch latency 0 over the requests the simulator served alone (its TTFT is exactly its
     own one-step prefill, `predictor` with the overheads: nothing queued ahead, nothing batched
     with it), clamped at 0. Elsewhere the real excess holds queueing behind slow steps too, which
@@ -148,4 +148,4 @@ def fit_dispatch(real: list[dict], sim: list[dict], predictor, n: int = N_QUANTI
         raise ValueError("dispatch noise: fewer than 2 requests the simulator served alone")
     xs.sort()
     qs = [xs[0], *statistics.quantiles(xs, n=n - 1, method="inclusive"), xs[-1]]
-    return {"quantiles": [round(q, 6) for q in qs], "seed": seed}
+    return {"quantiles": [round(q, 6) for q in qs], "seed": seed, "fit": {"samples": len(xs)}}

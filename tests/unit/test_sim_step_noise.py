@@ -124,7 +124,7 @@ def test_fit_dispatch_uses_requests_the_simulator_served_alone():
                      "ttft_s": alone + queued + excess})
     fit = fit_dispatch(real, sim, pred, n=3, seed=2)
     # r4 queued in the sim: left out; r5 clamped at 0 -> 0, 0.01, 0.02, 0.03, 0.05: min, median, max
-    assert fit == {"quantiles": [0.0, 0.02, 0.05], "seed": 2}
+    assert fit == {"quantiles": [0.0, 0.02, 0.05], "seed": 2, "fit": {"samples": 5}}
     with pytest.raises(ValueError, match="alone"):
         fit_dispatch(real[4:5], sim[4:5], pred)
 
@@ -225,3 +225,31 @@ def test_pool_and_seeds():
     assert [r["request_id"] for r in res["requests"]][:1] == ["r0/" + runs[0]["requests"][0]["request_id"]]
     ttfts = sorted(r["ttft_s"] for run in runs for r in run["requests"])
     assert sorted(r["ttft_s"] for r in res["requests"]) == ttfts
+
+
+def test_fit_noise_spec_recovers_a_noise_free_truth(tmp_path):
+    """A 'real' calibration trace made by the simulator itself, noise-free, with the tcal spec's own
+    overheads and dispatch latency: the fit finds no step noise (every ratio 1), a dispatch
+    distribution at that latency, and levels ~1."""
+    import json
+
+    import yaml
+
+    from loadgen.trace import write_trace
+    from raycluster.sim.s2r_noise import PF_SPEC_NAME, fit_noise_spec
+
+    truth = {**BASE, "step_overhead_s": 0.002, "step_overhead_per_seq_s": 0.0005, "dispatch_latency_s": 0.03}
+    wl = make_workload("long-mix", seed=4, qps=2.0, num_requests=40, long_fraction=0.2, long_tokens=(512, 1024),
+                       max_output_tokens=16)
+    write_trace(wl, tmp_path / "calib-trace.jsonl")
+    (tmp_path / "calib-trace.json").write_text(json.dumps(simulate(SimSpec(**truth), wl)))
+    (tmp_path / "local-cpu-trace-calibrated.yaml").write_text(yaml.safe_dump(truth))
+    fit = fit_noise_spec(tmp_path, seed=1, prefill_level=True)
+    assert set(fit["step_noise"]["quantiles"]) == {1.0}
+    assert fit["dispatch_noise"]["quantiles"] == [pytest.approx(0.03, abs=1e-6)] * 11
+    assert fit["level_scale"] == pytest.approx(1.0, abs=2 / 2 ** 7)        # bisection on [0, 2], 7 steps
+    assert fit["prefill_scale"] == pytest.approx(1.0, abs=3 / 2 ** 7)
+    spec = yaml.safe_load((tmp_path / PF_SPEC_NAME).read_text())
+    assert spec["dispatch_latency_s"] == 0.0 and spec["step_noise"]["quantiles"][0] == 1.0
+    assert "fit" not in spec["step_noise"] and "fit" not in spec["dispatch_noise"]
+    assert not list(tmp_path.glob("fit-*"))
