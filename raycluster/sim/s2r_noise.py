@@ -1,4 +1,4 @@
-"""sim_to_real's noise columns: the trace-calibrated spec plus step-time and dispatch-latency
+"""sim_to_real's `sim_noise` column: the trace-calibrated spec plus step-time and dispatch-latency
 variability, all fitted on the calibration trace (calib-trace.jsonl and its real replay), then run
 on the test trace as several seeded replicas pooled into one results file.
 
@@ -9,13 +9,9 @@ constant dispatch latency D fitted by sim_to_real.fit_on_trace):
    multiplier's marginal over its median and its correlation time), `dispatch_noise` from real -
    simulated TTFT of the requests the simulator served alone (step_noise.fit_dispatch; it
    replaces D);
-3. `sim_noise_pf` only: the prefill level, a scale h of the predictor's prefill coefficients
-   (bisection on [0, 3]) so the pooled replicas' long-class TTFT P50 matches the real one (the
-   profile keeps each step's fastest time; long prefills on the loaded host run ~1.3x that);
-4. the decode level: the step overheads' scale g (bisection on [0, 2]) so the pooled replicas'
+3. the decode level: the step overheads' scale g (bisection on [0, 2]) so the pooled replicas'
    TPOT P50 over all requests matches the real one again (the noise's mean is above its median).
-Written to local-cpu-noise-calibrated.yaml (local-cpu-noise-pf-calibrated.yaml). The test trace
-is only simulated at the end.
+Written to local-cpu-noise-calibrated.yaml. The test trace is only simulated at the end.
 
 Why replicas: with noise a simulated percentile is one random draw (a class of 16-30 requests has
 a P90 of 2-3 requests); pooling `reps` seeds estimates the distribution the model predicts.
@@ -33,8 +29,6 @@ from loadgen.metrics import RequestRecord, build_results
 from raycluster.sim.step_noise import fit_dispatch, fit_from_samples, trace_ratios
 
 SPEC_NAME = "local-cpu-noise-calibrated.yaml"
-PF_SPEC_NAME = "local-cpu-noise-pf-calibrated.yaml"
-PREFILL_COEFS = ("per_prefill_token_s", "per_attn_pair_s", "per_prefill_s")
 FIT_REPS = 4            # replicas per bisection step
 TEST_REPS = 8           # replicas on the test trace
 LEVEL_ITERS = 7
@@ -89,17 +83,6 @@ def scaled(spec: dict, g: float) -> dict:
             "step_overhead_per_seq_s": spec["step_overhead_per_seq_s"] * g}
 
 
-def prefill_scaled(spec: dict, h: float) -> dict:
-    """The predictor's prefill coefficients x h, written out as inline coefficients (gpu: cpu)."""
-    from raycluster.sim.cluster import cpu_predictor
-    from raycluster.sim.spec import load_spec
-
-    coef = dataclasses.asdict(cpu_predictor(load_spec(spec)))
-    for k in PREFILL_COEFS:
-        coef[k] *= h
-    return {**spec, "predictor": coef}
-
-
 def bisect(make, trace: Path, metric, target: float, d: Path, seed0: int, hi: float,
            iters: int = LEVEL_ITERS) -> float:
     """x in [0, hi] with metric(pooled replicas of make(x)) = target (the metric grows with x)."""
@@ -127,9 +110,9 @@ def base_run(spec: dict, d: Path) -> dict:
     return res
 
 
-def fit_noise_spec(d: Path, seed: int, prefill_level: bool = False) -> dict:
-    """Fit (see the module docstring) on d/calib-trace.jsonl and d/calib-trace.json; writes the spec
-    (SPEC_NAME, or PF_SPEC_NAME with `prefill_level`) and returns what was fitted."""
+def fit_noise_spec(d: Path, seed: int) -> dict:
+    """Fit (see the module docstring) on d/calib-trace.jsonl and d/calib-trace.json; writes
+    d/SPEC_NAME and returns what was fitted."""
     from raycluster.sim.cluster import make_predictor
     from raycluster.sim.spec import load_spec
 
@@ -140,33 +123,21 @@ def fit_noise_spec(d: Path, seed: int, prefill_level: bool = False) -> dict:
     sspec = load_spec({**tcal, "dispatch_latency_s": 0.0})
     disp = fit_dispatch(real["requests"], base["requests"], make_predictor(sspec, sspec.pools[0]), seed=seed)
     spec = {**tcal, "dispatch_latency_s": 0.0, "step_noise": block(step), "dispatch_noise": block(disp)}
-    trace, out = d / "calib-trace.jsonl", {"step_noise": step, "dispatch_noise": disp}
-    if prefill_level:
-        h = bisect(lambda x: prefill_scaled(spec, x), trace, lambda r: r["by_class"]["long"]["ttft_p50_s"],
-                   real["by_class"]["long"]["ttft_p50_s"], d, seed * 1000, hi=3.0)
-        spec, out["prefill_scale"] = prefill_scaled(spec, h), h
-    g = bisect(lambda x: scaled(spec, x), trace, lambda r: r["summary"]["tpot_p50_s"],
+    g = bisect(lambda x: scaled(spec, x), d / "calib-trace.jsonl", lambda r: r["summary"]["tpot_p50_s"],
                real["summary"]["tpot_p50_s"], d, seed * 1000, hi=2.0)
     spec = scaled(spec, g)
     spec["step_overhead_s"] = round(spec["step_overhead_s"], 6)
     spec["step_overhead_per_seq_s"] = round(spec["step_overhead_per_seq_s"], 7)
-    name = PF_SPEC_NAME if prefill_level else SPEC_NAME
-    (d / name).write_text(
+    (d / SPEC_NAME).write_text(
         "# local-cpu-trace-calibrated.yaml + step-time and dispatch-latency variability fitted on calib-trace.jsonl "
-        f"(sim/s2r_noise.py), step overheads x {g:.3f}"
-        + (f", prefill coefficients x {out['prefill_scale']:.3f}" if prefill_level else "") + "\n"
-        + yaml.safe_dump(spec, sort_keys=False))
-    return {**out, "level_scale": g, "step_overhead_s": spec["step_overhead_s"],
+        f"(sim/s2r_noise.py), step overheads x {g:.3f}\n" + yaml.safe_dump(spec, sort_keys=False))
+    return {"step_noise": step, "dispatch_noise": disp, "level_scale": g, "step_overhead_s": spec["step_overhead_s"],
             "step_overhead_per_seq_s": spec["step_overhead_per_seq_s"]}
 
 
 def noise_column(d: Path, seed: int, cal: dict) -> dict[str, dict]:
-    """Fit, then the test trace: {"sim_noise": ..., "sim_noise_pf": ...}, each pooled replicas; the
-    fits go to cal["noise_fit"] and cal["noise_pf_fit"]."""
-    cols = {}
-    for col, pf, name, res in (("sim_noise", False, SPEC_NAME, "sim-noise-calibrated.json"),
-                               ("sim_noise_pf", True, PF_SPEC_NAME, "sim-noise-pf-calibrated.json")):
-        cal[col.removeprefix("sim_") + "_fit"] = fit_noise_spec(d, seed, prefill_level=pf)
-        spec = yaml.safe_load((d / name).read_text())
-        cols[col] = run_replicas(spec, d / "trace.jsonl", d / res, TEST_REPS, seed * 1000 + 500)
-    return cols
+    """Fit, then the test trace: {"sim_noise": pooled results}; the fit goes to cal["noise_fit"]."""
+    cal["noise_fit"] = fit_noise_spec(d, seed)
+    spec = yaml.safe_load((d / SPEC_NAME).read_text())
+    return {"sim_noise": run_replicas(spec, d / "trace.jsonl", d / "sim-noise-calibrated.json", TEST_REPS,
+                                      seed * 1000 + 500)}

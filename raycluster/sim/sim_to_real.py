@@ -25,13 +25,12 @@ Per seed (DIR/seed<N>/):
 4. The simulator on `trace.jsonl` twice: the spec as is (`sim.json`, the idealised cluster) and
    with the measured overheads (`sim-calibrated.json`, spec in `local-cpu-calibrated.yaml`).
    With `--calib-trace` also: `sim_tcal` (fit_on_trace: the overheads scaled so the calibration
-   trace's TPOT P50 matches, dispatch latency = its median TTFT gap), and two columns with the real
-   cluster's variability (sim/s2r_noise.py, fitted on the calibration trace only): `sim_noise`,
-   step times x an empirical, time-correlated multiplier (spec `step_noise`) and per-request
-   dispatch latencies drawn from a measured distribution (`dispatch_noise`), the decode level
-   refitted; `sim_noise_pf`, the same plus the predictor's prefill coefficients scaled so the
-   calibration trace's long TTFT P50 matches. Each runs 8 seeded replicas pooled into one results
-   file (`sim-noise-calibrated.json`, `sim-noise-pf-calibrated.json`; specs beside them).
+   trace's TPOT P50 matches, dispatch latency = its median TTFT gap), and `sim_noise`, the real
+   cluster's variability on top (sim/s2r_noise.py, fitted on the calibration trace only): step
+   times x an empirical, time-correlated multiplier (spec `step_noise`), per-request dispatch
+   latencies drawn from a measured distribution (`dispatch_noise`), the step overheads' level
+   refitted; 8 seeded replicas pooled into `sim-noise-calibrated.json` (spec in
+   `local-cpu-noise-calibrated.yaml`).
 5. `compare.json` and the printed table: per class (short, long) P50/P90 TTFT and TPOT, real vs
    each sim, rel. diff = (sim - real) / real; `within` = |rel. diff| <= 15% (the issue's target).
 DIR/summary.json gathers every seed (docs/results.md's `sim-to-real` section reads it).

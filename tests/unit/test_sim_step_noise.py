@@ -230,13 +230,13 @@ def test_pool_and_seeds():
 def test_fit_noise_spec_recovers_a_noise_free_truth(tmp_path):
     """A 'real' calibration trace made by the simulator itself, noise-free, with the tcal spec's own
     overheads and dispatch latency: the fit finds no step noise (every ratio 1), a dispatch
-    distribution at that latency, and levels ~1."""
+    distribution at that latency, and a level ~1."""
     import json
 
     import yaml
 
     from loadgen.trace import write_trace
-    from raycluster.sim.s2r_noise import PF_SPEC_NAME, fit_noise_spec
+    from raycluster.sim.s2r_noise import SPEC_NAME, fit_noise_spec
 
     truth = {**BASE, "step_overhead_s": 0.002, "step_overhead_per_seq_s": 0.0005, "dispatch_latency_s": 0.03}
     wl = make_workload("long-mix", seed=4, qps=2.0, num_requests=40, long_fraction=0.2, long_tokens=(512, 1024),
@@ -244,12 +244,11 @@ def test_fit_noise_spec_recovers_a_noise_free_truth(tmp_path):
     write_trace(wl, tmp_path / "calib-trace.jsonl")
     (tmp_path / "calib-trace.json").write_text(json.dumps(simulate(SimSpec(**truth), wl)))
     (tmp_path / "local-cpu-trace-calibrated.yaml").write_text(yaml.safe_dump(truth))
-    fit = fit_noise_spec(tmp_path, seed=1, prefill_level=True)
+    fit = fit_noise_spec(tmp_path, seed=1)
     assert set(fit["step_noise"]["quantiles"]) == {1.0}
     assert fit["dispatch_noise"]["quantiles"] == [pytest.approx(0.03, abs=1e-6)] * 11
     assert fit["level_scale"] == pytest.approx(1.0, abs=2 / 2 ** 7)        # bisection on [0, 2], 7 steps
-    assert fit["prefill_scale"] == pytest.approx(1.0, abs=3 / 2 ** 7)
-    spec = yaml.safe_load((tmp_path / PF_SPEC_NAME).read_text())
+    spec = yaml.safe_load((tmp_path / SPEC_NAME).read_text())
     assert spec["dispatch_latency_s"] == 0.0 and spec["step_noise"]["quantiles"][0] == 1.0
     assert "fit" not in spec["step_noise"] and "fit" not in spec["dispatch_noise"]
     assert not list(tmp_path.glob("fit-*"))
