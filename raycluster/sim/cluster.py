@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import random
 from pathlib import Path
 
 from loadgen.metrics import RequestRecord
@@ -30,6 +31,7 @@ from raycluster.sim.fastpath import router_ok
 from raycluster.sim.gcquiet import quiet_gc
 from raycluster.sim.instance import SimInstance
 from raycluster.sim.spec import SimPool, SimSpec
+from raycluster.sim.step_noise import inverse_cdf
 
 GATEWAY = "sim"
 PROMPT_TOKEN = 1
@@ -109,6 +111,17 @@ def kv_tokens(spec: SimSpec, pool: SimPool, engine_cfg) -> int:
     return int(free // (m.kv_bytes_per_token() * replicas))
 
 
+def dispatch_latencies(spec: SimSpec, workload: Workload) -> dict[str, float]:
+    """Per-request dispatch latency drawn from spec.dispatch_noise, in workload order from one seeded
+    stream (so a request's draw does not depend on event order); {} without it (every request
+    then waits spec.dispatch_latency_s)."""
+    dn = spec.dispatch_noise
+    if dn is None:
+        return {}
+    rng = random.Random(f"{dn.seed}/dispatch")
+    return {r.request_id: inverse_cdf(dn.quantiles, rng.random()) for r in workload}
+
+
 class SimCluster:
     def __init__(self, spec: SimSpec, workload: Workload, fast_decode: bool = False) -> None:
         self.spec = spec
@@ -160,9 +173,11 @@ class SimCluster:
         self.transfer_bytes = 0.0
         self.moves: list[dict] = []
         self._waking = False
-        self.coalesce = spec.coalesce_decode and not self.fast_decode     # the group supersedes runs
+        # The group supersedes runs; step noise too (a run interpolates deterministic step times).
+        self.coalesce = spec.coalesce_decode and not self.fast_decode and spec.step_noise is None
         self.max_run_steps = spec.max_run_steps
         self.running_runs: set[SimInstance] = set()
+        self.dispatch = dispatch_latencies(spec, workload)
         arrivals = []
         for r in workload:
             self.records[r.request_id] = RequestRecord(
@@ -174,7 +189,8 @@ class SimCluster:
             for d in live:
                 self.children.setdefault(d, []).append(r.request_id)
             if not live:      # dispatch_latency_s: serving path from client send to router submit
-                arrivals.append((r.arrival_s + spec.dispatch_latency_s, "arrival", r.request_id))
+                arrivals.append((r.arrival_s + self.dispatch.get(r.request_id, spec.dispatch_latency_s),
+                                 "arrival", r.request_id))
         self.loop.preload(arrivals)     # as loop.at for each, in this order
         for inst in self.instances.values():      # register (first poll doubles as heartbeat)
             inst.apply(self.router.on_poll(inst.instance_id, inst.stats()))
@@ -185,7 +201,8 @@ class SimCluster:
     def _arrival(self, rid: str) -> None:
         r, rec = self.wreqs[rid], self.records[rid]
         now = self.loop.clock.now()
-        rec.arrival_s = rec.send_s = now - self.spec.dispatch_latency_s if r.depends_on else r.arrival_s
+        rec.arrival_s = rec.send_s = now - self.dispatch.get(rid, self.spec.dispatch_latency_s) if r.depends_on \
+            else r.arrival_s
         rec.status = "sent"
         ids = r.prompt_token_ids() if self.token_ids else [PROMPT_TOKEN] * r.prompt_tokens
         meta = RequestMeta(request_id=rid, gateway_id=GATEWAY, prompt_token_ids=ids,
@@ -231,7 +248,8 @@ class SimCluster:
                 continue
             self.deps_left[child] -= 1
             if self.deps_left[child] == 0:
-                self.loop.after(self.wreqs[child].think_s + self.spec.dispatch_latency_s, "arrival", child)
+                self.loop.after(self.wreqs[child].think_s + self.dispatch.get(child, self.spec.dispatch_latency_s),
+                                "arrival", child)
 
     # ---- instances ---------------------------------------------------------------------------------
     def on_report(self, inst: SimInstance, rep: StepReport) -> None:

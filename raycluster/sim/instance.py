@@ -28,6 +28,10 @@ says they fall due (the real step loop polls every 1 ms and finds them then); a 
 supersedes an older one, and one that fires while a step runs is dropped (the step's end
 re-plans anyway).
 
+Step-time variability (spec `step_noise`, off by default): each step's predicted time is
+multiplied by the instance's `StepNoise.factor(now)` (sim/step_noise.py), drawn when the step
+starts; decode runs are off then (cluster.coalesce), since they interpolate deterministic times.
+
 Decode runs (speed; spec `coalesce_decode`, on by default): when an instance has only decodes
 (no prefill queued or held by the packer, no transfer in flight, continuous batching, all
 decodes fit max_num_seqs),
@@ -60,6 +64,7 @@ from raycluster.engine.sched_factory import RetiredScheduling, build_scheduler
 from raycluster.request import SLO, Request, RequestStatus
 from raycluster.sched.base import AllDecodes
 from raycluster.sim.fastpath import GroupView, make_fast
+from raycluster.sim.step_noise import StepNoise
 
 if TYPE_CHECKING:
     from raycluster.sim.cluster import SimCluster
@@ -115,6 +120,8 @@ class SimInstance:
         self._version = 0               # invalidates the STEP event of a cut run
         self.wake_at: float | None = None   # a WAKE event pending for requests the packer holds
         self.wake_token = 0             # invalidates superseded WAKE events
+        noise = cluster.spec.step_noise     # step-time variability (None: the predictor's times as is)
+        self.noise = StepNoise.for_instance(noise, instance_id) if noise is not None else None
 
     # ---- router interface (as InstanceWorker) ----------------------------------------------------
     def stats(self) -> InstanceStats:
@@ -221,6 +228,8 @@ class SimInstance:
         grouped = type(decs) is GroupView
         dt = self.predictor.batch_time([(n, r.num_computed_tokens) for r, n in out.prefills],
                                        decs.kv_lens if grouped else [r.num_computed_tokens for r in decs])
+        if self.noise is not None:
+            dt *= self.noise.factor(self.clock.now())
         self.out, self.busy = out, True
         self.busy_time += dt
         self.cluster.loop.after(dt, "step", (self, self._version))

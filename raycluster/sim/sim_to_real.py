@@ -24,6 +24,13 @@ Per seed (DIR/seed<N>/):
    host only add time, in bursts; medians are saved too). Never fitted on the test trace.
 4. The simulator on `trace.jsonl` twice: the spec as is (`sim.json`, the idealised cluster) and
    with the measured overheads (`sim-calibrated.json`, spec in `local-cpu-calibrated.yaml`).
+   With `--calib-trace` also: `sim_tcal` (fit_on_trace: the overheads scaled so the calibration
+   trace's TPOT P50 matches, dispatch latency = its median TTFT gap), and `sim_noise`, the real
+   cluster's variability on top (sim/s2r_noise.py, fitted on the calibration trace only): step
+   times x an empirical, time-correlated multiplier (spec `step_noise`), per-request dispatch
+   latencies drawn from a measured distribution (`dispatch_noise`), the step overheads' level
+   refitted; 8 seeded replicas pooled into `sim-noise-calibrated.json` (spec in
+   `local-cpu-noise-calibrated.yaml`).
 5. `compare.json` and the printed table: per class (short, long) P50/P90 TTFT and TPOT, real vs
    each sim, rel. diff = (sim - real) / real; `within` = |rel. diff| <= 15% (the issue's target).
 DIR/summary.json gathers every seed (docs/results.md's `sim-to-real` section reads it).
@@ -295,6 +302,7 @@ def fit_on_trace(cal_spec: Path, trace: Path, real: dict, d: Path, iters: int = 
 
 def one_seed(args, seed: int) -> dict | None:
     from raycluster.sim.cluster import cpu_predictor
+    from raycluster.sim.s2r_noise import noise_column
     from raycluster.sim.spec import load_spec
 
     d = Path(args.out_dir) / f"seed{seed}"
@@ -331,6 +339,7 @@ def one_seed(args, seed: int) -> dict | None:
                             json.loads((d / "calib-trace.json").read_text()), d)
         cal["trace_fit"] = tcal
         sims["sim_tcal"] = run_sim(d / "local-cpu-trace-calibrated.yaml", d / "trace.jsonl", d / "sim-trace-calibrated.json")
+        sims.update(noise_column(d, seed, cal))
     cmp = compare(real, sims)
     load = d / "host_load.json"
     out = {"seed": seed, "calibration": cal, "compare": cmp,

@@ -19,10 +19,19 @@ engine's kv_cache_tokens).
 Serving-path overheads (all default 0, the idealised cluster): `dispatch_latency_s` (once per
 request), `step_overhead_s` (per step) and `step_overhead_per_seq_s` (per request in a step); sims/local-cpu.yaml documents how they are measured on
 the real local cluster (`python -m raycluster.sim.sim_to_real`).
+
+Step-time variability (`step_noise`, off when absent: step times are then the predictor's,
+deterministic): every step's predicted time (overheads included) is multiplied by a factor
+drawn from the empirical distribution `quantiles` (its inverse CDF at evenly spaced
+probabilities), correlated in virtual time over `corr_time_s`; seeded, so a run stays a pure
+function of spec, workload and seed. `dispatch_noise` (off when absent) draws each request's
+dispatch latency from an empirical distribution instead. raycluster/sim/step_noise.py draws and
+fits both.
 """
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Literal
 
@@ -57,6 +66,48 @@ class SimPool(BaseModel):
         return self.tp * self.spp * self.kvp
 
 
+def _inverse_cdf_error(q: list[float], positive: bool) -> str | None:
+    if not all(math.isfinite(x) and (x > 0 if positive else x >= 0) for x in q):
+        return f"every value must be finite and {'> 0' if positive else '>= 0'}"
+    if any(b < a for a, b in zip(q, q[1:])):
+        return "must be nondecreasing (an inverse CDF)"
+    return None
+
+
+class SimStepNoise(BaseModel):
+    """Per-instance step-time multiplier m(t) = Q(Phi(z(t))): z is a stationary Ornstein-Uhlenbeck
+    process in virtual time (unit variance, correlation exp(-dt / corr_time_s); corr_time_s 0: a
+    fresh draw every step), Q the multiplier's inverse CDF through `quantiles`."""
+    model_config = ConfigDict(extra="forbid")
+    quantiles: list[float] = Field(..., min_length=2, description="the multiplier at probabilities 0, 1/(n-1), "
+                                   "..., 1 (linear in between); positive, nondecreasing")
+    corr_time_s: float = Field(0.0, ge=0, description="correlation time of the multiplier in virtual seconds")
+    seed: int = Field(0, ge=0, description="with the instance id, seeds each instance's draws")
+
+    @model_validator(mode="after")
+    def _check(self) -> "SimStepNoise":
+        if (err := _inverse_cdf_error(self.quantiles, positive=True)) is not None:
+            raise ValueError(f"step_noise.quantiles: {err}")
+        if not math.isfinite(self.corr_time_s):
+            raise ValueError("step_noise.corr_time_s: must be finite")
+        return self
+
+
+class SimDispatchNoise(BaseModel):
+    """Each request's dispatch latency drawn (independently, in workload order) from `quantiles`
+    instead of the constant dispatch_latency_s."""
+    model_config = ConfigDict(extra="forbid")
+    quantiles: list[float] = Field(..., min_length=2, description="seconds at probabilities 0, 1/(n-1), ..., 1 "
+                                   "(linear in between); >= 0, nondecreasing")
+    seed: int = Field(0, ge=0)
+
+    @model_validator(mode="after")
+    def _check(self) -> "SimDispatchNoise":
+        if (err := _inverse_cdf_error(self.quantiles, positive=False)) is not None:
+            raise ValueError(f"dispatch_noise.quantiles: {err}")
+        return self
+
+
 class SimSpec(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -80,6 +131,11 @@ class SimSpec(BaseModel):
     dispatch_latency_s: float = Field(0.0, ge=0, description="fixed per-request latency of the serving path outside "
                                       "the engine (HTTP/SSE client, gateway, router messaging): a request reaches "
                                       "the router this long after it is sent; counts once in TTFT and E2E")
+    step_noise: SimStepNoise | None = Field(None, description="step-time variability (None: deterministic steps); "
+                                            "decode runs are off with it (every step draws its own factor)")
+    dispatch_noise: SimDispatchNoise | None = Field(None, description="per-request dispatch latency distribution "
+                                                    "(None: dispatch_latency_s for every request, which must be 0 "
+                                                    "with it)")
     predictor: str | dict | None = Field(None, description="gpu: cpu: LinearBatchPredictor JSON file, inline "
                                          "coefficients, or None/'auto' to profile the model here")
     # Memory and transfers.
@@ -97,6 +153,8 @@ class SimSpec(BaseModel):
     def _check(self) -> "SimSpec":
         if self.policy not in policy_names():
             raise ValueError(f"policy: unknown {self.policy!r}; choose one of {', '.join(policy_names())}")
+        if self.dispatch_noise is not None and self.dispatch_latency_s:
+            raise ValueError("dispatch_noise: replaces dispatch_latency_s, which must then be 0")
         roles = {p.role for p in self.pools if p.instances > 0}
         if not roles:
             raise ValueError("pools: at least one pool needs instances")
