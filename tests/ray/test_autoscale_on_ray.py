@@ -27,13 +27,13 @@ CFG = {"model": "tiny", "policy": "fcfs", "threads_per_instance": 1, "max_local_
            "min_instances": 1, "max_instances": 2, "target_per_instance": 2,
            "upscale_delay_s": 1.0, "downscale_delay_s": 2.0,
            "metrics_interval_s": 0.5, "look_back_period_s": 2.0}}]}
-BURST_TOKENS, LONG_TOKENS = 48, 600
+BURST_TOKENS, LONG_TOKENS = 48, 1600     # the long streams must outlast the scale-down (~4 s after the burst)
 
 
 
 @pytest.fixture(scope="module")
 def prompts(tiny_model_dir):
-    """6 burst prompts (48 tokens out) and 2 long ones (600 out), with the single engine's text."""
+    """6 burst prompts (48 tokens out) and 2 long ones (1600 out), with the single engine's text."""
     from raycluster.engine.config import EngineConfig
     from raycluster.engine.engine import LLMEngine
     from raycluster.model.loader import load_model
