@@ -258,18 +258,23 @@ def test_auto_with_the_pythonic_parser_reads_a_list_of_calls(served_pythonic):
     assert search["function"] == {"name": "search", "arguments": '{"q": "x", "exact": true}'}
 
 
+def _assert_one_search(msg: dict, content: str, exact: bool) -> None:
+    """`msg` is `content` then one call of `search` whose arguments fit its schema, `exact` typed as a JSON bool."""
+    assert msg["content"] == content
+    [call] = msg["tool_calls"]
+    assert call["function"]["name"] == "search"
+    args = json.loads(call["function"]["arguments"])
+    assert args["exact"] is exact
+    jsonschema.validate(args, SEARCH)
+
+
 def test_auto_with_the_qwen3_coder_parser_types_values_by_the_tools_schema(served_qwen3_coder):
     """Qwen3-Coder's XML carries every value as text: `exact`, a boolean in the request's schema
     for `search`, comes back as JSON true, `q` as a string."""
     regex = escape("On it.<tool_call>\n<function=search>\n<parameter=q>\n") + "[a-z]{1,6}" + \
         escape("\n</parameter>\n<parameter=exact>\ntrue\n</parameter>\n</function>\n</tool_call>")
     msg = _steered(served_qwen3_coder, regex, max_tokens=160)
-    assert msg["content"] == "On it."
-    [call] = msg["tool_calls"]
-    assert call["function"]["name"] == "search"
-    args = json.loads(call["function"]["arguments"])
-    assert args["exact"] is True
-    jsonschema.validate(args, SEARCH)
+    _assert_one_search(msg, "On it.", exact=True)
 
 
 def test_auto_with_the_llama4_pythonic_parser_reads_the_wrapped_list(served_llama4_pythonic):
@@ -277,12 +282,7 @@ def test_auto_with_the_llama4_pythonic_parser_reads_the_wrapped_list(served_llam
     is the content, the wrapper no part of the calls."""
     regex = escape('Sure.<|python_start|>[search(q="') + "[a-z]{1,6}" + escape('", exact=False)]<|python_end|>')
     msg = _steered(served_llama4_pythonic, regex)
-    assert msg["content"] == "Sure."
-    [call] = msg["tool_calls"]
-    assert call["function"]["name"] == "search"
-    args = json.loads(call["function"]["arguments"])
-    assert args["exact"] is False
-    jsonschema.validate(args, SEARCH)
+    _assert_one_search(msg, "Sure.", exact=False)
 
 
 def test_auto_with_the_qwen3_coder_parser_reads_a_bare_function_block(served_qwen3_coder):
@@ -290,9 +290,4 @@ def test_auto_with_the_qwen3_coder_parser_reads_a_bare_function_block(served_qwe
     regex = escape("On it.\n<function=search>\n<parameter=q>\n") + "[a-z]{1,6}" + \
         escape("\n</parameter>\n<parameter=exact>\nfalse\n</parameter>\n</function>")
     msg = _steered(served_qwen3_coder, regex, max_tokens=160)
-    assert msg["content"] == "On it.\n"
-    [call] = msg["tool_calls"]
-    assert call["function"]["name"] == "search"
-    args = json.loads(call["function"]["arguments"])
-    assert args["exact"] is False
-    jsonschema.validate(args, SEARCH)
+    _assert_one_search(msg, "On it.\n", exact=False)
