@@ -135,6 +135,19 @@ class ClusterClient:
                 if inst.get("prefix_caching"):
                     lines.append(f'raycluster_instance_prefix_cache_{name}_total{{instance="{inst.get("id")}",'
                                  f'pool="{inst.get("role")}"}} {inst.get(key, 0)}')
+        # P/D handoffs on the decode side: KV pulled vs recomputed after a failed pull (vLLM's
+        # NIXL connector counts the same), and what the pulls moved and took.
+        decode_side = [i for i in s.get("instances", []) if i.get("kv_pulls_ok") or i.get("kv_pulls_failed")]
+        lines.append("# TYPE raycluster_instance_kv_pulls_total counter")
+        for inst in decode_side:
+            for outcome, key in (("ok", "kv_pulls_ok"), ("recomputed", "kv_pulls_failed")):
+                lines.append(f'raycluster_instance_kv_pulls_total{{instance="{inst.get("id")}",'
+                             f'pool="{inst.get("role")}",outcome="{outcome}"}} {inst.get(key, 0)}')
+        for name, key in (("kv_pull_blocks_total", "kv_pull_blocks"), ("kv_pull_seconds_total", "kv_pull_s")):
+            lines.append(f"# TYPE raycluster_instance_{name} counter")
+            for inst in decode_side:
+                lines.append(f'raycluster_instance_{name}{{instance="{inst.get("id")}",'
+                             f'pool="{inst.get("role")}"}} {inst.get(key, 0)}')
         return "\n".join(lines) + "\n"
 
     async def generate(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams, *,

@@ -100,6 +100,7 @@ class InstanceWorker:
 
     def stats(self) -> InstanceStats:
         eng, kv = self.engine, self.engine.kv
+        pulls = getattr(self.connector, "pull_counts", None) or {}
         return InstanceStats(
             instance_id=self.instance_id, role=self.role, waiting=eng.scheduler.num_waiting,
             running=len(eng.scheduler.decoding), kv_free_blocks=kv.num_free_blocks, kv_total_blocks=kv.num_blocks,
@@ -108,7 +109,9 @@ class InstanceWorker:
             connector=(self.connector.local_descriptor() or {}) if self.connector else {},
             work_seen=self._work_seen, layout=eng.runner.layout, scheduling=eng.config.scheduling_label(),
             nodes=self.nodes, prefix_caching=kv.prefix_caching,
-            prefix_query_tokens=getattr(kv, "query_tokens", 0), prefix_hit_tokens=getattr(kv, "hit_tokens", 0))
+            prefix_query_tokens=getattr(kv, "query_tokens", 0), prefix_hit_tokens=getattr(kv, "hit_tokens", 0),
+            kv_pulls_ok=pulls.get("ok", 0), kv_pulls_failed=pulls.get("failed", 0),
+            kv_pull_blocks=pulls.get("blocks", 0), kv_pull_s=pulls.get("seconds", 0.0))
 
     # ---- threads ---------------------------------------------------------------------------
     def _poll_loop(self) -> None:

@@ -125,6 +125,10 @@ class InstanceStats:
     prefix_caching: bool = False       # the engine keeps prompt prefixes (the router then places by them)
     prefix_query_tokens: int = 0       # known tokens of requests looked up in the prefix cache, so far
     prefix_hit_tokens: int = 0         # of those, found cached
+    kv_pulls_ok: int = 0               # P/D handoffs whose KV this instance pulled, so far
+    kv_pulls_failed: int = 0           # of handoffs, pulls that failed (the prefill was recomputed)
+    kv_pull_blocks: int = 0            # blocks the successful pulls moved
+    kv_pull_s: float = 0.0             # wall time of the successful pulls
 
 
 @dataclass

@@ -123,7 +123,9 @@ def instance_summary(i: Instance, now: float) -> dict:
             "kv_free_blocks": s.kv_free_blocks, "kv_total_blocks": s.kv_total_blocks,
             "kv_usage": 1 - s.kv_free_blocks / s.kv_total_blocks if s.kv_total_blocks else None,
             "prefix_caching": s.prefix_caching, "prefix_query_tokens": s.prefix_query_tokens,
-            "prefix_hit_tokens": s.prefix_hit_tokens, "last_seen_s_ago": now - i.last_seen}
+            "prefix_hit_tokens": s.prefix_hit_tokens, "kv_pulls_ok": s.kv_pulls_ok,
+            "kv_pulls_failed": s.kv_pulls_failed, "kv_pull_blocks": s.kv_pull_blocks, "kv_pull_s": s.kv_pull_s,
+            "last_seen_s_ago": now - i.last_seen}
 
 
 def router_status(core, queues: tuple[str, ...]) -> dict:

@@ -141,8 +141,9 @@ class KVConnector(ABC):
         self.instance_id = instance_id
         self.leases = LeaseTable(lease_s, clock)
         self._offers: dict[str, list[int]] = {}
-        # pull_with_fallback's outcomes on this (decode) side: KV moved vs recomputed.
-        self.pull_counts = {"ok": 0, "failed": 0}
+        # pull_with_fallback's outcomes on this (decode) side: KV moved vs recomputed, and the
+        # blocks and wall seconds of the pulls that moved it (the instance reports them).
+        self.pull_counts = {"ok": 0, "failed": 0, "blocks": 0, "seconds": 0.0}
 
     # -- both sides --------------------------------------------------------------------------
     def local_descriptor(self) -> Any:
@@ -219,6 +220,8 @@ def pull_with_fallback(connector: KVConnector, handle: KVHandle, dst_block_ids: 
         connector.pull(handle, dst_block_ids, timeout_s)
         if counts is not None:
             counts["ok"] += 1
+            counts["blocks"] += len(dst_block_ids)
+            counts["seconds"] += time.monotonic() - t0
         return True
     except KVTransferError as e:
         if counts is not None:

@@ -202,6 +202,16 @@ def test_fifty_mixed_requests_equal_single_engine(cluster, workload, expected, s
         dec = serve.get_deployment_handle("pool-decode", app_name="raycluster")
         pulls = dec.kv_state.remote().result(timeout_s=30)["kv_pulls"]
         assert pulls["ok"] >= 10 and pulls["failed"] == 0, (name, pulls)
+        # ... and the same counts reach the router's status (and so /metrics) with the heartbeats.
+        deadline, seen = time.monotonic() + 10, None
+        while time.monotonic() < deadline:
+            seen = [(i["kv_pulls_ok"], i["kv_pulls_failed"]) for i in
+                    httpx.get(url + "/v1/cluster/status", timeout=5).json()["instances"] if i["role"] == "decode"]
+            if seen == [(pulls["ok"], 0)]:
+                break
+            time.sleep(0.2)
+        assert seen == [(pulls["ok"], 0)], (name, seen, pulls)
+        assert f'outcome="ok"}} {pulls["ok"]}' in httpx.get(url + "/metrics", timeout=5).text
 
 
 def test_echo_with_logprobs_reports_the_prompts_logprobs(cluster, tiny_model_dir):

@@ -205,7 +205,8 @@ def test_a_pattern_compiles_off_the_step_thread_and_replies_keep_their_order(mod
         return [t for e in list(events) if e.request_id == rid for t in e.token_ids]
 
     try:
-        script.put(PollReply(work=[WorkItem(meta("a", None, 400))]))
+        # Long enough to still decode a second after b arrives on a fast host (400 took 0.5 s).
+        script.put(PollReply(work=[WorkItem(meta("a", None, 2000))]))
         deadline = time.monotonic() + 30
         while not tokens("a") and time.monotonic() < deadline:
             time.sleep(0.01)
@@ -228,3 +229,42 @@ def test_a_pattern_compiles_off_the_step_thread_and_replies_keep_their_order(mod
     finally:
         release.set()
         w.stop()
+
+
+class _CountingConnector(_FillConnector):
+    """A decode-side connector whose second pull fails (the worker recomputes that prefill)."""
+
+    def __init__(self) -> None:
+        self.pull_counts = {"ok": 0, "failed": 0, "blocks": 0, "seconds": 0.0}
+        self.calls = 0
+
+    def pull(self, handle, dst, timeout_s):
+        from raycluster.kv_transfer.base import KVTransferError
+        self.calls += 1
+        if self.calls == 2:
+            raise KVTransferError("peer gone")
+
+
+def test_kv_pull_outcomes_reach_the_stats_and_the_gateways_metrics(model):
+    from raycluster.cluster.client import ClusterClient
+    from raycluster.cluster.router_state import Instance, instance_summary
+
+    w = _worker(model, connector=_CountingConnector())
+    for rid, n in (("a", 40), ("b", 20)):           # 3 blocks, then 2 blocks of 16
+        handle = KVHandle(request_id=rid, src_instance="p", src_block_ids=list(range(-(-n // 16))), num_tokens=n,
+                          block_shape=(), dtype="float32")
+        w._apply(PollReply(work=[WorkItem(_meta(rid, n), mode="decode", output_token_ids=[5], kv=handle)]))
+    for _ in range(20):
+        if not w.engine.has_unfinished():
+            break
+        w._step()
+    st = w.stats()
+    assert (st.kv_pulls_ok, st.kv_pulls_failed, st.kv_pull_blocks) == (1, 1, 3) and st.kv_pull_s >= 0
+    summary = instance_summary(Instance("i0", "decode", st, time.monotonic()), time.monotonic())
+    client = ClusterClient(submit=None, abort=None, pull=None, status=None, tokenizer=None, max_model_len=64,
+                           vocab_size=10, eos_token_ids=(), gateway_id="g")
+    client._last_status = {"instances": [summary]}
+    text = client.prometheus_text()
+    assert 'raycluster_instance_kv_pulls_total{instance="i0",pool="decode",outcome="ok"} 1' in text
+    assert 'raycluster_instance_kv_pulls_total{instance="i0",pool="decode",outcome="recomputed"} 1' in text
+    assert 'raycluster_instance_kv_pull_blocks_total{instance="i0",pool="decode"} 3' in text

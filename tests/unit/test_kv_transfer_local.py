@@ -337,7 +337,8 @@ def test_torch_dist_pair_in_process_bit_exact_refusal_and_unreachable_peer(monke
         dst.pull(h2, list(range(40, 60)), timeout_s=20)      # same pair after the refusal
         assert torch.equal(b[:, 40:60], a[:, :20]) and len(dst._peers) == 1
         assert pull_with_fallback(dst, h2, list(range(40, 60)), 10)
-        assert dst.pull_counts == {"ok": 1, "failed": 0}
+        assert {k: dst.pull_counts[k] for k in ("ok", "failed", "blocks")} == {"ok": 1, "failed": 0, "blocks": 20}
+        assert dst.pull_counts["seconds"] > 0
         gone = dict(h2.extra, port=d["port"] + 1 if d["port"] < 65535 else d["port"] - 1)
         h2.extra = gone
         t0 = time.monotonic()
