@@ -5,10 +5,13 @@ Two `KVEndpoint` actors per connector (prefill, decode) hold a KV tensor shaped 
 model's (L=4, Hkv=2, D=32, fp32, block 16 tokens: 2 KiB per token, 8 KiB per block per layer).
 A handoff moves a request's blocks: time = offer (prefill side, measured in the actor) + pull
 (decode side, measured in the actor), i.e. what the decode instance waits for. Block layouts
-(source and destination drawn independently):
-  allocator  what raycluster.engine.kv_manager.BlockAllocator hands out after churn (a pool
-             ~90% used by requests of mixed sizes coming and going): mostly long runs, the
-             realistic case and the headline;
+(raycluster.bench.kv_layouts; a connector moves one descriptor or message per stretch
+consecutive on both sides, per layer):
+  allocator  the source and destination tables of a handoff after a steady-state P/D churn
+             through the engine's own allocator (prefix caching, run-seeking): the realistic
+             case and the headline;
+  queue      the same churn through a plain free queue (blocks in the order they were freed,
+             as the engine handed them out before run-seeking): nearly one piece per block;
   runs16     runs of 16 consecutive blocks in random order;
   fresh      one run of consecutive blocks on each side (an idle instance's allocator: where
              torch_dist moves each layer as one message, in place);
@@ -41,6 +44,9 @@ import time
 import uuid
 
 import numpy as np
+
+from raycluster.bench.kv_layouts import QueueOrderAllocator, pd_churn, pieces, runs, synthetic
+from raycluster.engine.prefix_cache import PrefixCachingAllocator
 
 L, B, H, D = 4, 16, 2, 32
 BYTES_PER_TOKEN = L * 2 * H * D * 4
@@ -89,45 +95,16 @@ def _raw(ray, name: str, pre, dec, nbytes: int, extra: dict, tag: int,
     return put_s + get_s, put_s + get_s + copy_s
 
 
-def _allocator_ids(rng, num_blocks: int, k: int, churn: int = 200) -> list[int]:
-    """The ids the engine's BlockAllocator (deque free list) gives a k-block request after
-    `churn` random admissions/completions of mixed-size requests with the pool ~90% full."""
-    from raycluster.engine.kv_manager import BlockAllocator
-    a = BlockAllocator(num_blocks)
-    live: list[list[int]] = []
-    target = max(0, int(0.9 * num_blocks) - k)
-    for _ in range(churn):
-        while a.num_used < target:
-            n = int(min(a.num_free - k, max(1, rng.geometric(1 / max(2, k // 2)))))
-            if n <= 0:
-                break
-            live.append(a.allocate(n))
-        if live:
-            for b in live.pop(int(rng.integers(len(live)))):
-                a.free(b)
-    return a.allocate(k)
-
-
-def _pick(rng, num_blocks: int, k: int, layout: str, run: int = 16) -> list[int]:
-    """k distinct block ids: uniformly scattered (fragmented pool, worst case), as runs of
-    `run` consecutive ids in random order, or as the engine's allocator hands them out."""
-    if layout == "allocator":
-        return _allocator_ids(rng, num_blocks, k)
-    if layout == "scattered":
-        return rng.choice(num_blocks, k, replace=False).tolist()
-    if layout == "fresh":
-        start = int(rng.integers(0, num_blocks - k + 1))
-        return list(range(start, start + k))
-    chunks = rng.permutation(num_blocks // run)[: -(-k // run)]
-    return [int(c) * run + j for c in chunks for j in range(run)][:k]
-
-
-def _runs(ids: list[int]) -> list[int]:
-    return [i for i in range(len(ids)) if i == 0 or ids[i] != ids[i - 1] + 1]
+def _layout_pair(rng, num_blocks: int, k: int, layout: str) -> tuple[list[int], list[int]]:
+    """(source ids, destination ids) of a k-block handoff in `layout`."""
+    if layout in ("allocator", "queue"):
+        cls = PrefixCachingAllocator if layout == "allocator" else QueueOrderAllocator
+        return pd_churn(cls, num_blocks, k, rng=rng)
+    return synthetic(rng, num_blocks, k, layout), synthetic(rng, num_blocks, k, layout)
 
 
 def run(connectors: list[str], token_counts: list[int], repeats: int, timeout_s: float,
-        layouts: tuple[str, ...] = ("allocator", "runs16", "scattered"),
+        layouts: tuple[str, ...] = ("allocator", "queue", "runs16", "scattered"),
         connector_opts: dict | None = None) -> dict:
     import ray
     max_blocks = max(-(-t // B) for t in token_counts)
@@ -146,8 +123,7 @@ def run(connectors: list[str], token_counts: list[int], repeats: int, timeout_s:
                 nbytes = k * L * 2 * B * H * D * 4
                 offers, pulls, rs, ris, nruns, stats, cps = [], [], [], [], [], [], []
                 for i in range(repeats + 1):     # i == 0: warmup, not recorded
-                    src = _pick(rng, num_blocks, k, layout)
-                    dst = _pick(rng, num_blocks, k, layout)
+                    src, dst = _layout_pair(rng, num_blocks, k, layout)
                     st: list = []
                     if i % 2:   # alternate which goes first, so neither inherits the other's warmth
                         r, ri = _raw(ray, name, pre, dec, nbytes, extra, raw_tag, timeout_s)
@@ -160,7 +136,7 @@ def run(connectors: list[str], token_counts: list[int], repeats: int, timeout_s:
                     if i:
                         stats.extend(st), cps.append(cp)
                         offers.append(o), pulls.append(p), rs.append(r), nruns.append(
-                            (len(_runs(src)), len(_runs(dst))))
+                            (len(runs(src)), len(runs(dst)), pieces(src, dst)))
                         if ri is not None:
                             ris.append(ri)
                 hs = [o + p for o, p in zip(offers, pulls)]
@@ -171,7 +147,7 @@ def run(connectors: list[str], token_counts: list[int], repeats: int, timeout_s:
                        "handoff_GBps": nbytes / h_s / 1e9, "raw_GBps": nbytes / r_s / 1e9,
                        "ratio": r_s / h_s, "handoff_all_s": hs, "raw_all_s": rs,
                        "ratio_paired": statistics.median(r / h for r, h in zip(rs, hs)),
-                       "memcpy_s": statistics.median(cps), "runs_src_dst": nruns,
+                       "memcpy_s": statistics.median(cps), "runs_src_dst_pieces": nruns,
                        "warmup_s": warm}
                 keys = sorted({k for d in stats for k in d})
                 if keys:
@@ -231,7 +207,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--tokens", default="2048,16384")
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--timeout-s", type=float, default=60.0)
-    ap.add_argument("--layouts", default="fresh,allocator,runs16,scattered")
+    ap.add_argument("--layouts", default="fresh,allocator,queue,runs16,scattered")
     ap.add_argument("--connector-opts", default="{}",
                     help='JSON {connector: {constructor option: value}}, e.g. '
                          '\'{"object_store": {"min_piece_bytes": 131072}}\'')

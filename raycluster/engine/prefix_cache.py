@@ -5,7 +5,12 @@ key_i = H(key_{i-1} || tokens of block i)), so equal keys mean equal token prefi
 positions, hence equal KV. `PrefixCachingAllocator` is a `BlockAllocator` whose block, when
 its last reference goes away, keeps its key and joins the free pool, which is an LRU (least
 recently freed is handed out, and loses its key, first). So a freed prefix stays findable until
-its blocks are needed for something else, and cached blocks never reduce the free count. The
+its blocks are needed for something else, and cached blocks never reduce the free count. Free
+blocks holding no prefix are handed out before any cached one, and allocation seeks runs of
+consecutive ids as raycluster.engine.kv_manager's does (what a KV handoff moves in one piece):
+a cached block is evicted together with the blocks before it, which a table freed last block
+first put right behind it in LRU order, so run-seeking bends LRU order within one freed table
+(and among the few least recently freed blocks it looks at). The
 free pool may be sharded (KVP's `StripedCachingAllocator` and `ProgressiveCachingAllocator`,
 one LRU per rank, raycluster.parallel.kvp_layout): a key fixes its block's position in the chain,
 and the layout places a position's block on a rank (striped: by the position alone; progressive:
@@ -24,7 +29,7 @@ import hashlib
 from array import array
 from collections import OrderedDict
 
-from raycluster.engine.kv_manager import BlockAllocator, KVCacheManager, OutOfBlocks
+from raycluster.engine.kv_manager import BlockAllocator, KVCacheManager, OutOfBlocks, take_runs
 from raycluster.request import Request
 
 
@@ -47,6 +52,7 @@ class PrefixCachingAllocator(BlockAllocator):
         # Ordered sets rather than deques: a cached block can leave its pool from the middle
         # when a prefix match revives it.
         self._pools: list[OrderedDict[int, None]] = self._make_pools()
+        self._keyless: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))  # free, no key
         self._num_free = num_blocks
         self._key_of: dict[int, bytes] = {}
         self._block_of: dict[bytes, int] = {}
@@ -79,24 +85,46 @@ class PrefixCachingAllocator(BlockAllocator):
         """Blocks holding a findable prefix (in use or free)."""
         return len(self._key_of)
 
-    def allocate(self, n: int, first_index: int = 0, first_block: int | None = None) -> list[int]:
+    def allocate(self, n: int, first_index: int = 0, first_block: int | None = None,
+                 after: int | None = None) -> list[int]:
+        """`n` blocks for logical blocks `first_index`.. of a request whose block 0 is
+        `first_block` and last block `after` (None: a new request); cached ones lose their key."""
         if not self.can_allocate(n, first_index):
             raise OutOfBlocks(f"need {n} blocks from index {first_index}; free per pool "
                               f"{[len(p) for p in self._pools]}")
-        blocks = []
-        for j in range(n):
-            b, _ = self._pool_for(first_index + j, first_block).popitem(last=False)
-            key = self._key_of.pop(b, None)
+        blocks = self._pick(n, first_index, first_block, after)
+        key_of, block_of, refs = self._key_of, self._block_of, self._refs
+        for b in blocks:
+            key = key_of.pop(b, None)
             if key is not None:             # evicted: its prefix is gone
-                del self._block_of[key]
-            self._refs[b] = 1
-            blocks.append(b)
-            first_block = b if first_block is None else first_block
+                del block_of[key]
+            refs[b] = 1
         self._num_free -= n
+        return blocks
+
+    def allocate_for(self, table: list[int], n: int) -> list[int]:
+        return self.allocate(n, len(table), table[0] if table else None, table[-1] if table else None)
+
+    def _pick(self, n: int, first_index: int, first_block: int | None, after: int | None) -> list[int]:
+        """Take `n` free blocks out of the pool(s): blocks holding no prefix first (continuing
+        the table's last run where it can), then the least recently freed with its neighbours."""
+        keyless, lru = self._keyless, self._pools[0]
+        blocks: list[int] = []
+        plain = min(n, len(keyless))
+        if plain:
+            take_runs(keyless, plain, after, blocks)
+            for b in blocks:
+                del lru[b]
+        if n > plain:               # no plain block left: evict
+            # Tables are freed last block first, so a block's left neighbours are what LRU
+            # evicts next (the rest of its table); its right ones start some other prefix.
+            take_runs(lru, n - plain, None, blocks, rightward=False)
         return blocks
 
     def _release(self, block: int) -> None:
         self._pool_of(block)[block] = None  # keeps its key: findable until handed out again
+        if block not in self._key_of:
+            self._keyless[block] = None
         self._num_free += 1
 
     def free_all(self, blocks) -> None:
@@ -125,6 +153,8 @@ class PrefixCachingAllocator(BlockAllocator):
 
     def check_keys(self) -> None:
         assert len(self._key_of) == len(self._block_of), "key maps differ in size"
+        plain = {b for p in self._pools for b in p if b not in self._key_of}
+        assert plain == set(self._keyless), "the keyless set is not the free blocks without a key"
         for b, k in self._key_of.items():
             assert self._block_of.get(k) == b, f"block {b}: its key maps to {self._block_of.get(k)}"
 

@@ -176,6 +176,9 @@ class _RankPools(BlockAllocator):
         self._num_free -= n
         return blocks
 
+    def allocate_for(self, table: list[int], n: int) -> list[int]:
+        return self.allocate(n, len(table))
+
     def _release(self, block: int) -> None:
         self._pool_of(block).append(block)
         self._num_free += 1
@@ -196,6 +199,20 @@ class _CachingRankPools(PrefixCachingAllocator):
 
     def _make_pools(self):
         return [OrderedDict.fromkeys(self._rank_blocks(r)) for r in range(self.world)]
+
+    def allocate_for(self, table: list[int], n: int) -> list[int]:
+        return self.allocate(n, len(table))
+
+    def _pick(self, n: int, first_index: int, first_block: int | None, after: int | None) -> list[int]:
+        """Each logical block from the pool the layout places it in, least recently freed first
+        (a rank's own placement, not run-seeking: a request's runs are per rank here)."""
+        blocks, keyless = [], self._keyless
+        for j in range(n):
+            b, _ = self._pool_for(first_index + j, first_block).popitem(last=False)
+            keyless.pop(b, None)
+            blocks.append(b)
+            first_block = b if first_block is None else first_block
+        return blocks
 
 
 class StripedAllocator(_Striping, _RankPools):

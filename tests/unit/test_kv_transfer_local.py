@@ -293,17 +293,16 @@ def test_object_store_src_runs():
     assert src_runs(list(range(10, 20))) == [(0, 10)]
 
 
-def test_bench_allocator_layout_is_valid_and_mostly_runs():
-    from raycluster.bench.kv_transfer_bench import _allocator_ids, _pick, _runs
+def test_bench_layouts_are_valid_block_ids():
+    from raycluster.bench.kv_transfer_bench import _layout_pair
     rng = np.random.default_rng(0)
-    for k in (8, 128, 512):
-        ids = _allocator_ids(rng, 2 * k + 16, k)
-        assert len(ids) == k == len(set(ids)) and all(0 <= b < 2 * k + 16 for b in ids)
-        if k >= 128:    # a tiny pool after churn is fully fragmented; bigger ones keep runs
-            assert len(_runs(ids)) < k // 2
-    for lay in ("scattered", "runs16"):
-        ids = _pick(rng, 300, 40, lay)
-        assert len(ids) == len(set(ids)) == 40
+    for layout in ("allocator", "queue", "fresh", "runs16", "scattered"):
+        for k in (8, 128):
+            src, dst = _layout_pair(rng, 2 * k + 16, k, layout)
+            for ids in (src, dst):
+                assert len(ids) == k == len(set(ids)) and all(0 <= b < 2 * k + 16 for b in ids)
+    with pytest.raises(ValueError, match="layout"):
+        _layout_pair(rng, 64, 8, "striped")
 
 
 def test_torch_dist_pair_in_process_bit_exact_refusal_and_unreachable_peer(monkeypatch):
