@@ -60,12 +60,12 @@ class QueueOrderAllocator:
 
 
 def pd_churn(allocator_cls=PrefixCachingAllocator, num_blocks: int = 4096, k: int = 128,
-             steps: int = 400, chunk: int = 32, concurrency: int = 8,
+             steps: int = 400, chunk: int = 128, concurrency: int = 8,
              rng: np.random.Generator | None = None) -> tuple[list[int], list[int]]:
     """(source ids, destination ids) of a `k`-block handoff after `steps` steps of P/D churn on
-    two pools of `num_blocks` (>= 2k) built by `allocator_cls`. Each step every one of
-    `concurrency` prefilling requests (1..k blocks, uniform; admitted while the pool has room for
-    all of them) takes up to `chunk` blocks; a
+    two pools of `num_blocks` (>= 2k) built by `allocator_cls`. Each step the `concurrency`
+    prefilling requests (1..k blocks, uniform; admitted while the pool has room for all of them)
+    share a budget of `chunk` blocks first come first served, as chunked prefill does; a
     finished prefill is handed off (the destination allocates the whole prompt at once, finishing
     the oldest decodes while it does not fit) and freed; a decode grows by one block with
     probability 1/2 per step until its 1..64 blocks of output are in. Every full block is
@@ -93,10 +93,12 @@ def pd_churn(allocator_cls=PrefixCachingAllocator, num_blocks: int = 4096, k: in
             if size + sum(p[1] for p in prefilling) > pre.num_free:
                 break               # admitted only with room to finish, as a scheduler would
             prefilling.append([[], size, last])
+        budget = chunk
         for p in list(prefilling):
-            n = min(chunk, p[1])
-            if not pre.can_allocate(n):
-                continue
+            n = min(budget, p[1])
+            if not n or not pre.can_allocate(n):
+                break
+            budget -= n
             alloc(pre, p[0], n)
             p[1] -= n
             if p[1]:
