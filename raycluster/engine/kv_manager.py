@@ -48,8 +48,7 @@ def take_runs(pool: OrderedDict, n: int, after: int | None, out: list[int],
     order, or others of the same label or earlier. `pool` must hold at least `n`."""
     want = len(out) + n
     if group is None:
-        def ok(b: int) -> bool:
-            return b in pool
+        ok = pool.__contains__      # a C call: this runs per block looked at
     else:
         limit = group[next(islice(pool, n - 1, None))]
 
