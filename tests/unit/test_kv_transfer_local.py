@@ -167,17 +167,10 @@ def test_nixl_read_between_two_agents_in_process():
         assert torch.equal(dst_kv[:, db], src_kv[:, sb])
         others = [b for b in range(N) if b not in db]
         assert torch.equal(dst_kv[:, others], before[:, others])
-        # Second request reuses the cached peer; the source learns the read happened.
+        # Second request reuses the cached peer.
         h2 = src.offer("r2", [60], num_tokens=3)
         dst.pull(h2, [30], timeout_s=10)
         assert torch.equal(dst_kv[:, 30], src_kv[:, 60])
-        seen: set[str] = set()
-        for _ in range(200):                   # bounded: <= ~2 s
-            seen.update(src.notifs())
-            if seen >= {"r1", "r2"}:
-                break
-            time.sleep(0.01)
-        assert seen >= {"r1", "r2"}
         assert src.release("r1") and src.release("r2")
         with pytest.raises(KVLayoutError):
             dst.pull(h, [0, 1], timeout_s=1)
