@@ -211,6 +211,27 @@ class _SlowReads:
 
 
 @pytest.mark.skipif(not HAVE_NIXL, reason="nixl extra not installed")
+def test_an_idle_nixl_connector_leaves_the_cpu_alone_and_still_answers_a_first_read():
+    """NIXL's own progress thread spins (a whole core per instance); ours wakes every
+    progress_s. The source here makes no call at all after offering, so the READ's connection
+    wireup is answered only by the progress loop."""
+    src = make_connector("nixl", kv(1), "prefill-0", lease_s=5)
+    dst_kv = kv(2)
+    dst = make_connector("nixl", dst_kv, "decode-0", lease_s=5)
+    try:
+        c0, w0 = time.process_time(), time.monotonic()
+        time.sleep(1.0)
+        busy = (time.process_time() - c0) / (time.monotonic() - w0)
+        assert busy < 0.3, f"two idle connectors used {busy:.2f} of a core"   # ~0.04 here; 2.0 spinning
+        h = src.offer("r1", [5, 6], num_tokens=20)
+        dst.pull(h, [1, 2], timeout_s=10)
+        assert torch.equal(dst_kv[:, [1, 2]], src.kv_cache[:, [5, 6]])
+    finally:
+        src.close()
+        dst.close()
+
+
+@pytest.mark.skipif(not HAVE_NIXL, reason="nixl extra not installed")
 def test_nixl_timed_out_read_is_released_only_once_it_has_ended():
     """The blocks of a timed-out pull go back to the engine (recompute / free): the READ must have
     ended first. One that ends within drain_s is released, then its peer forgotten; one that
