@@ -1,0 +1,30 @@
+"""`raycluster status`'s table, from a router status JSON: exact lines, including the decode
+instances' KV pulls (moved vs recomputed, and the mean cost of a pull)."""
+
+from __future__ import annotations
+
+from raycluster.cli import format_status
+
+STATUS = {
+    "policy": "lars", "inflight": 3, "queues": {"prefill-short": 1}, "router_id": "r1",
+    "instances": [
+        {"id": "prefill-short-a", "role": "prefill-short", "scheduling": "fcfs/awd", "waiting": 1,
+         "queued_tokens": 120, "running": 0, "kv_total_blocks": 200, "kv_free_blocks": 150,
+         "prefix_caching": True, "prefix_query_tokens": 400, "prefix_hit_tokens": 100},
+        {"id": "decode-b", "role": "decode", "scheduling": "fcfs/token", "waiting": 0, "queued_tokens": 0,
+         "running": 2, "kv_total_blocks": 100, "kv_free_blocks": 100, "prefix_caching": False,
+         "kv_pulls_ok": 4, "kv_pulls_failed": 1, "kv_pull_blocks": 90, "kv_pull_s": 0.01},
+        {"id": "decode-c", "role": "decode", "scheduling": "fcfs/token", "kv_total_blocks": 10,
+         "kv_free_blocks": 10, "kv_pulls_ok": 0, "kv_pulls_failed": 2},
+    ],
+}
+
+
+def test_status_table_shows_each_instance_and_its_kv_pulls():
+    lines = format_status(STATUS).splitlines()
+    assert lines[0] == "policy lars   in flight 3   queues {'prefill-short': 1}   router r1"
+    assert lines[2].startswith("prefill-short-a") and lines[2].split()[-2:] == ["25.0%", "25.0%"]
+    assert lines[3].startswith("decode-b") and lines[3].split()[-2:] == ["0.0%", "off"]
+    assert lines[4] == "  kv pulls: 4 ok (90 blocks, 2.5 ms per pull), 1 failed and recomputed"
+    assert lines[6] == "  kv pulls: 0 ok (0 blocks), 2 failed and recomputed"
+    assert len(lines) == 7          # no pull line for an instance that pulled nothing
