@@ -25,6 +25,7 @@ import math
 import torch
 
 from kernels.metadata import AttentionMetadata
+from kernels.rowcopy import index_copy
 
 LOG2E = 1.0 / math.log(2.0)
 _Q_TILE = 1024
@@ -67,8 +68,8 @@ def write_kv(kv_layer: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapp
     if slot_row is not None and kv_layer.is_contiguous():
         bs = kv_layer.shape[2]
         flat = kv_layer.view(-1, kv_layer.shape[3] * kv_layer.shape[4])
-        flat.index_copy_(0, slot_row, k.reshape(k.shape[0], -1).to(kv_layer.dtype))
-        flat.index_copy_(0, slot_row + bs, v.reshape(v.shape[0], -1).to(kv_layer.dtype))
+        index_copy(flat, 0, slot_row, k.reshape(k.shape[0], -1).to(kv_layer.dtype))
+        index_copy(flat, 0, slot_row + bs, v.reshape(v.shape[0], -1).to(kv_layer.dtype))
         return
     if slot_block is None or slot_offset is None:
         bs = kv_layer.shape[2]
@@ -260,9 +261,9 @@ def paged_decode_attention(q: torch.Tensor, kv_layer: torch.Tensor, meta: Attent
             if return_lse:
                 lse_all.copy_(lse * LOG2E)
         else:
-            out.index_copy_(0, b.index, o.to(out.dtype))
+            index_copy(out, 0, b.index, o.to(out.dtype))
             if return_lse:
-                lse_all.index_copy_(0, b.index, lse * LOG2E)
+                index_copy(lse_all, 0, b.index, lse * LOG2E)
     return out, lse_all
 
 

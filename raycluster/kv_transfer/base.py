@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from kernels.rowcopy import index_copy
 from raycluster.clock import WallClock
 from raycluster.kv_handle import KVHandle  # noqa: F401  (re-exported: connectors import it from here)
 
@@ -82,7 +83,7 @@ def gather_blocks(kv_cache: torch.Tensor, block_ids: list[int]) -> torch.Tensor:
 
 def scatter_blocks(kv_cache: torch.Tensor, block_ids: list[int], data: torch.Tensor) -> None:
     """kv_cache[:, block_ids] = data, in place; touches no other block."""
-    kv_cache.index_copy_(1, _index(block_ids, kv_cache.device), data.to(kv_cache.device))
+    index_copy(kv_cache, 1, block_ids, data.to(kv_cache.device))
 
 
 class LeaseTable:

@@ -63,6 +63,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from kernels.rowcopy import index_copy
 from raycluster.kv_transfer.base import KVConnector, KVHandle, KVTransferError, check_compatible
 from raycluster.kv_transfer.torch_dist_wire import (BufferPool, Pair, kv_rows, pair_group, staging_view,
                                                     wait_receives)
@@ -459,7 +460,7 @@ class TorchDistConnector(KVConnector):
 
         def scatter(i: int) -> None:
             a, b = chunks[i]
-            rows.index_copy_(0, fidx[a:b], buf[a:b].view(b - a, -1))
+            index_copy(rows, 0, fidx[a:b], buf[a:b].view(b - a, -1))
         return scatter
 
     def raw_pull(self, descriptor: dict, nbytes: int, timeout_s: float) -> float:

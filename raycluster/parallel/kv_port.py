@@ -20,6 +20,7 @@ from typing import Callable
 
 import torch
 
+from kernels.rowcopy import index_copy
 from raycluster.engine.kv_manager import BlockAllocator
 
 
@@ -87,7 +88,7 @@ class StagedPort:
         if not self.allocator.can_allocate(len(block_ids)):
             return None
         ids = self.allocator.allocate(len(block_ids))
-        self.tensor.index_copy_(1, self._index(ids), self.runner.save_blocks(block_ids))
+        index_copy(self.tensor, 1, ids, self.runner.save_blocks(block_ids))
         self._staged[request_id] = ids
         return ids
 

@@ -50,6 +50,7 @@ from typing import Callable
 
 import torch
 
+from kernels.rowcopy import index_copy
 from kernels.metadata import AttentionMetadata
 from kernels.torch_backend import LOG2E, Workspace, _attend, _gather_rows, merge_states, paged_decode_attention, write_kv
 from raycluster.engine.model_runner import execute_step
@@ -183,8 +184,8 @@ class KVPAttention:
             rows = meta.decode_idx + meta.num_prefill_tokens
             od, ld = paged_decode_attention(q.index_select(0, rows), layer_kv, meta.decode_meta, scale,
                                             return_lse=True, workspace=self.workspace)
-            out.index_copy_(0, rows, od.float())
-            lse.index_copy_(0, rows, ld)
+            index_copy(out, 0, rows, od.float())
+            index_copy(lse, 0, rows, ld)
         if self.coll is None:
             return out.to(q.dtype)
         states = self.coll.all_gather(state).transpose(0, 1)          # [T, world, Hq * D + Hq]
@@ -252,7 +253,7 @@ class KVPRank:
                                self.lane)
         else:
             chunk = self.link.recv(self._blocks(len(pos)), 0, KV_TAG)
-        self.kv_cache.index_copy_(1, local, chunk.to(self.kv_cache.device))
+        index_copy(self.kv_cache, 1, local, chunk.to(self.kv_cache.device))
 
     def save(self, msg: KVSave) -> torch.Tensor | None:
         """This rank's share of the blocks; the non-leaders send it to the leader. A lane that
@@ -395,7 +396,7 @@ class KVPRunner:
             if not kv_holder(self.rank0.num_kv_heads, self.tp, lane):
                 continue
             part = self.rank0.save(msg) if r == 0 else self.coll.recv(self.rank0._blocks(len(pos)), r, KV_TAG)
-            self.rank0.heads(out, lane).index_copy_(1, torch.tensor(pos, dtype=torch.long, device=out.device), part)
+            index_copy(self.rank0.heads(out, lane), 1, pos, part)
         return out
 
     def execute(self, out):

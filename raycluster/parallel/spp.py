@@ -57,6 +57,7 @@ from typing import Callable
 
 import torch
 
+from kernels.rowcopy import index_copy
 from kernels import get_attention_backend
 from raycluster.engine.kv_manager import KVCacheManager
 from raycluster.engine.model_runner import StepLogits, execute_step
@@ -213,7 +214,7 @@ class SPPStage:
         else:
             chunk = self.coll.recv(torch.empty((self.hi - self.lo, len(pos)) + tuple(self.kv.shape[2:]),
                                                dtype=self.kv.dtype, device=self.device), 0, KV_TAG)
-        self.kv.index_copy_(1, local, chunk.to(self.device))
+        index_copy(self.kv, 1, local, chunk.to(self.device))
 
     def save(self, msg: KVSave) -> torch.Tensor | None:
         """This rank's layers and heads of the blocks it holds; the other ranks send them to the
@@ -396,9 +397,8 @@ class SPPRunner:
             else:
                 part = self.coll.recv(torch.empty((hi - lo, len(pos)) + tuple(kv.shape[2:]), dtype=kv.dtype,
                                                   device=kv.device), r, KV_TAG)
-            # index_copy_ into the (layers x heads) view writes `out` in place.
-            self.stage.heads(out[lo:hi], lane).index_copy_(1, torch.tensor(pos, dtype=torch.long,
-                                                                          device=out.device), part)
+            # A copy into the (layers x heads) view writes `out` in place.
+            index_copy(self.stage.heads(out[lo:hi], lane), 1, pos, part)
         return out
 
     def close(self, timeout: float = 10.0) -> None:

@@ -36,6 +36,7 @@ from typing import Callable
 
 import torch
 
+from kernels.rowcopy import index_copy
 from kernels import get_attention_backend
 from raycluster.engine.kv_manager import KVCacheManager
 from raycluster.engine.model_runner import StepLogits, execute_step
@@ -88,7 +89,7 @@ class TPRank:
             part = self.heads(data, self.rank)
         else:
             part = self.coll.recv(self._blocks(len(ids)), 0, KV_TAG)
-        self.kv_cache.index_copy_(1, ids, part.to(self.device))
+        index_copy(self.kv_cache, 1, ids, part.to(self.device))
 
     def save(self, msg: KVSave) -> torch.Tensor | None:
         """This rank's heads of the blocks; the non-leaders that are the first holders of their
