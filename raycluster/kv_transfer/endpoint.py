@@ -9,21 +9,23 @@ timeout; failures come back as {"ok": False, "error": ...} instead of raising th
 
 from __future__ import annotations
 
+import resource
 import time
 from typing import Any
 
 import numpy as np
 import torch
 
+from kernels.rowcopy import numpy_bits
 from raycluster.kv_transfer import KVHandle, make_connector
 
 
 class KVEndpoint:
     def __init__(self, connector: str, instance_id: str, kv_shape: tuple[int, ...], seed: int,
-                 **opts: Any) -> None:
+                 dtype: str = "float32", **opts: Any) -> None:
         torch.set_num_threads(1)
         g = torch.Generator().manual_seed(seed)
-        self.kv = torch.randn(kv_shape, generator=g)
+        self.kv = torch.randn(kv_shape, generator=g).to(getattr(torch, dtype))
         self.connector_name, self.instance_id, self.opts = connector, instance_id, opts
         self.conn = None
 
@@ -36,16 +38,22 @@ class KVEndpoint:
         return self.conn.offer(request_id, block_ids, num_tokens)
 
     def timed_offer(self, request_id: str, block_ids: list[int], num_tokens: int):
+        f0 = _minor_faults()
         t0 = time.perf_counter()
         h = self.conn.offer(request_id, block_ids, num_tokens)
-        return h, time.perf_counter() - t0
+        dt = time.perf_counter() - t0
+        self.offer_faults = _minor_faults() - f0
+        return h, dt
 
     def pull(self, handle: KVHandle, dst_block_ids: list[int], timeout_s: float) -> dict:
+        f0 = _minor_faults()
         t0 = time.perf_counter()
         try:
             self.conn.pull(handle, dst_block_ids, timeout_s)
-            return {"ok": True, "seconds": time.perf_counter() - t0,
-                    "stats": dict(getattr(self.conn, "last_pull_stats", {}))}
+            dt = time.perf_counter() - t0
+            return {"ok": True, "seconds": dt,
+                    "stats": {**getattr(self.conn, "last_pull_stats", {}),
+                              "pull_faults": _minor_faults() - f0}}
         except Exception as e:
             return {"ok": False, "seconds": time.perf_counter() - t0,
                     "error": type(e).__name__, "msg": str(e)}
@@ -54,14 +62,16 @@ class KVEndpoint:
         return self.conn.release(request_id)
 
     def send_stats(self) -> dict:
-        return dict(getattr(self.conn, "last_send_stats", {}))
+        return {**getattr(self.conn, "last_send_stats", {}),
+                "offer_faults": getattr(self, "offer_faults", 0)}
 
     def expire(self, now: float | None = None) -> list[str]:
         return self.conn.expire(now)
 
     def blocks(self, block_ids: list[int] | None = None) -> np.ndarray:
+        """A copy of the blocks' bits (integers of the KV dtype's width: numpy has no bf16)."""
         t = self.kv if block_ids is None else self.kv[:, block_ids]
-        return t.numpy().copy()
+        return numpy_bits(t.contiguous()).copy()
 
     def sleep(self, seconds: float) -> None:
         time.sleep(seconds)
@@ -95,9 +105,11 @@ class KVEndpoint:
     def raw_put(self, nbytes: int):
         import ray
         arr = self.kv.view(-1)[: nbytes // self.kv.element_size()].numpy()
+        f0 = _minor_faults()
         t0 = time.perf_counter()
         ref = ray.put(arr)
         dt = time.perf_counter() - t0
+        self.raw_put_faults = _minor_faults() - f0
         self._raw_ref = ref  # keep the object alive until the next raw_put
         return [ref], dt     # wrapped in a list so Ray passes the ref, not its value
 
@@ -105,6 +117,7 @@ class KVEndpoint:
         """Seconds of a zero-copy get; with copy_into, (get seconds, seconds to copy the bytes
         into a reused buffer of this process, as a pull must land them in its KV cache)."""
         import ray
+        f0 = _minor_faults()
         t0 = time.perf_counter()
         arr = ray.get(refs[0], timeout=timeout_s)
         dt = time.perf_counter() - t0
@@ -115,8 +128,23 @@ class KVEndpoint:
         t1 = time.perf_counter()
         np.copyto(dst.numpy()[: arr.size], arr)
         dt_copy = time.perf_counter() - t1
+        self.raw_get_faults = _minor_faults() - f0
         del arr
         return dt, dt_copy
+
+    def touch_object_store(self, total_bytes: int, chunk_bytes: int = 64 << 20) -> int:
+        """Write `total_bytes` of objects into the object store at once, then drop them: this
+        process has then mapped those pages of the store's shared memory, as a long-running
+        instance has after its puts and gets cycled through them. Returns the faults paid."""
+        import ray
+        f0 = _minor_faults()
+        refs = [ray.put(np.ones(chunk_bytes // 8, dtype=np.float64))
+                for _ in range(max(1, total_bytes // chunk_bytes))]
+        del refs
+        return _minor_faults() - f0
+
+    def raw_faults(self) -> dict:
+        return {"put": getattr(self, "raw_put_faults", 0), "get": getattr(self, "raw_get_faults", 0)}
 
     def memcpy_s(self, nbytes: int) -> float:
         """Seconds of one single-thread copy of nbytes between two reused buffers (the cost of
@@ -134,3 +162,9 @@ class KVEndpoint:
         if getattr(self, "_rawbuf", None) is None or self._rawbuf.numel() < n:
             self._rawbuf = torch.zeros(n, dtype=self.kv.dtype)   # faulted in once
         return self._rawbuf[:n]
+
+
+def _minor_faults() -> int:
+    """This process's minor page faults so far: first touches of shared memory (the object
+    store's pages) show up here, and cost ~2 us per 4 KiB page."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt

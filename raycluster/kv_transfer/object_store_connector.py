@@ -9,12 +9,16 @@ straight from the zero-copy views into the destination blocks. No peer setup and
 Copies: `ray.put` copies every out-of-band numpy buffer into plasma once. When the request's
 blocks form few runs (what the engine's allocator hands out; at most `max_pieces` per-layer
 runs of >= `min_piece_bytes` on average: Ray pays ~25 us per out-of-band buffer on put and the
-pull ~20 us per piece, about a memcpy of 128-256 KiB, so smaller pieces are cheaper gathered), the offer
-puts a list of views kv[l, start:start+n] (contiguous, no gather), so the put itself is the only
-pass over the data on the prefill side; otherwise (scattered blocks) it first gathers into a
-reused staging buffer (2 passes, no fresh allocation). The decode side always does exactly one pass
-(index_copy_ out of plasma). The copy made at offer time means the prefill engine could free
-its blocks right after `offer`; the lease still bounds how long the object-store copy lives.
+pull ~20 us per piece, about a memcpy of 128-256 KiB, so smaller pieces are cheaper gathered),
+the offer puts a list of views kv[l, start:start+n] (contiguous, no gather, cut to <= 1 MiB:
+Ray copies a larger buffer with threads it starts per copy), so the put itself is the only pass
+over the data on the prefill side; otherwise (scattered blocks) it first gathers into a reused
+staging buffer (2 passes, no fresh allocation). The decode side always does exactly one pass (a
+row copy out of plasma, kernels.rowcopy). Buffers are the KV's bits as integers of its width
+(numpy has no bf16). The copy made at offer time means the prefill engine could free its blocks
+right after `offer`; the lease still bounds how long the object-store copy lives.
+Each process pays ~2 us per 4 KiB page of plasma it touches the first time (a 32 MiB put: +16
+ms); a long-running instance has paid that once for the pages its objects cycle through.
 A dead prefill process (the ref's owner) makes `ray.get` raise, which becomes KVTransferError.
 """
 
@@ -27,6 +31,8 @@ import numpy as np
 import ray
 import torch
 
+from kernels.rowcopy import index_copy
+from kernels.rowcopy import numpy_bits
 from raycluster.kv_transfer.base import (KVConnector, KVHandle, KVTransferError, check_compatible,
                                          scatter_blocks)
 
@@ -39,6 +45,9 @@ def src_runs(block_ids: list[int]) -> list[tuple[int, int]]:
     starts = np.concatenate(([0], np.flatnonzero(np.diff(s) != 1) + 1))
     lengths = np.diff(np.concatenate((starts, [len(s)])))
     return [(int(p), int(n)) for p, n in zip(starts, lengths)]
+
+
+PIECE_BYTES = 1 << 20     # Ray's put copies a larger buffer with threads it starts per copy
 
 
 class ObjectStoreConnector(KVConnector):
@@ -61,6 +70,11 @@ class ObjectStoreConnector(KVConnector):
                 piece_bytes >= self.min_piece_bytes:
             # Views into the KV tensor: ray.put copies them into plasma, nothing else does.
             # Sliced from one numpy view of the cache (~0.3 us each vs ~3 us per torch slice).
+            # Ray copies a buffer over 1 MiB with 6 threads it starts for that one copy: a
+            # 32 MiB offer in 1032 KiB pieces took 6.5 ms, in 1 MiB pieces 1.9 ms (in one
+            # 32 MiB piece 2.1 ms), so runs are cut into pieces of at most 1 MiB.
+            step = max(1, PIECE_BYTES // (kv[0, 0].numel() * kv.element_size()))
+            runs = [(p + i, min(step, n - i)) for p, n in runs for i in range(0, n, step)]
             kvn = self._numpy_kv()
             value = [kvn[l, ids[p]:ids[p] + n] for l in range(kv.shape[0]) for p, n in runs]
             extra: dict[str, Any] = {"runs": runs}
@@ -75,7 +89,7 @@ class ObjectStoreConnector(KVConnector):
             out = self._staging[:numel].view(shape)
             torch.index_select(kv, 1, torch.as_tensor(ids, dtype=torch.long, device=kv.device),
                                out=out)
-            value = out.cpu().numpy()
+            value = numpy_bits(out.cpu())
             extra = {}
         ref = ray.put(value)
         self._refs[handle.request_id] = ref
@@ -83,7 +97,7 @@ class ObjectStoreConnector(KVConnector):
 
     def _numpy_kv(self) -> np.ndarray:
         if getattr(self, "_kvn", None) is None:
-            self._kvn = self.kv_cache.numpy()
+            self._kvn = numpy_bits(self.kv_cache)
         return self._kvn
 
     def _drop(self, request_id: str) -> None:
@@ -103,14 +117,14 @@ class ObjectStoreConnector(KVConnector):
             # The views are read-only shared memory; we only read them (index_copy_ copies out).
             warnings.simplefilter("ignore", UserWarning)
             if runs is None:
-                data = torch.from_numpy(obj)
+                data = torch.from_numpy(obj).view(kv.dtype)
                 expect = (kv.shape[0], total) + tuple(kv.shape[2:])
                 if tuple(data.shape) != expect:
                     raise KVTransferError(f"object for {handle.request_id!r} has shape "
                                           f"{tuple(data.shape)}, expected {expect}")
                 scatter_blocks(kv, dst_block_ids, data[:, skip:])
                 return
-            pieces = [torch.from_numpy(a) for a in obj]
+            pieces = [torch.from_numpy(a).view(kv.dtype) for a in obj]
         if len(pieces) != kv.shape[0] * len(runs) or sum(n for _, n in runs) != total or \
                 any(tuple(pc.shape) != (n,) + tuple(kv.shape[2:])
                     for pc, (_, n) in zip(pieces, runs * kv.shape[0])):
@@ -136,4 +150,4 @@ class ObjectStoreConnector(KVConnector):
                 if scattered is None:
                     kl[d0:d0 + k].copy_(piece)
                 else:
-                    kl.index_copy_(0, scattered, piece.to(kv.device))
+                    index_copy(kl, 0, scattered, piece.to(kv.device))

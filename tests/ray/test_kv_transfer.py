@@ -212,3 +212,33 @@ def test_a_pull_skipping_cached_leading_blocks_moves_only_the_rest(trio):
     bad = ray.get(dec.pull.remote(dataclasses.replace(h, skip_blocks=1), [20, 21], 20.0), timeout=40)
     assert not bad["ok"] and bad["error"] == "KVLayoutError"
     ray.get(pre.release.remote("req-skipbad"), timeout=30)
+
+
+@pytest.mark.parametrize("name", CONNECTORS)
+def test_bfloat16_kv_moves_bit_exact(name, ray_cluster):
+    """A bf16 KV cache (a bf16 checkpoint on CPU): numpy has no bf16, so the object store puts
+    and gets its bits as int16, and every connector must land the same bits."""
+    import ray
+    from raycluster.kv_transfer.endpoint import KVEndpoint
+
+    Actor = ray.remote(num_cpus=1)(KVEndpoint)
+    tag = uuid.uuid4().hex[:6]
+    opts = {"object_store": {"max_pieces": 32}}.get(name, {})
+    pre, dec = (Actor.options(name=f"bf16-{role}-{name}-{tag}", max_restarts=0).remote(
+        name, f"bf16-{role}-{name}-{tag}", SHAPE, seed=seed, dtype="bfloat16", lease_s=10.0, **opts)
+        for seed, role in enumerate(["prefill", "decode"]))
+    try:
+        ray.get([a.setup.remote() for a in (pre, dec)], timeout=60)
+        frag = [int(b) for b in np.random.default_rng(3).choice(N, 40, replace=False)]
+        for i, (sb, db) in enumerate([(list(range(10, 30)), list(range(40, 60))),   # one run
+                                      (frag, list(range(N - 40, N)))]):            # fragmented
+            src = ray.get(pre.blocks.remote(sb), timeout=30)
+            assert src.dtype == np.int16
+            h = ray.get(pre.offer.remote(f"bf{i}", sb, len(sb) * B), timeout=30)
+            res = ray.get(dec.pull.remote(h, db, 20.0), timeout=40)
+            assert res["ok"], res
+            assert np.array_equal(ray.get(dec.blocks.remote(db), timeout=30), src)
+            ray.get(pre.release.remote(f"bf{i}"), timeout=30)
+    finally:
+        for a in (pre, dec):
+            ray.kill(a)
