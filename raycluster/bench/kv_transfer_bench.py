@@ -29,7 +29,12 @@ drifting between pairs on a shared machine; the headline, `ratio_target_paired`,
 against `raw_into` for the object store because a handoff must land the bytes in the decode's
 KV cache, which its zero-copy `raw` get does not), one single-thread memcpy of the same bytes
 in the decode process (the cost of one extra pass) and, per connector, its own phase timings
-(nixl: descriptors / init / transfer; torch_dist: post / gather / scatter / drain).
+(nixl: descriptors / init / transfer; torch_dist: post / gather / scatter / drain; the object
+store: minor page faults of the offer and of the pull, and `raw_faults_all` of each raw pair).
+The object store is measured in steady state: Ray runs with a `--object-store-mb` store which
+both endpoints first write whole. Without that, a process pays ~2 us per 4 KiB page of the store
+it touches the first time, and whether a put lands on touched pages depends on the allocator's
+history, so a pair's handoff or raw (or both) randomly paid +16 ms per 32 MiB.
 """
 
 from __future__ import annotations
@@ -82,7 +87,7 @@ def _handoff(ray, pre, dec, rid: str, src: list[int], dst: list[int],
 
 
 def _raw(ray, name: str, pre, dec, nbytes: int, extra: dict, tag: int,
-         timeout_s: float) -> tuple[float, float | None]:
+         timeout_s: float, faults: list | None = None) -> tuple[float, float | None]:
     """(raw seconds, raw-into-own-buffer seconds or None when the two are the same thing)."""
     if name == "nixl":
         return ray.get(dec.raw_nixl_pull.remote(extra, nbytes, timeout_s),
@@ -92,6 +97,9 @@ def _raw(ray, name: str, pre, dec, nbytes: int, extra: dict, tag: int,
                        timeout=timeout_s + 10), None
     refs, put_s = ray.get(pre.raw_put.remote(nbytes), timeout=timeout_s)
     get_s, copy_s = ray.get(dec.raw_get.remote(refs, timeout_s, True), timeout=timeout_s + 10)
+    if faults is not None:
+        faults.append(ray.get(pre.raw_faults.remote(), timeout=timeout_s)["put"]
+                      + ray.get(dec.raw_faults.remote(), timeout=timeout_s)["get"])
     return put_s + get_s, put_s + get_s + copy_s
 
 
@@ -105,7 +113,7 @@ def _layout_pair(rng, num_blocks: int, k: int, layout: str) -> tuple[list[int], 
 
 def run(connectors: list[str], token_counts: list[int], repeats: int, timeout_s: float,
         layouts: tuple[str, ...] = ("allocator", "queue", "runs16", "scattered"),
-        connector_opts: dict | None = None) -> dict:
+        connector_opts: dict | None = None, touch_bytes: int = 0) -> dict:
     import ray
     max_blocks = max(-(-t // B) for t in token_counts)
     num_blocks = 2 * max_blocks + 16
@@ -114,6 +122,12 @@ def run(connectors: list[str], token_counts: list[int], repeats: int, timeout_s:
     for name in connectors:
         pre, dec = _pair(ray, name, num_blocks, (connector_opts or {}).get(name))
         try:
+            if name == "object_store" and touch_bytes:
+                # Steady state: a process pays ~2 us per 4 KiB page of the store it writes or
+                # reads the first time (a 32 MiB put: +16 ms), which a long-running instance
+                # has paid once; left in, it lands on whichever of a pair's two runs it hits.
+                for a in (pre, dec):
+                    ray.get(a.touch_object_store.remote(touch_bytes), timeout=timeout_s * 4)
             warm = sum(_handoff(ray, pre, dec, "warm", [0, 1], [2, 3], timeout_s))  # connect
             h = ray.get(pre.offer.remote("extra", [0], B), timeout=timeout_s)
             extra = h.extra if name in ("nixl", "torch_dist") else {}
@@ -122,15 +136,18 @@ def run(connectors: list[str], token_counts: list[int], repeats: int, timeout_s:
                 k = -(-tokens // B)
                 nbytes = k * L * 2 * B * H * D * 4
                 offers, pulls, rs, ris, nruns, stats, cps = [], [], [], [], [], [], []
+                raw_faults: list[int] = []
                 for i in range(repeats + 1):     # i == 0: warmup, not recorded
                     src, dst = _layout_pair(rng, num_blocks, k, layout)
                     st: list = []
                     if i % 2:   # alternate which goes first, so neither inherits the other's warmth
-                        r, ri = _raw(ray, name, pre, dec, nbytes, extra, raw_tag, timeout_s)
+                        r, ri = _raw(ray, name, pre, dec, nbytes, extra, raw_tag, timeout_s,
+                                     raw_faults if i else None)
                     o, p = _handoff(ray, pre, dec, f"r{layout}{tokens}-{i}", src, dst, timeout_s,
                                     st)
                     if not i % 2:
-                        r, ri = _raw(ray, name, pre, dec, nbytes, extra, raw_tag, timeout_s)
+                        r, ri = _raw(ray, name, pre, dec, nbytes, extra, raw_tag, timeout_s,
+                                     raw_faults if i else None)
                     cp = ray.get(dec.memcpy_s.remote(nbytes), timeout=timeout_s)
                     raw_tag += 2
                     if i:
@@ -149,6 +166,8 @@ def run(connectors: list[str], token_counts: list[int], repeats: int, timeout_s:
                        "ratio_paired": statistics.median(r / h for r, h in zip(rs, hs)),
                        "memcpy_s": statistics.median(cps), "runs_src_dst_pieces": nruns,
                        "warmup_s": warm}
+                if raw_faults:
+                    row["raw_faults_all"] = raw_faults
                 keys = sorted({k for d in stats for k in d})
                 if keys:
                     row["phases_s"] = {k: statistics.median(d[k] for d in stats if k in d)
@@ -208,6 +227,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--timeout-s", type=float, default=60.0)
     ap.add_argument("--layouts", default="fresh,allocator,queue,runs16,scattered")
+    ap.add_argument("--object-store-mb", type=int, default=2048,
+                    help="Ray's object store size; the object store's endpoints write all of it "
+                         "once before measuring (0: default size, no warm-up)")
     ap.add_argument("--connector-opts", default="{}",
                     help='JSON {connector: {constructor option: value}}, e.g. '
                          '\'{"object_store": {"min_piece_bytes": 131072}}\'')
@@ -220,12 +242,15 @@ def main(argv: list[str] | None = None) -> None:
     temp_dir = tempfile.mkdtemp(prefix="rckv", dir="/tmp")
     env = {"OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo", "UCX_NET_DEVICES": "lo",
            "NIXL_LOG_LEVEL": "WARN"}
+    store = args.object_store_mb << 20
     ray.init(num_cpus=4, include_dashboard=False, _temp_dir=temp_dir,
-             _node_ip_address="127.0.0.1", runtime_env={"env_vars": env})
+             _node_ip_address="127.0.0.1", runtime_env={"env_vars": env},
+             **({"object_store_memory": store} if store else {}))
     try:
         t0 = time.time()
         out = run(names, [int(t) for t in args.tokens.split(",")], args.repeats, args.timeout_s,
-                  tuple(x for x in args.layouts.split(",") if x), json.loads(args.connector_opts))
+                  tuple(x for x in args.layouts.split(",") if x), json.loads(args.connector_opts),
+                  touch_bytes=store * 7 // 8)
         out["wall_s"] = time.time() - t0
     finally:
         ray.shutdown()
