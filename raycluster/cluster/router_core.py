@@ -296,21 +296,9 @@ class RouterCore:
             inst.role = stats.role
             self._topology_changed()
         inst.stats, inst.last_seen = stats, now
-        self._settle(inst, now)
+        inst.transit.settle(stats.steps, getattr(stats, "work_seen", None), inst.sent, now,
+                            self.cfg.transit_timeout_s)
         return inst
-
-    def _settle(self, inst: Instance, now: float) -> None:
-        """Forget handed-out items the instance's stats now include. Exact when the instance
-        reports `work_seen` (items it has applied, ever); otherwise two completed steps after
-        the hand-out (work is applied between steps) or `transit_timeout_s` are taken as proof."""
-        seen = getattr(inst.stats, "work_seen", None)
-        if seen is not None:
-            while inst.transit and len(inst.transit) > inst.sent - seen:
-                del inst.transit[next(iter(inst.transit))]
-            return
-        steps, limit = inst.stats.steps, self.cfg.transit_timeout_s
-        for rid in [r for r, (s0, t0, _, _) in inst.transit.items() if steps >= s0 + 2 or now - t0 > limit]:
-            del inst.transit[rid]
 
     def reap(self, now: float | None = None) -> list[str]:
         """Declare instances unseen for heartbeat_timeout_s dead and re-queue their work."""

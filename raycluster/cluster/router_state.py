@@ -81,6 +81,19 @@ class Transit(dict):
         dict.clear(self)
         self.blocks = self.tokens = 0
 
+    def settle(self, steps: int, work_seen: int | None, sent: int, now: float,
+               timeout_s: float) -> None:
+        """Forget items the instance's stats now include. Exact when the instance reports
+        `work_seen` (items it has applied, ever; `sent` were handed out, ever, oldest first
+        here); otherwise two completed steps after the hand-out (work is applied between
+        steps) or `timeout_s` are taken as proof."""
+        if work_seen is not None:
+            while self and len(self) > sent - work_seen:
+                del self[next(iter(self))]
+            return
+        for rid in [r for r, (s0, t0, _, _) in self.items() if steps >= s0 + 2 or now - t0 > timeout_s]:
+            del self[rid]
+
     def update(self, *args, **kwargs) -> None:
         raise TypeError("Transit: assign items one by one (the totals follow only them)")
 
