@@ -114,7 +114,7 @@ class ObjectStoreConnector(KVConnector):
         skip, total = handle.skip_blocks, len(handle.src_block_ids)
         runs = handle.extra.get("runs")
         with warnings.catch_warnings():
-            # The views are read-only shared memory; we only read them (index_copy_ copies out).
+            # The views are read-only shared memory; we only read them (the copies go out of them).
             warnings.simplefilter("ignore", UserWarning)
             if runs is None:
                 data = torch.from_numpy(obj).view(kv.dtype)
@@ -131,7 +131,7 @@ class ObjectStoreConnector(KVConnector):
             raise KVTransferError(f"object for {handle.request_id!r} does not match its runs "
                                   f"{runs} and {total} source blocks")
         # Per source run, the part after `skip` and where it lands, computed once (not per
-        # layer): one copy per piece when the destination is consecutive too, else one index_copy_.
+        # layer): one copy per piece when the destination is consecutive too, else one row scatter.
         dst = np.asarray(dst_block_ids, dtype=np.int64)
         idx = torch.as_tensor(dst, dtype=torch.long, device=kv.device)
         where = []
