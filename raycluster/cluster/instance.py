@@ -37,7 +37,7 @@ from raycluster.engine.config import EngineConfig
 from raycluster.engine.engine import LLMEngine
 from raycluster.engine.guided import constraint_of
 from raycluster.engine.stat_log import StatLogger
-from raycluster.kv_transfer.base import KVConnector, KVTransferUnquiesced, pull_with_fallback
+from raycluster.kv_transfer.base import KVConnector, KVTransferError, KVTransferUnquiesced, pull_with_fallback
 from raycluster.request import SLO
 
 log = logging.getLogger(__name__)
@@ -76,6 +76,7 @@ class InstanceWorker:
         self.fatal: str | None = None            # why this worker stopped for good (fail closed)
         self._step_ema = 0.0
         self.steps = 0
+        self.offer_failures = 0                  # KV offers that raised (the decode side recomputed)
         self.busy_s = 0.0
         self._admitted: list[str] = []
         self._work_seen = 0
@@ -285,7 +286,12 @@ class InstanceWorker:
         events, prefilled = [], []
         for out in result.outputs:
             if out.finish_reason == "prefilled":
-                prefilled.append(PrefillDone(out.request_id, out.new_token_ids[0], self._offer(out.request_id),
+                try:
+                    kv = self._offer(out.request_id)
+                except KVTransferError as e:        # on_transfer_failure="fail"
+                    events.append(TokenEvent(out.request_id, [], True, "error", str(e)))
+                    continue
+                prefilled.append(PrefillDone(out.request_id, out.new_token_ids[0], kv,
                                              out.logprobs, out.num_cached_tokens, out.prompt_logprobs))
             else:
                 events.append(TokenEvent(out.request_id, list(out.new_token_ids), out.finished, out.finish_reason,
@@ -294,6 +300,25 @@ class InstanceWorker:
         self._report(events, prefilled)
 
     def _offer(self, request_id: str):
+        """The KV handle of a prefilled request's parked blocks, or None: nothing to offer, or
+        the offer failed and the decode side recomputes the prefill (on_transfer_failure
+        "recompute"; with "fail" a KVTransferError ends the request in an error). Either way a
+        failed offer frees what it held: it must not stall the step or strand the request."""
+        try:
+            return self._offer_blocks(request_id)
+        except Exception as e:
+            self.port.unstage(request_id)
+            self.engine.release(request_id)
+            self.offer_failures += 1
+            log.warning("%s: KV offer of %r failed (%s: %s); %s", self.instance_id, request_id,
+                        type(e).__name__, e, "failing it" if self.on_transfer_failure == "fail"
+                        else "its decode instance recomputes the prefill",
+                        exc_info=self.offer_failures == 1)      # the traceback once
+            if self.on_transfer_failure == "fail":
+                raise KVTransferError(f"KV offer of {request_id!r} failed: {type(e).__name__}: {e}") from e
+            return None
+
+    def _offer_blocks(self, request_id: str):
         blocks = self.engine.parked_blocks(request_id)
         ids = self.port.stage(request_id, blocks) if self.connector is not None and blocks else None
         if ids is None:                 # nothing to offer: the decode side recomputes

@@ -268,3 +268,42 @@ def test_kv_pull_outcomes_reach_the_stats_and_the_gateways_metrics(model):
     assert 'raycluster_instance_kv_pulls_total{instance="i0",pool="decode",outcome="ok"} 1' in text
     assert 'raycluster_instance_kv_pulls_total{instance="i0",pool="decode",outcome="recomputed"} 1' in text
     assert 'raycluster_instance_kv_pull_blocks_total{instance="i0",pool="decode"} 3' in text
+
+
+class _OfferRaises(_NoPull):
+    """An offer that raises (as the object store's did for a bf16 KV cache)."""
+
+    def _offer_extra(self, handle):
+        raise TypeError("Got unsupported ScalarType BFloat16")
+
+
+@pytest.mark.parametrize("on_failure", ["recompute", "fail"])
+def test_a_failed_offer_frees_the_blocks_and_never_strands_the_request(model, on_failure):
+    """The prefill's first token still reaches the router: with "recompute" as a handoff without
+    KV (the decode instance recomputes the prompt), with "fail" as an error; the parked blocks
+    are freed at once, and the other requests of the same step are reported as usual."""
+    w = _worker(model)
+    w.connector = _OfferRaises(w.engine.runner.kv_cache, "i0", lease_s=30.0)
+    w.on_transfer_failure = on_failure
+    sp = SamplingParams(max_tokens=3, ignore_eos=True)
+    w._apply(PollReply(work=[WorkItem(RequestMeta(request_id="p", gateway_id="g", prompt_token_ids=[9] * 20,
+                                                  sampling=sp), mode="prefill"),
+                             WorkItem(RequestMeta(request_id="m", gateway_id="g", prompt_token_ids=[8] * 5,
+                                                  sampling=sp))]))
+    for _ in range(20):
+        if not w.engine.has_unfinished():
+            break
+        w._step()
+    reports = [w._reports.get_nowait() for _ in range(w._reports.qsize())]
+    prefilled = [p for r in reports for p in r.prefilled]
+    events = [e for r in reports for e in r.events]
+    if on_failure == "recompute":
+        assert [(p.request_id, p.kv) for p in prefilled] == [("p", None)]
+        assert not [e for e in events if e.request_id == "p"]
+    else:
+        assert prefilled == []
+        [err] = [e for e in events if e.request_id == "p"]
+        assert err.finished and err.finish_reason == "error" and "BFloat16" in err.error
+    assert sum(len(e.token_ids) for e in events if e.request_id == "m") == 3    # the mixed request
+    assert w.offer_failures == 1 and w.connector.offered_ids() == []
+    assert not w.engine.scheduler.parked and w.engine.kv.num_free_blocks == w.engine.kv.num_blocks
