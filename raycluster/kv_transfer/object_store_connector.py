@@ -31,8 +31,7 @@ import numpy as np
 import ray
 import torch
 
-from kernels.rowcopy import index_copy
-from kernels.rowcopy import numpy_bits
+from kernels.rowcopy import index_copy, numpy_bits
 from raycluster.kv_transfer.base import (KVConnector, KVHandle, KVTransferError, check_compatible,
                                          scatter_blocks)
 
