@@ -359,7 +359,15 @@ class InstanceWorker:
                     self._stop.wait(0.5)
 
     def _fail_all(self, why: str) -> None:
+        """End every request this instance holds that nobody else will end: those it runs, and
+        those the failed step parked but never offered (a successful step offers each one it
+        parks, or frees it; an offered one is the decode side's now)."""
+        offered = set(self.connector.offered_ids()) if self.connector is not None else set()
         for rid in list(self.engine.scheduler.requests):
             self.engine.abort_request(rid)
+            self._pending.append(TokenEvent(rid, [], True, "error", why))
+        for rid in [r for r in self.engine.scheduler.parked if r not in offered]:
+            self.port.unstage(rid)
+            self.engine.release(rid)
             self._pending.append(TokenEvent(rid, [], True, "error", why))
         self._report([], [])

@@ -307,3 +307,34 @@ def test_a_failed_offer_frees_the_blocks_and_never_strands_the_request(model, on
     assert sum(len(e.token_ids) for e in events if e.request_id == "m") == 3    # the mixed request
     assert w.offer_failures == 1 and w.connector.offered_ids() == []
     assert not w.engine.scheduler.parked and w.engine.kv.num_free_blocks == w.engine.kv.num_blocks
+
+
+def test_a_failed_step_also_ends_the_requests_it_parked(model):
+    """A step that raises after parking a prefilled request (before its offer) must not leave
+    it parked and unreported: `_fail_all` ends it with an error and frees its blocks; the
+    request still prefilling ends too."""
+    w = _worker(model)
+    w.connector = _NoPull(w.engine.runner.kv_cache, "i0", lease_s=30.0)
+    sp = SamplingParams(max_tokens=3, ignore_eos=True)
+    w._apply(PollReply(work=[WorkItem(RequestMeta(request_id="p", gateway_id="g", prompt_token_ids=[9] * 20,
+                                                  sampling=sp), mode="prefill"),
+                             WorkItem(RequestMeta(request_id="long", gateway_id="g", prompt_token_ids=[8] * 300,
+                                                  sampling=sp), mode="prefill")]))
+    real_step = w.engine.step
+
+    def step_then_fail():
+        result = real_step()
+        if w.engine.scheduler.parked:
+            raise RuntimeError("a bug after the forward")
+        return result
+    w.engine.step = step_then_fail
+    for _ in range(20):
+        try:
+            w._step()
+        except RuntimeError:
+            w._fail_all("engine step failed")
+            break
+    events = [e for _ in range(w._reports.qsize()) for e in w._reports.get_nowait().events]
+    assert sorted((e.request_id, e.finish_reason) for e in events) == [("long", "error"), ("p", "error")]
+    assert not w.engine.scheduler.parked and not w.engine.scheduler.requests
+    assert w.engine.kv.num_free_blocks == w.engine.kv.num_blocks
