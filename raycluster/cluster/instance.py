@@ -205,12 +205,24 @@ class InstanceWorker:
                 self.connector.release(rid)
                 self.port.unstage(rid)
             self.engine.release(rid)
+        sched = self.engine.scheduler
         for item in reply.work:
             self._work_seen += 1
+            rid = item.meta.request_id
+            held = rid in sched.requests or rid in sched.parked     # (a duplicate id: keep that one)
             try:
                 self._admit(item)
-            except ValueError as e:         # invalid input: answer this request, keep serving
-                self._pending.append(TokenEvent(item.meta.request_id, [], True, "error", str(e)))
+            except KVTransferUnquiesced:
+                raise
+            except Exception as e:
+                # Invalid input (ValueError) or a bug, ours or a connector's: answer this request,
+                # free what its admission reserved (a handoff's blocks) and keep serving.
+                if not held:
+                    self.engine.abort_request(rid)
+                if not isinstance(e, ValueError):
+                    log.exception("%s: admitting %r failed", self.instance_id, rid)
+                self._pending.append(TokenEvent(rid, [], True, "error", str(e) if isinstance(e, ValueError)
+                                                else f"admission failed: {type(e).__name__}: {e}"))
 
     def _move(self, role: str) -> None:
         """The controller moved this instance to `role`: schedule as that pool's engines do."""

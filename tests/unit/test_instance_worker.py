@@ -15,7 +15,7 @@ from raycluster.cluster.instance import InstanceWorker
 from raycluster.cluster.messages import PollReply, RequestMeta, WorkItem
 from raycluster.engine.config import EngineConfig
 from raycluster.engine.engine import LLMEngine
-from raycluster.kv_transfer.base import KVConnector, KVHandle, KVTransferUnquiesced
+from raycluster.kv_transfer.base import KVConnector, KVHandle, KVLayoutError, KVTransferUnquiesced
 from raycluster.model.loader import load_model
 from raycluster.request import SamplingParams
 
@@ -338,3 +338,43 @@ def test_a_failed_step_also_ends_the_requests_it_parked(model):
     assert sorted((e.request_id, e.finish_reason) for e in events) == [("long", "error"), ("p", "error")]
     assert not w.engine.scheduler.parked and not w.engine.scheduler.requests
     assert w.engine.kv.num_free_blocks == w.engine.kv.num_blocks
+
+
+class _PullRaises(_FillConnector):
+    def __init__(self, exc):
+        self.exc = exc
+
+    def pull(self, handle, dst, timeout_s):
+        raise self.exc
+
+
+@pytest.mark.parametrize("exc", [KVLayoutError("source block (2, 16, 2, 32) float32, destination ..."),
+                                 TypeError("Got unsupported ScalarType BFloat16")])
+def test_a_pull_that_raises_ends_its_request_frees_its_blocks_and_the_worker_serves_on(model, exc):
+    """Not a KVTransferError (no recompute): a layout mismatch or a connector bug. The handoff's
+    reserved blocks are freed (the request is not decoded on KV that never came), the router hears
+    an error, and the next work item is served."""
+    w = _worker(model, connector=_PullRaises(exc))
+    handle = KVHandle(request_id="h", src_instance="p", src_block_ids=[0, 1], num_tokens=20,
+                      block_shape=(), dtype="float32")
+    w._apply(PollReply(work=[WorkItem(_meta("h", 20), mode="decode", output_token_ids=[5], kv=handle),
+                             WorkItem(_meta("next", 8))]))
+    assert "h" not in w.engine.scheduler.requests
+    while w.engine.has_unfinished():
+        w._step()
+    events = [e for _ in range(w._reports.qsize()) for e in w._reports.get_nowait().events]
+    [err] = [e for e in events if e.request_id == "h"]
+    assert err.finished and err.finish_reason == "error" and str(exc) in err.error
+    assert sum(len(e.token_ids) for e in events if e.request_id == "next") == 4
+    assert w.engine.kv.num_free_blocks == w.engine.kv.num_blocks
+
+
+def test_a_duplicate_work_item_leaves_the_running_request_alone(model):
+    w = _worker(model)
+    w._apply(PollReply(work=[WorkItem(_meta("a", 8))]))
+    w._apply(PollReply(work=[WorkItem(_meta("a", 8))]))        # the same id again
+    assert "a" in w.engine.scheduler.requests
+    while w.engine.has_unfinished():
+        w._step()
+    events = [e for _ in range(w._reports.qsize()) for e in w._reports.get_nowait().events]
+    assert [e.finish_reason for e in events if e.finished] == ["error", "length"]
