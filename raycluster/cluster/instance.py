@@ -146,16 +146,20 @@ class InstanceWorker:
                 reply = self._to_compile.get(timeout=0.2)
             except queue.Empty:
                 continue
-            for item in reply.work:
-                constraint = constraint_of(item.meta.sampling)
-                if constraint is not None:
-                    try:
-                        self.engine.guided_decoding().index(constraint)
-                    except ValueError:
-                        pass        # admitting it answers the request with the error
-            self._replies.put(reply)
-            with self._compile_lock:
-                self._compile_backlog -= 1
+            try:
+                for item in reply.work:
+                    constraint = constraint_of(item.meta.sampling)
+                    if constraint is not None:
+                        try:
+                            self.engine.guided_decoding().index(constraint)
+                        except ValueError:
+                            pass    # admitting it answers the request with the error
+            except Exception:       # a compiler bug: the same, but this thread must live on
+                log.exception("%s: compiling a pattern failed", self.instance_id)
+            finally:                # else every later reply would wait here for good
+                self._replies.put(reply)
+                with self._compile_lock:
+                    self._compile_backlog -= 1
 
     def _step_loop(self) -> None:
         while not self._stop.is_set():

@@ -378,3 +378,51 @@ def test_a_duplicate_work_item_leaves_the_running_request_alone(model):
         w._step()
     events = [e for _ in range(w._reports.qsize()) for e in w._reports.get_nowait().events]
     assert [e.finish_reason for e in events if e.finished] == ["error", "length"]
+
+
+def test_a_compiler_that_raises_ends_that_request_and_the_worker_serves_on(model, tiny_model_dir):
+    """Not a ValueError (a compiler bug, say): the compile thread must not die with the reply,
+    or every later reply would queue behind it for good while the instance kept heartbeating."""
+    import queue
+
+    from raycluster.cluster.messages import TokenEvent
+    from raycluster.engine.guided import GuidedDecoding
+    from raycluster.model.tokenizer import Tokenizer
+
+    tok = Tokenizer(tiny_model_dir)
+
+    class Broken(GuidedDecoding):
+        def index(self, constraint):
+            raise RecursionError("maximum recursion depth exceeded")
+
+    eng = LLMEngine(EngineConfig(policy="fcfs", packer="token", kv_cache_tokens=4096, chunk_size=32,
+                                 num_threads=1), model, tokenizer=tok)
+    eng._guided = Broken(tok.token_bytes(), eng.eos_token_ids)
+    script: queue.Queue = queue.Queue()
+    events: list[TokenEvent] = []
+
+    def poll(iid, stats, timeout):
+        try:
+            return script.get(timeout=timeout)
+        except queue.Empty:
+            return PollReply()
+
+    def meta(rid, regex):
+        return RequestMeta(request_id=rid, gateway_id="g", prompt_token_ids=[7] * 10, arrival_time=time.time(),
+                           sampling=SamplingParams(max_tokens=4, ignore_eos=True, guided_regex=regex))
+
+    w = InstanceWorker(eng, "mixed", "i0", poll_fn=poll, push_fn=lambda r: events.extend(r.events),
+                       poll_timeout_s=0.02).start()
+    try:
+        script.put(PollReply(work=[WorkItem(meta("g", "[a-z]+"))]))
+        script.put(PollReply(work=[WorkItem(meta("plain", None))]))
+        deadline = time.monotonic() + 30
+        while not any(e.finished and e.request_id == "plain" for e in list(events)) \
+                and time.monotonic() < deadline:
+            time.sleep(0.02)
+        done = {e.request_id: e for e in list(events) if e.finished}
+        assert done["g"].finish_reason == "error" and "RecursionError" in done["g"].error
+        assert done["plain"].finish_reason == "length"
+        assert eng.kv.num_free_blocks == eng.kv.num_blocks
+    finally:
+        w.stop()
