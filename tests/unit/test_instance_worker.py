@@ -159,14 +159,38 @@ def test_a_transfer_that_cannot_be_stopped_stops_the_worker_for_good(model):
     assert w.steps == 0                     # nothing ran on those blocks
 
 
+def _guided_engine(model, tok, guided_cls) -> LLMEngine:
+    eng = LLMEngine(EngineConfig(policy="fcfs", packer="token", kv_cache_tokens=4096, chunk_size=32,
+                                 num_threads=1), model, tokenizer=tok)
+    eng._guided = guided_cls(tok.token_bytes(), eng.eos_token_ids)
+    return eng
+
+
+def _scripted_worker(eng: LLMEngine):
+    """A started worker whose polls return what the test puts on `script`, and the token
+    events it pushes, as they arrive: (worker, script, events)."""
+    import queue
+
+    script: queue.Queue = queue.Queue()
+    events: list = []
+
+    def poll(iid, stats, timeout):
+        try:
+            return script.get(timeout=timeout)
+        except queue.Empty:
+            return PollReply()
+
+    w = InstanceWorker(eng, "mixed", "i0", poll_fn=poll, push_fn=lambda r: events.extend(r.events),
+                       poll_timeout_s=0.02).start()
+    return w, script, events
+
+
 def test_a_pattern_compiles_off_the_step_thread_and_replies_keep_their_order(model, tiny_model_dir):
     """While request b's structured-output pattern compiles (held here until released), the step
     thread keeps decoding a; b's abort, polled after b, is applied after b (b ends aborted and
     frees its KV), and c, polled later with a pattern compiled already, waits its turn too."""
-    import queue
     import threading
 
-    from raycluster.cluster.messages import TokenEvent
     from raycluster.engine.guided import GuidedDecoding, Regex
     from raycluster.model.tokenizer import Tokenizer
 
@@ -180,21 +204,9 @@ def test_a_pattern_compiles_off_the_step_thread_and_replies_keep_their_order(mod
                 assert release.wait(30)
             return super().index(constraint)
 
-    eng = LLMEngine(EngineConfig(policy="fcfs", packer="token", kv_cache_tokens=4096, chunk_size=32,
-                                 num_threads=1), model, tokenizer=tok)
-    eng._guided = HeldCompile(tok.token_bytes(), eng.eos_token_ids)
+    eng = _guided_engine(model, tok, HeldCompile)
     eng.guided_decoding().index(Regex(fast))
-    script: queue.Queue = queue.Queue()
-    events: list[TokenEvent] = []
-
-    def poll(iid, stats, timeout):
-        try:
-            return script.get(timeout=timeout)
-        except queue.Empty:
-            return PollReply()
-
-    w = InstanceWorker(eng, "mixed", "i0", poll_fn=poll, push_fn=lambda r: events.extend(r.events),
-                       poll_timeout_s=0.02).start()
+    w, script, events = _scripted_worker(eng)
 
     def meta(rid, regex, max_tokens):
         return RequestMeta(request_id=rid, gateway_id="g", prompt_token_ids=[7] * 20, arrival_time=time.time(),
@@ -383,9 +395,7 @@ def test_a_duplicate_work_item_leaves_the_running_request_alone(model):
 def test_a_compiler_that_raises_ends_that_request_and_the_worker_serves_on(model, tiny_model_dir):
     """Not a ValueError (a compiler bug, say): the compile thread must not die with the reply,
     or every later reply would queue behind it for good while the instance kept heartbeating."""
-    import queue
 
-    from raycluster.cluster.messages import TokenEvent
     from raycluster.engine.guided import GuidedDecoding
     from raycluster.model.tokenizer import Tokenizer
 
@@ -395,24 +405,12 @@ def test_a_compiler_that_raises_ends_that_request_and_the_worker_serves_on(model
         def index(self, constraint):
             raise RecursionError("maximum recursion depth exceeded")
 
-    eng = LLMEngine(EngineConfig(policy="fcfs", packer="token", kv_cache_tokens=4096, chunk_size=32,
-                                 num_threads=1), model, tokenizer=tok)
-    eng._guided = Broken(tok.token_bytes(), eng.eos_token_ids)
-    script: queue.Queue = queue.Queue()
-    events: list[TokenEvent] = []
-
-    def poll(iid, stats, timeout):
-        try:
-            return script.get(timeout=timeout)
-        except queue.Empty:
-            return PollReply()
-
     def meta(rid, regex):
         return RequestMeta(request_id=rid, gateway_id="g", prompt_token_ids=[7] * 10, arrival_time=time.time(),
                            sampling=SamplingParams(max_tokens=4, ignore_eos=True, guided_regex=regex))
 
-    w = InstanceWorker(eng, "mixed", "i0", poll_fn=poll, push_fn=lambda r: events.extend(r.events),
-                       poll_timeout_s=0.02).start()
+    eng = _guided_engine(model, tok, Broken)
+    w, script, events = _scripted_worker(eng)
     try:
         script.put(PollReply(work=[WorkItem(meta("g", "[a-z]+"))]))
         script.put(PollReply(work=[WorkItem(meta("plain", None))]))
