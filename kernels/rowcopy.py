@@ -8,7 +8,8 @@ and the KV connectors goes through here: the engine's per-step KV write, a hando
 the decode instance's cache, and a group rank receiving its share of a request's KV.
 
 Data enters as tensors and an index (tensor, list or numpy array) and leaves in `dst`, in place.
-CUDA tensors, mixed dtypes and tensors that need grad take torch's own index_copy_. Numpy has no
+Copies under `NUMPY_MIN_BYTES`, CUDA tensors, mixed dtypes and tensors that need grad take
+torch's own index_copy_. Numpy has no
 bfloat16, so both sides are reinterpreted as integers of the same width (a bit copy).
 Differences from numpy that would pass silently are refused as torch refuses them: negative
 indices (numpy would wrap) and a `src` of the wrong shape (numpy would broadcast).
