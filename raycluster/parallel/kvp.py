@@ -21,6 +21,13 @@ new one (a rank holding none of a request's tokens, as with a short progressive 
 empty state, which the merge weighs zero). One `all_gather` per layer brings every rank all states, and each merges them by
 online softmax in rank order, so all ranks continue with the same attention output.
 
+A step runs only on the ranks it needs (`step_ranks`): rank 0, which samples, and the ranks
+holding a block the step reads or writes. Every rank derives that list from the plan; the others
+relay the plan and sit the step out, the gather runs over the list, and a prefill chunk attends
+itself on one of them. Under the progressive layout a batch of short requests on rank 0 thus
+runs on the leader alone, with nothing posted to the group (the cost of one process's step); a
+striped request of more than one block still spans every rank.
+
 KVP x TP (`tp` > 1; Medha's KVP with TP): each KVP rank is a TP group of `tp` lanes, world rank
 = k * tp + t (k the KVP rank, t the lane), as SPP x TP numbers stage lanes. Lane t of KVP rank k
 holds rank k's blocks (the same layout) but only lane t's KV heads (with tp > Hkv the one
@@ -103,17 +110,36 @@ class KVPMeta:
     num_prefill_tokens: int
     decode_idx: torch.Tensor | None  # decode rows (within the decodes) with tokens on this rank
     decode_meta: AttentionMetadata | None
+    ranks: list[int] | None = None  # the KVP ranks in this step (None: all), whose states are merged
     cache: dict = field(default_factory=dict)
 
     def prepare(self, device=None) -> dict:   # the model calls this on any metadata
         return self.cache
 
 
+def step_ranks(plan: StepPlan, block_size: int, blocks_per_rank: int, world: int) -> list[int]:
+    """The KVP ranks a step needs, ascending: rank 0 (which samples) and every rank holding a
+    block the step reads or writes (each request's table up to the last token it computes).
+    Every rank derives the same list from the plan, so none has to be told."""
+    need = {0}
+    if world == 1:
+        return [0]
+    for start, n, table in zip(plan.prefill_starts, plan.prefill_lens, plan.prefill_tables):
+        need.update(b // blocks_per_rank for b in table[:-(-(start + n) // block_size)])
+    for pos, table in zip(plan.decode_positions, plan.decode_tables):
+        if len(need) == world:
+            break
+        need.update(b // blocks_per_rank for b in table[:pos // block_size + 1])
+    return sorted(need)
+
+
 def kvp_meta(plan: StepPlan, slot_mapping: torch.Tensor, rank: int, world: int, block_size: int,
-             blocks_per_rank: int, device, causal_offset: int = 0) -> KVPMeta:
-    """Rank `rank`'s view of `plan`. Prefill j's chunk attends itself on rank (j + causal_offset)
-    % world (any rank can: every rank has the chunk's K/V); an SPP stage passes the micro-batch
-    index, as each of its micro-batches holds one chunk."""
+             blocks_per_rank: int, device, causal_offset: int = 0, ranks: list[int] | None = None) -> KVPMeta:
+    """Rank `rank`'s view of `plan`, run by the KVP ranks `ranks` (default all; `step_ranks`).
+    Prefill j's chunk attends itself on ranks[(j + causal_offset) % len(ranks)] (any rank can:
+    every rank has the chunk's K/V); an SPP stage passes the micro-batch index, as each of its
+    micro-batches holds one chunk."""
+    turn = list(range(world)) if ranks is None else ranks
     bs, nloc = block_size, blocks_per_rank
     blocks = torch.div(slot_mapping, bs, rounding_mode="floor")
     owned = torch.div(blocks, nloc, rounding_mode="floor") == rank
@@ -124,7 +150,7 @@ def kvp_meta(plan: StepPlan, slot_mapping: torch.Tensor, rank: int, world: int, 
         mine, m = local_share(table, start, rank, bs, nloc) if start else ([], 0)
         ids = torch.tensor(mine, dtype=torch.long)
         parts.append(_PrefillPart(q0, n, torch.cat([ids * 2, ids * 2 + 1]).to(device), len(mine), m,
-                                  causal_here=(j + causal_offset) % world == rank))
+                                  causal_here=turn[(j + causal_offset) % len(turn)] == rank))
         q0 += n
     sel, lens, tables = [], [], []
     for i, (pos, table) in enumerate(zip(plan.decode_positions, plan.decode_tables)):
@@ -141,7 +167,7 @@ def kvp_meta(plan: StepPlan, slot_mapping: torch.Tensor, rank: int, world: int, 
                                   block_size=bs)
         dmeta.prepare(device)
     return KVPMeta(write_idx.to(device), write_rows.to(device), parts, q0,
-                   torch.tensor(sel, dtype=torch.long, device=device) if sel else None, dmeta)
+                   torch.tensor(sel, dtype=torch.long, device=device) if sel else None, dmeta, ranks)
 
 
 class KVPAttention:
@@ -186,9 +212,9 @@ class KVPAttention:
                                             return_lse=True, workspace=self.workspace)
             index_copy(out, 0, rows, od.float())
             index_copy(lse, 0, rows, ld)
-        if self.coll is None:
+        if self.coll is None or (meta.ranks is not None and len(meta.ranks) == 1):
             return out.to(q.dtype)
-        states = self.coll.all_gather(state).transpose(0, 1)          # [T, world, Hq * D + Hq]
+        states = self.coll.all_gather(state, meta.ranks).transpose(0, 1)   # [T, ranks, Hq * D + Hq]
         merged, _ = merge_states(states[..., :hq * d].reshape(t, -1, hq, d), states[..., hq * d:])
         return merged.to(q.dtype)
 
@@ -266,12 +292,18 @@ class KVPRank:
             self.link.send(part, 0, KV_TAG).wait()
         return part
 
-    def run(self, plan: StepPlan) -> torch.Tensor | None:
+    def run(self, plan: StepPlan, ranks: list[int] | None = None) -> torch.Tensor | None:
         """The final hidden rows of plan.sample_rows [n, H] (plain KVP); with TP lanes, the
-        leader's full logits [n, vocab], gathered from KVP rank 0's lanes (None elsewhere)."""
+        leader's full logits [n, vocab], gathered from KVP rank 0's lanes (None elsewhere).
+        `ranks`: the plan's `step_ranks` if already known. A rank holding none of the step's KV
+        sits it out (returns None): its attention state would be empty."""
+        if ranks is None:
+            ranks = step_ranks(plan, self.block_size, self.blocks_per_rank, self.world)
+        if self.rank not in ranks:
+            return None
         input_ids, positions, gmeta = plan_inputs(plan, self.block_size, self.device)
         meta = kvp_meta(plan, gmeta.slot_mapping, self.rank, self.world, self.block_size,
-                        self.blocks_per_rank, self.device)
+                        self.blocks_per_rank, self.device, ranks=ranks)
         hidden = self.model(input_ids, positions, self.kv_cache, meta, backend=self.backend)
         rows = hidden.index_select(0, torch.tensor(plan.sample_rows, dtype=torch.long, device=hidden.device))
         if self.tp == 1:
@@ -358,9 +390,12 @@ class KVPRunner:
         return self.port.tensor[:, 0].numel() * self.port.tensor.element_size() // self.kv.block_size
 
     def run_plan(self, plan: StepPlan) -> torch.Tensor:
-        if self.coll is not None:
-            self.coll.post_plan(plan)
-        return self.rank0.run(plan)
+        """Runs the step on the KVP ranks holding its KV (`step_ranks`). When that is the leader
+        alone (and it has no TP lanes), nothing is posted: the step costs what one process's does."""
+        ranks = step_ranks(plan, self.kv.block_size, self.rank0.blocks_per_rank, self.kvp)
+        if self.coll is not None and (self.tp > 1 or len(ranks) > 1):
+            self.coll.post_plan(plan)       # ranks left out relay it down the chain and skip it
+        return self.rank0.run(plan, ranks)
 
     def _shares(self, block_ids: list[int]):
         """(world rank, positions in `block_ids` of the blocks it holds, its lane) of every rank

@@ -35,7 +35,8 @@ caching too). Its attention backend
 is a `KVPAttention` over ranks (s, *, t) (`kvp_group`); each micro-batch's metadata is
 `kvp_meta` of it (a prefill sub-chunk attends the earlier sub-chunks as a later chunk would: their
 KV was written at this stage, by its owners, in earlier micro-batches; the KVP ranks take turns
-attending a sub-chunk to itself, micro-batch by micro-batch). The merged attention output and the
+attending a sub-chunk to itself, micro-batch by micro-batch; a KVP rank holding none of a
+micro-batch's KV sits it out in every stage, as in `kvp.step_ranks`). The merged attention output and the
 replicated linear layers leave every (k, t) rank of a stage with the same hidden states, so
 (s, k, t) sends to (s+1, k, t); (last stage, 0, 0) returns the rows (tp == 1), or the lanes
 (last stage, 0, *) their logit slices (tp > 1). P/D handoffs move each
@@ -65,7 +66,7 @@ from raycluster.engine.scheduler import SchedulerOutput
 from raycluster.model.llama import LlamaForCausalLM
 from raycluster.parallel.group import Collective
 from raycluster.parallel.kv_port import KV_TAG, KVLoad, KVSave, StagedPort, rank_handler
-from raycluster.parallel.kvp import KVPAttention, kvp_meta, owned_positions
+from raycluster.parallel.kvp import KVPAttention, kvp_meta, owned_positions, step_ranks
 from raycluster.parallel.plan import StepPlan, plan_inputs
 from raycluster.parallel.shard import Checkpoint, GroupModel, _identity, kv_heads_of, kv_holder, rank_model
 from raycluster.parallel.vocab import gather_logits
@@ -259,13 +260,20 @@ class SPPStage:
         returns = self.rank in self.logit_lanes if self.tp > 1 else self.rank == self.result_rank
         works, sent, kept = [], [], []
         for i, mb in enumerate(split_plan(plan, self.micro_tokens)):
+            ranks = None
+            if self.kvp > 1:
+                # A KVP rank holding none of the micro-batch's KV sits it out in every stage
+                # (the layout is the same in each), so no stage waits for its hidden rows.
+                ranks = step_ranks(mb, self.block_size, self.blocks_per_rank, self.kvp)
+                if self.kvp_rank not in ranks:
+                    continue
             ids, pos, meta = plan_inputs(mb, self.block_size, self.device)
             if self.kvp > 1:
                 # A prefill sub-chunk's prefix includes the earlier sub-chunks, written at this
                 # stage by their owners in earlier micro-batches: a later chunk to kvp_meta. The
-                # sub-chunks' causal parts take turns over the KVP ranks (the offset i).
+                # sub-chunks' causal parts take turns over the step's KVP ranks (the offset i).
                 meta = kvp_meta(mb, meta.slot_mapping, self.kvp_rank, self.kvp, self.block_size,
-                                self.blocks_per_rank, self.device, causal_offset=i)
+                                self.blocks_per_rank, self.device, causal_offset=i, ranks=ranks)
             meta.prepare(self.device)
             if self.first:
                 x = m.model.embed_tokens(ids)

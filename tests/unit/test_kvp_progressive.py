@@ -9,6 +9,8 @@ KVP, KVP x TP and KVP x SPP, and engines' greedy tokens, prefix caching and P/D 
 from __future__ import annotations
 
 import random
+import threading
+import time
 
 import pytest
 import torch
@@ -20,15 +22,18 @@ from raycluster.cluster.config import ClusterConfig
 from raycluster.engine.config import EngineConfig
 from raycluster.engine.kv_manager import KVCacheManager, OutOfBlocks
 from raycluster.engine.model_runner import ModelRunner, plan_logits
+from raycluster.engine.scheduler import SchedulerOutput
 from raycluster.model.loader import load_model
 from raycluster.parallel.factory import build_runner
+from raycluster.parallel.kvp import step_ranks
 from raycluster.parallel.kvp_layout import (
     ProgressiveAllocator,
     ProgressiveCachingAllocator,
     StripedAllocator,
     kvp_kv_manager,
 )
-from raycluster.request import Request
+from raycluster.parallel.plan import step_plan
+from raycluster.request import Request, SamplingParams
 
 BS = 16
 BASE = dict(policy="fcfs", packer="token", predictor="none", block_size=BS, num_threads=1, group_timeout_s=30)
@@ -245,6 +250,73 @@ def test_kvp_with_tp_lanes_or_spp_stages_over_the_progressive_layout_matches_the
         a = runner.kv.allocator
         assert _ranks(a, tables["a"]) == [(i // 3) % 2 for i in range(20)]
         assert _ranks(a, tables["b"]) == [1, 1, 1]
+    finally:
+        _close(runner)
+
+
+@pytest.mark.parametrize("group", [{}, {"tp": 2}, {"spp": 2, "spp_micro_tokens": 24}],
+                         ids=["kvp3", "kvp3xtp2", "kvp3xspp2"])
+def test_a_step_runs_only_on_the_ranks_holding_its_kv(model, monkeypatch, group):
+    """Ranges of 4 blocks over 3 KVP ranks: a 40-token request lives on rank 0, a 50-token one on
+    rank 1, a 100-token one on rank 2 and then rank 0. Each step runs on rank 0 (it samples) and
+    the ranks holding the step's KV, with all their TP lanes and SPP stages (with SPP, micro-batch
+    by micro-batch); the others sit it out (the attention states are gathered over the ranks
+    that run). A step of rank 0 alone posts nothing to the group. The logits agree with the
+    single runner's step by step."""
+    from raycluster.parallel import kvp as kvp_module
+    from raycluster.parallel import spp as spp_module
+
+    tp, spp = group.get("tp", 1), group.get("spp", 1)
+    ran: list[str] = []
+    plan_inputs = kvp_module.plan_inputs
+
+    def recording(*args, **kwargs):        # every rank running a step (or micro-batch) builds its inputs
+        ran.append(threading.current_thread().name)
+        return plan_inputs(*args, **kwargs)
+
+    monkeypatch.setattr(kvp_module, "plan_inputs", recording)
+    monkeypatch.setattr(spp_module, "plan_inputs", recording)
+    runner = _group(model, kvp=3, kv_cache_tokens=24 * BS, kvp_tokens_per_rank=4 * BS, **group)
+    posted = []
+    post_plan = runner.coll.post_plan
+    runner.coll.post_plan = lambda msg: (posted.append(msg), post_plan(msg))
+    single = ModelRunner(model, KVCacheManager(24 * 3, BS))
+    rng = random.Random(1)
+    a, b, c = (Request(name, [rng.randrange(6, 4000) for _ in range(n)], SamplingParams())
+               for name, n in (("a", 40), ("b", 50), ("c", 100)))
+    steps = [([(a, 40)], []), ([(b, 50)], [a]), ([], [a, b]), ([(c, 100)], [b]), ([], [b]), ([], [a]), ([], [c])]
+    want_ranks = [[0], [0, 1], [0, 1], [0, 1, 2], [0, 1], [0], [0, 2]]
+    try:
+        for (prefills, decodes), kvp_ranks in zip(steps, want_ranks):
+            for r, n in prefills:
+                assert runner.kv.try_allocate(r, n)
+            for r in decodes:
+                assert runner.kv.try_allocate(r, 1)
+            plan = step_plan(SchedulerOutput(prefills=prefills, decodes=decodes), runner.kv.block_tables)[0]
+            assert step_ranks(plan, BS, 24, 3) == kvp_ranks
+            ran.clear()
+            n_posted = len(posted)
+            torch.testing.assert_close(plan_logits(runner, plan), plan_logits(single, plan), atol=2e-4, rtol=1e-4)
+            runner.coll.flush()
+            want = {"MainThread"} | {f"rank-{(s * 3 + k) * tp + t}" for s in range(spp) for k in kvp_ranks
+                                     for t in range(tp)} - {"rank-0"}
+            deadline = time.monotonic() + 10
+            while set(ran) != want and time.monotonic() < deadline:
+                time.sleep(0.01)        # the lanes outside the logits' gather may finish later
+            assert set(ran) == want
+            if spp == 1:                # one run per rank
+                assert len(ran) == len(want)
+            assert len(posted) - n_posted == (0 if kvp_ranks == [0] and tp == spp == 1 else 1)
+            for r, n in prefills:
+                r.num_computed_tokens += n
+                r.output_token_ids.append(rng.randrange(6, 4000))
+            for r in decodes:
+                r.num_computed_tokens += 1
+                r.output_token_ids.append(rng.randrange(6, 4000))
+        a_ = runner.kv.allocator
+        assert {k: _ranks(a_, t) for k, t in runner.kv.block_tables.items()} == {
+            "a": [0] * 3, "b": [1] * 4, "c": [2] * 4 + [0] * 3}
+        assert runner.ranks.errors == []
     finally:
         _close(runner)
 
