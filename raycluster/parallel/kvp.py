@@ -121,9 +121,9 @@ def step_ranks(plan: StepPlan, block_size: int, blocks_per_rank: int, world: int
     """The KVP ranks a step needs, ascending: rank 0 (which samples) and every rank holding a
     block the step reads or writes (each request's table up to the last token it computes).
     Every rank derives the same list from the plan, so none has to be told."""
-    need = {0}
     if world == 1:
         return [0]
+    need = {0}
     for start, n, table in zip(plan.prefill_starts, plan.prefill_lens, plan.prefill_tables):
         need.update(b // blocks_per_rank for b in table[:-(-(start + n) // block_size)])
     for pos, table in zip(plan.decode_positions, plan.decode_tables):
