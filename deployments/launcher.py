@@ -6,14 +6,17 @@ application and waits until the gateway's /health answers; then blocks until SIG
 and tears down what it started: the Serve application, the router actor, and the local Ray
 cluster if it created one. A local cluster runs with Serve's direct ingress on (see
 `deployments/direct_ingress.py`): the gateway answers on the configured port through Serve's
-proxy and, without the proxy hop, on each replica's own port, which `up` prints.
+proxy and, without the proxy hop, on each replica's own port, which `up` prints. With `haproxy`
+(`deployments/haproxy_ingress.py`) HAProxy takes the proxy's place on the configured port.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -84,11 +87,12 @@ def serve_cluster(app_path: str | None, model: str | None, policy: str | None, h
                   address: str | None = None, dashboard: bool = True, num_cpus: int = 8,
                   ready_timeout_s: float = 600.0, on_ready=None, direct_ingress: bool = True,
                   state_file: Path | None = None, prefix_caching: bool | None = None,
-                  tool_call_parser: str | None = None) -> int:
+                  tool_call_parser: str | None = None, haproxy: bool = False) -> int:
     import ray
     from ray import serve
 
     from deployments import direct_ingress as di
+    from deployments import haproxy_ingress
     from deployments import scaling
     from raycluster.cluster.config import ClusterConfig
 
@@ -97,8 +101,15 @@ def serve_cluster(app_path: str | None, model: str | None, policy: str | None, h
     cfg = ClusterConfig(**args)             # validate before touching Ray
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     started_ray = address is None
-    if started_ray and direct_ingress:
-        di.enable_env()                     # before ray.init: every Ray process inherits it
+    if haproxy and not (started_ray and direct_ingress):
+        raise ValueError("haproxy: only for a cluster `up` starts, with direct ingress on (a joined cluster "
+                         f"keeps the ingress its nodes started with: {haproxy_ingress.FLAG}=1 there)")
+    hap_dir = None
+    if haproxy:                             # before ray.init: every Ray process inherits it
+        hap_dir = tempfile.mkdtemp(prefix="rchap-", dir="/tmp")     # short: see haproxy_ingress
+        haproxy_ingress.enable_env(hap_dir)
+    elif started_ray and direct_ingress:
+        di.enable_env()
     if started_ray:
         # address="local": always a cluster of our own, never one some other process started.
         ctx = ray.init(address="local", num_cpus=num_cpus, include_dashboard=dashboard, dashboard_host="127.0.0.1",
@@ -124,6 +135,8 @@ def serve_cluster(app_path: str | None, model: str | None, policy: str | None, h
         direct = di.urls(spec["name"], host) if direct_ingress else []
         if direct:
             print(f"raycluster: gateway replicas without the proxy hop: {', '.join(direct)}", flush=True)
+        if haproxy:
+            print(f"raycluster: HAProxy serves {url}; {haproxy_ingress.listeners_note()}", flush=True)
         if ctx.dashboard_url:
             print(f"raycluster: Ray dashboard at {dashboard_hint(ctx.dashboard_url)}", flush=True)
         if state_file is not None:      # what `raycluster scale` needs to find this cluster
@@ -146,3 +159,6 @@ def serve_cluster(app_path: str | None, model: str | None, policy: str | None, h
             except Exception:
                 pass
         ray.shutdown()          # a cluster we started goes with its driver, Serve and router included
+        if hap_dir is not None:     # HAProxy is no Ray process: it outlives Ray's kill
+            haproxy_ingress.stop_processes()
+            shutil.rmtree(hap_dir, ignore_errors=True)

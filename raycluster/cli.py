@@ -1,7 +1,7 @@
 """The `raycluster` command line.
 
   raycluster up [--app deployments/NAME.yaml] [--model tiny|PATH] [--policy NAME] [--host H]
-                [--port P] [--address RAY_ADDRESS] [--detach] [--no-direct-ingress]
+                [--port P] [--address RAY_ADDRESS] [--detach] [--no-direct-ingress | --haproxy]
   raycluster down
   raycluster status [--json]
   raycluster scale POOL N [--timeout S]
@@ -89,7 +89,7 @@ def _serve(args: argparse.Namespace) -> int:
     return serve_cluster(args.app, args.model, args.policy, args.host, args.port, address=args.address,
                          dashboard=not args.no_dashboard, direct_ingress=not args.no_direct_ingress,
                          state_file=_cluster_file(), prefix_caching=args.enable_prefix_caching,
-                         tool_call_parser=args.tool_call_parser)
+                         tool_call_parser=args.tool_call_parser, haproxy=args.haproxy)
 
 
 def cmd_up(args: argparse.Namespace) -> int:
@@ -115,7 +115,7 @@ def cmd_up(args: argparse.Namespace) -> int:
     for flag in ("model", "policy", "app", "address", "threads", "tool_call_parser", "log_stats_interval"):
         if getattr(args, flag, None) is not None:
             cmd += ["--" + flag.replace("_", "-"), str(getattr(args, flag))]
-    for flag in ("no_dashboard", "no_direct_ingress"):
+    for flag in ("no_dashboard", "no_direct_ingress", "haproxy"):
         if getattr(args, flag, False):
             cmd.append("--" + flag.replace("_", "-"))
     if getattr(args, "enable_prefix_caching", None) is not None:
@@ -291,6 +291,9 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--no-dashboard", action="store_true", help="do not start the Ray dashboard")
     up.add_argument("--no-direct-ingress", action="store_true",
                     help="serve only through Serve's proxy (no per-replica gateway ports)")
+    up.add_argument("--haproxy", action="store_true",
+                    help="HAProxy instead of Serve's Python proxy on --port (Ray's high-throughput ingress; a "
+                         "cluster `up` starts only). Its stats and metrics listeners bind every interface")
     up.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,
                     help="every instance reuses (or, with --no-..., does not reuse) the KV of prompt prefixes "
                          "it computed before; default: the app's engine options (on in deployments/*.yaml)")
@@ -362,6 +365,11 @@ def main(argv: list[str] | None = None) -> int:
             print(f"raycluster: --policy {args.policy!r} unknown; choose one of {', '.join(policy_names())}",
                   file=sys.stderr)
             return 2
+    if args.cmd == "up" and args.haproxy and (args.address or args.no_direct_ingress):
+        print("raycluster: --haproxy is for a cluster `up` starts, with direct ingress (not with --address or "
+              "--no-direct-ingress): HAProxy forwards to the gateway replicas' own ports, and a joined cluster "
+              "keeps the ingress its nodes were started with", file=sys.stderr)
+        return 2
     return args.fn(args)
 
 

@@ -1,7 +1,7 @@
 """Cluster overhead benchmarks: the Serve gateway + router + instance path vs one in-process engine.
 
     python -m raycluster.bench.cluster_bench --out FILE.json [--skip-convoy] [--n-ttft 200]
-        [--streams 32] [--stream-tokens 128] [--variants default,throughput_optimized,direct_ingress]
+        [--streams 32] [--stream-tokens 128] [--variants default,throughput_optimized,direct_ingress[,haproxy]]
 
 1. TTFT of 1-token requests (16-token prompts, sequential): (a) `LLMEngine.add_request` + `step`
    to the first token in this process, back to back (the headline baseline) and, for context,
@@ -17,8 +17,9 @@
 3. (unless --skip-convoy) the convoy demonstration: `raycluster.bench.cluster_convoy`.
 
 Each cluster variant (default Serve; RAY_SERVE_THROUGHPUT_OPTIMIZED=1; Serve direct ingress,
-where the gateway is also measured on its replica's own port, without the proxy hop) runs in a
-child process of this one with its flags set before ray.init, so they reach every Ray process
+where the gateway is also measured on its replica's own port, without the proxy hop; and, only
+when named, `haproxy`: HAProxy instead of Serve's proxy on the Serve port, in front of direct
+ingress, whose stats and metrics listeners bind every interface) runs in a child process of this one with its flags set before ray.init, so they reach every Ray process
 and each variant gets a fresh Ray; the in-process engine baseline runs before and after, here.
 Ray: 127.0.0.1 only, no dashboard, temp dir under /tmp; the child tears down what it started.
 """
@@ -254,13 +255,15 @@ def http_stream(url: str, n: int, tokens: int, seed: int = 1) -> dict:
 
 def cluster_phase(args) -> dict:
     from raycluster.bench import cluster_probes as probes
-    from deployments import direct_ingress
+    from deployments import direct_ingress, haproxy_ingress
 
     cfg = {"model": "tiny", "policy": "lars", "threads_per_instance": 1, "pools": [{"role": "mixed", "instances": 1}]}
     ps = prompts(args.n_ttft, seed=0)
     n = min(200, args.n_ttft)
     with tempfile.TemporaryDirectory(prefix="rcb-", dir="/tmp") as tmp:
         os.environ["RAY_TMPDIR"] = tmp
+        if os.environ.get(haproxy_ingress.FLAG) == "1":
+            haproxy_ingress.enable_env(tmp)
         with local_cluster(cfg, free_port(), tmp) as (url, router):
             res = {"env": {k: os.environ.get(k, "0") for k in VARIANT_FLAGS}}
             direct = direct_ingress.urls("raycluster")
@@ -286,11 +289,15 @@ def cluster_phase(args) -> dict:
 
 
 # Cluster variants: environment set before the child's ray.init, so every Ray process has it.
-VARIANT_FLAGS = ("RAY_SERVE_THROUGHPUT_OPTIMIZED", "RAY_SERVE_ENABLE_DIRECT_INGRESS")
+VARIANT_FLAGS = ("RAY_SERVE_THROUGHPUT_OPTIMIZED", "RAY_SERVE_ENABLE_DIRECT_INGRESS", "RAY_SERVE_ENABLE_HA_PROXY")
+DIRECT = {"RAY_SERVE_ENABLE_DIRECT_INGRESS": "1", "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "2"}
 VARIANTS = {
     "default": {},
     "throughput_optimized": {"RAY_SERVE_THROUGHPUT_OPTIMIZED": "1"},
-    "direct_ingress": {"RAY_SERVE_ENABLE_DIRECT_INGRESS": "1", "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "2"},
+    "direct_ingress": DIRECT,
+    # HAProxy on the Serve port, forwarding to the replicas' direct ports (its files go in the
+    # child's temp dir: cluster_phase).
+    "haproxy": {**DIRECT, "RAY_SERVE_ENABLE_HA_PROXY": "1"},
 }
 
 
@@ -316,7 +323,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--n-ttft", type=int, default=200)
     ap.add_argument("--streams", type=int, default=32)
     ap.add_argument("--stream-tokens", type=int, default=128)
-    ap.add_argument("--variants", default=",".join(VARIANTS),
+    ap.add_argument("--variants", default=",".join(v for v in VARIANTS if v != "haproxy"),
                     help=f"comma-separated cluster variants among {', '.join(VARIANTS)}")
     ap.add_argument("--skip-convoy", action="store_true")
     ap.add_argument("--convoy-args", default="", help="extra arguments for raycluster.bench.cluster_convoy")

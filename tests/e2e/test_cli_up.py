@@ -13,6 +13,8 @@ import time
 import httpx
 import pytest
 
+from deployments import haproxy_ingress
+
 pytestmark = pytest.mark.e2e
 
 KEY = "sk-cli-test"
@@ -105,3 +107,31 @@ def test_up_detach_status_generate_down(tmp_path):
     except OSError:
         alive = False
     assert not alive
+
+
+def test_up_with_haproxy_serves_on_the_port_and_down_stops_haproxy(tmp_path):
+    """`up --haproxy`: HAProxy (not Serve's Python proxy) answers on --port with the gateway's
+    API, and `down` stops it too (killing Ray alone would leave it running)."""
+    port = _free_port()
+    cfg = str(tmp_path / "haproxy.cfg")
+    ray_tmp = tempfile.mkdtemp(prefix="rcup", dir="/tmp")
+    env = {**os.environ, "RAYCLUSTER_STATE_DIR": str(tmp_path), "RAY_TMPDIR": ray_tmp,
+           "RAY_SERVE_HAPROXY_CONFIG_FILE_LOC": cfg, "RAY_SERVE_HAPROXY_STATS_PORT": str(_free_port()),
+           "RAY_SERVE_HAPROXY_METRICS_PORT": str(_free_port())}
+    env.pop("RAYCLUSTER_API_KEY", None)
+    up = _cli("up", "--detach", "--no-dashboard", "--haproxy", "--port", str(port), env=env)
+    try:
+        assert up.returncode == 0, up.stdout + up.stderr
+        url = f"http://127.0.0.1:{port}"
+        assert len(haproxy_ingress.processes(tmp_path)) == 1    # HAProxy runs our config
+        r = httpx.post(url + "/v1/completions", json={"prompt": "hello", "max_tokens": 3, "temperature": 0},
+                       timeout=60)
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
+        log = (tmp_path / "up.log").read_text()
+        assert f"HAProxy serves {url}" in log and "bind every interface" in log
+    finally:
+        down = _cli("down", env=env, timeout=120)
+    assert down.returncode == 0, down.stderr
+    with pytest.raises(httpx.HTTPError):
+        httpx.get(url + "/health", timeout=3)
+    assert haproxy_ingress.processes(tmp_path) == []
