@@ -3,8 +3,9 @@ KV moved by each connector give exactly the single-engine greedy output for 50 m
 streamed and not (for P/D: every decode-side pull succeeded, so the KV really moved and was not
 recomputed), also while the pressure controller moves instances between the prefill pools; the
 openai client works; streams survive a router restart (killed mid-stream, Ray restarts it, the
-gateway resubmits, the text is still the single engine's); afterwards every instance's KV is
-free and the router's in-flight table is empty."""
+gateway resubmits, the text is still the single engine's) and an engine replica killed
+mid-stream (its requests resume elsewhere); afterwards every instance's KV is free and the
+router's in-flight table is empty."""
 
 from __future__ import annotations
 
@@ -454,3 +455,56 @@ def test_a_shared_prefix_is_computed_once(cluster, prefix_workload):
     metrics = httpx.get(url + "/metrics", timeout=5).text
     assert "raycluster_instance_prefix_cache_hits_total{" in metrics
     _assert_drained(url)
+
+
+def test_a_killed_instance_resumes_its_streams_elsewhere(cluster, restart_workload):
+    """An engine replica killed mid-stream (its process gone, no goodbye to the router): the
+    router misses its heartbeats, re-queues its requests from prompt plus the tokens already
+    delivered, they finish elsewhere (on the other mixed instance; on P/D, prefilled again and
+    decoded on Serve's replacement) with the single engine's text, and the replacement joins."""
+    url, name = cluster
+    if name not in ("mixed", "pd-object_store"):
+        pytest.skip("one mixed and one P/D topology")
+    import ray
+
+    prompts, expected = restart_workload
+    got: list[list[str]] = [[] for _ in prompts]
+    role = "mixed" if name == "mixed" else "decode"
+    before = {i["id"] for i in httpx.get(url + "/v1/cluster/status", timeout=10).json()["instances"]}
+
+    async def stream(client: httpx.AsyncClient, i: int) -> None:
+        body = {"prompt": prompts[i], "max_tokens": 48, "temperature": 0, "ignore_eos": True, "stream": True}
+        async with client.stream("POST", url + "/v1/completions", json=body) as r:
+            assert r.status_code == 200
+            async for line in r.aiter_lines():
+                if line.startswith("data: ") and line != "data: [DONE]":
+                    for c in json.loads(line[6:])["choices"]:
+                        got[i].append(c["text"])
+
+    async def run() -> str:
+        async with httpx.AsyncClient(timeout=240) as client:
+            tasks = [asyncio.create_task(stream(client, i)) for i in range(len(prompts))]
+            deadline = time.monotonic() + 120
+            while sum(map(len, got)) < 40 and time.monotonic() < deadline:    # SSE events, ~1 token each
+                await asyncio.sleep(0.02)
+            assert not all(t.done() for t in tasks), "all finished before the kill"
+            status = httpx.get(url + "/v1/cluster/status", timeout=10).json()
+            victim = max((i for i in status["instances"] if i["role"] == role), key=lambda i: i["running"])
+            assert victim["running"] > 0, status
+            # A Serve replica's actor is SERVE_REPLICA::APP#DEPLOYMENT#ID; the instance id ends in ID.
+            actor = next(a for a in ray.util.list_named_actors(all_namespaces=True)
+                         if a["name"].endswith("#" + victim["id"].rsplit("-", 1)[1]))
+            ray.kill(ray.get_actor(actor["name"], namespace=actor["namespace"]), no_restart=True)
+            await asyncio.gather(*tasks)
+            return victim["id"]
+
+    killed = asyncio.run(run())
+    assert ["".join(g) for g in got] == expected
+    _assert_drained(url, timeout=90)
+    deadline = time.monotonic() + 120        # Serve's replacement registers with the router
+    while time.monotonic() < deadline:
+        ids = {i["id"] for i in httpx.get(url + "/v1/cluster/status", timeout=10).json()["instances"]}
+        if killed not in ids and len(ids) == len(before):
+            break
+        time.sleep(0.5)
+    assert killed not in ids and len(ids) == len(before), (before, ids)
