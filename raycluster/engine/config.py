@@ -52,9 +52,14 @@ class EngineConfig(BaseModel):
     kvp_layout: Literal["striped", "progressive"] = Field(
         "striped", description="where a request's KV goes over the KVP ranks: 'striped' (block i on rank i % kvp, "
         "every request over every rank) or 'progressive' (Medha's progressive scaling: contiguous ranges of "
-        "kvp_tokens_per_rank tokens, starting on the rank with the most free KV, so a short request lives on one "
+        "kvp_tokens_per_rank tokens from the start rank kvp_start picks, so a short request lives on one "
         "rank and a long one onboards the next rank as its context grows; a full rank passes blocks on to the "
         "next with room). Works with prefix caching (a cached prefix fixes the start rank), TP and SPP")
+    kvp_start: Literal["first_fit", "least_loaded"] = Field(
+        "first_fit", description="kvp_layout 'progressive': the rank a new request starts on. 'first_fit': the "
+        "lowest rank with a whole range (kvp_tokens_per_rank) free, else the one with the most free KV, so short "
+        "requests stay on rank 0 while it has room and their steps run on it alone; 'least_loaded': the rank with "
+        "the most free KV, which balances KV over the ranks but makes most steps whole-group steps")
     kvp_tokens_per_rank: int | None = Field(
         None, ge=1, description="kvp_layout 'progressive': tokens of one request a KVP rank holds before the next "
         "rank takes over; a multiple of block_size, at most one rank's pool (kv_cache_tokens). Default: "
@@ -78,6 +83,9 @@ class EngineConfig(BaseModel):
     @model_validator(mode="after")
     def _kvp_range(self) -> "EngineConfig":
         n, bs = self.kvp_tokens_per_rank, self.block_size
+        if "kvp_start" in self.model_fields_set and self.kvp_layout != "progressive":
+            raise ValueError(f"kvp_start: {self.kvp_start!r} is only for kvp_layout 'progressive' (kvp_layout is "
+                             f"{self.kvp_layout!r})")
         if n is None:
             return self
         if self.kvp_layout != "progressive":

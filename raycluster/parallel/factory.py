@@ -96,7 +96,7 @@ def build_runner(config: EngineConfig, model, dtype: torch.dtype, model_path: st
         # KVP x TP too: the lanes of a KVP rank hold their heads of that rank's blocks.
         return KVPRunner(model, coll, config.kvp, blocks, config.block_size, dtype, config.device, ranks=ranks,
                          prefix_caching=config.enable_prefix_caching, tp=config.tp,
-                         tokens_per_rank=config.kvp_progressive_tokens())
+                         tokens_per_rank=config.kvp_progressive_tokens(), start=config.kvp_start)
     if kind == "tp":
         from raycluster.parallel.tp import TPRunner
         # Every rank holds its heads of the same block ids: the engine's bookkeeping is unchanged.
@@ -107,7 +107,7 @@ def build_runner(config: EngineConfig, model, dtype: torch.dtype, model_path: st
     if config.kvp > 1:
         from raycluster.parallel.kvp_layout import kvp_kv_manager
         kv = kvp_kv_manager(blocks, config.kvp, config.block_size, config.enable_prefix_caching,
-                            config.kvp_progressive_tokens())
+                            config.kvp_progressive_tokens(), config.kvp_start)
     else:
         kv = kv_manager(blocks, config.block_size)
     return SPPRunner(model, kv, coll, config.spp, dtype, config.device, config.spp_micro_tokens, ranks=ranks,

@@ -359,15 +359,17 @@ class KVPRunner:
     """The leader (world rank 0): the engine's runner over a KVP group of `world` ranks, each a
     TP group of `tp` lanes when tp > 1 (`kvp_rank`). `kv` spans every KVP rank's blocks (striped,
     or progressive with `tokens_per_rank` tokens of a request per rank: `kvp_layout`, with
-    prefix caching their caching allocators); `run_plan` posts the plan and runs rank 0's share."""
+    prefix caching their caching allocators; `start`: where a progressive request starts,
+    `kvp_layout`); `run_plan` posts the plan and runs rank 0's share."""
 
     def __init__(self, model, coll: Collective | None, world: int, blocks_per_rank: int, block_size: int,
                  dtype: torch.dtype, device: str | torch.device = "cpu", ranks=None,
-                 prefix_caching: bool = False, tp: int = 1, tokens_per_rank: int | None = None) -> None:
+                 prefix_caching: bool = False, tp: int = 1, tokens_per_rank: int | None = None,
+                 start: str = "first_fit") -> None:
         """`ranks`: the handle of world ranks 1..world*tp-1 (`join(timeout)`), stopped by `close`."""
         self.coll, self.dtype, self.ranks = coll, dtype, ranks
         self.kvp, self.tp = world, tp
-        self.kv = kvp_kv_manager(blocks_per_rank, world, block_size, prefix_caching, tokens_per_rank)
+        self.kv = kvp_kv_manager(blocks_per_rank, world, block_size, prefix_caching, tokens_per_rank, start)
         # The layout names the profile a group is timed under: a progressive one its range too.
         self.layout = (f"kvp{world}" if tp == 1 else f"kvp{world}xtp{tp}") + self.kv.allocator.layout_label(block_size)
         self.rank0 = kvp_rank(model, coll, 0, world, tp, blocks_per_rank, block_size, dtype, device)

@@ -7,9 +7,14 @@ layout says which pool a request's logical block i is taken from:
 - striped (`StripedAllocator`): rank i % world, so each rank holds about 1/world of every
   request's KV and reads only that share in a step.
 - progressive (`ProgressiveAllocator`, Medha's progressive scaling): contiguous ranges of
-  `cap_blocks` blocks, rank (start + i // cap_blocks) % world, where `start` is the rank with
-  the most free blocks when the request's first block is taken. A short request lives on one
-  rank; a long one onboards the next rank each time it has filled its share of the last. When
+  `cap_blocks` blocks, rank (start + i // cap_blocks) % world, where `start` is chosen when the
+  request's first block is taken: `first_fit` (the default) the lowest rank with a whole range
+  free, else the one with the most free blocks; `least_loaded` always the one with the most free
+  blocks. A short request lives on one rank; a long one onboards the next rank each time it has
+  filled its share of the last. First fit keeps the group's short requests on rank 0 while it
+  has room, so their steps run on the leader alone (raycluster.parallel.kvp `step_ranks`: the
+  other ranks sit them out); least loaded spreads them, balancing KV over the ranks but making
+  nearly every step a step of the whole group. When
   the rank a block should go to has no free block, it goes to the next rank (in ring order) that
   has one, so a request is refused only when the whole group is out of blocks: `can_allocate`
   is `n <= num_free`, and `allocate` never fails after it said yes.
@@ -87,16 +92,30 @@ class _Striping(_Ranks):
         return ""
 
 
+START_RULES = ("first_fit", "least_loaded")
+
+
 class _Progressive(_Ranks):
     """Logical block i of a request on rank (start + i // cap_blocks) % world, start the rank of
-    its block 0 (for a new request the rank with the most free blocks, the lowest on a tie); a
-    full rank passes the block on to the next one with room."""
+    its block 0 (for a new request: `start` "first_fit", the lowest rank with `cap_blocks` free,
+    else as "least_loaded", the rank with the most free blocks, the lowest on a tie); a full rank
+    passes the block on to the next one with room."""
 
-    def __init__(self, blocks_per_rank: int, world: int, cap_blocks: int) -> None:
+    def __init__(self, blocks_per_rank: int, world: int, cap_blocks: int, start: str = "first_fit") -> None:
         if cap_blocks <= 0:
             raise ValueError(f"cap_blocks must be >= 1, got {cap_blocks}")
-        self.cap_blocks = cap_blocks
+        if start not in START_RULES:
+            raise ValueError(f"kvp_start: {start!r} is not one of {', '.join(START_RULES)}")
+        self.cap_blocks, self.start = cap_blocks, start
         super().__init__(blocks_per_rank, world)
+
+    def _start_rank(self, free: list[int]) -> int:
+        """The start rank of a new request, given each rank's free blocks."""
+        if self.start == "first_fit":
+            fits = next((r for r, f in enumerate(free) if f >= self.cap_blocks), None)
+            if fits is not None:
+                return fits
+        return max(range(self.world), key=free.__getitem__)     # the lowest of the fullest
 
     def target_rank(self, index: int, start: int) -> int:
         """The rank logical block `index` of a request starting on `start` belongs on."""
@@ -107,7 +126,7 @@ class _Progressive(_Ranks):
             if index:
                 raise ValueError(f"progressive KVP layout: logical block {index} needs the request's block 0 "
                                  "(first_block) to know its start rank")
-            return max(self._pools, key=len)            # the first of the fullest: lowest rank on a tie
+            return self._pools[self._start_rank([len(p) for p in self._pools])]
         want = self.target_rank(index, self.rank_of(first_block))
         for step in range(self.world):
             pool = self._pools[(want + step) % self.world]
@@ -125,12 +144,12 @@ class _Progressive(_Ranks):
 
     def alias_tables(self, lengths: list[int]) -> list[list[int]]:
         """Synthetic tables of `lengths` blocks, one per request of a profiled step, laid out as
-        `allocate` would lay them out from an empty pool, in order (each starts on the rank that
-        has taken the fewest blocks so far); ids wrap within a rank, so tables longer than the
-        pool alias blocks, which the profiler allows."""
+        `allocate` would lay them out from an empty pool, in order (each starts where `allocate`
+        would start it, counting the blocks taken so far); ids wrap within a rank, so tables
+        longer than the pool alias blocks, which the profiler allows."""
         used, tables = [0] * self.world, []
         for n in lengths:
-            start = min(range(self.world), key=used.__getitem__)
+            start = self._start_rank([self.blocks_per_rank - u for u in used])
             table = []
             for i in range(n):
                 r = self.target_rank(i, start)
@@ -144,7 +163,7 @@ class _Progressive(_Ranks):
         return self.alias_tables([offset, num_blocks])[1]
 
     def layout_label(self, block_size: int) -> str:
-        return f"+prog{self.cap_blocks * block_size}"
+        return f"+prog{self.cap_blocks * block_size}" + ("ff" if self.start == "first_fit" else "ll")
 
 
 class _RankPools(BlockAllocator):
@@ -225,8 +244,8 @@ class StripedCachingAllocator(_Striping, _CachingRankPools):
 
 
 class ProgressiveAllocator(_Progressive, _RankPools):
-    """Medha's progressive KVP: `cap_blocks` contiguous blocks of a request per rank, from the
-    least loaded rank on."""
+    """Medha's progressive KVP: `cap_blocks` contiguous blocks of a request per rank, from its
+    start rank on."""
 
 
 class ProgressiveCachingAllocator(_Progressive, _CachingRankPools):
@@ -234,10 +253,11 @@ class ProgressiveCachingAllocator(_Progressive, _CachingRankPools):
 
 
 def kvp_kv_manager(blocks_per_rank: int, world: int, block_size: int, prefix_caching: bool = False,
-                   tokens_per_rank: int | None = None) -> KVCacheManager:
+                   tokens_per_rank: int | None = None, start: str = "first_fit") -> KVCacheManager:
     """The leader's block bookkeeping over `world` KVP ranks of `blocks_per_rank` blocks each
     (plain KVP's, and each stage's of a KVP x SPP group): striped, or progressive with
-    `tokens_per_rank` tokens of a request per rank (a multiple of `block_size`)."""
+    `tokens_per_rank` tokens of a request per rank (a multiple of `block_size`), a new request
+    starting on the rank `start` ("first_fit" | "least_loaded") picks."""
     if tokens_per_rank is None:
         alloc = (StripedCachingAllocator if prefix_caching else StripedAllocator)(blocks_per_rank, world)
     else:
@@ -245,7 +265,7 @@ def kvp_kv_manager(blocks_per_rank: int, world: int, block_size: int, prefix_cac
             raise ValueError(f"kvp_tokens_per_rank: {tokens_per_rank} is not a positive multiple of block_size "
                              f"{block_size}")
         cls = ProgressiveCachingAllocator if prefix_caching else ProgressiveAllocator
-        alloc = cls(blocks_per_rank, world, tokens_per_rank // block_size)
+        alloc = cls(blocks_per_rank, world, tokens_per_rank // block_size, start)
     # A prefill after a cached prefix is a later chunk to the ranks (`kvp_meta`: each attends the
     # earlier tokens it holds), so nothing below the allocator changes with prefix caching.
     manager = PrefixCachingKVManager if prefix_caching else KVCacheManager

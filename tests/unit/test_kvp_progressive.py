@@ -53,7 +53,7 @@ def _ranks(alloc, table: list[int]) -> list[int]:
 @pytest.mark.parametrize("caching", [False, True], ids=["plain", "caching"])
 def test_a_request_fills_cap_blocks_of_its_start_rank_then_onboards_the_next(caching):
     cls = ProgressiveCachingAllocator if caching else ProgressiveAllocator
-    a = cls(blocks_per_rank=4, world=2, cap_blocks=2)        # rank 0: blocks 0-3, rank 1: 4-7
+    a = cls(blocks_per_rank=4, world=2, cap_blocks=2, start="least_loaded")   # rank 0: blocks 0-3, rank 1: 4-7
     t = a.allocate(3)
     assert t == [0, 1, 4] and _ranks(a, t) == [0, 0, 1]        # start 0 (a tie: the lowest rank)
     # Rank 1 now has the most free blocks: the next request starts there, and its third block
@@ -65,8 +65,32 @@ def test_a_request_fills_cap_blocks_of_its_start_rank_then_onboards_the_next(cac
     assert a.free_per_rank() == [1, 0] and a.num_free == 1
 
 
-def test_a_new_request_starts_on_the_rank_with_the_most_free_blocks():
-    a = ProgressiveAllocator(blocks_per_rank=4, world=3, cap_blocks=4)
+def test_first_fit_starts_a_new_request_on_the_lowest_rank_with_a_whole_range_free():
+    """The default: rank 0 while it has `cap_blocks` free, then the next such rank; with no whole
+    range free anywhere, the rank with the most free blocks (the lowest on a tie)."""
+    a = ProgressiveAllocator(blocks_per_rank=6, world=3, cap_blocks=2)   # rank r: blocks 6r..6r+5
+    assert a.start == "first_fit" and a.layout_label(16) == "+prog32ff"
+    t1 = a.allocate(3)
+    assert _ranks(a, t1) == [0, 0, 1]                   # its second range onboards rank 1
+    t2 = a.allocate(2)
+    assert _ranks(a, t2) == [0, 0] and _ranks(a, a.allocate(1)) == [0]
+    assert a.free_per_rank() == [1, 5, 6]
+    assert _ranks(a, a.allocate(1)) == [1]              # rank 0 has less than a range left
+    a.free_all(t2)
+    assert _ranks(a, a.allocate(2)) == [0, 0]           # freed room on rank 0 is taken first again
+    assert _ranks(a, a.allocate(4)) == [1, 1, 2, 2] and a.free_per_rank() == [1, 2, 4]
+    assert _ranks(a, a.allocate(1)) == [1] and _ranks(a, a.allocate(3)) == [2, 2, 0]
+    assert a.free_per_rank() == [0, 1, 2]
+    assert _ranks(a, a.allocate(1)) == [2]
+    assert a.free_per_rank() == [0, 1, 1]
+    assert _ranks(a, a.allocate(1)) == [1]              # no range anywhere: the most free, lowest first
+    assert ProgressiveAllocator(4, 2, 2, start="least_loaded").layout_label(16) == "+prog32ll"
+    with pytest.raises(ValueError, match="kvp_start: 'random' is not one of first_fit, least_loaded"):
+        ProgressiveAllocator(4, 2, 2, start="random")
+
+
+def test_least_loaded_starts_a_new_request_on_the_rank_with_the_most_free_blocks():
+    a = ProgressiveAllocator(blocks_per_rank=4, world=3, cap_blocks=4, start="least_loaded")
     a.allocate(2)                                   # rank 0
     a.allocate(1)                                   # rank 1 (ranks 1 and 2 tie)
     assert a.free_per_rank() == [2, 3, 4]
@@ -78,7 +102,7 @@ def test_a_new_request_starts_on_the_rank_with_the_most_free_blocks():
 
 
 def test_a_full_rank_passes_blocks_on_and_can_allocate_agrees_with_allocate_under_exhaustion():
-    a = ProgressiveAllocator(blocks_per_rank=3, world=3, cap_blocks=2)
+    a = ProgressiveAllocator(blocks_per_rank=3, world=3, cap_blocks=2, start="least_loaded")
     big = a.allocate(2)                             # rank 0
     other = a.allocate(3)                           # starts on rank 1: [1, 1, 2]
     assert _ranks(a, big) == [0, 0] and _ranks(a, other) == [1, 1, 2]
@@ -96,14 +120,15 @@ def test_a_full_rank_passes_blocks_on_and_can_allocate_agrees_with_allocate_unde
     assert _ranks(a, last) == [2, 0] and a.num_free == 0 and not a.can_allocate(1)
 
 
+@pytest.mark.parametrize("start", ["first_fit", "least_loaded"])
 @pytest.mark.parametrize("seed", range(4))
-def test_random_churn_keeps_counts_agreement_and_frees_each_block_to_its_ranks_pool(seed):
+def test_random_churn_keeps_counts_agreement_and_frees_each_block_to_its_ranks_pool(seed, start):
     """Requests arrive, grow and finish at random on a small pool: every `can_allocate` answer
     is what `allocate` then does, per-rank free counts are each rank's unused blocks, and a
     freed block is back in its own rank's pool."""
     rng = random.Random(seed)
     world, per_rank = 3, 5
-    kv = kvp_kv_manager(per_rank, world, 4, tokens_per_rank=8)      # cap 2 blocks
+    kv = kvp_kv_manager(per_rank, world, 4, tokens_per_rank=8, start=start)      # cap 2 blocks
     a = kv.allocator
     live: dict[str, Request] = {}
     for step in range(300):
@@ -130,10 +155,11 @@ def test_random_churn_keeps_counts_agreement_and_frees_each_block_to_its_ranks_p
         kv.check()
 
 
-def test_alias_tables_are_what_allocate_lays_out_from_an_empty_pool():
-    lengths = [3, 1, 5, 2, 4]
-    a = ProgressiveAllocator(blocks_per_rank=8, world=3, cap_blocks=2)
-    fresh = ProgressiveAllocator(blocks_per_rank=8, world=3, cap_blocks=2)
+@pytest.mark.parametrize("start", ["first_fit", "least_loaded"])
+def test_alias_tables_are_what_allocate_lays_out_from_an_empty_pool(start):
+    lengths = [3, 1, 5, 2, 4, 1]
+    a = ProgressiveAllocator(blocks_per_rank=8, world=3, cap_blocks=2, start=start)
+    fresh = ProgressiveAllocator(blocks_per_rank=8, world=3, cap_blocks=2, start=start)
     assert a.alias_tables(lengths) == [fresh.allocate(n) for n in lengths]
     assert a.alias_table(3, 2) == a.alias_tables([2, 3])[1]
     # Longer than the pool: ids wrap within their rank (the profiler's tables may alias).
@@ -145,7 +171,7 @@ def test_alias_tables_are_what_allocate_lays_out_from_an_empty_pool():
 
 
 def test_a_cached_prefix_fixes_the_start_rank():
-    kv = kvp_kv_manager(6, 2, 4, prefix_caching=True, tokens_per_rank=8)     # cap 2 blocks of 4
+    kv = kvp_kv_manager(6, 2, 4, prefix_caching=True, tokens_per_rank=8, start="least_loaded")   # cap 2 blocks of 4
     a = kv.allocator
     first = Request("a", list(range(18)))
     assert kv.try_allocate(first, 18)
@@ -170,6 +196,7 @@ def test_a_cached_prefix_fixes_the_start_rank():
 def test_the_config_defaults_to_striped_and_names_the_field_it_refuses():
     cfg = EngineConfig()
     assert cfg.kvp_layout == "striped" and cfg.kvp_progressive_tokens() is None
+    assert EngineConfig(**PROGRESSIVE).kvp_start == "first_fit"
     # Default range: one rank's pool / kvp, in whole blocks.
     assert EngineConfig(kvp=3, kv_cache_tokens=1000, **PROGRESSIVE).kvp_progressive_tokens() == 1000 // 16 // 3 * 16
     assert EngineConfig(kvp=2, kv_cache_tokens=16, **PROGRESSIVE).kvp_progressive_tokens() == 16
@@ -178,8 +205,10 @@ def test_the_config_defaults_to_striped_and_names_the_field_it_refuses():
                      ({"kvp_tokens_per_rank": 40, **PROGRESSIVE}, "not a multiple of block_size 16"),
                      ({"kvp_tokens_per_rank": 4096, "kv_cache_tokens": 2048, **PROGRESSIVE}, "more than one rank's"),
                      ({"kvp_tokens_per_rank": 0, **PROGRESSIVE}, "kvp_tokens_per_rank"),
-                     ({"kvp_layout": "ring"}, "kvp_layout")]:
-        with pytest.raises(ValidationError, match="kvp_tokens_per_rank|kvp_layout") as e:
+                     ({"kvp_layout": "ring"}, "kvp_layout"),
+                     ({"kvp_start": "least_loaded"}, "kvp_start: 'least_loaded' is only for kvp_layout 'progressive'"),
+                     ({"kvp_start": "lowest", **PROGRESSIVE}, "kvp_start")]:
+        with pytest.raises(ValidationError, match="kvp_tokens_per_rank|kvp_layout|kvp_start") as e:
             EngineConfig(kvp=2, **bad)
         assert msg in str(e.value)
     # A cluster spec's engine overrides pass through to each pool's engine, and fail at deploy time.
@@ -205,7 +234,10 @@ def _steps_match_single(model, runner, per_rank: int, world: int) -> dict[str, l
 
 
 def _group(model, **cfg):
-    return build_runner(EngineConfig(**BASE, **PROGRESSIVE, **cfg), model, torch.float32)
+    """A group over the progressive layout, least loaded first unless `cfg` says otherwise: the
+    tests below spread requests over the ranks on purpose."""
+    return build_runner(EngineConfig(**BASE, **PROGRESSIVE, **{"kvp_start": "least_loaded", **cfg}), model,
+                        torch.float32)
 
 
 @pytest.mark.parametrize("world", [2, 3])
@@ -214,7 +246,7 @@ def test_prefill_chunks_crossing_ranges_match_the_single_runner(model, world):
     (and every rank), the short one joins on the least loaded rank."""
     runner = _group(model, kvp=world, kv_cache_tokens=24 * BS, kvp_tokens_per_rank=2 * BS)
     try:
-        assert runner.layout == f"kvp{world}+prog32" and type(runner.kv.allocator) is ProgressiveAllocator
+        assert runner.layout == f"kvp{world}+prog32ll" and type(runner.kv.allocator) is ProgressiveAllocator
         tables = _steps_match_single(model, runner, 24, world)
         a = runner.kv.allocator
         assert _ranks(a, tables["a"]) == [(i // 2) % world for i in range(20)]
@@ -245,7 +277,7 @@ def test_kvp_with_tp_lanes_or_spp_stages_over_the_progressive_layout_matches_the
     chunks are cut into micro-batches of 24 tokens, so a sub-chunk's prefix spans both ranks."""
     runner = _group(model, kvp=2, kv_cache_tokens=24 * BS, kvp_tokens_per_rank=3 * BS, **group)
     try:
-        assert runner.layout.endswith("+prog48")
+        assert runner.layout.endswith("+prog48ll")
         tables = _steps_match_single(model, runner, 24, 2)
         a = runner.kv.allocator
         assert _ranks(a, tables["a"]) == [(i // 3) % 2 for i in range(20)]
@@ -254,11 +286,23 @@ def test_kvp_with_tp_lanes_or_spp_stages_over_the_progressive_layout_matches_the
         _close(runner)
 
 
+# Where the requests of the test below live and which KVP ranks each of its steps needs, per start rule.
+SKIP_CASES = {
+    # a on rank 0, b on rank 1, c on rank 2 and then rank 0
+    "least_loaded": ({"a": [0] * 3, "b": [1] * 4, "c": [2] * 4 + [0] * 3},
+                     [[0], [0, 1], [0, 1], [0, 1, 2], [0, 1], [0], [0, 2]]),
+    # all on rank 0 but c's second range: most steps run on the leader alone
+    "first_fit": ({"a": [0] * 3, "b": [0] * 4, "c": [0] * 4 + [1] * 3},
+                  [[0], [0], [0], [0, 1], [0], [0], [0, 1]]),
+}
+
+
+@pytest.mark.parametrize("start", list(SKIP_CASES))
 @pytest.mark.parametrize("group", [{}, {"tp": 2}, {"spp": 2, "spp_micro_tokens": 24}],
                          ids=["kvp3", "kvp3xtp2", "kvp3xspp2"])
-def test_a_step_runs_only_on_the_ranks_holding_its_kv(model, monkeypatch, group):
-    """Ranges of 4 blocks over 3 KVP ranks: a 40-token request lives on rank 0, a 50-token one on
-    rank 1, a 100-token one on rank 2 and then rank 0. Each step runs on rank 0 (it samples) and
+def test_a_step_runs_only_on_the_ranks_holding_its_kv(model, monkeypatch, group, start):
+    """Ranges of 4 blocks over 3 KVP ranks, requests of 40, 50 and 100 tokens placed by the start
+    rule (`SKIP_CASES`). Each step runs on rank 0 (it samples) and
     the ranks holding the step's KV, with all their TP lanes and SPP stages (with SPP, micro-batch
     by micro-batch); the others sit it out (the attention states are gathered over the ranks
     that run). A step of rank 0 alone posts nothing to the group. The logits agree with the
@@ -276,7 +320,7 @@ def test_a_step_runs_only_on_the_ranks_holding_its_kv(model, monkeypatch, group)
 
     monkeypatch.setattr(kvp_module, "plan_inputs", recording)
     monkeypatch.setattr(spp_module, "plan_inputs", recording)
-    runner = _group(model, kvp=3, kv_cache_tokens=24 * BS, kvp_tokens_per_rank=4 * BS, **group)
+    runner = _group(model, kvp=3, kv_cache_tokens=24 * BS, kvp_tokens_per_rank=4 * BS, kvp_start=start, **group)
     posted = []
     post_plan = runner.coll.post_plan
     runner.coll.post_plan = lambda msg: (posted.append(msg), post_plan(msg))
@@ -285,7 +329,7 @@ def test_a_step_runs_only_on_the_ranks_holding_its_kv(model, monkeypatch, group)
     a, b, c = (Request(name, [rng.randrange(6, 4000) for _ in range(n)], SamplingParams())
                for name, n in (("a", 40), ("b", 50), ("c", 100)))
     steps = [([(a, 40)], []), ([(b, 50)], [a]), ([], [a, b]), ([(c, 100)], [b]), ([], [b]), ([], [a]), ([], [c])]
-    want_ranks = [[0], [0, 1], [0, 1], [0, 1, 2], [0, 1], [0], [0, 2]]
+    want_tables, want_ranks = SKIP_CASES[start]
     try:
         for (prefills, decodes), kvp_ranks in zip(steps, want_ranks):
             for r, n in prefills:
@@ -314,8 +358,7 @@ def test_a_step_runs_only_on_the_ranks_holding_its_kv(model, monkeypatch, group)
                 r.num_computed_tokens += 1
                 r.output_token_ids.append(rng.randrange(6, 4000))
         a_ = runner.kv.allocator
-        assert {k: _ranks(a_, t) for k, t in runner.kv.block_tables.items()} == {
-            "a": [0] * 3, "b": [1] * 4, "c": [2] * 4 + [0] * 3}
+        assert {k: _ranks(a_, t) for k, t in runner.kv.block_tables.items()} == want_tables
         assert runner.ranks.errors == []
     finally:
         _close(runner)
@@ -328,15 +371,15 @@ def test_a_progressive_engine_gives_the_plain_engines_greedy_tokens_and_holds_mo
     rng = random.Random(0)
     prompts = [[rng.randrange(6, 4000) for _ in range(n)] for n in (700, 33, 150, 1)]
     want = _generate(model, prompts, kv_cache_tokens=4096, chunk_size=100)
-    for cap in (64, 512):
+    for cap, start in ((64, "first_fit"), (64, "least_loaded"), (512, "first_fit")):
         assert _generate(model, prompts, kv_cache_tokens=512, chunk_size=100, kvp=2, group_timeout_s=30,
-                         kvp_layout="progressive", kvp_tokens_per_rank=cap) == want
+                         kvp_layout="progressive", kvp_tokens_per_rank=cap, kvp_start=start) == want
 
 
 @pytest.mark.parametrize("group", [{"kvp": 2}, {"kvp": 2, "tp": 2}], ids=["kvp2", "kvp2xtp2"])
 def test_a_progressive_engine_with_prefix_caching_gives_the_plain_engines_tokens(model, group):
     engine_matches_plain(model, {**group, **PROGRESSIVE, "kvp_tokens_per_rank": 32},
-                         "kvp2" + ("xtp2" if "tp" in group else "") + "+prog32")
+                         "kvp2" + ("xtp2" if "tp" in group else "") + "+prog32ff")
 
 
 @pytest.mark.parametrize("direction", ["plain-to-progressive", "progressive-to-plain"])
