@@ -59,7 +59,8 @@ class EngineConfig(BaseModel):
         "first_fit", description="kvp_layout 'progressive': the rank a new request starts on. 'first_fit': the "
         "lowest rank with a whole range (kvp_tokens_per_rank) free, else the one with the most free KV, so short "
         "requests stay on rank 0 while it has room and their steps run on it alone; 'least_loaded': the rank with "
-        "the most free KV, which balances KV over the ranks but makes most steps whole-group steps")
+        "the most free KV, which balances KV over the ranks but makes most steps whole-group steps. Ignored "
+        "when striped (a config dumped and rebuilt, as a group's Ray ranks do, carries it either way)")
     kvp_tokens_per_rank: int | None = Field(
         None, ge=1, description="kvp_layout 'progressive': tokens of one request a KVP rank holds before the next "
         "rank takes over; a multiple of block_size, at most one rank's pool (kv_cache_tokens). Default: "
@@ -83,9 +84,6 @@ class EngineConfig(BaseModel):
     @model_validator(mode="after")
     def _kvp_range(self) -> "EngineConfig":
         n, bs = self.kvp_tokens_per_rank, self.block_size
-        if "kvp_start" in self.model_fields_set and self.kvp_layout != "progressive":
-            raise ValueError(f"kvp_start: {self.kvp_start!r} is only for kvp_layout 'progressive' (kvp_layout is "
-                             f"{self.kvp_layout!r})")
         if n is None:
             return self
         if self.kvp_layout != "progressive":
