@@ -386,17 +386,14 @@ def test_controller_moves_a_long_instance_when_short_prompts_pile_up(cluster, wo
     _assert_drained(url)
 
 
-def test_router_restart_resumes_every_stream(cluster, restart_workload):
-    url, name = cluster
-    if name not in ("mixed", "pd-object_store"):
-        pytest.skip("one mixed and one P/D topology")
-    import ray
-
-    prompts, expected = restart_workload
+def _streams_cut_by(url: str, prompts: list, kill, max_tokens: int = 48) -> tuple[list[str], object]:
+    """Greedy streams of `prompts`; once 40 SSE events (about a token each) have come and some
+    stream is still running, `kill()` runs; returns every stream's text and what `kill` returned."""
     got: list[list[str]] = [[] for _ in prompts]
 
     async def stream(client: httpx.AsyncClient, i: int) -> None:
-        body = {"prompt": prompts[i], "max_tokens": 48, "temperature": 0, "ignore_eos": True, "stream": True}
+        body = {"prompt": prompts[i], "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
+                "stream": True}
         async with client.stream("POST", url + "/v1/completions", json=body) as r:
             assert r.status_code == 200
             async for line in r.aiter_lines():
@@ -404,18 +401,31 @@ def test_router_restart_resumes_every_stream(cluster, restart_workload):
                     for c in json.loads(line[6:])["choices"]:
                         got[i].append(c["text"])
 
-    async def run() -> None:
-        async with httpx.AsyncClient(timeout=180) as client:
+    async def run():
+        async with httpx.AsyncClient(timeout=240) as client:
             tasks = [asyncio.create_task(stream(client, i)) for i in range(len(prompts))]
             deadline = time.monotonic() + 120
-            while sum(map(len, got)) < 40 and time.monotonic() < deadline:    # SSE events, ~1 token each
+            while sum(map(len, got)) < 40 and time.monotonic() < deadline:
                 await asyncio.sleep(0.02)
             assert not all(t.done() for t in tasks), "all finished before the kill"
-            ray.kill(ray.get_actor(f"router-{name}", namespace="raycluster"), no_restart=False)
+            killed = kill()
             await asyncio.gather(*tasks)
+            return killed
 
-    asyncio.run(run())
-    assert ["".join(g) for g in got] == expected
+    killed = asyncio.run(run())
+    return ["".join(g) for g in got], killed
+
+
+def test_router_restart_resumes_every_stream(cluster, restart_workload):
+    url, name = cluster
+    if name not in ("mixed", "pd-object_store"):
+        pytest.skip("one mixed and one P/D topology")
+    import ray
+
+    prompts, expected = restart_workload
+    texts, _ = _streams_cut_by(url, prompts, lambda: ray.kill(ray.get_actor(f"router-{name}", namespace="raycluster"),
+                                                               no_restart=False))
+    assert texts == expected
     assert httpx.get(url + "/health", timeout=30).json()["resubmitted"] > 0
     metrics = httpx.get(url + "/metrics", timeout=30).text
     assert any(line.startswith("raycluster_gateway_resubmitted_total ") and float(line.split()[1]) > 0
@@ -468,38 +478,21 @@ def test_a_killed_instance_resumes_its_streams_elsewhere(cluster, restart_worklo
     import ray
 
     prompts, expected = restart_workload
-    got: list[list[str]] = [[] for _ in prompts]
     role = "mixed" if name == "mixed" else "decode"
     before = {i["id"] for i in httpx.get(url + "/v1/cluster/status", timeout=10).json()["instances"]}
 
-    async def stream(client: httpx.AsyncClient, i: int) -> None:
-        body = {"prompt": prompts[i], "max_tokens": 48, "temperature": 0, "ignore_eos": True, "stream": True}
-        async with client.stream("POST", url + "/v1/completions", json=body) as r:
-            assert r.status_code == 200
-            async for line in r.aiter_lines():
-                if line.startswith("data: ") and line != "data: [DONE]":
-                    for c in json.loads(line[6:])["choices"]:
-                        got[i].append(c["text"])
+    def kill_the_busiest() -> str:
+        status = httpx.get(url + "/v1/cluster/status", timeout=10).json()
+        victim = max((i for i in status["instances"] if i["role"] == role), key=lambda i: i["running"])
+        assert victim["running"] > 0, status
+        # A Serve replica's actor is SERVE_REPLICA::APP#DEPLOYMENT#ID; the instance id ends in ID.
+        actor = next(a for a in ray.util.list_named_actors(all_namespaces=True)
+                     if a["name"].endswith("#" + victim["id"].rsplit("-", 1)[1]))
+        ray.kill(ray.get_actor(actor["name"], namespace=actor["namespace"]), no_restart=True)
+        return victim["id"]
 
-    async def run() -> str:
-        async with httpx.AsyncClient(timeout=240) as client:
-            tasks = [asyncio.create_task(stream(client, i)) for i in range(len(prompts))]
-            deadline = time.monotonic() + 120
-            while sum(map(len, got)) < 40 and time.monotonic() < deadline:    # SSE events, ~1 token each
-                await asyncio.sleep(0.02)
-            assert not all(t.done() for t in tasks), "all finished before the kill"
-            status = httpx.get(url + "/v1/cluster/status", timeout=10).json()
-            victim = max((i for i in status["instances"] if i["role"] == role), key=lambda i: i["running"])
-            assert victim["running"] > 0, status
-            # A Serve replica's actor is SERVE_REPLICA::APP#DEPLOYMENT#ID; the instance id ends in ID.
-            actor = next(a for a in ray.util.list_named_actors(all_namespaces=True)
-                         if a["name"].endswith("#" + victim["id"].rsplit("-", 1)[1]))
-            ray.kill(ray.get_actor(actor["name"], namespace=actor["namespace"]), no_restart=True)
-            await asyncio.gather(*tasks)
-            return victim["id"]
-
-    killed = asyncio.run(run())
-    assert ["".join(g) for g in got] == expected
+    texts, killed = _streams_cut_by(url, prompts, kill_the_busiest)
+    assert texts == expected
     _assert_drained(url, timeout=90)
     deadline = time.monotonic() + 120        # Serve's replacement registers with the router
     while time.monotonic() < deadline:
