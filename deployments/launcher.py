@@ -158,7 +158,9 @@ def serve_cluster(app_path: str | None, model: str | None, policy: str | None, h
                 ray.kill(ray.get_actor(cfg.router_name, namespace=cfg.namespace))
             except Exception:
                 pass
-        ray.shutdown()          # a cluster we started goes with its driver, Serve and router included
-        if hap_dir is not None:     # HAProxy is no Ray process: it outlives Ray's kill
-            haproxy_ingress.stop_processes()
-            shutil.rmtree(hap_dir, ignore_errors=True)
+        try:
+            ray.shutdown()      # a cluster we started goes with its driver, Serve and router included
+        finally:
+            if hap_dir is not None:     # HAProxy is no Ray process: it outlives Ray's kill
+                haproxy_ingress.stop_processes()
+                shutil.rmtree(hap_dir, ignore_errors=True)

@@ -19,8 +19,9 @@
 Each cluster variant (default Serve; RAY_SERVE_THROUGHPUT_OPTIMIZED=1; Serve direct ingress,
 where the gateway is also measured on its replica's own port, without the proxy hop; and, only
 when named, `haproxy`: HAProxy instead of Serve's proxy on the Serve port, in front of direct
-ingress, whose stats and metrics listeners bind every interface) runs in a child process of this one with its flags set before ray.init, so they reach every Ray process
-and each variant gets a fresh Ray; the in-process engine baseline runs before and after, here.
+ingress, whose stats and metrics listeners bind every interface) runs in a child process of this
+one with its flags set before ray.init, so they reach every Ray process and each variant gets a
+fresh Ray; the in-process engine baseline runs before and after, here.
 Ray: 127.0.0.1 only, no dashboard, temp dir under /tmp; the child tears down what it started.
 """
 
@@ -264,27 +265,30 @@ def cluster_phase(args) -> dict:
         os.environ["RAY_TMPDIR"] = tmp
         if os.environ.get(haproxy_ingress.FLAG) == "1":
             haproxy_ingress.enable_env(tmp)
-        with local_cluster(cfg, free_port(), tmp) as (url, router):
-            res = {"env": {k: os.environ.get(k, "0") for k in VARIANT_FLAGS}}
-            direct = direct_ingress.urls("raycluster")
-            res["direct_url"] = direct[0] if direct else None
-            http_stream(url, 4, 8, seed=99)                # warm the streaming path
-            res["http_ttft"] = summ(http_ttft(url, ps))
-            if direct:      # the same requests without Serve's proxy hop, in the same cluster
-                res["http_ttft_direct"] = summ(http_ttft(direct[0], ps))
-                res["http_floor_direct"] = summ(probes.http_get_times(direct[0], n))
-            res["client_ttft"] = summ(probes.client_ttft(router, ps))
-            res["http_floor"] = summ(probes.http_get_times(url, n))
-            res["actor_rtt"] = summ(probes.actor_rtt(router, n))
-            res["http_health"] = summ(probes.http_get_times(url, n, "/health"))
-            res["null_engine"] = probes.null_engine_ttft(ps)
-            res["replica_actor_rtt"] = probes.replica_actor_rtt(url, cfg.get("router_name", "raycluster-router"), 100)
-            res["driver_status_rtt"] = summ(probes.actor_rtt(router, 100, "status"))
-            res["http_ttft_again"] = summ(http_ttft(direct[0] if direct else url, ps[: max(20, args.n_ttft // 4)],
-                                                    warmup=0))
-            res["stream"] = http_stream(url, args.streams, args.stream_tokens)
-            if direct:
-                res["stream_direct"] = http_stream(direct[0], args.streams, args.stream_tokens, seed=3)
+        try:
+            with local_cluster(cfg, free_port(), tmp) as (url, router):
+                res = {"env": {k: os.environ.get(k, "0") for k in VARIANT_FLAGS}}
+                direct = direct_ingress.urls("raycluster")
+                res["direct_url"] = direct[0] if direct else None
+                http_stream(url, 4, 8, seed=99)                # warm the streaming path
+                res["http_ttft"] = summ(http_ttft(url, ps))
+                if direct:      # the same requests without Serve's proxy hop, in the same cluster
+                    res["http_ttft_direct"] = summ(http_ttft(direct[0], ps))
+                    res["http_floor_direct"] = summ(probes.http_get_times(direct[0], n))
+                res["client_ttft"] = summ(probes.client_ttft(router, ps))
+                res["http_floor"] = summ(probes.http_get_times(url, n))
+                res["actor_rtt"] = summ(probes.actor_rtt(router, n))
+                res["http_health"] = summ(probes.http_get_times(url, n, "/health"))
+                res["null_engine"] = probes.null_engine_ttft(ps)
+                res["replica_actor_rtt"] = probes.replica_actor_rtt(url, cfg.get("router_name", "raycluster-router"), 100)
+                res["driver_status_rtt"] = summ(probes.actor_rtt(router, 100, "status"))
+                res["http_ttft_again"] = summ(http_ttft(direct[0] if direct else url, ps[: max(20, args.n_ttft // 4)],
+                                                        warmup=0))
+                res["stream"] = http_stream(url, args.streams, args.stream_tokens)
+                if direct:
+                    res["stream_direct"] = http_stream(direct[0], args.streams, args.stream_tokens, seed=3)
+        finally:
+            haproxy_ingress.stop_processes()    # HAProxy outlives Ray (a no-op without it)
     return res
 
 
