@@ -399,6 +399,11 @@ class KVPRunner:
             self.coll.post_plan(plan)       # ranks left out relay it down the chain and skip it
         return self.rank0.run(plan, ranks)
 
+    def _needs_group(self, shares) -> bool:
+        """Whether a block move must be posted to the group: some block is on another KVP rank,
+        or the leader has TP lanes (they hold the leader's blocks' other heads)."""
+        return self.coll is not None and (self.tp > 1 or any(r for r, _, _ in shares))
+
     def _shares(self, block_ids: list[int]):
         """(world rank, positions in `block_ids` of the blocks it holds, its lane) of every rank
         holding some of them, the leader first."""
@@ -412,9 +417,10 @@ class KVPRunner:
         """Write whole blocks [L, n, 2, B, Hkv, D] to engine block ids: each to the lanes of the
         KVP rank holding it, every lane its heads."""
         msg = KVLoad(list(block_ids))
-        if self.coll is not None:
+        shares = list(self._shares(msg.block_ids))
+        if self._needs_group(shares):
             self.coll.post_plan(msg)
-            for r, pos, lane in self._shares(msg.block_ids):
+            for r, pos, lane in shares:
                 if r:
                     part = self.rank0.heads(data.index_select(1, torch.tensor(pos, dtype=torch.long)), lane)
                     self.coll.send(part, r, KV_TAG).wait()
@@ -424,12 +430,13 @@ class KVPRunner:
         """Whole blocks [L, n, 2, B, Hkv, D] of engine block ids, collected from the ranks
         holding them (every lane its heads; a replicated head from the first lane holding it)."""
         msg = KVSave(list(block_ids))
-        if self.coll is not None:
+        shares = list(self._shares(msg.block_ids))
+        if self._needs_group(shares):
             self.coll.post_plan(msg)
         kv = self.rank0.kv_cache
         out = torch.empty((kv.shape[0], len(block_ids)) + tuple(kv.shape[2:4]) + (self.rank0.num_kv_heads, kv.shape[5]),
                           dtype=kv.dtype, device=kv.device)
-        for r, pos, lane in self._shares(msg.block_ids):
+        for r, pos, lane in shares:
             if not kv_holder(self.rank0.num_kv_heads, self.tp, lane):
                 continue
             part = self.rank0.save(msg) if r == 0 else self.coll.recv(self.rank0._blocks(len(pos)), r, KV_TAG)

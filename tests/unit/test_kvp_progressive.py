@@ -365,6 +365,34 @@ def test_a_step_runs_only_on_the_ranks_holding_its_kv(model, monkeypatch, group,
         _close(runner)
 
 
+@pytest.mark.parametrize("tp", [1, 2], ids=["kvp2", "kvp2xtp2"])
+def test_block_moves_reach_the_group_only_when_another_rank_holds_some(model, tp):
+    """P/D handoffs through the leader's port: blocks all on rank 0 load and save without a
+    message to the group (plain KVP; TP lanes hold the leader's other heads, so they always get
+    one); blocks over both ranks go through it. Either way what is saved is what was loaded."""
+    runner = _group(model, kvp=2, tp=tp, kv_cache_tokens=8 * BS, kvp_tokens_per_rank=4 * BS, kvp_start="first_fit")
+    posted = []
+    post_plan = runner.coll.post_plan
+    runner.coll.post_plan = lambda msg: (posted.append(type(msg).__name__), post_plan(msg))
+    try:
+        short = runner.kv.allocator.allocate(3)                 # rank 0
+        long = runner.kv.allocator.allocate(6)                  # a range on rank 0, then rank 1
+        assert _ranks(runner.kv.allocator, short) == [0] * 3
+        assert _ranks(runner.kv.allocator, long) == [0] * 4 + [1] * 2
+        g = torch.Generator().manual_seed(0)
+        for table, msgs in ((short, [] if tp == 1 else ["KVLoad", "KVSave"]), (long, ["KVLoad", "KVSave"])):
+            shape = list(runner.port.tensor.shape)
+            shape[1] = len(table)
+            data = torch.randn(shape, generator=g, dtype=runner.port.tensor.dtype)
+            posted.clear()
+            runner.load_blocks(table, data)
+            torch.testing.assert_close(runner.save_blocks(table), data, atol=0, rtol=0)
+            assert posted == msgs
+        assert runner.ranks.errors == []
+    finally:
+        _close(runner)
+
+
 # ---- engines -----------------------------------------------------------------------------------------
 def test_a_progressive_engine_gives_the_plain_engines_greedy_tokens_and_holds_more_than_a_rank(model):
     """Mixed lengths in one batch (ranges of 4 blocks, or as large as a rank's pool: 32 blocks),
