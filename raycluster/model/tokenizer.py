@@ -179,10 +179,8 @@ class IncrementalDetokenizer:
         return ""
 
     def flush(self) -> str:
-        """The complete characters still held back when generation ends. A character whose bytes
-        were cut off by the end (max_tokens in the middle of a multi-byte character) is dropped,
-        as vLLM does, rather than sent as U+FFFD."""
+        """Whatever is still held back (e.g. a truncated character at the end of generation)."""
         prefix_text = self._decode(self.ids[self.prefix_offset:self.read_offset])
         new_text = self._decode(self.ids[self.prefix_offset:])
         self.prefix_offset = self.read_offset = len(self.ids)
-        return new_text[len(prefix_text):].rstrip("\ufffd")
+        return new_text[len(prefix_text):]
