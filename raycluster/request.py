@@ -46,7 +46,7 @@ class SamplingParams:
     top_p: float = 1.0
     top_k: int = 0                  # 0 disables top-k
     min_p: float = 0.0              # vLLM's: drop tokens less likely than min_p x the likeliest one
-    seed: int | None = None         # per-request generator: reproducible regardless of batching
+    seed: int | None = None         # token k drawn with (seed, k): same tokens whatever the batch or instance
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False

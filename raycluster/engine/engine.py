@@ -290,7 +290,7 @@ class LLMEngine:
                                                [constraints[i] for i in guided],
                                                [sampled_reqs[i].output_token_ids for i in guided],
                                                raw=None if logits is step.logits else step.logits)
-                tokens = self.sampler.sample(logits, [r.request_id for r in sampled_reqs], params)
+                tokens = self.sampler.sample(logits, params, [len(r.output_token_ids) for r in sampled_reqs])
                 for i in guided:
                     self._guided.advance(sampled_reqs[i].request_id, tokens[i])
                 rows = [i for i, r in enumerate(sampled_reqs) if r.sampling.logprobs is not None]
@@ -329,7 +329,6 @@ class LLMEngine:
         return result
 
     def _forget(self, rid: str) -> None:
-        self.sampler.forget(rid)
         if self._guided is not None:
             self._guided.forget(rid)
 

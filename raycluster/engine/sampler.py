@@ -1,10 +1,12 @@
 """Token sampling from the logits rows of one step.
 
 Greedy rows are one batched argmax. Random rows apply temperature, min-p, top-k and top-p (vLLM
-v1's order), then draw
-with the request's own `torch.Generator` when it has a seed, so a seeded request yields the same
-tokens whatever it is batched with. Logits enter as [n, vocab] float tensors; token ids leave as
-a Python list. `logprobs` reads the same rows for the requests that ask for log-probabilities
+v1's order), then draw. A seeded request's k-th output token is drawn from a generator seeded by
+(seed, k) alone (`token_seed`), so it is the same whatever the request is batched with and
+wherever it runs: a P/D handoff or a resume on another instance continues the stream the first
+instance started, where a generator carried by one process would restart it. Unseeded rows share
+the sampler's own generator. Logits enter as [n, vocab] float tensors, with each row's count of
+output tokens so far; token ids leave as a Python list. `logprobs` reads the same rows for the requests that ask for log-probabilities
 (raw logits: before penalties, temperature, top-k and top-p), with each token's rank in the
 vocabulary. `penalize` returns the logits with each penalized row adjusted by its request's
 history and `logit_bias`, and `banned` ids (EOS and stop ids before `min_tokens`) at -inf (a
@@ -20,27 +22,33 @@ import torch
 from raycluster.request import SamplingParams, TokenLogprob
 
 
+_MASK64 = (1 << 64) - 1
+
+
+def token_seed(seed: int, k: int) -> int:
+    """The generator seed for output token k of a request seeded `seed`: splitmix64 of the pair,
+    so neighbouring seeds and positions give unrelated streams."""
+    z = (seed * 0x9E3779B97F4A7C15 + (k + 1) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return z ^ (z >> 31)
+
+
 class Sampler:
     def __init__(self, seed: int = 0) -> None:
         self._default = torch.Generator().manual_seed(seed)
-        self._per_request: dict[str, torch.Generator] = {}
+        self._seeded = torch.Generator()        # reseeded per seeded row
 
-    def forget(self, request_id: str) -> None:
-        self._per_request.pop(request_id, None)
-
-    def _generator(self, request_id: str, params: SamplingParams) -> torch.Generator:
-        if params.seed is None:
-            return self._default
-        gen = self._per_request.get(request_id)
-        if gen is None:
-            gen = self._per_request[request_id] = torch.Generator().manual_seed(params.seed)
-        return gen
-
-    def sample(self, logits: torch.Tensor, request_ids: list[str], params: list[SamplingParams]) -> list[int]:
+    def sample(self, logits: torch.Tensor, params: list[SamplingParams], num_generated: list[int]) -> list[int]:
+        """One token per row; `num_generated[i]`: output tokens row i's request has so far."""
         out = logits.argmax(dim=-1).tolist()
-        for i, (rid, sp) in enumerate(zip(request_ids, params)):
+        for i, sp in enumerate(params):
             if sp.temperature > 0:
-                out[i] = self._sample_row(logits[i], sp, self._generator(rid, sp))
+                if sp.seed is None:
+                    gen = self._default
+                else:
+                    gen = self._seeded.manual_seed(token_seed(sp.seed, num_generated[i]))
+                out[i] = self._sample_row(logits[i], sp, gen)
         return out
 
     @staticmethod

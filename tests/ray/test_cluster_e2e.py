@@ -1,11 +1,11 @@
 """The cluster over real HTTP on a local Ray cluster: mixed pools and prefill/decode pools with
 KV moved by each connector give exactly the single-engine greedy output for 50 mixed requests,
 streamed and not (for P/D: every decode-side pull succeeded, so the KV really moved and was not
-recomputed), also while the pressure controller moves instances between the prefill pools; the
-openai client works; streams survive a router restart (killed mid-stream, Ray restarts it, the
-gateway resubmits, the text is still the single engine's) and an engine replica killed
-mid-stream (its requests resume elsewhere); afterwards every instance's KV is free and the
-router's in-flight table is empty."""
+recomputed), and the single engine's seeded sampled output, also while the pressure controller
+moves instances between the prefill pools; the openai client works; streams, greedy and seeded,
+survive a router restart (killed mid-stream, Ray restarts it, the gateway resubmits, the text is
+still the single engine's) and an engine replica killed mid-stream (its requests resume
+elsewhere); afterwards every instance's KV is free and the router's in-flight table is empty."""
 
 from __future__ import annotations
 
@@ -94,43 +94,43 @@ def expected(tiny_model_dir, workload):
     return [tok.decode(o) for o in outs]
 
 
+SEEDED = {"temperature": 0.9, "top_p": 0.95}       # sampled requests (each with its own seed)
+
+
+def _single_engine_texts(tiny_model_dir, prompts: list, max_tokens: int, params: list[dict]) -> list[str]:
+    """The single engine's text for each prompt under its sampling fields (greedy by default)."""
+    from raycluster.engine.config import EngineConfig
+    from raycluster.engine.engine import LLMEngine
+    from raycluster.model.loader import load_model
+    from raycluster.model.tokenizer import Tokenizer
+    from raycluster.request import SamplingParams
+
+    model, mcfg = load_model(tiny_model_dir)
+    eng = LLMEngine(EngineConfig(policy="fcfs", packer="token", kv_cache_tokens=32768), model)
+    outs = eng.generate(prompts, [SamplingParams(max_tokens=max_tokens, ignore_eos=True, **p) for p in params])
+    tok = Tokenizer(tiny_model_dir, mcfg.eos_token_id)
+    return [tok.decode(o) for o in outs]
+
+
 @pytest.fixture(scope="module")
 def prefix_workload(tiny_model_dir):
     """A 320-token system prompt (20 blocks of 16) and 5 prompts that continue it with 8-40
     tokens of their own, and their single-engine greedy text."""
-    from raycluster.engine.config import EngineConfig
-    from raycluster.engine.engine import LLMEngine
-    from raycluster.model.loader import load_model
-    from raycluster.model.tokenizer import Tokenizer
-    from raycluster.request import SamplingParams
-
     rng = random.Random(11)
     system = [rng.randrange(6, 4000) for _ in range(320)]
     prompts = [system + [rng.randrange(6, 4000) for _ in range(rng.randrange(8, 40))] for _ in range(5)]
-    model, mcfg = load_model(tiny_model_dir)
-    eng = LLMEngine(EngineConfig(policy="fcfs", packer="token", kv_cache_tokens=32768), model)
-    outs = eng.generate(prompts, [SamplingParams(max_tokens=6, ignore_eos=True)] * len(prompts))
-    tok = Tokenizer(tiny_model_dir, mcfg.eos_token_id)
-    return prompts, [tok.decode(o) for o in outs]
+    return prompts, _single_engine_texts(tiny_model_dir, prompts, 6, [{}] * len(prompts))
 
 
 @pytest.fixture(scope="module")
 def restart_workload(tiny_model_dir):
-    """12 streams long enough to be cut mid-way (token-id prompts, 48 tokens each) and their
-    single-engine greedy text."""
-    from raycluster.engine.config import EngineConfig
-    from raycluster.engine.engine import LLMEngine
-    from raycluster.model.loader import load_model
-    from raycluster.model.tokenizer import Tokenizer
-    from raycluster.request import SamplingParams
-
+    """12 streams long enough to be cut mid-way (token-id prompts, 48 tokens each; odd ones
+    sampled with seed 100 + i, even ones greedy), their sampling fields and their single-engine
+    text: a stream resumed elsewhere must go on drawing its seeded tokens as if never cut."""
     rng = random.Random(5)
     prompts = [[rng.randrange(6, 4000) for _ in range(rng.choice([20, 60, 150, 400]))] for _ in range(12)]
-    model, mcfg = load_model(tiny_model_dir)
-    eng = LLMEngine(EngineConfig(policy="fcfs", packer="token", kv_cache_tokens=32768), model)
-    outs = eng.generate(prompts, [SamplingParams(max_tokens=48, ignore_eos=True)] * len(prompts))
-    tok = Tokenizer(tiny_model_dir, mcfg.eos_token_id)
-    return prompts, [tok.decode(o) for o in outs]
+    params = [{} if i % 2 == 0 else {**SEEDED, "seed": 100 + i} for i in range(12)]
+    return prompts, params, _single_engine_texts(tiny_model_dir, prompts, 48, params)
 
 
 @pytest.fixture(scope="module", params=list(TOPOLOGIES))
@@ -317,6 +317,32 @@ def test_structured_outputs_follow_the_request_across_instances(cluster, tiny_mo
     _assert_drained(url)
 
 
+def test_seeded_sampling_equals_single_engine(cluster, tiny_model_dir):
+    """Sampled requests with a seed give the single engine's text on every topology: token k is
+    drawn from (seed, k), so in P/D the decode instance goes on with the draws the prefill
+    instance started (the 300- and 600-token prompts take the long pool, an SPP group in
+    pd-groups; decodes run on a KVP group there)."""
+    url, name = cluster
+    rng = random.Random(31)         # its own prompts
+    prompts = [[rng.randrange(6, 4000) for _ in range(n)] for n in (5, 40, 120, 300, 600, 30)]
+    params = [{**SEEDED, "top_k": 50, "seed": 200 + i} for i in range(len(prompts))]
+    want = _single_engine_texts(tiny_model_dir, prompts, 10, params)
+    assert len(set(want)) == len(want)
+
+    async def one(client: httpx.AsyncClient, i: int) -> str:
+        body = {"prompt": prompts[i], "max_tokens": 10, "ignore_eos": True, **params[i]}
+        r = await client.post(url + "/v1/completions", json=body)
+        assert r.status_code == 200, r.text
+        return r.json()["choices"][0]["text"]
+
+    async def run():
+        async with httpx.AsyncClient(timeout=120) as client:
+            return await asyncio.gather(*(one(client, i) for i in range(len(prompts))))
+
+    assert asyncio.run(run()) == want, name
+    _assert_drained(url)
+
+
 def test_openai_client_and_status(cluster):
     openai = pytest.importorskip("openai")
     url, name = cluster
@@ -386,14 +412,16 @@ def test_controller_moves_a_long_instance_when_short_prompts_pile_up(cluster, wo
     _assert_drained(url)
 
 
-def _streams_cut_by(url: str, prompts: list, kill, max_tokens: int = 48) -> tuple[list[str], object]:
-    """Greedy streams of `prompts`; once 40 SSE events (about a token each) have come and some
-    stream is still running, `kill()` runs; returns every stream's text and what `kill` returned."""
+def _streams_cut_by(url: str, prompts: list, params: list[dict], kill,
+                    max_tokens: int = 48) -> tuple[list[str], object]:
+    """Streams of `prompts` (greedy unless `params[i]` says otherwise); once 40 SSE events (about
+    a token each) have come and some stream is still running, `kill()` runs; returns every
+    stream's text and what `kill` returned."""
     got: list[list[str]] = [[] for _ in prompts]
 
     async def stream(client: httpx.AsyncClient, i: int) -> None:
         body = {"prompt": prompts[i], "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
-                "stream": True}
+                "stream": True, **params[i]}
         async with client.stream("POST", url + "/v1/completions", json=body) as r:
             assert r.status_code == 200
             async for line in r.aiter_lines():
@@ -422,8 +450,8 @@ def test_router_restart_resumes_every_stream(cluster, restart_workload):
         pytest.skip("one mixed and one P/D topology")
     import ray
 
-    prompts, expected = restart_workload
-    texts, _ = _streams_cut_by(url, prompts, lambda: ray.kill(ray.get_actor(f"router-{name}", namespace="raycluster"),
+    prompts, params, expected = restart_workload
+    texts, _ = _streams_cut_by(url, prompts, params, lambda: ray.kill(ray.get_actor(f"router-{name}", namespace="raycluster"),
                                                                no_restart=False))
     assert texts == expected
     assert httpx.get(url + "/health", timeout=30).json()["resubmitted"] > 0
@@ -477,7 +505,7 @@ def test_a_killed_instance_resumes_its_streams_elsewhere(cluster, restart_worklo
         pytest.skip("one mixed and one P/D topology")
     import ray
 
-    prompts, expected = restart_workload
+    prompts, params, expected = restart_workload
     role = "mixed" if name == "mixed" else "decode"
     before = {i["id"] for i in httpx.get(url + "/v1/cluster/status", timeout=10).json()["instances"]}
 
@@ -491,7 +519,7 @@ def test_a_killed_instance_resumes_its_streams_elsewhere(cluster, restart_worklo
         ray.kill(ray.get_actor(actor["name"], namespace=actor["namespace"]), no_restart=True)
         return victim["id"]
 
-    texts, killed = _streams_cut_by(url, prompts, kill_the_busiest)
+    texts, killed = _streams_cut_by(url, prompts, params, kill_the_busiest)
     assert texts == expected
     _assert_drained(url, timeout=90)
     deadline = time.monotonic() + 120        # Serve's replacement registers with the router

@@ -111,6 +111,24 @@ def test_seeded_sampling_reproducible_across_batches(loaded):
     assert other_seed != alone
 
 
+def test_a_seeded_request_resumed_elsewhere_continues_its_stream(loaded):
+    """A seeded request cut after k tokens and resumed on another engine from prompt + those
+    tokens (a router's resume, or a P/D handoff's decode side after k = 1) yields the tokens the
+    first engine would have: token k's draw depends on (seed, k), not on a generator's history."""
+    sp = SamplingParams(max_tokens=12, temperature=0.9, top_p=0.95, seed=77, ignore_eos=True)
+    whole = _engine(loaded).generate([[20, 21, 22]], sp)[0]
+    assert len(set(whole)) > 3              # really sampled
+    for k in (1, 5):
+        eng = _engine(loaded)
+        req = eng.add_request("r", [20, 21, 22], sp, output_token_ids=whole[:k])
+        for _ in range(50):
+            if not eng.has_unfinished():
+                break
+            eng.step()
+        assert req.output_token_ids == whole, k
+        eng.kv.check()
+
+
 def test_eos_and_stop_token_ids_stop_unless_ignored(loaded):
     eng = _engine(loaded)
     greedy = eng.generate([[20, 21, 22]], SamplingParams(max_tokens=8, ignore_eos=True))[0]

@@ -3,27 +3,27 @@
 import pytest
 import torch
 
-from raycluster.engine.sampler import Sampler
+from raycluster.engine.sampler import Sampler, token_seed
 from raycluster.request import SamplingParams
 
 
 def test_greedy_is_argmax():
     logits = torch.tensor([[0.1, 2.0, -1.0], [3.0, 0.0, 0.0]])
-    assert Sampler().sample(logits, ["a", "b"], [SamplingParams(), SamplingParams()]) == [1, 0]
+    assert Sampler().sample(logits, [SamplingParams(), SamplingParams()], [0, 0]) == [1, 0]
 
 
 def test_top_k_one_equals_greedy_and_top_p_tiny_keeps_only_best():
     logits = torch.randn(4, 50, generator=torch.Generator().manual_seed(0))
     greedy = logits.argmax(-1).tolist()
     s = Sampler()
-    assert s.sample(logits, list("abcd"), [SamplingParams(temperature=1.0, top_k=1)] * 4) == greedy
-    assert s.sample(logits, list("efgh"), [SamplingParams(temperature=1.0, top_p=1e-6)] * 4) == greedy
+    assert s.sample(logits, [SamplingParams(temperature=1.0, top_k=1)] * 4, [0] * 4) == greedy
+    assert s.sample(logits, [SamplingParams(temperature=1.0, top_p=1e-6)] * 4, [0] * 4) == greedy
 
 
 def test_top_k_restricts_support():
     logits = torch.arange(10, dtype=torch.float32)[None]
     s = Sampler(seed=1)
-    seen = {s.sample(logits, [f"r{i}"], [SamplingParams(temperature=5.0, top_k=3)])[0] for i in range(200)}
+    seen = {s.sample(logits, [SamplingParams(temperature=5.0, top_k=3)], [i])[0] for i in range(200)}
     assert seen == {7, 8, 9}
 
 
@@ -33,12 +33,27 @@ def test_seeded_request_is_reproducible_regardless_of_batch():
     sp = SamplingParams(temperature=1.0, seed=42)
     alone = Sampler(seed=0)
     batched = Sampler(seed=123)
-    a = [alone.sample(rows[i:i + 1], ["x"], [sp])[0] for i in range(8)]
+    a = [alone.sample(rows[i:i + 1], [sp], [i])[0] for i in range(8)]
     b = []
     for i in range(8):    # same request, now sharing each step with an unseeded neighbour
-        b.append(batched.sample(torch.stack([rows[i], rows[(i + 1) % 8]]), ["x", "y"],
-                                [sp, SamplingParams(temperature=1.0)])[0])
+        b.append(batched.sample(torch.stack([rows[i], rows[(i + 1) % 8]]),
+                                [sp, SamplingParams(temperature=1.0)], [i, 3])[0])
     assert a == b
+
+
+def test_a_seeded_draw_depends_on_seed_and_position_only():
+    """Token k of a seeded request: the same from any sampler, whatever came before it (a resume
+    or a P/D handoff starts mid-stream); other positions and seeds draw differently."""
+    row = torch.zeros(1, 1000)          # uniform: the draw is the generator's alone
+    sp = SamplingParams(temperature=1.0, seed=5)
+    stream = Sampler(seed=0)
+    seq = [stream.sample(row, [sp], [k])[0] for k in range(20)]
+    assert [Sampler(seed=9).sample(row, [sp], [k])[0] for k in (7, 3, 12)] == [seq[7], seq[3], seq[12]]
+    assert len(set(seq)) > 15
+    other = [Sampler().sample(row, [SamplingParams(temperature=1.0, seed=6)], [k])[0] for k in range(20)]
+    assert sum(a == b for a, b in zip(seq, other)) <= 2
+    assert len({token_seed(s, k) for s in range(-3, 30) for k in range(30)}) == 33 * 30
+    assert all(0 <= token_seed(s, k) < 2 ** 64 for s in (-(2 ** 70), 0, 2 ** 70) for k in (0, 1))
 
 
 def test_min_p_keeps_tokens_at_least_that_fraction_of_the_likeliest():
@@ -48,11 +63,11 @@ def test_min_p_keeps_tokens_at_least_that_fraction_of_the_likeliest():
     logits = torch.arange(10, dtype=torch.float32)[None]
     s = Sampler(seed=2)
     for min_p, support in ((0.3, {8, 9}), (0.1, {7, 8, 9}), (1.0, {9})):
-        seen = {s.sample(logits, [f"m{min_p}-{i}"], [SamplingParams(temperature=1.0, min_p=min_p)])[0]
+        seen = {s.sample(logits, [SamplingParams(temperature=1.0, min_p=min_p)], [i])[0]
                 for i in range(300)}
         probs = torch.softmax(logits[0], -1)
         assert seen == support == {i for i in range(10) if probs[i] >= min_p * probs.max()}
-    assert s.sample(logits - 5, ["g"], [SamplingParams(min_p=0.9)]) == [9]
+    assert s.sample(logits - 5, [SamplingParams(min_p=0.9)], [0]) == [9]
 
 
 def test_logprobs_rank_counts_strictly_likelier_tokens():
