@@ -1,11 +1,13 @@
 """Builds the Serve application from a `ClusterConfig` (the `args` of a Serve config YAML):
-creates the named router actor, one `EngineInstance` deployment per pool and the gateway.
+creates the named router actor (or hands a running one the new config), one `EngineInstance`
+deployment per pool and the gateway.
 
     import_path: deployments.app:build_app
 """
 
 from __future__ import annotations
 
+import ray
 from ray import serve
 
 from deployments.engine_instance import EngineInstance
@@ -15,6 +17,9 @@ from raycluster.cluster.config import ClusterConfig, PoolSpec
 from raycluster.cluster.router_actor import get_or_create_router
 from raycluster.cluster.router_core import RouterConfig
 from raycluster.sched.base import SLOConfig
+
+
+ROUTER_WAIT_S = 120.0       # for the router actor to start (first deploy) and take the config
 
 
 def router_config(cfg: ClusterConfig) -> RouterConfig:
@@ -47,7 +52,10 @@ def pool_options(cfg: ClusterConfig, pool: PoolSpec) -> dict:
 
 def build_app(args: dict) -> serve.Application:
     cfg = ClusterConfig(**(args or {}))
-    get_or_create_router(router_config(cfg), name=cfg.router_name, namespace=cfg.namespace)
+    rcfg = router_config(cfg)
+    router = get_or_create_router(rcfg, name=cfg.router_name, namespace=cfg.namespace)
+    # A router from an earlier deploy outlives it (detached): it takes this deploy's config.
+    ray.get(router.reconfigure.remote(rcfg), timeout=ROUTER_WAIT_S)
     blob = cfg.model_dump_json()
     pools = [EngineInstance.options(**pool_options(cfg, p)).bind(p.role, blob) for p in cfg.deployed_pools()]
     return Gateway.options(num_replicas=cfg.gateway_replicas,

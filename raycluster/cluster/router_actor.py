@@ -9,29 +9,42 @@ An instance's poll is also its heartbeat, a gateway's pull too; a background tas
 instances (their work is re-queued) and silent gateways (their requests are aborted) every
 second and exports queue/in-flight gauges (ray.util.metrics, "ray_" prefix on the metrics port).
 
+The five calls on the token path (`submit`, `abort`, `pull`, `poll`, `push`) record no Ray task
+events: there are several per engine step, and the GCS keeps up to 100k task events in memory
+(pd.yaml under long-mix at QPS 2 took it from 56 to 331 MB in 5 minutes, 53 to 56 MB without
+them); the dashboard's task list shows the other calls.
+
 Ray restarts the actor if its process dies (`max_restarts=-1`); the new incarnation starts empty
 under a new `router_id`, and instances and gateways recover their work from it (messages.py).
+A redeploy hands the live router its new config (`reconfigure`, router_reconfigure.py); since Ray
+re-runs `__init__` with the creation args, a named router also keeps the config last applied to
+it in the GCS key-value store (what Serve's controller keeps its own state in), and a restarted
+incarnation starts from that one.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import pickle
 import time
 import uuid
 from dataclasses import asdict
 
 import ray
+from ray.experimental.internal_kv import _internal_kv_get, _internal_kv_put
 
 from raycluster.cluster import router_autoscale
 from raycluster.cluster.messages import (GatewayReply, InstanceStats, PollReply, RequestMeta,
                                          StepReport, SubmitReply)
 from raycluster.cluster.router_core import QUEUES, RouterConfig, RouterCore
+from raycluster.cluster.router_reconfigure import reconfigure
 
 log = logging.getLogger(__name__)
 
 ROUTER_NAME = "raycluster-router"
 ROUTER_NAMESPACE = "raycluster"
+KV_NAMESPACE = "raycluster"     # the GCS key-value store's namespace for the routers' configs
 MAX_POLL_S = 30.0       # cap on a caller's long-poll (keeps heartbeats and shutdown prompt)
 
 
@@ -40,6 +53,16 @@ class RouterActor:
     def __init__(self, cfg: RouterConfig | dict | None = None, reap_interval_s: float = 1.0) -> None:
         if isinstance(cfg, dict):
             cfg = RouterConfig(**cfg)
+        ctx = ray.get_runtime_context()
+        name, self._actor_id = ctx.get_actor_name(), ctx.get_actor_id()
+        self._cfg_key = f"router-config/{ctx.namespace}/{name}" if name else None
+        if self._cfg_key is not None:
+            saved = _internal_kv_get(self._cfg_key, namespace=KV_NAMESPACE)
+            saved_by, saved_cfg = pickle.loads(saved) if saved else (None, None)
+            if saved_by == self._actor_id:      # this actor restarted (its id stays): the last config
+                cfg = saved_cfg
+            else:                               # a new router under this name: its creation args
+                self._save_config(cfg or RouterConfig())
         # EpochClock: time.time() like arrivals. A fresh id per incarnation (restarts included),
         # sorting by start time, so a gateway can tell the newer of two routers.
         router_id = f"{time.time_ns():016x}-{uuid.uuid4().hex[:6]}"
@@ -50,6 +73,11 @@ class RouterActor:
         self._bg: asyncio.Task | None = None
         self._ctl: asyncio.Task | None = None
         self._metrics = _Metrics()
+
+    def _save_config(self, cfg: RouterConfig) -> None:
+        if self._cfg_key is not None:
+            _internal_kv_put(self._cfg_key, pickle.dumps((self._actor_id, cfg)), overwrite=True,
+                             namespace=KV_NAMESPACE)
 
     def _ensure_bg(self) -> None:
         # The loop exists only once a method runs, so the reaper starts lazily.
@@ -82,6 +110,8 @@ class RouterActor:
         parked polls delivers it at once."""
         while True:
             await asyncio.sleep(self.core.cfg.pressure_period_s)
+            if self.core.pressure is None:
+                return                          # a redeploy turned the controller off
             try:
                 for mv in self.core.pressure.step(self.core, self.core.clock.now()):
                     log.info("router: controller moved %s from %s to %s", mv["instance"], mv["from"], mv["to"])
@@ -106,17 +136,20 @@ class RouterActor:
             pass
 
     # ------------------------------------------------------------- gateway side
+    @ray.method(enable_task_events=False)
     async def submit(self, meta: RequestMeta) -> SubmitReply:
         self._ensure_bg()
         reply = self.core.submit(meta)
         self._wake()
         return reply
 
+    @ray.method(enable_task_events=False)
     async def abort(self, request_id: str) -> bool:
         ok = self.core.abort(request_id)
         self._wake()
         return ok
 
+    @ray.method(enable_task_events=False)
     async def pull(self, gateway_id: str, timeout_s: float = 0.5) -> GatewayReply:
         self._ensure_bg()
         if not self.core.has_events(gateway_id) and timeout_s > 0:
@@ -126,6 +159,7 @@ class RouterActor:
         return self.core.take_events(gateway_id)
 
     # ------------------------------------------------------------- instance side
+    @ray.method(enable_task_events=False)
     async def poll(self, instance_id: str, stats: InstanceStats, timeout_s: float = 0.5) -> PollReply:
         self._ensure_bg()
         reply = self.core.on_poll(instance_id, stats)
@@ -137,10 +171,22 @@ class RouterActor:
             reply = self.core.take_outbox(instance_id)
         return reply
 
+    @ray.method(enable_task_events=False)
     async def push(self, report: StepReport) -> None:
         self._ensure_bg()
         self.core.on_report(report)
         self._wake()
+
+    # ------------------------------------------------------------- deployment
+    async def reconfigure(self, cfg: RouterConfig) -> list[str]:
+        """Apply a redeployed config (every `build_app` sends it); returns the fields that changed."""
+        changed = reconfigure(self.core, cfg)
+        if changed:
+            self._save_config(cfg)
+            log.info("router: config changed: %s", ", ".join(changed))
+            self._ensure_bg()                   # the controller may be on now
+            self._wake()
+        return changed
 
     # ------------------------------------------------------------- inspection
     async def status(self) -> dict:
@@ -203,7 +249,7 @@ class _Metrics:
 def get_or_create_router(cfg: RouterConfig | None = None, name: str = ROUTER_NAME,
                          namespace: str = ROUTER_NAMESPACE):
     """The cluster's router handle: created detached on first use, the same actor afterwards
-    (a later caller's `cfg` is ignored when the actor exists). Restarted whenever it dies, with
-    the same `cfg`; `ray.kill` (no_restart) ends it for good."""
+    (a later caller's `cfg` is ignored when the actor exists: `reconfigure` applies one).
+    Restarted whenever it dies, with the config last applied; `ray.kill` (no_restart) ends it."""
     return RouterActor.options(name=name, namespace=namespace, lifetime="detached", max_restarts=-1,
                                get_if_exists=True).remote(cfg)

@@ -80,7 +80,8 @@ class RouterCore:
         for c in self.ctxs.values():
             c.predictor = predictor
 
-    def _topology_changed(self) -> None:
+    def topology_changed(self) -> None:
+        """Instances came, left or changed role, or the standby pools changed: recount servers."""
         self._alive_cache.clear()
         for q, c in self.ctxs.items():
             c.num_servers = max(1, len(self._alive(*self._serving_roles(q))))
@@ -268,7 +269,7 @@ class RouterCore:
         if role not in movable or inst.role not in movable:
             raise ValueError(f"move {instance_id!r} ({inst.role}) to {role!r}: only between {movable}")
         inst.role = inst.moving_to = inst.outbox.role = role
-        self._topology_changed()
+        self.topology_changed()
 
     def has_outbox(self, instance_id: str) -> bool:
         inst = self.instances.get(instance_id)
@@ -288,13 +289,13 @@ class RouterCore:
                                                           epoch=f"{self.router_id}.{self._registrations}")
             inst.sent = stats.work_seen or 0    # items applied before count against nothing here
             self.prefix_index.forget(instance_id)
-            self._topology_changed()
+            self.topology_changed()
         if inst.moving_to is not None:          # stats from before the move reached it: keep ours
             if stats.role == inst.moving_to:
                 inst.moving_to = None
         elif stats.role in ROLES and inst.role != stats.role:
             inst.role = stats.role
-            self._topology_changed()
+            self.topology_changed()
         inst.stats, inst.last_seen = stats, now
         inst.transit.settle(stats.steps, getattr(stats, "work_seen", None), inst.sent, now,
                             self.cfg.transit_timeout_s)
@@ -316,7 +317,7 @@ class RouterCore:
         self.prefix_index.forget(instance_id)
         if inst is None:
             return
-        self._topology_changed()
+        self.topology_changed()
         self.dead.append(instance_id)
         for st in self.requests.values():
             if st.kv_at == instance_id:          # parked KV is gone with it

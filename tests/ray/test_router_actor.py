@@ -1,5 +1,6 @@
 """The router actor on a local Ray cluster: long-polls, a fake instance streaming tokens through
-it to two fake gateways (batched per step / per pull), and the named-actor lookup."""
+it to two fake gateways (batched per step / per pull), the named-actor lookup, and a redeploy's
+config applied live and kept across a restart."""
 
 import asyncio
 import time
@@ -118,6 +119,54 @@ def test_named_router_is_found_twice(ray_cluster):
     assert ray.get(b.status.remote())["policy"] == "edf"
     assert ray.get_actor(name, namespace="raycluster")._actor_id == a._actor_id
     ray.kill(a)
+
+
+def _status_when(router, ok, timeout_s: float = 60.0) -> dict:
+    """The router's status once `ok(status)` holds (through a restart: calls fail meanwhile)."""
+    deadline, st = time.monotonic() + timeout_s, None
+    while time.monotonic() < deadline:
+        try:
+            st = ray.get(router.status.remote(), timeout=10)
+            if ok(st):
+                return st
+        except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+            pass
+        time.sleep(0.2)
+    raise AssertionError(f"router status not as expected within {timeout_s} s: {st}")
+
+
+def test_a_redeploy_reconfigures_the_live_router_and_a_restart_keeps_it(ray_cluster):
+    """`reconfigure` (what every build_app sends) changes a running router's policy and bounds
+    with a request queued in it; Ray restarts a dead router with its creation args, yet it comes
+    back with the config last applied; a router created anew under the name starts from its own."""
+    name = f"router-test-{uuid.uuid4().hex[:6]}"
+    router = get_or_create_router(RouterConfig(policy="fcfs", max_queue=64, max_local_waiting=1), name=name)
+    assert ray.get(router.reconfigure.remote(RouterConfig(policy="fcfs", max_queue=64, max_local_waiting=1))) == []
+    ray.get(router.poll.remote("i", stats("i", waiting=1), 0.0))      # no slot: requests queue
+    assert ray.get(router.submit.remote(meta("q", "g", 2))).accepted
+    changed = ray.get(router.reconfigure.remote(RouterConfig(policy="edf", max_queue=7, max_local_waiting=1)))
+    assert changed == ["policy", "max_queue"]
+    st = ray.get(router.status.remote())
+    assert (st["policy"], st["max_queue"], st["queue_depth"]) == ("edf", 7, 1)
+    ray.get(router.abort.remote("q"))
+
+    first_id = st["router_id"]
+    ray.kill(router, no_restart=False)
+    st = _status_when(router, lambda st: st["router_id"] != first_id)
+    assert (st["policy"], st["max_queue"]) == ("edf", 7)
+
+    ray.kill(router)                                   # for good: the next one is a new router
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        try:
+            ray.get_actor(name, namespace="raycluster")
+            time.sleep(0.2)
+        except ValueError:
+            break
+    fresh = get_or_create_router(RouterConfig(policy="lars", max_queue=5), name=name)
+    st = _status_when(fresh, lambda st: True)
+    assert (st["policy"], st["max_queue"]) == ("lars", 5)
+    ray.kill(fresh)
 
 
 def test_controller_tick_moves_an_instance_and_wakes_its_parked_poll(ray_cluster):
