@@ -54,8 +54,11 @@ def build_app(args: dict) -> serve.Application:
     cfg = ClusterConfig(**(args or {}))
     rcfg = router_config(cfg)
     router = get_or_create_router(rcfg, name=cfg.router_name, namespace=cfg.namespace)
-    # A router from an earlier deploy outlives it (detached): it takes this deploy's config.
-    ray.get(router.reconfigure.remote(rcfg), timeout=ROUTER_WAIT_S)
+    # A router from an earlier deploy outlives it (detached): it takes this deploy's config, and
+    # requests arriving while Serve (re)starts the pools' replicas wait for them instead of a 503.
+    ray.get([router.reconfigure.remote(rcfg),
+             router.expect_instances.remote([p.role for p in cfg.deployed_pools()], cfg.deploy_grace_s)],
+            timeout=ROUTER_WAIT_S)
     blob = cfg.model_dump_json()
     pools = [EngineInstance.options(**pool_options(cfg, p)).bind(p.role, blob) for p in cfg.deployed_pools()]
     return Gateway.options(num_replicas=cfg.gateway_replicas,

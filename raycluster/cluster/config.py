@@ -143,6 +143,9 @@ class ClusterConfig(BaseModel):
     transfer_timeout_s: float = Field(10.0, gt=0)
     kv_lease_s: float = Field(30.0, gt=0)
     max_queue: int = Field(256, ge=1, description="requests waiting in the router before 429")
+    deploy_grace_s: float = Field(600.0, ge=0, description="after a deploy (or redeploy), how long its pools "
+                                  "count as present while their instances (re)start: a request arriving "
+                                  "when none is up waits in its queue instead of a 503")
     max_local_waiting: int = Field(8, ge=1, description="requests an instance may hold that have not started; "
                                    "small keeps the global order, large ramps bursts up faster")
     initial_l_m: int = Field(2048, ge=1, description="short/long prompt boundary until refitted")

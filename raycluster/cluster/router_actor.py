@@ -188,6 +188,10 @@ class RouterActor:
             self._wake()
         return changed
 
+    async def expect_instances(self, roles: list[str], for_s: float) -> None:
+        """A deploy is starting these pools' instances (`RouterCore.expect_instances`)."""
+        self.core.expect_instances(roles, for_s)
+
     # ------------------------------------------------------------- inspection
     async def status(self) -> dict:
         st = self.core.status()

@@ -68,6 +68,7 @@ class RouterCore:
         self.requests: dict[str, ReqState] = {}
         self.gateways: dict[str, list[TokenEvent]] = {}
         self.gateway_seen: dict[str, float] = {}        # last submit or pull, per gateway
+        self.expected: dict[str, float] = {}            # role -> until when a deploy's pool counts as present
         self.dead: list[str] = []
 
     # ---------------------------------------------------------------- topology
@@ -94,10 +95,22 @@ class RouterCore:
             found = self._alive_cache[roles] = [i for i in self.instances.values() if i.role in roles]
         return found
 
+    def expect_instances(self, roles: list[str], for_s: float) -> None:
+        """A deploy is (re)starting instances of `roles`: for `for_s` those pools count as present
+        even with no instance up, so a request arriving in the gap waits in its queue (bounded by
+        max_queue) instead of being refused for "no instances"."""
+        until = self.clock.now() + for_s
+        self.expected = {r: until for r in roles}
+        self.topology_changed()
+
+    def _held(self, role: str) -> bool:
+        """A pool with no instance whose queue waits for one: standby, or a deploy's."""
+        return role in self.cfg.standby_roles or self.expected.get(role, 0.0) > self.clock.now()
+
     def _present(self, role: str) -> bool:
-        """A pool that takes work now, or will: live instances, or a standby pool (autoscaled
-        from zero: its queue waits for its first instance)."""
-        return bool(self._alive(role)) or role in self.cfg.standby_roles
+        """A pool that takes work now, or will: live instances, or a held pool (autoscaled from
+        zero, or being deployed: its queue waits for its first instance)."""
+        return bool(self._alive(role)) or self._held(role)
 
     def _route(self, length_class: str) -> str:
         """Queue for a new (or resumed) prompt given the instances alive now (and standby pools)."""
@@ -111,8 +124,8 @@ class RouterCore:
         (a queue stranded by a topology change drains instead of waiting forever)."""
         if queue == "decode":
             return ("decode",)
-        if queue in self.cfg.standby_roles and not self._alive(queue):
-            return ()                           # its pool scales up from zero for it: hold it
+        if not self._alive(queue) and self._held(queue):
+            return ()                           # its pool scales up from zero or is starting: hold it
         for roles in _SERVING_CHAIN[queue]:
             if self._alive(*roles):
                 return roles
@@ -135,15 +148,15 @@ class RouterCore:
         self.gateway_seen[meta.gateway_id] = self.clock.now()
         depth = self.queue_depth()
         # Decided from counters only: no tokenization or KV allocation happens for a rejection.
-        if not self.instances and not self.cfg.standby_roles:
+        if not self.instances and not any(self._held(r) for r in ROLES):
             return SubmitReply(False, self.cfg.retry_after_s, "no instances", depth)
         if depth >= self.cfg.max_queue and not meta.resumed:
             return SubmitReply(False, self.cfg.retry_after_s, "queue full", depth, self.router_id)
         if meta.request_id in self.requests:
             return SubmitReply(False, 0.0, "duplicate request id", depth, self.router_id)
         n = len(meta.prompt_token_ids)
-        # (With a standby pool at zero instances, its KV size is not known yet: dispatch decides.)
-        if all(self._alive(r) for r in self.cfg.standby_roles) and all(
+        # (With a held pool at zero instances, its KV size is not known yet: dispatch decides.)
+        if self.instances and not any(self._held(r) and not self._alive(r) for r in ROLES) and all(
                 placement.tokens_never_fit(n + len(meta.output_token_ids), i, self.cfg.kv_reserve_frac)
                 for i in self.instances.values()):
             # Never servable here (not a transient overload): no Retry-After.

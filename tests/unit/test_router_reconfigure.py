@@ -109,3 +109,38 @@ def test_the_controller_turns_on_and_off():
     assert core.pressure.cfg.cooldown_s == 2.0 and core.pressure.last_move == 1.0 and len(core.pressure.moves) == 1
     reconfigure(core, _with(core, pressure=None))
     assert core.pressure is None
+
+
+def test_a_deploys_pools_hold_requests_until_their_instances_come():
+    """While a redeploy replaces every replica, no instance is up for a while: requests arriving
+    then wait in their own pool's queue (short and long apart) and go to the new instances when
+    they register; the old instance's running request resumes there too. Past the window, with
+    still no instance, requests are refused as before."""
+    core = make(initial_l_m=100, max_local_waiting=4)
+    core.on_poll("old", stats("old", "prefill-short"))
+    core.submit(meta("running", n=20))
+    assert [w.meta.request_id for w in core.take_outbox("old").work] == ["running"]
+    core.expect_instances(["prefill-short", "prefill-long", "decode"], 60.0)
+    core.remove_instance("old")                 # Serve stopped it; its replacement starts
+    assert core.submit(meta("short", n=20)).accepted and core.submit(meta("long", n=300)).accepted
+    places = core.placements()
+    assert [places[r]["queue"] for r in ("running", "short", "long")] == ["prefill-short", "prefill-short",
+                                                                          "prefill-long"]
+    core.clock.advance(20.0)
+    core.on_poll("d", stats("d", "decode"))
+    got = core.on_poll("s", stats("s", "prefill-short")).work
+    assert sorted(w.meta.request_id for w in got) == ["running", "short"]
+    assert core.placements()["long"]["queue"] == "prefill-long"     # its own pool is still starting
+    assert [w.meta.request_id for w in core.on_poll("l", stats("l", "prefill-long")).work] == ["long"]
+    for rid in ("running", "short", "long"):
+        core.abort(rid)
+    assert core.inflight() == 0
+
+    idle = make()
+    idle.expect_instances(["mixed"], 30.0)
+    assert idle.submit(meta("early")).accepted
+    idle.clock.advance(31.0)
+    r = idle.submit(meta("late"))
+    assert not r.accepted and r.reason == "no instances"
+    idle.abort("early")
+    assert idle.inflight() == 0
