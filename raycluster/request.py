@@ -116,7 +116,7 @@ class Request:
     sampling: SamplingParams = field(default_factory=SamplingParams)
     arrival_time: float = 0.0
     slo: SLO = field(default_factory=SLO)
-    priority: int = 0               # larger is more important (used by priority classes)
+    priority: int = 0               # lower goes first under the `priority` policy (vLLM's); others ignore it
     tenant: str = "default"
     app_id: str | None = None
     expected_output_tokens: int | None = None   # a predictor's or the client's estimate

@@ -13,6 +13,7 @@ from raycluster.sched.policies.justitia import JustitiaPolicy
 from raycluster.sched.policies.kairos import KairosPolicy
 from raycluster.sched.policies.lars import LARSPolicy
 from raycluster.sched.policies.lrs import LRSPolicy
+from raycluster.sched.policies.priority import PriorityPolicy
 from raycluster.sched.policies.srjf import SRJFPolicy
 from raycluster.sched.policies.srpt import SRPTPolicy
 from raycluster.sched.policies.vtc import VTCPolicy
@@ -29,6 +30,7 @@ POLICIES: dict[str, type[Policy]] = {
         JustitiaPolicy,
         VTCPolicy,
         SRJFPolicy,
+        PriorityPolicy,
     )
 }
 

@@ -97,7 +97,8 @@ class _GenerationFields(BaseModel):
     # Scheduling hints (all optional).
     ttft_slo_ms: float | None = Field(None, gt=0)
     tpot_slo_ms: float | None = Field(None, gt=0)
-    priority: int = 0
+    priority: int = Field(0, description="with the cluster's `priority` policy, lower is served first (vLLM's "
+                          "convention; ties by arrival); the other policies ignore it")
     tenant: str | None = None
     app_id: str | None = None
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)

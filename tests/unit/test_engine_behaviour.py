@@ -129,6 +129,23 @@ def test_a_seeded_request_resumed_elsewhere_continues_its_stream(loaded):
         eng.kv.check()
 
 
+@pytest.mark.parametrize("policy, order", [("priority", ["a", "b", "c"]), ("fcfs", ["c", "a", "b"])])
+def test_the_priority_policy_serves_lower_values_first(loaded, policy, order):
+    """vLLM's priority scheduling: one sequence at a time, three requests queued with priorities
+    2, 0, 1 start in priority order (FCFS: in arrival order)."""
+    eng = _engine(loaded, policy=policy, max_num_seqs=1)
+    for k, (rid, prio) in enumerate((("c", 2), ("a", 0), ("b", 1))):
+        eng.add_request(rid, [20, 21, 22], SamplingParams(max_tokens=2, ignore_eos=True), priority=prio,
+                        arrival_time=float(k))
+    started = []
+    for _ in range(50):
+        if not eng.has_unfinished():
+            break
+        started += [o.request_id for o in eng.step().outputs if o.request_id not in started]
+    assert started == order
+    eng.kv.check()
+
+
 def test_eos_and_stop_token_ids_stop_unless_ignored(loaded):
     eng = _engine(loaded)
     greedy = eng.generate([[20, 21, 22]], SamplingParams(max_tokens=8, ignore_eos=True))[0]

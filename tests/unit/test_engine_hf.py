@@ -113,7 +113,8 @@ HAND_PREDICTOR = LinearBatchPredictor(overhead_s=2e-3, per_prefill_token_s=5e-5,
                                       per_decode_s=2e-4, per_decode_kv_s=1e-8)
 
 
-@pytest.mark.parametrize("policy", ["fcfs", "edf", "srpt", "lrs", "lars", "kairos", "justitia", "vtc", "srjf"])
+@pytest.mark.parametrize("policy", ["fcfs", "edf", "srpt", "lrs", "lars", "kairos", "justitia", "vtc", "srjf",
+                                    "priority"])
 def test_every_policy_with_medha_packer_and_kairos_decode_matches_hf(checkpoint, reference, policy):
     """Scheduling changes order and chunking, never the tokens: tight budget, small KV."""
     path, _, model, _ = checkpoint

@@ -14,7 +14,7 @@ from raycluster.sched.base import PolicyContext
 from raycluster.sched.predictor import LinearBatchPredictor
 from raycluster.sched.registry import make_policy, policy_names
 
-ALL = ["fcfs", "edf", "srpt", "lrs", "lars", "kairos", "justitia", "vtc", "srjf"]
+ALL = ["fcfs", "edf", "srpt", "lrs", "lars", "kairos", "justitia", "vtc", "srjf", "priority"]
 
 
 def ctx_for(clock: VirtualClock) -> PolicyContext:
@@ -33,6 +33,17 @@ def test_registry_has_all_names():
         assert make_policy(name, ctx_for(VirtualClock())).name == name
     with pytest.raises(ValueError, match="unknown name"):
         make_policy("nope", ctx_for(VirtualClock()))
+
+
+def test_priority_pops_lower_values_first_then_by_arrival():
+    clock = VirtualClock()
+    pol = make_policy("priority", ctx_for(clock))
+    for i, prio in enumerate([2, 0, 1, 0, 2]):
+        r = mk(i, 10, float(i), None, 0)
+        r.priority = prio
+        pol.push(r)
+    assert [pol.pop().request_id for _ in range(5)] == ["r1", "r3", "r2", "r0", "r4"]
+    assert pol.pop() is None
 
 
 ops = st.lists(st.tuples(st.sampled_from(["push", "pop", "remove", "progress"]),

@@ -321,7 +321,8 @@ def test_decode_pool_gone_recomputes_through_prefill():
     assert core.inflight() == 0
 
 
-@pytest.mark.parametrize("policy", ["fcfs", "edf", "srpt", "lrs", "lars", "kairos", "justitia", "vtc", "srjf"])
+@pytest.mark.parametrize("policy", ["fcfs", "edf", "srpt", "lrs", "lars", "kairos", "justitia", "vtc", "srjf",
+                                    "priority"])
 def test_every_policy_drains(policy):
     core = make(policy=policy, max_local_waiting=2)
     core.on_poll("a", stats("a"))
@@ -335,6 +336,20 @@ def test_every_policy_drains(policy):
             finish_all(core, iid, r)
             done += len(r.work)
     assert done == 8 and core.inflight() == 0 and core.queue_depth() == 0
+
+
+def test_priority_policy_dispatches_lower_values_first():
+    """A request's `priority` field reaches the router's queue: lower values go first."""
+    core = make(policy="priority", max_local_waiting=1)
+    core.on_poll("i", stats("i", waiting=1))            # no slot: everything queues
+    for k, prio in enumerate([3, 1, 2]):
+        core.submit(meta(f"r{k}", arrival=0.1 * k, priority=prio))
+    order = []
+    for _ in range(6):
+        r = core.on_poll("i", stats("i"))
+        order += ids(r)
+        finish_all(core, "i", r)
+    assert order == ["r1", "r2", "r0"] and core.inflight() == 0
 
 
 def test_l_m_kept_without_beta_prior_and_fitted_with_one():

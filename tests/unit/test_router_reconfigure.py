@@ -14,7 +14,7 @@ from raycluster.cluster.router_reconfigure import reconfigure
 from raycluster.sched.pressure import PressureConfig
 from raycluster.sched.registry import POLICIES as POLICY_CLASSES
 
-POLICIES = ["fcfs", "edf", "srpt", "lrs", "lars", "kairos", "justitia", "vtc", "srjf"]
+POLICIES = ["fcfs", "edf", "srpt", "lrs", "lars", "kairos", "justitia", "vtc", "srjf", "priority"]
 
 
 def _with(core, **changes) -> RouterConfig:
