@@ -112,3 +112,28 @@ def wait_replicas(app_name: str, role: str, num_replicas: int, timeout_s: float,
             return True
         time.sleep(poll_s)
     return False
+
+
+def applied(app: dict, args: dict, replace: bool) -> dict:
+    """`app` (a deployed application config) running `args`: with `replace` (a whole app file
+    given) its per-deployment overrides go too, else they stay (pools resized by `scale`)."""
+    out = copy.deepcopy(app)
+    out["args"] = args
+    if replace:
+        out.pop("deployments", None)
+    return out
+
+
+def wait_applied(app_name: str, app: dict, timeout_s: float, poll_s: float = 1.0) -> str:
+    """Block until the controller runs `app` for `app_name` (its config applied and the app
+    RUNNING) or fails to; returns the app's last status (RUNNING, DEPLOY_FAILED, ...)."""
+    deadline, status = time.monotonic() + timeout_s, "UNKNOWN"
+    while time.monotonic() < deadline:
+        details = _client().get_serve_details().get("applications", {}).get(app_name, {})
+        status = details.get("status", "UNKNOWN")
+        if (details.get("deployed_app_config") or {}).get("args") == app["args"] and \
+                status in ("RUNNING", "DEPLOY_FAILED", "UNHEALTHY"):
+            return status
+        time.sleep(poll_s)
+    return status
+

@@ -5,6 +5,7 @@
   raycluster down
   raycluster status [--json]
   raycluster scale POOL N [--timeout S]
+  raycluster apply [--app F] [--model ...] [--policy ...] [--timeout S]
   raycluster engine-server [--model ...] [--policy ...]     (one engine, no Ray)
   raycluster tiny-model PATH
   raycluster sim --cluster SPEC.yaml --workload NAME|FILE.jsonl ... --out F.json
@@ -14,7 +15,9 @@
 the one at `--address`; `--detach` starts it in the background, records its PID under the cache
 directory and returns once /health answers; `down` stops it; `status` asks the gateway;
 `scale` resizes one pool of the running cluster (the others keep running untouched); a pool
-with `autoscaling` is refused (Serve's autoscaler sizes it).
+with `autoscaling` is refused (Serve's autoscaler sizes it); `apply` re-applies the running
+application with other args (those of `--app F`, or the running ones, and the flags), as
+`serve deploy` does: the router takes them in place and Serve replaces the replicas.
 """
 
 from __future__ import annotations
@@ -223,12 +226,12 @@ def format_status(status: dict) -> str:
     return "\n".join(lines)
 
 
-def cmd_scale(args: argparse.Namespace) -> int:
-    """Resize pool POOL to N instances on the cluster a running `up` recorded."""
+def _join_recorded_cluster() -> dict | None:
+    """Connect this process to the cluster a running `up` recorded; its record, or None (said why)."""
     cf = _cluster_file()
     if not cf.exists():
         print("raycluster: no running cluster found (start one with `raycluster up`)", file=sys.stderr)
-        return 1
+        return None
     info = json.loads(cf.read_text())
     if (os.environ.get("RAY_AUTH_TOKEN") or os.environ.get("RAY_AUTH_TOKEN_PATH")
             or (Path.home() / ".ray" / "auth_token").exists()):
@@ -237,10 +240,20 @@ def cmd_scale(args: argparse.Namespace) -> int:
         os.environ.setdefault("RAY_AUTH_MODE", "token")
     import ray
 
-    from deployments import scaling
-
     ray.init(address=info["address"], namespace=info["namespace"], logging_level="ERROR",
              log_to_driver=False)
+    return info
+
+
+def cmd_scale(args: argparse.Namespace) -> int:
+    """Resize pool POOL to N instances on the cluster a running `up` recorded."""
+    info = _join_recorded_cluster()
+    if info is None:
+        return 1
+    import ray
+
+    from deployments import scaling
+
     try:
         try:
             scaling.scale(info["app"], args.pool, args.n, info.get("http"))
@@ -253,6 +266,55 @@ def cmd_scale(args: argparse.Namespace) -> int:
                   f"{args.timeout:.0f} s; `raycluster status` shows where it is", file=sys.stderr)
             return 1
         print(f"raycluster: pool {args.pool} has {args.n} running instance(s)")
+        return 0
+    finally:
+        ray.shutdown()
+
+
+def cmd_apply(args: argparse.Namespace) -> int:
+    """Re-apply the running cluster's application with other args, in place (as `serve deploy`)."""
+    from pydantic import ValidationError
+
+    from deployments.launcher import load_app_spec, override_args
+    from raycluster.cluster.config import ClusterConfig
+
+    try:
+        base = load_app_spec(args.app)["args"] if args.app else None
+    except (FileNotFoundError, ValueError) as e:
+        print(f"raycluster apply: {e}", file=sys.stderr)
+        return 2
+    info = _join_recorded_cluster()
+    if info is None:
+        return 1
+    import ray
+
+    from deployments import scaling
+
+    try:
+        try:
+            app = scaling.deployed_app(info["app"])
+        except LookupError as e:
+            print(f"raycluster apply: {e}", file=sys.stderr)
+            return 2
+        new_args = override_args(base if base is not None else app.get("args") or {}, args.model, args.policy,
+                                 args.enable_prefix_caching, args.tool_call_parser)
+        try:
+            ClusterConfig(**new_args)           # refuse a bad config before the controller sees it
+        except ValidationError as e:
+            print(f"raycluster apply: invalid app args: {e}", file=sys.stderr)
+            return 2
+        if new_args == app.get("args"):
+            print("raycluster: nothing to change")
+            return 0
+        new_app = scaling.applied(app, new_args, replace=base is not None)
+        scaling.deploy(new_app, info.get("http"))
+        print("raycluster: applied; waiting for the application ...", flush=True)
+        status = scaling.wait_applied(info["app"], new_app, args.timeout)
+        if status != "RUNNING":
+            print(f"raycluster: the application is {status} after {args.timeout:.0f} s; `raycluster status` "
+                  "and the Serve logs say why", file=sys.stderr)
+            return 1
+        print(f"raycluster: running the new config (policy {new_args.get('policy', 'lars')})")
         return 0
     finally:
         ray.shutdown()
@@ -334,6 +396,16 @@ def build_parser() -> argparse.ArgumentParser:
     sc.add_argument("n", type=int, help="instances the pool should have")
     sc.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for the replicas")
     sc.set_defaults(fn=cmd_scale)
+
+    ap = sub.add_parser("apply", help="re-apply the running cluster's app with other args, in place (serve deploy)")
+    ap.add_argument("--app", default=None, help="Serve config YAML whose args replace the running ones "
+                    "(default: the running args, resized pools included)")
+    ap.add_argument("--model", default=None)
+    ap.add_argument("--policy", default=None, help="scheduling policy name")
+    ap.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None)
+    ap.add_argument("--tool-call-parser", default=None, choices=sorted(TOOL_PARSERS))
+    ap.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for the application")
+    ap.set_defaults(fn=cmd_apply)
 
     down = sub.add_parser("down", help="stop what `up --detach` started")
     down.set_defaults(fn=cmd_down)

@@ -63,6 +63,23 @@ def _check_scale(env: dict, url: str, before: list[str], text: str) -> None:
     assert bad.returncode == 2 and "no pool 'decode'" in bad.stderr
 
 
+def _check_apply(env: dict, url: str, text: str) -> None:
+    """`apply --policy fcfs` re-applies the running app in place: the router takes the policy,
+    the new replicas serve the same greedy text; a bad policy is refused before anything is
+    deployed, and applying what runs already changes nothing."""
+    bad = _cli("apply", "--policy", "nope", env=env, timeout=120)
+    assert bad.returncode == 2 and "unknown policy 'nope'" in bad.stderr, bad.stderr
+    ap = _cli("apply", "--policy", "fcfs", "--timeout", "300", env=env, timeout=400)
+    assert ap.returncode == 0, ap.stdout + ap.stderr
+    st = json.loads(_cli("status", "--json", env=env, timeout=60).stdout)
+    assert st["policy"] == "fcfs"
+    r = httpx.post(url + "/v1/completions", json={"prompt": "hello", "max_tokens": 3, "temperature": 0},
+                   timeout=120, headers=AUTH)
+    assert r.status_code == 200 and r.json()["choices"][0]["text"] == text
+    same = _cli("apply", "--policy", "fcfs", env=env, timeout=120)
+    assert same.returncode == 0 and "nothing to change" in same.stdout
+
+
 def test_up_detach_status_generate_down(tmp_path):
     """With `--api-key`: the gateway replicas (behind the proxy and on their own ports) want it,
     /health does not, and `status` sends the key from RAYCLUSTER_API_KEY."""
@@ -94,6 +111,7 @@ def test_up_detach_status_generate_down(tmp_path):
         r2 = httpx.post(direct[0] + "/v1/completions", json=body, timeout=60, headers=AUTH)
         assert r2.status_code == 200 and r2.json()["choices"][0]["text"] == r.json()["choices"][0]["text"]
         _check_scale(env, url, [i["id"] for i in status["instances"]], r.json()["choices"][0]["text"])
+        _check_apply(env, url, r.json()["choices"][0]["text"])
     finally:
         down = _cli("down", env=env, timeout=120)
     assert down.returncode == 0, down.stderr

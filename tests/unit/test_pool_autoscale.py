@@ -284,3 +284,15 @@ def test_scale_refuses_an_autoscaled_pool():
         scaled(app, "mixed", 2)
     app["args"]["pools"][0]["autoscaling"] = None
     assert scaled(app, "mixed", 2)["deployments"] == [{"name": "pool-mixed", "num_replicas": 2}]
+
+
+def test_apply_keeps_resized_pools_unless_a_whole_app_file_replaces_them():
+    from deployments.scaling import applied
+
+    app = {"name": "raycluster", "args": {"policy": "lars", "pools": [{"role": "mixed", "instances": 1}]},
+           "deployments": [{"name": "pool-mixed", "num_replicas": 2}]}
+    new = {**app["args"], "policy": "edf"}
+    kept = applied(app, new, replace=False)
+    assert kept["args"]["policy"] == "edf" and kept["deployments"] == app["deployments"]
+    assert "deployments" not in applied(app, new, replace=True)
+    assert app["args"]["policy"] == "lars"              # the deployed config is not modified
