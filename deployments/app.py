@@ -47,6 +47,8 @@ def pool_options(cfg: ClusterConfig, pool: PoolSpec) -> dict:
         {"autoscaling_config": pool.autoscaling.serve_config(pool.instances, pool.role, cfg.router_name,
                                                               cfg.namespace)}
     return {"name": pool_deployment(pool.role), **size,
+            # Serve force-kills a stopping replica after this: room for its drain and a group's close.
+            "graceful_shutdown_timeout_s": cfg.drain_s + 15.0,
             "ray_actor_options": {"num_cpus": pool.num_cpus, "num_gpus": pool.num_gpus}, **placement(cfg, pool)}
 
 

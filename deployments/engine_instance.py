@@ -62,6 +62,7 @@ class EngineInstance:
             connector = make_connector(cfg.connector, self.engine.runner.port.tensor, self.instance_id,
                                        lease_s=cfg.kv_lease_s, **opts)
         router = self._router = ray.get_actor(cfg.router_name, namespace=cfg.namespace)
+        self._drain_s = cfg.drain_s
         self.worker = InstanceWorker(
             self.engine, role, self.instance_id,
             # A slow router is waited for on the same call: calling again would lose a poll's reply
@@ -107,10 +108,18 @@ class EngineInstance:
                 "kv_pulls": dict(conn.pull_counts) if conn is not None else {}}
 
     def __del__(self) -> None:
-        # Serve stops a replica on scale-down, redeploy or shutdown: stop stepping, then let the
-        # router re-queue this instance's requests now rather than after missed heartbeats.
+        # Serve stops a replica on scale-down, redeploy or shutdown. First drain: the router
+        # sends no new work and the running requests finish here (up to drain_s) instead of
+        # being recomputed elsewhere. Then stop stepping and let the router re-queue whatever
+        # is left now rather than after missed heartbeats.
         worker = getattr(self, "worker", None)
         if worker is not None:
+            if self._drain_s > 0:
+                try:
+                    if ray.get(self._router.drain_instance.remote(self.instance_id), timeout=5):
+                        worker.drain(self._drain_s)
+                except Exception:    # router gone (cluster shutting down): nothing to finish for
+                    pass
             worker.stop(timeout=1.0)
             try:
                 self.engine.close()      # a KVP / SPP / TP group's ranks

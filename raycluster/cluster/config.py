@@ -143,6 +143,9 @@ class ClusterConfig(BaseModel):
     transfer_timeout_s: float = Field(10.0, gt=0)
     kv_lease_s: float = Field(30.0, gt=0)
     max_queue: int = Field(256, ge=1, description="requests waiting in the router before 429")
+    drain_s: float = Field(15.0, ge=0, description="an engine replica Serve stops (scale-down, redeploy) first "
+                           "takes no new work and finishes its running requests for up to this long; what is "
+                           "left then resumes elsewhere (0: at once)")
     deploy_grace_s: float = Field(600.0, ge=0, description="after a deploy (or redeploy), how long its pools "
                                   "count as present while their instances (re)start: a request arriving "
                                   "when none is up waits in its queue instead of a 503")

@@ -99,6 +99,33 @@ class InstanceWorker:
         for t in self._threads:
             t.join(timeout)
 
+    def drain(self, timeout_s: float, quiet_s: float = 1.0) -> bool:
+        """Wait, up to `timeout_s`, until this instance holds nothing (`_holds_nothing`) for
+        `quiet_s` in a row: work the router handed out before it was told to drain arrives
+        within a poll. The router gives it no new work meanwhile (`RouterCore.drain_instance`).
+        True if it emptied."""
+        deadline, quiet_since = time.monotonic() + timeout_s, None
+        while not self._stop.is_set():
+            now = time.monotonic()
+            if not self._holds_nothing():
+                quiet_since = None
+            elif quiet_since is None:
+                quiet_since = now
+            elif now - quiet_since >= quiet_s:
+                return True
+            if now >= deadline:
+                return False
+            time.sleep(0.05)
+        return False
+
+    def _holds_nothing(self) -> bool:
+        """No request running or waiting, no KV parked for a decode instance to pull, no reply
+        to apply and no report to send."""
+        eng = self.engine
+        return not (eng.has_unfinished() or eng.scheduler.parked or self._replies.qsize()
+                    or self._to_compile.qsize() or self._compile_backlog or self._reports.qsize()
+                    or self._pending or self._admitted)
+
     def stats(self) -> InstanceStats:
         eng, kv = self.engine, self.engine.kv
         pulls = getattr(self.connector, "pull_counts", None) or {}

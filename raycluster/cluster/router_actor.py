@@ -188,6 +188,10 @@ class RouterActor:
             self._wake()
         return changed
 
+    async def drain_instance(self, instance_id: str) -> bool:
+        """The instance is stopping: no new work for it (`RouterCore.drain_instance`)."""
+        return self.core.drain_instance(instance_id)
+
     async def expect_instances(self, roles: list[str], for_s: float) -> None:
         """A deploy is starting these pools' instances (`RouterCore.expect_instances`)."""
         self.core.expect_instances(roles, for_s)

@@ -70,6 +70,7 @@ class RouterCore:
         self.gateway_seen: dict[str, float] = {}        # last submit or pull, per gateway
         self.expected: dict[str, float] = {}            # role -> until when a deploy's pool counts as present
         self.dead: list[str] = []
+        self.resumed = 0                                # requests re-queued from a removed instance
 
     # ---------------------------------------------------------------- topology
     @property
@@ -323,6 +324,14 @@ class RouterCore:
             self.remove_instance(iid)
         return dead
 
+    def drain_instance(self, instance_id: str) -> bool:
+        """The instance is stopping (Serve scales it down or replaces it): it gets no new work
+        while it finishes what it has; `remove_instance` follows. False for an unknown id."""
+        inst = self.instances.get(instance_id)
+        if inst is not None:
+            inst.draining = True
+        return inst is not None
+
     def remove_instance(self, instance_id: str) -> None:
         """Forget an instance (dead, drained, or replaced: replicas come back with new ids).
         Its requests resume elsewhere from prompt + delivered tokens, ahead of the policy order."""
@@ -343,6 +352,7 @@ class RouterCore:
             st = self.requests.get(rid)
             if st is None or st.instance != instance_id:
                 continue
+            self.resumed += 1
             if st.mode == "decode" and st.kv_at in self.instances:
                 self._enqueue(st, "decode", front=True)     # KV still parked: hand it off again
             else:

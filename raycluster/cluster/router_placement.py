@@ -30,8 +30,10 @@ def has_slot(inst: Instance, max_local_waiting: int) -> bool:
 
 
 def with_slot(insts: list[Instance], max_local_waiting: int) -> list[Instance]:
-    """The instances that `has_slot` (its test inlined: dispatch asks it of a whole pool per call)."""
-    return [i for i in insts if i.stats.waiting + len(i.transit) + len(i.outbox.work) < max_local_waiting]
+    """The instances that `has_slot` (its test inlined: dispatch asks it of a whole pool per call),
+    draining ones excepted."""
+    return [i for i in insts if i.stats.waiting + len(i.transit) + len(i.outbox.work) < max_local_waiting
+            and not i.draining]
 
 
 def kv_free(inst: Instance, requests: dict[str, ReqState], reserve_frac: float) -> float:

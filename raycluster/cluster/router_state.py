@@ -117,6 +117,7 @@ class Instance:
     moving_to: str | None = None      # role the controller gave it, until its stats carry it
     busy_mark: tuple[float, float] | None = None     # (time, stats.busy_s) at the last control tick
     epoch: str = ""                   # this registration (PollReply.epoch)
+    draining: bool = False            # stopping: gets no new work, finishes what it has
 
     def transit_sum(self, k: int) -> int:
         t = self.transit
@@ -138,7 +139,7 @@ def instance_summary(i: Instance, now: float) -> dict:
             "prefix_caching": s.prefix_caching, "prefix_query_tokens": s.prefix_query_tokens,
             "prefix_hit_tokens": s.prefix_hit_tokens, "kv_pulls_ok": s.kv_pulls_ok,
             "kv_pulls_failed": s.kv_pulls_failed, "kv_pull_blocks": s.kv_pull_blocks, "kv_pull_s": s.kv_pull_s,
-            "last_seen_s_ago": now - i.last_seen}
+            "last_seen_s_ago": now - i.last_seen, "draining": i.draining}
 
 
 def router_status(core, queues: tuple[str, ...]) -> dict:
@@ -157,6 +158,7 @@ def router_status(core, queues: tuple[str, ...]) -> dict:
             else "initial (no beta_prior: prefill samples cannot be fitted)"),
         "instances": [instance_summary(i, now) for i in core.instances.values()],
         "dead_instances": list(core.dead[-32:]),
+        "resumed": core.resumed,        # requests re-queued from instances that went away
         "controller": None if core.pressure is None else {
             "period_s": core.cfg.pressure_period_s, "moves": core.pressure.moves[-8:]},
     }

@@ -424,3 +424,33 @@ def test_a_compiler_that_raises_ends_that_request_and_the_worker_serves_on(model
         assert eng.kv.num_free_blocks == eng.kv.num_blocks
     finally:
         w.stop()
+
+
+def test_drain_waits_for_the_running_request_and_its_last_report(model):
+    """A stopping replica drains: `drain` returns once the request it runs has finished and the
+    report with its last token went out (not before), and gives up at its timeout."""
+    replies = [PollReply(work=[WorkItem(RequestMeta(
+        request_id="d", gateway_id="g", prompt_token_ids=[7] * 20,
+        sampling=SamplingParams(max_tokens=40, ignore_eos=True), arrival_time=time.time()))])]
+    reports = []
+
+    def poll(iid, stats, timeout):
+        if replies:
+            return replies.pop(0)
+        time.sleep(min(timeout, 0.05))
+        return PollReply()
+
+    eng = LLMEngine(EngineConfig(policy="fcfs", packer="token", kv_cache_tokens=4096), model)
+    w = InstanceWorker(eng, "mixed", "i0", poll_fn=poll, push_fn=reports.append, poll_timeout_s=0.05).start()
+    try:
+        deadline = time.monotonic() + 30
+        while not eng.has_unfinished() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert eng.has_unfinished()
+        assert not w.drain(0.0)                  # running: not drained at once
+        assert w.drain(60.0, quiet_s=0.2)
+        events = [e for r in reports for e in r.events if e.request_id == "d"]
+        assert sum(len(e.token_ids) for e in events) == 40 and events[-1].finished
+        assert not eng.has_unfinished()
+    finally:
+        w.stop()

@@ -262,7 +262,7 @@ def test_reap_requeues_with_delivered_tokens_at_front():
     core.submit(meta("b", arrival=5.0))
     clock.advance(6.0)
     assert core.reap() == ["old"]
-    assert core.placements()["a"]["queue"] == "mixed"
+    assert core.placements()["a"]["queue"] == "mixed" and core.status()["resumed"] == 1
     r = core.on_poll("new", stats("new"))
     assert ids(r) == ["a"]                                # resumed ahead of the policy order
     assert r.work[0].mode == "full" and r.work[0].output_token_ids == [1, 2]
@@ -350,6 +350,30 @@ def test_priority_policy_dispatches_lower_values_first():
         order += ids(r)
         finish_all(core, "i", r)
     assert order == ["r1", "r2", "r0"] and core.inflight() == 0
+
+
+def test_a_draining_instance_gets_no_new_work_and_finishes_its_own():
+    """Serve is stopping instance "a": new requests go to "b" only, "a" still reports its running
+    request to the end, and removing it then re-queues nothing."""
+    core = make(max_local_waiting=4)
+    core.on_poll("a", stats("a"))
+    core.submit(meta("mine", max_tokens=3))
+    mine = core.take_outbox("a")
+    assert ids(mine) == ["mine"]
+    core.on_poll("b", stats("b"))
+    assert core.drain_instance("a") and not core.drain_instance("nope")
+    assert core.status()["instances"][0]["draining"]
+    for k in range(3):
+        core.submit(meta(f"new{k}"))
+    assert ids(core.on_poll("a", stats("a", running=1))) == []
+    assert sorted(ids(core.on_poll("b", stats("b")))) == ["new0", "new1", "new2"]
+    finish_all(core, "a", mine)
+    core.remove_instance("a")
+    assert core.placements().keys() == {"new0", "new1", "new2"}    # nothing of "a" re-queued
+    assert core.status()["resumed"] == 0
+    for k in range(3):
+        core.abort(f"new{k}")
+    assert core.inflight() == 0
 
 
 def test_l_m_kept_without_beta_prior_and_fitted_with_one():
