@@ -22,7 +22,7 @@ def queued_for(core, role: str) -> tuple[int, int]:
     decode pool count no prefill tokens."""
     n = tokens = 0
     for q in core.policies:                 # one policy per queue
-        if role not in (core._serving_roles(q) or (q,)):
+        if role not in (core.pools.serving_roles(q) or (q,)):
             continue
         n += len(core.policies[q]) + len(core.front[q])
         if q != "decode":

@@ -13,7 +13,8 @@ A router restart loses this state. Each registration gives the instance a new `e
 older epoch are not applied. Gateways resubmit their requests with `resumed` set. What the
 router relies on from instances: "Instance conventions" in `messages.py`.
 
-Dispatch's per-instance arithmetic (slots, free KV, load order) is in `router_placement.py`.
+Dispatch's per-instance arithmetic (slots, free KV, load order) is in `router_placement.py`;
+which pools serve which queue (and which are held with no instance) in `router_pools.py`.
 Queues: one Policy (by name, from the scheduling library) per pool queue: "mixed",
 "prefill-short", "prefill-long", "decode". Prompts are classified short/long by the L_m boundary.
 Requests re-queued after an instance died go to a per-queue `front` deque served first.
@@ -30,6 +31,7 @@ from raycluster.cluster.messages import (ROLES, GatewayReply, InstanceStats, Pol
 from raycluster.cluster import router_placement as placement
 from raycluster.cluster.prefix_index import PrefixIndex
 from raycluster.cluster.router_placement import blocks_needed, fits, has_slot, never_fits
+from raycluster.cluster.router_pools import PREFILL_ROLES, PoolView
 from raycluster.cluster.router_pressure import PressureLoop
 from raycluster.cluster.router_state import (EpochClock, Instance, ReqState, RouterConfig, policy_request,
                                              request_placements, router_status)
@@ -39,10 +41,6 @@ from raycluster.sched.predictor import LinearBatchPredictor
 from raycluster.sched.registry import make_policy
 
 QUEUES = ("decode", "prefill-short", "prefill-long", "mixed")   # dispatch order: decode frees KV
-PREFILL_ROLES = ("prefill-short", "prefill-long")
-_SERVING_CHAIN = {"prefill-short": (("prefill-short",), ("prefill-long",), ("mixed",)),
-                  "prefill-long": (("prefill-long",), ("prefill-short",), ("mixed",)),
-                  "mixed": (("mixed",), PREFILL_ROLES)}
 
 
 class RouterCore:
@@ -61,14 +59,13 @@ class RouterCore:
         self.classifier = LengthClassifier(initial_l_m=self.cfg.initial_l_m,
                                            beta_prior=self.cfg.beta_prior)
         self.instances: dict[str, Instance] = {}
+        self.pools = PoolView(self)             # which pools serve which queue, from `instances`
         self.prefix_index = PrefixIndex()       # prompts sent to each prefix-caching instance
         # PLA pressure controller; its owner calls `pressure.step(self, now)` every period.
         self.pressure = PressureLoop(self.cfg.pressure) if self.cfg.pressure is not None else None
-        self._alive_cache: dict[tuple[str, ...], list[Instance]] = {}
         self.requests: dict[str, ReqState] = {}
         self.gateways: dict[str, list[TokenEvent]] = {}
         self.gateway_seen: dict[str, float] = {}        # last submit or pull, per gateway
-        self.expected: dict[str, float] = {}            # role -> until when a deploy's pool counts as present
         self.dead: list[str] = []
         self.resumed = 0                                # requests re-queued from a removed instance
 
@@ -83,61 +80,17 @@ class RouterCore:
             c.predictor = predictor
 
     def topology_changed(self) -> None:
-        """Instances came, left or changed role, or the standby pools changed: recount servers."""
-        self._alive_cache.clear()
+        """Instances came, left or changed role, or the held pools changed: recount servers."""
+        self.pools.changed()
         for q, c in self.ctxs.items():
-            c.num_servers = max(1, len(self._alive(*self._serving_roles(q))))
-
-    def _alive(self, *roles: str) -> list[Instance]:
-        """Instances serving any of `roles` (cached: asked on every arrival and dispatch, while
-        the set changes only when an instance appears, leaves or changes role). Read-only."""
-        found = self._alive_cache.get(roles)
-        if found is None:
-            found = self._alive_cache[roles] = [i for i in self.instances.values() if i.role in roles]
-        return found
+            c.num_servers = max(1, len(self.pools.alive(*self.pools.serving_roles(q))))
 
     def expect_instances(self, roles: list[str], for_s: float) -> None:
         """A deploy is (re)starting instances of `roles`: for `for_s` those pools count as present
         even with no instance up, so a request arriving in the gap waits in its queue (bounded by
         max_queue) instead of being refused for "no instances"."""
-        until = self.clock.now() + for_s
-        self.expected = {r: until for r in roles}
+        self.pools.expect(roles, for_s)
         self.topology_changed()
-
-    def _held(self, role: str) -> bool:
-        """A pool with no instance whose queue waits for one: standby, or a deploy's."""
-        return role in self.cfg.standby_roles or self.expected.get(role, 0.0) > self.clock.now()
-
-    def _present(self, role: str) -> bool:
-        """A pool that takes work now, or will: live instances, or a held pool (autoscaled from
-        zero, or being deployed: its queue waits for its first instance)."""
-        return bool(self._alive(role)) or self._held(role)
-
-    def _route(self, length_class: str) -> str:
-        """Queue for a new (or resumed) prompt given the instances alive now (and standby pools)."""
-        short, long_ = self._present("prefill-short"), self._present("prefill-long")
-        if length_class == "short":
-            return "prefill-short" if short else "prefill-long" if long_ else "mixed"
-        return "prefill-long" if long_ else "prefill-short" if short else "mixed"
-
-    def _serving_roles(self, queue: str) -> tuple[str, ...]:
-        """Roles that take a queue's work: its own pool, else the nearest pool that exists
-        (a queue stranded by a topology change drains instead of waiting forever)."""
-        if queue == "decode":
-            return ("decode",)
-        if not self._alive(queue) and self._held(queue):
-            return ()                           # its pool scales up from zero or is starting: hold it
-        for roles in _SERVING_CHAIN[queue]:
-            if self._alive(*roles):
-                return roles
-        return ()
-
-    def _mode_for(self, inst: Instance) -> str:
-        if inst.role == "decode":
-            return "decode"
-        if inst.role in PREFILL_ROLES and self._alive("decode"):
-            return "prefill"
-        return "full"
 
     # ---------------------------------------------------------------- admission
     def queue_depth(self) -> int:
@@ -149,7 +102,7 @@ class RouterCore:
         self.gateway_seen[meta.gateway_id] = self.clock.now()
         depth = self.queue_depth()
         # Decided from counters only: no tokenization or KV allocation happens for a rejection.
-        if not self.instances and not any(self._held(r) for r in ROLES):
+        if not self.instances and not any(self.pools.held(r) for r in ROLES):
             return SubmitReply(False, self.cfg.retry_after_s, "no instances", depth)
         if depth >= self.cfg.max_queue and not meta.resumed:
             return SubmitReply(False, self.cfg.retry_after_s, "queue full", depth, self.router_id)
@@ -157,7 +110,7 @@ class RouterCore:
             return SubmitReply(False, 0.0, "duplicate request id", depth, self.router_id)
         n = len(meta.prompt_token_ids)
         # (With a held pool at zero instances, its KV size is not known yet: dispatch decides.)
-        if self.instances and not any(self._held(r) and not self._alive(r) for r in ROLES) and all(
+        if self.instances and not any(self.pools.held(r) and not self.pools.alive(r) for r in ROLES) and all(
                 placement.tokens_never_fit(n + len(meta.output_token_ids), i, self.cfg.kv_reserve_frac)
                 for i in self.instances.values()):
             # Never servable here (not a transient overload): no Retry-After.
@@ -169,7 +122,7 @@ class RouterCore:
             st.req.output_token_ids = st.delivered
             st.req.first_token_time = self.clock.now()
         self.requests[meta.request_id] = st
-        self._enqueue(st, self._route(st.length_class), front=meta.resumed)
+        self._enqueue(st, self.pools.route(st.length_class), front=meta.resumed)
         self.dispatch()
         return SubmitReply(True, queue_depth=self.queue_depth(), router_id=self.router_id)
 
@@ -203,14 +156,14 @@ class RouterCore:
         """Hand queued work to instances with a free local slot and enough KV; returns the
         number of items placed. Order within a queue is the policy's (front deque first)."""
         placed, reserve = 0, self.cfg.kv_reserve_frac
-        if (self.front["decode"] or len(self.policies["decode"])) and not self._alive("decode"):
+        if (self.front["decode"] or len(self.policies["decode"])) and not self.pools.alive("decode"):
             self._dissolve_decode_queue()
         for queue in QUEUES:
             if not (self.front[queue] or len(self.policies[queue])):
                 continue                        # nothing queued (the common case per report)
-            roles, slots = self._serving_roles(queue), self.cfg.max_local_waiting
+            roles, slots = self.pools.serving_roles(queue), self.cfg.max_local_waiting
             # Placing an item changes no instance's slot but its target's: cands is kept, not redone.
-            cands = placement.with_slot(self._alive(*roles), slots) if roles else []
+            cands = placement.with_slot(self.pools.alive(*roles), slots) if roles else []
             while cands and (self.front[queue] or len(self.policies[queue])):
                 from_front = bool(self.front[queue])
                 st = self._pop(queue)
@@ -218,7 +171,7 @@ class RouterCore:
                     break
                 fit = [i for i in cands if fits(st, i, self.requests, reserve)]
                 if not fit:
-                    if all(never_fits(st, i, reserve) for i in self._alive(*roles)):
+                    if all(never_fits(st, i, reserve) for i in self.pools.alive(*roles)):
                         self._deliver(st, TokenEvent(st.meta.request_id, [], True, "error",
                                                      "prompt does not fit in any instance's KV cache"))
                         continue
@@ -233,7 +186,7 @@ class RouterCore:
         return placed
 
     def _assign(self, st: ReqState, inst: Instance) -> None:
-        mode = self._mode_for(inst)
+        mode = self.pools.mode_for(inst)
         kv = st.kv if mode == "decode" else None
         inst.outbox.work.append(WorkItem(meta=st.meta, mode=mode, output_token_ids=list(st.delivered),
                                          kv=kv, first_token_time=st.req.first_token_time))
@@ -253,7 +206,7 @@ class RouterCore:
             waiting.append(self.requests[req.request_id])
         for st in waiting:
             self._release_kv(st)
-            self._enqueue(st, self._route(st.length_class), front=True)
+            self._enqueue(st, self.pools.route(st.length_class), front=True)
 
     # ---------------------------------------------------------------- instances
     def on_poll(self, instance_id: str, stats: InstanceStats) -> PollReply:
@@ -346,7 +299,7 @@ class RouterCore:
                 st.kv, st.kv_at = None, None
                 if st.queue == "decode":         # its handoff can no longer be pulled
                     self._remove_queued(st)
-                    self._enqueue(st, self._route(st.length_class), front=True)
+                    self._enqueue(st, self.pools.route(st.length_class), front=True)
         for rid in sorted(inst.running, key=lambda r: self.requests[r].req.arrival_time
                           if r in self.requests else 0.0):
             st = self.requests.get(rid)
@@ -357,7 +310,7 @@ class RouterCore:
                 self._enqueue(st, "decode", front=True)     # KV still parked: hand it off again
             else:
                 self._release_kv(st)
-                self._enqueue(st, self._route(st.length_class), front=True)
+                self._enqueue(st, self.pools.route(st.length_class), front=True)
         self.dispatch()
 
     # ---------------------------------------------------------------- reports
