@@ -1,7 +1,7 @@
 """A new `RouterConfig` applied to a live `RouterCore`: what a redeployed Serve config changes.
 
-The router is a detached named actor that outlives redeploys (`serve deploy` with new args,
-`raycluster up` again): `deployments.app.build_app` hands it the config every time, and this
+The router is a detached named actor that outlives redeploys (`raycluster apply`, `serve deploy`
+with new args): `deployments.app.build_app` hands it the config every time, and this
 function applies what differs. Nothing in flight is dropped. Queued requests move into the new
 policy's queues (it orders them from now on; a fair-queuing policy starts its accounts afresh,
 and requests already running finish under accounts it never opened, which it ignores). The
@@ -46,9 +46,9 @@ def reconfigure(core, cfg: RouterConfig) -> list[str]:
     if "initial_l_m" in changed or "beta_prior" in changed:
         core.classifier = LengthClassifier(initial_l_m=cfg.initial_l_m, beta_prior=cfg.beta_prior)
     if "pressure" in changed:
-        old = core.pressure
-        core.pressure = None if cfg.pressure is None else PressureLoop(cfg.pressure) if old is None else \
-            PressureLoop(cfg.pressure, last_move=old.last_move, moves=old.moves)   # keeps its cooldown and log
+        prev = core.pressure
+        core.pressure = None if cfg.pressure is None else PressureLoop(cfg.pressure) if prev is None else \
+            PressureLoop(cfg.pressure, last_move=prev.last_move, moves=prev.moves)   # keeps its cooldown and log
     if "standby_roles" in changed:
         core.topology_changed()
     core.dispatch()                 # a larger max_local_waiting (or a pool no longer on standby) frees work now
