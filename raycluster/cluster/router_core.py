@@ -110,7 +110,7 @@ class RouterCore:
             return SubmitReply(False, 0.0, "duplicate request id", depth, self.router_id)
         n = len(meta.prompt_token_ids)
         # (With a held pool at zero instances, its KV size is not known yet: dispatch decides.)
-        if self.instances and not any(self.pools.held(r) and not self.pools.alive(r) for r in ROLES) and all(
+        if self.instances and not self.pools.awaiting_first() and all(
                 placement.tokens_never_fit(n + len(meta.output_token_ids), i, self.cfg.kv_reserve_frac)
                 for i in self.instances.values()):
             # Never servable here (not a transient overload): no Retry-After.

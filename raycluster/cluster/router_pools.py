@@ -10,6 +10,7 @@ serve a queue, and the mode an instance runs a request in. It reads the router's
 
 from __future__ import annotations
 
+from raycluster.cluster.messages import ROLES
 from raycluster.cluster.router_state import Instance
 
 PREFILL_ROLES = ("prefill-short", "prefill-long")
@@ -42,6 +43,13 @@ class PoolView:
     def held(self, role: str) -> bool:
         """A pool with no instance whose queue waits for one: standby, or a deploy's."""
         return role in self._core.cfg.standby_roles or self.expected.get(role, 0.0) > self._core.clock.now()
+
+    def awaiting_first(self) -> bool:
+        """Some held pool has no instance yet (its KV size is unknown). Asked on every arrival:
+        with no standby pool and no deploy window, no clock is read."""
+        if not (self._core.cfg.standby_roles or self.expected):
+            return False
+        return any(not self.alive(r) and self.held(r) for r in ROLES)
 
     def present(self, role: str) -> bool:
         """A pool that takes work now, or will: live instances, or a held pool."""
