@@ -377,7 +377,7 @@ class Scheduler:
     def _allocate_decode(self, req: Request, selected: Sequence[Request], alloc: _StepAllocator,
                          out: SchedulerOutput) -> bool:
         while not self.kv.try_allocate(req, 1):
-            victim = self._queued_holder(exclude={req.request_id}) or self._latest_decode(req)
+            victim = self._decode_victim(req)
             if victim is None:
                 # Alone and out of blocks: this request can never grow, so it ends here.
                 self._finish(req, RequestStatus.FINISHED_LENGTH)
@@ -385,10 +385,23 @@ class Scheduler:
                 return False
             self._preempt(victim)
             out.preempted.append(victim.request_id)
+            if victim is req:
+                return False                # it ranks below every other holder: it waits
             if victim in out.decodes:
                 out.decodes.remove(victim)
         alloc.in_step.add(req.request_id)
         return True
+
+    def _decode_victim(self, asking: Request) -> Request | None:
+        """Who gives up its KV so the decode `asking` can grow: the policy's choice (e.g. the
+        lowest priority), else the latest queued holder, else the latest other decode."""
+        others = [r for r in self._holders.values() if r is not asking]
+        if not others:
+            return None
+        chosen = self.policy.preemption_victim(asking, others)
+        if chosen is not None:
+            return chosen
+        return self._queued_holder(exclude={asking.request_id}) or self._latest_decode(asking)
 
     def _queued_holder(self, exclude: set[str]) -> Request | None:
         """The latest-admitted request that holds blocks but is waiting in the policy."""

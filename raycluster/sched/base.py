@@ -80,6 +80,13 @@ class Policy(ABC):
     def on_finish(self, req: Request) -> None:
         """`req` left the system (finished or aborted): fair-queuing policies settle accounts."""
 
+    def preemption_victim(self, asking: Request, holders: Sequence[Request]) -> Request | None:
+        """The decode `asking` needs a KV block and none is free: which request gives up its KV,
+        one of `holders` (the other requests holding blocks, in admission order) or `asking`
+        itself (it then waits). None: the scheduler's default, vLLM's for FCFS (the latest
+        admitted request still queued for prefill, else the latest admitted decode)."""
+        return None
+
 
 class KVAllocator(Protocol):
     def try_allocate(self, req: Request, num_new_tokens: int) -> bool:

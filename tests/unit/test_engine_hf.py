@@ -109,6 +109,26 @@ def test_preemption_by_recompute_keeps_output_exact(checkpoint, reference):
     assert eng.kv.num_free_blocks == eng.kv.num_blocks
 
 
+def test_priority_preemption_keeps_output_exact(checkpoint, reference):
+    """The same KV squeeze under the `priority` policy with mixed priorities: the lowest-priority
+    running requests give up their KV (the one asking, too, when it ranks last), and every
+    request still yields HF's tokens."""
+    _, _, model, _ = checkpoint
+    work, expected = reference
+    eng = _engine(model, policy="priority", chunk_size=64, block_size=16, kv_cache_tokens=640,
+                  max_num_batched_tokens=256)
+    reqs = [eng.add_request(f"r{i}", p, SamplingParams(max_tokens=m), priority=(i * 7) % 4, arrival_time=float(i))
+            for i, (p, m) in enumerate(work)]
+    for _ in range(100_000):
+        if not eng.has_unfinished():
+            break
+        eng.step()
+    assert [r.output_token_ids for r in reqs] == expected
+    assert eng.scheduler.preempted_total > 0
+    eng.kv.check()
+    assert eng.kv.num_free_blocks == eng.kv.num_blocks
+
+
 HAND_PREDICTOR = LinearBatchPredictor(overhead_s=2e-3, per_prefill_token_s=5e-5, per_attn_pair_s=3e-9,
                                       per_decode_s=2e-4, per_decode_kv_s=1e-8)
 

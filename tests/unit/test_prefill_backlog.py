@@ -34,7 +34,7 @@ def test_hand_computed():
     assert s.prefill_backlog == 0
 
 
-@pytest.mark.parametrize("policy", ["fcfs", "srpt", "lars"])
+@pytest.mark.parametrize("policy", ["fcfs", "srpt", "lars", "priority"])
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_matches_definition_under_churn(policy, seed):
     rng = random.Random(seed)
@@ -45,7 +45,7 @@ def test_matches_definition_under_churn(policy, seed):
             n += 1
             req = Request(f"r{n}", [1] * rng.randint(1, 200),
                           SamplingParams(max_tokens=rng.randint(1, 40), ignore_eos=True),
-                          prefill_only=rng.random() < 0.2)
+                          prefill_only=rng.random() < 0.2, priority=rng.randint(0, 3))
             s.add_request(req)
             live.append(req.request_id)
         if live and rng.random() < 0.05:
