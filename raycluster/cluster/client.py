@@ -13,6 +13,10 @@ client already has (`RequestMeta.resumed`), and its stream goes on where it stop
 router stays unreachable for `router_wait_s`, waiting requests fail with 503 (or an "error"
 finish once tokens were sent).
 
+Backlogs: events queued for a request while its reader was busy go out as one output (tokens
+and logprobs concatenated), so a slow client or a busy gateway costs one SSE chunk per read, not
+one per engine step (vLLM's RequestOutputCollector does the same).
+
 Aborts: a request whose client is gone is aborted from a task of its own (`_abort_soon`), not
 from the request generator's closing code: that code often runs inside a task being cancelled,
 and under Starlette's disconnect listener (an anyio cancel scope) every await there is cancelled
@@ -42,6 +46,22 @@ log = logging.getLogger(__name__)
 
 _RESUBMIT = object()      # queue marker: the router that accepted the request is gone
 _LOST = object()          # queue marker: no router answered for router_wait_s
+
+
+def _coalesce(ev: TokenEvent, q: asyncio.Queue) -> tuple[TokenEvent, object | None]:
+    """Merge the token events queued behind `ev` into one (as vLLM's RequestOutputCollector
+    does): when the reader fell behind (a slow client, a busy gateway), it gets one output per
+    read, not one per engine step, so a backlog costs one SSE chunk. Stops at a marker or an
+    error event, which is returned second, to be handled after the merged one."""
+    while not ev.finished and not q.empty():
+        nxt = q.get_nowait()
+        if not isinstance(nxt, TokenEvent) or nxt.finish_reason == "error":
+            return ev, nxt
+        lps = None if ev.logprobs is None and nxt.logprobs is None else (ev.logprobs or []) + (nxt.logprobs or [])
+        ev = TokenEvent(ev.request_id, ev.token_ids + nxt.token_ids, nxt.finished, nxt.finish_reason, nxt.error,
+                        lps, max(ev.num_cached_tokens, nxt.num_cached_tokens),
+                        ev.prompt_logprobs if ev.prompt_logprobs is not None else nxt.prompt_logprobs)
+    return ev, None
 
 
 class ClusterClient:
@@ -171,8 +191,11 @@ class ClusterClient:
                                       503 if "no instances" in reply.reason else 429)
             text = (TextStream(self.tokenizer, prompt_token_ids, meta.sampling.stop, meta.sampling.min_tokens)
                     if self.tokenizer else None)
+            pending = None
             while True:
-                ev = await q.get()
+                ev, pending = (pending, None) if pending is not None else (await q.get(), None)
+                if isinstance(ev, TokenEvent):
+                    ev, pending = _coalesce(ev, q)
                 if ev is _RESUBMIT or ev is _LOST:
                     self._forget(live)
                     if ev is _RESUBMIT:
