@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-from pathlib import Path
 
 import ray
 from fastapi import Request
@@ -48,11 +47,11 @@ def build_gateway_app():
         pull=lambda gid, timeout: router.pull.remote(gid, timeout), status=lambda: router.status.remote(),
         tokenizer=tokenizer, max_model_len=min(max_len, mcfg.max_model_len), vocab_size=mcfg.vocab_size,
         eos_token_ids=tokenizer.eos_token_ids, gateway_id=gateway_id)
-    name = "tiny" if cfg.model == "tiny" else Path(cfg.model).name
+    names = cfg.served_names()
     # The key comes from the replica's environment (its node's), never from the Serve config.
     # In a replica its request metrics also go to Ray's metrics export (summable over replicas).
     sinks = [RayRequestMetrics(gateway_id)] if gateway_id is not None else []
-    app = build_app(client, tokenizer, name, api_keys=keys_from_env(), tool_call_parser=cfg.tool_call_parser,
+    app = build_app(client, tokenizer, names, api_keys=keys_from_env(), tool_call_parser=cfg.tool_call_parser,
                     metrics_sinks=sinks)
 
     @app.get("/v1/cluster/status")

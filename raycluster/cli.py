@@ -59,6 +59,7 @@ def _serve_engine(args: argparse.Namespace) -> None:
     from raycluster.engine.config import EngineConfig
     from raycluster.engine.engine import LLMEngine
     from raycluster.engine.stat_log import StatLogger
+    from raycluster.model.registry import default_model_name
     from raycluster.server.app import build_app
     from raycluster.server.async_engine import AsyncEngine
     from raycluster.server.auth import keys_from_env
@@ -73,8 +74,9 @@ def _serve_engine(args: argparse.Namespace) -> None:
         log.setLevel(logging.INFO)
         stats = StatLogger("engine", args.log_stats_interval, log.info)
     async_engine = AsyncEngine(engine, stat_logger=stats)
-    name = "tiny" if args.model == "tiny" else Path(args.model).name
-    app = build_app(async_engine, engine.tokenizer, name, api_keys=keys_from_env(),
+    names = args.served_model_name or [default_model_name(args.model)]
+    name = names[0]
+    app = build_app(async_engine, engine.tokenizer, names, api_keys=keys_from_env(),
                     tool_call_parser=args.tool_call_parser)
     print(f"raycluster: serving {name} on http://{args.host}:{args.port} (policy {args.policy})", flush=True)
     try:
@@ -92,7 +94,8 @@ def _serve(args: argparse.Namespace) -> int:
     return serve_cluster(args.app, args.model, args.policy, args.host, args.port, address=args.address,
                          dashboard=not args.no_dashboard, direct_ingress=not args.no_direct_ingress,
                          state_file=_cluster_file(), prefix_caching=args.enable_prefix_caching,
-                         tool_call_parser=args.tool_call_parser, haproxy=args.haproxy)
+                         tool_call_parser=args.tool_call_parser, haproxy=args.haproxy,
+                         served_model_name=args.served_model_name)
 
 
 def cmd_up(args: argparse.Namespace) -> int:
@@ -118,6 +121,8 @@ def cmd_up(args: argparse.Namespace) -> int:
     for flag in ("model", "policy", "app", "address", "threads", "tool_call_parser", "log_stats_interval"):
         if getattr(args, flag, None) is not None:
             cmd += ["--" + flag.replace("_", "-"), str(getattr(args, flag))]
+    if getattr(args, "served_model_name", None):
+        cmd += ["--served-model-name", *args.served_model_name]
     for flag in ("no_dashboard", "no_direct_ingress", "haproxy"):
         if getattr(args, flag, False):
             cmd.append("--" + flag.replace("_", "-"))
@@ -297,7 +302,8 @@ def cmd_apply(args: argparse.Namespace) -> int:
             print(f"raycluster apply: {e}", file=sys.stderr)
             return 2
         new_args = override_args(base if base is not None else app.get("args") or {}, args.model, args.policy,
-                                 args.enable_prefix_caching, args.tool_call_parser)
+                                 args.enable_prefix_caching, args.tool_call_parser,
+                                 served_model_name=args.served_model_name)
         try:
             ClusterConfig(**new_args)           # refuse a bad config before the controller sees it
         except ValidationError as e:
@@ -349,6 +355,9 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--app", default=None, help="Serve config YAML (default: deployments/local.yaml)")
     up.add_argument("--model", default=None, help="'tiny' (embedded default) or a checkpoint directory")
     up.add_argument("--policy", default=None, help="scheduling policy name (default: the app's, lars)")
+    up.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
+                    help="names the API answers to (vLLM's); responses give the request's, else the first. "
+                         "Default: 'tiny' or the checkpoint directory's name")
     up.add_argument("--address", default=None, help="join this Ray cluster instead of starting one")
     up.add_argument("--no-dashboard", action="store_true", help="do not start the Ray dashboard")
     up.add_argument("--no-direct-ingress", action="store_true",
@@ -372,6 +381,9 @@ def build_parser() -> argparse.ArgumentParser:
     es = sub.add_parser("engine-server", help="serve one engine in this process (no Ray)")
     es.add_argument("--model", default="tiny")
     es.add_argument("--policy", default="lars")
+    es.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
+                    help="names the API answers to (vLLM's); responses give the request's, else the first. "
+                         "Default: 'tiny' or the checkpoint directory's name")
     es.add_argument("--host", default="127.0.0.1")
     es.add_argument("--port", type=int, default=8000)
     es.add_argument("--threads", type=int, default=None, help="torch threads of the engine")
@@ -402,6 +414,9 @@ def build_parser() -> argparse.ArgumentParser:
                     "(default: the running args, resized pools included)")
     ap.add_argument("--model", default=None)
     ap.add_argument("--policy", default=None, help="scheduling policy name")
+    ap.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
+                    help="names the API answers to (vLLM's); responses give the request's, else the first. "
+                         "Default: 'tiny' or the checkpoint directory's name")
     ap.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None)
     ap.add_argument("--tool-call-parser", default=None, choices=sorted(TOOL_PARSERS))
     ap.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for the application")

@@ -9,6 +9,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from raycluster.engine.config import EngineConfig
+from raycluster.model.registry import default_model_name
 from raycluster.parallel.group import is_loopback
 from raycluster.sched.pressure import PressureConfig
 from raycluster.sched.registry import policy_names
@@ -135,6 +136,9 @@ class ClusterConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     model: str = "tiny"
+    served_model_name: list[str] | None = Field(
+        None, description="names the API answers to (vLLM's --served-model-name); responses give the "
+        "request's, else the first. Default: 'tiny', or the checkpoint directory's name")
     policy: str = "lars"
     connector: Literal["object_store", "nixl", "torch_dist"] = "object_store"
     connector_host: str = Field("127.0.0.1", description="address torch_dist binds its store and "
@@ -177,6 +181,21 @@ class ClusterConfig(BaseModel):
         if v not in policy_names():
             raise ValueError(f"unknown policy {v!r}; choose one of {', '.join(policy_names())}")
         return v
+
+    @field_validator("served_model_name", mode="before")
+    @classmethod
+    def _names(cls, v):
+        if isinstance(v, str):
+            v = [v]
+        if v is not None:
+            if not v or any(not isinstance(n, str) or not n.strip() for n in v):
+                raise ValueError("give one or more non-empty names")
+            if len(set(v)) != len(v):
+                raise ValueError(f"names repeat: {v}")
+        return v
+
+    def served_names(self) -> list[str]:
+        return self.served_model_name or [default_model_name(self.model)]
 
     @field_validator("tool_call_parser")
     @classmethod

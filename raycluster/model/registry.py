@@ -30,6 +30,12 @@ def resolve_model_path(model: str) -> str:
     return str(path)
 
 
+def default_model_name(model: str) -> str:
+    """The name the API serves a `--model` under when none is given: "tiny", or the checkpoint
+    directory's name (vLLM uses the path as given; a directory's name is what clients can type)."""
+    return TINY if model == TINY else Path(model).expanduser().resolve().name
+
+
 def _tiny_fingerprint() -> str:
     """Changes whenever the generator or its corpus does, so a stale cached checkpoint is never used."""
     from raycluster.model import tiny

@@ -48,12 +48,16 @@ def _overloaded(e: OverloadedError) -> JSONResponse:
                         headers={"Retry-After": str(max(1, round(e.retry_after_s)))})
 
 
-def build_app(engine, tokenizer, model_name: str, api_keys: Sequence[str] = (),
+def build_app(engine, tokenizer, model_names: str | Sequence[str], api_keys: Sequence[str] = (),
               tool_call_parser: str | None = None, metrics_sinks: Sequence[RequestMetricsSink] = ()) -> FastAPI:
-    """`api_keys`: if any, every route but /health, /metrics and the docs wants one of them as
+    """`model_names`: the names a request's `model` may give (vLLM's --served-model-name); a
+    response names the one its request gave, else the first. `api_keys`: if any, every route but /health, /metrics and the docs wants one of them as
     a bearer token (raycluster.server.auth). `tool_call_parser`: the model's tool-call syntax
     (raycluster.server.tool_parsers), which `tool_choice: "auto"` needs. `metrics_sinks`: where
     each request's metrics go besides /metrics (raycluster.server.request_metrics)."""
+    names = [model_names] if isinstance(model_names, str) else list(model_names)
+    if not names:
+        raise ValueError("model_names: at least one name to serve under")
     parser = tool_parser(tool_call_parser)
     app = FastAPI(title="raycluster", version="0.1.0")
     if api_keys:
@@ -77,9 +81,9 @@ def build_app(engine, tokenizer, model_name: str, api_keys: Sequence[str] = (),
 
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": now_s(),
-                                            "owned_by": "raycluster",
-                                            "max_model_len": engine.max_model_len}]}
+        return {"object": "list", "data": [{"id": name, "object": "model", "created": now_s(),
+                                            "owned_by": "raycluster", "root": names[0],
+                                            "max_model_len": engine.max_model_len} for name in names]}
 
     @app.get("/metrics")
     async def prom():
@@ -132,6 +136,7 @@ def build_app(engine, tokenizer, model_name: str, api_keys: Sequence[str] = (),
         parser) of a chat request's tool choice (raycluster.server.tools): the outputs are
         returned as tool calls."""
         max_tokens = getattr(body, "max_completion_tokens", None) or body.max_tokens
+        model_name = body.model or names[0]
         sampling = body.to_sampling()
         if guided is not None:
             guided.into(sampling)
@@ -202,9 +207,10 @@ def build_app(engine, tokenizer, model_name: str, api_keys: Sequence[str] = (),
         return out
 
     def _unknown_model(body) -> JSONResponse | None:
-        if body.model is None or body.model == model_name:
+        if body.model is None or body.model in names:
             return None
-        return JSONResponse(error_body(f"model: `{body.model}` does not exist (this server has `{model_name}`)",
+        served = ", ".join(f"`{n}`" for n in names)
+        return JSONResponse(error_body(f"model: `{body.model}` does not exist (this server has {served})",
                                        "model", code="model_not_found"), status_code=404)
 
     @app.post("/v1/completions")
@@ -260,6 +266,8 @@ def build_app(engine, tokenizer, model_name: str, api_keys: Sequence[str] = (),
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest):
         """vLLM's: the token ids a completion (or chat) request with this input would run."""
+        if (missing := _unknown_model(body)) is not None:
+            return missing
         try:
             ids = _encode_prompt(body.prompt) if body.messages is None else _chat_ids(body)
         except InvalidRequestError as e:
@@ -268,6 +276,8 @@ def build_app(engine, tokenizer, model_name: str, api_keys: Sequence[str] = (),
 
     @app.post("/detokenize")
     async def detokenize(body: DetokenizeRequest):
+        if (missing := _unknown_model(body)) is not None:
+            return missing
         vocab = tokenizer.vocab_size
         bad = next((t for t in body.tokens if not 0 <= t < vocab), None)
         if bad is not None:

@@ -120,7 +120,8 @@ def _check_apply(env: dict, url: str, text: str) -> None:
 
 def test_up_detach_status_generate_down(tmp_path):
     """With `--api-key`: the gateway replicas (behind the proxy and on their own ports) want it,
-    /health does not, and `status` sends the key from RAYCLUSTER_API_KEY."""
+    /health does not, and `status` sends the key from RAYCLUSTER_API_KEY. With
+    `--served-model-name`: the API answers to each name."""
     port = _free_port()
     ray_tmp = tempfile.mkdtemp(prefix="rcup", dir="/tmp")      # short: Ray's unix sockets live here
     env = {**os.environ, "RAYCLUSTER_STATE_DIR": str(tmp_path), "RAY_TMPDIR": ray_tmp}
@@ -131,7 +132,7 @@ def test_up_detach_status_generate_down(tmp_path):
     doc["applications"][0]["args"]["drain_s"] = 120
     (tmp_path / "app.yaml").write_text(yaml.safe_dump(doc))
     up = _cli("up", "--detach", "--no-dashboard", "--port", str(port), "--policy", "edf", "--api-key", KEY,
-              "--app", str(tmp_path / "app.yaml"), env=env)
+              "--app", str(tmp_path / "app.yaml"), "--served-model-name", "tiny", "house-llm", env=env)
     try:
         assert up.returncode == 0, up.stdout + up.stderr
         info = json.loads((tmp_path / "up.json").read_text())
@@ -141,6 +142,12 @@ def test_up_detach_status_generate_down(tmp_path):
         assert httpx.post(url + "/v1/completions", json=body, timeout=60).status_code == 401
         r = httpx.post(url + "/v1/completions", json=body, timeout=60, headers=AUTH)
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
+        # --served-model-name: both names listed and answered to; a response names the request's.
+        models = httpx.get(url + "/v1/models", timeout=60, headers=AUTH).json()["data"]
+        assert [m["id"] for m in models] == ["tiny", "house-llm"]
+        alias = httpx.post(url + "/v1/completions", json={**body, "model": "house-llm"}, timeout=60, headers=AUTH)
+        assert alias.status_code == 200 and alias.json()["model"] == "house-llm"
+        assert alias.json()["choices"][0]["text"] == r.json()["choices"][0]["text"] and r.json()["model"] == "tiny"
         assert _cli("status", "--json", env=env, timeout=60).returncode == 1          # no key here
         env["RAYCLUSTER_API_KEY"] = KEY
         st = _cli("status", "--json", env=env, timeout=60)

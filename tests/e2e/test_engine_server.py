@@ -26,7 +26,7 @@ def server(tiny_model_dir):
     # Prefix caching on in the served engine, off in the reference: every exact comparison
     # below also checks that cached prefixes change no token.
     cfg = EngineConfig(kv_cache_tokens=8192, policy="fcfs", packer="token", enable_prefix_caching=True)
-    with serve_engine(cfg, model, tok) as (url, aeng):
+    with serve_engine(cfg, model, tok, names=("tiny", "tiny-alias")) as (url, aeng):
         # A reference engine on the same weights, for exact greedy comparisons.
         ref = LLMEngine(EngineConfig(kv_cache_tokens=8192, policy="fcfs", packer="token"), model, tok)
         yield url, aeng, tok, ref
@@ -99,7 +99,7 @@ def test_chat_and_models_and_health_and_metrics(server):
                    json={"messages": [{"role": "user", "content": "hi there"}], "max_tokens": 5, "temperature": 0})
     assert r.status_code == 200, r.text
     assert r.json()["choices"][0]["message"]["role"] == "assistant"
-    assert httpx.get(f"{url}/v1/models").json()["data"][0]["id"] == "tiny"
+    assert [m["id"] for m in httpx.get(f"{url}/v1/models").json()["data"]] == ["tiny", "tiny-alias"]
     assert httpx.get(f"{url}/health").json()["status"] == "ok"
     metrics = httpx.get(f"{url}/metrics").text
     assert "raycluster_ttft_seconds_bucket" in metrics and "raycluster_kv_usage" in metrics
@@ -177,15 +177,25 @@ def test_max_tokens_past_the_context_is_400_and_chat_defaults_to_the_rest(tiny_m
 
 
 def test_an_unknown_model_is_404(server):
-    """As OpenAI and vLLM; leaving `model` out picks the served one."""
+    """As OpenAI and vLLM; leaving `model` out picks the first served name, and a response names
+    the one its request gave (the server runs under two: vLLM's --served-model-name)."""
     url, aeng, _, _ = server
     for path, body in (("/v1/completions", {"prompt": "x", "max_tokens": 1}),
-                       ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "max_tokens": 1})):
+                       ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "max_tokens": 1}),
+                       ("/tokenize", {"prompt": "x"}), ("/detokenize", {"tokens": [5]})):
         r = httpx.post(url + path, json={**body, "model": "gpt-4"}, timeout=30)
         assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found", r.text
-        assert r.json()["error"]["param"] == "model"
-        assert httpx.post(url + path, json=body, timeout=30).status_code == 200
-        assert httpx.post(url + path, json={**body, "model": "tiny"}, timeout=30).status_code == 200
+        assert r.json()["error"]["param"] == "model" and "`tiny`, `tiny-alias`" in r.json()["error"]["message"]
+        for model in (None, "tiny", "tiny-alias"):
+            ok = httpx.post(url + path, json=body if model is None else {**body, "model": model}, timeout=30)
+            assert ok.status_code == 200, ok.text
+            if path.startswith("/v1/"):
+                assert ok.json()["model"] == (model or "tiny")
+    stream = httpx.post(url + "/v1/completions", timeout=30, json={"prompt": "x", "max_tokens": 2, "stream": True,
+                                                                   "model": "tiny-alias"})
+    chunks = [json.loads(line[6:]) for line in stream.text.splitlines()
+              if line.startswith("data: ") and line != "data: [DONE]"]
+    assert chunks and all(c["model"] == "tiny-alias" for c in chunks)
     assert _all_free(aeng)
 
 

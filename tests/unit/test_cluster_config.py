@@ -90,3 +90,25 @@ def test_the_dashboard_hint_says_where_the_login_token_is(tmp_path, monkeypatch)
     assert dashboard_hint("127.0.0.1:8265") == f"http://127.0.0.1:8265 (token in {tmp_path}/.ray/auth_token)"
     monkeypatch.setenv("RAY_AUTH_TOKEN", "secret")
     assert dashboard_hint("http://h:1") == "http://h:1 (token: $RAY_AUTH_TOKEN)"
+
+
+def test_served_model_name_takes_one_or_more_names(tmp_path):
+    """vLLM's --served-model-name: a string or a list; the default is 'tiny' or the checkpoint
+    directory's name; empty or repeated names are refused naming the field."""
+    assert ClusterConfig().served_names() == ["tiny"]
+    ckpt = tmp_path / "Llama-3-8B-Instruct"
+    assert ClusterConfig(model=str(ckpt) + "/").served_names() == ["Llama-3-8B-Instruct"]
+    assert ClusterConfig(served_model_name="llm").served_names() == ["llm"]
+    assert ClusterConfig(served_model_name=["llm", "tiny"]).served_names() == ["llm", "tiny"]
+    for bad in ([], [""], ["a", "a"], [" "]):
+        with pytest.raises(ValidationError, match="served_model_name"):
+            ClusterConfig(served_model_name=bad)
+
+
+def test_the_cli_overrides_carry_the_served_names():
+    from deployments.launcher import override_args
+
+    args = override_args({"policy": "lars"}, None, None, None, served_model_name=["a", "b"])
+    assert args == {"policy": "lars", "served_model_name": ["a", "b"]}
+    assert ClusterConfig(**args).served_names() == ["a", "b"]
+    assert override_args({"served_model_name": ["a"]}, None, None, None) == {"served_model_name": ["a"]}
