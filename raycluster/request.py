@@ -67,11 +67,16 @@ class SamplingParams:
     # be a sentence of this grammar (Lark or GBNF text). At most one of the two.
     guided_regex: str | None = None
     guided_grammar: str | None = None
+    # vLLM's: only these token ids may be sampled (None: any).
+    allowed_token_ids: list[int] | None = None
+    # vLLM's: a stop string that ends the output is kept at its end (the text stream's business).
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True    # vLLM's: leave special tokens out of the output text
 
     @property
     def penalized(self) -> bool:
         return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
-                or bool(self.logit_bias) or self.min_tokens > 0)
+                or bool(self.logit_bias) or self.min_tokens > 0 or self.allowed_token_ids is not None)
 
     def validate(self) -> None:
         """Raise ValueError naming the field a user got wrong."""
@@ -98,6 +103,8 @@ class SamplingParams:
             raise ValueError("logit_bias values must be in [-100, 100]")
         if not 0 <= self.min_tokens <= self.max_tokens:
             raise ValueError(f"min_tokens must be in [0, max_tokens], got {self.min_tokens}")
+        if self.allowed_token_ids is not None and not self.allowed_token_ids:
+            raise ValueError("allowed_token_ids must hold at least one token id")
         if self.guided_regex is not None and self.guided_grammar is not None:
             raise ValueError("guided_grammar: set at most one of guided_regex and guided_grammar")
 

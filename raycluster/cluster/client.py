@@ -189,7 +189,7 @@ class ClusterClient:
                 done = True
                 raise OverloadedError(reply.reason or "cluster is busy", reply.retry_after_s,
                                       503 if "no instances" in reply.reason else 429)
-            text = (TextStream(self.tokenizer, prompt_token_ids, meta.sampling.stop, meta.sampling.min_tokens)
+            text = (TextStream.of(self.tokenizer, prompt_token_ids, meta.sampling)
                     if self.tokenizer else None)
             pending = None
             while True:

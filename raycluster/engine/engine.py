@@ -68,8 +68,10 @@ def validate_request(ids: list[int], sp: SamplingParams, max_model_len: int, voc
     """Raise InvalidRequestError naming the field a user got wrong (shared with the gateway)."""
     if not ids:
         raise InvalidRequestError("prompt", "must not be empty")
-    if any(not 0 <= t < vocab_size for t in sp.logit_bias):
-        raise InvalidRequestError("logit_bias", f"token ids must be in [0, {vocab_size})")
+    for name, ids_ in (("logit_bias", sp.logit_bias), ("stop_token_ids", sp.stop_token_ids),
+                       ("allowed_token_ids", sp.allowed_token_ids or ())):
+        if any(not 0 <= t < vocab_size for t in ids_):
+            raise InvalidRequestError(name, f"token ids must be in [0, {vocab_size})")
     if len(ids) >= max_model_len:
         raise InvalidRequestError(
             "prompt", f"{len(ids)} tokens leave no room to generate within the context of {max_model_len} tokens")
@@ -218,8 +220,7 @@ class LLMEngine:
 
     def _track_text(self, req: Request) -> None:
         if self.tokenizer is not None:
-            self._texts[req.request_id] = TextStream(self.tokenizer, req.prompt_token_ids, req.sampling.stop,
-                                                     req.sampling.min_tokens)
+            self._texts[req.request_id] = TextStream.of(self.tokenizer, req.prompt_token_ids, req.sampling)
 
     def _validate(self, ids: list[int], sp: SamplingParams) -> None:
         validate_request(ids, sp, self.max_model_len, self.vocab_size, self.kv.capacity_tokens())

@@ -9,8 +9,8 @@ the sampler's own generator. Logits enter as [n, vocab] float tensors, with each
 output tokens so far; token ids leave as a Python list. `logprobs` reads the same rows for the requests that ask for log-probabilities
 (raw logits: before penalties, temperature, top-k and top-p), with each token's rank in the
 vocabulary. `penalize` returns the logits with each penalized row adjusted by its request's
-history and `logit_bias`, and `banned` ids (EOS and stop ids before `min_tokens`) at -inf (a
-copy; other rows untouched).
+history and `logit_bias`, every id outside `allowed_token_ids` (when given) and `banned` ids (EOS
+and stop ids before `min_tokens`) at -inf (a copy; other rows untouched).
 """
 
 from __future__ import annotations
@@ -72,6 +72,10 @@ class Sampler:
             if sp.logit_bias:
                 ids = torch.tensor(list(sp.logit_bias), dtype=torch.long)
                 row[ids] += torch.tensor(list(sp.logit_bias.values()), dtype=row.dtype)
+            if sp.allowed_token_ids is not None:
+                keep = torch.zeros(vocab, dtype=torch.bool)
+                keep[torch.tensor(sp.allowed_token_ids, dtype=torch.long)] = True
+                row.masked_fill_(~keep, float("-inf"))
             if banned and banned[i] and len(outputs[i]) < sp.min_tokens:
                 row[torch.tensor(banned[i], dtype=torch.long)] = float("-inf")
         return logits

@@ -137,6 +137,9 @@ def build_app(engine, tokenizer, model_names: str | Sequence[str], api_keys: Seq
         returned as tool calls."""
         max_tokens = getattr(body, "max_completion_tokens", None) or body.max_tokens
         model_name = body.model or names[0]
+        if (k := body.truncate_prompt_tokens) is not None:      # vLLM's: keep the last k tokens
+            prompts = [(ids[-k:], tokenizer.decode(ids[-k:]) if echo and len(ids) > k else text)
+                       for ids, text in prompts]
         sampling = body.to_sampling()
         if guided is not None:
             guided.into(sampling)

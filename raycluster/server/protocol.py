@@ -4,8 +4,11 @@ Requests enter as JSON and are validated here; `to_sampling()` turns them into t
 `SamplingParams`. Extra fields beyond OpenAI's (`ttft_slo_ms`, `tpot_slo_ms`, `priority`,
 `tenant`, `app_id`, vLLM's `ignore_eos` and `min_tokens`) are optional. Unknown fields are
 ignored, as OpenAI clients send many we do not use; but OpenAI options that would change the
-output and are not implemented (`best_of`, `suffix`, and `echo` on chat) are refused with a 400
-naming the field unless they hold their neutral value, rather than silently ignored. `echo` on
+output and are not implemented (`best_of`, `suffix`, and `echo` on chat; vLLM's `use_beam_search`,
+`length_penalty`, `bad_words`, `spaces_between_special_tokens`) are refused with a 400 naming the
+field unless they hold their neutral value, rather than silently ignored. vLLM's
+`stop_token_ids`, `include_stop_str_in_output`, `allowed_token_ids`, `skip_special_tokens` and
+`truncate_prompt_tokens` (keep the last k prompt tokens) are served. `echo` on
 completions returns the prompt before the completion, and with `logprobs` the prompt tokens'
 log-probabilities too (the first token's is null). vLLM's `prompt_logprobs` (an int k in [0, 20],
 both endpoints) returns vLLM's `prompt_logprobs` list: per prompt token, the first null, a dict
@@ -112,9 +115,19 @@ class _GenerationFields(BaseModel):
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
     guided_whitespace_pattern: str | None = None
-    # OpenAI options not implemented: accepted only at their neutral values.
+    # vLLM's extra sampling parameters.
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool = False
+    allowed_token_ids: list[int] | None = Field(None, min_length=1)
+    skip_special_tokens: bool = True
+    truncate_prompt_tokens: int | None = Field(None, ge=1, description="keep only the last k prompt tokens")
+    # OpenAI's and vLLM's options not implemented: accepted only at their neutral values.
     best_of: Any = None
     suffix: Any = None
+    use_beam_search: Any = None
+    bad_words: Any = None
+    spaces_between_special_tokens: Any = None
+    length_penalty: Any = None
 
     @field_validator("logit_bias")
     @classmethod
@@ -145,6 +158,27 @@ class _GenerationFields(BaseModel):
             raise ValueError("not supported by this server (only 1)")
         return v
 
+    @field_validator("use_beam_search", "bad_words")
+    @classmethod
+    def _off(cls, v):
+        if v not in (None, False, []):
+            raise ValueError("not supported by this server (leave it out)")
+        return v
+
+    @field_validator("spaces_between_special_tokens")
+    @classmethod
+    def _spaced(cls, v):
+        if v not in (None, True):
+            raise ValueError("not supported by this server (only true)")
+        return v
+
+    @field_validator("length_penalty")
+    @classmethod
+    def _unit(cls, v):
+        if v not in (None, 1, 1.0):
+            raise ValueError("not supported by this server (beam search only; only 1.0)")
+        return v
+
     def to_sampling(self, default_max_tokens: int = 16) -> SamplingParams:
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         return SamplingParams(
@@ -153,7 +187,10 @@ class _GenerationFields(BaseModel):
             stop=stop, ignore_eos=self.ignore_eos, logprobs=self.num_logprobs(),
             presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
             repetition_penalty=self.repetition_penalty, logit_bias=dict(self.logit_bias or {}),
-            min_tokens=self.min_tokens, prompt_logprobs=self.num_prompt_logprobs())
+            min_tokens=self.min_tokens, prompt_logprobs=self.num_prompt_logprobs(),
+            stop_token_ids=list(self.stop_token_ids or []), allowed_token_ids=self.allowed_token_ids,
+            include_stop_str_in_output=self.include_stop_str_in_output,
+            skip_special_tokens=self.skip_special_tokens)
 
     def num_logprobs(self) -> int | None:
         return None

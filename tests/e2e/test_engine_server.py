@@ -142,6 +142,14 @@ def test_metrics_count_prompt_tokens_and_request_latency(server):
     ({"prompt": "x", "repetition_penalty": 0}, "repetition_penalty"),
     ({"prompt": "x", "min_p": 1.5}, "min_p"),
     ({"prompt": "x", "best_of": 2}, "best_of"),
+    ({"prompt": "x", "use_beam_search": True}, "use_beam_search"),
+    ({"prompt": "x", "bad_words": ["x"]}, "bad_words"),
+    ({"prompt": "x", "spaces_between_special_tokens": False}, "spaces_between_special_tokens"),
+    ({"prompt": "x", "length_penalty": 2.0}, "length_penalty"),
+    ({"prompt": "x", "allowed_token_ids": []}, "allowed_token_ids"),
+    ({"prompt": "x", "allowed_token_ids": [5000]}, "allowed_token_ids"),
+    ({"prompt": "x", "stop_token_ids": [-1]}, "stop_token_ids"),
+    ({"prompt": "x", "truncate_prompt_tokens": 0}, "truncate_prompt_tokens"),
 ])
 def test_bad_requests_are_400_naming_the_field(server, payload, param):
     url, aeng, _, _ = server
@@ -575,3 +583,48 @@ def test_tokenize_and_detokenize_as_vllm(server):
         r = httpx.post(f"{url}{path}", json=payload, timeout=10)
         assert r.status_code == 400, (path, payload, r.text)
         assert r.json()["error"]["param"] == param, r.json()
+
+
+def test_vllms_extra_sampling_parameters(server):
+    """vLLM's stop_token_ids, include_stop_str_in_output, allowed_token_ids, skip_special_tokens
+    and truncate_prompt_tokens do what vLLM's do, checked against the greedy output of the
+    reference engine."""
+    url, aeng, tok, ref = server
+    prompt = "Once upon a time, a small robot"
+    ids = tok.encode(prompt)
+    greedy = ref.generate([ids], SamplingParams(max_tokens=12, ignore_eos=True))[0]
+    k = next(i for i in range(2, len(greedy)) if greedy[i] not in greedy[:i])    # first made at k
+
+    def post(**extra):
+        r = httpx.post(f"{url}/v1/completions", timeout=30,
+                       json={"prompt": prompt, "max_tokens": 12, "temperature": 0, "ignore_eos": True, **extra})
+        assert r.status_code == 200, r.text
+        return r.json()
+
+    # stop_token_ids: ends at (and with) that token, finish "stop"; the API's text keeps it as vLLM's does.
+    body = post(stop_token_ids=[greedy[k]])
+    assert body["choices"][0]["finish_reason"] == "stop" and body["usage"]["completion_tokens"] == k + 1
+    assert body["choices"][0]["text"] == tok.decode(greedy[:k + 1])
+    # include_stop_str_in_output: the stop string ends the text instead of being cut off.
+    whole = tok.decode(greedy)
+    stop = whole[len(tok.decode(greedy[:3])):][:3]
+    assert stop and stop in whole
+    cut = post(stop=[stop])["choices"][0]["text"]
+    kept = post(stop=[stop], include_stop_str_in_output=True)["choices"][0]["text"]
+    assert kept == cut + stop and whole.startswith(kept)
+    # allowed_token_ids: only those ids come out; skip_special_tokens=false shows special tokens' text.
+    eos = 1
+    only_eos = post(allowed_token_ids=[eos], max_tokens=3)["choices"][0]["text"]
+    shown = post(allowed_token_ids=[eos], max_tokens=3, skip_special_tokens=False)["choices"][0]["text"]
+    assert only_eos == "" and shown == tok.decode([eos] * 3, skip_special_tokens=False) != ""
+    two = [greedy[0], greedy[1]]
+    lp = post(allowed_token_ids=two, logprobs=0)["choices"][0]["logprobs"]["tokens"]
+    assert len(lp) == 12 and set(lp) <= {tok.decode([t]) for t in two}
+    # truncate_prompt_tokens: the last k prompt tokens only, as if sent alone.
+    tail = ids[-4:]
+    body = post(truncate_prompt_tokens=4)
+    assert body["usage"]["prompt_tokens"] == 4
+    assert body["choices"][0]["text"] == tok.decode(ref.generate([tail], SamplingParams(max_tokens=12,
+                                                                                        ignore_eos=True))[0])
+    assert post(truncate_prompt_tokens=len(ids) + 5)["choices"][0]["text"] == whole    # longer: no change
+    assert _all_free(aeng)

@@ -84,7 +84,9 @@ def _every_field_set() -> list[SamplingParams]:
     sp = SamplingParams(max_tokens=7, temperature=0.7, top_p=0.9, top_k=50, min_p=0.05, seed=1234, stop=["zz"],
                         stop_token_ids=[3], ignore_eos=True, logprobs=2, presence_penalty=0.5,
                         frequency_penalty=-0.25, repetition_penalty=1.1, logit_bias={5: 1.5}, min_tokens=2,
-                        prompt_logprobs=1, guided_regex="[a-z ]{1,40}")
+                        prompt_logprobs=1, guided_regex="[a-z ]{1,40}",
+                        allowed_token_ids=list(range(1000)),     # every byte token: the patterns stay reachable
+                        include_stop_str_in_output=True, skip_special_tokens=False)
     grammar = dataclasses.replace(sp, guided_regex=None, guided_grammar='start: "(" start ")" | "x"')
     defaults = SamplingParams()
     unset = [f.name for f in dataclasses.fields(SamplingParams)

@@ -80,3 +80,27 @@ def test_logprobs_rank_counts_strictly_likelier_tokens():
     want = [ref[0, 0], ref[0, 1], ref[0, 3], ref[1, 3], ref[1, 1]]
     assert [e.logprob for e in lps] == pytest.approx([w.item() for w in want])
     assert {t for t, _ in lps[1].top} == {1, 2} and lps[3].top == [(2, pytest.approx(ref[1, 2].item()))]
+
+
+def test_allowed_token_ids_restrict_greedy_and_random_draws():
+    """vLLM's allowed_token_ids: greedy takes the best allowed id (not the best overall), random
+    draws stay inside the set, and other rows of the batch are untouched."""
+    torch.manual_seed(0)
+    logits = torch.randn(2, 50)
+    allowed = [3, 17, 41]
+    restricted = SamplingParams(allowed_token_ids=allowed)
+    free = SamplingParams()
+    pen = Sampler.penalize(logits, [restricted, free], [[1], [1]], [[], []])
+    assert torch.equal(pen[1], logits[1])
+    s = Sampler()
+    best = max(allowed, key=lambda t: logits[0, t].item())
+    assert int(logits[0].argmax()) not in allowed           # the mask decides, not luck
+    assert s.sample(pen, [restricted, free], [0, 0]) == [best, int(logits[1].argmax())]
+    hot = SamplingParams(temperature=5.0, allowed_token_ids=allowed)
+    draws = {s.sample(Sampler.penalize(logits[:1], [hot], [[1]], [[]]), [hot], [k])[0] for k in range(200)}
+    assert draws == set(allowed)
+
+
+def test_an_empty_allowed_list_is_refused_naming_the_field():
+    with pytest.raises(ValueError, match="^allowed_token_ids"):
+        SamplingParams(allowed_token_ids=[]).validate()
