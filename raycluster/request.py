@@ -72,11 +72,15 @@ class SamplingParams:
     # vLLM's: a stop string that ends the output is kept at its end (the text stream's business).
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True    # vLLM's: leave special tokens out of the output text
+    # vLLM's bad_words as token sequences (the gateway tokenizes the words): a sequence's last
+    # token is banned wherever the output ends with the rest of it.
+    bad_words_token_ids: list[list[int]] = field(default_factory=list)
 
     @property
     def penalized(self) -> bool:
         return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
-                or bool(self.logit_bias) or self.min_tokens > 0 or self.allowed_token_ids is not None)
+                or bool(self.logit_bias) or self.min_tokens > 0 or self.allowed_token_ids is not None
+                or bool(self.bad_words_token_ids))
 
     def validate(self) -> None:
         """Raise ValueError naming the field a user got wrong."""
@@ -103,6 +107,8 @@ class SamplingParams:
             raise ValueError("logit_bias values must be in [-100, 100]")
         if not 0 <= self.min_tokens <= self.max_tokens:
             raise ValueError(f"min_tokens must be in [0, max_tokens], got {self.min_tokens}")
+        if any(not seq for seq in self.bad_words_token_ids):
+            raise ValueError("bad_words must not hold an empty word")
         if self.allowed_token_ids is not None and not self.allowed_token_ids:
             raise ValueError("allowed_token_ids must hold at least one token id")
         if self.guided_regex is not None and self.guided_grammar is not None:

@@ -69,7 +69,8 @@ def validate_request(ids: list[int], sp: SamplingParams, max_model_len: int, voc
     if not ids:
         raise InvalidRequestError("prompt", "must not be empty")
     for name, ids_ in (("logit_bias", sp.logit_bias), ("stop_token_ids", sp.stop_token_ids),
-                       ("allowed_token_ids", sp.allowed_token_ids or ())):
+                       ("allowed_token_ids", sp.allowed_token_ids or ()),
+                       ("bad_words", [t for seq in sp.bad_words_token_ids for t in seq])):
         if any(not 0 <= t < vocab_size for t in ids_):
             raise InvalidRequestError(name, f"token ids must be in [0, {vocab_size})")
     if len(ids) >= max_model_len:

@@ -9,8 +9,9 @@ the sampler's own generator. Logits enter as [n, vocab] float tensors, with each
 output tokens so far; token ids leave as a Python list. `logprobs` reads the same rows for the requests that ask for log-probabilities
 (raw logits: before penalties, temperature, top-k and top-p), with each token's rank in the
 vocabulary. `penalize` returns the logits with each penalized row adjusted by its request's
-history and `logit_bias`, every id outside `allowed_token_ids` (when given) and `banned` ids (EOS
-and stop ids before `min_tokens`) at -inf (a copy; other rows untouched).
+history and `logit_bias`, the last token of each bad word the output would complete, every id
+outside `allowed_token_ids` (when given) and `banned` ids (EOS and stop ids before `min_tokens`)
+at -inf (a copy; other rows untouched).
 """
 
 from __future__ import annotations
@@ -72,6 +73,10 @@ class Sampler:
             if sp.logit_bias:
                 ids = torch.tensor(list(sp.logit_bias), dtype=torch.long)
                 row[ids] += torch.tensor(list(sp.logit_bias.values()), dtype=row.dtype)
+            for seq in sp.bad_words_token_ids:
+                # vLLM's rule: ban the word's last token where the output ends with the rest.
+                if len(seq) == 1 or outputs[i][len(outputs[i]) - len(seq) + 1:] == seq[:-1]:
+                    row[seq[-1]] = float("-inf")
             if sp.allowed_token_ids is not None:
                 keep = torch.zeros(vocab, dtype=torch.bool)
                 keep[torch.tensor(sp.allowed_token_ids, dtype=torch.long)] = True

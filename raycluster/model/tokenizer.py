@@ -152,6 +152,20 @@ def _unicode_to_byte() -> dict[str, int]:
     return table
 
 
+def bad_words_token_ids(tokenizer: Tokenizer, words: list[str]) -> list[list[int]]:
+    """vLLM's tokenization of `bad_words`: each word as it would start the text and, when that
+    gives other tokens of the same count, as it would follow a space (so it is banned at the
+    start and in the middle of text)."""
+    out: list[list[int]] = []
+    for word in words:
+        bare = tokenizer.encode(word.lstrip(), add_special_tokens=False)
+        out.append(bare)
+        spaced = tokenizer.encode(" " + word.lstrip(), add_special_tokens=False)
+        if spaced and bare and spaced[0] != bare[0] and len(spaced) == len(bare):
+            out.append(spaced)
+    return out
+
+
 class IncrementalDetokenizer:
     """Streams text token by token. Decodes a small window [prefix_offset:] and emits only text
     beyond the already-emitted part [prefix_offset:read_offset], holding back while it ends in

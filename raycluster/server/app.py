@@ -28,6 +28,7 @@ from jinja2 import TemplateError
 
 from raycluster.engine.engine import InvalidRequestError
 from raycluster.request import SLO
+from raycluster.model.tokenizer import bad_words_token_ids
 from raycluster.server.auth import ApiKeyMiddleware
 from raycluster.server.openai_logprobs import chat_logprobs, completion_logprobs, prompt_logprobs
 from raycluster.server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
@@ -141,6 +142,8 @@ def build_app(engine, tokenizer, model_names: str | Sequence[str], api_keys: Seq
             prompts = [(ids[-k:], tokenizer.decode(ids[-k:]) if echo and len(ids) > k else text)
                        for ids, text in prompts]
         sampling = body.to_sampling()
+        if body.bad_words:
+            sampling.bad_words_token_ids = bad_words_token_ids(tokenizer, body.bad_words)
         if guided is not None:
             guided.into(sampling)
         room = engine.max_model_len - max(len(ids) for ids, _ in prompts)

@@ -5,10 +5,11 @@ Requests enter as JSON and are validated here; `to_sampling()` turns them into t
 `tenant`, `app_id`, vLLM's `ignore_eos` and `min_tokens`) are optional. Unknown fields are
 ignored, as OpenAI clients send many we do not use; but OpenAI options that would change the
 output and are not implemented (`best_of`, `suffix`, and `echo` on chat; vLLM's `use_beam_search`,
-`length_penalty`, `bad_words`, `spaces_between_special_tokens`) are refused with a 400 naming the
+`length_penalty`, `spaces_between_special_tokens`) are refused with a 400 naming the
 field unless they hold their neutral value, rather than silently ignored. vLLM's
-`stop_token_ids`, `include_stop_str_in_output`, `allowed_token_ids`, `skip_special_tokens` and
-`truncate_prompt_tokens` (keep the last k prompt tokens) are served. `echo` on
+`stop_token_ids`, `include_stop_str_in_output`, `allowed_token_ids`, `skip_special_tokens`,
+`bad_words` (tokenized by the app) and `truncate_prompt_tokens` (keep the last k prompt tokens)
+are served. `echo` on
 completions returns the prompt before the completion, and with `logprobs` the prompt tokens'
 log-probabilities too (the first token's is null). vLLM's `prompt_logprobs` (an int k in [0, 20],
 both endpoints) returns vLLM's `prompt_logprobs` list: per prompt token, the first null, a dict
@@ -124,8 +125,8 @@ class _GenerationFields(BaseModel):
     # OpenAI's and vLLM's options not implemented: accepted only at their neutral values.
     best_of: Any = None
     suffix: Any = None
+    bad_words: list[str] | None = None
     use_beam_search: Any = None
-    bad_words: Any = None
     spaces_between_special_tokens: Any = None
     length_penalty: Any = None
 
@@ -158,7 +159,7 @@ class _GenerationFields(BaseModel):
             raise ValueError("not supported by this server (only 1)")
         return v
 
-    @field_validator("use_beam_search", "bad_words")
+    @field_validator("use_beam_search")
     @classmethod
     def _off(cls, v):
         if v not in (None, False, []):

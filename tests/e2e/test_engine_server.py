@@ -143,7 +143,7 @@ def test_metrics_count_prompt_tokens_and_request_latency(server):
     ({"prompt": "x", "min_p": 1.5}, "min_p"),
     ({"prompt": "x", "best_of": 2}, "best_of"),
     ({"prompt": "x", "use_beam_search": True}, "use_beam_search"),
-    ({"prompt": "x", "bad_words": ["x"]}, "bad_words"),
+    ({"prompt": "x", "bad_words": [""]}, "bad_words"),
     ({"prompt": "x", "spaces_between_special_tokens": False}, "spaces_between_special_tokens"),
     ({"prompt": "x", "length_penalty": 2.0}, "length_penalty"),
     ({"prompt": "x", "allowed_token_ids": []}, "allowed_token_ids"),
@@ -620,6 +620,11 @@ def test_vllms_extra_sampling_parameters(server):
     two = [greedy[0], greedy[1]]
     lp = post(allowed_token_ids=two, logprobs=0)["choices"][0]["logprobs"]["tokens"]
     assert len(lp) == 12 and set(lp) <= {tok.decode([t]) for t in two}
+    # bad_words: the greedy output's word at k never comes out again, and the text differs from k on.
+    word = tok.decode([greedy[k]]).strip()
+    assert word and word in whole
+    banned = post(bad_words=[word])["choices"][0]["text"]
+    assert word not in banned and banned.startswith(tok.decode(greedy[:k]))
     # truncate_prompt_tokens: the last k prompt tokens only, as if sent alone.
     tail = ids[-4:]
     body = post(truncate_prompt_tokens=4)

@@ -86,7 +86,8 @@ def _every_field_set() -> list[SamplingParams]:
                         frequency_penalty=-0.25, repetition_penalty=1.1, logit_bias={5: 1.5}, min_tokens=2,
                         prompt_logprobs=1, guided_regex="[a-z ]{1,40}",
                         allowed_token_ids=list(range(1000)),     # every byte token: the patterns stay reachable
-                        include_stop_str_in_output=True, skip_special_tokens=False)
+                        include_stop_str_in_output=True, skip_special_tokens=False,
+                        bad_words_token_ids=[[7], [8, 9]])
     grammar = dataclasses.replace(sp, guided_regex=None, guided_grammar='start: "(" start ")" | "x"')
     defaults = SamplingParams()
     unset = [f.name for f in dataclasses.fields(SamplingParams)

@@ -104,3 +104,30 @@ def test_allowed_token_ids_restrict_greedy_and_random_draws():
 def test_an_empty_allowed_list_is_refused_naming_the_field():
     with pytest.raises(ValueError, match="^allowed_token_ids"):
         SamplingParams(allowed_token_ids=[]).validate()
+
+
+def test_bad_words_ban_a_words_last_token_where_the_output_would_complete_it():
+    """vLLM's rule: a one-token word is banned everywhere; a longer one only where the output so
+    far ends with the rest of it."""
+    logits = torch.zeros(1, 10)
+    sp = SamplingParams(bad_words_token_ids=[[4], [7, 8, 9]])
+
+    def banned(output):
+        row = Sampler.penalize(logits, [sp], [[1]], [output])[0]
+        return sorted(torch.nonzero(torch.isinf(row)).view(-1).tolist())
+
+    assert banned([]) == [4]
+    assert banned([7]) == [4]
+    assert banned([3, 7, 8]) == [4, 9]
+    assert banned([7, 8, 3]) == [4]
+
+
+def test_bad_words_are_tokenized_at_the_start_and_after_a_space(tiny_model_dir):
+    from raycluster.model.tokenizer import Tokenizer, bad_words_token_ids
+
+    tok = Tokenizer(tiny_model_dir)
+    seqs = bad_words_token_ids(tok, ["robot"])
+    assert seqs[0] == tok.encode("robot", add_special_tokens=False)
+    assert all(tok.decode(s).strip() == "robot" for s in seqs)
+    assert tok.encode(" robot", add_special_tokens=False) in seqs or \
+        len(tok.encode(" robot", add_special_tokens=False)) != len(seqs[0])
