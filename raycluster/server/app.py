@@ -92,19 +92,19 @@ def build_app(engine, tokenizer, model_names: str | Sequence[str], api_keys: Seq
         body = metrics.render(s) + engine.prometheus_text().encode()
         return Response(body, media_type=metrics.content_type)
 
-    def _encode_prompt(prompt, field: str = "prompt") -> list[int]:
+    def _encode_prompt(prompt, field: str = "prompt", special: bool = True) -> list[int]:
         if isinstance(prompt, str) and not prompt:
             raise InvalidRequestError(field, "must not be empty")
         if isinstance(prompt, str):
             try:
-                return tokenizer.encode(prompt)
+                return tokenizer.encode(prompt, add_special_tokens=special)
             except ValueError as e:
                 raise InvalidRequestError(field, str(e)) from None
         if prompt and all(isinstance(t, int) for t in prompt):
             return list(prompt)
         raise InvalidRequestError(field, "must be a string or a list of token ids")
 
-    def _encode_prompts(prompt, echo: bool) -> list[tuple[list[int], str]]:
+    def _encode_prompts(prompt, echo: bool, special: bool = True) -> list[tuple[list[int], str]]:
         """(token ids, text) of each prompt of a completion request: one string or token-id list,
         or a batch of them (OpenAI's list of strings / of token-id lists). The text is the
         prompt as sent, or with `echo` its ids decoded (what `echo` returns)."""
@@ -114,7 +114,7 @@ def build_app(engine, tokenizer, model_names: str | Sequence[str], api_keys: Seq
             batch = [(prompt, "prompt")]
         out = []
         for p, field in batch:
-            ids = _encode_prompt(p, field)
+            ids = _encode_prompt(p, field, special)
             out.append((ids, p if isinstance(p, str) else tokenizer.decode(ids) if echo else ""))
         return out
 
@@ -225,7 +225,7 @@ def build_app(engine, tokenizer, model_names: str | Sequence[str], api_keys: Seq
             return missing
         try:
             engine.admit()
-            prompts = _encode_prompts(body.prompt, body.echo)
+            prompts = _encode_prompts(body.prompt, body.echo, body.add_special_tokens)
             guided = await _structured(body)
         except OverloadedError as e:
             return _overloaded(e)
@@ -264,8 +264,8 @@ def build_app(engine, tokenizer, model_names: str | Sequence[str], api_keys: Seq
                                       str(e)) from e
         except (TemplateError, TypeError) as e:       # a template that cannot render these messages
             raise InvalidRequestError("messages", f"the chat template cannot render them: {e}") from e
-        try:
-            return tokenizer.encode(prompt)
+        try:        # the template writes BOS itself: none added on top unless asked (vLLM's rule)
+            return tokenizer.encode(prompt, add_special_tokens=bool(body.add_special_tokens))
         except ValueError as e:
             raise InvalidRequestError("messages", str(e)) from None
 
@@ -275,7 +275,8 @@ def build_app(engine, tokenizer, model_names: str | Sequence[str], api_keys: Seq
         if (missing := _unknown_model(body)) is not None:
             return missing
         try:
-            ids = _encode_prompt(body.prompt) if body.messages is None else _chat_ids(body)
+            ids = _encode_prompt(body.prompt, special=body.add_special_tokens is not False) \
+                if body.messages is None else _chat_ids(body)
         except InvalidRequestError as e:
             return _bad_request(str(e), e.field)
         return {"count": len(ids), "max_model_len": engine.max_model_len, "tokens": ids}

@@ -215,6 +215,8 @@ class CompletionRequest(_GenerationFields):
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS, description="top alternatives per token")
     echo: bool = Field(False, strict=True, description="return the prompt before the completion (and its "
                        "tokens' logprobs with `logprobs`)")
+    add_special_tokens: bool = Field(True, description="vLLM's: the tokenizer's special tokens (e.g. BOS) "
+                                     "around a text prompt")
 
     def num_logprobs(self) -> int | None:
         return self.logprobs
@@ -286,6 +288,8 @@ class ChatCompletionRequest(_GenerationFields):
     # vLLM's: open a new assistant turn (default), or continue the last message as it is.
     add_generation_prompt: bool = True
     continue_final_message: bool = False
+    # vLLM's: special tokens on top of what the chat template writes (which places BOS itself).
+    add_special_tokens: bool = False
     tools: list[ToolDef] | None = Field(None, max_length=128)
     tool_choice: ToolChoice | None = None
     parallel_tool_calls: bool | None = None
@@ -325,6 +329,8 @@ class TokenizeRequest(BaseModel):
     messages: list[ChatMessage] | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False
+    # As on the endpoint the input is for: on for a prompt, off for messages (the template's).
+    add_special_tokens: bool | None = None
     tools: list[ToolDef] | None = Field(None, max_length=128)
 
     @field_validator("continue_final_message")

@@ -545,7 +545,7 @@ def test_chat_continues_the_final_message_as_vllm(server):
     flags = {"add_generation_prompt": False, "continue_final_message": True}
     ids = httpx.post(f"{url}/tokenize", json={"messages": msgs, **flags}, timeout=10).json()["tokens"]
     text = tok.apply_chat_template(msgs, add_generation_prompt=False)
-    assert ids == tok.encode(text[:text.rindex("The river") + len("The river")])
+    assert ids == tok.encode(text[:text.rindex("The river") + len("The river")], add_special_tokens=False)
     chat = httpx.post(f"{url}/v1/chat/completions", timeout=30,
                       json={"messages": msgs, "max_tokens": 5, "temperature": 0, "ignore_eos": True, **flags}).json()
     assert chat["usage"]["prompt_tokens"] == len(ids)
@@ -575,6 +575,17 @@ def test_tokenize_and_detokenize_as_vllm(server):
     assert chat["usage"]["prompt_tokens"] == len(ids)
     no_gen = httpx.post(f"{url}/tokenize", json={"messages": msgs, "add_generation_prompt": False}, timeout=10)
     assert len(no_gen.json()["tokens"]) <= len(ids)
+    # add_special_tokens, vLLM's defaults: on for a prompt, off for messages (the template writes
+    # BOS itself: the chat prompt starts with exactly one).
+    bos = tok.bos_token_id
+    assert body["tokens"][0] == bos and ids[0] == bos and ids[1] != bos
+    bare = httpx.post(f"{url}/tokenize", json={"prompt": "Once upon a time", "add_special_tokens": False}, timeout=10)
+    assert bare.json()["tokens"] == body["tokens"][1:]
+    doubled = httpx.post(f"{url}/tokenize", json={"messages": msgs, "add_special_tokens": True}, timeout=10)
+    assert doubled.json()["tokens"] == [bos] + ids
+    plain = httpx.post(f"{url}/v1/completions", timeout=30, json={"prompt": "Once upon a time", "max_tokens": 1,
+                                                                  "add_special_tokens": False}).json()
+    assert plain["usage"]["prompt_tokens"] == len(body["tokens"]) - 1
     r = httpx.post(f"{url}/detokenize", json={"tokens": body["tokens"]}, timeout=10)
     assert r.status_code == 200 and r.json()["prompt"] == tok.decode(body["tokens"])
     for path, payload, param in [("/tokenize", {}, None), ("/tokenize", {"prompt": "a", "messages": msgs}, None),
@@ -633,3 +644,17 @@ def test_vllms_extra_sampling_parameters(server):
                                                                                         ignore_eos=True))[0])
     assert post(truncate_prompt_tokens=len(ids) + 5)["choices"][0]["text"] == whole    # longer: no change
     assert _all_free(aeng)
+
+
+def test_chat_prompt_ids_equal_transformers_apply_chat_template(server, tiny_model_dir):
+    """The token ids a chat request runs are HF's `apply_chat_template(..., tokenize=True)`: the
+    template's own BOS, no second one from the tokenizer (a double BOS changes every reply)."""
+    transformers = pytest.importorskip("transformers")
+    url, _, _, _ = server
+    hf = transformers.AutoTokenizer.from_pretrained(tiny_model_dir)
+    for msgs in ([{"role": "user", "content": "hello"}],
+                 [{"role": "system", "content": "be brief"}, {"role": "user", "content": "name a river"},
+                  {"role": "assistant", "content": "The Nile."}, {"role": "user", "content": "another"}]):
+        ids = httpx.post(f"{url}/tokenize", json={"messages": msgs}, timeout=10).json()["tokens"]
+        want = hf.apply_chat_template(msgs, tokenize=True, add_generation_prompt=True)
+        assert ids == list(want if isinstance(want, list) else want["input_ids"])     # newer HF: an encoding

@@ -78,7 +78,7 @@ def test_a_named_function_gets_arguments_matching_its_schema(served):
     assert call["function"]["name"] == "get_weather"
     jsonschema.validate(json.loads(call["function"]["arguments"]), WEATHER)
     # The same pattern on the in-process engine, same prompt: the same text, token for token.
-    ids = tok.encode(tok.apply_chat_template(MESSAGES, tools=TOOLS))
+    ids = tok.apply_chat_template(MESSAGES, tools=TOOLS, tokenize=True)
     want = ref.generate([ids], SamplingParams(max_tokens=120, temperature=0.0,
                                               guided_regex=schema_regex(WEATHER, "x")))[0]
     assert call["function"]["arguments"] == tok.decode(want)

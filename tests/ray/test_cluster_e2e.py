@@ -299,7 +299,7 @@ def test_structured_outputs_follow_the_request_across_instances(cluster, tiny_mo
         assert r.status_code == 200 and r.json()["choices"][0]["text"] == w, (name, len(p), r.text)
     # A forced tool call rides on the same pattern: its arguments are that text.
     chat = [{"role": "user", "content": "call it"}]
-    ids = tok.encode(tok.apply_chat_template(chat))
+    ids = tok.apply_chat_template(chat, tokenize=True)
     [args] = [tok.decode(o) for o in eng.generate([ids], SamplingParams(max_tokens=80, guided_regex=schema_regex(schema, "f")))]
     r = httpx.post(url + "/v1/chat/completions", timeout=120, json={
         "messages": chat, "max_tokens": 80, "temperature": 0, "tool_choice": {"type": "function", "function": {"name": "f"}},
