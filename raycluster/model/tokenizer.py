@@ -105,12 +105,14 @@ class Tokenizer:
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
                             tokenize: bool = False, continue_final_message: bool = False,
-                            tools: list[dict] | None = None):
+                            tools: list[dict] | None = None, template_kwargs: dict | None = None):
         """The chat template rendered over `messages`. `continue_final_message` (HF's and
         vLLM's): the text ends right after the last message's content, so the model continues
         that message (e.g. an assistant reply begun by the client) instead of starting a new
         turn; ValueError if the rendered text does not contain that content. `tools`: OpenAI
-        tool definitions, for templates that render them (as HF's `tools`)."""
+        tool definitions, for templates that render them (as HF's `tools`). `template_kwargs`:
+        more variables for the template (HF's **kwargs, vLLM's chat_template_kwargs, e.g.
+        Qwen3's enable_thinking); ValueError if one names a variable set here."""
         if continue_final_message and add_generation_prompt:
             raise ValueError("continue_final_message needs add_generation_prompt false")
         if self._compiled is None:
@@ -122,8 +124,12 @@ class Tokenizer:
             env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
             env.globals["raise_exception"] = raise_exception
             self._compiled = env.from_string(self.chat_template or DEFAULT_CHAT_TEMPLATE)
-        text = self._compiled.render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                     bos_token=self.bos_token or "", eos_token=self.eos_token or "", tools=tools)
+        fixed = dict(messages=messages, add_generation_prompt=add_generation_prompt,
+                     bos_token=self.bos_token or "", eos_token=self.eos_token or "", tools=tools)
+        clash = sorted(set(template_kwargs or ()) & set(fixed))
+        if clash:
+            raise ValueError(f"chat_template_kwargs: {', '.join(clash)} cannot be set this way")
+        text = self._compiled.render(**(template_kwargs or {}), **fixed)
         if continue_final_message:
             # As HF does: cut after the final content's last occurrence (templates may strip it).
             final = (messages[-1]["content"] if messages else "").strip()

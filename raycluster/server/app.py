@@ -258,10 +258,12 @@ def build_app(engine, tokenizer, model_names: str | Sequence[str], api_keys: Seq
             prompt = tokenizer.apply_chat_template([template_message(m) for m in body.messages],
                                                    add_generation_prompt=body.add_generation_prompt,
                                                    continue_final_message=body.continue_final_message,
-                                                   tools=template_tools(body))
+                                                   tools=template_tools(body),
+                                                   template_kwargs=body.chat_template_kwargs)
         except ValueError as e:
-            raise InvalidRequestError("continue_final_message" if body.continue_final_message else "messages",
-                                      str(e)) from e
+            field = "chat_template_kwargs" if str(e).startswith("chat_template_kwargs") else \
+                "continue_final_message" if body.continue_final_message else "messages"
+            raise InvalidRequestError(field, str(e).removeprefix("chat_template_kwargs: ")) from e
         except (TemplateError, TypeError) as e:       # a template that cannot render these messages
             raise InvalidRequestError("messages", f"the chat template cannot render them: {e}") from e
         try:        # the template writes BOS itself: none added on top unless asked (vLLM's rule)

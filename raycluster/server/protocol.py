@@ -290,6 +290,7 @@ class ChatCompletionRequest(_GenerationFields):
     continue_final_message: bool = False
     # vLLM's: special tokens on top of what the chat template writes (which places BOS itself).
     add_special_tokens: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None     # vLLM's: more variables for the template
     tools: list[ToolDef] | None = Field(None, max_length=128)
     tool_choice: ToolChoice | None = None
     parallel_tool_calls: bool | None = None
@@ -331,6 +332,7 @@ class TokenizeRequest(BaseModel):
     continue_final_message: bool = False
     # As on the endpoint the input is for: on for a prompt, off for messages (the template's).
     add_special_tokens: bool | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
     tools: list[ToolDef] | None = Field(None, max_length=128)
 
     @field_validator("continue_final_message")

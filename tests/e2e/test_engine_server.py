@@ -658,3 +658,18 @@ def test_chat_prompt_ids_equal_transformers_apply_chat_template(server, tiny_mod
         ids = httpx.post(f"{url}/tokenize", json={"messages": msgs}, timeout=10).json()["tokens"]
         want = hf.apply_chat_template(msgs, tokenize=True, add_generation_prompt=True)
         assert ids == list(want if isinstance(want, list) else want["input_ids"])     # newer HF: an encoding
+
+
+def test_chat_template_kwargs_reach_the_template(server):
+    """vLLM's chat_template_kwargs: variables the template reads (this one ignores them, so the ids
+    are unchanged); one naming a variable the server sets is a 400 naming the field."""
+    url, _, _, _ = server
+    msgs = [{"role": "user", "content": "hello"}]
+    plain = httpx.post(f"{url}/tokenize", json={"messages": msgs}, timeout=10).json()["tokens"]
+    extra = httpx.post(f"{url}/tokenize", json={"messages": msgs, "chat_template_kwargs": {"enable_thinking": False}},
+                       timeout=10).json()["tokens"]
+    assert extra == plain
+    for path in ("/tokenize", "/v1/chat/completions"):
+        r = httpx.post(f"{url}{path}", json={"messages": msgs, "max_tokens": 1,
+                                             "chat_template_kwargs": {"add_generation_prompt": False}}, timeout=10)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "chat_template_kwargs", r.text

@@ -101,3 +101,24 @@ def test_default_template_without_config(tmp_path, tiny_model_dir):
     t = Tokenizer(tmp_path)
     assert t.eos_token_ids == ()
     assert t.apply_chat_template([{"role": "user", "content": "x"}]) == "<|user|>\nx\n<|assistant|>\n"
+
+
+def test_chat_template_kwargs_reach_the_template_as_in_transformers(tiny_model_dir, tok):
+    """vLLM's chat_template_kwargs are HF's apply_chat_template **kwargs: more template variables
+    (e.g. Qwen3's enable_thinking); one naming a variable the call sets itself is refused."""
+    transformers = pytest.importorskip("transformers")
+    hf = transformers.AutoTokenizer.from_pretrained(tiny_model_dir)
+    template = ("{% for m in messages %}{{ m.content }}{% endfor %}"
+                "{% if enable_thinking is defined and not enable_thinking %}<no-think>{% endif %}")
+    saved = tok.chat_template
+    tok.chat_template, tok._compiled = template, None
+    msgs = [{"role": "user", "content": "hi"}]
+    try:
+        for kwargs in ({}, {"enable_thinking": False}, {"enable_thinking": True}):
+            assert tok.apply_chat_template(msgs, template_kwargs=kwargs) == \
+                hf.apply_chat_template(msgs, tokenize=False, chat_template=template, **kwargs)
+        assert tok.apply_chat_template(msgs, template_kwargs={"enable_thinking": False}) == "hi<no-think>"
+        with pytest.raises(ValueError, match="chat_template_kwargs: messages"):
+            tok.apply_chat_template(msgs, template_kwargs={"messages": []})
+    finally:
+        tok.chat_template, tok._compiled = saved, None
