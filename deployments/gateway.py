@@ -27,6 +27,7 @@ CONFIG_ENV = "RAYCLUSTER_CLUSTER_CONFIG"
 
 def build_gateway_app():
     from raycluster.model.config import ModelConfig
+    from raycluster.model.generation_config import load_generation_config
     from raycluster.model.registry import resolve_model_path
     from raycluster.model.tokenizer import Tokenizer
     from raycluster.server.app import build_app
@@ -51,8 +52,9 @@ def build_gateway_app():
     # The key comes from the replica's environment (its node's), never from the Serve config.
     # In a replica its request metrics also go to Ray's metrics export (summable over replicas).
     sinks = [RayRequestMetrics(gateway_id)] if gateway_id is not None else []
+    defaults = load_generation_config(path).sampling if cfg.generation_config == "auto" else None
     app = build_app(client, tokenizer, names, api_keys=keys_from_env(), tool_call_parser=cfg.tool_call_parser,
-                    metrics_sinks=sinks)
+                    metrics_sinks=sinks, sampling_defaults=defaults)
 
     @app.get("/v1/cluster/status")
     async def cluster_status(request: Request):

@@ -59,7 +59,8 @@ def _serve_engine(args: argparse.Namespace) -> None:
     from raycluster.engine.config import EngineConfig
     from raycluster.engine.engine import LLMEngine
     from raycluster.engine.stat_log import StatLogger
-    from raycluster.model.registry import default_model_name
+    from raycluster.model.generation_config import load_generation_config
+    from raycluster.model.registry import default_model_name, resolve_model_path
     from raycluster.server.app import build_app
     from raycluster.server.async_engine import AsyncEngine
     from raycluster.server.auth import keys_from_env
@@ -76,8 +77,13 @@ def _serve_engine(args: argparse.Namespace) -> None:
     async_engine = AsyncEngine(engine, stat_logger=stats)
     names = args.served_model_name or [default_model_name(args.model)]
     name = names[0]
+    defaults = load_generation_config(resolve_model_path(args.model)).sampling \
+        if args.generation_config == "auto" else None
     app = build_app(async_engine, engine.tokenizer, names, api_keys=keys_from_env(),
-                    tool_call_parser=args.tool_call_parser)
+                    tool_call_parser=args.tool_call_parser, sampling_defaults=defaults)
+    if defaults:
+        print(f"raycluster: default sampling parameters from the model's generation_config.json: {defaults}",
+              flush=True)
     print(f"raycluster: serving {name} on http://{args.host}:{args.port} (policy {args.policy})", flush=True)
     try:
         uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
@@ -118,7 +124,8 @@ def cmd_up(args: argparse.Namespace) -> int:
     pf.parent.mkdir(parents=True, exist_ok=True)
     log = pf.parent / "up.log"
     cmd = [sys.executable, "-m", "raycluster.cli", args.cmd, "--host", args.host, "--port", str(args.port)]
-    for flag in ("model", "policy", "app", "address", "threads", "tool_call_parser", "log_stats_interval"):
+    for flag in ("model", "policy", "app", "address", "threads", "tool_call_parser", "log_stats_interval",
+                 "generation_config"):
         if getattr(args, flag, None) is not None:
             cmd += ["--" + flag.replace("_", "-"), str(getattr(args, flag))]
     if getattr(args, "served_model_name", None):
@@ -387,6 +394,9 @@ def build_parser() -> argparse.ArgumentParser:
     es.add_argument("--host", default="127.0.0.1")
     es.add_argument("--port", type=int, default=8000)
     es.add_argument("--threads", type=int, default=None, help="torch threads of the engine")
+    es.add_argument("--generation-config", choices=("auto", "vllm"), default="auto",
+                    help="vLLM's: 'auto' applies the default sampling parameters of the checkpoint's "
+                         "generation_config.json to fields a request leaves out; 'vllm' uses the API's own")
     es.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                     help="reuse the KV of prompt prefixes computed before (default on, as in vLLM)")
     es.add_argument("--detach", action="store_true", help="run in the background; stop with `down`")

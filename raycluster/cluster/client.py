@@ -48,6 +48,11 @@ _RESUBMIT = object()      # queue marker: the router that accepted the request i
 _LOST = object()          # queue marker: no router answered for router_wait_s
 
 
+def _stop_token(token: int, sp: SamplingParams, eos_token_ids: tuple[int, ...]) -> bool:
+    """Whether `token` is one the engine stops on (EOS unless ignored, or a stop token id)."""
+    return token in sp.stop_token_ids or (not sp.ignore_eos and token in eos_token_ids)
+
+
 def _coalesce(ev: TokenEvent, q: asyncio.Queue) -> tuple[TokenEvent, object | None]:
     """Merge the token events queued behind `ev` into one (as vLLM's RequestOutputCollector
     does): when the reader fell behind (a slow client, a busy gateway), it gets one output per
@@ -217,9 +222,14 @@ class ClusterClient:
                     field, _, msg = (ev.error or "request failed").partition(": ")
                     raise InvalidRequestError(field if msg else "request", msg or field)
                 delta, stopped = "", False
-                for tok in ev.token_ids:
+                # As vLLM v1: an EOS or stop token id that ended the request adds no text unless
+                # include_stop_str_in_output (a stop string the instance found ends in text).
+                last_is_stop = ev.finished and ev.finish_reason == "stop" and bool(ev.token_ids) and \
+                    not meta.sampling.include_stop_str_in_output and _stop_token(ev.token_ids[-1], meta.sampling,
+                                                                                 self.eos_token_ids)
+                for k, tok in enumerate(ev.token_ids):
                     out_ids.append(tok)
-                    if text is not None:
+                    if text is not None and not (last_is_stop and k == len(ev.token_ids) - 1):
                         d, stopped = text.add(tok)
                         delta += d
                         if stopped:

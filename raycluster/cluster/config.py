@@ -139,6 +139,9 @@ class ClusterConfig(BaseModel):
     served_model_name: list[str] | None = Field(
         None, description="names the API answers to (vLLM's --served-model-name); responses give the "
         "request's, else the first. Default: 'tiny', or the checkpoint directory's name")
+    generation_config: Literal["auto", "vllm"] = Field(
+        "auto", description="vLLM's --generation-config: 'auto' applies the default sampling parameters of "
+        "the checkpoint's generation_config.json to fields a request leaves out; 'vllm' uses the API's own")
     policy: str = "lars"
     connector: Literal["object_store", "nixl", "torch_dist"] = "object_store"
     connector_host: str = Field("127.0.0.1", description="address torch_dist binds its store and "

@@ -311,7 +311,10 @@ class LLMEngine:
             rid = req.request_id
             text = ""
             stream = self._texts.get(rid)
-            if stream is not None:
+            # As vLLM v1: the EOS or stop token id that ended a request adds no text, unless
+            # include_stop_str_in_output (the token id is still in the output's ids).
+            if stream is not None and not (rid in finished and req.status is RequestStatus.FINISHED_STOPPED
+                                           and not req.sampling.include_stop_str_in_output):
                 text, hit = stream.add(token)
                 if hit and rid not in finished:
                     self.scheduler.finish(rid, RequestStatus.FINISHED_STOPPED)

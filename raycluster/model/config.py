@@ -4,15 +4,19 @@ from-scratch model needs, validated with errors that name the offending field.
 Accepts both transformers-5 files (`rope_parameters`, `dtype`) and older ones (top-level
 `rope_theta` / `rope_scaling` with `rope_type` or `type`, `torch_dtype`). Sliding-window
 attention is not implemented: an active window smaller than max_position_embeddings caps
-`max_model_len` at the window, where full attention is still exact.
+`max_model_len` at the window, where full attention is still exact. `from_pretrained` adds the
+end-of-sequence ids of a generation_config.json beside config.json.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from dataclasses import dataclass, field
 from typing import Any
+
+from raycluster.model.generation_config import load_generation_config
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
@@ -67,7 +71,15 @@ class ModelConfig:
                 data = json.load(f)
         except json.JSONDecodeError as e:
             raise ModelConfigError(f"{cfg_path}: invalid JSON: {e}") from e
-        return cls.from_dict(data)
+        cfg = cls.from_dict(data)
+        # generation_config.json may name more EOS ids (Llama-3 instruct's <|eot_id|>, Qwen's
+        # <|endoftext|> beside <|im_end|>): HF's generate and vLLM stop on each.
+        try:
+            extra = load_generation_config(os.path.dirname(cfg_path)).eos_token_ids
+        except ValueError as e:
+            raise ModelConfigError(str(e)) from e
+        more = tuple(t for t in extra if t not in cfg.eos_token_id)
+        return dataclasses.replace(cfg, eos_token_id=cfg.eos_token_id + tuple(dict.fromkeys(more))) if more else cfg
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "ModelConfig":

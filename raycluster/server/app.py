@@ -50,9 +50,12 @@ def _overloaded(e: OverloadedError) -> JSONResponse:
 
 
 def build_app(engine, tokenizer, model_names: str | Sequence[str], api_keys: Sequence[str] = (),
-              tool_call_parser: str | None = None, metrics_sinks: Sequence[RequestMetricsSink] = ()) -> FastAPI:
+              tool_call_parser: str | None = None, metrics_sinks: Sequence[RequestMetricsSink] = (),
+              sampling_defaults: dict | None = None) -> FastAPI:
     """`model_names`: the names a request's `model` may give (vLLM's --served-model-name); a
-    response names the one its request gave, else the first. `api_keys`: if any, every route but /health, /metrics and the docs wants one of them as
+    response names the one its request gave, else the first. `sampling_defaults`: the model's
+    default sampling parameters (its generation_config.json: raycluster.model.generation_config)
+    for fields a request leaves out, `max_tokens` included. `api_keys`: if any, every route but /health, /metrics and the docs wants one of them as
     a bearer token (raycluster.server.auth). `tool_call_parser`: the model's tool-call syntax
     (raycluster.server.tool_parsers), which `tool_choice: "auto"` needs. `metrics_sinks`: where
     each request's metrics go besides /metrics (raycluster.server.request_metrics)."""
@@ -137,11 +140,12 @@ def build_app(engine, tokenizer, model_names: str | Sequence[str], api_keys: Seq
         parser) of a chat request's tool choice (raycluster.server.tools): the outputs are
         returned as tool calls."""
         max_tokens = getattr(body, "max_completion_tokens", None) or body.max_tokens
+        default_max = (sampling_defaults or {}).get("max_tokens")
         model_name = body.model or names[0]
         if (k := body.truncate_prompt_tokens) is not None:      # vLLM's: keep the last k tokens
             prompts = [(ids[-k:], tokenizer.decode(ids[-k:]) if echo and len(ids) > k else text)
                        for ids, text in prompts]
-        sampling = body.to_sampling()
+        sampling = body.to_sampling(defaults=sampling_defaults)
         if body.bad_words:
             sampling.bad_words_token_ids = bad_words_token_ids(tokenizer, body.bad_words)
         if guided is not None:
@@ -151,6 +155,8 @@ def build_app(engine, tokenizer, model_names: str | Sequence[str], api_keys: Seq
             field = "max_completion_tokens" if getattr(body, "max_completion_tokens", None) else "max_tokens"
             return _bad_request(f"{field}: {max_tokens} is too large: the context is {engine.max_model_len} tokens "
                                 f"and the prompt takes {engine.max_model_len - room}", field)
+        if max_tokens is None and default_max is not None:     # the model's default, within the context
+            max_tokens = max(min(default_max, room), 1)
         if max_tokens is None and kind != "text_completion":
             max_tokens = max(room, 1)   # as vLLM's chat: up to the end of the context (or of the KV)
         if max_tokens is not None:

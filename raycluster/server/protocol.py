@@ -33,6 +33,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
+from raycluster.model.generation_config import SAMPLING_KEYS
 from raycluster.request import MAX_LOGPROBS, SamplingParams
 from raycluster.server.tools import ToolCall, ToolChoice, ToolDef
 
@@ -180,14 +181,19 @@ class _GenerationFields(BaseModel):
             raise ValueError("not supported by this server (beam search only; only 1.0)")
         return v
 
-    def to_sampling(self, default_max_tokens: int = 16) -> SamplingParams:
+    def to_sampling(self, default_max_tokens: int = 16, defaults: dict | None = None) -> SamplingParams:
+        """`defaults`: the model's default sampling parameters (raycluster.model.generation_config)
+        for the fields this request left out."""
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        knobs = {k: getattr(self, k) for k in SAMPLING_KEYS}
+        knobs.update({k: v for k, v in (defaults or {}).items() if k in knobs and k not in self.model_fields_set})
         return SamplingParams(
             max_tokens=default_max_tokens if self.max_tokens is None else self.max_tokens,
-            temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, min_p=self.min_p, seed=self.seed,
+            temperature=float(knobs["temperature"]), top_p=float(knobs["top_p"]), top_k=int(knobs["top_k"]),
+            min_p=float(knobs["min_p"]), seed=self.seed,
             stop=stop, ignore_eos=self.ignore_eos, logprobs=self.num_logprobs(),
             presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
-            repetition_penalty=self.repetition_penalty, logit_bias=dict(self.logit_bias or {}),
+            repetition_penalty=float(knobs["repetition_penalty"]), logit_bias=dict(self.logit_bias or {}),
             min_tokens=self.min_tokens, prompt_logprobs=self.num_prompt_logprobs(),
             stop_token_ids=list(self.stop_token_ids or []), allowed_token_ids=self.allowed_token_ids,
             include_stop_str_in_output=self.include_stop_str_in_output,

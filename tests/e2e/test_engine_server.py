@@ -612,9 +612,12 @@ def test_vllms_extra_sampling_parameters(server):
         assert r.status_code == 200, r.text
         return r.json()
 
-    # stop_token_ids: ends at (and with) that token, finish "stop"; the API's text keeps it as vLLM's does.
+    # stop_token_ids: ends at that token, finish "stop"; as in vLLM v1 the token counts but its
+    # text is left out unless include_stop_str_in_output.
     body = post(stop_token_ids=[greedy[k]])
     assert body["choices"][0]["finish_reason"] == "stop" and body["usage"]["completion_tokens"] == k + 1
+    assert body["choices"][0]["text"] == tok.decode(greedy[:k])
+    body = post(stop_token_ids=[greedy[k]], include_stop_str_in_output=True)
     assert body["choices"][0]["text"] == tok.decode(greedy[:k + 1])
     # include_stop_str_in_output: the stop string ends the text instead of being cut off.
     whole = tok.decode(greedy)
@@ -673,3 +676,40 @@ def test_chat_template_kwargs_reach_the_template(server):
         r = httpx.post(f"{url}{path}", json={"messages": msgs, "max_tokens": 1,
                                              "chat_template_kwargs": {"add_generation_prompt": False}}, timeout=10)
         assert r.status_code == 400 and r.json()["error"]["param"] == "chat_template_kwargs", r.text
+
+
+def test_a_checkpoints_generation_config_sets_eos_ids_and_default_sampling(tiny_model_dir, tmp_path):
+    """As vLLM's --generation-config auto: the file's eos_token_id ends generation (unless
+    ignore_eos) and its sampling parameters fill the fields a request leaves out (here top_k 1:
+    greedy despite the API's temperature default; max_new_tokens: the default max_tokens)."""
+    import json
+    import shutil
+
+    from raycluster.model.generation_config import load_generation_config
+
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(tiny_model_dir, ckpt)
+    model, tok = tiny_parts(ckpt)
+    prompt = "Once upon a time, a small robot"
+    greedy = LLMEngine(EngineConfig(kv_cache_tokens=4096, policy="fcfs", packer="token"), model, tok).generate(
+        [tok.encode(prompt)], SamplingParams(max_tokens=12, ignore_eos=True))[0]
+    k = next(i for i in range(2, len(greedy)) if greedy[i] not in greedy[:i])
+    (ckpt / "generation_config.json").write_text(json.dumps(
+        {"eos_token_id": [1, greedy[k]], "top_k": 1, "temperature": 0.9, "max_new_tokens": 5}))
+    model, tok = tiny_parts(ckpt)
+    assert greedy[k] in tok.eos_token_ids
+    cfg = EngineConfig(kv_cache_tokens=4096, policy="fcfs", packer="token")
+    with serve_engine(cfg, model, tok, sampling_defaults=load_generation_config(ckpt).sampling) as (url, aeng):
+        def complete(**extra):
+            r = httpx.post(f"{url}/v1/completions", json={"prompt": prompt, **extra}, timeout=30)
+            assert r.status_code == 200, r.text
+            return r.json()
+
+        short = complete(ignore_eos=True)                    # max_tokens from the file; greedy by top_k
+        assert short["usage"]["completion_tokens"] == 5 and short["choices"][0]["text"] == tok.decode(greedy[:5])
+        stopped = complete(max_tokens=12)                    # the file's EOS id ends it
+        assert stopped["choices"][0]["finish_reason"] == "stop" and stopped["usage"]["completion_tokens"] == k + 1
+        assert stopped["choices"][0]["text"] == tok.decode(greedy[:k])
+        sampled = {complete(max_tokens=8, ignore_eos=True, top_k=0, seed=s)["choices"][0]["text"] for s in range(4)}
+        assert len(sampled) > 1                              # top_k given: the file's no longer applies
+        assert _all_free(aeng)

@@ -192,3 +192,26 @@ def test_gateway_stop_strings_honour_min_tokens(loaded):
     while board.core.inflight() and time.monotonic() < deadline:
         time.sleep(0.05)
     assert board.core.inflight() == 0
+
+
+def test_a_stop_token_adds_no_text_through_the_gateway_as_on_one_engine(loaded):
+    """vLLM v1's rule on both paths: the EOS or stop token id that ends a request counts in its
+    ids but adds no text, unless include_stop_str_in_output; a stop string still ends the text."""
+    model, tok = loaded
+    prompt = tok.encode(PROMPT_TEXT)
+    eng = LLMEngine(EngineConfig(policy="fcfs", packer="token", kv_cache_tokens=4096), model, tok)
+    ids = eng.generate([prompt], SamplingParams(max_tokens=12, ignore_eos=True))[0]
+    k = next(i for i in range(2, len(ids)) if ids[i] not in ids[:i] and tok.decode([ids[i]]).strip())
+    cases = [SamplingParams(max_tokens=12, ignore_eos=True, stop_token_ids=[ids[k]]),
+             SamplingParams(max_tokens=12, ignore_eos=True, stop_token_ids=[ids[k]], include_stop_str_in_output=True)]
+    results, _, _ = _run(model, tok, [(prompt, sp) for sp in cases])
+    for sp, (text, reason, got) in zip(cases, results):
+        keep = k + 1 if sp.include_stop_str_in_output else k
+        assert (text, reason, got) == (tok.decode(ids[:keep]), "stop", ids[:k + 1])
+        req = eng.add_request(f"one-{keep}", prompt, sp)
+        pieces = []
+        for _ in range(100):
+            if not eng.has_unfinished():
+                break
+            pieces += [o.new_text for o in eng.step().outputs if o.request_id == req.request_id]
+        assert "".join(pieces) == text
