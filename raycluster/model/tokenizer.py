@@ -116,14 +116,9 @@ class Tokenizer:
         if continue_final_message and add_generation_prompt:
             raise ValueError("continue_final_message needs add_generation_prompt false")
         if self._compiled is None:
-            from jinja2.sandbox import ImmutableSandboxedEnvironment
+            from raycluster.model.chat_template import compile_chat_template
 
-            def raise_exception(msg):
-                raise ValueError(msg)
-
-            env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-            env.globals["raise_exception"] = raise_exception
-            self._compiled = env.from_string(self.chat_template or DEFAULT_CHAT_TEMPLATE)
+            self._compiled = compile_chat_template(self.chat_template or DEFAULT_CHAT_TEMPLATE)
         fixed = dict(messages=messages, add_generation_prompt=add_generation_prompt,
                      bos_token=self.bos_token or "", eos_token=self.eos_token or "", tools=tools)
         clash = sorted(set(template_kwargs or ()) & set(fixed))

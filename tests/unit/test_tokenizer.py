@@ -122,3 +122,37 @@ def test_chat_template_kwargs_reach_the_template_as_in_transformers(tiny_model_d
             tok.apply_chat_template(msgs, template_kwargs={"messages": []})
     finally:
         tok.chat_template, tok._compiled = saved, None
+
+
+HUB_STYLE_TEMPLATE = (
+    # What Hub templates use beyond plain Jinja: strftime_now (Llama 3.1+), tojson with
+    # indent and no HTML escaping (Qwen2.5 / Llama tool schemas), break (loopcontrols),
+    # {% generation %} (assistant masks), dict(), raise_exception.
+    "{{ bos_token }}Today: {{ strftime_now('%Y-%m') }}\n"
+    "{% if tools %}{% for t in tools %}{{ t | tojson(indent=2) }}\n{% endfor %}{% endif %}"
+    "{% for m in messages %}{% if m.role == 'stop' %}{% break %}{% endif %}"
+    "{% if m.role == 'assistant' %}{% generation %}{{ m.content }}{% endgeneration %}"
+    "{% else %}{{ m.role }}: {{ m.content | tojson }}{% endif %}\n{% endfor %}"
+    "{% set d = dict(a=1) %}{{ d.a }}"
+    "{% if messages | length > 9 %}{{ raise_exception('too many') }}{% endif %}"
+)
+
+
+def test_hub_template_features_render_as_in_transformers(tiny_model_dir, tok):
+    transformers = pytest.importorskip("transformers")
+    hf = transformers.AutoTokenizer.from_pretrained(tiny_model_dir)
+    tools = [{"type": "function", "function": {"name": "f", "description": "a < b & c > 'd' é",
+                                                "parameters": {"type": "object"}}}]
+    msgs = [{"role": "user", "content": "x <y> & 'z' é"}, {"role": "assistant", "content": "ok"},
+            {"role": "stop", "content": ""}, {"role": "user", "content": "never shown"}]
+    saved = tok.chat_template
+    tok.chat_template, tok._compiled = HUB_STYLE_TEMPLATE, None
+    try:
+        ours = tok.apply_chat_template(msgs, add_generation_prompt=False, tools=tools)
+        theirs = hf.apply_chat_template(msgs, tokenize=False, chat_template=HUB_STYLE_TEMPLATE, tools=tools)
+        assert ours == theirs
+        assert '"description": "a < b & c > \'d\' é"' in ours and "never shown" not in ours
+        with pytest.raises(ValueError, match="too many"):
+            tok.apply_chat_template([{"role": "user", "content": "x"}] * 10)
+    finally:
+        tok.chat_template, tok._compiled = saved, None
