@@ -16,24 +16,24 @@ completion request with a batch of prompts runs n per prompt (choice p * n + i).
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 from dataclasses import replace
-from typing import AsyncIterator, Sequence
+from typing import Sequence
 
 from fastapi import FastAPI, Request as HTTPRequest
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from jinja2 import TemplateError
 
 from raycluster.engine.engine import InvalidRequestError
 from raycluster.request import SLO
 from raycluster.model.tokenizer import bad_words_token_ids
 from raycluster.server.auth import ApiKeyMiddleware
-from raycluster.server.openai_logprobs import chat_logprobs, completion_logprobs, prompt_logprobs
+from raycluster.server.openai_logprobs import prompt_logprobs
 from raycluster.server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                        OverloadedError, TokenizeRequest, error_body, now_s)
 from raycluster.server.request_metrics import RequestMetrics, RequestMetricsSink
+from raycluster.server.streams import ClosingStreamingResponse, Stream, sse, usage_of
 from raycluster.engine.guided import Grammar, Regex
 from raycluster.server.structured import PatternCheck, pattern_of
 from raycluster.server.tool_parsers import tool_parser
@@ -187,7 +187,7 @@ def build_app(engine, tokenizer, model_names: str | Sequence[str], api_keys: Seq
                 return _overloaded(err)
             raise err
         decode = tokenizer.decode if sampling.logprobs is not None else None
-        streams = [_Stream(g, f, t0, metrics, decode, (text, ids) if echo else None, sampling.logprobs)
+        streams = [Stream(g, f, t0, metrics, decode, (text, ids) if echo else None, sampling.logprobs)
                    for g, f, (ids, text, _) in zip(gens, firsts, slots)]
         n_prompt = sum(len(ids) for ids, _ in prompts)
         metrics.admitted(sum(len(ids) for ids, _, _ in slots))
@@ -196,10 +196,10 @@ def build_app(engine, tokenizer, model_names: str | Sequence[str], api_keys: Seq
             usage_mode = "each" if opts and opts.include_usage and opts.continuous_usage_stats else \
                 "end" if opts and opts.include_usage else None
             calls = [ToolCallOutput(*tool) for _ in streams] if tool else None
-            return _ClosingStreamingResponse(_sse(streams, rid, kind, model_name, n_prompt, body.n, usage_mode, calls),
+            return ClosingStreamingResponse(sse(streams, rid, kind, model_name, n_prompt, body.n, usage_mode, calls),
                                              media_type="text/event-stream", requests=[s.gen for s in streams])
         results = await asyncio.gather(*(s.collect(kind) for s in streams))
-        usage = _usage(n_prompt, streams, body.n)
+        usage = usage_of(n_prompt, streams, body.n)
         shown = body.shown_prompt_logprobs()
         plps = [None if shown is None or s.prompt_lps is None else
                 prompt_logprobs(tokenizer.decode, ids, s.prompt_lps, shown) for s, (ids, _, _) in zip(streams, slots)]
@@ -300,179 +300,3 @@ def build_app(engine, tokenizer, model_names: str | Sequence[str], api_keys: Seq
         return {"prompt": tokenizer.decode(body.tokens)}
 
     return app
-
-
-async def _close(agen) -> None:
-    """Close an async generator even if this task is being cancelled: the close runs as its own
-    task (shielded), so a request's abort does not depend on which await the cancel hits (a
-    cancelled close would leave the generator to the garbage collector)."""
-    await asyncio.shield(asyncio.ensure_future(agen.aclose()))
-
-
-class _ClosingStreamingResponse(StreamingResponse):
-    """Closes its body generator, then the requests' own generators (`requests`), however the
-    response ends. A client that disconnects cancels the send loop while the body waits at a
-    `yield`; nothing else closes it then, and the requests would run on until the garbage
-    collector finalised them. A hang-up before the body's first step (while the response start
-    is sent) leaves the body unstarted: closing it runs none of its code, so the requests, which
-    the handler started already (their first output is awaited before responding), are closed
-    here directly (a no-op for one the body closed)."""
-
-    def __init__(self, content, *, requests=(), **kwargs) -> None:
-        super().__init__(content, **kwargs)
-        self.requests = list(requests)
-
-    async def __call__(self, scope, receive, send) -> None:
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            # One shielded task for both steps: a cancel landing between them cannot skip the second.
-            await asyncio.shield(asyncio.ensure_future(self._close_all()))
-
-    async def _close_all(self) -> None:
-        await self.body_iterator.aclose()       # the body closes the requests it has started
-        for gen in self.requests:
-            await gen.aclose()
-
-
-class _Stream:
-    """Consumes one request's outputs, recording TTFT/TPOT metrics."""
-
-    def __init__(self, gen, first, t0: float, metrics: RequestMetrics, decode=None,
-                 echo: tuple[str, list[int]] | None = None, num_top: int | None = None) -> None:
-        self.gen, self.first, self.t0, self.metrics = gen, first, t0, metrics
-        self.decode = decode          # set when the request asked for logprobs
-        self.echo = echo              # (prompt text, prompt ids) to put before the first output
-        self.num_top = num_top        # alternatives per token asked for (the echoed prompt's may hold more)
-        self.prompt_lps = None        # the engine's prompt logprobs, once the first output brought them
-        self.n_out = 0
-        self.n_cached = 0             # prompt tokens the engine took from its prefix cache
-        self.chars = 0                # completion text so far (text_offset of the next token)
-
-    def render(self, kind: str, out) -> tuple[str, dict | None]:
-        """One output's text and logprobs object; the first output also carries the echoed
-        prompt (and its tokens' logprobs, which the engine sends with the first token)."""
-        text, ids, lps = out.new_text, out.new_token_ids, out.logprobs
-        if self.echo is not None:
-            prompt, prompt_ids = self.echo
-            self.echo = None
-            text = prompt + text
-            if self.decode is not None:
-                ids, lps = prompt_ids + ids, list(out.prompt_logprobs or [None] * len(prompt_ids)) + (lps or [])
-        return text, self.logprobs(kind, ids, lps)
-
-    def logprobs(self, kind: str, token_ids: list[int], lps) -> dict | None:
-        if self.decode is None or lps is None:
-            return None
-        if kind == "text_completion":
-            out = completion_logprobs(self.decode, token_ids, lps, self.chars, self.num_top)
-            self.chars += sum(map(len, out["tokens"]))
-            return out
-        return chat_logprobs(self.decode, token_ids, lps)
-
-    async def outputs(self):
-        t_first = time.perf_counter()
-        self.metrics.first_token(t_first - self.t0)
-        out = self.first
-        try:
-            while True:
-                self.n_out = out.num_output_tokens
-                self.n_cached = max(self.n_cached, out.num_cached_tokens)
-                if out.prompt_logprobs is not None:
-                    self.prompt_lps = out.prompt_logprobs
-                yield out
-                if out.finished:
-                    now, n = time.perf_counter(), out.num_output_tokens
-                    self.metrics.finished(out.finish_reason, n, now - self.t0,
-                                          (now - t_first) / (n - 1) if n > 1 else None)
-                    return
-                out = await self.gen.__anext__()
-        finally:
-            await _close(self.gen)      # aborts the request if it has not finished
-
-    async def collect(self, kind: str) -> tuple[str, int, str | None, dict | None]:
-        parts, reason, merged = [], None, None
-        async for out in self.outputs():
-            text, lp = self.render(kind, out)
-            parts.append(text)
-            reason = out.finish_reason
-            if lp is not None:      # both shapes are dicts of per-token lists: concatenate them
-                merged = lp if merged is None else {k: merged[k] + v for k, v in lp.items()}
-        return "".join(parts), self.n_out, reason, merged
-
-
-async def _merged(streams: list[_Stream]) -> AsyncIterator[tuple[int, object]]:
-    """(choice index, output) from every stream as they come; closing this closes them all."""
-    q: asyncio.Queue = asyncio.Queue()
-
-    async def pump(i: int, s: _Stream) -> None:
-        try:
-            async for out in s.outputs():
-                await q.put((i, out))
-        finally:
-            q.put_nowait((i, None))
-
-    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
-    try:
-        left = len(tasks)
-        while left:
-            i, out = await q.get()
-            if out is None:
-                left -= 1
-            else:
-                yield i, out
-    finally:
-        for t in tasks:
-            t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-
-
-def _usage(n_prompt: int, streams: list[_Stream], n: int) -> dict:
-    """OpenAI's usage; `cached_tokens` as vLLM reports it (per prompt its first choice's: the n
-    choices of a prompt share it, counted once)."""
-    n_out = sum(s.n_out for s in streams)
-    return {"prompt_tokens": n_prompt, "completion_tokens": n_out, "total_tokens": n_prompt + n_out,
-            "prompt_tokens_details": {"cached_tokens": sum(s.n_cached for s in streams[::n])}}
-
-
-def _chunk(rid: str, obj: str, created: int, model: str, choice: dict, usage: dict | None) -> str:
-    chunk = {"id": rid, "object": obj, "created": created, "model": model, "choices": [choice]}
-    if usage is not None:
-        chunk["usage"] = usage
-    return f"data: {json.dumps(chunk)}\n\n"
-
-
-async def _sse(streams: list[_Stream], rid: str, kind: str, model: str, n_prompt: int, n: int,
-               usage: str | None, calls: list[ToolCallOutput] | None = None) -> AsyncIterator[str]:
-    """`usage`: None, "end" (OpenAI's include_usage: one last chunk with it) or "each" (also in
-    every chunk, the counts so far: vLLM's continuous_usage_stats). `calls`: each choice's tool
-    calls, made of its text (a forced tool call)."""
-    obj = "text_completion" if kind == "text_completion" else "chat.completion.chunk"
-    created = now_s()
-    single = len(streams) == 1          # one request: its outputs directly, no merging layer
-    outputs = streams[0].outputs() if single else _merged(streams)
-    try:                # closing this generator must close the requests' (which aborts them)
-        if kind != "text_completion":   # OpenAI's (and vLLM's) first chunk per choice: the role
-            for i in range(len(streams)):
-                yield _chunk(rid, obj, created, model, {"index": i, "delta": {"role": "assistant", "content": ""},
-                                                        "finish_reason": None, "logprobs": None},
-                             _usage(n_prompt, streams, n) if usage == "each" else None)
-        async for item in outputs:
-            i, out = (0, item) if single else item
-            text, lp = streams[i].render(kind, out)
-            if kind == "text_completion":
-                choice = {"index": i, "text": text, "finish_reason": out.finish_reason, "logprobs": lp}
-            elif calls is not None:
-                delta, reason = calls[i].delta(text, out.finished, out.finish_reason)
-                choice = {"index": i, "delta": delta, "finish_reason": reason, "logprobs": lp}
-            else:
-                choice = {"index": i, "delta": {"content": text}, "finish_reason": out.finish_reason,
-                          "logprobs": lp}
-            yield _chunk(rid, obj, created, model, choice, _usage(n_prompt, streams, n) if usage == "each" else None)
-    finally:
-        await _close(outputs)
-    if usage is not None:
-        final = {'id': rid, 'object': obj, 'created': created, 'model': model, 'choices': [],
-                 'usage': _usage(n_prompt, streams, n)}
-        yield f"data: {json.dumps(final)}\n\n"
-    yield "data: [DONE]\n\n"
