@@ -80,7 +80,8 @@ def _serve_engine(args: argparse.Namespace) -> None:
     defaults = load_generation_config(resolve_model_path(args.model)).sampling \
         if args.generation_config == "auto" else None
     app = build_app(async_engine, engine.tokenizer, names, api_keys=keys_from_env(),
-                    tool_call_parser=args.tool_call_parser, sampling_defaults=defaults)
+                    tool_call_parser=args.tool_call_parser, sampling_defaults=defaults,
+                    log_requests=args.enable_log_requests)
     if defaults:
         print(f"raycluster: default sampling parameters from the model's generation_config.json: {defaults}",
               flush=True)
@@ -130,7 +131,7 @@ def cmd_up(args: argparse.Namespace) -> int:
             cmd += ["--" + flag.replace("_", "-"), str(getattr(args, flag))]
     if getattr(args, "served_model_name", None):
         cmd += ["--served-model-name", *args.served_model_name]
-    for flag in ("no_dashboard", "no_direct_ingress", "haproxy"):
+    for flag in ("no_dashboard", "no_direct_ingress", "haproxy", "enable_log_requests"):
         if getattr(args, flag, False):
             cmd.append("--" + flag.replace("_", "-"))
     if getattr(args, "enable_prefix_caching", None) is not None:
@@ -394,6 +395,9 @@ def build_parser() -> argparse.ArgumentParser:
     es.add_argument("--host", default="127.0.0.1")
     es.add_argument("--port", type=int, default=8000)
     es.add_argument("--threads", type=int, default=None, help="torch threads of the engine")
+    es.add_argument("--enable-log-requests", action="store_true",
+                    help="log a line per request received (sampling parameters, not the prompt) and per choice "
+                         "ended (vLLM's)")
     es.add_argument("--generation-config", choices=("auto", "vllm"), default="auto",
                     help="vLLM's: 'auto' applies the default sampling parameters of the checkpoint's "
                          "generation_config.json to fields a request leaves out; 'vllm' uses the API's own")

@@ -142,6 +142,9 @@ class ClusterConfig(BaseModel):
     generation_config: Literal["auto", "vllm"] = Field(
         "auto", description="vLLM's --generation-config: 'auto' applies the default sampling parameters of "
         "the checkpoint's generation_config.json to fields a request leaves out; 'vllm' uses the API's own")
+    log_requests: bool = Field(False, description="vLLM's --enable-log-requests: each gateway replica logs a "
+                               "line per request received (sampling parameters, not the prompt) and per choice "
+                               "ended (reason, tokens, TTFT, latency); the Ray dashboard shows the replica's log")
     policy: str = "lars"
     connector: Literal["object_store", "nixl", "torch_dist"] = "object_store"
     connector_host: str = Field("127.0.0.1", description="address torch_dist binds its store and "

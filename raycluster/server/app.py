@@ -16,6 +16,7 @@ completion request with a batch of prompts runs n per prompt (choice p * n + i).
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from dataclasses import replace
 from typing import Sequence
@@ -40,6 +41,19 @@ from raycluster.server.tool_parsers import tool_parser
 from raycluster.server.tools import ToolCallOutput, template_message, template_tools, tool_mode, tool_parameters
 
 
+def request_logger() -> logging.Logger:
+    """The `raycluster.requests` logger at INFO, to stderr unless something configured it (in a
+    Serve replica stderr is the replica's log, which the Ray dashboard shows)."""
+    log = logging.getLogger("raycluster.requests")
+    if not log.handlers and log.level == logging.NOTSET:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+        log.addHandler(handler)
+        log.setLevel(logging.INFO)
+        log.propagate = False
+    return log
+
+
 def _bad_request(message: str, param: str | None, status: int = 400) -> JSONResponse:
     return JSONResponse(error_body(message, param), status_code=status)
 
@@ -51,15 +65,19 @@ def _overloaded(e: OverloadedError) -> JSONResponse:
 
 def build_app(engine, tokenizer, model_names: str | Sequence[str], api_keys: Sequence[str] = (),
               tool_call_parser: str | None = None, metrics_sinks: Sequence[RequestMetricsSink] = (),
-              sampling_defaults: dict | None = None) -> FastAPI:
+              sampling_defaults: dict | None = None, log_requests: bool = False) -> FastAPI:
     """`model_names`: the names a request's `model` may give (vLLM's --served-model-name); a
     response names the one its request gave, else the first. `sampling_defaults`: the model's
     default sampling parameters (its generation_config.json: raycluster.model.generation_config)
-    for fields a request leaves out, `max_tokens` included. `api_keys`: if any, every route but /health, /metrics and the docs wants one of them as
+    for fields a request leaves out, `max_tokens` included. `log_requests` (vLLM's
+    --enable-log-requests): a log line (logger `raycluster.requests`, INFO) when a request is
+    received, with its sampling parameters but not its prompt, and when each choice ends.
+    `api_keys`: if any, every route but /health, /metrics and the docs wants one of them as
     a bearer token (raycluster.server.auth). `tool_call_parser`: the model's tool-call syntax
     (raycluster.server.tool_parsers), which `tool_choice: "auto"` needs. `metrics_sinks`: where
     each request's metrics go besides /metrics (raycluster.server.request_metrics)."""
     names = [model_names] if isinstance(model_names, str) else list(model_names)
+    rlog = request_logger() if log_requests else None
     if not names:
         raise ValueError("model_names: at least one name to serve under")
     parser = tool_parser(tool_call_parser)
@@ -163,7 +181,14 @@ def build_app(engine, tokenizer, model_names: str | Sequence[str], api_keys: Seq
             sampling.max_tokens = max_tokens
         slo = SLO(ttft_s=body.ttft_slo_ms / 1e3 if body.ttft_slo_ms else None,
                   tpot_s=body.tpot_slo_ms / 1e3 if body.tpot_slo_ms else None)
-        rid = engine.next_id("cmpl" if kind == "text_completion" else "chatcmpl")
+        prefix = "cmpl" if kind == "text_completion" else "chatcmpl"
+        rid = engine.next_id(prefix)
+        # vLLM's: a client's X-Request-Id names the response (the backend keeps its own unique id).
+        client_id = http.headers.get("x-request-id")
+        if client_id is not None and not (0 < len(client_id) <= 256 and client_id.isprintable()):
+            return _bad_request("X-Request-Id: must be 1 to 256 printable characters", "X-Request-Id")
+        response_id = f"{prefix}-{client_id}" if client_id else rid
+        headers = {"X-Request-Id": client_id or response_id}
         # Each choice is a request (the i-th of a prompt seeded seed + i, so seeded choices differ).
         slots = [(ids, text, i) for ids, text in prompts for i in range(body.n)]
         gens = [engine.generate(rid if len(slots) == 1 else f"{rid}-{k}", ids,
@@ -187,8 +212,20 @@ def build_app(engine, tokenizer, model_names: str | Sequence[str], api_keys: Seq
                 return _overloaded(err)
             raise err
         decode = tokenizer.decode if sampling.logprobs is not None else None
-        streams = [Stream(g, f, t0, metrics, decode, (text, ids) if echo else None, sampling.logprobs)
-                   for g, f, (ids, text, _) in zip(gens, firsts, slots)]
+        if rlog is not None:
+            rlog.info("received %s (backend %s): prompt tokens %s, n %d, stream %s, max_tokens %d, temperature %g, "
+                      "top_p %g, top_k %d, seed %s, priority %d, tenant %s, app_id %s", response_id, rid,
+                      [len(ids) for ids, _ in prompts], body.n, body.stream, sampling.max_tokens,
+                      sampling.temperature, sampling.top_p, sampling.top_k, sampling.seed, body.priority,
+                      body.tenant or "default", body.app_id)
+
+        def ended(k: int):
+            if rlog is None:
+                return None
+            return lambda reason, n, ttft, e2e: rlog.info(
+                "finished %s choice %d: %s, %d tokens, ttft %.3f s, e2e %.3f s", response_id, k, reason, n, ttft, e2e)
+        streams = [Stream(g, f, t0, metrics, decode, (text, ids) if echo else None, sampling.logprobs, ended(k))
+                   for k, (g, f, (ids, text, _)) in enumerate(zip(gens, firsts, slots))]
         n_prompt = sum(len(ids) for ids, _ in prompts)
         metrics.admitted(sum(len(ids) for ids, _, _ in slots))
         if body.stream:
@@ -196,8 +233,9 @@ def build_app(engine, tokenizer, model_names: str | Sequence[str], api_keys: Seq
             usage_mode = "each" if opts and opts.include_usage and opts.continuous_usage_stats else \
                 "end" if opts and opts.include_usage else None
             calls = [ToolCallOutput(*tool) for _ in streams] if tool else None
-            return ClosingStreamingResponse(sse(streams, rid, kind, model_name, n_prompt, body.n, usage_mode, calls),
-                                             media_type="text/event-stream", requests=[s.gen for s in streams])
+            return ClosingStreamingResponse(sse(streams, response_id, kind, model_name, n_prompt, body.n, usage_mode, calls),
+                                            media_type="text/event-stream", requests=[s.gen for s in streams],
+                                            headers=headers)
         results = await asyncio.gather(*(s.collect(kind) for s in streams))
         usage = usage_of(n_prompt, streams, body.n)
         shown = body.shown_prompt_logprobs()
@@ -213,10 +251,11 @@ def build_app(engine, tokenizer, model_names: str | Sequence[str], api_keys: Seq
                 if tool:
                     message, reason = ToolCallOutput(*tool).message(text, reason)
                 choices.append({"index": i, "message": message, "logprobs": logprobs, "finish_reason": reason})
-        out = {"id": rid, "object": kind, "created": now_s(), "model": model_name, "choices": choices, "usage": usage}
+        out = {"id": response_id, "object": kind, "created": now_s(), "model": model_name, "choices": choices,
+               "usage": usage}
         if kind != "text_completion":       # vLLM's chat has them once per response (one prompt)
             out["prompt_logprobs"] = plps[0]
-        return out
+        return JSONResponse(out, headers=headers)
 
     def _unknown_model(body) -> JSONResponse | None:
         if body.model is None or body.model in names:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from typing import AsyncIterator
+from typing import AsyncIterator, Callable
 
 from fastapi.responses import StreamingResponse
 
@@ -58,11 +58,13 @@ class ClosingStreamingResponse(StreamingResponse):
 
 
 class Stream:
-    """Consumes one request's outputs, recording TTFT/TPOT metrics."""
+    """Consumes one request's outputs, recording TTFT/TPOT metrics. `on_end(reason, tokens,
+    ttft_s, e2e_s)`, if given, hears how it ended ("abort" when it was closed unfinished)."""
 
     def __init__(self, gen, first, t0: float, metrics: RequestMetrics, decode=None,
-                 echo: tuple[str, list[int]] | None = None, num_top: int | None = None) -> None:
-        self.gen, self.first, self.t0, self.metrics = gen, first, t0, metrics
+                 echo: tuple[str, list[int]] | None = None, num_top: int | None = None,
+                 on_end: Callable[[str, int, float, float], None] | None = None) -> None:
+        self.gen, self.first, self.t0, self.metrics, self.on_end = gen, first, t0, metrics, on_end
         self.decode = decode          # set when the request asked for logprobs
         self.echo = echo              # (prompt text, prompt ids) to put before the first output
         self.num_top = num_top        # alternatives per token asked for (the echoed prompt's may hold more)
@@ -95,7 +97,7 @@ class Stream:
     async def outputs(self):
         t_first = time.perf_counter()
         self.metrics.first_token(t_first - self.t0)
-        out = self.first
+        out, reason = self.first, "abort"
         try:
             while True:
                 self.n_out = out.num_output_tokens
@@ -104,12 +106,14 @@ class Stream:
                     self.prompt_lps = out.prompt_logprobs
                 yield out
                 if out.finished:
-                    now, n = time.perf_counter(), out.num_output_tokens
+                    now, n, reason = time.perf_counter(), out.num_output_tokens, out.finish_reason
                     self.metrics.finished(out.finish_reason, n, now - self.t0,
                                           (now - t_first) / (n - 1) if n > 1 else None)
                     return
                 out = await self.gen.__anext__()
         finally:
+            if self.on_end is not None:
+                self.on_end(reason, self.n_out, t_first - self.t0, time.perf_counter() - self.t0)
             await _close(self.gen)      # aborts the request if it has not finished
 
     async def collect(self, kind: str) -> tuple[str, int, str | None, dict | None]:

@@ -713,3 +713,41 @@ def test_a_checkpoints_generation_config_sets_eos_ids_and_default_sampling(tiny_
         sampled = {complete(max_tokens=8, ignore_eos=True, top_k=0, seed=s)["choices"][0]["text"] for s in range(4)}
         assert len(sampled) > 1                              # top_k given: the file's no longer applies
         assert _all_free(aeng)
+
+
+def test_x_request_id_names_the_response_and_requests_are_logged(tiny_model_dir, caplog):
+    """vLLM's X-Request-Id: the response's id is built from it and the header comes back (a
+    generated id when none was sent); two requests may send the same one. With log_requests
+    every request gets a "received" line (no prompt text) and a line per choice that ends."""
+    import logging
+
+    model, tok = tiny_parts(tiny_model_dir)
+    cfg = EngineConfig(kv_cache_tokens=4096, policy="fcfs", packer="token")
+    with serve_engine(cfg, model, tok, log_requests=True) as (url, aeng), \
+            caplog.at_level(logging.INFO, logger="raycluster.requests"):
+        logging.getLogger("raycluster.requests").propagate = True     # to caplog
+        body = {"prompt": "secret words here", "max_tokens": 3, "temperature": 0}
+        a = httpx.post(f"{url}/v1/completions", json=body, headers={"X-Request-Id": "trace-7"}, timeout=30)
+        b = httpx.post(f"{url}/v1/completions", json=body, headers={"X-Request-Id": "trace-7"}, timeout=30)
+        assert a.status_code == b.status_code == 200
+        assert a.json()["id"] == b.json()["id"] == "cmpl-trace-7" and a.headers["x-request-id"] == "trace-7"
+        plain = httpx.post(f"{url}/v1/completions", json=body, timeout=30)
+        assert plain.headers["x-request-id"] == plain.json()["id"] != "cmpl-trace-7"
+        with httpx.stream("POST", f"{url}/v1/chat/completions", timeout=30, headers={"X-Request-Id": "s1"},
+                          json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "stream": True}) as r:
+            assert r.headers["x-request-id"] == "s1"
+            ids = {json.loads(line[6:])["id"] for line in r.iter_lines()
+                   if line.startswith("data: ") and line != "data: [DONE]"}
+        assert ids == {"chatcmpl-s1"}
+        bad = httpx.post(f"{url}/v1/completions", json=body, headers={"X-Request-Id": "x" * 300}, timeout=30)
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "X-Request-Id"
+        deadline = time.monotonic() + 5
+        while sum("finished" in m for m in caplog.messages) < 4 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        logging.getLogger("raycluster.requests").propagate = False
+        assert _all_free(aeng)
+    lines = caplog.messages
+    assert sum(m.startswith("received cmpl-trace-7") for m in lines) == 2
+    assert any(m.startswith("finished chatcmpl-s1 choice 0: ") for m in lines)
+    assert sum(m.startswith("finished cmpl-trace-7 choice 0: length, 3 tokens") for m in lines) == 2
+    assert not any("secret" in m for m in lines)
