@@ -233,9 +233,9 @@ def build_app(engine, tokenizer, model_names: str | Sequence[str], api_keys: Seq
             usage_mode = "each" if opts and opts.include_usage and opts.continuous_usage_stats else \
                 "end" if opts and opts.include_usage else None
             calls = [ToolCallOutput(*tool) for _ in streams] if tool else None
-            return ClosingStreamingResponse(sse(streams, response_id, kind, model_name, n_prompt, body.n, usage_mode, calls),
-                                            media_type="text/event-stream", requests=[s.gen for s in streams],
-                                            headers=headers)
+            body_iter = sse(streams, response_id, kind, model_name, n_prompt, body.n, usage_mode, calls)
+            return ClosingStreamingResponse(body_iter, media_type="text/event-stream",
+                                            requests=[s.gen for s in streams], headers=headers)
         results = await asyncio.gather(*(s.collect(kind) for s in streams))
         usage = usage_of(n_prompt, streams, body.n)
         shown = body.shown_prompt_logprobs()
