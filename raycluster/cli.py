@@ -34,6 +34,7 @@ from pathlib import Path
 
 from raycluster.model.registry import cache_dir
 from raycluster.server.auth import API_KEY_ENV, bearer_headers
+from raycluster.server.reasoning import REASONING_PARSERS
 from raycluster.server.tool_parsers import TOOL_PARSERS
 
 
@@ -81,7 +82,7 @@ def _serve_engine(args: argparse.Namespace) -> None:
         if args.generation_config == "auto" else None
     app = build_app(async_engine, engine.tokenizer, names, api_keys=keys_from_env(),
                     tool_call_parser=args.tool_call_parser, sampling_defaults=defaults,
-                    log_requests=args.enable_log_requests)
+                    log_requests=args.enable_log_requests, reasoning_parser=args.reasoning_parser)
     if defaults:
         print(f"raycluster: default sampling parameters from the model's generation_config.json: {defaults}",
               flush=True)
@@ -126,7 +127,7 @@ def cmd_up(args: argparse.Namespace) -> int:
     log = pf.parent / "up.log"
     cmd = [sys.executable, "-m", "raycluster.cli", args.cmd, "--host", args.host, "--port", str(args.port)]
     for flag in ("model", "policy", "app", "address", "threads", "tool_call_parser", "log_stats_interval",
-                 "generation_config"):
+                 "generation_config", "reasoning_parser"):
         if getattr(args, flag, None) is not None:
             cmd += ["--" + flag.replace("_", "-"), str(getattr(args, flag))]
     if getattr(args, "served_model_name", None):
@@ -395,6 +396,8 @@ def build_parser() -> argparse.ArgumentParser:
     es.add_argument("--host", default="127.0.0.1")
     es.add_argument("--port", type=int, default=8000)
     es.add_argument("--threads", type=int, default=None, help="torch threads of the engine")
+    es.add_argument("--reasoning-parser", default=None, choices=sorted(REASONING_PARSERS),
+                    help="chat replies carry the model's thinking as reasoning_content (vLLM's)")
     es.add_argument("--enable-log-requests", action="store_true",
                     help="log a line per request received (sampling parameters, not the prompt) and per choice "
                          "ended (vLLM's)")

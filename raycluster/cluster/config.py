@@ -13,6 +13,7 @@ from raycluster.model.registry import default_model_name
 from raycluster.parallel.group import is_loopback
 from raycluster.sched.pressure import PressureConfig
 from raycluster.sched.registry import policy_names
+from raycluster.server.reasoning import REASONING_PARSERS
 from raycluster.server.tool_parsers import TOOL_PARSERS
 
 Role = Literal["mixed", "prefill-short", "prefill-long", "decode"]
@@ -177,6 +178,9 @@ class ClusterConfig(BaseModel):
     tool_call_parser: str | None = Field(
         None, description="the model's own tool-call syntax, which tool_choice 'auto' needs (vLLM's "
         "--tool-call-parser); none: 'auto' is refused")
+    reasoning_parser: str | None = Field(
+        None, description="vLLM's --reasoning-parser: chat replies carry the model's thinking as "
+        "reasoning_content (deepseek_r1: the template opens <think>; qwen3: the reply opens it)")
     controller: ControllerConfig = Field(default_factory=ControllerConfig)
     router_name: str = "raycluster-router"
     namespace: str = "raycluster"
@@ -202,6 +206,13 @@ class ClusterConfig(BaseModel):
 
     def served_names(self) -> list[str]:
         return self.served_model_name or [default_model_name(self.model)]
+
+    @field_validator("reasoning_parser")
+    @classmethod
+    def _known_reasoning_parser(cls, v: str | None) -> str | None:
+        if v is not None and v not in REASONING_PARSERS:
+            raise ValueError(f"unknown reasoning_parser {v!r}; choose one of {', '.join(sorted(REASONING_PARSERS))}")
+        return v
 
     @field_validator("tool_call_parser")
     @classmethod

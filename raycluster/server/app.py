@@ -33,6 +33,7 @@ from raycluster.server.auth import ApiKeyMiddleware
 from raycluster.server.openai_logprobs import prompt_logprobs
 from raycluster.server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                        OverloadedError, TokenizeRequest, error_body, now_s)
+from raycluster.server.reasoning import REASONING_PARSERS, ReasoningStream, split_reasoning
 from raycluster.server.request_metrics import RequestMetrics, RequestMetricsSink
 from raycluster.server.streams import ClosingStreamingResponse, Stream, sse, usage_of
 from raycluster.engine.guided import Grammar, Regex
@@ -65,19 +66,25 @@ def _overloaded(e: OverloadedError) -> JSONResponse:
 
 def build_app(engine, tokenizer, model_names: str | Sequence[str], api_keys: Sequence[str] = (),
               tool_call_parser: str | None = None, metrics_sinks: Sequence[RequestMetricsSink] = (),
-              sampling_defaults: dict | None = None, log_requests: bool = False) -> FastAPI:
+              sampling_defaults: dict | None = None, log_requests: bool = False,
+              reasoning_parser: str | None = None) -> FastAPI:
     """`model_names`: the names a request's `model` may give (vLLM's --served-model-name); a
     response names the one its request gave, else the first. `sampling_defaults`: the model's
     default sampling parameters (its generation_config.json: raycluster.model.generation_config)
     for fields a request leaves out, `max_tokens` included. `log_requests` (vLLM's
     --enable-log-requests): a log line (logger `raycluster.requests`, INFO) when a request is
     received, with its sampling parameters but not its prompt, and when each choice ends.
+    `reasoning_parser` (vLLM's --reasoning-parser, raycluster.server.reasoning): chat replies
+    carry the model's thinking as `reasoning_content`, apart from `content` (and tool calls).
     `api_keys`: if any, every route but /health, /metrics and the docs wants one of them as
     a bearer token (raycluster.server.auth). `tool_call_parser`: the model's tool-call syntax
     (raycluster.server.tool_parsers), which `tool_choice: "auto"` needs. `metrics_sinks`: where
     each request's metrics go besides /metrics (raycluster.server.request_metrics)."""
     names = [model_names] if isinstance(model_names, str) else list(model_names)
     rlog = request_logger() if log_requests else None
+    if reasoning_parser is not None and reasoning_parser not in REASONING_PARSERS:
+        raise ValueError(f"reasoning_parser: unknown {reasoning_parser!r}; choose one of {sorted(REASONING_PARSERS)}")
+    thinking = REASONING_PARSERS.get(reasoning_parser) if reasoning_parser else None
     if not names:
         raise ValueError("model_names: at least one name to serve under")
     parser = tool_parser(tool_call_parser)
@@ -233,7 +240,9 @@ def build_app(engine, tokenizer, model_names: str | Sequence[str], api_keys: Seq
             usage_mode = "each" if opts and opts.include_usage and opts.continuous_usage_stats else \
                 "end" if opts and opts.include_usage else None
             calls = [ToolCallOutput(*tool) for _ in streams] if tool else None
-            body_iter = sse(streams, response_id, kind, model_name, n_prompt, body.n, usage_mode, calls)
+            reasoning = [ReasoningStream(thinking) for _ in streams] if thinking and kind != "text_completion" \
+                else None
+            body_iter = sse(streams, response_id, kind, model_name, n_prompt, body.n, usage_mode, calls, reasoning)
             return ClosingStreamingResponse(body_iter, media_type="text/event-stream",
                                             requests=[s.gen for s in streams], headers=headers)
         results = await asyncio.gather(*(s.collect(kind) for s in streams))
@@ -247,9 +256,12 @@ def build_app(engine, tokenizer, model_names: str | Sequence[str], api_keys: Seq
                 choices.append({"index": i, "text": text, "logprobs": logprobs, "finish_reason": reason,
                                 "prompt_logprobs": plps[i]})
             else:
+                thought, text = split_reasoning(thinking, text) if thinking else (None, text)
                 message = {"role": "assistant", "content": text}
                 if tool:
-                    message, reason = ToolCallOutput(*tool).message(text, reason)
+                    message, reason = ToolCallOutput(*tool).message(text or "", reason)
+                if thinking:
+                    message["reasoning_content"] = thought
                 choices.append({"index": i, "message": message, "logprobs": logprobs, "finish_reason": reason})
         out = {"id": response_id, "object": kind, "created": now_s(), "model": model_name, "choices": choices,
                "usage": usage}

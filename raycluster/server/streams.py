@@ -20,6 +20,7 @@ from fastapi.responses import StreamingResponse
 
 from raycluster.server.openai_logprobs import chat_logprobs, completion_logprobs
 from raycluster.server.protocol import now_s
+from raycluster.server.reasoning import ReasoningStream
 from raycluster.server.request_metrics import RequestMetrics
 from raycluster.server.tools import ToolCallOutput
 
@@ -169,10 +170,12 @@ def _chunk(rid: str, obj: str, created: int, model: str, choice: dict, usage: di
 
 
 async def sse(streams: list[Stream], rid: str, kind: str, model: str, n_prompt: int, n: int,
-               usage: str | None, calls: list[ToolCallOutput] | None = None) -> AsyncIterator[str]:
+              usage: str | None, calls: list[ToolCallOutput] | None = None,
+              reasoning: list[ReasoningStream] | None = None) -> AsyncIterator[str]:
     """`usage`: None, "end" (OpenAI's include_usage: one last chunk with it) or "each" (also in
     every chunk, the counts so far: vLLM's continuous_usage_stats). `calls`: each choice's tool
-    calls, made of its text (a forced tool call)."""
+    calls, made of its text (a forced tool call). `reasoning`: each choice's reasoning parser:
+    its thinking goes out as `reasoning_content` deltas, the rest as content (or tool calls)."""
     obj = "text_completion" if kind == "text_completion" else "chat.completion.chunk"
     created = now_s()
     single = len(streams) == 1          # one request: its outputs directly, no merging layer
@@ -186,6 +189,11 @@ async def sse(streams: list[Stream], rid: str, kind: str, model: str, n_prompt: 
         async for item in outputs:
             i, out = (0, item) if single else item
             text, lp = streams[i].render(kind, out)
+            thought = None
+            if reasoning is not None:
+                thought, text = reasoning[i].feed(text, final=out.finished)
+                if not thought and not text and not out.finished and lp is None:
+                    continue                # all of it held back (a tag may be cut here)
             if kind == "text_completion":
                 choice = {"index": i, "text": text, "finish_reason": out.finish_reason, "logprobs": lp}
             elif calls is not None:
@@ -194,6 +202,10 @@ async def sse(streams: list[Stream], rid: str, kind: str, model: str, n_prompt: 
             else:
                 choice = {"index": i, "delta": {"content": text}, "finish_reason": out.finish_reason,
                           "logprobs": lp}
+            if thought:
+                choice["delta"] = {"reasoning_content": thought, **choice["delta"]}
+                if not text and choice["delta"].get("content") == "":
+                    del choice["delta"]["content"]
             yield _chunk(rid, obj, created, model, choice, usage_of(n_prompt, streams, n) if usage == "each" else None)
     finally:
         await _close(outputs)

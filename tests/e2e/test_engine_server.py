@@ -751,3 +751,36 @@ def test_x_request_id_names_the_response_and_requests_are_logged(tiny_model_dir,
     assert any(m.startswith("finished chatcmpl-s1 choice 0: ") for m in lines)
     assert sum(m.startswith("finished cmpl-trace-7 choice 0: length, 3 tokens") for m in lines) == 2
     assert not any("secret" in m for m in lines)
+
+
+@pytest.mark.parametrize("parser", ["deepseek_r1", "qwen3"])
+def test_reasoning_parser_splits_thinking_from_the_answer(tiny_model_dir, parser):
+    """vLLM's --reasoning-parser: the model's output (forced here by a regex to think, then
+    answer) comes back as reasoning_content and content, the same streamed and not; the
+    completions endpoint and the plain chat reply are untouched."""
+    model, tok = tiny_parts(tiny_model_dir)
+    cfg = EngineConfig(kv_cache_tokens=4096, policy="fcfs", packer="token")
+    regex = "<think>[a-z]{3,6}</think>[a-z]{2,5}"
+    with serve_engine(cfg, model, tok, reasoning_parser=parser) as (url, aeng):
+        body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 40, "temperature": 0,
+                "structured_outputs": {"regex": regex}}
+        whole = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=60).json()["choices"][0]
+        msg = whole["message"]
+        raw = httpx.post(f"{url}/v1/completions", timeout=60, json={
+            "prompt": tok.apply_chat_template(body["messages"], tokenize=True), "max_tokens": 40,
+            "temperature": 0, "structured_outputs": {"regex": regex}}).json()
+        text = raw["choices"][0]["text"]
+        assert text.startswith("<think>") and "</think>" in text        # the completion is untouched
+        thought, answer = text[len("<think>"):].split("</think>")
+        assert (msg["reasoning_content"], msg["content"]) == (thought, answer)
+        with httpx.stream("POST", f"{url}/v1/chat/completions", json={**body, "stream": True}, timeout=60) as r:
+            deltas = [json.loads(line[6:])["choices"][0]["delta"] for line in r.iter_lines()
+                      if line.startswith("data: ") and line != "data: [DONE]"]
+        assert "".join(d.get("reasoning_content") or "" for d in deltas) == thought
+        assert "".join(d.get("content") or "" for d in deltas) == answer
+        plain = httpx.post(f"{url}/v1/chat/completions", timeout=60, json={**body, "structured_outputs": {
+            "regex": "[a-z]{2,5}"}}).json()["choices"][0]["message"]
+        got = (plain["reasoning_content"], plain["content"])      # no tags: qwen3 answers, r1 still thinks
+        said = got[0] or got[1]
+        assert said and got == ((None, said) if parser == "qwen3" else (said, None))
+        assert _all_free(aeng)
