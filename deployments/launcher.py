@@ -58,10 +58,14 @@ def wait_healthy(url: str, timeout_s: float, alive=lambda: True) -> bool:
 
 
 def override_args(args: dict, model: str | None, policy: str | None, prefix_caching: bool | None,
-                  tool_call_parser: str | None = None, served_model_name: list[str] | None = None) -> dict:
+                  tool_call_parser: str | None = None, served_model_name: list[str] | None = None,
+                  engine: dict | None = None) -> dict:
     """The app's args with the CLI's overrides (`up --model/--policy/--[no-]enable-prefix-caching/
-    --tool-call-parser/--served-model-name`; None leaves the app's setting)."""
+    --tool-call-parser/--served-model-name` and the engine flags, `engine`: {field: value} for every
+    pool; None leaves the app's setting)."""
     args = dict(args)
+    if engine:
+        args["engine"] = {**args.get("engine", {}), **engine}
     if served_model_name:
         args["served_model_name"] = list(served_model_name)
     if tool_call_parser:
@@ -90,7 +94,7 @@ def serve_cluster(app_path: str | None, model: str | None, policy: str | None, h
                   ready_timeout_s: float = 600.0, on_ready=None, direct_ingress: bool = True,
                   state_file: Path | None = None, prefix_caching: bool | None = None,
                   tool_call_parser: str | None = None, haproxy: bool = False,
-                  served_model_name: list[str] | None = None) -> int:
+                  served_model_name: list[str] | None = None, engine: dict | None = None) -> int:
     import ray
     from ray import serve
 
@@ -101,7 +105,7 @@ def serve_cluster(app_path: str | None, model: str | None, policy: str | None, h
 
     spec = load_app_spec(app_path)
     args = spec["args"] = override_args(spec["args"], model, policy, prefix_caching, tool_call_parser,
-                                        served_model_name)
+                                        served_model_name, engine)
     cfg = ClusterConfig(**args)             # validate before touching Ray
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     started_ray = address is None

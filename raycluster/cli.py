@@ -34,6 +34,7 @@ from pathlib import Path
 
 from raycluster.model.registry import cache_dir
 from raycluster.server.auth import API_KEY_ENV, bearer_headers
+from raycluster.engine_flags import add_engine_flags, check_overrides, engine_overrides
 from raycluster.server.reasoning import REASONING_PARSERS
 from raycluster.server.tool_parsers import TOOL_PARSERS
 
@@ -66,8 +67,8 @@ def _serve_engine(args: argparse.Namespace) -> None:
     from raycluster.server.async_engine import AsyncEngine
     from raycluster.server.auth import keys_from_env
 
-    cfg = EngineConfig(model=args.model, policy=args.policy, num_threads=args.threads,
-                       enable_prefix_caching=args.enable_prefix_caching)
+    cfg = EngineConfig(**{**engine_overrides(args), "model": args.model, "policy": args.policy,
+                          "num_threads": args.threads, "enable_prefix_caching": args.enable_prefix_caching})
     engine = LLMEngine.from_config(cfg)
     stats = None
     if args.log_stats_interval > 0:
@@ -103,7 +104,29 @@ def _serve(args: argparse.Namespace) -> int:
                          dashboard=not args.no_dashboard, direct_ingress=not args.no_direct_ingress,
                          state_file=_cluster_file(), prefix_caching=args.enable_prefix_caching,
                          tool_call_parser=args.tool_call_parser, haproxy=args.haproxy,
-                         served_model_name=args.served_model_name)
+                         served_model_name=args.served_model_name, engine=engine_overrides(args))
+
+
+def detach_command(args: argparse.Namespace) -> list[str]:
+    """The command `up --detach` (or `engine-server --detach`) runs in the background: the same
+    subcommand with every option given, but --detach."""
+    cmd = [sys.executable, "-m", "raycluster.cli", args.cmd, "--host", args.host, "--port", str(args.port)]
+    for flag in ("model", "policy", "app", "address", "threads", "tool_call_parser", "log_stats_interval",
+                 "generation_config", "reasoning_parser"):
+        if getattr(args, flag, None) is not None:
+            cmd += ["--" + flag.replace("_", "-"), str(getattr(args, flag))]
+    if getattr(args, "served_model_name", None):
+        cmd += ["--served-model-name", *args.served_model_name]
+    for name, value in engine_overrides(args).items():
+        flag = "--" + name.replace("_", "-")
+        cmd += [flag if value is True else "--no-" + flag[2:]] if isinstance(value, bool) else \
+            [flag, "none" if value is None else str(value)]
+    for flag in ("no_dashboard", "no_direct_ingress", "haproxy", "enable_log_requests"):
+        if getattr(args, flag, False):
+            cmd.append("--" + flag.replace("_", "-"))
+    if getattr(args, "enable_prefix_caching", None) is not None:
+        cmd.append("--enable-prefix-caching" if args.enable_prefix_caching else "--no-enable-prefix-caching")
+    return cmd
 
 
 def cmd_up(args: argparse.Namespace) -> int:
@@ -125,18 +148,7 @@ def cmd_up(args: argparse.Namespace) -> int:
             return 1
     pf.parent.mkdir(parents=True, exist_ok=True)
     log = pf.parent / "up.log"
-    cmd = [sys.executable, "-m", "raycluster.cli", args.cmd, "--host", args.host, "--port", str(args.port)]
-    for flag in ("model", "policy", "app", "address", "threads", "tool_call_parser", "log_stats_interval",
-                 "generation_config", "reasoning_parser"):
-        if getattr(args, flag, None) is not None:
-            cmd += ["--" + flag.replace("_", "-"), str(getattr(args, flag))]
-    if getattr(args, "served_model_name", None):
-        cmd += ["--served-model-name", *args.served_model_name]
-    for flag in ("no_dashboard", "no_direct_ingress", "haproxy", "enable_log_requests"):
-        if getattr(args, flag, False):
-            cmd.append("--" + flag.replace("_", "-"))
-    if getattr(args, "enable_prefix_caching", None) is not None:
-        cmd.append("--enable-prefix-caching" if args.enable_prefix_caching else "--no-enable-prefix-caching")
+    cmd = detach_command(args)
     with open(log, "ab") as fh:
         proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, start_new_session=True)
     url = f"http://{args.host}:{args.port}"
@@ -312,7 +324,7 @@ def cmd_apply(args: argparse.Namespace) -> int:
             return 2
         new_args = override_args(base if base is not None else app.get("args") or {}, args.model, args.policy,
                                  args.enable_prefix_caching, args.tool_call_parser,
-                                 served_model_name=args.served_model_name)
+                                 served_model_name=args.served_model_name, engine=engine_overrides(args))
         try:
             ClusterConfig(**new_args)           # refuse a bad config before the controller sees it
         except ValidationError as e:
@@ -385,6 +397,7 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--api-key", default=None, help=f"require this bearer token on the API (default: ${API_KEY_ENV}, "
                     "comma-separated keys; /health and /metrics stay open)")
     up.add_argument("--timeout", type=float, default=900.0, help="seconds to wait for health with --detach")
+    add_engine_flags(up, skip=("model", "policy", "enable_prefix_caching", "num_threads"))
     up.set_defaults(fn=cmd_up)
 
     es = sub.add_parser("engine-server", help="serve one engine in this process (no Ray)")
@@ -413,6 +426,7 @@ def build_parser() -> argparse.ArgumentParser:
     es.add_argument("--log-stats-interval", type=float, default=10.0, metavar="S",
                     help="log a line of throughput, requests and KV usage every S seconds while busy (0: never)")
     es.add_argument("--timeout", type=float, default=300.0)
+    add_engine_flags(es, skip=("model", "policy", "enable_prefix_caching", "num_threads"))
     es.set_defaults(fn=cmd_up)
 
     st = sub.add_parser("status", help="pools, instances, queues and KV usage of the running cluster")
@@ -437,6 +451,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None)
     ap.add_argument("--tool-call-parser", default=None, choices=sorted(TOOL_PARSERS))
     ap.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for the application")
+    add_engine_flags(ap, skip=("model", "policy", "enable_prefix_caching", "num_threads"))
     ap.set_defaults(fn=cmd_apply)
 
     down = sub.add_parser("down", help="stop what `up --detach` started")
@@ -463,6 +478,11 @@ def main(argv: list[str] | None = None) -> int:
         ns = argparse.Namespace(cmd=argv[0], rest=argv[1:])
         return cmd_bench(ns) if argv[0] == "bench" else (__import__("raycluster.sim.cli", fromlist=["main"]).main(ns.rest) or 0)
     args = build_parser().parse_args(argv)
+    try:
+        check_overrides(engine_overrides(args))
+    except ValueError as e:
+        print(f"raycluster {args.cmd}: {e}", file=sys.stderr)
+        return 2
     if args.cmd in ("up", "engine-server") and args.policy is not None:
         from raycluster.sched.registry import policy_names
         if args.policy not in policy_names():

@@ -1,0 +1,68 @@
+"""EngineConfig's fields as command-line flags, as vLLM's engine arguments are (`--max-model-len`,
+`--dtype`, `--kv-cache-tokens`, `--max-num-seqs`, `--tp`, ...).
+
+`add_engine_flags(parser, skip)` adds one `--field-name` per field (help from the field's
+description, choices from a Literal); `engine_overrides(args)` returns the ones given, values as
+typed (strings, or None for "none" on an optional field) for EngineConfig to validate and
+coerce; `check_overrides` raises ValueError naming the flag when one is invalid. `raycluster
+engine-server` builds its engine from them; `raycluster up` / `apply` apply them to every pool's
+engine options (a pool's own `engine` options in the app file still win, as for
+--enable-prefix-caching).
+"""
+
+from __future__ import annotations
+
+import argparse
+import typing
+
+from pydantic import ValidationError
+
+from raycluster.engine.config import EngineConfig
+
+_PREFIX = "engine_"       # where the values land on the argparse namespace: no clash with other flags
+
+
+def _literal_choices(annotation) -> list[str] | None:
+    for arg in (annotation, *typing.get_args(annotation)):
+        if typing.get_origin(arg) is typing.Literal:
+            return [str(a) for a in typing.get_args(arg)]
+    return None
+
+
+def add_engine_flags(parser: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -> None:
+    group = parser.add_argument_group("engine options (EngineConfig; `none` unsets an optional one)")
+    for name, field in EngineConfig.model_fields.items():
+        if name in skip:
+            continue
+        flag = "--" + name.replace("_", "-")
+        help_text = (field.description or "").replace("%", "%%")      # argparse formats help with %
+        if field.annotation is bool:
+            group.add_argument(flag, dest=_PREFIX + name, action=argparse.BooleanOptionalAction, default=None,
+                               help=help_text)
+            continue
+        group.add_argument(flag, dest=_PREFIX + name, default=None, metavar=name.upper(),
+                           choices=_literal_choices(field.annotation), help=help_text)
+
+
+def engine_overrides(args: argparse.Namespace) -> dict:
+    """{field: value} of the engine flags given on the command line."""
+    out = {}
+    for key, value in vars(args).items():
+        if key.startswith(_PREFIX) and value is not None:
+            name = key[len(_PREFIX):]
+            optional = type(None) in typing.get_args(EngineConfig.model_fields[name].annotation)
+            out[name] = None if optional and value == "none" else value
+    return out
+
+
+def check_overrides(overrides: dict) -> dict:
+    """The overrides, validated on their own (other fields at their defaults); ValueError naming
+    the flag otherwise."""
+    try:
+        EngineConfig(**overrides)
+    except ValidationError as e:
+        err = e.errors()[0]
+        name = str(err["loc"][0]) if err.get("loc") else ""
+        flag = "--" + name.replace("_", "-") if name in overrides else name or "engine options"
+        raise ValueError(f"{flag}: {err['msg'].removeprefix('Value error, ')}") from None
+    return overrides
