@@ -19,7 +19,7 @@ from typing import Any
 from raycluster.model.generation_config import load_generation_config
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM")
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 
 class ModelConfigError(ValueError):
@@ -129,7 +129,8 @@ class ModelConfig:
             qkv_bias = o_bias = mlp_bias = False
 
         window = _active_sliding_window(arch, d, layers)
-        max_len = min(max_pos, window) if window else max_pos
+        context = _scaled_context(max_pos, scaling)
+        max_len = min(context, window) if window else context
 
         eos = d.get("eos_token_id")
         if eos is None:
@@ -177,7 +178,23 @@ def _parse_rope(d: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
             if k not in scaling:
                 raise ModelConfigError(f"config field 'rope_scaling.{k}' is required for rope_type 'llama3'")
         scaling.setdefault("original_max_position_embeddings", d.get("max_position_embeddings"))
+    if rtype == "yarn":
+        scaling.setdefault("original_max_position_embeddings", d.get("max_position_embeddings"))
     return theta, scaling
+
+
+def _scaled_context(max_pos: int, scaling: dict[str, Any] | None) -> int:
+    """The context a scaled rope serves, as vLLM derives it: linear scaling stretches
+    max_position_embeddings by `factor`, YaRN the original context; llama3's configs state the
+    long context in max_position_embeddings already."""
+    if not scaling:
+        return max_pos
+    factor = float(scaling["factor"])
+    if scaling["rope_type"] == "yarn":
+        return int(float(scaling["original_max_position_embeddings"]) * factor)
+    if scaling["rope_type"] == "linear":
+        return int(max_pos * factor)
+    return max_pos
 
 
 def _active_sliding_window(arch: str, d: dict[str, Any], layers: int) -> int | None:

@@ -1,6 +1,6 @@
-"""Rotary position embeddings matching transformers (default, linear, llama3 scaling):
-inv_freq, an fp32 cos/sin cache cast to the model dtype, and rotate_half application at
-per-token positions."""
+"""Rotary position embeddings matching transformers (default, linear, llama3 and YaRN scaling):
+inv_freq, an fp32 cos/sin cache (times YaRN's attention factor) cast to the model dtype, and
+rotate_half application at per-token positions."""
 
 from __future__ import annotations
 
@@ -11,11 +11,50 @@ import torch
 from raycluster.model.config import ModelConfig
 
 
+def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
+def yarn_attention_factor(scaling: dict) -> float:
+    """YaRN's factor on cos/sin (so on q.k): `attention_factor` if given, else 0.1 ln(s) + 1, or
+    the ratio of that with `mscale` over with `mscale_all_dim` when both are given."""
+    if scaling.get("attention_factor") is not None:
+        return float(scaling["attention_factor"])
+    factor, m, m_all = float(scaling["factor"]), scaling.get("mscale"), scaling.get("mscale_all_dim")
+    if m and m_all:
+        return _yarn_mscale(factor, m) / _yarn_mscale(factor, m_all)
+    return _yarn_mscale(factor)
+
+
+def _yarn_inv_freq(inv_freq: torch.Tensor, head_dim: int, theta: float, scaling: dict) -> torch.Tensor:
+    """YaRN (arXiv 2309.00071): dimensions that turn fewer than `beta_slow` times over the
+    original context are interpolated (divided by `factor`), those turning more than `beta_fast`
+    times keep their frequency, with a linear ramp over the dimensions between."""
+    factor = float(scaling["factor"])
+    orig = float(scaling["original_max_position_embeddings"])
+    beta_fast, beta_slow = scaling.get("beta_fast") or 32, scaling.get("beta_slow") or 1
+
+    def dim_turning(turns: float) -> float:        # the dimension whose wave turns `turns` times over orig
+        return head_dim * math.log(orig / (turns * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = dim_turning(beta_fast), dim_turning(beta_slow)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = ((torch.arange(head_dim // 2, dtype=torch.float32, device="cpu") - low) / (high - low)).clamp(0, 1)
+    keep = 1 - ramp                                # weight of the unscaled frequency
+    return inv_freq / factor * (1 - keep) + inv_freq * keep
+
+
 def compute_inv_freq(head_dim: int, theta: float, scaling: dict | None = None) -> torch.Tensor:
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").float() / head_dim))
     if not scaling:
         return inv_freq
     rtype = scaling["rope_type"]
+    if rtype == "yarn":
+        return _yarn_inv_freq(inv_freq, head_dim, theta, scaling)
     factor = float(scaling["factor"])
     if rtype == "linear":
         return inv_freq / factor
@@ -41,6 +80,7 @@ class RotaryEmbedding:
     def __init__(self, head_dim: int, theta: float, scaling: dict | None, max_positions: int):
         self.head_dim = head_dim
         self.inv_freq = compute_inv_freq(head_dim, theta, scaling)
+        self.attention_factor = yarn_attention_factor(scaling) if scaling and scaling["rope_type"] == "yarn" else 1.0
         self.max_positions = max_positions
         self._cache: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
 
@@ -52,6 +92,8 @@ class RotaryEmbedding:
         t = torch.arange(n, dtype=torch.float32, device=device)
         freqs = torch.outer(t, self.inv_freq.to(device))
         emb = torch.cat([freqs, freqs], dim=-1)
+        if self.attention_factor != 1.0:       # in fp32 before the cast, as transformers
+            return (emb.cos() * self.attention_factor).to(dtype), (emb.sin() * self.attention_factor).to(dtype)
         return emb.cos().to(dtype), emb.sin().to(dtype)
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype):

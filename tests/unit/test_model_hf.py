@@ -27,6 +27,11 @@ VARIANTS = {
     "qwen3_bias": dict(architectures=["Qwen3ForCausalLM"], hidden_size=128, num_attention_heads=4,
                        num_key_value_heads=2, head_dim=48, intermediate_size=256, num_hidden_layers=2,
                        attention_bias=True, rope_parameters={"rope_type": "default", "rope_theta": 1e6}),
+    # YaRN over an original context shorter than the prompt (the ramp spans middle dimensions).
+    "qwen2_yarn": dict(architectures=["Qwen2ForCausalLM"], hidden_size=128, num_attention_heads=4,
+                       num_key_value_heads=2, intermediate_size=256, num_hidden_layers=2,
+                       rope_parameters={"rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0,
+                                        "original_max_position_embeddings": 32}),
     # Window longer than the prompt: HF's sliding attention equals full attention here.
     "mistral_window": dict(architectures=["MistralForCausalLM"], sliding_window=4096, num_hidden_layers=2,
                            rope_parameters={"rope_type": "default", "rope_theta": 1e6}),
@@ -139,3 +144,40 @@ def test_mixed_prefill_and_decode_step(variant_dirs):
     lg = model.compute_logits(h)
     torch.testing.assert_close(lg[:7], full_a[33:], atol=CHUNK_ATOL, rtol=CHUNK_RTOL)
     torch.testing.assert_close(lg[7], full_b[29], atol=CHUNK_ATOL, rtol=CHUNK_RTOL)
+
+
+@pytest.mark.parametrize("params", [
+    {"factor": 4.0, "original_max_position_embeddings": 4096},
+    {"factor": 8.0, "original_max_position_embeddings": 2048, "beta_fast": 16, "beta_slow": 2, "truncate": False},
+    {"factor": 40.0, "original_max_position_embeddings": 4096, "mscale": 1.0, "mscale_all_dim": 0.707},
+    {"factor": 2.0, "original_max_position_embeddings": 8192, "attention_factor": 1.25},
+])
+def test_yarn_frequencies_and_attention_factor_equal_transformers(params):
+    """YaRN's inverse frequencies and cos/sin factor against transformers' own computation, for
+    the plain form and its DeepSeek-style (mscale) and explicit-factor variants."""
+    transformers = pytest.importorskip("transformers")
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from raycluster.model.rope import compute_inv_freq, yarn_attention_factor
+
+    rope = {"rope_type": "yarn", "rope_theta": 1e6, **params}
+    hf_cfg = transformers.Qwen2Config(hidden_size=1024, num_attention_heads=8, max_position_embeddings=32768,
+                                      rope_parameters=dict(rope))
+    want_freq, want_factor = ROPE_INIT_FUNCTIONS["yarn"](hf_cfg, "cpu")
+    torch.testing.assert_close(compute_inv_freq(128, 1e6, rope), want_freq, atol=0, rtol=1e-6)
+    assert yarn_attention_factor(rope) == pytest.approx(want_factor, rel=1e-12)
+
+
+def test_a_scaled_rope_sets_the_served_context_as_vllm():
+    from raycluster.model.config import ModelConfig
+
+    base = dict(architectures=["LlamaForCausalLM"], hidden_size=64, num_attention_heads=4, vocab_size=100,
+                intermediate_size=128, num_hidden_layers=1, max_position_embeddings=32768)
+    assert ModelConfig.from_dict(base).max_model_len == 32768
+    yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}
+    assert ModelConfig.from_dict({**base, "rope_scaling": yarn}).max_model_len == 131072
+    linear = {"type": "linear", "factor": 2.0}
+    assert ModelConfig.from_dict({**base, "rope_scaling": linear}).max_model_len == 65536
+    assert ModelConfig.from_dict({**base, "max_position_embeddings": 131072,
+                                  "rope_scaling": {**LLAMA3_ROPE, "original_max_position_embeddings": 8192}}
+                                 ).max_model_len == 131072
