@@ -13,6 +13,7 @@ import torch
 
 from raycluster.engine.config import EngineConfig
 from raycluster.engine.kv_manager import KVCacheManager
+from raycluster.engine.kv_memory import check_kv_fits
 from raycluster.engine.model_runner import ModelRunner
 from raycluster.engine.prefix_cache import PrefixCachingKVManager
 from raycluster.parallel.group import Collective, GroupAddress, ThreadRanks, free_port
@@ -72,6 +73,8 @@ def build_runner(config: EngineConfig, model, dtype: torch.dtype, model_path: st
     blocks = config.kv_cache_tokens // config.block_size
     kv_manager = PrefixCachingKVManager if config.enable_prefix_caching else KVCacheManager
     kind = group_kind(config)
+    if kind == "single" or config.group_launch == "threads":     # every rank's KV in this host's memory
+        check_kv_fits(blocks * config.block_size, model.config, dtype, torch.device(config.device))
     world = config.parallel_world
     if kind == "single":
         return ModelRunner(model, kv_manager(blocks, config.block_size), dtype, config.device)
