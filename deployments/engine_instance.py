@@ -36,6 +36,7 @@ class EngineInstance:
     def __init__(self, role: str, config_json: str) -> None:
         from raycluster.engine.engine import LLMEngine
         from raycluster.kv_transfer import make_connector
+        from raycluster.model.loader import load_config
         from raycluster.model.registry import resolve_model_path
         from raycluster.parallel.factory import build_runner, model_source
 
@@ -45,6 +46,7 @@ class EngineInstance:
         torch.set_num_threads(cfg.threads_per_instance)
         os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
         path = resolve_model_path(ecfg.model)
+        ecfg = ecfg.for_model(load_config(path).dtype)      # dtype 'auto': the checkpoint's
         # The full model, or for a TP / SPP pool the checkpoint each rank reads its own part from.
         model = model_source(ecfg, str(path))
         # A KVP / SPP / TP pool: this replica leads the group; its other ranks are actors (or threads).

@@ -48,7 +48,8 @@ from raycluster.request import SamplingParams
 def _engine(model, path: str, launch: str, **cfg) -> LLMEngine:
     from raycluster.parallel.factory import build_runner
 
-    ecfg = EngineConfig(policy="fcfs", packer="token", predictor="none", group_launch=launch, **cfg)
+    ecfg = EngineConfig(policy="fcfs", packer="token", predictor="none", group_launch=launch, **cfg) \
+        .for_model(model.config.dtype)
     torch.set_num_threads(ecfg.num_threads)
     return LLMEngine(ecfg, model, runner=build_runner(ecfg, model, ecfg.torch_dtype(), model_path=path))
 

@@ -82,7 +82,7 @@ def _one(path: str, mode: str, launch: str, tp: int, spp: int) -> dict:
     """Build, generate, measure, close: run in a process of its own."""
     from raycluster.engine.config import EngineConfig
     from raycluster.engine.engine import LLMEngine
-    from raycluster.model.loader import load_model
+    from raycluster.model.loader import load_config, load_model
     from raycluster.parallel.factory import build_runner
     from raycluster.request import SamplingParams
 
@@ -93,6 +93,7 @@ def _one(path: str, mode: str, launch: str, tp: int, spp: int) -> dict:
                  runtime_env={"env_vars": env}, logging_level="ERROR")
     cfg = EngineConfig(model=path, tp=tp, spp=spp, group_launch=launch, policy="fcfs", packer="token",
                        predictor="none", num_threads=1, kv_cache_tokens=1024, group_timeout_s=120)
+    cfg = cfg.for_model(load_config(path).dtype)
     rss0, anon0 = _status_bytes("VmRSS"), PeakAnon.now()
     anon = PeakAnon()
     if mode == "after":
@@ -135,7 +136,7 @@ def main(argv: list[str] | None = None) -> int:
     from raycluster.model.loader import load_config, model_shapes
 
     # From the shapes alone: this process loads nothing (its children are measured).
-    elem = torch.empty((), dtype=EngineConfig().torch_dtype()).element_size()
+    elem = torch.empty((), dtype=EngineConfig().for_model(load_config(args.model).dtype).torch_dtype()).element_size()
     model_bytes = sum(math.prod(s) for s in model_shapes(load_config(args.model)).values()) * elem
     rows = []
     for launch in args.launch.split(","):

@@ -19,7 +19,9 @@ class EngineConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     model: str = Field("tiny", description="'tiny' (the embedded checkpoint) or a checkpoint directory")
-    dtype: str = Field("float32", pattern="^(float32|bfloat16|float16)$")
+    dtype: str = Field("auto", pattern="^(auto|float32|bfloat16|float16)$",
+                       description="weights and KV; 'auto' (vLLM's default): the checkpoint's own (float32 when it "
+                       "names none; a float16 checkpoint runs in bfloat16 off CUDA)")
     device: str = "cpu"
     block_size: int = Field(16, ge=1, le=1024)
     kv_cache_tokens: int = Field(262144, ge=16, description="KV capacity in tokens (rounded down to blocks)")
@@ -106,7 +108,19 @@ class EngineConfig(BaseModel):
         bs = self.block_size
         return max(1, self.kv_cache_tokens // bs // self.kvp) * bs
 
+    def for_model(self, model_dtype: str | None) -> "EngineConfig":
+        """This config with dtype 'auto' made concrete for a checkpoint whose config.json names
+        `model_dtype` (`ModelConfig.dtype`); other dtypes are kept."""
+        if self.dtype != "auto":
+            return self
+        dtype = model_dtype if model_dtype in ("float32", "bfloat16", "float16") else "float32"
+        if dtype == "float16" and not self.device.startswith("cuda"):
+            dtype = "bfloat16"          # CPU kernels are bf16's, as vLLM's CPU backend
+        return self.model_copy(update={"dtype": dtype})
+
     def torch_dtype(self) -> torch.dtype:
+        if self.dtype == "auto":
+            raise ValueError("dtype: 'auto' is made concrete against the checkpoint first (EngineConfig.for_model)")
         return getattr(torch, self.dtype)
 
     def with_scheduling_of(self, pool: "EngineConfig") -> "EngineConfig":

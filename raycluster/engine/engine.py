@@ -100,6 +100,7 @@ class LLMEngine:
         `GroupModel` of a prebuilt group whose ranks read their parts from the checkpoint."""
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
+        config = config.for_model(getattr(model.config, "dtype", None))
         self.config = config
         self.model = model
         self.tokenizer = tokenizer
@@ -147,7 +148,10 @@ class LLMEngine:
         from raycluster.model.tokenizer import Tokenizer
         from raycluster.parallel.factory import model_source
 
+        from raycluster.model.loader import load_config
+
         path = resolve_model_path(config.model)
+        config = config.for_model(load_config(path).dtype)
         model = model_source(config, str(path))
         runner = build_runner(config, model, _DTYPES[config.dtype], model_path=str(path))
         # The runner's model: the full model, or the group's view of it (config, logits).

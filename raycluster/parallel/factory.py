@@ -125,4 +125,5 @@ def model_source(config: EngineConfig, path: str):
 
     if group_kind(config) in SHARDED_KINDS:
         return Checkpoint(str(path), load_config(path))
+    config = config.for_model(load_config(path).dtype)
     return load_model(path, dtype=config.torch_dtype(), device=config.device)[0]

@@ -1,15 +1,19 @@
 """EngineConfig's fields as CLI flags (vLLM's engine args): given ones become overrides that
 EngineConfig coerces, `none` unsets an optional field, a bad value is refused naming its flag,
-and `up` carries them into every pool's engine options (also through --detach's re-exec)."""
+and `up` carries them into every pool's engine options (also through --detach's re-exec).
+And vLLM's default `--dtype auto`: the checkpoint's dtype."""
 
 import argparse
 
 import pytest
+import torch
 
 from deployments.launcher import override_args
 from raycluster.cli import build_parser, main
 from raycluster.cluster.config import ClusterConfig
 from raycluster.engine.config import EngineConfig
+from raycluster.engine.engine import LLMEngine
+from raycluster.request import SamplingParams
 from raycluster.engine_flags import add_engine_flags, check_overrides, engine_overrides
 
 
@@ -70,3 +74,27 @@ def test_detach_reexecs_with_every_option_given(argv):
     skip = {"detach", "fn"}
     assert {k: v for k, v in vars(again).items() if k not in skip} == \
         {k: v for k, v in vars(args).items() if k not in skip}
+
+
+@pytest.mark.parametrize("checkpoint_dtype, device, want", [
+    ("bfloat16", "cpu", "bfloat16"), ("float32", "cpu", "float32"), (None, "cpu", "float32"),
+    ("float16", "cpu", "bfloat16"), ("float16", "cuda", "float16")])
+def test_dtype_auto_is_the_checkpoints(checkpoint_dtype, device, want):
+    assert EngineConfig(device=device).for_model(checkpoint_dtype).dtype == want
+    assert EngineConfig(device=device, dtype="float32").for_model(checkpoint_dtype).dtype == "float32"
+    with pytest.raises(ValueError, match="^dtype: 'auto'"):
+        EngineConfig().torch_dtype()
+
+
+def test_a_bf16_checkpoint_is_served_in_bf16_by_default(tmp_path):
+    """vLLM's --dtype auto: weights and KV in the checkpoint's dtype (float32 on the tiny model)."""
+    from raycluster.model.tiny import write_tiny_model
+
+    path = write_tiny_model(tmp_path / "bf16", dtype="bfloat16")
+    eng = LLMEngine.from_config(EngineConfig(model=str(path), kv_cache_tokens=256, policy="fcfs", packer="token",
+                                             predictor="none"))
+    assert eng.config.dtype == "bfloat16" and eng.runner.kv_cache.dtype == torch.bfloat16
+    assert next(eng.runner.model.parameters()).dtype == torch.bfloat16
+    assert len(eng.generate([[5, 6, 7]], SamplingParams(max_tokens=3, ignore_eos=True))[0]) == 3
+    tiny = LLMEngine.from_config(EngineConfig(kv_cache_tokens=256, policy="fcfs", packer="token", predictor="none"))
+    assert tiny.config.dtype == "float32" and tiny.runner.kv_cache.dtype == torch.float32
