@@ -3,7 +3,7 @@ instances' KV pulls (moved vs recomputed, and the mean cost of a pull)."""
 
 from __future__ import annotations
 
-from raycluster.cli import format_status
+from raycluster.cli_status import format_status
 
 STATUS = {
     "policy": "lars", "inflight": 3, "queues": {"prefill-short": 1}, "router_id": "r1",
