@@ -67,7 +67,7 @@ def _overloaded(e: OverloadedError) -> JSONResponse:
 def build_app(engine, tokenizer, model_names: str | Sequence[str], api_keys: Sequence[str] = (),
               tool_call_parser: str | None = None, metrics_sinks: Sequence[RequestMetricsSink] = (),
               sampling_defaults: dict | None = None, log_requests: bool = False,
-              reasoning_parser: str | None = None) -> FastAPI:
+              reasoning_parser: str | None = None, request_id_header: bool = True) -> FastAPI:
     """`model_names`: the names a request's `model` may give (vLLM's --served-model-name); a
     response names the one its request gave, else the first. `sampling_defaults`: the model's
     default sampling parameters (its generation_config.json: raycluster.model.generation_config)
@@ -76,6 +76,8 @@ def build_app(engine, tokenizer, model_names: str | Sequence[str], api_keys: Seq
     received, with its sampling parameters but not its prompt, and when each choice ends.
     `reasoning_parser` (vLLM's --reasoning-parser, raycluster.server.reasoning): chat replies
     carry the model's thinking as `reasoning_content`, apart from `content` (and tool calls).
+    `request_id_header`: answer with an `X-Request-Id` header (off behind Ray Serve, which sets the
+    header on the way in, a UUID when the client sent none, and returns it itself).
     `api_keys`: if any, every route but /health, /metrics and the docs wants one of them as
     a bearer token (raycluster.server.auth). `tool_call_parser`: the model's tool-call syntax
     (raycluster.server.tool_parsers), which `tool_choice: "auto"` needs. `metrics_sinks`: where
@@ -195,7 +197,7 @@ def build_app(engine, tokenizer, model_names: str | Sequence[str], api_keys: Seq
         if client_id is not None and not (0 < len(client_id) <= 256 and client_id.isprintable()):
             return _bad_request("X-Request-Id: must be 1 to 256 printable characters", "X-Request-Id")
         response_id = f"{prefix}-{client_id}" if client_id else rid
-        headers = {"X-Request-Id": client_id or response_id}
+        headers = {"X-Request-Id": client_id or response_id} if request_id_header else None
         # Each choice is a request (the i-th of a prompt seeded seed + i, so seeded choices differ).
         slots = [(ids, text, i) for ids, text in prompts for i in range(body.n)]
         gens = [engine.generate(rid if len(slots) == 1 else f"{rid}-{k}", ids,
