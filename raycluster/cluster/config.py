@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from raycluster.engine.config import EngineConfig
 from raycluster.model.registry import default_model_name
@@ -207,18 +207,12 @@ class ClusterConfig(BaseModel):
     def served_names(self) -> list[str]:
         return self.served_model_name or [default_model_name(self.model)]
 
-    @field_validator("reasoning_parser")
+    @field_validator("reasoning_parser", "tool_call_parser")
     @classmethod
-    def _known_reasoning_parser(cls, v: str | None) -> str | None:
-        if v is not None and v not in REASONING_PARSERS:
-            raise ValueError(f"unknown reasoning_parser {v!r}; choose one of {', '.join(sorted(REASONING_PARSERS))}")
-        return v
-
-    @field_validator("tool_call_parser")
-    @classmethod
-    def _known_tool_parser(cls, v: str | None) -> str | None:
-        if v is not None and v not in TOOL_PARSERS:
-            raise ValueError(f"unknown tool_call_parser {v!r}; choose one of {', '.join(TOOL_PARSERS)}")
+    def _known_parser(cls, v: str | None, info: ValidationInfo) -> str | None:
+        known = {"reasoning_parser": REASONING_PARSERS, "tool_call_parser": TOOL_PARSERS}[info.field_name]
+        if v is not None and v not in known:
+            raise ValueError(f"unknown {info.field_name} {v!r}; choose one of {', '.join(known)}")
         return v
 
     @model_validator(mode="after")

@@ -78,6 +78,13 @@ def test_tool_call_parser_takes_each_parsers_name():
         ClusterConfig(tool_call_parser="llama4")
 
 
+def test_reasoning_parser_takes_each_parsers_name():
+    for name in ("deepseek_r1", "qwen3"):
+        assert ClusterConfig(reasoning_parser=name).reasoning_parser == name
+    with pytest.raises(ValidationError, match="unknown reasoning_parser 'r1'; choose one of deepseek_r1, qwen3"):
+        ClusterConfig(reasoning_parser="r1")
+
+
 def test_the_dashboard_hint_says_where_the_login_token_is(tmp_path, monkeypatch):
     from deployments.launcher import dashboard_hint
 
