@@ -36,6 +36,8 @@ def build_gateway_app():
     path = resolve_model_path(cfg.model)
     mcfg = ModelConfig.from_pretrained(path)
     tokenizer = Tokenizer(path, mcfg.eos_token_id)
+    if cfg.chat_template:
+        tokenizer.set_chat_template(cfg.chat_template)
     router = ray.get_actor(cfg.router_name, namespace=cfg.namespace)
     try:
         ctx = serve.get_replica_context()

@@ -67,6 +67,8 @@ def _serve_engine(args: argparse.Namespace) -> None:
         log.addHandler(_stderr_handler())
         log.setLevel(logging.INFO)
         stats = StatLogger("engine", args.log_stats_interval, log.info)
+    if args.chat_template:
+        engine.tokenizer.set_chat_template(args.chat_template)
     async_engine = AsyncEngine(engine, stat_logger=stats)
     names = args.served_model_name or [default_model_name(args.model)]
     name = names[0]
@@ -103,7 +105,7 @@ def detach_command(args: argparse.Namespace) -> list[str]:
     subcommand with every option given, but --detach."""
     cmd = [sys.executable, "-m", "raycluster.cli", args.cmd, "--host", args.host, "--port", str(args.port)]
     for flag in ("model", "policy", "app", "address", "threads", "tool_call_parser", "log_stats_interval",
-                 "generation_config", "reasoning_parser"):
+                 "generation_config", "reasoning_parser", "chat_template"):
         if getattr(args, flag, None) is not None:
             cmd += ["--" + flag.replace("_", "-"), str(getattr(args, flag))]
     if getattr(args, "served_model_name", None):
@@ -344,6 +346,8 @@ def build_parser() -> argparse.ArgumentParser:
     es.add_argument("--host", default="127.0.0.1")
     es.add_argument("--port", type=int, default=8000)
     es.add_argument("--threads", type=int, default=None, help="torch threads of the engine")
+    es.add_argument("--chat-template", default=None, metavar="TEMPLATE",
+                    help="a Jinja chat template (its text, or a file) instead of the checkpoint's (vLLM's)")
     es.add_argument("--reasoning-parser", default=None, choices=sorted(REASONING_PARSERS),
                     help="chat replies carry the model's thinking as reasoning_content (vLLM's)")
     es.add_argument("--enable-log-requests", action="store_true",

@@ -178,6 +178,9 @@ class ClusterConfig(BaseModel):
     tool_call_parser: str | None = Field(
         None, description="the model's own tool-call syntax, which tool_choice 'auto' needs (vLLM's "
         "--tool-call-parser); none: 'auto' is refused")
+    chat_template: str | None = Field(
+        None, description="vLLM's --chat-template: a Jinja chat template (its text, or a file path on every "
+        "node) instead of the checkpoint's")
     reasoning_parser: str | None = Field(
         None, description="vLLM's --reasoning-parser: chat replies carry the model's thinking as "
         "reasoning_content (deepseek_r1: the template opens <think>; qwen3: the reply opens it)")
@@ -206,6 +209,21 @@ class ClusterConfig(BaseModel):
 
     def served_names(self) -> list[str]:
         return self.served_model_name or [default_model_name(self.model)]
+
+    @field_validator("chat_template")
+    @classmethod
+    def _template_parses(cls, v: str | None) -> str | None:
+        # Inline text is compiled here; a file path may exist only on the cluster's nodes (a path
+        # compiles as plain text, so it passes).
+        if v is not None:
+            from jinja2 import TemplateSyntaxError
+
+            from raycluster.model.chat_template import compile_chat_template
+            try:
+                compile_chat_template(v)
+            except TemplateSyntaxError as e:
+                raise ValueError(f"does not parse as a Jinja template: {e}") from None
+        return v
 
     @field_validator("reasoning_parser", "tool_call_parser")
     @classmethod

@@ -55,6 +55,17 @@ class Tokenizer:
         self.chat_template: str | None = template
         self._compiled = None
 
+    def set_chat_template(self, template: str) -> None:
+        """Use `template` (Jinja text, or the path of a file holding it) instead of the
+        checkpoint's (vLLM's --chat-template)."""
+        if os.path.isfile(template):
+            with open(template, encoding="utf-8") as f:
+                template = f.read()
+        from raycluster.model.chat_template import compile_chat_template
+
+        self._compiled = compile_chat_template(template)      # a template that does not parse fails here
+        self.chat_template = template
+
     def to_json(self) -> str:
         """The tokenizer.json text (what llguidance builds its tokenizer from)."""
         return self._tok.to_str()

@@ -61,7 +61,8 @@ def test_up_applies_them_to_every_pool():
 @pytest.mark.parametrize("argv", [
     ["up", "--detach", "--policy", "edf", "--max-model-len", "2048", "--chunk-size", "none",
      "--served-model-name", "a", "b", "--no-enable-prefix-caching", "--kvp-layout", "progressive"],
-    ["engine-server", "--detach", "--enable-log-requests", "--reasoning-parser", "qwen3",
+    ["engine-server", "--detach", "--enable-log-requests", "--reasoning-parser", "qwen3", "--chat-template",
+     "{{ messages[0].content }}",
      "--generation-config", "vllm", "--max-num-seqs", "8", "--threads", "1"],
 ])
 def test_detach_reexecs_with_every_option_given(argv):

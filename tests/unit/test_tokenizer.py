@@ -156,3 +156,26 @@ def test_hub_template_features_render_as_in_transformers(tiny_model_dir, tok):
             tok.apply_chat_template([{"role": "user", "content": "x"}] * 10)
     finally:
         tok.chat_template, tok._compiled = saved, None
+
+
+def test_a_chat_template_given_as_text_or_file_replaces_the_checkpoints(tiny_model_dir, tmp_path):
+    """vLLM's --chat-template: the text, or a file holding it, is used instead of the checkpoint's;
+    ClusterConfig refuses inline text that does not parse, naming the field."""
+    from pydantic import ValidationError
+
+    from raycluster.cluster.config import ClusterConfig
+
+    msgs = [{"role": "user", "content": "hi"}]
+    template = "{% for m in messages %}[{{ m.role }}] {{ m.content }}\n{% endfor %}{% if add_generation_prompt %}>{% endif %}"
+    t = Tokenizer(tiny_model_dir)
+    t.apply_chat_template(msgs)             # compiled the checkpoint's first
+    t.set_chat_template(template)
+    assert t.apply_chat_template(msgs) == "[user] hi\n>"
+    f = tmp_path / "t.jinja"
+    f.write_text("{{ messages[0].content | upper }}")
+    t.set_chat_template(str(f))
+    assert t.apply_chat_template(msgs) == "HI" and t.chat_template == "{{ messages[0].content | upper }}"
+    assert ClusterConfig(chat_template=template).chat_template == template
+    assert ClusterConfig(chat_template="/models/templates/chat.jinja").chat_template     # a path on the nodes
+    with pytest.raises(ValidationError, match="chat_template\n.*does not parse"):
+        ClusterConfig(chat_template="{% for m in messages %}")
