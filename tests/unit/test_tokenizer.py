@@ -166,7 +166,8 @@ def test_a_chat_template_given_as_text_or_file_replaces_the_checkpoints(tiny_mod
     from raycluster.cluster.config import ClusterConfig
 
     msgs = [{"role": "user", "content": "hi"}]
-    template = "{% for m in messages %}[{{ m.role }}] {{ m.content }}\n{% endfor %}{% if add_generation_prompt %}>{% endif %}"
+    template = ("{% for m in messages %}[{{ m.role }}] {{ m.content }}\n{% endfor %}"
+                "{% if add_generation_prompt %}>{% endif %}")
     t = Tokenizer(tiny_model_dir)
     t.apply_chat_template(msgs)             # compiled the checkpoint's first
     t.set_chat_template(template)
