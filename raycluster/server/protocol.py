@@ -123,10 +123,10 @@ class _GenerationFields(BaseModel):
     allowed_token_ids: list[int] | None = Field(None, min_length=1)
     skip_special_tokens: bool = True
     truncate_prompt_tokens: int | None = Field(None, ge=1, description="keep only the last k prompt tokens")
+    bad_words: list[str] | None = None
     # OpenAI's and vLLM's options not implemented: accepted only at their neutral values.
     best_of: Any = None
     suffix: Any = None
-    bad_words: list[str] | None = None
     use_beam_search: Any = None
     spaces_between_special_tokens: Any = None
     length_penalty: Any = None
@@ -163,7 +163,7 @@ class _GenerationFields(BaseModel):
     @field_validator("use_beam_search")
     @classmethod
     def _off(cls, v):
-        if v not in (None, False, []):
+        if v not in (None, False):
             raise ValueError("not supported by this server (leave it out)")
         return v
 
