@@ -147,6 +147,8 @@ class Request:
     # With sampling.prompt_logprobs: entry i for prompt token i + 1, filled as chunks compute
     # (a recompute after preemption overwrites the same entries).
     prompt_logprobs: list[TokenLogprob | None] | None = None
+    # Speculative decoding: draft tokens proposed after the last sampled one, for the next step.
+    spec_token_ids: list[int] = field(default_factory=list)
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -45,6 +45,13 @@ class EngineConfig(BaseModel):
     enable_prefix_caching: bool = Field(
         False, description="keep full KV blocks findable by their tokens after use, so a prompt that "
                            "starts like an earlier one prefills only the rest")
+    speculative_method: Literal["none", "ngram"] = Field(
+        "none", description="speculative decoding (vLLM's speculative_config method): 'ngram' drafts the next "
+        "tokens by prompt lookup (the tokens that followed the latest earlier occurrence of the context's last "
+        "n-gram) and verifies them in one step; greedy output is unchanged, sampled output keeps its distribution")
+    num_speculative_tokens: int = Field(5, ge=1, le=32, description="speculative decoding: draft tokens per step at most")
+    prompt_lookup_max: int = Field(4, ge=1, le=64, description="ngram drafts: the longest n-gram matched")
+    prompt_lookup_min: int = Field(1, ge=1, le=64, description="ngram drafts: the shortest n-gram matched")
     seed: int = 0
     num_threads: int | None = Field(None, ge=1, description="torch intra-op threads")
     kvp: int = Field(1, ge=1, le=64, description="KV-cache parallel ranks (Medha KVP): each rank holds the "
@@ -82,6 +89,13 @@ class EngineConfig(BaseModel):
                             "loopback for a group on one node, 'node' for each rank's Ray node address (a "
                             "group that may span nodes)")
     group_timeout_s: float = Field(120.0, gt=0, description="a collective waiting longer fails the step")
+
+    @model_validator(mode="after")
+    def _lookup_range(self) -> "EngineConfig":
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ValueError(f"prompt_lookup_min: {self.prompt_lookup_min} is more than prompt_lookup_max "
+                             f"{self.prompt_lookup_max}")
+        return self
 
     @model_validator(mode="after")
     def _kvp_range(self) -> "EngineConfig":

@@ -22,6 +22,7 @@ from raycluster.engine.config import EngineConfig
 from raycluster.engine.guided import GuidedDecoding, constraint_of
 from raycluster.parallel.factory import build_runner
 from raycluster.engine.sampler import Sampler
+from raycluster.engine.spec_decode import NgramProposer, drafts_allowed
 from raycluster.engine.profiler import load_or_profile
 from raycluster.engine.sched_factory import RetiredScheduling, build_scheduler, needs_predictor
 from raycluster.engine.text import TextStream
@@ -60,6 +61,8 @@ class StepResult:
     num_prefill_tokens: int = 0
     num_decode_tokens: int = 0
     num_preempted: int = 0
+    num_draft_tokens: int = 0          # speculative decoding: drafts run this step
+    num_accepted_tokens: int = 0       # ... and kept
     duration_s: float = 0.0
 
 
@@ -115,6 +118,8 @@ class LLMEngine:
         self.scheduler = build_scheduler(config, self.kv, self.clock, self.max_model_len, self.predictor)
         self._retired = RetiredScheduling()       # pieces of pools it left (reconfigure_scheduling)
         self.sampler = Sampler(config.seed)
+        self.proposer = NgramProposer(config.num_speculative_tokens, config.prompt_lookup_max,
+                                      config.prompt_lookup_min) if config.speculative_method == "ngram" else None
         self._texts: dict[str, TextStream] = {}
         self._guided: GuidedDecoding | None = None     # built at the first structured-output request
         self._guided_lock = threading.Lock()            # compile threads may build it too
@@ -277,6 +282,8 @@ class LLMEngine:
         sampled_reqs: list[Request] = []
         tokens: list[int] = []
         logprobs: dict[str, TokenLogprob] = {}
+        accepted: dict[str, list[int]] = {}
+        drafted: list[tuple[Request, int, list[TokenLogprob] | None]] = []   # (req, outputs before, lps)
         if not out.is_empty:
             step = self.runner.execute(out)
             if step.requests:
@@ -306,8 +313,17 @@ class LLMEngine:
                     logprobs = {sampled_reqs[i].request_id: lp for i, lp in zip(rows, lps)}
             for req, first, rows_logits in step.prompt:
                 self._record_prompt_logprobs(req, first, rows_logits)
+            for req, rows_logits in step.drafts:
+                drafts = out.spec_tokens[req.request_id]
+                toks = accepted[req.request_id] = self.sampler.verify(rows_logits, drafts, req.sampling,
+                                                                      len(req.output_token_ids))
+                lps = None if req.sampling.logprobs is None else self.sampler.logprobs(
+                    rows_logits, list(range(len(toks))), toks, [req.sampling.logprobs] * len(toks))
+                drafted.append((req, len(req.output_token_ids), lps))
+                result.num_draft_tokens += len(drafts)
+                result.num_accepted_tokens += len(toks) - 1
         sampled = {r.request_id: t for r, t in zip(sampled_reqs, tokens)}
-        finished = {r.request_id for r in self.scheduler.update(out, sampled)}
+        finished = {r.request_id for r in self.scheduler.update(out, sampled, accepted)}
         for req in out.finished:
             finished.add(req.request_id)
             result.outputs.append(self._output(req, [], True, self._flush(req.request_id)))
@@ -327,15 +343,63 @@ class LLMEngine:
                 text += self._flush(rid)
             lp = logprobs.get(rid)
             result.outputs.append(self._output(req, [token], rid in finished, text, None if lp is None else [lp]))
+        for req, base, lps in drafted:
+            self._emit_drafted(req, base, lps, finished, result)
         for rid in finished:
             self._forget(rid)
+        if self.proposer is not None:
+            self._propose(sampled_reqs, drafted, finished)
         result.duration_s = time.perf_counter() - t0
+        if out.spec_tokens:
+            return result       # drafts' rows make it no sample of the step-time models below
         if out.prefills:
             self.scheduler.packer.observe(out.prefills, result.duration_s)
         if out.decodes and not out.prefills:
             self.scheduler.decode_selector.observe(len(out.decodes), max(r.num_computed_tokens for r in out.decodes),
                                                    result.duration_s)
         return result
+
+    def _emit_drafted(self, req: Request, base: int, lps: list[TokenLogprob] | None, finished: set[str],
+                      result: StepResult) -> None:
+        """The output of a decode that ran drafts: the tokens `update` appended from position
+        `base` (it stops at one that ends the request), cut after the first that completes a
+        stop string, as one token at a time would have been."""
+        rid = req.request_id
+        toks = req.output_token_ids[base:]
+        text = ""
+        stream = self._texts.get(rid)
+        if stream is not None:
+            for j, token in enumerate(toks):
+                last = j == len(toks) - 1
+                if last and rid in finished and req.status is RequestStatus.FINISHED_STOPPED \
+                        and not req.sampling.include_stop_str_in_output:
+                    break           # the EOS / stop token id adds no text (see step)
+                piece, hit = stream.add(token)
+                text += piece
+                if hit:
+                    if rid not in finished:
+                        self.scheduler.finish(rid, RequestStatus.FINISHED_STOPPED)
+                        finished.add(rid)
+                    elif not last:
+                        req.status = RequestStatus.FINISHED_STOPPED     # it came before the end
+                    del req.output_token_ids[base + j + 1:]
+                    toks = toks[:j + 1]
+                    break
+        if rid in finished:
+            text += self._flush(rid)
+        result.outputs.append(self._output(req, toks, rid in finished, text,
+                                           None if lps is None else lps[:len(toks)]))
+
+    def _propose(self, sampled: list[Request], drafted: list[tuple], finished: set[str]) -> None:
+        """Drafts for the next step of every request still decoding that got tokens now."""
+        decoding, max_len = self.scheduler.decoding, self.max_model_len
+        for req in [*sampled, *(d[0] for d in drafted)]:
+            rid = req.request_id
+            if rid in finished or rid not in decoding or not drafts_allowed(req.sampling):
+                continue
+            # Room for the drafts and the token after them, within max_tokens and the context.
+            room = min(req.sampling.max_tokens - len(req.output_token_ids), max_len - req.num_tokens) - 1
+            req.spec_token_ids = self.proposer.propose(req.all_token_ids, room) if room > 0 else []
 
     def _forget(self, rid: str) -> None:
         if self._guided is not None:

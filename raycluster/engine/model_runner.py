@@ -25,6 +25,8 @@ class StepLogits:
     # Requests asking for prompt log-probabilities: (request, first position, fp32 logits
     # [positions, vocab]), row i predicting prompt token first position + i + 1.
     prompt: list[tuple[Request, int, torch.Tensor]] = field(default_factory=list)
+    # Decodes that ran drafts: (request, fp32 logits [1 + drafts, vocab]) (`Sampler.verify`).
+    drafts: list[tuple[Request, torch.Tensor]] = field(default_factory=list)
 
 
 class ModelRunner:
@@ -76,15 +78,16 @@ def plan_logits(runner, plan) -> torch.Tensor:
 def execute_step(runner, out: SchedulerOutput) -> StepLogits:
     """What every runner's `execute` does: plan the step, run it, and turn the sampled rows into
     fp32 logits (`plan_logits`: the leader's output head, or the group's vocab-parallel lanes)."""
-    plan, reqs, prompt = step_plan(out, runner.kv.block_tables)
+    plan, reqs, prompt, drafts = step_plan(out, runner.kv.block_tables)
     if not plan.sample_rows:
         hidden = runner.run_plan(plan)
         return StepLogits(logits=hidden.new_empty((0, 0)).float(), requests=reqs)
     logits = plan_logits(runner, plan).float()
-    if not prompt:
+    if not prompt and not drafts:
         return StepLogits(logits=logits, requests=reqs)
-    # Prompt rows (at most a step's prefill tokens of them) are split off the sampled ones.
+    # Prompt and draft rows (at most a step's tokens of them) are split off the sampled ones.
     sampled = [i for i, r in enumerate(reqs) if r is not None]
     return StepLogits(logits=logits[sampled], requests=[reqs[i] for i in sampled],
                       prompt=[(p.request, p.first_position, logits[p.first_row:p.first_row + p.count])
-                              for p in prompt])
+                              for p in prompt],
+                      drafts=[(d.request, logits[d.first_row:d.first_row + d.count]) for d in drafts])

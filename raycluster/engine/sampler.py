@@ -45,11 +45,7 @@ class Sampler:
         out = logits.argmax(dim=-1).tolist()
         for i, sp in enumerate(params):
             if sp.temperature > 0:
-                if sp.seed is None:
-                    gen = self._default
-                else:
-                    gen = self._seeded.manual_seed(token_seed(sp.seed, num_generated[i]))
-                out[i] = self._sample_row(logits[i], sp, gen)
+                out[i] = self._sample_row(logits[i], sp, self._generator(sp, num_generated[i]))
         return out
 
     @staticmethod
@@ -103,8 +99,50 @@ class Sampler:
         return [TokenLogprob(c, list(zip(ids[i][:n], vals[i][:n])), r)
                 for i, (c, n, r) in enumerate(zip(chosen, tops, ranks))]
 
+    def verify(self, logits: torch.Tensor, drafts: list[int], sp: SamplingParams, num_generated: int) -> list[int]:
+        """Speculative decoding's check of `drafts` against `logits` [k + 1, vocab] (row j
+        follows the context and drafts[:j]). Returns the accepted drafts and one more token:
+        the correction at the first rejected draft, or the bonus after the last.
+        Greedy: a draft is accepted while it is the argmax, so the tokens are what one step at a
+        time would give. Sampled: draft d at row j is accepted with probability p_j(d) (p after
+        temperature, min-p, top-k, top-p); a rejection draws from p_j without d, renormalised.
+        For a draft that is one fixed token this is the standard rejection rule, so each token
+        keeps the distribution plain sampling gives it. A seeded request's row j draws from
+        (seed, num_generated + j), the stream of the output position it decides."""
+        if sp.temperature == 0:
+            target = logits.argmax(dim=-1).tolist()
+            out = []
+            for j, d in enumerate(drafts):
+                out.append(target[j])
+                if target[j] != d:
+                    return out
+            out.append(target[len(drafts)])
+            return out
+        out = []
+        for j, d in enumerate(drafts):
+            gen = self._generator(sp, num_generated + j)
+            probs = self._probs(logits[j], sp)
+            probs /= probs.sum()          # top-p leaves the kept mass unnormalised
+            if torch.rand(1, generator=gen).item() < probs[d].item():
+                out.append(d)
+                continue
+            probs[d] = 0.0
+            out.append(int(torch.multinomial(probs, 1, generator=gen).item()))
+            return out
+        gen = self._generator(sp, num_generated + len(drafts))
+        out.append(int(torch.multinomial(self._probs(logits[len(drafts)], sp), 1, generator=gen).item()))
+        return out
+
+    def _generator(self, sp: SamplingParams, k: int) -> torch.Generator:
+        return self._default if sp.seed is None else self._seeded.manual_seed(token_seed(sp.seed, k))
+
+    @classmethod
+    def _sample_row(cls, row: torch.Tensor, sp: SamplingParams, gen: torch.Generator) -> int:
+        return int(torch.multinomial(cls._probs(row, sp), 1, generator=gen).item())
+
     @staticmethod
-    def _sample_row(row: torch.Tensor, sp: SamplingParams, gen: torch.Generator) -> int:
+    def _probs(row: torch.Tensor, sp: SamplingParams) -> torch.Tensor:
+        """The distribution a random row draws from: temperature, min-p, top-k, top-p."""
         row = row.float() / sp.temperature
         if sp.min_p > 0.0:
             # p_i < min_p * p_max  <=>  logit_i < max logit + log(min_p): no softmax needed.
@@ -119,4 +157,4 @@ class Sampler:
             drop = torch.cumsum(sorted_p, dim=-1) - sorted_p >= sp.top_p
             sorted_p = sorted_p.masked_fill(drop, 0.0)
             probs = torch.zeros_like(probs).scatter_(0, idx, sorted_p)
-        return int(torch.multinomial(probs, 1, generator=gen).item())
+        return probs

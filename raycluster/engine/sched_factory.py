@@ -54,7 +54,8 @@ def build_scheduling(config: EngineConfig, clock: Clock, max_model_len: int,
         selector = KairosDecodeSelector(StepTimeLUT.from_predictor(predictor, config.max_num_seqs, max_model_len), slo)
     else:
         selector = AllDecodes()
-    return SchedulingParts(SchedulerConfig(config.max_num_batched_tokens, config.max_num_seqs, max_model_len),
+    spec = config.num_speculative_tokens if config.speculative_method != "none" else 0
+    return SchedulingParts(SchedulerConfig(config.max_num_batched_tokens, config.max_num_seqs, max_model_len, spec),
                            policy, packer, selector)
 
 

@@ -27,14 +27,20 @@ class SchedulerOutput:
     decodes: list[Request] = field(default_factory=list)
     preempted: list[str] = field(default_factory=list)
     finished: list[Request] = field(default_factory=list)   # ended while scheduling (KV exhausted)
+    # Speculative decoding: decodes that also run draft tokens this step (request id -> drafts).
+    spec_tokens: dict[str, list[int]] = field(default_factory=dict)
 
     @property
     def num_prefill_tokens(self) -> int:
         return sum(n for _, n in self.prefills)
 
     @property
+    def num_draft_tokens(self) -> int:
+        return sum(map(len, self.spec_tokens.values()))
+
+    @property
     def num_tokens(self) -> int:
-        return self.num_prefill_tokens + len(self.decodes)
+        return self.num_prefill_tokens + len(self.decodes) + self.num_draft_tokens
 
     @property
     def is_empty(self) -> bool:
@@ -46,6 +52,7 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 128
     max_model_len: int = 32768
+    num_spec_tokens: int = 0        # speculative decoding: draft tokens a decode may run per step
 
 
 class _StepAllocator:
@@ -223,14 +230,39 @@ class Scheduler:
                 decodes.append(req)
             elif self._allocate_decode(req, selected, alloc, out):
                 decodes.append(req)
-        limits = PackLimits(self.config.max_num_batched_tokens, self.config.max_num_seqs)
+        budget = self.config.max_num_batched_tokens
+        if self.config.num_spec_tokens and decodes:
+            budget -= self._schedule_drafts(out, budget - len(decodes))
+        limits = PackLimits(budget, self.config.max_num_seqs)
         queue = _PrefixMatchingQueue(self) if self.kv.prefix_caching else self.policy
         out.prefills = self.packer.plan(out.decodes, queue, limits, alloc)
         return out
 
-    def update(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
+    def _schedule_drafts(self, out: SchedulerOutput, budget: int) -> int:
+        """Let decodes with drafts run them this step, in decode order, while the token budget
+        lasts and their KV can grow without evicting anyone (a draft is never worth a
+        preemption). Returns the draft tokens scheduled."""
+        used = 0
+        k_max = self.config.num_spec_tokens
+        for req in out.decodes:
+            drafts = req.spec_token_ids
+            if not drafts:
+                continue
+            k = min(len(drafts), k_max, budget - used)
+            if k <= 0:
+                break
+            if self.kv.try_allocate(req, 1 + k):
+                out.spec_tokens[req.request_id] = drafts[:k]
+                used += k
+        return used
+
+    def update(self, out: SchedulerOutput, sampled: dict[str, int],
+               accepted: dict[str, list[int]] | None = None) -> list[Request]:
         """Advance requests by the step `out` that ran; `sampled` maps request id -> new token for
-        every request whose known tokens are now all computed. Returns finished requests."""
+        every request whose known tokens are now all computed; `accepted`, for the decodes that
+        ran drafts (`out.spec_tokens`), the drafts kept plus the token after them
+        (`Sampler.verify`): appended one by one until one ends the request. Returns finished
+        requests."""
         now = self.clock.now()
         if self.kv.prefix_caching:
             self._cache_blocks(out)
@@ -239,10 +271,15 @@ class Scheduler:
         # once per decoding request per step.
         on_progress, max_len = self.policy.on_progress, self.config.max_model_len
         running, waiting = RequestStatus.RUNNING, RequestStatus.WAITING
+        spec = out.spec_tokens
         for req in out.decodes:
             st = req.status
             if st is not running and st is not waiting:
                 continue        # finished (aborted while the step ran)
+            if spec and req.request_id in spec:
+                if self._advance_spec(req, accepted[req.request_id], now):
+                    finished.append(req)
+                continue
             req.num_computed_tokens += 1
             on_progress(req, 1)
             token = sampled[req.request_id]
@@ -286,8 +323,22 @@ class Scheduler:
             if not req.status.finished:
                 kv.cache_full_blocks(req, req.num_computed_tokens + n)
         for req in out.decodes:
-            if not req.status.finished and (req.num_computed_tokens + 1) % bs == 0:
+            if not req.status.finished and (req.num_computed_tokens + 1) % bs == 0 \
+                    and req.request_id not in out.spec_tokens:        # those: _advance_spec
                 kv.cache_full_blocks(req, req.num_computed_tokens + 1)
+
+    def _advance_spec(self, req: Request, tokens: list[int], now: float) -> bool:
+        """A decode that ran drafts: each token appended makes the KV of the one before it valid
+        (the last sampled token, then each accepted draft). Returns whether it finished."""
+        bs = self.kv.block_size
+        for token in tokens:
+            req.num_computed_tokens += 1
+            self.policy.on_progress(req, 1)
+            if self.kv.prefix_caching and req.num_computed_tokens % bs == 0:
+                self.kv.cache_full_blocks(req, req.num_computed_tokens)
+            if self._append(req, token, now):
+                return True
+        return False
 
     def _advance_prefills(self, prefills: list[tuple[Request, int]], sampled: dict[str, int],
                           now: float) -> list[Request]:

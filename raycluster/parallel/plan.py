@@ -7,7 +7,10 @@ attention metadata. Token layout (kernels.metadata): prefill chunks first, reque
 then one token per decode. A row is sampled for a request when the step computes its last known
 token. A request asking for prompt log-probabilities also gets the rows of its chunk's prompt
 positions (each predicts the next prompt token); those come before its sampled row, so
-`sample_rows` stays increasing.
+`sample_rows` stays increasing. A decode running draft tokens (speculative decoding) takes one
+decode row per token, its last one and then each draft at the next position, all on its block
+table and all sampled (`DraftRows`): each row attends to the KV up to its own position, which
+the step writes before attending, so the rows are causal and batch with every other decode.
 """
 
 from __future__ import annotations
@@ -47,10 +50,19 @@ class PromptRows:
     count: int
 
 
+@dataclass
+class DraftRows:
+    """The `count` output rows from `first_row` of a decode that runs drafts: row j follows its
+    context and its first j drafts."""
+    request: Request
+    first_row: int
+    count: int
+
+
 def step_plan(out: SchedulerOutput, tables: dict[str, list[int]]
-              ) -> tuple[StepPlan, list[Request | None], list[PromptRows]]:
-    """The plan, the request sampled at each output row (None: a prompt row) and the prompt
-    rows by request."""
+              ) -> tuple[StepPlan, list[Request | None], list[PromptRows], list[DraftRows]]:
+    """The plan, the request sampled at each output row (None: a prompt or draft row), the
+    prompt rows and the draft rows by request."""
     ids: list[int] = []
     starts, lens, p_tables, rows, reqs, prompt = [], [], [], [], [], []
     for req, n in out.prefills:
@@ -69,14 +81,26 @@ def step_plan(out: SchedulerOutput, tables: dict[str, list[int]]
         if start + n == len(known):
             rows.append(len(ids) - 1)
             reqs.append(req)
+    spec, drafts = out.spec_tokens, []
     d_pos, d_tables = [], []
     for req in out.decodes:
+        if spec and req.request_id in spec:
+            table, pos = tables[req.request_id], req.num_computed_tokens
+            run = [req.output_token_ids[-1], *spec[req.request_id]]
+            drafts.append(DraftRows(req, len(rows), len(run)))
+            for j, token in enumerate(run):
+                ids.append(token)
+                d_pos.append(pos + j)
+                d_tables.append(table)
+                rows.append(len(ids) - 1)
+                reqs.append(None)
+            continue
         ids.append(req.output_token_ids[-1])
         d_pos.append(req.num_computed_tokens)
         d_tables.append(tables[req.request_id])
         rows.append(len(ids) - 1)
         reqs.append(req)
-    return StepPlan(ids, starts, lens, p_tables, d_pos, d_tables, rows), reqs, prompt
+    return StepPlan(ids, starts, lens, p_tables, d_pos, d_tables, rows), reqs, prompt, drafts
 
 
 def _slots(table: list[int], start: int, end: int, bs: int) -> torch.Tensor:

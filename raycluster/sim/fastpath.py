@@ -201,10 +201,11 @@ class FastScheduler(Scheduler):
         out.prefills = self.packer.plan(out.decodes, self.policy, self.limits, _StepAllocator(self))
         return out
 
-    def update(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
+    def update(self, out: SchedulerOutput, sampled: dict[str, int],
+               accepted: dict[str, list[int]] | None = None) -> list[Request]:
         self.group_done = []
         if not self.active:      # an exact step (schedule dissolved the group, or it never formed)
-            return super().update(out, sampled)
+            return super().update(out, sampled, accepted)
         # Grouped: out.decodes is a GroupView, or [] when the group is empty.
         self.flight = False
         finished = self._advance_prefills(out.prefills, sampled, self.clock.now())

@@ -15,6 +15,7 @@ from raycluster.engine.config import EngineConfig
 from raycluster.engine.engine import InvalidRequestError, LLMEngine
 from raycluster.engine.kv_manager import KVCacheManager
 from raycluster.engine.model_runner import ModelRunner
+from raycluster.engine.scheduler import SchedulerOutput
 from raycluster.model.loader import load_model
 from raycluster.parallel.factory import build_runner
 from raycluster.parallel.kvp import StripedAllocator, local_share
@@ -66,30 +67,31 @@ def test_local_share_counts_each_ranks_tokens():
     assert a.alias_table(5, 3) == [3, 7, 0, 4, 1]       # logical block i on rank i % 2, like allocate
 
 
-def _scripted_steps(kv: KVCacheManager, block_size: int) -> list:
+def _scripted_steps(kv: KVCacheManager, block_size: int, drafts: bool = False) -> list:
     """Step plans of two requests: a 300-token prompt in chunks of 100 (chunk starts mid-block),
-    a 40-token one joining in the second step, then decodes of both."""
+    a 40-token one joining in the second step, then decodes of both; with `drafts`, two more
+    decode steps run draft tokens (speculative decoding: several decode rows of one request,
+    across a block edge)."""
     rng = random.Random(1)
     a = Request("a", [rng.randrange(6, 4000) for _ in range(300)], SamplingParams())
     b = Request("b", [rng.randrange(6, 4000) for _ in range(40)], SamplingParams())
-
-    class Out:
-        def __init__(self, prefills, decodes):
-            self.prefills, self.decodes = prefills, decodes
-
-    steps = [([(a, 100)], []), ([(a, 100), (b, 40)], []), ([(a, 100)], [b])] + [([], [a, b])] * 5
+    steps = [([(a, 100)], [], {}), ([(a, 100), (b, 40)], [], {}), ([(a, 100)], [b], {})] \
+        + [([], [a, b], {})] * 5 + [([], [a, b], {"b": [11, 12, 13]}), ([], [a, b], {"a": [14] * 8, "b": [15]})][:2 * drafts]
     plans = []
-    for prefills, decodes in steps:
+    for prefills, decodes, spec in steps:
         for r, n in prefills:
             assert kv.try_allocate(r, n)
         for r in decodes:
-            assert kv.try_allocate(r, 1)
-        plans.append(step_plan(Out(prefills, decodes), kv.block_tables)[0])
+            assert kv.try_allocate(r, 1 + len(spec.get(r.request_id, ())))
+        plans.append(step_plan(SchedulerOutput(prefills, decodes, spec_tokens=spec), kv.block_tables)[0])
         for r, n in prefills:
             r.num_computed_tokens += n
             if r.num_computed_tokens == r.num_prompt_tokens:
                 r.output_token_ids.append(rng.randrange(6, 4000))
         for r in decodes:
+            for t in spec.get(r.request_id, []):      # every draft accepted
+                r.num_computed_tokens += 1
+                r.output_token_ids.append(t)
             r.num_computed_tokens += 1
             r.output_token_ids.append(rng.randrange(6, 4000))
     return plans
@@ -101,7 +103,7 @@ def test_kvp_group_matches_the_single_runner_step_by_step(model, world):
     cfg = EngineConfig(**BASE, kv_cache_tokens=per_rank * bs, kvp=world, group_timeout_s=30)
     kvp = build_runner(cfg, model, torch.float32)
     try:
-        plans = _scripted_steps(kvp.kv, bs)
+        plans = _scripted_steps(kvp.kv, bs, drafts=True)
         single = ModelRunner(model, KVCacheManager(per_rank * world, bs))   # same global block ids
         used = {b // per_rank for p in plans for t in p.prefill_tables + p.decode_tables for b in t}
         assert used == set(range(world))

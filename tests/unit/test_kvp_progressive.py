@@ -221,11 +221,11 @@ def test_the_config_defaults_to_striped_and_names_the_field_it_refuses():
 
 
 # ---- groups against the single runner, step by step -------------------------------------------------
-def _steps_match_single(model, runner, per_rank: int, world: int) -> dict[str, list[int]]:
+def _steps_match_single(model, runner, per_rank: int, world: int, drafts: bool = False) -> dict[str, list[int]]:
     """test_kvp's scripted steps (a 300-token prompt in chunks of 100, a 40-token one joining in
     the second step, then decodes of both) laid out by the group's allocator, against a single
     runner with the same block ids: the logits agree step by step. Returns the block tables."""
-    plans = _scripted_steps(runner.kv, BS)
+    plans = _scripted_steps(runner.kv, BS, drafts)
     single = ModelRunner(model, KVCacheManager(per_rank * world, BS))
     for plan in plans:
         want, got = plan_logits(single, plan), plan_logits(runner, plan)
@@ -267,6 +267,17 @@ def test_a_decode_that_onboards_a_new_rank_beside_a_short_request_matches_the_si
         a = runner.kv.allocator
         assert _ranks(a, tables["a"]) == [0] * 19 + [1]
         assert _ranks(a, tables["b"]) == [1, 1, 1]
+    finally:
+        _close(runner)
+
+
+def test_draft_rows_of_a_decode_crossing_ranges_match_the_single_runner(model):
+    """Speculative decoding's rows (a decode's last token and its drafts, one decode row each)
+    where the drafts run past the end of one rank's range into the next."""
+    runner = _group(model, kvp=2, kv_cache_tokens=24 * BS, kvp_tokens_per_rank=2 * BS)
+    try:
+        tables = _steps_match_single(model, runner, 24, 2, drafts=True)
+        assert set(_ranks(runner.kv.allocator, tables["a"])) == {0, 1}
     finally:
         _close(runner)
 
