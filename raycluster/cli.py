@@ -105,7 +105,7 @@ def detach_command(args: argparse.Namespace) -> list[str]:
     subcommand with every option given, but --detach."""
     cmd = [sys.executable, "-m", "raycluster.cli", args.cmd, "--host", args.host, "--port", str(args.port)]
     for flag in ("model", "policy", "app", "address", "threads", "tool_call_parser", "log_stats_interval",
-                 "generation_config", "reasoning_parser", "chat_template"):
+                 "generation_config", "reasoning_parser", "chat_template", "speculative_config"):
         if getattr(args, flag, None) is not None:
             cmd += ["--" + flag.replace("_", "-"), str(getattr(args, flag))]
     if getattr(args, "served_model_name", None):

@@ -58,6 +58,9 @@ def format_status(status: dict) -> str:
             per_pull = f", {inst.get('kv_pull_s', 0.0) / ok * 1e3:.1f} ms per pull" if ok else ""
             lines.append(f"  kv pulls: {ok} ok ({inst.get('kv_pull_blocks', 0)} blocks{per_pull}), "
                          f"{failed} failed and recomputed")
+        drafts = inst.get("spec_draft_tokens", 0)
+        if drafts:                  # speculative decoding: how many drafts the model agreed with
+            lines.append(f"  draft tokens: {drafts}, {inst.get('spec_accepted_tokens', 0) / drafts:.1%} accepted")
         nodes = inst.get("nodes") or []
         if len(set(nodes)) > 1:     # a group spanning nodes: where each rank runs (Ray node ids)
             lines.append("  ranks on nodes: " + ", ".join(f"{r}:{n[:8]}" for r, n in enumerate(nodes)))

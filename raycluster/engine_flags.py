@@ -7,12 +7,15 @@ typed (strings, or None for "none" on an optional field) for EngineConfig to val
 coerce; `check_overrides` raises ValueError naming the flag when one is invalid. `raycluster
 engine-server` builds its engine from them; `raycluster up` / `apply` apply them to every pool's
 engine options (a pool's own `engine` options in the app file still win, as for
---enable-prefix-caching).
+--enable-prefix-caching). vLLM's `--speculative-config JSON` is taken too: its `method`,
+`num_speculative_tokens`, `prompt_lookup_max` and `prompt_lookup_min` become the fields of the
+same names (`method` is `speculative_method`).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import typing
 
 from pydantic import ValidationError
@@ -20,6 +23,9 @@ from pydantic import ValidationError
 from raycluster.engine.config import EngineConfig
 
 _PREFIX = "engine_"       # where the values land on the argparse namespace: no clash with other flags
+# vLLM's --speculative-config keys -> EngineConfig fields (draft models and EAGLE are not served).
+_SPEC_KEYS = {"method": "speculative_method", "num_speculative_tokens": "num_speculative_tokens",
+              "prompt_lookup_max": "prompt_lookup_max", "prompt_lookup_min": "prompt_lookup_min"}
 
 
 def _literal_choices(annotation) -> list[str] | None:
@@ -42,6 +48,10 @@ def add_engine_flags(parser: argparse.ArgumentParser, skip: tuple[str, ...] = ()
             continue
         group.add_argument(flag, dest=_PREFIX + name, default=None, metavar=name.upper(),
                            choices=_literal_choices(field.annotation), help=help_text)
+    if "speculative_method" not in skip:
+        group.add_argument("--speculative-config", dest="speculative_config", default=None, metavar="JSON",
+                           help="vLLM's: e.g. '{\"method\": \"ngram\", \"num_speculative_tokens\": 5, "
+                                "\"prompt_lookup_max\": 4}' (the same as the flags of those names)")
 
 
 def engine_overrides(args: argparse.Namespace) -> dict:
@@ -52,7 +62,31 @@ def engine_overrides(args: argparse.Namespace) -> dict:
             name = key[len(_PREFIX):]
             optional = type(None) in typing.get_args(EngineConfig.model_fields[name].annotation)
             out[name] = None if optional and value == "none" else value
+    spec = getattr(args, "speculative_config", None)
+    if spec is not None:
+        for name, value in speculative_config(spec).items():
+            if name in out and str(out[name]) != str(value):
+                raise ValueError(f"--speculative-config: {name} is also given as --{name.replace('_', '-')}")
+            out[name] = value
     return out
+
+
+def speculative_config(text: str) -> dict:
+    """vLLM's --speculative-config JSON as EngineConfig fields; ValueError naming what is wrong."""
+    try:
+        spec = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"--speculative-config: not JSON ({e})") from None
+    if not isinstance(spec, dict):
+        raise ValueError("--speculative-config: must be a JSON object")
+    unknown = sorted(set(spec) - set(_SPEC_KEYS))
+    if unknown:
+        raise ValueError(f"--speculative-config: {', '.join(unknown)} not supported (n-gram prompt lookup "
+                         f"only: {', '.join(_SPEC_KEYS)})")
+    if spec.get("method") != "ngram":
+        raise ValueError(f"--speculative-config: method {spec.get('method')!r} not supported (\"ngram\" only: "
+                         "no draft model, EAGLE or MTP)")
+    return {_SPEC_KEYS[k]: v for k, v in spec.items()}
 
 
 def check_overrides(overrides: dict) -> dict:

@@ -173,6 +173,13 @@ class ClusterClient:
             for inst in decode_side:
                 lines.append(f'raycluster_instance_{name}{{instance="{inst.get("id")}",'
                              f'pool="{inst.get("role")}"}} {inst.get(key, 0)}')
+        # Speculative decoding (vLLM's spec_decode_num_draft_tokens / num_accepted_tokens).
+        drafting = [i for i in s.get("instances", []) if i.get("spec_draft_tokens")]
+        for name, key in (("draft", "spec_draft_tokens"), ("accepted", "spec_accepted_tokens")):
+            lines.append(f"# TYPE raycluster_instance_spec_decode_{name}_tokens_total counter")
+            for inst in drafting:
+                lines.append(f'raycluster_instance_spec_decode_{name}_tokens_total{{instance="{inst.get("id")}",'
+                             f'pool="{inst.get("role")}"}} {inst.get(key, 0)}')
         return "\n".join(lines) + "\n"
 
     async def generate(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams, *,

@@ -118,6 +118,7 @@ class LLMEngine:
         self.scheduler = build_scheduler(config, self.kv, self.clock, self.max_model_len, self.predictor)
         self._retired = RetiredScheduling()       # pieces of pools it left (reconfigure_scheduling)
         self.sampler = Sampler(config.seed)
+        self.num_draft_tokens = self.num_accepted_tokens = 0     # speculative decoding, so far
         self.proposer = NgramProposer(config.num_speculative_tokens, config.prompt_lookup_max,
                                       config.prompt_lookup_min) if config.speculative_method == "ngram" else None
         self._texts: dict[str, TextStream] = {}
@@ -349,6 +350,8 @@ class LLMEngine:
             self._forget(rid)
         if self.proposer is not None:
             self._propose(sampled_reqs, drafted, finished)
+            self.num_draft_tokens += result.num_draft_tokens
+            self.num_accepted_tokens += result.num_accepted_tokens
         result.duration_s = time.perf_counter() - t0
         if out.spec_tokens:
             return result       # drafts' rows make it no sample of the step-time models below

@@ -102,35 +102,24 @@ class Sampler:
     def verify(self, logits: torch.Tensor, drafts: list[int], sp: SamplingParams, num_generated: int) -> list[int]:
         """Speculative decoding's check of `drafts` against `logits` [k + 1, vocab] (row j
         follows the context and drafts[:j]). Returns the accepted drafts and one more token:
-        the correction at the first rejected draft, or the bonus after the last.
-        Greedy: a draft is accepted while it is the argmax, so the tokens are what one step at a
-        time would give. Sampled: draft d at row j is accepted with probability p_j(d) (p after
-        temperature, min-p, top-k, top-p); a rejection draws from p_j without d, renormalised.
-        For a draft that is one fixed token this is the standard rejection rule, so each token
-        keeps the distribution plain sampling gives it. A seeded request's row j draws from
-        (seed, num_generated + j), the stream of the output position it decides."""
+        the model's own at the first draft it disagrees with, or the bonus after the last.
+        Row j's token is drawn exactly as plain decoding draws output token num_generated + j
+        (greedy: the argmax; sampled: from the same distribution and, for a seeded request, the
+        same generator stream), and a draft is kept while it equals that token. For drafts that
+        are single tokens, not distributions, this is the rejection rule of speculative sampling
+        (a draft d is kept with probability p(d); otherwise the token is drawn from p without d),
+        and it gives a seeded request the very tokens it gets without drafts."""
         if sp.temperature == 0:
             target = logits.argmax(dim=-1).tolist()
-            out = []
             for j, d in enumerate(drafts):
-                out.append(target[j])
                 if target[j] != d:
-                    return out
-            out.append(target[len(drafts)])
-            return out
+                    return target[:j + 1]
+            return target
         out = []
-        for j, d in enumerate(drafts):
-            gen = self._generator(sp, num_generated + j)
-            probs = self._probs(logits[j], sp)
-            probs /= probs.sum()          # top-p leaves the kept mass unnormalised
-            if torch.rand(1, generator=gen).item() < probs[d].item():
-                out.append(d)
-                continue
-            probs[d] = 0.0
-            out.append(int(torch.multinomial(probs, 1, generator=gen).item()))
-            return out
-        gen = self._generator(sp, num_generated + len(drafts))
-        out.append(int(torch.multinomial(self._probs(logits[len(drafts)], sp), 1, generator=gen).item()))
+        for j in range(len(drafts) + 1):
+            out.append(self._sample_row(logits[j], sp, self._generator(sp, num_generated + j)))
+            if j == len(drafts) or out[j] != drafts[j]:
+                return out
         return out
 
     def _generator(self, sp: SamplingParams, k: int) -> torch.Generator:

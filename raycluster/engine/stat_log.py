@@ -4,7 +4,8 @@
 step and `observe(engine, None)` while it idles. Once `interval_s` has passed since the window
 began it emits (through the `emit` callable it was given: a logger's `info`, print) one line for
 the window: prompt and generation throughput, steps and their mean time, preemptions, requests
-running and waiting, KV cache usage and, with prefix caching, the window's prefix hit rate. A
+running and waiting, KV cache usage and, with prefix caching, the window's prefix hit rate; with
+speculative decoding, the window's draft acceptance rate (accepted / drafted tokens). A
 window with no tokens and no requests held emits nothing, so an idle instance stays quiet. Reads
 the engine's scheduler and KV manager; holds only its window's counters.
 """
@@ -26,6 +27,7 @@ class StatLogger:
         self._start = clock()
         self._prompt = self._generated = self._steps = self._preempted = 0
         self._busy_s = 0.0
+        self._drafts = self._accepted = 0
         self._prefix_mark: tuple[int, int] | None = None
 
     def observe(self, engine: LLMEngine, result: StepResult | None) -> str | None:
@@ -36,6 +38,8 @@ class StatLogger:
             self._preempted += result.num_preempted
             self._steps += 1
             self._busy_s += result.duration_s
+            self._drafts += result.num_draft_tokens
+            self._accepted += result.num_accepted_tokens
         now = self.clock()
         span = now - self._start
         if span < self.interval_s:
@@ -44,6 +48,7 @@ class StatLogger:
         self._start = now
         self._prompt = self._generated = self._steps = self._preempted = 0
         self._busy_s = 0.0
+        self._drafts = self._accepted = 0
         if line is not None:
             self.emit(line)
         return line
@@ -59,7 +64,11 @@ class StatLogger:
         text = (f"{self.name}: prompt {self._prompt / span:.1f} tok/s, generation {self._generated / span:.1f} tok/s, "
                 f"{self._steps} steps (mean {mean_ms:.1f} ms), running {running}, waiting {waiting}, "
                 f"preempted {self._preempted}, KV cache {100 * used:.1f}%")
-        return text if hit is None else f"{text}, prefix cache hit {100 * hit:.1f}%"
+        if hit is not None:
+            text += f", prefix cache hit {100 * hit:.1f}%"
+        if self._drafts:
+            text += f", draft acceptance {100 * self._accepted / self._drafts:.1f}% of {self._drafts}"
+        return text
 
     def _prefix_window(self, kv) -> float | None:
         """Hit rate over the tokens looked up in this window (None without prefix caching or lookups)."""

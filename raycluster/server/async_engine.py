@@ -65,7 +65,15 @@ class AsyncEngine:
         """One engine queues without bound: the HTTP layer never rejects for load here."""
 
     def prometheus_text(self) -> str:
-        return ""
+        """Speculative decoding's counters, when the engine drafts (vLLM's
+        spec_decode_num_draft_tokens / num_accepted_tokens)."""
+        eng = self.engine
+        if eng.proposer is None:
+            return ""
+        return (f"# TYPE raycluster_spec_decode_draft_tokens_total counter\n"
+                f"raycluster_spec_decode_draft_tokens_total {eng.num_draft_tokens}\n"
+                f"# TYPE raycluster_spec_decode_accepted_tokens_total counter\n"
+                f"raycluster_spec_decode_accepted_tokens_total {eng.num_accepted_tokens}\n")
 
     def next_id(self, prefix: str = "req") -> str:
         return f"{prefix}-{next(self._ids)}"

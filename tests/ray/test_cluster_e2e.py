@@ -26,7 +26,10 @@ BASE = {"model": "tiny", "policy": "lars", "threads_per_instance": 1, "max_local
 PD_POOLS = [{"role": "prefill-short", "instances": 1, "engine": {"packer": "awd"}},
             {"role": "prefill-long", "instances": 1},
             {"role": "decode", "instances": 1,
-             "engine": {"policy": "fcfs", "packer": "token", "decode_selector": "kairos"}}]
+             "engine": {"policy": "fcfs", "packer": "token", "decode_selector": "kairos",
+                        # Drafts on every P/D decode instance: each exact comparison also checks
+                        # that speculative decoding changes no token (greedy or seeded).
+                        "speculative_method": "ngram"}}]
 CACHING = {"engine": {**BASE["engine"], "enable_prefix_caching": True}}
 TOPOLOGIES = {
     # Prefix caching on here and in pd-object_store: every exact comparison also checks that
@@ -372,7 +375,11 @@ def test_openai_client_and_status(cluster):
     assert "raycluster_instance_prefill_backlog_tokens{" in metrics
     bad = httpx.post(url + "/v1/completions", json={"prompt": "x", "max_tokens": 0})
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "max_tokens"
-    layouts = {i["layout"] for i in httpx.get(url + "/v1/cluster/status", timeout=5).json()["instances"]}
+    instances = httpx.get(url + "/v1/cluster/status", timeout=5).json()["instances"]
+    if name.startswith("pd-"):      # their decode instances draft (speculative decoding)
+        drafted = sum(i["spec_draft_tokens"] for i in instances if i["role"] == "decode")
+        assert drafted > 0 and "raycluster_instance_spec_decode_draft_tokens_total" in metrics
+    layouts = {i["layout"] for i in instances}
     assert layouts == {"mixed-kvp": {"kvp2"}, "pd-groups": {"tp2", "spp2", "kvp2"}}.get(name, {"single"})
     tok = httpx.post(url + "/tokenize", json={"prompt": "hello river"}, timeout=10).json()
     assert tok["count"] == len(tok["tokens"]) > 0 and tok["max_model_len"] > tok["count"]

@@ -99,3 +99,26 @@ def test_a_bf16_checkpoint_is_served_in_bf16_by_default(tmp_path):
     assert len(eng.generate([[5, 6, 7]], SamplingParams(max_tokens=3, ignore_eos=True))[0]) == 3
     tiny = LLMEngine.from_config(EngineConfig(kv_cache_tokens=256, policy="fcfs", packer="token", predictor="none"))
     assert tiny.config.dtype == "float32" and tiny.runner.kv_cache.dtype == torch.float32
+
+
+def test_vllms_speculative_config_sets_the_speculative_fields(capsys):
+    args = build_parser().parse_args(["up", "--speculative-config",
+                                      '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 2}'])
+    over = engine_overrides(args)
+    assert over == {"speculative_method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 2}
+    cfg = EngineConfig(**check_overrides(over))
+    assert (cfg.speculative_method, cfg.num_speculative_tokens, cfg.prompt_lookup_max, cfg.prompt_lookup_min) == \
+        ("ngram", 3, 2, 1)
+    for spec, msg in (('{"method": "eagle"}', "method 'eagle' not supported"),
+                      ('{"method": "ngram", "model": "draft"}', "model not supported"),
+                      ('{"num_speculative_tokens": 2}', "method None not supported"),
+                      ("[1]", "must be a JSON object"), ("{", "not JSON"),
+                      ('{"method": "ngram", "num_speculative_tokens": 0}', "--num-speculative-tokens")):
+        assert main(["engine-server", "--speculative-config", spec]) == 2
+        assert msg in capsys.readouterr().err
+    assert main(["engine-server", "--speculative-config", '{"method": "ngram"}', "--speculative-method", "none"]) == 2
+    assert "speculative_method is also given as --speculative-method" in capsys.readouterr().err
+    detached = build_parser().parse_args(["up", "--detach", "--speculative-config", '{"method": "ngram"}'])
+    from raycluster.cli import detach_command
+    again = build_parser().parse_args(detach_command(detached)[3:])
+    assert engine_overrides(again) == {"speculative_method": "ngram"}

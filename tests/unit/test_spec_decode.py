@@ -80,29 +80,31 @@ def test_greedy_verify_keeps_drafts_while_they_are_the_argmax(targets, drafts, w
 
 
 def test_sampled_verify_keeps_the_target_distribution():
-    """Rejection sampling against a one-token draft: the first token's frequencies match p, for
-    a likely draft, an unlikely one and one outside the top-k (never accepted)."""
+    """The first token's frequencies match p, for a likely draft, an unlikely one and one
+    outside the top-k (never accepted), and a draft is kept as often as p gives it."""
     logits = torch.tensor([[2.0, 1.0, 0.5, 0.0, -1.0], [0.0] * 5])
     sp = SamplingParams(temperature=1.0, top_k=4)
     p = torch.softmax(torch.tensor([2.0, 1.0, 0.5, 0.0]), 0).tolist() + [0.0]
     n = 20000
     for draft in (0, 3, 4):
         sampler = Sampler(seed=draft)
-        counts = [0] * 5
+        counts, kept = [0] * 5, 0
         for _ in range(n):
-            counts[sampler.verify(logits, [draft], sp, 0)[0]] += 1
+            out = sampler.verify(logits, [draft], sp, 0)
+            counts[out[0]] += 1
+            kept += len(out) == 2
         for c, want in zip(counts, p):
             assert abs(c / n - want) < 0.015, (draft, counts, p)
-        assert counts[4] == 0
+        assert counts[4] == 0 and kept == counts[draft]
 
 
-def test_seeded_verify_draws_from_the_positions_stream():
+def test_seeded_verify_draws_each_position_as_plain_sampling_does():
     logits = torch.randn(4, 50, generator=torch.Generator().manual_seed(3))
     sp = SamplingParams(temperature=0.9, seed=11)
-    a = Sampler(seed=1).verify(logits, [5, 6, 7], sp, 4)
-    assert a == Sampler(seed=2).verify(logits, [5, 6, 7], sp, 4)     # the request's seed, not the sampler's
-    # A rejection at row 0 draws position 4's token: what plain sampling with (11, 4) could give.
-    assert 1 <= len(a) <= 4
+    plain = [Sampler(seed=7).sample(logits[j:j + 1], [sp], [4 + j])[0] for j in range(4)]
+    assert Sampler(seed=1).verify(logits, plain[:3], sp, 4) == plain            # all kept, then the bonus
+    wrong = [plain[0], (plain[1] + 1) % 50, plain[2]]
+    assert Sampler(seed=2).verify(logits, wrong, sp, 4) == plain[:2]           # the model's token at 1
 
 
 # ---- the engine with drafts -------------------------------------------------------------------
@@ -310,14 +312,16 @@ def test_penalized_requests_decode_without_drafts(loaded):
     assert got == want and stats["drafts"] == 0 and oracle.proposed == 0
 
 
-def test_sampled_requests_with_drafts_are_reproducible_for_a_seed(loaded):
+@pytest.mark.parametrize("temperature", [0.05, 1.0])
+def test_seeded_sampled_output_with_drafts_equals_plain_sampling(loaded, temperature):
+    """A seeded request's tokens are the ones it gets without drafts, whatever is drafted: the
+    oracle drafts the plain run's tokens, two right and then wrong ones."""
     prompts = _prompts(3, seed=8)
-    expected = _expected(loaded, prompts)
-    # A low temperature keeps the samples on the greedy path the oracle drafts from.
-    sps = [SamplingParams(max_tokens=30, temperature=0.05, top_p=0.95, seed=s) for s in (1, 2, 3)]
-    a, sa = _run(loaded, prompts, sps, OracleProposer(expected))
-    b, _ = _run(loaded, prompts, sps, OracleProposer(expected))
-    assert a == b and sa["accepted"] > 0
+    sps = [SamplingParams(max_tokens=30, temperature=temperature, top_p=0.95, seed=s) for s in (1, 2, 3)]
+    want, _ = _run(loaded, prompts, sps)
+    oracle = OracleProposer({tuple(p): w[0] for p, w in zip(prompts, want)}, wrong_at=2)
+    got, stats = _run(loaded, prompts, sps, oracle)
+    assert got == want and stats["accepted"] > 0 and stats["accepted"] < stats["drafts"]
 
 
 def test_ngram_drafts_on_outputs_that_cycle(loaded):

@@ -74,6 +74,30 @@ def test_prefix_hits_are_per_window(loaded):
     assert len(lines) == 2
 
 
+def test_draft_acceptance_is_per_window(loaded):
+    from test_spec_decode import OracleProposer
+
+    prompt, sp = [9, 400, 33, 1200, 78], SamplingParams(max_tokens=12, ignore_eos=True)
+    want = _engine(loaded).generate([prompt], sp)[0]
+    eng = _engine(loaded, speculative_method="ngram", num_speculative_tokens=3)
+    eng.proposer = OracleProposer({tuple(prompt): want}, k=3, wrong_at=2)     # 2 of every 3 drafts right
+    clock, lines = _Clock(), []
+    stats = StatLogger("e", 1.0, lines.append, clock=clock)
+    eng.add_request("a", prompt, sp)
+    while eng.has_unfinished():
+        stats.observe(eng, eng.step())
+    clock.t += 1.0
+    stats.observe(eng, None)
+    drafted, accepted = eng.num_draft_tokens, eng.num_accepted_tokens
+    assert drafted and accepted and accepted < drafted
+    assert lines[-1].endswith(f"draft acceptance {100 * accepted / drafted:.1f}% of {drafted}")
+    eng.add_request("b", [5, 6], SamplingParams(max_tokens=2, ignore_eos=True))   # the oracle knows no b
+    while eng.has_unfinished():
+        stats.observe(eng, eng.step())
+    clock.t += 1.0
+    assert "draft" not in stats.observe(eng, None)
+
+
 def test_interval_must_be_positive():
     with pytest.raises(ValueError, match="interval_s"):
         StatLogger("x", 0, print)
