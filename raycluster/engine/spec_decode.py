@@ -15,8 +15,6 @@ allowed ids, bad words) or on a structured-output state machine. They decode a t
 
 from __future__ import annotations
 
-import numpy as np
-
 from raycluster.request import SamplingParams
 
 
@@ -37,20 +35,26 @@ class NgramProposer:
         n = len(tokens)
         if k <= 0 or n <= self.min_n:
             return []
-        arr = np.asarray(tokens)
-        # match[e]: how many tokens before position e equal the context's last ones, for every
-        # e < n where a continuation could start (capped at max_n).
-        ends = np.arange(1, n)
-        match = np.zeros(n - 1, dtype=np.int64)
-        alive = np.ones(n - 1, dtype=bool)
-        for j in range(1, min(self.max_n, n - 1) + 1):
-            alive[:j - 1] = False                  # windows that would start before the context
-            alive[j - 1:] &= arr[ends[j - 1:] - j] == arr[n - j]
-            if not alive.any():
+        # Scan the reversed context (list.index runs in C) from the end, over the earlier
+        # occurrences of the last token: each one's match length is the run of equal tokens
+        # before it. The first of max_n tokens is the answer (longest, and latest of those).
+        rev = tokens[::-1]
+        last, max_n = rev[0], self.max_n
+        best, best_at, r = 0, 0, 0
+        while True:
+            try:
+                r = rev.index(last, r + 1)
+            except ValueError:
                 break
-            match += alive
-        best = int(match.max())
+            limit = min(max_n, n - r)
+            m = 1
+            while m < limit and rev[r + m] == rev[m]:
+                m += 1
+            if m > best:
+                best, best_at = m, r
+                if m == max_n:
+                    break
         if best < self.min_n:
             return []
-        e = int(ends[np.flatnonzero(match == best)[-1]])
-        return arr[e:e + k].tolist()
+        e = n - best_at             # where the continuation starts in `tokens`
+        return tokens[e:e + k]

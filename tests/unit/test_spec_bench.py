@@ -1,0 +1,24 @@
+"""Smoke test of `raycluster bench spec-decode`: the JSON's shape, drafting runs that give the
+plain run's tokens, and the CLI's exit status (no timing assertions)."""
+
+from __future__ import annotations
+
+import json
+
+from raycluster.cli import main
+
+
+def test_spec_decode_bench_runs_side_by_side(tmp_path):
+    out = tmp_path / "spec.json"
+    assert main(["bench", "spec-decode", "--batch-sizes", "1,2", "--max-tokens", "24", "--k", "2",
+                 "--repeats", "1", "--kv-tokens", "4096", "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    rows = {(r["batch_size"], r["setting"]): r for r in result["rows"]}
+    assert set(rows) == {(1, "plain"), (1, "ngram-k2"), (2, "plain"), (2, "ngram-k2")}
+    for (bs, setting), r in rows.items():
+        assert r["same_tokens"] and r["wall_s"] > 0 and r["steps"] >= 24 // 3
+        if setting == "plain":
+            assert r["drafts"] == 0 and r["acceptance"] is None and r["speedup"] == 1.0 and r["steps"] == 24
+        else:
+            assert 0 <= r["accepted"] <= r["drafts"]
+            assert r["steps"] <= 24
