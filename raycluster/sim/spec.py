@@ -171,7 +171,9 @@ class SimSpec(BaseModel):
         for p in self.pools:
             # The CPU engine (profiled for the pool's predictor) builds what EngineConfig allows:
             # every combination of kvp, spp and tp.
-            self.engine_config(p)
+            if self.engine_config(p).speculative_method != "none":
+                raise ValueError(f"engine.speculative_method ({p.role} pool): the simulator does not model "
+                                 "draft tokens; leave it 'none'")
         return self
 
     def engine_config(self, pool: SimPool) -> EngineConfig:

@@ -156,6 +156,9 @@ def test_bad_spec_names_the_field():
     SimSpec(gpu="cpu", pools=[{"role": "mixed", "tp": 2, "kvp": 2}])       # and KVP x TP
     SimSpec(gpu="cpu", pools=[{"role": "mixed", "kvp": 2, "spp": 2}])      # and KVP x SPP
     SimSpec(gpu="cpu", pools=[{"role": "mixed", "kvp": 2, "spp": 2, "tp": 2}])   # and all three
+    with pytest.raises(ValueError, match="engine.speculative_method .decode pool.: the simulator does not"):
+        SimSpec(gpu="a100", pools=[{"role": "prefill-short", "instances": 1},
+                                   {"role": "decode", "instances": 1, "engine": {"speculative_method": "ngram"}}])
 
 
 def test_cpu_kvp_pool_holds_every_ranks_kv():
