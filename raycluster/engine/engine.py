@@ -94,6 +94,12 @@ def validate_request(ids: list[int], sp: SamplingParams, max_model_len: int, voc
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
+def _min_tokens_ban(req: Request) -> list[int]:
+    """What min_tokens holds back: the EOS ids (unless ignore_eos) and stop_token_ids."""
+    sp = req.sampling
+    return [*(() if sp.ignore_eos else req.eos_token_ids), *sp.stop_token_ids] if sp.min_tokens else []
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig, model, tokenizer=None, clock: Clock | None = None,
                  predictor: LinearBatchPredictor | None = None, runner=None) -> None:
@@ -294,9 +300,7 @@ class LLMEngine:
                 if any(p.penalized for p in params):        # rare: keep the plain step cheap
                     logits = self.sampler.penalize(
                         logits, params, [r.prompt_token_ids for r in sampled_reqs],
-                        [r.output_token_ids for r in sampled_reqs],
-                        [[*(() if r.sampling.ignore_eos else r.eos_token_ids), *r.sampling.stop_token_ids]
-                         if r.sampling.min_tokens else [] for r in sampled_reqs])
+                        [r.output_token_ids for r in sampled_reqs], [_min_tokens_ban(r) for r in sampled_reqs])
                 constraints = [constraint_of(p) for p in params]
                 guided = [i for i, c in enumerate(constraints) if c is not None]
                 if guided:
@@ -316,8 +320,12 @@ class LLMEngine:
                 self._record_prompt_logprobs(req, first, rows_logits)
             for req, rows_logits in step.drafts:
                 drafts = out.spec_tokens[req.request_id]
-                toks = accepted[req.request_id] = self.sampler.verify(rows_logits, drafts, req.sampling,
-                                                                      len(req.output_token_ids))
+                sp, logits = req.sampling, rows_logits
+                if sp.penalized:        # row j sees the output so far plus the drafts before it
+                    n, ids = len(drafts) + 1, req.output_token_ids
+                    logits = self.sampler.penalize(rows_logits, [sp] * n, [req.prompt_token_ids] * n,
+                                                   [ids + drafts[:j] for j in range(n)], [_min_tokens_ban(req)] * n)
+                toks = accepted[req.request_id] = self.sampler.verify(logits, drafts, sp, len(req.output_token_ids))
                 lps = None if req.sampling.logprobs is None else self.sampler.logprobs(
                     rows_logits, list(range(len(toks))), toks, [req.sampling.logprobs] * len(toks))
                 drafted.append((req, len(req.output_token_ids), lps))

@@ -8,9 +8,10 @@ the scheduler runs the request's last token and its drafts as one chunk when the
 and KV for them (`SchedulerOutput.spec_tokens`), and `Sampler.verify` keeps the drafts the
 model agrees with plus one token of its own. Costs nothing but a lookup when nothing repeats.
 
-`drafts_allowed(sp)` says which requests may draft: not those whose next token depends on
-output-history processing the verifier does not replay per row (penalties, logit bias, min_tokens,
-allowed ids, bad words) or on a structured-output state machine. They decode a token per step.
+`drafts_allowed(sp)` says which requests may draft: not those under a structured-output
+constraint, whose automaton would have to be stepped through each draft to mask the rows; they
+decode a token per step. Penalties, logit bias, min_tokens, allowed ids and bad words apply to
+row j with the drafts before it counted as output (the engine passes each row its history).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from raycluster.request import SamplingParams
 
 
 def drafts_allowed(sp: SamplingParams) -> bool:
-    return not sp.penalized and sp.guided_regex is None and sp.guided_grammar is None
+    return sp.guided_regex is None and sp.guided_grammar is None
 
 
 class NgramProposer:

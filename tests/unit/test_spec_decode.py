@@ -53,12 +53,13 @@ def test_config_names_the_lookup_field():
         EngineConfig(speculative_method="ngram", num_speculative_tokens=0)
 
 
-def test_requests_with_history_dependent_processing_do_not_draft():
-    assert drafts_allowed(SamplingParams(temperature=0.7, top_p=0.9, logprobs=3))
-    for sp in (SamplingParams(repetition_penalty=1.2), SamplingParams(min_tokens=2),
-               SamplingParams(logit_bias={5: 1.0}), SamplingParams(bad_words_token_ids=[[4]]),
-               SamplingParams(allowed_token_ids=[4, 5]), SamplingParams(guided_regex="a+")):
-        assert not drafts_allowed(sp)
+def test_only_structured_outputs_do_not_draft():
+    for sp in (SamplingParams(temperature=0.7, top_p=0.9, logprobs=3), SamplingParams(repetition_penalty=1.2),
+               SamplingParams(min_tokens=2), SamplingParams(logit_bias={5: 1.0}),
+               SamplingParams(bad_words_token_ids=[[4]]), SamplingParams(allowed_token_ids=[4, 5])):
+        assert drafts_allowed(sp)
+    assert not drafts_allowed(SamplingParams(guided_regex="a+"))
+    assert not drafts_allowed(SamplingParams(guided_grammar='start: "a"'))
 
 
 # ---- verifier ---------------------------------------------------------------------------------
@@ -303,13 +304,35 @@ def _sample(eng, out):
     return sampled, accepted
 
 
-def test_penalized_requests_decode_without_drafts(loaded):
-    prompts = _prompts(2, seed=7)
-    sps = [SamplingParams(max_tokens=20, repetition_penalty=1.3), SamplingParams(max_tokens=20, min_tokens=5)]
+def _penalized_params(out: list[int]) -> list[SamplingParams]:
+    """Every history-dependent option, set so that it changes this output (`out`: the plain
+    greedy one): its tokens penalised, biased or banned after a prefix, EOS held back."""
+    return [SamplingParams(max_tokens=30, ignore_eos=True, repetition_penalty=1.3),
+            SamplingParams(max_tokens=30, ignore_eos=True, frequency_penalty=1.5, presence_penalty=0.5),
+            SamplingParams(max_tokens=30, ignore_eos=True, logit_bias={out[5]: -100.0, out[9]: 30.0}),
+            SamplingParams(max_tokens=30, ignore_eos=True, bad_words_token_ids=[out[3:5], [out[12]]]),
+            SamplingParams(max_tokens=30, min_tokens=20, stop_token_ids=[out[6], out[15]]),
+            SamplingParams(max_tokens=30, ignore_eos=True, allowed_token_ids=sorted(set(out[:20]) | {7, 8}))]
+
+
+@pytest.mark.parametrize("wrong_at", [None, 2])
+def test_penalties_bias_bans_and_min_tokens_apply_to_each_drafted_row(loaded, wrong_at):
+    """The oracle drafts each request's own plain output under its options, so most drafts are
+    accepted; each row must see the drafts before it as output (penalties, bad words, min_tokens)
+    for the tokens to stay the plain run's."""
+    prompt = _prompts(1, seed=7)[0]
+    base = _expected(loaded, [prompt], 30)[tuple(prompt)]
+    sps = _penalized_params(base)
+    prompts = [prompt] * len(sps)
     want, _ = _run(loaded, prompts, sps)
-    oracle = OracleProposer(_expected(loaded, prompts, 20))
+    assert all(w[0] != base for w in want[:4])          # each option changed the output
+    oracle = OracleProposer({}, wrong_at=wrong_at)
+    # One oracle entry per request: tell them apart by a distinct first prompt token.
+    prompts = [[6 + i] + prompt for i in range(len(sps))]
+    want, _ = _run(loaded, prompts, sps)
+    oracle.expected = {tuple(p): w[0] for p, w in zip(prompts, want)}
     got, stats = _run(loaded, prompts, sps, oracle)
-    assert got == want and stats["drafts"] == 0 and oracle.proposed == 0
+    assert got == want and stats["accepted"] > 0
 
 
 @pytest.mark.parametrize("temperature", [0.05, 1.0])
