@@ -57,7 +57,7 @@ def build_gateway_app():
     defaults = load_generation_config(path).sampling if cfg.generation_config == "auto" else None
     app = build_app(client, tokenizer, names, api_keys=keys_from_env(), tool_call_parser=cfg.tool_call_parser,
                     metrics_sinks=sinks, sampling_defaults=defaults, log_requests=cfg.log_requests,
-                    reasoning_parser=cfg.reasoning_parser, request_id_header=False)
+                    reasoning_parser=cfg.reasoning_parser, request_id_header=False, lora_names=cfg.lora_names())
 
     @app.get("/v1/cluster/status")
     async def cluster_status(request: Request):

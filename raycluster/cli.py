@@ -76,7 +76,8 @@ def _serve_engine(args: argparse.Namespace) -> None:
         if args.generation_config == "auto" else None
     app = build_app(async_engine, engine.tokenizer, names, api_keys=keys_from_env(),
                     tool_call_parser=args.tool_call_parser, sampling_defaults=defaults,
-                    log_requests=args.enable_log_requests, reasoning_parser=args.reasoning_parser)
+                    log_requests=args.enable_log_requests, reasoning_parser=args.reasoning_parser,
+                    lora_names=list(engine.lora.adapters) if engine.lora else ())
     if defaults:
         print(f"raycluster: default sampling parameters from the model's generation_config.json: {defaults}",
               flush=True)
@@ -112,8 +113,12 @@ def detach_command(args: argparse.Namespace) -> list[str]:
         cmd += ["--served-model-name", *args.served_model_name]
     for name, value in engine_overrides(args).items():
         flag = "--" + name.replace("_", "-")
-        cmd += [flag if value is True else "--no-" + flag[2:]] if isinstance(value, bool) else \
-            [flag, "none" if value is None else str(value)]
+        if isinstance(value, bool):
+            cmd.append(flag if value else "--no-" + flag[2:])
+        elif isinstance(value, list):
+            cmd += [flag, *value]
+        else:
+            cmd += [flag, "none" if value is None else str(value)]
     for flag in ("no_dashboard", "no_direct_ingress", "haproxy", "enable_log_requests"):
         if getattr(args, flag, False):
             cmd.append("--" + flag.replace("_", "-"))

@@ -46,6 +46,9 @@ def add_engine_flags(parser: argparse.ArgumentParser, skip: tuple[str, ...] = ()
             group.add_argument(flag, dest=_PREFIX + name, action=argparse.BooleanOptionalAction, default=None,
                                help=help_text)
             continue
+        if typing.get_origin(field.annotation) is list:
+            group.add_argument(flag, dest=_PREFIX + name, default=None, nargs="+", metavar="ITEM", help=help_text)
+            continue
         group.add_argument(flag, dest=_PREFIX + name, default=None, metavar=name.upper(),
                            choices=_literal_choices(field.annotation), help=help_text)
     if "speculative_method" not in skip:

@@ -75,6 +75,9 @@ class SamplingParams:
     # vLLM's bad_words as token sequences (the gateway tokenizes the words): a sequence's last
     # token is banned wherever the output ends with the rest of it.
     bad_words_token_ids: list[list[int]] = field(default_factory=list)
+    # The LoRA adapter the request runs with (the API's `model` names it; None: the base weights).
+    # Here, not on the request, so it travels wherever the sampling parameters do (P/D, resumes).
+    lora_adapter: str | None = None
 
     @property
     def penalized(self) -> bool:

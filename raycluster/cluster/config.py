@@ -210,6 +210,11 @@ class ClusterConfig(BaseModel):
     def served_names(self) -> list[str]:
         return self.served_model_name or [default_model_name(self.model)]
 
+    def lora_names(self) -> list[str]:
+        """The LoRA adapters every instance serves (`_topology` checks the pools agree)."""
+        from raycluster.model.lora import parse_modules
+        return list(parse_modules(self.engine_config(self.pools[0]).lora_modules)) if self.pools else []
+
     @field_validator("chat_template")
     @classmethod
     def _template_parses(cls, v: str | None) -> str | None:
@@ -259,6 +264,12 @@ class ClusterConfig(BaseModel):
                 if problems:
                     raise ValueError("; ".join(problems))
             ecfg = self.engine_config(p)       # fail at deploy time, not in a replica
+            if ecfg.lora_modules != self.engine_config(self.pools[0]).lora_modules:
+                raise ValueError(f"pools[{i}].engine.lora_modules: every pool serves the same LoRA adapters (a "
+                                 "request may prefill on one pool and decode on another, or resume anywhere)")
+            if set(self.lora_names()) & set(self.served_names()):
+                raise ValueError("engine.lora_modules: an adapter is named like the served model "
+                                 f"({', '.join(self.served_names())})")
             if ecfg.device.startswith("cuda") and p.num_gpus == 0:
                 raise ValueError(f"pools[{i}].num_gpus: the engine runs on {ecfg.device!r}, so Ray must "
                                  "give the instance GPUs (set num_gpus, e.g. 1)")

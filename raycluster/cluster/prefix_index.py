@@ -18,18 +18,20 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
-from raycluster.engine.prefix_cache import block_key
+from raycluster.engine.prefix_cache import block_key, chain_root
 
 
-def prompt_keys(tokens: list[int], block_size: int) -> list[bytes]:
-    """Keys of the full blocks an engine could reuse for `tokens` (never the last token's)."""
-    return extend_keys([], tokens, block_size)
+def prompt_keys(tokens: list[int], block_size: int, lora_adapter: str | None = None) -> list[bytes]:
+    """Keys of the full blocks an engine could reuse for `tokens` (never the last token's), run
+    with `lora_adapter` (None: the base weights)."""
+    return extend_keys([], tokens, block_size, lora_adapter)
 
 
-def extend_keys(keys: list[bytes], tokens: list[int], block_size: int) -> list[bytes]:
+def extend_keys(keys: list[bytes], tokens: list[int], block_size: int,
+                lora_adapter: str | None = None) -> list[bytes]:
     """`keys` (those of a prefix of `tokens`) continued over `tokens`' further full blocks (never
     the last token's); a new list, `keys` untouched."""
-    out, parent = list(keys), keys[-1] if keys else b""
+    out, parent = list(keys), keys[-1] if keys else chain_root(lora_adapter)
     for i in range(len(keys), (len(tokens) - 1) // block_size):
         parent = block_key(parent, tokens[i * block_size:(i + 1) * block_size])
         out.append(parent)

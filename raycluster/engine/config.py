@@ -52,6 +52,10 @@ class EngineConfig(BaseModel):
     num_speculative_tokens: int = Field(5, ge=1, le=32, description="speculative decoding: draft tokens per step at most")
     prompt_lookup_max: int = Field(4, ge=1, le=64, description="ngram drafts: the longest n-gram matched")
     prompt_lookup_min: int = Field(1, ge=1, le=64, description="ngram drafts: the shortest n-gram matched")
+    lora_modules: list[str] = Field(
+        default_factory=list, description="LoRA adapters to serve beside the base weights, vLLM's "
+        "--lora-modules: name=path entries (a PEFT directory each); a request whose `model` is a name runs "
+        "with that adapter. Single-process instances only (not KVP / SPP / TP groups)")
     seed: int = 0
     num_threads: int | None = Field(None, ge=1, description="torch intra-op threads")
     kvp: int = Field(1, ge=1, le=64, description="KV-cache parallel ranks (Medha KVP): each rank holds the "
@@ -89,6 +93,16 @@ class EngineConfig(BaseModel):
                             "loopback for a group on one node, 'node' for each rank's Ray node address (a "
                             "group that may span nodes)")
     group_timeout_s: float = Field(120.0, gt=0, description="a collective waiting longer fails the step")
+
+    @model_validator(mode="after")
+    def _lora(self) -> "EngineConfig":
+        if self.lora_modules:
+            from raycluster.model.lora import parse_modules
+            parse_modules(self.lora_modules)
+            if self.parallel_world > 1:
+                raise ValueError("lora_modules: adapters are served by single-process instances only "
+                                 f"(this one is a group of kvp {self.kvp} x spp {self.spp} x tp {self.tp})")
+        return self
 
     @model_validator(mode="after")
     def _lookup_range(self) -> "EngineConfig":

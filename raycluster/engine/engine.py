@@ -23,6 +23,7 @@ from raycluster.engine.guided import GuidedDecoding, constraint_of
 from raycluster.parallel.factory import build_runner
 from raycluster.engine.sampler import Sampler
 from raycluster.engine.spec_decode import NgramProposer, drafts_allowed
+from raycluster.model.lora import LoRASet, parse_modules
 from raycluster.engine.profiler import load_or_profile
 from raycluster.engine.sched_factory import RetiredScheduling, build_scheduler, needs_predictor
 from raycluster.engine.text import TextStream
@@ -124,6 +125,10 @@ class LLMEngine:
         self.scheduler = build_scheduler(config, self.kv, self.clock, self.max_model_len, self.predictor)
         self._retired = RetiredScheduling()       # pieces of pools it left (reconfigure_scheduling)
         self.sampler = Sampler(config.seed)
+        self.lora: LoRASet | None = None       # LoRA adapters served beside the base weights
+        if config.lora_modules:
+            self.lora = self.runner.lora = LoRASet.load(parse_modules(config.lora_modules), mcfg,
+                                                        _DTYPES[config.dtype])
         self.num_draft_tokens = self.num_accepted_tokens = 0     # speculative decoding, so far
         self.proposer = NgramProposer(config.num_speculative_tokens, config.prompt_lookup_max,
                                       config.prompt_lookup_min) if config.speculative_method == "ngram" else None
@@ -241,6 +246,8 @@ class LLMEngine:
 
     def _validate(self, ids: list[int], sp: SamplingParams) -> None:
         validate_request(ids, sp, self.max_model_len, self.vocab_size, self.kv.capacity_tokens())
+        if sp.lora_adapter is not None and (self.lora is None or sp.lora_adapter not in self.lora):
+            raise InvalidRequestError("model", f"LoRA adapter {sp.lora_adapter!r} is not served here")
         constraint = constraint_of(sp)
         if constraint is not None:
             try:

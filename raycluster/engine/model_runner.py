@@ -47,6 +47,7 @@ class ModelRunner:
         # Its own attention backend unless the model was built with one: the torch backend's
         # scratch buffers must not be shared by engines stepping in threads of one process.
         self.backend = model.backend or get_attention_backend(self.device)
+        self.lora = None            # the engine's LoRASet when it serves adapters
 
     def kv_bytes_per_token(self) -> int:
         per_block = self.kv_cache[:, 0].numel() * self.kv_cache.element_size()
@@ -55,7 +56,8 @@ class ModelRunner:
     def run_plan(self, plan: StepPlan) -> torch.Tensor:
         """Run one step; returns the final hidden states of `plan.sample_rows` [n, H]."""
         input_ids, positions, meta = plan_inputs(plan, self.kv.block_size, self.device)
-        hidden = self.model(input_ids, positions, self.kv_cache, meta, backend=self.backend)
+        lora = self.lora.for_step(plan.lora_runs, self.device) if plan.lora_runs else None
+        hidden = self.model(input_ids, positions, self.kv_cache, meta, backend=self.backend, lora=lora)
         return hidden.index_select(0, torch.tensor(plan.sample_rows, dtype=torch.long, device=hidden.device))
 
     def execute(self, out: SchedulerOutput) -> StepLogits:

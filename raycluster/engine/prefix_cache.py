@@ -37,8 +37,14 @@ from raycluster.request import Request
 
 def block_key(parent: bytes, tokens: list[int]) -> bytes:
     """The key of a full block holding `tokens`, after the block whose key is `parent`
-    (b"" for the first block)."""
+    (`chain_root` for the first block)."""
     return hashlib.sha256(parent + array("q", tokens).tobytes()).digest()
+
+
+def chain_root(lora_adapter: str | None) -> bytes:
+    """The parent of a request's first block: the same tokens under a LoRA adapter have other
+    KV than under the base weights (or another adapter), so each keeps a chain of its own."""
+    return b"" if lora_adapter is None else b"lora:" + lora_adapter.encode()
 
 
 class PrefixCachingAllocator(BlockAllocator):
@@ -191,7 +197,7 @@ class PrefixCachingKVManager(KVCacheManager):
         if rid in self.block_tables:
             return 0
         tokens, bs, a = req.all_token_ids, self.block_size, self.allocator
-        keys, blocks = self._longest_cached(tokens)
+        keys, blocks = self._longest_cached(tokens, chain_root(req.sampling.lora_adapter))
         counted = self._queried.get(rid)
         if counted is None:
             counted = self._queried[rid] = [len(tokens), 0]
@@ -206,16 +212,16 @@ class PrefixCachingKVManager(KVCacheManager):
         self._keys[rid] = keys
         return len(blocks) * bs
 
-    def cached_prefix_tokens(self, tokens: list[int]) -> int:
+    def cached_prefix_tokens(self, tokens: list[int], lora_adapter: str | None = None) -> int:
         """What `match_prefix` would find for these known tokens, touching nothing."""
-        return len(self._longest_cached(tokens)[1]) * self.block_size
+        return len(self._longest_cached(tokens, chain_root(lora_adapter))[1]) * self.block_size
 
-    def _longest_cached(self, tokens: list[int]) -> tuple[list[bytes], list[int]]:
+    def _longest_cached(self, tokens: list[int], root: bytes = b"") -> tuple[list[bytes], list[int]]:
         """Keys and blocks of the longest cached run of full blocks before the last token."""
         bs, a = self.block_size, self.allocator
         keys: list[bytes] = []
         blocks: list[int] = []
-        parent = b""
+        parent = root
         for i in range((len(tokens) - 1) // bs):
             key = block_key(parent, tokens[i * bs:(i + 1) * bs])
             block = a.lookup(key)
@@ -238,7 +244,7 @@ class PrefixCachingKVManager(KVCacheManager):
         if len(keys) >= n_full:
             return
         tokens, a = req.all_token_ids, self.allocator
-        parent = keys[-1] if keys else b""
+        parent = keys[-1] if keys else chain_root(req.sampling.lora_adapter)
         for i in range(len(keys), n_full):
             parent = block_key(parent, tokens[i * bs:(i + 1) * bs])
             a.register(table[i], parent)

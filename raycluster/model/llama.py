@@ -2,7 +2,9 @@
 paged KV cache. Parameter names are identical to Hugging Face's so checkpoints load directly.
 
 forward(input_ids [T], positions [T], kv_cache [L, N, 2, B, Hkv, D], meta) -> hidden [T, H];
-compute_logits(hidden [n, H]) -> [n, vocab] for just the rows the engine samples from.
+compute_logits(hidden [n, H]) -> [n, vocab] for just the rows the engine samples from. A step
+whose requests use LoRA adapters passes `lora` (raycluster.model.lora.StepLoRA): each targeted
+projection adds its adapters' low-rank update on their tokens' rows.
 """
 
 from __future__ import annotations
@@ -47,16 +49,20 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
         self.qk_norm = cfg.qk_norm
 
-    def forward(self, x, cos, sin, layer_kv, meta, backend):
+    def forward(self, x, cos, sin, layer_kv, meta, backend, lora=None, index: int = 0):
         t = x.shape[0]
-        q = self.q_proj(x).view(t, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        if lora is not None:
+            q, k, v = (lora.add(index, name, x, y) for name, y in (("q_proj", q), ("k_proj", k), ("v_proj", v)))
+        q = q.view(t, self.num_heads, self.head_dim)
+        k = k.view(t, self.num_kv_heads, self.head_dim)
+        v = v.view(t, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, k, cos, sin)
-        o = backend.forward(layer_kv, q, k, v, meta, self.scale)
-        return self.o_proj(o.reshape(t, self.num_heads * self.head_dim))
+        o = backend.forward(layer_kv, q, k, v, meta, self.scale).reshape(t, self.num_heads * self.head_dim)
+        out = self.o_proj(o)
+        return out if lora is None else lora.add(index, "o_proj", o, out)
 
 
 class MLP(nn.Module):
@@ -67,8 +73,11 @@ class MLP(nn.Module):
         self.up_proj = nn.Linear(h, i, bias=cfg.mlp_bias)
         self.down_proj = nn.Linear(i, h, bias=cfg.mlp_bias)
 
-    def forward(self, x):
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+    def forward(self, x, lora=None, index: int = 0):
+        if lora is None:
+            return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        h = F.silu(lora.add(index, "gate_proj", x, self.gate_proj(x))) * lora.add(index, "up_proj", x, self.up_proj(x))
+        return lora.add(index, "down_proj", h, self.down_proj(h))
 
 
 class DecoderLayer(nn.Module):
@@ -79,9 +88,9 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, x, cos, sin, layer_kv, meta, backend):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, layer_kv, meta, backend)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x, cos, sin, layer_kv, meta, backend, lora=None, index: int = 0):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, layer_kv, meta, backend, lora, index)
+        return x + self.mlp(self.post_attention_layernorm(x), lora, index)
 
 
 class LlamaModel(nn.Module):
@@ -118,15 +127,15 @@ class LlamaForCausalLM(nn.Module):
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
-                meta: AttentionMetadata, backend=None) -> torch.Tensor:
+                meta: AttentionMetadata, backend=None, lora=None) -> torch.Tensor:
         """`backend`: an attention backend for this call only (a KVP rank's, with its own shard
-        and collective); default the model's."""
+        and collective); default the model's. `lora`: the step's adapters (StepLoRA), if any."""
         backend = backend or self._backend(input_ids.device)
         meta.prepare(kv_cache.device)
         x = self.model.embed_tokens(input_ids)
         cos, sin = self.rotary.cos_sin(positions, x.dtype)
         for i, layer in enumerate(self.model.layers):
-            x = layer(x, cos, sin, kv_cache[i], meta, backend)
+            x = layer(x, cos, sin, kv_cache[i], meta, backend, lora, i)
         return self.model.norm(x)
 
     @torch.inference_mode()

@@ -151,3 +151,33 @@ def write_tiny_model(path: str | os.PathLike, seed: int = 0, **overrides) -> str
         json.dump(tok_cfg, f, indent=2, sort_keys=True)
         f.write("\n")
     return path
+
+
+def write_tiny_lora(path: str | os.PathLike, model_dir: str | os.PathLike, seed: int = 0, rank: int = 8,
+                    alpha: float = 16.0, targets: tuple[str, ...] = ("q_proj", "v_proj", "o_proj", "down_proj"),
+                    std: float = 0.05, use_rslora: bool = False) -> str:
+    """A seeded LoRA adapter for the checkpoint in `model_dir`, in PEFT's format
+    (adapter_config.json, adapter_model.safetensors with `base_model.model.` keys). Unlike PEFT's
+    initialisation (B = 0), both A and B are random, so the adapter changes the output."""
+    from raycluster.model.loader import load_config
+    from raycluster.model.lora import TARGETS, _shapes
+
+    cfg = load_config(os.fspath(model_dir))
+    shapes = _shapes(cfg)
+    gen = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for layer in range(cfg.num_hidden_layers):
+        for module in targets:
+            out_dim, in_dim = shapes[module]
+            key = f"base_model.model.model.layers.{layer}.{TARGETS[module]}.{module}"
+            tensors[f"{key}.lora_A.weight"] = torch.randn(rank, in_dim, generator=gen) * std
+            tensors[f"{key}.lora_B.weight"] = torch.randn(out_dim, rank, generator=gen) * std
+    path = os.fspath(path)
+    os.makedirs(path, exist_ok=True)
+    save_file(tensors, os.path.join(path, "adapter_model.safetensors"))
+    with open(os.path.join(path, "adapter_config.json"), "w") as f:
+        json.dump({"peft_type": "LORA", "r": rank, "lora_alpha": alpha, "target_modules": list(targets),
+                   "lora_dropout": 0.0, "bias": "none", "fan_in_fan_out": False, "use_rslora": use_rslora,
+                   "use_dora": False, "task_type": "CAUSAL_LM", "base_model_name_or_path": os.fspath(model_dir)},
+                  f, indent=2, sort_keys=True)
+    return path

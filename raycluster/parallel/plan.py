@@ -15,7 +15,7 @@ the step writes before attending, so the rows are causal and batch with every ot
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -33,6 +33,8 @@ class StepPlan:
     decode_positions: list[int]         # per decode request: position of its new token
     decode_tables: list[list[int]]
     sample_rows: list[int]              # rows of the step's tokens whose logits are sampled
+    # Tokens that run with a LoRA adapter: (adapter name, first token, count), in token order.
+    lora_runs: list[tuple[str, int, int]] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -64,10 +66,12 @@ def step_plan(out: SchedulerOutput, tables: dict[str, list[int]]
     """The plan, the request sampled at each output row (None: a prompt or draft row), the
     prompt rows and the draft rows by request."""
     ids: list[int] = []
-    starts, lens, p_tables, rows, reqs, prompt = [], [], [], [], [], []
+    starts, lens, p_tables, rows, reqs, prompt, lora = [], [], [], [], [], [], []
     for req, n in out.prefills:
         start = req.num_computed_tokens
         known = req.all_token_ids
+        if req.sampling.lora_adapter is not None:
+            _lora_run(lora, req.sampling.lora_adapter, len(ids), n)
         ids.extend(known[start:start + n])
         starts.append(start)
         lens.append(n)
@@ -88,6 +92,8 @@ def step_plan(out: SchedulerOutput, tables: dict[str, list[int]]
             table, pos = tables[req.request_id], req.num_computed_tokens
             run = [req.output_token_ids[-1], *spec[req.request_id]]
             drafts.append(DraftRows(req, len(rows), len(run)))
+            if req.sampling.lora_adapter is not None:
+                _lora_run(lora, req.sampling.lora_adapter, len(ids), len(run))
             for j, token in enumerate(run):
                 ids.append(token)
                 d_pos.append(pos + j)
@@ -95,12 +101,23 @@ def step_plan(out: SchedulerOutput, tables: dict[str, list[int]]
                 rows.append(len(ids) - 1)
                 reqs.append(None)
             continue
+        if req.sampling.lora_adapter is not None:
+            _lora_run(lora, req.sampling.lora_adapter, len(ids), 1)
         ids.append(req.output_token_ids[-1])
         d_pos.append(req.num_computed_tokens)
         d_tables.append(tables[req.request_id])
         rows.append(len(ids) - 1)
         reqs.append(req)
-    return StepPlan(ids, starts, lens, p_tables, d_pos, d_tables, rows), reqs, prompt, drafts
+    return StepPlan(ids, starts, lens, p_tables, d_pos, d_tables, rows, lora), reqs, prompt, drafts
+
+
+def _lora_run(runs: list[tuple[str, int, int]], name: str, first: int, count: int) -> None:
+    """Append tokens [first, first + count) on adapter `name`, merged with the last run if it
+    is the same adapter and ends where they start."""
+    if runs and runs[-1][0] == name and runs[-1][1] + runs[-1][2] == first:
+        runs[-1] = (name, runs[-1][1], runs[-1][2] + count)
+    else:
+        runs.append((name, first, count))
 
 
 def _slots(table: list[int], start: int, end: int, bs: int) -> torch.Tensor:

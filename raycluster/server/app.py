@@ -67,7 +67,8 @@ def _overloaded(e: OverloadedError) -> JSONResponse:
 def build_app(engine, tokenizer, model_names: str | Sequence[str], api_keys: Sequence[str] = (),
               tool_call_parser: str | None = None, metrics_sinks: Sequence[RequestMetricsSink] = (),
               sampling_defaults: dict | None = None, log_requests: bool = False,
-              reasoning_parser: str | None = None, request_id_header: bool = True) -> FastAPI:
+              reasoning_parser: str | None = None, request_id_header: bool = True,
+              lora_names: Sequence[str] = ()) -> FastAPI:
     """`model_names`: the names a request's `model` may give (vLLM's --served-model-name); a
     response names the one its request gave, else the first. `sampling_defaults`: the model's
     default sampling parameters (its generation_config.json: raycluster.model.generation_config)
@@ -76,6 +77,8 @@ def build_app(engine, tokenizer, model_names: str | Sequence[str], api_keys: Seq
     received, with its sampling parameters but not its prompt, and when each choice ends.
     `reasoning_parser` (vLLM's --reasoning-parser, raycluster.server.reasoning): chat replies
     carry the model's thinking as `reasoning_content`, apart from `content` (and tool calls).
+    `lora_names`: the LoRA adapters the engine serves (vLLM's --lora-modules): a request whose
+    `model` is one runs with that adapter; /v1/models lists them with the base as `parent`.
     `request_id_header`: answer with an `X-Request-Id` header (off behind Ray Serve, which sets the
     header on the way in, a UUID when the client sent none, and returns it itself).
     `api_keys`: if any, every route but /health, /metrics and the docs wants one of them as
@@ -83,6 +86,9 @@ def build_app(engine, tokenizer, model_names: str | Sequence[str], api_keys: Seq
     (raycluster.server.tool_parsers), which `tool_choice: "auto"` needs. `metrics_sinks`: where
     each request's metrics go besides /metrics (raycluster.server.request_metrics)."""
     names = [model_names] if isinstance(model_names, str) else list(model_names)
+    adapters = list(lora_names)
+    if set(adapters) & set(names):
+        raise ValueError(f"lora_names: {sorted(set(adapters) & set(names))} also name the served model")
     rlog = request_logger() if log_requests else None
     if reasoning_parser is not None and reasoning_parser not in REASONING_PARSERS:
         raise ValueError(f"reasoning_parser: unknown {reasoning_parser!r}; choose one of {sorted(REASONING_PARSERS)}")
@@ -112,9 +118,12 @@ def build_app(engine, tokenizer, model_names: str | Sequence[str], api_keys: Seq
 
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [{"id": name, "object": "model", "created": now_s(),
-                                            "owned_by": "raycluster", "root": names[0],
-                                            "max_model_len": engine.max_model_len} for name in names]}
+        now = now_s()
+        return {"object": "list", "data": [
+            *({"id": name, "object": "model", "created": now, "owned_by": "raycluster", "root": names[0],
+               "max_model_len": engine.max_model_len} for name in names),
+            *({"id": name, "object": "model", "created": now, "owned_by": "raycluster", "root": name,
+               "parent": names[0], "max_model_len": engine.max_model_len} for name in adapters)]}
 
     @app.get("/metrics")
     async def prom():
@@ -173,6 +182,8 @@ def build_app(engine, tokenizer, model_names: str | Sequence[str], api_keys: Seq
             prompts = [(ids[-k:], tokenizer.decode(ids[-k:]) if echo and len(ids) > k else text)
                        for ids, text in prompts]
         sampling = body.to_sampling(defaults=sampling_defaults)
+        if model_name in adapters:
+            sampling.lora_adapter = model_name
         if body.bad_words:
             sampling.bad_words_token_ids = bad_words_token_ids(tokenizer, body.bad_words)
         if guided is not None:
@@ -272,9 +283,9 @@ def build_app(engine, tokenizer, model_names: str | Sequence[str], api_keys: Seq
         return JSONResponse(out, headers=headers)
 
     def _unknown_model(body) -> JSONResponse | None:
-        if body.model is None or body.model in names:
+        if body.model is None or body.model in names or body.model in adapters:
             return None
-        served = ", ".join(f"`{n}`" for n in names)
+        served = ", ".join(f"`{n}`" for n in names + adapters)
         return JSONResponse(error_body(f"model: `{body.model}` does not exist (this server has {served})",
                                        "model", code="model_not_found"), status_code=404)
 

@@ -171,9 +171,13 @@ class SimSpec(BaseModel):
         for p in self.pools:
             # The CPU engine (profiled for the pool's predictor) builds what EngineConfig allows:
             # every combination of kvp, spp and tp.
-            if self.engine_config(p).speculative_method != "none":
+            ecfg = self.engine_config(p)
+            if ecfg.speculative_method != "none":
                 raise ValueError(f"engine.speculative_method ({p.role} pool): the simulator does not model "
                                  "draft tokens; leave it 'none'")
+            if ecfg.lora_modules:
+                raise ValueError(f"engine.lora_modules ({p.role} pool): the simulator does not model LoRA "
+                                 "adapters; leave it empty")
         return self
 
     def engine_config(self, pool: SimPool) -> EngineConfig:

@@ -136,8 +136,30 @@ def restart_workload(tiny_model_dir):
     return prompts, params, _single_engine_texts(tiny_model_dir, prompts, 48, params)
 
 
+# Topologies that also serve a LoRA adapter (written at run time): both cache prefixes, so the
+# adapter's blocks must stay apart from the base's; in P/D its KV moves to the decode side.
+LORA_TOPOLOGIES = ("mixed", "pd-object_store")
+
+
+@pytest.fixture(scope="module")
+def lora_adapter(tiny_model_dir, tmp_path_factory):
+    """(adapter dir, the base model with the adapter merged into its weights: the reference)."""
+    import torch
+
+    from raycluster.model.loader import load_model
+    from raycluster.model.lora import TARGETS, load_adapter
+    from raycluster.model.tiny import write_tiny_lora
+
+    path = write_tiny_lora(tmp_path_factory.mktemp("lora") / "sql", tiny_model_dir, seed=1)
+    merged, cfg = load_model(tiny_model_dir)
+    for (layer, module), (a, b) in load_adapter(path, cfg, "sql").weights.items():
+        with torch.no_grad():
+            getattr(getattr(merged.model.layers[layer], TARGETS[module]), module).weight += b @ a
+    return path, merged
+
+
 @pytest.fixture(scope="module", params=list(TOPOLOGIES))
-def cluster(request, serve_port):
+def cluster(request, serve_port, lora_adapter):
     import ray
     from ray import serve
 
@@ -147,6 +169,8 @@ def cluster(request, serve_port):
     if request.param == "pd-nixl":
         pytest.importorskip("nixl")
     cfg = {**BASE, **TOPOLOGIES[request.param], "router_name": f"router-{request.param}"}
+    if request.param in LORA_TOPOLOGIES:
+        cfg["engine"] = {**cfg["engine"], "lora_modules": [f"sql={lora_adapter[0]}"]}
     serve.run(build_app(cfg), name="raycluster", route_prefix="/", blocking=False)
     url = f"http://127.0.0.1:{serve_port}"
     if not wait_healthy(url + "/health", 300):
@@ -383,6 +407,34 @@ def test_openai_client_and_status(cluster):
     assert layouts == {"mixed-kvp": {"kvp2"}, "pd-groups": {"tp2", "spp2", "kvp2"}}.get(name, {"single"})
     tok = httpx.post(url + "/tokenize", json={"prompt": "hello river"}, timeout=10).json()
     assert tok["count"] == len(tok["tokens"]) > 0 and tok["max_model_len"] > tok["count"]
+    _assert_drained(url)
+
+
+def test_a_lora_adapter_runs_wherever_its_request_goes(cluster, lora_adapter, tiny_model_dir):
+    """A request naming the adapter gets the merged model's text (through the P/D handoff too),
+    the base name the base's, on the same prompts; the gateway lists the adapter."""
+    from raycluster.engine.config import EngineConfig
+    from raycluster.engine.engine import LLMEngine
+    from raycluster.model.loader import load_model
+    from raycluster.model.tokenizer import Tokenizer
+    from raycluster.request import SamplingParams
+
+    url, name = cluster
+    tok = Tokenizer(tiny_model_dir, (1,))
+    if name not in LORA_TOPOLOGIES:
+        pytest.skip("this topology serves no adapter")
+    cfg = EngineConfig(policy="fcfs", packer="token", kv_cache_tokens=8192)
+    refs = {"sql": LLMEngine(cfg, lora_adapter[1]), "tiny": LLMEngine(cfg, load_model(tiny_model_dir)[0])}
+    models = httpx.get(url + "/v1/models", timeout=10).json()["data"]
+    assert ("sql", "tiny") in [(m["id"], m.get("parent")) for m in models]
+    for i, n in enumerate((20, 300, 700)):      # in P/D: prefill-short, prefill-long, then decode
+        prompt = list(range(40 + i, 40 + i + n))
+        for model, ref in refs.items():
+            want = tok.decode(ref.generate([prompt], SamplingParams(max_tokens=10, ignore_eos=True))[0])
+            body = {"model": model, "prompt": prompt, "max_tokens": 10, "temperature": 0, "ignore_eos": True}
+            r = httpx.post(url + "/v1/completions", json=body, timeout=120)
+            assert r.status_code == 200, r.text
+            assert r.json()["choices"][0]["text"] == want, (model, n)
     _assert_drained(url)
 
 

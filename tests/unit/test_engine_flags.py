@@ -47,6 +47,15 @@ def test_a_bad_value_is_refused_naming_its_flag(argv, flag, capsys):
         build_parser().parse_args(["engine-server", "--kvp-layout", "diagonal"])    # not a choice
 
 
+def test_lora_modules_take_several_name_path_entries():
+    args = build_parser().parse_args(["up", "--lora-modules", "sql=/a/sql", "chat=/a/chat"])
+    over = engine_overrides(args)
+    assert over == {"lora_modules": ["sql=/a/sql", "chat=/a/chat"]}
+    merged = override_args({"pools": [{"role": "mixed"}]}, None, None, None, engine=over)
+    assert ClusterConfig(**merged).lora_names() == ["sql", "chat"]
+    assert main(["engine-server", "--lora-modules", "sql"]) == 2
+
+
 def test_up_applies_them_to_every_pool():
     args = build_parser().parse_args(["up", "--max-model-len", "2048", "--kv-cache-tokens", "8192"])
     app = {"engine": {"enable_prefix_caching": True}, "pools": [{"role": "mixed"}, {"role": "decode"},
@@ -60,7 +69,8 @@ def test_up_applies_them_to_every_pool():
 
 @pytest.mark.parametrize("argv", [
     ["up", "--detach", "--policy", "edf", "--max-model-len", "2048", "--chunk-size", "none",
-     "--served-model-name", "a", "b", "--no-enable-prefix-caching", "--kvp-layout", "progressive"],
+     "--served-model-name", "a", "b", "--no-enable-prefix-caching", "--kvp-layout", "progressive",
+     "--lora-modules", "sql=/adapters/sql", "chat=/adapters/chat"],
     ["engine-server", "--detach", "--enable-log-requests", "--reasoning-parser", "qwen3", "--chat-template",
      "{{ messages[0].content }}",
      "--generation-config", "vllm", "--max-num-seqs", "8", "--threads", "1"],

@@ -159,6 +159,8 @@ def test_bad_spec_names_the_field():
     with pytest.raises(ValueError, match="engine.speculative_method .decode pool.: the simulator does not"):
         SimSpec(gpu="a100", pools=[{"role": "prefill-short", "instances": 1},
                                    {"role": "decode", "instances": 1, "engine": {"speculative_method": "ngram"}}])
+    with pytest.raises(ValueError, match="engine.lora_modules .mixed pool.: the simulator does not model LoRA"):
+        SimSpec(gpu="a100", engine={"lora_modules": ["a=/x"]}, pools=[{"role": "mixed", "instances": 1}])
 
 
 def test_cpu_kvp_pool_holds_every_ranks_kv():

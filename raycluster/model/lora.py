@@ -1,0 +1,162 @@
+"""LoRA adapters (PEFT format) served beside the base weights, many in one batch (vLLM's
+--enable-lora / --lora-modules).
+
+`load_adapter(path, config, name)` reads a PEFT directory (adapter_config.json and
+adapter_model.safetensors: per target projection of each layer, `lora_A` [r, in] and `lora_B`
+[out, r]) and checks it against the base model's shapes; the scaling (lora_alpha / r, or / sqrt(r)
+with rsLoRA) is folded into B. `LoRASet` holds the adapters of one engine by name. Each step,
+`LoRASet.for_step(runs)` turns the plan's runs of tokens that use an adapter into a `StepLoRA`:
+per adapter, the token rows using it. The model calls `StepLoRA.add(layer, module, x, y)` after
+each targeted projection y = x W^T: y[rows] += (x[rows] A^T) B^T for each adapter in the step,
+so the base weights are never changed and requests on different adapters (or none) share a
+batch. Projections a LoRA can target: q/k/v/o_proj and gate/up/down_proj; an adapter for
+anything else (embeddings, lm_head), with DoRA, biases or fan_in_fan_out is refused.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+from dataclasses import dataclass, field
+
+import torch
+from safetensors.torch import load_file
+
+from raycluster.model.config import ModelConfig
+
+TARGETS = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn",
+           "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}
+_KEY = re.compile(r"^(?:base_model\.model\.)?model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+_proj)\.lora_([AB])"
+                  r"(?:\.default)?\.weight$")
+
+
+class AdapterError(ValueError):
+    """An adapter directory that cannot be served on this model; the message names the problem."""
+
+
+@dataclass
+class LoRAAdapter:
+    name: str
+    path: str
+    rank: int
+    # (layer, module) -> (A [r, in], B [out, r] with the scaling folded in)
+    weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+
+    @property
+    def modules(self) -> set[str]:
+        return {m for _, m in self.weights}
+
+
+def _shapes(cfg: ModelConfig) -> dict[str, tuple[int, int]]:
+    """(out, in) of each projection a LoRA may target."""
+    h, d, i = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
+    q, kv = cfg.num_attention_heads * d, cfg.num_key_value_heads * d
+    return {"q_proj": (q, h), "k_proj": (kv, h), "v_proj": (kv, h), "o_proj": (h, q),
+            "gate_proj": (i, h), "up_proj": (i, h), "down_proj": (h, i)}
+
+
+def load_adapter(path: str | os.PathLike, cfg: ModelConfig, name: str, dtype: torch.dtype = torch.float32,
+                 max_rank: int = 256) -> LoRAAdapter:
+    path = os.fspath(path)
+    try:
+        with open(os.path.join(path, "adapter_config.json")) as f:
+            acfg = json.load(f)
+    except FileNotFoundError:
+        raise AdapterError(f"{name}: no adapter_config.json in {path}") from None
+    if str(acfg.get("peft_type", "LORA")).upper() != "LORA":
+        raise AdapterError(f"{name}: peft_type {acfg.get('peft_type')!r} is not LORA")
+    for key, ok in (("use_dora", False), ("fan_in_fan_out", False)):
+        if bool(acfg.get(key, False)) != ok:
+            raise AdapterError(f"{name}: {key} is not supported")
+    if acfg.get("bias", "none") != "none":
+        raise AdapterError(f"{name}: bias {acfg.get('bias')!r} is not supported (only 'none')")
+    if acfg.get("rank_pattern") or acfg.get("alpha_pattern") or acfg.get("modules_to_save"):
+        raise AdapterError(f"{name}: rank_pattern, alpha_pattern and modules_to_save are not supported")
+    rank, alpha = int(acfg.get("r", 8)), float(acfg.get("lora_alpha", 8))
+    if not 1 <= rank <= max_rank:
+        raise AdapterError(f"{name}: rank {rank} outside [1, {max_rank}]")
+    scaling = alpha / math.sqrt(rank) if acfg.get("use_rslora") else alpha / rank
+    file = os.path.join(path, "adapter_model.safetensors")
+    if not os.path.exists(file):
+        raise AdapterError(f"{name}: no adapter_model.safetensors in {path}")
+    shapes, parts = _shapes(cfg), {}
+    for key, tensor in load_file(file).items():
+        m = _KEY.match(key)
+        if m is None:
+            raise AdapterError(f"{name}: tensor {key!r} is not a LoRA A/B of a q/k/v/o or gate/up/down projection")
+        layer, group, module, ab = int(m[1]), m[2], m[3], m[4]
+        if TARGETS.get(module) != group or not 0 <= layer < cfg.num_hidden_layers:
+            raise AdapterError(f"{name}: tensor {key!r} targets no projection of this model")
+        out_dim, in_dim = shapes[module]
+        want = (rank, in_dim) if ab == "A" else (out_dim, rank)
+        if tuple(tensor.shape) != want:
+            raise AdapterError(f"{name}: tensor {key!r} has shape {tuple(tensor.shape)}, this model needs {want}")
+        parts[(layer, module, ab)] = tensor.float()
+    adapter = LoRAAdapter(name, path, rank)
+    for (layer, module, ab), a in parts.items():
+        if ab != "A":
+            continue
+        b = parts.get((layer, module, "B"))
+        if b is None:
+            raise AdapterError(f"{name}: layer {layer} {module} has lora_A but no lora_B")
+        adapter.weights[(layer, module)] = (a.to(dtype).contiguous(), (b * scaling).to(dtype).contiguous())
+    if len(adapter.weights) * 2 != len(parts):
+        raise AdapterError(f"{name}: a lora_B without its lora_A")
+    if not adapter.weights:
+        raise AdapterError(f"{name}: no LoRA weights in {file}")
+    return adapter
+
+
+def parse_modules(specs: list[str]) -> dict[str, str]:
+    """vLLM's --lora-modules entries, "name=path" each, as {name: path} (ValueError on a bad one)."""
+    out: dict[str, str] = {}
+    for spec in specs:
+        name, sep, path = spec.partition("=")
+        if not sep or not name.strip() or not path.strip():
+            raise ValueError(f"lora_modules: {spec!r} is not name=path")
+        if name in out:
+            raise ValueError(f"lora_modules: {name!r} is given twice")
+        out[name.strip()] = path.strip()
+    return out
+
+
+class StepLoRA:
+    """The adapters of one step: per adapter, the rows of the step's tokens that use it."""
+
+    def __init__(self, groups: list[tuple[LoRAAdapter, torch.Tensor]]) -> None:
+        self.groups = groups
+
+    def add(self, layer: int, module: str, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """y (= x W^T for `module` of `layer`) plus each adapter's x A^T B^T on its rows."""
+        for adapter, rows in self.groups:
+            ab = adapter.weights.get((layer, module))
+            if ab is None:
+                continue
+            a, b = ab
+            xr = x.index_select(0, rows)
+            y.index_add_(0, rows, (xr @ a.t()) @ b.t())
+        return y
+
+
+class LoRASet:
+    """The adapters an engine serves, by name."""
+
+    def __init__(self, adapters: list[LoRAAdapter]) -> None:
+        self.adapters = {a.name: a for a in adapters}
+
+    @classmethod
+    def load(cls, modules: dict[str, str], cfg: ModelConfig, dtype: torch.dtype) -> "LoRASet":
+        return cls([load_adapter(path, cfg, name, dtype) for name, path in modules.items()])
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.adapters
+
+    def for_step(self, runs: list[tuple[str, int, int]], device: torch.device | str = "cpu") -> StepLoRA:
+        """`runs`: (adapter name, first token, count) of the step's tokens that use an adapter."""
+        rows: dict[str, list[int]] = {}
+        for name, first, count in runs:
+            rows.setdefault(name, []).extend(range(first, first + count))
+        return StepLoRA([(self.adapters[name], torch.tensor(r, dtype=torch.long, device=device))
+                         for name, r in rows.items()])
