@@ -2,7 +2,7 @@
 problem), and a request on an adapter gives what the base model with that adapter merged into
 its weights (W + scaling * B A, the plain formula) gives, in batches mixing adapters and the
 base, chunked, with speculative decoding, and without sharing prefix-cache blocks across
-adapters."""
+adapters; and the same greedy tokens as transformers with PEFT loading the adapter."""
 
 from __future__ import annotations
 
@@ -182,3 +182,23 @@ def test_an_adapter_the_engine_does_not_serve_is_a_model_error(adapters, loaded)
     with pytest.raises(InvalidRequestError, match="'chat' is not served"):
         eng.add_request("b", [5, 6], SamplingParams(lora_adapter="chat"))
     assert not eng.has_unfinished()
+
+
+@pytest.mark.parametrize("name", ["sql", "chat"])
+def test_greedy_tokens_equal_transformers_with_peft(adapters, tiny_model_dir, loaded, name):
+    """The reference implementation: transformers + PEFT loading the same adapter directory
+    (plain LoRA on q/v/o/down, rsLoRA on k/gate/up)."""
+    transformers = pytest.importorskip("transformers")
+    peft = pytest.importorskip("peft")
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32,
+                                                           attn_implementation="eager")
+    hf = peft.PeftModel.from_pretrained(hf, str(adapters[name])).eval()
+    model, tok = loaded
+    eng = LLMEngine(EngineConfig(**BASE, lora_modules=[f"{n}={p}" for n, p in adapters.items()]), model, tok)
+    prompts = _prompts(4, seed=11)
+    got = _run(eng, prompts, [SamplingParams(max_tokens=8, ignore_eos=True, lora_adapter=name)] * 4)
+    for prompt, out in zip(prompts, got):
+        with torch.no_grad():
+            ids = hf.generate(input_ids=torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                              max_new_tokens=8, min_new_tokens=8, do_sample=False, pad_token_id=2)
+        assert out == ids[0, len(prompt):].tolist()
