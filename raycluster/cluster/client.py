@@ -113,7 +113,13 @@ class ClusterClient:
                 "waiting": sum(i.get("waiting", 0) for i in instances),
                 "running": sum(i.get("running", 0) for i in instances),
                 "kv_used_blocks": sum(i.get("kv_total_blocks", 0) - i.get("kv_free_blocks", 0) for i in instances),
-                "kv_total_blocks": sum(i.get("kv_total_blocks", 0) for i in instances)}
+                "kv_total_blocks": sum(i.get("kv_total_blocks", 0) for i in instances),
+                "router_queued": sum((s.get("queues") or {}).values()),
+                "preemptions": sum(i.get("preemptions", 0) for i in instances),
+                "prefix_queries": sum(i.get("prefix_query_tokens", 0) for i in instances),
+                "prefix_hits": sum(i.get("prefix_hit_tokens", 0) for i in instances),
+                "spec_drafts": sum(i.get("spec_draft_tokens", 0) for i in instances),
+                "spec_accepted": sum(i.get("spec_accepted_tokens", 0) for i in instances)}
 
     async def health(self) -> tuple[bool, dict]:
         """Healthy once the router answers and at least one instance has registered, or the

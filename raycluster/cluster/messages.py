@@ -129,6 +129,7 @@ class InstanceStats:
     kv_pulls_failed: int = 0           # of handoffs, pulls that failed (the prefill was recomputed)
     kv_pull_blocks: int = 0            # blocks the successful pulls moved
     kv_pull_s: float = 0.0             # wall time of the successful pulls
+    preemptions: int = 0               # requests preempted (by recompute), so far
     spec_draft_tokens: int = 0         # speculative decoding: draft tokens run, so far
     spec_accepted_tokens: int = 0      # of those, accepted
 

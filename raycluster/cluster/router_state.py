@@ -140,6 +140,7 @@ def instance_summary(i: Instance, now: float) -> dict:
             "prefix_hit_tokens": s.prefix_hit_tokens, "kv_pulls_ok": s.kv_pulls_ok,
             "kv_pulls_failed": s.kv_pulls_failed, "kv_pull_blocks": s.kv_pull_blocks, "kv_pull_s": s.kv_pull_s,
             "spec_draft_tokens": s.spec_draft_tokens, "spec_accepted_tokens": s.spec_accepted_tokens,
+            "preemptions": s.preemptions,
             "last_seen_s_ago": now - i.last_seen, "draining": i.draining}
 
 

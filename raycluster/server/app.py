@@ -99,7 +99,7 @@ def build_app(engine, tokenizer, model_names: str | Sequence[str], api_keys: Seq
     app = FastAPI(title="raycluster", version="0.1.0")
     if api_keys:
         app.add_middleware(ApiKeyMiddleware, keys=api_keys)
-    metrics = RequestMetrics(metrics_sinks)
+    metrics = RequestMetrics(metrics_sinks, model_name=names[0])
 
     @app.exception_handler(RequestValidationError)
     async def _validation(_, exc: RequestValidationError):

@@ -111,10 +111,16 @@ class AsyncEngine:
         self._thread.join(timeout=10)
 
     def stats(self) -> dict:
-        kv = self.engine.kv
-        return {"waiting": self.engine.scheduler.num_waiting, "running": self.engine.scheduler.num_running,
-                "kv_used_blocks": kv.allocator.num_used, "kv_total_blocks": kv.num_blocks,
-                "steps": self.steps}
+        eng = self.engine
+        kv = eng.kv
+        out = {"waiting": eng.scheduler.num_waiting, "running": eng.scheduler.num_running,
+               "kv_used_blocks": kv.allocator.num_used, "kv_total_blocks": kv.num_blocks,
+               "steps": self.steps, "preemptions": eng.scheduler.preempted_total}
+        if kv.prefix_caching:
+            out.update(prefix_queries=kv.query_tokens, prefix_hits=kv.hit_tokens)
+        if eng.proposer is not None:
+            out.update(spec_drafts=eng.num_draft_tokens, spec_accepted=eng.num_accepted_tokens)
+        return out
 
     # ---- step thread -----------------------------------------------------------------------
     def _drain(self, block: bool) -> None:

@@ -7,6 +7,15 @@ and KV gauges (set when /metrics is read). The app reports each request through 
 A cluster gateway replica adds a Ray metrics sink (deployments/gateway_metrics.py): `/metrics`
 answers for the one replica that served the scrape, while Ray's metrics export, which Prometheus
 scrapes per node, carries every replica's series.
+
+The same figures are also exposed under vLLM's names (`vllm:num_requests_running`,
+`vllm:num_requests_waiting`, `vllm:kv_cache_usage_perc`, `vllm:prompt_tokens_total`,
+`vllm:generation_tokens_total`, `vllm:request_success_total{finished_reason}`,
+`vllm:time_to_first_token_seconds`, `vllm:request_time_per_output_token_seconds`,
+`vllm:e2e_request_latency_seconds`, and from the engine's totals `vllm:num_preemptions_total`,
+`vllm:prefix_cache_{queries,hits}_total`, `vllm:spec_decode_num_{draft,accepted}_tokens_total`),
+labelled `model_name`, so dashboards and autoscalers written for vLLM read them unchanged. In a
+cluster, waiting counts the router's queues too, and the engine totals sum every instance's.
 """
 
 from __future__ import annotations
@@ -31,8 +40,9 @@ class RequestMetricsSink(Protocol):
 class RequestMetrics:
     content_type = CONTENT_TYPE_LATEST
 
-    def __init__(self, sinks: Sequence[RequestMetricsSink] = ()) -> None:
+    def __init__(self, sinks: Sequence[RequestMetricsSink] = (), model_name: str = "model") -> None:
         self.sinks = list(sinks)
+        self.model_name = model_name
         self.registry = r = CollectorRegistry()
         self.requests = Counter("raycluster_requests", "Finished requests", ["finish_reason"], registry=r)
         self.tokens = Counter("raycluster_generated_tokens", "Generated tokens", registry=r)
@@ -46,14 +56,17 @@ class RequestMetrics:
         self.waiting = Gauge("raycluster_queue_waiting", "Requests waiting for prefill", registry=r)
         self.running = Gauge("raycluster_queue_running", "Requests holding KV", registry=r)
         self.kv_usage = Gauge("raycluster_kv_usage", "Fraction of KV blocks in use", registry=r)
+        self.vllm = _VllmNames(r, model_name)
 
     def admitted(self, prompt_tokens: int) -> None:
         self.prompt_tokens.inc(prompt_tokens)
+        self.vllm.prompt_tokens.inc(prompt_tokens)
         for s in self.sinks:
             s.admitted(prompt_tokens)
 
     def first_token(self, ttft_s: float) -> None:
         self.ttft.observe(ttft_s)
+        self.vllm.ttft.observe(ttft_s)
         for s in self.sinks:
             s.first_token(ttft_s)
 
@@ -62,8 +75,13 @@ class RequestMetrics:
         self.requests.labels(reason).inc()
         self.tokens.inc(output_tokens)
         self.e2e.observe(e2e_s)
+        v = self.vllm
+        v.success.labels(self.model_name, reason).inc()
+        v.generation_tokens.inc(output_tokens)
+        v.e2e.observe(e2e_s)
         if tpot_s is not None:
             self.tpot.observe(tpot_s)
+            v.tpot.observe(tpot_s)
         for s in self.sinks:
             s.finished(reason, output_tokens, e2e_s, tpot_s)
 
@@ -71,5 +89,51 @@ class RequestMetrics:
         """The Prometheus text of this registry, the engine's gauges set from `engine_stats`."""
         self.waiting.set(engine_stats["waiting"])
         self.running.set(engine_stats["running"])
-        self.kv_usage.set(engine_stats["kv_used_blocks"] / max(1, engine_stats["kv_total_blocks"]))
-        return generate_latest(self.registry)
+        usage = engine_stats["kv_used_blocks"] / max(1, engine_stats["kv_total_blocks"])
+        self.kv_usage.set(usage)
+        v = self.vllm
+        v.waiting.set(engine_stats["waiting"] + engine_stats.get("router_queued", 0))
+        v.running.set(engine_stats["running"])
+        v.kv_usage.set(usage)
+        return generate_latest(self.registry) + v.totals(engine_stats)
+
+
+# Engine totals kept by the engine (or summed over a cluster's instances), not by the app:
+# written as counter lines from the stats at each scrape.
+_TOTALS = (("num_preemptions", "preemptions", "Requests preempted (recomputed later)"),
+           ("prefix_cache_queries", "prefix_queries", "Prompt tokens looked up in the prefix cache"),
+           ("prefix_cache_hits", "prefix_hits", "Of those, tokens found cached"),
+           ("spec_decode_num_draft_tokens", "spec_drafts", "Draft tokens run (speculative decoding)"),
+           ("spec_decode_num_accepted_tokens", "spec_accepted", "Of those, accepted"))
+
+
+class _VllmNames:
+    """vLLM's metric names over the same observations (module docstring)."""
+
+    def __init__(self, r: CollectorRegistry, model_name: str) -> None:
+        self.model_name = model_name
+        label = {"model_name": model_name}
+        self.running = Gauge("vllm:num_requests_running", "Requests running", ["model_name"], registry=r).labels(**label)
+        self.waiting = Gauge("vllm:num_requests_waiting", "Requests waiting", ["model_name"], registry=r).labels(**label)
+        self.kv_usage = Gauge("vllm:kv_cache_usage_perc", "KV cache usage (1 = full)", ["model_name"],
+                              registry=r).labels(**label)
+        self.prompt_tokens = Counter("vllm:prompt_tokens", "Prefill tokens processed", ["model_name"],
+                                     registry=r).labels(**label)
+        self.generation_tokens = Counter("vllm:generation_tokens", "Generation tokens processed", ["model_name"],
+                                         registry=r).labels(**label)
+        self.success = Counter("vllm:request_success", "Finished requests", ["model_name", "finished_reason"],
+                               registry=r)
+        self.ttft = Histogram("vllm:time_to_first_token_seconds", "Time to first token", ["model_name"],
+                              registry=r, buckets=TTFT_BUCKETS).labels(**label)
+        self.tpot = Histogram("vllm:request_time_per_output_token_seconds", "Time per output token, per request",
+                              ["model_name"], registry=r, buckets=TPOT_BUCKETS).labels(**label)
+        self.e2e = Histogram("vllm:e2e_request_latency_seconds", "Arrival to last token", ["model_name"],
+                             registry=r, buckets=E2E_BUCKETS).labels(**label)
+
+    def totals(self, stats: dict) -> bytes:
+        lines = []
+        for name, key, doc in _TOTALS:
+            if key in stats:
+                lines += [f"# HELP vllm:{name}_total {doc}", f"# TYPE vllm:{name}_total counter",
+                          f'vllm:{name}_total{{model_name="{self.model_name}"}} {stats[key]}']
+        return ("\n".join(lines) + "\n").encode() if lines else b""

@@ -125,6 +125,19 @@ def test_metrics_count_prompt_tokens_and_request_latency(server):
         before.get("raycluster_e2e_request_latency_seconds_count", 0) == 2
     assert after["raycluster_generated_tokens_total"] - before.get("raycluster_generated_tokens_total", 0) == 6
     assert _all_free(aeng)
+    # vLLM's names over the same counts (labelled model_name: the first served name), and the
+    # engine's prefix-cache totals (this server caches prefixes).
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(f"{url}/metrics", timeout=10).text
+    vllm = {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples
+            if s.name.startswith("vllm:") and s.labels.get("model_name") == "tiny" and "le" not in s.labels
+            and "finished_reason" not in s.labels}
+    assert vllm["vllm:prompt_tokens_total"] == after["raycluster_prompt_tokens_total"]
+    assert vllm["vllm:generation_tokens_total"] == after["raycluster_generated_tokens_total"]
+    assert vllm["vllm:num_requests_running"] == 0 and vllm["vllm:kv_cache_usage_perc"] == 0
+    assert vllm["vllm:prefix_cache_queries_total"] == aeng.engine.kv.query_tokens > 0
+    assert vllm["vllm:prefix_cache_hits_total"] == aeng.engine.kv.hit_tokens
 
 
 @pytest.mark.parametrize("payload, param", [

@@ -397,6 +397,7 @@ def test_openai_client_and_status(cluster):
     metrics = httpx.get(url + "/metrics").text
     assert "raycluster_ttft_seconds_bucket" in metrics and "raycluster_instance_kv_usage" in metrics
     assert "raycluster_instance_prefill_backlog_tokens{" in metrics
+    assert 'vllm:num_requests_waiting{model_name="tiny"}' in metrics and "vllm:time_to_first_token_seconds" in metrics
     bad = httpx.post(url + "/v1/completions", json={"prompt": "x", "max_tokens": 0})
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "max_tokens"
     instances = httpx.get(url + "/v1/cluster/status", timeout=5).json()["instances"]

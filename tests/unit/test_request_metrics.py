@@ -45,3 +45,48 @@ def test_observations_reach_the_registry_and_every_sink():
     assert abs(got[("raycluster_e2e_request_latency_seconds_sum", ())] - 0.6) < 1e-9
     assert got[("raycluster_e2e_request_latency_seconds_bucket", (("le", "0.25"),))] == 1
     assert got[("raycluster_kv_usage", ())] == 0.25 and got[("raycluster_queue_waiting", ())] == 2
+
+
+def test_the_same_figures_under_vllms_names():
+    m = RequestMetrics(model_name="house")
+    m.admitted(40)
+    m.first_token(0.03)
+    m.finished("length", 5, 0.4, 0.09)
+    m.admitted(3)
+    m.finished("abort", 0, 0.2, None)
+    stats = {"waiting": 2, "running": 1, "kv_used_blocks": 3, "kv_total_blocks": 12, "router_queued": 4,
+             "preemptions": 7, "prefix_queries": 640, "prefix_hits": 96, "spec_drafts": 50, "spec_accepted": 21}
+    text = m.render(stats).decode()
+    got = {(s.name, tuple(sorted((k, v) for k, v in s.labels.items() if k != "model_name"))): s.value
+           for f in text_string_to_metric_families(text) for s in f.samples if s.name.startswith("vllm:")}
+    assert all(s.labels.get("model_name") == "house" for f in text_string_to_metric_families(text)
+               for s in f.samples if s.name.startswith("vllm:"))
+    assert got[("vllm:num_requests_waiting", ())] == 6          # the router's queue counts as waiting
+    assert got[("vllm:num_requests_running", ())] == 1 and got[("vllm:kv_cache_usage_perc", ())] == 0.25
+    assert got[("vllm:prompt_tokens_total", ())] == 43 and got[("vllm:generation_tokens_total", ())] == 5
+    assert got[("vllm:request_success_total", (("finished_reason", "length"),))] == 1
+    assert got[("vllm:request_success_total", (("finished_reason", "abort"),))] == 1
+    assert got[("vllm:time_to_first_token_seconds_count", ())] == 1
+    assert got[("vllm:request_time_per_output_token_seconds_sum", ())] == 0.09
+    assert got[("vllm:e2e_request_latency_seconds_count", ())] == 2
+    for name, value in (("num_preemptions", 7), ("prefix_cache_queries", 640), ("prefix_cache_hits", 96),
+                        ("spec_decode_num_draft_tokens", 50), ("spec_decode_num_accepted_tokens", 21)):
+        assert got[(f"vllm:{name}_total", ())] == value
+    # Totals an engine does not keep (no prefix caching, no drafts) are left out, not zero.
+    bare = m.render({"waiting": 0, "running": 0, "kv_used_blocks": 0, "kv_total_blocks": 1}).decode()
+    assert "vllm:prefix_cache_hits_total" not in bare and "vllm:num_requests_running" in bare
+
+
+def test_a_cluster_gateways_stats_sum_its_instances(tmp_path):
+    from raycluster.cluster.client import ClusterClient
+
+    client = ClusterClient(submit=None, abort=None, pull=None, status=None, tokenizer=None, max_model_len=64,
+                           vocab_size=10, eos_token_ids=(), gateway_id="g")
+    inst = {"waiting": 1, "running": 2, "kv_total_blocks": 10, "kv_free_blocks": 4, "preemptions": 3,
+            "prefix_query_tokens": 100, "prefix_hit_tokens": 40, "spec_draft_tokens": 9, "spec_accepted_tokens": 5}
+    client._last_status = {"queues": {"mixed": 3, "decode": 1}, "instances": [inst, dict(inst, waiting=2)]}
+    s = client.stats()
+    assert (s["waiting"], s["router_queued"], s["running"], s["kv_used_blocks"], s["kv_total_blocks"]) == \
+        (3, 4, 4, 12, 20)
+    assert (s["preemptions"], s["prefix_queries"], s["prefix_hits"], s["spec_drafts"], s["spec_accepted"]) == \
+        (6, 200, 80, 18, 10)
