@@ -135,8 +135,10 @@ class StepLoRA:
             if ab is None:
                 continue
             a, b = ab
-            xr = x.index_select(0, rows)
-            y.index_add_(0, rows, (xr @ a.t()) @ b.t())
+            if rows.numel() == x.shape[0]:          # every token on this adapter: no gather
+                y.add_((x @ a.t()) @ b.t())
+            else:
+                y.index_add_(0, rows, (x.index_select(0, rows) @ a.t()) @ b.t())
         return y
 
 
