@@ -1,5 +1,6 @@
-"""Smoke test of `raycluster bench spec-decode`: the JSON's shape, drafting runs that give the
-plain run's tokens, and the CLI's exit status (no timing assertions)."""
+"""Smoke tests of `raycluster bench spec-decode` (the JSON's shape, drafting runs that give the
+plain run's tokens, the CLI's exit status) and `raycluster bench lora` (its three mixes); no
+timing assertions."""
 
 from __future__ import annotations
 
@@ -22,3 +23,12 @@ def test_spec_decode_bench_runs_side_by_side(tmp_path):
         else:
             assert 0 <= r["accepted"] <= r["drafts"]
             assert r["steps"] <= 24
+
+
+def test_lora_bench_runs_the_three_mixes(tmp_path):
+    out = tmp_path / "lora.json"
+    assert main(["bench", "lora", "--num-requests", "3", "--max-tokens", "4", "--rank", "4", "--repeats", "1",
+                 "--kv-tokens", "4096", "--out", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["mix"] for r in rows] == ["base", "one adapter", "two adapters + base"]
+    assert rows[0]["vs_base"] == 1.0 and all(r["median_s"] > 0 and len(r["runs_s"]) == 1 for r in rows)
