@@ -45,11 +45,12 @@ class _Board(Switchboard):
             return reply
 
 
-def _run(model, tokenizer, requests: list[tuple[list[int], SamplingParams]]):
+def _run(model, tokenizer, requests: list[tuple[list[int], SamplingParams]], lora_modules: list[str] = ()):
     """Serve `requests` through client -> router -> instance; returns (text, finish reason, token
     ids) per request and the `Request`s the engine was given."""
     board = _Board()
-    engine = LLMEngine(EngineConfig(policy="fcfs", packer="token", kv_cache_tokens=4096, chunk_size=64), model)
+    engine = LLMEngine(EngineConfig(policy="fcfs", packer="token", kv_cache_tokens=4096, chunk_size=64,
+                                    lora_modules=list(lora_modules)), model)
     given = []
     add_request = engine.add_request
 
@@ -87,7 +88,7 @@ def _every_field_set() -> list[SamplingParams]:
                         prompt_logprobs=1, guided_regex="[a-z ]{1,40}",
                         allowed_token_ids=list(range(1000)),     # every byte token: the patterns stay reachable
                         include_stop_str_in_output=True, skip_special_tokens=False,
-                        bad_words_token_ids=[[7], [8, 9]])
+                        bad_words_token_ids=[[7], [8, 9]], lora_adapter="sql")
     grammar = dataclasses.replace(sp, guided_regex=None, guided_grammar='start: "(" start ")" | "x"')
     defaults = SamplingParams()
     unset = [f.name for f in dataclasses.fields(SamplingParams)
@@ -96,11 +97,14 @@ def _every_field_set() -> list[SamplingParams]:
     return [sp, grammar]
 
 
-def test_every_sampling_field_reaches_the_engine(loaded):
+def test_every_sampling_field_reaches_the_engine(loaded, tiny_model_dir, tmp_path):
+    from raycluster.model.tiny import write_tiny_lora
+
     model, _ = loaded
     sps = _every_field_set()
     want = [dataclasses.replace(sp) for sp in sps]      # what the caller asked for, whatever happens to `sp`
-    results, given, board = _run(model, None, [([11, 12, 13, 14], sp) for sp in sps])
+    adapter = write_tiny_lora(tmp_path / "sql", tiny_model_dir, seed=1)
+    results, given, board = _run(model, None, [([11, 12, 13, 14], sp) for sp in sps], [f"sql={adapter}"])
     assert [r.request_id for r in given] == ["q0", "q1"]
     for i, sp in enumerate(sps):
         assert given[i].sampling == want[i]
