@@ -22,7 +22,7 @@ from raycluster.engine.config import EngineConfig
 from raycluster.engine.guided import GuidedDecoding, constraint_of
 from raycluster.parallel.factory import build_runner
 from raycluster.engine.sampler import Sampler
-from raycluster.engine.spec_decode import NgramProposer, drafts_allowed
+from raycluster.engine.spec_decode import NgramProposer
 from raycluster.model.lora import LoRASet, parse_modules
 from raycluster.engine.profiler import load_or_profile
 from raycluster.engine.sched_factory import RetiredScheduling, build_scheduler, needs_predictor
@@ -332,7 +332,14 @@ class LLMEngine:
                     n, ids = len(drafts) + 1, req.output_token_ids
                     logits = self.sampler.penalize(rows_logits, [sp] * n, [req.prompt_token_ids] * n,
                                                    [ids + drafts[:j] for j in range(n)], [_min_tokens_ban(req)] * n)
+                constraint = constraint_of(sp)
+                if constraint is not None:      # row j under the pattern's state after drafts[:j]
+                    logits = self._guided.mask_drafts(logits, req.request_id, constraint, req.output_token_ids,
+                                                      drafts, raw=None if logits is rows_logits else rows_logits)
                 toks = accepted[req.request_id] = self.sampler.verify(logits, drafts, sp, len(req.output_token_ids))
+                if constraint is not None:
+                    for t in toks:
+                        self._guided.advance(req.request_id, t)
                 lps = None if req.sampling.logprobs is None else self.sampler.logprobs(
                     rows_logits, list(range(len(toks))), toks, [req.sampling.logprobs] * len(toks))
                 drafted.append((req, len(req.output_token_ids), lps))
@@ -413,7 +420,7 @@ class LLMEngine:
         decoding, max_len = self.scheduler.decoding, self.max_model_len
         for req in [*sampled, *(d[0] for d in drafted)]:
             rid = req.request_id
-            if rid in finished or rid not in decoding or not drafts_allowed(req.sampling):
+            if rid in finished or rid not in decoding:
                 continue
             # Room for the drafts and the token after them, within max_tokens and the context.
             room = min(req.sampling.max_tokens - len(req.output_token_ids), max_len - req.num_tokens) - 1

@@ -46,6 +46,9 @@ class _RegexGuide:
     def advance(self, token: int) -> None:
         self._guide.advance(token, return_tokens=False)
 
+    def rollback(self, n: int) -> None:
+        self._guide.rollback_state(n)
+
 
 class _GrammarGuide:
     def __init__(self, matcher) -> None:
@@ -57,6 +60,9 @@ class _GrammarGuide:
 
     def advance(self, token: int) -> None:
         self._matcher.consume_token(token)
+
+    def rollback(self, n: int) -> None:
+        self._matcher.rollback(n)
 
 
 class GuidedVocab:
@@ -195,13 +201,19 @@ class GuidedDecoding:
         `raw` (the logits before penalties) when penalties ran: a row they left with no allowed
         finite logit (min_tokens banned the EOS a complete pattern needs) takes its allowed
         tokens from `raw` instead."""
-        logits = logits.clone()
         vocab = logits.shape[-1]
         # One bitmask row per guided request (its guide writes it; bit i of byte k is token
         # 8k + i), unpacked through a byte -> 8 bits table: a gather, not 32 shifts per word.
         words = torch.zeros((len(rows), (vocab + 31) // 32), dtype=torch.int32)
         for k, (rid, constraint, out) in enumerate(zip(request_ids, constraints, outputs)):
             self._guide(rid, constraint, out).write_mask(words[k])
+        return self._apply(logits, words, rows, raw)
+
+    def _apply(self, logits: torch.Tensor, words: torch.Tensor, rows: list[int],
+               raw: torch.Tensor | None) -> torch.Tensor:
+        """`logits` (cloned here) with row rows[k] limited to the tokens bitmask `words[k]` allows."""
+        logits = logits.clone()
+        vocab = logits.shape[-1]
         blocked = _BLOCKED[words.view(torch.uint8).long()].view(len(rows), -1)[:, :vocab]
         eos = list(self.eos_token_ids)
         blocked[:, eos] &= blocked[:, eos[:1]]          # every EOS id where the pattern allows the first
@@ -210,6 +222,33 @@ class GuidedDecoding:
             if raw is not None and not torch.isfinite(masked).any():
                 masked.copy_(raw[row].masked_fill(blocked[k], float("-inf")))
         return logits
+
+    def mask_drafts(self, logits: torch.Tensor, request_id: str, constraint: Regex | Grammar, output: list[int],
+                    drafts: list[int], raw: torch.Tensor | None = None) -> torch.Tensor:
+        """The rows [1 + k, vocab] of a request that ran k drafts (speculative decoding), row j
+        limited to what its pattern allows after the drafts before it (a copy). The guide steps
+        through the drafts the pattern allows and is rolled back after: it advances later by
+        the tokens kept (an EOS, which guides never consume, leaves the state as it was: with
+        ignore_eos the output goes on after it). Rows after a draft the pattern refuses are left
+        unmasked: verification stops at that draft, whose row cannot give it."""
+        guide = self._guide(request_id, constraint, output)
+        words = torch.zeros((len(drafts) + 1, (logits.shape[-1] + 31) // 32), dtype=torch.int32)
+        guide.write_mask(words[0])
+        eos, stepped, rows = self.eos_token_ids, 0, 1
+        for j, d in enumerate(drafts):
+            bit = eos[0] if d in eos else d
+            if not (int(words[j, bit >> 5]) >> (bit & 31)) & 1:
+                break
+            if d in eos:
+                words[j + 1] = words[j]
+            else:
+                guide.advance(d)
+                stepped += 1
+                guide.write_mask(words[j + 1])
+            rows += 1
+        if stepped:
+            guide.rollback(stepped)
+        return self._apply(logits, words[:rows], list(range(rows)), raw)
 
     def advance(self, request_id: str, token: int) -> None:
         guide = self._guides.get(request_id)

@@ -8,19 +8,13 @@ the scheduler runs the request's last token and its drafts as one chunk when the
 and KV for them (`SchedulerOutput.spec_tokens`), and `Sampler.verify` keeps the drafts the
 model agrees with plus one token of its own. Costs nothing but a lookup when nothing repeats.
 
-`drafts_allowed(sp)` says which requests may draft: not those under a structured-output
-constraint, whose automaton would have to be stepped through each draft to mask the rows; they
-decode a token per step. Penalties, logit bias, min_tokens, allowed ids and bad words apply to
-row j with the drafts before it counted as output (the engine passes each row its history).
+Every request may draft. Penalties, logit bias, min_tokens, allowed ids and bad words apply to
+row j with the drafts before it counted as output (the engine passes each row its history); a
+structured output's row j is masked by its pattern's state after the drafts before it
+(`GuidedDecoding.mask_drafts` steps the guide through them and rolls it back).
 """
 
 from __future__ import annotations
-
-from raycluster.request import SamplingParams
-
-
-def drafts_allowed(sp: SamplingParams) -> bool:
-    return sp.guided_regex is None and sp.guided_grammar is None
 
 
 class NgramProposer:

@@ -18,7 +18,7 @@ from pydantic import ValidationError
 from raycluster.engine.config import EngineConfig
 from raycluster.engine.engine import LLMEngine
 from raycluster.engine.sampler import Sampler
-from raycluster.engine.spec_decode import NgramProposer, drafts_allowed
+from raycluster.engine.spec_decode import NgramProposer
 from raycluster.request import SamplingParams
 
 BASE = dict(policy="fcfs", packer="token", predictor="none", kv_cache_tokens=8192)
@@ -51,15 +51,6 @@ def test_config_names_the_lookup_field():
         EngineConfig(speculative_method="ngram", prompt_lookup_min=5, prompt_lookup_max=3)
     with pytest.raises(ValidationError, match="num_speculative_tokens"):
         EngineConfig(speculative_method="ngram", num_speculative_tokens=0)
-
-
-def test_only_structured_outputs_do_not_draft():
-    for sp in (SamplingParams(temperature=0.7, top_p=0.9, logprobs=3), SamplingParams(repetition_penalty=1.2),
-               SamplingParams(min_tokens=2), SamplingParams(logit_bias={5: 1.0}),
-               SamplingParams(bad_words_token_ids=[[4]]), SamplingParams(allowed_token_ids=[4, 5])):
-        assert drafts_allowed(sp)
-    assert not drafts_allowed(SamplingParams(guided_regex="a+"))
-    assert not drafts_allowed(SamplingParams(guided_grammar='start: "a"'))
 
 
 # ---- verifier ---------------------------------------------------------------------------------
@@ -313,6 +304,29 @@ def _penalized_params(out: list[int]) -> list[SamplingParams]:
             SamplingParams(max_tokens=30, ignore_eos=True, bad_words_token_ids=[out[3:5], [out[12]]]),
             SamplingParams(max_tokens=30, min_tokens=20, stop_token_ids=[out[6], out[15]]),
             SamplingParams(max_tokens=30, ignore_eos=True, allowed_token_ids=sorted(set(out[:20]) | {7, 8}))]
+
+
+@pytest.mark.parametrize("wrong_at", [None, 1, 3])
+@pytest.mark.parametrize("pattern", [{"guided_regex": r"(ab|[a-z ]{2,6}|[0-9]+)+"},
+                                     {"guided_grammar": 'start: item+\nitem: "ab" | "xyz" | " "'}],
+                         ids=["regex", "grammar"])
+def test_structured_outputs_mask_each_drafted_row_by_the_pattern_state_after_the_drafts(loaded, pattern, wrong_at):
+    """The oracle drafts each request's plain structured output (then wrong tokens, which the
+    pattern may refuse): the tokens are the plain run's, and they still match the pattern."""
+    import re
+
+    model, tok = loaded
+    prompts = [[6 + i] + p for i, p in enumerate(_prompts(3, seed=12))]
+    sps = [SamplingParams(max_tokens=24, ignore_eos=True, **pattern)] * 3
+    want, _ = _run(loaded, prompts, sps)
+    oracle = OracleProposer({tuple(p): w[0] for p, w in zip(prompts, want)}, wrong_at=wrong_at)
+    got, stats = _run(loaded, prompts, sps, oracle)
+    assert got == want and stats["drafts"] > 0
+    if wrong_at != 1:
+        assert stats["accepted"] > 0
+    if "guided_regex" in pattern:
+        for ids, *_ in got:
+            assert re.fullmatch(r"(ab|[a-z ]{2,6}|[0-9]+)*", tok.decode(ids))
 
 
 @pytest.mark.parametrize("wrong_at", [None, 2])
