@@ -327,21 +327,8 @@ class LLMEngine:
                 self._record_prompt_logprobs(req, first, rows_logits)
             for req, rows_logits in step.drafts:
                 drafts = out.spec_tokens[req.request_id]
-                sp, logits = req.sampling, rows_logits
-                if sp.penalized:        # row j sees the output so far plus the drafts before it
-                    n, ids = len(drafts) + 1, req.output_token_ids
-                    logits = self.sampler.penalize(rows_logits, [sp] * n, [req.prompt_token_ids] * n,
-                                                   [ids + drafts[:j] for j in range(n)], [_min_tokens_ban(req)] * n)
-                constraint = constraint_of(sp)
-                if constraint is not None:      # row j under the pattern's state after drafts[:j]
-                    logits = self._guided.mask_drafts(logits, req.request_id, constraint, req.output_token_ids,
-                                                      drafts, raw=None if logits is rows_logits else rows_logits)
-                toks = accepted[req.request_id] = self.sampler.verify(logits, drafts, sp, len(req.output_token_ids))
-                if constraint is not None:
-                    for t in toks:
-                        self._guided.advance(req.request_id, t)
-                lps = None if req.sampling.logprobs is None else self.sampler.logprobs(
-                    rows_logits, list(range(len(toks))), toks, [req.sampling.logprobs] * len(toks))
+                toks, lps = self._verify_drafts(req, drafts, rows_logits)
+                accepted[req.request_id] = toks
                 drafted.append((req, len(req.output_token_ids), lps))
                 result.num_draft_tokens += len(drafts)
                 result.num_accepted_tokens += len(toks) - 1
@@ -383,6 +370,29 @@ class LLMEngine:
             self.scheduler.decode_selector.observe(len(out.decodes), max(r.num_computed_tokens for r in out.decodes),
                                                    result.duration_s)
         return result
+
+    def _verify_drafts(self, req: Request, drafts: list[int], raw: torch.Tensor
+                       ) -> tuple[list[int], list[TokenLogprob] | None]:
+        """The tokens a decode that ran `drafts` keeps (`Sampler.verify` over its rows `raw`
+        [1 + k, vocab]) and their log-probabilities if asked. Row j is processed as plain decoding
+        would process that position: penalties see the output plus drafts[:j], a structured
+        output's pattern is in its state after drafts[:j]."""
+        sp, logits = req.sampling, raw
+        if sp.penalized:
+            n, ids = len(drafts) + 1, req.output_token_ids
+            logits = self.sampler.penalize(raw, [sp] * n, [req.prompt_token_ids] * n,
+                                           [ids + drafts[:j] for j in range(n)], [_min_tokens_ban(req)] * n)
+        constraint = constraint_of(sp)
+        if constraint is not None:
+            logits = self._guided.mask_drafts(logits, req.request_id, constraint, req.output_token_ids, drafts,
+                                              raw=None if logits is raw else raw)
+        toks = self.sampler.verify(logits, drafts, sp, len(req.output_token_ids))
+        if constraint is not None:
+            for t in toks:
+                self._guided.advance(req.request_id, t)
+        lps = None if sp.logprobs is None else self.sampler.logprobs(raw, list(range(len(toks))), toks,
+                                                                     [sp.logprobs] * len(toks))
+        return toks, lps
 
     def _emit_drafted(self, req: Request, base: int, lps: list[TokenLogprob] | None, finished: set[str],
                       result: StepResult) -> None:
