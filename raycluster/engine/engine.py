@@ -1,9 +1,12 @@
 """The engine of one instance: validate and admit requests, run step after step, emit outputs.
 
 `add_request` turns a prompt (token ids) and sampling parameters into a `Request` owned by the
-scheduler; `step()` asks the scheduler what to run, runs it through the model runner, samples,
-detokenizes incrementally (stop strings), and returns a `StepResult` with one `RequestOutput`
-per request that produced tokens or finished. `abort_request` frees a request's blocks at once.
+scheduler; `step()` asks the scheduler what to run, runs it through the model runner, samples
+(and, with speculative decoding, verifies each drafting decode's rows, then proposes the next
+drafts: raycluster.engine.spec_decode), detokenizes incrementally (stop strings), and returns a
+`StepResult` with one `RequestOutput` per request that produced tokens or finished.
+`abort_request` frees a request's blocks at once. LoRA adapters (`lora_modules`) are loaded here
+and handed to the runner; a request names one in `SamplingParams.lora_adapter`.
 Single-threaded: callers serialise access (the async server runs steps on one thread).
 """
 
