@@ -252,6 +252,10 @@ class ClusterConfig(BaseModel):
         if self.controller.enabled and prefill != {"prefill-short", "prefill-long"}:
             raise ValueError("controller: it moves instances between the prefill-short and prefill-long "
                              "pools, so both need instances")
+        adapters = self.engine_config(self.pools[0]).lora_modules
+        if set(self.lora_names()) & set(self.served_names()):
+            raise ValueError("engine.lora_modules: an adapter is named like the served model "
+                             f"({', '.join(self.served_names())})")
         for i, p in enumerate(self.pools):
             a = p.autoscaling
             if a is not None:
@@ -264,12 +268,9 @@ class ClusterConfig(BaseModel):
                 if problems:
                     raise ValueError("; ".join(problems))
             ecfg = self.engine_config(p)       # fail at deploy time, not in a replica
-            if ecfg.lora_modules != self.engine_config(self.pools[0]).lora_modules:
+            if ecfg.lora_modules != adapters:
                 raise ValueError(f"pools[{i}].engine.lora_modules: every pool serves the same LoRA adapters (a "
                                  "request may prefill on one pool and decode on another, or resume anywhere)")
-            if set(self.lora_names()) & set(self.served_names()):
-                raise ValueError("engine.lora_modules: an adapter is named like the served model "
-                                 f"({', '.join(self.served_names())})")
             if ecfg.device.startswith("cuda") and p.num_gpus == 0:
                 raise ValueError(f"pools[{i}].num_gpus: the engine runs on {ecfg.device!r}, so Ray must "
                                  "give the instance GPUs (set num_gpus, e.g. 1)")
