@@ -66,8 +66,9 @@ class AttentionMetadata:
           prefill_prefix           per prefill request (tokens before this chunk, block ids up to kv_len).
           prefill_prefix_rows      per prefill request, rows of kv_layer viewed as [N * 2, B * Hkv * D]
                                    holding the K blocks then the V blocks of its earlier KV.
-          decode_buckets           list of DecodeBucket: decode requests grouped by KV length (so a
-                                   bucket pads little) with their gather rows and additive pad mask.
+          decode_buckets           list of DecodeBucket: decode rows grouped by KV length (so a
+                                   bucket pads little) with their gather rows and additive pad mask;
+                                   rows on one block table (a request's drafts) share one gather.
           decode_table, decode_pad_mask  the single padded layout of all decode requests (kept for
                                    callers that want it; built lazily by `decode_padded()`).
         """
@@ -94,36 +95,67 @@ class AttentionMetadata:
         c["prefill_prefix"] = pre
         c["prefill_prefix_rows"] = prows
         if self.num_decodes:
-            nbs = []
-            for kv, bt in zip(self.decode_kv_lens, self.decode_block_tables):
-                nb = -(-kv // bs)
-                if len(bt) < nb:
-                    raise ValueError(f"block table of {len(bt)} blocks too short for kv_len {kv}")
-                nbs.append(nb)
-            c["decode_buckets"] = [self._decode_bucket(part, device)
-                                   for part in bucket_by_length(nbs, bs, DECODE_BUCKET_OVERHEAD_TOKENS)]
+            groups = self._kv_groups()
+            parts = []
+            for multi in (False, True):    # rows sharing a table pad only against each other
+                sel = [g for g in groups if (len(g[0]) > 1) == multi]
+                parts += [[sel[i] for i in part] for part in
+                          bucket_by_length([nb for _, nb in sel], bs, DECODE_BUCKET_OVERHEAD_TOKENS)]
+            c["decode_buckets"] = [self._decode_bucket([rows for rows, _ in part], device)
+                                   for part in parts]
         c["torch_prepared"] = True
         return c
 
-    def _decode_bucket(self, reqs: list[int], device) -> "DecodeBucket":
+    def _kv_groups(self) -> list[tuple[list[int], int]]:
+        """Consecutive decode rows reading the same KV: (rows, blocks of the longest). A request
+        that runs drafts has one row per draft on its one block table; they share one gather.
+        Rows group when one's table (cut to its length) is a prefix of the other's, so each row
+        sees exactly its own KV and the grouping never changes a result."""
         bs = self.block_size
-        lens = [self.decode_kv_lens[i] for i in reqs]
-        nb = max(-(-kv // bs) for kv in lens)
-        table = torch.zeros(len(reqs), nb, dtype=torch.long)
-        for j, i in enumerate(reqs):
-            n = -(-self.decode_kv_lens[i] // bs)
-            table[j, :n] = torch.tensor(self.decode_block_tables[i][:n], dtype=torch.long)
-        kv_lens = torch.tensor(lens, dtype=torch.long)
-        pad = torch.arange(nb * bs)[None, :] >= kv_lens[:, None]
+        groups: list[tuple[list[int], int]] = []
+        head: list[int] = []
+        for i, (kv, bt) in enumerate(zip(self.decode_kv_lens, self.decode_block_tables)):
+            nb = -(-kv // bs)
+            if len(bt) < nb:
+                raise ValueError(f"block table of {len(bt)} blocks too short for kv_len {kv}")
+            if groups and _same_prefix(head, bt, min(nb, groups[-1][1])):
+                rows, gnb = groups[-1]
+                rows.append(i)
+                if nb > gnb:
+                    groups[-1], head = (rows, nb), bt
+                continue
+            groups.append(([i], nb))
+            head = bt
+        return groups
+
+    def _decode_bucket(self, groups: list[list[int]], device) -> "DecodeBucket":
+        """One gather of each group's blocks, its rows' queries side by side (m = the largest
+        group; a shorter group repeats its last row, whose output is dropped)."""
+        bs = self.block_size
+        lens = [[self.decode_kv_lens[i] for i in rows] for rows in groups]
+        nb = max(-(-max(ls) // bs) for ls in lens)
+        m = max(len(rows) for rows in groups)
+        table = torch.zeros(len(groups), nb, dtype=torch.long)
+        for j, rows in enumerate(groups):
+            n = -(-max(lens[j]) // bs)
+            longest = rows[lens[j].index(max(lens[j]))]
+            table[j, :n] = torch.tensor(self.decode_block_tables[longest][:n], dtype=torch.long)
+        q_rows = [rows[min(t, len(rows) - 1)] for rows in groups for t in range(m)]
+        kv_lens = torch.tensor([ls[min(t, len(ls) - 1)] for ls in lens for t in range(m)],
+                               dtype=torch.long).view(len(groups), m)
+        pad = torch.arange(nb * bs)[None, None, :] >= kv_lens[..., None]
         mask = None
         if bool(pad.any()):
-            mask = torch.zeros(len(reqs), 1, 1, nb * bs).masked_fill_(pad[:, None, None, :], float("-inf")).to(device)
+            mask = torch.zeros(len(groups), 1, m, nb * bs).masked_fill_(pad[:, None], float("-inf")).to(device)
         flat = table.flatten()
-        identity = reqs == list(range(self.num_decodes))
+        keep = [j * m + t for j, rows in enumerate(groups) for t in range(len(rows))]
+        out_rows = [i for rows in groups for i in rows]
         return DecodeBucket(
-            index=None if identity else torch.tensor(reqs, dtype=torch.long, device=device),
+            index=None if q_rows == list(range(self.num_decodes)) else torch.tensor(q_rows, dtype=torch.long, device=device),
             table=table.to(device), rows=torch.cat([flat * 2, flat * 2 + 1]).to(device),
-            num_blocks=nb, mask=mask, pad=pad.to(device))
+            num_blocks=nb, mask=mask, pad=pad.to(device), num_queries=m,
+            keep=None if len(keep) == len(q_rows) else torch.tensor(keep, dtype=torch.long, device=device),
+            out_index=None if out_rows == list(range(self.num_decodes)) else torch.tensor(out_rows, dtype=torch.long, device=device))
 
     def decode_padded(self, device=None) -> tuple[torch.Tensor, torch.Tensor]:
         """All decode requests in one padded layout: (block table [Td, nb_max], pad mask [Td, L])."""
@@ -148,12 +180,22 @@ DECODE_BUCKET_OVERHEAD_TOKENS = 1024
 
 @dataclass
 class DecodeBucket:
-    index: torch.Tensor | None  # positions of its requests in the decode batch (None: all, in order)
+    """Decode rows attended together: n groups of up to m rows, each group over one gather of its
+    blocks (m > 1 only where a request runs drafts). Query slot (g, t) is row index[g * m + t]."""
+    index: torch.Tensor | None  # int64 [n * m] decode row of each query slot (None: all rows, in order)
     table: torch.Tensor  # int64 [n, num_blocks] block ids, padded with block 0
     rows: torch.Tensor  # int64 [2 * n * num_blocks]: K block rows then V block rows of kv_layer.view(N*2, -1)
     num_blocks: int
-    mask: torch.Tensor | None  # additive fp32 [n, 1, 1, num_blocks * B] (-inf past each length), None if no padding
-    pad: torch.Tensor  # bool [n, num_blocks * B], True past each request's length
+    mask: torch.Tensor | None  # additive fp32 [n, 1, m, num_blocks * B] (-inf past each length), None if no padding
+    pad: torch.Tensor  # bool [n, m, num_blocks * B], True past each query's length
+    num_queries: int = 1  # m
+    keep: torch.Tensor | None = None  # slots holding a real row (None: every slot)
+    out_index: torch.Tensor | None = None  # decode row of each kept slot (None: all rows, in order)
+
+
+def _same_prefix(a: list[int], b: list[int], n: int) -> bool:
+    """Whether two block tables agree on their first n blocks."""
+    return a is b or (len(a) >= n and len(b) >= n and a[:n] == b[:n])
 
 
 def bucket_by_length(num_blocks: list[int], block_size: int, overhead_tokens: int) -> list[list[int]]:

@@ -198,36 +198,39 @@ def paged_prefill_attention(q: torch.Tensor, kv_layer: torch.Tensor, meta: Atten
 
 
 def _decode_bucket_manual(qb, k, v, bucket, scale, return_lse):
-    """Portable decode attention of qb [n,Hq,D] over padded k/v [n,L,Hkv,D] (fp32 maths)."""
-    n, hq, d = qb.shape
-    L, hkv = k.shape[1], k.shape[2]
+    """Portable decode attention of n groups of m queries qb [n*m,Hq,D] over padded k/v
+    [n,L,Hkv,D] (fp32 maths). Returns out [n*m,Hq,D] and lse [n*m,Hq] (or None)."""
+    n, L, hkv, d = k.shape
+    hq, m = qb.shape[1], bucket.num_queries
     g = hq // hkv
     if k.dtype != torch.float32:
         k, v = k.float(), v.float()
-    qg = (qb.float() * scale).view(n, hkv, g, d)
-    sc = qb.new_empty((n, hkv, g, L), dtype=torch.float32)
-    # A short loop over KV heads keeps bmm on strided views (no K/V transposed copies).
+    qg = (qb.float() * scale).view(n, m, hkv, g, d)
+    sc = qb.new_empty((n, hkv, m, g, L), dtype=torch.float32)
+    # A short loop over KV heads keeps bmm on strided K/V views (no transposed copies).
     for h in range(hkv):
-        torch.bmm(qg[:, h], k[:, :, h].transpose(1, 2), out=sc[:, h])
+        torch.bmm(qg[:, :, h].reshape(n, m * g, d), k[:, :, h].transpose(1, 2), out=sc[:, h].view(n, m * g, L))
     if bucket.mask is not None:
-        sc.masked_fill_(bucket.pad[:, None, None, :], float("-inf"))
+        sc.masked_fill_(bucket.pad[:, None, :, None, :], float("-inf"))
     lse = None
     if return_lse:
         lse = torch.logsumexp(sc, dim=-1)
         p = torch.exp(sc - lse[..., None])
     else:
         p = torch.softmax(sc, dim=-1)
-    out = qb.new_empty((n, hkv, g, d), dtype=torch.float32)
+    out = qb.new_empty((n, hkv, m, g, d), dtype=torch.float32)
     for h in range(hkv):
-        torch.bmm(p[:, h], v[:, :, h], out=out[:, h])
-    return out.view(n, hq, d), (lse.reshape(n, hq) if return_lse else None)
+        torch.bmm(p[:, h].view(n, m * g, L), v[:, :, h], out=out[:, h].view(n, m * g, d))
+    out = out.permute(0, 2, 1, 3, 4).reshape(n * m, hq, d)
+    return out, (lse.permute(0, 2, 1, 3).reshape(n * m, hq) if return_lse else None)
 
 
 def paged_decode_attention(q: torch.Tensor, kv_layer: torch.Tensor, meta: AttentionMetadata,
                            scale: float, return_lse: bool = True, workspace: Workspace | None = None):
-    """One query token per decode request, q [Td,Hq,D]. Requests are grouped by KV length into
-    buckets (built once per step by meta.prepare); each bucket's blocks are gathered with one
-    index op into a padded [n, L] layout and attended with a length mask.
+    """One query row per decode token, q [Td,Hq,D]. Rows are grouped by KV length into buckets
+    (built once per step by meta.prepare); each bucket's blocks are gathered with one index op
+    into a padded [n, L] layout and attended with a length mask. The rows of one request's
+    drafts share their gather: its m queries attend together, each masked at its own length.
     Returns (out [Td,Hq,D], base-2 lse [Td,Hq] or None)."""
     c = meta.prepare(kv_layer.device)
     td, hq, d = q.shape
@@ -239,7 +242,8 @@ def paged_decode_attention(q: torch.Tensor, kv_layer: torch.Tensor, meta: Attent
     lse_all = q.new_empty((td, hq), dtype=torch.float32) if return_lse else None
     for b in c["decode_buckets"]:
         qb = q if b.index is None else q.index_select(0, b.index)
-        n, L = qb.shape[0], b.num_blocks * bs
+        m = b.num_queries
+        n, L = qb.shape[0] // m, b.num_blocks * bs
         if kv_layer.is_contiguous():
             kv = _gather_rows(kv_layer, b.rows, "decode_kv", workspace)
             half = b.rows.numel() // 2
@@ -251,19 +255,23 @@ def paged_decode_attention(q: torch.Tensor, kv_layer: torch.Tensor, meta: Attent
             mask = b.mask
             if mask is not None and mask.dtype != q.dtype:
                 mask = b.mask = mask.to(q.dtype)
-            o, lse = _FLASH_CPU(qb.unsqueeze(2), k.transpose(1, 2), v.transpose(1, 2), 0.0, False,
-                                attn_mask=mask, scale=scale)
-            o, lse = o.squeeze(2), (lse.squeeze(2).float() if return_lse else None)
+            o, lse = _FLASH_CPU(qb.view(n, m, hq, d).transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                0.0, False, attn_mask=mask, scale=scale)
+            o = o.transpose(1, 2).reshape(n * m, hq, d)
+            lse = lse.transpose(1, 2).reshape(n * m, hq).float() if return_lse else None
         else:
             o, lse = _decode_bucket_manual(qb, k, v, b, scale, return_lse)
-        if b.index is None:
+        if b.keep is not None:
+            o = o.index_select(0, b.keep)
+            lse = lse.index_select(0, b.keep) if return_lse else None
+        if b.out_index is None:
             out.copy_(o)
             if return_lse:
                 lse_all.copy_(lse * LOG2E)
         else:
-            index_copy(out, 0, b.index, o.to(out.dtype))
+            index_copy(out, 0, b.out_index, o.to(out.dtype))
             if return_lse:
-                index_copy(lse_all, 0, b.index, lse * LOG2E)
+                index_copy(lse_all, 0, b.out_index, lse * LOG2E)
     return out, lse_all
 
 

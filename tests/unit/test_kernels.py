@@ -244,6 +244,76 @@ def test_decode_portable_path_matches_reference():
             torch.testing.assert_close(lse[i:i + 1], rl, atol=ATOL, rtol=0)
 
 
+def _draft_rows_meta(s, layout):
+    """Decode rows as a step with drafts lays them out: layout is a list of (request, rows); a
+    request's rows are its positions L-rows .. L-1, all on its one table (the same list object,
+    as the engine's plan passes it), or on copies cut to each row's length (`cut`, as a KVP
+    rank's share is)."""
+    lens, tables = [], []
+    for i, rows, cut in layout:
+        L = s.k[i].shape[0]
+        for j in range(rows):
+            kv = L - rows + 1 + j
+            lens.append(kv)
+            tables.append(s.tables[i][:-(-kv // s.block_size)] if cut else s.tables[i])
+    return AttentionMetadata(0, len(lens), [], [], [], lens, tables,
+                             torch.zeros(len(lens), dtype=torch.long), s.block_size)
+
+
+@pytest.mark.parametrize("block_size", [16, 3])
+def test_draft_rows_share_one_gather_and_match_reference(block_size):
+    """A request's draft rows (consecutive positions on one table) attend as one group of
+    queries over one gather of its blocks, each row masked at its own length: every row equals
+    the reference over exactly its prefix, with plain decodes in the same step, on the fused
+    and the portable path, with and without lse."""
+    hq, hkv, d = 8, 2, 32
+    scale = d ** -0.5
+    kv_lens = [300, 40, 7, 301, 95, 6]
+    s = PagedSetup(kv_lens, hkv, d, block_size=block_size, seed=13)
+    for i, L in enumerate(kv_lens):
+        s.write_history(i, L)
+    # request 0: 6 rows, 1 plain, 2: 4 rows (shorter than the bucket's m), 3 plain, 4: 6 rows on
+    # tables cut to each row's length, 5: 6 rows from position 0 (its first row sees 1 token).
+    layout = [(0, 6, False), (1, 1, False), (2, 4, False), (3, 1, False), (4, 6, True), (5, 6, False)]
+    meta = _draft_rows_meta(s, layout)
+    q = torch.randn(meta.num_decode_tokens, hq, d, generator=torch.Generator().manual_seed(5))
+    refs_o, refs_l = [], []
+    for i, rows, _ in layout:
+        L = kv_lens[i]
+        for j in range(rows):
+            kv = L - rows + 1 + j
+            r = len(refs_o)
+            o, l_ = reference_attention(q[r:r + 1], s.k[i][:kv], s.v[i][:kv], scale)
+            refs_o.append(o)
+            refs_l.append(l_)
+    ref_o, ref_l = torch.cat(refs_o), torch.cat(refs_l)
+    buckets = meta.prepare()["decode_buckets"]
+    # One gather per request: 4 drafted groups (m = 6) and two plain rows, in buckets of their own.
+    groups = sorted((b.num_queries, b.rows.numel() // (2 * b.num_blocks)) for b in buckets)
+    assert sum(n for m, n in groups if m == 6) == 4 and sum(n for m, n in groups if m == 1) == 2
+    big = torch.zeros(*s.cache.shape[:-1], 2 * d)
+    big[..., :d] = s.cache
+    for cache in (s.cache, big[..., :d]):      # fused path, portable (non-contiguous) path
+        out, lse = paged_decode_attention(q, cache, meta, scale, workspace=Workspace())
+        torch.testing.assert_close(out, ref_o, atol=ATOL, rtol=0)
+        torch.testing.assert_close(lse, ref_l, atol=ATOL, rtol=0)
+        out2, _ = paged_decode_attention(q, cache, meta, scale, return_lse=False)
+        torch.testing.assert_close(out2, ref_o, atol=ATOL, rtol=0)
+
+
+def test_rows_of_different_tables_never_group():
+    """Consecutive rows whose tables differ (different requests, or one sharing only a prefix
+    block with the next) each keep their own gather."""
+    s = PagedSetup([40, 41, 42], 2, 16, block_size=16, seed=3)
+    shared = [s.tables[0][0], *s.tables[1][1:]]        # request 1 shares request 0's first block
+    meta = AttentionMetadata(0, 3, [], [], [], [40, 41, 42], [s.tables[0], shared, s.tables[2]],
+                             torch.zeros(3, dtype=torch.long), 16)
+    assert meta._kv_groups() == [([0], 3), ([1], 3), ([2], 3)]
+    same = AttentionMetadata(0, 3, [], [], [], [31, 32, 33], [s.tables[0][:2], s.tables[0][:2], s.tables[0]],
+                             torch.zeros(3, dtype=torch.long), 16)
+    assert same._kv_groups() == [([0, 1, 2], 3)]
+
+
 def test_outputs_do_not_alias_workspace():
     """Results stay valid after later calls reuse the gather workspace."""
     hq, hkv, d = 4, 2, 16
