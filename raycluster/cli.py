@@ -76,8 +76,7 @@ def _serve_engine(args: argparse.Namespace) -> None:
         if args.generation_config == "auto" else None
     app = build_app(async_engine, engine.tokenizer, names, api_keys=keys_from_env(),
                     tool_call_parser=args.tool_call_parser, sampling_defaults=defaults,
-                    log_requests=args.enable_log_requests, reasoning_parser=args.reasoning_parser,
-                    lora_names=list(engine.lora.adapters) if engine.lora else ())
+                    log_requests=args.enable_log_requests, reasoning_parser=args.reasoning_parser)
     if defaults:
         print(f"raycluster: default sampling parameters from the model's generation_config.json: {defaults}",
               flush=True)

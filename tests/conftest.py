@@ -28,3 +28,21 @@ def loaded(tiny_model_dir):
 
     model, mcfg = load_model(tiny_model_dir)
     return model, Tokenizer(tiny_model_dir, mcfg.eos_token_id)
+
+
+@pytest.fixture(scope="session")
+def merged_lora(tiny_model_dir):
+    """merged_lora(adapter_dir): the tiny model with that LoRA adapter added into its weights
+    (W + scaling * B A, the plain formula): what a request served on the adapter must match."""
+    import torch
+
+    from raycluster.model.loader import load_model
+    from raycluster.model.lora import TARGETS, load_adapter
+
+    def merge(adapter_dir):
+        model, cfg = load_model(tiny_model_dir)
+        for (layer, module), (a, b) in load_adapter(adapter_dir, cfg, "ref").weights.items():
+            with torch.no_grad():
+                getattr(getattr(model.model.layers[layer], TARGETS[module]), module).weight += b @ a
+        return model
+    return merge

@@ -6,7 +6,9 @@ scheduler; `step()` asks the scheduler what to run, runs it through the model ru
 drafts: raycluster.engine.spec_decode), detokenizes incrementally (stop strings), and returns a
 `StepResult` with one `RequestOutput` per request that produced tokens or finished.
 `abort_request` frees a request's blocks at once. LoRA adapters (`lora_modules`) are loaded here
-and handed to the runner; a request names one in `SamplingParams.lora_adapter`.
+and handed to the runner; a request names one in `SamplingParams.lora_adapter`. Adapters also
+come and go at run time: `read_lora` (any thread: reads the files), then `lora.add`;
+`unload_lora` stops new requests using one and drops it when the last running one ends.
 Single-threaded: callers serialise access (the async server runs steps on one thread).
 """
 
@@ -26,7 +28,7 @@ from raycluster.engine.guided import GuidedDecoding, constraint_of
 from raycluster.parallel.factory import build_runner
 from raycluster.engine.sampler import Sampler
 from raycluster.engine.spec_decode import NgramProposer
-from raycluster.model.lora import LoRASet, parse_modules
+from raycluster.model.lora import AdapterError, LoRAAdapter, LoRASet, load_adapter, parse_modules
 from raycluster.engine.profiler import load_or_profile
 from raycluster.engine.sched_factory import RetiredScheduling, build_scheduler, needs_predictor
 from raycluster.engine.text import TextStream
@@ -128,10 +130,10 @@ class LLMEngine:
         self.scheduler = build_scheduler(config, self.kv, self.clock, self.max_model_len, self.predictor)
         self._retired = RetiredScheduling()       # pieces of pools it left (reconfigure_scheduling)
         self.sampler = Sampler(config.seed)
-        self.lora: LoRASet | None = None       # LoRA adapters served beside the base weights
-        if config.lora_modules:
-            self.lora = self.runner.lora = LoRASet.load(parse_modules(config.lora_modules), mcfg,
-                                                        _DTYPES[config.dtype])
+        # LoRA adapters served beside the base weights (groups serve none: EngineConfig refuses them)
+        self.lora = self.runner.lora = LoRASet.load(parse_modules(config.lora_modules), mcfg, _DTYPES[config.dtype])
+        if self.kv.prefix_caching:
+            self.kv.lora_roots = self.lora.roots
         self.num_draft_tokens = self.num_accepted_tokens = 0     # speculative decoding, so far
         self.proposer = NgramProposer(config.num_speculative_tokens, config.prompt_lookup_max,
                                       config.prompt_lookup_min) if config.speculative_method == "ngram" else None
@@ -249,7 +251,7 @@ class LLMEngine:
 
     def _validate(self, ids: list[int], sp: SamplingParams) -> None:
         validate_request(ids, sp, self.max_model_len, self.vocab_size, self.kv.capacity_tokens())
-        if sp.lora_adapter is not None and (self.lora is None or sp.lora_adapter not in self.lora):
+        if sp.lora_adapter is not None and sp.lora_adapter not in self.lora:
             raise InvalidRequestError("model", f"LoRA adapter {sp.lora_adapter!r} is not served here")
         constraint = constraint_of(sp)
         if constraint is not None:
@@ -442,6 +444,23 @@ class LLMEngine:
     def _forget(self, rid: str) -> None:
         if self._guided is not None:
             self._guided.forget(rid)
+        if self.lora.retiring:
+            self.lora.collect({r.sampling.lora_adapter for r in self.scheduler.requests.values()
+                               if r.request_id != rid})
+
+    # ---- LoRA adapters at run time (vLLM's /v1/load_lora_adapter, /v1/unload_lora_adapter) -----
+    def read_lora(self, name: str, path: str) -> LoRAAdapter:
+        """Read and check the adapter at `path` (AdapterError naming the problem). Touches no
+        engine state: callers run it off the step thread, then hand the result to `lora.add`."""
+        if self.config.kvp > 1 or self.config.spp > 1 or self.config.tp > 1:
+            raise AdapterError("LoRA adapters are served by single-process instances only (not groups)")
+        return load_adapter(path, self.model.config, name, _DTYPES[self.config.dtype])
+
+    def unload_lora(self, name: str) -> None:
+        """New requests may no longer use `name` (AdapterNotFound if it is not served); its
+        weights go once no request runs on it (at once if none does)."""
+        self.lora.retire(name)
+        self.lora.collect({r.sampling.lora_adapter for r in self.scheduler.requests.values()})
 
     def _record_prompt_logprobs(self, req: Request, first: int, logits) -> None:
         """Row i of `logits` holds position first + i's prediction of prompt token first + i + 1."""

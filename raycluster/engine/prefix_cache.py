@@ -188,6 +188,9 @@ class PrefixCachingKVManager(KVCacheManager):
         self._queried: dict[str, list[int]] = {}
         self.query_tokens = 0       # known tokens of requests looked up
         self.hit_tokens = 0         # of those, found cached
+        # adapter name -> what its chains are rooted at (the engine's `LoRASet.roots`), so KV
+        # made by an unloaded adapter never matches a later load under the same name
+        self.lora_roots: dict[str, str] = {}
 
     def match_prefix(self, req: Request) -> int:
         """Share the blocks of the longest cached prefix of `req`'s known tokens with it and
@@ -197,7 +200,7 @@ class PrefixCachingKVManager(KVCacheManager):
         if rid in self.block_tables:
             return 0
         tokens, bs, a = req.all_token_ids, self.block_size, self.allocator
-        keys, blocks = self._longest_cached(tokens, chain_root(req.sampling.lora_adapter))
+        keys, blocks = self._longest_cached(tokens, self._root(req.sampling.lora_adapter))
         counted = self._queried.get(rid)
         if counted is None:
             counted = self._queried[rid] = [len(tokens), 0]
@@ -214,7 +217,10 @@ class PrefixCachingKVManager(KVCacheManager):
 
     def cached_prefix_tokens(self, tokens: list[int], lora_adapter: str | None = None) -> int:
         """What `match_prefix` would find for these known tokens, touching nothing."""
-        return len(self._longest_cached(tokens, chain_root(lora_adapter))[1]) * self.block_size
+        return len(self._longest_cached(tokens, self._root(lora_adapter))[1]) * self.block_size
+
+    def _root(self, lora_adapter: str | None) -> bytes:
+        return chain_root(None if lora_adapter is None else self.lora_roots.get(lora_adapter, lora_adapter))
 
     def _longest_cached(self, tokens: list[int], root: bytes = b"") -> tuple[list[bytes], list[int]]:
         """Keys and blocks of the longest cached run of full blocks before the last token."""
@@ -244,7 +250,7 @@ class PrefixCachingKVManager(KVCacheManager):
         if len(keys) >= n_full:
             return
         tokens, a = req.all_token_ids, self.allocator
-        parent = keys[-1] if keys else chain_root(req.sampling.lora_adapter)
+        parent = keys[-1] if keys else self._root(req.sampling.lora_adapter)
         for i in range(len(keys), n_full):
             parent = block_key(parent, tokens[i * bs:(i + 1) * bs])
             a.register(table[i], parent)

@@ -36,6 +36,10 @@ class AdapterError(ValueError):
     """An adapter directory that cannot be served on this model; the message names the problem."""
 
 
+class AdapterNotFound(AdapterError):
+    """No adapter directory at the path given, or no adapter of the name given."""
+
+
 @dataclass
 class LoRAAdapter:
     name: str
@@ -63,8 +67,12 @@ def load_adapter(path: str | os.PathLike, cfg: ModelConfig, name: str, dtype: to
     try:
         with open(os.path.join(path, "adapter_config.json")) as f:
             acfg = json.load(f)
-    except FileNotFoundError:
-        raise AdapterError(f"{name}: no adapter_config.json in {path}") from None
+    except (FileNotFoundError, NotADirectoryError):
+        raise AdapterNotFound(f"{name}: no adapter found at {path} (no adapter_config.json)") from None
+    except (OSError, json.JSONDecodeError) as e:
+        raise AdapterError(f"{name}: cannot read {path}/adapter_config.json: {e}") from None
+    if not isinstance(acfg, dict):
+        raise AdapterError(f"{name}: {path}/adapter_config.json is not a JSON object")
     if str(acfg.get("peft_type", "LORA")).upper() != "LORA":
         raise AdapterError(f"{name}: peft_type {acfg.get('peft_type')!r} is not LORA")
     for key, ok in (("use_dora", False), ("fan_in_fan_out", False)):
@@ -143,17 +151,64 @@ class StepLoRA:
 
 
 class LoRASet:
-    """The adapters an engine serves, by name."""
+    """The adapters an engine serves, by name, and those it is unloading.
 
-    def __init__(self, adapters: list[LoRAAdapter]) -> None:
-        self.adapters = {a.name: a for a in adapters}
+    An adapter is loaded at start (`load`) or at run time (`add`); `retire` stops serving it to
+    new requests, and `collect` drops it once no request uses it, so running requests finish on
+    it (vLLM's unload). A name loaded again after an unload gets another prefix-cache root
+    (`root_key`): the KV the old weights made is never matched to the new ones."""
+
+    def __init__(self, adapters: list[LoRAAdapter] = ()) -> None:
+        self.adapters: dict[str, LoRAAdapter] = {}
+        self.retiring: set[str] = set()
+        self._loads: dict[str, int] = {}          # name -> times loaded, ever
+        self.roots: dict[str, str] = {}           # name -> `root_key` (the prefix cache reads it)
+        for a in adapters:
+            self.add(a)
 
     @classmethod
     def load(cls, modules: dict[str, str], cfg: ModelConfig, dtype: torch.dtype) -> "LoRASet":
         return cls([load_adapter(path, cfg, name, dtype) for name, path in modules.items()])
 
     def __contains__(self, name: str) -> bool:
-        return name in self.adapters
+        """Whether new requests may use `name`."""
+        return name in self.adapters and name not in self.retiring
+
+    def names(self) -> list[str]:
+        return [n for n in self.adapters if n not in self.retiring]
+
+    def paths(self) -> dict[str, str]:
+        return {n: a.path for n, a in self.adapters.items() if n not in self.retiring}
+
+    def add(self, adapter: LoRAAdapter) -> None:
+        name = adapter.name
+        if name in self.retiring:
+            raise AdapterError(f"the LoRA adapter {name!r} is still being unloaded (requests are running on "
+                               "it); load it again once they finish")
+        if name in self.adapters:
+            raise AdapterError(f"the LoRA adapter {name!r} has already been loaded")
+        self.adapters[name] = adapter
+        self._loads[name] = self._loads.get(name, 0) + 1
+        self.roots[name] = self.root_key(name)
+
+    def root_key(self, name: str) -> str:
+        """What the prefix cache roots this adapter's chains at: its name, and for a second or
+        later load of the name, which load."""
+        n = self._loads.get(name, 1)
+        return name if n <= 1 else f"{name}#{n}"
+
+    def retire(self, name: str) -> None:
+        if name not in self:
+            raise AdapterNotFound(f"the LoRA adapter {name!r} cannot be found")
+        self.retiring.add(name)
+
+    def collect(self, in_use: set[str]) -> list[str]:
+        """Drop the retiring adapters no request uses any more; returns their names."""
+        gone = [n for n in self.retiring if n not in in_use]
+        for n in gone:
+            self.retiring.discard(n)
+            del self.adapters[n]
+        return gone
 
     def for_step(self, runs: list[tuple[str, int, int]], device: torch.device | str = "cpu") -> StepLoRA:
         """`runs`: (adapter name, first token, count) of the step's tokens that use an adapter."""

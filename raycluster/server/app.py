@@ -7,7 +7,10 @@ GET /v1/models, GET /health, GET /metrics (Prometheus text); with API keys, a be
 token ids go to the backend, text deltas come back. A backend provides `admit()` (raises
 `OverloadedError` before any tokenization), `next_id`, `generate` (async iterator of
 `RequestOutput`; `InvalidRequestError` before the first one), `stats()`, `max_model_len` and
-`prometheus_text()` for extra metrics lines. Errors a client causes are 400 in
+`prometheus_text()` for extra metrics lines; one that serves LoRA adapters also provides
+`lora_adapters()` (the names it knows now), `refresh_lora_adapters()` (async: the names as they
+are, asked of the router in the cluster) and, for runtime updating (raycluster.server.lora_routes),
+`load_lora` / `unload_lora`. Errors a client causes are 400 in
 OpenAI's error shape with `param` naming the field. `n` > 1 runs n backend requests (a seeded
 one with seed + i for choice i) and merges them into the choices, streamed as they come; a
 completion request with a batch of prompts runs n per prompt (choice p * n + i).
@@ -33,6 +36,7 @@ from raycluster.server.auth import ApiKeyMiddleware
 from raycluster.server.openai_logprobs import prompt_logprobs
 from raycluster.server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                        OverloadedError, TokenizeRequest, error_body, now_s)
+from raycluster.server.lora_routes import add_lora_routes, runtime_lora_allowed
 from raycluster.server.reasoning import REASONING_PARSERS, ReasoningStream, split_reasoning
 from raycluster.server.request_metrics import RequestMetrics, RequestMetricsSink
 from raycluster.server.streams import ClosingStreamingResponse, Stream, sse, usage_of
@@ -68,7 +72,7 @@ def build_app(engine, tokenizer, model_names: str | Sequence[str], api_keys: Seq
               tool_call_parser: str | None = None, metrics_sinks: Sequence[RequestMetricsSink] = (),
               sampling_defaults: dict | None = None, log_requests: bool = False,
               reasoning_parser: str | None = None, request_id_header: bool = True,
-              lora_names: Sequence[str] = ()) -> FastAPI:
+              allow_runtime_lora: bool | None = None) -> FastAPI:
     """`model_names`: the names a request's `model` may give (vLLM's --served-model-name); a
     response names the one its request gave, else the first. `sampling_defaults`: the model's
     default sampling parameters (its generation_config.json: raycluster.model.generation_config)
@@ -77,8 +81,10 @@ def build_app(engine, tokenizer, model_names: str | Sequence[str], api_keys: Seq
     received, with its sampling parameters but not its prompt, and when each choice ends.
     `reasoning_parser` (vLLM's --reasoning-parser, raycluster.server.reasoning): chat replies
     carry the model's thinking as `reasoning_content`, apart from `content` (and tool calls).
-    `lora_names`: the LoRA adapters the engine serves (vLLM's --lora-modules): a request whose
-    `model` is one runs with that adapter; /v1/models lists them with the base as `parent`.
+    LoRA adapters (the backend's `lora_adapters()`, vLLM's --lora-modules): a request whose `model`
+    is one runs with that adapter; /v1/models lists them with the base as `parent`.
+    `allow_runtime_lora`: serve /v1/load_lora_adapter and /v1/unload_lora_adapter (default: vLLM's
+    VLLM_ALLOW_RUNTIME_LORA_UPDATING environment variable).
     `request_id_header`: answer with an `X-Request-Id` header (off behind Ray Serve, which sets the
     header on the way in, a UUID when the client sent none, and returns it itself).
     `api_keys`: if any, every route but /health, /metrics and the docs wants one of them as
@@ -86,9 +92,14 @@ def build_app(engine, tokenizer, model_names: str | Sequence[str], api_keys: Seq
     (raycluster.server.tool_parsers), which `tool_choice: "auto"` needs. `metrics_sinks`: where
     each request's metrics go besides /metrics (raycluster.server.request_metrics)."""
     names = [model_names] if isinstance(model_names, str) else list(model_names)
-    adapters = list(lora_names)
-    if set(adapters) & set(names):
-        raise ValueError(f"lora_names: {sorted(set(adapters) & set(names))} also name the served model")
+    lora_names = getattr(engine, "lora_adapters", list)      # a backend without adapters may omit it
+
+    async def adapters_now() -> list[str]:
+        """The adapters as they are (the router's, in the cluster): they come and go at run time."""
+        refresh = getattr(engine, "refresh_lora_adapters", None)
+        return await refresh() if refresh is not None else []
+    if set(lora_names()) & set(names):
+        raise ValueError(f"LoRA adapters {sorted(set(lora_names()) & set(names))} also name the served model")
     rlog = request_logger() if log_requests else None
     if reasoning_parser is not None and reasoning_parser not in REASONING_PARSERS:
         raise ValueError(f"reasoning_parser: unknown {reasoning_parser!r}; choose one of {sorted(REASONING_PARSERS)}")
@@ -116,8 +127,12 @@ def build_app(engine, tokenizer, model_names: str | Sequence[str], api_keys: Seq
         ok, info = await engine.health()
         return JSONResponse({"status": "ok" if ok else "unavailable", **info}, status_code=200 if ok else 503)
 
+    if runtime_lora_allowed(allow_runtime_lora):
+        add_lora_routes(app, engine, names)
+
     @app.get("/v1/models")
     async def models():
+        adapters = await adapters_now()
         now = now_s()
         return {"object": "list", "data": [
             *({"id": name, "object": "model", "created": now, "owned_by": "raycluster", "root": names[0],
@@ -182,7 +197,7 @@ def build_app(engine, tokenizer, model_names: str | Sequence[str], api_keys: Seq
             prompts = [(ids[-k:], tokenizer.decode(ids[-k:]) if echo and len(ids) > k else text)
                        for ids, text in prompts]
         sampling = body.to_sampling(defaults=sampling_defaults)
-        if model_name in adapters:
+        if model_name not in names:            # an adapter (`_unknown_model` let it through)
             sampling.lora_adapter = model_name
         if body.bad_words:
             sampling.bad_words_token_ids = bad_words_token_ids(tokenizer, body.bad_words)
@@ -282,8 +297,11 @@ def build_app(engine, tokenizer, model_names: str | Sequence[str], api_keys: Seq
             out["prompt_logprobs"] = plps[0]
         return JSONResponse(out, headers=headers)
 
-    def _unknown_model(body) -> JSONResponse | None:
-        if body.model is None or body.model in names or body.model in adapters:
+    async def _unknown_model(body) -> JSONResponse | None:
+        if body.model is None or body.model in names or body.model in lora_names():
+            return None
+        adapters = await adapters_now()          # what this process knew may be behind
+        if body.model in adapters:
             return None
         served = ", ".join(f"`{n}`" for n in names + adapters)
         return JSONResponse(error_body(f"model: `{body.model}` does not exist (this server has {served})",
@@ -291,7 +309,7 @@ def build_app(engine, tokenizer, model_names: str | Sequence[str], api_keys: Seq
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, http: HTTPRequest):
-        if (missing := _unknown_model(body)) is not None:
+        if (missing := await _unknown_model(body)) is not None:
             return missing
         try:
             engine.admit()
@@ -305,7 +323,7 @@ def build_app(engine, tokenizer, model_names: str | Sequence[str], api_keys: Seq
 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatCompletionRequest, http: HTTPRequest):
-        if (missing := _unknown_model(body)) is not None:
+        if (missing := await _unknown_model(body)) is not None:
             return missing
         try:
             engine.admit()
@@ -344,7 +362,7 @@ def build_app(engine, tokenizer, model_names: str | Sequence[str], api_keys: Seq
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest):
         """vLLM's: the token ids a completion (or chat) request with this input would run."""
-        if (missing := _unknown_model(body)) is not None:
+        if (missing := await _unknown_model(body)) is not None:
             return missing
         try:
             ids = _encode_prompt(body.prompt, special=body.add_special_tokens is not False) \
@@ -355,7 +373,7 @@ def build_app(engine, tokenizer, model_names: str | Sequence[str], api_keys: Seq
 
     @app.post("/detokenize")
     async def detokenize(body: DetokenizeRequest):
-        if (missing := _unknown_model(body)) is not None:
+        if (missing := await _unknown_model(body)) is not None:
             return missing
         vocab = tokenizer.vocab_size
         bad = next((t for t in body.tokens if not 0 <= t < vocab), None)

@@ -5,7 +5,8 @@ steps; each step's outputs go back to the event loop in one `call_soon_threadsaf
 fanned out to per-request queues. `generate()` yields `RequestOutput`s until the request
 finishes; if the consumer stops early (client disconnect), the request is aborted and its KV
 freed. A structured output's pattern is compiled in a worker thread before the request enters
-the inbox, so the step thread never stalls on a compile.
+the inbox, so the step thread never stalls on a compile. LoRA adapters loaded at run time are
+read in a worker thread too, and enter (or leave) the engine through the inbox between steps.
 """
 
 from __future__ import annotations
@@ -41,6 +42,16 @@ class _Abort:
     request_id: str
 
 
+@dataclass
+class _LoRAChange:
+    """Add `adapter` (a LoRAAdapter) or, with adapter None, unload `name`; the outcome (None or
+    the exception) goes to `done` on `loop`."""
+    name: str
+    adapter: object | None
+    done: asyncio.Future
+    loop: asyncio.AbstractEventLoop
+
+
 class AsyncEngine:
     def __init__(self, engine: LLMEngine, stat_logger: StatLogger | None = None) -> None:
         """`stat_logger`: fed every step and idle tick of the step thread (periodic stats lines)."""
@@ -50,6 +61,7 @@ class AsyncEngine:
         self._queues: dict[str, tuple[asyncio.Queue, asyncio.AbstractEventLoop]] = {}
         self._ids = itertools.count()
         self._stop = threading.Event()
+        self._lora_names = engine.lora.names()      # what requests may name (the step thread updates it)
         self._thread = threading.Thread(target=self._run, name="engine-steps", daemon=True)
         self._thread.start()
         self.steps = 0
@@ -74,6 +86,30 @@ class AsyncEngine:
                 f"raycluster_spec_decode_draft_tokens_total {eng.num_draft_tokens}\n"
                 f"# TYPE raycluster_spec_decode_accepted_tokens_total counter\n"
                 f"raycluster_spec_decode_accepted_tokens_total {eng.num_accepted_tokens}\n")
+
+    # ---- LoRA adapters at run time --------------------------------------------------------------
+    def lora_adapters(self) -> list[str]:
+        return list(self._lora_names)
+
+    async def refresh_lora_adapters(self) -> list[str]:
+        return self.lora_adapters()
+
+    async def load_lora(self, name: str, path: str) -> None:
+        """Read the adapter off the step thread, then add it between steps (AdapterError, or
+        AdapterNotFound for a path with no adapter, naming the problem)."""
+        adapter = await asyncio.to_thread(self.engine.read_lora, name, path)
+        await self._lora_change(name, adapter)
+
+    async def unload_lora(self, name: str) -> None:
+        await self._lora_change(name, None)
+
+    async def _lora_change(self, name: str, adapter) -> None:
+        loop = asyncio.get_running_loop()
+        done = loop.create_future()
+        self._inbox.put(_LoRAChange(name, adapter, done, loop))
+        err = await done
+        if err is not None:
+            raise err
 
     def next_id(self, prefix: str = "req") -> str:
         return f"{prefix}-{next(self._ids)}"
@@ -140,6 +176,17 @@ class AsyncEngine:
                     self._queues[item.request_id] = (item.out, item.loop)
                 except Exception as e:      # a bad request must never kill the step thread
                     item.loop.call_soon_threadsafe(item.out.put_nowait, e)
+            elif isinstance(item, _LoRAChange):
+                err = None
+                try:
+                    if item.adapter is None:
+                        self.engine.unload_lora(item.name)
+                    else:
+                        self.engine.lora.add(item.adapter)
+                except Exception as e:
+                    err = e
+                self._lora_names = self.engine.lora.names()
+                item.loop.call_soon_threadsafe(_settle, item.done, err)
             else:
                 self.engine.abort_request(item.request_id)
                 self._queues.pop(item.request_id, None)
@@ -165,6 +212,11 @@ class AsyncEngine:
                 by_loop.setdefault(target[1], []).append((target[0], out))
             for loop, items in by_loop.items():
                 loop.call_soon_threadsafe(_deliver, items)
+
+
+def _settle(done: asyncio.Future, err: Exception | None) -> None:
+    if not done.done():
+        done.set_result(err)
 
 
 def _deliver(items: list) -> None:

@@ -9,13 +9,10 @@ import json
 
 import httpx
 import pytest
-import torch
 from engine_http import serve_engine, tiny_parts
 
 from raycluster.engine.config import EngineConfig
 from raycluster.engine.engine import LLMEngine
-from raycluster.model.loader import load_model
-from raycluster.model.lora import TARGETS, load_adapter
 from raycluster.model.tiny import write_tiny_lora
 from raycluster.request import SamplingParams
 
@@ -25,16 +22,13 @@ CFG = dict(kv_cache_tokens=8192, policy="fcfs", packer="token", predictor="none"
 
 
 @pytest.fixture(scope="module")
-def served(tiny_model_dir, tmp_path_factory):
+def served(tiny_model_dir, tmp_path_factory, merged_lora):
     adapter = write_tiny_lora(tmp_path_factory.mktemp("lora") / "sql", tiny_model_dir, seed=1)
     model, tok = tiny_parts(tiny_model_dir)
-    merged, cfg = load_model(tiny_model_dir)
-    for (layer, module), (a, b) in load_adapter(adapter, cfg, "sql").weights.items():
-        with torch.no_grad():
-            getattr(getattr(merged.model.layers[layer], TARGETS[module]), module).weight += b @ a
-    refs = {"tiny": LLMEngine(EngineConfig(**CFG), model, tok), "sql": LLMEngine(EngineConfig(**CFG), merged, tok)}
+    refs = {"tiny": LLMEngine(EngineConfig(**CFG), model, tok),
+            "sql": LLMEngine(EngineConfig(**CFG), merged_lora(adapter), tok)}
     with serve_engine(EngineConfig(**CFG, enable_prefix_caching=True, lora_modules=[f"sql={adapter}"]),
-                      model, tok) as (url, aeng):
+                      model, tok, allow_runtime_lora=False) as (url, aeng):
         yield url, aeng, tok, refs
 
 
@@ -73,3 +67,64 @@ def test_an_unknown_model_lists_the_adapters_too(served):
     url, *_ = served
     r = httpx.post(url + "/v1/completions", json={"model": "nope", "prompt": "x", "max_tokens": 2}, timeout=10)
     assert r.status_code == 404 and "`tiny`, `sql`" in r.json()["error"]["message"]
+
+
+def test_runtime_lora_routes_exist_only_when_allowed(served):
+    url, *_ = served
+    r = httpx.post(url + "/v1/load_lora_adapter", json={"lora_name": "x", "lora_path": "/x"}, timeout=10)
+    assert r.status_code == 404
+
+
+def test_adapters_load_and_unload_at_run_time_over_http(tiny_model_dir, tmp_path, monkeypatch, merged_lora):
+    """vLLM's /v1/load_lora_adapter and /v1/unload_lora_adapter (VLLM_ALLOW_RUNTIME_LORA_UPDATING):
+    plain-text success lines, 400 for a taken or base name and a bad adapter, 404 for a path
+    with no adapter and an unknown unload; a loaded adapter is listed and serves the merged
+    model's text, an unloaded one is a 404 model, and a name loaded again serves the new weights
+    (prefix caching on: the old weights' KV is not reused)."""
+    one = write_tiny_lora(tmp_path / "one", tiny_model_dir, seed=1)
+    two = write_tiny_lora(tmp_path / "two", tiny_model_dir, seed=2)
+    bad = write_tiny_lora(tmp_path / "bad", tiny_model_dir, seed=3)
+    cfg_path = tmp_path / "bad" / "adapter_config.json"
+    cfg_path.write_text(json.dumps({**json.loads(cfg_path.read_text()), "use_dora": True}))
+    model, tok = tiny_parts(tiny_model_dir)
+    prompt = "the river ran past the old mill and on to the sea below"
+
+    def merged_text(adapter_dir):
+        ref = LLMEngine(EngineConfig(**CFG), merged_lora(adapter_dir), tok)
+        return tok.decode(ref.generate([tok.encode(prompt)], SamplingParams(max_tokens=12, ignore_eos=True))[0])
+
+    monkeypatch.setenv("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "True")
+    with serve_engine(EngineConfig(**CFG, enable_prefix_caching=True), model, tok) as (url, aeng):
+        def load(name, path):
+            return httpx.post(url + "/v1/load_lora_adapter", json={"lora_name": name, "lora_path": str(path)},
+                              timeout=30)
+
+        def unload(name):
+            return httpx.post(url + "/v1/unload_lora_adapter", json={"lora_name": name}, timeout=30)
+
+        def complete(name):
+            return httpx.post(url + "/v1/completions", json={"model": name, "prompt": prompt, "max_tokens": 12,
+                                                             "temperature": 0, "ignore_eos": True}, timeout=60)
+
+        def models():
+            return [m["id"] for m in httpx.get(url + "/v1/models", timeout=10).json()["data"]]
+
+        assert complete("sql").status_code == 404
+        r = load("sql", one)
+        assert (r.status_code, r.text) == (200, "Success: LoRA adapter 'sql' added successfully.")
+        assert models() == ["tiny", "sql"]
+        assert complete("sql").json()["choices"][0]["text"] == merged_text(one)
+        for name, path, status, words in (("sql", two, 400, "already been loaded"), ("tiny", two, 400, "base model"),
+                                          ("new", tmp_path / "nowhere", 404, "no adapter found"),
+                                          ("new", bad, 400, "use_dora is not supported"), ("", one, 400, "must be")):
+            r = load(name, path)
+            assert r.status_code == status and words in r.json()["error"]["message"], (name, r.text)
+        assert models() == ["tiny", "sql"]
+        r = unload("sql")
+        assert (r.status_code, r.text) == (200, "Success: LoRA adapter 'sql' removed successfully.")
+        assert models() == ["tiny"] and complete("sql").status_code == 404
+        assert unload("sql").status_code == 404
+        assert load("sql", two).status_code == 200
+        assert complete("sql").json()["choices"][0]["text"] == merged_text(two)
+        kv = aeng.engine.kv
+        assert kv.num_free_blocks == kv.num_blocks

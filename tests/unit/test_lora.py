@@ -19,7 +19,7 @@ from raycluster.engine.config import EngineConfig
 from raycluster.engine.engine import InvalidRequestError, LLMEngine
 from raycluster.engine.scheduler import SchedulerOutput
 from raycluster.model.loader import load_model
-from raycluster.model.lora import AdapterError, TARGETS, load_adapter, parse_modules
+from raycluster.model.lora import AdapterError, load_adapter, parse_modules
 from raycluster.model.tiny import write_tiny_lora
 from raycluster.parallel.plan import step_plan
 from raycluster.request import Request, SamplingParams
@@ -33,17 +33,6 @@ def adapters(tiny_model_dir, tmp_path_factory):
     return {"sql": write_tiny_lora(root / "sql", tiny_model_dir, seed=1),
             "chat": write_tiny_lora(root / "chat", tiny_model_dir, seed=2, rank=4, alpha=8.0, use_rslora=True,
                                     targets=("k_proj", "gate_proj", "up_proj"))}
-
-
-def _merged(tiny_model_dir, adapter_dir):
-    """The base model with the adapter added into its weights: the reference."""
-    model, cfg = load_model(tiny_model_dir)
-    ad = load_adapter(adapter_dir, cfg, "x")
-    for (layer, module), (a, b) in ad.weights.items():
-        lin = getattr(getattr(model.model.layers[layer], TARGETS[module]), module)
-        with torch.no_grad():
-            lin.weight += b @ a
-    return model
 
 
 def _prompts(n: int, seed: int) -> list[list[int]]:
@@ -136,7 +125,7 @@ def _run(engine, prompts, sps):
 
 @pytest.mark.parametrize("extra", [{}, {"chunk_size": 7}, {"speculative_method": "ngram"},
                                    {"enable_prefix_caching": True, "block_size": 4}])
-def test_a_batch_mixing_adapters_equals_each_merged_model(adapters, tiny_model_dir, loaded, extra):
+def test_a_batch_mixing_adapters_equals_each_merged_model(adapters, merged_lora, loaded, extra):
     model, tok = loaded
     prompts = _prompts(9, seed=3)
     which = [None, "sql", "chat"] * 3
@@ -145,13 +134,13 @@ def test_a_batch_mixing_adapters_equals_each_merged_model(adapters, tiny_model_d
     got = _run(eng, prompts, sps)
     plain = SamplingParams(max_tokens=12, ignore_eos=True)
     refs = {None: LLMEngine(EngineConfig(**BASE), model, tok),
-            **{n: LLMEngine(EngineConfig(**BASE), _merged(tiny_model_dir, p)) for n, p in adapters.items()}}
+            **{n: LLMEngine(EngineConfig(**BASE), merged_lora(p)) for n, p in adapters.items()}}
     want = [refs[w].generate([p], plain)[0] for p, w in zip(prompts, which)]
     assert got == want
     assert len({tuple(w) for w in want[:3]}) == 3       # each adapter changes the output
 
 
-def test_prefix_cache_blocks_are_not_shared_across_adapters(adapters, tiny_model_dir, loaded):
+def test_prefix_cache_blocks_are_not_shared_across_adapters(adapters, merged_lora, loaded):
     model, tok = loaded
     eng = LLMEngine(EngineConfig(**BASE, enable_prefix_caching=True, block_size=4,
                                  lora_modules=[f"sql={adapters['sql']}"]), model, tok)
@@ -168,7 +157,7 @@ def test_prefix_cache_blocks_are_not_shared_across_adapters(adapters, tiny_model
     on_sql = run("sql")
     assert on_sql.num_cached_tokens == 0        # the base's blocks hold other KV
     assert run("sql").num_cached_tokens > 0 and run(None).num_cached_tokens > 0
-    ref = LLMEngine(EngineConfig(**BASE), _merged(tiny_model_dir, adapters["sql"]))
+    ref = LLMEngine(EngineConfig(**BASE), merged_lora(adapters["sql"]))
     assert on_sql.output_token_ids == ref.generate([prompt], SamplingParams(max_tokens=4, ignore_eos=True))[0]
 
 
