@@ -29,7 +29,8 @@ def router_config(cfg: ClusterConfig) -> RouterConfig:
                         decode_affinity_slack=cfg.decode_affinity_slack, standby_roles=cfg.standby_roles(),
                         pressure=cfg.controller.pressure(),
                         pressure_period_s=cfg.controller.period_s,
-                        slo=SLOConfig(ttft_ms=ecfg.ttft_ms, tpot_ms=ecfg.tpot_ms, ttft_scale=ecfg.ttft_scale))
+                        slo=SLOConfig(ttft_ms=ecfg.ttft_ms, tpot_ms=ecfg.tpot_ms, ttft_scale=ecfg.ttft_scale),
+                        lora=cfg.lora_modules())
 
 
 def placement(cfg: ClusterConfig, pool: PoolSpec) -> dict:

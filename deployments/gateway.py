@@ -17,7 +17,7 @@ from ray import serve
 
 from deployments import direct_ingress
 from deployments.gateway_metrics import RayRequestMetrics
-from raycluster.cluster.client import ClusterClient
+from raycluster.cluster.client import ClusterClient, LoRACalls
 from raycluster.cluster.config import ClusterConfig
 from raycluster.server.auth import keys_from_env
 from raycluster.server.protocol import error_body
@@ -49,7 +49,10 @@ def build_gateway_app():
         submit=lambda meta: router.submit.remote(meta), abort=lambda rid: router.abort.remote(rid),
         pull=lambda gid, timeout: router.pull.remote(gid, timeout), status=lambda: router.status.remote(),
         tokenizer=tokenizer, max_model_len=min(max_len, mcfg.max_model_len), vocab_size=mcfg.vocab_size,
-        eos_token_ids=tokenizer.eos_token_ids, gateway_id=gateway_id)
+        eos_token_ids=tokenizer.eos_token_ids, gateway_id=gateway_id, lora_names=cfg.lora_names(),
+        lora=LoRACalls(names=lambda: router.lora_adapters.remote(),
+                       load=lambda name, path: router.load_lora.remote(name, path),
+                       unload=lambda name: router.unload_lora.remote(name)))
     names = cfg.served_names()
     # The key comes from the replica's environment (its node's), never from the Serve config.
     # In a replica its request metrics also go to Ray's metrics export (summable over replicas).
@@ -57,7 +60,8 @@ def build_gateway_app():
     defaults = load_generation_config(path).sampling if cfg.generation_config == "auto" else None
     app = build_app(client, tokenizer, names, api_keys=keys_from_env(), tool_call_parser=cfg.tool_call_parser,
                     metrics_sinks=sinks, sampling_defaults=defaults, log_requests=cfg.log_requests,
-                    reasoning_parser=cfg.reasoning_parser, request_id_header=False, lora_names=cfg.lora_names())
+                    reasoning_parser=cfg.reasoning_parser, request_id_header=False,
+                    allow_runtime_lora=cfg.allow_runtime_lora_updating)
 
     @app.get("/v1/cluster/status")
     async def cluster_status(request: Request):

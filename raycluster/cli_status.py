@@ -42,6 +42,9 @@ def format_status(status: dict) -> str:
              f"router {status.get('router_id')}"]
     if status.get("gateway_urls"):
         lines.append(f"gateway replicas (no proxy hop): {', '.join(status['gateway_urls'])}")
+    if status.get("lora_adapters") or status.get("lora_loading"):
+        lines.append("LoRA adapters: " + (", ".join(f"{n} ({p})" for n, p in status.get("lora_adapters", {}).items())
+                                          or "none") + "".join(f"; loading {n}" for n in status.get("lora_loading", [])))
     lines.append(f"{'instance':28s} {'role':14s} {'scheduling':18s} {'waiting':>8s} {'prefill tok':>11s} "
                  f"{'running':>8s} {'kv used':>8s} {'prefix hits':>11s}")
     for inst in status.get("instances", []):
@@ -61,6 +64,8 @@ def format_status(status: dict) -> str:
         drafts = inst.get("spec_draft_tokens", 0)
         if drafts:                  # speculative decoding: how many drafts the model agreed with
             lines.append(f"  draft tokens: {drafts}, {inst.get('spec_accepted_tokens', 0) / drafts:.1%} accepted")
+        for name, error in (inst.get("lora_failed") or {}).items():
+            lines.append(f"  LoRA adapter {name} not loaded: {error}")
         nodes = inst.get("nodes") or []
         if len(set(nodes)) > 1:     # a group spanning nodes: where each rank runs (Ray node ids)
             lines.append("  ranks on nodes: " + ", ".join(f"{r}:{n[:8]}" for r, n in enumerate(nodes)))

@@ -5,7 +5,12 @@ router, and yields `RequestOutput`s as token events arrive. One long-poll loop p
 replica pulls every event for this gateway from the router in batches and fans them out to
 per-request queues, so no Ray call is made per token per request. Text, stop strings and the
 local admission check (the router's last reported queue depth) live here, before any
-tokenization. The router is reached through three async callables, so tests can fake it.
+tokenization. The router is reached through async callables, so tests can fake it.
+
+LoRA adapters: the names are the router's (`RouterCore.adapters`); this keeps the last ones it
+heard and asks again when a request names one it does not know (`refresh_lora_adapters`), so an
+adapter loaded through another gateway replica is served here at once. Loads and unloads
+(`LoRACalls`) go to the router, which answers once every instance has the adapter.
 
 Router restarts: router ids sort by start time. When replies come from a newer router than the
 one that accepted a request, the request is resubmitted under a new id with the tokens its
@@ -39,6 +44,7 @@ from typing import AsyncIterator, Awaitable, Callable
 from raycluster.cluster.messages import GatewayReply, RequestMeta, SubmitReply, TokenEvent
 from raycluster.engine.engine import InvalidRequestError, RequestOutput, validate_request
 from raycluster.engine.text import TextStream
+from raycluster.model.lora import AdapterError, AdapterNotFound
 from raycluster.request import SLO, SamplingParams
 from raycluster.server.protocol import OverloadedError
 
@@ -69,6 +75,14 @@ def _coalesce(ev: TokenEvent, q: asyncio.Queue) -> tuple[TokenEvent, object | No
     return ev, None
 
 
+@dataclasses.dataclass
+class LoRACalls:
+    """The router's LoRA adapter calls (RouterActor's `lora_adapters`, `load_lora`, `unload_lora`)."""
+    names: Callable[[], Awaitable[list[str]]]
+    load: Callable[[str, str], Awaitable[dict]]
+    unload: Callable[[str], Awaitable[dict]]
+
+
 class ClusterClient:
     def __init__(self, submit: Callable[[RequestMeta], Awaitable[SubmitReply]],
                  abort: Callable[[str], Awaitable[None]],
@@ -76,8 +90,13 @@ class ClusterClient:
                  status: Callable[[], Awaitable[dict]],
                  tokenizer, max_model_len: int, vocab_size: int, eos_token_ids: tuple[int, ...],
                  gateway_id: str | None = None, pull_timeout_s: float = 0.5,
-                 router_wait_s: float = 30.0) -> None:
+                 router_wait_s: float = 30.0, lora: LoRACalls | None = None,
+                 lora_names: list[str] = ()) -> None:
+        """`lora`: the router's adapter calls (None: the adapters stay `lora_names`, the
+        instances' configured ones)."""
         self._submit, self._abort, self._pull, self._status = submit, abort, pull, status
+        self._lora = lora
+        self._lora_names = list(lora_names)
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
@@ -97,6 +116,28 @@ class ClusterClient:
         self._aborting: dict[str, asyncio.Task] = {}    # aborts in flight (held: the loop keeps tasks weakly)
 
     # ---- backend interface used by raycluster.server.app -------------------------------------
+    def lora_adapters(self) -> list[str]:
+        return list(self._lora_names)
+
+    async def refresh_lora_adapters(self) -> list[str]:
+        if self._lora is not None:
+            self._lora_names = list(await self._lora.names())
+        return self.lora_adapters()
+
+    async def load_lora(self, name: str, path: str) -> None:
+        await self._lora_change(self._lora.load(name, path) if self._lora else None)
+
+    async def unload_lora(self, name: str) -> None:
+        await self._lora_change(self._lora.unload(name) if self._lora else None)
+
+    async def _lora_change(self, call: Awaitable[dict] | None) -> None:
+        if call is None:
+            raise AdapterError("this gateway reaches no router that loads adapters")
+        reply = await call
+        await self.refresh_lora_adapters()
+        if not reply.get("ok"):
+            raise (AdapterNotFound if reply.get("not_found") else AdapterError)(reply.get("error", "failed"))
+
     def admit(self) -> None:
         if self.max_queue and self.queue_depth >= self.max_queue:
             raise OverloadedError(f"router queue is full ({self.queue_depth} waiting)", retry_after_s=1.0)
@@ -203,6 +244,9 @@ class ClusterClient:
         try:
             reply = await self._place(meta, q)
             self.queue_depth = reply.queue_depth
+            if not reply.accepted and reply.invalid_field:
+                done = True
+                raise InvalidRequestError(reply.invalid_field, reply.reason)
             if not reply.accepted:
                 done = True
                 raise OverloadedError(reply.reason or "cluster is busy", reply.retry_after_s,

@@ -146,6 +146,9 @@ class ClusterConfig(BaseModel):
     log_requests: bool = Field(False, description="vLLM's --enable-log-requests: each gateway replica logs a "
                                "line per request received (sampling parameters, not the prompt) and per choice "
                                "ended (reason, tokens, TTFT, latency); the Ray dashboard shows the replica's log")
+    allow_runtime_lora_updating: bool | None = Field(
+        None, description="serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter (every instance loads or "
+        "drops the adapter); default: vLLM's VLLM_ALLOW_RUNTIME_LORA_UPDATING in the gateway's environment")
     policy: str = "lars"
     connector: Literal["object_store", "nixl", "torch_dist"] = "object_store"
     connector_host: str = Field("127.0.0.1", description="address torch_dist binds its store and "
@@ -210,10 +213,14 @@ class ClusterConfig(BaseModel):
     def served_names(self) -> list[str]:
         return self.served_model_name or [default_model_name(self.model)]
 
-    def lora_names(self) -> list[str]:
-        """The LoRA adapters every instance serves (`_topology` checks the pools agree)."""
+    def lora_modules(self) -> dict[str, str]:
+        """The LoRA adapters every instance starts with, name -> path (`_topology` checks the
+        pools agree)."""
         from raycluster.model.lora import parse_modules
-        return list(parse_modules(self.engine_config(self.pools[0]).lora_modules)) if self.pools else []
+        return parse_modules(self.engine_config(self.pools[0]).lora_modules) if self.pools else {}
+
+    def lora_names(self) -> list[str]:
+        return list(self.lora_modules())
 
     @field_validator("chat_template")
     @classmethod

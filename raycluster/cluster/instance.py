@@ -16,6 +16,9 @@
 A poll reply with a new `epoch` (the router restarted, or reaped this instance and re-queued its
 work) makes the step thread drop every request, parked KV and offer it holds before applying
 the reply; each report carries the epoch it was made under.
+A poll reply with a LoRA adapter table (router_lora.py) goes by the compile thread, which reads
+the adapters the engine lacks; the step thread then makes the engine serve exactly that table
+before it applies the reply's work, and the stats report what it serves and could not load.
 A poll reply with a new `role` (the pressure controller moved the instance) makes the step
 thread adopt that pool's scheduling config (`role_configs`, `LLMEngine.reconfigure_scheduling`)
 before it applies the reply's work; the role and scheduling it reports change together then.
@@ -37,6 +40,7 @@ from raycluster.engine.config import EngineConfig
 from raycluster.engine.engine import LLMEngine
 from raycluster.engine.guided import constraint_of
 from raycluster.engine.stat_log import StatLogger
+from raycluster.model.lora import AdapterError
 from raycluster.kv_transfer.base import KVConnector, KVTransferError, KVTransferUnquiesced, pull_with_fallback
 from raycluster.request import SLO
 
@@ -84,6 +88,12 @@ class InstanceWorker:
         self._reports: queue.Queue[StepReport] = queue.Queue()
         self._epoch: str | None = None           # applied by the step thread, stamped on reports
         self._polled_epoch: str | None = None    # last seen by the poll thread
+        # LoRA adapters: the router table's version applied, the ones of it that failed (name ->
+        # error), what the engine serves (a copy the poll thread may read), and adapters the
+        # compile thread read for a table (version -> name -> adapter or the error).
+        self._lora_version, self._lora_failed = -1, {}
+        self._lora_names = engine.lora.names()
+        self._lora_read: dict[int, dict] = {}
         self._threads = [threading.Thread(target=self._poll_loop, name=f"{instance_id}-poll", daemon=True),
                          threading.Thread(target=self._step_loop, name=f"{instance_id}-step", daemon=True),
                          threading.Thread(target=self._push_loop, name=f"{instance_id}-push", daemon=True),
@@ -141,7 +151,8 @@ class InstanceWorker:
             kv_pulls_ok=pulls.get("ok", 0), kv_pulls_failed=pulls.get("failed", 0),
             kv_pull_blocks=pulls.get("blocks", 0), kv_pull_s=pulls.get("seconds", 0.0),
             spec_draft_tokens=eng.num_draft_tokens, spec_accepted_tokens=eng.num_accepted_tokens,
-            preemptions=eng.scheduler.preempted_total)
+            preemptions=eng.scheduler.preempted_total, lora_adapters=list(self._lora_names),
+            lora_failed=dict(self._lora_failed), lora_version=self._lora_version)
 
     # ---- threads ---------------------------------------------------------------------------
     def _poll_loop(self) -> None:
@@ -152,7 +163,8 @@ class InstanceWorker:
                 log.warning("%s: poll failed: %s", self.instance_id, e)
                 self._stop.wait(0.5)
                 continue
-            if reply.work or reply.aborts or reply.releases or reply.role or reply.epoch != self._polled_epoch:
+            if (reply.work or reply.aborts or reply.releases or reply.role or reply.lora is not None
+                    or reply.epoch != self._polled_epoch):
                 self._polled_epoch = reply.epoch
                 self._deliver(reply)
             if reply.shutdown:
@@ -163,7 +175,8 @@ class InstanceWorker:
         thread, and so does every reply after it until that thread is idle: an abort must not
         overtake the work it aborts."""
         with self._compile_lock:
-            if self._compile_backlog or any(not self.engine.pattern_ready(w.meta.sampling) for w in reply.work):
+            if self._compile_backlog or reply.lora is not None or \
+                    any(not self.engine.pattern_ready(w.meta.sampling) for w in reply.work):
                 self._compile_backlog += 1
                 self._to_compile.put(reply)
                 return
@@ -176,6 +189,8 @@ class InstanceWorker:
             except queue.Empty:
                 continue
             try:
+                if reply.lora is not None:
+                    self._lora_read[reply.lora_version] = self._read_adapters(reply.lora)
                 for item in reply.work:
                     constraint = constraint_of(item.meta.sampling)
                     if constraint is not None:
@@ -222,10 +237,45 @@ class InstanceWorker:
                     self.stat_logger.observe(self.engine, None)
 
     # ---- applying router replies -------------------------------------------------------------
+    def _read_adapters(self, table: dict[str, str]) -> dict:
+        """Read (off the step thread) the adapters of `table` the engine does not serve."""
+        served, out = set(self._lora_names), {}
+        for name, path in table.items():
+            if name not in served:
+                try:
+                    out[name] = self.engine.read_lora(name, path)
+                except Exception as e:     # reported to the router, which fails the load
+                    out[name] = e
+        return out
+
+    def _apply_lora(self, table: dict[str, str], version: int) -> None:
+        """Serve exactly `table`: unload what it lacks (running requests finish on it), add
+        what was read for it; record what could not be loaded."""
+        eng, read, failed = self.engine, self._lora_read.pop(version, None), {}
+        if read is None:                   # (a reply that skipped the compile thread)
+            read = self._read_adapters(table)
+        for name in eng.lora.names():
+            if name not in table or eng.lora.adapters[name].path != table[name]:
+                eng.unload_lora(name)
+        for name, got in read.items():
+            if name not in table or name in eng.lora:
+                continue
+            try:
+                if isinstance(got, Exception):
+                    raise got
+                eng.lora.add(got)
+            except Exception as e:
+                if not isinstance(e, AdapterError):
+                    log.exception("%s: loading LoRA adapter %r failed", self.instance_id, name)
+                failed[name] = str(e)
+        self._lora_names, self._lora_failed, self._lora_version = eng.lora.names(), failed, version
+
     def _apply(self, reply: PollReply) -> None:
         if reply.epoch is not None and reply.epoch != self._epoch:
             self._drop_all()
             self._epoch = reply.epoch
+        if reply.lora is not None:
+            self._apply_lora(reply.lora, reply.lora_version)
         if reply.role and reply.role != self.role:
             self._move(reply.role)
         for rid in reply.aborts:

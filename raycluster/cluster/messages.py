@@ -66,6 +66,7 @@ class SubmitReply:
     reason: str = ""
     queue_depth: int = 0
     router_id: str = ""
+    invalid_field: str | None = None   # refused as the client's error in this field (not for load)
 
 
 @dataclass
@@ -132,6 +133,9 @@ class InstanceStats:
     preemptions: int = 0               # requests preempted (by recompute), so far
     spec_draft_tokens: int = 0         # speculative decoding: draft tokens run, so far
     spec_accepted_tokens: int = 0      # of those, accepted
+    lora_adapters: list[str] = field(default_factory=list)   # LoRA adapters its engine serves
+    lora_failed: dict[str, str] = field(default_factory=dict)   # adapters of the table it could not load: error
+    lora_version: int = -1             # the version of the router's adapter table it applied (-1: none)
 
 
 @dataclass
@@ -155,6 +159,10 @@ class PollReply:
     # This instance's registration with the router: a new value means the router does not know
     # the work the instance holds (it restarted, or reaped the instance and re-queued it).
     epoch: str | None = None
+    # The LoRA adapters (name -> path) to serve from now on, applied before the reply's work
+    # (router_lora.py); None: no change.
+    lora: dict[str, str] | None = None
+    lora_version: int = 0
 
 
 @dataclass

@@ -18,8 +18,9 @@ Ray restarts the actor if its process dies (`max_restarts=-1`); the new incarnat
 under a new `router_id`, and instances and gateways recover their work from it (messages.py).
 A redeploy hands the live router its new config (`reconfigure`, router_reconfigure.py); since Ray
 re-runs `__init__` with the creation args, a named router also keeps the config last applied to
-it in the GCS key-value store (what Serve's controller keeps its own state in), and a restarted
-incarnation starts from that one.
+it, and the LoRA adapters served (those loaded at run time too), in the GCS key-value store
+(what Serve's controller keeps its own state in), and a restarted incarnation starts from them.
+`load_lora` / `unload_lora` change the adapters every instance serves (router_lora.py).
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ from raycluster.cluster import router_autoscale
 from raycluster.cluster.messages import (GatewayReply, InstanceStats, PollReply, RequestMeta,
                                          StepReport, SubmitReply)
 from raycluster.cluster.router_core import QUEUES, RouterConfig, RouterCore
+from raycluster.cluster.router_lora import RouterAdapters, load_everywhere, unload_everywhere
 from raycluster.cluster.router_reconfigure import reconfigure
 
 log = logging.getLogger(__name__)
@@ -56,17 +58,20 @@ class RouterActor:
         ctx = ray.get_runtime_context()
         name, self._actor_id = ctx.get_actor_name(), ctx.get_actor_id()
         self._cfg_key = f"router-config/{ctx.namespace}/{name}" if name else None
+        adapters = None
         if self._cfg_key is not None:
             saved = _internal_kv_get(self._cfg_key, namespace=KV_NAMESPACE)
-            saved_by, saved_cfg = pickle.loads(saved) if saved else (None, None)
-            if saved_by == self._actor_id:      # this actor restarted (its id stays): the last config
-                cfg = saved_cfg
+            saved_by, saved_cfg, saved_adapters = (*pickle.loads(saved), None)[:3] if saved else (None, None, None)
+            if saved_by == self._actor_id:      # this actor restarted (its id stays): the last state
+                cfg, adapters = saved_cfg, saved_adapters
             else:                               # a new router under this name: its creation args
                 self._save_config(cfg or RouterConfig())
         # EpochClock: time.time() like arrivals. A fresh id per incarnation (restarts included),
         # sorting by start time, so a gateway can tell the newer of two routers.
         router_id = f"{time.time_ns():016x}-{uuid.uuid4().hex[:6]}"
         self.core = RouterCore(cfg or RouterConfig(), router_id=router_id)
+        if adapters is not None:
+            self.core.adapters = RouterAdapters(self.core.cfg.lora, restored=adapters)
         self._inst_ev: dict[str, asyncio.Event] = {}
         self._gw_ev: dict[str, asyncio.Event] = {}
         self._reap_interval_s = reap_interval_s
@@ -74,9 +79,10 @@ class RouterActor:
         self._ctl: asyncio.Task | None = None
         self._metrics = _Metrics()
 
-    def _save_config(self, cfg: RouterConfig) -> None:
+    def _save_config(self, cfg: RouterConfig, adapters: dict[str, str] | None = None) -> None:
+        """Keep `cfg` and the adapters served (None: the config's own) for a restart."""
         if self._cfg_key is not None:
-            _internal_kv_put(self._cfg_key, pickle.dumps((self._actor_id, cfg)), overwrite=True,
+            _internal_kv_put(self._cfg_key, pickle.dumps((self._actor_id, cfg, adapters)), overwrite=True,
                              namespace=KV_NAMESPACE)
 
     def _ensure_bg(self) -> None:
@@ -182,7 +188,7 @@ class RouterActor:
         """Apply a redeployed config (every `build_app` sends it); returns the fields that changed."""
         changed = reconfigure(self.core, cfg)
         if changed:
-            self._save_config(cfg)
+            self._save_config(cfg, dict(self.core.adapters.served))
             log.info("router: config changed: %s", ", ".join(changed))
             self._ensure_bg()                   # the controller may be on now
             self._wake()
@@ -195,6 +201,26 @@ class RouterActor:
     async def expect_instances(self, roles: list[str], for_s: float) -> None:
         """A deploy is starting these pools' instances (`RouterCore.expect_instances`)."""
         self.core.expect_instances(roles, for_s)
+
+    # ------------------------------------------------------------- LoRA adapters
+    async def lora_adapters(self) -> list[str]:
+        """The adapters requests may name now."""
+        return list(self.core.adapters.served)
+
+    async def load_lora(self, name: str, path: str, timeout_s: float = 120.0) -> dict:
+        """Have every instance load the adapter (`router_lora.load_everywhere`)."""
+        self._ensure_bg()
+        reply = await load_everywhere(self.core, name, path, timeout_s, wake=self._wake)
+        if reply["ok"]:
+            self._save_config(self.core.cfg, dict(self.core.adapters.served))
+        return reply
+
+    async def unload_lora(self, name: str) -> dict:
+        """New requests may no longer name it (`router_lora.unload_everywhere`)."""
+        reply = unload_everywhere(self.core, name, wake=self._wake)
+        if reply["ok"]:
+            self._save_config(self.core.cfg, dict(self.core.adapters.served))
+        return reply
 
     # ------------------------------------------------------------- inspection
     async def status(self) -> dict:
@@ -222,7 +248,7 @@ class RouterActor:
 
 
 def _empty(r: PollReply) -> bool:
-    return not (r.work or r.aborts or r.releases or r.role or r.shutdown)
+    return not (r.work or r.aborts or r.releases or r.role or r.shutdown or r.lora is not None)
 
 
 class _Metrics:

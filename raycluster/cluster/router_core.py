@@ -31,6 +31,7 @@ from raycluster.cluster.messages import (ROLES, GatewayReply, InstanceStats, Pol
 from raycluster.cluster import router_placement as placement
 from raycluster.cluster.prefix_index import PrefixIndex
 from raycluster.cluster.router_placement import blocks_needed, fits, has_slot, never_fits
+from raycluster.cluster.router_lora import RouterAdapters
 from raycluster.cluster.router_pools import PREFILL_ROLES, PoolView
 from raycluster.cluster.router_pressure import PressureLoop
 from raycluster.cluster.router_state import (EpochClock, Instance, ReqState, RouterConfig, policy_request,
@@ -68,6 +69,7 @@ class RouterCore:
         self.gateway_seen: dict[str, float] = {}        # last submit or pull, per gateway
         self.dead: list[str] = []
         self.resumed = 0                                # requests re-queued from a removed instance
+        self.adapters = RouterAdapters(self.cfg.lora)   # LoRA adapters served (and loading, unloading)
 
     # ---------------------------------------------------------------- topology
     @property
@@ -108,6 +110,10 @@ class RouterCore:
             return SubmitReply(False, self.cfg.retry_after_s, "queue full", depth, self.router_id)
         if meta.request_id in self.requests:
             return SubmitReply(False, 0.0, "duplicate request id", depth, self.router_id)
+        adapter = meta.sampling.lora_adapter
+        if adapter is not None and adapter not in self.adapters.served:
+            return SubmitReply(False, 0.0, f"`{adapter}` does not exist (not a LoRA adapter served here)", depth,
+                               self.router_id, invalid_field="model")
         n = len(meta.prompt_token_ids)
         # (With a held pool at zero instances, its KV size is not known yet: dispatch decides.)
         if self.instances and not self.pools.awaiting_first() and all(
@@ -220,6 +226,9 @@ class RouterCore:
             return PollReply()
         reply, inst.outbox = inst.outbox, PollReply()
         reply.epoch = inst.epoch                # in every reply: a lost one must not matter
+        table = self.adapters.table_for(inst)
+        if table is not None:
+            reply.lora, reply.lora_version = table, self.adapters.version
         now = self.clock.now()
         for w in reply.work:
             st = self.requests.get(w.meta.request_id)
@@ -241,7 +250,7 @@ class RouterCore:
     def has_outbox(self, instance_id: str) -> bool:
         inst = self.instances.get(instance_id)
         o = inst.outbox if inst else None
-        return bool(o and (o.work or o.aborts or o.releases or o.role or o.shutdown))
+        return bool(o and (o.work or o.aborts or o.releases or o.role or o.shutdown or self.adapters.pending(inst)))
 
     def _touch(self, instance_id: str, stats: InstanceStats) -> Instance:
         now = self.clock.now()
@@ -429,6 +438,12 @@ class RouterCore:
         for q in st.policies:
             self.policies[q].on_finish(st.req)
         self.requests.pop(rid, None)
+        if self.adapters.retiring() and st.meta.sampling.lora_adapter is not None:
+            self.collect_adapters()
+
+    def collect_adapters(self) -> bool:
+        """Unloaded LoRA adapters no request uses any more leave the instances' table."""
+        return self.adapters.collect({st.meta.sampling.lora_adapter for st in self.requests.values()})
 
     def abort(self, request_id: str) -> bool:
         """Client gone: stop the work wherever it is; nothing more reaches the gateway."""

@@ -6,7 +6,8 @@ function applies what differs. Nothing in flight is dropped. Queued requests mov
 policy's queues (it orders them from now on; a fair-queuing policy starts its accounts afresh,
 and requests already running finish under accounts it never opened, which it ignores). The
 short/long classifier restarts from the new prior only when its own settings change; the
-pressure controller starts, stops or takes its new settings. Instances and gateways read their
+pressure controller starts, stops or takes its new settings. LoRA adapters added to or dropped
+from the instances' `lora_modules` are served or unloaded (those loaded at run time stay). Instances and gateways read their
 own settings from their deployment's args, which Serve redeploys itself.
 """
 
@@ -32,7 +33,10 @@ def reconfigure(core, cfg: RouterConfig) -> list[str]:
         return []
     # Built first: an unknown policy name raises before anything changed.
     policies = {q: make_policy(cfg.policy, core.ctxs[q]) for q in core.policies} if "policy" in changed else {}
-    core.cfg = cfg
+    old, core.cfg = core.cfg, cfg
+    if "lora" in changed:
+        core.adapters.set_static(old.lora, cfg.lora)
+        core.collect_adapters()
     if "slo" in changed:
         for ctx in core.ctxs.values():
             ctx.slo = cfg.slo

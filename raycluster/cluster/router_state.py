@@ -40,6 +40,9 @@ class RouterConfig:
     # Pools autoscaled from zero: with no instance, their queue holds its requests (bounded by
     # max_queue) until one registers, instead of refusing them or routing them to another pool.
     standby_roles: tuple[str, ...] = ()
+    # LoRA adapters every instance starts with (name -> path, the engines' lora_modules);
+    # more come and go at run time (router_lora.py).
+    lora: dict[str, str] = field(default_factory=dict)
 
 
 class Transit(dict):
@@ -118,6 +121,7 @@ class Instance:
     busy_mark: tuple[float, float] | None = None     # (time, stats.busy_s) at the last control tick
     epoch: str = ""                   # this registration (PollReply.epoch)
     draining: bool = False            # stopping: gets no new work, finishes what it has
+    lora_sent: int = 0                # the version of the LoRA adapter table it was sent last
 
     def transit_sum(self, k: int) -> int:
         t = self.transit
@@ -140,7 +144,7 @@ def instance_summary(i: Instance, now: float) -> dict:
             "prefix_hit_tokens": s.prefix_hit_tokens, "kv_pulls_ok": s.kv_pulls_ok,
             "kv_pulls_failed": s.kv_pulls_failed, "kv_pull_blocks": s.kv_pull_blocks, "kv_pull_s": s.kv_pull_s,
             "spec_draft_tokens": s.spec_draft_tokens, "spec_accepted_tokens": s.spec_accepted_tokens,
-            "preemptions": s.preemptions,
+            "preemptions": s.preemptions, "lora_adapters": s.lora_adapters, "lora_failed": s.lora_failed,
             "last_seen_s_ago": now - i.last_seen, "draining": i.draining}
 
 
@@ -161,6 +165,8 @@ def router_status(core, queues: tuple[str, ...]) -> dict:
         "instances": [instance_summary(i, now) for i in core.instances.values()],
         "dead_instances": list(core.dead[-32:]),
         "resumed": core.resumed,        # requests re-queued from instances that went away
+        "lora_adapters": dict(core.adapters.served),
+        "lora_loading": sorted(core.adapters.loading),
         "controller": None if core.pressure is None else {
             "period_s": core.cfg.pressure_period_s, "moves": core.pressure.moves[-8:]},
     }

@@ -22,7 +22,7 @@ from serve_app import free_port
 pytestmark = [pytest.mark.ray, pytest.mark.e2e]
 
 BASE = {"model": "tiny", "policy": "lars", "threads_per_instance": 1, "max_local_waiting": 4,
-        "engine": {"kv_cache_tokens": 16384}, "tool_call_parser": "hermes"}
+        "engine": {"kv_cache_tokens": 16384}, "tool_call_parser": "hermes", "allow_runtime_lora_updating": True}
 PD_POOLS = [{"role": "prefill-short", "instances": 1, "engine": {"packer": "awd"}},
             {"role": "prefill-long", "instances": 1},
             {"role": "decode", "instances": 1,
@@ -142,20 +142,12 @@ LORA_TOPOLOGIES = ("mixed", "pd-object_store")
 
 
 @pytest.fixture(scope="module")
-def lora_adapter(tiny_model_dir, tmp_path_factory):
+def lora_adapter(tiny_model_dir, tmp_path_factory, merged_lora):
     """(adapter dir, the base model with the adapter merged into its weights: the reference)."""
-    import torch
-
-    from raycluster.model.loader import load_model
-    from raycluster.model.lora import TARGETS, load_adapter
     from raycluster.model.tiny import write_tiny_lora
 
     path = write_tiny_lora(tmp_path_factory.mktemp("lora") / "sql", tiny_model_dir, seed=1)
-    merged, cfg = load_model(tiny_model_dir)
-    for (layer, module), (a, b) in load_adapter(path, cfg, "sql").weights.items():
-        with torch.no_grad():
-            getattr(getattr(merged.model.layers[layer], TARGETS[module]), module).weight += b @ a
-    return path, merged
+    return path, merged_lora(path)
 
 
 @pytest.fixture(scope="module", params=list(TOPOLOGIES))
@@ -436,6 +428,52 @@ def test_a_lora_adapter_runs_wherever_its_request_goes(cluster, lora_adapter, ti
             r = httpx.post(url + "/v1/completions", json=body, timeout=120)
             assert r.status_code == 200, r.text
             assert r.json()["choices"][0]["text"] == want, (model, n)
+    _assert_drained(url)
+
+
+def test_adapters_load_and_unload_on_every_instance_at_run_time(cluster, tiny_model_dir, tmp_path, merged_lora):
+    """vLLM's /v1/load_lora_adapter through the gateway: every instance loads it before the
+    answer (the router's status lists it on each), requests on it get the merged model's text
+    wherever they run (P/D handoffs too), a path with no adapter is a 404 and no instance keeps
+    anything of it, and after /v1/unload_lora_adapter the name is a 404 model and every instance
+    has dropped it."""
+    from raycluster.engine.config import EngineConfig
+    from raycluster.engine.engine import LLMEngine
+    from raycluster.model.tiny import write_tiny_lora
+    from raycluster.model.tokenizer import Tokenizer
+    from raycluster.request import SamplingParams
+
+    url, name = cluster
+    if name not in LORA_TOPOLOGIES:
+        pytest.skip("adapters are served by single-process instances (and one P/D topology is enough)")
+    path = write_tiny_lora(tmp_path / "rt", tiny_model_dir, seed=5)
+    ref = LLMEngine(EngineConfig(policy="fcfs", packer="token", kv_cache_tokens=8192), merged_lora(path))
+    tok = Tokenizer(tiny_model_dir, (1,))
+
+    def adapters_per_instance():
+        return [sorted(i["lora_adapters"]) for i in httpx.get(url + "/v1/cluster/status", timeout=10).json()["instances"]]
+
+    r = httpx.post(url + "/v1/load_lora_adapter", json={"lora_name": "rt", "lora_path": str(tmp_path / "nowhere")},
+                   timeout=120)
+    assert r.status_code == 404 and "no adapter found" in r.json()["error"]["message"]
+    assert all(a == ["sql"] for a in adapters_per_instance())
+    r = httpx.post(url + "/v1/load_lora_adapter", json={"lora_name": "rt", "lora_path": str(path)}, timeout=120)
+    assert r.status_code == 200, r.text
+    assert all(a == ["rt", "sql"] for a in adapters_per_instance())
+    assert ("rt", "tiny") in [(m["id"], m.get("parent")) for m in httpx.get(url + "/v1/models", timeout=10).json()["data"]]
+    for i, n in enumerate((20, 300, 700)):      # in P/D: prefill-short, prefill-long, then decode
+        prompt = list(range(60 + i, 60 + i + n))
+        want = tok.decode(ref.generate([prompt], SamplingParams(max_tokens=10, ignore_eos=True))[0])
+        body = {"model": "rt", "prompt": prompt, "max_tokens": 10, "temperature": 0, "ignore_eos": True}
+        r = httpx.post(url + "/v1/completions", json=body, timeout=120)
+        assert r.status_code == 200 and r.json()["choices"][0]["text"] == want, (n, r.text)
+    assert httpx.post(url + "/v1/unload_lora_adapter", json={"lora_name": "rt"}, timeout=30).status_code == 200
+    r = httpx.post(url + "/v1/completions", json={"model": "rt", "prompt": "x", "max_tokens": 2}, timeout=30)
+    assert r.status_code == 404
+    deadline = time.monotonic() + 30
+    while any(a != ["sql"] for a in adapters_per_instance()) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert all(a == ["sql"] for a in adapters_per_instance())
     _assert_drained(url)
 
 

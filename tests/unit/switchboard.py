@@ -8,6 +8,8 @@ import asyncio
 import threading
 import time
 
+from raycluster.cluster.router_lora import load_everywhere, unload_everywhere
+
 
 class Switchboard:
     """The router's methods behind one lock (RouterCore is not thread-safe), with the router
@@ -27,7 +29,8 @@ class Switchboard:
         while True:
             with self.lock:
                 reply = self.core.on_poll(iid, stats)
-            if reply.work or reply.aborts or reply.releases or time.monotonic() > deadline:
+            if reply.work or reply.aborts or reply.releases or reply.lora is not None or \
+                    time.monotonic() > deadline:
                 return reply
             time.sleep(0.005)
 
@@ -54,3 +57,15 @@ class Switchboard:
     async def status(self):
         with self.lock:
             return self.core.status()
+
+    # The router actor's LoRA adapter calls (the actor runs the same functions on its event loop).
+    async def lora_names(self):
+        with self.lock:
+            return list(self.core.adapters.served)
+
+    async def load_lora(self, name, path, timeout_s=30.0):
+        return await load_everywhere(self.core, name, path, timeout_s, lock=self.lock)
+
+    async def unload_lora(self, name):
+        with self.lock:
+            return unload_everywhere(self.core, name)

@@ -28,3 +28,11 @@ def test_status_table_shows_each_instance_and_its_kv_pulls():
     assert lines[4] == "  kv pulls: 4 ok (90 blocks, 2.5 ms per pull), 1 failed and recomputed"
     assert lines[6] == "  kv pulls: 0 ok (0 blocks), 2 failed and recomputed"
     assert len(lines) == 7          # no pull line for an instance that pulled nothing
+
+
+def test_status_shows_the_lora_adapters_and_instances_that_could_not_load_one():
+    status = {**STATUS, "lora_adapters": {"sql": "/a/sql"}, "lora_loading": ["chat"],
+              "instances": [{**STATUS["instances"][1], "lora_failed": {"chat": "chat: no adapter found at /b"}}]}
+    lines = format_status(status).splitlines()
+    assert lines[1] == "LoRA adapters: sql (/a/sql); loading chat"
+    assert lines[5] == "  LoRA adapter chat not loaded: chat: no adapter found at /b"

@@ -32,8 +32,8 @@ PROMPT_TEXT = "The river ran down to the sea and the"
 class _Board(Switchboard):
     """The switchboard, also recording the sampling parameters of the router's policy request."""
 
-    def __init__(self) -> None:
-        super().__init__(lambda rid: RouterCore(RouterConfig(policy="fcfs"), router_id=rid))
+    def __init__(self, lora: dict[str, str]) -> None:
+        super().__init__(lambda rid: RouterCore(RouterConfig(policy="fcfs", lora=lora), router_id=rid))
         self.policy_sampling: dict[str, SamplingParams] = {}
 
     async def submit(self, meta):
@@ -48,7 +48,7 @@ class _Board(Switchboard):
 def _run(model, tokenizer, requests: list[tuple[list[int], SamplingParams]], lora_modules: list[str] = ()):
     """Serve `requests` through client -> router -> instance; returns (text, finish reason, token
     ids) per request and the `Request`s the engine was given."""
-    board = _Board()
+    board = _Board({n: p for n, _, p in (m.partition("=") for m in lora_modules)})
     engine = LLMEngine(EngineConfig(policy="fcfs", packer="token", kv_cache_tokens=4096, chunk_size=64,
                                     lora_modules=list(lora_modules)), model)
     given = []
