@@ -55,7 +55,7 @@ class EngineConfig(BaseModel):
     lora_modules: list[str] = Field(
         default_factory=list, description="LoRA adapters to serve beside the base weights, vLLM's "
         "--lora-modules: name=path entries (a PEFT directory each); a request whose `model` is a name runs "
-        "with that adapter. Single-process instances only (not KVP / SPP / TP groups)")
+        "with that adapter. On a KVP / SPP / TP group each rank holds its shard of each adapter")
     seed: int = 0
     num_threads: int | None = Field(None, ge=1, description="torch intra-op threads")
     kvp: int = Field(1, ge=1, le=64, description="KV-cache parallel ranks (Medha KVP): each rank holds the "
@@ -99,9 +99,6 @@ class EngineConfig(BaseModel):
         if self.lora_modules:
             from raycluster.model.lora import parse_modules
             parse_modules(self.lora_modules)
-            if self.parallel_world > 1:
-                raise ValueError("lora_modules: adapters are served by single-process instances only "
-                                 f"(this one is a group of kvp {self.kvp} x spp {self.spp} x tp {self.tp})")
         return self
 
     @model_validator(mode="after")

@@ -28,7 +28,7 @@ from raycluster.engine.guided import GuidedDecoding, constraint_of
 from raycluster.parallel.factory import build_runner
 from raycluster.engine.sampler import Sampler
 from raycluster.engine.spec_decode import NgramProposer
-from raycluster.model.lora import AdapterError, LoRAAdapter, LoRASet, load_adapter, parse_modules
+from raycluster.model.lora import LoRAAdapter, LoRASet, load_adapter, parse_modules
 from raycluster.engine.profiler import load_or_profile
 from raycluster.engine.sched_factory import RetiredScheduling, build_scheduler, needs_predictor
 from raycluster.engine.text import TextStream
@@ -130,8 +130,10 @@ class LLMEngine:
         self.scheduler = build_scheduler(config, self.kv, self.clock, self.max_model_len, self.predictor)
         self._retired = RetiredScheduling()       # pieces of pools it left (reconfigure_scheduling)
         self.sampler = Sampler(config.seed)
-        # LoRA adapters served beside the base weights (groups serve none: EngineConfig refuses them)
-        self.lora = self.runner.lora = LoRASet.load(parse_modules(config.lora_modules), mcfg, _DTYPES[config.dtype])
+        # LoRA adapters served beside the base weights; a group's ranks each hold their shards.
+        self.lora = self.runner.lora = LoRASet(on_change=getattr(self.runner, "change_lora", None))
+        for name, path in parse_modules(config.lora_modules).items():
+            self.lora.add(load_adapter(path, mcfg, name, _DTYPES[config.dtype]))
         if self.kv.prefix_caching:
             self.kv.lora_roots = self.lora.roots
         self.num_draft_tokens = self.num_accepted_tokens = 0     # speculative decoding, so far
@@ -452,8 +454,6 @@ class LLMEngine:
     def read_lora(self, name: str, path: str) -> LoRAAdapter:
         """Read and check the adapter at `path` (AdapterError naming the problem). Touches no
         engine state: callers run it off the step thread, then hand the result to `lora.add`."""
-        if self.config.kvp > 1 or self.config.spp > 1 or self.config.tp > 1:
-            raise AdapterError("LoRA adapters are served by single-process instances only (not groups)")
         return load_adapter(path, self.model.config, name, _DTYPES[self.config.dtype])
 
     def unload_lora(self, name: str) -> None:

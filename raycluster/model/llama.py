@@ -61,8 +61,7 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, k, cos, sin)
         o = backend.forward(layer_kv, q, k, v, meta, self.scale).reshape(t, self.num_heads * self.head_dim)
-        out = self.o_proj(o)
-        return out if lora is None else lora.add(index, "o_proj", o, out)
+        return self.o_proj(o) if lora is None else _project(self.o_proj, o, lora, index, "o_proj")
 
 
 class MLP(nn.Module):
@@ -77,7 +76,17 @@ class MLP(nn.Module):
         if lora is None:
             return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
         h = F.silu(lora.add(index, "gate_proj", x, self.gate_proj(x))) * lora.add(index, "up_proj", x, self.up_proj(x))
-        return lora.add(index, "down_proj", h, self.down_proj(h))
+        return _project(self.down_proj, h, lora, index, "down_proj")
+
+
+def _project(linear, x, lora, index: int, name: str):
+    """linear(x) plus the step's adapters' update. A tensor-parallel rank's row-parallel layer
+    (raycluster.parallel.shard.RowParallelLinear) sums partial outputs over the group: its
+    update, from the rank's share of x, is a partial sum too and joins before the reduce."""
+    partial = getattr(linear, "partial", None)
+    if partial is None:
+        return lora.add(index, name, x, linear(x))
+    return linear.reduce(lora.add(index, name, x, partial(x)))
 
 
 class DecoderLayer(nn.Module):

@@ -158,17 +158,16 @@ class LoRASet:
     it (vLLM's unload). A name loaded again after an unload gets another prefix-cache root
     (`root_key`): the KV the old weights made is never matched to the new ones."""
 
-    def __init__(self, adapters: list[LoRAAdapter] = ()) -> None:
+    def __init__(self, adapters: list[LoRAAdapter] = (), on_change=None) -> None:
+        """`on_change(name, path or None)`: told of each adapter served and finally dropped (a
+        group runner's `change_lora`, which gives each rank its shard)."""
+        self.on_change = on_change
         self.adapters: dict[str, LoRAAdapter] = {}
         self.retiring: set[str] = set()
         self._loads: dict[str, int] = {}          # name -> times loaded, ever
         self.roots: dict[str, str] = {}           # name -> `root_key` (the prefix cache reads it)
         for a in adapters:
             self.add(a)
-
-    @classmethod
-    def load(cls, modules: dict[str, str], cfg: ModelConfig, dtype: torch.dtype) -> "LoRASet":
-        return cls([load_adapter(path, cfg, name, dtype) for name, path in modules.items()])
 
     def __contains__(self, name: str) -> bool:
         """Whether new requests may use `name`."""
@@ -190,6 +189,8 @@ class LoRASet:
         self.adapters[name] = adapter
         self._loads[name] = self._loads.get(name, 0) + 1
         self.roots[name] = self.root_key(name)
+        if self.on_change is not None:
+            self.on_change(name, adapter.path)
 
     def root_key(self, name: str) -> str:
         """What the prefix cache roots this adapter's chains at: its name, and for a second or
@@ -208,6 +209,8 @@ class LoRASet:
         for n in gone:
             self.retiring.discard(n)
             del self.adapters[n]
+            if self.on_change is not None:
+                self.on_change(n, None)
         return gone
 
     def for_step(self, runs: list[tuple[str, int, int]], device: torch.device | str = "cpu") -> StepLoRA:

@@ -22,6 +22,7 @@ import torch
 
 from kernels.rowcopy import index_copy
 from raycluster.engine.kv_manager import BlockAllocator
+from raycluster.parallel.lora_ranks import LoRAChange
 
 
 @dataclass
@@ -102,13 +103,15 @@ KV_TAG = 3      # group send/recv of block data, leader <-> rank
 
 
 def rank_handler(rank) -> Callable:
-    """What a non-leader rank runs for each message the leader posts: a step plan (`rank.run`) or a
-    block move (`rank.load` / `rank.save`)."""
+    """What a non-leader rank runs for each message the leader posts: a step plan (`rank.run`), a
+    block move (`rank.load` / `rank.save`) or a LoRA adapter change (`rank.adapters.apply`)."""
     def handle(msg) -> None:
         if isinstance(msg, KVLoad):
             rank.load(msg)
         elif isinstance(msg, KVSave):
             rank.save(msg)
+        elif isinstance(msg, LoRAChange):
+            rank.adapters.apply(msg)
         else:
             rank.run(msg)
     return handle

@@ -63,6 +63,7 @@ from kernels.torch_backend import LOG2E, Workspace, _attend, _gather_rows, merge
 from raycluster.engine.model_runner import execute_step
 from raycluster.parallel.group import Collective
 from raycluster.parallel.kv_port import KV_TAG, KVLoad, KVSave, StagedPort, rank_handler
+from raycluster.parallel.lora_ranks import LoRAChange, RankAdapters
 # The layouts' allocators live in kvp_layout; imported here too, where they were first defined.
 from raycluster.parallel.kvp_layout import (  # noqa: F401
     ProgressiveAllocator,
@@ -238,7 +239,7 @@ class KVPRank:
     def __init__(self, model, coll: Collective | None, rank: int, world: int, blocks_per_rank: int,
                  block_size: int, dtype: torch.dtype, device: str | torch.device = "cpu",
                  link: Collective | None = None, lane: int = 0, tp: int = 1,
-                 num_kv_heads: int | None = None) -> None:
+                 num_kv_heads: int | None = None, full_config=None) -> None:
         self.model, self.rank, self.world, self.lane, self.tp = model, rank, world, lane, tp
         self.num_kv_heads = model.config.num_key_value_heads if num_kv_heads is None else num_kv_heads
         self.blocks_per_rank, self.block_size = blocks_per_rank, block_size
@@ -252,6 +253,8 @@ class KVPRank:
         # and compute the logits; the leader gathers them over `link` (`kvp_rank` sets the
         # whole model's vocab size).
         self.vocab: int | None = None
+        # Its LoRA shards (`full_config`: the whole model's, when `model` is a lane's shard).
+        self.adapters = RankAdapters(full_config or model.config, dtype, self.device, lane=lane, tp=tp)
 
     def owned(self, block_ids: list[int]) -> tuple[list[int], torch.Tensor]:
         """Positions in `block_ids` of the blocks on this rank, and their local ids."""
@@ -304,7 +307,8 @@ class KVPRank:
         input_ids, positions, gmeta = plan_inputs(plan, self.block_size, self.device)
         meta = kvp_meta(plan, gmeta.slot_mapping, self.rank, self.world, self.block_size,
                         self.blocks_per_rank, self.device, ranks=ranks)
-        hidden = self.model(input_ids, positions, self.kv_cache, meta, backend=self.backend)
+        hidden = self.model(input_ids, positions, self.kv_cache, meta, backend=self.backend,
+                            lora=self.adapters.for_step(plan))
         rows = hidden.index_select(0, torch.tensor(plan.sample_rows, dtype=torch.long, device=hidden.device))
         if self.tp == 1:
             return rows
@@ -340,7 +344,7 @@ def kvp_rank(model, coll: Collective | None, world_rank: int, kvp: int, tp: int,
     # embedding (summed over `lanes`), KVP rank 0's lanes their rows of the output head.
     shard = rank_model(model, t, tp, lanes.all_reduce, None, dtype, device, head=k == 0)
     rank = KVPRank(shard, peers, k, kvp, blocks_per_rank, block_size, dtype, device, link=coll, lane=t, tp=tp,
-                   num_kv_heads=model.config.num_key_value_heads)
+                   num_kv_heads=model.config.num_key_value_heads, full_config=model.config)
     rank.vocab = model.config.vocab_size
     return rank
 
@@ -398,6 +402,13 @@ class KVPRunner:
         if self.coll is not None and (self.tp > 1 or len(ranks) > 1):
             self.coll.post_plan(plan)       # ranks left out relay it down the chain and skip it
         return self.rank0.run(plan, ranks)
+
+    def change_lora(self, name: str, path: str | None) -> None:
+        """Serve (or with path None drop) a LoRA adapter on every rank (raycluster.parallel.lora_ranks)."""
+        msg = LoRAChange(name, path)
+        if self.coll is not None:
+            self.coll.post_plan(msg)
+        self.rank0.adapters.apply(msg)
 
     def _needs_group(self, shares) -> bool:
         """Whether a block move must be posted to the group: some block is on another KVP rank,

@@ -50,6 +50,7 @@ from torch import nn
 from raycluster.model.config import ModelConfig
 from raycluster.model.llama import DecoderLayer, LlamaForCausalLM
 from raycluster.model.loader import WHOLE, RowsPart, TensorPart, load_tensors
+from raycluster.model.lora import TARGETS as LORA_TARGETS, LoRAAdapter
 from raycluster.parallel.vocab import ParallelLMHead, VocabParallelEmbedding, pad_rows, vocab_rows
 
 # Decoder-layer parameters split over the ranks, and along which dim (nn.Linear weights are
@@ -146,6 +147,26 @@ def shard_layer_state(state: dict[str, torch.Tensor], rank: int, tp: int,
     return out
 
 
+def shard_adapter(adapter: LoRAAdapter, rank: int, tp: int, num_kv_heads: int,
+                  layers: range | None = None) -> LoRAAdapter:
+    """Rank `rank`'s part of a LoRA adapter, cut by its base weight's rule (`layer_part`): a
+    column-parallel projection's B by the rank's output rows (A whole: x is whole on every
+    rank), a row-parallel one's A by its input columns (B whole: each rank's x_r A_r^T B^T is a
+    partial sum, added to the layer's partial output before its reduce). `layers`: only these
+    layers (an SPP stage's), keyed by their index in the full model as before."""
+    out = LoRAAdapter(adapter.name, adapter.path, adapter.rank)
+    for (layer, module), (a, b) in adapter.weights.items():
+        if layers is not None and layer not in layers:
+            continue
+        part = layer_part(f"{LORA_TARGETS[module]}.{module}.weight", rank, tp, num_kv_heads)
+        if part.dim == 0:
+            b = part.take(b).contiguous()
+        else:
+            a = part.take(a).contiguous()
+        out.weights[(layer, module)] = (a, b)
+    return out
+
+
 def _identity(t: torch.Tensor) -> torch.Tensor:
     return t
 
@@ -159,7 +180,11 @@ class RowParallelLinear(nn.Linear):
         self.reduce = reduce
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.reduce(F.linear(x, self.weight, self.bias))
+        return self.reduce(self.partial(x))
+
+    def partial(self, x: torch.Tensor) -> torch.Tensor:
+        """This rank's partial output, before the reduce (a LoRA update joins it there)."""
+        return F.linear(x, self.weight, self.bias)
 
 
 def _shard_layer(cfg: ModelConfig, full_cfg: ModelConfig, rank: int, reduce: Callable) -> DecoderLayer:

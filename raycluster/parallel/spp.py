@@ -67,6 +67,7 @@ from raycluster.model.llama import LlamaForCausalLM
 from raycluster.parallel.group import Collective
 from raycluster.parallel.kv_port import KV_TAG, KVLoad, KVSave, StagedPort, rank_handler
 from raycluster.parallel.kvp import KVPAttention, kvp_meta, owned_positions, step_ranks
+from raycluster.parallel.lora_ranks import LoRAChange, RankAdapters
 from raycluster.parallel.plan import StepPlan, plan_inputs
 from raycluster.parallel.shard import Checkpoint, GroupModel, _identity, kv_heads_of, kv_holder, rank_model
 from raycluster.parallel.vocab import gather_logits
@@ -108,11 +109,23 @@ def split_plan(plan: StepPlan, micro_tokens: int) -> list[StepPlan]:
             # step_plan samples only a chunk's last row; any row is kept (the profiler samples
             # trailing rows) so the group returns exactly len(plan.sample_rows) rows.
             rows = [r - a for r in plan.sample_rows if a <= r < a + m]
-            out.append(StepPlan(ids[a:a + m], [start + s], [m], [table], [], [], rows))
+            out.append(StepPlan(ids[a:a + m], [start + s], [m], [table], [], [], rows,
+                                runs_within(plan.lora_runs, a, a + m)))
         off += n
     if plan.decode_positions:
         rows = [r - off for r in plan.sample_rows if r >= off]
-        out.append(StepPlan(ids[off:], [], [], [], list(plan.decode_positions), list(plan.decode_tables), rows))
+        out.append(StepPlan(ids[off:], [], [], [], list(plan.decode_positions), list(plan.decode_tables), rows,
+                            runs_within(plan.lora_runs, off, len(ids))))
+    return out
+
+
+def runs_within(runs: list[tuple[str, int, int]], lo: int, hi: int) -> list[tuple[str, int, int]]:
+    """The LoRA runs of tokens [lo, hi) of a plan, as rows of a micro-batch of those tokens."""
+    out = []
+    for name, first, count in runs:
+        a, b = max(first, lo), min(first + count, hi)
+        if a < b:
+            out.append((name, a - lo, b - a))
     return out
 
 
@@ -182,6 +195,8 @@ class SPPStage:
             self.backend = backend if world == 1 and backend is not None else get_attention_backend(self.device)
         self.hidden_dtype = self.layers[0].input_layernorm.weight.dtype
         self.hidden_size = model.config.hidden_size
+        self.adapters = RankAdapters(model.config, dtype, self.device, lane=self.lane, tp=tp,
+                                     layers=range(self.lo, self.hi))      # its LoRA shards
 
     @property
     def first(self) -> bool:
@@ -280,8 +295,9 @@ class SPPStage:
             else:
                 x = self.coll.recv(self._buf(mb.num_tokens), self.prev, HIDDEN_TAG)
             cos, sin = m.rotary.cos_sin(pos, x.dtype)
-            for layer, layer_kv in zip(self.layers, self.kv):
-                x = layer(x, cos, sin, layer_kv, meta, self.backend)
+            lora = self.adapters.for_step(mb)
+            for j, (layer, layer_kv) in enumerate(zip(self.layers, self.kv)):
+                x = layer(x, cos, sin, layer_kv, meta, self.backend, lora, self.lo + j)
             if not self.last:
                 # Don't wait: the next stage works on this micro-batch while we go on to the
                 # next. Keep `x` alive until its send completes.
@@ -352,6 +368,13 @@ class SPPRunner:
         for d in shape:
             numel *= d
         return numel * torch.empty((), dtype=self.dtype).element_size() // self.kv.block_size
+
+    def change_lora(self, name: str, path: str | None) -> None:
+        """Serve (or with path None drop) a LoRA adapter on every rank (raycluster.parallel.lora_ranks)."""
+        msg = LoRAChange(name, path)
+        if self.world > 1:
+            self.coll.post_plan(msg)
+        self.stage.adapters.apply(msg)
 
     def run_plan(self, plan: StepPlan) -> torch.Tensor:
         """Run one step across the group; returns the final hidden states of plan.sample_rows

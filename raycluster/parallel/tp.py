@@ -44,6 +44,7 @@ from raycluster.engine.scheduler import SchedulerOutput
 from raycluster.model.llama import LlamaForCausalLM
 from raycluster.parallel.group import Collective
 from raycluster.parallel.kv_port import KV_TAG, KVLoad, KVSave, StagedPort, rank_handler
+from raycluster.parallel.lora_ranks import LoRAChange, RankAdapters
 from raycluster.parallel.plan import StepPlan, plan_inputs
 from raycluster.parallel.vocab import gather_logits
 from raycluster.parallel.shard import (Checkpoint, GroupModel, RowParallelLinear, _identity, check_tp, kv_heads_of,
@@ -71,6 +72,7 @@ class TPRank:
         # Its own backend: the torch backend's scratch buffers must not be shared by ranks
         # running in threads of one process.
         self.backend = get_attention_backend(self.device)
+        self.adapters = RankAdapters(model.config, dtype, self.device, lane=rank, tp=tp)     # its LoRA shards
 
     def _blocks(self, n: int) -> torch.Tensor:
         kv = self.kv_cache
@@ -106,7 +108,8 @@ class TPRank:
         of plan.sample_rows; the leader returns the full logits [n, vocab] gathered from the
         ranks (one gather per step), the other ranks None."""
         input_ids, positions, meta = plan_inputs(plan, self.block_size, self.device)
-        hidden = self.model(input_ids, positions, self.kv_cache, meta, backend=self.backend)
+        hidden = self.model(input_ids, positions, self.kv_cache, meta, backend=self.backend,
+                            lora=self.adapters.for_step(plan))
         n = len(plan.sample_rows)
         if self.tp == 1:
             rows = hidden.index_select(0, torch.tensor(plan.sample_rows, dtype=torch.long, device=hidden.device))
@@ -168,6 +171,13 @@ class TPRunner:
 
     def execute(self, out: SchedulerOutput) -> StepLogits:
         return execute_step(self, out)
+
+    def change_lora(self, name: str, path: str | None) -> None:
+        """Serve (or with path None drop) a LoRA adapter on every rank (raycluster.parallel.lora_ranks)."""
+        msg = LoRAChange(name, path)
+        if self.tp > 1:
+            self.coll.post_plan(msg)
+        self.rank0.adapters.apply(msg)
 
     def load_blocks(self, block_ids: list[int], data: torch.Tensor) -> None:
         """Write whole blocks [L, n, 2, B, Hkv, D] to engine block ids, each rank its heads."""

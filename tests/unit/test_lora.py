@@ -78,13 +78,11 @@ def test_bad_adapters_are_refused_naming_the_problem(adapters, tiny_model_dir, t
         load_adapter(tmp_path / "missing", cfg, "gone")
 
 
-def test_lora_modules_are_name_path_and_single_process():
+def test_lora_modules_are_name_path():
     assert parse_modules(["a=/x", "b = /y"]) == {"a": "/x", "b": "/y"}
     for bad, msg in ((["a"], "not name=path"), (["a=/x", "a=/y"], "given twice"), (["=/x"], "not name=path")):
         with pytest.raises(ValueError, match=msg):
             parse_modules(bad)
-    with pytest.raises(ValidationError, match="single-process instances only"):
-        EngineConfig(lora_modules=["a=/x"], tp=2)
     with pytest.raises(ValidationError, match="not name=path"):
         EngineConfig(lora_modules=["nope"])
 
