@@ -136,9 +136,10 @@ def restart_workload(tiny_model_dir):
     return prompts, params, _single_engine_texts(tiny_model_dir, prompts, 48, params)
 
 
-# Topologies that also serve a LoRA adapter (written at run time): both cache prefixes, so the
-# adapter's blocks must stay apart from the base's; in P/D its KV moves to the decode side.
-LORA_TOPOLOGIES = ("mixed", "pd-object_store")
+# Topologies that also serve a LoRA adapter (written at run time): two cache prefixes, so the
+# adapter's blocks must stay apart from the base's; in P/D its KV moves to the decode side; in
+# the group topologies every rank (a Ray actor) serves its shard of it.
+LORA_TOPOLOGIES = ("mixed", "pd-object_store", "mixed-kvp", "pd-groups")
 
 
 @pytest.fixture(scope="module")
@@ -445,7 +446,7 @@ def test_adapters_load_and_unload_on_every_instance_at_run_time(cluster, tiny_mo
 
     url, name = cluster
     if name not in LORA_TOPOLOGIES:
-        pytest.skip("adapters are served by single-process instances (and one P/D topology is enough)")
+        pytest.skip("this topology serves no adapter")
     path = write_tiny_lora(tmp_path / "rt", tiny_model_dir, seed=5)
     ref = LLMEngine(EngineConfig(policy="fcfs", packer="token", kv_cache_tokens=8192), merged_lora(path))
     tok = Tokenizer(tiny_model_dir, (1,))
