@@ -68,6 +68,9 @@ def _add_client_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("client")
     g.add_argument("--url", required=True, help="server base URL, e.g. http://127.0.0.1:8000")
     g.add_argument("--model", default=None, help="default: first entry of GET /v1/models")
+    g.add_argument("--lora-modules", nargs="+", default=(), metavar="NAME",
+                   help="LoRA adapters the server serves: each request names one (picked by its id, the same "
+                        "in every run), as vLLM's benchmark --lora-modules")
     g.add_argument("--api-key", default=(os.environ.get("RAYCLUSTER_API_KEY") or "").split(",")[0].strip() or None,
                    help="bearer token for a server that wants one (default: the first key in $RAYCLUSTER_API_KEY)")
     g.add_argument("--concurrency", type=int, default=None,
@@ -100,7 +103,7 @@ def _run_one(args: argparse.Namespace, qps: float) -> dict:
                        retry_429=args.retry_429, max_retries=args.max_retries,
                        send_extras=not args.no_extras, prompt_format=args.prompt_format,
                        id_range=args.id_range, keep_token_times=True, progress=not args.quiet,
-                       api_key=args.api_key)
+                       api_key=args.api_key, lora_modules=tuple(args.lora_modules))
     if cfg.model is None:
         import asyncio
         from loadgen.client import fetch_model
@@ -111,6 +114,7 @@ def _run_one(args: argparse.Namespace, qps: float) -> dict:
             "workload_params": wl.params, "qps": qps, "concurrency": args.concurrency,
             "seed": args.seed, "started_at": started, "wall_s": time.time() - started,
             "prompt_format": cfg.prompt_format, "send_extras": cfg.send_extras,
+            "lora_modules": list(cfg.lora_modules),
             "argv": sys.argv[1:]}
     return build_results(records, meta, warmup_s=args.warmup_s, warmup_requests=args.warmup_requests,
                          keep_token_times=args.save_token_times)

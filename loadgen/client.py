@@ -20,6 +20,7 @@ import asyncio
 import email.utils
 import json
 import time
+import zlib
 from dataclasses import dataclass
 
 import httpx
@@ -45,6 +46,9 @@ class ClientConfig:
     keep_token_times: bool = True
     progress: bool = True
     api_key: str | None = None             # sent as "Authorization: Bearer <key>"
+    # LoRA adapters (their names as served): each request names one, picked by its id (vLLM's
+    # benchmark --lora-modules), so a trace spreads over them the same way in every run.
+    lora_modules: tuple[str, ...] = ()
 
     def headers(self) -> dict[str, str]:
         return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
@@ -78,9 +82,16 @@ async def fetch_model(url: str, timeout_s: float = 10.0, headers: dict[str, str]
         return data[0]["id"]
 
 
+def request_model(req: WorkloadRequest, cfg: ClientConfig, model: str) -> str:
+    """The model a request names: `model`, or with `cfg.lora_modules` one of them by its id."""
+    if not cfg.lora_modules:
+        return model
+    return cfg.lora_modules[zlib.crc32(req.request_id.encode()) % len(cfg.lora_modules)]
+
+
 def build_payload(req: WorkloadRequest, cfg: ClientConfig, model: str) -> dict:
     prompt = req.prompt_token_ids(cfg.id_range) if cfg.prompt_format == "ids" else req.prompt_text()
-    body = {"model": model, "prompt": prompt, "max_tokens": req.output_tokens, "ignore_eos": True,
+    body = {"model": request_model(req, cfg, model), "prompt": prompt, "max_tokens": req.output_tokens, "ignore_eos": True,
             "temperature": 0.0, "stream": True, "stream_options": {"include_usage": True}}
     if cfg.send_extras:
         extras = {"ttft_slo_ms": req.ttft_slo_ms, "tpot_slo_ms": req.tpot_slo_ms,
@@ -150,7 +161,8 @@ async def run_workload(workload: Workload, cfg: ClientConfig) -> list[RequestRec
     records = {r.request_id: RequestRecord(
         r.request_id, arrival_s=r.arrival_s, klass=r.klass, tenant=r.tenant, app_id=r.app_id,
         app_type=r.app_type, prompt_tokens=r.prompt_tokens, expected_output_tokens=r.output_tokens,
-        ttft_slo_ms=r.ttft_slo_ms, tpot_slo_ms=r.tpot_slo_ms, status=None) for r in reqs}
+        ttft_slo_ms=r.ttft_slo_ms, tpot_slo_ms=r.tpot_slo_ms, status=None,
+        model=request_model(r, cfg, model)) for r in reqs}
     done = {r.request_id: asyncio.Event() for r in reqs}
     closed = cfg.concurrency is not None
     sem = asyncio.Semaphore(cfg.concurrency if closed else cfg.max_inflight)

@@ -58,6 +58,7 @@ class RequestRecord:
     ttft_slo_ms: float | None = None
     tpot_slo_ms: float | None = None
     retries: int = 0
+    model: str | None = None             # the model (or LoRA adapter) it named
 
     # ---- derived ----
     @property

@@ -308,3 +308,18 @@ def test_cli_sweep_writes_one_run_per_qps(server, tmp_path):
     assert all(r["summary"]["completed"] == 6 for r in data["runs"])
     png = tmp_path / "sweep.png"
     assert main(["report", str(out), "--plot", str(png)]) == 0 and png.stat().st_size > 10_000
+
+
+def test_lora_modules_spread_the_requests_over_the_adapters(server):
+    """vLLM's benchmark --lora-modules: each request names one adapter, picked by its id (the
+    same in every run); its record says which."""
+    url, _ = server
+    cfg = _cfg(url, "base", lora_modules=("fast", "timed"))
+    wl = _wl(40)
+    picks = [build_payload(r, cfg, "base")["model"] for r in wl.requests]
+    assert picks == [build_payload(r, cfg, "base")["model"] for r in _wl(40).requests]
+    assert 10 <= picks.count("fast") <= 30 and picks.count("fast") + picks.count("timed") == 40
+    n_before = len(server_state(url)["bodies"])
+    recs = run(_wl(6, out=2), _cfg(url, "base", lora_modules=("fast",)))
+    assert all(r.status == "ok" and r.model == "fast" for r in recs)
+    assert [b["model"] for b in server_state(url)["bodies"][n_before:]] == ["fast"] * 6
