@@ -49,7 +49,7 @@ def build_gateway_app():
         submit=lambda meta: router.submit.remote(meta), abort=lambda rid: router.abort.remote(rid),
         pull=lambda gid, timeout: router.pull.remote(gid, timeout), status=lambda: router.status.remote(),
         tokenizer=tokenizer, max_model_len=min(max_len, mcfg.max_model_len), vocab_size=mcfg.vocab_size,
-        eos_token_ids=tokenizer.eos_token_ids, gateway_id=gateway_id, lora_names=cfg.lora_names(),
+        eos_token_ids=tokenizer.eos_token_ids, gateway_id=gateway_id, lora_modules=cfg.lora_modules(),
         lora=LoRACalls(names=lambda: router.lora_adapters.remote(),
                        load=lambda name, path: router.load_lora.remote(name, path),
                        unload=lambda name: router.unload_lora.remote(name)))

@@ -78,7 +78,7 @@ def _coalesce(ev: TokenEvent, q: asyncio.Queue) -> tuple[TokenEvent, object | No
 @dataclasses.dataclass
 class LoRACalls:
     """The router's LoRA adapter calls (RouterActor's `lora_adapters`, `load_lora`, `unload_lora`)."""
-    names: Callable[[], Awaitable[list[str]]]
+    names: Callable[[], Awaitable[dict[str, str]]]
     load: Callable[[str, str], Awaitable[dict]]
     unload: Callable[[str], Awaitable[dict]]
 
@@ -91,12 +91,12 @@ class ClusterClient:
                  tokenizer, max_model_len: int, vocab_size: int, eos_token_ids: tuple[int, ...],
                  gateway_id: str | None = None, pull_timeout_s: float = 0.5,
                  router_wait_s: float = 30.0, lora: LoRACalls | None = None,
-                 lora_names: list[str] = ()) -> None:
-        """`lora`: the router's adapter calls (None: the adapters stay `lora_names`, the
-        instances' configured ones)."""
+                 lora_modules: dict[str, str] | None = None) -> None:
+        """`lora`: the router's adapter calls (None: the adapters stay `lora_modules`, the
+        instances' configured ones, name -> path)."""
         self._submit, self._abort, self._pull, self._status = submit, abort, pull, status
         self._lora = lora
-        self._lora_names = list(lora_names)
+        self._lora_paths = dict(lora_modules or {})
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
@@ -116,12 +116,12 @@ class ClusterClient:
         self._aborting: dict[str, asyncio.Task] = {}    # aborts in flight (held: the loop keeps tasks weakly)
 
     # ---- backend interface used by raycluster.server.app -------------------------------------
-    def lora_adapters(self) -> list[str]:
-        return list(self._lora_names)
+    def lora_adapters(self) -> dict[str, str]:
+        return dict(self._lora_paths)
 
-    async def refresh_lora_adapters(self) -> list[str]:
+    async def refresh_lora_adapters(self) -> dict[str, str]:
         if self._lora is not None:
-            self._lora_names = list(await self._lora.names())
+            self._lora_paths = dict(await self._lora.names())
         return self.lora_adapters()
 
     async def load_lora(self, name: str, path: str) -> None:

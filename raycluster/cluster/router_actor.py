@@ -203,9 +203,9 @@ class RouterActor:
         self.core.expect_instances(roles, for_s)
 
     # ------------------------------------------------------------- LoRA adapters
-    async def lora_adapters(self) -> list[str]:
-        """The adapters requests may name now."""
-        return list(self.core.adapters.served)
+    async def lora_adapters(self) -> dict[str, str]:
+        """The adapters requests may name now (name -> path)."""
+        return dict(self.core.adapters.served)
 
     async def load_lora(self, name: str, path: str, timeout_s: float = 120.0) -> dict:
         """Have every instance load the adapter (`router_lora.load_everywhere`)."""

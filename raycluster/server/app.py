@@ -8,8 +8,8 @@ token ids go to the backend, text deltas come back. A backend provides `admit()`
 `OverloadedError` before any tokenization), `next_id`, `generate` (async iterator of
 `RequestOutput`; `InvalidRequestError` before the first one), `stats()`, `max_model_len` and
 `prometheus_text()` for extra metrics lines; one that serves LoRA adapters also provides
-`lora_adapters()` (the names it knows now), `refresh_lora_adapters()` (async: the names as they
-are, asked of the router in the cluster) and, for runtime updating (raycluster.server.lora_routes),
+`lora_adapters()` (name -> path of those it knows now), `refresh_lora_adapters()` (async: the
+same as they are, asked of the router in the cluster) and, for runtime updating (raycluster.server.lora_routes),
 `load_lora` / `unload_lora`. Errors a client causes are 400 in
 OpenAI's error shape with `param` naming the field. `n` > 1 runs n backend requests (a seeded
 one with seed + i for choice i) and merges them into the choices, streamed as they come; a
@@ -92,12 +92,13 @@ def build_app(engine, tokenizer, model_names: str | Sequence[str], api_keys: Seq
     (raycluster.server.tool_parsers), which `tool_choice: "auto"` needs. `metrics_sinks`: where
     each request's metrics go besides /metrics (raycluster.server.request_metrics)."""
     names = [model_names] if isinstance(model_names, str) else list(model_names)
-    lora_names = getattr(engine, "lora_adapters", list)      # a backend without adapters may omit it
+    lora_names = getattr(engine, "lora_adapters", dict)      # a backend without adapters may omit it
 
-    async def adapters_now() -> list[str]:
-        """The adapters as they are (the router's, in the cluster): they come and go at run time."""
+    async def adapters_now() -> dict[str, str]:
+        """The adapters (name -> path) as they are (the router's, in the cluster): they come and
+        go at run time."""
         refresh = getattr(engine, "refresh_lora_adapters", None)
-        return await refresh() if refresh is not None else []
+        return await refresh() if refresh is not None else {}
     if set(lora_names()) & set(names):
         raise ValueError(f"LoRA adapters {sorted(set(lora_names()) & set(names))} also name the served model")
     rlog = request_logger() if log_requests else None
@@ -137,8 +138,8 @@ def build_app(engine, tokenizer, model_names: str | Sequence[str], api_keys: Seq
         return {"object": "list", "data": [
             *({"id": name, "object": "model", "created": now, "owned_by": "raycluster", "root": names[0],
                "max_model_len": engine.max_model_len} for name in names),
-            *({"id": name, "object": "model", "created": now, "owned_by": "raycluster", "root": name,
-               "parent": names[0], "max_model_len": engine.max_model_len} for name in adapters)]}
+            *({"id": name, "object": "model", "created": now, "owned_by": "raycluster", "root": path,
+               "parent": names[0], "max_model_len": engine.max_model_len} for name, path in adapters.items())]}
 
     @app.get("/metrics")
     async def prom():
@@ -303,7 +304,7 @@ def build_app(engine, tokenizer, model_names: str | Sequence[str], api_keys: Seq
         adapters = await adapters_now()          # what this process knew may be behind
         if body.model in adapters:
             return None
-        served = ", ".join(f"`{n}`" for n in names + adapters)
+        served = ", ".join(f"`{n}`" for n in [*names, *adapters])
         return JSONResponse(error_body(f"model: `{body.model}` does not exist (this server has {served})",
                                        "model", code="model_not_found"), status_code=404)
 

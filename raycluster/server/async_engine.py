@@ -61,7 +61,7 @@ class AsyncEngine:
         self._queues: dict[str, tuple[asyncio.Queue, asyncio.AbstractEventLoop]] = {}
         self._ids = itertools.count()
         self._stop = threading.Event()
-        self._lora_names = engine.lora.names()      # what requests may name (the step thread updates it)
+        self._lora_paths = engine.lora.paths()      # what requests may name (the step thread updates it)
         self._thread = threading.Thread(target=self._run, name="engine-steps", daemon=True)
         self._thread.start()
         self.steps = 0
@@ -88,10 +88,10 @@ class AsyncEngine:
                 f"raycluster_spec_decode_accepted_tokens_total {eng.num_accepted_tokens}\n")
 
     # ---- LoRA adapters at run time --------------------------------------------------------------
-    def lora_adapters(self) -> list[str]:
-        return list(self._lora_names)
+    def lora_adapters(self) -> dict[str, str]:
+        return dict(self._lora_paths)
 
-    async def refresh_lora_adapters(self) -> list[str]:
+    async def refresh_lora_adapters(self) -> dict[str, str]:
         return self.lora_adapters()
 
     async def load_lora(self, name: str, path: str) -> None:
@@ -185,7 +185,7 @@ class AsyncEngine:
                         self.engine.lora.add(item.adapter)
                 except Exception as e:
                     err = e
-                self._lora_names = self.engine.lora.names()
+                self._lora_paths = self.engine.lora.paths()
                 item.loop.call_soon_threadsafe(_settle, item.done, err)
             else:
                 self.engine.abort_request(item.request_id)

@@ -33,9 +33,10 @@ def served(tiny_model_dir, tmp_path_factory, merged_lora):
 
 
 def test_models_lists_the_adapter_under_the_base(served):
-    url, *_ = served
+    url, aeng, *_ = served
     data = httpx.get(url + "/v1/models", timeout=10).json()["data"]
     assert [(m["id"], m.get("parent")) for m in data] == [("tiny", None), ("sql", "tiny")]
+    assert data[1]["root"] == str(aeng.engine.lora.adapters["sql"].path)        # vLLM's: the adapter's path
 
 
 def test_a_request_on_the_adapter_gets_the_merged_models_text(served):

@@ -61,7 +61,7 @@ class Switchboard:
     # The router actor's LoRA adapter calls (the actor runs the same functions on its event loop).
     async def lora_names(self):
         with self.lock:
-            return list(self.core.adapters.served)
+            return dict(self.core.adapters.served)
 
     async def load_lora(self, name, path, timeout_s=30.0):
         return await load_everywhere(self.core, name, path, timeout_s, lock=self.lock)

@@ -214,7 +214,7 @@ def test_adapters_loaded_through_the_client_are_served_by_every_instance(adapter
         with pytest.raises(InvalidRequestError, match="does not exist"):
             await generate("x0", "one")
         await client.load_lora("one", adapters["one"])
-        assert client.lora_adapters() == ["one"]
+        assert client.lora_adapters() == {"one": adapters["one"]}
         assert all(w.engine.lora.names() == ["one"] for w in workers)
         got = await asyncio.gather(*(generate(f"a{i}", "one") for i in range(4)))
         assert got == [want] * 4
@@ -222,7 +222,7 @@ def test_adapters_loaded_through_the_client_are_served_by_every_instance(adapter
             await client.load_lora("one", adapters["two"])
         with pytest.raises(AdapterNotFound, match="no adapter found"):
             await client.load_lora("bad", "/nonexistent/adapter")
-        assert all(w.engine.lora.names() == ["one"] for w in workers) and client.lora_adapters() == ["one"]
+        assert all(w.engine.lora.names() == ["one"] for w in workers) and list(client.lora_adapters()) == ["one"]
         # An instance that registers now gets the table before any work.
         late = InstanceWorker(LLMEngine(EngineConfig(**BASE), model, tok), "mixed", "i2", board.poll, board.push,
                               poll_timeout_s=0.05).start()
@@ -231,7 +231,7 @@ def test_adapters_loaded_through_the_client_are_served_by_every_instance(adapter
             await asyncio.sleep(0.02)
         assert late.engine.lora.names() == ["one"]
         await client.unload_lora("one")
-        assert client.lora_adapters() == []
+        assert client.lora_adapters() == {}
         with pytest.raises(InvalidRequestError, match="does not exist"):
             await generate("x1", "one")
         while any(w.engine.lora.adapters for w in workers) and time.monotonic() < deadline:
