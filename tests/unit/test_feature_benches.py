@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from raycluster.cli import main
 
 
@@ -25,10 +27,13 @@ def test_spec_decode_bench_runs_side_by_side(tmp_path):
             assert r["steps"] <= 24
 
 
-def test_lora_bench_runs_the_three_mixes(tmp_path):
+@pytest.mark.parametrize("group, layout", [((), "single"), (("--tp", "2"), "tp2")])
+def test_lora_bench_runs_the_three_mixes(tmp_path, group, layout):
     out = tmp_path / "lora.json"
     assert main(["bench", "lora", "--num-requests", "3", "--max-tokens", "4", "--rank", "4", "--repeats", "1",
-                 "--kv-tokens", "4096", "--out", str(out)]) == 0
-    rows = json.loads(out.read_text())["rows"]
+                 "--kv-tokens", "4096", *group, "--out", str(out)]) == 0
+    res = json.loads(out.read_text())
+    rows = res["rows"]
+    assert res["layout"] == layout
     assert [r["mix"] for r in rows] == ["base", "one adapter", "two adapters + base"]
     assert rows[0]["vs_base"] == 1.0 and all(r["median_s"] > 0 and len(r["runs_s"]) == 1 for r in rows)
