@@ -1,6 +1,6 @@
 """The router actor on a local Ray cluster: long-polls, a fake instance streaming tokens through
 it to two fake gateways (batched per step / per pull), the named-actor lookup, and a redeploy's
-config applied live and kept across a restart."""
+config applied live and kept across a restart, and LoRA adapter loads (kept across a restart too)."""
 
 import asyncio
 import time
@@ -194,4 +194,45 @@ def test_controller_tick_moves_an_instance_and_wakes_its_parked_poll(ray_cluster
     for k in range(8):
         ray.get(router.abort.remote(f"r{k}"))
     assert ray.get(router.inflight.remote()) == 0
+    ray.kill(router)
+
+
+def test_lora_loads_wait_for_every_instance_and_a_restart_keeps_the_adapters(ray_cluster):
+    """`load_lora` answers once each instance reports serving the adapter (its table arrives in
+    a poll reply), fails and takes the adapter back when an instance cannot load it, and a
+    restarted router serves the adapters loaded before (an instance registering then is sent
+    them)."""
+    name = f"router-lora-{uuid.uuid4().hex[:6]}"
+    router = get_or_create_router(RouterConfig(policy="fcfs", lora={"s": "/s"}), name=name)
+
+    def lora_stats(iid, served, version=-1, failed=None):
+        return InstanceStats(instance_id=iid, role="mixed", kv_free_blocks=1000, kv_total_blocks=1000,
+                             lora_adapters=list(served), lora_failed=dict(failed or {}), lora_version=version)
+
+    assert ray.get(router.poll.remote("i", lora_stats("i", ["s"]), 0.0)).lora is None     # on the static set
+    pending = router.load_lora.remote("rt", "/rt", 30.0)
+    reply = ray.get(router.poll.remote("i", lora_stats("i", ["s"]), 5.0))    # parked poll woken with the table
+    assert (reply.lora, reply.lora_version) == ({"s": "/s", "rt": "/rt"}, 1)
+    ready, _ = ray.wait([pending], timeout=0.3)
+    assert not ready                                   # the instance has not said it serves it yet
+    ray.get(router.poll.remote("i", lora_stats("i", ["s", "rt"], 1), 0.0))
+    assert ray.get(pending, timeout=10) == {"ok": True}
+    assert ray.get(router.lora_adapters.remote()) == {"s": "/s", "rt": "/rt"}
+
+    pending = router.load_lora.remote("bad", "/nowhere", 30.0)
+    reply = ray.get(router.poll.remote("i", lora_stats("i", ["s", "rt"], 1), 5.0))
+    ray.get(router.poll.remote("i", lora_stats("i", ["s", "rt"], reply.lora_version,
+                                               {"bad": "bad: no adapter found at /nowhere"}), 0.0))
+    out = ray.get(pending, timeout=10)
+    assert not out["ok"] and out["not_found"] and "no adapter found" in out["error"]
+    assert ray.get(router.lora_adapters.remote()) == {"s": "/s", "rt": "/rt"}
+
+    first_id = ray.get(router.status.remote())["router_id"]
+    ray.kill(router, no_restart=False)
+    st = _status_when(router, lambda st: st["router_id"] != first_id)
+    assert st["lora_adapters"] == {"s": "/s", "rt": "/rt"}
+    reply = ray.get(router.poll.remote("j", lora_stats("j", ["s"]), 0.0))
+    assert reply.lora == {"s": "/s", "rt": "/rt"}      # a new registration gets the whole table
+    assert ray.get(router.unload_lora.remote("rt")) == {"ok": True}
+    assert ray.get(router.unload_lora.remote("rt"))["not_found"]
     ray.kill(router)
