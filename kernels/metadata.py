@@ -9,6 +9,7 @@ work proportional to the number of tokens.
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -66,11 +67,10 @@ class AttentionMetadata:
           prefill_prefix           per prefill request (tokens before this chunk, block ids up to kv_len).
           prefill_prefix_rows      per prefill request, rows of kv_layer viewed as [N * 2, B * Hkv * D]
                                    holding the K blocks then the V blocks of its earlier KV.
-          decode_buckets           list of DecodeBucket: decode rows grouped by KV length (so a
-                                   bucket pads little) with their gather rows and additive pad mask;
-                                   rows on one block table (a request's drafts) share one gather.
           decode_table, decode_pad_mask  the single padded layout of all decode requests (kept for
                                    callers that want it; built lazily by `decode_padded()`).
+        The torch backend's decode buckets are built on first use (`decode_buckets`), so a
+        backend that plans its own (flashinfer) never pays for them.
         """
         c = self.cache
         if c.get("torch_prepared"):
@@ -94,17 +94,24 @@ class AttentionMetadata:
             prows.append(torch.cat([pids * 2, pids * 2 + 1]).to(device))
         c["prefill_prefix"] = pre
         c["prefill_prefix_rows"] = prows
-        if self.num_decodes:
-            groups = self._kv_groups()
+        c["torch_prepared"] = True
+        return c
+
+    def decode_buckets(self, device: torch.device | str | None = None) -> list["DecodeBucket"]:
+        """The decode rows as the torch backend attends them (built once, on `device`): grouped
+        by KV length so a bucket pads little, each with its gather rows and additive pad mask;
+        rows on one block table (a request's drafts) share one gather."""
+        c = self.cache
+        if "decode_buckets" not in c:
+            device = torch.device(device) if device is not None else self.slot_mapping.device
+            groups = self._kv_groups() if self.num_decodes else []
             parts = []
             for multi in (False, True):    # rows sharing a table pad only against each other
                 sel = [g for g in groups if (len(g[0]) > 1) == multi]
                 parts += [[sel[i] for i in part] for part in
-                          bucket_by_length([nb for _, nb in sel], bs, DECODE_BUCKET_OVERHEAD_TOKENS)]
-            c["decode_buckets"] = [self._decode_bucket([rows for rows, _ in part], device)
-                                   for part in parts]
-        c["torch_prepared"] = True
-        return c
+                          bucket_by_length([nb for _, nb in sel], self.block_size, DECODE_BUCKET_OVERHEAD_TOKENS)]
+            c["decode_buckets"] = [self._decode_bucket([rows for rows, _ in part], device) for part in parts]
+        return c["decode_buckets"]
 
     def _kv_groups(self) -> list[tuple[list[int], int]]:
         """Consecutive decode rows reading the same KV: (rows, blocks of the longest). A request
@@ -135,11 +142,12 @@ class AttentionMetadata:
         lens = [[self.decode_kv_lens[i] for i in rows] for rows in groups]
         nb = max(-(-max(ls) // bs) for ls in lens)
         m = max(len(rows) for rows in groups)
-        table = torch.zeros(len(groups), nb, dtype=torch.long)
-        for j, rows in enumerate(groups):
-            n = -(-max(lens[j]) // bs)
-            longest = rows[lens[j].index(max(lens[j]))]
-            table[j, :n] = torch.tensor(self.decode_block_tables[longest][:n], dtype=torch.long)
+        padded = []                     # each group's longest row's blocks, padded with block 0
+        for rows, ls in zip(groups, lens):
+            top = max(ls)
+            n = -(-top // bs)
+            padded.append(self.decode_block_tables[rows[ls.index(top)]][:n] + [0] * (nb - n))
+        table = torch.tensor(padded, dtype=torch.long)
         q_rows = [rows[min(t, len(rows) - 1)] for rows in groups for t in range(m)]
         kv_lens = torch.tensor([ls[min(t, len(ls) - 1)] for ls in lens for t in range(m)],
                                dtype=torch.long).view(len(groups), m)
@@ -195,26 +203,39 @@ class DecodeBucket:
 
 def _same_prefix(a: list[int], b: list[int], n: int) -> bool:
     """Whether two block tables agree on their first n blocks."""
-    return a is b or (len(a) >= n and len(b) >= n and a[:n] == b[:n])
+    # (The last of those blocks first: two requests' tables part there, if not before.)
+    return a is b or (len(a) >= n and len(b) >= n and a[n - 1] == b[n - 1] and a[:n] == b[:n])
 
 
 def bucket_by_length(num_blocks: list[int], block_size: int, overhead_tokens: int) -> list[list[int]]:
     """Split requests (given their KV lengths in blocks) into groups of similar length minimising
     sum over groups of (overhead + size * longest * block_size): a DP over the sorted lengths.
-    Returns lists of request indices; each list is in ascending length order."""
+    Returns lists of request indices; each list is in ascending length order.
+
+    best[j] = overhead + j x + min over i < j of (best[i] - i x), with x the j-th shortest length:
+    each i is a line of slope -i, and x never decreases, so the minimum comes from a lower hull of
+    the lines walked from the front (the convex hull trick): O(n), where the plain DP is O(n^2)
+    (1.75 ms for 256 decodes on this CPU, every step). All values are integers (exact in float)."""
     order = sorted(range(len(num_blocks)), key=num_blocks.__getitem__)
     lens = [num_blocks[i] * block_size for i in order]
     n = len(lens)
-    best = [0.0] + [float("inf")] * n
+    best = [0] * (n + 1)
     cut = [0] * (n + 1)
+    hull = deque([0])
+
+    def useless(a: int, b: int, c: int) -> bool:
+        """Line b (between slopes -a > -b > -c) is never below both a and c."""
+        return (best[b] - best[a]) * (c - b) >= (best[c] - best[b]) * (b - a)
+
     for j in range(1, n + 1):
-        top = lens[j - 1]
-        bj, cj = float("inf"), 0
-        for i in range(j):
-            c = best[i] + overhead_tokens + (j - i) * top
-            if c < bj:
-                bj, cj = c, i
-        best[j], cut[j] = bj, cj
+        x = lens[j - 1]
+        while len(hull) > 1 and best[hull[1]] - hull[1] * x <= best[hull[0]] - hull[0] * x:
+            hull.popleft()
+        i = hull[0]
+        best[j], cut[j] = best[i] + overhead_tokens + (j - i) * x, i
+        while len(hull) > 1 and useless(hull[-2], hull[-1], j):
+            hull.pop()
+        hull.append(j)
     parts = []
     j = n
     while j > 0:

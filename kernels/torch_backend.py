@@ -232,7 +232,6 @@ def paged_decode_attention(q: torch.Tensor, kv_layer: torch.Tensor, meta: Attent
     into a padded [n, L] layout and attended with a length mask. The rows of one request's
     drafts share their gather: its m queries attend together, each masked at its own length.
     Returns (out [Td,Hq,D], base-2 lse [Td,Hq] or None)."""
-    c = meta.prepare(kv_layer.device)
     td, hq, d = q.shape
     if td == 0:
         return q.new_empty(q.shape), (q.new_empty((0, hq), dtype=torch.float32) if return_lse else None)
@@ -240,7 +239,7 @@ def paged_decode_attention(q: torch.Tensor, kv_layer: torch.Tensor, meta: Attent
     bs, hkv = kv_layer.shape[2], kv_layer.shape[3]
     out = torch.empty_like(q)
     lse_all = q.new_empty((td, hq), dtype=torch.float32) if return_lse else None
-    for b in c["decode_buckets"]:
+    for b in meta.decode_buckets(kv_layer.device):
         qb = q if b.index is None else q.index_select(0, b.index)
         m = b.num_queries
         n, L = qb.shape[0] // m, b.num_blocks * bs

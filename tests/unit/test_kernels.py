@@ -203,7 +203,7 @@ def test_decode_buckets_mixed_lengths_match_reference(block_size):
     s = PagedSetup(kv_lens, hkv, d, block_size=block_size, seed=2)
     meta, q = _decode_only(s, kv_lens, hq)
     out, lse = paged_decode_attention(q, s.cache, meta, scale)
-    buckets = meta.prepare()["decode_buckets"]
+    buckets = meta.decode_buckets()
     assert len(buckets) > 1
     # Every request lands in exactly one bucket.
     seen = sorted(i for b in buckets for i in (b.index.tolist() if b.index is not None else range(len(kv_lens))))
@@ -287,7 +287,7 @@ def test_draft_rows_share_one_gather_and_match_reference(block_size):
             refs_o.append(o)
             refs_l.append(l_)
     ref_o, ref_l = torch.cat(refs_o), torch.cat(refs_l)
-    buckets = meta.prepare()["decode_buckets"]
+    buckets = meta.decode_buckets()
     # One gather per request: 4 drafted groups (m = 6) and two plain rows, in buckets of their own.
     groups = sorted((b.num_queries, b.rows.numel() // (2 * b.num_blocks)) for b in buckets)
     assert sum(n for m, n in groups if m == 6) == 4 and sum(n for m, n in groups if m == 1) == 2
@@ -346,3 +346,27 @@ def test_long_prefix_chunk_matches_reference():
     o2, lse2 = paged_prefill_attention(q, s.cache, meta, scale)
     torch.testing.assert_close(o2, ro, atol=ATOL, rtol=0)
     torch.testing.assert_close(lse2, rl, atol=ATOL, rtol=0)
+
+
+def _plain_bucket_cost(lens: list[int], overhead: int) -> int:
+    """The O(n^2) DP's optimum (the reference for `bucket_by_length`'s hull walk)."""
+    lens = sorted(lens)
+    best = [0] + [None] * len(lens)
+    for j in range(1, len(lens) + 1):
+        best[j] = min(best[i] + overhead + (j - i) * lens[j - 1] for i in range(j))
+    return best[-1]
+
+
+def test_bucketing_finds_the_plain_dps_optimum():
+    """On random lengths, many equal ones, one request and none: the hull walk's partition
+    costs exactly what the O(n^2) DP's optimum does, and covers every request once."""
+    from kernels.metadata import bucket_by_length
+    rng = torch.Generator().manual_seed(5)
+    cases = [torch.randint(1, 130, (n,), generator=rng).tolist() for n in (1, 2, 7, 40, 256)]
+    cases += [[8] * 30, [1, 100] * 20, [], [3, 3, 4, 4, 200, 201]]
+    for nbs in cases:
+        for overhead in (0, 16, 1024, 10 ** 6):
+            parts = bucket_by_length(nbs, 16, overhead)
+            assert sorted(i for p in parts for i in p) == list(range(len(nbs)))
+            cost = sum(overhead + len(p) * max(nbs[i] for i in p) * 16 for p in parts)
+            assert cost == _plain_bucket_cost([b * 16 for b in nbs], overhead), (nbs, overhead)
