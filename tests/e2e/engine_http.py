@@ -57,3 +57,29 @@ def serve_engine(config: EngineConfig, model, tok, log_level: str = "warning", a
         srv.should_exit = True
         th.join(timeout=10)
         aeng.shutdown()
+
+
+@contextlib.contextmanager
+def served_with_reference(tiny_model_dir):
+    """Yields (URL, AsyncEngine, tokenizer, reference engine): the tiny checkpoint served with
+    prefix caching under the names tiny and tiny-alias, and an engine on the same weights without
+    it, for exact greedy comparisons (so each also checks that cached prefixes change no token)."""
+    model, tok = tiny_parts(tiny_model_dir)
+    cfg = EngineConfig(kv_cache_tokens=8192, policy="fcfs", packer="token", enable_prefix_caching=True)
+    with serve_engine(cfg, model, tok, names=("tiny", "tiny-alias")) as (url, aeng):
+        ref = LLMEngine(EngineConfig(kv_cache_tokens=8192, policy="fcfs", packer="token"), model, tok)
+        yield url, aeng, tok, ref
+
+
+def all_free(aeng, timeout: float = 5.0) -> bool:
+    """Whether the served engine holds no request and all its KV is free (checked consistent),
+    within `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        kv = aeng.engine.kv
+        if kv.num_free_blocks == kv.num_blocks and not aeng.engine.has_unfinished():
+            kv.check()
+            return True
+        time.sleep(0.02)
+    return False
+
