@@ -92,7 +92,7 @@ class InstanceWorker:
         # error), what the engine serves (a copy the poll thread may read), and adapters the
         # compile thread read for a table (version -> name -> adapter or the error).
         self._lora_version, self._lora_failed = -1, {}
-        self._lora_names = engine.lora.names()
+        self._lora_paths = engine.lora.paths()
         self._lora_read: dict[int, dict] = {}
         self._threads = [threading.Thread(target=self._poll_loop, name=f"{instance_id}-poll", daemon=True),
                          threading.Thread(target=self._step_loop, name=f"{instance_id}-step", daemon=True),
@@ -151,7 +151,7 @@ class InstanceWorker:
             kv_pulls_ok=pulls.get("ok", 0), kv_pulls_failed=pulls.get("failed", 0),
             kv_pull_blocks=pulls.get("blocks", 0), kv_pull_s=pulls.get("seconds", 0.0),
             spec_draft_tokens=eng.num_draft_tokens, spec_accepted_tokens=eng.num_accepted_tokens,
-            preemptions=eng.scheduler.preempted_total, lora_adapters=list(self._lora_names),
+            preemptions=eng.scheduler.preempted_total, lora_adapters=list(self._lora_paths),
             lora_failed=dict(self._lora_failed), lora_version=self._lora_version)
 
     # ---- threads ---------------------------------------------------------------------------
@@ -238,10 +238,11 @@ class InstanceWorker:
 
     # ---- applying router replies -------------------------------------------------------------
     def _read_adapters(self, table: dict[str, str]) -> dict:
-        """Read (off the step thread) the adapters of `table` the engine does not serve."""
-        served, out = set(self._lora_names), {}
+        """Read (off the step thread) the adapters of `table` the engine does not serve from
+        that path."""
+        served, out = dict(self._lora_paths), {}
         for name, path in table.items():
-            if name not in served:
+            if served.get(name) != path:
                 try:
                     out[name] = self.engine.read_lora(name, path)
                 except Exception as e:     # reported to the router, which fails the load
@@ -268,7 +269,7 @@ class InstanceWorker:
                 if not isinstance(e, AdapterError):
                     log.exception("%s: loading LoRA adapter %r failed", self.instance_id, name)
                 failed[name] = str(e)
-        self._lora_names, self._lora_failed, self._lora_version = eng.lora.names(), failed, version
+        self._lora_paths, self._lora_failed, self._lora_version = eng.lora.paths(), failed, version
 
     def _apply(self, reply: PollReply) -> None:
         if reply.epoch is not None and reply.epoch != self._epoch:

@@ -248,3 +248,19 @@ def test_adapters_loaded_through_the_client_are_served_by_every_instance(adapter
     for w in workers:
         assert w.engine.kv.num_free_blocks == w.engine.kv.num_blocks
     assert board.core.inflight() == 0
+
+
+def test_an_instance_given_another_path_for_a_name_swaps_the_adapter(adapters, merged_lora, loaded):
+    """A table naming a served adapter at another path (a load taken back and made again before
+    the instance saw the first table): the instance drops the old weights and serves the new."""
+    from raycluster.cluster.messages import PollReply
+    model, tok = loaded
+    w = InstanceWorker(LLMEngine(EngineConfig(**BASE, lora_modules=[f"x={adapters['one']}"]), model, tok), "mixed",
+                       "i0", poll_fn=lambda *a: PollReply(), push_fn=lambda r: None)
+    w._apply(PollReply(lora={"x": adapters["two"]}, lora_version=3))
+    st = w.stats()
+    assert (st.lora_adapters, st.lora_failed, st.lora_version) == (["x"], {}, 3)
+    assert w.engine.lora.adapters["x"].path == adapters["two"]
+    r = w.engine.add_request("a", PROMPT, SamplingParams(max_tokens=6, ignore_eos=True, lora_adapter="x"))
+    _finish(w.engine, [r])
+    assert r.output_token_ids == _merged_tokens(merged_lora, adapters["two"], PROMPT, 6)
