@@ -103,9 +103,9 @@ class RouterAdapters:
     def pending(self, inst) -> bool:
         return inst.lora_sent != self.version
 
-    def progress(self, name: str, instances) -> tuple[list[str], dict[str, str]]:
-        """For a load of `name`: the instances (ids) that do not serve it yet, and those that
-        could not load it, with their error."""
+    def progress(self, name: str, instances, since: int = 0) -> tuple[list[str], dict[str, str]]:
+        """For a load of `name` that made table version `since`: the instances (ids) that do not
+        serve it from a table that new yet, and those that could not load it, with their error."""
         waiting, failed = [], {}
         for inst in instances:
             if inst.draining:
@@ -113,7 +113,7 @@ class RouterAdapters:
             error = (inst.stats.lora_failed or {}).get(name)
             if error is not None and inst.stats.lora_version == self.version:
                 failed[inst.instance_id] = error
-            elif name not in (inst.stats.lora_adapters or ()):
+            elif name not in (inst.stats.lora_adapters or ()) or inst.stats.lora_version < since:
                 waiting.append(inst.instance_id)
         return waiting, failed
 
@@ -131,11 +131,12 @@ async def load_everywhere(core, name: str, path: str, timeout_s: float, wake: Ca
             ad.load(name, path)
         except AdapterError as e:
             return {"ok": False, "error": str(e), "not_found": False}
+        since = ad.version
         wake()
     deadline = time.monotonic() + timeout_s
     while True:
         with lock:
-            waiting, failed = ad.progress(name, core.instances.values())
+            waiting, failed = ad.progress(name, core.instances.values(), since)
             if not waiting and not failed:
                 ad.commit(name)
                 return {"ok": True}
