@@ -1,12 +1,12 @@
 """What serving LoRA adapters costs: one engine, the same requests on the base weights, all on one
-adapter, and split over two adapters and the base, side by side.
+adapter, split over two adapters and the base, and over four adapters, side by side.
 
     raycluster bench lora [--model tiny|PATH] [--num-requests 16] [--max-tokens 64] [--rank 16]
                           [--repeats 3] [--seed S] [--tp N] [--kvp N] [--spp N] --out FILE.json
 
 The adapters are written for the model (`write_tiny_lora`: seeded, rank --rank, on all seven
 projections, into a temporary directory) and loaded by the engine as `--lora-modules` would.
-Prompts of 64-256 random non-special tokens, greedy, exactly --max-tokens each; the three mixes
+Prompts of 64-256 random non-special tokens, greedy, exactly --max-tokens each; the four mixes
 run in alternation --repeats times in one process, so the ratios (median time / the base's median)
 hold on a noisy machine. `--tp` / `--kvp` / `--spp`: the engine is that group (ranks as threads
 of this process), each rank serving its shard of the adapters.
@@ -30,14 +30,15 @@ from raycluster.model.tiny import write_tiny_lora
 from raycluster.request import SamplingParams
 
 ALL_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-MIXES = {"base": (None,), "one adapter": ("a",), "two adapters + base": ("a", "b", None, None)}
+MIXES = {"base": (None,), "one adapter": ("a",), "two adapters + base": ("a", "b", None, None),
+         "four adapters": ("a", "b", "c", "d")}
 
 
 def run(args: argparse.Namespace) -> dict:
     path = resolve_model_path(args.model)
     with tempfile.TemporaryDirectory() as tmp:
         mods = [f"{n}={write_tiny_lora(f'{tmp}/{n}', path, seed=s, rank=args.rank, targets=ALL_PROJECTIONS)}"
-                for n, s in (("a", 1), ("b", 2))]
+                for n, s in (("a", 1), ("b", 2), ("c", 3), ("d", 4))]
         eng = LLMEngine.from_config(EngineConfig(model=args.model, policy="fcfs", packer="token", predictor="none",
                                                  kv_cache_tokens=args.kv_tokens, lora_modules=mods, tp=args.tp,
                                                  kvp=args.kvp, spp=args.spp))

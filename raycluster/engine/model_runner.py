@@ -56,7 +56,7 @@ class ModelRunner:
     def run_plan(self, plan: StepPlan) -> torch.Tensor:
         """Run one step; returns the final hidden states of `plan.sample_rows` [n, H]."""
         input_ids, positions, meta = plan_inputs(plan, self.kv.block_size, self.device)
-        lora = self.lora.for_step(plan.lora_runs, self.device) if plan.lora_runs else None
+        lora = self.lora.for_step(plan.lora_runs, plan.num_tokens, self.device) if plan.lora_runs else None
         hidden = self.model(input_ids, positions, self.kv_cache, meta, backend=self.backend, lora=lora)
         return hidden.index_select(0, torch.tensor(plan.sample_rows, dtype=torch.long, device=hidden.device))
 

@@ -5,11 +5,14 @@
 adapter_model.safetensors: per target projection of each layer, `lora_A` [r, in] and `lora_B`
 [out, r]) and checks it against the base model's shapes; the scaling (lora_alpha / r, or / sqrt(r)
 with rsLoRA) is folded into B. `LoRASet` holds the adapters of one engine by name. Each step,
-`LoRASet.for_step(runs)` turns the plan's runs of tokens that use an adapter into a `StepLoRA`:
+`LoRASet.for_step(runs, num_tokens)` turns the plan's runs of tokens that use an adapter into a `StepLoRA`:
 per adapter, the token rows using it. The model calls `StepLoRA.add(layer, module, x, y)` after
 each targeted projection y = x W^T: y[rows] += (x[rows] A^T) B^T for each adapter in the step,
 so the base weights are never changed and requests on different adapters (or none) share a
-batch. Projections a LoRA can target: q/k/v/o_proj and gate/up/down_proj; an adapter for
+batch. A step mixing adapters runs them all at once (`StackedStepLoRA`, a dense stand-in for
+punica's SGMV): the set keeps every adapter's A rows and B columns side by side in one stack
+per projection, and y[rows] += ((x[rows] A_all^T) * M) B_all^T, M masking each token to its own
+adapter's columns: a handful of tensor ops per projection however many adapters the step mixes. Projections a LoRA can target: q/k/v/o_proj and gate/up/down_proj; an adapter for
 anything else (embeddings, lm_head), with DoRA, biases or fan_in_fan_out is refused.
 """
 
@@ -150,6 +153,61 @@ class StepLoRA:
         return y
 
 
+class AdapterStack:
+    """Adapters side by side: per (layer, module) A_all [S, in] (each adapter's A rows, in
+    order) and B_all^T [S, out] (its B columns), zero rows where an adapter skips the module;
+    `cols[name]` = its (first, end) columns, `col_owner` [S] = the adapter index of each column."""
+
+    def __init__(self, adapters: list[LoRAAdapter]) -> None:
+        self.cols: dict[str, tuple[int, int]] = {}
+        self.index: dict[str, int] = {}
+        width = 0
+        for i, ad in enumerate(adapters):
+            self.cols[ad.name], self.index[ad.name] = (width, width + ad.rank), i
+            width += ad.rank
+        self.width = width
+        self.weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = {}
+        owners = [i for i, ad in enumerate(adapters) for _ in range(ad.rank)]
+        for key in sorted({k for ad in adapters for k in ad.weights}):
+            some_a, some_b = next(ad.weights[key] for ad in adapters if key in ad.weights)
+            a_all = some_a.new_zeros((width, some_a.shape[1]))
+            bt_all = some_b.new_zeros((width, some_b.shape[0]))
+            for ad in adapters:
+                if key in ad.weights:
+                    lo, hi = self.cols[ad.name]
+                    a, b = ad.weights[key]
+                    a_all[lo:hi], bt_all[lo:hi] = a, b.t()
+            self.weights[key] = (a_all, bt_all)
+        first = next(iter(adapters[0].weights.values()))[0] if adapters else torch.empty(0)
+        self.dtype = first.dtype
+        self.col_owner = torch.tensor(owners, dtype=torch.long, device=first.device)
+        # Each adapter's weights become views of the stack: its weights are held once.
+        for ad in adapters:
+            lo, hi = self.cols[ad.name]
+            ad.weights = {k: (self.weights[k][0][lo:hi], self.weights[k][1][lo:hi].t()) for k in ad.weights}
+
+
+class StackedStepLoRA:
+    """A step's adapters through the set's stack: per projection one x A_all^T, one mask, one
+    product with B_all^T, added to the rows using any adapter."""
+
+    def __init__(self, stack: AdapterStack, rows: torch.Tensor | None, mask: torch.Tensor) -> None:
+        self.stack = stack
+        self.rows = rows          # None: every token of the step uses an adapter
+        self.mask = mask          # [len(rows), S]: 1 on the columns of the row's adapter
+
+    def add(self, layer: int, module: str, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        ab = self.stack.weights.get((layer, module))
+        if ab is None:
+            return y
+        a_all, bt_all = ab
+        xs = x if self.rows is None else x.index_select(0, self.rows)
+        h = (xs @ a_all.t()).mul_(self.mask)
+        if self.rows is None:
+            return y.addmm_(h, bt_all)
+        return y.index_add_(0, self.rows, h @ bt_all)
+
+
 class LoRASet:
     """The adapters an engine serves, by name, and those it is unloading.
 
@@ -166,6 +224,8 @@ class LoRASet:
         self.retiring: set[str] = set()
         self._loads: dict[str, int] = {}          # name -> times loaded, ever
         self.roots: dict[str, str] = {}           # name -> `root_key` (the prefix cache reads it)
+        self._stack: AdapterStack | None = None
+        self._stack_key: tuple[int, ...] | None = None
         for a in adapters:
             self.add(a)
 
@@ -213,10 +273,38 @@ class LoRASet:
                 self.on_change(n, None)
         return gone
 
-    def for_step(self, runs: list[tuple[str, int, int]], device: torch.device | str = "cpu") -> StepLoRA:
-        """`runs`: (adapter name, first token, count) of the step's tokens that use an adapter."""
+    # The stack's extra columns cost FLOPs on every adapter row; past this many per used column
+    # they outweigh the per-adapter tensor ops it saves, and the step loops over its adapters.
+    MAX_STACK_WIDTH_PER_USED_COLUMN = 4
+
+    def stack(self) -> AdapterStack:
+        """Every adapter held (served or retiring) in one stack, rebuilt when the set changed."""
+        key = tuple(map(id, self.adapters.values()))
+        if self._stack_key != key:
+            self._stack, self._stack_key = AdapterStack(list(self.adapters.values())), key
+        return self._stack
+
+    def for_step(self, runs: list[tuple[str, int, int]], num_tokens: int,
+                 device: torch.device | str = "cpu") -> StepLoRA | StackedStepLoRA:
+        """`runs`: (adapter name, first token, count) of the step's tokens that use an adapter;
+        `num_tokens`: the step's tokens in all."""
         rows: dict[str, list[int]] = {}
         for name, first, count in runs:
             rows.setdefault(name, []).extend(range(first, first + count))
+        used = sum(self.adapters[name].rank for name in rows)
+        width = sum(a.rank for a in self.adapters.values())
+        if len(rows) >= 2 and width <= self.MAX_STACK_WIDTH_PER_USED_COLUMN * used:
+            return self._stacked(runs, num_tokens, device)
         return StepLoRA([(self.adapters[name], torch.tensor(r, dtype=torch.long, device=device))
                          for name, r in rows.items()])
+
+    def _stacked(self, runs: list[tuple[str, int, int]], num_tokens: int, device) -> StackedStepLoRA:
+        stack = self.stack()
+        order = sorted(runs, key=lambda r: r[1])
+        owner = torch.tensor([stack.index[name] for name, _, count in order for _ in range(count)],
+                             dtype=torch.long, device=device)
+        mask = (owner[:, None] == stack.col_owner[None, :]).to(stack.dtype)
+        covered = sum(count for _, _, count in order)
+        rows = None if covered == num_tokens else torch.tensor(
+            [t for _, first, count in order for t in range(first, first + count)], dtype=torch.long, device=device)
+        return StackedStepLoRA(stack, rows, mask)

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from raycluster.model.config import ModelConfig
-from raycluster.model.lora import LoRASet, StepLoRA, load_adapter
+from raycluster.model.lora import LoRASet, StackedStepLoRA, StepLoRA, load_adapter
 from raycluster.parallel.plan import StepPlan
 from raycluster.parallel.shard import shard_adapter
 
@@ -59,10 +59,10 @@ class RankAdapters:
         part.weights = {k: (a.to(self.device), b.to(self.device)) for k, (a, b) in part.weights.items()}
         self.set.add(part)
 
-    def for_step(self, plan: StepPlan) -> StepLoRA | None:
+    def for_step(self, plan: StepPlan) -> StepLoRA | StackedStepLoRA | None:
         if not plan.lora_runs:
             return None
         missing = {name for name, _, _ in plan.lora_runs} - self.set.adapters.keys()
         if missing:
             raise RuntimeError(f"LoRA adapters {sorted(missing)} are not loaded on this rank (lane {self.lane})")
-        return self.set.for_step(plan.lora_runs, self.device)
+        return self.set.for_step(plan.lora_runs, plan.num_tokens, self.device)
