@@ -300,11 +300,18 @@ class LoRASet:
 
     def _stacked(self, runs: list[tuple[str, int, int]], num_tokens: int, device) -> StackedStepLoRA:
         stack = self.stack()
-        order = sorted(runs, key=lambda r: r[1])
-        owner = torch.tensor([stack.index[name] for name, _, count in order for _ in range(count)],
-                             dtype=torch.long, device=device)
-        mask = (owner[:, None] == stack.col_owner[None, :]).to(stack.dtype)
-        covered = sum(count for _, _, count in order)
-        rows = None if covered == num_tokens else torch.tensor(
-            [t for _, first, count in order for t in range(first, first + count)], dtype=torch.long, device=device)
+        covered = sum(count for _, _, count in runs)
+        if 2 * covered >= num_tokens:
+            # Mostly adapter rows: every row through the stack, base rows masked out entirely;
+            # cheaper than gathering the adapter rows and adding them back.
+            owner = [-1] * num_tokens
+            for name, first, count in runs:
+                owner[first:first + count] = [stack.index[name]] * count
+            rows = None
+        else:
+            owner = [stack.index[name] for name, _, count in runs for _ in range(count)]
+            rows = torch.tensor([t for _, first, count in runs for t in range(first, first + count)],
+                                dtype=torch.long, device=device)
+        owner_t = torch.tensor(owner, dtype=torch.long, device=device)
+        mask = (owner_t[:, None] == stack.col_owner[None, :]).to(stack.dtype)
         return StackedStepLoRA(stack, rows, mask)

@@ -48,8 +48,10 @@ def _check(set_: LoRASet, runs, num_tokens: int, stacked: bool) -> None:
 def test_a_mixed_step_gives_each_row_its_own_adapters_update():
     s = LoRASet([_adapter("a", 4, ("q_proj", "o_proj"), 1), _adapter("b", 8, ("q_proj", "up_proj"), 2),
                  _adapter("c", 2, ("o_proj",), 3)])
-    # Rows on no adapter between runs; runs out of token order; one adapter twice.
+    # Rows on no adapter between runs; runs out of token order; one adapter twice: mostly
+    # adapter rows (base rows masked out), then mostly base rows (adapter rows gathered).
     _check(s, [("b", 5, 3), ("a", 0, 2), ("c", 9, 1), ("a", 3, 1)], num_tokens=11, stacked=True)
+    _check(s, [("c", 9, 1), ("a", 0, 1), ("b", 5, 2)], num_tokens=14, stacked=True)
     # Every row on some adapter: no gather.
     _check(s, [("a", 0, 4), ("b", 4, 2), ("c", 6, 3)], num_tokens=9, stacked=True)
     # One adapter alone keeps the per-adapter path.
