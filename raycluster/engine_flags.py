@@ -8,8 +8,9 @@ coerce; `check_overrides` raises ValueError naming the flag when one is invalid.
 engine-server` builds its engine from them; `raycluster up` / `apply` apply them to every pool's
 engine options (a pool's own `engine` options in the app file still win, as for
 --enable-prefix-caching). vLLM's `--speculative-config JSON` is taken too: its `method`,
-`num_speculative_tokens`, `prompt_lookup_max` and `prompt_lookup_min` become the fields of the
-same names (`method` is `speculative_method`).
+`model`, `num_speculative_tokens`, `prompt_lookup_max` and `prompt_lookup_min` become the fields
+of the same names (`method` is `speculative_method`, `model` is `speculative_model`; a `model`
+without a `method` means "draft_model", as in vLLM).
 """
 
 from __future__ import annotations
@@ -23,9 +24,11 @@ from pydantic import ValidationError
 from raycluster.engine.config import EngineConfig
 
 _PREFIX = "engine_"       # where the values land on the argparse namespace: no clash with other flags
-# vLLM's --speculative-config keys -> EngineConfig fields (draft models and EAGLE are not served).
-_SPEC_KEYS = {"method": "speculative_method", "num_speculative_tokens": "num_speculative_tokens",
+# vLLM's --speculative-config keys -> EngineConfig fields (EAGLE / MTP heads are not served).
+_SPEC_KEYS = {"method": "speculative_method", "model": "speculative_model",
+              "num_speculative_tokens": "num_speculative_tokens",
               "prompt_lookup_max": "prompt_lookup_max", "prompt_lookup_min": "prompt_lookup_min"}
+_SPEC_METHODS = ("ngram", "draft_model")
 
 
 def _literal_choices(annotation) -> list[str] | None:
@@ -54,7 +57,8 @@ def add_engine_flags(parser: argparse.ArgumentParser, skip: tuple[str, ...] = ()
     if "speculative_method" not in skip:
         group.add_argument("--speculative-config", dest="speculative_config", default=None, metavar="JSON",
                            help="vLLM's: e.g. '{\"method\": \"ngram\", \"num_speculative_tokens\": 5, "
-                                "\"prompt_lookup_max\": 4}' (the same as the flags of those names)")
+                                "\"prompt_lookup_max\": 4}' or '{\"model\": \"DRAFT_DIR\", "
+                                "\"num_speculative_tokens\": 4}' (the same as the flags of those names)")
 
 
 def engine_overrides(args: argparse.Namespace) -> dict:
@@ -84,11 +88,13 @@ def speculative_config(text: str) -> dict:
         raise ValueError("--speculative-config: must be a JSON object")
     unknown = sorted(set(spec) - set(_SPEC_KEYS))
     if unknown:
-        raise ValueError(f"--speculative-config: {', '.join(unknown)} not supported (n-gram prompt lookup "
-                         f"only: {', '.join(_SPEC_KEYS)})")
-    if spec.get("method") != "ngram":
-        raise ValueError(f"--speculative-config: method {spec.get('method')!r} not supported (\"ngram\" only: "
-                         "no draft model, EAGLE or MTP)")
+        raise ValueError(f"--speculative-config: {', '.join(unknown)} not supported (the keys taken: "
+                         f"{', '.join(_SPEC_KEYS)})")
+    if "model" in spec and "method" not in spec:
+        spec = {**spec, "method": "draft_model"}
+    if spec.get("method") not in _SPEC_METHODS:
+        raise ValueError(f"--speculative-config: method {spec.get('method')!r} not supported (\"ngram\" or "
+                         "\"draft_model\": no EAGLE or MTP)")
     return {_SPEC_KEYS[k]: v for k, v in spec.items()}
 
 

@@ -1,7 +1,8 @@
-"""Speculative decoding (n-gram prompt lookup) against plain decoding, side by side.
+"""Speculative decoding (n-gram prompt lookup, or a draft model) against plain decoding, side by side.
 
     raycluster bench spec-decode [--model tiny|PATH] [--batch-sizes 1,4,16] [--max-tokens 384]
-                                 [--k 3,5] [--repeats 2] [--seed S] --out FILE.json
+                                 [--k 3,5] [--repeats 2] [--seed S]
+                                 [--draft-model PATH | --draft-layers N] --out FILE.json
 
 For each batch size, the same seeded requests (random prompts of 16-128 non-special tokens,
 greedy, every request generates exactly --max-tokens) run to completion on one engine without
@@ -14,20 +15,33 @@ repeat), and whether every request's tokens equal the plain run's (greedy: they 
 What it shows depends on how often the model repeats its own context: a checkpoint that copies
 (code edits, summaries quoting their source) accepts many drafts; random tiny weights accept
 few until their greedy outputs fall into cycles, a few hundred tokens in.
+
+`--draft-model PATH` adds `speculative_method: draft_model` settings (`draft-kK`) with that
+checkpoint as the draft; `--draft-layers N` makes the draft from the target itself, its
+embeddings, first N layers, final norm and head (a self-speculative, layer-skipping draft, as in
+Draft & Verify), written to a temporary directory.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
+import re
+import shutil
 import statistics
+import tempfile
 import time
 
 import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
 
 from raycluster.engine.config import EngineConfig
 from raycluster.engine.engine import LLMEngine
+from raycluster.model.loader import _weight_files
+from raycluster.model.registry import resolve_model_path
 from raycluster.request import SamplingParams
 
 FIRST_NORMAL_TOKEN = 6      # the tiny tokenizer's special tokens are 0..5
@@ -53,21 +67,51 @@ def _run(engine: LLMEngine, prompts: list[list[int]], max_tokens: int) -> dict:
             "tokens": [r.output_token_ids for r in reqs]}
 
 
-def run(args: argparse.Namespace) -> dict:
+def write_first_layers(src: str, dst: str, num_layers: int) -> str:
+    """A checkpoint at `dst` holding `src`'s embeddings, first `num_layers` decoder layers, final
+    norm and output head (and its tokenizer files): a draft sharing the target's vocabulary."""
+    os.makedirs(dst, exist_ok=True)
+    with open(os.path.join(src, "config.json")) as f:
+        cfg = json.load(f)
+    if not 1 <= num_layers < cfg["num_hidden_layers"]:
+        raise ValueError(f"--draft-layers: {num_layers} is not in [1, {cfg['num_hidden_layers'] - 1}]")
+    cfg["num_hidden_layers"] = num_layers
+    with open(os.path.join(dst, "config.json"), "w") as f:
+        json.dump(cfg, f, indent=2)
+    layer = re.compile(r"\.layers\.(\d+)\.")
+    kept = {}
+    for file in _weight_files(src):
+        with safe_open(file, framework="pt") as f:
+            for name in f.keys():
+                m = layer.search(name)
+                if m is None or int(m[1]) < num_layers:
+                    kept[name] = f.get_tensor(name)
+    save_file(kept, os.path.join(dst, "model.safetensors"), metadata={"format": "pt"})
+    for name in os.listdir(src):
+        if name.startswith("tokenizer") or name in ("generation_config.json", "special_tokens_map.json"):
+            shutil.copy(os.path.join(src, name), dst)
+    return dst
+
+
+def run(args: argparse.Namespace, draft: str | None = None) -> dict:
     torch.manual_seed(args.seed)
     base = dict(model=args.model, policy="fcfs", packer="token", predictor="none", kv_cache_tokens=args.kv_tokens,
                 max_num_seqs=max(args.batch_sizes))
     plain = LLMEngine.from_config(EngineConfig(**base))
-    drafting = {k: LLMEngine.from_config(EngineConfig(**base, speculative_method="ngram", num_speculative_tokens=k))
-                for k in args.k}
+    drafting = {f"ngram-k{k}": LLMEngine.from_config(EngineConfig(**base, speculative_method="ngram",
+                                                                  num_speculative_tokens=k)) for k in args.k}
+    if draft is not None:
+        drafting.update({f"draft-k{k}": LLMEngine.from_config(EngineConfig(
+            **base, speculative_method="draft_model", speculative_model=draft, num_speculative_tokens=k))
+            for k in args.k})
     rows = []
     for bs in args.batch_sizes:
         prompts = _prompts(bs, plain.vocab_size, args.seed + bs)
-        runs: dict[str, list[dict]] = {"plain": [], **{f"ngram-k{k}": [] for k in args.k}}
+        runs: dict[str, list[dict]] = {"plain": [], **{name: [] for name in drafting}}
         for _ in range(args.repeats):
             runs["plain"].append(_run(plain, prompts, args.max_tokens))
-            for k, eng in drafting.items():
-                runs[f"ngram-k{k}"].append(_run(eng, prompts, args.max_tokens))
+            for name, eng in drafting.items():
+                runs[name].append(_run(eng, prompts, args.max_tokens))
         want = runs["plain"][0]["tokens"]
         out_tokens = bs * args.max_tokens
         for name, rs in runs.items():
@@ -80,7 +124,9 @@ def run(args: argparse.Namespace) -> dict:
                 "acceptance": accepted / drafts if drafts else None,
                 "speedup": statistics.median(p["wall_s"] / r["wall_s"] for p, r in zip(runs["plain"], rs)),
                 "same_tokens": all(r["tokens"] == want for r in rs)})
-    return {"model": args.model, "max_tokens": args.max_tokens, "repeats": args.repeats, "seed": args.seed,
+    return {"model": args.model, "draft": args.draft_model or (f"first {args.draft_layers} layers"
+                                                               if args.draft_layers else None),
+            "max_tokens": args.max_tokens, "repeats": args.repeats, "seed": args.seed,
             "threads": torch.get_num_threads(), "rows": rows}
 
 
@@ -94,11 +140,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--kv-tokens", type=int, default=65536)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=None)
+    drafts = p.add_mutually_exclusive_group()
+    drafts.add_argument("--draft-model", default=None, help="also draft with this checkpoint (draft_model)")
+    drafts.add_argument("--draft-layers", type=int, default=None,
+                        help="also draft with the target's first N layers (draft_model)")
     p.add_argument("--out", required=True)
     args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    result = run(args)
+    with tempfile.TemporaryDirectory() as tmp:
+        draft = args.draft_model
+        if args.draft_layers:
+            draft = write_first_layers(resolve_model_path(args.model), os.path.join(tmp, "draft"), args.draft_layers)
+        result = run(args, draft)
     with open(args.out, "w") as f:
         json.dump(result, f, indent=2)
     print(f"{'batch':>5s} {'setting':10s} {'wall s':>7s} {'tok/s':>8s} {'steps':>6s} {'tok/step':>8s} "

@@ -45,10 +45,16 @@ class EngineConfig(BaseModel):
     enable_prefix_caching: bool = Field(
         False, description="keep full KV blocks findable by their tokens after use, so a prompt that "
                            "starts like an earlier one prefills only the rest")
-    speculative_method: Literal["none", "ngram"] = Field(
+    speculative_method: Literal["none", "ngram", "draft_model"] = Field(
         "none", description="speculative decoding (vLLM's speculative_config method): 'ngram' drafts the next "
         "tokens by prompt lookup (the tokens that followed the latest earlier occurrence of the context's last "
-        "n-gram) and verifies them in one step; greedy output is unchanged, sampled output keeps its distribution")
+        "n-gram), 'draft_model' by a smaller model's greedy continuation (speculative_model); the target "
+        "verifies them in one step; greedy output is unchanged, sampled output keeps its distribution")
+    speculative_model: str | None = Field(
+        None, description="draft_model: the draft checkpoint ('tiny' or a directory), sharing the target's "
+                          "vocabulary; it runs on the engine's leader with its own KV cache")
+    speculative_kv_tokens: int | None = Field(
+        None, ge=16, description="draft_model: the draft model's KV capacity in tokens (default kv_cache_tokens)")
     num_speculative_tokens: int = Field(5, ge=1, le=32, description="speculative decoding: draft tokens per step at most")
     prompt_lookup_max: int = Field(4, ge=1, le=64, description="ngram drafts: the longest n-gram matched")
     prompt_lookup_min: int = Field(1, ge=1, le=64, description="ngram drafts: the shortest n-gram matched")
@@ -99,6 +105,15 @@ class EngineConfig(BaseModel):
         if self.lora_modules:
             from raycluster.model.lora import parse_modules
             parse_modules(self.lora_modules)
+        return self
+
+    @model_validator(mode="after")
+    def _draft_model(self) -> "EngineConfig":
+        if self.speculative_method == "draft_model" and not self.speculative_model:
+            raise ValueError("speculative_model: speculative_method 'draft_model' needs a draft checkpoint")
+        if self.speculative_model and self.speculative_method != "draft_model":
+            raise ValueError(f"speculative_model: a draft model is only for speculative_method 'draft_model' "
+                             f"(speculative_method is {self.speculative_method!r})")
         return self
 
     @model_validator(mode="after")

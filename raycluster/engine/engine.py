@@ -27,7 +27,7 @@ from raycluster.engine.config import EngineConfig
 from raycluster.engine.guided import GuidedDecoding, constraint_of
 from raycluster.parallel.factory import build_runner
 from raycluster.engine.sampler import Sampler
-from raycluster.engine.spec_decode import NgramProposer
+from raycluster.engine.spec_decode import build_proposer
 from raycluster.model.lora import LoRAAdapter, LoRASet, load_adapter, parse_modules
 from raycluster.engine.profiler import load_or_profile
 from raycluster.engine.sched_factory import RetiredScheduling, build_scheduler, needs_predictor
@@ -137,8 +137,7 @@ class LLMEngine:
         if self.kv.prefix_caching:
             self.kv.lora_roots = self.lora.roots
         self.num_draft_tokens = self.num_accepted_tokens = 0     # speculative decoding, so far
-        self.proposer = NgramProposer(config.num_speculative_tokens, config.prompt_lookup_max,
-                                      config.prompt_lookup_min) if config.speculative_method == "ngram" else None
+        self.proposer = build_proposer(config, mcfg, _DTYPES[config.dtype])
         self._texts: dict[str, TextStream] = {}
         self._guided: GuidedDecoding | None = None     # built at the first structured-output request
         self._guided_lock = threading.Lock()            # compile threads may build it too
@@ -435,17 +434,18 @@ class LLMEngine:
     def _propose(self, sampled: list[Request], drafted: list[tuple], finished: set[str]) -> None:
         """Drafts for the next step of every request still decoding that got tokens now."""
         decoding, max_len = self.scheduler.decoding, self.max_model_len
-        for req in [*sampled, *(d[0] for d in drafted)]:
-            rid = req.request_id
-            if rid in finished or rid not in decoding:
-                continue
-            # Room for the drafts and the token after them, within max_tokens and the context.
-            room = min(req.sampling.max_tokens - len(req.output_token_ids), max_len - req.num_tokens) - 1
-            req.spec_token_ids = self.proposer.propose(req.all_token_ids, room) if room > 0 else []
+        reqs = [r for r in [*sampled, *(d[0] for d in drafted)]
+                if r.request_id not in finished and r.request_id in decoding]
+        # Room for the drafts and the token after them, within max_tokens and the context.
+        rooms = [min(r.sampling.max_tokens - len(r.output_token_ids), max_len - r.num_tokens) - 1 for r in reqs]
+        for req, drafts in zip(reqs, self.proposer.propose_batch(reqs, rooms)):
+            req.spec_token_ids = drafts
 
     def _forget(self, rid: str) -> None:
         if self._guided is not None:
             self._guided.forget(rid)
+        if self.proposer is not None:
+            self.proposer.forget(rid)
         if self.lora.retiring:
             self.lora.collect({r.sampling.lora_adapter for r in self.scheduler.requests.values()
                                if r.request_id != rid})

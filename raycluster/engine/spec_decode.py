@@ -1,4 +1,7 @@
-"""Draft tokens for speculative decoding by n-gram prompt lookup (vLLM's `method: ngram`).
+"""Draft tokens for speculative decoding: the proposers and `build_proposer`, which picks one by
+the engine config's `speculative_method` (n-gram prompt lookup here, vLLM's `method: ngram`; a
+draft model in `raycluster.engine.draft_model`). Both answer `propose_batch(requests, rooms)`
+and `forget(request_id)`.
 
 After a step samples a decoding request's token, the engine asks `NgramProposer.propose` for
 drafts: the longest suffix of the request's tokens (between `prompt_lookup_max` and
@@ -16,12 +19,42 @@ structured output's row j is masked by its pattern's state after the drafts befo
 
 from __future__ import annotations
 
+import torch
+
+from raycluster.request import Request
+
+
+def build_proposer(config, target_config, dtype: torch.dtype):
+    """The proposer `config` (an EngineConfig) asks for, or None; the draft model must share the
+    target's vocabulary (`target_config`: its ModelConfig). ValueError naming the field otherwise."""
+    if config.speculative_method == "ngram":
+        return NgramProposer(config.num_speculative_tokens, config.prompt_lookup_max, config.prompt_lookup_min)
+    if config.speculative_method != "draft_model":
+        return None
+    from raycluster.engine.draft_model import DraftModelProposer
+    from raycluster.model.loader import load_model
+    from raycluster.model.registry import resolve_model_path
+    draft, draft_config = load_model(resolve_model_path(config.speculative_model), dtype, device=config.device)
+    if draft_config.vocab_size != target_config.vocab_size:
+        raise ValueError(f"speculative_model: the draft's vocabulary has {draft_config.vocab_size} tokens, the "
+                         f"target's {target_config.vocab_size}; a draft model must share the target's tokenizer")
+    tokens = config.speculative_kv_tokens or config.kv_cache_tokens
+    return DraftModelProposer(draft, config.num_speculative_tokens, max(1, tokens // config.block_size),
+                              config.block_size, config.device, dtype)
+
+
 
 class NgramProposer:
     def __init__(self, k: int, max_n: int, min_n: int = 1) -> None:
         if not 1 <= min_n <= max_n or k < 1:
             raise ValueError(f"need 1 <= min_n <= max_n and k >= 1, got {min_n}, {max_n}, {k}")
         self.k, self.max_n, self.min_n = k, max_n, min_n
+
+    def propose_batch(self, requests: list[Request], rooms: list[int]) -> list[list[int]]:
+        return [self.propose(r.all_token_ids, room) if room > 0 else [] for r, room in zip(requests, rooms)]
+
+    def forget(self, request_id: str) -> None:
+        pass                        # keeps nothing per request
 
     def propose(self, tokens: list[int], k: int | None = None) -> list[int]:
         """Up to `k` (default the proposer's) tokens that followed the latest earlier occurrence

@@ -119,8 +119,15 @@ def test_vllms_speculative_config_sets_the_speculative_fields(capsys):
     cfg = EngineConfig(**check_overrides(over))
     assert (cfg.speculative_method, cfg.num_speculative_tokens, cfg.prompt_lookup_max, cfg.prompt_lookup_min) == \
         ("ngram", 3, 2, 1)
+    # A draft model: vLLM's `model` key, its method implied.
+    draft = engine_overrides(build_parser().parse_args(["up", "--speculative-config",
+                                                        '{"model": "tiny", "num_speculative_tokens": 3}']))
+    assert draft == {"speculative_method": "draft_model", "speculative_model": "tiny", "num_speculative_tokens": 3}
+    assert EngineConfig(**check_overrides(draft)).speculative_model == "tiny"
     for spec, msg in (('{"method": "eagle"}', "method 'eagle' not supported"),
-                      ('{"method": "ngram", "model": "draft"}', "model not supported"),
+                      ('{"method": "ngram", "model": "draft"}', "a draft model is only for speculative_method"),
+                      ('{"method": "draft_model"}', "speculative_model: speculative_method 'draft_model' needs"),
+                      ('{"model": "tiny", "draft_tensor_parallel_size": 1}', "draft_tensor_parallel_size not"),
                       ('{"num_speculative_tokens": 2}', "method None not supported"),
                       ("[1]", "must be a JSON object"), ("{", "not JSON"),
                       ('{"method": "ngram", "num_speculative_tokens": 0}', "--num-speculative-tokens")):

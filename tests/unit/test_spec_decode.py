@@ -100,9 +100,10 @@ def test_seeded_verify_draws_each_position_as_plain_sampling_does():
 
 
 # ---- the engine with drafts -------------------------------------------------------------------
-class OracleProposer:
+class OracleProposer(NgramProposer):
     """Drafts the known greedy continuation of each prompt; with `wrong_at` = j, draft j (and
-    every later one) is off by one token, so exactly j drafts can be accepted."""
+    every later one) is off by one token, so exactly j drafts can be accepted. (An n-gram
+    proposer with its lookup replaced: the engine calls it the same way.)"""
 
     def __init__(self, expected: dict[tuple, list[int]], k: int = 4, wrong_at: int | None = None) -> None:
         self.expected, self.k, self.wrong_at = expected, k, wrong_at
