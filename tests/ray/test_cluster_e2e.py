@@ -44,11 +44,12 @@ TOPOLOGIES = {
     "pd-torch_dist": {"connector": "torch_dist", "initial_l_m": 256, "pools": PD_POOLS},
     # Groups in P/D: short prompts prefill on a TP group, long ones on an SPP group, decodes run
     # on a KVP group; KV leaves the TP / SPP ranks and reaches the KVP ranks through each group's
-    # staging port.
+    # staging port. The KVP group's leader drafts with a draft model (the tiny checkpoint itself).
     "pd-groups": {"connector": "object_store", "initial_l_m": 256, "pools": [
         {**PD_POOLS[0], "engine": {**PD_POOLS[0]["engine"], "tp": 2, "group_launch": "ray"}},
         {**PD_POOLS[1], "engine": {"spp": 2, "spp_micro_tokens": 128, "group_launch": "ray"}},
-        {**PD_POOLS[2], "engine": {**PD_POOLS[2]["engine"], "kvp": 2, "group_launch": "ray"}}]},
+        {**PD_POOLS[2], "engine": {**PD_POOLS[2]["engine"], "kvp": 2, "group_launch": "ray",
+                                   "speculative_method": "draft_model", "speculative_model": "tiny"}}]},
     # The pressure controller on: instances change pools while the requests run.
     "pd-controller": {"connector": "object_store", "initial_l_m": 256,
                       "controller": {"enabled": True, "period_s": 0.5, "cooldown_s": 2.0},
