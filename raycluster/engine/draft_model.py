@@ -10,8 +10,8 @@ The draft model keeps its own paged KV cache (its own tensor, block allocator an
 per request, nothing shared with the target's). A request's draft KV is valid for its first
 `done` tokens. A proposal runs k forward passes over the whole batch: the first catches each
 request up (its tokens from `done` to its last, sampled one: the prompt on the first proposal,
-then the tokens the target accepted last step, as a chunked prefill) and drafts d1 from its last
-row; pass j feeds d_{j-1} as a decode row at the next position. Afterwards `done` is the
+as a chunked prefill, then the few tokens the target accepted last step, as decode rows) and
+drafts d1 from its last row; pass j feeds d_{j-1} as a decode row at the next position. Afterwards `done` is the
 request's token count: the KV written for the drafts is overwritten by the next catch-up, so
 rejected drafts need no rollback.
 
@@ -61,18 +61,31 @@ class DraftModelProposer:
         if not batch:
             return out
         with torch.inference_mode():
-            # Pass 1: catch up every request to its last token; its last row drafts d1.
+            # Pass 1: catch up every request to its last token; its last row drafts d1. A short
+            # catch-up (what the target accepted) runs as decode rows on the request's table,
+            # which share one KV gather; a long one (the prompt, at first) as a prefill chunk.
             ids, starts, lens, tables, rows = [], [], [], [], []
-            for _, req, _ in batch:
+            d_ids, d_pos, d_tables, d_rows = [], [], [], []
+            prefilled, decoded = [], []
+            for entry in batch:
+                req = entry[1]
                 state, tokens = self.states[req.request_id], req.all_token_ids
                 start = min(state.done, len(tokens) - 1)      # at least the last token, for its row
+                if len(tokens) - start <= self.k + 1:
+                    d_ids.extend(tokens[start:])
+                    d_pos.extend(range(start, len(tokens)))
+                    d_tables.extend([state.table] * (len(tokens) - start))
+                    d_rows.append(len(d_ids) - 1)
+                    decoded.append(entry)
+                    continue
                 ids.extend(tokens[start:])
                 starts.append(start)
                 lens.append(len(tokens) - start)
                 tables.append(state.table)
                 rows.append(len(ids) - 1)
-            last = self._run(StepPlan(ids, starts, lens, tables, [], [], rows))
-            for (i, req, _), token in zip(batch, last):
+                prefilled.append(entry)
+            plan = StepPlan(ids + d_ids, starts, lens, tables, d_pos, d_tables, rows + [len(ids) + r for r in d_rows])
+            for (i, req, _), token in zip(prefilled + decoded, self._run(plan)):
                 out[i].append(token)
                 self.states[req.request_id].done = req.num_tokens
             # Passes 2..k: each request still drafting feeds its last draft at the next position.
