@@ -352,7 +352,8 @@ class SimCluster:
         now = self.loop.clock.now()
         if self.fast_decode:      # tokens decode groups made but not yet reported (horizon hit)
             for inst in self.instances.values():
-                inst.flush_group(self.records)
+                if inst.fast:
+                    inst.flush_group(self.records)
         for rec in self.records.values():
             if rec.status in ("sent", "not_sent"):
                 rec.status = "timeout" if rec.status == "sent" else "not_sent"

@@ -64,6 +64,7 @@ from raycluster.engine.sched_factory import RetiredScheduling, build_scheduler
 from raycluster.request import SLO, Request, RequestStatus
 from raycluster.sched.base import AllDecodes
 from raycluster.sim.fastpath import GroupView, make_fast
+from raycluster.sim.spec_decode import DraftingModel
 from raycluster.sim.step_noise import StepNoise
 
 if TYPE_CHECKING:
@@ -101,9 +102,13 @@ class SimInstance:
         self.kv = (PrefixCachingKVManager if caching else KVCacheManager)(kv_blocks, engine_cfg.block_size)
         self.scheduler = build_scheduler(engine_cfg, self.kv, self.clock, max_model_len, predictor)
         self.retired = RetiredScheduling()          # pieces of pools it left, for a return (_move)
+        # Speculative decoding (sim/spec_decode.py): None when this instance does not draft.
+        sd = cluster.spec.spec_decode
+        self.drafter = DraftingModel(engine_cfg.num_speculative_tokens, sd.acceptance, sd.draft_cost, sd.seed,
+                                     instance_id) if engine_cfg.speculative_method != "none" else None
         # Decode group (sim/fastpath.py) instead of per-token decodes; not with prefix caching,
-        # whose blocks must stay in per-request tables.
-        self.fast = bool(fast) and not caching
+        # whose blocks must stay in per-request tables, nor with drafts (each request's own).
+        self.fast = bool(fast) and not caching and self.drafter is None
         if self.fast:
             make_fast(self.scheduler)
         self.busy = False               # a STEP event is pending
@@ -213,7 +218,7 @@ class SimInstance:
             if self._pending or self._admitted:
                 self.report([], [])
             return False
-        if self.cluster.coalesce and self._start_run():
+        if self.cluster.coalesce and self.drafter is None and self._start_run():
             return True
         out = self.scheduler.schedule()
         if out.is_empty:
@@ -226,14 +231,18 @@ class SimInstance:
             return False
         decs = out.decodes
         grouped = type(decs) is GroupView
-        dt = self.predictor.batch_time([(n, r.num_computed_tokens) for r, n in out.prefills],
-                                       decs.kv_lens if grouped else [r.num_computed_tokens for r in decs])
+        if out.spec_tokens:
+            dt = self.drafter.step_time(self.predictor, [(n, r.num_computed_tokens) for r, n in out.prefills],
+                                        decs, out.spec_tokens)
+        else:
+            dt = self.predictor.batch_time([(n, r.num_computed_tokens) for r, n in out.prefills],
+                                           decs.kv_lens if grouped else [r.num_computed_tokens for r in decs])
         if self.noise is not None:
             dt *= self.noise.factor(self.clock.now())
         self.out, self.busy = out, True
         self.busy_time += dt
         self.cluster.loop.after(dt, "step", (self, self._version))
-        if decs and not out.prefills and not grouped:
+        if decs and not out.prefills and not grouped and not out.spec_tokens:
             self.scheduler.decode_selector.observe(len(out.decodes), max(r.num_computed_tokens for r in out.decodes), dt)
         self._dt = dt
         return True
@@ -382,12 +391,17 @@ class SimInstance:
             if (st is _RUNNING or st is _WAITING) and r.num_computed_tokens + n >= r.num_tokens:
                 produced.append(r)
         grouped = type(out.decodes) is GroupView
+        spec, accepted, drafted = out.spec_tokens, {}, []
         if not grouped:
             for r in out.decodes:
                 st = r.status
                 if st is _RUNNING or st is _WAITING:
-                    produced.append(r)
-        self.scheduler.update(out, dict.fromkeys([r.request_id for r in produced], TOKEN))
+                    if spec and r.request_id in spec:
+                        accepted[r.request_id] = self.drafter.accepted(len(spec[r.request_id]))
+                        drafted.append((r, len(r.output_token_ids)))
+                    else:
+                        produced.append(r)
+        self.scheduler.update(out, dict.fromkeys([r.request_id for r in produced], TOKEN), accepted)
         events: list[TokenEvent] = [TokenEvent(r.request_id, [], True, r.status.value) for r in out.finished]
         prefilled: list[PrefillDone] = []
         for r in produced:
@@ -402,6 +416,15 @@ class SimInstance:
         if grouped:         # group members that finished: all their group tokens in one event
             for r, made in self.scheduler.group_done:
                 events.append(TokenEvent(r.request_id, [TOKEN] * made, True, r.status.value))
+        for r, base in drafted:
+            fin = r.status.finished
+            events.append(TokenEvent(r.request_id, [TOKEN] * (len(r.output_token_ids) - base), fin,
+                                     r.status.value if fin else None))
+        if self.drafter is not None:        # drafts for the next step, as the engine's _propose
+            decoding = self.scheduler.decoding
+            for r in [*produced, *(d[0] for d in drafted)]:
+                if r.request_id in decoding and not r.status.finished:
+                    r.spec_token_ids = self.drafter.drafts_for(r, self.max_model_len)
         self.report(events, prefilled)
 
     def flush_group(self, records: dict) -> None:

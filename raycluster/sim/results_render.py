@@ -15,6 +15,7 @@ from raycluster.sim.results_fmt import fmt as _f
 from raycluster.sim.results_fmt import plot as _plot
 from raycluster.sim.results_kairos import render_kairos
 from raycluster.sim.results_prefix import render_prefix
+from raycluster.sim.results_spec import render_spec
 
 # ---------------------------------------------------------------------------------------------
 # rendering
@@ -333,4 +334,4 @@ def render_sim_to_real(d: dict) -> str:
 
 RENDER = {"sim-to-real": render_sim_to_real, "medha": render_medha, "medha-edf": render_medha_edf, "kairos": render_kairos, "justitia": render_justitia,
           "justitia-apps": render_justitia_apps, "pla": render_pla, "prefix": render_prefix,
-          "speed": render_speed}
+          "spec-decode": render_spec, "speed": render_speed}

@@ -228,6 +228,9 @@ def jobs_for(name: str, quick: bool) -> list[dict]:
     if name == "prefix":
         from raycluster.sim.results_prefix import prefix_jobs      # it imports this module
         return prefix_jobs(quick)
+    if name == "spec-decode":
+        from raycluster.sim.results_spec import spec_jobs          # it imports this module
+        return spec_jobs(quick)
     if name == "medha":
         qps = [0.25, 0.75, 1.25, 1.75] if quick else [0.25, 0.5, 0.75, 1.0, 1.25, 1.5, 1.75]
         dur = 200 if quick else 400
@@ -302,4 +305,5 @@ def jobs_for(name: str, quick: bool) -> list[dict]:
     return jobs
 
 
-EXPERIMENTS = ["medha", "medha-edf", "kairos", "justitia", "justitia-apps", "pla", "prefix", "speed", "sim-to-real"]
+EXPERIMENTS = ["medha", "medha-edf", "kairos", "justitia", "justitia-apps", "pla", "prefix", "spec-decode", "speed",
+               "sim-to-real"]

@@ -27,6 +27,11 @@ probabilities), correlated in virtual time over `corr_time_s`; seeded, so a run 
 function of spec, workload and seed. `dispatch_noise` (off when absent) draws each request's
 dispatch latency from an empirical distribution instead. raycluster/sim/step_noise.py draws and
 fits both.
+
+Speculative decoding: a pool whose `engine` turns it on (`speculative_method: ngram`, or
+`draft_model` with any `speculative_model` name: nothing is loaded; `num_speculative_tokens` k)
+drafts, and `spec_decode` (required then) says how its drafts fare: `acceptance` per draft token,
+`draft_cost` per draft pass (raycluster/sim/spec_decode.py).
 """
 
 from __future__ import annotations
@@ -108,6 +113,16 @@ class SimDispatchNoise(BaseModel):
         return self
 
 
+class SimSpecDecode(BaseModel):
+    """How drafts fare on the pools that draft (the simulator has no tokens to compare)."""
+    model_config = ConfigDict(extra="forbid")
+    acceptance: float = Field(..., ge=0, le=1, description="probability that each draft token is accepted, "
+                              "independently, until the first rejection")
+    draft_cost: float = Field(0.0, ge=0, description="one draft pass, as a fraction of the target's decode step "
+                              "over the same requests (0: n-gram lookup)")
+    seed: int = Field(0, ge=0, description="with the instance id, seeds each instance's acceptance draws")
+
+
 class SimSpec(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -136,6 +151,8 @@ class SimSpec(BaseModel):
     dispatch_noise: SimDispatchNoise | None = Field(None, description="per-request dispatch latency distribution "
                                                     "(None: dispatch_latency_s for every request, which must be 0 "
                                                     "with it)")
+    spec_decode: SimSpecDecode | None = Field(None, description="how drafts fare on pools whose engine drafts "
+                                              "(speculative_method); required when one does")
     predictor: str | dict | None = Field(None, description="gpu: cpu: LinearBatchPredictor JSON file, inline "
                                          "coefficients, or None/'auto' to profile the model here")
     # Memory and transfers.
@@ -172,9 +189,9 @@ class SimSpec(BaseModel):
             # The CPU engine (profiled for the pool's predictor) builds what EngineConfig allows:
             # every combination of kvp, spp and tp.
             ecfg = self.engine_config(p)
-            if ecfg.speculative_method != "none":
-                raise ValueError(f"engine.speculative_method ({p.role} pool): the simulator does not model "
-                                 "draft tokens; leave it 'none'")
+            if ecfg.speculative_method != "none" and self.spec_decode is None:
+                raise ValueError(f"spec_decode: the {p.role} pool drafts (speculative_method "
+                                 f"{ecfg.speculative_method!r}); give spec_decode.acceptance")
             if ecfg.lora_modules:
                 raise ValueError(f"engine.lora_modules ({p.role} pool): the simulator does not model LoRA "
                                  "adapters; leave it empty")

@@ -171,3 +171,23 @@ def test_prefix_jobs_and_verdict():
     assert rp.holds_up_to(d, "cache") is None
     assert rp.hit_rate({"sim": {"prefix_query_tokens": 200, "prefix_hit_tokens": 50}}) == 0.25
     assert rp.hit_rate({"sim": {}}) is None
+
+
+def test_spec_decode_jobs_and_verdict(tmp_path, monkeypatch):
+    from raycluster.sim import results_spec as rs
+
+    jobs = results_setup.jobs_for("spec-decode", quick=False)
+    assert {(j["key"][1], j["key"][2]) for j in jobs} == {(c, q) for c in rs.SPEC_CFGS for q in rs.SPEC_QPS}
+    for j in jobs:
+        spec = SimSpec(**j["spec"])
+        assert (spec.engine_config(spec.pools[0]).speculative_method != "none") == (j["key"][1] != "plain")
+    tpot = {"plain": [10.0, 12.0, 15.0], "free-k3": [4.0, 11.0, 20.0], "draft-k4": [4.5, 13.0, 19.0]}
+    d = {("spec-decode", c, q): {"summary": {"tpot_p50_s": v / 1e3, "tpot_p99_s": v / 1e3, "ttft_p90_s": 0.1},
+                                 "num_requests": 100} for c, vs in tpot.items() for q, v in zip([4, 16, 32], vs)}
+    assert [rs.helps_up_to(d, c) for c in ("free-k3", "draft-k4")] == [16, 4]
+    monkeypatch.setattr(rs, "DOCS", tmp_path)
+    (tmp_path / "figures").mkdir()
+    text = rs.render_spec(d)
+    assert "at 4 requests/s drafts cut TPOT P50 2.50x / 2.22x" in text
+    assert "below the no-draft run up to 16 / 4 requests/s" in text
+    assert (tmp_path / "figures" / "spec_decode_tpot.png").exists()

@@ -156,7 +156,7 @@ def test_bad_spec_names_the_field():
     SimSpec(gpu="cpu", pools=[{"role": "mixed", "tp": 2, "kvp": 2}])       # and KVP x TP
     SimSpec(gpu="cpu", pools=[{"role": "mixed", "kvp": 2, "spp": 2}])      # and KVP x SPP
     SimSpec(gpu="cpu", pools=[{"role": "mixed", "kvp": 2, "spp": 2, "tp": 2}])   # and all three
-    with pytest.raises(ValueError, match="engine.speculative_method .decode pool.: the simulator does not"):
+    with pytest.raises(ValueError, match="spec_decode: the decode pool drafts .speculative_method 'ngram'."):
         SimSpec(gpu="a100", pools=[{"role": "prefill-short", "instances": 1},
                                    {"role": "decode", "instances": 1, "engine": {"speculative_method": "ngram"}}])
     with pytest.raises(ValueError, match="engine.lora_modules .mixed pool.: the simulator does not model LoRA"):
