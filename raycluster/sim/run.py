@@ -34,6 +34,8 @@ def simulate(spec: SimSpec, workload: Workload, *, horizon_s: float | None = Non
            "output_tokens": cluster.tokens_out, "moves": cluster.moves,
            "tie_break": "time, then scheduling order (FIFO)",
            "decode_path": "fast" if cluster.fast_decode else ("runs" if cluster.coalesce else "stepwise"),
+           # instances that draft (speculative decoding) step one event per step whatever the path
+           "drafting_instances": sum(i.drafter is not None for i in cluster.instances.values()),
            "group_steps": sum(getattr(i.scheduler, "group_steps", 0) for i in cluster.instances.values()),
            "group_dissolved": sum(getattr(i.scheduler, "dissolved", 0) for i in cluster.instances.values()),
            "prefix_query_tokens": sum(getattr(i.kv, "query_tokens", 0) for i in cluster.instances.values()),

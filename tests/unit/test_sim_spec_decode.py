@@ -3,9 +3,12 @@ engine's Scheduler with placeholder drafts, each verifying step timed as a (1 + 
 on the request's context (plus draft passes), and the accepted count drawn per draft with the
 spec's acceptance rate. Checked: a hand-computed lone request (acceptance 1 and 0), the mean
 tokens per verifying step against the i.i.d. model's expectation, P/D with a drafting decode
-pool (conservation; the fast path changes nothing there), determinism, and the spec's errors."""
+pool (conservation; the fast path changes nothing there), determinism, the spec's errors, and
+every spec shipped in sims/ loading."""
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import pytest
 from pydantic import ValidationError
@@ -14,7 +17,7 @@ from loadgen.workloads import Workload, WorkloadRequest, make_workload
 from raycluster.sched.predictor import LinearBatchPredictor
 from raycluster.sim.cluster import SimCluster
 from raycluster.sim.run import simulate
-from raycluster.sim.spec import SimSpec
+from raycluster.sim.spec import SimSpec, load_spec
 
 PRED = {"overhead_s": 0.01, "per_prefill_token_s": 0.001, "per_decode_s": 0.0005, "per_decode_kv_s": 1e-6}
 DRAFTS = {"speculative_method": "ngram", "num_speculative_tokens": 3}
@@ -92,6 +95,7 @@ def test_a_drafting_decode_pool_behind_prefill_pools():
     # The decode instances draft, so they never take the fast path: the same records either way.
     assert runs[0]["requests"] == runs[1]["requests"]
     assert runs[0]["requests"] != plain["requests"]
+    assert [r["meta"]["sim"]["drafting_instances"] for r in (*runs, plain)] == [2, 2, 0]
     again = simulate(spec(pools, spec_decode={"acceptance": 0.6}), w, check=True)
     assert again["requests"] == runs[0]["requests"]
     other_seed = simulate(spec(pools, spec_decode={"acceptance": 0.6, "seed": 1}), w, check=True)
@@ -119,3 +123,9 @@ def test_the_spec_names_what_is_missing_or_wrong():
         spec(engine=DRAFTS, spec_decode={"acceptance": 1.5})
     with pytest.raises(ValidationError, match="draft_cost"):
         spec(engine=DRAFTS, spec_decode={"acceptance": 0.5, "draft_cost": -1})
+
+
+@pytest.mark.parametrize("name", sorted(p.name for p in (Path(__file__).parents[2] / "sims").glob("*.yaml")))
+def test_every_shipped_cluster_spec_loads(name):
+    spec = load_spec(Path(__file__).parents[2] / "sims" / name)
+    assert spec.num_gpus > 0
