@@ -40,8 +40,10 @@ class _DraftState:
 
 class DraftModelProposer:
     def __init__(self, model, k: int, num_blocks: int, block_size: int, device: torch.device | str = "cpu",
-                 dtype: torch.dtype = torch.float32) -> None:
+                 dtype: torch.dtype = torch.float32, max_model_len: int | None = None) -> None:
+        """`max_model_len`: the draft's context; a request past it gets no drafts (as vLLM)."""
         self.model, self.k, self.block_size = model, k, block_size
+        self.max_model_len = max_model_len or model.config.max_model_len
         self.device = torch.device(device)
         self.kv_cache = torch.zeros(model.kv_cache_shape(num_blocks, block_size), dtype=dtype, device=self.device)
         self.allocator = BlockAllocator(num_blocks)
@@ -56,7 +58,10 @@ class DraftModelProposer:
     def propose_batch(self, requests: list[Request], rooms: list[int]) -> list[list[int]]:
         """Up to min(k, room) drafts for each request (room: tokens it may still draft)."""
         out: list[list[int]] = [[] for _ in requests]
-        batch = [(i, r, min(self.k, room)) for i, (r, room) in enumerate(zip(requests, rooms)) if room > 0]
+        # The draft feeds its tokens and drafts but the last: positions up to num_tokens + k - 2.
+        batch = [(i, r, min(self.k, room, self.max_model_len + 1 - r.num_tokens))
+                 for i, (r, room) in enumerate(zip(requests, rooms))]
+        batch = [(i, r, k) for i, r, k in batch if k > 0]
         batch = [(i, r, k) for i, r, k in batch if self._reserve(r, k, {q.request_id for q in requests})]
         if not batch:
             return out

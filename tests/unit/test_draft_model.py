@@ -134,6 +134,27 @@ def test_a_draft_pool_too_small_for_everyone_drafts_for_whom_it_can(drafts, load
     assert got == want and 0 < eng.num_draft_tokens < roomy.num_draft_tokens
 
 
+def test_past_the_drafts_context_a_request_decodes_without_drafts(loaded, tmp_path):
+    """A draft with 48 positions: the request drafts while the draft can read its tokens and
+    feed its drafts but the last (positions up to 47: tokens + drafts up to 49, k shrinking at
+    the end), then decodes plainly; the tokens are the plain run's."""
+    short = write_tiny_model(tmp_path / "short", seed=0, num_hidden_layers=2, max_position_embeddings=48)
+    prompts = [[7 + i for i in range(30)]]
+    sps = [SamplingParams(max_tokens=40, ignore_eos=True)]
+    want, _ = _run(loaded, prompts, sps)
+    model, tok = loaded
+    eng = LLMEngine(EngineConfig(**BASE, speculative_method="draft_model", speculative_model=short,
+                                 num_speculative_tokens=4), model, tok)
+    req = eng.add_request("r0", prompts[0], sps[0])
+    longest = 0
+    while eng.has_unfinished():
+        eng.step()
+        if req.spec_token_ids:
+            longest = max(longest, req.num_tokens + len(req.spec_token_ids))
+    assert req.output_token_ids == want[0][0] and eng.num_draft_tokens > 0
+    assert longest == 49
+
+
 def test_an_aborted_request_gives_its_draft_blocks_back(drafts, loaded):
     model, tok = loaded
     eng = LLMEngine(EngineConfig(**BASE, speculative_method="draft_model", speculative_model=drafts["same"]),
