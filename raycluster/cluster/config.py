@@ -149,6 +149,10 @@ class ClusterConfig(BaseModel):
     allow_runtime_lora_updating: bool | None = Field(
         None, description="serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter (every instance loads or "
         "drops the adapter); default: vLLM's VLLM_ALLOW_RUNTIME_LORA_UPDATING in the gateway's environment")
+    lora_resolver_dir: str | None = Field(
+        None, description="vLLM's filesystem LoRA resolver: a request naming an unknown model is served from "
+        "the adapter in this directory's subdirectory of that name, loaded on every instance first (needs "
+        "runtime LoRA updating); default: VLLM_LORA_RESOLVER_CACHE_DIR in the gateway's environment")
     policy: str = "lars"
     connector: Literal["object_store", "nixl", "torch_dist"] = "object_store"
     connector_host: str = Field("127.0.0.1", description="address torch_dist binds its store and "

@@ -36,7 +36,8 @@ from raycluster.server.auth import ApiKeyMiddleware
 from raycluster.server.openai_logprobs import prompt_logprobs
 from raycluster.server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                        OverloadedError, TokenizeRequest, error_body, now_s)
-from raycluster.server.lora_routes import add_lora_routes, runtime_lora_allowed
+from raycluster.server.lora_resolver import LoRAResolver, resolver_dir
+from raycluster.server.lora_routes import RUNTIME_LORA_ENV, add_lora_routes, runtime_lora_allowed
 from raycluster.server.reasoning import REASONING_PARSERS, ReasoningStream, split_reasoning
 from raycluster.server.request_metrics import RequestMetrics, RequestMetricsSink
 from raycluster.server.streams import ClosingStreamingResponse, Stream, sse, usage_of
@@ -72,7 +73,7 @@ def build_app(engine, tokenizer, model_names: str | Sequence[str], api_keys: Seq
               tool_call_parser: str | None = None, metrics_sinks: Sequence[RequestMetricsSink] = (),
               sampling_defaults: dict | None = None, log_requests: bool = False,
               reasoning_parser: str | None = None, request_id_header: bool = True,
-              allow_runtime_lora: bool | None = None) -> FastAPI:
+              allow_runtime_lora: bool | None = None, lora_resolver_dir: str | None = None) -> FastAPI:
     """`model_names`: the names a request's `model` may give (vLLM's --served-model-name); a
     response names the one its request gave, else the first. `sampling_defaults`: the model's
     default sampling parameters (its generation_config.json: raycluster.model.generation_config)
@@ -84,7 +85,10 @@ def build_app(engine, tokenizer, model_names: str | Sequence[str], api_keys: Seq
     LoRA adapters (the backend's `lora_adapters()`, vLLM's --lora-modules): a request whose `model`
     is one runs with that adapter; /v1/models lists them with the base as `parent`.
     `allow_runtime_lora`: serve /v1/load_lora_adapter and /v1/unload_lora_adapter (default: vLLM's
-    VLLM_ALLOW_RUNTIME_LORA_UPDATING environment variable).
+    VLLM_ALLOW_RUNTIME_LORA_UPDATING environment variable). `lora_resolver_dir` (default: vLLM's
+    VLLM_LORA_RESOLVER_CACHE_DIR; needs runtime updating allowed): a request naming an unknown
+    model is served from the adapter in that directory's subdirectory of the name, loaded first
+    (raycluster.server.lora_resolver).
     `request_id_header`: answer with an `X-Request-Id` header (off behind Ray Serve, which sets the
     header on the way in, a UUID when the client sent none, and returns it itself).
     `api_keys`: if any, every route but /health, /metrics and the docs wants one of them as
@@ -128,8 +132,14 @@ def build_app(engine, tokenizer, model_names: str | Sequence[str], api_keys: Seq
         ok, info = await engine.health()
         return JSONResponse({"status": "ok" if ok else "unavailable", **info}, status_code=200 if ok else 503)
 
+    resolver = None
     if runtime_lora_allowed(allow_runtime_lora):
         add_lora_routes(app, engine, names)
+        if (root := resolver_dir(lora_resolver_dir)) is not None:
+            resolver = LoRAResolver(root, engine, adapters_now)
+    elif lora_resolver_dir:
+        raise ValueError("lora_resolver_dir: loading adapters on first use needs runtime LoRA updating "
+                         f"(allow_runtime_lora_updating, or {RUNTIME_LORA_ENV})")
 
     @app.get("/v1/models")
     async def models():
@@ -304,9 +314,13 @@ def build_app(engine, tokenizer, model_names: str | Sequence[str], api_keys: Seq
         adapters = await adapters_now()          # what this process knew may be behind
         if body.model in adapters:
             return None
+        why = "" if resolver is None else await resolver.resolve(body.model)
+        if why is None:
+            return None                          # loaded from the resolver's directory just now
         served = ", ".join(f"`{n}`" for n in [*names, *adapters])
-        return JSONResponse(error_body(f"model: `{body.model}` does not exist (this server has {served})",
-                                       "model", code="model_not_found"), status_code=404)
+        return JSONResponse(error_body(f"model: `{body.model}` does not exist (this server has {served})"
+                                       + (f"; {why}" if why else ""), "model", code="model_not_found"),
+                            status_code=404)
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, http: HTTPRequest):

@@ -1,11 +1,14 @@
 """LoRA adapters over real HTTP on one engine, as vLLM serves them: /v1/models lists each
 adapter with the base model as its parent, a request whose `model` names an adapter gets the
 text of the base model with that adapter merged into its weights (streamed and not, chat too),
-the base name still gets the base, and an unknown name is a 404 listing what is served."""
+the base name still gets the base, and an unknown name is a 404 listing what is served; adapters
+loaded and unloaded at run time, and loaded on first use from a resolver directory."""
 
 from __future__ import annotations
 
+import asyncio
 import json
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
@@ -15,6 +18,7 @@ from raycluster.engine.config import EngineConfig
 from raycluster.engine.engine import LLMEngine
 from raycluster.model.tiny import write_tiny_lora
 from raycluster.request import SamplingParams
+from raycluster.server.app import build_app
 
 pytestmark = pytest.mark.e2e
 
@@ -129,3 +133,58 @@ def test_adapters_load_and_unload_at_run_time_over_http(tiny_model_dir, tmp_path
         assert complete("sql").json()["choices"][0]["text"] == merged_text(two)
         kv = aeng.engine.kv
         assert kv.num_free_blocks == kv.num_blocks
+
+
+def test_adapters_in_the_resolver_directory_load_on_first_use(tiny_model_dir, tmp_path, merged_lora):
+    """vLLM's filesystem LoRA resolver: `model: sql` with <dir>/sql holding an adapter is served
+    (four requests at once, one load), with the merged model's text; names outside the directory
+    (a path, a symlink out, a dot name), with no adapter there, or with one this model cannot
+    serve are 404s, and nothing of them is loaded."""
+    root = tmp_path / "adapters"
+    sql = write_tiny_lora(root / "sql", tiny_model_dir, seed=1)
+    write_tiny_lora(root / "chat", tiny_model_dir, seed=2)
+    write_tiny_lora(root / "bad", tiny_model_dir, seed=3)
+    cfg_path = root / "bad" / "adapter_config.json"
+    cfg_path.write_text(json.dumps({**json.loads(cfg_path.read_text()), "use_dora": True}))
+    (root / "escape").symlink_to(write_tiny_lora(tmp_path / "outside", tiny_model_dir, seed=4))
+    model, tok = tiny_parts(tiny_model_dir)
+    prompt = "the river ran past the old mill and on to the sea below"
+    ref = LLMEngine(EngineConfig(**CFG), merged_lora(sql), tok)
+    want = tok.decode(ref.generate([tok.encode(prompt)], SamplingParams(max_tokens=12, ignore_eos=True))[0])
+    with serve_engine(EngineConfig(**CFG), model, tok, allow_runtime_lora=True,
+                      lora_resolver_dir=str(root)) as (url, aeng):
+        loads = []
+        real = aeng.load_lora
+
+        async def counted(name, path):
+            loads.append(name)
+            await asyncio.sleep(0.3)        # a slow load: the other requests arrive meanwhile
+            await real(name, path)
+        aeng.load_lora = counted
+
+        def complete(name):
+            return httpx.post(url + "/v1/completions", json={"model": name, "prompt": prompt, "max_tokens": 12,
+                                                             "temperature": 0, "ignore_eos": True}, timeout=60)
+
+        def models():
+            return [m["id"] for m in httpx.get(url + "/v1/models", timeout=10).json()["data"]]
+
+        assert models() == ["tiny"]
+        with ThreadPoolExecutor(4) as ex:
+            replies = list(ex.map(complete, ["sql"] * 4))
+        assert [r.status_code for r in replies] == [200] * 4, [r.text for r in replies]
+        assert {r.json()["choices"][0]["text"] for r in replies} == {want}
+        assert loads == ["sql"] and models() == ["tiny", "sql"]
+        chat = {"model": "chat", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+        assert httpx.post(url + "/v1/chat/completions", json=chat, timeout=60).status_code == 200
+        for name, words in (("nope", "no adapter directory 'nope'"), ("../outside", "no adapter directory"),
+                            ("sql/", "no adapter directory"),
+                            ("escape", "no adapter directory"), (".hidden", "no adapter directory"),
+                            ("bad", "use_dora is not supported")):
+            r = complete(name)
+            assert r.status_code == 404 and words in r.json()["error"]["message"], (name, r.text)
+        assert models() == ["tiny", "sql", "chat"] and loads == ["sql", "chat", "bad"]
+        kv = aeng.engine.kv
+        assert kv.num_free_blocks == kv.num_blocks
+    with pytest.raises(ValueError, match="lora_resolver_dir: loading adapters on first use needs runtime"):
+        build_app(aeng, tok, ["tiny"], allow_runtime_lora=False, lora_resolver_dir=str(root))

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import random
 import time
 
@@ -165,6 +166,7 @@ def cluster(request, serve_port, lora_adapter):
     cfg = {**BASE, **TOPOLOGIES[request.param], "router_name": f"router-{request.param}"}
     if request.param in LORA_TOPOLOGIES:
         cfg["engine"] = {**cfg["engine"], "lora_modules": [f"sql={lora_adapter[0]}"]}
+        cfg["lora_resolver_dir"] = os.path.dirname(lora_adapter[0])     # adapters load on first use from here
     serve.run(build_app(cfg), name="raycluster", route_prefix="/", blocking=False)
     url = f"http://127.0.0.1:{serve_port}"
     if not wait_healthy(url + "/health", 300):
@@ -433,12 +435,13 @@ def test_a_lora_adapter_runs_wherever_its_request_goes(cluster, lora_adapter, ti
     _assert_drained(url)
 
 
-def test_adapters_load_and_unload_on_every_instance_at_run_time(cluster, tiny_model_dir, tmp_path, merged_lora):
+def test_adapters_load_and_unload_on_every_instance_at_run_time(cluster, tiny_model_dir, tmp_path, merged_lora,
+                                                                lora_adapter):
     """vLLM's /v1/load_lora_adapter through the gateway: every instance loads it before the
     answer (the router's status lists it on each), requests on it get the merged model's text
     wherever they run (P/D handoffs too), a path with no adapter is a 404 and no instance keeps
     anything of it, and after /v1/unload_lora_adapter the name is a 404 model and every instance
-    has dropped it."""
+    has dropped it. An adapter put in the resolver directory is served on first use."""
     from raycluster.engine.config import EngineConfig
     from raycluster.engine.engine import LLMEngine
     from raycluster.model.tiny import write_tiny_lora
@@ -472,6 +475,16 @@ def test_adapters_load_and_unload_on_every_instance_at_run_time(cluster, tiny_mo
     assert httpx.post(url + "/v1/unload_lora_adapter", json={"lora_name": "rt"}, timeout=30).status_code == 200
     r = httpx.post(url + "/v1/completions", json={"model": "rt", "prompt": "x", "max_tokens": 2}, timeout=30)
     assert r.status_code == 404
+    # The resolver directory (the static adapter's parent): a new adapter there is served on its
+    # first request, loaded on every instance first; then unloaded like any other.
+    found = write_tiny_lora(os.path.join(os.path.dirname(lora_adapter[0]), "found"), tiny_model_dir, seed=6)
+    want = tok.decode(LLMEngine(EngineConfig(policy="fcfs", packer="token", kv_cache_tokens=8192), merged_lora(found))
+                      .generate([list(range(80, 380))], SamplingParams(max_tokens=10, ignore_eos=True))[0])
+    body = {"model": "found", "prompt": list(range(80, 380)), "max_tokens": 10, "temperature": 0, "ignore_eos": True}
+    r = httpx.post(url + "/v1/completions", json=body, timeout=120)
+    assert r.status_code == 200 and r.json()["choices"][0]["text"] == want, r.text
+    assert all(a == ["found", "sql"] for a in adapters_per_instance())
+    assert httpx.post(url + "/v1/unload_lora_adapter", json={"lora_name": "found"}, timeout=30).status_code == 200
     deadline = time.monotonic() + 30
     while any(a != ["sql"] for a in adapters_per_instance()) and time.monotonic() < deadline:
         time.sleep(0.2)
