@@ -44,7 +44,7 @@ from typing import AsyncIterator, Awaitable, Callable
 from raycluster.cluster.messages import GatewayReply, RequestMeta, SubmitReply, TokenEvent
 from raycluster.engine.engine import InvalidRequestError, RequestOutput, validate_request
 from raycluster.engine.text import TextStream
-from raycluster.model.lora import AdapterError, AdapterNotFound
+from raycluster.model.lora import AdapterBusy, AdapterError, AdapterNotFound
 from raycluster.request import SLO, SamplingParams
 from raycluster.server.protocol import OverloadedError
 
@@ -136,7 +136,8 @@ class ClusterClient:
         reply = await call
         await self.refresh_lora_adapters()
         if not reply.get("ok"):
-            raise (AdapterNotFound if reply.get("not_found") else AdapterError)(reply.get("error", "failed"))
+            kind = AdapterNotFound if reply.get("not_found") else AdapterBusy if reply.get("busy") else AdapterError
+            raise kind(reply.get("error", "failed"))
 
     def admit(self) -> None:
         if self.max_queue and self.queue_depth >= self.max_queue:

@@ -23,7 +23,7 @@ import contextlib
 import time
 from typing import Callable
 
-from raycluster.model.lora import AdapterError, AdapterNotFound
+from raycluster.model.lora import AdapterBusy, AdapterError, AdapterNotFound
 
 LOAD_POLL_S = 0.02      # how often a load looks at the instances' reports
 
@@ -44,8 +44,8 @@ class RouterAdapters:
         if name in self.served:
             raise AdapterError(f"the LoRA adapter {name!r} has already been loaded")
         if name in self.loaded:
-            raise AdapterError(f"the LoRA adapter {name!r} is being loaded or unloaded; try again once that "
-                               "is done")
+            raise AdapterBusy(f"the LoRA adapter {name!r} is being loaded or unloaded; try again once that "
+                              "is done")
         self.loaded[name] = path
         self.loading.add(name)
         self.version += 1
@@ -130,7 +130,7 @@ async def load_everywhere(core, name: str, path: str, timeout_s: float, wake: Ca
         try:
             ad.load(name, path)
         except AdapterError as e:
-            return {"ok": False, "error": str(e), "not_found": False}
+            return {"ok": False, "error": str(e), "not_found": False, "busy": isinstance(e, AdapterBusy)}
         since = ad.version
         wake()
     deadline = time.monotonic() + timeout_s

@@ -43,6 +43,10 @@ class AdapterNotFound(AdapterError):
     """No adapter directory at the path given, or no adapter of the name given."""
 
 
+class AdapterBusy(AdapterError):
+    """The name is being loaded or unloaded right now; the same call may succeed once that ends."""
+
+
 @dataclass
 class LoRAAdapter:
     name: str
@@ -242,7 +246,7 @@ class LoRASet:
     def add(self, adapter: LoRAAdapter) -> None:
         name = adapter.name
         if name in self.retiring:
-            raise AdapterError(f"the LoRA adapter {name!r} is still being unloaded (requests are running on "
+            raise AdapterBusy(f"the LoRA adapter {name!r} is still being unloaded (requests are running on "
                                "it); load it again once they finish")
         if name in self.adapters:
             raise AdapterError(f"the LoRA adapter {name!r} has already been loaded")

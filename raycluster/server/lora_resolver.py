@@ -5,7 +5,9 @@ With a resolver directory (`lora_resolver_dir`, or vLLM's environment variable
 no served model or adapter is served from `<dir>/<model>` when that directory holds a PEFT
 adapter (adapter_config.json): the gateway loads it as `POST /v1/load_lora_adapter` would (in
 the cluster every instance loads it before it is served), then runs the request on it. Requests
-that ask for the same new name at once wait for one load. A name that is not a plain directory
+that ask for the same new name at once wait for one load; one that finds the name being loaded
+by someone else (another gateway replica, an admin's `/v1/load_lora_adapter`) waits for that
+load instead. A name that is not a plain directory
 name (a path separator, `.` or `..`, a leading dot) is never looked up, so a client cannot reach
 files outside the directory. A directory whose adapter cannot be served (wrong shapes, DoRA, ...)
 leaves the name unknown: the request gets the 404 a missing model gets, with the reason.
@@ -19,8 +21,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import time
 
-from raycluster.model.lora import AdapterError
+from raycluster.model.lora import AdapterBusy, AdapterError
 
 RESOLVER_DIR_ENV = "VLLM_LORA_RESOLVER_CACHE_DIR"
 log = logging.getLogger(__name__)
@@ -35,9 +38,11 @@ class LoRAResolver:
     """`engine`: the backend's `load_lora(name, path)`; `adapters_now()`: the adapters served now
     (name -> path), to tell a lost race (another gateway loaded the name) from a failure."""
 
-    def __init__(self, root: str, engine, adapters_now) -> None:
+    def __init__(self, root: str, engine, adapters_now, busy_wait_s: float = 120.0, poll_s: float = 0.05) -> None:
+        """`busy_wait_s`: how long to wait for someone else's load of the name (`AdapterBusy`)."""
         self.root = os.path.realpath(root)
         self.engine, self.adapters_now = engine, adapters_now
+        self.busy_wait_s, self.poll_s = busy_wait_s, poll_s
         self._loading: dict[str, asyncio.Future] = {}
 
     def path_for(self, name: str) -> str | None:
@@ -64,8 +69,14 @@ class LoRAResolver:
         try:
             await self.engine.load_lora(name, path)
         except AdapterError as e:
-            if name in await self.adapters_now():       # loaded meanwhile (another gateway replica)
-                return None
+            # Loaded meanwhile, or being loaded by someone else (another gateway replica): wait.
+            deadline = time.monotonic() + (self.busy_wait_s if isinstance(e, AdapterBusy) else 0.0)
+            while True:
+                if name in await self.adapters_now():
+                    return None
+                if time.monotonic() >= deadline:
+                    break
+                await asyncio.sleep(self.poll_s)
             log.warning("LoRA resolver: %r at %s cannot be served: %s", name, path, e)
             return str(e)
         log.info("LoRA resolver: loaded %r from %s", name, path)
