@@ -153,6 +153,9 @@ class ClusterConfig(BaseModel):
         None, description="vLLM's filesystem LoRA resolver: a request naming an unknown model is served from "
         "the adapter in this directory's subdirectory of that name, loaded on every instance first (needs "
         "runtime LoRA updating); default: VLLM_LORA_RESOLVER_CACHE_DIR in the gateway's environment")
+    lora_resolver_max_loaded: int | None = Field(
+        None, ge=1, description="keep at most this many adapters the resolver loaded: before one more, the one "
+        "requests named least recently (as each gateway replica saw them) is unloaded; none: keep all")
     policy: str = "lars"
     connector: Literal["object_store", "nixl", "torch_dist"] = "object_store"
     connector_host: str = Field("127.0.0.1", description="address torch_dist binds its store and "

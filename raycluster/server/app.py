@@ -73,7 +73,8 @@ def build_app(engine, tokenizer, model_names: str | Sequence[str], api_keys: Seq
               tool_call_parser: str | None = None, metrics_sinks: Sequence[RequestMetricsSink] = (),
               sampling_defaults: dict | None = None, log_requests: bool = False,
               reasoning_parser: str | None = None, request_id_header: bool = True,
-              allow_runtime_lora: bool | None = None, lora_resolver_dir: str | None = None) -> FastAPI:
+              allow_runtime_lora: bool | None = None, lora_resolver_dir: str | None = None,
+              lora_resolver_max_loaded: int | None = None) -> FastAPI:
     """`model_names`: the names a request's `model` may give (vLLM's --served-model-name); a
     response names the one its request gave, else the first. `sampling_defaults`: the model's
     default sampling parameters (its generation_config.json: raycluster.model.generation_config)
@@ -87,8 +88,8 @@ def build_app(engine, tokenizer, model_names: str | Sequence[str], api_keys: Seq
     `allow_runtime_lora`: serve /v1/load_lora_adapter and /v1/unload_lora_adapter (default: vLLM's
     VLLM_ALLOW_RUNTIME_LORA_UPDATING environment variable). `lora_resolver_dir` (default: vLLM's
     VLLM_LORA_RESOLVER_CACHE_DIR; needs runtime updating allowed): a request naming an unknown
-    model is served from the adapter in that directory's subdirectory of the name, loaded first
-    (raycluster.server.lora_resolver).
+    model is served from the adapter in that directory's subdirectory of the name, loaded first,
+    keeping at most `lora_resolver_max_loaded` of those (raycluster.server.lora_resolver).
     `request_id_header`: answer with an `X-Request-Id` header (off behind Ray Serve, which sets the
     header on the way in, a UUID when the client sent none, and returns it itself).
     `api_keys`: if any, every route but /health, /metrics and the docs wants one of them as
@@ -136,7 +137,7 @@ def build_app(engine, tokenizer, model_names: str | Sequence[str], api_keys: Seq
     if runtime_lora_allowed(allow_runtime_lora):
         add_lora_routes(app, engine, names)
         if (root := resolver_dir(lora_resolver_dir)) is not None:
-            resolver = LoRAResolver(root, engine, adapters_now)
+            resolver = LoRAResolver(root, engine, adapters_now, max_loaded=lora_resolver_max_loaded)
     elif lora_resolver_dir:
         raise ValueError("lora_resolver_dir: loading adapters on first use needs runtime LoRA updating "
                          f"(allow_runtime_lora_updating, or {RUNTIME_LORA_ENV})")
@@ -309,6 +310,8 @@ def build_app(engine, tokenizer, model_names: str | Sequence[str], api_keys: Seq
         return JSONResponse(out, headers=headers)
 
     async def _unknown_model(body) -> JSONResponse | None:
+        if resolver is not None and body.model is not None:
+            resolver.touch(body.model)
         if body.model is None or body.model in names or body.model in lora_names():
             return None
         adapters = await adapters_now()          # what this process knew may be behind

@@ -34,17 +34,18 @@ def _free_port() -> int:
 def serve_engine(config: EngineConfig, model, tok, log_level: str = "warning", api_keys=(),
                  tool_call_parser: str | None = None, names=("tiny",), sampling_defaults: dict | None = None,
                  log_requests: bool = False, reasoning_parser: str | None = None,
-                 allow_runtime_lora: bool | None = None, lora_resolver_dir: str | None = None):
+                 allow_runtime_lora: bool | None = None, lora_resolver_dir: str | None = None,
+                 lora_resolver_max_loaded: int | None = None):
     """Yields (base URL, the AsyncEngine) while the server runs (`api_keys`, `tool_call_parser`,
     `names`, `sampling_defaults`, `log_requests`, `reasoning_parser`, `allow_runtime_lora`,
-    `lora_resolver_dir`: build_app's)."""
+    `lora_resolver_dir`, `lora_resolver_max_loaded`: build_app's)."""
     engine = LLMEngine(config, model, tok)
     aeng = AsyncEngine(engine)
     port = _free_port()
     app = build_app(aeng, tok, names, api_keys=api_keys, tool_call_parser=tool_call_parser,
                     sampling_defaults=sampling_defaults, log_requests=log_requests,
                     reasoning_parser=reasoning_parser, allow_runtime_lora=allow_runtime_lora,
-                    lora_resolver_dir=lora_resolver_dir)
+                    lora_resolver_dir=lora_resolver_dir, lora_resolver_max_loaded=lora_resolver_max_loaded)
     srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level=log_level))
     th = threading.Thread(target=srv.run, daemon=True)
     th.start()

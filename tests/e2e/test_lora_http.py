@@ -188,3 +188,37 @@ def test_adapters_in_the_resolver_directory_load_on_first_use(tiny_model_dir, tm
         assert kv.num_free_blocks == kv.num_blocks
     with pytest.raises(ValueError, match="lora_resolver_dir: loading adapters on first use needs runtime"):
         build_app(aeng, tok, ["tiny"], allow_runtime_lora=False, lora_resolver_dir=str(root))
+
+
+def test_the_resolver_keeps_at_most_max_loaded_adapters_least_recently_used_out(tiny_model_dir, tmp_path,
+                                                                                  merged_lora):
+    """lora_resolver_max_loaded 2, adapters a, b, c in the directory and `sql` served from the
+    start: a, b load; a is named again; c evicts b (named least recently), b comes back evicting
+    a; `sql` is never evicted; each serves its merged model's text whenever it is loaded."""
+    root = tmp_path / "adapters"
+    paths = {n: write_tiny_lora(root / n, tiny_model_dir, seed=s) for n, s in (("a", 1), ("b", 2), ("c", 3))}
+    static = write_tiny_lora(tmp_path / "sql", tiny_model_dir, seed=4)
+    model, tok = tiny_parts(tiny_model_dir)
+    prompt = "the river ran past the old mill"
+    ids = tok.encode(prompt)
+    want = {n: tok.decode(LLMEngine(EngineConfig(**CFG), merged_lora(p), tok).generate(
+        [ids], SamplingParams(max_tokens=8, ignore_eos=True))[0]) for n, p in paths.items()}
+    with serve_engine(EngineConfig(**CFG, lora_modules=[f"sql={static}"]), model, tok, allow_runtime_lora=True,
+                      lora_resolver_dir=str(root), lora_resolver_max_loaded=2) as (url, aeng):
+        def complete(name):
+            r = httpx.post(url + "/v1/completions", json={"model": name, "prompt": prompt, "max_tokens": 8,
+                                                          "temperature": 0, "ignore_eos": True}, timeout=60)
+            assert r.status_code == 200, r.text
+            return r.json()["choices"][0]["text"]
+
+        def models():
+            return sorted(m["id"] for m in httpx.get(url + "/v1/models", timeout=10).json()["data"])
+
+        for name, after in (("a", ["a", "sql", "tiny"]), ("b", ["a", "b", "sql", "tiny"]),
+                            ("a", ["a", "b", "sql", "tiny"]), ("c", ["a", "c", "sql", "tiny"]),
+                            ("b", ["b", "c", "sql", "tiny"]), ("sql", ["b", "c", "sql", "tiny"])):
+            text = complete(name)
+            assert name == "sql" or text == want[name], name
+            assert models() == after, name
+        kv = aeng.engine.kv
+        assert kv.num_free_blocks == kv.num_blocks
