@@ -237,6 +237,8 @@ class SimInstance:
         else:
             dt = self.predictor.batch_time([(n, r.num_computed_tokens) for r, n in out.prefills],
                                            decs.kv_lens if grouped else [r.num_computed_tokens for r in decs])
+        if self.drafter is not None:
+            dt += self.drafter.take_debt()
         if self.noise is not None:
             dt *= self.noise.factor(self.clock.now())
         self.out, self.busy = out, True
@@ -401,7 +403,7 @@ class SimInstance:
                         drafted.append((r, len(r.output_token_ids)))
                     else:
                         produced.append(r)
-        self.scheduler.update(out, dict.fromkeys([r.request_id for r in produced], TOKEN), accepted)
+        done = self.scheduler.update(out, dict.fromkeys([r.request_id for r in produced], TOKEN), accepted)
         events: list[TokenEvent] = [TokenEvent(r.request_id, [], True, r.status.value) for r in out.finished]
         prefilled: list[PrefillDone] = []
         for r in produced:
@@ -422,9 +424,11 @@ class SimInstance:
                                      r.status.value if fin else None))
         if self.drafter is not None:        # drafts for the next step, as the engine's _propose
             decoding = self.scheduler.decoding
-            for r in [*produced, *(d[0] for d in drafted)]:
-                if r.request_id in decoding and not r.status.finished:
-                    r.spec_token_ids = self.drafter.drafts_for(r, self.max_model_len)
+            self.drafter.propose([r for r in [*produced, *(d[0] for d in drafted)]
+                                  if r.request_id in decoding and not r.status.finished],
+                                 self.predictor, self.max_model_len)
+            for r in [*done, *out.finished]:
+                self.drafter.forget(r.request_id)
         self.report(events, prefilled)
 
     def flush_group(self, records: dict) -> None:

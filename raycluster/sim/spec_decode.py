@@ -10,13 +10,15 @@ model pass as a fraction of a decode step of the target over the same requests (
 lookup, ~0.05-0.1 for a small draft model of a large target).
 
 The instance (sim/instance.py) uses the engine's own Scheduler unchanged: after a step, each
-request still decoding gets min(k, room) placeholder drafts (`drafts_for`, the engine's room rule:
+request still decoding gets min(k, room) placeholder drafts (`propose`, the engine's room rule:
 within max_tokens and the context), the scheduler fits them into the next step's budget
 (`SchedulerOutput.spec_tokens`), and `accepted` draws how many it keeps. A verifying step is
 timed as the predictor times a prefill chunk: the request's last token and its d drafts are
 1 + d tokens on top of its context (one read of its KV, d + 1 rows of compute), plus k draft
-passes over the drafting requests at `draft_cost` each. Not modelled: the draft model's prefill
-of each prompt, and n-gram lookups that find nothing (every request drafts k while it has room).
+passes over the drafting requests at `draft_cost` each. A request's first drafts also cost the
+draft model's prefill of its context (`draft_cost` of the target's prefill time), charged to the
+instance's next step, as the engine's proposal runs at the end of the step that made them. Not
+modelled: n-gram lookups that find nothing (every request drafts k while it has room).
 Decode runs and the decode fast path are off on drafting instances (every step is one event).
 """
 
@@ -35,10 +37,28 @@ class DraftingModel:
     def __init__(self, k: int, acceptance: float, draft_cost: float, seed: int, instance_id: str) -> None:
         self.k, self.acceptance, self.draft_cost = k, acceptance, draft_cost
         self.rng = random.Random(f"{seed}/spec/{instance_id}")
+        self.seen: set[str] = set()     # requests whose context the draft model has prefilled
+        self.debt = 0.0                 # draft prefill time not yet charged to a step
 
-    def drafts_for(self, req: Request, max_model_len: int) -> list[int]:
-        room = min(req.sampling.max_tokens - len(req.output_token_ids), max_model_len - req.num_tokens) - 1
-        return [TOKEN] * min(self.k, room) if room > 0 else []
+    def propose(self, reqs: list[Request], predictor, max_model_len: int) -> None:
+        """Set each request's drafts for the next step (the engine's room rule); a request's
+        first drafts add the draft's prefill of its context to `debt`."""
+        fresh = []
+        for req in reqs:
+            room = min(req.sampling.max_tokens - len(req.output_token_ids), max_model_len - req.num_tokens) - 1
+            req.spec_token_ids = [TOKEN] * min(self.k, room) if room > 0 else []
+            if self.draft_cost and req.spec_token_ids and req.request_id not in self.seen:
+                self.seen.add(req.request_id)
+                fresh.append((req.num_tokens, 0))
+        if fresh:
+            self.debt += self.draft_cost * predictor.batch_time(fresh, [])
+
+    def take_debt(self) -> float:
+        debt, self.debt = self.debt, 0.0
+        return debt
+
+    def forget(self, request_id: str) -> None:
+        self.seen.discard(request_id)
 
     def accepted(self, num_drafts: int) -> list[int]:
         """The tokens a request that ran `num_drafts` drafts keeps: the accepted ones and one more."""

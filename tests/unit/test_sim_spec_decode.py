@@ -52,21 +52,24 @@ def test_a_lone_request_verifies_k_drafts_per_step():
     assert r["e2e_s"] - r["ttft_s"] == pytest.approx(want, abs=1e-12)
 
 
-def test_draft_passes_cost_draft_cost_of_a_decode_step_each():
+def test_draft_passes_and_the_drafts_prefill_cost_draft_cost_of_the_targets():
     w = Workload("t", {"seed": 0}, [WorkloadRequest("r0", 0.3, 100, 5)])
     pred = LinearBatchPredictor(**PRED)
     res = simulate(spec(engine=DRAFTS, spec_decode={"acceptance": 1.0, "draft_cost": 0.25}), w, check=True)
     r = res["requests"][0]
-    # One verifying step: 3 drafts + 1 = 4 tokens, plus 3 draft passes over the request's context.
+    # One verifying step: 3 drafts + 1 = 4 tokens, plus 3 draft passes over the request's context,
+    # plus the draft's prefill of the request's 101 tokens (its first drafts) at 0.25 of the target's.
     assert r["e2e_s"] - r["ttft_s"] == pytest.approx(
-        pred.batch_time([(4, 100)], []) + 3 * 0.25 * pred.batch_time([], [100]), abs=1e-12)
+        pred.batch_time([(4, 100)], []) + 3 * 0.25 * pred.batch_time([], [100])
+        + 0.25 * pred.batch_time([(101, 0)], []), abs=1e-12)
 
 
 @pytest.mark.parametrize("acceptance", [0.3, 0.8])
 def test_tokens_per_verifying_step_follow_the_iid_acceptance_model(acceptance):
     w = Workload("t", {"seed": 0}, [WorkloadRequest(f"r{i}", 0.25 * i, 50 + 7 * i % 90, 64 + 13 * i % 64)
                                     for i in range(100)])
-    cluster = SimCluster(spec(engine=DRAFTS, spec_decode={"acceptance": acceptance, "seed": 3}), w)
+    cluster = SimCluster(spec(engine=DRAFTS, spec_decode={"acceptance": acceptance, "seed": 3,
+                                                          "draft_cost": 0.05}), w)
     inst = next(iter(cluster.instances.values()))
     draws: list[int] = []
     real = inst.drafter.accepted
@@ -80,6 +83,7 @@ def test_tokens_per_verifying_step_follow_the_iid_acceptance_model(acceptance):
     inst.drafter.accepted = counted
     cluster.run(None)
     assert cluster.done == len(w.requests) and len(draws) > 2000
+    assert inst.drafter.seen == set() and inst.drafter.debt == 0.0      # every finished request forgotten
     expected = sum(acceptance ** i for i in range(4))          # 1 + a + a^2 + a^3 from 3 drafts
     assert sum(draws) / len(draws) == pytest.approx(expected, rel=0.03)
 
