@@ -21,7 +21,7 @@ SPEC_CFGS = {
                  "spec_decode": {"acceptance": 0.8, "draft_cost": 0.1}},
 }
 SPEC_LABEL = {"plain": "no drafts", "free-k3": "free drafts, k 3, acceptance 0.6",
-              "draft-k4": "draft model, k 4, acceptance 0.8, pass 0.1 of a step"}
+              "draft-k4": "draft model, k 4, acceptance 0.8, cost 0.1 of the target's"}
 SPEC_QPS = [4, 16, 32, 48, 64]
 SPEC_DURATION_S = 120
 
@@ -57,7 +57,8 @@ def render_spec(d: dict) -> str:
              "drafting pool's `spec_decode` block assumes how drafts fare: each is accepted with the given "
              "probability until the first rejection; a verifying step is timed as the request's last token and its "
              "drafts in one chunk on its context, plus k draft passes over the drafting requests at `draft_cost` "
-             "of a decode step each (0 for n-gram lookup). The engine's own Scheduler fits the drafts into the "
+             "of a decode step each (0 for n-gram lookup) and, before a request's first drafts, the draft's "
+             "prefill of its context at `draft_cost` of the target's. The engine's own Scheduler fits the drafts into the "
              "token budget the step's decodes leave, before prefills, as on the real engine. Configurations: "
              + "; ".join(f"`{c}`: {SPEC_LABEL[c]}" for c in SPEC_CFGS) + ".", "",
              "| QPS | requests | " + " | ".join(f"TPOT P50 / P99 {c} (ms)" for c in SPEC_CFGS) + " | "
