@@ -9,9 +9,9 @@ its distribution, since a greedy draft is one token, not a distribution.
 The draft model keeps its own paged KV cache (its own tensor, block allocator and block table
 per request, nothing shared with the target's). A request's draft KV is valid for its first
 `done` tokens. A proposal runs k forward passes over the whole batch: the first catches each
-request up (its tokens from `done` to its last, sampled one: the prompt on the first proposal,
-as a chunked prefill, then the few tokens the target accepted last step, as decode rows) and
-drafts d1 from its last row; pass j feeds d_{j-1} as a decode row at the next position. Afterwards `done` is the
+request up (its tokens from `done` to its last, sampled one: the prompt on the first proposals,
+as prefill chunks within the step's token budget, then the few tokens the target accepted last
+step, as decode rows) and drafts d1 from its last row; pass j feeds d_{j-1} as a decode row at the next position. Afterwards `done` is the
 request's token count: the KV written for the drafts is overwritten by the next catch-up, so
 rejected drafts need no rollback.
 
@@ -40,10 +40,14 @@ class _DraftState:
 
 class DraftModelProposer:
     def __init__(self, model, k: int, num_blocks: int, block_size: int, device: torch.device | str = "cpu",
-                 dtype: torch.dtype = torch.float32, max_model_len: int | None = None) -> None:
-        """`max_model_len`: the draft's context; a request past it gets no drafts (as vLLM)."""
+                 dtype: torch.dtype = torch.float32, max_model_len: int | None = None,
+                 max_catchup_tokens: int = 1 << 30) -> None:
+        """`max_model_len`: the draft's context; a request past it gets no drafts (as vLLM).
+        `max_catchup_tokens`: prompt tokens the draft prefills per call (the target's step
+        budget), so a long prompt's catch-up never stalls a step for long."""
         self.model, self.k, self.block_size = model, k, block_size
         self.max_model_len = max_model_len or model.config.max_model_len
+        self.max_catchup_tokens = max_catchup_tokens
         self.device = torch.device(device)
         self.kv_cache = torch.zeros(model.kv_cache_shape(num_blocks, block_size), dtype=dtype, device=self.device)
         self.allocator = BlockAllocator(num_blocks)
@@ -68,10 +72,13 @@ class DraftModelProposer:
         with torch.inference_mode():
             # Pass 1: catch up every request to its last token; its last row drafts d1. A short
             # catch-up (what the target accepted) runs as decode rows on the request's table,
-            # which share one KV gather; a long one (the prompt, at first) as a prefill chunk.
+            # which share one KV gather; a long one (the prompt, at first) as a prefill chunk,
+            # at most `max_catchup_tokens` of them per call: a request whose chunk stops short of
+            # its last token drafts nothing now and goes on from there next time.
             ids, starts, lens, tables, rows = [], [], [], [], []
             d_ids, d_pos, d_tables, d_rows = [], [], [], []
             prefilled, decoded = [], []
+            budget = self.max_catchup_tokens
             for entry in batch:
                 req = entry[1]
                 state, tokens = self.states[req.request_id], req.all_token_ids
@@ -83,24 +90,35 @@ class DraftModelProposer:
                     d_rows.append(len(d_ids) - 1)
                     decoded.append(entry)
                     continue
-                ids.extend(tokens[start:])
+                n = min(len(tokens) - start, budget)
+                if n <= 0:
+                    continue
+                budget -= n
+                ids.extend(tokens[start:start + n])
                 starts.append(start)
-                lens.append(len(tokens) - start)
+                lens.append(n)
                 tables.append(state.table)
+                if start + n < len(tokens):
+                    state.done = start + n                      # part of its catch-up only
+                    continue
                 rows.append(len(ids) - 1)
                 prefilled.append(entry)
+            drafting = prefilled + decoded
             plan = StepPlan(ids + d_ids, starts, lens, tables, d_pos, d_tables, rows + [len(ids) + r for r in d_rows])
-            for (i, req, _), token in zip(prefilled + decoded, self._run(plan)):
+            if not plan.input_ids:
+                return out
+            for (i, req, _), token in zip(drafting, self._run(plan)):
                 out[i].append(token)
                 self.states[req.request_id].done = req.num_tokens
             # Passes 2..k: each request still drafting feeds its last draft at the next position.
-            for j in range(1, max(k for _, _, k in batch)):
-                live = [(i, req) for i, req, k in batch if k > j]
+            for j in range(1, max((k for _, _, k in drafting), default=0)):
+                live = [(i, req) for i, req, k in drafting if k > j]
                 plan = StepPlan([out[i][-1] for i, _ in live], [], [], [],
                                 [req.num_tokens + j - 1 for _, req in live],
                                 [self.states[req.request_id].table for _, req in live], list(range(len(live))))
                 for (i, _), token in zip(live, self._run(plan)):
                     out[i].append(token)
+        return out
         return out
 
     def _reserve(self, req: Request, k: int, batch_ids: set[str]) -> bool:

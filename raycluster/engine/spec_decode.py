@@ -40,7 +40,8 @@ def build_proposer(config, target_config, dtype: torch.dtype):
                          f"target's {target_config.vocab_size}; a draft model must share the target's tokenizer")
     tokens = config.speculative_kv_tokens or config.kv_cache_tokens
     return DraftModelProposer(draft, config.num_speculative_tokens, max(1, tokens // config.block_size),
-                              config.block_size, config.device, dtype, draft_config.max_model_len)
+                              config.block_size, config.device, dtype, draft_config.max_model_len,
+                              config.max_num_batched_tokens)
 
 
 

@@ -155,6 +155,34 @@ def test_past_the_drafts_context_a_request_decodes_without_drafts(loaded, tmp_pa
     assert longest == 49
 
 
+def test_a_long_prompts_catch_up_is_cut_to_the_step_budget(drafts, loaded):
+    """max_num_batched_tokens 32 (also the draft's catch-up budget): 70- and 90-token prompts are
+    prefilled by the draft over several steps, no draft pass over 32 + rows of the others; the
+    requests draft once caught up, and the tokens are the plain run's."""
+    prompts = [[7 + i for i in range(70)], [9 + i for i in range(90)], [11, 12, 13]]
+    sps = [SamplingParams(max_tokens=24, ignore_eos=True)] * 3
+    cfg = {"max_num_batched_tokens": 32, "chunk_size": 32}
+    want, _ = _run(loaded, prompts, sps, **cfg)
+    model, tok = loaded
+    eng = LLMEngine(EngineConfig(**BASE, **cfg, speculative_method="draft_model", speculative_model=drafts["same"],
+                                 num_speculative_tokens=4), model, tok)
+    sizes = []
+    real = eng.proposer._run
+
+    def counted(plan):
+        sizes.append(sum(plan.prefill_lens))
+        return real(plan)
+    eng.proposer._run = counted
+    reqs = [eng.add_request(f"r{i}", p, sp) for i, (p, sp) in enumerate(zip(prompts, sps))]
+    for _ in range(500):
+        if not eng.has_unfinished():
+            break
+        eng.step()
+    assert [r.output_token_ids for r in reqs] == [w[0] for w in want]
+    assert max(sizes) <= 32 and sum(1 for n in sizes if n) >= 5        # 71 + 91 tokens in chunks of <= 32
+    assert eng.num_accepted_tokens == eng.num_draft_tokens > 0
+
+
 def test_an_aborted_request_gives_its_draft_blocks_back(drafts, loaded):
     model, tok = loaded
     eng = LLMEngine(EngineConfig(**BASE, speculative_method="draft_model", speculative_model=drafts["same"]),
