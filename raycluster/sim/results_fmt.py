@@ -14,6 +14,17 @@ def fmt(v, nd=2, unit=""):
     return f"{v:.{nd}f}{unit}"
 
 
+def last_holding(xs, ok) -> float | None:
+    """The largest x of the sorted `xs` up to which `ok(x)` holds at every point (None: not at
+    the first)."""
+    best = None
+    for x in sorted(xs):
+        if not ok(x):
+            break
+        best = x
+    return best
+
+
 def plot(path: Path, title: str, xlabel: str, ylabel: str, series: dict, logy: bool = False,
           distinct: bool = False, bands: dict | None = None) -> None:
     """distinct: a different marker and dash per series, so curves that coincide stay visible.

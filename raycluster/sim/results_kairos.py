@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 
 from raycluster.sim.results_fmt import fmt as _f
+from raycluster.sim.results_fmt import last_holding
 from raycluster.sim.results_fmt import plot as _plot
 from raycluster.sim.results_setup import (DOCS, KAIROS_DECODE_DURATION_S, KAIROS_DECODE_SEED, KAIROS_DURATION_S,
                                           KAIROS_LONG_TOKENS, KAIROS_PREFILL_CFGS)
@@ -16,12 +17,8 @@ from raycluster.sim.results_setup import (DOCS, KAIROS_DECODE_DURATION_S, KAIROS
 
 def highest_full_qps(qps: list, att: list, level: float = 1.0) -> float | None:
     """Highest QPS of the sweep up to which attainment stays >= level at every point."""
-    best = None
-    for q, a in zip(qps, att):
-        if a is None or a < level - 1e-12:
-            break
-        best = q
-    return best
+    of = dict(zip(qps, att))
+    return last_holding(qps, lambda q: of[q] is not None and of[q] >= level - 1e-12)
 
 
 def kairos_runs(d: dict, cfg: str, q, part: str = "prefill") -> list[dict]:

@@ -9,7 +9,7 @@ the data. Registered in results_setup.jobs_for / EXPERIMENTS and results_render.
 
 from __future__ import annotations
 
-from raycluster.sim.results_fmt import fmt
+from raycluster.sim.results_fmt import fmt, last_holding
 from raycluster.sim.results_fmt import plot as _plot
 from raycluster.sim.results_setup import DOCS
 
@@ -41,13 +41,10 @@ def hit_rate(r: dict) -> float | None:
 
 def holds_up_to(d: dict, cfg: str) -> float | None:
     """The highest QPS up to which every point keeps TTFT P90 under PREFIX_TTFT_P90_S."""
-    best = None
-    for q in sorted({k[2] for k in d if k[1] == cfg}):
+    def ok(q) -> bool:
         p90 = d[("prefix", cfg, q)]["summary"].get("ttft_p90_s")
-        if p90 is None or p90 >= PREFIX_TTFT_P90_S:
-            break
-        best = q
-    return best
+        return p90 is not None and p90 < PREFIX_TTFT_P90_S
+    return last_holding({k[2] for k in d if k[1] == cfg}, ok)
 
 
 def render_prefix(d: dict) -> str:

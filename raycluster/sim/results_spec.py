@@ -9,7 +9,7 @@ data. Registered in results_setup.jobs_for / EXPERIMENTS and results_render.REND
 
 from __future__ import annotations
 
-from raycluster.sim.results_fmt import fmt
+from raycluster.sim.results_fmt import fmt, last_holding
 from raycluster.sim.results_fmt import plot as _plot
 from raycluster.sim.results_setup import DOCS
 
@@ -40,13 +40,10 @@ def spec_jobs(quick: bool) -> list[dict]:
 
 def helps_up_to(d: dict, cfg: str) -> float | None:
     """The highest QPS up to which every point's TPOT P50 is below the no-draft run's."""
-    best = None
-    for q in sorted({k[2] for k in d}):
+    def ok(q) -> bool:
         a, b = d.get(("spec-decode", cfg, q)), d.get(("spec-decode", "plain", q))
-        if a is None or b is None or a["summary"]["tpot_p50_s"] >= b["summary"]["tpot_p50_s"]:
-            break
-        best = q
-    return best
+        return a is not None and b is not None and a["summary"]["tpot_p50_s"] < b["summary"]["tpot_p50_s"]
+    return last_holding({k[2] for k in d}, ok)
 
 
 def render_spec(d: dict) -> str:

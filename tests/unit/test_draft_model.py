@@ -13,6 +13,7 @@ import random
 
 import pytest
 from pydantic import ValidationError
+from test_spec_decode import pressure_case
 
 from raycluster.bench.spec_bench import write_first_layers
 from raycluster.engine.config import EngineConfig
@@ -104,11 +105,8 @@ def test_greedy_output_with_a_draft_model_equals_plain_decoding(drafts, loaded, 
 def test_a_draft_model_under_kv_pressure_and_prefix_caching(drafts, loaded, which):
     """A target pool too small for every request at once (preemption by recompute: a preempted
     request's draft KV stays valid) and prefix caching."""
-    rng = random.Random(9)
-    shared = [rng.randrange(6, 4000) for _ in range(40)]
-    prompts = [shared + [rng.randrange(6, 4000) for _ in range(rng.randrange(1, 20))] for _ in range(8)]
+    prompts, cfg = pressure_case()
     sps = [SamplingParams(max_tokens=30, ignore_eos=True)] * 8
-    cfg = dict(kv_cache_tokens=320, block_size=8, enable_prefix_caching=True)
     want, _ = _run(loaded, prompts, sps, **cfg)
     got, eng = _run(loaded, prompts, sps, drafts[which], **cfg)
     assert got == want

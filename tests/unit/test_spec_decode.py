@@ -253,14 +253,20 @@ def test_logprobs_of_drafted_tokens_equal_plain_ones(loaded):
             assert [t for t, _ in a.top] == [t for t, _ in b.top]
 
 
-def test_drafts_under_kv_pressure_and_prefix_caching(loaded):
-    """A pool too small for every request at once (preemption by recompute) and prefix caching:
-    same tokens, every block back at the end (_run checks)."""
+def pressure_case() -> tuple[list[list[int]], dict]:
+    """8 prompts sharing a 40-token prefix, and an engine config whose 320-token KV pool cannot
+    hold all of them with 30 output tokens each (preemptions), prefix caching on."""
     rng = random.Random(9)
     shared = [rng.randrange(6, 4000) for _ in range(40)]
     prompts = [shared + [rng.randrange(6, 4000) for _ in range(rng.randrange(1, 20))] for _ in range(8)]
+    return prompts, dict(kv_cache_tokens=320, block_size=8, enable_prefix_caching=True)
+
+
+def test_drafts_under_kv_pressure_and_prefix_caching(loaded):
+    """A pool too small for every request at once (preemption by recompute) and prefix caching:
+    same tokens, every block back at the end (_run checks)."""
+    prompts, cfg = pressure_case()
     sps = [SamplingParams(max_tokens=30, ignore_eos=True)] * 8
-    cfg = dict(kv_cache_tokens=320, block_size=8, enable_prefix_caching=True)
     want, plain = _run(loaded, prompts, sps, **cfg)
     got, stats = _run(loaded, prompts, sps, OracleProposer(_expected(loaded, prompts, 30)), **cfg)
     assert got == want
