@@ -11,9 +11,9 @@ per request, nothing shared with the target's). A request's draft KV is valid fo
 `done` tokens. A proposal runs k forward passes over the whole batch: the first catches each
 request up (its tokens from `done` to its last, sampled one: the prompt on the first proposals,
 as prefill chunks within the step's token budget, then the few tokens the target accepted last
-step, as decode rows) and drafts d1 from its last row; pass j feeds d_{j-1} as a decode row at the next position. Afterwards `done` is the
-request's token count: the KV written for the drafts is overwritten by the next catch-up, so
-rejected drafts need no rollback.
+step, as decode rows) and drafts d1 from its last row; pass j feeds d_{j-1} as a decode row at
+the next position. Afterwards `done` is the request's token count: the KV written for the
+drafts is overwritten by the next catch-up, so rejected drafts need no rollback.
 
 A request whose draft KV does not fit gets no drafts this step; when that happens, the draft
 KV of requests outside the batch (preempted, handed off, finished) is dropped first and rebuilt
@@ -118,7 +118,6 @@ class DraftModelProposer:
                                 [self.states[req.request_id].table for _, req in live], list(range(len(live))))
                 for (i, _), token in zip(live, self._run(plan)):
                     out[i].append(token)
-        return out
         return out
 
     def _reserve(self, req: Request, k: int, batch_ids: set[str]) -> bool:
