@@ -197,8 +197,8 @@ class StackedStepLoRA:
 
     def __init__(self, stack: AdapterStack, rows: torch.Tensor | None, mask: torch.Tensor) -> None:
         self.stack = stack
-        self.rows = rows          # None: every token of the step uses an adapter
-        self.mask = mask          # [len(rows), S]: 1 on the columns of the row's adapter
+        self.rows = rows          # the adapter rows; None: every row of the step (base rows masked out)
+        self.mask = mask          # [rows, S]: 1 on the columns of the row's adapter, 0 elsewhere
 
     def add(self, layer: int, module: str, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         ab = self.stack.weights.get((layer, module))
