@@ -46,7 +46,7 @@ def _stderr_handler() -> logging.Handler:
     return h
 
 
-def _serve_engine(args: argparse.Namespace) -> None:
+def _serve_engine(args: argparse.Namespace) -> int:
     import uvicorn
 
     from raycluster.engine.config import EngineConfig
@@ -74,9 +74,15 @@ def _serve_engine(args: argparse.Namespace) -> None:
     name = names[0]
     defaults = load_generation_config(resolve_model_path(args.model)).sampling \
         if args.generation_config == "auto" else None
-    app = build_app(async_engine, engine.tokenizer, names, api_keys=keys_from_env(),
-                    tool_call_parser=args.tool_call_parser, sampling_defaults=defaults,
-                    log_requests=args.enable_log_requests, reasoning_parser=args.reasoning_parser)
+    try:
+        app = build_app(async_engine, engine.tokenizer, names, api_keys=keys_from_env(),
+                        tool_call_parser=args.tool_call_parser, sampling_defaults=defaults,
+                        log_requests=args.enable_log_requests, reasoning_parser=args.reasoning_parser,
+                        lora_resolver_max_loaded=args.lora_resolver_max_loaded)
+    except ValueError as e:             # a setting that does not hold together, named in the message
+        async_engine.shutdown()
+        print(f"raycluster engine-server: {e}", file=sys.stderr)
+        return 2
     if defaults:
         print(f"raycluster: default sampling parameters from the model's generation_config.json: {defaults}",
               flush=True)
@@ -85,12 +91,12 @@ def _serve_engine(args: argparse.Namespace) -> None:
         uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
     finally:
         async_engine.shutdown()
+    return 0
 
 
 def _serve(args: argparse.Namespace) -> int:
     if args.cmd == "engine-server":
-        _serve_engine(args)
-        return 0
+        return _serve_engine(args)
     from deployments.launcher import serve_cluster
 
     return serve_cluster(args.app, args.model, args.policy, args.host, args.port, address=args.address,
@@ -105,7 +111,8 @@ def detach_command(args: argparse.Namespace) -> list[str]:
     subcommand with every option given, but --detach."""
     cmd = [sys.executable, "-m", "raycluster.cli", args.cmd, "--host", args.host, "--port", str(args.port)]
     for flag in ("model", "policy", "app", "address", "threads", "tool_call_parser", "log_stats_interval",
-                 "generation_config", "reasoning_parser", "chat_template", "speculative_config"):
+                 "generation_config", "reasoning_parser", "chat_template", "speculative_config",
+                 "lora_resolver_max_loaded"):
         if getattr(args, flag, None) is not None:
             cmd += ["--" + flag.replace("_", "-"), str(getattr(args, flag))]
     if getattr(args, "served_model_name", None):
@@ -369,6 +376,9 @@ def build_parser() -> argparse.ArgumentParser:
     es.add_argument("--api-key", default=None, help=f"require this bearer token on the API (default: ${API_KEY_ENV})")
     es.add_argument("--log-stats-interval", type=float, default=10.0, metavar="S",
                     help="log a line of throughput, requests and KV usage every S seconds while busy (0: never)")
+    es.add_argument("--lora-resolver-max-loaded", type=int, default=None, metavar="N",
+                    help="with VLLM_LORA_RESOLVER_CACHE_DIR: keep at most N adapters loaded on first use, "
+                         "unloading the least recently named one before another")
     es.add_argument("--timeout", type=float, default=300.0)
     add_engine_flags(es, skip=("model", "policy", "enable_prefix_caching", "num_threads"))
     es.set_defaults(fn=cmd_up)

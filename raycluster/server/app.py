@@ -36,7 +36,7 @@ from raycluster.server.auth import ApiKeyMiddleware
 from raycluster.server.openai_logprobs import prompt_logprobs
 from raycluster.server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                        OverloadedError, TokenizeRequest, error_body, now_s)
-from raycluster.server.lora_resolver import LoRAResolver, resolver_dir
+from raycluster.server.lora_resolver import RESOLVER_DIR_ENV, LoRAResolver, resolver_dir
 from raycluster.server.lora_routes import RUNTIME_LORA_ENV, add_lora_routes, runtime_lora_allowed
 from raycluster.server.reasoning import REASONING_PARSERS, ReasoningStream, split_reasoning
 from raycluster.server.request_metrics import RequestMetrics, RequestMetricsSink
@@ -141,6 +141,9 @@ def build_app(engine, tokenizer, model_names: str | Sequence[str], api_keys: Seq
     elif lora_resolver_dir:
         raise ValueError("lora_resolver_dir: loading adapters on first use needs runtime LoRA updating "
                          f"(allow_runtime_lora_updating, or {RUNTIME_LORA_ENV})")
+    if lora_resolver_max_loaded is not None and resolver is None:
+        raise ValueError("lora_resolver_max_loaded: there is no LoRA resolver (lora_resolver_dir or "
+                         f"{RESOLVER_DIR_ENV}, with runtime LoRA updating)")
 
     @app.get("/v1/models")
     async def models():

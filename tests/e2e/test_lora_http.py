@@ -188,6 +188,8 @@ def test_adapters_in_the_resolver_directory_load_on_first_use(tiny_model_dir, tm
         assert kv.num_free_blocks == kv.num_blocks
     with pytest.raises(ValueError, match="lora_resolver_dir: loading adapters on first use needs runtime"):
         build_app(aeng, tok, ["tiny"], allow_runtime_lora=False, lora_resolver_dir=str(root))
+    with pytest.raises(ValueError, match="lora_resolver_max_loaded: there is no LoRA resolver"):
+        build_app(aeng, tok, ["tiny"], allow_runtime_lora=True, lora_resolver_max_loaded=2)
 
 
 def test_the_resolver_keeps_at_most_max_loaded_adapters_least_recently_used_out(tiny_model_dir, tmp_path,

@@ -139,3 +139,16 @@ def test_vllms_speculative_config_sets_the_speculative_fields(capsys):
     from raycluster.cli import detach_command
     again = build_parser().parse_args(detach_command(detached)[3:])
     assert engine_overrides(again) == {"speculative_method": "ngram"}
+
+
+def test_engine_server_lora_resolver_max_loaded(capsys, monkeypatch):
+    """--lora-resolver-max-loaded needs a resolver (VLLM_LORA_RESOLVER_CACHE_DIR with runtime
+    updating): without one the server refuses to start, naming the setting; --detach passes it on."""
+    monkeypatch.delenv("VLLM_LORA_RESOLVER_CACHE_DIR", raising=False)
+    assert main(["engine-server", "--kv-cache-tokens", "256", "--lora-resolver-max-loaded", "2"]) == 2
+    assert "raycluster engine-server: lora_resolver_max_loaded: there is no LoRA resolver" in capsys.readouterr().err
+    from raycluster.cli import detach_command
+    args = build_parser().parse_args(["engine-server", "--detach", "--lora-resolver-max-loaded", "3"])
+    cmd = detach_command(args)
+    assert cmd[cmd.index("--lora-resolver-max-loaded") + 1] == "3"
+    assert build_parser().parse_args(cmd[3:]).lora_resolver_max_loaded == 3
