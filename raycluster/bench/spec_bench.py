@@ -1,8 +1,9 @@
-"""Speculative decoding (n-gram prompt lookup, or a draft model) against plain decoding, side by side.
+"""Speculative decoding (n-gram prompt lookup, a draft model, an EAGLE head) against plain decoding, side by side.
 
     raycluster bench spec-decode [--model tiny|PATH] [--batch-sizes 1,4,16] [--max-tokens 384]
                                  [--k 3,5] [--repeats 2] [--seed S]
-                                 [--draft-model PATH | --draft-layers N] --out FILE.json
+                                 [--draft-model PATH | --draft-layers N]
+                                 [--eagle-head PATH | --eagle-steps N] --out FILE.json
 
 For each batch size, the same seeded requests (random prompts of 16-128 non-special tokens,
 greedy, every request generates exactly --max-tokens) run to completion on one engine without
@@ -19,7 +20,9 @@ few until their greedy outputs fall into cycles, a few hundred tokens in.
 `--draft-model PATH` adds `speculative_method: draft_model` settings (`draft-kK`) with that
 checkpoint as the draft; `--draft-layers N` makes the draft from the target itself, its
 embeddings, first N layers, final norm and head (a self-speculative, layer-skipping draft, as in
-Draft & Verify), written to a temporary directory.
+Draft & Verify), written to a temporary directory. `--eagle-head PATH` adds `speculative_method:
+eagle` settings (`eagle-kK`) with that head; `--eagle-steps N` first trains one for the target
+(`raycluster.model.eagle_train`, N steps on its own greedy output), also in a temporary directory.
 """
 
 from __future__ import annotations
@@ -93,7 +96,7 @@ def write_first_layers(src: str, dst: str, num_layers: int) -> str:
     return dst
 
 
-def run(args: argparse.Namespace, draft: str | None = None) -> dict:
+def run(args: argparse.Namespace, draft: str | None = None, eagle: str | None = None) -> dict:
     torch.manual_seed(args.seed)
     base = dict(model=args.model, policy="fcfs", packer="token", predictor="none", kv_cache_tokens=args.kv_tokens,
                 max_num_seqs=max(args.batch_sizes))
@@ -103,6 +106,10 @@ def run(args: argparse.Namespace, draft: str | None = None) -> dict:
     if draft is not None:
         drafting.update({f"draft-k{k}": LLMEngine.from_config(EngineConfig(
             **base, speculative_method="draft_model", speculative_model=draft, num_speculative_tokens=k))
+            for k in args.k})
+    if eagle is not None:
+        drafting.update({f"eagle-k{k}": LLMEngine.from_config(EngineConfig(
+            **base, speculative_method="eagle", speculative_model=eagle, num_speculative_tokens=k))
             for k in args.k})
     rows = []
     for bs in args.batch_sizes:
@@ -126,6 +133,7 @@ def run(args: argparse.Namespace, draft: str | None = None) -> dict:
                 "same_tokens": all(r["tokens"] == want for r in rs)})
     return {"model": args.model, "draft": args.draft_model or (f"first {args.draft_layers} layers"
                                                                if args.draft_layers else None),
+            "eagle": args.eagle_head or (f"trained {args.eagle_steps} steps" if args.eagle_steps else None),
             "max_tokens": args.max_tokens, "repeats": args.repeats, "seed": args.seed,
             "threads": torch.get_num_threads(), "rows": rows}
 
@@ -144,6 +152,10 @@ def main(argv: list[str] | None = None) -> int:
     drafts.add_argument("--draft-model", default=None, help="also draft with this checkpoint (draft_model)")
     drafts.add_argument("--draft-layers", type=int, default=None,
                         help="also draft with the target's first N layers (draft_model)")
+    heads = p.add_mutually_exclusive_group()
+    heads.add_argument("--eagle-head", default=None, help="also draft with this EAGLE head (eagle)")
+    heads.add_argument("--eagle-steps", type=int, default=None,
+                       help="also draft with an EAGLE head trained for N steps on the target's output (eagle)")
     p.add_argument("--out", required=True)
     args = p.parse_args(argv)
     if args.threads:
@@ -152,7 +164,12 @@ def main(argv: list[str] | None = None) -> int:
         draft = args.draft_model
         if args.draft_layers:
             draft = write_first_layers(resolve_model_path(args.model), os.path.join(tmp, "draft"), args.draft_layers)
-        result = run(args, draft)
+        eagle = args.eagle_head
+        if args.eagle_steps:
+            from raycluster.model.eagle_train import train_eagle_head
+            eagle = os.path.join(tmp, "eagle")
+            print("trained EAGLE head:", train_eagle_head(resolve_model_path(args.model), eagle, args.eagle_steps))
+        result = run(args, draft, eagle)
     with open(args.out, "w") as f:
         json.dump(result, f, indent=2)
     print(f"{'batch':>5s} {'setting':10s} {'wall s':>7s} {'tok/s':>8s} {'steps':>6s} {'tok/step':>8s} "

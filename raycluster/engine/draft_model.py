@@ -54,6 +54,9 @@ class DraftModelProposer:
         self.backend = get_attention_backend(self.device)
         self.states: dict[str, _DraftState] = {}
 
+    def observe(self, out, sampled: dict[str, int], accepted: dict[str, list[int]]) -> None:
+        pass                        # catches up from the tokens, in propose_batch
+
     def forget(self, request_id: str) -> None:
         state = self.states.pop(request_id, None)
         if state is not None:

@@ -137,7 +137,7 @@ class LLMEngine:
         if self.kv.prefix_caching:
             self.kv.lora_roots = self.lora.roots
         self.num_draft_tokens = self.num_accepted_tokens = 0     # speculative decoding, so far
-        self.proposer = build_proposer(config, mcfg, _DTYPES[config.dtype])
+        self.proposer = build_proposer(config, model, self.runner, _DTYPES[config.dtype])
         self._texts: dict[str, TextStream] = {}
         self._guided: GuidedDecoding | None = None     # built at the first structured-output request
         self._guided_lock = threading.Lock()            # compile threads may build it too
@@ -339,6 +339,8 @@ class LLMEngine:
                 result.num_draft_tokens += len(drafts)
                 result.num_accepted_tokens += len(toks) - 1
         sampled = {r.request_id: t for r, t in zip(sampled_reqs, tokens)}
+        if self.proposer is not None:
+            self.proposer.observe(out, sampled, accepted)
         finished = {r.request_id for r in self.scheduler.update(out, sampled, accepted)}
         for req in out.finished:
             finished.add(req.request_id)

@@ -34,15 +34,18 @@ class ModelRunner:
     # "kvp2xspp2xtp2" (the profile cache keys on it).
     layout = "single"
     ranks = None           # parallel runners: the group's other ranks (`alive()`, `join(timeout)`)
+    keep_hidden = False    # an EAGLE proposer reads every step's hidden states (`last_hidden`)
+    last_hidden = None
 
     def __init__(self, model, kv: KVCacheManager, dtype: torch.dtype = torch.float32,
-                 device: str | torch.device = "cpu") -> None:
+                 device: str | torch.device = "cpu", extra_kv_layers: int = 0) -> None:
+        """`extra_kv_layers`: KV layers after the model's own, for an EAGLE head's KV."""
         self.model = model
         self.kv = kv
         self.device = torch.device(device)
         self.dtype = dtype
-        self.kv_cache = torch.zeros(model.kv_cache_shape(kv.num_blocks, kv.block_size),
-                                    dtype=dtype, device=self.device)
+        shape = model.kv_cache_shape(kv.num_blocks, kv.block_size)
+        self.kv_cache = torch.zeros((shape[0] + extra_kv_layers, *shape[1:]), dtype=dtype, device=self.device)
         self.port = DirectPort(self.kv_cache)      # what a KV connector wraps: this tensor itself
         # Its own attention backend unless the model was built with one: the torch backend's
         # scratch buffers must not be shared by engines stepping in threads of one process.
@@ -58,6 +61,8 @@ class ModelRunner:
         input_ids, positions, meta = plan_inputs(plan, self.kv.block_size, self.device)
         lora = self.lora.for_step(plan.lora_runs, plan.num_tokens, self.device) if plan.lora_runs else None
         hidden = self.model(input_ids, positions, self.kv_cache, meta, backend=self.backend, lora=lora)
+        if self.keep_hidden:
+            self.last_hidden = hidden
         return hidden.index_select(0, torch.tensor(plan.sample_rows, dtype=torch.long, device=hidden.device))
 
     def execute(self, out: SchedulerOutput) -> StepLogits:

@@ -191,6 +191,10 @@ class PrefixCachingKVManager(KVCacheManager):
         # adapter name -> what its chains are rooted at (the engine's `LoRASet.roots`), so KV
         # made by an unloaded adapter never matches a later load under the same name
         self.lora_roots: dict[str, str] = {}
+        # With an EAGLE head the draft KV at a cached run's last position was made with the token
+        # that followed it in the request that cached it; as vLLM, such an engine recomputes the
+        # run's last block instead of sharing it.
+        self.rerun_last_match = False
 
     def match_prefix(self, req: Request) -> int:
         """Share the blocks of the longest cached prefix of `req`'s known tokens with it and
@@ -236,6 +240,9 @@ class PrefixCachingKVManager(KVCacheManager):
             keys.append(key)
             blocks.append(block)
             parent = key
+        if self.rerun_last_match and blocks:
+            keys.pop()
+            blocks.pop()
         return keys, blocks
 
     def cache_full_blocks(self, req: Request, num_computed_tokens: int) -> None:

@@ -1,7 +1,8 @@
 """Draft tokens for speculative decoding: the proposers and `build_proposer`, which picks one by
 the engine config's `speculative_method` (n-gram prompt lookup here, vLLM's `method: ngram`; a
-draft model in `raycluster.engine.draft_model`). Both answer `propose_batch(requests, rooms)`
-and `forget(request_id)`.
+draft model in `raycluster.engine.draft_model`; an EAGLE head in `raycluster.engine.eagle`). Each
+answers `observe(out, sampled, accepted)` (the step before the scheduler's update: only EAGLE
+reads it), `propose_batch(requests, rooms)` and `forget(request_id)`.
 
 After a step samples a decoding request's token, the engine asks `NgramProposer.propose` for
 drafts: the longest suffix of the request's tokens (between `prompt_lookup_max` and
@@ -24,17 +25,24 @@ import torch
 from raycluster.request import Request
 
 
-def build_proposer(config, target_config, dtype: torch.dtype):
-    """The proposer `config` (an EngineConfig) asks for, or None; the draft model must share the
-    target's vocabulary (`target_config`: its ModelConfig). ValueError naming the field otherwise."""
+def build_proposer(config, model, runner, dtype: torch.dtype):
+    """The proposer `config` (an EngineConfig) asks for, or None, for the target `model` run by
+    `runner`; the draft model must share the target's vocabulary, an EAGLE head fit the target.
+    ValueError naming the field otherwise."""
     if config.speculative_method == "ngram":
         return NgramProposer(config.num_speculative_tokens, config.prompt_lookup_max, config.prompt_lookup_min)
-    if config.speculative_method != "draft_model":
+    if config.speculative_method not in ("draft_model", "eagle"):
         return None
+    from raycluster.model.registry import resolve_model_path
+    path = resolve_model_path(config.speculative_model)
+    if config.speculative_method == "eagle":
+        from raycluster.engine.eagle import EagleProposer
+        from raycluster.model.eagle import load_eagle_head
+        return EagleProposer(load_eagle_head(path, model, dtype, config.device), runner, config.num_speculative_tokens)
     from raycluster.engine.draft_model import DraftModelProposer
     from raycluster.model.loader import load_model
-    from raycluster.model.registry import resolve_model_path
-    draft, draft_config = load_model(resolve_model_path(config.speculative_model), dtype, device=config.device)
+    target_config = model.config
+    draft, draft_config = load_model(path, dtype, device=config.device)
     if draft_config.vocab_size != target_config.vocab_size:
         raise ValueError(f"speculative_model: the draft's vocabulary has {draft_config.vocab_size} tokens, the "
                          f"target's {target_config.vocab_size}; a draft model must share the target's tokenizer")
@@ -53,6 +61,9 @@ class NgramProposer:
 
     def propose_batch(self, requests: list[Request], rooms: list[int]) -> list[list[int]]:
         return [self.propose(r.all_token_ids, room) if room > 0 else [] for r, room in zip(requests, rooms)]
+
+    def observe(self, out, sampled: dict[str, int], accepted: dict[str, list[int]]) -> None:
+        pass                        # reads the tokens only
 
     def forget(self, request_id: str) -> None:
         pass                        # keeps nothing per request

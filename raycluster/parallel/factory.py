@@ -9,6 +9,8 @@ The model enters as a full model in memory or, for the kinds whose ranks hold on
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from raycluster.engine.config import EngineConfig
@@ -73,11 +75,16 @@ def build_runner(config: EngineConfig, model, dtype: torch.dtype, model_path: st
     blocks = config.kv_cache_tokens // config.block_size
     kv_manager = PrefixCachingKVManager if config.enable_prefix_caching else KVCacheManager
     kind = group_kind(config)
+    extra = eagle_kv_layers(config)
     if kind == "single" or config.group_launch == "threads":     # every rank's KV in this host's memory
-        check_kv_fits(blocks * config.block_size, model.config, dtype, torch.device(config.device))
+        mcfg = dataclasses.replace(model.config, num_hidden_layers=model.config.num_hidden_layers + extra)
+        check_kv_fits(blocks * config.block_size, mcfg, dtype, torch.device(config.device))
     world = config.parallel_world
     if kind == "single":
-        return ModelRunner(model, kv_manager(blocks, config.block_size), dtype, config.device)
+        kv = kv_manager(blocks, config.block_size)
+        if extra and config.enable_prefix_caching:
+            kv.rerun_last_match = True
+        return ModelRunner(model, kv, dtype, config.device, extra_kv_layers=extra)
     if kind in SPP_KINDS and config.spp > model.config.num_hidden_layers:
         raise ValueError(f"spp: {config.spp} stages for {model.config.num_hidden_layers} layers")
     if config.tp > 1:
@@ -115,6 +122,16 @@ def build_runner(config: EngineConfig, model, dtype: torch.dtype, model_path: st
         kv = kv_manager(blocks, config.block_size)
     return SPPRunner(model, kv, coll, config.spp, dtype, config.device, config.spp_micro_tokens, ranks=ranks,
                      tp=config.tp, kvp=config.kvp)
+
+
+def eagle_kv_layers(config: EngineConfig) -> int:
+    """The EAGLE head's layers, whose KV the runner's tensor holds after the model's (0 without
+    one; the config keeps EAGLE to single-process engines)."""
+    if config.speculative_method != "eagle":
+        return 0
+    from raycluster.model.eagle import head_config
+    from raycluster.model.registry import resolve_model_path
+    return head_config(resolve_model_path(config.speculative_model)).num_hidden_layers
 
 
 def model_source(config: EngineConfig, path: str):

@@ -29,7 +29,7 @@ dispatch latency from an empirical distribution instead. raycluster/sim/step_noi
 fits both.
 
 Speculative decoding: a pool whose `engine` turns it on (`speculative_method: ngram`, or
-`draft_model` with any `speculative_model` name: nothing is loaded; `num_speculative_tokens` k)
+`draft_model` / `eagle` with any `speculative_model` name: nothing is loaded; `num_speculative_tokens` k)
 drafts, and `spec_decode` (required then) says how its drafts fare: `acceptance` per draft token,
 `draft_cost` per draft pass (raycluster/sim/spec_decode.py).
 """

@@ -1,13 +1,13 @@
 """Speculative decoding in the simulator: who drafts, what a verifying step costs, how many drafts
 are accepted.
 
-A pool drafts when its engine options turn speculative decoding on (`speculative_method` ngram or
-draft_model, `num_speculative_tokens` k); the spec's `spec_decode` block says how the drafts fare,
+A pool drafts when its engine options turn speculative decoding on (`speculative_method` ngram,
+draft_model or eagle, `num_speculative_tokens` k); the spec's `spec_decode` block says how the drafts fare,
 since the simulator has no tokens to compare: each draft is accepted with probability
 `acceptance`, independently, until the first rejection (the i.i.d. model of the speculative
 decoding papers: 1 + a + ... + a^d tokens expected from d drafts); `draft_cost` is one draft
 model pass as a fraction of a decode step of the target over the same requests (0 for n-gram
-lookup, ~0.05-0.1 for a small draft model of a large target).
+lookup, ~0.05-0.1 for a small draft model of a large target, about 1 / layers for an EAGLE head).
 
 The instance (sim/instance.py) uses the engine's own Scheduler unchanged: after a step, each
 request still decoding gets min(k, room) placeholder drafts (`propose`, the engine's room rule:

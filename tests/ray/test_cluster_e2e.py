@@ -142,6 +142,9 @@ def restart_workload(tiny_model_dir):
 # adapter's blocks must stay apart from the base's; in P/D its KV moves to the decode side; in
 # the group topologies every rank (a Ray actor) serves its shard of it.
 LORA_TOPOLOGIES = ("mixed", "pd-object_store", "mixed-kvp", "pd-groups")
+# Every pool drafts with an EAGLE head (its KV is an extra layer of each instance's): the
+# handoffs move that layer with the prompt's KV, and a pool without it could not pull them.
+EAGLE_TOPOLOGIES = ("pd-torch_dist",)
 
 
 @pytest.fixture(scope="module")
@@ -153,8 +156,17 @@ def lora_adapter(tiny_model_dir, tmp_path_factory, merged_lora):
     return path, merged_lora(path)
 
 
+@pytest.fixture(scope="module")
+def eagle_head(tiny_model_dir, tmp_path_factory):
+    from raycluster.model.eagle_train import train_eagle_head
+
+    path = str(tmp_path_factory.mktemp("eagle") / "head")
+    train_eagle_head(tiny_model_dir, path, steps=60, num_sequences=32, gen_tokens=64, batch_size=8)
+    return path
+
+
 @pytest.fixture(scope="module", params=list(TOPOLOGIES))
-def cluster(request, serve_port, lora_adapter):
+def cluster(request, serve_port, lora_adapter, eagle_head):
     import ray
     from ray import serve
 
@@ -167,6 +179,10 @@ def cluster(request, serve_port, lora_adapter):
     if request.param in LORA_TOPOLOGIES:
         cfg["engine"] = {**cfg["engine"], "lora_modules": [f"sql={lora_adapter[0]}"]}
         cfg["lora_resolver_dir"] = os.path.dirname(lora_adapter[0])     # adapters load on first use from here
+    if request.param in EAGLE_TOPOLOGIES:
+        cfg["pools"] = [{**p, "engine": {**p.get("engine", {}), "speculative_method": "eagle",
+                                         "speculative_model": eagle_head, "num_speculative_tokens": 3}}
+                        for p in cfg["pools"]]
     serve.run(build_app(cfg), name="raycluster", route_prefix="/", blocking=False)
     url = f"http://127.0.0.1:{serve_port}"
     if not wait_healthy(url + "/health", 300):
@@ -400,6 +416,8 @@ def test_openai_client_and_status(cluster):
     if name.startswith("pd-"):      # their decode instances draft (speculative decoding)
         drafted = sum(i["spec_draft_tokens"] for i in instances if i["role"] == "decode")
         assert drafted > 0 and "raycluster_instance_spec_decode_draft_tokens_total" in metrics
+        if name in EAGLE_TOPOLOGIES:
+            assert sum(i["spec_accepted_tokens"] for i in instances if i["role"] == "decode") > 0
     layouts = {i["layout"] for i in instances}
     assert layouts == {"mixed-kvp": {"kvp2"}, "pd-groups": {"tp2", "spp2", "kvp2"}}.get(name, {"single"})
     tok = httpx.post(url + "/tokenize", json={"prompt": "hello river"}, timeout=10).json()

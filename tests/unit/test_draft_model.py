@@ -199,7 +199,7 @@ def test_an_aborted_request_gives_its_draft_blocks_back(drafts, loaded):
 def test_draft_model_config_names_the_field(drafts, loaded, tmp_path):
     with pytest.raises(ValidationError, match="speculative_model: speculative_method 'draft_model' needs"):
         EngineConfig(speculative_method="draft_model")
-    with pytest.raises(ValidationError, match="speculative_model: a draft model is only for"):
+    with pytest.raises(ValidationError, match="speculative_model: a draft model or EAGLE head is only for"):
         EngineConfig(speculative_method="ngram", speculative_model="tiny")
     other = write_tiny_model(tmp_path / "other_vocab", vocab_size=512)
     model, tok = loaded

@@ -124,8 +124,12 @@ def test_vllms_speculative_config_sets_the_speculative_fields(capsys):
                                                         '{"model": "tiny", "num_speculative_tokens": 3}']))
     assert draft == {"speculative_method": "draft_model", "speculative_model": "tiny", "num_speculative_tokens": 3}
     assert EngineConfig(**check_overrides(draft)).speculative_model == "tiny"
-    for spec, msg in (('{"method": "eagle"}', "method 'eagle' not supported"),
-                      ('{"method": "ngram", "model": "draft"}', "a draft model is only for speculative_method"),
+    eagle = engine_overrides(build_parser().parse_args(["up", "--speculative-config",
+                                                        '{"method": "eagle", "model": "/heads/e1"}']))
+    assert eagle == {"speculative_method": "eagle", "speculative_model": "/heads/e1"}
+    for spec, msg in (('{"method": "eagle3", "model": "h"}', "method 'eagle3' not supported"),
+                      ('{"method": "eagle"}', "speculative_method 'eagle' needs an EAGLE head"),
+                      ('{"method": "ngram", "model": "draft"}', "a draft model or EAGLE head is only for"),
                       ('{"method": "draft_model"}', "speculative_model: speculative_method 'draft_model' needs"),
                       ('{"model": "tiny", "draft_tensor_parallel_size": 1}', "draft_tensor_parallel_size not"),
                       ('{"num_speculative_tokens": 2}', "method None not supported"),

@@ -1,4 +1,4 @@
-"""Smoke tests of `raycluster bench spec-decode` (the JSON's shape, n-gram and draft-model runs
+"""Smoke tests of `raycluster bench spec-decode` (the JSON's shape, n-gram, draft-model and EAGLE runs
 that give the plain run's tokens, the CLI's exit status) and `raycluster bench lora` (its four
 mixes); no timing assertions."""
 
@@ -14,11 +14,12 @@ from raycluster.cli import main
 def test_spec_decode_bench_runs_side_by_side(tmp_path):
     out = tmp_path / "spec.json"
     assert main(["bench", "spec-decode", "--batch-sizes", "1,2", "--max-tokens", "24", "--k", "2",
-                 "--repeats", "1", "--kv-tokens", "4096", "--draft-layers", "2", "--out", str(out)]) == 0
+                 "--repeats", "1", "--kv-tokens", "4096", "--draft-layers", "2", "--eagle-steps", "3",
+                 "--out", str(out)]) == 0
     result = json.loads(out.read_text())
     rows = {(r["batch_size"], r["setting"]): r for r in result["rows"]}
-    assert set(rows) == {(bs, s) for bs in (1, 2) for s in ("plain", "ngram-k2", "draft-k2")}
-    assert result["draft"] == "first 2 layers"
+    assert set(rows) == {(bs, s) for bs in (1, 2) for s in ("plain", "ngram-k2", "draft-k2", "eagle-k2")}
+    assert result["draft"] == "first 2 layers" and result["eagle"] == "trained 3 steps"
     assert all(rows[(bs, "draft-k2")]["accepted"] > 0 for bs in (1, 2))
     for (bs, setting), r in rows.items():
         assert r["same_tokens"] and r["wall_s"] > 0 and r["steps"] >= 24 // 3
