@@ -24,11 +24,11 @@ from pydantic import ValidationError
 from raycluster.engine.config import EngineConfig
 
 _PREFIX = "engine_"       # where the values land on the argparse namespace: no clash with other flags
-# vLLM's --speculative-config keys -> EngineConfig fields (EAGLE-3 / MTP heads are not served).
+# vLLM's --speculative-config keys -> EngineConfig fields (MTP heads are not served).
 _SPEC_KEYS = {"method": "speculative_method", "model": "speculative_model",
               "num_speculative_tokens": "num_speculative_tokens",
               "prompt_lookup_max": "prompt_lookup_max", "prompt_lookup_min": "prompt_lookup_min"}
-_SPEC_METHODS = ("ngram", "draft_model", "eagle")
+_SPEC_METHODS = ("ngram", "draft_model", "eagle", "eagle3")
 
 
 def _literal_choices(annotation) -> list[str] | None:
@@ -94,7 +94,7 @@ def speculative_config(text: str) -> dict:
         spec = {**spec, "method": "draft_model"}
     if spec.get("method") not in _SPEC_METHODS:
         raise ValueError(f"--speculative-config: method {spec.get('method')!r} not supported (\"ngram\", "
-                         "\"draft_model\" or \"eagle\": no EAGLE-3 or MTP)")
+                         "\"draft_model\", \"eagle\" or \"eagle3\": no MTP)")
     return {_SPEC_KEYS[k]: v for k, v in spec.items()}
 
 

@@ -3,7 +3,8 @@
     raycluster bench spec-decode [--model tiny|PATH] [--batch-sizes 1,4,16] [--max-tokens 384]
                                  [--k 3,5] [--repeats 2] [--seed S]
                                  [--draft-model PATH | --draft-layers N]
-                                 [--eagle-head PATH | --eagle-steps N] --out FILE.json
+                                 [--eagle-head PATH | --eagle-steps N] [--eagle-method eagle|eagle3]
+                                 --out FILE.json
 
 For each batch size, the same seeded requests (random prompts of 16-128 non-special tokens,
 greedy, every request generates exactly --max-tokens) run to completion on one engine without
@@ -21,8 +22,9 @@ few until their greedy outputs fall into cycles, a few hundred tokens in.
 checkpoint as the draft; `--draft-layers N` makes the draft from the target itself, its
 embeddings, first N layers, final norm and head (a self-speculative, layer-skipping draft, as in
 Draft & Verify), written to a temporary directory. `--eagle-head PATH` adds `speculative_method:
-eagle` settings (`eagle-kK`) with that head; `--eagle-steps N` first trains one for the target
-(`raycluster.model.eagle_train`, N steps on its own greedy output), also in a temporary directory.
+eagle` settings (`eagle-kK`; `--eagle-method eagle3`: `eagle3-kK`) with that head; `--eagle-steps
+N` first trains one for the target (`raycluster.model.eagle_train`, N steps on its own greedy
+output), also in a temporary directory.
 """
 
 from __future__ import annotations
@@ -108,8 +110,9 @@ def run(args: argparse.Namespace, draft: str | None = None, eagle: str | None = 
             **base, speculative_method="draft_model", speculative_model=draft, num_speculative_tokens=k))
             for k in args.k})
     if eagle is not None:
-        drafting.update({f"eagle-k{k}": LLMEngine.from_config(EngineConfig(
-            **base, speculative_method="eagle", speculative_model=eagle, num_speculative_tokens=k))
+        method = args.eagle_method
+        drafting.update({f"{method}-k{k}": LLMEngine.from_config(EngineConfig(
+            **base, speculative_method=method, speculative_model=eagle, num_speculative_tokens=k))
             for k in args.k})
     rows = []
     for bs in args.batch_sizes:
@@ -134,6 +137,7 @@ def run(args: argparse.Namespace, draft: str | None = None, eagle: str | None = 
     return {"model": args.model, "draft": args.draft_model or (f"first {args.draft_layers} layers"
                                                                if args.draft_layers else None),
             "eagle": args.eagle_head or (f"trained {args.eagle_steps} steps" if args.eagle_steps else None),
+            "eagle_method": args.eagle_method,
             "max_tokens": args.max_tokens, "repeats": args.repeats, "seed": args.seed,
             "threads": torch.get_num_threads(), "rows": rows}
 
@@ -156,6 +160,8 @@ def main(argv: list[str] | None = None) -> int:
     heads.add_argument("--eagle-head", default=None, help="also draft with this EAGLE head (eagle)")
     heads.add_argument("--eagle-steps", type=int, default=None,
                        help="also draft with an EAGLE head trained for N steps on the target's output (eagle)")
+    p.add_argument("--eagle-method", choices=("eagle", "eagle3"), default="eagle",
+                   help="the kind of EAGLE head (--eagle-head / --eagle-steps)")
     p.add_argument("--out", required=True)
     args = p.parse_args(argv)
     if args.threads:
@@ -168,7 +174,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.eagle_steps:
             from raycluster.model.eagle_train import train_eagle_head
             eagle = os.path.join(tmp, "eagle")
-            print("trained EAGLE head:", train_eagle_head(resolve_model_path(args.model), eagle, args.eagle_steps))
+            print("trained EAGLE head:", train_eagle_head(resolve_model_path(args.model), eagle, args.eagle_steps,
+                                                          method=args.eagle_method))
         result = run(args, draft, eagle)
     with open(args.out, "w") as f:
         json.dump(result, f, indent=2)

@@ -45,17 +45,17 @@ class EngineConfig(BaseModel):
     enable_prefix_caching: bool = Field(
         False, description="keep full KV blocks findable by their tokens after use, so a prompt that "
                            "starts like an earlier one prefills only the rest")
-    speculative_method: Literal["none", "ngram", "draft_model", "eagle"] = Field(
+    speculative_method: Literal["none", "ngram", "draft_model", "eagle", "eagle3"] = Field(
         "none", description="speculative decoding (vLLM's speculative_config method): 'ngram' drafts the next "
         "tokens by prompt lookup (the tokens that followed the latest earlier occurrence of the context's last "
-        "n-gram), 'draft_model' by a smaller model's greedy continuation (speculative_model), 'eagle' by an "
-        "EAGLE-1 head on the target's own hidden states (speculative_model: the head's directory; single-"
-        "process engines); the target verifies them in one step; greedy output is unchanged, sampled output "
+        "n-gram), 'draft_model' by a smaller model's greedy continuation (speculative_model), 'eagle' / "
+        "'eagle3' by an EAGLE-1 / EAGLE-3 head on the target's own hidden states (speculative_model: the "
+        "head's directory; single-process engines); the target verifies them in one step; greedy output is unchanged, sampled output "
         "keeps its distribution")
     speculative_model: str | None = Field(
         None, description="draft_model: the draft checkpoint ('tiny' or a directory), sharing the target's "
-                          "vocabulary; it runs on the engine's leader with its own KV cache. eagle: the EAGLE "
-                          "head's directory (its KV is an extra layer of the engine's own)")
+                          "vocabulary; it runs on the engine's leader with its own KV cache. eagle / eagle3: the "
+                          "EAGLE head's directory (its KV is an extra layer of the engine's own)")
     speculative_kv_tokens: int | None = Field(
         None, ge=16, description="draft_model: the draft model's KV capacity in tokens (default kv_cache_tokens)")
     num_speculative_tokens: int = Field(5, ge=1, le=32, description="speculative decoding: draft tokens per step at most")
@@ -113,15 +113,15 @@ class EngineConfig(BaseModel):
     @model_validator(mode="after")
     def _draft_model(self) -> "EngineConfig":
         method = self.speculative_method
-        if method in ("draft_model", "eagle") and not self.speculative_model:
+        if method in ("draft_model", "eagle", "eagle3") and not self.speculative_model:
             raise ValueError(f"speculative_model: speculative_method {method!r} needs "
                              f"{'a draft checkpoint' if method == 'draft_model' else 'an EAGLE head'}")
-        if self.speculative_model and method not in ("draft_model", "eagle"):
+        if self.speculative_model and method not in ("draft_model", "eagle", "eagle3"):
             raise ValueError(f"speculative_model: a draft model or EAGLE head is only for speculative_method "
-                             f"'draft_model' or 'eagle' (speculative_method is {method!r})")
-        if method == "eagle" and max(self.tp, self.kvp, self.spp) > 1:
-            raise ValueError("speculative_method: 'eagle' runs on a single-process engine; tp / kvp / spp groups "
-                             "draft with 'ngram' or 'draft_model'")
+                             f"'draft_model', 'eagle' or 'eagle3' (speculative_method is {method!r})")
+        if method in ("eagle", "eagle3") and max(self.tp, self.kvp, self.spp) > 1:
+            raise ValueError(f"speculative_method: {method!r} runs on a single-process engine; tp / kvp / spp "
+                             f"groups draft with 'ngram' or 'draft_model'")
         if self.speculative_kv_tokens is not None and method != "draft_model":
             raise ValueError("speculative_kv_tokens: only a draft model has a KV cache of its own")
         return self

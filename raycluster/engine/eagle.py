@@ -1,22 +1,24 @@
-"""Draft tokens from an EAGLE head (vLLM's speculative `method: eagle`) on the target's own
-features: `EagleProposer` answers the proposer interface (`observe`, `propose_batch`, `forget`).
+"""Draft tokens from an EAGLE head (vLLM's speculative `method: eagle` / `eagle3`) on the
+target's own features: `EagleProposer` answers the proposer interface (`observe`,
+`propose_batch`, `forget`).
 
-The head (raycluster.model.eagle) keeps its KV in the target's blocks, as an extra layer of
-the runner's KV tensor, and needs the target's final hidden state ("feature") at every
-position it covers. So it runs at two points of an engine step:
+The head (raycluster.model.eagle, .eagle3) keeps its KV in the target's blocks, as an extra
+layer of the runner's KV tensor, and needs the target's feature at every position it covers: the
+final hidden state for EAGLE-1, the residual streams entering three layers for EAGLE-3 (fused by
+the head's `combine`). So it runs at two points of an engine step:
 
 - `observe(out, sampled, accepted)`, after sampling and verification and before the scheduler
-  updates anything: the runner kept the step's hidden states (`runner.last_hidden`, one row per
-  token of the step in `step_plan`'s order: prefill chunks, then each decode's rows). For every
+  updates anything: the runner kept the step's features (`runner.last_hidden` or `last_aux`, one
+  row per token of the step in `step_plan`'s order: prefill chunks, then each decode's rows). For every
   position p the step computed whose feature is final -- a prefill chunk's positions, a decode's
   position, and of a decode that ran drafts its position plus those of the drafts it kept -- the
   head runs one row (feature at p, token at p + 1) at position p, in one batch laid out as
   prefill chunks over the requests' own block tables. That writes the head's KV there (so a
-  prefill instance hands it over with the prompt's) and, from a request's last row, predicts
-  its next feature and the first draft.
+  prefill instance hands it over with the prompt's) and, from a request's last row, gives the
+  first draft and the hidden state the next pass feeds back.
 - `propose_batch(requests, rooms)`, after the update, for the requests still decoding: the first
   draft from `observe`, then k - 1 passes of one decode row per request, each feeding the
-  previous predicted feature and draft at the next position. Those positions lie past what the
+  previous pass's hidden state and draft at the next position. Those positions lie past what the
   target has computed, so the request's table first grows to hold them (vLLM's lookahead slots;
   a full pool means one draft); the next `observe` overwrites them with what the target kept.
 
@@ -42,6 +44,7 @@ class EagleProposer:
         self.head, self.runner, self.k = head, runner, k
         self.kv = runner.kv
         runner.keep_hidden = True
+        runner.aux_layers = head.aux_layers
         self.backend = get_attention_backend(runner.device)
         self._first: dict[str, tuple[int, torch.Tensor]] = {}    # request id -> (draft 1, its feature)
 
@@ -51,7 +54,7 @@ class EagleProposer:
     def observe(self, out: SchedulerOutput, sampled: dict[str, int], accepted: dict[str, list[int]]) -> None:
         """Run the head over the step's positions whose features are final (module docstring)."""
         self._first = {}
-        hidden = self.runner.last_hidden
+        hidden = self.runner.last_aux if self.head.aux_layers else self.runner.last_hidden
         if out.is_empty or hidden is None:
             return
         rows: list[int] = []            # the step's hidden rows the head reads, in its own order
@@ -87,19 +90,21 @@ class EagleProposer:
         if not ids:
             return
         plan = StepPlan(ids, starts, lens, tables, [], [], last)
-        features = hidden.index_select(0, torch.tensor(rows, dtype=torch.long, device=hidden.device))
-        out_h = self._run(plan, features)
+        features = self.head.combine(hidden.index_select(0, torch.tensor(rows, dtype=torch.long,
+                                                                         device=hidden.device)))
+        for_logits, fed_back = self._run(plan, features)
         if not last:
             return
-        predicted = out_h.index_select(0, torch.tensor(last, dtype=torch.long, device=out_h.device))
-        drafts = self.head.compute_logits(predicted).argmax(dim=-1).tolist()
+        index = torch.tensor(last, dtype=torch.long, device=fed_back.device)
+        drafts = self.head.compute_logits(for_logits.index_select(0, index)).argmax(dim=-1).tolist()
+        fed_back = fed_back.index_select(0, index)
         for j, rid in enumerate(drafting):
-            self._first[rid] = (drafts[j], predicted[j:j + 1])
+            self._first[rid] = (drafts[j], fed_back[j:j + 1])
 
     def propose_batch(self, requests: list[Request], rooms: list[int]) -> list[list[int]]:
         """Up to min(k, room) drafts for each request (room: tokens it may still draft)."""
         out: list[list[int]] = [[] for _ in requests]
-        live = []           # (index in out, request, drafts it may make, its last predicted feature)
+        live = []           # (index in out, request, drafts it may make, the hidden state it feeds back)
         for i, (req, room) in enumerate(zip(requests, rooms)):
             first = self._first.get(req.request_id)
             if first is None or room < 1:
@@ -115,12 +120,13 @@ class EagleProposer:
                 break
             plan = StepPlan([out[i][-1] for i, *_ in live], [], [], [], [req.num_tokens - 2 + j for _, req, *_ in live],
                             [self.kv.block_tables[req.request_id] for _, req, *_ in live], list(range(len(live))))
-            predicted = self._run(plan, torch.cat([e[3] for e in live]))
-            for r, token in enumerate(self.head.compute_logits(predicted).argmax(dim=-1).tolist()):
+            for_logits, fed_back = self._run(plan, torch.cat([e[3] for e in live]))
+            for r, token in enumerate(self.head.compute_logits(for_logits).argmax(dim=-1).tolist()):
                 out[live[r][0]].append(token)
-            live = [(i, req, k, predicted[r:r + 1]) for r, (i, req, k, _) in enumerate(live)]
+            live = [(i, req, k, fed_back[r:r + 1]) for r, (i, req, k, _) in enumerate(live)]
         return out
 
-    def _run(self, plan: StepPlan, features: torch.Tensor) -> torch.Tensor:
+    def _run(self, plan: StepPlan, features: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The head over a plan: (rows for its logits, hidden states to feed back)."""
         input_ids, positions, meta = plan_inputs(plan, self.kv.block_size, self.runner.device)
         return self.head(input_ids, positions, features, self.runner.kv_cache, meta, self.backend)

@@ -36,6 +36,8 @@ class ModelRunner:
     ranks = None           # parallel runners: the group's other ranks (`alive()`, `join(timeout)`)
     keep_hidden = False    # an EAGLE proposer reads every step's hidden states (`last_hidden`)
     last_hidden = None
+    aux_layers: tuple[int, ...] = ()    # an EAGLE-3 head's: `last_aux`, the residual streams entering them
+    last_aux = None
 
     def __init__(self, model, kv: KVCacheManager, dtype: torch.dtype = torch.float32,
                  device: str | torch.device = "cpu", extra_kv_layers: int = 0) -> None:
@@ -60,7 +62,11 @@ class ModelRunner:
         """Run one step; returns the final hidden states of `plan.sample_rows` [n, H]."""
         input_ids, positions, meta = plan_inputs(plan, self.kv.block_size, self.device)
         lora = self.lora.for_step(plan.lora_runs, plan.num_tokens, self.device) if plan.lora_runs else None
-        hidden = self.model(input_ids, positions, self.kv_cache, meta, backend=self.backend, lora=lora)
+        if self.aux_layers:
+            hidden, self.last_aux = self.model(input_ids, positions, self.kv_cache, meta, backend=self.backend,
+                                               lora=lora, aux_layers=self.aux_layers)
+        else:
+            hidden = self.model(input_ids, positions, self.kv_cache, meta, backend=self.backend, lora=lora)
         if self.keep_hidden:
             self.last_hidden = hidden
         return hidden.index_select(0, torch.tensor(plan.sample_rows, dtype=torch.long, device=hidden.device))

@@ -1,6 +1,6 @@
 """Draft tokens for speculative decoding: the proposers and `build_proposer`, which picks one by
 the engine config's `speculative_method` (n-gram prompt lookup here, vLLM's `method: ngram`; a
-draft model in `raycluster.engine.draft_model`; an EAGLE head in `raycluster.engine.eagle`). Each
+draft model in `raycluster.engine.draft_model`; an EAGLE-1 or EAGLE-3 head in `raycluster.engine.eagle`). Each
 answers `observe(out, sampled, accepted)` (the step before the scheduler's update: only EAGLE
 reads it), `propose_batch(requests, rooms)` and `forget(request_id)`.
 
@@ -31,14 +31,15 @@ def build_proposer(config, model, runner, dtype: torch.dtype):
     ValueError naming the field otherwise."""
     if config.speculative_method == "ngram":
         return NgramProposer(config.num_speculative_tokens, config.prompt_lookup_max, config.prompt_lookup_min)
-    if config.speculative_method not in ("draft_model", "eagle"):
+    if config.speculative_method not in ("draft_model", "eagle", "eagle3"):
         return None
     from raycluster.model.registry import resolve_model_path
     path = resolve_model_path(config.speculative_model)
-    if config.speculative_method == "eagle":
+    if config.speculative_method in ("eagle", "eagle3"):
         from raycluster.engine.eagle import EagleProposer
         from raycluster.model.eagle import load_eagle_head
-        return EagleProposer(load_eagle_head(path, model, dtype, config.device), runner, config.num_speculative_tokens)
+        head = load_eagle_head(path, model, config.speculative_method, dtype, config.device)
+        return EagleProposer(head, runner, config.num_speculative_tokens)
     from raycluster.engine.draft_model import DraftModelProposer
     from raycluster.model.loader import load_model
     target_config = model.config

@@ -136,15 +136,22 @@ class LlamaForCausalLM(nn.Module):
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
-                meta: AttentionMetadata, backend=None, lora=None) -> torch.Tensor:
+                meta: AttentionMetadata, backend=None, lora=None, aux_layers: tuple[int, ...] = ()):
         """`backend`: an attention backend for this call only (a KVP rank's, with its own shard
-        and collective); default the model's. `lora`: the step's adapters (StepLoRA), if any."""
+        and collective); default the model's. `lora`: the step's adapters (StepLoRA), if any.
+        `aux_layers` (an EAGLE-3 head's): also return the residual stream entering those
+        layers, concatenated [T, len * H], as (hidden, aux)."""
         backend = backend or self._backend(input_ids.device)
         meta.prepare(kv_cache.device)
         x = self.model.embed_tokens(input_ids)
         cos, sin = self.rotary.cos_sin(positions, x.dtype)
+        aux = {}
         for i, layer in enumerate(self.model.layers):
+            if i in aux_layers:
+                aux[i] = x
             x = layer(x, cos, sin, kv_cache[i], meta, backend, lora, i)
+        if aux_layers:
+            return self.model.norm(x), torch.cat([aux[i] for i in aux_layers], dim=-1)
         return self.model.norm(x)
 
     @torch.inference_mode()

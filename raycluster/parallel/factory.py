@@ -127,11 +127,11 @@ def build_runner(config: EngineConfig, model, dtype: torch.dtype, model_path: st
 def eagle_kv_layers(config: EngineConfig) -> int:
     """The EAGLE head's layers, whose KV the runner's tensor holds after the model's (0 without
     one; the config keeps EAGLE to single-process engines)."""
-    if config.speculative_method != "eagle":
+    if config.speculative_method not in ("eagle", "eagle3"):
         return 0
     from raycluster.model.eagle import head_config
     from raycluster.model.registry import resolve_model_path
-    return head_config(resolve_model_path(config.speculative_model)).num_hidden_layers
+    return head_config(resolve_model_path(config.speculative_model), config.speculative_method)[0].num_hidden_layers
 
 
 def model_source(config: EngineConfig, path: str):
