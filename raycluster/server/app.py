@@ -116,7 +116,7 @@ def build_app(engine, tokenizer, model_names: str | Sequence[str], api_keys: Seq
     app = FastAPI(title="raycluster", version="0.1.0")
     if api_keys:
         app.add_middleware(ApiKeyMiddleware, keys=api_keys)
-    metrics = RequestMetrics(metrics_sinks, model_name=names[0])
+    metrics = RequestMetrics(metrics_sinks, model_name=names[0], max_model_len=engine.max_model_len)
 
     @app.exception_handler(RequestValidationError)
     async def _validation(_, exc: RequestValidationError):
@@ -277,7 +277,7 @@ def build_app(engine, tokenizer, model_names: str | Sequence[str], api_keys: Seq
         streams = [Stream(g, f, t0, metrics, decode, (text, ids) if echo else None, sampling.logprobs, ended(k))
                    for k, (g, f, (ids, text, _)) in enumerate(zip(gens, firsts, slots))]
         n_prompt = sum(len(ids) for ids, _ in prompts)
-        metrics.admitted(sum(len(ids) for ids, _, _ in slots))
+        metrics.admitted(sum(len(ids) for ids, _, _ in slots), sampling.max_tokens, body.n)
         if body.stream:
             opts = body.stream_options
             usage_mode = "each" if opts and opts.include_usage and opts.continuous_usage_stats else \

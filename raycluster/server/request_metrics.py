@@ -16,6 +16,14 @@ The same figures are also exposed under vLLM's names (`vllm:num_requests_running
 `vllm:prefix_cache_{queries,hits}_total`, `vllm:spec_decode_num_{draft,accepted}_tokens_total`),
 labelled `model_name`, so dashboards and autoscalers written for vLLM read them unchanged. In a
 cluster, waiting counts the router's queues too, and the engine totals sum every instance's.
+vLLM's per-request histograms come from what the app sees of each request, on /metrics only:
+`vllm:request_prompt_tokens` and `vllm:request_generation_tokens` (per finished request, vLLM's
+1-2-5 buckets up to the context length), `vllm:request_params_max_tokens` and
+`vllm:request_params_n` (per admitted request), `vllm:inter_token_latency_seconds` (one sample per
+output token: a delivery of k tokens after a gap g is k samples of g / k) and
+`vllm:request_decode_time_seconds` (first to last token). vLLM's queue / prefill / inference time
+histograms need the instant an instance first scheduled the request, which the app does not see:
+not exported.
 """
 
 from __future__ import annotations
@@ -25,6 +33,21 @@ from typing import Protocol, Sequence
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 TTFT_BUCKETS = (.005, .01, .025, .05, .1, .25, .5, 1, 2.5, 5, 10, 30, 60)
+# vLLM's own buckets for the histograms only it names (vllm/v1/metrics/loggers.py).
+ITL_BUCKETS = (.01, .025, .05, .075, .1, .15, .2, .3, .4, .5, .75, 1, 2.5, 5, 7.5, 10, 20, 40, 80)
+REQUEST_LATENCY_BUCKETS = (.3, .5, .8, 1, 1.5, 2, 2.5, 5, 10, 15, 20, 30, 40, 50, 60, 120, 240, 480, 960, 1920, 7680)
+N_BUCKETS = (1, 2, 5, 10, 20)
+
+
+def buckets_1_2_5(max_value: int) -> tuple[int, ...]:
+    """1, 2, 5, 10, 20, 50, ... up to `max_value` (vLLM's build_1_2_5_buckets)."""
+    out, scale = [], 1
+    while True:
+        for m in (1, 2, 5):
+            if m * scale > max_value:
+                return tuple(out)
+            out.append(m * scale)
+        scale *= 10
 TPOT_BUCKETS = (.001, .0025, .005, .01, .025, .05, .1, .25, .5, 1)
 E2E_BUCKETS = (.05, .1, .25, .5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 
@@ -40,7 +63,8 @@ class RequestMetricsSink(Protocol):
 class RequestMetrics:
     content_type = CONTENT_TYPE_LATEST
 
-    def __init__(self, sinks: Sequence[RequestMetricsSink] = (), model_name: str = "model") -> None:
+    def __init__(self, sinks: Sequence[RequestMetricsSink] = (), model_name: str = "model",
+                 max_model_len: int = 32768) -> None:
         self.sinks = list(sinks)
         self.model_name = model_name
         self.registry = r = CollectorRegistry()
@@ -56,13 +80,23 @@ class RequestMetrics:
         self.waiting = Gauge("raycluster_queue_waiting", "Requests waiting for prefill", registry=r)
         self.running = Gauge("raycluster_queue_running", "Requests holding KV", registry=r)
         self.kv_usage = Gauge("raycluster_kv_usage", "Fraction of KV blocks in use", registry=r)
-        self.vllm = _VllmNames(r, model_name)
+        self.vllm = _VllmNames(r, model_name, max_model_len)
 
-    def admitted(self, prompt_tokens: int) -> None:
+    def admitted(self, prompt_tokens: int, max_tokens: int | None = None, n: int = 1) -> None:
+        """`prompt_tokens`: of every choice; `max_tokens`, `n`: the request's parameters (vLLM's
+        request_params histograms; not sent to the sinks)."""
         self.prompt_tokens.inc(prompt_tokens)
         self.vllm.prompt_tokens.inc(prompt_tokens)
+        if max_tokens is not None:
+            self.vllm.max_tokens.observe(max_tokens)
+            self.vllm.n.observe(n)
         for s in self.sinks:
             s.admitted(prompt_tokens)
+
+    def tokens_after(self, gap_s: float, tokens: int) -> None:
+        """`tokens` output tokens arrived `gap_s` after the previous ones (not the first)."""
+        for _ in range(tokens):
+            self.vllm.itl.observe(gap_s / tokens)
 
     def first_token(self, ttft_s: float) -> None:
         self.ttft.observe(ttft_s)
@@ -70,8 +104,10 @@ class RequestMetrics:
         for s in self.sinks:
             s.first_token(ttft_s)
 
-    def finished(self, reason: str, output_tokens: int, e2e_s: float, tpot_s: float | None) -> None:
-        """`tpot_s`: None for a request of one output token (no gap to time)."""
+    def finished(self, reason: str, output_tokens: int, e2e_s: float, tpot_s: float | None,
+                 prompt_tokens: int | None = None, decode_s: float | None = None) -> None:
+        """`tpot_s`: None for a request of one output token (no gap to time). `prompt_tokens`
+        and `decode_s` (first to last token) feed vLLM's per-request histograms only."""
         self.requests.labels(reason).inc()
         self.tokens.inc(output_tokens)
         self.e2e.observe(e2e_s)
@@ -79,6 +115,11 @@ class RequestMetrics:
         v.success.labels(self.model_name, reason).inc()
         v.generation_tokens.inc(output_tokens)
         v.e2e.observe(e2e_s)
+        v.generation_length.observe(output_tokens)
+        if prompt_tokens is not None:
+            v.prompt_length.observe(prompt_tokens)
+        if decode_s is not None:
+            v.decode_time.observe(decode_s)
         if tpot_s is not None:
             self.tpot.observe(tpot_s)
             v.tpot.observe(tpot_s)
@@ -110,9 +151,20 @@ _TOTALS = (("num_preemptions", "preemptions", "Requests preempted (recomputed la
 class _VllmNames:
     """vLLM's metric names over the same observations (module docstring)."""
 
-    def __init__(self, r: CollectorRegistry, model_name: str) -> None:
+    def __init__(self, r: CollectorRegistry, model_name: str, max_model_len: int) -> None:
         self.model_name = model_name
         label = {"model_name": model_name}
+        lengths = buckets_1_2_5(max_model_len)
+
+        def histogram(name: str, doc: str, buckets) -> Histogram:
+            return Histogram(name, doc, ["model_name"], registry=r, buckets=buckets).labels(**label)
+        self.prompt_length = histogram("vllm:request_prompt_tokens", "Prompt tokens per request", lengths)
+        self.generation_length = histogram("vllm:request_generation_tokens", "Generated tokens per request", lengths)
+        self.max_tokens = histogram("vllm:request_params_max_tokens", "max_tokens of each request", lengths)
+        self.n = histogram("vllm:request_params_n", "n of each request", N_BUCKETS)
+        self.itl = histogram("vllm:inter_token_latency_seconds", "Time between output tokens", ITL_BUCKETS)
+        self.decode_time = histogram("vllm:request_decode_time_seconds", "First to last token per request",
+                                     REQUEST_LATENCY_BUCKETS)
         self.running = Gauge("vllm:num_requests_running", "Requests running", ["model_name"], registry=r).labels(**label)
         self.waiting = Gauge("vllm:num_requests_waiting", "Requests waiting", ["model_name"], registry=r).labels(**label)
         self.kv_usage = Gauge("vllm:kv_cache_usage_perc", "KV cache usage (1 = full)", ["model_name"],

@@ -96,11 +96,15 @@ class Stream:
         return chat_logprobs(self.decode, token_ids, lps)
 
     async def outputs(self):
-        t_first = time.perf_counter()
+        t_first = t_last = time.perf_counter()
         self.metrics.first_token(t_first - self.t0)
         out, reason = self.first, "abort"
         try:
             while True:
+                if out is not self.first and out.num_output_tokens > self.n_out:
+                    now = time.perf_counter()
+                    self.metrics.tokens_after(now - t_last, out.num_output_tokens - self.n_out)
+                    t_last = now
                 self.n_out = out.num_output_tokens
                 self.n_cached = max(self.n_cached, out.num_cached_tokens)
                 if out.prompt_logprobs is not None:
@@ -109,7 +113,8 @@ class Stream:
                 if out.finished:
                     now, n, reason = time.perf_counter(), out.num_output_tokens, out.finish_reason
                     self.metrics.finished(out.finish_reason, n, now - self.t0,
-                                          (now - t_first) / (n - 1) if n > 1 else None)
+                                          (now - t_first) / (n - 1) if n > 1 else None,
+                                          out.num_prompt_tokens, now - t_first)
                     return
                 out = await self.gen.__anext__()
         finally:

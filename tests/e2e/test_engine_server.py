@@ -98,6 +98,7 @@ def _samples(url: str) -> dict[str, float]:
 def test_metrics_count_prompt_tokens_and_request_latency(server):
     url, aeng, _, _ = server
     before = _samples(url)
+    vllm_before = _vllm_samples(url)
     r = httpx.post(f"{url}/v1/completions", json={"prompt": [5] * 37, "max_tokens": 3, "n": 2, "ignore_eos": True}, timeout=30)
     assert r.status_code == 200
     after = _samples(url)
@@ -119,6 +120,27 @@ def test_metrics_count_prompt_tokens_and_request_latency(server):
     assert vllm["vllm:num_requests_running"] == 0 and vllm["vllm:kv_cache_usage_perc"] == 0
     assert vllm["vllm:prefix_cache_queries_total"] == aeng.engine.kv.query_tokens > 0
     assert vllm["vllm:prefix_cache_hits_total"] == aeng.engine.kv.hit_tokens
+    # vLLM's per-request histograms: one request (n 2, max_tokens 3) of two 37-token choices
+    # with 3 tokens each; every token after a choice's first is one inter-token sample.
+    new = {k: v - vllm_before.get(k, 0) for k, v in _vllm_samples(url).items()}
+    assert new["vllm:request_params_n_count"] == 1 and new["vllm:request_params_n_sum"] == 2
+    assert new["vllm:request_params_max_tokens_sum"] == 3
+    assert new["vllm:request_prompt_tokens_count"] == 2 and new["vllm:request_prompt_tokens_sum"] == 74
+    assert new[("vllm:request_prompt_tokens_bucket", "50.0")] == 2 and new[("vllm:request_prompt_tokens_bucket",
+                                                                            "20.0")] == 0
+    assert new["vllm:request_generation_tokens_sum"] == 6
+    assert new["vllm:inter_token_latency_seconds_count"] == 4
+    assert new["vllm:request_decode_time_seconds_count"] == 2
+
+
+def _vllm_samples(url: str) -> dict:
+    """vLLM-named samples: name -> value, and (name, le) -> value for histogram buckets."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(f"{url}/metrics", timeout=10).text
+    return {(s.name, s.labels["le"]) if "le" in s.labels else s.name: s.value
+            for f in text_string_to_metric_families(text) for s in f.samples
+            if s.name.startswith("vllm:") and "finished_reason" not in s.labels}
 
 
 @pytest.mark.parametrize("payload, param", [

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from raycluster.server.request_metrics import RequestMetrics
+from raycluster.server.request_metrics import RequestMetrics, buckets_1_2_5
 
 
 class _Sink:
@@ -90,3 +90,37 @@ def test_a_cluster_gateways_stats_sum_its_instances(tmp_path):
         (3, 4, 4, 12, 20)
     assert (s["preemptions"], s["prefix_queries"], s["prefix_hits"], s["spec_drafts"], s["spec_accepted"]) == \
         (6, 200, 80, 18, 10)
+
+
+def test_vllms_per_request_histograms():
+    """Prompt and generation lengths per finished request, max_tokens and n per admitted one,
+    one inter-token sample per token (a delivery of 3 tokens after 0.3 s: 3 samples of 0.1 s),
+    decode time; vLLM's buckets (1-2-5 up to the context length)."""
+    assert buckets_1_2_5(1000) == (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000)
+    assert buckets_1_2_5(4096)[-1] == 2000
+    m = RequestMetrics(model_name="m", max_model_len=4096, sinks=[_Sink()])
+    m.admitted(80, max_tokens=7, n=2)
+    m.first_token(0.05)
+    m.tokens_after(0.3, 3)
+    m.tokens_after(0.02, 1)
+    m.finished("length", 5, 0.5, 0.08, prompt_tokens=40, decode_s=0.32)
+    m.finished("length", 1, 0.1, None, prompt_tokens=40, decode_s=0.0)
+    assert m.sinks[0].calls[0] == ("admitted", 80)          # the sinks get what they always got
+    text = m.render({"waiting": 0, "running": 0, "kv_used_blocks": 0, "kv_total_blocks": 1}).decode()
+    got = {(s.name, s.labels.get("le")): s.value for f in text_string_to_metric_families(text) for s in f.samples}
+    assert got[("vllm:request_params_n_count", None)] == 1 and got[("vllm:request_params_n_sum", None)] == 2
+    assert got[("vllm:request_params_max_tokens_bucket", "10.0")] == 1
+    assert got[("vllm:request_params_max_tokens_bucket", "5.0")] == 0
+    assert got[("vllm:request_prompt_tokens_count", None)] == 2 and got[("vllm:request_prompt_tokens_sum", None)] == 80
+    assert got[("vllm:request_prompt_tokens_bucket", "50.0")] == 2
+    assert got[("vllm:request_prompt_tokens_bucket", "20.0")] == 0
+    assert got[("vllm:request_prompt_tokens_bucket", "2000.0")] == 2
+    assert got[("vllm:request_generation_tokens_sum", None)] == 6
+    assert got[("vllm:request_generation_tokens_bucket", "1.0")] == 1
+    assert got[("vllm:inter_token_latency_seconds_count", None)] == 4
+    assert abs(got[("vllm:inter_token_latency_seconds_sum", None)] - 0.32) < 1e-9
+    assert got[("vllm:inter_token_latency_seconds_bucket", "0.01")] == 0
+    assert got[("vllm:inter_token_latency_seconds_bucket", "0.025")] == 1      # the 0.02 s one
+    assert got[("vllm:inter_token_latency_seconds_bucket", "0.1")] == 4
+    assert got[("vllm:request_decode_time_seconds_count", None)] == 2
+    assert got[("vllm:request_decode_time_seconds_bucket", "0.3")] == 1
