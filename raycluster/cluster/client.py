@@ -161,7 +161,9 @@ class ClusterClient:
                 "prefix_queries": sum(i.get("prefix_query_tokens", 0) for i in instances),
                 "prefix_hits": sum(i.get("prefix_hit_tokens", 0) for i in instances),
                 "spec_drafts": sum(i.get("spec_draft_tokens", 0) for i in instances),
-                "spec_accepted": sum(i.get("spec_accepted_tokens", 0) for i in instances)}
+                "spec_accepted": sum(i.get("spec_accepted_tokens", 0) for i in instances),
+                "spec_runs": sum(i.get("spec_drafts", 0) for i in instances),
+                "spec_accepted_per_pos": _sum_by_position(i.get("spec_accepted_per_pos") or [] for i in instances)}
 
     async def health(self) -> tuple[bool, dict]:
         """Healthy once the router answers and at least one instance has registered, or the
@@ -395,3 +397,13 @@ class ClusterClient:
                     await self.refresh_status()
                 except Exception:
                     pass
+
+
+def _sum_by_position(lists) -> list[int]:
+    """Element-wise sum of lists of any lengths (instances may draft different numbers of tokens)."""
+    out: list[int] = []
+    for counts in lists:
+        out.extend([0] * (len(counts) - len(out)))
+        for j, c in enumerate(counts):
+            out[j] += c
+    return out

@@ -150,7 +150,8 @@ class InstanceWorker:
             prefix_query_tokens=getattr(kv, "query_tokens", 0), prefix_hit_tokens=getattr(kv, "hit_tokens", 0),
             kv_pulls_ok=pulls.get("ok", 0), kv_pulls_failed=pulls.get("failed", 0),
             kv_pull_blocks=pulls.get("blocks", 0), kv_pull_s=pulls.get("seconds", 0.0),
-            spec_draft_tokens=eng.num_draft_tokens, spec_accepted_tokens=eng.num_accepted_tokens,
+            spec_draft_tokens=eng.spec.draft_tokens, spec_accepted_tokens=eng.spec.accepted_tokens,
+            spec_drafts=eng.spec.drafts, spec_accepted_per_pos=list(eng.spec.accepted_per_pos),
             preemptions=eng.scheduler.preempted_total, lora_adapters=list(self._lora_paths),
             lora_failed=dict(self._lora_failed), lora_version=self._lora_version)
 

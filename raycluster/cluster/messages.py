@@ -133,6 +133,8 @@ class InstanceStats:
     preemptions: int = 0               # requests preempted (by recompute), so far
     spec_draft_tokens: int = 0         # speculative decoding: draft tokens run, so far
     spec_accepted_tokens: int = 0      # of those, accepted
+    spec_drafts: int = 0               # verified runs of drafts
+    spec_accepted_per_pos: list[int] = field(default_factory=list)   # runs whose draft j + 1 was kept
     lora_adapters: list[str] = field(default_factory=list)   # LoRA adapters its engine serves
     lora_failed: dict[str, str] = field(default_factory=dict)   # adapters of the table it could not load: error
     lora_version: int = -1             # the version of the router's adapter table it applied (-1: none)

@@ -144,6 +144,7 @@ def instance_summary(i: Instance, now: float) -> dict:
             "prefix_hit_tokens": s.prefix_hit_tokens, "kv_pulls_ok": s.kv_pulls_ok,
             "kv_pulls_failed": s.kv_pulls_failed, "kv_pull_blocks": s.kv_pull_blocks, "kv_pull_s": s.kv_pull_s,
             "spec_draft_tokens": s.spec_draft_tokens, "spec_accepted_tokens": s.spec_accepted_tokens,
+            "spec_drafts": s.spec_drafts, "spec_accepted_per_pos": s.spec_accepted_per_pos,
             "preemptions": s.preemptions, "lora_adapters": s.lora_adapters, "lora_failed": s.lora_failed,
             "last_seen_s_ago": now - i.last_seen, "draining": i.draining}
 

@@ -27,7 +27,7 @@ from raycluster.engine.config import EngineConfig
 from raycluster.engine.guided import GuidedDecoding, constraint_of
 from raycluster.parallel.factory import build_runner
 from raycluster.engine.sampler import Sampler
-from raycluster.engine.spec_decode import build_proposer
+from raycluster.engine.spec_decode import SpecDecodeCounts, build_proposer
 from raycluster.model.lora import LoRAAdapter, LoRASet, load_adapter, parse_modules
 from raycluster.engine.profiler import load_or_profile
 from raycluster.engine.sched_factory import RetiredScheduling, build_scheduler, needs_predictor
@@ -136,7 +136,7 @@ class LLMEngine:
             self.lora.add(load_adapter(path, mcfg, name, _DTYPES[config.dtype]))
         if self.kv.prefix_caching:
             self.kv.lora_roots = self.lora.roots
-        self.num_draft_tokens = self.num_accepted_tokens = 0     # speculative decoding, so far
+        self.spec = SpecDecodeCounts(config.num_speculative_tokens)     # speculative decoding, so far
         self.proposer = build_proposer(config, model, self.runner, _DTYPES[config.dtype])
         self._texts: dict[str, TextStream] = {}
         self._guided: GuidedDecoding | None = None     # built at the first structured-output request
@@ -338,6 +338,7 @@ class LLMEngine:
                 drafted.append((req, len(req.output_token_ids), lps))
                 result.num_draft_tokens += len(drafts)
                 result.num_accepted_tokens += len(toks) - 1
+                self.spec.add(len(drafts), len(toks) - 1)
         sampled = {r.request_id: t for r, t in zip(sampled_reqs, tokens)}
         if self.proposer is not None:
             self.proposer.observe(out, sampled, accepted)
@@ -367,8 +368,6 @@ class LLMEngine:
             self._forget(rid)
         if self.proposer is not None:
             self._propose(sampled_reqs, drafted, finished)
-            self.num_draft_tokens += result.num_draft_tokens
-            self.num_accepted_tokens += result.num_accepted_tokens
         result.duration_s = time.perf_counter() - t0
         if out.spec_tokens:
             return result       # drafts' rows make it no sample of the step-time models below

@@ -20,9 +20,33 @@ structured output's row j is masked by its pattern's state after the drafts befo
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import torch
 
 from raycluster.request import Request
+
+
+@dataclass
+class SpecDecodeCounts:
+    """An engine's speculative decoding so far, as vLLM counts it: verified runs of drafts
+    (`drafts`), draft tokens in them, accepted ones, and accepted ones by position in their run
+    (`accepted_per_pos[j]`: runs whose draft j + 1 was kept)."""
+    k: int
+    drafts: int = 0
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+    accepted_per_pos: list[int] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.accepted_per_pos = [0] * self.k
+
+    def add(self, num_drafts: int, num_accepted: int) -> None:
+        self.drafts += 1
+        self.draft_tokens += num_drafts
+        self.accepted_tokens += num_accepted
+        for j in range(num_accepted):
+            self.accepted_per_pos[j] += 1
 
 
 def build_proposer(config, model, runner, dtype: torch.dtype):

@@ -83,9 +83,9 @@ class AsyncEngine:
         if eng.proposer is None:
             return ""
         return (f"# TYPE raycluster_spec_decode_draft_tokens_total counter\n"
-                f"raycluster_spec_decode_draft_tokens_total {eng.num_draft_tokens}\n"
+                f"raycluster_spec_decode_draft_tokens_total {eng.spec.draft_tokens}\n"
                 f"# TYPE raycluster_spec_decode_accepted_tokens_total counter\n"
-                f"raycluster_spec_decode_accepted_tokens_total {eng.num_accepted_tokens}\n")
+                f"raycluster_spec_decode_accepted_tokens_total {eng.spec.accepted_tokens}\n")
 
     # ---- LoRA adapters at run time --------------------------------------------------------------
     def lora_adapters(self) -> dict[str, str]:
@@ -155,7 +155,8 @@ class AsyncEngine:
         if kv.prefix_caching:
             out.update(prefix_queries=kv.query_tokens, prefix_hits=kv.hit_tokens)
         if eng.proposer is not None:
-            out.update(spec_drafts=eng.num_draft_tokens, spec_accepted=eng.num_accepted_tokens)
+            out.update(spec_drafts=eng.spec.draft_tokens, spec_accepted=eng.spec.accepted_tokens,
+                       spec_runs=eng.spec.drafts, spec_accepted_per_pos=list(eng.spec.accepted_per_pos))
         return out
 
     # ---- step thread -----------------------------------------------------------------------

@@ -13,7 +13,9 @@ The same figures are also exposed under vLLM's names (`vllm:num_requests_running
 `vllm:generation_tokens_total`, `vllm:request_success_total{finished_reason}`,
 `vllm:time_to_first_token_seconds`, `vllm:request_time_per_output_token_seconds`,
 `vllm:e2e_request_latency_seconds`, and from the engine's totals `vllm:num_preemptions_total`,
-`vllm:prefix_cache_{queries,hits}_total`, `vllm:spec_decode_num_{draft,accepted}_tokens_total`),
+`vllm:prefix_cache_{queries,hits}_total`, `vllm:spec_decode_num_drafts_total`,
+`vllm:spec_decode_num_{draft,accepted}_tokens_total`,
+`vllm:spec_decode_num_accepted_tokens_per_pos_total{position}`),
 labelled `model_name`, so dashboards and autoscalers written for vLLM read them unchanged. In a
 cluster, waiting counts the router's queues too, and the engine totals sum every instance's.
 vLLM's per-request histograms come from what the app sees of each request, on /metrics only:
@@ -144,6 +146,7 @@ class RequestMetrics:
 _TOTALS = (("num_preemptions", "preemptions", "Requests preempted (recomputed later)"),
            ("prefix_cache_queries", "prefix_queries", "Prompt tokens looked up in the prefix cache"),
            ("prefix_cache_hits", "prefix_hits", "Of those, tokens found cached"),
+           ("spec_decode_num_drafts", "spec_runs", "Runs of draft tokens verified (speculative decoding)"),
            ("spec_decode_num_draft_tokens", "spec_drafts", "Draft tokens run (speculative decoding)"),
            ("spec_decode_num_accepted_tokens", "spec_accepted", "Of those, accepted"))
 
@@ -188,4 +191,10 @@ class _VllmNames:
             if key in stats:
                 lines += [f"# HELP vllm:{name}_total {doc}", f"# TYPE vllm:{name}_total counter",
                           f'vllm:{name}_total{{model_name="{self.model_name}"}} {stats[key]}']
+        per_pos = stats.get("spec_accepted_per_pos")
+        if per_pos:
+            name = "vllm:spec_decode_num_accepted_tokens_per_pos_total"
+            lines += [f"# HELP {name} Accepted draft tokens by their position in the run",
+                      f"# TYPE {name} counter"]
+            lines += [f'{name}{{model_name="{self.model_name}",position="{j}"}} {c}' for j, c in enumerate(per_pos)]
         return ("\n".join(lines) + "\n").encode() if lines else b""

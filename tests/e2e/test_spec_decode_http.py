@@ -51,10 +51,14 @@ def test_drafted_text_equals_plain_decoding_streamed_and_not(served):
         assert r["choices"][0]["text"] == want and r["usage"]["completion_tokens"] == 300
         text, _, reason = _stream_text(url, body)
         assert text == want and reason == "length"
-    assert aeng.engine.num_accepted_tokens > 0
+    assert aeng.engine.spec.accepted_tokens > 0
     metrics = httpx.get(url + "/metrics", timeout=10).text
-    assert f"raycluster_spec_decode_draft_tokens_total {aeng.engine.num_draft_tokens}" in metrics
-    assert f"raycluster_spec_decode_accepted_tokens_total {aeng.engine.num_accepted_tokens}" in metrics
+    assert f"raycluster_spec_decode_draft_tokens_total {aeng.engine.spec.draft_tokens}" in metrics
+    assert f"raycluster_spec_decode_accepted_tokens_total {aeng.engine.spec.accepted_tokens}" in metrics
+    spec = aeng.engine.spec
+    assert f'vllm:spec_decode_num_drafts_total{{model_name="tiny"}} {spec.drafts}' in metrics
+    assert f'vllm:spec_decode_num_accepted_tokens_per_pos_total{{model_name="tiny",position="0"}} ' \
+           f'{spec.accepted_per_pos[0]}' in metrics and spec.accepted_per_pos[0] > 0
     kv = aeng.engine.kv
     assert kv.num_free_blocks == kv.num_blocks
 

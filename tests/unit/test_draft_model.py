@@ -94,11 +94,11 @@ def test_greedy_output_with_a_draft_model_equals_plain_decoding(drafts, loaded, 
     want, _ = _run(loaded, prompts, sps, **cfg)
     got, eng = _run(loaded, prompts, sps, drafts[which], **cfg)
     assert got == want
-    assert eng.num_draft_tokens > 0
+    assert eng.spec.draft_tokens > 0
     if which == "same":
-        assert eng.num_accepted_tokens == eng.num_draft_tokens
+        assert eng.spec.accepted_tokens == eng.spec.draft_tokens
     else:
-        assert 0 < eng.num_accepted_tokens < eng.num_draft_tokens
+        assert 0 < eng.spec.accepted_tokens < eng.spec.draft_tokens
 
 
 @pytest.mark.parametrize("which", ["same", "two_layers"])
@@ -110,7 +110,7 @@ def test_a_draft_model_under_kv_pressure_and_prefix_caching(drafts, loaded, whic
     want, _ = _run(loaded, prompts, sps, **cfg)
     got, eng = _run(loaded, prompts, sps, drafts[which], **cfg)
     assert got == want
-    assert eng.num_preempted > 0 and eng.num_accepted_tokens > 0
+    assert eng.num_preempted > 0 and eng.spec.accepted_tokens > 0
 
 
 def test_seeded_sampled_output_with_a_draft_model_equals_plain_sampling(drafts, loaded):
@@ -118,7 +118,7 @@ def test_seeded_sampled_output_with_a_draft_model_equals_plain_sampling(drafts, 
     sps = [SamplingParams(max_tokens=24, temperature=0.8, top_p=0.95, seed=s) for s in range(4)]
     want, _ = _run(loaded, prompts, sps)
     got, eng = _run(loaded, prompts, sps, drafts["two_layers"])
-    assert got == want and eng.num_draft_tokens > 0
+    assert got == want and eng.spec.draft_tokens > 0
 
 
 def test_a_draft_pool_too_small_for_everyone_drafts_for_whom_it_can(drafts, loaded):
@@ -129,7 +129,7 @@ def test_a_draft_pool_too_small_for_everyone_drafts_for_whom_it_can(drafts, load
     want, _ = _run(loaded, prompts, sps)
     got, eng = _run(loaded, prompts, sps, drafts["same"], speculative_kv_tokens=96)
     _, roomy = _run(loaded, prompts, sps, drafts["same"])
-    assert got == want and 0 < eng.num_draft_tokens < roomy.num_draft_tokens
+    assert got == want and 0 < eng.spec.draft_tokens < roomy.spec.draft_tokens
 
 
 def test_past_the_drafts_context_a_request_decodes_without_drafts(loaded, tmp_path):
@@ -149,7 +149,7 @@ def test_past_the_drafts_context_a_request_decodes_without_drafts(loaded, tmp_pa
         eng.step()
         if req.spec_token_ids:
             longest = max(longest, req.num_tokens + len(req.spec_token_ids))
-    assert req.output_token_ids == want[0][0] and eng.num_draft_tokens > 0
+    assert req.output_token_ids == want[0][0] and eng.spec.draft_tokens > 0
     assert longest == 49
 
 
@@ -178,7 +178,7 @@ def test_a_long_prompts_catch_up_is_cut_to_the_step_budget(drafts, loaded):
         eng.step()
     assert [r.output_token_ids for r in reqs] == [w[0] for w in want]
     assert max(sizes) <= 32 and sum(1 for n in sizes if n) >= 5        # 71 + 91 tokens in chunks of <= 32
-    assert eng.num_accepted_tokens == eng.num_draft_tokens > 0
+    assert eng.spec.accepted_tokens == eng.spec.draft_tokens > 0
 
 
 def test_an_aborted_request_gives_its_draft_blocks_back(drafts, loaded):

@@ -203,7 +203,7 @@ def test_drafts_equal_drafts_recomputed_from_scratch(heads, loaded, name):
     _run(eng, prompts, [SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)] * len(prompts), check)
     assert len(checked) > 30 and max(checked) == 3
     if name.startswith("trained"):
-        assert eng.num_accepted_tokens > 0
+        assert eng.spec.accepted_tokens > 0
 
 
 # ---- the engine's output is unchanged -------------------------------------------------------
@@ -226,13 +226,53 @@ def test_engine_output_unchanged(heads, loaded, case):
         eng = _engine(loaded, heads[name], method=METHOD[name], **cfg)
         got, preempted = _run(eng, prompts, sps)
         assert got == expected, name
-        assert eng.num_draft_tokens > 0
+        assert eng.spec.draft_tokens > 0
         if name.startswith("trained") and case != "seeded":
-            assert eng.num_accepted_tokens > 0.05 * eng.num_draft_tokens, name
+            assert eng.spec.accepted_tokens > 0.05 * eng.spec.draft_tokens, name
         if case == "pressure":
             assert preempted > 0
         if case == "prefix":
             assert eng.kv.hit_rate() > 0.3
+
+
+def test_output_unchanged_with_adapters_logprobs_penalties_and_patterns(heads, loaded, tiny_model_dir, tmp_path):
+    """Requests on a LoRA adapter (the head reads the adapted target's features), asking for
+    logprobs, penalised, or held to a regex: the same tokens and log-probabilities as plain
+    decoding."""
+    from raycluster.model.tiny import write_tiny_lora
+
+    adapter = write_tiny_lora(tmp_path / "sql", tiny_model_dir, seed=2)
+    prompts = _prompts(8, 21)
+    sps = []
+    for i in range(len(prompts)):
+        kw = dict(max_tokens=24, temperature=0.0, ignore_eos=True)
+        if i % 4 == 1:
+            kw.update(lora_adapter="sql")
+        elif i % 4 == 2:
+            kw.update(logprobs=2, presence_penalty=0.5, frequency_penalty=0.3)
+        elif i % 4 == 3:
+            kw.update(guided_regex="[a-z ]{4,40}")
+        sps.append(SamplingParams(**kw))
+    cfg = dict(lora_modules=[f"sql={adapter}"])
+
+    def run(head, method):
+        eng = _engine(loaded, head, method=method, **cfg)
+        reqs = [eng.add_request(f"r{i}", p, sp) for i, (p, sp) in enumerate(zip(prompts, sps))]
+        lps: dict[str, list] = {}
+        for _ in range(2000):
+            if not eng.has_unfinished():
+                break
+            for o in eng.step().outputs:
+                lps.setdefault(o.request_id, []).extend(
+                    [(round(lp.logprob, 4), lp.rank, [t for t, _ in lp.top]) for lp in o.logprobs or []])
+        eng.kv.check()
+        return [r.output_token_ids for r in reqs], lps, eng
+
+    expected = run(None, "eagle")
+    for name in ("trained", "trained3"):
+        got = run(heads[name], METHOD[name])
+        assert got[:2] == expected[:2], name
+        assert got[2].spec.draft_tokens > 0
 
 
 def test_prefix_hit_recomputes_its_last_block_with_a_head(heads, loaded):

@@ -55,7 +55,8 @@ def test_the_same_figures_under_vllms_names():
     m.admitted(3)
     m.finished("abort", 0, 0.2, None)
     stats = {"waiting": 2, "running": 1, "kv_used_blocks": 3, "kv_total_blocks": 12, "router_queued": 4,
-             "preemptions": 7, "prefix_queries": 640, "prefix_hits": 96, "spec_drafts": 50, "spec_accepted": 21}
+             "preemptions": 7, "prefix_queries": 640, "prefix_hits": 96, "spec_drafts": 50, "spec_accepted": 21,
+             "spec_runs": 13, "spec_accepted_per_pos": [10, 7, 4]}
     text = m.render(stats).decode()
     got = {(s.name, tuple(sorted((k, v) for k, v in s.labels.items() if k != "model_name"))): s.value
            for f in text_string_to_metric_families(text) for s in f.samples if s.name.startswith("vllm:")}
@@ -70,8 +71,11 @@ def test_the_same_figures_under_vllms_names():
     assert got[("vllm:request_time_per_output_token_seconds_sum", ())] == 0.09
     assert got[("vllm:e2e_request_latency_seconds_count", ())] == 2
     for name, value in (("num_preemptions", 7), ("prefix_cache_queries", 640), ("prefix_cache_hits", 96),
-                        ("spec_decode_num_draft_tokens", 50), ("spec_decode_num_accepted_tokens", 21)):
+                        ("spec_decode_num_draft_tokens", 50), ("spec_decode_num_accepted_tokens", 21),
+                        ("spec_decode_num_drafts", 13)):
         assert got[(f"vllm:{name}_total", ())] == value
+    assert [got[("vllm:spec_decode_num_accepted_tokens_per_pos_total", (("position", str(j)),))]
+            for j in range(3)] == [10, 7, 4]
     # Totals an engine does not keep (no prefix caching, no drafts) are left out, not zero.
     bare = m.render({"waiting": 0, "running": 0, "kv_used_blocks": 0, "kv_total_blocks": 1}).decode()
     assert "vllm:prefix_cache_hits_total" not in bare and "vllm:num_requests_running" in bare
@@ -83,13 +87,17 @@ def test_a_cluster_gateways_stats_sum_its_instances(tmp_path):
     client = ClusterClient(submit=None, abort=None, pull=None, status=None, tokenizer=None, max_model_len=64,
                            vocab_size=10, eos_token_ids=(), gateway_id="g")
     inst = {"waiting": 1, "running": 2, "kv_total_blocks": 10, "kv_free_blocks": 4, "preemptions": 3,
-            "prefix_query_tokens": 100, "prefix_hit_tokens": 40, "spec_draft_tokens": 9, "spec_accepted_tokens": 5}
-    client._last_status = {"queues": {"mixed": 3, "decode": 1}, "instances": [inst, dict(inst, waiting=2)]}
+            "prefix_query_tokens": 100, "prefix_hit_tokens": 40, "spec_draft_tokens": 9, "spec_accepted_tokens": 5,
+            "spec_drafts": 3, "spec_accepted_per_pos": [3, 2]}
+    # A third instance drafting 3 per run; one that does not draft at all.
+    client._last_status = {"queues": {"mixed": 3, "decode": 1}, "instances": [
+        inst, dict(inst, waiting=2, spec_accepted_per_pos=[2, 1, 1]), {"kv_total_blocks": 0}]}
     s = client.stats()
     assert (s["waiting"], s["router_queued"], s["running"], s["kv_used_blocks"], s["kv_total_blocks"]) == \
         (3, 4, 4, 12, 20)
     assert (s["preemptions"], s["prefix_queries"], s["prefix_hits"], s["spec_drafts"], s["spec_accepted"]) == \
         (6, 200, 80, 18, 10)
+    assert s["spec_runs"] == 6 and s["spec_accepted_per_pos"] == [5, 3, 1]
 
 
 def test_vllms_per_request_histograms():

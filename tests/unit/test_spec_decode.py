@@ -403,3 +403,12 @@ def test_blocks_filled_by_drafted_tokens_are_cached_as_plain_decoding_caches_the
     plain = cached(None)
     assert plain == (len(prompt) + 29) // 4 * 4        # every full block of what was computed
     assert cached(oracle) == plain and oracle.proposed > 0
+
+
+def test_spec_decode_counts_by_position():
+    from raycluster.engine.spec_decode import SpecDecodeCounts
+
+    c = SpecDecodeCounts(4)
+    for drafted, kept in ((4, 2), (4, 0), (3, 3), (4, 4)):
+        c.add(drafted, kept)
+    assert (c.drafts, c.draft_tokens, c.accepted_tokens, c.accepted_per_pos) == (4, 15, 9, [3, 3, 2, 1])

@@ -46,8 +46,12 @@ def test_a_drafting_instance_streams_runs_of_tokens_and_reports_its_drafts(loade
     assert [t for e in events for t in e.token_ids] == want
     assert max(len(e.token_ids) for e in events) > 1
     st = w.stats()
-    assert st.spec_draft_tokens == eng.num_draft_tokens > 0
-    assert 0 < st.spec_accepted_tokens == eng.num_accepted_tokens <= st.spec_draft_tokens
+    assert st.spec_draft_tokens == eng.spec.draft_tokens > 0
+    assert 0 < st.spec_accepted_tokens == eng.spec.accepted_tokens <= st.spec_draft_tokens
+    # vLLM's per-position counts: runs whose draft j + 1 was kept (never more than for draft j).
+    per_pos = st.spec_accepted_per_pos
+    assert 0 < st.spec_drafts == eng.spec.drafts and sum(per_pos) == st.spec_accepted_tokens
+    assert all(a >= b for a, b in zip(per_pos, per_pos[1:])) and per_pos[0] <= st.spec_drafts
     summary = instance_summary(Instance("i0", "decode", st, time.monotonic()), time.monotonic())
     table = format_status({"instances": [summary]})
     assert f"draft tokens: {st.spec_draft_tokens}, {st.spec_accepted_tokens / st.spec_draft_tokens:.1%} accepted" \
@@ -55,6 +59,7 @@ def test_a_drafting_instance_streams_runs_of_tokens_and_reports_its_drafts(loade
     client = ClusterClient(submit=None, abort=None, pull=None, status=None, tokenizer=None, max_model_len=64,
                            vocab_size=10, eos_token_ids=(), gateway_id="g")
     client._last_status = {"instances": [summary]}
+    assert client.stats()["spec_accepted_per_pos"] == per_pos and client.stats()["spec_runs"] == st.spec_drafts
     text = client.prometheus_text()
     assert f'raycluster_instance_spec_decode_draft_tokens_total{{instance="i0",pool="decode"}} ' \
            f'{st.spec_draft_tokens}' in text
@@ -73,8 +78,8 @@ def test_a_single_engines_metrics_count_drafts(loaded):
         text = server.prometheus_text()
     finally:
         server.shutdown()
-    assert f"raycluster_spec_decode_draft_tokens_total {eng.num_draft_tokens}" in text and eng.num_draft_tokens
-    assert f"raycluster_spec_decode_accepted_tokens_total {eng.num_accepted_tokens}" in text
+    assert f"raycluster_spec_decode_draft_tokens_total {eng.spec.draft_tokens}" in text and eng.spec.draft_tokens
+    assert f"raycluster_spec_decode_accepted_tokens_total {eng.spec.accepted_tokens}" in text
     plain = AsyncEngine(LLMEngine(EngineConfig(**CFG), model, tok))
     try:
         assert "spec_decode" not in plain.prometheus_text()

@@ -88,7 +88,7 @@ def test_draft_acceptance_is_per_window(loaded):
         stats.observe(eng, eng.step())
     clock.t += 1.0
     stats.observe(eng, None)
-    drafted, accepted = eng.num_draft_tokens, eng.num_accepted_tokens
+    drafted, accepted = eng.spec.draft_tokens, eng.spec.accepted_tokens
     assert drafted and accepted and accepted < drafted
     assert lines[-1].endswith(f"draft acceptance {100 * accepted / drafted:.1f}% of {drafted}")
     eng.add_request("b", [5, 6], SamplingParams(max_tokens=2, ignore_eos=True))   # the oracle knows no b
