@@ -63,7 +63,10 @@ def format_status(status: dict) -> str:
                          f"{failed} failed and recomputed")
         drafts = inst.get("spec_draft_tokens", 0)
         if drafts:                  # speculative decoding: how many drafts the model agreed with
-            lines.append(f"  draft tokens: {drafts}, {inst.get('spec_accepted_tokens', 0) / drafts:.1%} accepted")
+            runs, per_pos = inst.get("spec_drafts", 0), inst.get("spec_accepted_per_pos") or []
+            by_pos = f"; by position {' '.join(f'{c / runs:.0%}' for c in per_pos)}" if runs and per_pos else ""
+            lines.append(f"  draft tokens: {drafts}, {inst.get('spec_accepted_tokens', 0) / drafts:.1%} accepted"
+                         f"{by_pos}")
         for name, error in (inst.get("lora_failed") or {}).items():
             lines.append(f"  LoRA adapter {name} not loaded: {error}")
         nodes = inst.get("nodes") or []

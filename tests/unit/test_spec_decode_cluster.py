@@ -54,8 +54,9 @@ def test_a_drafting_instance_streams_runs_of_tokens_and_reports_its_drafts(loade
     assert all(a >= b for a, b in zip(per_pos, per_pos[1:])) and per_pos[0] <= st.spec_drafts
     summary = instance_summary(Instance("i0", "decode", st, time.monotonic()), time.monotonic())
     table = format_status({"instances": [summary]})
-    assert f"draft tokens: {st.spec_draft_tokens}, {st.spec_accepted_tokens / st.spec_draft_tokens:.1%} accepted" \
-        in table
+    by_pos = " ".join(f"{c / st.spec_drafts:.0%}" for c in per_pos)
+    assert f"draft tokens: {st.spec_draft_tokens}, {st.spec_accepted_tokens / st.spec_draft_tokens:.1%} accepted; " \
+           f"by position {by_pos}" in table
     client = ClusterClient(submit=None, abort=None, pull=None, status=None, tokenizer=None, max_model_len=64,
                            vocab_size=10, eos_token_ids=(), gateway_id="g")
     client._last_status = {"instances": [summary]}
