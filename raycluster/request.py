@@ -145,6 +145,7 @@ class Request:
     num_computed_tokens: int = 0    # tokens whose KV is in the cache
     num_preemptions: int = 0
     num_cached_tokens: int = 0      # prompt tokens whose KV came from the prefix cache
+    first_scheduled_time: float | None = None   # when a step first ran part of its prompt
     first_token_time: float | None = None
     finish_time: float | None = None
     # With sampling.prompt_logprobs: entry i for prompt token i + 1, filled as chunks compute

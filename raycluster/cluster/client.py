@@ -71,7 +71,8 @@ def _coalesce(ev: TokenEvent, q: asyncio.Queue) -> tuple[TokenEvent, object | No
         lps = None if ev.logprobs is None and nxt.logprobs is None else (ev.logprobs or []) + (nxt.logprobs or [])
         ev = TokenEvent(ev.request_id, ev.token_ids + nxt.token_ids, nxt.finished, nxt.finish_reason, nxt.error,
                         lps, max(ev.num_cached_tokens, nxt.num_cached_tokens),
-                        ev.prompt_logprobs if ev.prompt_logprobs is not None else nxt.prompt_logprobs)
+                        ev.prompt_logprobs if ev.prompt_logprobs is not None else nxt.prompt_logprobs,
+                        ev.prefill_s if ev.prefill_s is not None else nxt.prefill_s)
     return ev, None
 
 
@@ -301,7 +302,8 @@ class ClusterClient:
                 done = ev.finished          # a gateway-side stop string still needs an abort
                 cached = max(cached, ev.num_cached_tokens)
                 yield RequestOutput(request_id, list(ev.token_ids), delta, finished, reason,
-                                    len(prompt_token_ids), len(out_ids), ev.logprobs, cached, ev.prompt_logprobs)
+                                    len(prompt_token_ids), len(out_ids), ev.logprobs, cached, ev.prompt_logprobs,
+                                    ev.prefill_s)
                 if finished:
                     return
         finally:

@@ -389,11 +389,11 @@ class InstanceWorker:
                     events.append(TokenEvent(out.request_id, [], True, "error", str(e)))
                     continue
                 prefilled.append(PrefillDone(out.request_id, out.new_token_ids[0], kv,
-                                             out.logprobs, out.num_cached_tokens, out.prompt_logprobs))
+                                             out.logprobs, out.num_cached_tokens, out.prompt_logprobs, out.prefill_s))
             else:
                 events.append(TokenEvent(out.request_id, list(out.new_token_ids), out.finished, out.finish_reason,
                                          logprobs=out.logprobs, num_cached_tokens=out.num_cached_tokens,
-                                         prompt_logprobs=out.prompt_logprobs))
+                                         prompt_logprobs=out.prompt_logprobs, prefill_s=out.prefill_s))
         self._report(events, prefilled)
 
     def _offer(self, request_id: str):

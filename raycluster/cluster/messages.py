@@ -93,6 +93,7 @@ class TokenEvent:
     logprobs: list | None = None       # one TokenLogprob per token, if the request asked
     num_cached_tokens: int = 0         # prompt tokens served from the instance's prefix cache
     prompt_logprobs: list | None = None    # per prompt token (the first None), with the first token, if asked
+    prefill_s: float | None = None     # with the first token: first scheduled to first token on its instance
 
 
 @dataclass
@@ -103,6 +104,7 @@ class PrefillDone:
     logprobs: list | None = None       # the first token's, if the request asked
     num_cached_tokens: int = 0         # prompt tokens served from the prefix cache
     prompt_logprobs: list | None = None    # per prompt token (the first None), if the request asked
+    prefill_s: float | None = None     # first scheduled to first token on the prefill instance
 
 
 @dataclass

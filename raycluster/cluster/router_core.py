@@ -380,7 +380,7 @@ class RouterCore:
         done = length or pd.first_token in sp.stop_token_ids     # as the engine decides
         ev = TokenEvent(rid, [pd.first_token], done, ("length" if length else "stop") if done else None,
                         logprobs=pd.logprobs, num_cached_tokens=pd.num_cached_tokens,
-                        prompt_logprobs=pd.prompt_logprobs)
+                        prompt_logprobs=pd.prompt_logprobs, prefill_s=pd.prefill_s)
         if done:
             if kv is not None:
                 inst.outbox.releases.append(rid)

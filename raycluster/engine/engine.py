@@ -59,6 +59,7 @@ class RequestOutput:
     # With sampling.prompt_logprobs, on the output of a request's first token: one per prompt
     # token, None for the first (nothing precedes it).
     prompt_logprobs: list[TokenLogprob | None] | None = None
+    prefill_s: float | None = None     # on the first token's output: first scheduled to first token
 
 
 @dataclass
@@ -482,9 +483,10 @@ class LLMEngine:
         prompt_lps = None
         if req.sampling.prompt_logprobs is not None and tokens and len(req.output_token_ids) == 1:
             prompt_lps = [None, *(req.prompt_logprobs or ())]     # with the first token, once
+        first = tokens and len(req.output_token_ids) == len(tokens) and req.first_scheduled_time is not None
         return RequestOutput(req.request_id, tokens, text, finished, reason,
                              req.num_prompt_tokens, len(req.output_token_ids), logprobs, req.num_cached_tokens,
-                             prompt_lps)
+                             prompt_lps, req.first_token_time - req.first_scheduled_time if first else None)
 
     # ---- convenience -----------------------------------------------------------------------
     def generate(self, prompts: list[list[int]], sampling: SamplingParams | list[SamplingParams],

@@ -236,6 +236,9 @@ class Scheduler:
         limits = PackLimits(budget, self.config.max_num_seqs)
         queue = _PrefixMatchingQueue(self) if self.kv.prefix_caching else self.policy
         out.prefills = self.packer.plan(out.decodes, queue, limits, alloc)
+        for req, _ in out.prefills:
+            if req.first_scheduled_time is None:
+                req.first_scheduled_time = now
         return out
 
     def _schedule_drafts(self, out: SchedulerOutput, budget: int) -> int:

@@ -23,9 +23,12 @@ vLLM's per-request histograms come from what the app sees of each request, on /m
 1-2-5 buckets up to the context length), `vllm:request_params_max_tokens` and
 `vllm:request_params_n` (per admitted request), `vllm:inter_token_latency_seconds` (one sample per
 output token: a delivery of k tokens after a gap g is k samples of g / k) and
-`vllm:request_decode_time_seconds` (first to last token). vLLM's queue / prefill / inference time
-histograms need the instant an instance first scheduled the request, which the app does not see:
-not exported.
+`vllm:request_decode_time_seconds` (first to last token), and from the engine's
+first-scheduled-to-first-token time (`RequestOutput.prefill_s`, measured on the instance that
+computed the prompt) `vllm:request_prefill_time_seconds`, `vllm:request_queue_time_seconds`
+(the app's TTFT less that: the router's queue, the hops and the engine's queue together) and
+`vllm:request_inference_time_seconds` (prefill plus decode time). A request resumed on another
+instance, or whose prompt came with its KV, has no prefill time and is left out of those three.
 """
 
 from __future__ import annotations
@@ -100,16 +103,22 @@ class RequestMetrics:
         for _ in range(tokens):
             self.vllm.itl.observe(gap_s / tokens)
 
-    def first_token(self, ttft_s: float) -> None:
+    def first_token(self, ttft_s: float, prefill_s: float | None = None) -> None:
+        """`prefill_s`: the engine's first-scheduled-to-first-token time, when it has one
+        (vLLM's prefill and queue time histograms only; not sent to the sinks)."""
         self.ttft.observe(ttft_s)
         self.vllm.ttft.observe(ttft_s)
+        if prefill_s is not None:
+            self.vllm.prefill_time.observe(prefill_s)
+            self.vllm.queue_time.observe(max(0.0, ttft_s - prefill_s))
         for s in self.sinks:
             s.first_token(ttft_s)
 
     def finished(self, reason: str, output_tokens: int, e2e_s: float, tpot_s: float | None,
-                 prompt_tokens: int | None = None, decode_s: float | None = None) -> None:
-        """`tpot_s`: None for a request of one output token (no gap to time). `prompt_tokens`
-        and `decode_s` (first to last token) feed vLLM's per-request histograms only."""
+                 prompt_tokens: int | None = None, decode_s: float | None = None,
+                 prefill_s: float | None = None) -> None:
+        """`tpot_s`: None for a request of one output token (no gap to time). `prompt_tokens`,
+        `decode_s` (first to last token) and `prefill_s` feed vLLM's per-request histograms only."""
         self.requests.labels(reason).inc()
         self.tokens.inc(output_tokens)
         self.e2e.observe(e2e_s)
@@ -122,6 +131,8 @@ class RequestMetrics:
             v.prompt_length.observe(prompt_tokens)
         if decode_s is not None:
             v.decode_time.observe(decode_s)
+            if prefill_s is not None:
+                v.inference_time.observe(prefill_s + decode_s)
         if tpot_s is not None:
             self.tpot.observe(tpot_s)
             v.tpot.observe(tpot_s)
@@ -168,6 +179,12 @@ class _VllmNames:
         self.itl = histogram("vllm:inter_token_latency_seconds", "Time between output tokens", ITL_BUCKETS)
         self.decode_time = histogram("vllm:request_decode_time_seconds", "First to last token per request",
                                      REQUEST_LATENCY_BUCKETS)
+        self.prefill_time = histogram("vllm:request_prefill_time_seconds", "First scheduled to first token",
+                                      REQUEST_LATENCY_BUCKETS)
+        self.queue_time = histogram("vllm:request_queue_time_seconds", "Arrival to first scheduled",
+                                    REQUEST_LATENCY_BUCKETS)
+        self.inference_time = histogram("vllm:request_inference_time_seconds", "First scheduled to last token",
+                                        REQUEST_LATENCY_BUCKETS)
         self.running = Gauge("vllm:num_requests_running", "Requests running", ["model_name"], registry=r).labels(**label)
         self.waiting = Gauge("vllm:num_requests_waiting", "Requests waiting", ["model_name"], registry=r).labels(**label)
         self.kv_usage = Gauge("vllm:kv_cache_usage_perc", "KV cache usage (1 = full)", ["model_name"],

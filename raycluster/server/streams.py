@@ -97,7 +97,7 @@ class Stream:
 
     async def outputs(self):
         t_first = t_last = time.perf_counter()
-        self.metrics.first_token(t_first - self.t0)
+        self.metrics.first_token(t_first - self.t0, self.first.prefill_s)
         out, reason = self.first, "abort"
         try:
             while True:
@@ -114,7 +114,7 @@ class Stream:
                     now, n, reason = time.perf_counter(), out.num_output_tokens, out.finish_reason
                     self.metrics.finished(out.finish_reason, n, now - self.t0,
                                           (now - t_first) / (n - 1) if n > 1 else None,
-                                          out.num_prompt_tokens, now - t_first)
+                                          out.num_prompt_tokens, now - t_first, self.first.prefill_s)
                     return
                 out = await self.gen.__anext__()
         finally:

@@ -130,7 +130,9 @@ def test_metrics_count_prompt_tokens_and_request_latency(server):
                                                                             "20.0")] == 0
     assert new["vllm:request_generation_tokens_sum"] == 6
     assert new["vllm:inter_token_latency_seconds_count"] == 4
-    assert new["vllm:request_decode_time_seconds_count"] == 2
+    for name in ("decode", "prefill", "queue", "inference"):
+        assert new[f"vllm:request_{name}_time_seconds_count"] == 2, name
+    assert 0 < new["vllm:request_prefill_time_seconds_sum"] < new["vllm:request_inference_time_seconds_sum"]
 
 
 def _vllm_samples(url: str) -> dict:

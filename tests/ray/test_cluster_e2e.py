@@ -13,6 +13,7 @@ import asyncio
 import json
 import os
 import random
+import re
 import time
 
 import httpx
@@ -410,6 +411,8 @@ def test_openai_client_and_status(cluster):
     assert "raycluster_ttft_seconds_bucket" in metrics and "raycluster_instance_kv_usage" in metrics
     assert "raycluster_instance_prefill_backlog_tokens{" in metrics
     assert 'vllm:num_requests_waiting{model_name="tiny"}' in metrics and "vllm:time_to_first_token_seconds" in metrics
+    # The instances' prefill times reach the gateway (through the P/D handoff too).
+    assert re.search(r'vllm:request_prefill_time_seconds_count\{model_name="tiny"\} [1-9]', metrics)
     bad = httpx.post(url + "/v1/completions", json={"prompt": "x", "max_tokens": 0})
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "max_tokens"
     instances = httpx.get(url + "/v1/cluster/status", timeout=5).json()["instances"]

@@ -77,6 +77,32 @@ def test_outputs_stream_one_token_per_step_and_finish_reasons(loaded):
     assert reasons == [None] * 4 + ["length"]
 
 
+def test_the_first_tokens_output_carries_its_prefill_time(loaded):
+    """First scheduled to first token on the engine's clock (vLLM's prefill time): a 40-token
+    prompt in chunks of 16 over three steps, the clock moving 0.5 s per step, waiting one step
+    behind another request first; later outputs and a resumed request's carry none."""
+    from raycluster.clock import VirtualClock
+
+    clock = VirtualClock(10.0)
+    model, tok = loaded
+    eng = LLMEngine(EngineConfig(kv_cache_tokens=8192, policy="fcfs", packer="token", chunk_size=16,
+                                 max_num_batched_tokens=16, predictor="none"), model, tok, clock=clock)
+    sp = SamplingParams(max_tokens=3, ignore_eos=True)
+    eng.add_request("first", [7] * 16, sp)
+    eng.add_request("a", list(range(20, 60)), sp)
+    eng.add_request("resumed", [11, 12, 13], sp, output_token_ids=[14, 15])
+    seen: dict[str, list] = {}
+    for _ in range(30):
+        if not eng.has_unfinished():
+            break
+        for out in eng.step().outputs:
+            seen.setdefault(out.request_id, []).append(out.prefill_s)
+        clock.advance(0.5)
+    assert seen["first"] == [0.0, None, None]       # scheduled and sampled in its first step
+    assert seen["a"] == [1.0, None, None]           # chunks at 10.5, 11.0, 11.5: first token at 11.5
+    assert set(seen["resumed"]) == {None}
+
+
 def test_stop_string_ends_request_and_is_not_emitted(loaded):
     model, tok = loaded
     prompt = tok.encode("The river ran down to the sea and the")

@@ -108,10 +108,11 @@ def test_vllms_per_request_histograms():
     assert buckets_1_2_5(4096)[-1] == 2000
     m = RequestMetrics(model_name="m", max_model_len=4096, sinks=[_Sink()])
     m.admitted(80, max_tokens=7, n=2)
-    m.first_token(0.05)
+    m.first_token(0.05, prefill_s=0.0375)
+    m.first_token(0.1)              # no prefill time (its prompt came with its KV, say)
     m.tokens_after(0.3, 3)
     m.tokens_after(0.02, 1)
-    m.finished("length", 5, 0.5, 0.08, prompt_tokens=40, decode_s=0.32)
+    m.finished("length", 5, 0.5, 0.08, prompt_tokens=40, decode_s=0.32, prefill_s=0.0375)
     m.finished("length", 1, 0.1, None, prompt_tokens=40, decode_s=0.0)
     assert m.sinks[0].calls[0] == ("admitted", 80)          # the sinks get what they always got
     text = m.render({"waiting": 0, "running": 0, "kv_used_blocks": 0, "kv_total_blocks": 1}).decode()
@@ -132,3 +133,10 @@ def test_vllms_per_request_histograms():
     assert got[("vllm:inter_token_latency_seconds_bucket", "0.1")] == 4
     assert got[("vllm:request_decode_time_seconds_count", None)] == 2
     assert got[("vllm:request_decode_time_seconds_bucket", "0.3")] == 1
+    # Queue time = TTFT - prefill time; inference time = prefill + decode time.
+    assert got[("vllm:request_prefill_time_seconds_count", None)] == 1
+    assert got[("vllm:request_prefill_time_seconds_sum", None)] == 0.0375
+    assert got[("vllm:request_queue_time_seconds_count", None)] == 1
+    assert abs(got[("vllm:request_queue_time_seconds_sum", None)] - 0.0125) < 1e-12
+    assert got[("vllm:request_inference_time_seconds_count", None)] == 1
+    assert abs(got[("vllm:request_inference_time_seconds_sum", None)] - 0.3575) < 1e-12

@@ -190,8 +190,8 @@ def test_pd_flow_and_two_gateways():
     # a: first token 11 with a KV handle; b: max_tokens=1, the instance ends it itself.
     core.clock.advance(0.25)
     core.on_report(StepReport(stats("p", "prefill-short"),
-                              events=[TokenEvent("b", [21], True, "length")],
-                              prefilled=[PrefillDone("a", 11, kv="HANDLE-a")]))
+                              events=[TokenEvent("b", [21], True, "length", prefill_s=0.5)],
+                              prefilled=[PrefillDone("a", 11, kv="HANDLE-a", prefill_s=0.125)]))
     core.clock.advance(0.1)
     dw = core.on_poll("d", stats("d", "decode")).work
     assert len(dw) == 1 and dw[0].mode == "decode" and dw[0].kv == "HANDLE-a"
@@ -206,6 +206,8 @@ def test_pd_flow_and_two_gateways():
     assert [(e.request_id, e.token_ids, e.finished) for e in e1] == [
         ("a", [11], False), ("a", [12], False), ("a", [13], True)]
     assert [(e.request_id, e.token_ids, e.finished) for e in e2] == [("b", [21], True)]
+    # The prefill instance's prefill time reaches the gateway with the first token.
+    assert [e.prefill_s for e in e1] == [0.125, None, None] and e2[0].prefill_s == 0.5
     assert core.take_events("g1").events == [] and core.inflight() == 0
 
 
