@@ -46,3 +46,45 @@ def merged_lora(tiny_model_dir):
                 getattr(getattr(model.model.layers[layer], TARGETS[module]), module).weight += b @ a
         return model
     return merge
+
+
+@pytest.fixture(scope="session")
+def eagle_heads(tiny_model_dir, loaded, tmp_path_factory):
+    """EAGLE heads for the tiny checkpoint, name -> directory: "random" / "trained" (EAGLE-1) and
+    "random3" / "trained3" (EAGLE-3). The random EAGLE-3 head has a 1024-token draft vocabulary
+    (d2t onto a random subset of the target's), its own embedding and aux layers 0, 1, 3 in its
+    config; the trained ones learnt the tiny model's greedy output for 60 steps (seconds)."""
+    import json
+    import random
+
+    import torch
+
+    from raycluster.model.config import ModelConfig
+    from raycluster.model.eagle import EagleHead, save_eagle_head
+    from raycluster.model.eagle3 import Eagle3Head
+    from raycluster.model.eagle_train import head_config_dict, train_eagle_head
+
+    root = tmp_path_factory.mktemp("eagle")
+    model = loaded[0]
+    layers, draft_vocab = model.config.num_hidden_layers, 1024
+    with open(f"{tiny_model_dir}/config.json") as f:
+        target_cfg = json.load(f)
+    torch.manual_seed(3)
+    cfg = head_config_dict(target_cfg)
+    rand = EagleHead(ModelConfig.from_dict(cfg), model, layers, fc_bias=True)
+    for p in rand.parameters():
+        torch.nn.init.normal_(p, std=0.05)
+    save_eagle_head(rand, cfg, root / "random")
+    cfg3 = {**head_config_dict(target_cfg, "eagle3"), "draft_vocab_size": draft_vocab,
+            "eagle_aux_hidden_state_layer_ids": [0, 1, 3]}
+    rand3 = Eagle3Head(ModelConfig.from_dict({**cfg3, "architectures": ["LlamaForCausalLM"]}), model, layers,
+                       (0, 1, 3), draft_vocab, own_embedding=True)
+    for p in rand3.parameters():
+        torch.nn.init.normal_(p, std=0.05)
+    kept = sorted(random.Random(4).sample(range(6, model.config.vocab_size), draft_vocab))
+    rand3.d2t.copy_(torch.tensor(kept) - torch.arange(draft_vocab))
+    save_eagle_head(rand3, cfg3, root / "random3")
+    for name, method in (("trained", "eagle"), ("trained3", "eagle3")):
+        train_eagle_head(tiny_model_dir, str(root / name), steps=60, num_sequences=32, gen_tokens=64,
+                         batch_size=8, method=method)
+    return {name: str(root / name) for name in ("random", "trained", "random3", "trained3")}

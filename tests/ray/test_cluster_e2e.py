@@ -157,17 +157,8 @@ def lora_adapter(tiny_model_dir, tmp_path_factory, merged_lora):
     return path, merged_lora(path)
 
 
-@pytest.fixture(scope="module")
-def eagle_head(tiny_model_dir, tmp_path_factory):
-    from raycluster.model.eagle_train import train_eagle_head
-
-    path = str(tmp_path_factory.mktemp("eagle") / "head")
-    train_eagle_head(tiny_model_dir, path, steps=60, num_sequences=32, gen_tokens=64, batch_size=8)
-    return path
-
-
 @pytest.fixture(scope="module", params=list(TOPOLOGIES))
-def cluster(request, serve_port, lora_adapter, eagle_head):
+def cluster(request, serve_port, lora_adapter, eagle_heads):
     import ray
     from ray import serve
 
@@ -182,7 +173,7 @@ def cluster(request, serve_port, lora_adapter, eagle_head):
         cfg["lora_resolver_dir"] = os.path.dirname(lora_adapter[0])     # adapters load on first use from here
     if request.param in EAGLE_TOPOLOGIES:
         cfg["pools"] = [{**p, "engine": {**p.get("engine", {}), "speculative_method": "eagle",
-                                         "speculative_model": eagle_head, "num_speculative_tokens": 3}}
+                                         "speculative_model": eagle_heads["trained"], "num_speculative_tokens": 3}}
                         for p in cfg["pools"]]
     serve.run(build_app(cfg), name="raycluster", route_prefix="/", blocking=False)
     url = f"http://127.0.0.1:{serve_port}"

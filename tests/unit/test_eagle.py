@@ -1,14 +1,14 @@
 """EAGLE drafting: the EAGLE-1 head equals a transformers reference (HF's Llama decoder as EAGLE-1
 wires it) through the paged cache, in one chunk or split into chunks and decode rows; for EAGLE-1
-and EAGLE-3 heads alike, the proposer's drafts equal drafts recomputed from scratch with plain
+and EAGLE-3 eagle_heads alike, the proposer's drafts equal drafts recomputed from scratch with plain
 causal attention at every step, an engine drafting with a head gives the very tokens it gives
 without drafts (greedy, seeded, chunked prefill, KV pressure, prefix caching, aborts) with every
 block back at the end, and the head's KV moves with a P/D handoff; the loader's and the config's
 errors name what is wrong. (EAGLE-3's own layout: test_eagle3.py.)
 
-Heads: random ones (nothing accepted; the EAGLE-3 one with a 1024-token draft vocabulary, its own
-embedding and aux layers named in its config) and ones trained for a few seconds on the tiny
-model's own greedy output (`train_eagle_head`: some accepted)."""
+Heads (tests/conftest.py `eagle_heads`): random ones (nothing accepted; the EAGLE-3 one with a
+draft vocabulary, its own embedding and aux layers named in its config) and ones trained for a
+few seconds on the tiny model's own greedy output (`train_eagle_head`: some accepted)."""
 
 from __future__ import annotations
 
@@ -25,48 +25,17 @@ from kernels.metadata import AttentionMetadata
 from raycluster.engine.config import EngineConfig
 from raycluster.engine.engine import LLMEngine
 from raycluster.kv_transfer.base import gather_blocks, scatter_blocks
-from raycluster.model.config import ModelConfig, ModelConfigError
-from raycluster.model.eagle import EagleHead, load_eagle_head, save_eagle_head
+from raycluster.model.config import ModelConfigError
+from raycluster.model.eagle import EagleHead, load_eagle_head
 from raycluster.model.eagle3 import Eagle3Head
-from raycluster.model.eagle_train import (eagle3_forward, head_config_dict, target_features, train_eagle_head,
-                                          train_forward)
+from raycluster.model.eagle_train import eagle3_forward, target_features, train_forward
 from raycluster.model.loader import CheckpointError
 from raycluster.request import SamplingParams
 
 BASE = dict(policy="fcfs", packer="token", predictor="none", kv_cache_tokens=8192)
 
 
-METHOD = {"random": "eagle", "trained": "eagle", "random3": "eagle3", "trained3": "eagle3"}
-DRAFT_VOCAB = 1024
-
-
-@pytest.fixture(scope="module")
-def heads(tiny_model_dir, loaded, tmp_path_factory):
-    """name -> directory (METHOD says which kind)."""
-    root = tmp_path_factory.mktemp("eagle")
-    model = loaded[0]
-    layers = model.config.num_hidden_layers
-    with open(f"{tiny_model_dir}/config.json") as f:
-        target_cfg = json.load(f)
-    torch.manual_seed(3)
-    cfg = head_config_dict(target_cfg)
-    rand = EagleHead(ModelConfig.from_dict(cfg), model, layers, fc_bias=True)
-    for p in rand.parameters():
-        torch.nn.init.normal_(p, std=0.05)
-    save_eagle_head(rand, cfg, root / "random")
-    cfg3 = {**head_config_dict(target_cfg, "eagle3"), "draft_vocab_size": DRAFT_VOCAB,
-            "eagle_aux_hidden_state_layer_ids": [0, 1, 3]}
-    rand3 = Eagle3Head(ModelConfig.from_dict({**cfg3, "architectures": ["LlamaForCausalLM"]}), model, layers,
-                       (0, 1, 3), DRAFT_VOCAB, own_embedding=True)
-    for p in rand3.parameters():
-        torch.nn.init.normal_(p, std=0.05)
-    kept = sorted(random.Random(4).sample(range(6, model.config.vocab_size), DRAFT_VOCAB))
-    rand3.d2t.copy_(torch.tensor(kept) - torch.arange(DRAFT_VOCAB))
-    save_eagle_head(rand3, cfg3, root / "random3")
-    for name, method in (("trained", "eagle"), ("trained3", "eagle3")):
-        train_eagle_head(tiny_model_dir, str(root / name), steps=60, num_sequences=32, gen_tokens=64,
-                         batch_size=8, method=method)
-    return {name: str(root / name) for name in METHOD}
+METHOD = {"random": "eagle", "trained": "eagle", "random3": "eagle3", "trained3": "eagle3"}   # eagle_heads
 
 
 def _prompts(n: int, seed: int) -> list[list[int]]:
@@ -147,9 +116,9 @@ def paged(head, ids, feats, pieces, block_size=16) -> tuple[torch.Tensor, torch.
     return torch.cat([o[0] for o in out]), torch.cat([o[1] for o in out])
 
 
-def test_head_equals_transformers_reference(heads, loaded):
+def test_head_equals_transformers_reference(eagle_heads, loaded):
     model = loaded[0]
-    head = load_eagle_head(heads["random"], model)
+    head = load_eagle_head(eagle_heads["random"], model)
     assert head.fc.bias is not None
     ids = _prompts(1, 5)[0] * 2
     feats = target_features(model, [ids])[0]
@@ -184,12 +153,12 @@ def _reference_drafts(model, head, tokens: list[int], k: int) -> list[int]:
 
 
 @pytest.mark.parametrize("name", ["trained", "trained3", "random3"])
-def test_drafts_equal_drafts_recomputed_from_scratch(heads, loaded, name):
+def test_drafts_equal_drafts_recomputed_from_scratch(eagle_heads, loaded, name):
     """After every step, each decoding request's drafts are what the head gives from scratch
     on its whole context: the catch-up over prefill chunks, accepted drafts and rejected ones,
     and the lookahead passes all read and write the right KV."""
     model = loaded[0]
-    head = load_eagle_head(heads[name], model, METHOD[name])
+    head = load_eagle_head(eagle_heads[name], model, METHOD[name])
     prompts = _prompts(6, 11)
     checked = []
 
@@ -199,7 +168,7 @@ def test_drafts_equal_drafts_recomputed_from_scratch(heads, loaded, name):
                 assert r.spec_token_ids == _reference_drafts(model, head, r.all_token_ids, len(r.spec_token_ids))
                 checked.append(len(r.spec_token_ids))
 
-    eng = _engine(loaded, heads[name], k=3, method=METHOD[name], max_num_batched_tokens=48, block_size=8)
+    eng = _engine(loaded, eagle_heads[name], k=3, method=METHOD[name], max_num_batched_tokens=48, block_size=8)
     _run(eng, prompts, [SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)] * len(prompts), check)
     assert len(checked) > 30 and max(checked) == 3
     if name.startswith("trained"):
@@ -209,7 +178,7 @@ def test_drafts_equal_drafts_recomputed_from_scratch(heads, loaded, name):
 # ---- the engine's output is unchanged -------------------------------------------------------
 
 @pytest.mark.parametrize("case", ["greedy", "seeded", "chunked", "pressure", "prefix"])
-def test_engine_output_unchanged(heads, loaded, case):
+def test_engine_output_unchanged(eagle_heads, loaded, case):
     prompts = _prompts(12, 1)
     cfg, sps = {}, [SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)] * len(prompts)
     if case == "seeded":
@@ -223,7 +192,7 @@ def test_engine_output_unchanged(heads, loaded, case):
         cfg = dict(enable_prefix_caching=True, block_size=8, max_num_seqs=2)   # later ones hit
     expected, _ = _run(_engine(loaded, **cfg), prompts, sps)
     for name in METHOD:
-        eng = _engine(loaded, heads[name], method=METHOD[name], **cfg)
+        eng = _engine(loaded, eagle_heads[name], method=METHOD[name], **cfg)
         got, preempted = _run(eng, prompts, sps)
         assert got == expected, name
         assert eng.spec.draft_tokens > 0
@@ -235,7 +204,7 @@ def test_engine_output_unchanged(heads, loaded, case):
             assert eng.kv.hit_rate() > 0.3
 
 
-def test_output_unchanged_with_adapters_logprobs_penalties_and_patterns(heads, loaded, tiny_model_dir, tmp_path):
+def test_output_unchanged_with_adapters_logprobs_penalties_and_patterns(eagle_heads, loaded, tiny_model_dir, tmp_path):
     """Requests on a LoRA adapter (the head reads the adapted target's features), asking for
     logprobs, penalised, or held to a regex: the same tokens and log-probabilities as plain
     decoding."""
@@ -270,24 +239,24 @@ def test_output_unchanged_with_adapters_logprobs_penalties_and_patterns(heads, l
 
     expected = run(None, "eagle")
     for name in ("trained", "trained3"):
-        got = run(heads[name], METHOD[name])
+        got = run(eagle_heads[name], METHOD[name])
         assert got[:2] == expected[:2], name
         assert got[2].spec.draft_tokens > 0
 
 
-def test_prefix_hit_recomputes_its_last_block_with_a_head(heads, loaded):
+def test_prefix_hit_recomputes_its_last_block_with_a_head(eagle_heads, loaded):
     """As vLLM: the head's KV at a cached run's last position was made with another request's
     next token, so an engine with a head recomputes that block."""
     prompt = list(range(100, 210))          # 110 tokens: 13 full blocks of 8 before the last
     sp = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
-    for head, cached in ((None, 13 * 8), (heads["trained"], 12 * 8)):
+    for head, cached in ((None, 13 * 8), (eagle_heads["trained"], 12 * 8)):
         eng = _engine(loaded, head, enable_prefix_caching=True, block_size=8)
         eng.generate([prompt], sp)
         assert eng.kv.cached_prefix_tokens(prompt + [9]) == cached
 
 
-def test_abort_frees_lookahead_blocks(heads, loaded):
-    eng = _engine(loaded, heads["trained"], k=5, block_size=4)
+def test_abort_frees_lookahead_blocks(eagle_heads, loaded):
+    eng = _engine(loaded, eagle_heads["trained"], k=5, block_size=4)
     for i, p in enumerate(_prompts(4, 7)):
         eng.add_request(f"a{i}", p, SamplingParams(max_tokens=50, temperature=0.0, ignore_eos=True))
     for _ in range(6):
@@ -300,12 +269,12 @@ def test_abort_frees_lookahead_blocks(heads, loaded):
 
 
 @pytest.mark.parametrize("name", ["trained", "trained3"])
-def test_head_kv_moves_with_a_handoff(heads, loaded, name):
+def test_head_kv_moves_with_a_handoff(eagle_heads, loaded, name):
     """A prefill-only engine writes the head's KV for the prompt; the decode engine that pulls
     the blocks drafts what a single engine drafts (and not when that layer stays behind)."""
     prompt = _prompts(1, 9)[0] * 3
     sp = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
-    head, method = heads[name], METHOD[name]
+    head, method = eagle_heads[name], METHOD[name]
 
     def first_drafts(engine):
         return next(r.spec_token_ids for r in engine.scheduler.requests.values())
@@ -339,9 +308,9 @@ def test_head_kv_moves_with_a_handoff(heads, loaded, name):
 
 # ---- errors ------------------------------------------------------------------------------
 
-def test_loader_and_config_errors(heads, loaded, tmp_path):
+def test_loader_and_config_errors(eagle_heads, loaded, tmp_path):
     model = loaded[0]
-    src = heads["random"]
+    src = eagle_heads["random"]
     tensors = load_file(f"{src}/model.safetensors")
     cfg = json.load(open(f"{src}/config.json"))
 
@@ -368,7 +337,7 @@ def test_loader_and_config_errors(heads, loaded, tmp_path):
     with pytest.raises(ModelConfigError, match="is not an eagle head"):
         load_eagle_head(write("qwen", c={**cfg, "architectures": ["Qwen2ForCausalLM"]}), model)
     with pytest.raises(ModelConfigError, match="an eagle3 head: speculative_method 'eagle3'"):
-        load_eagle_head(heads["random3"], model)
+        load_eagle_head(eagle_heads["random3"], model)
     with pytest.raises(ModelConfigError, match="an eagle head: speculative_method 'eagle'"):
         load_eagle_head(src, model, "eagle3")
     with pytest.raises(ValidationError, match="speculative_model: speculative_method 'eagle' needs an EAGLE head"):

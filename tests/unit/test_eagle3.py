@@ -3,7 +3,7 @@ entering the named layers); the head through the paged cache, in one chunk or in
 decode rows, equals the formula written out densely from its weights; logits over a draft
 vocabulary land on the target ids `d2t` names; the loader reads the original (`midlayer.`) and
 vLLM's names and refuses what does not fit, naming it; the training-time-test mask is the one
-the drafting passes see. (Drafts and engine output with EAGLE-3 heads: test_eagle.py.)"""
+the drafting passes see. (Drafts and engine output with EAGLE-3 eagle_heads: test_eagle.py.)"""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
-from test_eagle import DRAFT_VOCAB, heads, paged  # noqa: F401  (heads: the shared fixture)
+from test_eagle import paged
 
 from raycluster.model.config import ModelConfigError
 from raycluster.model.eagle import load_eagle_head
@@ -72,9 +72,9 @@ def test_aux_hidden_states_equal_transformers(tiny_model_dir, loaded):
     assert default_aux_layers(32) == (2, 16, 29)
 
 
-def test_head_equals_the_dense_formula(heads, loaded):  # noqa: F811
+def test_head_equals_the_dense_formula(eagle_heads, loaded):
     model = loaded[0]
-    head = load_eagle_head(heads["random3"], model, "eagle3")
+    head = load_eagle_head(eagle_heads["random3"], model, "eagle3")
     assert head.aux_layers == (0, 1, 3) and head.embed_tokens is not None
     ids = list(range(300, 371))
     aux = target_features(model, [list(range(200, 272))], aux_layers=head.aux_layers)[0][:71]
@@ -86,16 +86,16 @@ def test_head_equals_the_dense_formula(heads, loaded):  # noqa: F811
         torch.testing.assert_close(got[1], ref[1], atol=1e-4, rtol=1e-5)
     # Logits over the draft vocabulary land on the target ids d2t names; the rest are -inf.
     logits = head.compute_logits(ref[0][:5])
-    targets = torch.arange(DRAFT_VOCAB) + head.d2t
+    targets = torch.arange(head.d2t.numel()) + head.d2t
     assert torch.equal(logits[:, targets], head.lm_head(ref[0][:5]))
     rest = torch.ones(model.config.vocab_size, dtype=torch.bool)
     rest[targets] = False
     assert bool((logits[:, rest] == float("-inf")).all())
 
 
-def test_loader_names_and_errors(heads, loaded, tmp_path):  # noqa: F811
+def test_loader_names_and_errors(eagle_heads, loaded, tmp_path):
     model = loaded[0]
-    src = heads["random3"]
+    src = eagle_heads["random3"]
     tensors = load_file(f"{src}/model.safetensors")
     cfg = json.load(open(f"{src}/config.json"))
     assert any(n.startswith("midlayer.") for n in tensors) and "d2t" in tensors       # the original names
