@@ -308,6 +308,14 @@ def test_head_kv_moves_with_a_handoff(eagle_heads, loaded, name):
 
 # ---- errors ------------------------------------------------------------------------------
 
+def write_head(path, tensors: dict, config: dict) -> str:
+    """A head directory with these tensors and this config.json (loader tests' variants)."""
+    path.mkdir()
+    (path / "config.json").write_text(json.dumps(config))
+    save_file(tensors, str(path / "model.safetensors"))
+    return str(path)
+
+
 def test_loader_and_config_errors(eagle_heads, loaded, tmp_path):
     model = loaded[0]
     src = eagle_heads["random"]
@@ -315,11 +323,7 @@ def test_loader_and_config_errors(eagle_heads, loaded, tmp_path):
     cfg = json.load(open(f"{src}/config.json"))
 
     def write(name, t=tensors, c=cfg):
-        d = tmp_path / name
-        d.mkdir()
-        (d / "config.json").write_text(json.dumps(c))
-        save_file(t, str(d / "model.safetensors"))
-        return str(d)
+        return write_head(tmp_path / name, t, c)
 
     # vLLM's names: a `model.` prefix, an EagleLlamaForCausalLM config, the target's embedding copied in
     ok = write("prefixed", {**{"model." + n: t for n, t in tensors.items()},

@@ -12,8 +12,8 @@ import json
 import pytest
 import torch
 import torch.nn.functional as F
-from safetensors.torch import load_file, save_file
-from test_eagle import paged
+from safetensors.torch import load_file
+from test_eagle import paged, write_head
 
 from raycluster.model.config import ModelConfigError
 from raycluster.model.eagle import load_eagle_head
@@ -102,11 +102,7 @@ def test_loader_names_and_errors(eagle_heads, loaded, tmp_path):
     reference = load_eagle_head(src, model, "eagle3")
 
     def write(name, t=tensors, c=cfg):
-        d = tmp_path / name
-        d.mkdir()
-        (d / "config.json").write_text(json.dumps(c))
-        save_file(t, str(d / "model.safetensors"))
-        return str(d)
+        return write_head(tmp_path / name, t, c)
 
     # vLLM's names: `model.layers.0.*`, and a t2d it ignores; aux ids under eagle_config.
     vllm_names = {("model." + n.replace("midlayer.", "layers.0.")) if n != "lm_head.weight" else n: t
