@@ -18,9 +18,10 @@ authors. Deterministic for a seed on CPU.
     train_eagle_head(target_dir, out_dir, steps=..., method="eagle", ...) -> {"loss_first", "loss_last", "top1"}
     python -m raycluster.model.eagle_train --model tiny|PATH --out DIR [--method eagle3] [--steps 300]
 
-Data: `num_sequences` random prompts of 8-48 non-special tokens, each continued greedily by the
-target for `gen_tokens` tokens (our own engine), the target's features taken from one forward
-over every sequence. The head is written with `save_eagle_head`.
+Data: `num_sequences` (default 128; 512 for EAGLE-3, which fits fewer by heart) random prompts of
+8-48 non-special tokens, each continued greedily by the target for `gen_tokens` tokens (our own
+engine), the target's features taken from one forward over every sequence. The head is written
+with `save_eagle_head`.
 """
 
 from __future__ import annotations
@@ -158,13 +159,15 @@ def _lm_weight(model) -> torch.Tensor:
     return (model.model.embed_tokens.weight if model.config.tie_word_embeddings else model.lm_head.weight).detach()
 
 
-def train_eagle_head(target_dir: str, out_dir: str, steps: int = 300, num_sequences: int = 128,
+def train_eagle_head(target_dir: str, out_dir: str, steps: int = 300, num_sequences: int | None = None,
                      gen_tokens: int = 96, batch_size: int = 16, lr: float = 3e-3, cls_weight: float = 0.1,
                      seed: int = 0, method: str = "eagle", ttt_steps: int = 3) -> dict:
     torch.manual_seed(seed)
     model, _ = load_model(target_dir)
     with open(os.path.join(target_dir, "config.json")) as f:
         cfg_dict = head_config_dict(json.load(f), method)
+    # EAGLE-3's head, trained on tokens alone, fits 128 sequences of the tiny model by heart.
+    num_sequences = num_sequences or (128 if method == "eagle" else 512)
     sequences = greedy_sequences(model, num_sequences, gen_tokens, seed)
     finals = target_features(model, sequences)
     with torch.no_grad():               # the target's own next token after each position
@@ -223,7 +226,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--method", choices=("eagle", "eagle3"), default="eagle")
     p.add_argument("--out", required=True)
     p.add_argument("--steps", type=int, default=300)
-    p.add_argument("--sequences", type=int, default=128)
+    p.add_argument("--sequences", type=int, default=None, help="default 128 (eagle), 512 (eagle3)")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
     print(json.dumps(train_eagle_head(resolve_model_path(args.model), args.out, args.steps, args.sequences,
