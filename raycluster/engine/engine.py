@@ -4,7 +4,8 @@
 scheduler; `step()` asks the scheduler what to run, runs it through the model runner, samples
 (and, with speculative decoding, verifies each drafting decode's rows, then proposes the next
 drafts: raycluster.engine.spec_decode), detokenizes incrementally (stop strings), and returns a
-`StepResult` with one `RequestOutput` per request that produced tokens or finished.
+`StepResult` with one `RequestOutput` per request that produced tokens or finished (those types
+and the request checks live in raycluster.engine.outputs).
 `abort_request` frees a request's blocks at once. LoRA adapters (`lora_modules`) are loaded here
 and handed to the runner; a request names one in `SamplingParams.lora_adapter`. Adapters also
 come and go at run time: `read_lora` (any thread: reads the files), then `lora.add`;
@@ -18,13 +19,13 @@ import json
 import threading
 import time
 from pathlib import Path
-from dataclasses import dataclass, field
 
 import torch
 
 from raycluster.clock import WallClock
 from raycluster.engine.config import EngineConfig
 from raycluster.engine.guided import GuidedDecoding, constraint_of
+from raycluster.engine.outputs import InvalidRequestError, RequestOutput, StepResult, validate_request
 from raycluster.parallel.factory import build_runner
 from raycluster.engine.sampler import Sampler
 from raycluster.engine.spec_decode import SpecDecodeCounts, build_proposer
@@ -36,67 +37,7 @@ from raycluster.request import SLO, Request, RequestStatus, SamplingParams, Toke
 from raycluster.sched.base import Clock
 from raycluster.sched.predictor import LinearBatchPredictor
 
-
-class InvalidRequestError(ValueError):
-    """A request a user sent that cannot run; `field` names the offending input."""
-
-    def __init__(self, field: str, message: str) -> None:
-        super().__init__(f"{field}: {message}")
-        self.field = field
-
-
-@dataclass
-class RequestOutput:
-    request_id: str
-    new_token_ids: list[int]
-    new_text: str
-    finished: bool
-    finish_reason: str | None          # "stop" | "length" | "abort" once finished
-    num_prompt_tokens: int
-    num_output_tokens: int
-    logprobs: list[TokenLogprob] | None = None     # one per new token, when the request asked
-    num_cached_tokens: int = 0         # prompt tokens whose KV came from the prefix cache
-    # With sampling.prompt_logprobs, on the output of a request's first token: one per prompt
-    # token, None for the first (nothing precedes it).
-    prompt_logprobs: list[TokenLogprob | None] | None = None
-    prefill_s: float | None = None     # on the first token's output: first scheduled to first token
-
-
-@dataclass
-class StepResult:
-    outputs: list[RequestOutput] = field(default_factory=list)
-    num_prefill_tokens: int = 0
-    num_decode_tokens: int = 0
-    num_preempted: int = 0
-    num_draft_tokens: int = 0          # speculative decoding: drafts run this step
-    num_accepted_tokens: int = 0       # ... and kept
-    duration_s: float = 0.0
-
-
-def validate_request(ids: list[int], sp: SamplingParams, max_model_len: int, vocab_size: int,
-                     kv_capacity_tokens: int | None = None) -> None:
-    """Raise InvalidRequestError naming the field a user got wrong (shared with the gateway)."""
-    if not ids:
-        raise InvalidRequestError("prompt", "must not be empty")
-    for name, ids_ in (("logit_bias", sp.logit_bias), ("stop_token_ids", sp.stop_token_ids),
-                       ("allowed_token_ids", sp.allowed_token_ids or ()),
-                       ("bad_words", [t for seq in sp.bad_words_token_ids for t in seq])):
-        if any(not 0 <= t < vocab_size for t in ids_):
-            raise InvalidRequestError(name, f"token ids must be in [0, {vocab_size})")
-    if len(ids) >= max_model_len:
-        raise InvalidRequestError(
-            "prompt", f"{len(ids)} tokens leave no room to generate within the context of {max_model_len} tokens")
-    if kv_capacity_tokens is not None and len(ids) > kv_capacity_tokens - 1:
-        raise InvalidRequestError(
-            "prompt", f"{len(ids)} tokens exceed this instance's KV capacity of {kv_capacity_tokens} tokens")
-    if min(ids) < 0 or max(ids) >= vocab_size:
-        raise InvalidRequestError("prompt", f"token ids must be in [0, {vocab_size})")
-    try:
-        sp.validate()
-    except ValueError as e:
-        field_name, _, message = str(e).partition(" ")
-        raise InvalidRequestError(field_name, message) from None
-
+__all__ = ["InvalidRequestError", "LLMEngine", "RequestOutput", "StepResult", "validate_request"]
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 

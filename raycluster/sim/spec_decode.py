@@ -1,25 +1,25 @@
-"""Speculative decoding in the simulator: who drafts, what a verifying step costs, how many drafts
-are accepted.
+"""Speculative decoding in the simulator: who drafts, what a verifying step costs, how many drafts are
+accepted.
 
 A pool drafts when its engine options turn speculative decoding on (`speculative_method` ngram,
-draft_model or eagle, `num_speculative_tokens` k); the spec's `spec_decode` block says how the drafts fare,
-since the simulator has no tokens to compare: each draft is accepted with probability
-`acceptance`, independently, until the first rejection (the i.i.d. model of the speculative
-decoding papers: 1 + a + ... + a^d tokens expected from d drafts); `draft_cost` is one draft
-model pass as a fraction of a decode step of the target over the same requests (0 for n-gram
-lookup, ~0.05-0.1 for a small draft model of a large target, about 1 / layers for an EAGLE head).
+draft_model or eagle, `num_speculative_tokens` k); the spec's `spec_decode` block says how the
+drafts fare, since the simulator has no tokens to compare: each draft is accepted with probability
+`acceptance`, independently, until the first rejection (the i.i.d. model of the speculative decoding
+papers: 1 + a + ... + a^d tokens expected from d drafts); `draft_cost` is one draft model pass as a
+fraction of a decode step of the target over the same requests (0 for n-gram lookup, ~0.05-0.1 for a
+small draft model of a large target, about 1 / layers for an EAGLE head).
 
-The instance (sim/instance.py) uses the engine's own Scheduler unchanged: after a step, each
-request still decoding gets min(k, room) placeholder drafts (`propose`, the engine's room rule:
-within max_tokens and the context), the scheduler fits them into the next step's budget
-(`SchedulerOutput.spec_tokens`), and `accepted` draws how many it keeps. A verifying step is
-timed as the predictor times a prefill chunk: the request's last token and its d drafts are
-1 + d tokens on top of its context (one read of its KV, d + 1 rows of compute), plus k draft
-passes over the drafting requests at `draft_cost` each. A request's first drafts also cost the
+The instance (sim/instance.py) uses the engine's own Scheduler unchanged: after a step, each request
+still decoding gets min(k, room) drafts, copies of the fake token whose number alone matters
+(`propose`, the engine's room rule: within max_tokens and the context), the scheduler fits them into
+the next step's budget (`SchedulerOutput.spec_tokens`), and `accepted` draws how many it keeps. A
+verifying step is timed as the predictor times a prefill chunk: the request's last token and its d
+drafts are 1 + d tokens on top of its context (one read of its KV, d + 1 rows of compute), plus k
+draft passes over the drafting requests at `draft_cost` each. A request's first drafts also cost the
 draft model's prefill of its context (`draft_cost` of the target's prefill time), charged to the
 instance's next step, as the engine's proposal runs at the end of the step that made them. Not
-modelled: n-gram lookups that find nothing (every request drafts k while it has room).
-Decode runs and the decode fast path are off on drafting instances (every step is one event).
+modelled: n-gram lookups that find nothing (every request drafts k while it has room). Decode runs
+and the decode fast path are off on drafting instances (every step is one event).
 """
 
 from __future__ import annotations
