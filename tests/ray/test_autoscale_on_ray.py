@@ -21,8 +21,10 @@ from serve_app import deployed_app
 pytestmark = [pytest.mark.ray, pytest.mark.e2e, pytest.mark.slow]     # ~100 s: CI runs it (RUN_SLOW=1)
 
 ROUTER = "router-autoscale"
+# drain_s well above the ~10 s a 1600-token stream takes here, so the stopped replica's stream
+# finishes there even on a loaded machine (at 15 s, the default, it once resumed elsewhere).
 CFG = {"model": "tiny", "policy": "fcfs", "threads_per_instance": 1, "max_local_waiting": 2,
-       "router_name": ROUTER,
+       "router_name": ROUTER, "drain_s": 60.0,
        "engine": {"kv_cache_tokens": 4096, "packer": "token", "predictor": "none"},
        "pools": [{"role": "mixed", "instances": 1, "autoscaling": {
            "min_instances": 1, "max_instances": 2, "target_per_instance": 2,

@@ -635,9 +635,17 @@ def test_a_killed_instance_resumes_its_streams_elsewhere(cluster, restart_worklo
     before = {i["id"] for i in httpx.get(url + "/v1/cluster/status", timeout=10).json()["instances"]}
 
     def kill_the_busiest() -> str:
-        status = httpx.get(url + "/v1/cluster/status", timeout=10).json()
-        victim = max((i for i in status["instances"] if i["role"] == role), key=lambda i: i["running"])
-        assert victim["running"] > 0, status
+        # An instance of the role running requests. A CI run once found no decode instance in
+        # the status at this point (cause not found; not reproduced in isolation): wait for one.
+        deadline = time.monotonic() + 30
+        while True:
+            status = httpx.get(url + "/v1/cluster/status", timeout=10).json()
+            busy = [i for i in status["instances"] if i["role"] == role and i["running"] > 0]
+            if busy or time.monotonic() > deadline:
+                break
+            time.sleep(0.1)
+        assert busy, status
+        victim = max(busy, key=lambda i: i["running"])
         # A Serve replica's actor is SERVE_REPLICA::APP#DEPLOYMENT#ID; the instance id ends in ID.
         actor = next(a for a in ray.util.list_named_actors(all_namespaces=True)
                      if a["name"].endswith("#" + victim["id"].rsplit("-", 1)[1]))
