@@ -97,6 +97,10 @@ def main(model_dir: str) -> None:
     want = single_engine_texts(model_dir)
     env = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo"}
     temp_dir = tempfile.mkdtemp(prefix="rc2n", dir="/tmp")
+    # Ray's Cluster writes the head's address to $RAY_TMPDIR/ray/ray_current_cluster (default
+    # /tmp/ray, which need not exist on a fresh machine): keep that file in our own temp dir.
+    os.environ["RAY_TMPDIR"] = temp_dir
+    os.makedirs(os.path.join(temp_dir, "ray"), exist_ok=True)
     node = {"num_cpus": 3, "node_ip_address": "127.0.0.1", "object_store_memory": 200 * 1024 * 1024}
     cluster = Cluster(initialize_head=True, head_node_args={**node, "include_dashboard": False,
                                                             "temp_dir": temp_dir})
