@@ -9,6 +9,7 @@
   raycluster engine-server [--model ...] [--policy ...]     (one engine, no Ray)
   raycluster tiny-model PATH
   raycluster sim --cluster SPEC.yaml --workload NAME|FILE.jsonl ... --out F.json
+  raycluster sim-search --search SEARCH.yaml --workload NAME|FILE.jsonl ... --out F.json
   raycluster bench engine|convoy|policy|profile|kv-transfer|parallel|prefix|guided ...
 
 `up` runs the cluster (Ray Serve gateway, router, engine pools) on a new local Ray cluster or
@@ -420,6 +421,9 @@ def build_parser() -> argparse.ArgumentParser:
     sim.add_argument("rest", nargs=argparse.REMAINDER)
     sim.set_defaults(fn=lambda a: __import__("raycluster.sim.cli", fromlist=["main"]).main(a.rest) or 0)
 
+    ss = sub.add_parser("sim-search", help="capacity of candidate clusters within SLOs, by simulation "
+                        "(`raycluster sim-search --help`)", add_help=False)
+    ss.add_argument("rest", nargs=argparse.REMAINDER)
     bench = sub.add_parser("bench", help="benchmarks that write JSON (`raycluster bench engine --help`)")
     bench.add_argument("rest", nargs=argparse.REMAINDER)
     bench.set_defaults(fn=cmd_bench)
@@ -428,9 +432,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if argv and argv[0] in ("sim", "bench"):      # their own parsers own every flag, --help included
-        ns = argparse.Namespace(cmd=argv[0], rest=argv[1:])
-        return cmd_bench(ns) if argv[0] == "bench" else (__import__("raycluster.sim.cli", fromlist=["main"]).main(ns.rest) or 0)
+    if argv and argv[0] in ("sim", "sim-search", "bench"):     # their own parsers own every flag, --help included
+        if argv[0] == "bench":
+            return cmd_bench(argparse.Namespace(cmd="bench", rest=argv[1:]))
+        from raycluster.sim import cli as sim_cli, search_cli
+        return (sim_cli if argv[0] == "sim" else search_cli).main(argv[1:]) or 0
     args = build_parser().parse_args(argv)
     try:
         check_overrides(engine_overrides(args))

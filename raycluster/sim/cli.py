@@ -28,17 +28,21 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--warmup-s", type=float, default=0.0)
     ap.add_argument("--warmup-requests", type=int, default=0)
     ap.add_argument("--out", required=True, help="results JSON (the loadgen schema)")
-    ap.add_argument("--decode-path", choices=("default", "fast", "exact"), default="default",
-                    help="fast: decodes advance as a group (sim/fastpath.py; same records as exact); "
-                         "exact: every step through the scheduler (no decode runs); default: the spec's "
-                         "coalesce_decode")
+    add_decode_path_arg(ap)
     ap.add_argument("--quiet", action="store_true")
     add_workload_args(ap)
     return ap
 
 
+def add_decode_path_arg(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("--decode-path", choices=("default", "fast", "exact"), default="default",
+                    help="fast: decodes advance as a group (sim/fastpath.py; same records as exact); "
+                         "exact: every step through the scheduler (no decode runs); default: the spec's "
+                         "coalesce_decode")
+
+
 def main(argv: list[str] | None = None) -> int:
-    from raycluster.sim.run import simulate
+    from raycluster.sim.run import simulate, with_decode_path
     from raycluster.sim.spec import load_spec
 
     args = build_parser().parse_args(argv)
@@ -46,8 +50,7 @@ def main(argv: list[str] | None = None) -> int:
         spec = load_spec(args.cluster)
         if args.policy:
             spec = spec.model_copy(update={"policy": args.policy})
-        if args.decode_path == "exact":
-            spec = spec.model_copy(update={"coalesce_decode": False})
+        spec = with_decode_path(spec, args.decode_path)
     except (OSError, ValueError) as e:
         print(f"raycluster sim: bad cluster spec {args.cluster}: {e}", file=sys.stderr)
         return 2

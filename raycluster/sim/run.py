@@ -15,6 +15,12 @@ from raycluster.sim.cluster import SimCluster
 from raycluster.sim.spec import SimSpec
 
 
+def with_decode_path(spec: SimSpec, decode_path: str) -> SimSpec:
+    """The spec as the CLIs' `--decode-path` runs it: exact turns decode runs off (fast is
+    `simulate(..., fast_decode=True)`; default leaves the spec's coalesce_decode)."""
+    return spec.model_copy(update={"coalesce_decode": False}) if decode_path == "exact" else spec
+
+
 def simulate(spec: SimSpec, workload: Workload, *, horizon_s: float | None = None, seed: int | None = None,
              warmup_s: float = 0.0, warmup_requests: int = 0, check: bool = False,
              meta: dict | None = None, fast_decode: bool = False) -> dict:

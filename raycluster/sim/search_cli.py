@@ -1,0 +1,61 @@
+"""`raycluster sim-search`: the highest QPS each candidate cluster serves within the SLOs, by
+simulation, and the candidate with the most QPS per GPU (raycluster.sim.search).
+
+  raycluster sim-search --search SEARCH.yaml --workload NAME|FILE.jsonl
+                        [--duration S | --num-requests N] [--seed N] [workload options as loadgen]
+                        [--horizon S] [--decode-path default|fast|exact] --out F.json
+
+The workload is rebuilt at every probed QPS from the same options and seed (`--qps` is ignored:
+the search sets it). Writes the search's JSON to --out and prints the candidates as a markdown
+table, best first. Entry point `main(argv)`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from loadgen.cli import add_workload_args, workload_from_args
+from raycluster.sim.cli import add_decode_path_arg
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="raycluster sim-search",
+                                 description="Capacity search over simulated cluster configurations")
+    ap.add_argument("--search", required=True, help="search YAML (base spec, candidates, grid, slo, qps)")
+    ap.add_argument("--horizon", type=float, default=None,
+                    help="stop each run at this virtual time (s); a request unfinished by then fails the probe")
+    ap.add_argument("--out", required=True, help="search results JSON")
+    ap.add_argument("--quiet", action="store_true")
+    add_decode_path_arg(ap)
+    add_workload_args(ap)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    from raycluster.sim.search import expand, load_search, search, table
+
+    args = build_parser().parse_args(argv)
+    try:
+        spec, base = load_search(args.search)
+        expand(spec, base)                  # every candidate's spec checked before any run
+    except (OSError, ValueError) as e:
+        print(f"raycluster sim-search: bad search file {args.search}: {e}", file=sys.stderr)
+        return 2
+    workload_from_args(args)                # workload options checked before any run
+    say = None if args.quiet else (lambda line: print(line, file=sys.stderr, flush=True))
+    res = search(spec, base, lambda q: workload_from_args(args, qps=q), horizon_s=args.horizon,
+                 decode_path=args.decode_path, progress=say)
+    res["meta"] = {"argv": list(argv if argv is not None else sys.argv[1:]), "search": args.search,
+                   "workload": args.workload, "seed": args.seed, "decode_path": args.decode_path}
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(res, indent=1))
+    print(table(res))
+    print(f"best: {res['best'] or 'none met the SLOs at qps.min'} (constraints: {'; '.join(res['constraints'])})")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
