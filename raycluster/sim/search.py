@@ -30,6 +30,8 @@ from __future__ import annotations
 import copy
 import itertools
 import math
+from concurrent.futures import ProcessPoolExecutor
+from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -232,24 +234,41 @@ def capacity(name: str, spec: SimSpec, run: Callable[[SimSpec, float], dict], co
     return Capacity(name, spec.num_gpus, lo, "ok", (lo, hi), probes)
 
 
+@dataclass
+class _Simulate:
+    """`run` for `capacity`: the workload at q QPS through the simulator (a picklable callable,
+    so candidates can run in worker processes)."""
+    workload_at: Callable[[float], Workload]
+    horizon_s: float | None
+    decode_path: str
+
+    def __call__(self, spec: SimSpec, q: float) -> dict:
+        from raycluster.sim.run import simulate, with_decode_path
+
+        return simulate(with_decode_path(spec, self.decode_path), self.workload_at(q), horizon_s=self.horizon_s,
+                        fast_decode=self.decode_path == "fast")
+
+
+def _capacity_of(job: tuple) -> Capacity:
+    return capacity(*job)
+
+
 def search(search_spec: SearchSpec, base: dict, workload_at: Callable[[float], Workload], *,
-           horizon_s: float | None = None, decode_path: str = "default",
+           horizon_s: float | None = None, decode_path: str = "default", jobs: int = 1,
            progress: Callable[[str], None] | None = None) -> dict:
     """Capacity of every candidate, and the best by QPS per GPU (ties: fewer GPUs, then name).
-    `workload_at(q)`: the workload offered at q QPS; `horizon_s`, `decode_path`: as `raycluster sim`."""
-    from raycluster.sim.run import simulate, with_decode_path
-
-    def run(spec: SimSpec, q: float) -> dict:
-        return simulate(with_decode_path(spec, decode_path), workload_at(q), horizon_s=horizon_s,
-                        fast_decode=decode_path == "fast")
-
+    `workload_at(q)`: the workload offered at q QPS (picklable when jobs > 1); `horizon_s`,
+    `decode_path`: as `raycluster sim`; `jobs`: candidates searched at once, in worker processes
+    (each search is sequential; the results do not depend on jobs)."""
+    run = _Simulate(workload_at, horizon_s, decode_path)
+    work = [(name, spec, run, search_spec.slo, search_spec.qps) for name, spec in expand(search_spec, base)]
     rows = []
-    for name, spec in expand(search_spec, base):
-        cap = capacity(name, spec, run, search_spec.slo, search_spec.qps)
-        if progress:
-            progress(f"{name}: {cap.capacity_qps:.3g} QPS on {cap.num_gpus} GPUs ({cap.status}, "
-                     f"{len(cap.probes)} runs)")
-        rows.append(cap)
+    with ProcessPoolExecutor(max_workers=jobs) if jobs > 1 else nullcontext() as pool:
+        for cap in (pool.map(_capacity_of, work) if pool else map(_capacity_of, work)):
+            if progress:
+                progress(f"{cap.name}: {cap.capacity_qps:.3g} QPS on {cap.num_gpus} GPU(s) ({cap.status}, "
+                         f"{len(cap.probes)} runs)")
+            rows.append(cap)
     served = [c for c in rows if c.capacity_qps > 0]
     best = min(served, key=lambda c: (-c.qps_per_gpu, c.num_gpus, c.name)).name if served else None
     return {"constraints": [c.label() for c in search_spec.slo], "qps_range": search_spec.qps.model_dump(),

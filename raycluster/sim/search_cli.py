@@ -3,7 +3,7 @@ simulation, and the candidate with the most QPS per GPU (raycluster.sim.search).
 
   raycluster sim-search --search SEARCH.yaml --workload NAME|FILE.jsonl
                         [--duration S | --num-requests N] [--seed N] [workload options as loadgen]
-                        [--horizon S] [--decode-path default|fast|exact] --out F.json
+                        [--horizon S] [--decode-path default|fast|exact] [--jobs J] --out F.json
 
 The workload is rebuilt at every probed QPS from the same options and seed (`--qps` is ignored:
 the search sets it). Writes the search's JSON to --out and prints the candidates as a markdown
@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from functools import partial
 from pathlib import Path
 
 from loadgen.cli import add_workload_args, workload_from_args
@@ -28,6 +29,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--horizon", type=float, default=None,
                     help="stop each run at this virtual time (s); a request unfinished by then fails the probe")
     ap.add_argument("--out", required=True, help="search results JSON")
+    ap.add_argument("--jobs", type=int, default=1, help="candidates searched at once, in worker processes")
     ap.add_argument("--quiet", action="store_true")
     add_decode_path_arg(ap)
     add_workload_args(ap)
@@ -46,8 +48,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     workload_from_args(args)                # workload options checked before any run
     say = None if args.quiet else (lambda line: print(line, file=sys.stderr, flush=True))
-    res = search(spec, base, lambda q: workload_from_args(args, qps=q), horizon_s=args.horizon,
-                 decode_path=args.decode_path, progress=say)
+    res = search(spec, base, partial(workload_from_args, args), horizon_s=args.horizon,
+                 decode_path=args.decode_path, jobs=max(1, args.jobs), progress=say)
     res["meta"] = {"argv": list(argv if argv is not None else sys.argv[1:]), "search": args.search,
                    "workload": args.workload, "seed": args.seed, "decode_path": args.decode_path}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)

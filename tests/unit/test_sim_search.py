@@ -90,6 +90,13 @@ def test_two_instances_serve_more_and_win_per_gpu_only_if_they_scale():
     assert one["at_capacity"]["ttft_p99_s"] <= 1.0
 
 
+def test_candidates_in_worker_processes_give_the_same_search():
+    doc = {"spec": BASE, "slo": [{"metric": "ttft_p99_s", "max": 1.0}], "qps": {"min": 1, "max": 64, "rel_tol": 0.2},
+           "candidates": [{"name": "lars"}, {"name": "fcfs", "policy": "fcfs"}]}
+    alone = search(SearchSpec(**doc), BASE, chat_at)
+    assert search(SearchSpec(**doc), BASE, chat_at, jobs=2) == alone
+
+
 def test_requests_cut_by_the_horizon_fail_the_probe():
     res = simulate(SimSpec(**BASE), chat_at(4.0), horizon_s=5.0)
     s = res["summary"]
