@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+from pathlib import Path
 
 import pytest
 import yaml
@@ -180,3 +181,10 @@ def test_cli_writes_the_search_and_prints_the_table(tmp_path, capsys):
     assert main(["sim-search", "--search", str(tmp_path / "bad.yaml"), "--workload", "chat", "--num-requests", "8",
                  "--out", str(out)]) == 2
     assert "metric: 'nope'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("name", sorted(p.name for p in (Path(__file__).parents[2] / "sims" / "searches").glob("*.yaml")))
+def test_every_shipped_search_file_expands(name):
+    spec, base = load_search(Path(__file__).parents[2] / "sims" / "searches" / name)
+    candidates = expand(spec, base)
+    assert len(candidates) == len(spec.candidates) * math.prod(len(v) for v in spec.grid.values())
