@@ -47,6 +47,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"raycluster sim-search: bad search file {args.search}: {e}", file=sys.stderr)
         return 2
     workload_from_args(args)                # workload options checked before any run
+    if "--qps" in (argv if argv is not None else sys.argv[1:]):
+        print("raycluster sim-search: --qps is ignored; the search sets the offered load (the search "
+              "file's qps range)", file=sys.stderr)
     say = None if args.quiet else (lambda line: print(line, file=sys.stderr, flush=True))
     res = search(spec, base, partial(workload_from_args, args), horizon_s=args.horizon,
                  decode_path=args.decode_path, jobs=max(1, args.jobs), progress=say)

@@ -168,14 +168,15 @@ def test_cli_writes_the_search_and_prints_the_table(tmp_path, capsys):
     assert search_file.base == "base.yaml"
     out = tmp_path / "r.json"
     assert main(["sim-search", "--search", str(tmp_path / "s.yaml"), "--workload", "chat", "--num-requests", "80",
-                 "--seed", "1", "--out", str(out), "--quiet"]) == 0
+                 "--seed", "1", "--qps", "3", "--out", str(out), "--quiet"]) == 0
     res = json.loads(out.read_text())
     assert [c["name"] for c in res["candidates"]] == ["one", "two"]
     assert res["constraints"] == ["ttft_p99_s <= 1.0"] and res["meta"]["workload"] == "chat"
     for c in res["candidates"]:
         assert c["probes"] and all(p["ok"] == (p["qps"] <= c["capacity_qps"]) for p in c["probes"]), c
-    printed = capsys.readouterr().out
-    assert printed.startswith("| candidate | GPUs | capacity QPS |") and f"best: {res['best']}" in printed
+    printed = capsys.readouterr()
+    assert printed.out.startswith("| candidate | GPUs | capacity QPS |") and f"best: {res['best']}" in printed.out
+    assert "--qps is ignored" in printed.err
 
     (tmp_path / "bad.yaml").write_text(yaml.safe_dump({"base": "base.yaml", "slo": [{"metric": "nope", "max": 1}]}))
     assert main(["sim-search", "--search", str(tmp_path / "bad.yaml"), "--workload", "chat", "--num-requests", "8",
