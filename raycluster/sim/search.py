@@ -249,10 +249,6 @@ class _Simulate:
                         fast_decode=self.decode_path == "fast")
 
 
-def _capacity_of(job: tuple) -> Capacity:
-    return capacity(*job)
-
-
 def search(search_spec: SearchSpec, base: dict, workload_at: Callable[[float], Workload], *,
            horizon_s: float | None = None, decode_path: str = "default", jobs: int = 1,
            progress: Callable[[str], None] | None = None) -> dict:
@@ -261,10 +257,12 @@ def search(search_spec: SearchSpec, base: dict, workload_at: Callable[[float], W
     `decode_path`: as `raycluster sim`; `jobs`: candidates searched at once, in worker processes
     (each search is sequential; the results do not depend on jobs)."""
     run = _Simulate(workload_at, horizon_s, decode_path)
-    work = [(name, spec, run, search_spec.slo, search_spec.qps) for name, spec in expand(search_spec, base)]
+    names, specs = zip(*expand(search_spec, base))
+    n = len(names)
+    args = (names, specs, [run] * n, [search_spec.slo] * n, [search_spec.qps] * n)
     rows = []
     with ProcessPoolExecutor(max_workers=jobs) if jobs > 1 else nullcontext() as pool:
-        for cap in (pool.map(_capacity_of, work) if pool else map(_capacity_of, work)):
+        for cap in (pool.map if pool else map)(capacity, *args):
             if progress:
                 progress(f"{cap.name}: {cap.capacity_qps:.3g} QPS on {cap.num_gpus} GPU(s) ({cap.status}, "
                          f"{len(cap.probes)} runs)")
