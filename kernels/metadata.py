@@ -97,21 +97,36 @@ class AttentionMetadata:
         c["torch_prepared"] = True
         return c
 
-    def decode_buckets(self, device: torch.device | str | None = None) -> list["DecodeBucket"]:
-        """The decode rows as the torch backend attends them (built once, on `device`): grouped
-        by KV length so a bucket pads little, each with its gather rows and additive pad mask;
-        rows on one block table (a request's drafts) share one gather."""
+    def decode_buckets(self, device: torch.device | str | None = None,
+                       window: int | None = None) -> list["DecodeBucket"]:
+        """The decode rows as the torch backend attends them (built once per window, on
+        `device`): grouped by KV length so a bucket pads little, each with its gather rows and
+        additive pad mask; rows on one block table (a request's drafts) share one gather.
+        `window` (a sliding-window layer's): a row sees only its `window` latest keys, so a
+        group gathers from the block holding its earliest visible key and masks the rest."""
+        if window is not None and (not self.decode_kv_lens or max(self.decode_kv_lens) <= window):
+            window = None           # every key is in the window: the plain layout, shared
         c = self.cache
-        if "decode_buckets" not in c:
+        key = "decode_buckets" if window is None else ("decode_buckets", window)
+        if key not in c:
             device = torch.device(device) if device is not None else self.slot_mapping.device
-            groups = self._kv_groups() if self.num_decodes else []
+            groups = [(rows, self._first_block(rows, window), nb) for rows, nb in self._kv_groups()] \
+                if self.num_decodes else []
             parts = []
             for multi in (False, True):    # rows sharing a table pad only against each other
                 sel = [g for g in groups if (len(g[0]) > 1) == multi]
                 parts += [[sel[i] for i in part] for part in
-                          bucket_by_length([nb for _, nb in sel], self.block_size, DECODE_BUCKET_OVERHEAD_TOKENS)]
-            c["decode_buckets"] = [self._decode_bucket([rows for rows, _ in part], device) for part in parts]
-        return c["decode_buckets"]
+                          bucket_by_length([nb - first for _, first, nb in sel], self.block_size,
+                                           DECODE_BUCKET_OVERHEAD_TOKENS)]
+            c[key] = [self._decode_bucket([(rows, first) for rows, first, _ in part], device, window)
+                      for part in parts]
+        return c[key]
+
+    def _first_block(self, rows: list[int], window: int | None) -> int:
+        """The first block holding a key some row of the group sees (0 without a window)."""
+        if window is None:
+            return 0
+        return max(0, min(self.decode_kv_lens[i] for i in rows) - window) // self.block_size
 
     def _kv_groups(self) -> list[tuple[list[int], int]]:
         """Consecutive decode rows reading the same KV: (rows, blocks of the longest). A request
@@ -135,23 +150,30 @@ class AttentionMetadata:
             head = bt
         return groups
 
-    def _decode_bucket(self, groups: list[list[int]], device) -> "DecodeBucket":
-        """One gather of each group's blocks, its rows' queries side by side (m = the largest
-        group; a shorter group repeats its last row, whose output is dropped)."""
+    def _decode_bucket(self, spans: list[tuple[list[int], int]], device, window: int | None) -> "DecodeBucket":
+        """One gather of each group's blocks from its first block on, its rows' queries side by
+        side (m = the largest group; a shorter group repeats its last row, whose output is
+        dropped). `spans`: (rows, first block) per group."""
         bs = self.block_size
+        groups = [rows for rows, _ in spans]
+        firsts = [first for _, first in spans]
         lens = [[self.decode_kv_lens[i] for i in rows] for rows in groups]
-        nb = max(-(-max(ls) // bs) for ls in lens)
+        nb = max(-(-max(ls) // bs) - first for ls, first in zip(lens, firsts))
         m = max(len(rows) for rows in groups)
         padded = []                     # each group's longest row's blocks, padded with block 0
-        for rows, ls in zip(groups, lens):
+        for rows, ls, first in zip(groups, lens, firsts):
             top = max(ls)
             n = -(-top // bs)
-            padded.append(self.decode_block_tables[rows[ls.index(top)]][:n] + [0] * (nb - n))
+            padded.append(self.decode_block_tables[rows[ls.index(top)]][first:n] + [0] * (nb - n + first))
         table = torch.tensor(padded, dtype=torch.long)
         q_rows = [rows[min(t, len(rows) - 1)] for rows in groups for t in range(m)]
         kv_lens = torch.tensor([ls[min(t, len(ls) - 1)] for ls in lens for t in range(m)],
                                dtype=torch.long).view(len(groups), m)
-        pad = torch.arange(nb * bs)[None, None, :] >= kv_lens[..., None]
+        # Absolute position of each gathered key, per group.
+        key_pos = torch.tensor(firsts, dtype=torch.long)[:, None, None] * bs + torch.arange(nb * bs)[None, None, :]
+        pad = key_pos >= kv_lens[..., None]
+        if window is not None:
+            pad |= key_pos < kv_lens[..., None] - window
         mask = None
         if bool(pad.any()):
             mask = torch.zeros(len(groups), 1, m, nb * bs).masked_fill_(pad[:, None], float("-inf")).to(device)
@@ -194,8 +216,8 @@ class DecodeBucket:
     table: torch.Tensor  # int64 [n, num_blocks] block ids, padded with block 0
     rows: torch.Tensor  # int64 [2 * n * num_blocks]: K block rows then V block rows of kv_layer.view(N*2, -1)
     num_blocks: int
-    mask: torch.Tensor | None  # additive fp32 [n, 1, m, num_blocks * B] (-inf past each length), None if no padding
-    pad: torch.Tensor  # bool [n, m, num_blocks * B], True past each query's length
+    mask: torch.Tensor | None  # additive fp32 [n, 1, m, num_blocks * B] (-inf where pad), None if no padding
+    pad: torch.Tensor  # bool [n, m, num_blocks * B], True past each query's length (and before its window)
     num_queries: int = 1  # m
     keep: torch.Tensor | None = None  # slots holding a real row (None: every slot)
     out_index: torch.Tensor | None = None  # decode row of each kept slot (None: all rows, in order)

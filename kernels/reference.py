@@ -1,5 +1,6 @@
 """Plain-formula attention used only by tests: dense per-request K/V,
-softmax(Q K^T * scale + bottom-right causal mask) V, with the LSE converted to base 2."""
+softmax(Q K^T * scale + bottom-right causal (optionally sliding-window) mask) V, with the LSE
+converted to base 2."""
 
 from __future__ import annotations
 
@@ -9,8 +10,10 @@ import torch
 
 
 def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
-                        causal: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+                        causal: bool = True, window: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """q [n,Hq,D] (the last n tokens of the request), k/v [L,Hkv,D] (all its KV, L >= n).
+    `window` (with causal): each query sees only the `window` latest keys up to itself, as
+    Hugging Face's sliding-window mask (key position > query position - window).
     Returns out [n,Hq,D] and base-2 lse [n,Hq], computed in fp64."""
     n, hq, d = q.shape
     L, hkv, _ = k.shape
@@ -22,6 +25,8 @@ def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale
         # Query i sits at absolute position L - n + i and sees keys 0..L-n+i.
         qpos = torch.arange(L - n, L)[:, None]
         mask = torch.arange(L)[None, :] > qpos
+        if window is not None:
+            mask |= torch.arange(L)[None, :] <= qpos - window
         scores = scores.masked_fill(mask[None], float("-inf"))
     lse = torch.logsumexp(scores, dim=-1)  # [Hq, n]
     p = torch.softmax(scores, dim=-1)

@@ -8,7 +8,10 @@ Prefill avoids materialising [H, T, T] scores: on CPU it uses torch's fused flas
 (`_scaled_dot_product_flash_attention_for_cpu`, which returns the natural-log LSE and supports
 GQA without expanding K/V); elsewhere it tiles queries. A chunk with earlier KV is computed as
 two states -- "all earlier KV, no mask" and "causal within the chunk" -- merged by LSE; this is
-exactly the bottom-right aligned causal mask.
+exactly the bottom-right aligned causal mask. A sliding-window layer (Mistral, Qwen2's upper
+layers) passes `window`: a query at position p sees keys p - window < key <= p (Hugging Face's
+mask); a chunk whose request is longer than the window reads only the window's blocks and
+attends in query tiles under a banded mask, and decode gathers from the window's first block.
 
 CPU fast paths (same results): a chunk with earlier KV keeps the two fused passes (one pass over
 prefix + chunk with an additive bottom-right causal mask measured no faster: it loses the causal
@@ -134,6 +137,55 @@ def _attend(q, k, v, causal: bool, scale: float):
     return _attend_tiled(q, k, v, causal, scale)
 
 
+def _attend_masked(q, k, v, visible: torch.Tensor, scale: float):
+    """Attention of q [n,Hq,D] over k/v [L,Hkv,D] where visible [n,L] (bool) says which keys each
+    query sees (every row sees at least one). Returns (out [n,Hq,D], natural-log lse [n,Hq] fp32)."""
+    if q.device.type == "cpu" and q.dtype == k.dtype:
+        mask = torch.zeros(visible.shape, dtype=q.dtype, device=q.device).masked_fill_(~visible, float("-inf"))
+        out, lse = _FLASH_CPU(q.transpose(0, 1).unsqueeze(0), k.transpose(0, 1).unsqueeze(0),
+                              v.transpose(0, 1).unsqueeze(0), 0.0, False, attn_mask=mask[None, None], scale=scale)
+        return out.squeeze(0).transpose(0, 1), lse.squeeze(0).transpose(0, 1).float()
+    n, hq, d = q.shape
+    hkv = k.shape[1]
+    g = hq // hkv
+    qg = q.float().view(n, hkv, g, d).permute(1, 0, 2, 3).reshape(hkv, n * g, d)
+    sc = torch.bmm(qg, k.float().permute(1, 2, 0)).view(hkv, n, g, -1) * scale
+    sc = sc.masked_fill(~visible[None, :, None, :], float("-inf"))
+    lse = torch.logsumexp(sc, dim=-1)  # [Hkv, n, g]
+    p = torch.exp(sc - lse[..., None])
+    o = torch.bmm(p.view(hkv, n * g, -1), v.float().permute(1, 0, 2)).view(hkv, n, g, d)
+    return o.permute(1, 0, 2, 3).reshape(n, hq, d).to(q.dtype), lse.permute(1, 0, 2).reshape(n, hq)
+
+
+def _windowed_prefill(qi, kv_layer, table, prefix: int, ki, vi, window: int, scale: float):
+    """One request's chunk (queries at positions prefix .. prefix + n - 1, its own K/V ki/vi)
+    under a sliding window: query p sees keys p - window < key <= p. Only the blocks holding the
+    window's earlier keys are read, and queries go in tiles so the mask stays [tile, tile + window]."""
+    n = qi.shape[0]
+    bs = kv_layer.shape[2]
+    lo = max(0, prefix - window + 1)            # the earliest key any query of the chunk sees
+    if lo < prefix:
+        first = lo // bs
+        kp, vp = _gather(kv_layer, table[first:-(-prefix // bs)], prefix - first * bs)
+        off = lo - first * bs
+        k_all, v_all = torch.cat([kp[off:], ki]), torch.cat([vp[off:], vi])
+    else:
+        k_all, v_all = ki, vi
+    key_pos = torch.arange(lo, prefix + n, device=qi.device)
+    outs, lses = [], []
+    tile = _Q_TILE
+    for a in range(0, n, tile):
+        b = min(n, a + tile)
+        k_lo = max(lo, prefix + a - window + 1) - lo
+        q_pos = torch.arange(prefix + a, prefix + b, device=qi.device)
+        dist = q_pos[:, None] - key_pos[None, k_lo:prefix + b - lo]
+        o, lse = _attend_masked(qi[a:b].to(k_all.dtype), k_all[k_lo:prefix + b - lo], v_all[k_lo:prefix + b - lo],
+                                (dist >= 0) & (dist < window), scale)
+        outs.append(o)
+        lses.append(lse)
+    return torch.cat(outs), torch.cat(lses)
+
+
 def _gather(kv_layer: torch.Tensor, table: torch.Tensor, length: int):
     """Dense K, V [length, Hkv, D] of one request from its block ids (one copy each)."""
     k = kv_layer[:, 0][table].flatten(0, 1)[:length]
@@ -157,11 +209,12 @@ def _fast_cpu(q: torch.Tensor, kv_layer: torch.Tensor) -> bool:
 
 def paged_prefill_attention(q: torch.Tensor, kv_layer: torch.Tensor, meta: AttentionMetadata,
                             scale: float, k: torch.Tensor | None = None, v: torch.Tensor | None = None,
-                            return_lse: bool = True, workspace: Workspace | None = None):
+                            return_lse: bool = True, workspace: Workspace | None = None,
+                            window: int | None = None):
     """Attention for the prefill tokens q [Tp,Hq,D]: each chunk sees its request's earlier KV
-    plus itself causally. KV must already be written. If the chunk's own k/v [Tp,Hkv,D] are
-    given they are used instead of re-reading them from the cache.
-    Returns (out [Tp,Hq,D], base-2 lse [Tp,Hq] or None)."""
+    plus itself causally (with `window`, only the `window` latest keys up to each query). KV must
+    already be written. If the chunk's own k/v [Tp,Hkv,D] are given they are used instead of
+    re-reading them from the cache. Returns (out [Tp,Hq,D], base-2 lse [Tp,Hq] or None)."""
     c = meta.prepare(kv_layer.device)
     out = torch.empty_like(q)
     lse_all = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device) if return_lse else None
@@ -179,6 +232,13 @@ def paged_prefill_attention(q: torch.Tensor, kv_layer: torch.Tensor, meta: Atten
         else:
             ki, vi = _gather(kv_layer, table, kv_len)
             ki, vi = ki[prefix:], vi[prefix:]
+        if window is not None and kv_len > window:
+            o, lse = _windowed_prefill(qi, kv_layer, table, prefix, ki, vi, window, scale)
+            out[start:start + n] = o
+            if return_lse:
+                lse_all[start:start + n] = lse * LOG2E
+            start += n
+            continue
         o, lse = _attend(qi.to(ki.dtype), ki, vi, True, scale)
         if prefix > 0:
             if fast:
@@ -226,12 +286,14 @@ def _decode_bucket_manual(qb, k, v, bucket, scale, return_lse):
 
 
 def paged_decode_attention(q: torch.Tensor, kv_layer: torch.Tensor, meta: AttentionMetadata,
-                           scale: float, return_lse: bool = True, workspace: Workspace | None = None):
+                           scale: float, return_lse: bool = True, workspace: Workspace | None = None,
+                           window: int | None = None):
     """One query row per decode token, q [Td,Hq,D]. Rows are grouped by KV length into buckets
-    (built once per step by meta.prepare); each bucket's blocks are gathered with one index op
-    into a padded [n, L] layout and attended with a length mask. The rows of one request's
-    drafts share their gather: its m queries attend together, each masked at its own length.
-    Returns (out [Td,Hq,D], base-2 lse [Td,Hq] or None)."""
+    (built once per step and window by meta.decode_buckets); each bucket's blocks are gathered
+    with one index op into a padded [n, L] layout and attended with a length mask (with `window`,
+    from the block of each group's earliest visible key, the keys before each row's window masked
+    too). The rows of one request's drafts share their gather: its m queries attend together,
+    each masked at its own length. Returns (out [Td,Hq,D], base-2 lse [Td,Hq] or None)."""
     td, hq, d = q.shape
     if td == 0:
         return q.new_empty(q.shape), (q.new_empty((0, hq), dtype=torch.float32) if return_lse else None)
@@ -239,7 +301,7 @@ def paged_decode_attention(q: torch.Tensor, kv_layer: torch.Tensor, meta: Attent
     bs, hkv = kv_layer.shape[2], kv_layer.shape[3]
     out = torch.empty_like(q)
     lse_all = q.new_empty((td, hq), dtype=torch.float32) if return_lse else None
-    for b in meta.decode_buckets(kv_layer.device):
+    for b in meta.decode_buckets(kv_layer.device, window):
         qb = q if b.index is None else q.index_select(0, b.index)
         m = b.num_queries
         n, L = qb.shape[0] // m, b.num_blocks * bs
@@ -275,25 +337,27 @@ def paged_decode_attention(q: torch.Tensor, kv_layer: torch.Tensor, meta: Attent
 
 
 class TorchAttentionBackend:
-    """Writes the step's K/V into one layer's paged cache, then attends (prefill + decode)."""
+    """Writes the step's K/V into one layer's paged cache, then attends (prefill + decode).
+    `window`: the layer's sliding window (None: full causal attention)."""
 
     name = "torch"
+    supports_sliding_window = True
 
     def __init__(self) -> None:
         self.workspace = Workspace()
 
     def forward(self, layer_kv: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                meta: AttentionMetadata, scale: float) -> torch.Tensor:
+                meta: AttentionMetadata, scale: float, window: int | None = None) -> torch.Tensor:
         c = meta.prepare(layer_kv.device)
         write_kv(layer_kv, k, v, meta.slot_mapping, c["slot_block"], c["slot_offset"], c["slot_row"])
         tp, td = meta.num_prefill_tokens, meta.num_decode_tokens
         if td == 0:
             return paged_prefill_attention(q, layer_kv, meta, scale, k=k, v=v, return_lse=False,
-                                           workspace=self.workspace)[0]
+                                           workspace=self.workspace, window=window)[0]
         out = torch.empty_like(q)
         if tp:
             out[:tp] = paged_prefill_attention(q[:tp], layer_kv, meta, scale, k=k[:tp], v=v[:tp],
-                                               return_lse=False, workspace=self.workspace)[0]
+                                               return_lse=False, workspace=self.workspace, window=window)[0]
         out[tp:tp + td] = paged_decode_attention(q[tp:tp + td], layer_kv, meta, scale, return_lse=False,
-                                                 workspace=self.workspace)[0]
+                                                 workspace=self.workspace, window=window)[0]
         return out

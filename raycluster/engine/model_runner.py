@@ -51,7 +51,8 @@ class ModelRunner:
         self.port = DirectPort(self.kv_cache)      # what a KV connector wraps: this tensor itself
         # Its own attention backend unless the model was built with one: the torch backend's
         # scratch buffers must not be shared by engines stepping in threads of one process.
-        self.backend = model.backend or get_attention_backend(self.device)
+        self.backend = model.backend or get_attention_backend(
+            self.device, sliding_window=bool(model.config.sliding_layers))
         self.lora = None            # the engine's LoRASet when it serves adapters
 
     def kv_bytes_per_token(self) -> int:

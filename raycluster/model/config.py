@@ -3,9 +3,11 @@ from-scratch model needs, validated with errors that name the offending field.
 
 Accepts both transformers-5 files (`rope_parameters`, `dtype`) and older ones (top-level
 `rope_theta` / `rope_scaling` with `rope_type` or `type`, `torch_dtype`). Sliding-window
-attention is not implemented: an active window smaller than max_position_embeddings caps
-`max_model_len` at the window, where full attention is still exact. `from_pretrained` adds the
-end-of-sequence ids of a generation_config.json beside config.json.
+attention follows Hugging Face: Mistral slides on every layer when `sliding_window` is set;
+Qwen2 / Qwen3 only with `use_sliding_window`, on the layers `layer_types` marks
+"sliding_attention" (or, without it, layers i >= `max_window_layers`); Llama never.
+`window_of(layer)` gives a layer's window. `from_pretrained` adds the end-of-sequence ids of a
+generation_config.json beside config.json.
 """
 
 from __future__ import annotations
@@ -49,8 +51,13 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_id: tuple[int, ...] = ()
     dtype: str | None = None
-    sliding_window: int | None = None  # active window, if any
+    sliding_window: int | None = None  # the window of the sliding layers, if any
+    sliding_layers: tuple[int, ...] = ()  # indices of the layers that slide (of the full model)
     raw: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
+
+    def window_of(self, layer: int) -> int | None:
+        """The sliding window of decoder layer `layer` (its index in the full model), or None."""
+        return self.sliding_window if layer in self.sliding_layers else None
 
     @property
     def architectures(self) -> list[str]:
@@ -128,9 +135,8 @@ class ModelConfig:
         else:  # Mistral
             qkv_bias = o_bias = mlp_bias = False
 
-        window = _active_sliding_window(arch, d, layers)
-        context = _scaled_context(max_pos, scaling)
-        max_len = min(context, window) if window else context
+        window, sliding = _sliding_layers(arch, d, layers)
+        max_len = _scaled_context(max_pos, scaling)
 
         eos = d.get("eos_token_id")
         if eos is None:
@@ -149,7 +155,8 @@ class ModelConfig:
             tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
             qkv_bias=qkv_bias, o_bias=o_bias, mlp_bias=mlp_bias, qk_norm=arch == "Qwen3ForCausalLM",
             bos_token_id=int(bos) if bos is not None else None, eos_token_id=eos_t,
-            dtype=d.get("dtype") or d.get("torch_dtype"), sliding_window=window, raw=dict(d))
+            dtype=d.get("dtype") or d.get("torch_dtype"), sliding_window=window,
+            sliding_layers=sliding, raw=dict(d))
 
 
 def _parse_rope(d: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
@@ -197,19 +204,27 @@ def _scaled_context(max_pos: int, scaling: dict[str, Any] | None) -> int:
     return max_pos
 
 
-def _active_sliding_window(arch: str, d: dict[str, Any], layers: int) -> int | None:
+def _sliding_layers(arch: str, d: dict[str, Any], layers: int) -> tuple[int | None, tuple[int, ...]]:
+    """(window, indices of the sliding layers) as Hugging Face's modeling code reads config.json."""
     window = d.get("sliding_window")
-    if not window:
-        return None
+    if not window or arch == "LlamaForCausalLM":
+        return None, ()
+    try:
+        window = int(window)
+    except (TypeError, ValueError) as e:
+        raise ModelConfigError(f"config field 'sliding_window' has invalid value {d['sliding_window']!r}") from e
+    if window < 1:
+        raise ModelConfigError(f"config field 'sliding_window' = {window} must be at least 1")
+    if arch == "MistralForCausalLM":
+        return window, tuple(range(layers))
+    if not d.get("use_sliding_window", False):
+        return None, ()
     layer_types = d.get("layer_types")
-    if isinstance(layer_types, list) and layer_types:
-        return int(window) if "sliding_attention" in layer_types else None
-    if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM"):
-        if not d.get("use_sliding_window", False):
-            return None
-        # HF Qwen2 / Qwen3 slide only on layers i >= max_window_layers.
-        if int(d.get("max_window_layers", layers)) >= layers:
-            return None
-    if arch == "LlamaForCausalLM":
-        return None
-    return int(window)
+    if layer_types is not None:
+        if not isinstance(layer_types, list) or len(layer_types) != layers:
+            raise ModelConfigError(f"config field 'layer_types' must list one type per layer ({layers})")
+        sliding = tuple(i for i, t in enumerate(layer_types) if t == "sliding_attention")
+    else:
+        start = int(d.get("max_window_layers", layers))
+        sliding = tuple(range(start, layers))
+    return (window, sliding) if sliding else (None, ())

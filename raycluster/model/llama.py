@@ -33,8 +33,9 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, window: int | None = None):
         super().__init__()
+        self.window = window        # sliding window of this layer (None: full causal attention)
         self.num_heads = cfg.num_attention_heads
         self.num_kv_heads = cfg.num_key_value_heads
         self.head_dim = cfg.head_dim
@@ -60,7 +61,8 @@ class Attention(nn.Module):
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, k, cos, sin)
-        o = backend.forward(layer_kv, q, k, v, meta, self.scale).reshape(t, self.num_heads * self.head_dim)
+        o = backend.forward(layer_kv, q, k, v, meta, self.scale, window=self.window)
+        o = o.reshape(t, self.num_heads * self.head_dim)
         return self.o_proj(o) if lora is None else _project(self.o_proj, o, lora, index, "o_proj")
 
 
@@ -90,9 +92,9 @@ def _project(linear, x, lora, index: int, name: str):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, window: int | None = None):
         super().__init__()
-        self.self_attn = Attention(cfg)
+        self.self_attn = Attention(cfg, window)
         self.mlp = MLP(cfg)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -106,7 +108,7 @@ class LlamaModel(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, cfg.window_of(i)) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
@@ -127,7 +129,7 @@ class LlamaForCausalLM(nn.Module):
             return self.backend
         if self._default_backend is None:
             from kernels import get_attention_backend
-            self._default_backend = get_attention_backend(device)
+            self._default_backend = get_attention_backend(device, sliding_window=bool(self.config.sliding_layers))
         return self._default_backend
 
     def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:

@@ -85,6 +85,9 @@ def build_runner(config: EngineConfig, model, dtype: torch.dtype, model_path: st
         if extra and config.enable_prefix_caching:
             kv.rerun_last_match = True
         return ModelRunner(model, kv, dtype, config.device, extra_kv_layers=extra)
+    if config.kvp > 1 and model.config.sliding_layers:
+        raise ValueError(f"kvp: {config.kvp} KVP ranks for a sliding-window model (window "
+                         f"{model.config.sliding_window}): KV parallelism does not mask by a window; use kvp 1")
     if kind in SPP_KINDS and config.spp > model.config.num_hidden_layers:
         raise ValueError(f"spp: {config.spp} stages for {model.config.num_hidden_layers} layers")
     if config.tp > 1:

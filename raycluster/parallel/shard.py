@@ -187,9 +187,10 @@ class RowParallelLinear(nn.Linear):
         return F.linear(x, self.weight, self.bias)
 
 
-def _shard_layer(cfg: ModelConfig, full_cfg: ModelConfig, rank: int, reduce: Callable) -> DecoderLayer:
-    """An empty (meta) decoder layer of the shard config with its o_proj / down_proj row-parallel."""
-    layer = DecoderLayer(cfg)
+def _shard_layer(cfg: ModelConfig, full_cfg: ModelConfig, rank: int, reduce: Callable, index: int) -> DecoderLayer:
+    """An empty (meta) decoder layer of the shard config with its o_proj / down_proj row-parallel
+    (`index`: the layer's place in the full model, which says its sliding window)."""
+    layer = DecoderLayer(cfg, full_cfg.window_of(index))
     attn, mlp = layer.self_attn, layer.mlp
     attn.o_proj = RowParallelLinear(attn.num_heads * attn.head_dim, cfg.hidden_size,
                                     full_cfg.o_bias and rank == 0, reduce)
@@ -214,7 +215,7 @@ def _assemble(full_cfg: ModelConfig, rank: int, tp: int, reduce: Callable, layer
     cfg = dataclasses.replace(shard_config(full_cfg, tp), num_hidden_layers=len(layers))
     with torch.device("meta"):
         sharded = LlamaForCausalLM(cfg)
-        shards = [_shard_layer(cfg, full_cfg, rank, reduce) for _ in layers]
+        shards = [_shard_layer(cfg, full_cfg, rank, reduce, i) for i in layers]
     for i, layer in zip(layers, shards):
         layer.load_state_dict(layer_state(i), strict=True, assign=True)
     sharded.model.layers = nn.ModuleList(shards)

@@ -192,7 +192,8 @@ class SPPStage:
         if kvp > 1:
             self.backend = KVPAttention(self.kvp_group)
         else:
-            self.backend = backend if world == 1 and backend is not None else get_attention_backend(self.device)
+            self.backend = backend if world == 1 and backend is not None else get_attention_backend(
+                self.device, sliding_window=bool(model.config.sliding_layers))
         self.hidden_dtype = self.layers[0].input_layernorm.weight.dtype
         self.hidden_size = model.config.hidden_size
         self.adapters = RankAdapters(model.config, dtype, self.device, lane=self.lane, tp=tp,

@@ -71,7 +71,7 @@ class TPRank:
                                     device=self.device)
         # Its own backend: the torch backend's scratch buffers must not be shared by ranks
         # running in threads of one process.
-        self.backend = get_attention_backend(self.device)
+        self.backend = get_attention_backend(self.device, sliding_window=bool(model.config.sliding_layers))
         self.adapters = RankAdapters(model.config, dtype, self.device, lane=rank, tp=tp)     # its LoRA shards
 
     def _blocks(self, n: int) -> torch.Tensor:

@@ -1,7 +1,7 @@
 """The engine's greedy output equals Hugging Face transformers' `generate`, token for token.
 
-Three checkpoints (the tiny default, an MHA one with tied embeddings, a GQA-8 one with llama3
-rope scaling), single requests and 32 mixed-length requests batched together, chunk sizes 1, 7,
+Four checkpoints (the tiny default, an MHA one with tied embeddings, a GQA-8 one with llama3
+rope scaling, a Mistral one with a 33-token sliding window), single requests and 32 mixed-length requests batched together, chunk sizes 1, 7,
 64 and unchunked, and a KV cache small enough to force preemption by recompute. The reference
 runs each prompt alone through HF (fp32, eager attention), so batching cannot leak into it.
 """
@@ -31,6 +31,10 @@ VARIANTS = {
                             rope_parameters={"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0,
                                              "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                                              "original_max_position_embeddings": 64}),
+    # Mistral with a sliding window shorter than most prompts and generations here.
+    "mistral-window": dict(architectures=["MistralForCausalLM"], hidden_size=128, num_attention_heads=4,
+                           num_key_value_heads=2, head_dim=32, num_hidden_layers=2, intermediate_size=256,
+                           sliding_window=33, rope_parameters={"rope_type": "default", "rope_theta": 1e6}),
 }
 
 

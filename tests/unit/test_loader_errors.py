@@ -60,16 +60,30 @@ def test_old_style_rope_and_dtype_fields():
     assert c.dtype == "bfloat16" and c.eos_token_id == (1, 5)
 
 
-def test_defaults_and_sliding_window_cap():
+def test_defaults_and_sliding_window_layers():
     c = ModelConfig.from_dict(tiny_config(num_key_value_heads=None, head_dim=None))
     assert c.num_key_value_heads == 8 and c.head_dim == 32 and c.max_model_len == 32768
+    assert c.sliding_layers == () and c.window_of(0) is None
+    # Mistral: every layer slides; the context is no longer capped at the window.
     m = ModelConfig.from_dict(tiny_config(architectures=["MistralForCausalLM"], sliding_window=4096))
-    assert m.sliding_window == 4096 and m.max_model_len == 4096
+    assert m.sliding_window == 4096 and m.sliding_layers == (0, 1, 2, 3) and m.max_model_len == 32768
+    assert ModelConfig.from_dict(tiny_config(architectures=["MistralForCausalLM"], sliding_window=None)).sliding_layers == ()
+    # Qwen2: only with use_sliding_window, on layers >= max_window_layers or as layer_types says.
     q = ModelConfig.from_dict(tiny_config(architectures=["Qwen2ForCausalLM"], sliding_window=4096))
-    assert q.max_model_len == 32768 and q.qkv_bias and not q.o_bias  # use_sliding_window false
+    assert q.sliding_layers == () and q.window_of(3) is None and q.qkv_bias and not q.o_bias
     q2 = ModelConfig.from_dict(tiny_config(architectures=["Qwen2ForCausalLM"], sliding_window=4096,
                                            use_sliding_window=True, max_window_layers=2))
-    assert q2.max_model_len == 4096
+    assert q2.sliding_layers == (2, 3) and q2.window_of(1) is None and q2.window_of(2) == 4096
+    q3 = ModelConfig.from_dict(tiny_config(architectures=["Qwen3ForCausalLM"], sliding_window=64, use_sliding_window=True,
+                                           layer_types=["sliding_attention", "full_attention"] * 2))
+    assert q3.sliding_layers == (0, 2)
+    # Llama never slides, whatever the file says.
+    assert ModelConfig.from_dict(tiny_config(sliding_window=128)).sliding_layers == ()
+    with pytest.raises(ModelConfigError, match="'sliding_window'"):
+        ModelConfig.from_dict(tiny_config(architectures=["MistralForCausalLM"], sliding_window=-3))
+    with pytest.raises(ModelConfigError, match="'layer_types'"):
+        ModelConfig.from_dict(tiny_config(architectures=["Qwen2ForCausalLM"], sliding_window=64, use_sliding_window=True,
+                                          layer_types=["sliding_attention"]))
 
 
 def test_missing_config(tmp_path):

@@ -32,9 +32,14 @@ VARIANTS = {
                        num_key_value_heads=2, intermediate_size=256, num_hidden_layers=2,
                        rope_parameters={"rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0,
                                         "original_max_position_embeddings": 32}),
-    # Window longer than the prompt: HF's sliding attention equals full attention here.
-    "mistral_window": dict(architectures=["MistralForCausalLM"], sliding_window=4096, num_hidden_layers=2,
+    # Sliding windows shorter than the prompt (80 tokens): Mistral's on every layer; Qwen2's on
+    # the layers from max_window_layers on (layer 1 of 2), the first layer attending in full.
+    "mistral_window": dict(architectures=["MistralForCausalLM"], sliding_window=24, num_hidden_layers=2,
                            rope_parameters={"rope_type": "default", "rope_theta": 1e6}),
+    "qwen2_window": dict(architectures=["Qwen2ForCausalLM"], hidden_size=128, num_attention_heads=4,
+                         num_key_value_heads=2, intermediate_size=256, num_hidden_layers=2,
+                         use_sliding_window=True, sliding_window=19, max_window_layers=1,
+                         rope_parameters={"rope_type": "default", "rope_theta": 1e6}),
 }
 
 
@@ -88,7 +93,8 @@ def test_logits_match_transformers(variant, variant_dirs):
         assert len(set(ours.argmax(-1).tolist())) > 10
 
 
-@pytest.mark.parametrize("variant", ["tiny", "mha_tied_llama3", "qwen2", "qwen3_bias"])
+@pytest.mark.parametrize("variant", ["tiny", "mha_tied_llama3", "qwen2", "qwen3_bias", "mistral_window",
+                                     "qwen2_window"])
 def test_chunked_prefill_and_decode_match_unchunked(variant, variant_dirs):
     model, cfg = load_model(variant_dirs[variant])
     ids = _prompt(1 + 7 + 64 + 20, 2000, seed=3)
