@@ -2,8 +2,9 @@
 target's own features: `EagleProposer` answers the proposer interface (`observe`,
 `propose_batch`, `forget`).
 
-The head (raycluster.model.eagle, .eagle3) keeps its KV in the target's blocks, as an extra
-layer of the runner's KV tensor, and needs the target's feature at every position it covers: the
+The head (raycluster.model.eagle, .eagle3) keeps its KV in the target's blocks, in the runner's
+`head_kv_cache` (extra layers of a single process's KV tensor; a TP leader's own tensor of
+whole heads, which it stages with its blocks), and needs the target's feature at every position it covers: the
 final hidden state for EAGLE-1, the residual streams entering three layers for EAGLE-3 (fused by
 the head's `combine`). So it runs at two points of an engine step:
 
@@ -39,8 +40,9 @@ from raycluster.request import Request
 
 class EagleProposer:
     def __init__(self, head, runner, k: int) -> None:
-        """`runner`: the target's single-process `ModelRunner`, whose KV tensor has the head's
-        layers after its own; told here to keep each step's hidden states."""
+        """`runner`: the target's `ModelRunner` or `TPRunner` (its leader holds the whole hidden
+        states), whose `head_kv_cache` holds the head's layers under the engine's block ids;
+        told here to keep each step's hidden states."""
         self.head, self.runner, self.k = head, runner, k
         self.kv = runner.kv
         runner.keep_hidden = True
@@ -129,4 +131,4 @@ class EagleProposer:
     def _run(self, plan: StepPlan, features: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The head over a plan: (rows for its logits, hidden states to feed back)."""
         input_ids, positions, meta = plan_inputs(plan, self.kv.block_size, self.runner.device)
-        return self.head(input_ids, positions, features, self.runner.kv_cache, meta, self.backend)
+        return self.head(input_ids, positions, features, self.runner.head_kv_cache, meta, self.backend)

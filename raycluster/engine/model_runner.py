@@ -48,6 +48,8 @@ class ModelRunner:
         self.dtype = dtype
         shape = model.kv_cache_shape(kv.num_blocks, kv.block_size)
         self.kv_cache = torch.zeros((shape[0] + extra_kv_layers, *shape[1:]), dtype=dtype, device=self.device)
+        # The EAGLE head's layers: a view of the tensor's last ones, so they move with the blocks.
+        self.head_kv_cache = self.kv_cache[shape[0]:] if extra_kv_layers else None
         self.port = DirectPort(self.kv_cache)      # what a KV connector wraps: this tensor itself
         # Its own attention backend unless the model was built with one: the torch backend's
         # scratch buffers must not be shared by engines stepping in threads of one process.

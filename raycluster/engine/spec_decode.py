@@ -62,7 +62,14 @@ def build_proposer(config, model, runner, dtype: torch.dtype):
     if config.speculative_method in ("eagle", "eagle3"):
         from raycluster.engine.eagle import EagleProposer
         from raycluster.model.eagle import load_eagle_head
-        head = load_eagle_head(path, model, config.speculative_method, dtype, config.device)
+        from raycluster.parallel.shard import Checkpoint, GroupModel, load_vocab
+        target = model
+        if isinstance(model, GroupModel):
+            # A TP group read from its checkpoint: the leader holds only vocab slices of the
+            # embedding and head, so the head gets whole copies of them from the checkpoint.
+            target = load_vocab(Checkpoint(str(resolve_model_path(config.model)), model.config), dtype,
+                                config.device)
+        head = load_eagle_head(path, target, config.speculative_method, dtype, config.device, first_kv_layer=0)
         return EagleProposer(head, runner, config.num_speculative_tokens)
     from raycluster.engine.draft_model import DraftModelProposer
     from raycluster.model.loader import load_model

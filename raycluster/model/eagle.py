@@ -8,9 +8,10 @@ input_layernorm, as EAGLE trains it) and no final norm; `compute_logits` is the 
 head on x, and x is also the next drafting pass's hidden. The EAGLE-3 head
 (raycluster.model.eagle3) answers the same calls. Row j pairs the target's feature at position j
 with the token at j + 1 and runs at position j. The embedding and the output head are the
-target's (an EAGLE-1 checkpoint's copies are ignored). A head's layers keep their KV in the
-target's KV tensor, after the target's own layers (`first_kv_layer`): a request's draft KV lives
-in its blocks and moves with them (KV handoff, prefix cache, preemption).
+target's (an EAGLE-1 checkpoint's copies are ignored). A head's layers keep their KV under the
+target's block ids, from layer `first_kv_layer` of the tensor the runner gives it (the last
+layers of a single process's KV tensor; a TP leader's own tensor of whole heads): a request's
+draft KV lives in its blocks and moves with them (KV handoff, prefix cache, preemption).
 
 Checkpoints (`load_eagle_head(path, target, method)`): a directory with config.json (a Llama
 config whose num_hidden_layers is the head's depth) and model.safetensors. EAGLE-1:
@@ -125,10 +126,11 @@ def _head_tensors(path: str) -> dict[str, torch.Tensor]:
 
 
 def load_eagle_head(path: str | os.PathLike, target, method: str = "eagle", dtype: torch.dtype = torch.float32,
-                    device: str | torch.device = "cpu"):
+                    device: str | torch.device = "cpu", first_kv_layer: int | None = None):
     """The `method` ("eagle" or "eagle3") head at `path` for `target` (a loaded
-    LlamaForCausalLM), its KV after the target's layers. ValueError when it does not fit the
-    target (hidden size, vocabulary, KV heads, aux layers)."""
+    LlamaForCausalLM, or one holding just its embedding and head: `shard.load_vocab`), its KV
+    from layer `first_kv_layer` of the tensor it is given (default: after the target's layers).
+    ValueError when it does not fit the target (hidden size, vocabulary, KV heads, aux layers)."""
     path = os.fspath(path)
     (cfg, data), tcfg = head_config(path, method), target.config
     same = ("vocab_size", "num_key_value_heads", "head_dim") + (("hidden_size",) if method == "eagle" else ())
@@ -137,7 +139,7 @@ def load_eagle_head(path: str | os.PathLike, target, method: str = "eagle", dtyp
             raise ValueError(f"speculative_model: the EAGLE head's {name} is {getattr(cfg, name)}, the target's "
                              f"{getattr(tcfg, name)}; a head is trained for one target model")
     tensors = _head_tensors(path)
-    first = tcfg.num_hidden_layers
+    first = tcfg.num_hidden_layers if first_kv_layer is None else first_kv_layer
     with torch.device("meta"):
         if method == "eagle":
             for name in ("embed_tokens.weight", "lm_head.weight"):      # the target's are used
@@ -151,7 +153,7 @@ def load_eagle_head(path: str | os.PathLike, target, method: str = "eagle", dtyp
             if not use_aux and cfg.hidden_size != tcfg.hidden_size:
                 raise ValueError(f"speculative_model: the EAGLE-3 head's hidden_size is {cfg.hidden_size}, the "
                                  f"target's {tcfg.hidden_size}, and it reads the target's last hidden state")
-            head = Eagle3Head(cfg, target, first, _aux_layers(data, first) if use_aux else (),
+            head = Eagle3Head(cfg, target, first, _aux_layers(data, tcfg.num_hidden_layers) if use_aux else (),
                               int(data.get("draft_vocab_size") or cfg.vocab_size),
                               own_embedding="embed_tokens.weight" in tensors, target_hidden_size=tcfg.hidden_size,
                               norm_before_residual=bool(data.get("norm_before_residual", False)), use_aux=use_aux)

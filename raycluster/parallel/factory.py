@@ -113,7 +113,10 @@ def build_runner(config: EngineConfig, model, dtype: torch.dtype, model_path: st
     if kind == "tp":
         from raycluster.parallel.tp import TPRunner
         # Every rank holds its heads of the same block ids: the engine's bookkeeping is unchanged.
-        return TPRunner(model, kv_manager(blocks, config.block_size), coll, world, dtype, config.device, ranks=ranks)
+        kv = kv_manager(blocks, config.block_size)
+        if extra and config.enable_prefix_caching:
+            kv.rerun_last_match = True
+        return TPRunner(model, kv, coll, world, dtype, config.device, ranks=ranks, extra_kv_layers=extra)
     from raycluster.parallel.spp import SPPRunner
     # SPP x TP too: every rank holds its layers and heads of the same block ids. With KVP, each
     # stage's KVP ranks hold the blocks the layout gives them, the same in every stage.
@@ -128,8 +131,8 @@ def build_runner(config: EngineConfig, model, dtype: torch.dtype, model_path: st
 
 
 def eagle_kv_layers(config: EngineConfig) -> int:
-    """The EAGLE head's layers, whose KV the runner's tensor holds after the model's (0 without
-    one; the config keeps EAGLE to single-process engines)."""
+    """The EAGLE head's layers, whose KV the runner holds beside the model's (0 without one; the
+    config keeps EAGLE to single-process and TP engines)."""
     if config.speculative_method not in ("eagle", "eagle3"):
         return 0
     from raycluster.model.eagle import head_config

@@ -369,6 +369,27 @@ def rank_model(source: LlamaForCausalLM | Checkpoint, rank: int, tp: int,
     return shard_model(source, rank, tp, reduce, layers, embed=embed, head=head)
 
 
+@torch.no_grad()
+def load_vocab(ckpt: Checkpoint, dtype: torch.dtype = torch.float32,
+               device: str | torch.device = "cpu") -> LlamaForCausalLM:
+    """The whole embedding and output head of the checkpoint and nothing else (no decoder
+    layers, no final norm): what an EAGLE head on a TP group's leader reads of its target, since
+    the leader's own shard holds only its vocab slices. Its `config` is the full model's."""
+    cfg = ckpt.config
+    wanted = {"model.embed_tokens.weight": WHOLE}
+    if not cfg.tie_word_embeddings:
+        wanted["lm_head.weight"] = WHOLE
+    tensors = load_tensors(ckpt.path, cfg, wanted, dtype, device)
+    with torch.device("meta"):
+        vocab = LlamaForCausalLM(dataclasses.replace(cfg, num_hidden_layers=0))
+    vocab.config = cfg
+    vocab.model.norm = None
+    vocab.model.embed_tokens.load_state_dict({"weight": tensors["model.embed_tokens.weight"]}, assign=True)
+    if vocab.lm_head is not None:
+        vocab.lm_head.load_state_dict({"weight": tensors["lm_head.weight"]}, assign=True)
+    return _finish(vocab)
+
+
 class GroupModel:
     """What the engine and the leader's runner read from "the model" when no process holds it
     whole: the full config (vocab, heads, layers, so `kv_cache_shape` is the whole group's KV)
@@ -394,4 +415,4 @@ class GroupModel:
 
 
 __all__ = ["Checkpoint", "GroupModel", "RowParallelLinear", "check_tp", "kv_heads_of", "kv_holder", "kv_split",
-           "layer_part", "load_shard", "rank_model", "shard_config", "shard_layer_state", "shard_model"]
+           "layer_part", "load_shard", "load_vocab", "rank_model", "shard_config", "shard_layer_state", "shard_model"]

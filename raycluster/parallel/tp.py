@@ -73,6 +73,7 @@ class TPRank:
         # running in threads of one process.
         self.backend = get_attention_backend(self.device, sliding_window=bool(model.config.sliding_layers))
         self.adapters = RankAdapters(model.config, dtype, self.device, lane=rank, tp=tp)     # its LoRA shards
+        self.hidden = self.aux = None       # the last step's (`run`)
 
     def _blocks(self, n: int) -> torch.Tensor:
         kv = self.kv_cache
@@ -103,13 +104,21 @@ class TPRank:
             self.coll.send(part, 0, KV_TAG).wait()
         return part
 
-    def run(self, plan: StepPlan) -> torch.Tensor | None:
+    def run(self, plan: StepPlan, aux_layers: tuple[int, ...] = ()) -> torch.Tensor | None:
         """Every rank runs the whole step (its heads) and computes its vocab slice of the logits
         of plan.sample_rows; the leader returns the full logits [n, vocab] gathered from the
-        ranks (one gather per step), the other ranks None."""
+        ranks (one gather per step), the other ranks None. The final hidden states are whole on
+        every rank (each layer ends in an all_reduce): `hidden` keeps them, and with
+        `aux_layers` (the leader's, for an EAGLE-3 head) `aux` the residual streams entering
+        those layers."""
         input_ids, positions, meta = plan_inputs(plan, self.block_size, self.device)
-        hidden = self.model(input_ids, positions, self.kv_cache, meta, backend=self.backend,
-                            lora=self.adapters.for_step(plan))
+        lora = self.adapters.for_step(plan)
+        if aux_layers:
+            hidden, self.aux = self.model(input_ids, positions, self.kv_cache, meta, backend=self.backend, lora=lora,
+                                          aux_layers=aux_layers)
+        else:
+            hidden = self.model(input_ids, positions, self.kv_cache, meta, backend=self.backend, lora=lora)
+        self.hidden = hidden
         n = len(plan.sample_rows)
         if self.tp == 1:
             rows = hidden.index_select(0, torch.tensor(plan.sample_rows, dtype=torch.long, device=hidden.device))
@@ -136,23 +145,37 @@ class TPRunner:
     bookkeeping of block ids every rank shares; `model` is the full model, or the `Checkpoint`
     each rank reads its shard from (`self.model` is then a `GroupModel` over the leader's
     shard). `run_plan` returns the step's logits, gathered from the ranks' vocab slices
-    (`returns_logits`: execute_step computes none itself)."""
+    (`returns_logits`: execute_step computes none itself).
+
+    With an EAGLE head (`extra_kv_layers`, the head's layers), the head runs on the leader alone,
+    unsharded: it reads the whole hidden states the leader keeps (`keep_hidden`, `aux_layers`,
+    as ModelRunner's) and keeps its KV in `head_kv_cache`, the leader's own tensor of whole
+    heads under the engine's block ids, which handoffs stage after the model's layers."""
 
     returns_logits = True
+    keep_hidden = False
+    last_hidden = None
+    aux_layers: tuple[int, ...] = ()
+    last_aux = None
 
     def __init__(self, model: LlamaForCausalLM | Checkpoint, kv: KVCacheManager, coll: Collective | None, tp: int,
-                 dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu", ranks=None) -> None:
+                 dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu", ranks=None,
+                 extra_kv_layers: int = 0) -> None:
         """`ranks`: the handle of ranks 1..tp-1 (`join(timeout)`), stopped by `close`."""
         self.kv, self.coll, self.tp, self.dtype, self.ranks = kv, coll, tp, dtype, ranks
         self.layout = f"tp{tp}"
         self.rank0 = TPRank(model, coll, 0, tp, kv.num_blocks, kv.block_size, dtype, device)
         self.model = GroupModel(model.config, self.rank0.model, True) if isinstance(model, Checkpoint) else model
         self.device = self.rank0.device
-        # Connectors see whole blocks (every head, every layer): a staging area of the leader's
-        # own KV bytes, i.e. 1/tp of the engine's blocks (1/Hkv with replicated heads: the
-        # leader holds one of Hkv heads), as a KVP leader stages one rank's worth.
+        shape = self.model.kv_cache_shape(kv.num_blocks, kv.block_size)
+        self.num_layers = shape[0]
+        self.head_kv_cache = torch.zeros((extra_kv_layers, *shape[1:]), dtype=dtype, device=self.device) \
+            if extra_kv_layers else None
+        # Connectors see whole blocks (every head, every layer, the head's too): a staging area
+        # of the leader's own KV bytes, i.e. 1/tp of the engine's blocks (1/Hkv with replicated
+        # heads: the leader holds one of Hkv heads), as a KVP leader stages one rank's worth.
         staged = max(1, kv.num_blocks // min(tp, model.config.num_key_value_heads))
-        self.port = StagedPort(self, self.model.kv_cache_shape(staged, kv.block_size), dtype, self.device)
+        self.port = StagedPort(self, (self.num_layers + extra_kv_layers, staged, *shape[2:]), dtype, self.device)
         self._closed = False
 
     def kv_bytes_per_token(self) -> int:
@@ -167,7 +190,11 @@ class TPRunner:
             raise RuntimeError("TPRunner is closed")
         if self.tp > 1:
             self.coll.post_plan(plan)
-        return self.rank0.run(plan)
+        logits = self.rank0.run(plan, self.aux_layers)
+        if self.keep_hidden:
+            self.last_hidden = self.rank0.hidden
+            self.last_aux = self.rank0.aux if self.aux_layers else None
+        return logits
 
     def execute(self, out: SchedulerOutput) -> StepLogits:
         return execute_step(self, out)
@@ -180,8 +207,13 @@ class TPRunner:
         self.rank0.adapters.apply(msg)
 
     def load_blocks(self, block_ids: list[int], data: torch.Tensor) -> None:
-        """Write whole blocks [L, n, 2, B, Hkv, D] to engine block ids, each rank its heads."""
+        """Write whole blocks [L (+ the head's layers), n, 2, B, Hkv, D] to engine block ids, each
+        rank its heads of the model's layers, the leader the head's."""
         msg = KVLoad(list(block_ids))
+        if self.head_kv_cache is not None:
+            ids = torch.tensor(block_ids, dtype=torch.long, device=self.device)
+            index_copy(self.head_kv_cache, 1, ids, data[self.num_layers:].to(self.device))
+            data = data[:self.num_layers]
         if self.tp > 1:
             self.coll.post_plan(msg)
             for r in range(1, self.tp):
@@ -189,19 +221,23 @@ class TPRunner:
         self.rank0.load(msg, data)
 
     def save_blocks(self, block_ids: list[int]) -> torch.Tensor:
-        """Whole blocks [L, n, 2, B, Hkv, D] of engine block ids, each head gathered once, from
-        the first rank holding it."""
+        """Whole blocks [L (+ the head's layers), n, 2, B, Hkv, D] of engine block ids, each head
+        gathered once, from the first rank holding it; the head's layers from the leader."""
         msg = KVSave(list(block_ids))
         if self.tp > 1:
             self.coll.post_plan(msg)
         kv = self.rank0.kv_cache
-        out = torch.empty((kv.shape[0], len(block_ids), 2, kv.shape[3], self.rank0.num_kv_heads, kv.shape[5]),
+        extra = 0 if self.head_kv_cache is None else self.head_kv_cache.shape[0]
+        out = torch.empty((kv.shape[0] + extra, len(block_ids), 2, kv.shape[3], self.rank0.num_kv_heads, kv.shape[5]),
                           dtype=kv.dtype, device=kv.device)
         for r in range(self.tp):
             if kv_holder(self.rank0.num_kv_heads, self.tp, r):
                 part = self.rank0.save(msg) if r == 0 else self.coll.recv(self.rank0._blocks(len(block_ids)), r,
                                                                           KV_TAG)
-                self.rank0.heads(out, r).copy_(part)
+                self.rank0.heads(out[:kv.shape[0]], r).copy_(part)
+        if extra:
+            torch.index_select(self.head_kv_cache, 1, torch.tensor(block_ids, dtype=torch.long, device=self.device),
+                               out=out[kv.shape[0]:])
         return out
 
     def close(self, timeout: float = 10.0) -> None:

@@ -34,7 +34,24 @@ def _run(eng: LLMEngine, max_steps: int = 500) -> dict[str, list]:
     return outs
 
 
+@pytest.fixture(scope="module")
+def windowed(tmp_path_factory):
+    """A Mistral checkpoint whose 24-token sliding window is shorter than most prompts here."""
+    from raycluster.model import write_tiny_model
+    path = write_tiny_model(tmp_path_factory.mktemp("mistral-window"), seed=2, architectures=["MistralForCausalLM"],
+                            sliding_window=24, num_hidden_layers=2)
+    return load_model(path)[0]
+
+
 def test_prefill_park_handoff_decode_equals_single_engine(model):
+    _handoff_equals_single_engine(model)
+
+
+def test_sliding_window_model_handoff_equals_single_engine(windowed):
+    _handoff_equals_single_engine(windowed)
+
+
+def _handoff_equals_single_engine(model):
     sp = SamplingParams(max_tokens=9, ignore_eos=True)
     expected = _engine(model).generate(PROMPTS, sp)
     pre, dec = _engine(model), _engine(model, block_size=16)
