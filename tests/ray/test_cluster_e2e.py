@@ -43,7 +43,9 @@ TOPOLOGIES = {
         "kvp": 2, "group_launch": "ray", "packer": "token", "predictor": "none"}}]},
     "pd-object_store": {"connector": "object_store", "initial_l_m": 256, "pools": PD_POOLS, **CACHING},
     "pd-nixl": {"connector": "nixl", "initial_l_m": 256, "pools": PD_POOLS},
-    "pd-torch_dist": {"connector": "torch_dist", "initial_l_m": 256, "pools": PD_POOLS},
+    # Its short prompts prefill on a TP group (EAGLE_TOPOLOGIES: the head drafts on its leader).
+    "pd-torch_dist": {"connector": "torch_dist", "initial_l_m": 256, "pools": [
+        {**PD_POOLS[0], "engine": {**PD_POOLS[0]["engine"], "tp": 2, "group_launch": "ray"}}, *PD_POOLS[1:]]},
     # Groups in P/D: short prompts prefill on a TP group, long ones on an SPP group, decodes run
     # on a KVP group; KV leaves the TP / SPP ranks and reaches the KVP ranks through each group's
     # staging port. The KVP group's leader drafts with a draft model (the tiny checkpoint itself).
@@ -143,8 +145,9 @@ def restart_workload(tiny_model_dir):
 # adapter's blocks must stay apart from the base's; in P/D its KV moves to the decode side; in
 # the group topologies every rank (a Ray actor) serves its shard of it.
 LORA_TOPOLOGIES = ("mixed", "pd-object_store", "mixed-kvp", "pd-groups")
-# Every pool drafts with an EAGLE head (its KV is an extra layer of each instance's): the
-# handoffs move that layer with the prompt's KV, and a pool without it could not pull them.
+# Every pool drafts with an EAGLE head (its KV is an extra layer of each instance's; on the TP
+# prefill group, a tensor of the leader's): the handoffs move that layer with the prompt's KV,
+# and a pool without it could not pull them.
 EAGLE_TOPOLOGIES = ("pd-torch_dist",)
 
 
@@ -413,7 +416,8 @@ def test_openai_client_and_status(cluster):
         if name in EAGLE_TOPOLOGIES:
             assert sum(i["spec_accepted_tokens"] for i in instances if i["role"] == "decode") > 0
     layouts = {i["layout"] for i in instances}
-    assert layouts == {"mixed-kvp": {"kvp2"}, "pd-groups": {"tp2", "spp2", "kvp2"}}.get(name, {"single"})
+    assert layouts == {"mixed-kvp": {"kvp2"}, "pd-groups": {"tp2", "spp2", "kvp2"},
+                       "pd-torch_dist": {"tp2", "single"}}.get(name, {"single"})
     tok = httpx.post(url + "/tokenize", json={"prompt": "hello river"}, timeout=10).json()
     assert tok["count"] == len(tok["tokens"]) > 0 and tok["max_model_len"] > tok["count"]
     _assert_drained(url)
