@@ -4,7 +4,7 @@
                                  [--k 3,5] [--repeats 2] [--seed S]
                                  [--draft-model PATH | --draft-layers N]
                                  [--eagle-head PATH | --eagle-steps N] [--eagle-method eagle|eagle3]
-                                 --out FILE.json
+                                 [--tp N] --out FILE.json
 
 For each batch size, the same seeded requests (random prompts of 16-128 non-special tokens,
 greedy, every request generates exactly --max-tokens) run to completion on one engine without
@@ -24,7 +24,8 @@ embeddings, first N layers, final norm and head (a self-speculative, layer-skipp
 Draft & Verify), written to a temporary directory. `--eagle-head PATH` adds `speculative_method:
 eagle` settings (`eagle-kK`; `--eagle-method eagle3`: `eagle3-kK`) with that head; `--eagle-steps
 N` first trains one for the target (`raycluster.model.eagle_train`, N steps on its own greedy
-output), also in a temporary directory.
+output), also in a temporary directory. `--tp N` runs every engine, plain and drafting, as a TP
+group of N ranks (threads over gloo; a draft model or EAGLE head runs on the leader).
 """
 
 from __future__ import annotations
@@ -101,7 +102,7 @@ def write_first_layers(src: str, dst: str, num_layers: int) -> str:
 def run(args: argparse.Namespace, draft: str | None = None, eagle: str | None = None) -> dict:
     torch.manual_seed(args.seed)
     base = dict(model=args.model, policy="fcfs", packer="token", predictor="none", kv_cache_tokens=args.kv_tokens,
-                max_num_seqs=max(args.batch_sizes))
+                max_num_seqs=max(args.batch_sizes), tp=args.tp)
     plain = LLMEngine.from_config(EngineConfig(**base))
     drafting = {f"ngram-k{k}": LLMEngine.from_config(EngineConfig(**base, speculative_method="ngram",
                                                                   num_speculative_tokens=k)) for k in args.k}
@@ -114,6 +115,21 @@ def run(args: argparse.Namespace, draft: str | None = None, eagle: str | None = 
         drafting.update({f"{method}-k{k}": LLMEngine.from_config(EngineConfig(
             **base, speculative_method=method, speculative_model=eagle, num_speculative_tokens=k))
             for k in args.k})
+    try:
+        rows = _rows(args, plain, drafting)
+    finally:
+        for eng in (plain, *drafting.values()):
+            eng.close()
+    return {"model": args.model, "draft": args.draft_model or (f"first {args.draft_layers} layers"
+                                                               if args.draft_layers else None),
+            "eagle": args.eagle_head or (f"trained {args.eagle_steps} steps" if args.eagle_steps else None),
+            "eagle_method": args.eagle_method, "tp": args.tp,
+            "max_tokens": args.max_tokens, "repeats": args.repeats, "seed": args.seed,
+            "threads": torch.get_num_threads(), "rows": rows}
+
+
+def _rows(args: argparse.Namespace, plain: LLMEngine, drafting: dict[str, LLMEngine]) -> list[dict]:
+    """Each batch size's settings, run in alternation (see the module docstring)."""
     rows = []
     for bs in args.batch_sizes:
         prompts = _prompts(bs, plain.vocab_size, args.seed + bs)
@@ -134,12 +150,7 @@ def run(args: argparse.Namespace, draft: str | None = None, eagle: str | None = 
                 "acceptance": accepted / drafts if drafts else None,
                 "speedup": statistics.median(p["wall_s"] / r["wall_s"] for p, r in zip(runs["plain"], rs)),
                 "same_tokens": all(r["tokens"] == want for r in rs)})
-    return {"model": args.model, "draft": args.draft_model or (f"first {args.draft_layers} layers"
-                                                               if args.draft_layers else None),
-            "eagle": args.eagle_head or (f"trained {args.eagle_steps} steps" if args.eagle_steps else None),
-            "eagle_method": args.eagle_method,
-            "max_tokens": args.max_tokens, "repeats": args.repeats, "seed": args.seed,
-            "threads": torch.get_num_threads(), "rows": rows}
+    return rows
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -152,6 +163,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--kv-tokens", type=int, default=65536)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--tp", type=int, default=1, help="every engine a TP group of this many ranks (threads)")
     drafts = p.add_mutually_exclusive_group()
     drafts.add_argument("--draft-model", default=None, help="also draft with this checkpoint (draft_model)")
     drafts.add_argument("--draft-layers", type=int, default=None,

@@ -1,5 +1,5 @@
 """Smoke tests of `raycluster bench spec-decode` (the JSON's shape, n-gram, draft-model and EAGLE runs
-that give the plain run's tokens, the CLI's exit status) and `raycluster bench lora` (its four
+that give the plain run's tokens, on TP groups too, the CLI's exit status) and `raycluster bench lora` (its four
 mixes); no timing assertions."""
 
 from __future__ import annotations
@@ -30,6 +30,18 @@ def test_spec_decode_bench_runs_side_by_side(tmp_path):
             assert r["steps"] <= 24
 
 
+def test_spec_decode_bench_on_tp_groups(tmp_path):
+    """`--tp 2`: every engine a TP group; the EAGLE head drafts on the leader, same tokens."""
+    out = tmp_path / "spec-tp.json"
+    assert main(["bench", "spec-decode", "--batch-sizes", "2", "--max-tokens", "16", "--k", "2", "--repeats", "1",
+                 "--kv-tokens", "4096", "--eagle-steps", "3", "--tp", "2", "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert result["tp"] == 2
+    assert {r["setting"] for r in result["rows"]} == {"plain", "ngram-k2", "eagle-k2"}
+    assert all(r["same_tokens"] for r in result["rows"])
+    assert next(r for r in result["rows"] if r["setting"] == "eagle-k2")["drafts"] > 0
+
+
 @pytest.mark.parametrize("group, layout", [((), "single"), (("--tp", "2"), "tp2")])
 def test_lora_bench_runs_the_four_mixes(tmp_path, group, layout):
     out = tmp_path / "lora.json"
@@ -40,3 +52,17 @@ def test_lora_bench_runs_the_four_mixes(tmp_path, group, layout):
     assert res["layout"] == layout
     assert [r["mix"] for r in rows] == ["base", "one adapter", "two adapters + base", "four adapters"]
     assert rows[0]["vs_base"] == 1.0 and all(r["median_s"] > 0 and len(r["runs_s"]) == 1 for r in rows)
+
+
+def test_window_bench_times_full_and_windowed_attention(tmp_path):
+    """`raycluster bench window`: each call timed both ways, every windowed output checked
+    against the reference; bad sizes are refused."""
+    out = tmp_path / "window.json"
+    assert main(["bench", "window", "--context", "300", "--window", "64", "--decodes", "3", "--chunk", "40",
+                 "--heads", "4", "--kv-heads", "2", "--head-dim", "16", "--block-size", "8", "--repeats", "2",
+                 "--out", str(out)]) == 0
+    res = json.loads(out.read_text())
+    assert [r["call"] for r in res["rows"]] == ["decode", "prefill_chunk", "prefill_whole"]
+    assert all(r["full_ms"] > 0 and r["window_ms"] > 0 and r["max_abs_err_vs_reference"] < 1e-4 for r in res["rows"])
+    with pytest.raises(SystemExit, match="--window < --context"):
+        main(["bench", "window", "--context", "64", "--window", "64", "--out", str(out)])
