@@ -40,6 +40,18 @@ class PagedSetup:
         write_kv(self.cache, self.k[i][:upto], self.v[i][:upto], s)
 
 
+def step_inputs(setup, prefill, decode):
+    """A step of prefill chunks (req, query_len) and decodes (req) over `setup`'s histories: the KV
+    before the step written, and (meta, the step's new k, its new v)."""
+    for i, n in prefill:
+        setup.write_history(i, setup.k[i].shape[0] - n)
+    for i in decode:
+        setup.write_history(i, setup.k[i].shape[0] - 1)
+    k = torch.cat([setup.k[i][-n:] for i, n in prefill] + [setup.k[i][-1:] for i in decode])
+    v = torch.cat([setup.v[i][-n:] for i, n in prefill] + [setup.v[i][-1:] for i in decode])
+    return _meta(setup, prefill, decode), k, v
+
+
 def _meta(setup, prefill, decode):
     """prefill: list of (req, query_len); decode: list of req. KV len = full history length."""
     slots = []
@@ -69,16 +81,8 @@ def test_mixed_step_matches_reference(hq, hkv, block_size):
     prefill = [(0, 1), (1, 7), (2, 64), (3, 40)]
     decode = [4, 5, 6]
     s = PagedSetup(kv_lens, hkv, d, block_size=block_size, seed=hq)
-    for i, n in prefill:
-        s.write_history(i, kv_lens[i] - n)
-    for i in decode:
-        s.write_history(i, kv_lens[i] - 1)
-    meta = _meta(s, prefill, decode)
-    g = torch.Generator().manual_seed(1)
-    T = meta.num_tokens
-    q = torch.randn(T, hq, d, generator=g)
-    k = torch.cat([s.k[i][kv_lens[i] - n:] for i, n in prefill] + [s.k[i][-1:] for i in decode])
-    v = torch.cat([s.v[i][kv_lens[i] - n:] for i, n in prefill] + [s.v[i][-1:] for i in decode])
+    meta, k, v = step_inputs(s, prefill, decode)
+    q = torch.randn(meta.num_tokens, hq, d, generator=torch.Generator().manual_seed(1))
     out = TorchAttentionBackend().forward(s.cache, q, k, v, meta, scale)
 
     refs, ref_lse = [], []
@@ -165,16 +169,10 @@ def test_flashinfer_matches_reference(hq, hkv):
     prefill = [(0, 1), (1, 7), (2, 64), (3, 40)]
     decode = [4, 5, 6]
     s = PagedSetup(kv_lens, hkv, d, block_size=bs, dtype=torch.float16)
-    for i, n in prefill:
-        s.write_history(i, kv_lens[i] - n)
-    for i in decode:
-        s.write_history(i, kv_lens[i] - 1)
-    meta = _meta(s, prefill, decode)
+    meta, k, v = step_inputs(s, prefill, decode)
     dev = torch.device("cuda")
     meta.slot_mapping = meta.slot_mapping.to(dev)
     q = torch.randn(meta.num_tokens, hq, d, dtype=torch.float16)
-    k = torch.cat([s.k[i][kv_lens[i] - n:] for i, n in prefill] + [s.k[i][-1:] for i in decode])
-    v = torch.cat([s.v[i][kv_lens[i] - n:] for i, n in prefill] + [s.v[i][-1:] for i in decode])
     out = FlashInferAttentionBackend(dev).forward(s.cache.to(dev), q.to(dev), k.to(dev), v.to(dev), meta, scale)
     refs, off = [], 0
     for i, n in prefill + [(j, 1) for j in decode]:

@@ -15,7 +15,7 @@ from kernels.torch_backend import TorchAttentionBackend, Workspace, paged_decode
 from raycluster.engine.config import EngineConfig
 from raycluster.model import load_model, write_tiny_model
 from raycluster.parallel.factory import build_runner
-from tests.unit.test_kernels import ATOL, PagedSetup, _meta
+from tests.unit.test_kernels import ATOL, PagedSetup, _meta, step_inputs
 
 torch.set_num_threads(2)
 
@@ -50,14 +50,8 @@ def test_mixed_step_with_window_matches_reference(window, block_size):
     prefill = [(0, 40), (1, 7), (2, 3), (3, 100), (4, 1)]
     decode = [5, 6, 7, 8]
     s = PagedSetup(kv_lens, hkv, d, block_size=block_size, seed=window)
-    for i, n in prefill:
-        s.write_history(i, kv_lens[i] - n)
-    for i in decode:
-        s.write_history(i, kv_lens[i] - 1)
-    meta = _meta(s, prefill, decode)
+    meta, k, v = step_inputs(s, prefill, decode)
     q = torch.randn(meta.num_tokens, hq, d, generator=torch.Generator().manual_seed(1))
-    k = torch.cat([s.k[i][kv_lens[i] - n:] for i, n in prefill] + [s.k[i][-1:] for i in decode])
-    v = torch.cat([s.v[i][kv_lens[i] - n:] for i, n in prefill] + [s.v[i][-1:] for i in decode])
     out = TorchAttentionBackend().forward(s.cache, q, k, v, meta, scale, window=window)
     ref, ref_lse = _refs(q, s, prefill + [(j, 1) for j in decode], scale, window)
     torch.testing.assert_close(out, ref, atol=ATOL, rtol=0)
