@@ -50,7 +50,7 @@ class EngineConfig(BaseModel):
         "tokens by prompt lookup (the tokens that followed the latest earlier occurrence of the context's last "
         "n-gram), 'draft_model' by a smaller model's greedy continuation (speculative_model), 'eagle' / "
         "'eagle3' by an EAGLE-1 / EAGLE-3 head on the target's own hidden states (speculative_model: the "
-        "head's directory; single-process engines and tp groups, where it runs on the leader); the target verifies them in one step; greedy output is unchanged, sampled output "
+        "head's directory; single-process engines and tp / kvp groups, where it runs on the leader); the target verifies them in one step; greedy output is unchanged, sampled output "
         "keeps its distribution")
     speculative_model: str | None = Field(
         None, description="draft_model: the draft checkpoint ('tiny' or a directory), sharing the target's "
@@ -119,9 +119,9 @@ class EngineConfig(BaseModel):
         if self.speculative_model and method not in ("draft_model", "eagle", "eagle3"):
             raise ValueError(f"speculative_model: a draft model or EAGLE head is only for speculative_method "
                              f"'draft_model', 'eagle' or 'eagle3' (speculative_method is {method!r})")
-        if method in ("eagle", "eagle3") and max(self.kvp, self.spp) > 1:
-            raise ValueError(f"speculative_method: {method!r} runs on a single-process engine or a tp group's "
-                             f"leader; kvp / spp groups draft with 'ngram' or 'draft_model'")
+        if method in ("eagle", "eagle3") and self.spp > 1:
+            raise ValueError(f"speculative_method: {method!r} runs on a single-process engine or a tp / kvp "
+                             f"group's leader; spp groups draft with 'ngram' or 'draft_model'")
         if self.speculative_kv_tokens is not None and method != "draft_model":
             raise ValueError("speculative_kv_tokens: only a draft model has a KV cache of its own")
         return self

@@ -107,9 +107,13 @@ def build_runner(config: EngineConfig, model, dtype: torch.dtype, model_path: st
     if kind in ("kvp", "kvp-tp"):
         from raycluster.parallel.kvp import KVPRunner
         # KVP x TP too: the lanes of a KVP rank hold their heads of that rank's blocks.
-        return KVPRunner(model, coll, config.kvp, blocks, config.block_size, dtype, config.device, ranks=ranks,
-                         prefix_caching=config.enable_prefix_caching, tp=config.tp,
-                         tokens_per_rank=config.kvp_progressive_tokens(), start=config.kvp_start)
+        runner = KVPRunner(model, coll, config.kvp, blocks, config.block_size, dtype, config.device, ranks=ranks,
+                           prefix_caching=config.enable_prefix_caching, tp=config.tp,
+                           tokens_per_rank=config.kvp_progressive_tokens(), start=config.kvp_start,
+                           extra_kv_layers=extra)
+        if extra and config.enable_prefix_caching:
+            runner.kv.rerun_last_match = True
+        return runner
     if kind == "tp":
         from raycluster.parallel.tp import TPRunner
         # Every rank holds its heads of the same block ids: the engine's bookkeeping is unchanged.
@@ -132,7 +136,7 @@ def build_runner(config: EngineConfig, model, dtype: torch.dtype, model_path: st
 
 def eagle_kv_layers(config: EngineConfig) -> int:
     """The EAGLE head's layers, whose KV the runner holds beside the model's (0 without one; the
-    config keeps EAGLE to single-process and TP engines)."""
+    config keeps EAGLE to single-process, TP and KVP engines)."""
     if config.speculative_method not in ("eagle", "eagle3"):
         return 0
     from raycluster.model.eagle import head_config

@@ -62,6 +62,7 @@ from kernels.metadata import AttentionMetadata
 from kernels.torch_backend import LOG2E, Workspace, _attend, _gather_rows, merge_states, paged_decode_attention, write_kv
 from raycluster.engine.model_runner import execute_step
 from raycluster.parallel.group import Collective
+from raycluster.parallel.head_kv import HeadKV
 from raycluster.parallel.kv_port import KV_TAG, KVLoad, KVSave, StagedPort, rank_handler
 from raycluster.parallel.lora_ranks import LoRAChange, RankAdapters
 # The layouts' allocators live in kvp_layout; imported here too, where they were first defined.
@@ -257,6 +258,7 @@ class KVPRank:
         self.vocab: int | None = None
         # Its LoRA shards (`full_config`: the whole model's, when `model` is a lane's shard).
         self.adapters = RankAdapters(full_config or model.config, dtype, self.device, lane=lane, tp=tp)
+        self.hidden = self.aux = None       # the last step's (`run`)
 
     def owned(self, block_ids: list[int]) -> tuple[list[int], torch.Tensor]:
         """Positions in `block_ids` of the blocks on this rank, and their local ids."""
@@ -297,11 +299,15 @@ class KVPRank:
             self.link.send(part, 0, KV_TAG).wait()
         return part
 
-    def run(self, plan: StepPlan, ranks: list[int] | None = None) -> torch.Tensor | None:
+    def run(self, plan: StepPlan, ranks: list[int] | None = None,
+            aux_layers: tuple[int, ...] = ()) -> torch.Tensor | None:
         """The final hidden rows of plan.sample_rows [n, H] (plain KVP); with TP lanes, the
         leader's full logits [n, vocab], gathered from KVP rank 0's lanes (None elsewhere).
         `ranks`: the plan's `step_ranks` if already known. A rank holding none of the step's KV
-        sits it out (returns None): its attention state would be empty."""
+        sits it out (returns None): its attention state would be empty. Every rank that runs
+        computes every row's whole hidden state (the linear layers run on all the step's tokens):
+        `hidden` keeps them, and with `aux_layers` (the leader's, for an EAGLE-3 head) `aux` the
+        residual streams entering those layers."""
         if ranks is None:
             ranks = step_ranks(plan, self.block_size, self.blocks_per_rank, self.world)
         if self.rank not in ranks:
@@ -309,8 +315,13 @@ class KVPRank:
         input_ids, positions, gmeta = plan_inputs(plan, self.block_size, self.device)
         meta = kvp_meta(plan, gmeta.slot_mapping, self.rank, self.world, self.block_size,
                         self.blocks_per_rank, self.device, ranks=ranks)
-        hidden = self.model(input_ids, positions, self.kv_cache, meta, backend=self.backend,
-                            lora=self.adapters.for_step(plan))
+        lora = self.adapters.for_step(plan)
+        if aux_layers:
+            hidden, self.aux = self.model(input_ids, positions, self.kv_cache, meta, backend=self.backend, lora=lora,
+                                          aux_layers=aux_layers)
+        else:
+            hidden = self.model(input_ids, positions, self.kv_cache, meta, backend=self.backend, lora=lora)
+        self.hidden = hidden
         rows = hidden.index_select(0, torch.tensor(plan.sample_rows, dtype=torch.long, device=hidden.device))
         if self.tp == 1:
             return rows
@@ -366,12 +377,22 @@ class KVPRunner:
     TP group of `tp` lanes when tp > 1 (`kvp_rank`). `kv` spans every KVP rank's blocks (striped,
     or progressive with `tokens_per_rank` tokens of a request per rank: `kvp_layout`, with
     prefix caching their caching allocators; `start`: where a progressive request starts,
-    `kvp_layout`); `run_plan` posts the plan and runs rank 0's share."""
+    `kvp_layout`); `run_plan` posts the plan and runs rank 0's share.
+
+    With an EAGLE head (`extra_kv_layers`, the head's layers) the head runs on the leader, as on a
+    TP leader: over the whole hidden states it keeps (`keep_hidden`, `aux_layers`), its KV in
+    `head_kv_cache`, a tensor of the leader's own under the group's global block ids
+    (raycluster.parallel.head_kv), staged after the model's layers in handoffs."""
+
+    keep_hidden = False
+    last_hidden = None
+    aux_layers: tuple[int, ...] = ()
+    last_aux = None
 
     def __init__(self, model, coll: Collective | None, world: int, blocks_per_rank: int, block_size: int,
                  dtype: torch.dtype, device: str | torch.device = "cpu", ranks=None,
                  prefix_caching: bool = False, tp: int = 1, tokens_per_rank: int | None = None,
-                 start: str = "first_fit") -> None:
+                 start: str = "first_fit", extra_kv_layers: int = 0) -> None:
         """`ranks`: the handle of world ranks 1..world*tp-1 (`join(timeout)`), stopped by `close`."""
         self.coll, self.dtype, self.ranks = coll, dtype, ranks
         self.kvp, self.tp = world, tp
@@ -388,7 +409,10 @@ class KVPRunner:
         # own KV bytes: one KVP rank's blocks, or 1/tp of them with TP lanes (1/Hkv with
         # replicated heads), as a TP leader.
         staged = max(1, blocks_per_rank // min(tp, model.config.num_key_value_heads))
-        self.port = StagedPort(self, self.model.kv_cache_shape(staged, block_size), dtype, self.device)
+        shape = self.model.kv_cache_shape(self.kv.num_blocks, block_size)
+        self.head_kv = HeadKV(extra_kv_layers, shape[0], shape[1:], dtype, self.device) if extra_kv_layers else None
+        self.head_kv_cache = self.head_kv.tensor if self.head_kv else None
+        self.port = StagedPort(self, (shape[0] + extra_kv_layers, staged, *shape[2:]), dtype, self.device)
         self._closed = False
 
     def kv_bytes_per_token(self) -> int:
@@ -403,7 +427,11 @@ class KVPRunner:
         ranks = step_ranks(plan, self.kv.block_size, self.rank0.blocks_per_rank, self.kvp)
         if self.coll is not None and (self.tp > 1 or len(ranks) > 1):
             self.coll.post_plan(plan)       # ranks left out relay it down the chain and skip it
-        return self.rank0.run(plan, ranks)
+        out = self.rank0.run(plan, ranks, self.aux_layers)
+        if self.keep_hidden:
+            self.last_hidden = self.rank0.hidden
+            self.last_aux = self.rank0.aux if self.aux_layers else None
+        return out
 
     def change_lora(self, name: str, path: str | None) -> None:
         """Serve (or with path None drop) a LoRA adapter on every rank (raycluster.parallel.lora_ranks)."""
@@ -430,6 +458,8 @@ class KVPRunner:
         """Write whole blocks [L, n, 2, B, Hkv, D] to engine block ids: each to the lanes of the
         KVP rank holding it, every lane its heads."""
         msg = KVLoad(list(block_ids))
+        if self.head_kv is not None:
+            data = self.head_kv.split_load(block_ids, data)
         shares = list(self._shares(msg.block_ids))
         if self._needs_group(shares):
             self.coll.post_plan(msg)
@@ -447,13 +477,16 @@ class KVPRunner:
         if self._needs_group(shares):
             self.coll.post_plan(msg)
         kv = self.rank0.kv_cache
-        out = torch.empty((kv.shape[0], len(block_ids)) + tuple(kv.shape[2:4]) + (self.rank0.num_kv_heads, kv.shape[5]),
-                          dtype=kv.dtype, device=kv.device)
+        extra = self.head_kv.layers if self.head_kv else 0
+        out = torch.empty((kv.shape[0] + extra, len(block_ids)) + tuple(kv.shape[2:4]) +
+                          (self.rank0.num_kv_heads, kv.shape[5]), dtype=kv.dtype, device=kv.device)
         for r, pos, lane in shares:
             if not kv_holder(self.rank0.num_kv_heads, self.tp, lane):
                 continue
             part = self.rank0.save(msg) if r == 0 else self.coll.recv(self.rank0._blocks(len(pos)), r, KV_TAG)
-            index_copy(self.rank0.heads(out, lane), 1, pos, part)
+            index_copy(self.rank0.heads(out[:kv.shape[0]], lane), 1, pos, part)
+        if self.head_kv is not None:
+            self.head_kv.save_into(block_ids, out)
         return out
 
     def execute(self, out):

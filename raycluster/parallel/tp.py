@@ -43,6 +43,7 @@ from raycluster.engine.model_runner import StepLogits, execute_step
 from raycluster.engine.scheduler import SchedulerOutput
 from raycluster.model.llama import LlamaForCausalLM
 from raycluster.parallel.group import Collective
+from raycluster.parallel.head_kv import HeadKV
 from raycluster.parallel.kv_port import KV_TAG, KVLoad, KVSave, StagedPort, rank_handler
 from raycluster.parallel.lora_ranks import LoRAChange, RankAdapters
 from raycluster.parallel.plan import StepPlan, plan_inputs
@@ -150,7 +151,8 @@ class TPRunner:
     With an EAGLE head (`extra_kv_layers`, the head's layers), the head runs on the leader alone,
     unsharded: it reads the whole hidden states the leader keeps (`keep_hidden`, `aux_layers`,
     as ModelRunner's) and keeps its KV in `head_kv_cache`, the leader's own tensor of whole
-    heads under the engine's block ids, which handoffs stage after the model's layers."""
+    heads under the engine's block ids, which handoffs stage after the model's layers
+    (raycluster.parallel.head_kv)."""
 
     returns_logits = True
     keep_hidden = False
@@ -168,14 +170,13 @@ class TPRunner:
         self.model = GroupModel(model.config, self.rank0.model, True) if isinstance(model, Checkpoint) else model
         self.device = self.rank0.device
         shape = self.model.kv_cache_shape(kv.num_blocks, kv.block_size)
-        self.num_layers = shape[0]
-        self.head_kv_cache = torch.zeros((extra_kv_layers, *shape[1:]), dtype=dtype, device=self.device) \
-            if extra_kv_layers else None
+        self.head_kv = HeadKV(extra_kv_layers, shape[0], shape[1:], dtype, self.device) if extra_kv_layers else None
+        self.head_kv_cache = self.head_kv.tensor if self.head_kv else None
         # Connectors see whole blocks (every head, every layer, the head's too): a staging area
         # of the leader's own KV bytes, i.e. 1/tp of the engine's blocks (1/Hkv with replicated
         # heads: the leader holds one of Hkv heads), as a KVP leader stages one rank's worth.
         staged = max(1, kv.num_blocks // min(tp, model.config.num_key_value_heads))
-        self.port = StagedPort(self, (self.num_layers + extra_kv_layers, staged, *shape[2:]), dtype, self.device)
+        self.port = StagedPort(self, (shape[0] + extra_kv_layers, staged, *shape[2:]), dtype, self.device)
         self._closed = False
 
     def kv_bytes_per_token(self) -> int:
@@ -210,10 +211,8 @@ class TPRunner:
         """Write whole blocks [L (+ the head's layers), n, 2, B, Hkv, D] to engine block ids, each
         rank its heads of the model's layers, the leader the head's."""
         msg = KVLoad(list(block_ids))
-        if self.head_kv_cache is not None:
-            ids = torch.tensor(block_ids, dtype=torch.long, device=self.device)
-            index_copy(self.head_kv_cache, 1, ids, data[self.num_layers:].to(self.device))
-            data = data[:self.num_layers]
+        if self.head_kv is not None:
+            data = self.head_kv.split_load(block_ids, data)
         if self.tp > 1:
             self.coll.post_plan(msg)
             for r in range(1, self.tp):
@@ -227,7 +226,7 @@ class TPRunner:
         if self.tp > 1:
             self.coll.post_plan(msg)
         kv = self.rank0.kv_cache
-        extra = 0 if self.head_kv_cache is None else self.head_kv_cache.shape[0]
+        extra = self.head_kv.layers if self.head_kv else 0
         out = torch.empty((kv.shape[0] + extra, len(block_ids), 2, kv.shape[3], self.rank0.num_kv_heads, kv.shape[5]),
                           dtype=kv.dtype, device=kv.device)
         for r in range(self.tp):
@@ -235,9 +234,8 @@ class TPRunner:
                 part = self.rank0.save(msg) if r == 0 else self.coll.recv(self.rank0._blocks(len(block_ids)), r,
                                                                           KV_TAG)
                 self.rank0.heads(out[:kv.shape[0]], r).copy_(part)
-        if extra:
-            torch.index_select(self.head_kv_cache, 1, torch.tensor(block_ids, dtype=torch.long, device=self.device),
-                               out=out[kv.shape[0]:])
+        if self.head_kv is not None:
+            self.head_kv.save_into(block_ids, out)
         return out
 
     def close(self, timeout: float = 10.0) -> None:

@@ -349,4 +349,4 @@ def test_loader_and_config_errors(eagle_heads, loaded, tmp_path):
     with pytest.raises(ValidationError, match="speculative_kv_tokens"):
         EngineConfig(speculative_method="eagle", speculative_model=src, speculative_kv_tokens=64)
     with pytest.raises(ValidationError, match="speculative_method: 'eagle' runs on a single-process engine"):
-        EngineConfig(**BASE, speculative_method="eagle", speculative_model=src, kvp=2)
+        EngineConfig(**BASE, speculative_method="eagle", speculative_model=src, spp=2)
