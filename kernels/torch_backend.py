@@ -160,7 +160,10 @@ def _attend_masked(q, k, v, visible: torch.Tensor, scale: float):
 def _windowed_prefill(qi, kv_layer, table, prefix: int, ki, vi, window: int, scale: float):
     """One request's chunk (queries at positions prefix .. prefix + n - 1, its own K/V ki/vi)
     under a sliding window: query p sees keys p - window < key <= p. Only the blocks holding the
-    window's earlier keys are read, and queries go in tiles so the mask stays [tile, tile + window]."""
+    window's earlier keys are read. Queries go in tiles of at most window - 1: each tile attends
+    itself causally (every key of the tile is inside every later query's window, so the fused
+    kernel's causal block skipping applies) and the keys before it under the banded mask (each
+    query then sees at least the key just before the tile), the two states merged by LSE."""
     n = qi.shape[0]
     bs = kv_layer.shape[2]
     lo = max(0, prefix - window + 1)            # the earliest key any query of the chunk sees
@@ -171,16 +174,20 @@ def _windowed_prefill(qi, kv_layer, table, prefix: int, ki, vi, window: int, sca
         k_all, v_all = torch.cat([kp[off:], ki]), torch.cat([vp[off:], vi])
     else:
         k_all, v_all = ki, vi
-    key_pos = torch.arange(lo, prefix + n, device=qi.device)
     outs, lses = [], []
-    tile = _Q_TILE
+    tile = min(_Q_TILE, max(1, window - 1))
     for a in range(0, n, tile):
         b = min(n, a + tile)
-        k_lo = max(lo, prefix + a - window + 1) - lo
-        q_pos = torch.arange(prefix + a, prefix + b, device=qi.device)
-        dist = q_pos[:, None] - key_pos[None, k_lo:prefix + b - lo]
-        o, lse = _attend_masked(qi[a:b].to(k_all.dtype), k_all[k_lo:prefix + b - lo], v_all[k_lo:prefix + b - lo],
-                                (dist >= 0) & (dist < window), scale)
+        qt = qi[a:b].to(k_all.dtype)
+        start = prefix + a - lo                 # the tile's own first key, in k_all
+        o, lse = _attend(qt, k_all[start:start + b - a], v_all[start:start + b - a], True, scale)
+        before = max(lo, prefix + a - window + 1) - lo
+        if window > 1 and before < start:
+            q_pos = torch.arange(prefix + a, prefix + b, device=qi.device)
+            key_pos = torch.arange(lo + before, lo + start, device=qi.device)
+            visible = key_pos[None, :] > q_pos[:, None] - window
+            op, lsep = _attend_masked(qt, k_all[before:start], v_all[before:start], visible, scale)
+            o, lse = _merge2(op, lsep, o, lse)
         outs.append(o)
         lses.append(lse)
     return torch.cat(outs), torch.cat(lses)

@@ -80,6 +80,19 @@ def test_long_windowed_chunk_is_attended_in_query_tiles(monkeypatch):
     torch.testing.assert_close(lse, ref_lse, atol=ATOL, rtol=0)
 
 
+@pytest.mark.parametrize("window", [1, 2, 3, 17])
+def test_tiny_windows_match_reference(window):
+    """Windows down to one key (each query sees only itself): chunks after a prefix and from
+    position 0, tiles of window - 1 queries, decodes."""
+    s = PagedSetup([40, 23, 30], 2, 16, block_size=4, seed=window)
+    prefill, decode = [(0, 25), (1, 23)], [2]
+    meta, k, v = step_inputs(s, prefill, decode)
+    q = torch.randn(meta.num_tokens, 4, 16, generator=torch.Generator().manual_seed(3))
+    out = TorchAttentionBackend().forward(s.cache, q, k, v, meta, 0.25, window=window)
+    ref, _ = _refs(q, s, prefill + [(2, 1)], 0.25, window)
+    torch.testing.assert_close(out, ref, atol=ATOL, rtol=0)
+
+
 def test_windowed_decode_gathers_only_the_window():
     """A long request's decode row reads the blocks of its window, not its whole history."""
     hq, hkv, d, bs, window = 4, 2, 16, 8, 20
