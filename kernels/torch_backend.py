@@ -11,7 +11,8 @@ two states -- "all earlier KV, no mask" and "causal within the chunk" -- merged 
 exactly the bottom-right aligned causal mask. A sliding-window layer (Mistral, Qwen2's upper
 layers) passes `window`: a query at position p sees keys p - window < key <= p (Hugging Face's
 mask); a chunk whose request is longer than the window reads only the window's blocks and
-attends in query tiles under a banded mask, and decode gathers from the window's first block.
+attends in query tiles, each to itself causally and to the keys before it under the window's
+band; decode gathers from the window's first block.
 
 CPU fast paths (same results): a chunk with earlier KV keeps the two fused passes (one pass over
 prefix + chunk with an additive bottom-right causal mask measured no faster: it loses the causal
