@@ -65,11 +65,8 @@ class ModelRunner:
         """Run one step; returns the final hidden states of `plan.sample_rows` [n, H]."""
         input_ids, positions, meta = plan_inputs(plan, self.kv.block_size, self.device)
         lora = self.lora.for_step(plan.lora_runs, plan.num_tokens, self.device) if plan.lora_runs else None
-        if self.aux_layers:
-            hidden, self.last_aux = self.model(input_ids, positions, self.kv_cache, meta, backend=self.backend,
-                                               lora=lora, aux_layers=self.aux_layers)
-        else:
-            hidden = self.model(input_ids, positions, self.kv_cache, meta, backend=self.backend, lora=lora)
+        hidden, self.last_aux = forward_keeping(self.model, input_ids, positions, self.kv_cache, meta, self.backend,
+                                                lora, self.aux_layers)
         if self.keep_hidden:
             self.last_hidden = hidden
         return hidden.index_select(0, torch.tensor(plan.sample_rows, dtype=torch.long, device=hidden.device))
@@ -79,6 +76,14 @@ class ModelRunner:
 
     def close(self) -> None:
         pass
+
+
+def forward_keeping(model, input_ids, positions, kv_cache, meta, backend, lora, aux_layers: tuple[int, ...]):
+    """(final hidden states, the residual streams entering `aux_layers` or None): one forward of
+    `model` (a full model or a rank's shard), as an EAGLE head's runner keeps them."""
+    if aux_layers:
+        return model(input_ids, positions, kv_cache, meta, backend=backend, lora=lora, aux_layers=aux_layers)
+    return model(input_ids, positions, kv_cache, meta, backend=backend, lora=lora), None
 
 
 def plan_logits(runner, plan) -> torch.Tensor:

@@ -60,7 +60,7 @@ import torch
 from kernels.rowcopy import index_copy
 from kernels.metadata import AttentionMetadata
 from kernels.torch_backend import LOG2E, Workspace, _attend, _gather_rows, merge_states, paged_decode_attention, write_kv
-from raycluster.engine.model_runner import execute_step
+from raycluster.engine.model_runner import execute_step, forward_keeping
 from raycluster.parallel.group import Collective
 from raycluster.parallel.head_kv import HeadKV
 from raycluster.parallel.kv_port import KV_TAG, KVLoad, KVSave, StagedPort, rank_handler
@@ -315,12 +315,8 @@ class KVPRank:
         input_ids, positions, gmeta = plan_inputs(plan, self.block_size, self.device)
         meta = kvp_meta(plan, gmeta.slot_mapping, self.rank, self.world, self.block_size,
                         self.blocks_per_rank, self.device, ranks=ranks)
-        lora = self.adapters.for_step(plan)
-        if aux_layers:
-            hidden, self.aux = self.model(input_ids, positions, self.kv_cache, meta, backend=self.backend, lora=lora,
-                                          aux_layers=aux_layers)
-        else:
-            hidden = self.model(input_ids, positions, self.kv_cache, meta, backend=self.backend, lora=lora)
+        hidden, self.aux = forward_keeping(self.model, input_ids, positions, self.kv_cache, meta, self.backend,
+                                           self.adapters.for_step(plan), aux_layers)
         self.hidden = hidden
         rows = hidden.index_select(0, torch.tensor(plan.sample_rows, dtype=torch.long, device=hidden.device))
         if self.tp == 1:

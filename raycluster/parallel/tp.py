@@ -39,7 +39,7 @@ import torch
 from kernels.rowcopy import index_copy
 from kernels import get_attention_backend
 from raycluster.engine.kv_manager import KVCacheManager
-from raycluster.engine.model_runner import StepLogits, execute_step
+from raycluster.engine.model_runner import StepLogits, execute_step, forward_keeping
 from raycluster.engine.scheduler import SchedulerOutput
 from raycluster.model.llama import LlamaForCausalLM
 from raycluster.parallel.group import Collective
@@ -113,12 +113,8 @@ class TPRank:
         `aux_layers` (the leader's, for an EAGLE-3 head) `aux` the residual streams entering
         those layers."""
         input_ids, positions, meta = plan_inputs(plan, self.block_size, self.device)
-        lora = self.adapters.for_step(plan)
-        if aux_layers:
-            hidden, self.aux = self.model(input_ids, positions, self.kv_cache, meta, backend=self.backend, lora=lora,
-                                          aux_layers=aux_layers)
-        else:
-            hidden = self.model(input_ids, positions, self.kv_cache, meta, backend=self.backend, lora=lora)
+        hidden, self.aux = forward_keeping(self.model, input_ids, positions, self.kv_cache, meta, self.backend,
+                                           self.adapters.for_step(plan), aux_layers)
         self.hidden = hidden
         n = len(plan.sample_rows)
         if self.tp == 1:
