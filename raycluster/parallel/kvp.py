@@ -184,7 +184,7 @@ class KVPAttention:
     def forward(self, layer_kv: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 meta: KVPMeta, scale: float, window: int | None = None) -> torch.Tensor:
         if window is not None:      # the factory refuses kvp > 1 for sliding-window models
-            raise NotImplementedError("KV-parallel attention does not mask by a sliding window")
+            raise ValueError(f"window: {window}: KV-parallel attention takes no sliding window")
         if meta.write_idx.numel():
             write_kv(layer_kv, k.index_select(0, meta.write_idx), v.index_select(0, meta.write_idx), None,
                      slot_row=meta.write_rows)

@@ -15,6 +15,7 @@ from kernels.torch_backend import TorchAttentionBackend, Workspace, paged_decode
 from raycluster.engine.config import EngineConfig
 from raycluster.model import load_model, write_tiny_model
 from raycluster.parallel.factory import build_runner
+from raycluster.parallel.kvp import KVPAttention
 from tests.unit.test_kernels import ATOL, PagedSetup, _meta, step_inputs
 
 torch.set_num_threads(2)
@@ -159,6 +160,8 @@ def test_sliding_window_models_get_the_torch_backend_and_kvp_refuses_them(tmp_pa
                             num_hidden_layers=2)
     model, cfg = load_model(path)
     assert [layer.self_attn.window for layer in model.model.layers] == [32, 32]
+    with pytest.raises(ValueError, match="window: 32: KV-parallel attention takes no sliding window"):
+        KVPAttention(None).forward(None, None, None, None, None, 1.0, window=32)
     with pytest.raises(ValueError, match="kvp: 2 KVP ranks for a sliding-window model"):
         build_runner(EngineConfig(kvp=2, kv_cache_tokens=1024, policy="fcfs", packer="token", predictor="none"),
                      model, torch.float32)
