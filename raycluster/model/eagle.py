@@ -10,7 +10,7 @@ head on x, and x is also the next drafting pass's hidden. The EAGLE-3 head
 with the token at j + 1 and runs at position j. The embedding and the output head are the
 target's (an EAGLE-1 checkpoint's copies are ignored). A head's layers keep their KV under the
 target's block ids, from layer `first_kv_layer` of the tensor the runner gives it (the last
-layers of a single process's KV tensor; a TP leader's own tensor of whole heads): a request's
+layers of a single process's KV tensor; a TP / KVP leader's own tensor of whole heads): a request's
 draft KV lives in its blocks and moves with them (KV handoff, prefix cache, preemption).
 
 Checkpoints (`load_eagle_head(path, target, method)`): a directory with config.json (a Llama

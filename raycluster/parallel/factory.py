@@ -72,19 +72,26 @@ def build_runner(config: EngineConfig, model, dtype: torch.dtype, model_path: st
     and take `num_cpus` and `num_gpus` each), join them, and return the leader. `model`: the
     full model, or (`SHARDED_KINDS` only) a `Checkpoint`; with a full model and a `model_path`,
     thread ranks of those kinds read their own part from the path rather than cut it from it."""
+    extra = eagle_kv_layers(config)
+    runner = _build_runner(config, model, dtype, model_path, num_cpus, num_gpus, extra)
+    if extra and config.enable_prefix_caching:
+        # As vLLM: a cached run's last head KV was made with another request's next token.
+        runner.kv.rerun_last_match = True
+    return runner
+
+
+def _build_runner(config: EngineConfig, model, dtype: torch.dtype, model_path: str | None, num_cpus: float,
+                  num_gpus: float, extra: int):
+    """`build_runner`'s runner, `extra`: the EAGLE head's KV layers (0 without one)."""
     blocks = config.kv_cache_tokens // config.block_size
     kv_manager = PrefixCachingKVManager if config.enable_prefix_caching else KVCacheManager
     kind = group_kind(config)
-    extra = eagle_kv_layers(config)
     if kind == "single" or config.group_launch == "threads":     # every rank's KV in this host's memory
         mcfg = dataclasses.replace(model.config, num_hidden_layers=model.config.num_hidden_layers + extra)
         check_kv_fits(blocks * config.block_size, mcfg, dtype, torch.device(config.device))
     world = config.parallel_world
     if kind == "single":
-        kv = kv_manager(blocks, config.block_size)
-        if extra and config.enable_prefix_caching:
-            kv.rerun_last_match = True
-        return ModelRunner(model, kv, dtype, config.device, extra_kv_layers=extra)
+        return ModelRunner(model, kv_manager(blocks, config.block_size), dtype, config.device, extra_kv_layers=extra)
     if config.kvp > 1 and model.config.sliding_layers:
         raise ValueError(f"kvp: {config.kvp} KVP ranks for a sliding-window model (window "
                          f"{model.config.sliding_window}): KV parallelism does not mask by a window; use kvp 1")
@@ -107,20 +114,15 @@ def build_runner(config: EngineConfig, model, dtype: torch.dtype, model_path: st
     if kind in ("kvp", "kvp-tp"):
         from raycluster.parallel.kvp import KVPRunner
         # KVP x TP too: the lanes of a KVP rank hold their heads of that rank's blocks.
-        runner = KVPRunner(model, coll, config.kvp, blocks, config.block_size, dtype, config.device, ranks=ranks,
-                           prefix_caching=config.enable_prefix_caching, tp=config.tp,
-                           tokens_per_rank=config.kvp_progressive_tokens(), start=config.kvp_start,
-                           extra_kv_layers=extra)
-        if extra and config.enable_prefix_caching:
-            runner.kv.rerun_last_match = True
-        return runner
+        return KVPRunner(model, coll, config.kvp, blocks, config.block_size, dtype, config.device, ranks=ranks,
+                         prefix_caching=config.enable_prefix_caching, tp=config.tp,
+                         tokens_per_rank=config.kvp_progressive_tokens(), start=config.kvp_start,
+                         extra_kv_layers=extra)
     if kind == "tp":
         from raycluster.parallel.tp import TPRunner
         # Every rank holds its heads of the same block ids: the engine's bookkeeping is unchanged.
-        kv = kv_manager(blocks, config.block_size)
-        if extra and config.enable_prefix_caching:
-            kv.rerun_last_match = True
-        return TPRunner(model, kv, coll, world, dtype, config.device, ranks=ranks, extra_kv_layers=extra)
+        return TPRunner(model, kv_manager(blocks, config.block_size), coll, world, dtype, config.device, ranks=ranks,
+                        extra_kv_layers=extra)
     from raycluster.parallel.spp import SPPRunner
     # SPP x TP too: every rank holds its layers and heads of the same block ids. With KVP, each
     # stage's KVP ranks hold the blocks the layout gives them, the same in every stage.
