@@ -1,11 +1,15 @@
-"""ModelConfig: the subset of a Hugging Face config.json (Llama / Qwen2 / Qwen3 / Mistral) that the
-from-scratch model needs, validated with errors that name the offending field.
+"""ModelConfig: the subset of a Hugging Face config.json (Llama / Qwen2 / Qwen3 / Mistral, and the
+mixture-of-experts Mixtral / Qwen2-MoE / Qwen3-MoE) that the from-scratch model needs, validated
+with errors that name the offending field.
 
 Accepts both transformers-5 files (`rope_parameters`, `dtype`) and older ones (top-level
 `rope_theta` / `rope_scaling` with `rope_type` or `type`, `torch_dtype`). Sliding-window
 attention follows Hugging Face: Mistral slides on every layer when `sliding_window` is set;
 Qwen2 / Qwen3 only with `use_sliding_window`, on the layers `layer_types` marks
-"sliding_attention" (or, without it, layers i >= `max_window_layers`); Llama never.
+"sliding_attention" (or, without it, layers i >= `max_window_layers`); Llama never; the MoE
+models as their dense kin, except Qwen3-MoE (every layer) and Qwen2-MoE (without `layer_types`,
+the even layers below `max_window_layers`). `moe` (a `MoEConfig`) says which layers route
+tokens to experts and how.
 `window_of(layer)` gives a layer's window. `from_pretrained` adds the end-of-sequence ids of a
 generation_config.json beside config.json.
 """
@@ -20,12 +24,32 @@ from typing import Any
 
 from raycluster.model.generation_config import load_generation_config
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM")
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM",
+                           "MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
+MOE_ARCHITECTURES = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 
 class ModelConfigError(ValueError):
     """config.json is missing a field or uses something this model does not implement."""
+
+
+@dataclass(frozen=True)
+class MoEConfig:
+    """The sparse mixture-of-experts feed-forward of Mixtral / Qwen2-MoE / Qwen3-MoE layers: each
+    token runs through the `top_k` of `num_experts` experts its router scores highest (softmax
+    over the router's logits; the k weights renormalised to sum to 1 when `norm_topk_prob`), plus,
+    in Qwen2-MoE, a shared expert every token runs, scaled by a sigmoid gate. `layers`: the indices
+    (in the full model) of the sparse layers; the others keep a dense MLP of `intermediate_size`.
+    `mixtral_names`: the checkpoint calls the block `block_sparse_moe` and an expert's
+    projections w1 / w3 / w2 (gate / up / down); Qwen's call them `mlp`, gate/up/down_proj."""
+    num_experts: int
+    top_k: int
+    intermediate_size: int             # of each routed expert
+    norm_topk_prob: bool
+    layers: tuple[int, ...]
+    shared_intermediate_size: int = 0  # Qwen2-MoE's shared expert (0: none)
+    mixtral_names: bool = False
 
 
 @dataclass
@@ -53,11 +77,16 @@ class ModelConfig:
     dtype: str | None = None
     sliding_window: int | None = None  # the window of the sliding layers, if any
     sliding_layers: tuple[int, ...] = ()  # indices of the layers that slide (of the full model)
+    moe: MoEConfig | None = None        # the sparse layers' experts (None: every layer dense)
     raw: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
 
     def window_of(self, layer: int) -> int | None:
         """The sliding window of decoder layer `layer` (its index in the full model), or None."""
         return self.sliding_window if layer in self.sliding_layers else None
+
+    def is_moe_layer(self, layer: int) -> bool:
+        """Whether decoder layer `layer` (its index in the full model) has routed experts."""
+        return self.moe is not None and layer in self.moe.layers
 
     @property
     def architectures(self) -> list[str]:
@@ -122,20 +151,21 @@ class ModelConfig:
 
         theta, scaling = _parse_rope(d)
 
-        if arch == "Qwen2ForCausalLM":
+        if arch in ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM"):
             # Qwen2 always has q/k/v biases and never o_proj/MLP biases.
             qkv_bias, o_bias, mlp_bias = True, False, False
-        elif arch == "Qwen3ForCausalLM":
+        elif arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"):
             # Qwen3: attention_bias on q/k/v and o_proj alike (off in the released models), none in the MLP.
             ab = bool(d.get("attention_bias", False))
             qkv_bias, o_bias, mlp_bias = ab, ab, False
         elif arch == "LlamaForCausalLM":
             ab = bool(d.get("attention_bias", False))
             qkv_bias, o_bias, mlp_bias = ab, ab, bool(d.get("mlp_bias", False))
-        else:  # Mistral
+        else:  # Mistral, Mixtral
             qkv_bias = o_bias = mlp_bias = False
 
         window, sliding = _sliding_layers(arch, d, layers)
+        moe = _moe(arch, d, layers) if arch in MOE_ARCHITECTURES else None
         max_len = _scaled_context(max_pos, scaling)
 
         eos = d.get("eos_token_id")
@@ -153,10 +183,10 @@ class ModelConfig:
             head_dim=head_dim, rms_norm_eps=eps, rope_theta=theta, rope_scaling=scaling,
             max_position_embeddings=max_pos, max_model_len=max_len,
             tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
-            qkv_bias=qkv_bias, o_bias=o_bias, mlp_bias=mlp_bias, qk_norm=arch == "Qwen3ForCausalLM",
+            qkv_bias=qkv_bias, o_bias=o_bias, mlp_bias=mlp_bias, qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"),
             bos_token_id=int(bos) if bos is not None else None, eos_token_id=eos_t,
             dtype=d.get("dtype") or d.get("torch_dtype"), sliding_window=window,
-            sliding_layers=sliding, raw=dict(d))
+            sliding_layers=sliding, moe=moe, raw=dict(d))
 
 
 def _parse_rope(d: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
@@ -215,16 +245,58 @@ def _sliding_layers(arch: str, d: dict[str, Any], layers: int) -> tuple[int | No
         raise ModelConfigError(f"config field 'sliding_window' has invalid value {d['sliding_window']!r}") from e
     if window < 1:
         raise ModelConfigError(f"config field 'sliding_window' = {window} must be at least 1")
-    if arch == "MistralForCausalLM":
+    if arch == "MixtralForCausalLM" or arch == "MistralForCausalLM":
         return window, tuple(range(layers))
     if not d.get("use_sliding_window", False):
         return None, ()
+    if arch == "Qwen3MoeForCausalLM":      # transformers' Qwen3-MoE slides on every layer
+        return window, tuple(range(layers))
     layer_types = d.get("layer_types")
     if layer_types is not None:
         if not isinstance(layer_types, list) or len(layer_types) != layers:
             raise ModelConfigError(f"config field 'layer_types' must list one type per layer ({layers})")
         sliding = tuple(i for i, t in enumerate(layer_types) if t == "sliding_attention")
+    elif arch == "Qwen2MoeForCausalLM":    # transformers' default layer_types for Qwen2-MoE
+        start = int(d.get("max_window_layers", layers))
+        sliding = tuple(i for i in range(layers) if (i + 1) % 2 and i < start)
     else:
         start = int(d.get("max_window_layers", layers))
         sliding = tuple(range(start, layers))
     return (window, sliding) if sliding else (None, ())
+
+def _moe(arch: str, d: dict[str, Any], layers: int) -> MoEConfig:
+    """The experts config.json describes, read as transformers does: Mixtral's
+    `num_local_experts` experts of `intermediate_size` on every layer, weights always
+    renormalised; Qwen's `num_experts` (or `num_local_experts`) of `moe_intermediate_size` on the layers i with
+    (i + 1) % `decoder_sparse_step` == 0 and not in `mlp_only_layers`."""
+    def count(name: str, default: int | None = None, minimum: int = 1) -> int:
+        v = d.get(name, default)
+        try:
+            v = int(v)
+        except (TypeError, ValueError):
+            raise ModelConfigError(f"config field {name!r} has invalid value {d.get(name)!r}") from None
+        if v < minimum:
+            raise ModelConfigError(f"config field {name!r} = {v} must be at least {minimum}")
+        return v
+
+    top_k = count("num_experts_per_tok")
+    # The hub's Qwen configs say num_experts, transformers 5 writes num_local_experts for both.
+    experts_field = next((f for f in ("num_local_experts", "num_experts") if d.get(f) is not None),
+                         "num_local_experts" if arch == "MixtralForCausalLM" else "num_experts")
+    if arch == "MixtralForCausalLM":
+        experts = count(experts_field)
+        moe = MoEConfig(experts, top_k, count("intermediate_size"), True, tuple(range(layers)),
+                        mixtral_names=True)
+    else:
+        experts = count(experts_field)
+        step = count("decoder_sparse_step", 1)
+        only_dense = d.get("mlp_only_layers") or []
+        if not isinstance(only_dense, list) or not all(isinstance(i, int) for i in only_dense):
+            raise ModelConfigError(f"config field 'mlp_only_layers' must be a list of layer indices: {only_dense!r}")
+        sparse = tuple(i for i in range(layers) if (i + 1) % step == 0 and i not in only_dense)
+        shared = count("shared_expert_intermediate_size", 0, 0) if arch == "Qwen2MoeForCausalLM" else 0
+        moe = MoEConfig(experts, top_k, count("moe_intermediate_size"), bool(d.get("norm_topk_prob", False)),
+                        sparse, shared_intermediate_size=shared)
+    if top_k > moe.num_experts:
+        raise ModelConfigError(f"config field 'num_experts_per_tok' = {top_k} exceeds the {moe.num_experts} experts")
+    return moe

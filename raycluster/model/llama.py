@@ -1,5 +1,5 @@
-"""From-scratch Llama-family decoder (Llama, Qwen2, Qwen3, Mistral) in a flat, varlen layout over a
-paged KV cache. Parameter names are identical to Hugging Face's so checkpoints load directly.
+"""From-scratch Llama-family decoder (Llama, Qwen2, Qwen3, Mistral; with routed experts Mixtral,
+Qwen2-MoE, Qwen3-MoE: raycluster.model.moe) in a flat, varlen layout over a paged KV cache. Parameter names are identical to Hugging Face's so checkpoints load directly.
 
 forward(input_ids [T], positions [T], kv_cache [L, N, 2, B, Hkv, D], meta) -> hidden [T, H];
 compute_logits(hidden [n, H]) -> [n, vocab] for just the rows the engine samples from. A step
@@ -15,6 +15,7 @@ from torch import nn
 
 from kernels.metadata import AttentionMetadata
 from raycluster.model.config import ModelConfig
+from raycluster.model.moe import SparseMoE
 from raycluster.model.rope import RotaryEmbedding, apply_rope
 
 
@@ -92,23 +93,33 @@ def _project(linear, x, lora, index: int, name: str):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, window: int | None = None):
+    """Decoder layer `index` of the full model: its sliding window (if any) and its feed-forward
+    block, a dense MLP or routed experts (`SparseMoE`), both from the config."""
+
+    def __init__(self, cfg: ModelConfig, index: int = 0):
         super().__init__()
-        self.self_attn = Attention(cfg, window)
-        self.mlp = MLP(cfg)
+        self.self_attn = Attention(cfg, cfg.window_of(index))
+        sparse = cfg.is_moe_layer(index)
+        # Registered under the checkpoint's name for it: Mixtral's `block_sparse_moe`, else `mlp`.
+        self._ffn_name = "block_sparse_moe" if sparse and cfg.moe.mixtral_names else "mlp"
+        self.add_module(self._ffn_name, SparseMoE(cfg) if sparse else MLP(cfg))
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
+    @property
+    def ffn(self) -> nn.Module:
+        return self._modules[self._ffn_name]
+
     def forward(self, x, cos, sin, layer_kv, meta, backend, lora=None, index: int = 0):
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, layer_kv, meta, backend, lora, index)
-        return x + self.mlp(self.post_attention_layernorm(x), lora, index)
+        return x + self.ffn(self.post_attention_layernorm(x), lora, index)
 
 
 class LlamaModel(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, cfg.window_of(i)) for i in range(cfg.num_hidden_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 

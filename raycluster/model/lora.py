@@ -12,8 +12,9 @@ so the base weights are never changed and requests on different adapters (or non
 batch. A step mixing adapters runs them all at once (`StackedStepLoRA`, a dense stand-in for
 punica's SGMV): the set keeps every adapter's A rows and B columns side by side in one stack
 per projection, and y[rows] += ((x[rows] A_all^T) * M) B_all^T, M masking each token to its own
-adapter's columns: a handful of tensor ops per projection however many adapters the step mixes. Projections a LoRA can target: q/k/v/o_proj and gate/up/down_proj; an adapter for
-anything else (embeddings, lm_head), with DoRA, biases or fan_in_fan_out is refused.
+adapter's columns: a handful of tensor ops per projection however many adapters the step mixes. Projections a LoRA can target: q/k/v/o_proj and gate/up/down_proj (a dense layer's: not
+the experts of a mixture-of-experts layer); an adapter for anything else (embeddings, lm_head,
+experts), with DoRA, biases or fan_in_fan_out is refused.
 """
 
 from __future__ import annotations
@@ -104,6 +105,9 @@ def load_adapter(path: str | os.PathLike, cfg: ModelConfig, name: str, dtype: to
         layer, group, module, ab = int(m[1]), m[2], m[3], m[4]
         if TARGETS.get(module) != group or not 0 <= layer < cfg.num_hidden_layers:
             raise AdapterError(f"{name}: tensor {key!r} targets no projection of this model")
+        if group == "mlp" and cfg.is_moe_layer(layer):
+            raise AdapterError(f"{name}: tensor {key!r} targets the MLP of layer {layer}, a mixture-of-experts "
+                               "layer (adapters on experts are not supported; attention projections are)")
         out_dim, in_dim = shapes[module]
         want = (rank, in_dim) if ab == "A" else (out_dim, rank)
         if tuple(tensor.shape) != want:

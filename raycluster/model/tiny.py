@@ -4,8 +4,8 @@ write_tiny_model(path, seed=0, **overrides) writes config.json (transformers-5 s
 AutoModelForCausalLM), model.safetensors (fp32, seeded), tokenizer.json (byte-level BPE trained
 on the bundled corpus) and tokenizer_config.json (bos/eos, chat template). Same arguments ->
 byte-identical files. `tiny_config(**overrides)` returns the config dict for variants (other
-head counts, tied embeddings, llama3 rope, Qwen2 with q/k/v biases...); an override of None
-removes the key.
+head counts, tied embeddings, llama3 rope, Qwen2 with q/k/v biases, Mixtral / Qwen2-MoE /
+Qwen3-MoE experts...); an override of None removes the key.
 """
 
 from __future__ import annotations
@@ -73,6 +73,24 @@ def tiny_config(**overrides) -> dict:
         for k in ("attention_bias", "mlp_bias"):
             cfg.pop(k)
         cfg["sliding_window"] = None
+    elif overrides.get("architectures") == ["MixtralForCausalLM"]:
+        cfg["model_type"] = "mixtral"
+        for k in ("attention_bias", "mlp_bias"):
+            cfg.pop(k)
+        # intermediate_size is each expert's
+        cfg.update(sliding_window=None, num_local_experts=4, num_experts_per_tok=2, intermediate_size=384,
+                   router_jitter_noise=0.0, output_router_logits=False)
+    elif overrides.get("architectures") in (["Qwen2MoeForCausalLM"], ["Qwen3MoeForCausalLM"]):
+        qwen2 = overrides["architectures"] == ["Qwen2MoeForCausalLM"]
+        cfg["model_type"] = "qwen2_moe" if qwen2 else "qwen3_moe"
+        for k in ("mlp_bias",) + (("attention_bias", "head_dim") if qwen2 else ()):
+            cfg.pop(k)
+        cfg.update(use_sliding_window=False, sliding_window=None, max_window_layers=cfg["num_hidden_layers"],
+                   num_experts=4 if qwen2 else 8, num_experts_per_tok=2, moe_intermediate_size=192,
+                   norm_topk_prob=not qwen2, decoder_sparse_step=1, mlp_only_layers=[],
+                   router_aux_loss_coef=0.0, output_router_logits=False)
+        if qwen2:
+            cfg["shared_expert_intermediate_size"] = 384
     for k, v in overrides.items():
         if v is None:
             cfg.pop(k, None)
@@ -122,6 +140,9 @@ def _init_weights(cfg: dict, seed: int) -> dict[str, torch.Tensor]:
             t = torch.randn(shape, generator=g)
         elif name.endswith(("q_proj.weight", "k_proj.weight")):
             t = 0.1 * torch.randn(shape, generator=g)  # sharper attention than std 0.02
+        elif name.endswith(("mlp.gate.weight", "block_sparse_moe.gate.weight")):
+            # A decisive router: rounding differences never flip which experts a token takes.
+            t = 0.2 * torch.randn(shape, generator=g)
         else:
             t = 0.02 * torch.randn(shape, generator=g)
         out[name] = t.contiguous()
@@ -158,7 +179,8 @@ def write_tiny_lora(path: str | os.PathLike, model_dir: str | os.PathLike, seed:
                     std: float = 0.05, use_rslora: bool = False) -> str:
     """A seeded LoRA adapter for the checkpoint in `model_dir`, in PEFT's format
     (adapter_config.json, adapter_model.safetensors with `base_model.model.` keys). Unlike PEFT's
-    initialisation (B = 0), both A and B are random, so the adapter changes the output."""
+    initialisation (B = 0), both A and B are random, so the adapter changes the output. The MLP
+    targets are left out of a mixture-of-experts layer."""
     from raycluster.model.loader import load_config
     from raycluster.model.lora import TARGETS, _shapes
 
@@ -168,6 +190,8 @@ def write_tiny_lora(path: str | os.PathLike, model_dir: str | os.PathLike, seed:
     tensors = {}
     for layer in range(cfg.num_hidden_layers):
         for module in targets:
+            if TARGETS[module] == "mlp" and cfg.is_moe_layer(layer):
+                continue        # a sparse layer's experts take no adapter
             out_dim, in_dim = shapes[module]
             key = f"base_model.model.model.layers.{layer}.{TARGETS[module]}.{module}"
             tensors[f"{key}.lora_A.weight"] = torch.randn(rank, in_dim, generator=gen) * std

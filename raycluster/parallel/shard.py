@@ -9,6 +9,9 @@ o_proj split along its input over the same heads, gate/up_proj split and down_pr
 its input over the intermediate size. o_proj and down_proj become `RowParallelLinear`: each
 rank's partial output is summed over the group by `reduce`, the bias added once (rank 0 holds it).
 Norms are replicated (Qwen3's q/k norms too: they are per head_dim, one weight for every head).
+A mixture-of-experts layer's experts (and shared expert) split as the MLP does, each expert over
+every rank (vLLM's TP for experts, not expert parallelism); its router is whole on every rank,
+so each rank routes every token alike, and the block reduces its weighted partial sum once.
 
 KV heads, as vLLM places them (`kv_split`, `kv_heads_of`): when tp divides the KV heads, rank r
 holds the contiguous num_kv_heads / tp of them its query heads read. When tp is a multiple of
@@ -53,13 +56,14 @@ from raycluster.model.loader import WHOLE, RowsPart, TensorPart, load_tensors
 from raycluster.model.lora import TARGETS as LORA_TARGETS, LoRAAdapter
 from raycluster.parallel.vocab import ParallelLMHead, VocabParallelEmbedding, pad_rows, vocab_rows
 
-# Decoder-layer parameters split over the ranks, and along which dim (nn.Linear weights are
-# [out, in]: column-parallel layers split dim 0 and their bias, row-parallel ones dim 1).
-_SPLIT = {f"self_attn.{p}_proj.{w}": 0 for p in "qkv" for w in ("weight", "bias")}
-_SPLIT.update({f"mlp.{p}_proj.{w}": 0 for p in ("gate", "up") for w in ("weight", "bias")})
-_SPLIT.update({"self_attn.o_proj.weight": 1, "mlp.down_proj.weight": 1})
-_ROW_BIASES = ("self_attn.o_proj.bias", "mlp.down_proj.bias")     # whole, on rank 0 only
-_KV = {f"self_attn.{p}_proj.{w}" for p in "kv" for w in ("weight", "bias")}     # rows by KV head (`kv_heads_of`)
+# Decoder-layer projections split over the ranks, by the projection's name (nn.Linear weights
+# are [out, in]): column-parallel ones split their weight's dim 0 and their bias, row-parallel
+# ones dim 1 (the bias whole, on rank 0 only). An expert's (and a shared expert's) projections
+# split as a dense MLP's; Mixtral's w1 / w3 / w2 are gate / up / down. Anything else (norms,
+# a router, a shared expert's gate) is whole on every rank.
+_COLUMN = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "w1", "w3")
+_ROW = ("o_proj", "down_proj", "w2")
+_KV = ("k_proj", "v_proj")      # rows by KV head (`kv_heads_of`)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,11 +77,14 @@ def check_tp(cfg: ModelConfig, tp: int) -> None:
     """Refuse a model whose query heads or MLP do not split evenly over `tp` ranks, or whose KV
     heads neither split evenly over them nor replicate evenly (`kv_split`: tp must divide the
     KV heads, or be a multiple of them)."""
-    for name in ("num_attention_heads", "intermediate_size"):
-        n = getattr(cfg, name)
+    sizes = {"num_attention_heads": cfg.num_attention_heads, "intermediate_size": cfg.intermediate_size}
+    if cfg.moe is not None:
+        sizes["moe_intermediate_size"] = cfg.moe.intermediate_size
+        sizes["shared_expert_intermediate_size"] = cfg.moe.shared_intermediate_size
+    for name, n in sizes.items():
         if n % tp:
             raise ValueError(f"tp: {tp} ranks do not divide the model's {name} ({n}); choose a tp that "
-                             "divides the attention heads and the intermediate size")
+                             "divides the attention heads and the (experts') intermediate size")
     kv = cfg.num_key_value_heads
     if kv % tp and tp % kv:
         raise ValueError(f"tp: {tp} ranks neither divide the model's num_key_value_heads ({kv}) nor are a "
@@ -111,9 +118,11 @@ def shard_config(cfg: ModelConfig, tp: int) -> ModelConfig:
     """The config one rank's layers are built from: its heads (one KV head when replicated) and
     its share of the MLP."""
     check_tp(cfg, tp)
+    moe = cfg.moe and dataclasses.replace(cfg.moe, intermediate_size=cfg.moe.intermediate_size // tp,
+                                          shared_intermediate_size=cfg.moe.shared_intermediate_size // tp)
     return dataclasses.replace(cfg, num_attention_heads=cfg.num_attention_heads // tp,
                                num_key_value_heads=kv_split(cfg.num_key_value_heads, tp)[0],
-                               intermediate_size=cfg.intermediate_size // tp)
+                               intermediate_size=cfg.intermediate_size // tp, moe=moe)
 
 
 def layer_part(name: str, rank: int, tp: int, num_kv_heads: int) -> TensorPart | None:
@@ -122,13 +131,16 @@ def layer_part(name: str, rank: int, tp: int, num_kv_heads: int) -> TensorPart |
     None (a row-parallel bias off rank 0). k/v_proj rows (and biases) are its KV heads': chunk
     `rank` of `tp`, or when tp > `num_kv_heads` (replicated) the rows of its one head, chunk
     rank // (tp / num_kv_heads) of num_kv_heads."""
-    if name in _KV and tp > num_kv_heads:
+    module, param = name.split(".")[-2:]
+    if module in _KV and tp > num_kv_heads:
         first, _ = kv_heads_of(num_kv_heads, tp, rank)
         return TensorPart(0, first, num_kv_heads)
-    if name in _SPLIT:
-        return TensorPart(_SPLIT[name], rank, tp)
-    if name in _ROW_BIASES and rank != 0:
-        return None
+    if module in _COLUMN:
+        return TensorPart(0, rank, tp)
+    if module in _ROW:
+        if param == "weight":
+            return TensorPart(1, rank, tp)
+        return WHOLE if rank == 0 else None
     return WHOLE
 
 
@@ -143,7 +155,7 @@ def shard_layer_state(state: dict[str, torch.Tensor], rank: int, tp: int,
         part = layer_part(name, rank, tp, num_kv_heads)
         if part is None:
             continue
-        out[name] = part.take(t).clone(memory_format=torch.contiguous_format) if name in _SPLIT else t
+        out[name] = part.take(t).clone(memory_format=torch.contiguous_format) if part is not WHOLE else t
     return out
 
 
@@ -188,14 +200,18 @@ class RowParallelLinear(nn.Linear):
 
 
 def _shard_layer(cfg: ModelConfig, full_cfg: ModelConfig, rank: int, reduce: Callable, index: int) -> DecoderLayer:
-    """An empty (meta) decoder layer of the shard config with its o_proj / down_proj row-parallel
-    (`index`: the layer's place in the full model, which says its sliding window)."""
-    layer = DecoderLayer(cfg, full_cfg.window_of(index))
-    attn, mlp = layer.self_attn, layer.mlp
+    """An empty (meta) decoder layer of the shard config with its o_proj / down_proj row-parallel,
+    or its experts' sum reduced once (`index`: the layer's place in the full model, which says
+    its sliding window and whether it routes to experts)."""
+    layer = DecoderLayer(cfg, index)
+    attn = layer.self_attn
     attn.o_proj = RowParallelLinear(attn.num_heads * attn.head_dim, cfg.hidden_size,
                                     full_cfg.o_bias and rank == 0, reduce)
-    mlp.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, full_cfg.mlp_bias and rank == 0,
-                                      reduce)
+    if full_cfg.is_moe_layer(index):
+        layer.ffn.reduce = reduce
+    else:
+        layer.mlp.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size,
+                                                full_cfg.mlp_bias and rank == 0, reduce)
     return layer
 
 
@@ -303,10 +319,9 @@ def load_shard(ckpt: Checkpoint, rank: int, tp: int, reduce: Callable[[torch.Ten
     for, share them)."""
     full_cfg = ckpt.config
     layers = _check_layers(full_cfg, rank, tp, layers)
-    names = _layer_names(full_cfg)
     wanted: dict[str, TensorPart] = {}
     for i in layers:
-        for name in names:
+        for name in _layer_names(full_cfg, i):
             part = layer_part(name, rank, tp, full_cfg.num_key_value_heads)
             if part is not None:
                 wanted[f"model.layers.{i}.{name}"] = part
@@ -349,10 +364,11 @@ def load_shard(ckpt: Checkpoint, rank: int, tp: int, reduce: Callable[[torch.Ten
     return _finish(sharded)
 
 
-def _layer_names(cfg: ModelConfig) -> list[str]:
-    """Parameter names of one full decoder layer, relative to the layer (every layer has the same)."""
+def _layer_names(cfg: ModelConfig, index: int) -> list[str]:
+    """Parameter names of full decoder layer `index`, relative to the layer (a dense and a
+    sparse layer differ)."""
     with torch.device("meta"):
-        layer = DecoderLayer(cfg)
+        layer = DecoderLayer(cfg, index)
     return [n for n, _ in layer.named_parameters()]
 
 

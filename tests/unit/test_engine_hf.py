@@ -1,7 +1,7 @@
 """The engine's greedy output equals Hugging Face transformers' `generate`, token for token.
 
-Four checkpoints (the tiny default, an MHA one with tied embeddings, a GQA-8 one with llama3
-rope scaling, a Mistral one with a 33-token sliding window), single requests and 32 mixed-length requests batched together, chunk sizes 1, 7,
+Five checkpoints (the tiny default, an MHA one with tied embeddings, a GQA-8 one with llama3
+rope scaling, a Mistral one with a 33-token sliding window, a Qwen2-MoE one), single requests and 32 mixed-length requests batched together, chunk sizes 1, 7,
 64 and unchunked, and a KV cache small enough to force preemption by recompute. The reference
 runs each prompt alone through HF (fp32, eager attention), so batching cannot leak into it.
 """
@@ -35,6 +35,11 @@ VARIANTS = {
     "mistral-window": dict(architectures=["MistralForCausalLM"], hidden_size=128, num_attention_heads=4,
                            num_key_value_heads=2, head_dim=32, num_hidden_layers=2, intermediate_size=256,
                            sliding_window=33, rope_parameters={"rope_type": "default", "rope_theta": 1e6}),
+    # Qwen2-MoE: 4 routed experts (top 2, weights not renormalised) and a gated shared expert on
+    # layer 0, layer 1 dense.
+    "qwen2-moe": dict(architectures=["Qwen2MoeForCausalLM"], hidden_size=128, num_attention_heads=4,
+                      num_key_value_heads=2, num_hidden_layers=2, intermediate_size=256, moe_intermediate_size=96,
+                      shared_expert_intermediate_size=192, mlp_only_layers=[1]),
 }
 
 

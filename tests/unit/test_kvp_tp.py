@@ -19,7 +19,7 @@ from raycluster.parallel.kvp import KVPRunner
 
 BS = 16
 BASE = dict(policy="fcfs", packer="token", predictor="none", block_size=BS, num_threads=1, group_timeout_s=30)
-CHECKPOINTS = ("tiny", "qwen2", "gqa-bias", "mha")
+CHECKPOINTS = ("tiny", "qwen2", "gqa-bias", "mha", "qwen2-moe")
 
 
 

@@ -40,6 +40,17 @@ VARIANTS = {
                          num_key_value_heads=2, intermediate_size=256, num_hidden_layers=2,
                          use_sliding_window=True, sliding_window=19, max_window_layers=1,
                          rope_parameters={"rope_type": "default", "rope_theta": 1e6}),
+    # Routed experts (raycluster.model.moe): Mixtral's 4 experts, top 2, on every layer (with a
+    # window); Qwen2-MoE's shared expert on the sparse layer 1 only (decoder_sparse_step 2), its
+    # top-2 weights not renormalised; Qwen3-MoE's 8 experts with layer 1 dense (mlp_only_layers).
+    "mixtral_window": dict(architectures=["MixtralForCausalLM"], sliding_window=24, num_hidden_layers=2,
+                           rope_parameters={"rope_type": "default", "rope_theta": 1e6}),
+    "qwen2_moe": dict(architectures=["Qwen2MoeForCausalLM"], hidden_size=128, num_attention_heads=4,
+                      num_key_value_heads=2, intermediate_size=256, num_hidden_layers=2, decoder_sparse_step=2,
+                      moe_intermediate_size=96, shared_expert_intermediate_size=192),
+    "qwen3_moe": dict(architectures=["Qwen3MoeForCausalLM"], hidden_size=128, num_attention_heads=4,
+                      num_key_value_heads=2, head_dim=48, intermediate_size=256, num_hidden_layers=3,
+                      moe_intermediate_size=64, mlp_only_layers=[1]),
 }
 
 
@@ -94,7 +105,7 @@ def test_logits_match_transformers(variant, variant_dirs):
 
 
 @pytest.mark.parametrize("variant", ["tiny", "mha_tied_llama3", "qwen2", "qwen3_bias", "mistral_window",
-                                     "qwen2_window"])
+                                     "qwen2_window", "mixtral_window", "qwen2_moe", "qwen3_moe"])
 def test_chunked_prefill_and_decode_match_unchunked(variant, variant_dirs):
     model, cfg = load_model(variant_dirs[variant])
     ids = _prompt(1 + 7 + 64 + 20, 2000, seed=3)

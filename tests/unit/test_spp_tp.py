@@ -25,7 +25,7 @@ from raycluster.request import SamplingParams
 BS = 16
 BASE = dict(policy="fcfs", packer="token", predictor="none", block_size=BS, num_threads=1, group_timeout_s=30)
 GREEDY = SamplingParams(max_tokens=8, ignore_eos=True)
-CHECKPOINTS = ("tiny", "qwen2", "mistral", "gqa-bias")
+CHECKPOINTS = ("tiny", "qwen2", "mistral", "gqa-bias", "qwen3-moe")     # qwen3-moe: stages mixing sparse and dense layers
 
 
 

@@ -4,9 +4,9 @@ and prompt log-probabilities with prefix caching, P/D handoffs into and out of a
 the configurations it refuses. Checkpoints: the tiny one (GQA 8/2), a Qwen2-style one (q/k/v
 biases, tied embeddings), a Mistral-style one, one with o_proj and MLP biases (the row-parallel
 biases, added once), an MHA one split four ways, and two with fewer KV heads than ranks (their
-heads replicated: 8/2 at tp 4, MQA at tp 2 and 4; more in test_kv_replicate.py), and two whose
+heads replicated: 8/2 at tp 4, MQA at tp 2 and 4; more in test_kv_replicate.py), two whose
 vocab (4099) no tp divides, untied and tied (the vocab-parallel embedding and head padded; more in
-test_vocab_parallel.py)."""
+test_vocab_parallel.py), and three with routed experts (Mixtral, Qwen2-MoE, Qwen3-MoE)."""
 
 from __future__ import annotations
 
@@ -67,6 +67,17 @@ VARIANTS = {
     "qwen2-odd": dict(architectures=["Qwen2ForCausalLM"], hidden_size=128, num_attention_heads=4,
                       num_key_value_heads=2, intermediate_size=256, num_hidden_layers=2, tie_word_embeddings=True,
                       vocab_size=4099, rope_parameters={"rope_type": "default", "rope_theta": 1e6}),
+    # Routed experts, every expert cut over the ranks, the router whole on each: Mixtral's (with
+    # a window); Qwen2-MoE's shared expert and its gate on the sparse layer 1 (tied embeddings);
+    # Qwen3-MoE's 8 experts with layer 1 dense.
+    "mixtral": dict(architectures=["MixtralForCausalLM"], sliding_window=40, num_hidden_layers=2,
+                    rope_parameters={"rope_type": "default", "rope_theta": 1e6}),
+    "qwen2-moe": dict(architectures=["Qwen2MoeForCausalLM"], hidden_size=128, num_attention_heads=4,
+                      num_key_value_heads=2, intermediate_size=256, num_hidden_layers=2, decoder_sparse_step=2,
+                      moe_intermediate_size=96, shared_expert_intermediate_size=192, tie_word_embeddings=True),
+    "qwen3-moe": dict(architectures=["Qwen3MoeForCausalLM"], hidden_size=128, num_attention_heads=4,
+                      num_key_value_heads=2, head_dim=32, intermediate_size=256, num_hidden_layers=3,
+                      moe_intermediate_size=64, mlp_only_layers=[1]),
 }
 
 
@@ -174,7 +185,7 @@ def same_as_single_runner(model, runner) -> ModelRunner:
 
 @pytest.mark.parametrize("variant,tp", [("tiny", 2), ("qwen2", 2), ("mistral", 2), ("gqa-bias", 2), ("mha", 4),
                                         ("qwen3", 2), ("kv-rep", 4), ("mqa", 2), ("mqa", 4), ("odd-vocab", 2),
-                                        ("qwen2-odd", 4)])
+                                        ("qwen2-odd", 4), ("mixtral", 2), ("qwen2-moe", 2), ("qwen3-moe", 4)])
 def test_a_tp_group_gives_the_single_runners_logits_step_by_step(models, variant, tp):
     model = models[variant]
     runner = _group(model, tp)
@@ -224,7 +235,7 @@ def engine_matches_plain(model, group: dict, layout: str) -> None:
         assert [e.top[0][0] for e in g] == [e.top[0][0] for e in w]
 
 
-@pytest.mark.parametrize("variant", ["tiny", "qwen2", "mistral", "gqa-bias", "qwen2-odd"])
+@pytest.mark.parametrize("variant", ["tiny", "qwen2", "mistral", "gqa-bias", "qwen2-odd", "mixtral", "qwen2-moe"])
 def test_a_tp_engine_gives_the_plain_engines_tokens_with_prefix_caching(models, variant):
     engine_matches_plain(models[variant], {"tp": 2}, "tp2")
 

@@ -1,0 +1,104 @@
+"""The sparse mixture-of-experts feed-forward block of Mixtral, Qwen2-MoE and Qwen3-MoE layers.
+
+`SparseMoE(cfg)` holds the router (`gate`, [num_experts, H]), the experts (`experts.{e}`, each a
+gated MLP of the experts' intermediate size, under the checkpoint's names: Mixtral's w1 / w3 /
+w2, Qwen's gate/up/down_proj) and, for Qwen2-MoE, the shared expert and its sigmoid gate.
+forward(x [T, H]) -> [T, H]: each token's router probabilities (softmax in fp32), its top k
+experts and their weights (renormalised to sum to 1 when the config says so), each expert run
+once on the rows routed to it, the weighted outputs summed per token in expert order (as
+transformers does, so the sums round alike), then the shared expert's gated output added.
+
+Tensor parallelism cuts every expert as a dense MLP is cut (gate/up by output rows, down by input
+columns: raycluster.parallel.shard); the router and the shared expert's gate stay whole. Each
+rank's sum over its slices of the experts is then a partial sum, which `reduce` (set by the
+shard builder; the identity on one process) sums over the group once per layer, after the
+shared expert's partial output joins it.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from raycluster.model.config import ModelConfig
+
+
+def _identity(t: torch.Tensor) -> torch.Tensor:
+    return t
+
+
+class GatedMLP(nn.Module):
+    """down(silu(gate(x)) * up(x)) without biases: a Qwen expert or shared expert."""
+
+    def __init__(self, hidden: int, intermediate: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.up_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class MixtralExpert(nn.Module):
+    """The same MLP under Mixtral's names: w1 gate, w3 up, w2 down."""
+
+    def __init__(self, hidden: int, intermediate: int):
+        super().__init__()
+        self.w1 = nn.Linear(hidden, intermediate, bias=False)
+        self.w3 = nn.Linear(hidden, intermediate, bias=False)
+        self.w2 = nn.Linear(intermediate, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class SparseMoE(nn.Module):
+    def __init__(self, cfg: ModelConfig, reduce: Callable[[torch.Tensor], torch.Tensor] = _identity):
+        super().__init__()
+        moe = cfg.moe
+        h = cfg.hidden_size
+        self.top_k = moe.top_k
+        self.norm_topk_prob = moe.norm_topk_prob
+        # Mixtral multiplies an expert's output by its fp32 weight; Qwen casts the weight first.
+        self.fp32_weights = moe.mixtral_names
+        self.gate = nn.Linear(h, moe.num_experts, bias=False)
+        expert = MixtralExpert if moe.mixtral_names else GatedMLP
+        self.experts = nn.ModuleList(expert(h, moe.intermediate_size) for _ in range(moe.num_experts))
+        if moe.shared_intermediate_size:
+            self.shared_expert = GatedMLP(h, moe.shared_intermediate_size)
+            self.shared_expert_gate = nn.Linear(h, 1, bias=False)
+        else:
+            self.shared_expert = None
+        self.reduce = reduce
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(weights [T, k], expert ids [T, k]) of each token's top k experts."""
+        probs = torch.softmax(self.gate(x).float(), dim=-1)
+        weights, ids = torch.topk(probs, self.top_k, dim=-1)
+        if self.norm_topk_prob:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return (weights if self.fp32_weights else weights.to(x.dtype)), ids
+
+    def forward(self, x: torch.Tensor, lora=None, index: int = 0) -> torch.Tensor:
+        # `lora` is never given experts' updates: adapters on a sparse layer's MLP are refused at load.
+        weights, ids = self.route(x)
+        k = self.top_k
+        flat = ids.flatten()
+        order = torch.argsort(flat, stable=True)      # (token, slot) pairs grouped by expert
+        counts = torch.bincount(flat, minlength=len(self.experts)).tolist()
+        rows = order // k
+        pair_weights = weights.flatten()[order].unsqueeze(1)
+        out = torch.zeros_like(x)
+        start = 0
+        for expert, n in zip(self.experts, counts):
+            if n:
+                r = rows[start:start + n]
+                out.index_add_(0, r, (expert(x[r]) * pair_weights[start:start + n]).to(x.dtype))
+                start += n
+        if self.shared_expert is not None:
+            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return self.reduce(out)
