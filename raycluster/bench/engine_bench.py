@@ -94,19 +94,36 @@ def model_facts(model) -> dict:
     layer_params = sum(p.numel() for p in model.model.layers.parameters())
     head = model.model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight
     elt = head.element_size()
+    # Routed experts: a token runs top_k of num_experts (the router and shared experts always).
+    experts = sum(p.numel() for i, layer in enumerate(model.model.layers) if c.is_moe_layer(i)
+                  for p in layer.ffn.experts.parameters())
+    moe = c.moe
+    active_share = moe.top_k / moe.num_experts if moe else 1.0
     return {
         "architecture": c.architecture, "hidden_size": c.hidden_size, "intermediate_size": c.intermediate_size,
         "num_hidden_layers": c.num_hidden_layers, "num_attention_heads": c.num_attention_heads,
         "num_key_value_heads": c.num_key_value_heads, "head_dim": c.head_dim, "vocab_size": c.vocab_size,
         "tie_word_embeddings": model.lm_head is None,
         "total_params": sum(p.numel() for p in model.parameters()),
-        "matmul_params_per_token": linear,          # every layer's Linear weights
+        "matmul_params_per_token": linear - experts + round(experts * active_share),   # the Linear weights a token runs
         "lm_head_params": head.numel(),
         "dtype_bytes": elt,
         # Weights a decode step must read: all layers, the final norm, the whole LM head.
         "decode_weight_bytes": (layer_params + model.model.norm.weight.numel() + head.numel()) * elt,
         "kv_bytes_per_token": 2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim * elt,
+        "expert_weight_bytes": experts * elt,       # within decode_weight_bytes
+        "num_experts": moe.num_experts if moe else 0, "experts_per_token": moe.top_k if moe else 0,
     }
+
+
+def decode_weight_bytes(facts: dict, batch: int) -> float:
+    """Weights a decode step of `batch` tokens reads: every weight but the experts, and of those
+    the share a batch is expected to touch when each token picks k of E experts uniformly,
+    1 - (1 - k/E)^batch (all of them for a dense model)."""
+    e, k = facts.get("num_experts", 0), facts.get("experts_per_token", 0)
+    touched = 1.0 - (1.0 - k / e) ** batch if e else 1.0
+    experts = facts.get("expert_weight_bytes", 0)
+    return facts["decode_weight_bytes"] - experts + experts * touched
 
 
 def prefill_flops(facts: dict, tokens: int) -> dict:
@@ -235,7 +252,7 @@ def bench_decode(model, facts: dict, batch: int, kv_len: int, threads: int | Non
     step = statistics.median(times)
     forward = statistics.median(fwd)
     kv_bytes = statistics.fmean(kv_read) * facts["kv_bytes_per_token"]
-    w_bytes = facts["decode_weight_bytes"] + batch * facts["hidden_size"] * facts["dtype_bytes"]
+    w_bytes = decode_weight_bytes(facts, batch) + batch * facts["hidden_size"] * facts["dtype_bytes"]
     bound = (w_bytes + kv_bytes) / bandwidth_Bps
     out = {
         "batch": batch, "kv_len": kv_len, "step_ms": step * 1e3, "forward_ms": forward * 1e3,
@@ -327,8 +344,9 @@ def _meta(opts: BenchOptions, path: str, facts: dict, threads: int, load_start=N
                    "DRAM bandwidth (best of x.sum() read, a gemv read and y.copy_(x) read+write over a working set >> LLC). "
                    "mbu = bound / median engine step time; mbu_forward_only uses the model forward alone. "
                    "The tiny model's weights may be cache resident, so mbu_vs_cache_bandwidth uses the "
-                   "bandwidth measured over a weights-sized working set.",
-            "mfu": "FLOPs = 2 * matmul_params_per_token * T + 2 * hidden * vocab (one sampled row) + "
+                   "bandwidth measured over a weights-sized working set. A mixture-of-experts model's "
+                   "experts count by the share a batch of b tokens is expected to touch, 1 - (1 - k/E)^b.",
+            "mfu": "FLOPs = 2 * matmul_params_per_token (a MoE model's: its top-k experts) * T + 2 * hidden * vocab (one sampled row) + "
                    "num_layers * 4 * num_heads * head_dim * T * (T + 1) / 2 (causal QK^T and PV); "
                    "mfu = FLOPs / prefill wall time / fp32 torch.mm peak (best of reps).",
             "peaks": "best of several repetitions: the bound is what this machine can do.",

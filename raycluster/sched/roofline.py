@@ -1,7 +1,8 @@
 """Analytic roofline batch-time model for GPU clusters (a `BatchPredictor` without a GPU).
 
 Owns: hardware figures (A100 / H100 / H200: dense bf16 peak, HBM and NVLink bandwidth per GPU,
-inter-node bandwidth per GPU), Llama-3 8B / 70B shapes, and the step-time formulas below. Data
+inter-node bandwidth per GPU), Llama-3 8B / 70B and Mixtral 8x7B shapes, and the step-time
+formulas below. Data
 enters as a `RooflinePredictor(gpu, model, tp, spp, kvp, mfu, mbu, ...)`; it leaves through
 `batch_time(prefills, decode_kv_lens)` and `prefill_time(num_tokens, kv_before)` in seconds, so
 the simulator and the Medha packer can plan for hardware this project never runs on.
@@ -15,6 +16,10 @@ b = 2 bytes (bf16). A batch has prefill chunks (q_i tokens after kv_i cached) an
              (non-causal: q_i (kv_i + q_i), the count behind the seed's "1M tokens, 70B = 2.8 EFLOP")
   F_attn   = 4 L h pairs                                       QK^T and AV
   W        = b (L P_layer + V h)                               weight bytes read per step
+Mixture-of-experts (Mixtral 8x7B: E experts of intermediate I per layer, k per token):
+P_layer counts k experts and the router (h E); W counts every expert a step's T tokens touch,
+expecting uniform routing: each stays unread with probability (1 - k/E)^T (a decode of one
+token reads k of them, a large batch all). Tensor parallelism splits every expert t ways.
   B_kv     = 2 b L (H_kv d) (sum (kv_i + q_i) + sum (kv_j + 1))    KV read + written
 Per GPU with tensor parallel t, stream-pipeline stages p, KV-parallel groups k
 (t_kv = min(t, H_kv): KV heads stop splitting once every GPU holds one):
@@ -33,7 +38,8 @@ enters stage 1 as soon as chunk j leaves it):
 KVP: the query is replicated to the k groups, each attends over its 1/k of the KV, so attention
 FLOPs and KV bytes divide by k; the linear layers do not speed up. BW_link is NVLink while
 t * k * p GPUs fit in one node, else the inter-node (InfiniBand) bandwidth per GPU.
-Ignored: activation traffic, kernel launch gaps (fold them into `overhead_s`), MoE, quantization.
+Ignored: activation traffic, kernel launch gaps (fold them into `overhead_s`), routing skew
+(hot experts) and expert parallelism, quantization.
 """
 
 from __future__ import annotations
@@ -71,9 +77,11 @@ class ModelShape:
     hidden: int
     heads: int
     kv_heads: int
-    intermediate: int
+    intermediate: int           # the MLP's; a mixture-of-experts model's: each expert's
     vocab: int
     dtype_bytes: int = 2
+    experts: int = 0            # routed experts per layer (0: a dense MLP)
+    experts_per_token: int = 0  # k of them run per token
 
     @property
     def head_dim(self) -> int:
@@ -81,18 +89,37 @@ class ModelShape:
 
     @property
     def layer_params(self) -> int:
+        """Matmul parameters a token runs through per layer (a MoE model's: k experts and the router)."""
         h, kvd = self.hidden, self.kv_heads * self.head_dim
-        return 2 * h * h + 2 * h * kvd + 3 * h * self.intermediate
+        if not self.experts:
+            return 2 * h * h + 2 * h * kvd + 3 * h * self.intermediate
+        return 2 * h * h + 2 * h * kvd + 3 * h * self.intermediate * self.experts_per_token + h * self.experts
+
+    @property
+    def _stored_layer_params(self) -> int:
+        if not self.experts:
+            return self.layer_params
+        return self.layer_params + 3 * self.hidden * self.intermediate * (self.experts - self.experts_per_token)
 
     @property
     def params(self) -> int:
-        """Including input embedding and untied lm_head (Llama-3 8B: 8.03e9)."""
-        return self.layers * self.layer_params + 2 * self.vocab * self.hidden
+        """Including input embedding and untied lm_head (Llama-3 8B: 8.03e9; Mixtral 8x7B: 4.67e10)."""
+        return self.layers * self._stored_layer_params + 2 * self.vocab * self.hidden
 
     @property
     def weight_bytes(self) -> float:
-        """Bytes a step reads: layers + lm_head (the embedding is only gathered)."""
-        return self.dtype_bytes * (self.layers * self.layer_params + self.vocab * self.hidden)
+        """Bytes a step reads at most: layers (every expert) + lm_head (the embedding is only gathered)."""
+        return self.dtype_bytes * (self.layers * self._stored_layer_params + self.vocab * self.hidden)
+
+    def step_weight_bytes(self, tokens: int) -> float:
+        """Bytes a step of `tokens` tokens reads: a dense model's `weight_bytes`; a MoE model's
+        less the experts no token of the step routes to, expecting uniform routing (each token
+        picks k of E experts: a layer's expert stays unread with probability (1 - k/E)^tokens)."""
+        if not self.experts:
+            return self.weight_bytes
+        idle = (1.0 - self.experts_per_token / self.experts) ** tokens
+        experts = self.dtype_bytes * self.layers * 3 * self.hidden * self.intermediate * self.experts
+        return self.weight_bytes - experts * idle
 
     def kv_bytes_per_token(self) -> float:
         return 2 * self.dtype_bytes * self.layers * self.kv_heads * self.head_dim
@@ -100,7 +127,8 @@ class ModelShape:
 
 LLAMA3_8B = ModelShape("llama-3-8b", 32, 4096, 32, 8, 14336, 128256)
 LLAMA3_70B = ModelShape("llama-3-70b", 80, 8192, 64, 8, 28672, 128256)
-MODELS = {m.name: m for m in (LLAMA3_8B, LLAMA3_70B)}
+MIXTRAL_8X7B = ModelShape("mixtral-8x7b", 32, 4096, 32, 8, 14336, 32000, experts=8, experts_per_token=2)
+MODELS = {m.name: m for m in (LLAMA3_8B, LLAMA3_70B, MIXTRAL_8X7B)}
 
 
 @dataclass(frozen=True)
@@ -165,7 +193,7 @@ class RooflinePredictor:
         f_lin, f_attn = self.flops(prefills, decode_kv_lens)
         kv_tokens = sum(kv + q for q, kv in prefills) + sum(kv + 1 for kv in decode_kv_lens)
         lin_c = f_lin / (p * t * g.peak_flops * self.mfu)
-        lin_m = m.weight_bytes / (p * t * g.hbm_bw * self.mbu)
+        lin_m = m.step_weight_bytes(tokens) / (p * t * g.hbm_bw * self.mbu)
         t_kv = min(t, m.kv_heads)
         attn_c = f_attn / (p * t * k * g.peak_flops * self.mfu)
         attn_m = m.kv_bytes_per_token() * kv_tokens / (p * t_kv * k * g.hbm_bw * self.mbu)
@@ -195,7 +223,7 @@ class RooflinePredictor:
         t, p, k = self.tp, self.spp, self.kvp
         return {"lin_f": 2.0 * m.layers * m.layer_params, "lin_s": 2.0 * m.vocab * m.hidden,
                 "lin_c": p * t * g.peak_flops * self.mfu,
-                "lin_m": m.weight_bytes / (p * t * g.hbm_bw * self.mbu),
+                "lin_m": m.weight_bytes / (p * t * g.hbm_bw * self.mbu), "lin_md": p * t * g.hbm_bw * self.mbu,
                 "attn_f": 4.0 * m.layers * m.hidden, "attn_c": p * t * k * g.peak_flops * self.mfu,
                 "kvb": m.kv_bytes_per_token(), "attn_m": p * min(t, m.kv_heads) * k * g.hbm_bw * self.mbu,
                 "layers": m.layers / p, "hb": m.hidden, "db": m.dtype_bytes,
@@ -237,7 +265,8 @@ class RooflinePredictor:
         seqs = len(prefills) + nd
         f_lin = c["lin_f"] * tokens + c["lin_s"] * seqs
         f_attn = c["attn_f"] * pairs
-        lin = max(f_lin / c["lin_c"], c["lin_m"])
+        lin_m = c["lin_m"] if not self.model.experts else self.model.step_weight_bytes(tokens) / c["lin_md"]
+        lin = max(f_lin / c["lin_c"], lin_m)
         attn = max(f_attn / c["attn_c"], c["kvb"] * kv_tokens / c["attn_m"])
         t, k, p = self.tp, self.kvp, self.spp
         tp_comm = kvp_comm = send = 0.0

@@ -10,7 +10,7 @@ import pytest
 from raycluster.sched.predictor import LinearBatchPredictor
 from raycluster.sched.profile import (ProfileSample, default_plan, error_report, fit_and_report,
                                       fit_predictor, nnls, profile)
-from raycluster.sched.roofline import A100, H100, LLAMA3_70B, LLAMA3_8B, RooflinePredictor
+from raycluster.sched.roofline import A100, H100, LLAMA3_70B, LLAMA3_8B, MIXTRAL_8X7B, RooflinePredictor
 
 TRUE = LinearBatchPredictor(overhead_s=3e-3, per_prefill_token_s=4e-5, per_attn_pair_s=2e-10,
                             per_decode_s=2e-4, per_decode_kv_s=3e-9)
@@ -159,3 +159,24 @@ def test_roofline_drives_medha_packer_budget():
         assert roof.batch_time([(n, kv)], []) <= 0.05 + 1e-12
         sizes.append(n)
     assert sizes[0] > sizes[1] > sizes[2]           # adaptive chunking under a real cost model
+
+
+def test_mixtral_counts_k_experts_per_token_and_reads_the_experts_a_step_touches():
+    m = MIXTRAL_8X7B
+    # Mistral's figures: 46.7B parameters, 12.9B active per token (with the embedding and head).
+    assert m.params == pytest.approx(46.7e9, rel=0.01)
+    assert m.layers * m.layer_params + 2 * m.vocab * m.hidden == pytest.approx(12.9e9, rel=0.01)
+    experts = 2 * m.layers * 3 * m.hidden * m.intermediate * 8
+    assert m.step_weight_bytes(1) == pytest.approx(m.weight_bytes - experts * 0.75, rel=1e-12)   # 2 of 8 read
+    assert m.step_weight_bytes(10_000) == pytest.approx(m.weight_bytes, rel=1e-9)               # every one
+    assert LLAMA3_8B.step_weight_bytes(1) == LLAMA3_8B.weight_bytes
+    r = RooflinePredictor(H100, m, tp=2, mbu=0.8)
+    # A decode of one sequence is memory bound on the 2 experts it reads; a batch of 64 reads
+    # nearly all 8 and costs more, but far less than 64 times as much.
+    one, many = r.batch_time([], [1024]), r.batch_time([], [1024] * 64)
+    assert r.cost([], [1024]).linear == pytest.approx(m.step_weight_bytes(1) / (2 * H100.hbm_bw * 0.8), rel=1e-9)
+    assert 2.5 < many / one < 4.5
+    for prefills in ([(4096, 0)], [(512, 100), (30, 0)], []):
+        for decodes in ([], [7], [1024] * 9):
+            if prefills or decodes:     # the hot path's time is the StepCost's, exactly
+                assert r.batch_time(prefills, decodes) == r.cost(prefills, decodes).stage

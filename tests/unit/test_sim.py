@@ -163,6 +163,20 @@ def test_bad_spec_names_the_field():
         SimSpec(gpu="a100", engine={"lora_modules": ["a=/x"]}, pools=[{"role": "mixed", "instances": 1}])
 
 
+def test_a_moe_model_needs_the_gpus_its_every_expert_fills():
+    """Mixtral 8x7B's 93 GB of bf16 weights (every expert stays resident) do not fit one 80 GB
+    H100; over tp 2 the rest of the memory holds its KV (4 KB per token per layer)."""
+    from raycluster.sim.cluster import kv_tokens
+
+    spec = SimSpec(gpu="h100", model="mixtral-8x7b", pools=[{"role": "mixed", "tp": 2}])
+    got = kv_tokens(spec, spec.pools[0], spec.engine_config(spec.pools[0]))
+    free = 2 * 80e9 * spec.gpu_memory_utilization - 46.70e9 * 2
+    assert got == pytest.approx(free / (2 * 2 * 32 * 8 * 128), rel=1e-3)
+    spec = SimSpec(gpu="h100", model="mixtral-8x7b", pools=[{"role": "mixed", "tp": 1}])
+    with pytest.raises(ValueError, match="mixtral-8x7b does not fit in 1 x H100"):
+        kv_tokens(spec, spec.pools[0], spec.engine_config(spec.pools[0]))
+
+
 def test_cpu_kvp_pool_holds_every_ranks_kv():
     from raycluster.sim.cluster import kv_tokens
 
