@@ -3,7 +3,7 @@ prefill time, TP (and SPP x TP) prefill time and decode latency.
 
     raycluster bench parallel [--model tiny|PATH] [--contexts 8192,32768] [--kvp 2]
         [--prompt 8192] [--chunk 2048] [--spp 2] [--tp 2] [--decode-steps 16] [--repeats 3]
-        [--launch threads|ray] [--parts kvp,spp,tp[,spp-tp][,kvp-tp][,kvp-layout]]
+        [--launch threads|ray] [--parts kvp,spp,tp[,spp-tp][,kvp-tp][,kvp-layout][,tp-ep]]
         [--kvp-tokens-per-rank N] --out FILE.json
 
 One request alone per run, greedy. Each configuration runs `--repeats` times, the
@@ -21,6 +21,9 @@ report gives medians and ratios against the single-process engine on one thread:
   a TP group of `--tp` ranks (`--spp` x `--tp` ranks, and as many threads for the one process).
 - kvp-tp (only when asked for): the same as kvp with a KVP group of `--kvp` ranks that are each
   a TP group of `--tp` ranks (`--kvp` x `--tp` ranks, and as many threads for the one process).
+- tp-ep (only when asked for, on a mixture-of-experts `--model`): the same as tp for one process
+  on 1 thread and a TP group of `--tp` ranks with each expert split over the ranks and with the
+  experts shared out whole (`enable_expert_parallel`).
 - kvp-layout (only when asked for): the same as kvp for one process on 1 thread and a KVP group
   of `--kvp` ranks striped and progressive (`kvp_layout`; `--kvp-tokens-per-rank` tokens of the
   request per rank, default the engine's: one rank's pool / kvp), so a short context's TPOT
@@ -186,6 +189,16 @@ def run(args) -> dict:
         prompt = [rng.randrange(6, vocab) for _ in range(args.prompt)]
         results["tp"] = _prefill_decode(model, path, args, prompt, _configs("tp", args.tp))
         _print_prefill_decode("tp", results["tp"])
+    if "tp-ep" in args.parts:
+        if model.config.moe is None:
+            raise SystemExit("--parts tp-ep: expert parallelism needs a mixture-of-experts checkpoint (--model)")
+        prompt = [rng.randrange(6, vocab) for _ in range(args.prompt)]
+        configs = [("1 process, 1 thread", {"num_threads": 1}),
+                   (f"tp{args.tp}, 1 thread per rank", {"num_threads": 1, "tp": args.tp}),
+                   (f"tp{args.tp} expert-parallel, 1 thread per rank",
+                    {"num_threads": 1, "tp": args.tp, "enable_expert_parallel": True})]
+        results["tp-ep"] = _prefill_decode(model, path, args, prompt, configs)
+        _print_prefill_decode("tp-ep", results["tp-ep"])
     if "spp-tp" in args.parts:
         prompt = [rng.randrange(6, vocab) for _ in range(args.prompt)]
         group = {"spp": args.spp, "tp": args.tp}

@@ -96,6 +96,11 @@ class EngineConfig(BaseModel):
                     "replicated on tp / KV heads ranks, when tp is a multiple of the KV heads). With spp > 1 "
                     "(or kvp > 1): each stage (each KVP rank, of each stage) is a TP group of this many ranks "
                     "(spp x tp, kvp x tp, kvp x spp x tp ranks in all)")
+    enable_expert_parallel: bool = Field(
+        False, description="vLLM's --enable-expert-parallel: a mixture-of-experts model's tp ranks each hold a "
+        "whole share of the experts (num_experts / tp of them, the rows routed to them run there) instead of a "
+        "slice of every expert; the same one all-reduce per layer. Needs tp > 1 and tp dividing the experts; "
+        "no effect on a dense model")
     group_launch: Literal["threads", "ray"] = Field(
         "threads", description="where the ranks of a KVP / SPP / TP group run: threads of this process, or Ray actors")
     group_host: str = Field("127.0.0.1", description="address the group's store and gloo sockets bind to: "
@@ -108,6 +113,12 @@ class EngineConfig(BaseModel):
         if self.lora_modules:
             from raycluster.model.lora import parse_modules
             parse_modules(self.lora_modules)
+        return self
+
+    @model_validator(mode="after")
+    def _expert_parallel(self) -> "EngineConfig":
+        if self.enable_expert_parallel and self.tp == 1:
+            raise ValueError("enable_expert_parallel: the experts are shared out over the tp ranks; set tp > 1")
         return self
 
     @model_validator(mode="after")

@@ -50,6 +50,9 @@ class MoEConfig:
     layers: tuple[int, ...]
     shared_intermediate_size: int = 0  # Qwen2-MoE's shared expert (0: none)
     mixtral_names: bool = False
+    # The experts [first, end) a model built from this config holds (an expert-parallel rank's
+    # share, raycluster.parallel.shard); None: every expert.
+    local_experts: tuple[int, int] | None = None
 
 
 @dataclass

@@ -9,10 +9,11 @@ once on the rows routed to it, the weighted outputs summed per token in expert o
 transformers does, so the sums round alike), then the shared expert's gated output added.
 
 Tensor parallelism cuts every expert as a dense MLP is cut (gate/up by output rows, down by input
-columns: raycluster.parallel.shard); the router and the shared expert's gate stay whole. Each
-rank's sum over its slices of the experts is then a partial sum, which `reduce` (set by the
-shard builder; the identity on one process) sums over the group once per layer, after the
-shared expert's partial output joins it.
+columns: raycluster.parallel.shard); with expert parallelism each rank instead holds a whole
+share of the experts (`MoEConfig.local_experts`) and runs only the rows routed to them. The router
+and the shared expert's gate stay whole on every rank, so every rank routes alike. Either way a
+rank's sum is a partial sum, which `reduce` (set by the shard builder; the identity on one
+process) sums over the group once per layer, after the shared expert's partial output joins it.
 """
 
 from __future__ import annotations
@@ -65,9 +66,13 @@ class SparseMoE(nn.Module):
         self.norm_topk_prob = moe.norm_topk_prob
         # Mixtral multiplies an expert's output by its fp32 weight; Qwen casts the weight first.
         self.fp32_weights = moe.mixtral_names
+        self.num_experts = moe.num_experts
         self.gate = nn.Linear(h, moe.num_experts, bias=False)
         expert = MixtralExpert if moe.mixtral_names else GatedMLP
-        self.experts = nn.ModuleList(expert(h, moe.intermediate_size) for _ in range(moe.num_experts))
+        # Keyed by expert id (the checkpoint's `experts.{e}` names): every expert, or an
+        # expert-parallel rank's [first, end) of them.
+        self.first, end = moe.local_experts or (0, moe.num_experts)
+        self.experts = nn.ModuleDict({str(e): expert(h, moe.intermediate_size) for e in range(self.first, end)})
         if moe.shared_intermediate_size:
             self.shared_expert = GatedMLP(h, moe.shared_intermediate_size)
             self.shared_expert_gate = nn.Linear(h, 1, bias=False)
@@ -89,12 +94,12 @@ class SparseMoE(nn.Module):
         k = self.top_k
         flat = ids.flatten()
         order = torch.argsort(flat, stable=True)      # (token, slot) pairs grouped by expert
-        counts = torch.bincount(flat, minlength=len(self.experts)).tolist()
+        counts = torch.bincount(flat, minlength=self.num_experts).tolist()
         rows = order // k
         pair_weights = weights.flatten()[order].unsqueeze(1)
         out = torch.zeros_like(x)
-        start = 0
-        for expert, n in zip(self.experts, counts):
+        start = sum(counts[:self.first])              # the pairs of the experts held elsewhere come first
+        for expert, n in zip(self.experts.values(), counts[self.first:]):
             if n:
                 r = rows[start:start + n]
                 out.index_add_(0, r, (expert(x[r]) * pair_weights[start:start + n]).to(x.dtype))

@@ -44,15 +44,16 @@ def group_worker(kind: str, model, coll: Collective, config: EngineConfig, dtype
     blocks = config.kv_cache_tokens // config.block_size
     if kind in ("kvp", "kvp-tp"):
         from raycluster.parallel.kvp import kvp_worker
-        return kvp_worker(model, coll, blocks, config.block_size, dtype, config.device, config.tp)
+        return kvp_worker(model, coll, blocks, config.block_size, dtype, config.device, config.tp,
+                          config.enable_expert_parallel)
     if kind == "tp":
         from raycluster.parallel.tp import tp_worker
-        return tp_worker(model, coll, blocks, config.block_size, dtype, config.device)
+        return tp_worker(model, coll, blocks, config.block_size, dtype, config.device, config.enable_expert_parallel)
     from raycluster.parallel.spp import spp_worker
     # tp: 1, or the lanes of each stage (or of each KVP rank of it); kvp: 1, or each stage's KVP
     # ranks, each holding `blocks` blocks as a plain KVP rank does.
     return spp_worker(model, coll, config.spp, blocks, config.block_size, dtype, config.device,
-                      config.spp_micro_tokens, config.tp, config.kvp)
+                      config.spp_micro_tokens, config.tp, config.kvp, config.enable_expert_parallel)
 
 
 def group_host(config: EngineConfig) -> str:
@@ -99,7 +100,7 @@ def _build_runner(config: EngineConfig, model, dtype: torch.dtype, model_path: s
         raise ValueError(f"spp: {config.spp} stages for {model.config.num_hidden_layers} layers")
     if config.tp > 1:
         from raycluster.parallel.tp import check_tp
-        check_tp(model.config, config.tp)       # before any rank starts
+        check_tp(model.config, config.tp, config.enable_expert_parallel)       # before any rank starts
     host = group_host(config)
     addr = GroupAddress(host, free_port(host), world, config.group_timeout_s)
     if config.group_launch == "ray":
@@ -117,12 +118,12 @@ def _build_runner(config: EngineConfig, model, dtype: torch.dtype, model_path: s
         return KVPRunner(model, coll, config.kvp, blocks, config.block_size, dtype, config.device, ranks=ranks,
                          prefix_caching=config.enable_prefix_caching, tp=config.tp,
                          tokens_per_rank=config.kvp_progressive_tokens(), start=config.kvp_start,
-                         extra_kv_layers=extra)
+                         extra_kv_layers=extra, expert_parallel=config.enable_expert_parallel)
     if kind == "tp":
         from raycluster.parallel.tp import TPRunner
         # Every rank holds its heads of the same block ids: the engine's bookkeeping is unchanged.
         return TPRunner(model, kv_manager(blocks, config.block_size), coll, world, dtype, config.device, ranks=ranks,
-                        extra_kv_layers=extra)
+                        extra_kv_layers=extra, expert_parallel=config.enable_expert_parallel)
     from raycluster.parallel.spp import SPPRunner
     # SPP x TP too: every rank holds its layers and heads of the same block ids. With KVP, each
     # stage's KVP ranks hold the blocks the layout gives them, the same in every stage.
@@ -133,7 +134,7 @@ def _build_runner(config: EngineConfig, model, dtype: torch.dtype, model_path: s
     else:
         kv = kv_manager(blocks, config.block_size)
     return SPPRunner(model, kv, coll, config.spp, dtype, config.device, config.spp_micro_tokens, ranks=ranks,
-                     tp=config.tp, kvp=config.kvp)
+                     tp=config.tp, kvp=config.kvp, expert_parallel=config.enable_expert_parallel)
 
 
 def eagle_kv_layers(config: EngineConfig) -> int:

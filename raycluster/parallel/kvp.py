@@ -336,12 +336,14 @@ def owned_positions(block_ids: list[int], kvp_rank: int, blocks_per_rank: int) -
 
 
 def kvp_rank(model, coll: Collective | None, world_rank: int, kvp: int, tp: int, blocks_per_rank: int,
-             block_size: int, dtype: torch.dtype, device: str | torch.device = "cpu") -> KVPRank:
+             block_size: int, dtype: torch.dtype, device: str | torch.device = "cpu",
+             expert_parallel: bool = False) -> KVPRank:
     """World rank `world_rank` of a KVP group of `kvp` ranks, each a TP group of `tp` lanes
     (world rank k * tp + t). With tp == 1 a plain KVP rank over `coll`. Otherwise it builds its
     two subgroups -- its KVP rank's lanes (row-parallel all-reduces of `shard.rank_model`'s shard
     of `model`), then its lane's KVP peers (the attention all_gather) -- every rank in that
-    order, so each subgroup's members build it at about the same time."""
+    order, so each subgroup's members build it at about the same time. `expert_parallel`: a MoE
+    model's lanes each hold their share of the experts whole."""
     if tp == 1:
         return KVPRank(model, coll, world_rank, kvp, blocks_per_rank, block_size, dtype, device)
     if coll is None or coll.world != kvp * tp or coll.rank != world_rank:
@@ -351,7 +353,8 @@ def kvp_rank(model, coll: Collective | None, world_rank: int, kvp: int, tp: int,
     peers = coll.subgroup(range(t, kvp * tp, tp))
     # Cut from a full model, or read from the checkpoint: every lane its vocab rows of the
     # embedding (summed over `lanes`), KVP rank 0's lanes their rows of the output head.
-    shard = rank_model(model, t, tp, lanes.all_reduce, None, dtype, device, head=k == 0)
+    shard = rank_model(model, t, tp, lanes.all_reduce, None, dtype, device, head=k == 0,
+                       expert_parallel=expert_parallel)
     rank = KVPRank(shard, peers, k, kvp, blocks_per_rank, block_size, dtype, device, link=coll, lane=t, tp=tp,
                    num_kv_heads=model.config.num_key_value_heads, full_config=model.config)
     rank.vocab = model.config.vocab_size
@@ -359,13 +362,13 @@ def kvp_rank(model, coll: Collective | None, world_rank: int, kvp: int, tp: int,
 
 
 def kvp_worker(model, coll: Collective, blocks_per_rank: int, block_size: int, dtype: torch.dtype,
-               device: str = "cpu", tp: int = 1) -> Callable:
+               device: str = "cpu", tp: int = 1, expert_parallel: bool = False) -> Callable:
     """What a non-leader rank runs per message the leader posts (for `serve_rank`); `tp` > 1: a
     lane of a KVP x TP group (it shards the full `model` it is given)."""
     if coll.rank == 0:
         raise ValueError("rank 0 is the leader: use KVPRunner")
     return rank_handler(kvp_rank(model, coll, coll.rank, coll.world // tp, tp, blocks_per_rank, block_size, dtype,
-                                 device))
+                                 device, expert_parallel))
 
 
 class KVPRunner:
@@ -388,14 +391,16 @@ class KVPRunner:
     def __init__(self, model, coll: Collective | None, world: int, blocks_per_rank: int, block_size: int,
                  dtype: torch.dtype, device: str | torch.device = "cpu", ranks=None,
                  prefix_caching: bool = False, tp: int = 1, tokens_per_rank: int | None = None,
-                 start: str = "first_fit", extra_kv_layers: int = 0) -> None:
+                 start: str = "first_fit", extra_kv_layers: int = 0, expert_parallel: bool = False) -> None:
         """`ranks`: the handle of world ranks 1..world*tp-1 (`join(timeout)`), stopped by `close`."""
         self.coll, self.dtype, self.ranks = coll, dtype, ranks
         self.kvp, self.tp = world, tp
         self.kv = kvp_kv_manager(blocks_per_rank, world, block_size, prefix_caching, tokens_per_rank, start)
         # The layout names the profile a group is timed under: a progressive one its range too.
-        self.layout = (f"kvp{world}" if tp == 1 else f"kvp{world}xtp{tp}") + self.kv.allocator.layout_label(block_size)
-        self.rank0 = kvp_rank(model, coll, 0, world, tp, blocks_per_rank, block_size, dtype, device)
+        ep = expert_parallel and tp > 1 and model.config.moe is not None
+        self.layout = ((f"kvp{world}" if tp == 1 else f"kvp{world}xtp{tp}") + ("ep" if ep else "")
+                       + self.kv.allocator.layout_label(block_size))
+        self.rank0 = kvp_rank(model, coll, 0, world, tp, blocks_per_rank, block_size, dtype, device, expert_parallel)
         # The logits: plain KVP's from the full model's head; KVP x TP's from run_plan.
         self.model = (GroupModel(model.config, self.rank0.model, tp > 1) if isinstance(model, Checkpoint)
                       else model)

@@ -10,8 +10,10 @@ its input over the intermediate size. o_proj and down_proj become `RowParallelLi
 rank's partial output is summed over the group by `reduce`, the bias added once (rank 0 holds it).
 Norms are replicated (Qwen3's q/k norms too: they are per head_dim, one weight for every head).
 A mixture-of-experts layer's experts (and shared expert) split as the MLP does, each expert over
-every rank (vLLM's TP for experts, not expert parallelism); its router is whole on every rank,
-so each rank routes every token alike, and the block reduces its weighted partial sum once.
+every rank (vLLM's TP for experts); with `expert_parallel` (vLLM's --enable-expert-parallel over
+the TP ranks) rank r instead holds experts [r E / tp, (r + 1) E / tp) whole (`expert_range`), the
+shared expert still split. Its router is whole on every rank, so each rank routes every token
+alike, and the block reduces its weighted partial sum once either way.
 
 KV heads, as vLLM places them (`kv_split`, `kv_heads_of`): when tp divides the KV heads, rank r
 holds the contiguous num_kv_heads / tp of them its query heads read. When tp is a multiple of
@@ -73,13 +75,19 @@ class Checkpoint:
     config: ModelConfig
 
 
-def check_tp(cfg: ModelConfig, tp: int) -> None:
+def check_tp(cfg: ModelConfig, tp: int, expert_parallel: bool = False) -> None:
     """Refuse a model whose query heads or MLP do not split evenly over `tp` ranks, or whose KV
     heads neither split evenly over them nor replicate evenly (`kv_split`: tp must divide the
-    KV heads, or be a multiple of them)."""
+    KV heads, or be a multiple of them); with `expert_parallel`, whose experts do not share out
+    evenly over them (else each expert's intermediate size must split)."""
     sizes = {"num_attention_heads": cfg.num_attention_heads, "intermediate_size": cfg.intermediate_size}
     if cfg.moe is not None:
-        sizes["moe_intermediate_size"] = cfg.moe.intermediate_size
+        if expert_parallel:
+            if cfg.moe.num_experts % tp:
+                raise ValueError(f"enable_expert_parallel: {tp} ranks do not share the model's {cfg.moe.num_experts} "
+                                 "experts evenly; choose a tp that divides the number of experts")
+        else:
+            sizes["moe_intermediate_size"] = cfg.moe.intermediate_size
         sizes["shared_expert_intermediate_size"] = cfg.moe.shared_intermediate_size
     for name, n in sizes.items():
         if n % tp:
@@ -114,24 +122,40 @@ def kv_holder(num_kv_heads: int, tp: int, rank: int) -> bool:
     return rank % kv_split(num_kv_heads, tp)[1] == 0
 
 
-def shard_config(cfg: ModelConfig, tp: int) -> ModelConfig:
-    """The config one rank's layers are built from: its heads (one KV head when replicated) and
-    its share of the MLP."""
-    check_tp(cfg, tp)
-    moe = cfg.moe and dataclasses.replace(cfg.moe, intermediate_size=cfg.moe.intermediate_size // tp,
-                                          shared_intermediate_size=cfg.moe.shared_intermediate_size // tp)
+def expert_range(num_experts: int, tp: int, rank: int) -> range:
+    """The experts rank `rank` of `tp` holds whole under expert parallelism: a contiguous share."""
+    per = num_experts // tp
+    return range(rank * per, (rank + 1) * per)
+
+
+def shard_config(cfg: ModelConfig, tp: int, rank: int = 0, expert_parallel: bool = False) -> ModelConfig:
+    """The config rank `rank`'s layers are built from: its heads (one KV head when replicated),
+    its share of the MLP, and of each expert's (tensor parallel) or of the experts (`expert_parallel`)."""
+    check_tp(cfg, tp, expert_parallel)
+    moe = cfg.moe
+    if moe is not None and expert_parallel:
+        experts = expert_range(moe.num_experts, tp, rank)
+        moe = dataclasses.replace(moe, shared_intermediate_size=moe.shared_intermediate_size // tp,
+                                  local_experts=(experts.start, experts.stop))
+    elif moe is not None:
+        moe = dataclasses.replace(moe, intermediate_size=moe.intermediate_size // tp,
+                                  shared_intermediate_size=moe.shared_intermediate_size // tp)
     return dataclasses.replace(cfg, num_attention_heads=cfg.num_attention_heads // tp,
                                num_key_value_heads=kv_split(cfg.num_key_value_heads, tp)[0],
                                intermediate_size=cfg.intermediate_size // tp, moe=moe)
 
 
-def layer_part(name: str, rank: int, tp: int, num_kv_heads: int) -> TensorPart | None:
+def layer_part(name: str, rank: int, tp: int, num_kv_heads: int, experts: range | None = None) -> TensorPart | None:
     """What rank `rank` of `tp` holds of a decoder layer's tensor `name` (relative to the layer):
     its chunk along the split dim, the whole tensor (norms, Qwen3's per-head-dim q/k norms), or
     None (a row-parallel bias off rank 0). k/v_proj rows (and biases) are its KV heads': chunk
     `rank` of `tp`, or when tp > `num_kv_heads` (replicated) the rows of its one head, chunk
-    rank // (tp / num_kv_heads) of num_kv_heads."""
-    module, param = name.split(".")[-2:]
+    rank // (tp / num_kv_heads) of num_kv_heads. `experts`: under expert parallelism, the
+    routed experts the rank holds whole (`expert_range`; the others' tensors: None)."""
+    parts = name.split(".")
+    if experts is not None and "experts" in parts:
+        return WHOLE if int(parts[parts.index("experts") + 1]) in experts else None
+    module, param = parts[-2:]
     if module in _KV and tp > num_kv_heads:
         first, _ = kv_heads_of(num_kv_heads, tp, rank)
         return TensorPart(0, first, num_kv_heads)
@@ -145,14 +169,14 @@ def layer_part(name: str, rank: int, tp: int, num_kv_heads: int) -> TensorPart |
 
 
 def shard_layer_state(state: dict[str, torch.Tensor], rank: int, tp: int,
-                      num_kv_heads: int) -> dict[str, torch.Tensor]:
+                      num_kv_heads: int, experts: range | None = None) -> dict[str, torch.Tensor]:
     """Rank `rank`'s tensors of one decoder layer's state dict (names relative to the layer):
-    split ones are copied out (contiguous, so the full weights may be freed), norms are shared,
-    row-parallel biases are kept by rank 0 only. `num_kv_heads`: the model's, which k/v_proj are
-    cut by (`layer_part`)."""
+    split ones are copied out (contiguous, so the full weights may be freed), norms (and an
+    expert-parallel rank's whole experts) are shared, row-parallel biases are kept by rank 0
+    only. `num_kv_heads`: the model's, which k/v_proj are cut by; `experts`: `layer_part`'s."""
     out = {}
     for name, t in state.items():
-        part = layer_part(name, rank, tp, num_kv_heads)
+        part = layer_part(name, rank, tp, num_kv_heads, experts)
         if part is None:
             continue
         out[name] = part.take(t).clone(memory_format=torch.contiguous_format) if part is not WHOLE else t
@@ -225,10 +249,10 @@ def _check_layers(full_cfg: ModelConfig, rank: int, tp: int, layers: range | Non
 
 
 def _assemble(full_cfg: ModelConfig, rank: int, tp: int, reduce: Callable, layers: range,
-              layer_state: Callable[[int], dict[str, torch.Tensor]]) -> LlamaForCausalLM:
+              layer_state: Callable[[int], dict[str, torch.Tensor]], expert_parallel: bool) -> LlamaForCausalLM:
     """A meta shard model whose decoder layers are filled with `layer_state(i)` (rank's tensors
     of full layer i); the embedding, final norm and head are left for the caller to set."""
-    cfg = dataclasses.replace(shard_config(full_cfg, tp), num_hidden_layers=len(layers))
+    cfg = dataclasses.replace(shard_config(full_cfg, tp, rank, expert_parallel), num_hidden_layers=len(layers))
     with torch.device("meta"):
         sharded = LlamaForCausalLM(cfg)
         shards = [_shard_layer(cfg, full_cfg, rank, reduce, i) for i in layers]
@@ -266,10 +290,16 @@ def _lane_rows(weight: torch.Tensor, lo: int, hi: int, rows: int) -> torch.Tenso
     return weight[lo:hi] if hi - lo == rows else pad_rows(weight[lo:hi], rows)
 
 
+def _rank_experts(cfg: ModelConfig, rank: int, tp: int, expert_parallel: bool) -> range | None:
+    """The experts rank `rank` holds whole under expert parallelism (None: each expert split)."""
+    return expert_range(cfg.moe.num_experts, tp, rank) if expert_parallel and cfg.moe is not None else None
+
+
 @torch.no_grad()
 def shard_model(model: LlamaForCausalLM, rank: int, tp: int,
                 reduce: Callable[[torch.Tensor], torch.Tensor] = _identity,
-                layers: range | None = None, *, embed: bool = True, head: bool = True) -> LlamaForCausalLM:
+                layers: range | None = None, *, embed: bool = True, head: bool = True,
+                expert_parallel: bool = False) -> LlamaForCausalLM:
     """Rank `rank`'s model of a `tp`-way group, from a loaded full model: its own sharded
     decoder layers and the full model's final norm (shared, not copied). With tp > 1 the
     embedding and the output head are vocab-parallel (raycluster.parallel.vocab): lane `rank`'s
@@ -279,16 +309,19 @@ def shard_model(model: LlamaForCausalLM, rank: int, tp: int,
     `kv_cache_shape` is the rank's KV. `reduce` sums a row-parallel layer's (and the vocab-
     parallel embedding's) output over the group (identity: one rank's partial sums, for
     tests). `layers`: only these decoder layers of the full model (an SPP stage's range;
-    default all); the shard's config then counts just them, as does its KV shape."""
+    default all); the shard's config then counts just them, as does its KV shape.
+    `expert_parallel`: a MoE model's rank holds its share of the experts whole (`expert_range`)
+    instead of a slice of each."""
     layers = _check_layers(model.config, rank, tp, layers)
     state = model.state_dict()
+    experts = _rank_experts(model.config, rank, tp, expert_parallel)
 
     def layer_state(i: int) -> dict[str, torch.Tensor]:
         prefix = f"model.layers.{i}."
         return shard_layer_state({k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)}, rank, tp,
-                                 model.config.num_key_value_heads)
+                                 model.config.num_key_value_heads, experts)
 
-    sharded = _assemble(model.config, rank, tp, reduce, layers, layer_state)
+    sharded = _assemble(model.config, rank, tp, reduce, layers, layer_state, expert_parallel)
     sharded.model.norm = model.model.norm
     if tp == 1:
         sharded.model.embed_tokens = model.model.embed_tokens
@@ -309,7 +342,7 @@ def shard_model(model: LlamaForCausalLM, rank: int, tp: int,
 def load_shard(ckpt: Checkpoint, rank: int, tp: int, reduce: Callable[[torch.Tensor], torch.Tensor] = _identity,
                layers: range | None = None, dtype: torch.dtype = torch.float32,
                device: str | torch.device = "cpu", *, embed: bool = True, norm: bool = True,
-               head: bool = True) -> LlamaForCausalLM:
+               head: bool = True, expert_parallel: bool = False) -> LlamaForCausalLM:
     """What `shard_model(load_model(ckpt.path), rank, tp, reduce, layers)` builds (the same
     modules, the same values), read from the checkpoint: only the rank's slices of its layers,
     plus the embedding / final norm / output head where `embed` / `norm` / `head` ask for them
@@ -319,10 +352,11 @@ def load_shard(ckpt: Checkpoint, rank: int, tp: int, reduce: Callable[[torch.Ten
     for, share them)."""
     full_cfg = ckpt.config
     layers = _check_layers(full_cfg, rank, tp, layers)
+    experts = _rank_experts(full_cfg, rank, tp, expert_parallel)
     wanted: dict[str, TensorPart] = {}
     for i in layers:
         for name in _layer_names(full_cfg, i):
-            part = layer_part(name, rank, tp, full_cfg.num_key_value_heads)
+            part = layer_part(name, rank, tp, full_cfg.num_key_value_heads, experts)
             if part is not None:
                 wanted[f"model.layers.{i}.{name}"] = part
     tied = full_cfg.tie_word_embeddings
@@ -340,7 +374,7 @@ def load_shard(ckpt: Checkpoint, rank: int, tp: int, reduce: Callable[[torch.Ten
         prefix = f"model.layers.{i}."
         return {k[len(prefix):]: v for k, v in tensors.items() if k.startswith(prefix)}
 
-    sharded = _assemble(full_cfg, rank, tp, reduce, layers, layer_state)
+    sharded = _assemble(full_cfg, rank, tp, reduce, layers, layer_state, expert_parallel)
     top = sharded.model
     if norm:
         top.norm.load_state_dict({"weight": tensors["model.norm.weight"]}, assign=True)
@@ -375,14 +409,15 @@ def _layer_names(cfg: ModelConfig, index: int) -> list[str]:
 def rank_model(source: LlamaForCausalLM | Checkpoint, rank: int, tp: int,
                reduce: Callable[[torch.Tensor], torch.Tensor] = _identity, layers: range | None = None,
                dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu", *, embed: bool = True,
-               norm: bool = True, head: bool = True) -> LlamaForCausalLM:
+               norm: bool = True, head: bool = True, expert_parallel: bool = False) -> LlamaForCausalLM:
     """A rank's model from either source: read from the checkpoint (`load_shard`, just what the
     flags ask for), or cut from a full model in memory (`shard_model`: with tp > 1 the vocab
     rows of the embedding and head the flags ask for; it shares the norm, and with tp == 1 the
-    embedding and head, whatever the flags say)."""
+    embedding and head, whatever the flags say). `expert_parallel`: `shard_model`'s."""
     if isinstance(source, Checkpoint):
-        return load_shard(source, rank, tp, reduce, layers, dtype, device, embed=embed, norm=norm, head=head)
-    return shard_model(source, rank, tp, reduce, layers, embed=embed, head=head)
+        return load_shard(source, rank, tp, reduce, layers, dtype, device, embed=embed, norm=norm, head=head,
+                          expert_parallel=expert_parallel)
+    return shard_model(source, rank, tp, reduce, layers, embed=embed, head=head, expert_parallel=expert_parallel)
 
 
 @torch.no_grad()
@@ -430,5 +465,5 @@ class GroupModel:
         return self.leader_shard.compute_logits(hidden)
 
 
-__all__ = ["Checkpoint", "GroupModel", "RowParallelLinear", "check_tp", "kv_heads_of", "kv_holder", "kv_split",
+__all__ = ["Checkpoint", "GroupModel", "RowParallelLinear", "check_tp", "expert_range", "kv_heads_of", "kv_holder", "kv_split",
            "layer_part", "load_shard", "load_vocab", "rank_model", "shard_config", "shard_layer_state", "shard_model"]

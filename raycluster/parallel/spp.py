@@ -138,11 +138,12 @@ class SPPStage:
     (`self.tp_group`, a subgroup). With kvp > 1 it is KVP rank k of its stage: its N =
     `num_blocks` blocks are the engine blocks of KVP rank k (raycluster.parallel.kvp), and its
     attention backend is a `KVPAttention` gathering partial states over ranks (s, *, t)
-    (`self.kvp_group`, its KVP peers in the stage)."""
+    (`self.kvp_group`, its KVP peers in the stage). `expert_parallel`: a MoE model's lanes each
+    hold their share of the experts whole."""
 
     def __init__(self, model, coll: Collective | None, rank: int, spp: int, num_blocks: int, block_size: int,
                  dtype: torch.dtype, device: str | torch.device = "cpu", micro_tokens: int = 512,
-                 tp: int = 1, kvp: int = 1) -> None:
+                 tp: int = 1, kvp: int = 1, expert_parallel: bool = False) -> None:
         world = spp * kvp * tp
         if world > 1 and (coll is None or coll.world != world or coll.rank != rank):
             raise ValueError(f"spp={spp} x kvp={kvp} x tp={tp} rank {rank} needs a Collective of world {world} "
@@ -179,7 +180,7 @@ class SPPStage:
             reduce = self.tp_group.all_reduce if tp > 1 else _identity
             self.model = rank_model(model, self.lane, tp, reduce, range(self.lo, self.hi), dtype, self.device,
                                     embed=self.first, norm=logits if tp > 1 else rank == self.result_rank,
-                                    head=logits if tp > 1 else rank == 0)
+                                    head=logits if tp > 1 else rank == 0, expert_parallel=expert_parallel)
             self.layers = list(self.model.model.layers)
         else:
             self.model = model
@@ -317,13 +318,13 @@ class SPPStage:
 
 def spp_worker(model: LlamaForCausalLM | Checkpoint, coll: Collective, spp: int, num_blocks: int,
                block_size: int, dtype: torch.dtype, device: str | torch.device = "cpu", micro_tokens: int = 512,
-               tp: int = 1, kvp: int = 1) -> Callable:
+               tp: int = 1, kvp: int = 1, expert_parallel: bool = False) -> Callable:
     """The `run` of a non-leader rank (what `ThreadRanks`/a Ray actor gets from `make_run(coll)`);
     `num_blocks`: the blocks of one KVP rank (all of the engine's without KVP)."""
     if coll.rank == 0:
         raise ValueError("rank 0 is the leader: use SPPRunner")
     return rank_handler(SPPStage(model, coll, coll.rank, spp, num_blocks, block_size, dtype, device, micro_tokens,
-                                 tp, kvp))
+                                 tp, kvp, expert_parallel))
 
 
 class SPPRunner:
@@ -337,20 +338,22 @@ class SPPRunner:
 
     def __init__(self, model: LlamaForCausalLM | Checkpoint, kv: KVCacheManager, coll: Collective | None, spp: int,
                  dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
-                 micro_tokens: int = 512, ranks=None, tp: int = 1, kvp: int = 1) -> None:
+                 micro_tokens: int = 512, ranks=None, tp: int = 1, kvp: int = 1, expert_parallel: bool = False) -> None:
         """`ranks`: the handle of ranks 1..spp*kvp*tp-1 (`join(timeout)`), stopped by `close`."""
         self.kv, self.coll, self.spp, self.tp, self.kvp, self.ranks = kv, coll, spp, tp, kvp, ranks
         self.world = spp * kvp * tp
         self.dtype = dtype
         self.device = torch.device(device)
         self.layout = (f"kvp{kvp}x" if kvp > 1 else "") + f"spp{spp}" + (f"xtp{tp}" if tp > 1 else "")
+        if expert_parallel and tp > 1 and model.config.moe is not None:
+            self.layout += "ep"
         if kvp > 1:     # a progressive KVP layout names its range (and so its own profile)
             self.layout += kv.allocator.layout_label(kv.block_size)
         if kv.num_blocks % kvp:
             raise ValueError(f"kvp {kvp}: the engine's {kv.num_blocks} blocks do not stripe evenly")
         self.blocks_per_rank = kv.num_blocks // kvp
         self.stage = SPPStage(model, coll, 0, spp, self.blocks_per_rank, kv.block_size, dtype, device, micro_tokens,
-                              tp, kvp)
+                              tp, kvp, expert_parallel)
         self.model = GroupModel(model.config, self.stage.model, tp > 1) if isinstance(model, Checkpoint) else model
         self.returns_logits = tp > 1        # gathered from the last stage's lanes' vocab slices
         self.layer_ranges = stage_layers(model.config.num_hidden_layers, spp)

@@ -57,17 +57,20 @@ class TPRank:
     """One rank: its sharded model, its KV heads [L, N, 2, B, Hkv / tp, D] ([.., 1, D] when KV
     heads are replicated) and its attention backend.
     `model`: the full model to cut the shard from, or the `Checkpoint` to read it from. Every
-    rank holds its vocab rows of the embedding and the output head (raycluster.parallel.vocab)."""
+    rank holds its vocab rows of the embedding and the output head (raycluster.parallel.vocab);
+    with `expert_parallel` a MoE model's rank holds its share of the experts whole."""
 
     def __init__(self, model: LlamaForCausalLM | Checkpoint, coll: Collective | None, rank: int, tp: int,
-                 num_blocks: int, block_size: int, dtype: torch.dtype, device: str | torch.device = "cpu") -> None:
+                 num_blocks: int, block_size: int, dtype: torch.dtype, device: str | torch.device = "cpu",
+                 expert_parallel: bool = False) -> None:
         if tp > 1 and (coll is None or coll.world != tp or coll.rank != rank):
             raise ValueError(f"tp={tp} rank {rank} needs a Collective of world {tp} at that rank")
         self.coll, self.rank, self.tp, self.block_size = coll, rank, tp, block_size
         self.device = torch.device(device)
         self.num_kv_heads = model.config.num_key_value_heads      # the whole model's
         self.vocab = model.config.vocab_size
-        self.model = rank_model(model, rank, tp, coll.all_reduce if tp > 1 else _identity, None, dtype, self.device)
+        self.model = rank_model(model, rank, tp, coll.all_reduce if tp > 1 else _identity, None, dtype, self.device,
+                                expert_parallel=expert_parallel)
         self.kv_cache = torch.zeros(self.model.kv_cache_shape(num_blocks, block_size), dtype=dtype,
                                     device=self.device)
         # Its own backend: the torch backend's scratch buffers must not be shared by ranks
@@ -129,12 +132,13 @@ class TPRank:
 
 
 def tp_worker(model: LlamaForCausalLM | Checkpoint, coll: Collective, num_blocks: int, block_size: int,
-              dtype: torch.dtype, device: str | torch.device = "cpu") -> Callable:
+              dtype: torch.dtype, device: str | torch.device = "cpu", expert_parallel: bool = False) -> Callable:
     """What a non-leader rank runs per message the leader posts (for `serve_rank`); reads its
     shard from the `Checkpoint`, or cuts it from the full model it is given (the leader's)."""
     if coll.rank == 0:
         raise ValueError("rank 0 is the leader: use TPRunner")
-    return rank_handler(TPRank(model, coll, coll.rank, coll.world, num_blocks, block_size, dtype, device))
+    return rank_handler(TPRank(model, coll, coll.rank, coll.world, num_blocks, block_size, dtype, device,
+                               expert_parallel))
 
 
 class TPRunner:
@@ -158,11 +162,11 @@ class TPRunner:
 
     def __init__(self, model: LlamaForCausalLM | Checkpoint, kv: KVCacheManager, coll: Collective | None, tp: int,
                  dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu", ranks=None,
-                 extra_kv_layers: int = 0) -> None:
+                 extra_kv_layers: int = 0, expert_parallel: bool = False) -> None:
         """`ranks`: the handle of ranks 1..tp-1 (`join(timeout)`), stopped by `close`."""
         self.kv, self.coll, self.tp, self.dtype, self.ranks = kv, coll, tp, dtype, ranks
-        self.layout = f"tp{tp}"
-        self.rank0 = TPRank(model, coll, 0, tp, kv.num_blocks, kv.block_size, dtype, device)
+        self.layout = f"tp{tp}" + ("ep" if expert_parallel and model.config.moe is not None else "")
+        self.rank0 = TPRank(model, coll, 0, tp, kv.num_blocks, kv.block_size, dtype, device, expert_parallel)
         self.model = GroupModel(model.config, self.rank0.model, True) if isinstance(model, Checkpoint) else model
         self.device = self.rank0.device
         shape = self.model.kv_cache_shape(kv.num_blocks, kv.block_size)

@@ -89,7 +89,7 @@ def _per_token(block: SparseMoE, x: torch.Tensor, norm: bool) -> torch.Tensor:
         probs = torch.softmax(row @ block.gate.weight.t(), dim=-1)
         w, ids = probs.topk(block.top_k)
         w = w / w.sum() if norm else w
-        y = sum(wi * block.experts[int(e)](row[None])[0] for wi, e in zip(w, ids))
+        y = sum(wi * block.experts[str(int(e))](row[None])[0] for wi, e in zip(w, ids))
         if block.shared_expert is not None:
             y = y + torch.sigmoid(row @ block.shared_expert_gate.weight[0]) * block.shared_expert(row[None])[0]
         out.append(y)
@@ -161,7 +161,7 @@ def test_tp_shards_of_a_sparse_layer_sum_to_the_whole_block(over, tp, tmp_path):
     parts = [s.model.layers[layer].ffn for s in shards]
     for p in parts:
         assert p.gate.weight.shape == whole.gate.weight.shape
-        down = p.experts[0].w2 if cfg.moe.mixtral_names else p.experts[0].down_proj
+        down = p.experts["0"].w2 if cfg.moe.mixtral_names else p.experts["0"].down_proj
         assert down.weight.shape[1] * tp == cfg.moe.intermediate_size
     with torch.no_grad():
         torch.testing.assert_close(sum(p(x) for p in parts), whole(x), atol=1e-5, rtol=1e-5)
