@@ -1,22 +1,22 @@
 """Analytic roofline batch-time model for GPU clusters (a `BatchPredictor` without a GPU).
 
 Owns: hardware figures (A100 / H100 / H200: dense bf16 peak, HBM and NVLink bandwidth per GPU,
-inter-node bandwidth per GPU), Llama-3 8B / 70B and Mixtral 8x7B shapes, and the step-time
+inter-node bandwidth per GPU), Llama-3 8B / 70B, Mixtral 8x7B and Qwen3-30B-A3B shapes, and the step-time
 formulas below. Data
 enters as a `RooflinePredictor(gpu, model, tp, spp, kvp, mfu, mbu, ...)`; it leaves through
 `batch_time(prefills, decode_kv_lens)` and `prefill_time(num_tokens, kv_before)` in seconds, so
 the simulator and the Medha packer can plan for hardware this project never runs on.
 
-Notation: L layers, h hidden, H_q / H_kv heads, d = h / H_q head dim, I intermediate, V vocab,
-b = 2 bytes (bf16). A batch has prefill chunks (q_i tokens after kv_i cached) and decodes
+Notation: L layers, h hidden, H_q / H_kv heads, d head dim (h / H_q, or Qwen3's own: H_q d = 2h),
+I intermediate, V vocab, b = 2 bytes (bf16). A batch has prefill chunks (q_i tokens after kv_i cached) and decodes
 (1 token after kv_j cached); T = sum q_i + n_dec new tokens, S = number of sequences.
-  P_layer  = 2 h^2 + 2 h (H_kv d) + 3 h I                      matmul params per layer
+  P_layer  = 2 h (H_q d) + 2 h (H_kv d) + 3 h I                matmul params per layer
   F_lin    = 2 L P_layer T + 2 V h S                           GEMM FLOPs (lm_head once per seq)
   pairs    = sum q_i (kv_i + (q_i + 1) / 2) + sum (kv_j + 1)   causal query-key pairs
              (non-causal: q_i (kv_i + q_i), the count behind the seed's "1M tokens, 70B = 2.8 EFLOP")
-  F_attn   = 4 L h pairs                                       QK^T and AV
+  F_attn   = 4 L (H_q d) pairs                                 QK^T and AV
   W        = b (L P_layer + V h)                               weight bytes read per step
-Mixture-of-experts (Mixtral 8x7B: E experts of intermediate I per layer, k per token):
+Mixture-of-experts (Mixtral 8x7B, Qwen3-30B-A3B: E experts of intermediate I per layer, k per token):
 P_layer counts k experts and the router (h E); W counts every expert a step's T tokens touch,
 expecting uniform routing: each stays unread with probability (1 - k/E)^T (a decode of one
 token reads k of them, a large batch all). Tensor parallelism splits every expert t ways.
@@ -26,7 +26,7 @@ Per GPU with tensor parallel t, stream-pipeline stages p, KV-parallel groups k
   lin   = max(F_lin / (p t P_peak MFU),  W / (p t BW_hbm MBU))
   attn  = max(F_attn / (p t k P_peak MFU),  B_kv / (p t_kv k BW_hbm MBU))
   tp    = (L/p) * 2 * [2 (t-1)/t * T h b / BW_nvlink + lat_ar]          two all-reduces per layer
-  kvp   = (L/p) * [(k-1) * T (h b + 4 H_q) / (t BW_link) + lat_p2p]    partial outputs + softmax
+  kvp   = (L/p) * [(k-1) * T (H_q d b + 4 H_q) / (t BW_link) + lat_p2p]  partial outputs + softmax
                                                                        stats merged (online softmax)
   stage = lin + attn + tp + kvp
   send  = T h b / BW_link + lat_p2p                                    activations between stages
@@ -82,18 +82,24 @@ class ModelShape:
     dtype_bytes: int = 2
     experts: int = 0            # routed experts per layer (0: a dense MLP)
     experts_per_token: int = 0  # k of them run per token
+    head_size: int = 0          # 0: hidden / heads (Qwen3's heads are wider: H_q d > h)
 
     @property
     def head_dim(self) -> int:
-        return self.hidden // self.heads
+        return self.head_size or self.hidden // self.heads
+
+    @property
+    def q_dim(self) -> int:
+        """H_q d: the query heads' width (the hidden size, unless the config sets head_dim)."""
+        return self.heads * self.head_dim
 
     @property
     def layer_params(self) -> int:
         """Matmul parameters a token runs through per layer (a MoE model's: k experts and the router)."""
         h, kvd = self.hidden, self.kv_heads * self.head_dim
         if not self.experts:
-            return 2 * h * h + 2 * h * kvd + 3 * h * self.intermediate
-        return 2 * h * h + 2 * h * kvd + 3 * h * self.intermediate * self.experts_per_token + h * self.experts
+            return 2 * h * self.q_dim + 2 * h * kvd + 3 * h * self.intermediate
+        return 2 * h * self.q_dim + 2 * h * kvd + 3 * h * self.intermediate * self.experts_per_token + h * self.experts
 
     @property
     def _stored_layer_params(self) -> int:
@@ -128,7 +134,9 @@ class ModelShape:
 LLAMA3_8B = ModelShape("llama-3-8b", 32, 4096, 32, 8, 14336, 128256)
 LLAMA3_70B = ModelShape("llama-3-70b", 80, 8192, 64, 8, 28672, 128256)
 MIXTRAL_8X7B = ModelShape("mixtral-8x7b", 32, 4096, 32, 8, 14336, 32000, experts=8, experts_per_token=2)
-MODELS = {m.name: m for m in (LLAMA3_8B, LLAMA3_70B, MIXTRAL_8X7B)}
+QWEN3_30B_A3B = ModelShape("qwen3-30b-a3b", 48, 2048, 32, 4, 768, 151936, experts=128, experts_per_token=8,
+                           head_size=128)
+MODELS = {m.name: m for m in (LLAMA3_8B, LLAMA3_70B, MIXTRAL_8X7B, QWEN3_30B_A3B)}
 
 
 @dataclass(frozen=True)
@@ -184,7 +192,7 @@ class RooflinePredictor:
         else:
             pairs = sum(q * (kv + q) for q, kv in prefills) + sum(kv + 1 for kv in decode_kv_lens)
         f_lin = 2.0 * m.layers * m.layer_params * tokens + 2.0 * m.vocab * m.hidden * seqs
-        return f_lin, 4.0 * m.layers * m.hidden * pairs
+        return f_lin, 4.0 * m.layers * m.q_dim * pairs
 
     def cost(self, prefills: Sequence[tuple[int, int]], decode_kv_lens: Sequence[int]) -> StepCost:
         m, g = self.model, self.gpu
@@ -204,7 +212,7 @@ class RooflinePredictor:
             tp_comm = layers * 2 * (2 * (t - 1) / t * act / g.nvlink_bw + self.allreduce_latency_s)
         kvp_comm = 0.0
         if k > 1 and tokens:
-            merge = tokens * (m.hidden * m.dtype_bytes + 4 * m.heads) / t
+            merge = tokens * (m.q_dim * m.dtype_bytes + 4 * m.heads) / t
             kvp_comm = layers * ((k - 1) * merge / self.link_bw + self.p2p_latency_s)
         send = (act / self.link_bw + self.p2p_latency_s) if p > 1 and tokens else 0.0
         return StepCost(max(lin_c, lin_m), max(attn_c, attn_m), tp_comm, kvp_comm, send,
@@ -224,9 +232,9 @@ class RooflinePredictor:
         return {"lin_f": 2.0 * m.layers * m.layer_params, "lin_s": 2.0 * m.vocab * m.hidden,
                 "lin_c": p * t * g.peak_flops * self.mfu,
                 "lin_m": m.weight_bytes / (p * t * g.hbm_bw * self.mbu), "lin_md": p * t * g.hbm_bw * self.mbu,
-                "attn_f": 4.0 * m.layers * m.hidden, "attn_c": p * t * k * g.peak_flops * self.mfu,
+                "attn_f": 4.0 * m.layers * m.q_dim, "attn_c": p * t * k * g.peak_flops * self.mfu,
                 "kvb": m.kv_bytes_per_token(), "attn_m": p * min(t, m.kv_heads) * k * g.hbm_bw * self.mbu,
-                "layers": m.layers / p, "hb": m.hidden, "db": m.dtype_bytes,
+                "layers": m.layers / p, "hb": m.hidden, "qb": m.q_dim, "db": m.dtype_bytes,
                 "singles": {}, "prefill": {}, "last": (None, 0.0)}
 
     def _time(self, prefills: Sequence[tuple[int, int]], decode_kv_lens: Sequence[int]) -> float:
@@ -276,7 +284,7 @@ class RooflinePredictor:
             if t > 1:
                 tp_comm = layers * 2 * (2 * (t - 1) / t * act / g.nvlink_bw + self.allreduce_latency_s)
             if k > 1:
-                merge = tokens * (c["hb"] * c["db"] + 4 * self.model.heads) / t
+                merge = tokens * (c["qb"] * c["db"] + 4 * self.model.heads) / t
                 kvp_comm = layers * ((k - 1) * merge / self.link_bw + self.p2p_latency_s)
             if p > 1:
                 send = act / self.link_bw + self.p2p_latency_s

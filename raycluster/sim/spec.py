@@ -4,7 +4,7 @@ A spec says what hardware and model the step times come from, the scheduling pol
 defaults, and the pools. Example (sims/medha-16xa100.yaml):
 
     gpu: a100                 # a100 | h100 | h200 (RooflinePredictor) | cpu (CPU-profiled predictor)
-    model: llama-3-8b         # llama-3-8b | llama-3-70b | mixtral-8x7b | a checkpoint directory (gpu: cpu)
+    model: llama-3-8b         # llama-3-8b | llama-3-70b | mixtral-8x7b | qwen3-30b-a3b | a checkpoint directory (gpu: cpu)
     policy: lars
     slo: {ttft_ms: 2000, tpot_ms: 100, ttft_scale: 5}
     pools:

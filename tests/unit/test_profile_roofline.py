@@ -10,7 +10,7 @@ import pytest
 from raycluster.sched.predictor import LinearBatchPredictor
 from raycluster.sched.profile import (ProfileSample, default_plan, error_report, fit_and_report,
                                       fit_predictor, nnls, profile)
-from raycluster.sched.roofline import A100, H100, LLAMA3_70B, LLAMA3_8B, MIXTRAL_8X7B, RooflinePredictor
+from raycluster.sched.roofline import A100, H100, LLAMA3_70B, LLAMA3_8B, MIXTRAL_8X7B, QWEN3_30B_A3B, RooflinePredictor
 
 TRUE = LinearBatchPredictor(overhead_s=3e-3, per_prefill_token_s=4e-5, per_attn_pair_s=2e-10,
                             per_decode_s=2e-4, per_decode_kv_s=3e-9)
@@ -180,3 +180,16 @@ def test_mixtral_counts_k_experts_per_token_and_reads_the_experts_a_step_touches
         for decodes in ([], [7], [1024] * 9):
             if prefills or decodes:     # the hot path's time is the StepCost's, exactly
                 assert r.batch_time(prefills, decodes) == r.cost(prefills, decodes).stage
+
+
+def test_qwen3_moe_counts_its_wide_heads_and_128_experts():
+    m = QWEN3_30B_A3B
+    # Qwen's figures: 30.5B parameters, 3.3B active; 32 query heads of 128 on a hidden size of 2048.
+    assert m.params == pytest.approx(30.5e9, rel=0.01)
+    assert m.layers * m.layer_params + 2 * m.vocab * m.hidden == pytest.approx(3.3e9, rel=0.02)
+    assert m.q_dim == 4096 and LLAMA3_8B.q_dim == LLAMA3_8B.hidden
+    r = RooflinePredictor(A100, m, mfu=1.0)
+    _, f_attn = r.flops([(1000, 0)], [])
+    assert f_attn == 4.0 * 48 * 4096 * 1000 * 1001 / 2
+    # A decode of one token reads 8 of 128 experts per layer: far less than the 61 GB of weights.
+    assert m.step_weight_bytes(1) < 0.2 * m.weight_bytes
