@@ -1,0 +1,75 @@
+"""A mixture-of-experts checkpoint served by the P/D cluster over real HTTP: a Qwen2-MoE model (shared
+expert, one dense layer) whose short prompts prefill on an expert-parallel tp 2 group of Ray-actor
+ranks (each reads its whole experts from the files) and hand their KV to a decode instance over
+torch_dist. Greedy text equals one in-process engine's; afterwards nothing is in flight and every
+instance's KV is free."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+
+import httpx
+import pytest
+from cluster_http import complete
+from serve_app import deployed_app
+
+pytestmark = [pytest.mark.ray, pytest.mark.e2e]
+
+ROUTER = "router-moe"
+MOE = dict(architectures=["Qwen2MoeForCausalLM"], hidden_size=128, num_attention_heads=4, num_key_value_heads=2,
+           intermediate_size=256, num_hidden_layers=3, moe_intermediate_size=96, shared_expert_intermediate_size=192,
+           mlp_only_layers=[1])
+
+
+@pytest.fixture(scope="module")
+def moe_dir(tmp_path_factory):
+    from raycluster.model.tiny import write_tiny_model
+
+    return write_tiny_model(tmp_path_factory.mktemp("qwen2moe"), seed=4, **MOE)
+
+
+def _single_engine(path: str, prompts: list[list[int]], max_tokens: int) -> list[str]:
+    from raycluster.engine.config import EngineConfig
+    from raycluster.engine.engine import LLMEngine
+    from raycluster.model.loader import load_model
+    from raycluster.model.tokenizer import Tokenizer
+    from raycluster.request import SamplingParams
+
+    model, mcfg = load_model(path)
+    eng = LLMEngine(EngineConfig(policy="fcfs", packer="token", kv_cache_tokens=16384), model)
+    tok = Tokenizer(path, mcfg.eos_token_id)
+    return [tok.decode(o) for o in eng.generate(prompts, SamplingParams(max_tokens=max_tokens, ignore_eos=True))]
+
+
+def test_a_moe_model_through_an_expert_parallel_prefill_group(ray_cluster, moe_dir):
+    rng = random.Random(2)
+    prompts = [[rng.randrange(6, 4000) for _ in range(n)] for n in (3, 17, 40, 90, 150, 260, 300, 420, 600, 9, 64, 130)]
+    want = _single_engine(moe_dir, prompts, 8)
+    cfg = {"model": moe_dir, "policy": "lars", "threads_per_instance": 1, "router_name": ROUTER,
+           "connector": "torch_dist", "initial_l_m": 256, "engine": {"kv_cache_tokens": 16384},
+           "pools": [{"role": "prefill-short", "instances": 1, "engine": {
+                         "tp": 2, "enable_expert_parallel": True, "group_launch": "ray"}},
+                     {"role": "prefill-long", "instances": 1},
+                     {"role": "decode", "instances": 1, "engine": {"policy": "fcfs", "packer": "token"}}]}
+    with deployed_app(cfg, ROUTER, 300, "MoE cluster") as url:
+
+        async def run() -> list[str]:
+            async with httpx.AsyncClient(timeout=300) as client:
+                return await asyncio.gather(*(complete(client, url, p, 8, i % 2 == 1) for i, p in enumerate(prompts)))
+
+        assert asyncio.run(run()) == want
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            status = httpx.get(url + "/v1/cluster/status", timeout=5).json()
+            if status["inflight"] == 0 and all(i["kv_free_blocks"] == i["kv_total_blocks"] and not i["running"]
+                                               for i in status["instances"]):
+                break
+            time.sleep(0.3)
+        else:
+            pytest.fail(f"cluster did not drain: {status}")
+        layouts = {i["role"]: i["layout"] for i in status["instances"]}
+        assert layouts == {"prefill-short": "tp2ep", "prefill-long": "single", "decode": "single"}
+        decode = next(i for i in status["instances"] if i["role"] == "decode")
+        assert decode["kv_pulls_ok"] == len(prompts) and decode["kv_pulls_failed"] == 0
