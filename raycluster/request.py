@@ -78,6 +78,10 @@ class SamplingParams:
     # The LoRA adapter the request runs with (the API's `model` names it; None: the base weights).
     # Here, not on the request, so it travels wherever the sampling parameters do (P/D, resumes).
     lora_adapter: str | None = None
+    # A pooling request (the API's /v1/embeddings): its output is the final hidden state of its
+    # last prompt token, L2-normalised (vLLM's LAST pooling of a decoder model); the one token it
+    # samples (max_tokens 1) is not shown.
+    embed: bool = False
 
     @property
     def penalized(self) -> bool:
@@ -153,6 +157,7 @@ class Request:
     prompt_logprobs: list[TokenLogprob | None] | None = None
     # Speculative decoding: draft tokens proposed after the last sampled one, for the next step.
     spec_token_ids: list[int] = field(default_factory=list)
+    embedding: list[float] | None = None    # with sampling.embed: set when its prompt is computed
 
     @property
     def num_prompt_tokens(self) -> int:

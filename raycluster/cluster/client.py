@@ -72,7 +72,7 @@ def _coalesce(ev: TokenEvent, q: asyncio.Queue) -> tuple[TokenEvent, object | No
         ev = TokenEvent(ev.request_id, ev.token_ids + nxt.token_ids, nxt.finished, nxt.finish_reason, nxt.error,
                         lps, max(ev.num_cached_tokens, nxt.num_cached_tokens),
                         ev.prompt_logprobs if ev.prompt_logprobs is not None else nxt.prompt_logprobs,
-                        ev.prefill_s if ev.prefill_s is not None else nxt.prefill_s)
+                        ev.prefill_s if ev.prefill_s is not None else nxt.prefill_s, nxt.embedding)
     return ev, None
 
 
@@ -303,7 +303,7 @@ class ClusterClient:
                 cached = max(cached, ev.num_cached_tokens)
                 yield RequestOutput(request_id, list(ev.token_ids), delta, finished, reason,
                                     len(prompt_token_ids), len(out_ids), ev.logprobs, cached, ev.prompt_logprobs,
-                                    ev.prefill_s)
+                                    ev.prefill_s, ev.embedding if finished else None)
                 if finished:
                     return
         finally:

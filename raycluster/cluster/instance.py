@@ -393,7 +393,8 @@ class InstanceWorker:
             else:
                 events.append(TokenEvent(out.request_id, list(out.new_token_ids), out.finished, out.finish_reason,
                                          logprobs=out.logprobs, num_cached_tokens=out.num_cached_tokens,
-                                         prompt_logprobs=out.prompt_logprobs, prefill_s=out.prefill_s))
+                                         prompt_logprobs=out.prompt_logprobs, prefill_s=out.prefill_s,
+                                         embedding=out.embedding))
         self._report(events, prefilled)
 
     def _offer(self, request_id: str):

@@ -196,6 +196,9 @@ class LLMEngine:
         validate_request(ids, sp, self.max_model_len, self.vocab_size, self.kv.capacity_tokens())
         if sp.lora_adapter is not None and sp.lora_adapter not in self.lora:
             raise InvalidRequestError("model", f"LoRA adapter {sp.lora_adapter!r} is not served here")
+        if sp.embed and not hasattr(type(self.runner), "keep_hidden"):
+            raise InvalidRequestError("input", f"embeddings are not served by a {self.runner.layout} group "
+                                      "(its pipeline stages do not return the final hidden states)")
         constraint = constraint_of(sp)
         if constraint is not None:
             try:
@@ -271,6 +274,8 @@ class LLMEngine:
                     lps = self.sampler.logprobs(step.logits, rows, [tokens[i] for i in rows],
                                                 [sampled_reqs[i].sampling.logprobs for i in rows])
                     logprobs = {sampled_reqs[i].request_id: lp for i, lp in zip(rows, lps)}
+            for req, vector in step.embeddings:
+                req.embedding = vector.tolist()
             for req, first, rows_logits in step.prompt:
                 self._record_prompt_logprobs(req, first, rows_logits)
             for req, rows_logits in step.drafts:
@@ -427,7 +432,8 @@ class LLMEngine:
         first = tokens and len(req.output_token_ids) == len(tokens) and req.first_scheduled_time is not None
         return RequestOutput(req.request_id, tokens, text, finished, reason,
                              req.num_prompt_tokens, len(req.output_token_ids), logprobs, req.num_cached_tokens,
-                             prompt_lps, req.first_token_time - req.first_scheduled_time if first else None)
+                             prompt_lps, req.first_token_time - req.first_scheduled_time if first else None,
+                             req.embedding if finished else None)
 
     # ---- convenience -----------------------------------------------------------------------
     def generate(self, prompts: list[list[int]], sampling: SamplingParams | list[SamplingParams],

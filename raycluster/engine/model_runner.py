@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
+import torch.nn.functional as F
 
 from kernels import get_attention_backend
 from raycluster.engine.kv_manager import KVCacheManager
@@ -27,6 +28,9 @@ class StepLogits:
     prompt: list[tuple[Request, int, torch.Tensor]] = field(default_factory=list)
     # Decodes that ran drafts: (request, fp32 logits [1 + drafts, vocab]) (`Sampler.verify`).
     drafts: list[tuple[Request, torch.Tensor]] = field(default_factory=list)
+    # Pooling requests (sampling.embed) whose prompt this step completed: (request, the final
+    # hidden state of its last prompt token, L2-normalised, fp32 [H]).
+    embeddings: list[tuple[Request, torch.Tensor]] = field(default_factory=list)
 
 
 class ModelRunner:
@@ -103,12 +107,28 @@ def execute_step(runner, out: SchedulerOutput) -> StepLogits:
     if not plan.sample_rows:
         hidden = runner.run_plan(plan)
         return StepLogits(logits=hidden.new_empty((0, 0)).float(), requests=reqs)
-    logits = plan_logits(runner, plan).float()
+    pooled = [i for i, r in enumerate(reqs) if r is not None and r.sampling.embed]
+    if not pooled:
+        logits = plan_logits(runner, plan).float()
+        embeddings = []
+    else:
+        # The step's final hidden states, kept as for an EAGLE head (every runner but SPP's keeps
+        # them whole on the leader; the engine refuses pooling requests on the others).
+        kept, runner.keep_hidden = runner.keep_hidden, True
+        try:
+            logits = plan_logits(runner, plan).float()
+        finally:
+            runner.keep_hidden = kept
+        hidden = runner.last_hidden
+        rows = torch.tensor([plan.sample_rows[i] for i in pooled], dtype=torch.long, device=hidden.device)
+        vectors = F.normalize(hidden.index_select(0, rows).float(), dim=-1)
+        embeddings = [(reqs[i], vectors[j]) for j, i in enumerate(pooled)]
     if not prompt and not drafts:
-        return StepLogits(logits=logits, requests=reqs)
+        return StepLogits(logits=logits, requests=reqs, embeddings=embeddings)
     # Prompt and draft rows (at most a step's tokens of them) are split off the sampled ones.
     sampled = [i for i, r in enumerate(reqs) if r is not None]
     return StepLogits(logits=logits[sampled], requests=[reqs[i] for i in sampled],
                       prompt=[(p.request, p.first_position, logits[p.first_row:p.first_row + p.count])
                               for p in prompt],
-                      drafts=[(d.request, logits[d.first_row:d.first_row + d.count]) for d in drafts])
+                      drafts=[(d.request, logits[d.first_row:d.first_row + d.count]) for d in drafts],
+                      embeddings=embeddings)

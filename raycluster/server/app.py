@@ -2,7 +2,7 @@
 or the cluster (`ClusterClient`, used by the Serve gateway).
 
 Routes: POST /v1/completions, POST /v1/chat/completions (both with `stream` over SSE),
-GET /v1/models, GET /health, GET /metrics (Prometheus text); with API keys, a bearer token
+POST /v1/embeddings (raycluster.server.embeddings), GET /v1/models, GET /health, GET /metrics (Prometheus text); with API keys, a bearer token
 (raycluster.server.auth) on all but /health, /metrics and the docs. Prompts are tokenized once here;
 token ids go to the backend, text deltas come back. A backend provides `admit()` (raises
 `OverloadedError` before any tokenization), `next_id`, `generate` (async iterator of
@@ -35,7 +35,9 @@ from raycluster.model.tokenizer import bad_words_token_ids
 from raycluster.server.auth import ApiKeyMiddleware
 from raycluster.server.openai_logprobs import prompt_logprobs
 from raycluster.server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
-                                       OverloadedError, TokenizeRequest, error_body, now_s)
+                                       OverloadedError, TokenizeRequest, error_body, now_s,
+                                       overloaded_response)
+from raycluster.server.embeddings import add_embedding_routes
 from raycluster.server.lora_resolver import RESOLVER_DIR_ENV, LoRAResolver, resolver_dir
 from raycluster.server.lora_routes import RUNTIME_LORA_ENV, add_lora_routes, runtime_lora_allowed
 from raycluster.server.reasoning import REASONING_PARSERS, ReasoningStream, split_reasoning
@@ -64,9 +66,6 @@ def _bad_request(message: str, param: str | None, status: int = 400) -> JSONResp
     return JSONResponse(error_body(message, param), status_code=status)
 
 
-def _overloaded(e: OverloadedError) -> JSONResponse:
-    return JSONResponse(error_body(str(e), None, "overloaded_error", e.code), status_code=e.status,
-                        headers={"Retry-After": str(max(1, round(e.retry_after_s)))})
 
 
 def build_app(engine, tokenizer, model_names: str | Sequence[str], api_keys: Sequence[str] = (),
@@ -259,7 +258,7 @@ def build_app(engine, tokenizer, model_names: str | Sequence[str], api_keys: Seq
             if isinstance(err, InvalidRequestError):
                 return _bad_request(str(err), err.field)
             if isinstance(err, OverloadedError):
-                return _overloaded(err)
+                return overloaded_response(err)
             raise err
         decode = tokenizer.decode if sampling.logprobs is not None else None
         if rlog is not None:
@@ -328,6 +327,8 @@ def build_app(engine, tokenizer, model_names: str | Sequence[str], api_keys: Seq
                                        + (f"; {why}" if why else ""), "model", code="model_not_found"),
                             status_code=404)
 
+    add_embedding_routes(app, engine, names, _encode_prompt, _unknown_model)
+
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, http: HTTPRequest):
         if (missing := await _unknown_model(body)) is not None:
@@ -337,7 +338,7 @@ def build_app(engine, tokenizer, model_names: str | Sequence[str], api_keys: Seq
             prompts = _encode_prompts(body.prompt, body.echo, body.add_special_tokens)
             guided = await _structured(body)
         except OverloadedError as e:
-            return _overloaded(e)
+            return overloaded_response(e)
         except InvalidRequestError as e:
             return _bad_request(str(e), e.field)
         return await _run(body, prompts, "text_completion", http, body.echo, guided)
@@ -352,7 +353,7 @@ def build_app(engine, tokenizer, model_names: str | Sequence[str], api_keys: Seq
             mode = tool_mode(body, parser)
             guided = await _structured(body, mode)
         except OverloadedError as e:
-            return _overloaded(e)
+            return overloaded_response(e)
         except InvalidRequestError as e:
             return _bad_request(str(e), e.field)
         tool = None if mode is None else (mode, body.tool_choice.function.name if mode == "named" else None,

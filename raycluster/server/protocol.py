@@ -31,6 +31,7 @@ from typing import Literal
 
 from typing import Any
 
+from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from raycluster.model.generation_config import SAMPLING_KEYS
@@ -366,6 +367,12 @@ def now_s() -> int:
 def error_body(message: str, param: str | None, type_: str = "invalid_request_error",
                code: str | None = None) -> dict:
     return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+
+
+def overloaded_response(e: "OverloadedError") -> JSONResponse:
+    """429 / 503 in OpenAI's error shape, with Retry-After."""
+    return JSONResponse(error_body(str(e), None, "overloaded_error", e.code), status_code=e.status,
+                        headers={"Retry-After": str(max(1, round(e.retry_after_s)))})
 
 
 class OverloadedError(Exception):

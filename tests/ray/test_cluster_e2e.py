@@ -377,6 +377,29 @@ def test_seeded_sampling_equals_single_engine(cluster, tiny_model_dir):
     _assert_drained(url)
 
 
+def test_embeddings_equal_the_single_engines(cluster, tiny_model_dir):
+    """/v1/embeddings through the router: each input a prefill-only request on a prefill (or
+    mixed) instance, TP and KVP groups included, its vector the single engine's."""
+    from raycluster.engine.config import EngineConfig
+    from raycluster.engine.engine import LLMEngine
+    from raycluster.model.loader import load_model
+    from raycluster.request import SamplingParams
+
+    url, _ = cluster
+    rng = random.Random(8)
+    prompts = [[rng.randrange(6, 4000) for _ in range(n)] for n in (2, 30, 120, 200)]     # short: below l_m
+    r = httpx.post(url + "/v1/embeddings", json={"model": "tiny", "input": prompts}, timeout=120)
+    assert r.status_code == 200, r.text
+    eng = LLMEngine(EngineConfig(policy="fcfs", packer="token", kv_cache_tokens=8192), load_model(tiny_model_dir)[0])
+    reqs = [eng.add_request(f"e{i}", p, SamplingParams(max_tokens=1, embed=True)) for i, p in enumerate(prompts)]
+    while eng.has_unfinished():
+        eng.step()
+    for d, req in zip(r.json()["data"], reqs):
+        assert max(abs(a - b) for a, b in zip(d["embedding"], req.embedding)) < 1e-5
+    assert r.json()["usage"]["prompt_tokens"] == sum(map(len, prompts))
+    _assert_drained(url)
+
+
 def test_openai_client_and_status(cluster):
     openai = pytest.importorskip("openai")
     url, name = cluster

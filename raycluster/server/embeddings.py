@@ -1,0 +1,126 @@
+"""`POST /v1/embeddings` (OpenAI's embeddings API, as vLLM serves it for a decoder model run as a
+pooling model): each input's vector is the final hidden state (after the model's last norm) of
+its last token, L2-normalised -- vLLM's LAST pooling with normalisation, what `--convert embed`
+gives a causal LM.
+
+Input: `input` a string, a list of strings, a list of token ids or a list of token-id lists;
+`encoding_format` "float" (lists of floats) or "base64" (little-endian float32 bytes, as
+OpenAI's client decodes them); vLLM's `truncate_prompt_tokens` (keep the last k tokens) and
+`add_special_tokens` (default true). `dimensions` other than the model's hidden size is a 400
+(no model here was trained for shorter, Matryoshka vectors). Each input runs as one request
+of the backend (`engine.generate` with `SamplingParams(embed=True, max_tokens=1)`): prefill only,
+wherever the backend places it (one engine, or any prefill or mixed instance of the cluster),
+the one token it samples dropped. Errors are OpenAI's shape naming the field; a full queue is
+429 with Retry-After.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+from typing import Any, Callable, Literal
+
+import numpy as np
+from fastapi import FastAPI
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ConfigDict, Field
+
+from raycluster.engine.engine import InvalidRequestError
+from raycluster.request import SamplingParams
+from raycluster.server.protocol import OverloadedError, error_body, now_s, overloaded_response
+
+
+class EmbeddingRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    model: str | None = None
+    input: Any          # str | list[str] | list[int] | list[list[int]]: checked by `_inputs`, naming the element
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = Field(None, ge=1)
+    user: str | None = None
+    truncate_prompt_tokens: int | None = Field(None, ge=1)
+    add_special_tokens: bool = True
+
+
+def _inputs(body: EmbeddingRequest, encode: Callable[..., list[int]]) -> list[list[int]]:
+    """Each input's token ids (InvalidRequestError naming `input` / `input.i`)."""
+    raw = body.input
+    if not isinstance(raw, (str, list)):
+        raise InvalidRequestError("input", "must be a string, a list of strings, a list of token ids or a list "
+                                           "of token-id lists")
+    if isinstance(raw, list) and not raw:
+        raise InvalidRequestError("input", "must not be empty")
+    batch = [(raw, "input")] if isinstance(raw, str) or all(isinstance(t, int) for t in raw) else \
+        [(p, f"input.{i}") for i, p in enumerate(raw)]
+    out = []
+    for prompt, field in batch:
+        if not isinstance(prompt, (str, list)):
+            raise InvalidRequestError(field, "must be a string or a list of token ids")
+        ids = encode(prompt, field, body.add_special_tokens)
+        k = body.truncate_prompt_tokens
+        out.append(ids[-k:] if k is not None else ids)
+    return out
+
+
+def _vector(values: list[float], encoding: str) -> list[float] | str:
+    if encoding == "float":
+        return values
+    return base64.b64encode(np.asarray(values, dtype="<f4").tobytes()).decode()
+
+
+def add_embedding_routes(app: FastAPI, engine, names: list[str], encode: Callable[..., list[int]],
+                         unknown_model) -> None:
+    """Register /v1/embeddings over `engine` (`generate`, `next_id`, `admit`). `encode(prompt,
+    field, add_special_tokens)`: a prompt's ids; `unknown_model(body)`: the 404 for a `model`
+    not served, or None."""
+
+    @app.post("/v1/embeddings")
+    async def embeddings(body: EmbeddingRequest):
+        if (missing := await unknown_model(body)) is not None:
+            return missing
+        try:
+            engine.admit()
+            prompts = _inputs(body, encode)
+        except OverloadedError as e:
+            return overloaded_response(e)
+        except InvalidRequestError as e:
+            return JSONResponse(error_body(str(e), e.field), status_code=400)
+        rid = engine.next_id("embd")
+        sampling = SamplingParams(max_tokens=1, embed=True)
+        if body.model is not None and body.model not in names:
+            sampling.lora_adapter = body.model      # an adapter (`unknown_model` let it through)
+
+        async def one(k: int, ids: list[int]) -> list[float]:
+            gen = engine.generate(rid if len(prompts) == 1 else f"{rid}-{k}", ids, sampling)
+            try:
+                async for out in gen:
+                    if out.finished:
+                        if out.embedding is None:
+                            raise InvalidRequestError("input", f"no embedding came back ({out.finish_reason})")
+                        return out.embedding
+            finally:
+                await gen.aclose()
+            raise InvalidRequestError("input", "the request ended without an embedding")
+
+        results = await asyncio.gather(*(one(k, ids) for k, ids in enumerate(prompts)), return_exceptions=True)
+        err = next((r for r in results if isinstance(r, BaseException)), None)
+        if isinstance(err, InvalidRequestError):
+            field, message = err.field, str(err)
+            if field in ("prompt", "input"):       # the backend names a prompt `prompt`: here it is an input
+                field = "input" if len(prompts) == 1 else f"input.{next(k for k, r in enumerate(results) if r is err)}"
+                message = f"{field}: {message.partition(': ')[2]}"
+            return JSONResponse(error_body(message, field), status_code=400)
+        if isinstance(err, OverloadedError):
+            return overloaded_response(err)
+        if err is not None:
+            raise err
+        size = len(results[0])
+        if body.dimensions is not None and body.dimensions != size:
+            return JSONResponse(error_body(f"dimensions: this model's embeddings have {size} dimensions and "
+                                           "cannot be shortened", "dimensions"), status_code=400)
+        n = sum(len(ids) for ids in prompts)
+        return JSONResponse({
+            "id": rid, "object": "list", "created": now_s(), "model": body.model or names[0],
+            "data": [{"index": k, "object": "embedding", "embedding": _vector(v, body.encoding_format)}
+                     for k, v in enumerate(results)],
+            "usage": {"prompt_tokens": n, "total_tokens": n}})
+

@@ -1,0 +1,90 @@
+"""POST /v1/embeddings on the single-engine server over real HTTP: every input form, base64, the
+usage counts, the OpenAI client, and the errors (each naming its field); the vectors equal the
+engine's own pooling output (itself checked against transformers: tests/unit/test_embeddings.py)."""
+
+from __future__ import annotations
+
+import base64
+
+import httpx
+import numpy as np
+import pytest
+from engine_http import all_free, served_with_reference
+
+from raycluster.request import SamplingParams
+
+pytestmark = pytest.mark.e2e
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model_dir):
+    with served_with_reference(tiny_model_dir) as served:
+        yield served
+
+
+def _reference(ref, ids: list[int]) -> np.ndarray:
+    req = ref.add_request(f"ref-{len(ids)}-{ids[-1]}", ids, SamplingParams(max_tokens=1, embed=True))
+    while ref.has_unfinished():
+        ref.step()
+    return np.asarray(req.embedding)
+
+
+def test_every_input_form_gives_the_engines_vectors(server):
+    url, aeng, tok, ref = server
+    texts = ["hello river", "the quiet town and the wind over a stone"]
+    r = httpx.post(f"{url}/v1/embeddings", json={"model": "tiny", "input": texts}, timeout=60)
+    assert r.status_code == 200, r.text
+    body = r.json()
+    ids = [tok.encode(t) for t in texts]
+    assert body["object"] == "list" and body["model"] == "tiny" and body["id"].startswith("embd")
+    assert body["usage"] == {"prompt_tokens": sum(map(len, ids)), "total_tokens": sum(map(len, ids))}
+    assert [d["index"] for d in body["data"]] == [0, 1] and all(d["object"] == "embedding" for d in body["data"])
+    for d, i in zip(body["data"], ids):
+        np.testing.assert_allclose(d["embedding"], _reference(ref, i), atol=1e-6)
+    # One string, token ids, token-id lists; base64 is the same vector as float32 bytes.
+    one = httpx.post(f"{url}/v1/embeddings", json={"input": texts[0]}, timeout=60).json()["data"]
+    as_ids = httpx.post(f"{url}/v1/embeddings", json={"input": ids[0]}, timeout=60).json()["data"]
+    batch = httpx.post(f"{url}/v1/embeddings", json={"input": ids}, timeout=60).json()["data"]
+    b64 = httpx.post(f"{url}/v1/embeddings", json={"input": ids, "encoding_format": "base64"}, timeout=60).json()
+    assert len(one) == len(as_ids) == 1 and len(batch) == 2
+    np.testing.assert_allclose(one[0]["embedding"], as_ids[0]["embedding"], atol=1e-6)
+    for d, e in zip(batch, b64["data"]):
+        np.testing.assert_allclose(np.frombuffer(base64.b64decode(e["embedding"]), dtype="<f4"), d["embedding"],
+                                   atol=1e-6)
+    # vLLM's truncate_prompt_tokens keeps the last k tokens.
+    cut = httpx.post(f"{url}/v1/embeddings", json={"input": ids[1], "truncate_prompt_tokens": 3}, timeout=60).json()
+    np.testing.assert_allclose(cut["data"][0]["embedding"], _reference(ref, ids[1][-3:]), atol=1e-6)
+    assert cut["usage"]["prompt_tokens"] == 3
+    assert all_free(aeng)
+
+
+def test_the_openai_client_reads_them(server):
+    openai = pytest.importorskip("openai")
+    url, aeng, tok, ref = server
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", timeout=30)
+    out = client.embeddings.create(model="tiny", input=["hello river", "the sea"])      # base64 by default
+    assert len(out.data) == 2 and out.usage.prompt_tokens == len(tok.encode("hello river")) + len(tok.encode("the sea"))
+    np.testing.assert_allclose(out.data[0].embedding, _reference(ref, tok.encode("hello river")), atol=1e-6)
+    assert all_free(aeng)
+
+
+@pytest.mark.parametrize("payload,param,status", [
+    ({"input": ""}, "input", 400),
+    ({"input": []}, "input", 400),
+    ({"input": ["ok", ""]}, "input.1", 400),
+    ({"input": [1, "a"]}, "input.0", 400),
+    ({"input": {"text": "a"}}, "input", 400),
+    ({"input": [[5, 6], []]}, "input.1", 400),
+    ({"input": "x", "encoding_format": "hex"}, "encoding_format", 400),
+    ({"input": "x", "dimensions": 8}, "dimensions", 400),
+    ({"input": list(range(5, 40000))}, "input", 400),            # longer than the context
+    ({"input": [5, 99999]}, "input", 400),                       # not a token id of this vocab
+    ({"input": ["ok", list(range(5, 40000))]}, "input.1", 400),
+    ({"input": "x", "model": "nope"}, "model", 404),
+])
+def test_bad_requests_name_the_field(server, payload, param, status):
+    url, aeng, _, _ = server
+    r = httpx.post(f"{url}/v1/embeddings", json=payload, timeout=60)
+    assert r.status_code == status, r.text
+    assert r.json()["error"]["param"] == param
+    assert all_free(aeng)

@@ -1,0 +1,105 @@
+"""Pooling requests (`SamplingParams.embed`, what /v1/embeddings sends): the vector is the final
+hidden state of the last prompt token, L2-normalised, equal to transformers' `AutoModel`
+last_hidden_state there; batched with generation, chunked, from the prefix cache, prefill-only
+(P/D) and on a TP or KVP group alike; refused on an SPP group. (Over HTTP: tests/e2e and the
+cluster e2e.)"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from raycluster.engine.config import EngineConfig
+from raycluster.engine.engine import InvalidRequestError, LLMEngine
+from raycluster.model.loader import load_model
+from raycluster.request import SamplingParams
+
+BASE = dict(policy="fcfs", packer="token", predictor="none", kv_cache_tokens=8192, num_threads=1)
+EMBED = SamplingParams(max_tokens=1, embed=True)
+
+
+@pytest.fixture(scope="module")
+def model(tiny_model_dir):
+    return load_model(tiny_model_dir)[0]
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    rng = random.Random(7)
+    return [[rng.randrange(6, 4000) for _ in range(n)] for n in (1, 5, 17, 40, 90, 130)]
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_model_dir, prompts):
+    """transformers' base model: each prompt alone, its last token's final hidden state, normalised."""
+    transformers = pytest.importorskip("transformers")
+    hf = transformers.AutoModel.from_pretrained(tiny_model_dir, dtype=torch.float32, attn_implementation="eager")
+    with torch.no_grad():
+        return [F.normalize(hf(torch.tensor([p])).last_hidden_state[0, -1], dim=-1) for p in prompts]
+
+
+def _embed(eng: LLMEngine, prompts, prefix: str = "e", prefill_only: bool = False, others=()) -> list[torch.Tensor]:
+    """Each prompt's vector from `eng`, run together (and with `others`: (prompt, sampling) of
+    generation requests, whose tokens are returned second)."""
+    reqs = [eng.add_request(f"{prefix}{i}", p, EMBED, prefill_only=prefill_only) for i, p in enumerate(prompts)]
+    gens = [eng.add_request(f"{prefix}g{i}", p, sp) for i, (p, sp) in enumerate(others)]
+    vectors = {}
+    for _ in range(1000):
+        if not eng.has_unfinished():
+            break
+        for out in eng.step().outputs:
+            assert (out.embedding is not None) == (out.finished and out.request_id in {r.request_id for r in reqs})
+            if out.embedding is not None:
+                vectors[out.request_id] = torch.tensor(out.embedding)
+    assert eng.kv.num_free_blocks == eng.kv.num_blocks and not eng.scheduler.parked
+    return [vectors[r.request_id] for r in reqs], [g.output_token_ids for g in gens]
+
+
+@pytest.mark.parametrize("chunk", [7, None])
+def test_vectors_equal_transformers_batched_with_generation(model, prompts, reference, chunk):
+    eng = LLMEngine(EngineConfig(**BASE, chunk_size=chunk), model)
+    others = [(p, SamplingParams(max_tokens=6, ignore_eos=True)) for p in prompts[2:5]]
+    got, tokens = _embed(eng, prompts, others=others)
+    for g, want in zip(got, reference):
+        torch.testing.assert_close(g, want, atol=1e-5, rtol=1e-5)
+        assert g.norm().item() == pytest.approx(1.0, abs=1e-6)
+    assert len({tuple(g.tolist()) for g in got}) == len(prompts)
+    plain = LLMEngine(EngineConfig(**BASE), model).generate([p for p, _ in others], others[0][1])
+    assert tokens == plain            # pooling rows change no generated token
+
+
+def test_a_cached_prefix_and_a_prefill_only_request_give_the_same_vectors(model, prompts, reference):
+    eng = LLMEngine(EngineConfig(**BASE, enable_prefix_caching=True), model)
+    first, _ = _embed(eng, prompts, "a")
+    again, _ = _embed(eng, prompts, "b")          # the prompts' full blocks come from the cache now
+    assert eng.kv.hit_tokens >= 16 * 3
+    # P/D: a prefill instance's request ends at its first (one) token, with its vector, unparked.
+    pd, _ = _embed(eng, prompts, "c", prefill_only=True)
+    for a, b, c, want in zip(first, again, pd, reference):
+        torch.testing.assert_close(b, a, atol=1e-6, rtol=0)
+        torch.testing.assert_close(c, want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("group", [{"tp": 2}, {"kvp": 2}], ids=["tp2", "kvp2"])
+def test_a_group_leader_returns_the_same_vectors(model, prompts, reference, group):
+    eng = LLMEngine(EngineConfig(**BASE, **group, group_timeout_s=30), model)
+    try:
+        got, _ = _embed(eng, prompts)
+    finally:
+        eng.close()
+    for g, want in zip(got, reference):
+        torch.testing.assert_close(g, want, atol=1e-5, rtol=1e-5)
+
+
+def test_an_spp_group_refuses_pooling_requests_naming_the_input(model, prompts):
+    eng = LLMEngine(EngineConfig(**BASE, spp=2, group_timeout_s=30), model)
+    try:
+        with pytest.raises(InvalidRequestError, match="embeddings are not served by a spp2 group") as e:
+            eng.add_request("e", prompts[0], EMBED)
+        assert e.value.field == "input"
+        assert not eng.has_unfinished()
+    finally:
+        eng.close()
