@@ -48,7 +48,8 @@ def test_a_moe_model_through_an_expert_parallel_prefill_group(ray_cluster, moe_d
     prompts = [[rng.randrange(6, 4000) for _ in range(n)] for n in (3, 17, 40, 90, 150, 260, 300, 420, 600, 9, 64, 130)]
     want = _single_engine(moe_dir, prompts, 8)
     cfg = {"model": moe_dir, "policy": "lars", "threads_per_instance": 1, "router_name": ROUTER,
-           "connector": "torch_dist", "initial_l_m": 256, "engine": {"kv_cache_tokens": 16384},
+           "connector": "torch_dist", "initial_l_m": 256,
+           "engine": {"kv_cache_tokens": 16384, "enable_prefix_caching": True},
            "pools": [{"role": "prefill-short", "instances": 1, "engine": {
                          "tp": 2, "enable_expert_parallel": True, "group_launch": "ray"}},
                      {"role": "prefill-long", "instances": 1},
@@ -69,7 +70,11 @@ def test_a_moe_model_through_an_expert_parallel_prefill_group(ray_cluster, moe_d
             time.sleep(0.3)
         else:
             pytest.fail(f"cluster did not drain: {status}")
-        layouts = {i["role"]: i["layout"] for i in status["instances"]}
-        assert layouts == {"prefill-short": "tp2ep", "prefill-long": "single", "decode": "single"}
-        decode = next(i for i in status["instances"] if i["role"] == "decode")
-        assert decode["kv_pulls_ok"] == len(prompts) and decode["kv_pulls_failed"] == 0
+        pools = {i["role"]: i for i in status["instances"]}
+        assert {r: i["layout"] for r, i in pools.items()} == {
+            "prefill-short": "tp2ep", "prefill-long": "single", "decode": "single"}
+        # The expert-parallel group prefilled prompts (each looked up in its prefix cache) and
+        # handed their KV over. (The router may give a request to the decode instance whole
+        # when the prefill pools are busier, so not every request moves KV.)
+        assert pools["prefill-short"]["prefix_query_tokens"] > 0
+        assert pools["decode"]["kv_pulls_ok"] >= 1 and pools["decode"]["kv_pulls_failed"] == 0

@@ -80,8 +80,8 @@ def _run(model, tokenizer, requests: list[tuple[list[int], SamplingParams]], lor
 
 
 def _every_field_set() -> list[SamplingParams]:
-    """Two requests that between them set every field (guided_regex and guided_grammar exclude
-    each other)."""
+    """Three requests that between them set every field (guided_regex and guided_grammar exclude
+    each other; a pooling request samples one token)."""
     sp = SamplingParams(max_tokens=7, temperature=0.7, top_p=0.9, top_k=50, min_p=0.05, seed=1234, stop=["zz"],
                         stop_token_ids=[3], ignore_eos=True, logprobs=2, presence_penalty=0.5,
                         frequency_penalty=-0.25, repetition_penalty=1.1, logit_bias={5: 1.5}, min_tokens=2,
@@ -90,11 +90,12 @@ def _every_field_set() -> list[SamplingParams]:
                         include_stop_str_in_output=True, skip_special_tokens=False,
                         bad_words_token_ids=[[7], [8, 9]], lora_adapter="sql")
     grammar = dataclasses.replace(sp, guided_regex=None, guided_grammar='start: "(" start ")" | "x"')
+    pooling = SamplingParams(max_tokens=1, embed=True, lora_adapter="sql")
     defaults = SamplingParams()
     unset = [f.name for f in dataclasses.fields(SamplingParams)
-             if all(getattr(s, f.name) == getattr(defaults, f.name) for s in (sp, grammar))]
+             if all(getattr(s, f.name) == getattr(defaults, f.name) for s in (sp, grammar, pooling))]
     assert not unset, f"give these new SamplingParams fields a non-default value here: {unset}"
-    return [sp, grammar]
+    return [sp, grammar, pooling]
 
 
 def test_every_sampling_field_reaches_the_engine(loaded, tiny_model_dir, tmp_path):
@@ -105,7 +106,7 @@ def test_every_sampling_field_reaches_the_engine(loaded, tiny_model_dir, tmp_pat
     want = [dataclasses.replace(sp) for sp in sps]      # what the caller asked for, whatever happens to `sp`
     adapter = write_tiny_lora(tmp_path / "sql", tiny_model_dir, seed=1)
     results, given, board = _run(model, None, [([11, 12, 13, 14], sp) for sp in sps], [f"sql={adapter}"])
-    assert [r.request_id for r in given] == ["q0", "q1"]
+    assert [r.request_id for r in given] == ["q0", "q1", "q2"]
     for i, sp in enumerate(sps):
         assert given[i].sampling == want[i]
         assert given[i].sampling is not sp      # the meta owns its copy, not the caller's object

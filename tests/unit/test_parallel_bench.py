@@ -47,12 +47,13 @@ def test_the_expert_parallel_part_needs_a_moe_checkpoint(tmp_path, tiny_model_di
     monkeypatch.setenv("GLOO_SOCKET_IFNAME", "lo")
     out = tmp_path / "ep.json"
     moe = write_tiny_model(tmp_path / "mixtral", architectures=["MixtralForCausalLM"], num_hidden_layers=2)
-    assert main(["--model", moe, "--parts", "tp-ep", "--prompt", "200", "--chunk", "64", "--decode-steps", "2",
-                 "--repeats", "1", "--out", str(out)]) == 0
+    assert main(["--model", moe, "--parts", "tp-ep", "--contexts", "300", "--prompt", "200", "--chunk", "64",
+                 "--decode-steps", "2", "--repeats", "1", "--out", str(out)]) == 0
     res = json.loads(out.read_text())
     assert set(res) == {"meta", "tp-ep"}
     assert set(res["tp-ep"]["tpot_ms"]) == {"1 process, 1 thread", "tp2, 1 thread per rank",
                                             "tp2 expert-parallel, 1 thread per rank"}
     assert all(t > 0 for t in res["tp-ep"]["ttft_s"].values())
     with pytest.raises(SystemExit, match="mixture-of-experts"):
-        main(["--model", str(tiny_model_dir), "--parts", "tp-ep", "--out", str(out)])
+        main(["--model", str(tiny_model_dir), "--parts", "tp-ep", "--contexts", "300", "--prompt", "200",
+              "--out", str(out)])
