@@ -40,6 +40,7 @@ import torch
 
 from raycluster.bench.hf_baseline import agreement, load_hf, run_hf, static_batch
 from raycluster.bench.hw_peaks import matmul_peak, memory_bandwidth
+from raycluster.bench.model_facts import decode_weight_bytes, model_facts, prefill_flops
 from raycluster.engine.config import EngineConfig
 from raycluster.engine.engine import LLMEngine
 from raycluster.request import SamplingParams
@@ -85,51 +86,6 @@ def make_workload(n: int, seed: int, vocab: int, prompt_len=(16, 1024), output_l
         p = loguniform(*prompt_len)
         out.append(([rng.randrange(FIRST_NORMAL_TOKEN, vocab) for _ in range(p)], loguniform(*output_len)))
     return out
-
-
-# ---- model facts ----------------------------------------------------------------------------
-def model_facts(model) -> dict:
-    c = model.config
-    linear = sum(m.weight.numel() for m in model.model.layers.modules() if isinstance(m, torch.nn.Linear))
-    layer_params = sum(p.numel() for p in model.model.layers.parameters())
-    head = model.model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight
-    elt = head.element_size()
-    # Routed experts: a token runs top_k of num_experts (the router and shared experts always).
-    experts = sum(p.numel() for i, layer in enumerate(model.model.layers) if c.is_moe_layer(i)
-                  for p in layer.ffn.experts.parameters())
-    moe = c.moe
-    active_share = moe.top_k / moe.num_experts if moe else 1.0
-    return {
-        "architecture": c.architecture, "hidden_size": c.hidden_size, "intermediate_size": c.intermediate_size,
-        "num_hidden_layers": c.num_hidden_layers, "num_attention_heads": c.num_attention_heads,
-        "num_key_value_heads": c.num_key_value_heads, "head_dim": c.head_dim, "vocab_size": c.vocab_size,
-        "tie_word_embeddings": model.lm_head is None,
-        "total_params": sum(p.numel() for p in model.parameters()),
-        "matmul_params_per_token": linear - experts + round(experts * active_share),   # the Linear weights a token runs
-        "lm_head_params": head.numel(),
-        "dtype_bytes": elt,
-        # Weights a decode step must read: all layers, the final norm, the whole LM head.
-        "decode_weight_bytes": (layer_params + model.model.norm.weight.numel() + head.numel()) * elt,
-        "kv_bytes_per_token": 2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim * elt,
-        "expert_weight_bytes": experts * elt,       # within decode_weight_bytes
-        "num_experts": moe.num_experts if moe else 0, "experts_per_token": moe.top_k if moe else 0,
-    }
-
-
-def decode_weight_bytes(facts: dict, batch: int) -> float:
-    """Weights a decode step of `batch` tokens reads: every weight but the experts, and of those
-    the share a batch is expected to touch when each token picks k of E experts uniformly,
-    1 - (1 - k/E)^batch (all of them for a dense model)."""
-    e, k = facts.get("num_experts", 0), facts.get("experts_per_token", 0)
-    touched = 1.0 - (1.0 - k / e) ** batch if e else 1.0
-    experts = facts.get("expert_weight_bytes", 0)
-    return facts["decode_weight_bytes"] - experts + experts * touched
-
-
-def prefill_flops(facts: dict, tokens: int) -> dict:
-    linear = 2 * facts["matmul_params_per_token"] * tokens + 2 * facts["hidden_size"] * facts["vocab_size"]
-    attn = facts["num_hidden_layers"] * 4 * facts["num_attention_heads"] * facts["head_dim"] * tokens * (tokens + 1) // 2
-    return {"linear": linear, "attention": attn, "total": linear + attn}
 
 
 # ---- timing helpers -------------------------------------------------------------------------

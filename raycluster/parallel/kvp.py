@@ -335,15 +335,13 @@ def owned_positions(block_ids: list[int], kvp_rank: int, blocks_per_rank: int) -
     return [j for j, g in enumerate(block_ids) if lo <= g < lo + blocks_per_rank]
 
 
-def kvp_rank(model, coll: Collective | None, world_rank: int, kvp: int, tp: int, blocks_per_rank: int,
-             block_size: int, dtype: torch.dtype, device: str | torch.device = "cpu",
-             expert_parallel: bool = False) -> KVPRank:
+def kvp_rank(model, coll: Collective | None, world_rank: int, kvp: int, tp: int, blocks_per_rank: int, block_size: int,
+             dtype: torch.dtype, device: str | torch.device = "cpu", expert_parallel: bool = False) -> KVPRank:
     """World rank `world_rank` of a KVP group of `kvp` ranks, each a TP group of `tp` lanes
     (world rank k * tp + t). With tp == 1 a plain KVP rank over `coll`. Otherwise it builds its
     two subgroups -- its KVP rank's lanes (row-parallel all-reduces of `shard.rank_model`'s shard
     of `model`), then its lane's KVP peers (the attention all_gather) -- every rank in that
-    order, so each subgroup's members build it at about the same time. `expert_parallel`: a MoE
-    model's lanes each hold their share of the experts whole."""
+    order, so each subgroup's members build it at about the same time (`expert_parallel`: shard's)."""
     if tp == 1:
         return KVPRank(model, coll, world_rank, kvp, blocks_per_rank, block_size, dtype, device)
     if coll is None or coll.world != kvp * tp or coll.rank != world_rank:
@@ -353,8 +351,7 @@ def kvp_rank(model, coll: Collective | None, world_rank: int, kvp: int, tp: int,
     peers = coll.subgroup(range(t, kvp * tp, tp))
     # Cut from a full model, or read from the checkpoint: every lane its vocab rows of the
     # embedding (summed over `lanes`), KVP rank 0's lanes their rows of the output head.
-    shard = rank_model(model, t, tp, lanes.all_reduce, None, dtype, device, head=k == 0,
-                       expert_parallel=expert_parallel)
+    shard = rank_model(model, t, tp, lanes.all_reduce, None, dtype, device, head=k == 0, expert_parallel=expert_parallel)
     rank = KVPRank(shard, peers, k, kvp, blocks_per_rank, block_size, dtype, device, link=coll, lane=t, tp=tp,
                    num_kv_heads=model.config.num_key_value_heads, full_config=model.config)
     rank.vocab = model.config.vocab_size

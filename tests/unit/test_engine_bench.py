@@ -84,3 +84,22 @@ def test_small_run_writes_sane_json(tmp_path, tiny_model_dir):
 def test_cli_parses_engine_subcommand():
     a = eb.build_parser().parse_args(["--batch-size", "8,32", "--out", "x.json"])
     assert a.batch_size == [8, 32] and a.num_requests == 64 and a.model == "tiny"
+
+
+def test_a_moe_models_facts_count_its_active_experts(tmp_path):
+    from raycluster.bench.model_facts import decode_weight_bytes, model_facts
+    from raycluster.model.loader import load_model
+    from raycluster.model.tiny import write_tiny_model
+
+    model, cfg = load_model(write_tiny_model(tmp_path, architectures=["MixtralForCausalLM"], num_hidden_layers=2))
+    facts = model_facts(model)
+    expert = 3 * cfg.hidden_size * cfg.moe.intermediate_size          # one expert's matmul weights
+    dense = model_facts(load_model(write_tiny_model(tmp_path / "d", num_hidden_layers=2, intermediate_size=384))[0])
+    # Per token: the dense layers' attention, k = 2 of the 4 experts and the router.
+    assert facts["matmul_params_per_token"] == dense["matmul_params_per_token"] + cfg.num_hidden_layers * (
+        expert + cfg.hidden_size * 4)
+    assert facts["expert_weight_bytes"] == 4 * cfg.num_hidden_layers * 4 * expert
+    # One token touches half the experts (2 of 4); a large batch all of them.
+    assert decode_weight_bytes(facts, 1) == facts["decode_weight_bytes"] - facts["expert_weight_bytes"] / 2
+    assert decode_weight_bytes(facts, 10_000) == pytest.approx(facts["decode_weight_bytes"])
+    assert decode_weight_bytes(dense, 3) == dense["decode_weight_bytes"]
