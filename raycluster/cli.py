@@ -8,6 +8,7 @@
   raycluster apply [--app F] [--model ...] [--policy ...] [--timeout S]
   raycluster engine-server [--model ...] [--policy ...]     (one engine, no Ray)
   raycluster tiny-model PATH
+  raycluster quantize SRC DST --scheme w4a16|w4a16-asym|w8a16|w8a8|fp8|fp8-block|gptq|awq [--group-size G]
   raycluster sim --cluster SPEC.yaml --workload NAME|FILE.jsonl ... --out F.json
   raycluster sim-search --search SEARCH.yaml --workload NAME|FILE.jsonl ... --out F.json
   raycluster bench engine|convoy|policy|profile|kv-transfer|parallel|prefix|guided ...
@@ -304,6 +305,19 @@ def cmd_tiny_model(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_quantize(args: argparse.Namespace) -> int:
+    from raycluster.model.quant.write import quantize_checkpoint
+    from raycluster.model.registry import resolve_model_path
+
+    try:
+        qc = quantize_checkpoint(str(resolve_model_path(args.src)), args.dst, args.scheme, args.group_size)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"raycluster quantize: {e}", file=sys.stderr)
+        return 2
+    print(f"raycluster: wrote {args.dst} ({qc.method}, {qc.layout}, {qc.bits} bits by {qc.strategy})")
+    return 0
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     import importlib
 
@@ -416,6 +430,16 @@ def build_parser() -> argparse.ArgumentParser:
     tm.add_argument("path")
     tm.add_argument("--seed", type=int, default=0)
     tm.set_defaults(fn=cmd_tiny_model)
+
+    qz = sub.add_parser("quantize", help="write a checkpoint's weights quantized (round to nearest) in a layout "
+                        "the server reads: compressed-tensors, GPTQ, AWQ or FP8")
+    qz.add_argument("src", help="'tiny' or a checkpoint directory")
+    qz.add_argument("dst")
+    from raycluster.model.quant.write import SCHEMES
+    qz.add_argument("--scheme", required=True, choices=SCHEMES)
+    qz.add_argument("--group-size", type=int, default=128, help="input columns per scale (FP8 blocks: rows and "
+                    "columns per block)")
+    qz.set_defaults(fn=cmd_quantize)
 
     sim = sub.add_parser("sim", help="discrete-event cluster simulator (`raycluster sim --help`)", add_help=False)
     sim.add_argument("rest", nargs=argparse.REMAINDER)

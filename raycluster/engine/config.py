@@ -23,6 +23,12 @@ class EngineConfig(BaseModel):
                        description="weights and KV; 'auto' (vLLM's default): the checkpoint's own (float32 when it "
                        "names none; a float16 checkpoint runs in bfloat16 off CUDA)")
     device: str = "cpu"
+    quant_kernels: Literal["auto", "quantized", "dense"] = Field(
+        "auto", description="a quantized checkpoint's linear layers (compressed-tensors, GPTQ, AWQ, FP8): 'quantized' "
+        "keeps int4 / per-channel int8 weights packed and runs torch's weight-only int kernels; 'dense' dequantizes "
+        "every weight into dtype at load (a dense model's memory and speed); 'auto' (default) quantized for "
+        "bfloat16 / float16, dense for float32, whose activations the CPU int kernels run slowly. FP8 weights and "
+        "layouts the kernels do not take are always dequantized")
     block_size: int = Field(16, ge=1, le=1024)
     kv_cache_tokens: int = Field(262144, ge=16, description="KV capacity in tokens (rounded down to blocks)")
     max_num_batched_tokens: int = Field(2048, ge=1)

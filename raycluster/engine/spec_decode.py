@@ -74,7 +74,7 @@ def build_proposer(config, model, runner, dtype: torch.dtype):
     from raycluster.engine.draft_model import DraftModelProposer
     from raycluster.model.loader import load_model
     target_config = model.config
-    draft, draft_config = load_model(path, dtype, device=config.device)
+    draft, draft_config = load_model(path, dtype, device=config.device, quant_kernels=config.quant_kernels)
     if draft_config.vocab_size != target_config.vocab_size:
         raise ValueError(f"speculative_model: the draft's vocabulary has {draft_config.vocab_size} tokens, the "
                          f"target's {target_config.vocab_size}; a draft model must share the target's tokenizer")

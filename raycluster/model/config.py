@@ -10,7 +10,8 @@ Qwen2 / Qwen3 only with `use_sliding_window`, on the layers `layer_types` marks
 models as their dense kin, except Qwen3-MoE (every layer) and Qwen2-MoE (without `layer_types`,
 the even layers below `max_window_layers`). `moe` (a `MoEConfig`) says which layers route
 tokens to experts and how.
-`window_of(layer)` gives a layer's window. `from_pretrained` adds the end-of-sequence ids of a
+`quant` (a `QuantConfig`) says how a quantized checkpoint (compressed-tensors, GPTQ, AWQ, FP8)
+stores its linear weights. `window_of(layer)` gives a layer's window. `from_pretrained` adds the end-of-sequence ids of a
 generation_config.json beside config.json.
 """
 
@@ -23,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from raycluster.model.generation_config import load_generation_config
+from raycluster.model.quant.config import QuantConfig, QuantConfigError, parse_quant_config
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM",
                            "MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
@@ -81,6 +83,7 @@ class ModelConfig:
     sliding_window: int | None = None  # the window of the sliding layers, if any
     sliding_layers: tuple[int, ...] = ()  # indices of the layers that slide (of the full model)
     moe: MoEConfig | None = None        # the sparse layers' experts (None: every layer dense)
+    quant: QuantConfig | None = None    # how a quantized checkpoint stores its linear weights (None: dense)
     raw: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
 
     def window_of(self, layer: int) -> int | None:
@@ -170,6 +173,10 @@ class ModelConfig:
         window, sliding = _sliding_layers(arch, d, layers)
         moe = _moe(arch, d, layers) if arch in MOE_ARCHITECTURES else None
         max_len = _scaled_context(max_pos, scaling)
+        try:
+            quant = parse_quant_config(d.get("quantization_config"))
+        except QuantConfigError as e:
+            raise ModelConfigError(str(e)) from None
 
         eos = d.get("eos_token_id")
         if eos is None:
@@ -189,7 +196,7 @@ class ModelConfig:
             qkv_bias=qkv_bias, o_bias=o_bias, mlp_bias=mlp_bias, qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"),
             bos_token_id=int(bos) if bos is not None else None, eos_token_id=eos_t,
             dtype=d.get("dtype") or d.get("torch_dtype"), sliding_window=window,
-            sliding_layers=sliding, moe=moe, raw=dict(d))
+            sliding_layers=sliding, moe=moe, quant=quant, raw=dict(d))
 
 
 def _parse_rope(d: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:

@@ -16,6 +16,7 @@ from torch import nn
 from kernels.metadata import AttentionMetadata
 from raycluster.model.config import ModelConfig
 from raycluster.model.moe import SparseMoE
+from raycluster.model.quant.linear import quantize_linears
 from raycluster.model.rope import RotaryEmbedding, apply_rope
 
 
@@ -94,7 +95,8 @@ def _project(linear, x, lora, index: int, name: str):
 
 class DecoderLayer(nn.Module):
     """Decoder layer `index` of the full model: its sliding window (if any) and its feed-forward
-    block, a dense MLP or routed experts (`SparseMoE`), both from the config."""
+    block, a dense MLP or routed experts (`SparseMoE`), both from the config; with a quantized
+    checkpoint its linear layers are QuantLinears (raycluster.model.quant)."""
 
     def __init__(self, cfg: ModelConfig, index: int = 0):
         super().__init__()
@@ -105,6 +107,8 @@ class DecoderLayer(nn.Module):
         self.add_module(self._ffn_name, SparseMoE(cfg) if sparse else MLP(cfg))
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        if cfg.quant is not None:     # a quantized checkpoint's projections (and experts), under its names
+            quantize_linears(self, cfg.quant, f"model.layers.{index}")
 
     @property
     def ffn(self) -> nn.Module:

@@ -23,6 +23,7 @@ from safetensors import safe_open
 
 from raycluster.model.config import ModelConfig
 from raycluster.model.llama import LlamaForCausalLM
+from raycluster.model.quant.linear import Kernels, finalize_quantized
 
 # Buffers some exporters save that we recompute ourselves.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -75,6 +76,31 @@ def _skipped(name: str, config: ModelConfig) -> bool:
     return name.endswith(_IGNORED_SUFFIXES) or (name == "lm_head.weight" and config.tie_word_embeddings)
 
 
+def _unexpected(name: str, file: str, config: ModelConfig) -> CheckpointError:
+    if config.quant is not None and name.startswith("lm_head.") and name != "lm_head.weight":
+        return CheckpointError(f"{os.path.basename(file)} stores the output head quantized ({name!r}); "
+                               "a quantized lm_head is not supported")
+    return CheckpointError(f"unexpected tensor {name!r} in {os.path.basename(file)}")
+
+
+def _same_shape(stored: tuple[int, ...], expected: tuple[int, ...]) -> bool:
+    """Equal shapes; a one-element scale may be stored as a scalar or as [1]."""
+    return stored == expected or (expected == (1,) and stored in ((), (1, 1)))
+
+
+def _checked_value(name: str, tensor: torch.Tensor, expected_dtype: torch.dtype, dtype: torch.dtype) -> torch.Tensor:
+    """A checkpoint tensor as its parameter holds it: integer tensors (a quantized layer's packed
+    weights, zero points, group indices) as stored, float ones (FP8 weights included: their
+    values are exact in every float dtype) cast to `dtype`."""
+    if expected_dtype.is_floating_point:
+        if not tensor.is_floating_point():
+            raise CheckpointError(f"tensor {name!r} is {tensor.dtype}, the model expects floating point")
+        return tensor.to(dtype)
+    if tensor.is_floating_point() or tensor.dtype == torch.bool:
+        raise CheckpointError(f"tensor {name!r} is {tensor.dtype}, the model expects integers ({expected_dtype})")
+    return tensor
+
+
 def _check_missing(missing: set[str]) -> None:
     if missing:
         names = sorted(missing)
@@ -83,7 +109,11 @@ def _check_missing(missing: set[str]) -> None:
 
 
 def load_model(path: str | os.PathLike, dtype: torch.dtype = torch.float32,
-               device: str | torch.device = "cpu", backend=None) -> tuple[LlamaForCausalLM, ModelConfig]:
+               device: str | torch.device = "cpu", backend=None,
+               quant_kernels: Kernels = "auto") -> tuple[LlamaForCausalLM, ModelConfig]:
+    """The whole model from a checkpoint directory, its weights in `dtype` on `device`. A
+    quantized checkpoint's layers keep their packed weights or are dequantized as
+    `quant_kernels` says (raycluster.model.quant.linear)."""
     path = os.fspath(path)
     config = load_config(path)
     files = _weight_files(path)
@@ -101,15 +131,16 @@ def load_model(path: str | os.PathLike, dtype: torch.dtype = torch.float32,
                 continue
             p = params.get(name)
             if p is None:
-                raise CheckpointError(f"unexpected tensor {name!r} in {os.path.basename(file)}")
-            if tuple(tensor.shape) != tuple(p.shape):
+                raise _unexpected(name, file, config)
+            if not _same_shape(tuple(tensor.shape), tuple(p.shape)):
                 raise CheckpointError(
                     f"shape mismatch for tensor {name!r}: checkpoint {tuple(tensor.shape)}, "
                     f"model expects {tuple(p.shape)}")
             with torch.no_grad():
-                p.copy_(tensor.to(dtype))
+                p.copy_(_checked_value(name, tensor, p.dtype, dtype).reshape(p.shape))
             loaded.add(name)
     _check_missing(set(params) - loaded)
+    finalize_quantized(model, quant_kernels)
     model.eval()
     model.requires_grad_(False)  # inference only; avoids autograd bookkeeping outside inference_mode
     return model, config
@@ -175,9 +206,13 @@ class RowsPart:
 def model_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Every parameter name of the full model `config` describes, and its shape (built on the
     meta device: nothing is allocated)."""
+    return {name: tuple(p.shape) for name, p in _meta_params(config).items()}
+
+
+def _meta_params(config: ModelConfig) -> dict[str, torch.Tensor]:
     with torch.device("meta"):
         model = LlamaForCausalLM(config)
-    return {name: tuple(p.shape) for name, p in model.named_parameters()}
+    return dict(model.named_parameters())
 
 
 def load_tensors(path: str | os.PathLike, config: ModelConfig, wanted: Mapping[str, TensorPart],
@@ -187,7 +222,8 @@ def load_tensors(path: str | os.PathLike, config: ModelConfig, wanted: Mapping[s
     every wanted tensor present, every name in the checkpoint one the model has, each full shape
     the model's; errors name the tensor (and file)."""
     path = os.fspath(path)
-    shapes = model_shapes(config)
+    params = _meta_params(config)
+    shapes = {name: tuple(p.shape) for name, p in params.items()}
     unknown = sorted(set(wanted) - set(shapes))
     if unknown:
         raise ValueError(f"not parameters of this model: {', '.join(unknown)}")
@@ -200,15 +236,24 @@ def load_tensors(path: str | os.PathLike, config: ModelConfig, wanted: Mapping[s
                     # pages the slice covers are read): copy it out so the parameter owns
                     # exactly its part, contiguous, and holds no reference to the mapping.
                     part = wanted[name]
-                    view = part.read(f.get_slice(name), shapes[name])
+                    view = part.read(_sliceable(f, name, shapes[name]), shapes[name])
+                    view = _checked_value(name, view, params[name].dtype, dtype)
                     shape = part.out_shape(shapes[name])
                     if tuple(view.shape) == shape:
-                        out[name] = torch.empty(shape, dtype=dtype, device=device).copy_(view)
+                        out[name] = torch.empty(shape, dtype=view.dtype, device=device).copy_(view)
                     else:       # a padded part (`RowsPart`): the rows read, then zeros
-                        out[name] = torch.zeros(shape, dtype=dtype, device=device)
+                        out[name] = torch.zeros(shape, dtype=view.dtype, device=device)
                         out[name][:view.shape[0]].copy_(view)
     _check_missing(set(wanted) - set(out))
     return out
+
+
+def _sliceable(f, name: str, shape: tuple[int, ...]):
+    """A `get_slice` handle, or for a one-element scale stored as a scalar, the tensor as [1]."""
+    sl = f.get_slice(name)
+    if tuple(sl.get_shape()) == shape:
+        return sl
+    return f.get_tensor(name).reshape(shape)
 
 
 @contextlib.contextmanager
@@ -233,10 +278,10 @@ def _checked_names(file: str, config: ModelConfig, shapes: dict[str, tuple[int, 
             if _skipped(name, config):
                 continue
             if name not in shapes:
-                raise CheckpointError(f"unexpected tensor {name!r} in {os.path.basename(file)}")
+                raise _unexpected(name, file, config)
             if name in wanted:
                 shape = tuple(f.get_slice(name).get_shape())
-                if shape != shapes[name]:
+                if not _same_shape(shape, shapes[name]):
                     raise CheckpointError(
                         f"shape mismatch for tensor {name!r}: checkpoint {shape}, model expects {shapes[name]}")
                 names.append(name)

@@ -109,7 +109,7 @@ def _build_runner(config: EngineConfig, model, dtype: torch.dtype, model_path: s
     else:
         source = model
         if kind in SHARDED_KINDS and model_path is not None and not isinstance(model, Checkpoint):
-            source = Checkpoint(model_path, model.config)
+            source = Checkpoint(model_path, model.config, config.quant_kernels)
         ranks = ThreadRanks(addr, lambda coll: group_worker(kind, source, coll, config, dtype), config.device)
     coll = Collective(addr, 0, config.device)      # returns once every rank has joined
     if kind in ("kvp", "kvp-tp"):
@@ -154,6 +154,6 @@ def model_source(config: EngineConfig, path: str):
     from raycluster.model.loader import load_config, load_model
 
     if group_kind(config) in SHARDED_KINDS:
-        return Checkpoint(str(path), load_config(path))
+        return Checkpoint(str(path), load_config(path), config.quant_kernels)
     config = config.for_model(load_config(path).dtype)
-    return load_model(path, dtype=config.torch_dtype(), device=config.device)[0]
+    return load_model(path, dtype=config.torch_dtype(), device=config.device, quant_kernels=config.quant_kernels)[0]

@@ -34,9 +34,11 @@ class GroupRank:
         self.config = EngineConfig.model_validate_json(config_json)
         self.dtype = self.config.torch_dtype()
         if group_kind(self.config) in SHARDED_KINDS:
-            self.model = Checkpoint(model_path, load_config(model_path))   # read at `serve`, by rank
+            # read at `serve`, by rank
+            self.model = Checkpoint(model_path, load_config(model_path), self.config.quant_kernels)
         else:
-            self.model, _ = load_model(model_path, dtype=self.dtype, device=self.config.device)
+            self.model, _ = load_model(model_path, dtype=self.dtype, device=self.config.device,
+                                       quant_kernels=self.config.quant_kernels)
 
     def node(self) -> dict:
         """Where this rank runs: its Ray node's id and address."""

@@ -56,6 +56,9 @@ from raycluster.model.config import ModelConfig
 from raycluster.model.llama import DecoderLayer, LlamaForCausalLM
 from raycluster.model.loader import WHOLE, RowsPart, TensorPart, load_tensors
 from raycluster.model.lora import TARGETS as LORA_TARGETS, LoRAAdapter
+from raycluster.model.quant.config import QuantConfig
+from raycluster.model.quant.formats import tensor_dims
+from raycluster.model.quant.linear import Kernels, QuantLinear, RowParallelQuantLinear, finalize_quantized, is_quantized
 from raycluster.parallel.vocab import ParallelLMHead, VocabParallelEmbedding, pad_rows, vocab_rows
 
 # Decoder-layer projections split over the ranks, by the projection's name (nn.Linear weights
@@ -70,9 +73,11 @@ _KV = ("k_proj", "v_proj")      # rows by KV head (`kv_heads_of`)
 
 @dataclasses.dataclass(frozen=True)
 class Checkpoint:
-    """A checkpoint directory and its config: what a rank loads its own part from."""
+    """A checkpoint directory and its config: what a rank loads its own part from
+    (`quant_kernels`: how a quantized checkpoint's layers run, raycluster.model.quant.linear)."""
     path: str
     config: ModelConfig
+    quant_kernels: Kernels = "auto"
 
 
 def check_tp(cfg: ModelConfig, tp: int, expert_parallel: bool = False) -> None:
@@ -97,6 +102,36 @@ def check_tp(cfg: ModelConfig, tp: int, expert_parallel: bool = False) -> None:
     if kv % tp and tp % kv:
         raise ValueError(f"tp: {tp} ranks neither divide the model's num_key_value_heads ({kv}) nor are a "
                          "multiple of them (to replicate each KV head on tp / num_key_value_heads ranks)")
+    if cfg.quant is not None and tp > 1:
+        _check_tp_quant(cfg, cfg.quant, tp, expert_parallel)
+
+
+def _check_tp_quant(cfg: ModelConfig, qc: QuantConfig, tp: int, expert_parallel: bool) -> None:
+    """Refuse a quantized checkpoint whose scales, zero points or packed words a `tp`-way split
+    would cut through: a row-split layer's input columns per rank must hold whole groups (or FP8
+    blocks), a column-split one's output rows whole packed words and blocks."""
+    if qc.act_order:
+        raise ValueError("tp: an act-order checkpoint (quantization_config desc_act / actorder) maps input columns "
+                         "to groups across the whole layer; it is served with tp 1")
+    head_rows = cfg.num_attention_heads * cfg.head_dim // tp
+    kv_rows = cfg.num_key_value_heads * cfg.head_dim // min(tp, cfg.num_key_value_heads)
+    rows = {"q_proj": head_rows, "k_proj": kv_rows, "gate_proj": cfg.intermediate_size // tp}
+    cols = {"o_proj": head_rows, "down_proj": cfg.intermediate_size // tp}
+    if cfg.moe is not None and not expert_parallel:
+        rows["experts' gate_proj"] = cfg.moe.intermediate_size // tp
+        cols["experts' down_proj"] = cfg.moe.intermediate_size // tp
+    col_unit = qc.group_size or 1
+    row_unit = 8 if qc.layout in ("gptq", "awq") or (qc.layout == "ct-packed" and not qc.symmetric) else 1
+    if qc.strategy == "block":
+        row_unit, col_unit = qc.block
+    for name, n in cols.items():
+        if n % col_unit:
+            raise ValueError(f"tp: {tp} ranks give each {n} input columns of {name}, not a multiple of the "
+                             f"checkpoint's {col_unit}-column quantization groups (quantization_config); choose another tp")
+    for name, n in rows.items():
+        if n % row_unit:
+            raise ValueError(f"tp: {tp} ranks give each {n} output rows of {name}, not a multiple of the "
+                             f"{row_unit} rows its packed quantization tensors hold together; choose another tp")
 
 
 def kv_split(num_kv_heads: int, tp: int) -> tuple[int, int]:
@@ -145,26 +180,33 @@ def shard_config(cfg: ModelConfig, tp: int, rank: int = 0, expert_parallel: bool
                                intermediate_size=cfg.intermediate_size // tp, moe=moe)
 
 
-def layer_part(name: str, rank: int, tp: int, num_kv_heads: int, experts: range | None = None) -> TensorPart | None:
+def layer_part(name: str, rank: int, tp: int, num_kv_heads: int, experts: range | None = None,
+               quant: QuantConfig | None = None) -> TensorPart | None:
     """What rank `rank` of `tp` holds of a decoder layer's tensor `name` (relative to the layer):
     its chunk along the split dim, the whole tensor (norms, Qwen3's per-head-dim q/k norms), or
     None (a row-parallel bias off rank 0). k/v_proj rows (and biases) are its KV heads': chunk
     `rank` of `tp`, or when tp > `num_kv_heads` (replicated) the rows of its one head, chunk
     rank // (tp / num_kv_heads) of num_kv_heads. `experts`: under expert parallelism, the
-    routed experts the rank holds whole (`expert_range`; the others' tensors: None)."""
+    routed experts the rank holds whole (`expert_range`; the others' tensors: None). `quant`: a
+    quantized checkpoint's config, whose tensors are cut along the dims running over the
+    layer's output rows (column-split) or input columns (row-split): `formats.tensor_dims`."""
     parts = name.split(".")
     if experts is not None and "experts" in parts:
         return WHOLE if int(parts[parts.index("experts") + 1]) in experts else None
     module, param = parts[-2:]
+    # (dim over output rows, dim over input columns) of this tensor; None: it has no such dim.
+    n_dim, k_dim = (0, 1) if param == "weight" else (0, None)
+    if quant is not None and module in _COLUMN + _ROW and param != "bias" and quant.quantizes(name.rpartition(".")[0]):
+        n_dim, k_dim = tensor_dims(quant, param)
     if module in _KV and tp > num_kv_heads:
         first, _ = kv_heads_of(num_kv_heads, tp, rank)
-        return TensorPart(0, first, num_kv_heads)
+        return WHOLE if n_dim is None else TensorPart(n_dim, first, num_kv_heads)
     if module in _COLUMN:
-        return TensorPart(0, rank, tp)
+        return WHOLE if n_dim is None else TensorPart(n_dim, rank, tp)
     if module in _ROW:
-        if param == "weight":
-            return TensorPart(1, rank, tp)
-        return WHOLE if rank == 0 else None
+        if param == "bias":
+            return WHOLE if rank == 0 else None
+        return WHOLE if k_dim is None else TensorPart(k_dim, rank, tp)
     return WHOLE
 
 
@@ -229,14 +271,19 @@ def _shard_layer(cfg: ModelConfig, full_cfg: ModelConfig, rank: int, reduce: Cal
     its sliding window and whether it routes to experts)."""
     layer = DecoderLayer(cfg, index)
     attn = layer.self_attn
-    attn.o_proj = RowParallelLinear(attn.num_heads * attn.head_dim, cfg.hidden_size,
-                                    full_cfg.o_bias and rank == 0, reduce)
+    attn.o_proj = _row_parallel(attn.o_proj, full_cfg.o_bias and rank == 0, reduce)
     if full_cfg.is_moe_layer(index):
         layer.ffn.reduce = reduce
     else:
-        layer.mlp.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size,
-                                                full_cfg.mlp_bias and rank == 0, reduce)
+        layer.mlp.down_proj = _row_parallel(layer.mlp.down_proj, full_cfg.mlp_bias and rank == 0, reduce)
     return layer
+
+
+def _row_parallel(linear: nn.Module, bias: bool, reduce: Callable) -> nn.Module:
+    """The row-split form of a shard layer's `linear` (quantized or not), `bias` on this rank."""
+    if isinstance(linear, QuantLinear):
+        return RowParallelQuantLinear(linear.in_features, linear.out_features, bias, linear.qc, reduce)
+    return RowParallelLinear(linear.in_features, linear.out_features, bias, reduce)
 
 
 def _check_layers(full_cfg: ModelConfig, rank: int, tp: int, layers: range | None) -> range:
@@ -262,7 +309,8 @@ def _assemble(full_cfg: ModelConfig, rank: int, tp: int, reduce: Callable, layer
     return sharded
 
 
-def _finish(model: LlamaForCausalLM) -> LlamaForCausalLM:
+def _finish(model: LlamaForCausalLM, quant_kernels: Kernels = "auto") -> LlamaForCausalLM:
+    finalize_quantized(model, quant_kernels)
     model.eval()
     model.requires_grad_(False)
     return model
@@ -313,6 +361,9 @@ def shard_model(model: LlamaForCausalLM, rank: int, tp: int,
     `expert_parallel`: a MoE model's rank holds its share of the experts whole (`expert_range`)
     instead of a slice of each."""
     layers = _check_layers(model.config, rank, tp, layers)
+    if is_quantized(model):
+        raise ValueError("a quantized model's shards are read from its checkpoint (load_shard / a Checkpoint): "
+                         "its loaded layers hold kernel operands, not the checkpoint's tensors")
     state = model.state_dict()
     experts = _rank_experts(model.config, rank, tp, expert_parallel)
 
@@ -356,7 +407,8 @@ def load_shard(ckpt: Checkpoint, rank: int, tp: int, reduce: Callable[[torch.Ten
     wanted: dict[str, TensorPart] = {}
     for i in layers:
         for name in _layer_names(full_cfg, i):
-            part = layer_part(name, rank, tp, full_cfg.num_key_value_heads, experts)
+            part = layer_part(f"model.layers.{i}.{name}", rank, tp, full_cfg.num_key_value_heads, experts,
+                              full_cfg.quant)
             if part is not None:
                 wanted[f"model.layers.{i}.{name}"] = part
     tied = full_cfg.tie_word_embeddings
@@ -386,7 +438,7 @@ def load_shard(ckpt: Checkpoint, rank: int, tp: int, reduce: Callable[[torch.Ten
         if head:
             out = emb if tied else tensors["lm_head.weight"]
         _vocab_modules(sharded, full_cfg, rank, tp, reduce, emb if embed else None, out)
-        return _finish(sharded)
+        return _finish(sharded, ckpt.quant_kernels)
     if read_embed:
         top.embed_tokens.load_state_dict({"weight": tensors["model.embed_tokens.weight"]}, assign=True)
     else:
@@ -395,7 +447,7 @@ def load_shard(ckpt: Checkpoint, rank: int, tp: int, reduce: Callable[[torch.Ten
         sharded.lm_head.load_state_dict({"weight": tensors["lm_head.weight"]}, assign=True)
     else:
         sharded.lm_head = None      # tied: the embedding is the head (compute_logits reads the config)
-    return _finish(sharded)
+    return _finish(sharded, ckpt.quant_kernels)
 
 
 def _layer_names(cfg: ModelConfig, index: int) -> list[str]:
