@@ -1,10 +1,10 @@
 """Analytic roofline batch-time model for GPU clusters (a `BatchPredictor` without a GPU).
 
-Owns: hardware figures (A100 / H100 / H200: dense bf16 peak, HBM and NVLink bandwidth per GPU,
-inter-node bandwidth per GPU), Llama-3 8B / 70B, Mixtral 8x7B and Qwen3-30B-A3B shapes, and the step-time
-formulas below. Data
-enters as a `RooflinePredictor(gpu, model, tp, spp, kvp, mfu, mbu, ...)`; it leaves through
-`batch_time(prefills, decode_kv_lens)` and `prefill_time(num_tokens, kv_before)` in seconds, so
+Owns: hardware figures (A100 / H100 / H200: dense bf16, int8 and fp8 peaks, HBM and NVLink bandwidth
+per GPU, inter-node bandwidth per GPU), Llama-3 8B / 70B, Mixtral 8x7B and Qwen3-30B-A3B shapes, the
+weight quantization schemes vLLM serves (w4a16, w8a16, w8a8, fp8), and the step-time formulas
+below. Data enters as a `RooflinePredictor(gpu, model, tp, spp, kvp, mfu, mbu, ..., quantization)`;
+it leaves through `batch_time(prefills, decode_kv_lens)` and `prefill_time(num_tokens, kv_before)` in seconds, so
 the simulator and the Medha packer can plan for hardware this project never runs on.
 
 Notation: L layers, h hidden, H_q / H_kv heads, d head dim (h / H_q, or Qwen3's own: H_q d = 2h),
@@ -15,7 +15,20 @@ I intermediate, V vocab, b = 2 bytes (bf16). A batch has prefill chunks (q_i tok
   pairs    = sum q_i (kv_i + (q_i + 1) / 2) + sum (kv_j + 1)   causal query-key pairs
              (non-causal: q_i (kv_i + q_i), the count behind the seed's "1M tokens, 70B = 2.8 EFLOP")
   F_attn   = 4 L (H_q d) pairs                                 QK^T and AV
-  W        = b (L P_layer + V h)                               weight bytes read per step
+  W        = w L P_layer + b V h                               weight bytes read per step
+  M        = w L P_layer + 2 b V h                             weight bytes resident (+ embedding;
+                                                               the simulator sizes KV beside them)
+Quantization (a checkpoint's format, as vLLM serves it) sets w, the bytes per decoder-layer matmul
+parameter, and x, the speed-up of the decoder-layer GEMMs over the bf16 peak; the embedding and
+lm_head stay bf16 (vLLM leaves lm_head unquantized for these schemes), and so do the KV cache,
+activations and attention:
+  none    w = b                 x = 1
+  w4a16   w = 1/2 + 2/128       x = 1   int4 weights, a bf16 scale per 128 input columns; weight-only
+                                        (Marlin-style kernels dequantize in registers, GEMM in bf16)
+  w8a16   w = 1                 x = 1   int8 weights, per-channel scales (ignored); weight-only
+  w8a8    w = 1                 x = P_int8 / P_peak   int8 weights and activations (2 on A100, H100, H200)
+  fp8     w = 1                 x = P_fp8 / P_peak    fp8 weights and activations (2 on H100 / H200);
+                                        a GPU without fp8 tensor cores (A100) runs it weight-only, x = 1
 Mixture-of-experts (Mixtral 8x7B, Qwen3-30B-A3B: E experts of intermediate I per layer, k per token):
 P_layer counts k experts and the router (h E); W counts every expert a step's T tokens touch,
 expecting uniform routing: each stays unread with probability (1 - k/E)^T (a decode of one
@@ -23,7 +36,7 @@ token reads k of them, a large batch all). Tensor parallelism splits every exper
   B_kv     = 2 b L (H_kv d) (sum (kv_i + q_i) + sum (kv_j + 1))    KV read + written
 Per GPU with tensor parallel t, stream-pipeline stages p, KV-parallel groups k
 (t_kv = min(t, H_kv): KV heads stop splitting once every GPU holds one):
-  lin   = max(F_lin / (p t P_peak MFU),  W / (p t BW_hbm MBU))
+  lin   = max((2 L P_layer T / x + 2 V h S) / (p t P_peak MFU),  W / (p t BW_hbm MBU))
   attn  = max(F_attn / (p t k P_peak MFU),  B_kv / (p t_kv k BW_hbm MBU))
   tp    = (L/p) * 2 * [2 (t-1)/t * T h b / BW_nvlink + lat_ar]          two all-reduces per layer
   kvp   = (L/p) * [(k-1) * T (H_q d b + 4 H_q) / (t BW_link) + lat_p2p]  partial outputs + softmax
@@ -39,7 +52,9 @@ KVP: the query is replicated to the k groups, each attends over its 1/k of the K
 FLOPs and KV bytes divide by k; the linear layers do not speed up. BW_link is NVLink while
 t * k * p GPUs fit in one node, else the inter-node (InfiniBand) bandwidth per GPU.
 Ignored: activation traffic, kernel launch gaps (fold them into `overhead_s`), routing skew
-(hot experts) and expert parallelism, quantization.
+(hot experts) and expert parallelism; quantization's scale bytes other than w4a16's group scales,
+its dequantization work, a MoE router's being left unquantized (h E per layer, < 0.1 % of it), and
+any change of MFU / MBU with the kernels (one mfu, one mbu for every scheme).
 """
 
 from __future__ import annotations
@@ -52,6 +67,26 @@ MEMO_MAX = 1 << 18      # memoised single-chunk / prefill times per predictor (c
 
 
 @dataclass(frozen=True)
+class Quantization:
+    """A checkpoint's weight format as vLLM serves it (compressed-tensors, GPTQ / AWQ, FP8)."""
+    name: str
+    weight_bytes: float        # per decoder-layer matmul parameter, scales included (0: the model's dtype)
+    compute: str               # tensor cores the decoder-layer GEMMs run on: "bf16" | "int8" | "fp8"
+
+
+# w4a16: int4 plus one bf16 scale per group of 128 input columns (GPTQ / AWQ / compressed-tensors'
+# group size); the 8-bit schemes' per-channel scales (2 bytes per output row) are left out.
+QUANTIZATIONS = {q.name: q for q in (
+    Quantization("none", 0.0, "bf16"),
+    Quantization("w4a16", 0.5 + 2 / 128, "bf16"),
+    Quantization("w8a16", 1.0, "bf16"),
+    Quantization("w8a8", 1.0, "int8"),
+    Quantization("fp8", 1.0, "fp8"),
+)}
+NO_QUANT = QUANTIZATIONS["none"]
+
+
+@dataclass(frozen=True)
 class GPUSpec:
     name: str
     peak_flops: float          # dense bf16 FLOP/s
@@ -60,13 +95,24 @@ class GPUSpec:
     internode_bw: float        # bytes/s per GPU (InfiniBand NIC share)
     memory_bytes: float
     gpus_per_node: int = 8
+    int8_flops: float = 0.0    # dense int8 OP/s (0: no int8 tensor cores)
+    fp8_flops: float = 0.0     # dense fp8 FLOP/s (0: no fp8 tensor cores)
+
+    def gemm_flops(self, quant: Quantization = NO_QUANT) -> float:
+        """Peak of a decoder-layer GEMM under `quant`: the int8 / fp8 tensor cores it runs on, else
+        bf16 (weight-only kernels; and vLLM's weight-only Marlin fallback for fp8 on a GPU without
+        fp8 tensor cores)."""
+        fast = {"int8": self.int8_flops, "fp8": self.fp8_flops}.get(quant.compute, 0.0)
+        return fast or self.peak_flops
 
 
-# Vendor datasheet figures (SXM parts). NVLink: A100 600 GB/s, H100/H200 900 GB/s total, halved
-# per direction. Inter-node: one 200 Gb/s HDR (A100) or 400 Gb/s NDR (H100/H200) NIC per GPU.
-A100 = GPUSpec("A100-SXM4-80GB", 312e12, 2.039e12, 300e9, 25e9, 80e9)
-H100 = GPUSpec("H100-SXM5-80GB", 989e12, 3.35e12, 450e9, 50e9, 80e9)
-H200 = GPUSpec("H200-SXM-141GB", 989e12, 4.8e12, 450e9, 50e9, 141e9)
+# Vendor datasheet figures (SXM parts; dense, i.e. without 2:4 sparsity). Peaks: A100 bf16 312
+# TFLOPS, int8 624 TOPS, no fp8; H100 / H200 bf16 989 TFLOPS, fp8 1979 TFLOPS, int8 1979 TOPS.
+# NVLink: A100 600 GB/s, H100/H200 900 GB/s total, halved per direction. Inter-node: one 200 Gb/s
+# HDR (A100) or 400 Gb/s NDR (H100/H200) NIC per GPU.
+A100 = GPUSpec("A100-SXM4-80GB", 312e12, 2.039e12, 300e9, 25e9, 80e9, int8_flops=624e12)
+H100 = GPUSpec("H100-SXM5-80GB", 989e12, 3.35e12, 450e9, 50e9, 80e9, int8_flops=1979e12, fp8_flops=1979e12)
+H200 = GPUSpec("H200-SXM-141GB", 989e12, 4.8e12, 450e9, 50e9, 141e9, int8_flops=1979e12, fp8_flops=1979e12)
 GPUS = {g.name.split("-")[0]: g for g in (A100, H100, H200)}
 
 
@@ -112,20 +158,34 @@ class ModelShape:
         """Including input embedding and untied lm_head (Llama-3 8B: 8.03e9; Mixtral 8x7B: 4.67e10)."""
         return self.layers * self._stored_layer_params + 2 * self.vocab * self.hidden
 
+    def bytes_per_param(self, quant: Quantization = NO_QUANT) -> float:
+        """w: bytes per decoder-layer matmul parameter (the dtype's unless `quant` packs them)."""
+        return quant.weight_bytes or self.dtype_bytes
+
+    def read_bytes(self, quant: Quantization = NO_QUANT) -> float:
+        """Bytes a step reads at most: layers (every expert) + lm_head (the embedding is only
+        gathered; lm_head stays in the dtype under every scheme)."""
+        return (self.bytes_per_param(quant) * self.layers * self._stored_layer_params
+                + self.dtype_bytes * self.vocab * self.hidden)
+
+    def resident_bytes(self, quant: Quantization = NO_QUANT) -> float:
+        """Bytes the weights hold in GPU memory: `read_bytes` plus the input embedding."""
+        return self.read_bytes(quant) + self.dtype_bytes * self.vocab * self.hidden
+
     @property
     def weight_bytes(self) -> float:
-        """Bytes a step reads at most: layers (every expert) + lm_head (the embedding is only gathered)."""
-        return self.dtype_bytes * (self.layers * self._stored_layer_params + self.vocab * self.hidden)
+        """`read_bytes` of the unquantized model."""
+        return self.read_bytes()
 
-    def step_weight_bytes(self, tokens: int) -> float:
-        """Bytes a step of `tokens` tokens reads: a dense model's `weight_bytes`; a MoE model's
+    def step_weight_bytes(self, tokens: int, quant: Quantization = NO_QUANT) -> float:
+        """Bytes a step of `tokens` tokens reads: a dense model's `read_bytes`; a MoE model's
         less the experts no token of the step routes to, expecting uniform routing (each token
         picks k of E experts: a layer's expert stays unread with probability (1 - k/E)^tokens)."""
         if not self.experts:
-            return self.weight_bytes
+            return self.read_bytes(quant)
         idle = (1.0 - self.experts_per_token / self.experts) ** tokens
-        experts = self.dtype_bytes * self.layers * 3 * self.hidden * self.intermediate * self.experts
-        return self.weight_bytes - experts * idle
+        experts = self.bytes_per_param(quant) * self.layers * 3 * self.hidden * self.intermediate * self.experts
+        return self.read_bytes(quant) - experts * idle
 
     def kv_bytes_per_token(self) -> float:
         return 2 * self.dtype_bytes * self.layers * self.kv_heads * self.head_dim
@@ -168,6 +228,7 @@ class RooflinePredictor:
     overhead_s: float = 0.0
     causal: bool = True
     chunk_size: int | None = None     # prefill_time chunking (SPP streams these chunks)
+    quantization: str = "none"        # a QUANTIZATIONS name: the checkpoint's weight format
 
     def __post_init__(self) -> None:
         for name in ("tp", "spp", "kvp"):
@@ -175,6 +236,18 @@ class RooflinePredictor:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if not (0 < self.mfu <= 1 and 0 < self.mbu <= 1):
             raise ValueError("mfu and mbu must be in (0, 1]")
+        if self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"quantization: unknown {self.quantization!r}; choose one of {', '.join(QUANTIZATIONS)}")
+
+    @property
+    def quant(self) -> Quantization:
+        return QUANTIZATIONS[self.quantization]
+
+    @property
+    def gemm_scale(self) -> float:
+        """1 / x: a decoder-layer GEMM FLOP's share of a bf16 one (1.0 exactly when x = 1, so an
+        unquantized or weight-only model's times are the plain formula's, bit for bit)."""
+        return self.gpu.peak_flops / self.gpu.gemm_flops(self.quant)
 
     @property
     def link_bw(self) -> float:
@@ -198,10 +271,14 @@ class RooflinePredictor:
         m, g = self.model, self.gpu
         t, p, k = self.tp, self.spp, self.kvp
         tokens = sum(q for q, _ in prefills) + len(decode_kv_lens)
-        f_lin, f_attn = self.flops(prefills, decode_kv_lens)
+        seqs = len(prefills) + len(decode_kv_lens)
+        _, f_attn = self.flops(prefills, decode_kv_lens)
+        # F_lin at the bf16 peak: the decoder-layer GEMMs' FLOPs scaled by 1 / x (the quantized
+        # scheme's tensor cores), lm_head's as they are.
+        f_lin = 2.0 * m.layers * m.layer_params * self.gemm_scale * tokens + 2.0 * m.vocab * m.hidden * seqs
         kv_tokens = sum(kv + q for q, kv in prefills) + sum(kv + 1 for kv in decode_kv_lens)
         lin_c = f_lin / (p * t * g.peak_flops * self.mfu)
-        lin_m = m.step_weight_bytes(tokens) / (p * t * g.hbm_bw * self.mbu)
+        lin_m = m.step_weight_bytes(tokens, self.quant) / (p * t * g.hbm_bw * self.mbu)
         t_kv = min(t, m.kv_heads)
         attn_c = f_attn / (p * t * k * g.peak_flops * self.mfu)
         attn_m = m.kv_bytes_per_token() * kv_tokens / (p * t_kv * k * g.hbm_bw * self.mbu)
@@ -229,9 +306,10 @@ class RooflinePredictor:
         for (so the float operations, and results, are exactly those of `cost`)."""
         m, g = self.model, self.gpu
         t, p, k = self.tp, self.spp, self.kvp
-        return {"lin_f": 2.0 * m.layers * m.layer_params, "lin_s": 2.0 * m.vocab * m.hidden,
-                "lin_c": p * t * g.peak_flops * self.mfu,
-                "lin_m": m.weight_bytes / (p * t * g.hbm_bw * self.mbu), "lin_md": p * t * g.hbm_bw * self.mbu,
+        q = self.quant
+        return {"lin_f": 2.0 * m.layers * m.layer_params * self.gemm_scale, "lin_s": 2.0 * m.vocab * m.hidden,
+                "lin_c": p * t * g.peak_flops * self.mfu, "quant": q,
+                "lin_m": m.read_bytes(q) / (p * t * g.hbm_bw * self.mbu), "lin_md": p * t * g.hbm_bw * self.mbu,
                 "attn_f": 4.0 * m.layers * m.q_dim, "attn_c": p * t * k * g.peak_flops * self.mfu,
                 "kvb": m.kv_bytes_per_token(), "attn_m": p * min(t, m.kv_heads) * k * g.hbm_bw * self.mbu,
                 "layers": m.layers / p, "hb": m.hidden, "qb": m.q_dim, "db": m.dtype_bytes,
@@ -273,7 +351,7 @@ class RooflinePredictor:
         seqs = len(prefills) + nd
         f_lin = c["lin_f"] * tokens + c["lin_s"] * seqs
         f_attn = c["attn_f"] * pairs
-        lin_m = c["lin_m"] if not self.model.experts else self.model.step_weight_bytes(tokens) / c["lin_md"]
+        lin_m = c["lin_m"] if not self.model.experts else self.model.step_weight_bytes(tokens, c["quant"]) / c["lin_md"]
         lin = max(f_lin / c["lin_c"], lin_m)
         attn = max(f_attn / c["attn_c"], c["kvb"] * kv_tokens / c["attn_m"])
         t, k, p = self.tp, self.kvp, self.spp

@@ -47,7 +47,8 @@ def make_predictor(spec: SimSpec, pool: SimPool):
         return p
     from raycluster.sched.roofline import GPUS, MODELS, RooflinePredictor
     return RooflinePredictor(GPUS[spec.gpu.upper()], MODELS[spec.model], pool.tp, pool.spp, pool.kvp,
-                             mfu=spec.mfu, mbu=spec.mbu, overhead_s=spec.step_overhead_s)
+                             mfu=spec.mfu, mbu=spec.mbu, overhead_s=spec.step_overhead_s,
+                             quantization=spec.quantization)
 
 
 _CPU_PRED: dict[str, LinearBatchPredictor] = {}
@@ -100,11 +101,14 @@ def kv_tokens(spec: SimSpec, pool: SimPool, engine_cfg) -> int:
         # KVP x TP one, whose KVP ranks are TP groups, kv_cache_tokens per KVP rank; SPP stages
         # hold other layers of the same tokens, so KVP x SPP (x TP) holds kv_cache_tokens per KVP rank too).
         return engine_cfg.kv_cache_tokens * pool.kvp
-    from raycluster.sched.roofline import GPUS, MODELS
+    from raycluster.sched.roofline import GPUS, MODELS, QUANTIZATIONS
     g, m = GPUS[spec.gpu.upper()], MODELS[spec.model]
-    free = g.memory_bytes * pool.gpus_per_instance * spec.gpu_memory_utilization - m.params * m.dtype_bytes
+    # Resident weights: the decoder layers in the checkpoint's format, embedding and lm_head in bf16.
+    weights = m.resident_bytes(QUANTIZATIONS[spec.quantization])
+    free = g.memory_bytes * pool.gpus_per_instance * spec.gpu_memory_utilization - weights
     if free <= 0:
-        raise ValueError(f"pools: {m.name} does not fit in {pool.gpus_per_instance} x {g.name}")
+        quant = f" ({spec.quantization})" if spec.quantization != "none" else ""
+        raise ValueError(f"pools: {m.name}{quant} does not fit in {pool.gpus_per_instance} x {g.name}")
     # A TP rank holds max(1, kv_heads / tp) KV heads of each token: past tp = kv_heads every head
     # is replicated on tp / kv_heads ranks (as vLLM and the engine place them), each a full copy.
     replicas = max(1, pool.tp // m.kv_heads)

@@ -16,6 +16,12 @@ pressure controller. KV capacity per instance: `kv_cache_tokens` if given, else
 (GPU memory x GPUs x gpu_memory_utilization - weights) / KV bytes per token (gpu: cpu: the
 engine's kv_cache_tokens).
 
+Quantization (`quantization`: none | w4a16 | w8a16 | w8a8 | fp8, the checkpoint's weight format as
+vLLM serves it) shrinks the decoder layers' weights in the roofline's step times and in the memory
+model above, so a quantized model holds more KV (or fits where the bf16 one does not); w8a8 and fp8
+also run its GEMMs on the GPU's int8 / fp8 tensor cores (raycluster/sched/roofline.py). gpu: cpu
+takes none only: profile a quantized checkpoint by pointing `model` at it.
+
 Serving-path overheads (all default 0, the idealised cluster): `dispatch_latency_s` (once per
 request), `step_overhead_s` (per step) and `step_overhead_per_seq_s` (per request in a step); sims/local-cpu.yaml documents how they are measured on
 the real local cluster (`python -m raycluster.sim.sim_to_real`).
@@ -48,6 +54,8 @@ from raycluster.engine.config import EngineConfig
 from raycluster.sched.registry import policy_names
 
 Role = Literal["mixed", "prefill-short", "prefill-long", "decode"]
+# raycluster.sched.roofline.QUANTIZATIONS' names (tests/unit/test_sim_quant.py keeps them equal).
+Quant = Literal["none", "w4a16", "w8a16", "w8a8", "fp8"]
 
 
 class SimSLO(BaseModel):
@@ -137,6 +145,14 @@ class SimSpec(BaseModel):
     # Step-time model.
     mfu: float = Field(0.5, gt=0, le=1)
     mbu: float = Field(0.8, gt=0, le=1)
+    quantization: Quant = Field("none", description="the model's weight format, as vLLM serves it (the roofline "
+                                "gpus only): none: bf16 weights; w4a16: int4 weights in groups of 128 with a bf16 "
+                                "scale each (GPTQ / AWQ / compressed-tensors), bf16 activations and GEMMs; w8a16: "
+                                "int8 weights, per-channel scales, bf16 activations and GEMMs; w8a8: int8 weights "
+                                "and activations, GEMMs on the int8 tensor cores (2x bf16 on A100 / H100 / H200); "
+                                "fp8: fp8 weights and activations, GEMMs on the fp8 tensor cores (2x bf16 on H100 / "
+                                "H200; A100 has none: weight-only fp8 at bf16 speed, as vLLM's Marlin fallback). "
+                                "Embedding, lm_head and the KV cache stay bf16")
     step_overhead_s: float = Field(0.0, ge=0, description="added to every step (launch gaps, scheduler); gpu: cpu: "
                                    "added to the profiled predictor's overhead_s (engine work outside the model "
                                    "forward, measured on the real cluster by sim_to_real's calibration)")
@@ -180,6 +196,10 @@ class SimSpec(BaseModel):
             raise ValueError("pools: prefill pools need a decode pool to hand their KV to")
         if "decode" in roles and not prefill:
             raise ValueError("pools: a decode pool needs a prefill pool in front of it")
+        if self.gpu == "cpu" and self.quantization != "none":
+            raise ValueError(f"quantization: {self.quantization!r} needs a roofline gpu (a100, h100, h200); gpu: "
+                             "cpu times steps with the profile of the real engine, so profile a quantized "
+                             "checkpoint by pointing model at it and leave quantization none")
         if self.gpu != "cpu":
             from raycluster.sched.roofline import MODELS
             if self.model not in MODELS:
