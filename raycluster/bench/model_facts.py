@@ -1,22 +1,36 @@
 """What `raycluster bench engine` needs to know of a model to turn times into MBU and MFU: its
 shape, the matmul weights a token runs (a mixture-of-experts model's: its top k experts), the
 weight bytes a decode step reads and the FLOPs of a prefill. `model_facts(model)` takes a loaded
-model and returns a plain dict (it goes into the bench's JSON as is)."""
+model and returns a plain dict (it goes into the bench's JSON as is). A quantized checkpoint's
+layers count their weights as the matmuls hold them (raycluster.model.quant: packed int4 / int8
+plus scales, or dequantized)."""
 
 from __future__ import annotations
 
 import torch
 
+from raycluster.model.quant.linear import QuantLinear
+
+
+def _matmul_params(module: torch.nn.Module) -> int:
+    """Weights of the linear layers under `module`, quantized or not, as parameters."""
+    return sum(m.in_features * m.out_features for m in module.modules() if isinstance(m, (torch.nn.Linear, QuantLinear)))
+
+
+def _bytes(module: torch.nn.Module) -> int:
+    """Bytes `module`'s weights take: its parameters, and each quantized layer's matmul operands."""
+    return (sum(p.numel() * p.element_size() for p in module.parameters())
+            + sum(m.weight_bytes() for m in module.modules() if isinstance(m, QuantLinear)))
+
 
 def model_facts(model) -> dict:
     c = model.config
-    linear = sum(m.weight.numel() for m in model.model.layers.modules() if isinstance(m, torch.nn.Linear))
-    layer_params = sum(p.numel() for p in model.model.layers.parameters())
+    linear = _matmul_params(model.model.layers)
     head = model.model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight
     elt = head.element_size()
     # Routed experts: a token runs top_k of num_experts (the router and shared experts always).
-    experts = sum(p.numel() for i, layer in enumerate(model.model.layers) if c.is_moe_layer(i)
-                  for p in layer.ffn.experts.parameters())
+    sparse = [layer.ffn.experts for i, layer in enumerate(model.model.layers) if c.is_moe_layer(i)]
+    experts = sum(_matmul_params(e) for e in sparse)
     moe = c.moe
     active_share = moe.top_k / moe.num_experts if moe else 1.0
     return {
@@ -24,14 +38,16 @@ def model_facts(model) -> dict:
         "num_hidden_layers": c.num_hidden_layers, "num_attention_heads": c.num_attention_heads,
         "num_key_value_heads": c.num_key_value_heads, "head_dim": c.head_dim, "vocab_size": c.vocab_size,
         "tie_word_embeddings": model.lm_head is None,
-        "total_params": sum(p.numel() for p in model.parameters()),
+        "total_params": sum(p.numel() for p in model.parameters())     # a quantized layer's weight is not a Parameter
+        + sum(m.in_features * m.out_features for m in model.modules() if isinstance(m, QuantLinear)),
         "matmul_params_per_token": linear - experts + round(experts * active_share),   # the Linear weights a token runs
         "lm_head_params": head.numel(),
         "dtype_bytes": elt,
         # Weights a decode step must read: all layers, the final norm, the whole LM head.
-        "decode_weight_bytes": (layer_params + model.model.norm.weight.numel() + head.numel()) * elt,
+        "decode_weight_bytes": _bytes(model.model.layers) + (model.model.norm.weight.numel() + head.numel()) * elt,
         "kv_bytes_per_token": 2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim * elt,
-        "expert_weight_bytes": experts * elt,       # within decode_weight_bytes
+        "expert_weight_bytes": sum(_bytes(e) for e in sparse),       # within decode_weight_bytes
+        "quantization": None if c.quant is None else f"{c.quant.method}/{c.quant.layout}/{c.quant.bits}-bit",
         "num_experts": moe.num_experts if moe else 0, "experts_per_token": moe.top_k if moe else 0,
     }
 

@@ -8,11 +8,10 @@ from __future__ import annotations
 
 import asyncio
 import random
-import time
 
 import httpx
 import pytest
-from cluster_http import complete
+from cluster_http import complete, drained_status, single_engine_texts
 from serve_app import deployed_app
 
 pytestmark = [pytest.mark.ray, pytest.mark.e2e]
@@ -30,23 +29,10 @@ def moe_dir(tmp_path_factory):
     return write_tiny_model(tmp_path_factory.mktemp("qwen2moe"), seed=4, **MOE)
 
 
-def _single_engine(path: str, prompts: list[list[int]], max_tokens: int) -> list[str]:
-    from raycluster.engine.config import EngineConfig
-    from raycluster.engine.engine import LLMEngine
-    from raycluster.model.loader import load_model
-    from raycluster.model.tokenizer import Tokenizer
-    from raycluster.request import SamplingParams
-
-    model, mcfg = load_model(path)
-    eng = LLMEngine(EngineConfig(policy="fcfs", packer="token", kv_cache_tokens=16384), model)
-    tok = Tokenizer(path, mcfg.eos_token_id)
-    return [tok.decode(o) for o in eng.generate(prompts, SamplingParams(max_tokens=max_tokens, ignore_eos=True))]
-
-
 def test_a_moe_model_through_an_expert_parallel_prefill_group(ray_cluster, moe_dir):
     rng = random.Random(2)
     prompts = [[rng.randrange(6, 4000) for _ in range(n)] for n in (3, 17, 40, 90, 150, 260, 300, 420, 600, 9, 64, 130)]
-    want = _single_engine(moe_dir, prompts, 8)
+    want = single_engine_texts(moe_dir, prompts, 8)
     cfg = {"model": moe_dir, "policy": "lars", "threads_per_instance": 1, "router_name": ROUTER,
            "connector": "torch_dist", "initial_l_m": 256,
            "engine": {"kv_cache_tokens": 16384, "enable_prefix_caching": True},
@@ -61,15 +47,7 @@ def test_a_moe_model_through_an_expert_parallel_prefill_group(ray_cluster, moe_d
                 return await asyncio.gather(*(complete(client, url, p, 8, i % 2 == 1) for i, p in enumerate(prompts)))
 
         assert asyncio.run(run()) == want
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:
-            status = httpx.get(url + "/v1/cluster/status", timeout=5).json()
-            if status["inflight"] == 0 and all(i["kv_free_blocks"] == i["kv_total_blocks"] and not i["running"]
-                                               for i in status["instances"]):
-                break
-            time.sleep(0.3)
-        else:
-            pytest.fail(f"cluster did not drain: {status}")
+        status = drained_status(url)
         pools = {i["role"]: i for i in status["instances"]}
         assert {r: i["layout"] for r, i in pools.items()} == {
             "prefill-short": "tp2ep", "prefill-long": "single", "decode": "single"}

@@ -103,3 +103,24 @@ def test_a_moe_models_facts_count_its_active_experts(tmp_path):
     assert decode_weight_bytes(facts, 1) == facts["decode_weight_bytes"] - facts["expert_weight_bytes"] / 2
     assert decode_weight_bytes(facts, 10_000) == pytest.approx(facts["decode_weight_bytes"])
     assert decode_weight_bytes(dense, 3) == dense["decode_weight_bytes"]
+
+
+def test_model_facts_of_a_quantized_model_count_its_packed_weights(tmp_path, tiny_model_dir):
+    """W4A16 in groups of 64, bf16: each layer weight is 4 bits plus a bf16 scale and zero per 64
+    (the int4 kernel's operands); embedding, head and norms stay bf16; parameters count alike."""
+    import torch
+
+    from raycluster.bench.model_facts import model_facts
+    from raycluster.model.loader import load_model
+    from raycluster.model.quant.write import quantize_checkpoint
+
+    quantize_checkpoint(str(tiny_model_dir), str(tmp_path / "q"), "w4a16", 64)
+    dense = model_facts(load_model(tiny_model_dir, dtype=torch.bfloat16)[0])
+    model, cfg = load_model(tmp_path / "q", dtype=torch.bfloat16)
+    facts = model_facts(model)
+    assert facts["total_params"] == dense["total_params"]
+    assert facts["matmul_params_per_token"] == dense["matmul_params_per_token"]
+    linear = dense["matmul_params_per_token"]
+    rest = dense["decode_weight_bytes"] - 2 * linear       # norms and the head, bf16 in both
+    assert facts["decode_weight_bytes"] == rest + linear // 2 + linear // 64 * 2 * 2
+    assert facts["quantization"] == "compressed-tensors/ct-packed/4-bit"

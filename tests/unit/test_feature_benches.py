@@ -66,3 +66,24 @@ def test_window_bench_times_full_and_windowed_attention(tmp_path):
     assert all(r["full_ms"] > 0 and r["window_ms"] > 0 and r["max_abs_err_vs_reference"] < 1e-4 for r in res["rows"])
     with pytest.raises(SystemExit, match="--window < --context"):
         main(["bench", "window", "--context", "64", "--window", "64", "--out", str(out)])
+
+
+def test_quant_bench_compares_each_scheme_with_the_dense_model(tmp_path):
+    """`raycluster bench quant`: the dense model and each scheme (int ones both ways, FP8 dequantized)
+    timed in turn; packed int4 weights take well under half the bytes; the quantized logits stay
+    near the dense ones."""
+    out = tmp_path / "quant.json"
+    assert main(["bench", "quant", "--schemes", "w4a16,fp8", "--group-size", "64", "--decode-batches", "1,2",
+                 "--kv-len", "32", "--prefill-tokens", "48", "--steps", "2", "--rounds", "1", "--out", str(out)]) == 0
+    res = json.loads(out.read_text())
+    rows = {r["config"]: r for r in res["rows"]}
+    assert list(rows) == ["dense", "w4a16 quantized kernels", "w4a16 dequantized at load", "fp8 dequantized at load"]
+    assert rows["dense"]["weight_bytes_vs_dense"] == 1.0 and rows["dense"]["decode_ms"]["1"]["vs_dense"] == 1.0
+    assert rows["w4a16 quantized kernels"]["matmuls"] == ["Int4Matmul"]
+    assert rows["w4a16 quantized kernels"]["weight_bytes_vs_dense"] < 0.5
+    assert rows["fp8 dequantized at load"]["matmuls"] == ["DenseMatmul"]
+    for r in rows.values():
+        assert r["top1_agreement"] > 0.8 and r["logit_max_rel_diff"] < 0.1
+        assert all(v["median"] > 0 for v in (*r["decode_ms"].values(), *r["prefill_ms"].values()))
+    with pytest.raises(SystemExit):
+        main(["bench", "quant", "--schemes", "int3", "--out", str(out)])
