@@ -114,12 +114,22 @@ def profile_runner(runner: ModelRunner, plan: list, repeats: int = 6,
                        "profile_wall_s": time.perf_counter() - t0}
 
 
+def _matmul_kinds(model) -> list[str]:
+    """The kinds of matmul a quantized model's layers run (a group's: its leader's shard's)."""
+    from raycluster.model.quant.linear import QuantLinear
+
+    module = getattr(model, "leader_shard", model)
+    return sorted({type(m.matmul).__name__ for m in module.modules() if isinstance(m, QuantLinear)})
+
+
 def profile_key(runner: ModelRunner) -> str:
     cfg = runner.model.config
     ident = {"features": PROFILE_VERSION, "cfg": repr(cfg), "threads": torch.get_num_threads(),
              "dtype": str(runner.dtype), "block": runner.kv.block_size}
     if runner.layout != "single":    # a KVP / SPP / TP group runs the same step in a different time
         ident["layout"] = runner.layout
+    if cfg.quant is not None:        # one quantized checkpoint runs packed or dequantized (quant_kernels)
+        ident["matmuls"] = _matmul_kinds(runner.model)
     ident = json.dumps(ident, sort_keys=True)
     return hashlib.sha256(ident.encode()).hexdigest()[:16]
 

@@ -140,3 +140,18 @@ def test_load_or_profile_caches_and_a_stale_version_is_measured_again(runner, tm
     profiler.load_or_profile(runner, *limits, log=lambda _: None)
     assert runs == [1, 1] and len(list((tmp_path / "profiles").glob("*.json"))) == 2
 
+
+
+def test_a_quantized_checkpoint_is_profiled_per_kind_of_matmul(tiny_model_dir, tmp_path):
+    """One quantized checkpoint runs packed or dequantized (quant_kernels), at different speeds:
+    each its own profile, and neither the dense model's."""
+    from raycluster.engine.kv_manager import KVCacheManager
+    from raycluster.engine.model_runner import ModelRunner
+    from raycluster.engine.profiler import profile_key
+    from raycluster.model.loader import load_model
+    from raycluster.model.quant.write import quantize_checkpoint
+
+    quantize_checkpoint(str(tiny_model_dir), str(tmp_path / "q"), "w4a16", 64)
+    keys = {profile_key(ModelRunner(load_model(path, quant_kernels=k)[0], KVCacheManager(8, 16)))
+            for path, k in ((tiny_model_dir, "auto"), (tmp_path / "q", "quantized"), (tmp_path / "q", "dense"))}
+    assert len(keys) == 3
