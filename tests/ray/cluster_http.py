@@ -3,6 +3,7 @@ not), the status of a cluster once it has drained, and the text one in-process e
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 
@@ -24,6 +25,15 @@ async def complete(client: httpx.AsyncClient, url: str, prompt, max_tokens: int,
             if line.startswith("data: ") and line != "data: [DONE]":
                 parts.extend(c["text"] for c in json.loads(line[6:])["choices"])
     return "".join(parts)
+
+
+def complete_all(url: str, prompts: list, max_tokens: int) -> list[str]:
+    """`complete` of every prompt at once (odd ones streamed), in prompt order."""
+    async def run() -> list[str]:
+        async with httpx.AsyncClient(timeout=300) as client:
+            return await asyncio.gather(*(complete(client, url, p, max_tokens, i % 2 == 1)
+                                          for i, p in enumerate(prompts)))
+    return asyncio.run(run())
 
 
 def drained_status(url: str, timeout: float = 30.0) -> dict:

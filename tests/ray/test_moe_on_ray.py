@@ -6,12 +6,10 @@ instance's KV is free."""
 
 from __future__ import annotations
 
-import asyncio
 import random
 
-import httpx
 import pytest
-from cluster_http import complete, drained_status, single_engine_texts
+from cluster_http import complete_all, drained_status, single_engine_texts
 from serve_app import deployed_app
 
 pytestmark = [pytest.mark.ray, pytest.mark.e2e]
@@ -41,12 +39,7 @@ def test_a_moe_model_through_an_expert_parallel_prefill_group(ray_cluster, moe_d
                      {"role": "prefill-long", "instances": 1},
                      {"role": "decode", "instances": 1, "engine": {"policy": "fcfs", "packer": "token"}}]}
     with deployed_app(cfg, ROUTER, 300, "MoE cluster") as url:
-
-        async def run() -> list[str]:
-            async with httpx.AsyncClient(timeout=300) as client:
-                return await asyncio.gather(*(complete(client, url, p, 8, i % 2 == 1) for i, p in enumerate(prompts)))
-
-        assert asyncio.run(run()) == want
+        assert complete_all(url, prompts, 8) == want
         status = drained_status(url)
         pools = {i["role"]: i for i in status["instances"]}
         assert {r: i["layout"] for r, i in pools.items()} == {

@@ -7,12 +7,10 @@ equals one in-process engine's; afterwards nothing is in flight and every instan
 
 from __future__ import annotations
 
-import asyncio
 import random
 
-import httpx
 import pytest
-from cluster_http import complete, drained_status, single_engine_texts
+from cluster_http import complete_all, drained_status, single_engine_texts
 from serve_app import deployed_app
 
 pytestmark = [pytest.mark.ray, pytest.mark.e2e]
@@ -40,12 +38,7 @@ def test_a_quantized_model_through_pd_pools_with_their_own_kernels(ray_cluster, 
                      {"role": "prefill-long", "instances": 1, "engine": {"quant_kernels": "dense"}},
                      {"role": "decode", "instances": 1, "engine": {"policy": "fcfs", "packer": "token"}}]}
     with deployed_app(cfg, ROUTER, 300, "quantized cluster") as url:
-
-        async def run() -> list[str]:
-            async with httpx.AsyncClient(timeout=300) as client:
-                return await asyncio.gather(*(complete(client, url, p, 8, i % 2 == 1) for i, p in enumerate(prompts)))
-
-        assert asyncio.run(run()) == want
+        assert complete_all(url, prompts, 8) == want
         status = drained_status(url)
         pools = {i["role"]: i for i in status["instances"]}
         assert {r: i["layout"] for r, i in pools.items()} == {

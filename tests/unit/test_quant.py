@@ -16,7 +16,7 @@ import torch
 from kernels.metadata import AttentionMetadata
 from raycluster.model.config import ModelConfig, ModelConfigError
 from raycluster.model.loader import CheckpointError, load_model
-from raycluster.model.quant.config import QuantConfig, QuantConfigError, parse_quant_config
+from raycluster.model.quant.config import QuantConfigError, parse_quant_config
 from raycluster.model.quant.formats import AWQ_ORDER, IntWeights, checkpoint_tensors, unpack, unpack_words
 from raycluster.model.quant.linear import DenseMatmul, Int4Matmul, Int8Matmul, QuantLinear, make_matmul
 from raycluster.model.quant.write import SCHEMES, pack_words, quantize_checkpoint, quantize_weight, scheme_config
