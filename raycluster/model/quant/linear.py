@@ -25,6 +25,7 @@ quantized weights).
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Callable, Literal
 
 import torch
@@ -130,9 +131,8 @@ def make_matmul(w: IntWeights | torch.Tensor, dtype: torch.dtype, kernels: Kerne
         perm, contiguous = _act_order_perm(w)
         cuda_ok = not w.q.is_cuda or (dtype == torch.bfloat16 and k % 128 == 0 and n % 8 == 0)
         if group is not None and contiguous and cuda_ok:
-            if perm is not None:    # groups are now runs: the scales' columns are the groups in order
-                w = IntWeights(w.q, w.scale, w.zero, w.group, w.bits, None)
-                group = next(g for g in INT4_GROUPS if w.group % g == 0)
+            if perm is not None:    # sorted, groups are runs: the scales' columns are the groups in order
+                w = dataclasses.replace(w, g_idx=None)
             return Int4Matmul(w, group, perm, dtype)
         if (w.bits == 8 and w.scale.shape[1] == 1 and w.g_idx is None and not w.q.is_cuda
                 and bool((w.zero == 128).all())):
