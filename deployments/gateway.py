@@ -62,7 +62,7 @@ def build_gateway_app():
                     metrics_sinks=sinks, sampling_defaults=defaults, log_requests=cfg.log_requests,
                     reasoning_parser=cfg.reasoning_parser, request_id_header=False,
                     allow_runtime_lora=cfg.allow_runtime_lora_updating, lora_resolver_dir=cfg.lora_resolver_dir,
-                    lora_resolver_max_loaded=cfg.lora_resolver_max_loaded)
+                    lora_resolver_max_loaded=cfg.lora_resolver_max_loaded, model_config=mcfg)
 
     @app.get("/v1/cluster/status")
     async def cluster_status(request: Request):

@@ -80,7 +80,7 @@ def _serve_engine(args: argparse.Namespace) -> int:
         app = build_app(async_engine, engine.tokenizer, names, api_keys=keys_from_env(),
                         tool_call_parser=args.tool_call_parser, sampling_defaults=defaults,
                         log_requests=args.enable_log_requests, reasoning_parser=args.reasoning_parser,
-                        lora_resolver_max_loaded=args.lora_resolver_max_loaded)
+                        lora_resolver_max_loaded=args.lora_resolver_max_loaded, model_config=engine.model.config)
     except ValueError as e:             # a setting that does not hold together, named in the message
         async_engine.shutdown()
         print(f"raycluster engine-server: {e}", file=sys.stderr)

@@ -8,6 +8,7 @@ runs (its `num_computed_tokens` and `output_token_ids` advance every step), and 
 from __future__ import annotations
 
 import enum
+from typing import Any
 from dataclasses import dataclass, field
 
 
@@ -157,7 +158,12 @@ class Request:
     prompt_logprobs: list[TokenLogprob | None] | None = None
     # Speculative decoding: draft tokens proposed after the last sampled one, for the next step.
     spec_token_ids: list[int] = field(default_factory=list)
-    embedding: list[float] | None = None    # with sampling.embed: set when its prompt is computed
+    # With sampling.embed: how its prompt's final hidden states are pooled ("last" | "mean" |
+    # "cls", the engine's model's: raycluster.model.pooling), the state carried between chunks,
+    # and the raw pooled vector, set when its prompt is computed.
+    pooling: str | None = None
+    pool_state: Any = None
+    embedding: list[float] | None = None
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -1,6 +1,7 @@
 """Shared fixtures: the tiny checkpoint, written once per session. gloo binds loopback in every
 test (tests never leave the machine), here and in every process a test starts."""
 
+import json
 import os
 import sys
 
@@ -88,3 +89,27 @@ def eagle_heads(tiny_model_dir, loaded, tmp_path_factory):
         train_eagle_head(tiny_model_dir, str(root / name), steps=60, num_sequences=32, gen_tokens=64,
                          batch_size=8, method=method)
     return {name: str(root / name) for name in ("random", "trained", "random3", "trained3")}
+
+
+ST_TRANSFORMER = {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"}
+
+
+def _write_st_layout(root, pooling: dict, normalize: bool, extra_modules=()) -> None:
+    """A sentence-transformers layout beside a checkpoint: modules.json, the Pooling module's
+    config, and a Normalize module if asked."""
+    modules = [ST_TRANSFORMER, {"idx": 1, "name": "1", "path": "1_Pooling",
+                                "type": "sentence_transformers.models.Pooling"}]
+    if normalize:
+        modules.append({"idx": 2, "name": "2", "path": "2_Normalize", "type": "sentence_transformers.models.Normalize"})
+        (root / "2_Normalize").mkdir(exist_ok=True)
+    modules.extend(extra_modules)
+    (root / "modules.json").write_text(json.dumps(modules))
+    (root / "1_Pooling").mkdir(exist_ok=True)
+    (root / "1_Pooling" / "config.json").write_text(json.dumps(pooling))
+
+
+@pytest.fixture(scope="session")
+def write_st_layout():
+    """`write(root, pooling config dict, normalize, extra modules=())`: a sentence-transformers
+    layout beside the checkpoint in `root`."""
+    return _write_st_layout

@@ -29,6 +29,10 @@ class EngineConfig(BaseModel):
         "every weight into dtype at load (a dense model's memory and speed); 'auto' (default) quantized for "
         "bfloat16 / float16, dense for float32, whose activations the CPU int kernels run slowly. FP8 weights and "
         "layouts the kernels do not take are always dequantized")
+    pooling_type: Literal["auto", "last", "mean", "cls"] = Field(
+        "auto", description="how /v1/embeddings pools a prompt's final hidden states: the last token, the mean "
+        "over the prompt or the first (CLS) token; 'auto' (default): the checkpoint's sentence-transformers "
+        "Pooling module, else the last token (vLLM's default for a decoder)")
     block_size: int = Field(16, ge=1, le=1024)
     kv_cache_tokens: int = Field(262144, ge=16, description="KV capacity in tokens (rounded down to blocks)")
     max_num_batched_tokens: int = Field(2048, ge=1)

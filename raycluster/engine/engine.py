@@ -65,6 +65,8 @@ class LLMEngine:
         mcfg = model.config
         self.max_model_len = min(config.max_model_len or mcfg.max_model_len, mcfg.max_model_len)
         self.vocab_size = mcfg.vocab_size
+        # How pooling requests (/v1/embeddings) pool their prompt (raycluster.model.pooling).
+        self.pooling_type = mcfg.pooler.pooling_type if config.pooling_type == "auto" else config.pooling_type
         self.eos_token_ids = tuple(tokenizer.eos_token_ids) if tokenizer is not None else tuple(mcfg.eos_token_id)
         self.runner = runner or build_runner(config, model, _DTYPES[config.dtype])
         self.kv = self.runner.kv
@@ -186,7 +188,8 @@ class LLMEngine:
                        arrival_time=self.clock.now() if arrival_time is None else arrival_time,
                        slo=slo or SLO(), priority=priority, tenant=tenant, app_id=app_id,
                        expected_output_tokens=sampling.max_tokens, eos_token_ids=self.eos_token_ids,
-                       output_token_ids=list(output_token_ids or []))
+                       output_token_ids=list(output_token_ids or []),
+                       pooling=self.pooling_type if sampling.embed else None)
 
     def _track_text(self, req: Request) -> None:
         if self.tokenizer is not None:

@@ -9,11 +9,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
-import torch.nn.functional as F
 
 from kernels import get_attention_backend
 from raycluster.engine.kv_manager import KVCacheManager
 from raycluster.engine.scheduler import SchedulerOutput
+from raycluster.model.pooling import pool_chunk, pooled
 from raycluster.parallel.kv_port import DirectPort
 from raycluster.parallel.plan import StepPlan, plan_inputs, step_plan
 from raycluster.request import Request
@@ -28,8 +28,8 @@ class StepLogits:
     prompt: list[tuple[Request, int, torch.Tensor]] = field(default_factory=list)
     # Decodes that ran drafts: (request, fp32 logits [1 + drafts, vocab]) (`Sampler.verify`).
     drafts: list[tuple[Request, torch.Tensor]] = field(default_factory=list)
-    # Pooling requests (sampling.embed) whose prompt this step completed: (request, the final
-    # hidden state of its last prompt token, L2-normalised, fp32 [H]).
+    # Pooling requests (sampling.embed) whose prompt this step completed: (request, its raw
+    # pooled vector, fp32 [H]: raycluster.model.pooling).
     embeddings: list[tuple[Request, torch.Tensor]] = field(default_factory=list)
 
 
@@ -102,28 +102,22 @@ def plan_logits(runner, plan) -> torch.Tensor:
 
 def execute_step(runner, out: SchedulerOutput) -> StepLogits:
     """What every runner's `execute` does: plan the step, run it, and turn the sampled rows into
-    fp32 logits (`plan_logits`: the leader's output head, or the group's vocab-parallel lanes)."""
+    fp32 logits (`plan_logits`: the leader's output head, or the group's vocab-parallel lanes).
+    Pooling requests' prefill rows are pooled on the way (`_pool`)."""
     plan, reqs, prompt, drafts = step_plan(out, runner.kv.block_tables)
-    if not plan.sample_rows:
-        hidden = runner.run_plan(plan)
-        return StepLogits(logits=hidden.new_empty((0, 0)).float(), requests=reqs)
-    pooled = [i for i, r in enumerate(reqs) if r is not None and r.sampling.embed]
-    if not pooled:
-        logits = plan_logits(runner, plan).float()
-        embeddings = []
-    else:
-        # The step's final hidden states, kept as for an EAGLE head (every runner but SPP's keeps
-        # them whole on the leader; the engine refuses pooling requests on the others).
-        kept, runner.keep_hidden = runner.keep_hidden, True
-        try:
+    pooling = any(req.pooling is not None for req, _ in out.prefills)
+    # Pooling reads the step's final hidden states, kept as for an EAGLE head (every runner but
+    # SPP's keeps them whole on the leader; the engine refuses pooling requests on the others).
+    kept, runner.keep_hidden = runner.keep_hidden, runner.keep_hidden or pooling
+    try:
+        if not plan.sample_rows:
+            logits = runner.run_plan(plan).new_empty((0, 0)).float()
+        else:
             logits = plan_logits(runner, plan).float()
-        finally:
-            runner.keep_hidden = kept
-        hidden = runner.last_hidden
-        rows = torch.tensor([plan.sample_rows[i] for i in pooled], dtype=torch.long, device=hidden.device)
-        vectors = F.normalize(hidden.index_select(0, rows).float(), dim=-1)
-        embeddings = [(reqs[i], vectors[j]) for j, i in enumerate(pooled)]
-    if not prompt and not drafts:
+    finally:
+        runner.keep_hidden = kept
+    embeddings = _pool(out.prefills, runner.last_hidden) if pooling else []
+    if not plan.sample_rows or not prompt and not drafts:
         return StepLogits(logits=logits, requests=reqs, embeddings=embeddings)
     # Prompt and draft rows (at most a step's tokens of them) are split off the sampled ones.
     sampled = [i for i, r in enumerate(reqs) if r is not None]
@@ -132,3 +126,20 @@ def execute_step(runner, out: SchedulerOutput) -> StepLogits:
                               for p in prompt],
                       drafts=[(d.request, logits[d.first_row:d.first_row + d.count]) for d in drafts],
                       embeddings=embeddings)
+
+
+def _pool(prefills: list[tuple[Request, int]], hidden: torch.Tensor) -> list[tuple[Request, torch.Tensor]]:
+    """Fold each pooling request's chunk of `hidden` into its state (prefill rows come first in
+    a step, in `out.prefills` order: raycluster.parallel.plan); the requests whose prompt this
+    chunk completed, with their raw pooled vectors."""
+    done = []
+    first = 0
+    for req, n in prefills:
+        if req.pooling is not None:
+            start = req.num_computed_tokens
+            req.pool_state = pool_chunk(req.pool_state, req.pooling, hidden[first:first + n], start)
+            if start + n == req.num_prompt_tokens:
+                done.append((req, pooled(req.pool_state, req.pooling, req.num_prompt_tokens)))
+                req.pool_state = None
+        first += n
+    return done

@@ -308,7 +308,8 @@ class Scheduler:
         from now on and prefills the rest. Like any queued holder it can lose them to a more
         urgent request's allocation, and then recomputes from scratch. Returns the tokens."""
         if req.num_computed_tokens or req.request_id in self.kv.block_tables \
-                or req.sampling.prompt_logprobs is not None:      # needs every position's logits
+                or req.sampling.prompt_logprobs is not None \
+                or req.pooling in ("mean", "cls"):      # these need every position's logits / hidden state
             return 0
         hit = self.kv.match_prefix(req)
         if hit:

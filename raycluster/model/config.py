@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from raycluster.model.generation_config import load_generation_config
+from raycluster.model.pooling import PoolerConfig, PoolerConfigError, read_pooler_config
 from raycluster.model.quant.config import QuantConfig, QuantConfigError, parse_quant_config
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM",
@@ -84,6 +85,9 @@ class ModelConfig:
     sliding_layers: tuple[int, ...] = ()  # indices of the layers that slide (of the full model)
     moe: MoEConfig | None = None        # the sparse layers' experts (None: every layer dense)
     quant: QuantConfig | None = None    # how a quantized checkpoint stores its linear weights (None: dense)
+    # How /v1/embeddings pools the final hidden states (raycluster.model.pooling): from a
+    # sentence-transformers layout beside config.json, else a decoder's LAST token, normalised.
+    pooler: PoolerConfig = PoolerConfig()
     raw: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
 
     def window_of(self, layer: int) -> int | None:
@@ -114,6 +118,10 @@ class ModelConfig:
         except json.JSONDecodeError as e:
             raise ModelConfigError(f"{cfg_path}: invalid JSON: {e}") from e
         cfg = cls.from_dict(data)
+        try:
+            cfg = dataclasses.replace(cfg, pooler=read_pooler_config(os.path.dirname(cfg_path), data))
+        except PoolerConfigError as e:
+            raise ModelConfigError(str(e)) from e
         # generation_config.json may name more EOS ids (Llama-3 instruct's <|eot_id|>, Qwen's
         # <|endoftext|> beside <|im_end|>): HF's generate and vLLM stop on each.
         try:
@@ -177,6 +185,10 @@ class ModelConfig:
             quant = parse_quant_config(d.get("quantization_config"))
         except QuantConfigError as e:
             raise ModelConfigError(str(e)) from None
+        try:
+            pooler = read_pooler_config(None, d)
+        except PoolerConfigError as e:
+            raise ModelConfigError(str(e)) from None
 
         eos = d.get("eos_token_id")
         if eos is None:
@@ -196,7 +208,7 @@ class ModelConfig:
             qkv_bias=qkv_bias, o_bias=o_bias, mlp_bias=mlp_bias, qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"),
             bos_token_id=int(bos) if bos is not None else None, eos_token_id=eos_t,
             dtype=d.get("dtype") or d.get("torch_dtype"), sliding_window=window,
-            sliding_layers=sliding, moe=moe, quant=quant, raw=dict(d))
+            sliding_layers=sliding, moe=moe, quant=quant, pooler=pooler, raw=dict(d))
 
 
 def _parse_rope(d: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:

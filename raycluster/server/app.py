@@ -30,6 +30,7 @@ from fastapi.responses import JSONResponse, Response
 from jinja2 import TemplateError
 
 from raycluster.engine.engine import InvalidRequestError
+from raycluster.model.config import ModelConfig
 from raycluster.request import SLO
 from raycluster.model.tokenizer import bad_words_token_ids
 from raycluster.server.auth import ApiKeyMiddleware
@@ -73,7 +74,7 @@ def build_app(engine, tokenizer, model_names: str | Sequence[str], api_keys: Seq
               sampling_defaults: dict | None = None, log_requests: bool = False,
               reasoning_parser: str | None = None, request_id_header: bool = True,
               allow_runtime_lora: bool | None = None, lora_resolver_dir: str | None = None,
-              lora_resolver_max_loaded: int | None = None) -> FastAPI:
+              lora_resolver_max_loaded: int | None = None, model_config: ModelConfig | None = None) -> FastAPI:
     """`model_names`: the names a request's `model` may give (vLLM's --served-model-name); a
     response names the one its request gave, else the first. `sampling_defaults`: the model's
     default sampling parameters (its generation_config.json: raycluster.model.generation_config)
@@ -94,7 +95,9 @@ def build_app(engine, tokenizer, model_names: str | Sequence[str], api_keys: Seq
     `api_keys`: if any, every route but /health, /metrics and the docs wants one of them as
     a bearer token (raycluster.server.auth). `tool_call_parser`: the model's tool-call syntax
     (raycluster.server.tool_parsers), which `tool_choice: "auto"` needs. `metrics_sinks`: where
-    each request's metrics go besides /metrics (raycluster.server.request_metrics)."""
+    each request's metrics go besides /metrics (raycluster.server.request_metrics).
+    `model_config`: the served model's (how /v1/embeddings pools, normalises and shortens vectors:
+    raycluster.server.embeddings)."""
     names = [model_names] if isinstance(model_names, str) else list(model_names)
     lora_names = getattr(engine, "lora_adapters", dict)      # a backend without adapters may omit it
 
@@ -327,7 +330,7 @@ def build_app(engine, tokenizer, model_names: str | Sequence[str], api_keys: Seq
                                        + (f"; {why}" if why else ""), "model", code="model_not_found"),
                             status_code=404)
 
-    add_embedding_routes(app, engine, names, _encode_prompt, _unknown_model)
+    add_embedding_routes(app, engine, names, _encode_prompt, _unknown_model, model_config)
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, http: HTTPRequest):

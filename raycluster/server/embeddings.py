@@ -1,17 +1,20 @@
-"""`POST /v1/embeddings` (OpenAI's embeddings API, as vLLM serves it for a decoder model run as a
-pooling model): each input's vector is the final hidden state (after the model's last norm) of
-its last token, L2-normalised -- vLLM's LAST pooling with normalisation, what `--convert embed`
-gives a causal LM.
+"""`POST /v1/embeddings` (OpenAI's embeddings API, as vLLM serves it for a model run as a pooling
+model): each input's vector pools the final hidden states (after the model's last norm) of its
+prompt as the model's pooler says (raycluster.model.pooling: the last token, the mean over the
+prompt or the first token; a sentence-transformers checkpoint's own Pooling module, else a
+decoder's last token, vLLM's `--convert embed` for a causal LM), cut to `dimensions` and
+L2-normalised (unless the checkpoint's modules or the request's `normalize` say not).
 
 Input: `input` a string, a list of strings, a list of token ids or a list of token-id lists;
 `encoding_format` "float" (lists of floats) or "base64" (little-endian float32 bytes, as
-OpenAI's client decodes them); vLLM's `truncate_prompt_tokens` (keep the last k tokens) and
-`add_special_tokens` (default true). `dimensions` other than the model's hidden size is a 400
-(no model here was trained for shorter, Matryoshka vectors). Each input runs as one request
-of the backend (`engine.generate` with `SamplingParams(embed=True, max_tokens=1)`): prefill only,
-wherever the backend places it (one engine, or any prefill or mixed instance of the cluster),
-the one token it samples dropped. Errors are OpenAI's shape naming the field; a full queue is
-429 with Retry-After.
+OpenAI's client decodes them); `dimensions` (a Matryoshka model's shorter vectors: its config's
+`is_matryoshka` / `matryoshka_dimensions`; otherwise only its hidden size); vLLM's
+`truncate_prompt_tokens` (keep the last k tokens), `add_special_tokens` (default true) and
+`normalize`. Each input runs as one request of the backend (`engine.generate` with
+`SamplingParams(embed=True, max_tokens=1)`): prefill only, wherever the backend places it (one
+engine, or any prefill or mixed instance of the cluster), the one token it samples dropped; the
+backend returns the raw pooled vector and this module finishes it (`finish_vector`). Errors are
+OpenAI's shape naming the field; a full queue is 429 with Retry-After.
 """
 
 from __future__ import annotations
@@ -26,6 +29,8 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 
 from raycluster.engine.engine import InvalidRequestError
+from raycluster.model.config import ModelConfig
+from raycluster.model.pooling import PoolerConfig, check_dimensions, finish_vector
 from raycluster.request import SamplingParams
 from raycluster.server.protocol import OverloadedError, error_body, now_s, overloaded_response
 
@@ -39,6 +44,7 @@ class EmbeddingRequest(BaseModel):
     user: str | None = None
     truncate_prompt_tokens: int | None = Field(None, ge=1)
     add_special_tokens: bool = True
+    normalize: bool | None = None       # vLLM's: None -> the model's pooler default
 
 
 def _inputs(body: EmbeddingRequest, encode: Callable[..., list[int]]) -> list[list[int]]:
@@ -68,15 +74,20 @@ def _vector(values: list[float], encoding: str) -> list[float] | str:
 
 
 def add_embedding_routes(app: FastAPI, engine, names: list[str], encode: Callable[..., list[int]],
-                         unknown_model) -> None:
+                         unknown_model, model_config: ModelConfig | None = None) -> None:
     """Register /v1/embeddings over `engine` (`generate`, `next_id`, `admit`). `encode(prompt,
     field, add_special_tokens)`: a prompt's ids; `unknown_model(body)`: the 404 for a `model`
-    not served, or None."""
+    not served, or None; `model_config`: the served model's (its pooler and hidden size; None:
+    the default pooler, `dimensions` checked against the vectors that come back)."""
+    pooler = model_config.pooler if model_config is not None else PoolerConfig()
 
     @app.post("/v1/embeddings")
     async def embeddings(body: EmbeddingRequest):
         if (missing := await unknown_model(body)) is not None:
             return missing
+        if model_config is not None and \
+                (why := check_dimensions(pooler, body.dimensions, model_config.hidden_size)) is not None:
+            return JSONResponse(error_body(f"dimensions: {why}", "dimensions"), status_code=400)
         try:
             engine.admit()
             prompts = _inputs(body, encode)
@@ -113,10 +124,10 @@ def add_embedding_routes(app: FastAPI, engine, names: list[str], encode: Callabl
             return overloaded_response(err)
         if err is not None:
             raise err
-        size = len(results[0])
-        if body.dimensions is not None and body.dimensions != size:
-            return JSONResponse(error_body(f"dimensions: this model's embeddings have {size} dimensions and "
-                                           "cannot be shortened", "dimensions"), status_code=400)
+        if (why := check_dimensions(pooler, body.dimensions, len(results[0]))) is not None:
+            return JSONResponse(error_body(f"dimensions: {why}", "dimensions"), status_code=400)
+        normalize = pooler.normalize if body.normalize is None else body.normalize
+        results = [finish_vector(v, body.dimensions, normalize) for v in results]
         n = sum(len(ids) for ids in prompts)
         return JSONResponse({
             "id": rid, "object": "list", "created": now_s(), "model": body.model or names[0],

@@ -45,7 +45,8 @@ def serve_engine(config: EngineConfig, model, tok, log_level: str = "warning", a
     app = build_app(aeng, tok, names, api_keys=api_keys, tool_call_parser=tool_call_parser,
                     sampling_defaults=sampling_defaults, log_requests=log_requests,
                     reasoning_parser=reasoning_parser, allow_runtime_lora=allow_runtime_lora,
-                    lora_resolver_dir=lora_resolver_dir, lora_resolver_max_loaded=lora_resolver_max_loaded)
+                    lora_resolver_dir=lora_resolver_dir, lora_resolver_max_loaded=lora_resolver_max_loaded,
+                    model_config=model.config)
     srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level=log_level))
     th = threading.Thread(target=srv.run, daemon=True)
     th.start()

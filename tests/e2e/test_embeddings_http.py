@@ -8,6 +8,7 @@ import base64
 
 import httpx
 import numpy as np
+import torch
 import pytest
 from engine_http import all_free, served_with_reference
 
@@ -23,10 +24,12 @@ def server(tiny_model_dir):
 
 
 def _reference(ref, ids: list[int]) -> np.ndarray:
+    """The reference engine's raw (last-token) vector, L2-normalised as the API returns it."""
     req = ref.add_request(f"ref-{len(ids)}-{ids[-1]}", ids, SamplingParams(max_tokens=1, embed=True))
     while ref.has_unfinished():
         ref.step()
-    return np.asarray(req.embedding)
+    v = np.asarray(req.embedding)
+    return v / np.linalg.norm(v)
 
 
 def test_every_input_form_gives_the_engines_vectors(server):
@@ -88,3 +91,44 @@ def test_bad_requests_name_the_field(server, payload, param, status):
     assert r.status_code == status, r.text
     assert r.json()["error"]["param"] == param
     assert all_free(aeng)
+
+
+@pytest.fixture(scope="module")
+def st_dir(tiny_model_dir, tmp_path_factory, write_st_layout):
+    """The tiny checkpoint as a sentence-transformers embedding model: mean pooling, a Normalize
+    module, trained (says its config) for 16- and 32-dimension Matryoshka vectors."""
+    import json
+    import shutil
+
+    root = tmp_path_factory.mktemp("st") / "tiny-st"
+    shutil.copytree(tiny_model_dir, root)
+    write_st_layout(root, {"embedding_dimension": 256, "pooling_mode": "mean", "include_prompt": True}, True)
+    cfg = json.loads((root / "config.json").read_text())
+    (root / "config.json").write_text(json.dumps({**cfg, "matryoshka_dimensions": [16, 32]}))
+    return root
+
+
+def test_a_sentence_transformers_checkpoint_gives_sentence_transformers_vectors(st_dir):
+    st = pytest.importorskip("sentence_transformers")
+    model = st.SentenceTransformer(str(st_dir), device="cpu")
+    texts = ["hello river", "the quiet town and the wind over a stone", "a"]
+    with served_with_reference(st_dir) as (url, aeng, tok, _):
+        full = httpx.post(f"{url}/v1/embeddings", json={"input": texts}, timeout=60)
+        short = httpx.post(f"{url}/v1/embeddings", json={"input": texts, "dimensions": 16}, timeout=60)
+        raw = httpx.post(f"{url}/v1/embeddings", json={"input": texts[1], "normalize": False}, timeout=60)
+        bad = httpx.post(f"{url}/v1/embeddings", json={"input": texts[0], "dimensions": 8}, timeout=60)
+        assert all_free(aeng)
+    assert full.status_code == short.status_code == raw.status_code == 200, (full.text, short.text, raw.text)
+    for text, got, cut in zip(texts, full.json()["data"], short.json()["data"]):
+        assert len(got["embedding"]) == 256 and len(cut["embedding"]) == 16
+        # One text at a time: no padding in the reference's batch.
+        np.testing.assert_allclose(got["embedding"], model.encode(text), atol=1e-5)
+        np.testing.assert_allclose(cut["embedding"], model.encode(text, truncate_dim=16, normalize_embeddings=True),
+                                   atol=1e-5)
+    # Without normalising: the mean of the final hidden states (the Transformer and Pooling modules).
+    with torch.no_grad():
+        means = model[1](model[0](model.tokenize([texts[1]])))["sentence_embedding"][0].numpy()
+    np.testing.assert_allclose(raw.json()["data"][0]["embedding"], means, atol=1e-5)
+    assert abs(np.linalg.norm(raw.json()["data"][0]["embedding"]) - 1) > 1e-3
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "dimensions"
+    assert "[16, 32]" in bad.json()["error"]["message"]

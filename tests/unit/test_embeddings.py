@@ -1,16 +1,18 @@
-"""Pooling requests (`SamplingParams.embed`, what /v1/embeddings sends): the vector is the final
-hidden state of the last prompt token, L2-normalised, equal to transformers' `AutoModel`
-last_hidden_state there; batched with generation, chunked, from the prefix cache, prefill-only
-(P/D) and on a TP or KVP group alike; refused on an SPP group. (Over HTTP: tests/e2e and the
-cluster e2e.)"""
+"""Pooling requests (`SamplingParams.embed`, what /v1/embeddings sends): the raw vector pools
+the prompt's final hidden states as the engine's pooling type says (the last token, the mean over
+the prompt, the first token), equal to the same pooling of transformers' `AutoModel`
+last_hidden_state; batched with generation, chunked (MEAN and CLS carried across chunks), with the
+prefix cache on (LAST reuses cached blocks, MEAN and CLS recompute every position), prefill-only
+(P/D) and on a TP or KVP group alike; refused on an SPP group. (Normalising and Matryoshka cuts
+happen at the API: tests/unit/test_pooling.py; over HTTP: tests/e2e and the cluster e2e.)"""
 
 from __future__ import annotations
 
+import copy
 import random
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from raycluster.engine.config import EngineConfig
 from raycluster.engine.engine import InvalidRequestError, LLMEngine
@@ -33,19 +35,28 @@ def prompts():
 
 
 @pytest.fixture(scope="module")
-def reference(tiny_model_dir, prompts):
-    """transformers' base model: each prompt alone, its last token's final hidden state, normalised."""
+def hidden_states(tiny_model_dir, prompts):
+    """transformers' base model: each prompt alone, its final hidden states [n, H]."""
     transformers = pytest.importorskip("transformers")
     hf = transformers.AutoModel.from_pretrained(tiny_model_dir, dtype=torch.float32, attn_implementation="eager")
     with torch.no_grad():
-        return [F.normalize(hf(torch.tensor([p])).last_hidden_state[0, -1], dim=-1) for p in prompts]
+        return [hf(torch.tensor([p])).last_hidden_state[0] for p in prompts]
+
+
+POOL = {"last": lambda h: h[-1], "mean": lambda h: h.mean(0), "cls": lambda h: h[0]}
+
+
+@pytest.fixture(scope="module")
+def reference(hidden_states):
+    return [h[-1] for h in hidden_states]
 
 
 def _embed(eng: LLMEngine, prompts, prefix: str = "e", prefill_only: bool = False, others=()) -> list[torch.Tensor]:
-    """Each prompt's vector from `eng`, run together (and with `others`: (prompt, sampling) of
+    """Each prompt's vector from `eng`, run together (and after `others`: (prompt, sampling) of
     generation requests, whose tokens are returned second)."""
-    reqs = [eng.add_request(f"{prefix}{i}", p, EMBED, prefill_only=prefill_only) for i, p in enumerate(prompts)]
+    # The generation requests first: their prefill rows come before the pooled ones in a step.
     gens = [eng.add_request(f"{prefix}g{i}", p, sp) for i, (p, sp) in enumerate(others)]
+    reqs = [eng.add_request(f"{prefix}{i}", p, EMBED, prefill_only=prefill_only) for i, p in enumerate(prompts)]
     vectors = {}
     for _ in range(1000):
         if not eng.has_unfinished():
@@ -65,7 +76,6 @@ def test_vectors_equal_transformers_batched_with_generation(model, prompts, refe
     got, tokens = _embed(eng, prompts, others=others)
     for g, want in zip(got, reference):
         torch.testing.assert_close(g, want, atol=1e-5, rtol=1e-5)
-        assert g.norm().item() == pytest.approx(1.0, abs=1e-6)
     assert len({tuple(g.tolist()) for g in got}) == len(prompts)
     plain = LLMEngine(EngineConfig(**BASE), model).generate([p for p, _ in others], others[0][1])
     assert tokens == plain            # pooling rows change no generated token
@@ -83,15 +93,46 @@ def test_a_cached_prefix_and_a_prefill_only_request_give_the_same_vectors(model,
         torch.testing.assert_close(c, want, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("pooling", ["mean", "cls"])
+@pytest.mark.parametrize("chunk", [7, None])
+def test_mean_and_cls_pooling_across_chunks_equal_transformers(model, prompts, hidden_states, pooling, chunk):
+    eng = LLMEngine(EngineConfig(**BASE, chunk_size=chunk, pooling_type=pooling, enable_prefix_caching=True), model)
+    others = [(p, SamplingParams(max_tokens=5, ignore_eos=True)) for p in prompts[3:]]
+    got, tokens = _embed(eng, prompts, others=others)
+    for g, h in zip(got, hidden_states):
+        torch.testing.assert_close(g, POOL[pooling](h), atol=1e-5, rtol=1e-5)
+    # Every position is computed again: a cached prefix would skip the rows these pool.
+    hits = eng.kv.hit_tokens
+    again, _ = _embed(eng, prompts, "b")
+    assert eng.kv.hit_tokens == hits
+    for a, b in zip(got, again):
+        torch.testing.assert_close(b, a, atol=1e-6, rtol=0)
+    assert tokens == LLMEngine(EngineConfig(**BASE), model).generate([p for p, _ in others], others[0][1])
+
+
+def test_the_checkpoint_pooler_decides_unless_the_engine_overrides_it(model, prompts, hidden_states):
+    from dataclasses import replace
+
+    from raycluster.model.pooling import PoolerConfig
+    mean_model = copy.copy(model)
+    mean_model.config = replace(model.config, pooler=PoolerConfig(pooling_type="mean"))
+    assert LLMEngine(EngineConfig(**BASE), mean_model).pooling_type == "mean"
+    got, _ = _embed(LLMEngine(EngineConfig(**BASE), mean_model), prompts[:3])
+    for g, h in zip(got, hidden_states):
+        torch.testing.assert_close(g, h.mean(0), atol=1e-5, rtol=1e-5)
+    assert LLMEngine(EngineConfig(**BASE, pooling_type="cls"), mean_model).pooling_type == "cls"
+    assert LLMEngine(EngineConfig(**BASE), model).pooling_type == "last"
+
+
 @pytest.mark.parametrize("group", [{"tp": 2}, {"kvp": 2}], ids=["tp2", "kvp2"])
-def test_a_group_leader_returns_the_same_vectors(model, prompts, reference, group):
-    eng = LLMEngine(EngineConfig(**BASE, **group, group_timeout_s=30), model)
+def test_a_group_leader_returns_the_same_vectors(model, prompts, hidden_states, group):
+    eng = LLMEngine(EngineConfig(**BASE, **group, group_timeout_s=30, chunk_size=7, pooling_type="mean"), model)
     try:
         got, _ = _embed(eng, prompts)
     finally:
         eng.close()
-    for g, want in zip(got, reference):
-        torch.testing.assert_close(g, want, atol=1e-5, rtol=1e-5)
+    for g, h in zip(got, hidden_states):
+        torch.testing.assert_close(g, h.mean(0), atol=1e-5, rtol=1e-5)
 
 
 def test_an_spp_group_refuses_pooling_requests_naming_the_input(model, prompts):

@@ -1,0 +1,98 @@
+"""The pooler of a checkpoint (raycluster.model.pooling): read from sentence-transformers files
+(current and legacy Pooling configs, Normalize present or not) and config.json's Matryoshka
+fields, with refusals naming what is unsupported; the API-side finishing (cut, then normalise)
+and the chunk-by-chunk pooling state (a chunk at position 0 starts over)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+
+from raycluster.model.config import ModelConfigError
+from raycluster.model.loader import load_config
+from raycluster.model.pooling import (PoolerConfig, PoolerConfigError, check_dimensions, finish_vector,
+                                      pool_chunk, pooled, read_pooler_config)
+
+def test_without_sentence_transformers_files_a_decoder_pools_its_last_token_normalised(tmp_path):
+    assert read_pooler_config(str(tmp_path), {}) == PoolerConfig("last", True, False, None, "default")
+    assert read_pooler_config(None, {"is_matryoshka": True}).matryoshka
+    cfg = read_pooler_config(None, {"matryoshka_dimensions": [64, 16, 64]})
+    assert cfg.matryoshka and cfg.matryoshka_dimensions == (16, 64)
+
+
+@pytest.mark.parametrize("pooling,normalize,want", [
+    ({"embedding_dimension": 64, "pooling_mode": "mean", "include_prompt": True}, True, ("mean", True)),
+    ({"pooling_mode": ["cls"]}, False, ("cls", False)),
+    ({"pooling_mode_lasttoken": True, "pooling_mode_mean_tokens": False}, True, ("last", True)),
+    ({"pooling_mode_cls_token": True}, False, ("cls", False)),
+    ({"word_embedding_dimension": 64}, False, ("mean", False)),       # sentence-transformers' default mode
+])
+def test_sentence_transformers_pooling_and_normalize_modules(write_st_layout, tmp_path, pooling, normalize, want):
+    write_st_layout(tmp_path, pooling, normalize)
+    cfg = read_pooler_config(str(tmp_path), {})
+    assert (cfg.pooling_type, cfg.normalize, cfg.source) == (*want, "sentence-transformers")
+    assert cfg.needs_every_position == (want[0] != "last")
+
+
+@pytest.mark.parametrize("pooling,extra,match", [
+    ({"pooling_mode": "max"}, (), "pooling mode 'max' is not supported"),
+    ({"pooling_mode": ["mean", "cls"]}, (), r"pooling mode \('mean', 'cls'\)|pooling mode \['mean', 'cls'\]"),
+    ({"pooling_mode_mean_tokens": True, "pooling_mode_max_tokens": True}, (), "is not supported"),
+    ({"pooling_mode": "mean", "include_prompt": False}, (), "include_prompt false"),
+    ({"pooling_mode": "mean"}, ({"idx": 3, "name": "3", "path": "3_Dense",
+                                 "type": "sentence_transformers.models.Dense"},), "'3_Dense' .* is not supported"),
+])
+def test_what_cannot_be_reproduced_is_refused_by_name(write_st_layout, tmp_path, pooling, extra, match):
+    write_st_layout(tmp_path, pooling, True, extra)
+    with pytest.raises(PoolerConfigError, match=match):
+        read_pooler_config(str(tmp_path), {})
+
+
+def test_a_checkpoint_directory_carries_its_pooler_into_the_model_config(write_st_layout, tiny_model_dir, tmp_path):
+    root = tmp_path / "st"
+    shutil.copytree(tiny_model_dir, root)
+    write_st_layout(root, {"pooling_mode": "mean"}, False)
+    cfg = json.loads((root / "config.json").read_text())
+    (root / "config.json").write_text(json.dumps({**cfg, "matryoshka_dimensions": [16, 32]}))
+    pooler = load_config(root).pooler
+    assert pooler == PoolerConfig("mean", False, True, (16, 32), "sentence-transformers")
+    (root / "config.json").write_text(json.dumps({**cfg, "matryoshka_dimensions": [0]}))
+    with pytest.raises(ModelConfigError, match="matryoshka_dimensions"):
+        load_config(root)
+    (root / "config.json").write_text(json.dumps(cfg))
+    (root / "modules.json").write_text("[{")
+    with pytest.raises(ModelConfigError, match="modules.json: invalid JSON"):
+        load_config(root)
+
+
+def test_dimensions_are_checked_against_the_matryoshka_sizes():
+    plain, any_size, listed = PoolerConfig(), PoolerConfig(matryoshka=True), \
+        PoolerConfig(matryoshka=True, matryoshka_dimensions=(16, 32))
+    assert check_dimensions(plain, None, 64) is None and check_dimensions(plain, 64, 64) is None
+    assert "not trained for shorter" in check_dimensions(plain, 16, 64)
+    assert check_dimensions(any_size, 7, 64) is None
+    assert "at most this model's 64" in check_dimensions(any_size, 65, 64)
+    assert check_dimensions(listed, 32, 64) is None
+    assert "[16, 32]" in check_dimensions(listed, 8, 64)
+
+
+def test_finishing_cuts_first_then_normalises():
+    raw = [3.0, 4.0, 12.0]
+    assert finish_vector(raw, None, False) == raw
+    assert finish_vector(raw, None, True) == pytest.approx([3 / 13, 4 / 13, 12 / 13])
+    assert finish_vector(raw, 2, True) == pytest.approx([0.6, 0.8])
+    assert finish_vector(raw, 2, False) == [3.0, 4.0]
+
+
+def test_pooling_state_across_chunks_and_a_restart_at_position_zero():
+    h = torch.arange(24, dtype=torch.float32).reshape(6, 4)
+    for kind, want in (("mean", h.mean(0)), ("cls", h[0]), ("last", h[-1])):
+        state = pool_chunk(None, kind, h[:2], 0)
+        state = pool_chunk(state, kind, h[2:5], 2)
+        # A preempted request recomputes from position 0: what it held before is dropped.
+        state = pool_chunk(pool_chunk(state, kind, h[5:], 5) * 100, kind, h[:4], 0)
+        state = pool_chunk(state, kind, h[4:], 4)
+        assert torch.equal(pooled(state, kind, 6), want), kind
