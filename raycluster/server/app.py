@@ -2,7 +2,8 @@
 or the cluster (`ClusterClient`, used by the Serve gateway).
 
 Routes: POST /v1/completions, POST /v1/chat/completions (both with `stream` over SSE),
-POST /v1/embeddings (raycluster.server.embeddings), GET /v1/models, GET /health, GET /metrics (Prometheus text); with API keys, a bearer token
+POST /v1/embeddings (raycluster.server.embeddings), POST /score and /rerank (also under /v1, and
+/v2/rerank: raycluster.server.scoring), GET /v1/models, GET /health, GET /metrics (Prometheus text); with API keys, a bearer token
 (raycluster.server.auth) on all but /health, /metrics and the docs. Prompts are tokenized once here;
 token ids go to the backend, text deltas come back. A backend provides `admit()` (raises
 `OverloadedError` before any tokenization), `next_id`, `generate` (async iterator of
@@ -39,6 +40,7 @@ from raycluster.server.protocol import (ChatCompletionRequest, CompletionRequest
                                        OverloadedError, TokenizeRequest, error_body, now_s,
                                        overloaded_response)
 from raycluster.server.embeddings import add_embedding_routes
+from raycluster.server.scoring import add_scoring_routes
 from raycluster.server.lora_resolver import RESOLVER_DIR_ENV, LoRAResolver, resolver_dir
 from raycluster.server.lora_routes import RUNTIME_LORA_ENV, add_lora_routes, runtime_lora_allowed
 from raycluster.server.reasoning import REASONING_PARSERS, ReasoningStream, split_reasoning
@@ -331,6 +333,7 @@ def build_app(engine, tokenizer, model_names: str | Sequence[str], api_keys: Seq
                             status_code=404)
 
     add_embedding_routes(app, engine, names, _encode_prompt, _unknown_model, model_config)
+    add_scoring_routes(app, engine, names, _encode_prompt, _unknown_model)
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, http: HTTPRequest):

@@ -73,6 +73,35 @@ def _vector(values: list[float], encoding: str) -> list[float] | str:
     return base64.b64encode(np.asarray(values, dtype="<f4").tobytes()).decode()
 
 
+async def pool_prompts(engine, rid: str, prompts: list[list[int]], fields: list[str],
+                       lora_adapter: str | None = None) -> list[list[float]]:
+    """The raw pooled vector of each prompt (token ids), run as pooling requests of `engine`
+    (request ids `rid`, or `rid-k` for several) side by side. Raises the first failure:
+    `InvalidRequestError` naming the failing prompt's field from `fields`, or `OverloadedError`."""
+    sampling = SamplingParams(max_tokens=1, embed=True, lora_adapter=lora_adapter)
+
+    async def one(k: int, ids: list[int]) -> list[float]:
+        gen = engine.generate(rid if len(prompts) == 1 else f"{rid}-{k}", ids, sampling)
+        try:
+            async for out in gen:
+                if out.finished:
+                    if out.embedding is None:
+                        raise InvalidRequestError("input", f"no embedding came back ({out.finish_reason})")
+                    return out.embedding
+        finally:
+            await gen.aclose()
+        raise InvalidRequestError("input", "the request ended without an embedding")
+
+    results = await asyncio.gather(*(one(k, ids) for k, ids in enumerate(prompts)), return_exceptions=True)
+    for k, r in enumerate(results):
+        if isinstance(r, InvalidRequestError) and r.field in ("prompt", "input"):
+            # The backend names a prompt `prompt`: here it is this input.
+            raise InvalidRequestError(fields[k], str(r).partition(": ")[2]) from None
+        if isinstance(r, BaseException):
+            raise r
+    return results
+
+
 def add_embedding_routes(app: FastAPI, engine, names: list[str], encode: Callable[..., list[int]],
                          unknown_model, model_config: ModelConfig | None = None) -> None:
     """Register /v1/embeddings over `engine` (`generate`, `next_id`, `admit`). `encode(prompt,
@@ -96,34 +125,14 @@ def add_embedding_routes(app: FastAPI, engine, names: list[str], encode: Callabl
         except InvalidRequestError as e:
             return JSONResponse(error_body(str(e), e.field), status_code=400)
         rid = engine.next_id("embd")
-        sampling = SamplingParams(max_tokens=1, embed=True)
-        if body.model is not None and body.model not in names:
-            sampling.lora_adapter = body.model      # an adapter (`unknown_model` let it through)
-
-        async def one(k: int, ids: list[int]) -> list[float]:
-            gen = engine.generate(rid if len(prompts) == 1 else f"{rid}-{k}", ids, sampling)
-            try:
-                async for out in gen:
-                    if out.finished:
-                        if out.embedding is None:
-                            raise InvalidRequestError("input", f"no embedding came back ({out.finish_reason})")
-                        return out.embedding
-            finally:
-                await gen.aclose()
-            raise InvalidRequestError("input", "the request ended without an embedding")
-
-        results = await asyncio.gather(*(one(k, ids) for k, ids in enumerate(prompts)), return_exceptions=True)
-        err = next((r for r in results if isinstance(r, BaseException)), None)
-        if isinstance(err, InvalidRequestError):
-            field, message = err.field, str(err)
-            if field in ("prompt", "input"):       # the backend names a prompt `prompt`: here it is an input
-                field = "input" if len(prompts) == 1 else f"input.{next(k for k, r in enumerate(results) if r is err)}"
-                message = f"{field}: {message.partition(': ')[2]}"
-            return JSONResponse(error_body(message, field), status_code=400)
-        if isinstance(err, OverloadedError):
-            return overloaded_response(err)
-        if err is not None:
-            raise err
+        lora = body.model if body.model is not None and body.model not in names else None   # an adapter
+        fields = ["input"] if len(prompts) == 1 else [f"input.{k}" for k in range(len(prompts))]
+        try:
+            results = await pool_prompts(engine, rid, prompts, fields, lora)
+        except InvalidRequestError as e:
+            return JSONResponse(error_body(str(e), e.field), status_code=400)
+        except OverloadedError as e:
+            return overloaded_response(e)
         if (why := check_dimensions(pooler, body.dimensions, len(results[0]))) is not None:
             return JSONResponse(error_body(f"dimensions: {why}", "dimensions"), status_code=400)
         normalize = pooler.normalize if body.normalize is None else body.normalize
