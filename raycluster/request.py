@@ -79,9 +79,9 @@ class SamplingParams:
     # The LoRA adapter the request runs with (the API's `model` names it; None: the base weights).
     # Here, not on the request, so it travels wherever the sampling parameters do (P/D, resumes).
     lora_adapter: str | None = None
-    # A pooling request (the API's /v1/embeddings): its output is the final hidden state of its
-    # last prompt token, L2-normalised (vLLM's LAST pooling of a decoder model); the one token it
-    # samples (max_tokens 1) is not shown.
+    # A pooling request (the API's /v1/embeddings, /score, /rerank): it ends with its prompt, its
+    # output the prompt's final hidden states pooled as the engine's model says (Request.pooling);
+    # it samples no token (max_tokens is ignored).
     embed: bool = False
 
     @property

@@ -252,6 +252,7 @@ class LLMEngine:
         logprobs: dict[str, TokenLogprob] = {}
         accepted: dict[str, list[int]] = {}
         drafted: list[tuple[Request, int, list[TokenLogprob] | None]] = []   # (req, outputs before, lps)
+        pooled: list[Request] = []          # pooling requests whose prompt this step completed
         if not out.is_empty:
             step = self.runner.execute(out)
             if step.requests:
@@ -279,6 +280,7 @@ class LLMEngine:
                     logprobs = {sampled_reqs[i].request_id: lp for i, lp in zip(rows, lps)}
             for req, vector in step.embeddings:
                 req.embedding = vector.tolist()
+                pooled.append(req)
             for req, first, rows_logits in step.prompt:
                 self._record_prompt_logprobs(req, first, rows_logits)
             for req, rows_logits in step.drafts:
@@ -296,6 +298,9 @@ class LLMEngine:
         for req in out.finished:
             finished.add(req.request_id)
             result.outputs.append(self._output(req, [], True, self._flush(req.request_id)))
+        for req in pooled:
+            if req.request_id in finished:          # its vector, no token (aborted: out.finished's)
+                result.outputs.append(self._output(req, [], True, ""))
         for req, token in zip(sampled_reqs, tokens):
             rid = req.request_id
             text = ""

@@ -359,7 +359,13 @@ class Scheduler:
                 self.policy.push(req)
                 continue
             self.decoding[req.request_id] = req
-            if self._append(req, sampled[req.request_id], now):
+            if req.pooling is not None:
+                # A pooling request ends with its prompt, its vector its only output (no token:
+                # vLLM's pooling runner); never parked, there is nothing to decode.
+                req.first_token_time = now
+                self._finish(req, RequestStatus.FINISHED_STOPPED)
+                finished.append(req)
+            elif self._append(req, sampled[req.request_id], now):
                 finished.append(req)
             elif req.prefill_only:
                 self._park(req)

@@ -82,7 +82,7 @@ def step_plan(out: SchedulerOutput, tables: dict[str, list[int]]
             base = len(ids) - n
             rows.extend(range(base, base + end - start))
             reqs.extend([None] * (end - start))
-        if start + n == len(known):
+        if start + n == len(known) and req.pooling is None:    # a pooling request samples nothing
             rows.append(len(ids) - 1)
             reqs.append(req)
     spec, drafts = out.spec_tokens, []

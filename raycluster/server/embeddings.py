@@ -12,7 +12,7 @@ OpenAI's client decodes them); `dimensions` (a Matryoshka model's shorter vector
 `truncate_prompt_tokens` (keep the last k tokens), `add_special_tokens` (default true) and
 `normalize`. Each input runs as one request of the backend (`engine.generate` with
 `SamplingParams(embed=True, max_tokens=1)`): prefill only, wherever the backend places it (one
-engine, or any prefill or mixed instance of the cluster), the one token it samples dropped; the
+engine, or any prefill or mixed instance of the cluster), ending with its prompt (no token); the
 backend returns the raw pooled vector and this module finishes it (`finish_vector`). Errors are
 OpenAI's shape naming the field; a full queue is 429 with Retry-After.
 """

@@ -377,12 +377,17 @@ def test_seeded_sampling_equals_single_engine(cluster, tiny_model_dir):
     _assert_drained(url)
 
 
-def test_embeddings_equal_the_single_engines(cluster, tiny_model_dir):
-    """/v1/embeddings through the router: each input a prefill-only request on a prefill (or
-    mixed) instance, TP and KVP groups included, its vector the single engine's."""
+def test_embeddings_and_scores_equal_the_single_engines(cluster, tiny_model_dir):
+    """/v1/embeddings and /v1/score through the router: each input a prefill-only request on a
+    prefill (or mixed) instance, TP and KVP groups included, its vector the single engine's (raw
+    there, normalised by the gateway), a score the cosine of two of them."""
+    import torch
+    import torch.nn.functional as F
+
     from raycluster.engine.config import EngineConfig
     from raycluster.engine.engine import LLMEngine
     from raycluster.model.loader import load_model
+    from raycluster.model.tokenizer import Tokenizer
     from raycluster.request import SamplingParams
 
     url, _ = cluster
@@ -390,13 +395,22 @@ def test_embeddings_equal_the_single_engines(cluster, tiny_model_dir):
     prompts = [[rng.randrange(6, 4000) for _ in range(n)] for n in (2, 30, 120, 200)]     # short: below l_m
     r = httpx.post(url + "/v1/embeddings", json={"model": "tiny", "input": prompts}, timeout=120)
     assert r.status_code == 200, r.text
-    eng = LLMEngine(EngineConfig(policy="fcfs", packer="token", kv_cache_tokens=8192), load_model(tiny_model_dir)[0])
-    reqs = [eng.add_request(f"e{i}", p, SamplingParams(max_tokens=1, embed=True)) for i, p in enumerate(prompts)]
+    texts = ["hello river", "the sea", "hello river and the sea"]
+    score = httpx.post(url + "/v1/score", json={"text_1": texts[0], "text_2": texts[1:]}, timeout=120)
+    assert score.status_code == 200, score.text
+    model, mcfg = load_model(tiny_model_dir)
+    tok = Tokenizer(tiny_model_dir, mcfg.eos_token_id)
+    eng = LLMEngine(EngineConfig(policy="fcfs", packer="token", kv_cache_tokens=8192), model)
+    reqs = [eng.add_request(f"e{i}", p, SamplingParams(max_tokens=1, embed=True))
+            for i, p in enumerate(prompts + [tok.encode(t) for t in texts])]
     while eng.has_unfinished():
         eng.step()
-    for d, req in zip(r.json()["data"], reqs):
-        assert max(abs(a - b) for a, b in zip(d["embedding"], req.embedding)) < 1e-5
+    vectors = [F.normalize(torch.tensor(req.embedding), dim=0) for req in reqs]
+    for d, want in zip(r.json()["data"], vectors):
+        assert max(abs(a - b) for a, b in zip(d["embedding"], want.tolist())) < 1e-5
     assert r.json()["usage"]["prompt_tokens"] == sum(map(len, prompts))
+    q, *docs = vectors[len(prompts):]
+    assert [d["score"] for d in score.json()["data"]] == pytest.approx([float(q @ v) for v in docs], abs=1e-5)
     _assert_drained(url)
 
 

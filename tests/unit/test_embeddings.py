@@ -62,7 +62,9 @@ def _embed(eng: LLMEngine, prompts, prefix: str = "e", prefill_only: bool = Fals
         if not eng.has_unfinished():
             break
         for out in eng.step().outputs:
-            assert (out.embedding is not None) == (out.finished and out.request_id in {r.request_id for r in reqs})
+            pooling = out.request_id in {r.request_id for r in reqs}
+            assert (out.embedding is not None) == (out.finished and pooling)
+            assert not (pooling and out.new_token_ids)      # a pooling request samples no token
             if out.embedding is not None:
                 vectors[out.request_id] = torch.tensor(out.embedding)
     assert eng.kv.num_free_blocks == eng.kv.num_blocks and not eng.scheduler.parked
@@ -144,3 +146,17 @@ def test_an_spp_group_refuses_pooling_requests_naming_the_input(model, prompts):
         assert not eng.has_unfinished()
     finally:
         eng.close()
+
+
+def test_pooling_steps_never_run_the_output_head(model, prompts):
+    eng = LLMEngine(EngineConfig(**BASE, chunk_size=16), model)
+    calls = []
+    head = eng.runner.model.compute_logits
+    eng.runner.model.compute_logits = lambda h: calls.append(h.shape[0]) or head(h)
+    try:
+        _embed(eng, prompts)
+        assert calls == []
+        _embed(eng, prompts[:2], "m", others=[(prompts[2], SamplingParams(max_tokens=3))])
+        assert calls and max(calls) == 1        # only the generation request's rows
+    finally:
+        del eng.runner.model.compute_logits
