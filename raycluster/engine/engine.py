@@ -199,6 +199,9 @@ class LLMEngine:
         validate_request(ids, sp, self.max_model_len, self.vocab_size, self.kv.capacity_tokens())
         if sp.lora_adapter is not None and sp.lora_adapter not in self.lora:
             raise InvalidRequestError("model", f"LoRA adapter {sp.lora_adapter!r} is not served here")
+        if not sp.embed and not self.model.config.has_lm_head:
+            raise InvalidRequestError("model", "this checkpoint has no output head (lm_head.weight): it serves "
+                                      "/v1/embeddings, /score and /rerank only, not text generation")
         if sp.embed and not hasattr(type(self.runner), "keep_hidden"):
             raise InvalidRequestError("input", f"embeddings are not served by a {self.runner.layout} group "
                                       "(its pipeline stages do not return the final hidden states)")

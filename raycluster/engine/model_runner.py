@@ -108,14 +108,17 @@ def execute_step(runner, out: SchedulerOutput) -> StepLogits:
     pooling = any(req.pooling is not None for req, _ in out.prefills)
     # Pooling reads the step's final hidden states, kept as for an EAGLE head (every runner but
     # SPP's keeps them whole on the leader; the engine refuses pooling requests on the others).
-    kept, runner.keep_hidden = runner.keep_hidden, runner.keep_hidden or pooling
+    if pooling:
+        kept, runner.keep_hidden = runner.keep_hidden, True
     try:
         if not plan.sample_rows:
-            logits = runner.run_plan(plan).new_empty((0, 0)).float()
+            runner.run_plan(plan)
+            logits = torch.empty((0, 0))
         else:
             logits = plan_logits(runner, plan).float()
     finally:
-        runner.keep_hidden = kept
+        if pooling:
+            runner.keep_hidden = kept
     embeddings = _pool(out.prefills, runner.last_hidden) if pooling else []
     if not plan.sample_rows or not prompt and not drafts:
         return StepLogits(logits=logits, requests=reqs, embeddings=embeddings)

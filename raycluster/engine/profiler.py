@@ -34,6 +34,7 @@ def make_run_batch(runner: ModelRunner) -> RunBatch:
     """Times synthetic steps through `runner.run_plan`, so a parallel group is profiled as it runs."""
     bs = runner.kv.block_size
     vocab = runner.model.config.vocab_size
+    head = runner.model.config.has_lm_head
 
     def run(prefills: Sequence[tuple[int, int]], decode_kv: Sequence[int]) -> float:
         starts = [kv for _, kv in prefills]
@@ -48,7 +49,10 @@ def make_run_batch(runner: ModelRunner) -> RunBatch:
                         prefill_lens=lens, prefill_tables=p_tables,
                         decode_positions=[kv - 1 for kv in decode_kv], decode_tables=d_tables, sample_rows=rows)
         t0 = time.perf_counter()
-        plan_logits(runner, plan)
+        if head:
+            plan_logits(runner, plan)
+        else:                   # a pooling-only checkpoint: its steps end at the final hidden states
+            runner.run_plan(plan)
         return time.perf_counter() - t0
 
     return run

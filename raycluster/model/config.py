@@ -10,7 +10,8 @@ Qwen2 / Qwen3 only with `use_sliding_window`, on the layers `layer_types` marks
 models as their dense kin, except Qwen3-MoE (every layer) and Qwen2-MoE (without `layer_types`,
 the even layers below `max_window_layers`). `moe` (a `MoEConfig`) says which layers route
 tokens to experts and how.
-`quant` (a `QuantConfig`) says how a quantized checkpoint (compressed-tensors, GPTQ, AWQ, FP8)
+Base models (LlamaModel, MistralModel, Qwen2Model, Qwen3Model: embedding checkpoints) are read
+as their causal LM without an output head (`has_lm_head`). `quant` (a `QuantConfig`) says how a quantized checkpoint (compressed-tensors, GPTQ, AWQ, FP8)
 stores its linear weights. `window_of(layer)` gives a layer's window. `from_pretrained` adds the end-of-sequence ids of a
 generation_config.json beside config.json.
 """
@@ -29,6 +30,10 @@ from raycluster.model.quant.config import QuantConfig, QuantConfigError, parse_q
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM",
                            "MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
+# Base models saved without an output head (e5-mistral's MistralModel, embedding models written by
+# sentence-transformers): served as their causal LM's decoder, for pooling only unless tied.
+BASE_ARCHITECTURES = {"LlamaModel": "LlamaForCausalLM", "MistralModel": "MistralForCausalLM",
+                      "Qwen2Model": "Qwen2ForCausalLM", "Qwen3Model": "Qwen3ForCausalLM"}
 MOE_ARCHITECTURES = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
@@ -88,6 +93,11 @@ class ModelConfig:
     # How /v1/embeddings pools the final hidden states (raycluster.model.pooling): from a
     # sentence-transformers layout beside config.json, else a decoder's LAST token, normalised.
     pooler: PoolerConfig = PoolerConfig()
+    # False: the checkpoint has no output head (a base model, or a causal LM saved without
+    # lm_head): it serves pooling requests only. `bare_names`: its tensors are stored as a base
+    # model saves them, without the "model." prefix (the loader sets both from the files).
+    has_lm_head: bool = True
+    bare_names: bool = False
     raw: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
 
     def window_of(self, layer: int) -> int | None:
@@ -137,10 +147,12 @@ class ModelConfig:
         if not archs or not isinstance(archs, list):
             raise ModelConfigError(f"config field 'architectures' missing or not a list: {archs!r}")
         arch = archs[0]
+        headless = arch in BASE_ARCHITECTURES
+        arch = BASE_ARCHITECTURES.get(arch, arch)
         if arch not in SUPPORTED_ARCHITECTURES:
             raise ModelConfigError(
                 f"config field 'architectures' = {archs!r} is not supported "
-                f"(supported: {', '.join(SUPPORTED_ARCHITECTURES)})")
+                f"(supported: {', '.join(SUPPORTED_ARCHITECTURES + tuple(BASE_ARCHITECTURES))})")
 
         def req(name: str, typ=int):
             if name not in d or d[name] is None:
@@ -205,6 +217,7 @@ class ModelConfig:
             head_dim=head_dim, rms_norm_eps=eps, rope_theta=theta, rope_scaling=scaling,
             max_position_embeddings=max_pos, max_model_len=max_len,
             tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+            has_lm_head=not headless or bool(d.get("tie_word_embeddings", False)),
             qkv_bias=qkv_bias, o_bias=o_bias, mlp_bias=mlp_bias, qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"),
             bos_token_id=int(bos) if bos is not None else None, eos_token_id=eos_t,
             dtype=d.get("dtype") or d.get("torch_dtype"), sliding_window=window,

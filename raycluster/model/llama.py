@@ -132,8 +132,9 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.config = config
         self.model = LlamaModel(config)
-        # Tied: no lm_head parameter at all, logits use the embedding matrix.
-        self.lm_head = None if config.tie_word_embeddings else nn.Linear(
+        # Tied: no lm_head parameter at all, logits use the embedding matrix. A checkpoint
+        # without a head (config.has_lm_head False) serves pooling only: no logits at all.
+        self.lm_head = None if config.tie_word_embeddings or not config.has_lm_head else nn.Linear(
             config.hidden_size, config.vocab_size, bias=False)
         self.rotary = RotaryEmbedding.from_config(config)
         self.backend = backend          # explicit; None: a default per device, made on first use
@@ -174,5 +175,7 @@ class LlamaForCausalLM(nn.Module):
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         # By the config, not by lm_head being None: a pipeline/TP rank without the head has None too.
+        if not self.config.has_lm_head:
+            raise RuntimeError("this checkpoint has no output head (lm_head.weight): it serves pooling requests only")
         w = self.model.embed_tokens.weight if self.config.tie_word_embeddings else self.lm_head.weight
         return F.linear(hidden, w)

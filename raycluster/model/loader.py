@@ -13,6 +13,7 @@ against the full tensor's."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 from dataclasses import dataclass
@@ -64,10 +65,55 @@ def _read_tensors(file: str):
 
 
 def load_config(path: str | os.PathLike) -> ModelConfig:
+    """The checkpoint's ModelConfig, with what its tensor names say (`bare_names`,
+    `has_lm_head`: `checkpoint_layout`)."""
     path = os.fspath(path)
     if not os.path.exists(os.path.join(path, "config.json")):
         raise FileNotFoundError(f"model directory {path!r} has no config.json")
-    return ModelConfig.from_pretrained(path)
+    return checkpoint_layout(ModelConfig.from_pretrained(path), path)
+
+
+def _stored_names(path: str) -> set[str]:
+    """Every tensor name of the checkpoint (the index's map, or the file's header)."""
+    index = os.path.join(path, "model.safetensors.index.json")
+    if os.path.exists(index):
+        try:
+            with open(index) as f:
+                return set(json.load(f)["weight_map"])
+        except (json.JSONDecodeError, KeyError) as e:
+            raise CheckpointError(f"{index}: invalid index file ({e})") from e
+    names: set[str] = set()
+    for file in _weight_files(path):
+        with _open(file) as f:
+            names.update(f.keys())
+    return names
+
+
+def checkpoint_layout(config: ModelConfig, path: str) -> ModelConfig:
+    """`config` with the layout of the tensors in `path`: stored without the "model." prefix
+    (a base model's save: `bare_names`), and then without an output head unless it stores one or
+    ties it to the embedding (`has_lm_head` False: a pooling-only model). A directory without
+    weights keeps `config` as it is (loading it fails later, naming what is missing)."""
+    try:
+        names = _stored_names(path)
+    except CheckpointError:
+        return config
+    bare = bool(names) and not any(n.startswith("model.") for n in names) and \
+        any(n.startswith("layers.") for n in names)
+    if not bare:
+        return config
+    head = config.has_lm_head and (config.tie_word_embeddings or "lm_head.weight" in names)
+    return dataclasses.replace(config, bare_names=True, has_lm_head=head)
+
+
+def _param_name(stored: str, config: ModelConfig) -> str:
+    """The model's parameter name for a checkpoint tensor name."""
+    return "model." + stored if config.bare_names and not stored.startswith("lm_head.") else stored
+
+
+def _stored_name(param: str, config: ModelConfig) -> str:
+    """The checkpoint's tensor name for a model parameter name."""
+    return param[len("model."):] if config.bare_names and param.startswith("model.") else param
 
 
 def _skipped(name: str, config: ModelConfig) -> bool:
@@ -126,7 +172,8 @@ def load_model(path: str | os.PathLike, dtype: torch.dtype = torch.float32,
     params = dict(model.named_parameters())
     loaded: set[str] = set()
     for file in files:
-        for name, tensor in _read_tensors(file):
+        for stored, tensor in _read_tensors(file):
+            name = _param_name(stored, config)
             if _skipped(name, config):
                 continue
             p = params.get(name)
@@ -236,7 +283,7 @@ def load_tensors(path: str | os.PathLike, config: ModelConfig, wanted: Mapping[s
                     # pages the slice covers are read): copy it out so the parameter owns
                     # exactly its part, contiguous, and holds no reference to the mapping.
                     part = wanted[name]
-                    view = part.read(_sliceable(f, name, shapes[name]), shapes[name])
+                    view = part.read(_sliceable(f, _stored_name(name, config), shapes[name]), shapes[name])
                     view = _checked_value(name, view, params[name].dtype, dtype)
                     shape = part.out_shape(shapes[name])
                     if tuple(view.shape) == shape:
@@ -274,13 +321,14 @@ def _checked_names(file: str, config: ModelConfig, shapes: dict[str, tuple[int, 
     wanted one has the model's shape (the header only: no tensor data is read)."""
     names = []
     with _open(file) as f:
-        for name in f.keys():
+        for stored in f.keys():
+            name = _param_name(stored, config)
             if _skipped(name, config):
                 continue
             if name not in shapes:
                 raise _unexpected(name, file, config)
             if name in wanted:
-                shape = tuple(f.get_slice(name).get_shape())
+                shape = tuple(f.get_slice(stored).get_shape())
                 if not _same_shape(shape, shapes[name]):
                     raise CheckpointError(
                         f"shape mismatch for tensor {name!r}: checkpoint {shape}, model expects {shapes[name]}")

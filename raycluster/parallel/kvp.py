@@ -319,7 +319,7 @@ class KVPRank:
                                            self.adapters.for_step(plan), aux_layers)
         self.hidden = hidden
         rows = hidden.index_select(0, torch.tensor(plan.sample_rows, dtype=torch.long, device=hidden.device))
-        if self.tp == 1:
+        if self.tp == 1 or not self.model.config.has_lm_head:      # the latter: pooling only, no logits
             return rows
         if self.rank != 0:          # only KVP rank 0's lanes hold the head
             return None

@@ -334,6 +334,7 @@ def shard_model(model: LlamaForCausalLM, rank: int, tp: int,
     `expert_parallel`: a MoE model's rank holds its share of the experts whole (`expert_range`)
     instead of a slice of each."""
     layers = _check_layers(model.config, rank, tp, layers)
+    head = head and model.config.has_lm_head        # a pooling-only model has none to cut
     if is_quantized(model):
         raise ValueError("a quantized model's shards are read from its checkpoint (load_shard / a Checkpoint): "
                          "its loaded layers hold kernel operands, not the checkpoint's tensors")
@@ -375,6 +376,7 @@ def load_shard(ckpt: Checkpoint, rank: int, tp: int, reduce: Callable[[torch.Ten
     embedding: `head` then reads those rows (the head and the embedding, if both are asked
     for, share them)."""
     full_cfg = ckpt.config
+    head = head and full_cfg.has_lm_head        # a pooling-only checkpoint has none to read
     layers = _check_layers(full_cfg, rank, tp, layers)
     experts = _rank_experts(full_cfg, rank, tp, expert_parallel)
     wanted: dict[str, TensorPart] = {}

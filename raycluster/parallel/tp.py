@@ -120,6 +120,8 @@ class TPRank:
                                            self.adapters.for_step(plan), aux_layers)
         self.hidden = hidden
         n = len(plan.sample_rows)
+        if not self.model.config.has_lm_head:       # pooling only: no logits (every rank agrees)
+            return None
         if self.tp == 1:
             rows = hidden.index_select(0, torch.tensor(plan.sample_rows, dtype=torch.long, device=hidden.device))
             return self.model.compute_logits(rows)

@@ -132,3 +132,33 @@ def test_a_sentence_transformers_checkpoint_gives_sentence_transformers_vectors(
     assert abs(np.linalg.norm(raw.json()["data"][0]["embedding"]) - 1) > 1e-3
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "dimensions"
     assert "[16, 32]" in bad.json()["error"]["message"]
+
+
+def test_a_checkpoint_without_an_output_head_serves_embeddings_only(st_dir, tmp_path):
+    """sentence-transformers' own save of an embedding model (tensors without "model.", no
+    lm_head): /v1/embeddings and /score serve, generation is a 400 naming `model`."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+    root = tmp_path / "bare"
+    shutil.copytree(st_dir, root)
+    sd = load_file(str(root / "model.safetensors"))
+    save_file({k.removeprefix("model."): v for k, v in sd.items() if k != "lm_head.weight"},
+              str(root / "model.safetensors"))
+    with served_with_reference(st_dir) as (url, _, _, _):
+        want = httpx.post(f"{url}/v1/embeddings", json={"input": ["hello river", "the sea"]}, timeout=60).json()
+    with served_with_reference(root) as (url, aeng, _, _):
+        got = httpx.post(f"{url}/v1/embeddings", json={"input": ["hello river", "the sea"]}, timeout=60)
+        score = httpx.post(f"{url}/score", json={"text_1": "hello river", "text_2": "the sea"}, timeout=60)
+        comp = httpx.post(f"{url}/v1/completions", json={"prompt": "hello", "max_tokens": 3}, timeout=60)
+        chat = httpx.post(f"{url}/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}]},
+                          timeout=60)
+        assert all_free(aeng)
+    assert got.status_code == 200 and score.status_code == 200, (got.text, score.text)
+    for g, w in zip(got.json()["data"], want["data"]):
+        np.testing.assert_allclose(g["embedding"], w["embedding"], atol=1e-6)
+    a, b = (np.asarray(d["embedding"]) for d in got.json()["data"])
+    assert score.json()["data"][0]["score"] == pytest.approx(float(a @ b), abs=1e-5)
+    for r in (comp, chat):
+        assert r.status_code == 400 and r.json()["error"]["param"] == "model", r.text
+        assert "no output head" in r.json()["error"]["message"]
