@@ -113,3 +113,32 @@ def write_st_layout():
     """`write(root, pooling config dict, normalize, extra modules=())`: a sentence-transformers
     layout beside the checkpoint in `root`."""
     return _write_st_layout
+
+
+def _write_classifier(src, dst, labels: list[str], seed: int = 0):
+    """The checkpoint at `src` as a LlamaForSequenceClassification with these labels: its output
+    head replaced by a random `score` head [labels, H] (scaled so the logits spread)."""
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+    shutil.copytree(src, dst)
+    sd = load_file(str(dst / "model.safetensors"))
+    del sd["lm_head.weight"]
+    hidden = sd["model.norm.weight"].shape[0]
+    sd["score.weight"] = torch.randn(len(labels), hidden, generator=torch.Generator().manual_seed(seed)) * 0.2
+    save_file(sd, str(dst / "model.safetensors"))
+    cfg = json.loads((dst / "config.json").read_text())
+    cfg.update(architectures=["LlamaForSequenceClassification"], id2label=dict(enumerate(labels)),
+               label2id={name: i for i, name in enumerate(labels)})
+    (dst / "config.json").write_text(json.dumps(cfg))
+    return dst
+
+
+@pytest.fixture(scope="session")
+def classifiers(tiny_model_dir, tmp_path_factory):
+    """{"sentiment": a 3-label classifier, "reranker": a one-label one (a cross-encoder)} on the
+    tiny checkpoint's decoder."""
+    root = tmp_path_factory.mktemp("classifiers")
+    return {"sentiment": _write_classifier(tiny_model_dir, root / "sentiment", ["negative", "neutral", "positive"]),
+            "reranker": _write_classifier(tiny_model_dir, root / "reranker", ["relevant"], seed=1)}

@@ -50,8 +50,10 @@ def _min_tokens_ban(req: Request) -> list[int]:
 
 class LLMEngine:
     def __init__(self, config: EngineConfig, model, tokenizer=None, clock: Clock | None = None,
-                 predictor: LinearBatchPredictor | None = None, runner=None) -> None:
-        """`runner`: a prebuilt runner (e.g. a KVP / SPP / TP group whose ranks are Ray actors);
+                 predictor: LinearBatchPredictor | None = None, runner=None,
+                 classifier: torch.Tensor | None = None) -> None:
+        """`classifier`: a sequence classifier's score head [labels, H] (default: `model.score`'s;
+        a group's leader holds none, `from_config` reads it from the checkpoint). `runner`: a prebuilt runner (e.g. a KVP / SPP / TP group whose ranks are Ray actors);
         default one built from `config` (raycluster.parallel.factory). `model`: what the engine
         reads its vocab, length and EOS from (`model.config`): the full model, or the
         `GroupModel` of a prebuilt group whose ranks read their parts from the checkpoint."""
@@ -67,6 +69,11 @@ class LLMEngine:
         self.vocab_size = mcfg.vocab_size
         # How pooling requests (/v1/embeddings) pool their prompt (raycluster.model.pooling).
         self.pooling_type = mcfg.pooler.pooling_type if config.pooling_type == "auto" else config.pooling_type
+        # A classifier's pooled vector goes through its score head: the output is one logit per label.
+        head = getattr(model, "score", None)
+        self.classifier = classifier if classifier is not None else head.weight if head is not None else None
+        if mcfg.labels and self.classifier is None:
+            raise ValueError("a sequence classifier's engine needs its score head (model.score or `classifier`)")
         self.eos_token_ids = tuple(tokenizer.eos_token_ids) if tokenizer is not None else tuple(mcfg.eos_token_id)
         self.runner = runner or build_runner(config, model, _DTYPES[config.dtype])
         self.kv = self.runner.kv
@@ -121,8 +128,14 @@ class LLMEngine:
         config = config.for_model(load_config(path).dtype)
         model = model_source(config, str(path))
         runner = build_runner(config, model, _DTYPES[config.dtype], model_path=str(path))
+        classifier = None
+        if model.config.labels and getattr(runner.model, "score", None) is None:
+            from raycluster.model.loader import WHOLE, load_tensors
+            classifier = load_tensors(path, model.config, {"score.weight": WHOLE}, _DTYPES[config.dtype],
+                                      config.device)["score.weight"]
         # The runner's model: the full model, or the group's view of it (config, logits).
-        return cls(config, runner.model, Tokenizer(path, model.config.eos_token_id), clock, runner=runner)
+        return cls(config, runner.model, Tokenizer(path, model.config.eos_token_id), clock, runner=runner,
+                   classifier=classifier)
 
     # ---- requests --------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int],
@@ -282,6 +295,8 @@ class LLMEngine:
                                                 [sampled_reqs[i].sampling.logprobs for i in rows])
                     logprobs = {sampled_reqs[i].request_id: lp for i, lp in zip(rows, lps)}
             for req, vector in step.embeddings:
+                if self.classifier is not None:
+                    vector = torch.nn.functional.linear(vector, self.classifier.to(vector.dtype))
                 req.embedding = vector.tolist()
                 pooled.append(req)
             for req, first, rows_logits in step.prompt:

@@ -11,7 +11,8 @@ models as their dense kin, except Qwen3-MoE (every layer) and Qwen2-MoE (without
 the even layers below `max_window_layers`). `moe` (a `MoEConfig`) says which layers route
 tokens to experts and how.
 Base models (LlamaModel, MistralModel, Qwen2Model, Qwen3Model: embedding checkpoints) are read
-as their causal LM without an output head (`has_lm_head`). `quant` (a `QuantConfig`) says how a quantized checkpoint (compressed-tensors, GPTQ, AWQ, FP8)
+as their causal LM without an output head (`has_lm_head`); sequence classifiers (*ForSequenceClassification)
+as one with a `score` head of `labels` rows instead. `quant` (a `QuantConfig`) says how a quantized checkpoint (compressed-tensors, GPTQ, AWQ, FP8)
 stores its linear weights. `window_of(layer)` gives a layer's window. `from_pretrained` adds the end-of-sequence ids of a
 generation_config.json beside config.json.
 """
@@ -34,6 +35,12 @@ SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCaus
 # sentence-transformers): served as their causal LM's decoder, for pooling only unless tied.
 BASE_ARCHITECTURES = {"LlamaModel": "LlamaForCausalLM", "MistralModel": "MistralForCausalLM",
                       "Qwen2Model": "Qwen2ForCausalLM", "Qwen3Model": "Qwen3ForCausalLM"}
+# Sequence classifiers (rerankers, reward / sentiment models): the causal LM's decoder, the last
+# token's final hidden state through a `score` head of num_labels rows instead of an output head.
+CLASSIFIER_ARCHITECTURES = {"LlamaForSequenceClassification": "LlamaForCausalLM",
+                            "MistralForSequenceClassification": "MistralForCausalLM",
+                            "Qwen2ForSequenceClassification": "Qwen2ForCausalLM",
+                            "Qwen3ForSequenceClassification": "Qwen3ForCausalLM"}
 MOE_ARCHITECTURES = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
@@ -98,6 +105,8 @@ class ModelConfig:
     # model saves them, without the "model." prefix (the loader sets both from the files).
     has_lm_head: bool = True
     bare_names: bool = False
+    # A sequence classifier's label names, one per row of its `score` head (empty: not one).
+    labels: tuple[str, ...] = ()
     raw: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
 
     def window_of(self, layer: int) -> int | None:
@@ -147,12 +156,13 @@ class ModelConfig:
         if not archs or not isinstance(archs, list):
             raise ModelConfigError(f"config field 'architectures' missing or not a list: {archs!r}")
         arch = archs[0]
-        headless = arch in BASE_ARCHITECTURES
-        arch = BASE_ARCHITECTURES.get(arch, arch)
+        headless, classifier = arch in BASE_ARCHITECTURES, arch in CLASSIFIER_ARCHITECTURES
+        arch = BASE_ARCHITECTURES.get(arch) or CLASSIFIER_ARCHITECTURES.get(arch) or arch
         if arch not in SUPPORTED_ARCHITECTURES:
             raise ModelConfigError(
-                f"config field 'architectures' = {archs!r} is not supported "
-                f"(supported: {', '.join(SUPPORTED_ARCHITECTURES + tuple(BASE_ARCHITECTURES))})")
+                f"config field 'architectures' = {archs!r} is not supported (supported: "
+                f"{', '.join(SUPPORTED_ARCHITECTURES + tuple(BASE_ARCHITECTURES) + tuple(CLASSIFIER_ARCHITECTURES))})")
+        labels = _labels(d) if classifier else ()
 
         def req(name: str, typ=int):
             if name not in d or d[name] is None:
@@ -217,11 +227,31 @@ class ModelConfig:
             head_dim=head_dim, rms_norm_eps=eps, rope_theta=theta, rope_scaling=scaling,
             max_position_embeddings=max_pos, max_model_len=max_len,
             tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
-            has_lm_head=not headless or bool(d.get("tie_word_embeddings", False)),
+            has_lm_head=not classifier and (not headless or bool(d.get("tie_word_embeddings", False))),
+            labels=labels,
             qkv_bias=qkv_bias, o_bias=o_bias, mlp_bias=mlp_bias, qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"),
             bos_token_id=int(bos) if bos is not None else None, eos_token_id=eos_t,
             dtype=d.get("dtype") or d.get("torch_dtype"), sliding_window=window,
             sliding_layers=sliding, moe=moe, quant=quant, pooler=pooler, raw=dict(d))
+
+
+def _labels(d: dict[str, Any]) -> tuple[str, ...]:
+    """A classifier's label names, as transformers numbers them: `id2label` (keys 0..n-1), else
+    `num_labels` (default 2) labels LABEL_i."""
+    id2label = d.get("id2label")
+    if id2label:
+        try:
+            named = {int(k): str(v) for k, v in id2label.items()}
+        except (AttributeError, ValueError):
+            raise ModelConfigError(f"config field 'id2label' must map label ids 0..n-1 to names, got {id2label!r}") \
+                from None
+        if sorted(named) != list(range(len(named))):
+            raise ModelConfigError(f"config field 'id2label' must map label ids 0..n-1 to names, got {id2label!r}")
+        return tuple(named[i] for i in range(len(named)))
+    n = d.get("num_labels", 2)
+    if not isinstance(n, int) or n < 1:
+        raise ModelConfigError(f"config field 'num_labels' must be a positive int, got {n!r}")
+    return tuple(f"LABEL_{i}" for i in range(n))
 
 
 def _parse_rope(d: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:

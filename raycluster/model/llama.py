@@ -136,6 +136,8 @@ class LlamaForCausalLM(nn.Module):
         # without a head (config.has_lm_head False) serves pooling only: no logits at all.
         self.lm_head = None if config.tie_word_embeddings or not config.has_lm_head else nn.Linear(
             config.hidden_size, config.vocab_size, bias=False)
+        # A sequence classifier's head: the pooled last hidden state -> one logit per label.
+        self.score = nn.Linear(config.hidden_size, len(config.labels), bias=False) if config.labels else None
         self.rotary = RotaryEmbedding.from_config(config)
         self.backend = backend          # explicit; None: a default per device, made on first use
         self._default_backend = None

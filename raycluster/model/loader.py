@@ -108,7 +108,7 @@ def checkpoint_layout(config: ModelConfig, path: str) -> ModelConfig:
 
 def _param_name(stored: str, config: ModelConfig) -> str:
     """The model's parameter name for a checkpoint tensor name."""
-    return "model." + stored if config.bare_names and not stored.startswith("lm_head.") else stored
+    return "model." + stored if config.bare_names and not stored.startswith(("lm_head.", "score.")) else stored
 
 
 def _stored_name(param: str, config: ModelConfig) -> str:

@@ -111,6 +111,18 @@ class Tokenizer:
             ids = [self.bos_token_id] + ids
         return ids
 
+    def encode_pair(self, first: str, second: str, add_special_tokens: bool = True) -> list[int]:
+        """The two texts as one sequence, joined as the tokenizer's pair template says (what a
+        cross-encoder reads: transformers' `tokenizer(first, second)`)."""
+        try:
+            ids = self._tok.encode(first, pair=second, add_special_tokens=add_special_tokens).ids
+        except TypeError:
+            raise ValueError("is not valid Unicode (it holds a lone surrogate)") from None
+        if (add_special_tokens and self.add_bos and self.bos_token_id is not None
+                and (not ids or ids[0] != self.bos_token_id)):
+            ids = [self.bos_token_id] + ids
+        return ids
+
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
 

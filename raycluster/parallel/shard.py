@@ -279,6 +279,7 @@ def _assemble(full_cfg: ModelConfig, rank: int, tp: int, reduce: Callable, layer
     for i, layer in zip(layers, shards):
         layer.load_state_dict(layer_state(i), strict=True, assign=True)
     sharded.model.layers = nn.ModuleList(shards)
+    sharded.score = None        # a classifier's head: the engine applies it (LLMEngine.classifier)
     return sharded
 
 

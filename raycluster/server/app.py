@@ -3,7 +3,8 @@ or the cluster (`ClusterClient`, used by the Serve gateway).
 
 Routes: POST /v1/completions, POST /v1/chat/completions (both with `stream` over SSE),
 POST /v1/embeddings (raycluster.server.embeddings), POST /score and /rerank (also under /v1, and
-/v2/rerank: raycluster.server.scoring), GET /v1/models, GET /health, GET /metrics (Prometheus text); with API keys, a bearer token
+/v2/rerank: raycluster.server.scoring), POST /classify (also /v1/classify: raycluster.server.classify),
+GET /v1/models, GET /health, GET /metrics (Prometheus text); with API keys, a bearer token
 (raycluster.server.auth) on all but /health, /metrics and the docs. Prompts are tokenized once here;
 token ids go to the backend, text deltas come back. A backend provides `admit()` (raises
 `OverloadedError` before any tokenization), `next_id`, `generate` (async iterator of
@@ -41,6 +42,7 @@ from raycluster.server.protocol import (ChatCompletionRequest, CompletionRequest
                                        overloaded_response)
 from raycluster.server.embeddings import add_embedding_routes
 from raycluster.server.scoring import add_scoring_routes
+from raycluster.server.classify import add_classify_routes
 from raycluster.server.lora_resolver import RESOLVER_DIR_ENV, LoRAResolver, resolver_dir
 from raycluster.server.lora_routes import RUNTIME_LORA_ENV, add_lora_routes, runtime_lora_allowed
 from raycluster.server.reasoning import REASONING_PARSERS, ReasoningStream, split_reasoning
@@ -176,6 +178,16 @@ def build_app(engine, tokenizer, model_names: str | Sequence[str], api_keys: Seq
         if prompt and all(isinstance(t, int) for t in prompt):
             return list(prompt)
         raise InvalidRequestError(field, "must be a string or a list of token ids")
+
+    def _encode_pair(first: str, second: str, field: str, special: bool = True) -> list[int]:
+        """A cross-encoder's input: the two texts joined by the tokenizer's pair template."""
+        for text in (first, second):
+            if not text:
+                raise InvalidRequestError(field, "must not be empty")
+        try:
+            return tokenizer.encode_pair(first, second, add_special_tokens=special)
+        except ValueError as e:
+            raise InvalidRequestError(field, str(e)) from None
 
     def _encode_prompts(prompt, echo: bool, special: bool = True) -> list[tuple[list[int], str]]:
         """(token ids, text) of each prompt of a completion request: one string or token-id list,
@@ -333,7 +345,9 @@ def build_app(engine, tokenizer, model_names: str | Sequence[str], api_keys: Seq
                             status_code=404)
 
     add_embedding_routes(app, engine, names, _encode_prompt, _unknown_model, model_config)
-    add_scoring_routes(app, engine, names, _encode_prompt, _unknown_model)
+    add_scoring_routes(app, engine, names, _encode_prompt, _encode_pair if tokenizer is not None else None,
+                       _unknown_model, model_config)
+    add_classify_routes(app, engine, names, _encode_prompt, _unknown_model, model_config)
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, http: HTTPRequest):

@@ -47,8 +47,9 @@ class EmbeddingRequest(BaseModel):
     normalize: bool | None = None       # vLLM's: None -> the model's pooler default
 
 
-def _inputs(body: EmbeddingRequest, encode: Callable[..., list[int]]) -> list[list[int]]:
-    """Each input's token ids (InvalidRequestError naming `input` / `input.i`)."""
+def request_inputs(body, encode: Callable[..., list[int]]) -> list[list[int]]:
+    """Each input's token ids of a request with `input`, `add_special_tokens` and
+    `truncate_prompt_tokens` (InvalidRequestError naming `input` / `input.i`)."""
     raw = body.input
     if not isinstance(raw, (str, list)):
         raise InvalidRequestError("input", "must be a string, a list of strings, a list of token ids or a list "
@@ -114,12 +115,15 @@ def add_embedding_routes(app: FastAPI, engine, names: list[str], encode: Callabl
     async def embeddings(body: EmbeddingRequest):
         if (missing := await unknown_model(body)) is not None:
             return missing
+        if model_config is not None and model_config.labels:
+            return JSONResponse(error_body("model: this model is a sequence classifier: use /classify (or /score "
+                                           "and /rerank for a one-label cross-encoder)", "model"), status_code=400)
         if model_config is not None and \
                 (why := check_dimensions(pooler, body.dimensions, model_config.hidden_size)) is not None:
             return JSONResponse(error_body(f"dimensions: {why}", "dimensions"), status_code=400)
         try:
             engine.admit()
-            prompts = _inputs(body, encode)
+            prompts = request_inputs(body, encode)
         except OverloadedError as e:
             return overloaded_response(e)
         except InvalidRequestError as e:

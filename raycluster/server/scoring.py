@@ -1,18 +1,22 @@
-"""vLLM's score and rerank APIs over an embedding model (a bi-encoder): `POST /score` (also
-`/v1/score`) and `POST /rerank` (also `/v1/rerank` and `/v2/rerank`, the Jina / Cohere shape).
+"""vLLM's score and rerank APIs: `POST /score` (also `/v1/score`) and `POST /rerank` (also
+`/v1/rerank` and `/v2/rerank`, the Jina / Cohere shape), over an embedding model (a bi-encoder)
+or a one-label sequence classifier (a cross-encoder).
 
-A pair's score is the cosine similarity of the two texts' pooled vectors, each pooled as
-/v1/embeddings pools it (raycluster.server.embeddings.pool_prompts; the full vector, before any
-Matryoshka cut), what vLLM computes for an embedding model. Cross-encoders (a classification head
-reading both texts at once) are not served.
+Bi-encoder: a pair's score is the cosine similarity of the two texts' pooled vectors, each pooled
+as /v1/embeddings pools it (raycluster.server.embeddings.pool_prompts; the full vector, before any
+Matryoshka cut); each distinct text is pooled once. Cross-encoder (a checkpoint whose config names
+a *ForSequenceClassification with one label): the two texts are read as one sequence, joined by
+the tokenizer's pair template (transformers' `tokenizer(text_1, text_2)`), and the score is the
+sigmoid of the classifier's logit, as vLLM scores with a cross-encoder. A classifier with more
+labels does not score (400 naming `model`).
 
 Score: `text_1` a string or a list, `text_2` a string or a list; one `text_1` scores against each
 `text_2` (1:N), or equal-length lists pair up (N:N). Rerank: `query` against each of `documents`
 (strings or `{"text": ...}`), results sorted by `relevance_score` descending, cut to `top_n`
 (absent or 0: all), each with its `document` unless `return_documents` is false. Both take vLLM's
-`truncate_prompt_tokens` (keep the last k tokens of each text) and `add_special_tokens`. Each
-distinct text is pooled once; `usage` counts those texts' tokens. Errors are OpenAI's shape
-naming the field (`text_2.3`, `documents.1`); a full queue is 429 with Retry-After.
+`truncate_prompt_tokens` (keep the last k tokens of each sequence pooled) and
+`add_special_tokens`; `usage` counts the tokens pooled. Errors are OpenAI's shape naming the field
+(`text_2.3`, `documents.1`); a full queue is 429 with Retry-After.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 
 from raycluster.engine.engine import InvalidRequestError
+from raycluster.model.config import ModelConfig
 from raycluster.server.embeddings import pool_prompts
 from raycluster.server.protocol import OverloadedError, error_body, now_s, overloaded_response
 
@@ -78,23 +83,47 @@ def cosine(a: list[float], b: list[float]) -> float:
                                                  torch.tensor(b, dtype=torch.float32), dim=0).item()
 
 
-def add_scoring_routes(app: FastAPI, engine, names: list[str], encode: Callable[..., list[int]], unknown_model) -> None:
+def sigmoid(x: float) -> float:
+    return torch.sigmoid(torch.tensor(x, dtype=torch.float32)).item()
+
+
+def add_scoring_routes(app: FastAPI, engine, names: list[str], encode: Callable[..., list[int]],
+                       encode_pair: Callable[..., list[int]] | None, unknown_model,
+                       model_config: ModelConfig | None = None) -> None:
     """Register the score and rerank routes over `engine` (as /v1/embeddings: `admit`,
     `next_id`, `generate`). `encode(text, field, add_special_tokens)`: a text's ids;
-    `unknown_model(body)`: the 404 for a `model` not served, or None."""
+    `encode_pair(first, second, field, add_special_tokens)`: a pair's ids (a cross-encoder's
+    input); `unknown_model(body)`: the 404 for a `model` not served, or None; `model_config`: the
+    served model's (a classifier's labels make it a cross-encoder; None: a bi-encoder)."""
+    labels = model_config.labels if model_config is not None else ()
 
-    async def vectors(body, texts: list[tuple[str, str]], kind: str) -> tuple[str, list[list[float]], int]:
-        """(request id, each text's raw pooled vector, tokens pooled): may raise
-        InvalidRequestError or OverloadedError."""
-        engine.admit()
-        prompts = []
-        for text, field in texts:
-            ids = encode(text, field, body.add_special_tokens)
-            k = body.truncate_prompt_tokens
-            prompts.append(ids[-k:] if k is not None else ids)
+    async def pooled(body, prompts: list[list[int]], fields: list[str], kind: str) -> tuple[str, list[list[float]]]:
+        k = body.truncate_prompt_tokens
+        prompts = [ids[-k:] for ids in prompts] if k is not None else prompts
         rid = engine.next_id(kind)
         lora = body.model if body.model is not None and body.model not in names else None
-        return rid, await pool_prompts(engine, rid, prompts, [f for _, f in texts], lora), sum(map(len, prompts))
+        return rid, await pool_prompts(engine, rid, prompts, fields, lora), sum(map(len, prompts))
+
+    async def bi_encoder(body, texts: list[tuple[str, str]], pairs: list[tuple[int, int]], kind: str):
+        """(request id, each pair's cosine similarity, tokens pooled)."""
+        engine.admit()
+        prompts = [encode(text, field, body.add_special_tokens) for text, field in texts]
+        rid, vecs, n = await pooled(body, prompts, [f for _, f in texts], kind)
+        return rid, [cosine(vecs[a], vecs[b]) for a, b in pairs], n
+
+    async def cross_encoder(body, texts: list[tuple[str, str]], pairs: list[tuple[int, int]], kind: str):
+        """(request id, each pair's sigmoid of the classifier's logit, tokens pooled)."""
+        if len(labels) != 1:
+            raise InvalidRequestError("model", f"this classifier has {len(labels)} labels: only a one-label "
+                                               "classifier (a cross-encoder) scores pairs; use /classify")
+        if encode_pair is None:
+            raise InvalidRequestError("model", "this server has no tokenizer to join the pairs")
+        engine.admit()
+        prompts = [encode_pair(texts[a][0], texts[b][0], texts[b][1], body.add_special_tokens) for a, b in pairs]
+        rid, logits, n = await pooled(body, prompts, [texts[b][1] for _, b in pairs], kind)
+        return rid, [sigmoid(v[0]) for v in logits], n
+
+    scores_of = cross_encoder if labels else bi_encoder
 
     def failed(e: Exception) -> JSONResponse:
         if isinstance(e, OverloadedError):
@@ -106,13 +135,12 @@ def add_scoring_routes(app: FastAPI, engine, names: list[str], encode: Callable[
             return missing
         try:
             texts, pairs = score_pairs(body)
-            rid, vecs, n = await vectors(body, texts, "score")
+            rid, scores, n = await scores_of(body, texts, pairs, "score")
         except (InvalidRequestError, OverloadedError) as e:
             return failed(e)
         return JSONResponse({
             "id": rid, "object": "list", "created": now_s(), "model": body.model or names[0],
-            "data": [{"index": k, "object": "score", "score": cosine(vecs[a], vecs[b])}
-                     for k, (a, b) in enumerate(pairs)],
+            "data": [{"index": k, "object": "score", "score": v} for k, v in enumerate(scores)],
             "usage": {"prompt_tokens": n, "total_tokens": n, "completion_tokens": 0}})
 
     async def rerank(body: RerankRequest):
@@ -123,10 +151,9 @@ def add_scoring_routes(app: FastAPI, engine, names: list[str], encode: Callable[
             if not docs:
                 raise InvalidRequestError("documents", "must not be empty")
             texts = [(body.query, "query")] + [(d, f"documents.{i}") for i, d in enumerate(docs)]
-            rid, vecs, n = await vectors(body, texts, "rerank")
+            rid, scores, n = await scores_of(body, texts, [(0, 1 + i) for i in range(len(docs))], "rerank")
         except (InvalidRequestError, OverloadedError) as e:
             return failed(e)
-        scores = [cosine(vecs[0], v) for v in vecs[1:]]
         order = sorted(range(len(docs)), key=lambda i: (-scores[i], i))
         if body.top_n:
             order = order[:body.top_n]

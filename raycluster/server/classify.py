@@ -1,0 +1,75 @@
+"""`POST /classify` (also `/v1/classify`): vLLM's classification API over a sequence classifier
+(a checkpoint whose config names a *ForSequenceClassification: raycluster.model.config).
+
+Each input (as /v1/embeddings takes them: a string, a list of strings, token ids or lists of
+them; `truncate_prompt_tokens`, `add_special_tokens`) runs as one pooling request; the engine
+returns the classifier's logits (its score head over the last token's final hidden state, as
+transformers' *ForSequenceClassification computes them). The answer per input: `probs` (softmax
+over the labels; with one label, its sigmoid), `label` (the most probable label's name from the
+config's id2label) and `num_classes`. A model that is not a classifier answers 400 naming `model`.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+from fastapi import FastAPI
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ConfigDict, Field
+
+from raycluster.engine.engine import InvalidRequestError
+from raycluster.model.config import ModelConfig
+from raycluster.server.embeddings import pool_prompts, request_inputs
+from raycluster.server.protocol import OverloadedError, error_body, now_s, overloaded_response
+
+
+class ClassificationRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    model: str | None = None
+    input: Any          # as EmbeddingRequest's: checked by `request_inputs`, naming the element
+    user: str | None = None
+    truncate_prompt_tokens: int | None = Field(None, ge=1)
+    add_special_tokens: bool = True
+
+
+def label_probs(logits: list[float]) -> list[float]:
+    """A classifier's probabilities from its logits: softmax, or the sigmoid of a single one."""
+    x = torch.tensor(logits, dtype=torch.float32)
+    return (torch.sigmoid(x) if len(logits) == 1 else torch.softmax(x, dim=-1)).tolist()
+
+
+def add_classify_routes(app: FastAPI, engine, names: list[str], encode: Callable[..., list[int]], unknown_model,
+                        model_config: ModelConfig | None = None) -> None:
+    """Register /classify over `engine` (`admit`, `next_id`, `generate`); the other arguments as
+    `add_embedding_routes`'s. `model_config` None or without labels: not a classifier."""
+    labels = model_config.labels if model_config is not None else ()
+
+    async def classify(body: ClassificationRequest):
+        if (missing := await unknown_model(body)) is not None:
+            return missing
+        if not labels:
+            return JSONResponse(error_body("model: this model is not a sequence classifier (its config names no "
+                                           "*ForSequenceClassification architecture)", "model"), status_code=400)
+        try:
+            engine.admit()
+            prompts = request_inputs(body, encode)
+            rid = engine.next_id("classify")
+            fields = ["input"] if len(prompts) == 1 else [f"input.{k}" for k in range(len(prompts))]
+            lora = body.model if body.model is not None and body.model not in names else None
+            logits = await pool_prompts(engine, rid, prompts, fields, lora)
+        except OverloadedError as e:
+            return overloaded_response(e)
+        except InvalidRequestError as e:
+            return JSONResponse(error_body(str(e), e.field), status_code=400)
+        data = []
+        for k, row in enumerate(logits):
+            probs = label_probs(row)
+            best = max(range(len(probs)), key=probs.__getitem__)
+            data.append({"index": k, "label": labels[best], "probs": probs, "num_classes": len(probs)})
+        n = sum(map(len, prompts))
+        return JSONResponse({"id": rid, "object": "list", "created": now_s(), "model": body.model or names[0],
+                             "data": data, "usage": {"prompt_tokens": n, "total_tokens": n, "completion_tokens": 0}})
+
+    for path in ("/classify", "/v1/classify"):
+        app.post(path)(classify)
