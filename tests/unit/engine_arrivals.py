@@ -38,3 +38,20 @@ def shared_prefix_arrivals(rng, n: int, prefix_len: tuple[int, int], last_step: 
         arrivals.append((rng.randrange(0, last_step), f"q{i}", p,
                          SamplingParams(max_tokens=rng.randrange(*max_tokens), ignore_eos=True)))
     return arrivals
+
+
+def pooled_vectors(eng, prompts, max_steps: int = 500) -> list:
+    """Each prompt's pooling output (`Request.embedding` as a tensor: a vector, or a classifier's
+    logits), the prompts run together as pooling requests; checks the KV is all free after."""
+    import torch
+
+    from raycluster.request import SamplingParams
+    reqs = [eng.add_request(f"pool{i}", p, SamplingParams(max_tokens=1, embed=True)) for i, p in enumerate(prompts)]
+    for _ in range(max_steps):
+        if not eng.has_unfinished():
+            break
+        eng.step()
+    else:
+        raise AssertionError("did not finish")
+    assert eng.kv.num_free_blocks == eng.kv.num_blocks
+    return [torch.tensor(r.embedding) for r in reqs]

@@ -10,6 +10,7 @@ import json
 
 import pytest
 import torch
+from engine_arrivals import pooled_vectors
 
 from raycluster.engine.config import EngineConfig
 from raycluster.engine.engine import InvalidRequestError, LLMEngine
@@ -34,16 +35,6 @@ def reference(classifiers):
     return out
 
 
-def _logits(eng: LLMEngine) -> list[torch.Tensor]:
-    reqs = [eng.add_request(f"c{i}", p, SamplingParams(max_tokens=1, embed=True)) for i, p in enumerate(PROMPTS)]
-    for _ in range(500):
-        if not eng.has_unfinished():
-            break
-        eng.step()
-    assert eng.kv.num_free_blocks == eng.kv.num_blocks
-    return [torch.tensor(r.embedding) for r in reqs]
-
-
 def test_the_config_names_the_labels(classifiers):
     cfg = load_config(classifiers["sentiment"])
     assert cfg.labels == ("negative", "neutral", "positive") and not cfg.has_lm_head
@@ -61,7 +52,7 @@ def test_logits_equal_transformers(classifiers, reference, name):
     model, _ = load_model(classifiers[name])
     assert model.lm_head is None and model.score is not None
     eng = LLMEngine(EngineConfig(**BASE), model)
-    for got, want in zip(_logits(eng), reference[name]):
+    for got, want in zip(pooled_vectors(eng, PROMPTS), reference[name]):
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
     with pytest.raises(InvalidRequestError, match="no output head") as e:
         eng.add_request("g", PROMPTS[0], SamplingParams(max_tokens=2))
@@ -73,7 +64,7 @@ def test_a_group_leader_applies_the_head_read_from_the_checkpoint(classifiers, r
     eng = LLMEngine.from_config(EngineConfig(**BASE, **group, model=str(classifiers["sentiment"]), group_timeout_s=60))
     try:
         assert eng.classifier is not None and eng.classifier.shape == (3, 256)
-        for got, want in zip(_logits(eng), reference["sentiment"]):
+        for got, want in zip(pooled_vectors(eng, PROMPTS), reference["sentiment"]):
             torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
     finally:
         eng.close()

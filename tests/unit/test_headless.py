@@ -12,6 +12,7 @@ import shutil
 
 import pytest
 import torch
+from engine_arrivals import pooled_vectors
 from safetensors.torch import load_file, save_file
 
 from raycluster.engine.config import EngineConfig
@@ -55,16 +56,6 @@ def hidden_states(headless):
         return [hf(torch.tensor([p])).last_hidden_state[0] for p in PROMPTS]
 
 
-def _vectors(eng: LLMEngine) -> list[torch.Tensor]:
-    reqs = [eng.add_request(f"h{i}", p, EMBED) for i, p in enumerate(PROMPTS)]
-    for _ in range(500):
-        if not eng.has_unfinished():
-            break
-        eng.step()
-    assert eng.kv.num_free_blocks == eng.kv.num_blocks
-    return [torch.tensor(r.embedding) for r in reqs]
-
-
 @pytest.mark.parametrize("kind", ["base", "causal"])
 def test_a_headless_checkpoint_is_read_as_a_pooling_only_model(headless, hidden_states, kind):
     cfg = load_config(headless[kind])
@@ -72,7 +63,7 @@ def test_a_headless_checkpoint_is_read_as_a_pooling_only_model(headless, hidden_
     model, _ = load_model(headless[kind])
     assert model.lm_head is None
     eng = LLMEngine(EngineConfig(**BASE), model)
-    for got, h in zip(_vectors(eng), hidden_states):
+    for got, h in zip(pooled_vectors(eng, PROMPTS), hidden_states):
         torch.testing.assert_close(got, h.mean(0), atol=1e-5, rtol=1e-5)
     with pytest.raises(InvalidRequestError, match="no output head") as e:
         eng.add_request("g", PROMPTS[0], SamplingParams(max_tokens=4))
@@ -85,7 +76,7 @@ def test_a_headless_checkpoint_is_read_as_a_pooling_only_model(headless, hidden_
 def test_groups_read_their_shards_of_a_headless_checkpoint(headless, hidden_states, group):
     eng = LLMEngine.from_config(EngineConfig(**BASE, **group, model=str(headless["base"]), group_timeout_s=60))
     try:
-        for got, h in zip(_vectors(eng), hidden_states):
+        for got, h in zip(pooled_vectors(eng, PROMPTS), hidden_states):
             torch.testing.assert_close(got, h.mean(0), atol=1e-5, rtol=1e-5)
         assert make_run_batch(eng.runner)([(16, 0)], [8]) > 0
     finally:
