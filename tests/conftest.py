@@ -142,3 +142,29 @@ def classifiers(tiny_model_dir, tmp_path_factory):
     root = tmp_path_factory.mktemp("classifiers")
     return {"sentiment": _write_classifier(tiny_model_dir, root / "sentiment", ["negative", "neutral", "positive"]),
             "reranker": _write_classifier(tiny_model_dir, root / "reranker", ["relevant"], seed=1)}
+
+
+@pytest.fixture(scope="session")
+def st_dense_dir(tiny_model_dir, tmp_path_factory, write_st_layout):
+    """sentence-transformers' own save of an embedding model on the tiny decoder: mean pooling,
+    Dense 256 -> 64 (tanh), Dense 64 -> 64 (no bias, identity, residual), Normalize. Saved as
+    sentence-transformers writes it: a LlamaModel (tensors without "model.", no lm_head)."""
+    import shutil
+    import warnings
+
+    import torch
+    st = pytest.importorskip("sentence_transformers")
+    root = tmp_path_factory.mktemp("st-dense")
+    shutil.copytree(tiny_model_dir, root / "src")
+    write_st_layout(root / "src", {"embedding_dimension": 256, "pooling_mode": "mean"}, False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        from sentence_transformers import models
+        base = st.SentenceTransformer(str(root / "src"), device="cpu")
+        torch.manual_seed(0)
+        model = st.SentenceTransformer(device="cpu", modules=[
+            base[0], base[1], models.Dense(256, 64, activation_function=torch.nn.Tanh()),
+            models.Dense(64, 64, bias=False, activation_function=torch.nn.Identity(), use_residual=True),
+            models.Normalize()])
+        model.save(str(root / "st"))
+    return root / "st"

@@ -51,9 +51,10 @@ def _min_tokens_ban(req: Request) -> list[int]:
 class LLMEngine:
     def __init__(self, config: EngineConfig, model, tokenizer=None, clock: Clock | None = None,
                  predictor: LinearBatchPredictor | None = None, runner=None,
-                 classifier: torch.Tensor | None = None) -> None:
+                 classifier: torch.Tensor | None = None, projector=None) -> None:
         """`classifier`: a sequence classifier's score head [labels, H] (default: `model.score`'s;
-        a group's leader holds none, `from_config` reads it from the checkpoint). `runner`: a prebuilt runner (e.g. a KVP / SPP / TP group whose ranks are Ray actors);
+        a group's leader holds none, `from_config` reads it from the checkpoint); `projector`: an
+        embedding checkpoint's Dense modules (default `model.projector`, likewise). `runner`: a prebuilt runner (e.g. a KVP / SPP / TP group whose ranks are Ray actors);
         default one built from `config` (raycluster.parallel.factory). `model`: what the engine
         reads its vocab, length and EOS from (`model.config`): the full model, or the
         `GroupModel` of a prebuilt group whose ranks read their parts from the checkpoint."""
@@ -74,6 +75,10 @@ class LLMEngine:
         self.classifier = classifier if classifier is not None else head.weight if head is not None else None
         if mcfg.labels and self.classifier is None:
             raise ValueError("a sequence classifier's engine needs its score head (model.score or `classifier`)")
+        # An embedding's Dense projections after pooling (sentence-transformers' Dense modules).
+        self.projector = projector if projector is not None else getattr(model, "projector", None)
+        if mcfg.pooler.dense and self.projector is None:
+            raise ValueError("the checkpoint's Dense modules were not loaded (model.projector or `projector`)")
         self.eos_token_ids = tuple(tokenizer.eos_token_ids) if tokenizer is not None else tuple(mcfg.eos_token_id)
         self.runner = runner or build_runner(config, model, _DTYPES[config.dtype])
         self.kv = self.runner.kv
@@ -128,14 +133,18 @@ class LLMEngine:
         config = config.for_model(load_config(path).dtype)
         model = model_source(config, str(path))
         runner = build_runner(config, model, _DTYPES[config.dtype], model_path=str(path))
-        classifier = None
+        # A group's leader holds neither a classifier's head nor Dense modules: read them here.
+        classifier = projector = None
         if model.config.labels and getattr(runner.model, "score", None) is None:
             from raycluster.model.loader import WHOLE, load_tensors
             classifier = load_tensors(path, model.config, {"score.weight": WHOLE}, _DTYPES[config.dtype],
                                       config.device)["score.weight"]
+        if model.config.pooler.dense and getattr(runner.model, "projector", None) is None:
+            from raycluster.model.loader import checkpoint_projector
+            projector = checkpoint_projector(str(path), model.config, config.device)
         # The runner's model: the full model, or the group's view of it (config, logits).
         return cls(config, runner.model, Tokenizer(path, model.config.eos_token_id), clock, runner=runner,
-                   classifier=classifier)
+                   classifier=classifier, projector=projector)
 
     # ---- requests --------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int],
@@ -297,6 +306,8 @@ class LLMEngine:
             for req, vector in step.embeddings:
                 if self.classifier is not None:
                     vector = torch.nn.functional.linear(vector, self.classifier.to(vector.dtype))
+                elif self.projector is not None:
+                    vector = self.projector(vector)
                 req.embedding = vector.tolist()
                 pooled.append(req)
             for req, first, rows_logits in step.prompt:

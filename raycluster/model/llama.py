@@ -138,6 +138,9 @@ class LlamaForCausalLM(nn.Module):
             config.hidden_size, config.vocab_size, bias=False)
         # A sequence classifier's head: the pooled last hidden state -> one logit per label.
         self.score = nn.Linear(config.hidden_size, len(config.labels), bias=False) if config.labels else None
+        # An embedding checkpoint's sentence-transformers Dense modules (raycluster.model.projector),
+        # set by the loader: not parameters of the decoder's checkpoint.
+        self.projector = None
         self.rotary = RotaryEmbedding.from_config(config)
         self.backend = backend          # explicit; None: a default per device, made on first use
         self._default_backend = None

@@ -188,9 +188,19 @@ def load_model(path: str | os.PathLike, dtype: torch.dtype = torch.float32,
             loaded.add(name)
     _check_missing(set(params) - loaded)
     finalize_quantized(model, quant_kernels)
+    model.projector = checkpoint_projector(path, config, device)
     model.eval()
     model.requires_grad_(False)  # inference only; avoids autograd bookkeeping outside inference_mode
     return model, config
+
+
+def checkpoint_projector(path: str, config: ModelConfig, device):
+    """The checkpoint's sentence-transformers Dense modules (None without any), as CheckpointError."""
+    from raycluster.model.projector import load_projector
+    try:
+        return load_projector(path, config.pooler, device=device)
+    except ValueError as e:
+        raise CheckpointError(str(e)) from e
 
 
 @dataclass(frozen=True)

@@ -9,10 +9,11 @@ the mode in either the current `pooling_mode` or the legacy `pooling_mode_*` boo
 optional Normalize module) decides type and normalisation; without one a decoder pools its LAST
 token, normalised (vLLM's defaults for a causal LM served as an embedding model). config.json's
 `is_matryoshka` / `matryoshka_dimensions` say which `dimensions` a request may ask for. Modules
-that would change the vector further (Dense projections, LayerNorm, ...) are refused rather than
-silently skipped.
+that would change the vector otherwise (LayerNorm, ...) are refused rather than silently skipped;
+Dense projections after pooling are kept (`DenseSpec`, applied by the engine:
+raycluster.model.projector).
 
-The engine (raycluster.engine.model_runner) pools: `chunk_sum` / `pooled` accumulate a request's
+The engine (raycluster.engine.model_runner) pools: `pool_chunk` / `pooled` accumulate a request's
 rows chunk by chunk; the raw pooled vector travels to the API, where `finish_vector` truncates to
 the requested dimensions and normalises.
 """
@@ -40,6 +41,23 @@ class PoolerConfigError(ValueError):
     """A checkpoint's pooling setup that we cannot reproduce."""
 
 
+# sentence-transformers Dense activations (their `fullname`) -> torch functions by name.
+DENSE_ACTIVATIONS = {"torch.nn.modules.linear.Identity": "identity", "torch.nn.modules.activation.Tanh": "tanh",
+                     "torch.nn.modules.activation.ReLU": "relu", "torch.nn.modules.activation.GELU": "gelu",
+                     "torch.nn.modules.activation.Sigmoid": "sigmoid", "torch.nn.modules.activation.SiLU": "silu"}
+
+
+@dataclass(frozen=True)
+class DenseSpec:
+    """A sentence-transformers Dense module: y = act(W x + b) (+ x, or R x, with a residual)."""
+    path: str                   # its directory, relative to the checkpoint
+    in_features: int
+    out_features: int
+    bias: bool
+    activation: str             # a value of DENSE_ACTIVATIONS
+    residual: bool = False
+
+
 @dataclass(frozen=True)
 class PoolerConfig:
     pooling_type: str = "last"          # one of POOLING_TYPES
@@ -47,6 +65,12 @@ class PoolerConfig:
     matryoshka: bool = False            # may a request ask for fewer `dimensions`
     matryoshka_dimensions: tuple[int, ...] | None = None   # only these (None: any size <= hidden)
     source: str = "default"             # where it came from: "default" | "sentence-transformers"
+    # sentence-transformers Dense modules after pooling, in order (raycluster.model.projector).
+    dense: tuple[DenseSpec, ...] = ()
+
+    def output_size(self, hidden_size: int) -> int:
+        """The pooled vector's size: the last Dense module's output, else the hidden size."""
+        return self.dense[-1].out_features if self.dense else hidden_size
 
     @property
     def needs_every_position(self) -> bool:
@@ -66,12 +90,14 @@ def read_pooler_config(model_dir: str | None, config: dict[str, Any]) -> PoolerC
     st = _sentence_transformers(model_dir) if model_dir else None
     if st is None:
         return PoolerConfig(**base)
-    pooling_type, normalize = st
-    return PoolerConfig(pooling_type=pooling_type, normalize=normalize, source="sentence-transformers", **base)
+    pooling_type, normalize, dense = st
+    return PoolerConfig(pooling_type=pooling_type, normalize=normalize, source="sentence-transformers",
+                        dense=dense, **base)
 
 
-def _sentence_transformers(model_dir: str) -> tuple[str, bool] | None:
-    """(pooling type, normalize) from a sentence-transformers `modules.json`, or None."""
+def _sentence_transformers(model_dir: str) -> tuple[str, bool, tuple[DenseSpec, ...]] | None:
+    """(pooling type, normalize, Dense modules) from a sentence-transformers `modules.json`, or
+    None. The modules must run Transformer, Pooling, any Dense, then Normalize if any."""
     path = os.path.join(model_dir, "modules.json")
     if not os.path.exists(path):
         return None
@@ -82,21 +108,51 @@ def _sentence_transformers(model_dir: str) -> tuple[str, bool] | None:
         raise PoolerConfigError(f"{path}: invalid JSON: {e}") from e
     if not isinstance(modules, list):
         raise PoolerConfigError(f"{path}: expected a list of modules")
-    pooling_type, normalize = None, False
+    pooling_type, normalize, dense = None, False, []
     for m in sorted(modules, key=lambda m: m.get("idx", 0)):
-        kind = str(m.get("type", "")).rsplit(".", 1)[-1]
+        kind, where = str(m.get("type", "")).rsplit(".", 1)[-1], m.get("path") or m.get("name")
         if kind == "Transformer":
             continue
+        if normalize or (kind == "Dense" and pooling_type is None):
+            raise PoolerConfigError(f"{path}: module {where!r} ({kind}) comes after a Normalize module or before "
+                                    "the Pooling one; only Pooling, Dense modules, then Normalize are supported")
         if kind == "Normalize":
             normalize = True
         elif kind == "Pooling":
             pooling_type = _st_pooling_mode(os.path.join(model_dir, m.get("path", ""), "config.json"))
+        elif kind == "Dense":
+            dense.append(_st_dense(model_dir, m.get("path", "")))
         else:
-            raise PoolerConfigError(f"{path}: module {m.get('path') or m.get('name')!r} of type {m.get('type')!r} "
-                                    "is not supported (only Transformer, Pooling and Normalize)")
+            raise PoolerConfigError(f"{path}: module {where!r} of type {m.get('type')!r} is not supported "
+                                    "(only Transformer, Pooling, Dense and Normalize)")
     if pooling_type is None:
         raise PoolerConfigError(f"{path}: no Pooling module")
-    return pooling_type, normalize
+    for a, b in zip(dense, dense[1:]):
+        if a.out_features != b.in_features:
+            raise PoolerConfigError(f"{model_dir}: Dense module {b.path!r} takes {b.in_features} features, "
+                                    f"{a.path!r} gives {a.out_features}")
+    return pooling_type, normalize, tuple(dense)
+
+
+def _st_dense(model_dir: str, rel: str) -> DenseSpec:
+    path = os.path.join(model_dir, rel, "config.json")
+    try:
+        with open(path) as f:
+            cfg = json.load(f)
+    except (OSError, json.JSONDecodeError) as e:
+        raise PoolerConfigError(f"{path}: cannot read the Dense module's config: {e}") from e
+    act = cfg.get("activation_function", "torch.nn.modules.activation.Tanh")
+    if act not in DENSE_ACTIVATIONS:
+        raise PoolerConfigError(f"{path}: activation_function {act!r} is not supported "
+                                f"({', '.join(sorted(DENSE_ACTIVATIONS))})")
+    for key in ("module_input_name", "module_output_name"):
+        if cfg.get(key, "sentence_embedding") != "sentence_embedding":
+            raise PoolerConfigError(f"{path}: {key} {cfg[key]!r} is not supported (only sentence_embedding)")
+    try:
+        return DenseSpec(rel, int(cfg["in_features"]), int(cfg["out_features"]), bool(cfg.get("bias", True)),
+                         DENSE_ACTIVATIONS[act], bool(cfg.get("use_residual", False)))
+    except (KeyError, TypeError, ValueError) as e:
+        raise PoolerConfigError(f"{path}: in_features and out_features must be ints ({e})") from None
 
 
 def _st_pooling_mode(path: str) -> str:

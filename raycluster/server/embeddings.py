@@ -119,7 +119,8 @@ def add_embedding_routes(app: FastAPI, engine, names: list[str], encode: Callabl
             return JSONResponse(error_body("model: this model is a sequence classifier: use /classify (or /score "
                                            "and /rerank for a one-label cross-encoder)", "model"), status_code=400)
         if model_config is not None and \
-                (why := check_dimensions(pooler, body.dimensions, model_config.hidden_size)) is not None:
+                (why := check_dimensions(pooler, body.dimensions, pooler.output_size(model_config.hidden_size))) \
+                is not None:
             return JSONResponse(error_body(f"dimensions: {why}", "dimensions"), status_code=400)
         try:
             engine.admit()

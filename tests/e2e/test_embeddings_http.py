@@ -162,3 +162,21 @@ def test_a_checkpoint_without_an_output_head_serves_embeddings_only(st_dir, tmp_
     for r in (comp, chat):
         assert r.status_code == 400 and r.json()["error"]["param"] == "model", r.text
         assert "no output head" in r.json()["error"]["message"]
+
+
+def test_dense_modules_of_a_sentence_transformers_save(st_dense_dir):
+    """A model as sentence-transformers saves it with Dense projections (a LlamaModel without a
+    head, two Dense modules, Normalize): the vectors are sentence-transformers' own, 64 wide."""
+    st = pytest.importorskip("sentence_transformers")
+    model = st.SentenceTransformer(str(st_dense_dir), device="cpu")
+    texts = ["hello river", "the quiet town and the wind over a stone"]
+    with served_with_reference(st_dense_dir) as (url, aeng, _, _):
+        r = httpx.post(f"{url}/v1/embeddings", json={"input": texts, "dimensions": 64}, timeout=60)
+        wide = httpx.post(f"{url}/v1/embeddings", json={"input": texts[0], "dimensions": 256}, timeout=60)
+        assert all_free(aeng)
+    assert r.status_code == 200, r.text
+    for d, text in zip(r.json()["data"], texts):
+        assert len(d["embedding"]) == 64
+        np.testing.assert_allclose(d["embedding"], model.encode(text), atol=1e-5)
+    assert wide.status_code == 400 and wide.json()["error"]["param"] == "dimensions"
+    assert "64 dimensions" in wide.json()["error"]["message"]

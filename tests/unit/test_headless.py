@@ -114,3 +114,16 @@ def test_a_prefixed_causal_lm_missing_its_head_is_still_an_error(tiny_model_dir,
     assert load_config(root).has_lm_head
     with pytest.raises(CheckpointError, match="missing tensors in checkpoint: lm_head.weight"):
         load_model(root)
+
+
+def test_a_tp_group_applies_the_dense_modules_read_from_the_checkpoint(st_dense_dir):
+    single = LLMEngine(EngineConfig(**BASE), load_model(st_dense_dir)[0])
+    want = pooled_vectors(single, PROMPTS)
+    assert want[0].shape == (64,)
+    eng = LLMEngine.from_config(EngineConfig(**BASE, tp=2, model=str(st_dense_dir), group_timeout_s=60))
+    try:
+        assert eng.projector is not None
+        for got, w in zip(pooled_vectors(eng, PROMPTS), want):
+            torch.testing.assert_close(got, w, atol=1e-5, rtol=1e-5)
+    finally:
+        eng.close()

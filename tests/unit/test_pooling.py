@@ -42,8 +42,8 @@ def test_sentence_transformers_pooling_and_normalize_modules(write_st_layout, tm
     ({"pooling_mode": ["mean", "cls"]}, (), r"pooling mode \('mean', 'cls'\)|pooling mode \['mean', 'cls'\]"),
     ({"pooling_mode_mean_tokens": True, "pooling_mode_max_tokens": True}, (), "is not supported"),
     ({"pooling_mode": "mean", "include_prompt": False}, (), "include_prompt false"),
-    ({"pooling_mode": "mean"}, ({"idx": 3, "name": "3", "path": "3_Dense",
-                                 "type": "sentence_transformers.models.Dense"},), "'3_Dense' .* is not supported"),
+    ({"pooling_mode": "mean"}, ({"idx": 1, "name": "3", "path": "3_LayerNorm",
+                                 "type": "sentence_transformers.models.LayerNorm"},), "'3_LayerNorm' .* is not supported"),
 ])
 def test_what_cannot_be_reproduced_is_refused_by_name(write_st_layout, tmp_path, pooling, extra, match):
     write_st_layout(tmp_path, pooling, True, extra)
@@ -96,3 +96,61 @@ def test_pooling_state_across_chunks_and_a_restart_at_position_zero():
         state = pool_chunk(pool_chunk(state, kind, h[5:], 5) * 100, kind, h[:4], 0)
         state = pool_chunk(state, kind, h[4:], 4)
         assert torch.equal(pooled(state, kind, 6), want), kind
+
+
+def test_sentence_transformers_dense_modules_are_read_in_order(st_dense_dir):
+    from raycluster.model.pooling import DenseSpec
+    pooler = load_config(st_dense_dir).pooler
+    assert pooler.dense == (DenseSpec("2_Dense", 256, 64, True, "tanh", False),
+                            DenseSpec("3_Dense", 64, 64, False, "identity", True))
+    assert (pooler.pooling_type, pooler.normalize, pooler.output_size(256)) == ("mean", True, 64)
+
+
+def test_the_projector_is_the_dense_formula(st_dense_dir):
+    from raycluster.model.projector import load_projector
+    proj = load_projector(str(st_dense_dir), load_config(st_dense_dir).pooler)
+    (_, w1, b1, _), (_, w2, _, _) = proj.layers
+    x = torch.randn(256)
+    h = torch.tanh(w1 @ x + b1)
+    torch.testing.assert_close(proj(x), w2 @ h + h)
+
+
+DENSE = {"idx": 2, "name": "2", "path": "2_Dense", "type": "sentence_transformers.models.Dense"}
+
+
+@pytest.mark.parametrize("modules,dense_cfg,match", [
+    ([DENSE], {"in_features": 256, "out_features": 8, "activation_function": "torch.nn.modules.activation.ELU"},
+     "activation_function 'torch.nn.modules.activation.ELU' is not supported"),
+    ([DENSE], {"in_features": 256}, "in_features and out_features must be ints"),
+    ([DENSE, {**DENSE, "idx": 3, "path": "3_Dense"}], {"in_features": 256, "out_features": 8},
+     "'3_Dense' takes 256 features, '2_Dense' gives 8"),
+    ([{**DENSE, "idx": 0}], {"in_features": 256, "out_features": 8}, "before the Pooling one"),
+])
+def test_dense_modules_that_cannot_run_are_refused(write_st_layout, tmp_path, modules, dense_cfg, match):
+    write_st_layout(tmp_path, {"pooling_mode": "mean"}, False, modules)
+    for m in modules:
+        (tmp_path / m["path"]).mkdir(exist_ok=True)
+        (tmp_path / m["path"] / "config.json").write_text(json.dumps(dense_cfg))
+    with pytest.raises(PoolerConfigError, match=match):
+        read_pooler_config(str(tmp_path), {})
+
+
+def test_a_dense_module_after_normalize_is_refused(write_st_layout, tmp_path):
+    write_st_layout(tmp_path, {"pooling_mode": "mean"}, True, [{**DENSE, "idx": 3}])
+    with pytest.raises(PoolerConfigError, match="after a Normalize module"):
+        read_pooler_config(str(tmp_path), {})
+
+
+def test_dense_weights_that_do_not_fit_are_a_checkpoint_error(st_dense_dir, tmp_path):
+    from safetensors.torch import save_file
+
+    from raycluster.model.loader import CheckpointError, load_model
+    root = tmp_path / "bad"
+    shutil.copytree(st_dense_dir, root)
+    save_file({"linear.weight": torch.zeros(64, 128), "linear.bias": torch.zeros(64)},
+              str(root / "2_Dense" / "model.safetensors"))
+    with pytest.raises(CheckpointError, match=r"'2_Dense': linear.weight is \(64, 128\), its config says \(64, 256\)"):
+        load_model(root)
+    (root / "2_Dense" / "model.safetensors").unlink()
+    with pytest.raises(CheckpointError, match="only safetensors weights"):
+        load_model(root)
