@@ -52,7 +52,7 @@ class EngineInstance:
         # A KVP / SPP / TP pool: this replica leads the group; its other ranks are actors (or threads).
         runner = build_runner(ecfg, model, ecfg.torch_dtype(), model_path=str(path), num_cpus=pool.num_cpus,
                               num_gpus=pool.num_gpus)
-        self.engine = LLMEngine(ecfg, runner.model, tokenizer=None, runner=runner)
+        self.engine = LLMEngine.from_runner(ecfg, runner, str(path))
         replica = serve.get_replica_context().replica_id.unique_id
         self.instance_id = f"{role}-{replica}"
         connector = None

@@ -133,18 +133,24 @@ class LLMEngine:
         config = config.for_model(load_config(path).dtype)
         model = model_source(config, str(path))
         runner = build_runner(config, model, _DTYPES[config.dtype], model_path=str(path))
-        # A group's leader holds neither a classifier's head nor Dense modules: read them here.
+        return cls.from_runner(config, runner, str(path), Tokenizer(path, model.config.eos_token_id), clock)
+
+    @classmethod
+    def from_runner(cls, config: EngineConfig, runner, path: str, tokenizer=None,
+                    clock: Clock | None = None) -> "LLMEngine":
+        """An engine over a built runner of the checkpoint at `path` (its model: the full model,
+        or the group's view of it). A group's leader holds neither a classifier's head nor an
+        embedding's Dense modules: they are read from the checkpoint here."""
+        mcfg = runner.model.config
         classifier = projector = None
-        if model.config.labels and getattr(runner.model, "score", None) is None:
+        if mcfg.labels and getattr(runner.model, "score", None) is None:
             from raycluster.model.loader import WHOLE, load_tensors
-            classifier = load_tensors(path, model.config, {"score.weight": WHOLE}, _DTYPES[config.dtype],
+            classifier = load_tensors(path, mcfg, {"score.weight": WHOLE}, _DTYPES[config.dtype],
                                       config.device)["score.weight"]
-        if model.config.pooler.dense and getattr(runner.model, "projector", None) is None:
+        if mcfg.pooler.dense and getattr(runner.model, "projector", None) is None:
             from raycluster.model.loader import checkpoint_projector
-            projector = checkpoint_projector(str(path), model.config, config.device)
-        # The runner's model: the full model, or the group's view of it (config, logits).
-        return cls(config, runner.model, Tokenizer(path, model.config.eos_token_id), clock, runner=runner,
-                   classifier=classifier, projector=projector)
+            projector = checkpoint_projector(path, mcfg, config.device)
+        return cls(config, runner.model, tokenizer, clock, runner=runner, classifier=classifier, projector=projector)
 
     # ---- requests --------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int],
