@@ -344,10 +344,11 @@ def build_app(engine, tokenizer, model_names: str | Sequence[str], api_keys: Seq
                                        + (f"; {why}" if why else ""), "model", code="model_not_found"),
                             status_code=404)
 
-    add_embedding_routes(app, engine, names, _encode_prompt, _unknown_model, model_config)
+    chat_ids = (lambda body: _chat_ids(body)) if tokenizer is not None else None
+    add_embedding_routes(app, engine, names, _encode_prompt, _unknown_model, model_config, chat_ids)
     add_scoring_routes(app, engine, names, _encode_prompt, _encode_pair if tokenizer is not None else None,
                        _unknown_model, model_config)
-    add_classify_routes(app, engine, names, _encode_prompt, _unknown_model, model_config)
+    add_classify_routes(app, engine, names, _encode_prompt, _unknown_model, model_config, chat_ids)
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, http: HTTPRequest):

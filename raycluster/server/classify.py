@@ -2,7 +2,7 @@
 (a checkpoint whose config names a *ForSequenceClassification: raycluster.model.config).
 
 Each input (as /v1/embeddings takes them: a string, a list of strings, token ids or lists of
-them; `truncate_prompt_tokens`, `add_special_tokens`) runs as one pooling request; the engine
+them, or chat `messages`; `truncate_prompt_tokens`, `add_special_tokens`) runs as one pooling request; the engine
 returns the classifier's logits (its score head over the last token's final hidden state, as
 transformers' *ForSequenceClassification computes them). The answer per input: `probs` (softmax
 over the labels; with one label, its sigmoid), `label` (the most probable label's name from the
@@ -11,26 +11,20 @@ config's id2label) and `num_classes`. A model that is not a classifier answers 4
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Callable
 
 import torch
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, Field
 
 from raycluster.engine.engine import InvalidRequestError
 from raycluster.model.config import ModelConfig
-from raycluster.server.embeddings import pool_prompts, request_inputs
+from raycluster.server.embeddings import PoolingInput, pool_prompts, request_inputs
 from raycluster.server.protocol import OverloadedError, error_body, now_s, overloaded_response
 
 
-class ClassificationRequest(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-    model: str | None = None
-    input: Any          # as EmbeddingRequest's: checked by `request_inputs`, naming the element
-    user: str | None = None
-    truncate_prompt_tokens: int | None = Field(None, ge=1)
-    add_special_tokens: bool = True
+class ClassificationRequest(PoolingInput):
+    """vLLM's classification request: a pooling input (`input` or `messages`) and nothing more."""
 
 
 def label_probs(logits: list[float]) -> list[float]:
@@ -40,7 +34,8 @@ def label_probs(logits: list[float]) -> list[float]:
 
 
 def add_classify_routes(app: FastAPI, engine, names: list[str], encode: Callable[..., list[int]], unknown_model,
-                        model_config: ModelConfig | None = None) -> None:
+                        model_config: ModelConfig | None = None,
+                        chat_ids: Callable[[PoolingInput], list[int]] | None = None) -> None:
     """Register /classify over `engine` (`admit`, `next_id`, `generate`); the other arguments as
     `add_embedding_routes`'s. `model_config` None or without labels: not a classifier."""
     labels = model_config.labels if model_config is not None else ()
@@ -53,7 +48,7 @@ def add_classify_routes(app: FastAPI, engine, names: list[str], encode: Callable
                                            "*ForSequenceClassification architecture)", "model"), status_code=400)
         try:
             engine.admit()
-            prompts = request_inputs(body, encode)
+            prompts = request_inputs(body, encode, chat_ids)
             rid = engine.next_id("classify")
             fields = ["input"] if len(prompts) == 1 else [f"input.{k}" for k in range(len(prompts))]
             lora = body.model if body.model is not None and body.model not in names else None

@@ -6,7 +6,9 @@ decoder's last token, vLLM's `--convert embed` for a causal LM), cut to `dimensi
 L2-normalised (unless the checkpoint's modules or the request's `normalize` say not).
 
 Input: `input` a string, a list of strings, a list of token ids or a list of token-id lists;
-`encoding_format` "float" (lists of floats) or "base64" (little-endian float32 bytes, as
+or vLLM's chat form, `messages` through the chat template (`add_generation_prompt` off by
+default, `continue_final_message`, `chat_template_kwargs`); `encoding_format` "float" (lists of
+floats) or "base64" (little-endian float32 bytes, as
 OpenAI's client decodes them); `dimensions` (a Matryoshka model's shorter vectors: its config's
 `is_matryoshka` / `matryoshka_dimensions`; otherwise only its hidden size); vLLM's
 `truncate_prompt_tokens` (keep the last k tokens), `add_special_tokens` (default true) and
@@ -26,30 +28,62 @@ from typing import Any, Callable, Literal
 import numpy as np
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from raycluster.engine.engine import InvalidRequestError
 from raycluster.model.config import ModelConfig
 from raycluster.model.pooling import PoolerConfig, check_dimensions, finish_vector
 from raycluster.request import SamplingParams
-from raycluster.server.protocol import OverloadedError, error_body, now_s, overloaded_response
+from raycluster.server.protocol import (ChatMessage, OverloadedError, continue_needs_no_new_turn, error_body,
+                                       now_s, overloaded_response)
 
 
-class EmbeddingRequest(BaseModel):
+class PoolingInput(BaseModel):
+    """The input of a pooling request (/v1/embeddings, /classify): `input` as OpenAI's embeddings
+    take it, or vLLM's chat form, `messages` through the chat template (without a generation
+    prompt unless asked); exactly one of the two."""
     model_config = ConfigDict(extra="ignore")
     model: str | None = None
-    input: Any          # str | list[str] | list[int] | list[list[int]]: checked by `_inputs`, naming the element
-    encoding_format: Literal["float", "base64"] = "float"
-    dimensions: int | None = Field(None, ge=1)
+    input: Any = None   # str | list[str] | list[int] | list[list[int]]: checked by `request_inputs`
+    messages: list[ChatMessage] | None = None
+    add_generation_prompt: bool = False
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+    tools: None = None              # what the chat template reads (no tools here)
     user: str | None = None
     truncate_prompt_tokens: int | None = Field(None, ge=1)
-    add_special_tokens: bool = True
+    # None: on for `input` (as OpenAI's), off for `messages` (the template writes BOS itself).
+    add_special_tokens: bool | None = None
+
+    @field_validator("continue_final_message")
+    @classmethod
+    def _continue_or_new_turn(cls, v, info: ValidationInfo):
+        return continue_needs_no_new_turn(v, info)
+
+    @model_validator(mode="after")
+    def _one_input(self) -> "PoolingInput":
+        if (self.input is None) == (self.messages is None):
+            raise ValueError("give exactly one of input and messages")
+        return self
+
+
+class EmbeddingRequest(PoolingInput):
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = Field(None, ge=1)
     normalize: bool | None = None       # vLLM's: None -> the model's pooler default
 
 
-def request_inputs(body, encode: Callable[..., list[int]]) -> list[list[int]]:
-    """Each input's token ids of a request with `input`, `add_special_tokens` and
-    `truncate_prompt_tokens` (InvalidRequestError naming `input` / `input.i`)."""
+def request_inputs(body: PoolingInput, encode: Callable[..., list[int]],
+                   chat_ids: Callable[[PoolingInput], list[int]] | None) -> list[list[int]]:
+    """Each input's token ids, cut to `truncate_prompt_tokens` (InvalidRequestError naming
+    `input` / `input.i` / `messages`). `encode(prompt, field, add_special_tokens)`: a prompt's
+    ids; `chat_ids(body)`: the messages' ids through the chat template (None: no tokenizer)."""
+    k = body.truncate_prompt_tokens
+    if body.messages is not None:
+        if chat_ids is None:
+            raise InvalidRequestError("messages", "this server has no chat template to render them")
+        ids = chat_ids(body)
+        return [ids[-k:] if k is not None else ids]
     raw = body.input
     if not isinstance(raw, (str, list)):
         raise InvalidRequestError("input", "must be a string, a list of strings, a list of token ids or a list "
@@ -62,8 +96,7 @@ def request_inputs(body, encode: Callable[..., list[int]]) -> list[list[int]]:
     for prompt, field in batch:
         if not isinstance(prompt, (str, list)):
             raise InvalidRequestError(field, "must be a string or a list of token ids")
-        ids = encode(prompt, field, body.add_special_tokens)
-        k = body.truncate_prompt_tokens
+        ids = encode(prompt, field, body.add_special_tokens is not False)
         out.append(ids[-k:] if k is not None else ids)
     return out
 
@@ -104,11 +137,13 @@ async def pool_prompts(engine, rid: str, prompts: list[list[int]], fields: list[
 
 
 def add_embedding_routes(app: FastAPI, engine, names: list[str], encode: Callable[..., list[int]],
-                         unknown_model, model_config: ModelConfig | None = None) -> None:
+                         unknown_model, model_config: ModelConfig | None = None,
+                         chat_ids: Callable[[PoolingInput], list[int]] | None = None) -> None:
     """Register /v1/embeddings over `engine` (`generate`, `next_id`, `admit`). `encode(prompt,
     field, add_special_tokens)`: a prompt's ids; `unknown_model(body)`: the 404 for a `model`
     not served, or None; `model_config`: the served model's (its pooler and hidden size; None:
-    the default pooler, `dimensions` checked against the vectors that come back)."""
+    the default pooler, `dimensions` checked against the vectors that come back); `chat_ids`:
+    a `messages` request's ids through the chat template (None: no tokenizer here)."""
     pooler = model_config.pooler if model_config is not None else PoolerConfig()
 
     @app.post("/v1/embeddings")
@@ -124,7 +159,7 @@ def add_embedding_routes(app: FastAPI, engine, names: list[str], encode: Callabl
             return JSONResponse(error_body(f"dimensions: {why}", "dimensions"), status_code=400)
         try:
             engine.admit()
-            prompts = request_inputs(body, encode)
+            prompts = request_inputs(body, encode, chat_ids)
         except OverloadedError as e:
             return overloaded_response(e)
         except InvalidRequestError as e:

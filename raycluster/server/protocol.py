@@ -305,7 +305,7 @@ class ChatCompletionRequest(_GenerationFields):
     @field_validator("continue_final_message")
     @classmethod
     def _continue_or_new_turn(cls, v, info: ValidationInfo):
-        return _continue_needs_no_new_turn(v, info)
+        return continue_needs_no_new_turn(v, info)
 
     @field_validator("echo")
     @classmethod
@@ -323,7 +323,7 @@ class ChatCompletionRequest(_GenerationFields):
         return (self.top_logprobs or 0) if self.logprobs else None
 
 
-def _continue_needs_no_new_turn(v: bool, info: ValidationInfo) -> bool:
+def continue_needs_no_new_turn(v: bool, info: ValidationInfo) -> bool:
     if v and info.data.get("add_generation_prompt", True):
         raise ValueError("needs add_generation_prompt: false (a new turn cannot continue the last message)")
     return v
@@ -345,7 +345,7 @@ class TokenizeRequest(BaseModel):
     @field_validator("continue_final_message")
     @classmethod
     def _continue_or_new_turn(cls, v, info: ValidationInfo):
-        return _continue_needs_no_new_turn(v, info)
+        return continue_needs_no_new_turn(v, info)
 
     @model_validator(mode="after")
     def _one_input(self) -> "TokenizeRequest":

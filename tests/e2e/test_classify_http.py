@@ -37,7 +37,13 @@ def test_classify_gives_transformers_probabilities_and_labels(classifiers, hf):
         one = httpx.post(f"{url}/v1/classify", json={"input": TEXTS[0]}, timeout=60)
         emb = httpx.post(f"{url}/v1/embeddings", json={"input": TEXTS[0]}, timeout=60)
         score = httpx.post(f"{url}/score", json={"text_1": "a", "text_2": "b"}, timeout=60)
+        messages = [{"role": "user", "content": TEXTS[1]}]
+        chat = httpx.post(f"{url}/classify", json={"messages": messages}, timeout=60)
+        chat_ids = httpx.post(f"{url}/tokenize", json={"messages": messages, "add_generation_prompt": False},
+                              timeout=60).json()["tokens"]
+        as_ids = httpx.post(f"{url}/classify", json={"input": chat_ids}, timeout=60)
         assert all_free(aeng)
+    assert chat.status_code == 200 and chat.json()["data"][0]["probs"] == as_ids.json()["data"][0]["probs"]
     assert r.status_code == 200, r.text
     body = r.json()
     assert body["object"] == "list" and body["id"].startswith("classify")

@@ -180,3 +180,26 @@ def test_dense_modules_of_a_sentence_transformers_save(st_dense_dir):
         np.testing.assert_allclose(d["embedding"], model.encode(text), atol=1e-5)
     assert wide.status_code == 400 and wide.json()["error"]["param"] == "dimensions"
     assert "64 dimensions" in wide.json()["error"]["message"]
+
+
+def test_chat_messages_pool_the_chat_templates_tokens(server):
+    """vLLM's chat form: `messages` through the chat template (no generation prompt unless asked),
+    the same vector as those ids sent as `input`; one of `input` and `messages` exactly."""
+    url, aeng, _, ref = server
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "the river"}]
+    ids = httpx.post(f"{url}/tokenize", json={"messages": messages, "add_generation_prompt": False}, timeout=60)
+    chat = httpx.post(f"{url}/v1/embeddings", json={"messages": messages}, timeout=60)
+    turn = httpx.post(f"{url}/v1/embeddings", json={"messages": messages, "add_generation_prompt": True}, timeout=60)
+    assert chat.status_code == 200 and turn.status_code == 200, (chat.text, turn.text)
+    tokens = ids.json()["tokens"]
+    np.testing.assert_allclose(chat.json()["data"][0]["embedding"], _reference(ref, tokens), atol=1e-6)
+    assert chat.json()["usage"]["prompt_tokens"] == len(tokens) < turn.json()["usage"]["prompt_tokens"]
+    both = httpx.post(f"{url}/v1/embeddings", json={"messages": messages, "input": "x"}, timeout=60)
+    neither = httpx.post(f"{url}/v1/embeddings", json={"model": "tiny"}, timeout=60)
+    for r in (both, neither):
+        assert r.status_code == 400 and "exactly one of input and messages" in r.json()["error"]["message"], r.text
+    bad = httpx.post(f"{url}/v1/embeddings", json={"messages": [{"role": "user", "content": "a"}],
+                                                   "continue_final_message": True, "add_generation_prompt": True},
+                     timeout=60)
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "continue_final_message"
+    assert all_free(aeng)
