@@ -26,7 +26,8 @@ CONFIG_ENV = "RAYCLUSTER_CLUSTER_CONFIG"
 
 
 def build_gateway_app():
-    from raycluster.model.config import ModelConfig
+    from raycluster.model.config import model_summary
+    from raycluster.model.loader import load_config
     from raycluster.model.generation_config import load_generation_config
     from raycluster.model.registry import resolve_model_path
     from raycluster.model.tokenizer import Tokenizer
@@ -34,7 +35,7 @@ def build_gateway_app():
 
     cfg = ClusterConfig.model_validate_json(os.environ[CONFIG_ENV])
     path = resolve_model_path(cfg.model)
-    mcfg = ModelConfig.from_pretrained(path)
+    mcfg = load_config(path)       # with what the tensor names say (a checkpoint without an output head)
     tokenizer = Tokenizer(path, mcfg.eos_token_id)
     if cfg.chat_template:
         tokenizer.set_chat_template(cfg.chat_template)
@@ -71,6 +72,7 @@ def build_gateway_app():
         except Exception as e:          # the router is restarting (or gone): say so, not 500
             return JSONResponse(error_body(f"router unavailable: {e}", None, "unavailable", "unavailable"),
                                 status_code=503, headers={"Retry-After": "1"})
+        status["model"] = {"name": names[0], **model_summary(mcfg)}
         if app_name is not None:        # each replica's own port (Serve direct ingress), if on
             status["gateway_urls"] = await asyncio.to_thread(
                 direct_ingress.urls, app_name, request.url.hostname or "127.0.0.1")

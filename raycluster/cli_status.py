@@ -1,5 +1,5 @@
 """`raycluster status`: asks the running gateway for the cluster's status and prints it as a table
-(pools, instances, queues, KV usage, KV pulls, controller moves), or as JSON with `--json`. The
+(the served model, pools, instances, queues, KV usage, KV pulls, controller moves), or as JSON with `--json`. The
 gateway's URL comes from `--url`, else from what `up --detach` recorded, else 127.0.0.1:8000;
 the API key, if the gateway wants one, from RAYCLUSTER_API_KEY."""
 
@@ -36,10 +36,22 @@ def cmd_status(args: argparse.Namespace) -> int:
     return 0
 
 
+def model_line(m: dict) -> str:
+    """The served model in one line: name, architecture, tasks, pooling, weights."""
+    pool = m.get("pooling") or {}
+    pooling = f"{pool.get('type')} pooling" + (", normalised" if pool.get("normalize") else "") + \
+        "".join(f", {d}" for d in pool.get("dense", [])) + f", {pool.get('size')} dims"
+    labels = f" labels {', '.join(m['labels'])};" if m.get("labels") else ""
+    return (f"model {m.get('name')} ({m.get('architecture')}): {' + '.join(m.get('tasks', []))};{labels} "
+            f"{pooling}; weights {m.get('weights')} ({m.get('dtype') or 'float32'})")
+
+
 def format_status(status: dict) -> str:
     """`raycluster status`'s table, from the router's status JSON."""
     lines = [f"policy {status.get('policy')}   in flight {status.get('inflight')}   queues {status.get('queues')}   "
              f"router {status.get('router_id')}"]
+    if status.get("model"):
+        lines.append(model_line(status["model"]))
     if status.get("gateway_urls"):
         lines.append(f"gateway replicas (no proxy hop): {', '.join(status['gateway_urls'])}")
     if status.get("lora_adapters") or status.get("lora_loading"):

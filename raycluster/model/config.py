@@ -235,6 +235,21 @@ class ModelConfig:
             sliding_layers=sliding, moe=moe, quant=quant, pooler=pooler, raw=dict(d))
 
 
+def model_summary(cfg: ModelConfig) -> dict[str, Any]:
+    """What a served checkpoint is, for `raycluster status`: its architecture, what it serves
+    (generation, embeddings, classification), how it pools, and its weight format."""
+    tasks = (["generate"] if cfg.has_lm_head else []) + (["classify"] if cfg.labels else ["embed"])
+    pooler = cfg.pooler
+    q = cfg.quant
+    return {"architecture": cfg.raw.get("architectures", [cfg.architecture])[0], "tasks": tasks,
+            "pooling": {"type": pooler.pooling_type, "normalize": pooler.normalize, "source": pooler.source,
+                        "dense": [d.path for d in pooler.dense], "size": pooler.output_size(cfg.hidden_size),
+                        "matryoshka": pooler.matryoshka_dimensions or pooler.matryoshka},
+            "labels": list(cfg.labels), "dtype": cfg.dtype,
+            "weights": "dense" if q is None else q.method + (f" {q.layout}" if q.layout != q.method else "")
+                       + f" {q.bits}-bit {q.strategy}" + (f" g{q.group_size}" if q.group_size else "")}
+
+
 def _labels(d: dict[str, Any]) -> tuple[str, ...]:
     """A classifier's label names, as transformers numbers them: `id2label` (keys 0..n-1), else
     `num_labels` (default 2) labels LABEL_i."""

@@ -42,3 +42,6 @@ def test_an_embedding_model_through_pd_pools(ray_cluster, st_dense_dir):
         assert gen.status_code == 400 and gen.json()["error"]["param"] == "model", gen.text
         status = drained_status(url)
         assert {i["role"]: i["layout"] for i in status["instances"]}["prefill-short"] == "tp2"
+        model_facts = status["model"]
+        assert (model_facts["architecture"], model_facts["tasks"], model_facts["pooling"]["size"]) == \
+            ("LlamaModel", ["embed"], 64)

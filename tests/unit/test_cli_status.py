@@ -36,3 +36,23 @@ def test_status_shows_the_lora_adapters_and_instances_that_could_not_load_one():
     lines = format_status(status).splitlines()
     assert lines[1] == "LoRA adapters: sql (/a/sql); loading chat"
     assert lines[5] == "  LoRA adapter chat not loaded: chat: no adapter found at /b"
+
+
+def test_status_names_the_served_model_its_tasks_pooling_and_weights(tiny_model_dir, st_dense_dir, classifiers):
+    from raycluster.model.config import ModelConfig, model_summary
+    from raycluster.model.loader import load_config
+
+    def line(cfg, name="m"):
+        return format_status({**STATUS, "model": {"name": name, **model_summary(cfg)}}).splitlines()[1]
+
+    assert line(load_config(tiny_model_dir), "tiny") == \
+        "model tiny (LlamaForCausalLM): generate + embed; last pooling, normalised, 256 dims; weights dense (float32)"
+    assert line(load_config(st_dense_dir)) == ("model m (LlamaModel): embed; mean pooling, normalised, 2_Dense, "
+                                               "3_Dense, 64 dims; weights dense (float32)")
+    assert line(load_config(classifiers["sentiment"])) == (
+        "model m (LlamaForSequenceClassification): classify; labels negative, neutral, positive; last pooling, "
+        "normalised, 256 dims; weights dense (float32)")
+    gptq = {**load_config(tiny_model_dir).raw, "dtype": "bfloat16",
+            "quantization_config": {"quant_method": "gptq", "bits": 4, "group_size": 32, "desc_act": False,
+                                    "sym": True}}
+    assert line(ModelConfig.from_dict(gptq)).endswith("weights gptq 4-bit group g32 (bfloat16)")
