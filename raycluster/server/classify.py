@@ -6,7 +6,8 @@ them, or chat `messages`; `truncate_prompt_tokens`, `add_special_tokens`) runs a
 returns the classifier's logits (its score head over the last token's final hidden state, as
 transformers' *ForSequenceClassification computes them). The answer per input: `probs` (softmax
 over the labels; with one label, its sigmoid), `label` (the most probable label's name from the
-config's id2label) and `num_classes`. A model that is not a classifier answers 400 naming `model`.
+config's id2label) and `num_classes`; vLLM's `use_activation: false` returns the raw logits (a
+reward model's score). A model that is not a classifier answers 400 naming `model`.
 """
 
 from __future__ import annotations
@@ -24,11 +25,15 @@ from raycluster.server.protocol import OverloadedError, error_body, now_s, overl
 
 
 class ClassificationRequest(PoolingInput):
-    """vLLM's classification request: a pooling input (`input` or `messages`) and nothing more."""
+    """vLLM's classification request: a pooling input (`input` or `messages`)."""
+    use_activation: bool = True     # vLLM's: false returns the raw logits as `probs` (a reward model's score)
 
 
-def label_probs(logits: list[float]) -> list[float]:
-    """A classifier's probabilities from its logits: softmax, or the sigmoid of a single one."""
+def label_probs(logits: list[float], activation: bool = True) -> list[float]:
+    """A classifier's probabilities from its logits: softmax, or the sigmoid of a single one
+    (`activation` false: the logits themselves)."""
+    if not activation:
+        return list(logits)
     x = torch.tensor(logits, dtype=torch.float32)
     return (torch.sigmoid(x) if len(logits) == 1 else torch.softmax(x, dim=-1)).tolist()
 
@@ -59,7 +64,7 @@ def add_classify_routes(app: FastAPI, engine, names: list[str], encode: Callable
             return JSONResponse(error_body(str(e), e.field), status_code=400)
         data = []
         for k, row in enumerate(logits):
-            probs = label_probs(row)
+            probs = label_probs(row, body.use_activation)
             best = max(range(len(probs)), key=probs.__getitem__)
             data.append({"index": k, "label": labels[best], "probs": probs, "num_classes": len(probs)})
         n = sum(map(len, prompts))

@@ -7,7 +7,8 @@ as /v1/embeddings pools it (raycluster.server.embeddings.pool_prompts; the full 
 Matryoshka cut); each distinct text is pooled once. Cross-encoder (a checkpoint whose config names
 a *ForSequenceClassification with one label): the two texts are read as one sequence, joined by
 the tokenizer's pair template (transformers' `tokenizer(text_1, text_2)`), and the score is the
-sigmoid of the classifier's logit, as vLLM scores with a cross-encoder. A classifier with more
+sigmoid of the classifier's logit (the logit itself with vLLM's `use_activation: false`), as
+vLLM scores with a cross-encoder. A classifier with more
 labels does not score (400 naming `model`).
 
 Score: `text_1` a string or a list, `text_2` a string or a list; one `text_1` scores against each
@@ -41,6 +42,7 @@ class ScoreRequest(BaseModel):
     text_2: str | list[str]
     truncate_prompt_tokens: int | None = Field(None, ge=1)
     add_special_tokens: bool = True
+    use_activation: bool = True     # vLLM's: false gives a cross-encoder's raw logit
 
 
 class RerankDocument(BaseModel):
@@ -57,6 +59,7 @@ class RerankRequest(BaseModel):
     return_documents: bool = True
     truncate_prompt_tokens: int | None = Field(None, ge=1)
     add_special_tokens: bool = True
+    use_activation: bool = True
 
 
 def score_pairs(body: ScoreRequest) -> tuple[list[tuple[str, str]], list[tuple[int, int]]]:
@@ -121,7 +124,7 @@ def add_scoring_routes(app: FastAPI, engine, names: list[str], encode: Callable[
         engine.admit()
         prompts = [encode_pair(texts[a][0], texts[b][0], texts[b][1], body.add_special_tokens) for a, b in pairs]
         rid, logits, n = await pooled(body, prompts, [texts[b][1] for _, b in pairs], kind)
-        return rid, [sigmoid(v[0]) for v in logits], n
+        return rid, [sigmoid(v[0]) if body.use_activation else v[0] for v in logits], n
 
     scores_of = cross_encoder if labels else bi_encoder
 

@@ -67,6 +67,8 @@ def test_a_one_label_classifier_is_a_cross_encoder(classifiers, hf):
         s = httpx.post(f"{url}/score", json={"text_1": query, "text_2": TEXTS}, timeout=60)
         rr = httpx.post(f"{url}/v1/rerank", json={"query": query, "documents": TEXTS, "top_n": 2}, timeout=60)
         cls = httpx.post(f"{url}/classify", json={"input": query}, timeout=60)
+        raw = httpx.post(f"{url}/score", json={"text_1": query, "text_2": TEXTS, "use_activation": False}, timeout=60)
+        raw_cls = httpx.post(f"{url}/classify", json={"input": query, "use_activation": False}, timeout=60)
         assert all_free(aeng)
     assert s.status_code == 200 and rr.status_code == 200, (s.text, rr.text)
     want = []
@@ -75,6 +77,10 @@ def test_a_one_label_classifier_is_a_cross_encoder(classifiers, hf):
         assert ours.encode_pair(query, text) == ids
         want.append(torch.sigmoid(_hf_logits(models["reranker"], ids))[0].item())
     assert [d["score"] for d in s.json()["data"]] == pytest.approx(want, abs=1e-5)
+    # use_activation false: the raw logits (a reward model's score).
+    assert [torch.sigmoid(torch.tensor(d["score"])).item() for d in raw.json()["data"]] == pytest.approx(want, abs=1e-5)
+    assert raw_cls.json()["data"][0]["probs"] == pytest.approx(
+        _hf_logits(models["reranker"], tok(query)["input_ids"]).tolist(), abs=1e-5)
     assert s.json()["usage"]["prompt_tokens"] == sum(len(tok(query, t)["input_ids"]) for t in TEXTS)
     order = sorted(range(len(TEXTS)), key=lambda i: -want[i])[:2]
     assert [x["index"] for x in rr.json()["results"]] == order
