@@ -52,10 +52,11 @@ class LLMEngine:
     def __init__(self, config: EngineConfig, model, tokenizer=None, clock: Clock | None = None,
                  predictor: LinearBatchPredictor | None = None, runner=None,
                  classifier: torch.Tensor | None = None, projector=None) -> None:
-        """`classifier`: a sequence classifier's score head [labels, H] (default: `model.score`'s;
-        a group's leader holds none, `from_config` reads it from the checkpoint); `projector`: an
-        embedding checkpoint's Dense modules (default `model.projector`, likewise). `runner`: a prebuilt runner (e.g. a KVP / SPP / TP group whose ranks are Ray actors);
-        default one built from `config` (raycluster.parallel.factory). `model`: what the engine
+        """`runner`: a prebuilt runner (e.g. a KVP / SPP / TP group whose ranks are Ray actors);
+        default one built from `config` (raycluster.parallel.factory). `classifier`: a sequence
+        classifier's score head [labels, H] (default: `model.score`'s; a group's leader holds
+        none: `from_runner` reads it from the checkpoint); `projector`: an embedding checkpoint's
+        Dense modules (default `model.projector`, likewise). `model`: what the engine
         reads its vocab, length and EOS from (`model.config`): the full model, or the
         `GroupModel` of a prebuilt group whose ranks read their parts from the checkpoint."""
         if config.num_threads:
