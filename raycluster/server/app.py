@@ -345,10 +345,10 @@ def build_app(engine, tokenizer, model_names: str | Sequence[str], api_keys: Seq
                             status_code=404)
 
     chat_ids = (lambda body: _chat_ids(body)) if tokenizer is not None else None
-    add_embedding_routes(app, engine, names, _encode_prompt, _unknown_model, model_config, chat_ids)
+    add_embedding_routes(app, engine, names, _encode_prompt, _unknown_model, model_config, chat_ids, metrics)
     add_scoring_routes(app, engine, names, _encode_prompt, _encode_pair if tokenizer is not None else None,
-                       _unknown_model, model_config)
-    add_classify_routes(app, engine, names, _encode_prompt, _unknown_model, model_config, chat_ids)
+                       _unknown_model, model_config, metrics)
+    add_classify_routes(app, engine, names, _encode_prompt, _unknown_model, model_config, chat_ids, metrics)
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, http: HTTPRequest):

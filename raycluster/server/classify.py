@@ -21,6 +21,7 @@ from fastapi.responses import JSONResponse
 from raycluster.engine.engine import InvalidRequestError
 from raycluster.model.config import ModelConfig
 from raycluster.server.embeddings import PoolingInput, pool_prompts, request_inputs
+from raycluster.server.request_metrics import RequestMetrics
 from raycluster.server.protocol import OverloadedError, error_body, now_s, overloaded_response
 
 
@@ -40,7 +41,8 @@ def label_probs(logits: list[float], activation: bool = True) -> list[float]:
 
 def add_classify_routes(app: FastAPI, engine, names: list[str], encode: Callable[..., list[int]], unknown_model,
                         model_config: ModelConfig | None = None,
-                        chat_ids: Callable[[PoolingInput], list[int]] | None = None) -> None:
+                        chat_ids: Callable[[PoolingInput], list[int]] | None = None,
+                        metrics: RequestMetrics | None = None) -> None:
     """Register /classify over `engine` (`admit`, `next_id`, `generate`); the other arguments as
     `add_embedding_routes`'s. `model_config` None or without labels: not a classifier."""
     labels = model_config.labels if model_config is not None else ()
@@ -57,7 +59,7 @@ def add_classify_routes(app: FastAPI, engine, names: list[str], encode: Callable
             rid = engine.next_id("classify")
             fields = ["input"] if len(prompts) == 1 else [f"input.{k}" for k in range(len(prompts))]
             lora = body.model if body.model is not None and body.model not in names else None
-            logits = await pool_prompts(engine, rid, prompts, fields, lora)
+            logits = await pool_prompts(engine, rid, prompts, fields, lora, metrics)
         except OverloadedError as e:
             return overloaded_response(e)
         except InvalidRequestError as e:

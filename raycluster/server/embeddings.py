@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import time
 from typing import Any, Callable, Literal
 
 import numpy as np
@@ -34,6 +35,7 @@ from raycluster.engine.engine import InvalidRequestError
 from raycluster.model.config import ModelConfig
 from raycluster.model.pooling import PoolerConfig, check_dimensions, finish_vector
 from raycluster.request import SamplingParams
+from raycluster.server.request_metrics import RequestMetrics
 from raycluster.server.protocol import (ChatMessage, OverloadedError, continue_needs_no_new_turn, error_body,
                                        now_s, overloaded_response)
 
@@ -108,19 +110,26 @@ def _vector(values: list[float], encoding: str) -> list[float] | str:
 
 
 async def pool_prompts(engine, rid: str, prompts: list[list[int]], fields: list[str],
-                       lora_adapter: str | None = None) -> list[list[float]]:
+                       lora_adapter: str | None = None, metrics: RequestMetrics | None = None) -> list[list[float]]:
     """The raw pooled vector of each prompt (token ids), run as pooling requests of `engine`
     (request ids `rid`, or `rid-k` for several) side by side. Raises the first failure:
-    `InvalidRequestError` naming the failing prompt's field from `fields`, or `OverloadedError`."""
+    `InvalidRequestError` naming the failing prompt's field from `fields`, or `OverloadedError`.
+    `metrics`: each prompt counts as a request (its prompt tokens, and when it ends its latency,
+    no output tokens), as vLLM counts pooling requests."""
     sampling = SamplingParams(max_tokens=1, embed=True, lora_adapter=lora_adapter)
 
     async def one(k: int, ids: list[int]) -> list[float]:
+        t0 = time.perf_counter()
         gen = engine.generate(rid if len(prompts) == 1 else f"{rid}-{k}", ids, sampling)
+        if metrics is not None:
+            metrics.admitted(len(ids))
         try:
             async for out in gen:
                 if out.finished:
                     if out.embedding is None:
                         raise InvalidRequestError("input", f"no embedding came back ({out.finish_reason})")
+                    if metrics is not None:
+                        metrics.finished(out.finish_reason, 0, time.perf_counter() - t0, None, len(ids))
                     return out.embedding
         finally:
             await gen.aclose()
@@ -138,12 +147,14 @@ async def pool_prompts(engine, rid: str, prompts: list[list[int]], fields: list[
 
 def add_embedding_routes(app: FastAPI, engine, names: list[str], encode: Callable[..., list[int]],
                          unknown_model, model_config: ModelConfig | None = None,
-                         chat_ids: Callable[[PoolingInput], list[int]] | None = None) -> None:
+                         chat_ids: Callable[[PoolingInput], list[int]] | None = None,
+                         metrics: RequestMetrics | None = None) -> None:
     """Register /v1/embeddings over `engine` (`generate`, `next_id`, `admit`). `encode(prompt,
     field, add_special_tokens)`: a prompt's ids; `unknown_model(body)`: the 404 for a `model`
     not served, or None; `model_config`: the served model's (its pooler and hidden size; None:
     the default pooler, `dimensions` checked against the vectors that come back); `chat_ids`:
-    a `messages` request's ids through the chat template (None: no tokenizer here)."""
+    a `messages` request's ids through the chat template (None: no tokenizer here); `metrics`:
+    where each input is counted (`pool_prompts`)."""
     pooler = model_config.pooler if model_config is not None else PoolerConfig()
 
     @app.post("/v1/embeddings")
@@ -168,7 +179,7 @@ def add_embedding_routes(app: FastAPI, engine, names: list[str], encode: Callabl
         lora = body.model if body.model is not None and body.model not in names else None   # an adapter
         fields = ["input"] if len(prompts) == 1 else [f"input.{k}" for k in range(len(prompts))]
         try:
-            results = await pool_prompts(engine, rid, prompts, fields, lora)
+            results = await pool_prompts(engine, rid, prompts, fields, lora, metrics)
         except InvalidRequestError as e:
             return JSONResponse(error_body(str(e), e.field), status_code=400)
         except OverloadedError as e:

@@ -32,6 +32,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from raycluster.engine.engine import InvalidRequestError
 from raycluster.model.config import ModelConfig
 from raycluster.server.embeddings import pool_prompts
+from raycluster.server.request_metrics import RequestMetrics
 from raycluster.server.protocol import OverloadedError, error_body, now_s, overloaded_response
 
 
@@ -92,12 +93,13 @@ def sigmoid(x: float) -> float:
 
 def add_scoring_routes(app: FastAPI, engine, names: list[str], encode: Callable[..., list[int]],
                        encode_pair: Callable[..., list[int]] | None, unknown_model,
-                       model_config: ModelConfig | None = None) -> None:
+                       model_config: ModelConfig | None = None, metrics: RequestMetrics | None = None) -> None:
     """Register the score and rerank routes over `engine` (as /v1/embeddings: `admit`,
     `next_id`, `generate`). `encode(text, field, add_special_tokens)`: a text's ids;
     `encode_pair(first, second, field, add_special_tokens)`: a pair's ids (a cross-encoder's
     input); `unknown_model(body)`: the 404 for a `model` not served, or None; `model_config`: the
-    served model's (a classifier's labels make it a cross-encoder; None: a bi-encoder)."""
+    served model's (a classifier's labels make it a cross-encoder; None: a bi-encoder);
+    `metrics`: where each pooled sequence is counted."""
     labels = model_config.labels if model_config is not None else ()
 
     async def pooled(body, prompts: list[list[int]], fields: list[str], kind: str) -> tuple[str, list[list[float]]]:
@@ -105,7 +107,7 @@ def add_scoring_routes(app: FastAPI, engine, names: list[str], encode: Callable[
         prompts = [ids[-k:] for ids in prompts] if k is not None else prompts
         rid = engine.next_id(kind)
         lora = body.model if body.model is not None and body.model not in names else None
-        return rid, await pool_prompts(engine, rid, prompts, fields, lora), sum(map(len, prompts))
+        return rid, await pool_prompts(engine, rid, prompts, fields, lora, metrics), sum(map(len, prompts))
 
     async def bi_encoder(body, texts: list[tuple[str, str]], pairs: list[tuple[int, int]], kind: str):
         """(request id, each pair's cosine similarity, tokens pooled)."""

@@ -203,3 +203,29 @@ def test_chat_messages_pool_the_chat_templates_tokens(server):
                      timeout=60)
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "continue_final_message"
     assert all_free(aeng)
+
+
+def _counters(url: str) -> dict[str, float]:
+    from prometheus_client.parser import text_string_to_metric_families
+    text = httpx.get(f"{url}/metrics", timeout=30).text
+    return {s.name + "".join(f",{k}={v}" for k, v in sorted(s.labels.items()) if k != "model_name"): s.value
+            for f in text_string_to_metric_families(text) for s in f.samples}
+
+
+def test_pooling_requests_are_counted_in_the_metrics(server):
+    """Each input is a request on /metrics, as vLLM counts pooling requests: its prompt tokens, a
+    success with no generated tokens, its latency."""
+    url, aeng, tok, _ = server
+    before = _counters(url)
+    texts = ["hello river", "the sea"]
+    assert httpx.post(f"{url}/v1/embeddings", json={"input": texts}, timeout=60).status_code == 200
+    assert httpx.post(f"{url}/score", json={"text_1": texts[0], "text_2": texts[1]}, timeout=60).status_code == 200
+    after = _counters(url)
+    n = 2 * sum(len(tok.encode(t)) for t in texts)
+
+    def delta(name):
+        return after.get(name, 0) - before.get(name, 0)
+    assert delta("vllm:prompt_tokens_total") == n and delta("vllm:generation_tokens_total") == 0
+    assert delta("vllm:request_success_total,finished_reason=stop") == 4
+    assert delta("vllm:e2e_request_latency_seconds_count") == 4
+    assert all_free(aeng)
