@@ -20,7 +20,7 @@ from fastapi.responses import JSONResponse
 
 from raycluster.engine.engine import InvalidRequestError
 from raycluster.model.config import ModelConfig
-from raycluster.server.embeddings import PoolingInput, pool_prompts, request_inputs
+from raycluster.server.embeddings import PoolingInput, adapter_of, input_fields, pool_prompts, request_inputs
 from raycluster.server.request_metrics import RequestMetrics
 from raycluster.server.protocol import OverloadedError, error_body, now_s, overloaded_response
 
@@ -57,9 +57,8 @@ def add_classify_routes(app: FastAPI, engine, names: list[str], encode: Callable
             engine.admit()
             prompts = request_inputs(body, encode, chat_ids)
             rid = engine.next_id("classify")
-            fields = ["input"] if len(prompts) == 1 else [f"input.{k}" for k in range(len(prompts))]
-            lora = body.model if body.model is not None and body.model not in names else None
-            logits = await pool_prompts(engine, rid, prompts, fields, lora, metrics)
+            logits = await pool_prompts(engine, rid, prompts, input_fields(len(prompts)), adapter_of(body, names),
+                                        metrics)
         except OverloadedError as e:
             return overloaded_response(e)
         except InvalidRequestError as e:

@@ -109,6 +109,16 @@ def _vector(values: list[float], encoding: str) -> list[float] | str:
     return base64.b64encode(np.asarray(values, dtype="<f4").tobytes()).decode()
 
 
+def adapter_of(body, names: list[str]) -> str | None:
+    """The LoRA adapter a pooling request's `model` names (None: a served base-model name, or none)."""
+    return body.model if body.model is not None and body.model not in names else None
+
+
+def input_fields(n: int) -> list[str]:
+    """The field names of `n` inputs of `input`, as errors name them."""
+    return ["input"] if n == 1 else [f"input.{k}" for k in range(n)]
+
+
 async def pool_prompts(engine, rid: str, prompts: list[list[int]], fields: list[str],
                        lora_adapter: str | None = None, metrics: RequestMetrics | None = None) -> list[list[float]]:
     """The raw pooled vector of each prompt (token ids), run as pooling requests of `engine`
@@ -176,15 +186,14 @@ def add_embedding_routes(app: FastAPI, engine, names: list[str], encode: Callabl
         except InvalidRequestError as e:
             return JSONResponse(error_body(str(e), e.field), status_code=400)
         rid = engine.next_id("embd")
-        lora = body.model if body.model is not None and body.model not in names else None   # an adapter
-        fields = ["input"] if len(prompts) == 1 else [f"input.{k}" for k in range(len(prompts))]
         try:
-            results = await pool_prompts(engine, rid, prompts, fields, lora, metrics)
+            results = await pool_prompts(engine, rid, prompts, input_fields(len(prompts)), adapter_of(body, names),
+                                         metrics)
         except InvalidRequestError as e:
             return JSONResponse(error_body(str(e), e.field), status_code=400)
         except OverloadedError as e:
             return overloaded_response(e)
-        if (why := check_dimensions(pooler, body.dimensions, len(results[0]))) is not None:
+        if model_config is None and (why := check_dimensions(pooler, body.dimensions, len(results[0]))) is not None:
             return JSONResponse(error_body(f"dimensions: {why}", "dimensions"), status_code=400)
         normalize = pooler.normalize if body.normalize is None else body.normalize
         results = [finish_vector(v, body.dimensions, normalize) for v in results]

@@ -31,7 +31,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from raycluster.engine.engine import InvalidRequestError
 from raycluster.model.config import ModelConfig
-from raycluster.server.embeddings import pool_prompts
+from raycluster.server.embeddings import adapter_of, pool_prompts
 from raycluster.server.request_metrics import RequestMetrics
 from raycluster.server.protocol import OverloadedError, error_body, now_s, overloaded_response
 
@@ -106,8 +106,8 @@ def add_scoring_routes(app: FastAPI, engine, names: list[str], encode: Callable[
         k = body.truncate_prompt_tokens
         prompts = [ids[-k:] for ids in prompts] if k is not None else prompts
         rid = engine.next_id(kind)
-        lora = body.model if body.model is not None and body.model not in names else None
-        return rid, await pool_prompts(engine, rid, prompts, fields, lora, metrics), sum(map(len, prompts))
+        return rid, await pool_prompts(engine, rid, prompts, fields, adapter_of(body, names), metrics), \
+            sum(map(len, prompts))
 
     async def bi_encoder(body, texts: list[tuple[str, str]], pairs: list[tuple[int, int]], kind: str):
         """(request id, each pair's cosine similarity, tokens pooled)."""
