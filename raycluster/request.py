@@ -83,6 +83,10 @@ class SamplingParams:
     # output the prompt's final hidden states pooled as the engine's model says (Request.pooling);
     # it samples no token (max_tokens is ignored).
     embed: bool = False
+    # A cross-encoder's sentence pair (pooling requests): the prompt position where the second
+    # text starts, whose tokens a BERT-style encoder reads as token type 1 (0: one text). Sent as
+    # one number, as vLLM compresses token_type_ids, since the types are 0...0 1...1.
+    pair_start: int = 0
 
     @property
     def penalized(self) -> bool:
@@ -94,6 +98,8 @@ class SamplingParams:
         """Raise ValueError naming the field a user got wrong."""
         if self.max_tokens <= 0:
             raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if self.pair_start and (self.pair_start < 0 or not self.embed):
+            raise ValueError(f"pair_start must be a position (>= 0) of a pooling request's prompt, got {self.pair_start}")
         if self.temperature < 0:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:

@@ -1,6 +1,7 @@
 """Shared fixtures: the tiny checkpoint, written once per session. gloo binds loopback in every
 test (tests never leave the machine), here and in every process a test starts."""
 
+import importlib.util
 import json
 import os
 import sys
@@ -168,3 +169,23 @@ def st_dense_dir(tiny_model_dir, tmp_path_factory, write_st_layout):
             models.Normalize()])
         model.save(str(root / "st"))
     return root / "st"
+
+
+@pytest.fixture(scope="session")
+def encoders(tmp_path_factory):
+    """Tiny BERT-style checkpoints (tests/encoder_checkpoints.py), written by transformers: "bert"
+    (BertModel), "bert-st" (it through sentence-transformers: mean pooling, Normalize),
+    "bert-ce" (a one-label BertForSequenceClassification: a cross-encoder), "bert-3" (three
+    labels), "xlmr" (XLMRobertaModel) and "xlmr-ce" (a one-label XLM-RoBERTa classifier)."""
+    pytest.importorskip("transformers")
+    from encoder_checkpoints import write_encoder, write_st_encoder
+
+    root = tmp_path_factory.mktemp("encoders")
+    out = {"bert": write_encoder(root / "bert", "BertModel"),
+           "bert-ce": write_encoder(root / "bert-ce", "BertForSequenceClassification", ["relevant"], seed=1),
+           "bert-3": write_encoder(root / "bert-3", "BertForSequenceClassification", ["neg", "neutral", "pos"], seed=2),
+           "xlmr": write_encoder(root / "xlmr", "XLMRobertaModel", seed=3),
+           "xlmr-ce": write_encoder(root / "xlmr-ce", "XLMRobertaForSequenceClassification", ["relevant"], seed=4)}
+    if importlib.util.find_spec("sentence_transformers") is not None:
+        out["bert-st"] = write_st_encoder(out["bert"], root / "bert-st")
+    return out

@@ -189,6 +189,12 @@ class EngineConfig(BaseModel):
             dtype = "bfloat16"          # CPU kernels are bf16's, as vLLM's CPU backend
         return self.model_copy(update={"dtype": dtype})
 
+    def for_encoder(self) -> "EngineConfig":
+        """This config as a BERT-style encoder runs it: each prompt whole in one step (its
+        attention is bidirectional: a chunk would miss the tokens after it; vLLM turns chunked
+        prefill off for encoders), and no prefix cache (an encoder keeps no KV)."""
+        return self.model_copy(update={"packer": "token", "chunk_size": None, "enable_prefix_caching": False})
+
     def torch_dtype(self) -> torch.dtype:
         if self.dtype == "auto":
             raise ValueError("dtype: 'auto' is made concrete against the checkpoint first (EngineConfig.for_model)")

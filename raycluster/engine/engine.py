@@ -62,6 +62,8 @@ class LLMEngine:
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         config = config.for_model(getattr(model.config, "dtype", None))
+        if model.config.is_encoder:
+            config = config.for_encoder()
         self.config = config
         self.model = model
         self.tokenizer = tokenizer
@@ -74,7 +76,9 @@ class LLMEngine:
         # A classifier's pooled vector goes through its score head: the output is one logit per label.
         head = getattr(model, "score", None)
         self.classifier = classifier if classifier is not None else head.weight if head is not None else None
-        if mcfg.labels and self.classifier is None:
+        # An encoder classifier's head is its own module (`model.classify`: pooler or dense, then the classifier).
+        self.encoder_head = model.classify if mcfg.is_encoder and mcfg.labels else None
+        if mcfg.labels and self.classifier is None and self.encoder_head is None:
             raise ValueError("a sequence classifier's engine needs its score head (model.score or `classifier`)")
         # An embedding's Dense projections after pooling (sentence-transformers' Dense modules).
         self.projector = projector if projector is not None else getattr(model, "projector", None)
@@ -114,6 +118,8 @@ class LLMEngine:
         predictor the new pieces need and this engine lacks is obtained as at start. The pieces
         left behind are kept for a return (`RetiredScheduling`). Returns whether anything changed."""
         cfg = self.config.with_scheduling_of(pool)
+        if self.model.config.is_encoder:
+            cfg = cfg.for_encoder()
         if cfg == self.config:
             return False
         if self.predictor is None:
@@ -313,6 +319,8 @@ class LLMEngine:
             for req, vector in step.embeddings:
                 if self.classifier is not None:
                     vector = torch.nn.functional.linear(vector, self.classifier.to(vector.dtype))
+                elif self.encoder_head is not None:
+                    vector = self.encoder_head(vector.to(self.runner.dtype)[None])[0].float()
                 elif self.projector is not None:
                     vector = self.projector(vector)
                 req.embedding = vector.tolist()

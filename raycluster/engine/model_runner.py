@@ -103,7 +103,7 @@ def plan_logits(runner, plan) -> torch.Tensor:
 def execute_step(runner, out: SchedulerOutput) -> StepLogits:
     """What every runner's `execute` does: plan the step, run it, and turn the sampled rows into
     fp32 logits (`plan_logits`: the leader's output head, or the group's vocab-parallel lanes).
-    Pooling requests' prefill rows are pooled on the way (`_pool`)."""
+    Pooling requests' prefill rows are pooled on the way (`pool_prefills`)."""
     plan, reqs, prompt, drafts = step_plan(out, runner.kv.block_tables)
     pooling = any(req.pooling is not None for req, _ in out.prefills)
     # Pooling reads the step's final hidden states, kept as for an EAGLE head (every runner but
@@ -119,7 +119,7 @@ def execute_step(runner, out: SchedulerOutput) -> StepLogits:
     finally:
         if pooling:
             runner.keep_hidden = kept
-    embeddings = _pool(out.prefills, runner.last_hidden) if pooling else []
+    embeddings = pool_prefills(out.prefills, runner.last_hidden) if pooling else []
     if not plan.sample_rows or not prompt and not drafts:
         return StepLogits(logits=logits, requests=reqs, embeddings=embeddings)
     # Prompt and draft rows (at most a step's tokens of them) are split off the sampled ones.
@@ -131,7 +131,7 @@ def execute_step(runner, out: SchedulerOutput) -> StepLogits:
                       embeddings=embeddings)
 
 
-def _pool(prefills: list[tuple[Request, int]], hidden: torch.Tensor) -> list[tuple[Request, torch.Tensor]]:
+def pool_prefills(prefills: list[tuple[Request, int]], hidden: torch.Tensor) -> list[tuple[Request, torch.Tensor]]:
     """Fold each pooling request's chunk of `hidden` into its state (prefill rows come first in
     a step, in `out.prefills` order: raycluster.parallel.plan); the requests whose prompt this
     chunk completed, with their raw pooled vectors."""

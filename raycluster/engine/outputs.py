@@ -58,9 +58,13 @@ def validate_request(ids: list[int], sp: SamplingParams, max_model_len: int, voc
                        ("bad_words", [t for seq in sp.bad_words_token_ids for t in seq])):
         if any(not 0 <= t < vocab_size for t in ids_):
             raise InvalidRequestError(name, f"token ids must be in [0, {vocab_size})")
-    if len(ids) >= max_model_len:
+    if sp.embed and len(ids) > max_model_len:      # pooling generates nothing: the whole context is the prompt's
+        raise InvalidRequestError("prompt", f"{len(ids)} tokens exceed the model's context of {max_model_len} tokens")
+    if not sp.embed and len(ids) >= max_model_len:
         raise InvalidRequestError(
             "prompt", f"{len(ids)} tokens leave no room to generate within the context of {max_model_len} tokens")
+    if sp.pair_start and not 0 < sp.pair_start < len(ids):
+        raise InvalidRequestError("pair_start", f"{sp.pair_start} is not a position inside the {len(ids)}-token prompt")
     if kv_capacity_tokens is not None and len(ids) > kv_capacity_tokens - 1:
         raise InvalidRequestError(
             "prompt", f"{len(ids)} tokens exceed this instance's KV capacity of {kv_capacity_tokens} tokens")

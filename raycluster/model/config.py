@@ -25,6 +25,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
+from raycluster.model.encoder_config import ENCODER_ARCHITECTURES, EncoderSpec, encoder_fields
 from raycluster.model.generation_config import load_generation_config
 from raycluster.model.pooling import PoolerConfig, PoolerConfigError, read_pooler_config
 from raycluster.model.quant.config import QuantConfig, QuantConfigError, parse_quant_config
@@ -107,6 +108,8 @@ class ModelConfig:
     bare_names: bool = False
     # A sequence classifier's label names, one per row of its `score` head (empty: not one).
     labels: tuple[str, ...] = ()
+    # A BERT-style encoder's own fields (raycluster.model.encoder_config); None: a decoder.
+    encoder: EncoderSpec | None = None
     raw: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
 
     def window_of(self, layer: int) -> int | None:
@@ -120,6 +123,15 @@ class ModelConfig:
     @property
     def architectures(self) -> list[str]:
         return [self.architecture]
+
+    @property
+    def is_encoder(self) -> bool:
+        return self.encoder is not None
+
+    @property
+    def num_kv_layers(self) -> int:
+        """Layers that keep KV in the cache: none for an encoder (each prompt runs whole, once)."""
+        return 0 if self.encoder is not None else self.num_hidden_layers
 
     @property
     def num_kv_groups(self) -> int:
@@ -138,7 +150,8 @@ class ModelConfig:
             raise ModelConfigError(f"{cfg_path}: invalid JSON: {e}") from e
         cfg = cls.from_dict(data)
         try:
-            cfg = dataclasses.replace(cfg, pooler=read_pooler_config(os.path.dirname(cfg_path), data))
+            cfg = dataclasses.replace(cfg, pooler=read_pooler_config(os.path.dirname(cfg_path), data,
+                                                                     "cls" if cfg.is_encoder else "last"))
         except PoolerConfigError as e:
             raise ModelConfigError(str(e)) from e
         # generation_config.json may name more EOS ids (Llama-3 instruct's <|eot_id|>, Qwen's
@@ -156,12 +169,14 @@ class ModelConfig:
         if not archs or not isinstance(archs, list):
             raise ModelConfigError(f"config field 'architectures' missing or not a list: {archs!r}")
         arch = archs[0]
+        if arch in ENCODER_ARCHITECTURES:
+            return cls._encoder(arch, d)
         headless, classifier = arch in BASE_ARCHITECTURES, arch in CLASSIFIER_ARCHITECTURES
         arch = BASE_ARCHITECTURES.get(arch) or CLASSIFIER_ARCHITECTURES.get(arch) or arch
         if arch not in SUPPORTED_ARCHITECTURES:
             raise ModelConfigError(
                 f"config field 'architectures' = {archs!r} is not supported (supported: "
-                f"{', '.join(SUPPORTED_ARCHITECTURES + tuple(BASE_ARCHITECTURES) + tuple(CLASSIFIER_ARCHITECTURES))})")
+                f"{', '.join(SUPPORTED_ARCHITECTURES + tuple(BASE_ARCHITECTURES) + tuple(CLASSIFIER_ARCHITECTURES) + tuple(ENCODER_ARCHITECTURES))})")
         labels = _labels(d) if classifier else ()
 
         def req(name: str, typ=int):
@@ -233,6 +248,23 @@ class ModelConfig:
             bos_token_id=int(bos) if bos is not None else None, eos_token_id=eos_t,
             dtype=d.get("dtype") or d.get("torch_dtype"), sliding_window=window,
             sliding_layers=sliding, moe=moe, quant=quant, pooler=pooler, raw=dict(d))
+
+    @classmethod
+    def _encoder(cls, arch: str, d: dict[str, Any]) -> "ModelConfig":
+        def req(name: str) -> int:
+            if d.get(name) is None:
+                raise ModelConfigError(f"config field {name!r} is required but missing")
+            try:
+                return int(d[name])
+            except (TypeError, ValueError):
+                raise ModelConfigError(f"config field {name!r} has invalid value {d[name]!r}") from None
+
+        fields = encoder_fields(arch, d, req, _labels)
+        try:
+            pooler = read_pooler_config(None, d, "cls")
+        except PoolerConfigError as e:
+            raise ModelConfigError(str(e)) from None
+        return cls(pooler=pooler, **fields)
 
 
 def model_summary(cfg: ModelConfig) -> dict[str, Any]:

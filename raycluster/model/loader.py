@@ -1,5 +1,5 @@
 """Checkpoint loading: config.json + model.safetensors (or a sharded index) into
-LlamaForCausalLM, with strict checks (every parameter loaded, nothing unexpected, shapes match)
+LlamaForCausalLM (or, for a BERT-style checkpoint, BertEncoderModel: `build_model`), with strict checks (every parameter loaded, nothing unexpected, shapes match)
 and errors that name the offending tensor or file.
 
 `load_model` builds the whole model (one process serves it). `load_tensors` reads just the
@@ -22,12 +22,22 @@ from typing import Mapping
 import torch
 from safetensors import safe_open
 
+from raycluster.model.bert import BertEncoderModel
 from raycluster.model.config import ModelConfig
 from raycluster.model.llama import LlamaForCausalLM
 from raycluster.model.quant.linear import Kernels, finalize_quantized
 
 # Buffers some exporters save that we recompute ourselves.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+# An encoder checkpoint's tensors that serve nothing here: position / token-type id buffers, and
+# the pretraining heads of BERT (`cls.*`: masked LM, next sentence) and RoBERTa (`lm_head.*`).
+_ENCODER_IGNORED = ("embeddings.position_ids", "embeddings.token_type_ids")
+_ENCODER_HEADS = ("cls.", "lm_head.")
+
+
+def build_model(config: ModelConfig, backend=None):
+    """The module `config` describes (uninitialised weights): a decoder or a BERT-style encoder."""
+    return BertEncoderModel(config) if config.is_encoder else LlamaForCausalLM(config, backend=backend)
 
 
 class CheckpointError(ValueError):
@@ -94,6 +104,8 @@ def checkpoint_layout(config: ModelConfig, path: str) -> ModelConfig:
     (a base model's save: `bare_names`), and then without an output head unless it stores one or
     ties it to the embedding (`has_lm_head` False: a pooling-only model). A directory without
     weights keeps `config` as it is (loading it fails later, naming what is missing)."""
+    if config.is_encoder:       # its names map both ways by `_param_name`
+        return config
     try:
         names = _stored_names(path)
     except CheckpointError:
@@ -108,6 +120,9 @@ def checkpoint_layout(config: ModelConfig, path: str) -> ModelConfig:
 
 def _param_name(stored: str, config: ModelConfig) -> str:
     """The model's parameter name for a checkpoint tensor name."""
+    if config.is_encoder:
+        prefix = config.encoder.checkpoint_prefix
+        return stored[len(prefix):] if stored.startswith(prefix) else stored
     return "model." + stored if config.bare_names and not stored.startswith(("lm_head.", "score.")) else stored
 
 
@@ -118,7 +133,11 @@ def _stored_name(param: str, config: ModelConfig) -> str:
 
 def _skipped(name: str, config: ModelConfig) -> bool:
     """Checkpoint tensors we never load: recomputed buffers, and the copy of a tied head some
-    tied checkpoints still store."""
+    tied checkpoints still store; an encoder's pretraining heads and id buffers, and the pooler of
+    one that does not classify (embeddings pool the final hidden states, not the pooler's output)."""
+    if config.is_encoder:
+        return name in _ENCODER_IGNORED or name.startswith(_ENCODER_HEADS) or (
+            name.startswith("pooler.") and config.encoder.head != "bert")
     return name.endswith(_IGNORED_SUFFIXES) or (name == "lm_head.weight" and config.tie_word_embeddings)
 
 
@@ -156,7 +175,7 @@ def _check_missing(missing: set[str]) -> None:
 
 def load_model(path: str | os.PathLike, dtype: torch.dtype = torch.float32,
                device: str | torch.device = "cpu", backend=None,
-               quant_kernels: Kernels = "auto") -> tuple[LlamaForCausalLM, ModelConfig]:
+               quant_kernels: Kernels = "auto") -> tuple[LlamaForCausalLM | BertEncoderModel, ModelConfig]:
     """The whole model from a checkpoint directory, its weights in `dtype` on `device`. A
     quantized checkpoint's layers keep their packed weights or are dequantized as
     `quant_kernels` says (raycluster.model.quant.linear)."""
@@ -166,7 +185,7 @@ def load_model(path: str | os.PathLike, dtype: torch.dtype = torch.float32,
 
     # Build on the meta device so no memory or time is spent on random init.
     with torch.device("meta"):
-        model = LlamaForCausalLM(config, backend=backend)
+        model = build_model(config, backend)
     model.to_empty(device=device)
     model.to(dtype)
     params = dict(model.named_parameters())
@@ -268,7 +287,7 @@ def model_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
 
 def _meta_params(config: ModelConfig) -> dict[str, torch.Tensor]:
     with torch.device("meta"):
-        model = LlamaForCausalLM(config)
+        model = build_model(config)
     return dict(model.named_parameters())
 
 

@@ -79,8 +79,10 @@ class PoolerConfig:
         return self.pooling_type != "last"
 
 
-def read_pooler_config(model_dir: str | None, config: dict[str, Any]) -> PoolerConfig:
-    """The pooler of a checkpoint directory whose config.json holds `config`."""
+def read_pooler_config(model_dir: str | None, config: dict[str, Any], default_type: str = "last") -> PoolerConfig:
+    """The pooler of a checkpoint directory whose config.json holds `config`. Without a
+    sentence-transformers layout: `default_type`, normalised (vLLM's defaults: a decoder's last
+    token, an encoder's [CLS])."""
     dims = config.get("matryoshka_dimensions")
     if dims is not None and (not isinstance(dims, list) or not dims
                              or not all(isinstance(d, int) and d > 0 for d in dims)):
@@ -89,7 +91,7 @@ def read_pooler_config(model_dir: str | None, config: dict[str, Any]) -> PoolerC
     base = dict(matryoshka=matryoshka, matryoshka_dimensions=tuple(sorted(set(dims))) if dims else None)
     st = _sentence_transformers(model_dir) if model_dir else None
     if st is None:
-        return PoolerConfig(**base)
+        return PoolerConfig(pooling_type=default_type, **base)
     pooling_type, normalize, dense = st
     return PoolerConfig(pooling_type=pooling_type, normalize=normalize, source="sentence-transformers",
                         dense=dense, **base)

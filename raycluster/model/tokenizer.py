@@ -114,14 +114,20 @@ class Tokenizer:
     def encode_pair(self, first: str, second: str, add_special_tokens: bool = True) -> list[int]:
         """The two texts as one sequence, joined as the tokenizer's pair template says (what a
         cross-encoder reads: transformers' `tokenizer(first, second)`)."""
+        return self.pair_encoding(first, second, add_special_tokens)[0]
+
+    def pair_encoding(self, first: str, second: str, add_special_tokens: bool = True) -> tuple[list[int], int]:
+        """(`encode_pair`'s ids, the position of the first token of type 1): transformers'
+        `token_type_ids` are 0 up to there and 1 from there (0: the template types every token 0)."""
         try:
-            ids = self._tok.encode(first, pair=second, add_special_tokens=add_special_tokens).ids
+            enc = self._tok.encode(first, pair=second, add_special_tokens=add_special_tokens)
         except TypeError:
             raise ValueError("is not valid Unicode (it holds a lone surrogate)") from None
+        ids, start = enc.ids, next((i for i, t in enumerate(enc.type_ids) if t), 0)
         if (add_special_tokens and self.add_bos and self.bos_token_id is not None
                 and (not ids or ids[0] != self.bos_token_id)):
-            ids = [self.bos_token_id] + ids
-        return ids
+            ids, start = [self.bos_token_id] + ids, start + 1 if start else 0
+        return ids, start
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)

@@ -81,6 +81,20 @@ def build_runner(config: EngineConfig, model, dtype: torch.dtype, model_path: st
     return runner
 
 
+def _encoder_runner(config: EngineConfig, model, dtype: torch.dtype, kind: str, blocks: int):
+    """A BERT-style encoder's runner: one process, no KV to cache, nothing generated."""
+    from raycluster.engine.encoder_runner import EncoderRunner
+
+    if kind != "single":
+        raise ValueError(f"tp / kvp / spp: a BERT-style encoder runs in one process (got a {kind} group of "
+                         f"{config.parallel_world} ranks); use tp, kvp and spp 1")
+    if config.speculative_method != "none":
+        raise ValueError("speculative_method: an encoder generates no tokens to draft")
+    if config.lora_modules:
+        raise ValueError("lora_modules: LoRA adapters are served on decoder models only")
+    return EncoderRunner(model, KVCacheManager(blocks, config.block_size), dtype, config.device)
+
+
 def _build_runner(config: EngineConfig, model, dtype: torch.dtype, model_path: str | None, num_cpus: float,
                   num_gpus: float, extra: int):
     """`build_runner`'s runner, `extra`: the EAGLE head's KV layers (0 without one)."""
@@ -91,6 +105,8 @@ def _build_runner(config: EngineConfig, model, dtype: torch.dtype, model_path: s
         mcfg = dataclasses.replace(model.config, num_hidden_layers=model.config.num_hidden_layers + extra)
         check_kv_fits(blocks * config.block_size, mcfg, dtype, torch.device(config.device))
     world = config.parallel_world
+    if model.config.is_encoder:
+        return _encoder_runner(config, model, dtype, kind, blocks)
     if kind == "single":
         return ModelRunner(model, kv_manager(blocks, config.block_size), dtype, config.device, extra_kv_layers=extra)
     if config.kvp > 1 and model.config.sliding_layers:

@@ -179,13 +179,14 @@ def build_app(engine, tokenizer, model_names: str | Sequence[str], api_keys: Seq
             return list(prompt)
         raise InvalidRequestError(field, "must be a string or a list of token ids")
 
-    def _encode_pair(first: str, second: str, field: str, special: bool = True) -> list[int]:
-        """A cross-encoder's input: the two texts joined by the tokenizer's pair template."""
+    def _encode_pair(first: str, second: str, field: str, special: bool = True) -> tuple[list[int], int]:
+        """A cross-encoder's input: the two texts joined by the tokenizer's pair template, and
+        where the second starts (`Tokenizer.pair_encoding`)."""
         for text in (first, second):
             if not text:
                 raise InvalidRequestError(field, "must not be empty")
         try:
-            return tokenizer.encode_pair(first, second, add_special_tokens=special)
+            return tokenizer.pair_encoding(first, second, add_special_tokens=special)
         except ValueError as e:
             raise InvalidRequestError(field, str(e)) from None
 

@@ -92,22 +92,26 @@ def sigmoid(x: float) -> float:
 
 
 def add_scoring_routes(app: FastAPI, engine, names: list[str], encode: Callable[..., list[int]],
-                       encode_pair: Callable[..., list[int]] | None, unknown_model,
+                       encode_pair: Callable[..., tuple[list[int], int]] | None, unknown_model,
                        model_config: ModelConfig | None = None, metrics: RequestMetrics | None = None) -> None:
     """Register the score and rerank routes over `engine` (as /v1/embeddings: `admit`,
     `next_id`, `generate`). `encode(text, field, add_special_tokens)`: a text's ids;
     `encode_pair(first, second, field, add_special_tokens)`: a pair's ids (a cross-encoder's
-    input); `unknown_model(body)`: the 404 for a `model` not served, or None; `model_config`: the
+    input) and where its second text starts; `unknown_model(body)`: the 404 for a `model` not served, or None; `model_config`: the
     served model's (a classifier's labels make it a cross-encoder; None: a bi-encoder);
     `metrics`: where each pooled sequence is counted."""
     labels = model_config.labels if model_config is not None else ()
 
-    async def pooled(body, prompts: list[list[int]], fields: list[str], kind: str) -> tuple[str, list[list[float]]]:
+    async def pooled(body, prompts: list[list[int]], fields: list[str], kind: str,
+                     pair_starts: list[int] | None = None) -> tuple[str, list[list[float]]]:
         k = body.truncate_prompt_tokens
-        prompts = [ids[-k:] for ids in prompts] if k is not None else prompts
+        if k is not None:       # cut from the left: a pair's second text starts that much earlier
+            if pair_starts is not None:
+                pair_starts = [max(0, s - max(0, len(ids) - k)) if s else 0 for ids, s in zip(prompts, pair_starts)]
+            prompts = [ids[-k:] for ids in prompts]
         rid = engine.next_id(kind)
-        return rid, await pool_prompts(engine, rid, prompts, fields, adapter_of(body, names), metrics), \
-            sum(map(len, prompts))
+        return rid, await pool_prompts(engine, rid, prompts, fields, adapter_of(body, names), metrics,
+                                       pair_starts), sum(map(len, prompts))
 
     async def bi_encoder(body, texts: list[tuple[str, str]], pairs: list[tuple[int, int]], kind: str):
         """(request id, each pair's cosine similarity, tokens pooled)."""
@@ -124,8 +128,9 @@ def add_scoring_routes(app: FastAPI, engine, names: list[str], encode: Callable[
         if encode_pair is None:
             raise InvalidRequestError("model", "this server has no tokenizer to join the pairs")
         engine.admit()
-        prompts = [encode_pair(texts[a][0], texts[b][0], texts[b][1], body.add_special_tokens) for a, b in pairs]
-        rid, logits, n = await pooled(body, prompts, [texts[b][1] for _, b in pairs], kind)
+        encoded = [encode_pair(texts[a][0], texts[b][0], texts[b][1], body.add_special_tokens) for a, b in pairs]
+        rid, logits, n = await pooled(body, [ids for ids, _ in encoded], [texts[b][1] for _, b in pairs], kind,
+                                      [start for _, start in encoded])
         return rid, [sigmoid(v[0]) if body.use_activation else v[0] for v in logits], n
 
     scores_of = cross_encoder if labels else bi_encoder
