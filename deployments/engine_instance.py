@@ -56,7 +56,8 @@ class EngineInstance:
         replica = serve.get_replica_context().replica_id.unique_id
         self.instance_id = f"{role}-{replica}"
         connector = None
-        if role in ("prefill-short", "prefill-long", "decode"):
+        # An encoder keeps no KV (each prompt pools in one step): nothing ever moves between its instances.
+        if role in ("prefill-short", "prefill-long", "decode") and not self.engine.model.config.is_encoder:
             opts = {}
             if cfg.connector == "torch_dist":   # pairs are built per (prefill, decode) on demand
                 opts["host"] = ray.util.get_node_ip_address() if cfg.connector_host == "node" \

@@ -150,7 +150,7 @@ class LLMEngine:
         embedding's Dense modules: they are read from the checkpoint here."""
         mcfg = runner.model.config
         classifier = projector = None
-        if mcfg.labels and getattr(runner.model, "score", None) is None:
+        if mcfg.labels and not mcfg.is_encoder and getattr(runner.model, "score", None) is None:
             from raycluster.model.loader import WHOLE, load_tensors
             classifier = load_tensors(path, mcfg, {"score.weight": WHOLE}, _DTYPES[config.dtype],
                                       config.device)["score.weight"]

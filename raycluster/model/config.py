@@ -12,7 +12,8 @@ the even layers below `max_window_layers`). `moe` (a `MoEConfig`) says which lay
 tokens to experts and how.
 Base models (LlamaModel, MistralModel, Qwen2Model, Qwen3Model: embedding checkpoints) are read
 as their causal LM without an output head (`has_lm_head`); sequence classifiers (*ForSequenceClassification)
-as one with a `score` head of `labels` rows instead. `quant` (a `QuantConfig`) says how a quantized checkpoint (compressed-tensors, GPTQ, AWQ, FP8)
+as one with a `score` head of `labels` rows instead. BERT-style encoders (BERT, RoBERTa, XLM-RoBERTa,
+raycluster.model.encoder_config) fill the shared fields and an `encoder` spec. `quant` (a `QuantConfig`) says how a quantized checkpoint (compressed-tensors, GPTQ, AWQ, FP8)
 stores its linear weights. `window_of(layer)` gives a layer's window. `from_pretrained` adds the end-of-sequence ids of a
 generation_config.json beside config.json.
 """

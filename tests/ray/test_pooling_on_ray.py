@@ -45,3 +45,27 @@ def test_an_embedding_model_through_pd_pools(ray_cluster, st_dense_dir):
         model_facts = status["model"]
         assert (model_facts["architecture"], model_facts["tasks"], model_facts["pooling"]["size"]) == \
             ("LlamaModel", ["embed"], 64)
+
+
+def test_a_bert_cross_encoder_through_pd_pools(ray_cluster, encoders):
+    """A BERT cross-encoder (token types per pair) on P/D pools whose instances keep no KV:
+    /rerank equals sentence-transformers' CrossEncoder, /classify its sigmoid; nothing left over."""
+    st = pytest.importorskip("sentence_transformers")
+    ref = st.CrossEncoder(str(encoders["bert-ce"]), device="cpu")
+    query, docs = "what is the capital of germany", ["berlin is the capital of germany", "a cat sat on the mat",
+                                                     "paris is the capital " * 5 + "of france"]
+    want = ref.predict([(query, d) for d in docs])
+    cfg = {"model": str(encoders["bert-ce"]), "policy": "lars", "threads_per_instance": 1, "router_name": ROUTER,
+           "connector": "torch_dist", "initial_l_m": 16, "engine": {"kv_cache_tokens": 2048},
+           "pools": [{"role": "prefill-short", "instances": 1}, {"role": "prefill-long", "instances": 1},
+                     {"role": "decode", "instances": 1, "engine": {"policy": "fcfs", "packer": "token"}}]}
+    with deployed_app(cfg, ROUTER, 300, "encoder cluster") as url:
+        rerank = httpx.post(f"{url}/v1/rerank", json={"query": query, "documents": docs}, timeout=120)
+        gen = httpx.post(f"{url}/v1/completions", json={"prompt": "a cat", "max_tokens": 3}, timeout=120)
+        assert rerank.status_code == 200, rerank.text
+        got = {r["index"]: r["relevance_score"] for r in rerank.json()["results"]}
+        assert [got[i] for i in range(len(docs))] == pytest.approx(want.tolist(), abs=1e-5)
+        assert gen.status_code == 400 and gen.json()["error"]["param"] == "model", gen.text
+        status = drained_status(url)
+        assert (status["model"]["architecture"], status["model"]["tasks"]) == ("BertForSequenceClassification",
+                                                                               ["classify"])
