@@ -87,6 +87,9 @@ class SamplingParams:
     # text starts, whose tokens a BERT-style encoder reads as token type 1 (0: one text). Sent as
     # one number, as vLLM compresses token_type_ids, since the types are 0...0 1...1.
     pair_start: int = 0
+    # A pooling request's token-level output (vLLM's token_embed / token_classify): every prompt
+    # position's final hidden state (through a classifier's head), not one pooled vector.
+    pool_tokens: bool = False
 
     @property
     def penalized(self) -> bool:
@@ -98,6 +101,8 @@ class SamplingParams:
         """Raise ValueError naming the field a user got wrong."""
         if self.max_tokens <= 0:
             raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if self.pool_tokens and not self.embed:
+            raise ValueError("pool_tokens is for pooling requests (embed) only")
         if self.pair_start and (self.pair_start < 0 or not self.embed):
             raise ValueError(f"pair_start must be a position (>= 0) of a pooling request's prompt, got {self.pair_start}")
         if self.temperature < 0:
@@ -169,7 +174,7 @@ class Request:
     # and the raw pooled vector, set when its prompt is computed.
     pooling: str | None = None
     pool_state: Any = None
-    embedding: list[float] | None = None
+    embedding: list[float] | list[list[float]] | None = None
 
     @property
     def num_prompt_tokens(self) -> int:

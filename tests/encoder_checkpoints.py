@@ -45,8 +45,8 @@ def _tokenizer(roberta: bool):
 
 
 def write_encoder(root: Path, arch: str, labels: list[str] | None = None, seed: int = 0) -> Path:
-    """A random `arch` checkpoint (BertModel, BertForSequenceClassification, XLMRobertaModel,
-    XLMRobertaForSequenceClassification) of 2 layers x 32 hidden in `root`, with its tokenizer."""
+    """A random `arch` checkpoint (BertModel, BertForSequenceClassification, BertForTokenClassification,
+    XLMRobertaModel, XLMRobertaForSequenceClassification) of 2 layers x 32 hidden in `root`, with its tokenizer."""
     import torch
     import transformers
 

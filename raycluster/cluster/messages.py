@@ -94,7 +94,7 @@ class TokenEvent:
     num_cached_tokens: int = 0         # prompt tokens served from the instance's prefix cache
     prompt_logprobs: list | None = None    # per prompt token (the first None), with the first token, if asked
     prefill_s: float | None = None     # with the first token: first scheduled to first token on its instance
-    embedding: list[float] | None = None   # a pooling request's vector (sampling.embed), when it finishes
+    embedding: list[float] | list[list[float]] | None = None   # a pooling request's vector (sampling.embed), when it finishes
 
 
 @dataclass

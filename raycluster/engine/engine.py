@@ -30,6 +30,7 @@ from raycluster.parallel.factory import build_runner
 from raycluster.engine.sampler import Sampler
 from raycluster.engine.spec_decode import SpecDecodeCounts, build_proposer
 from raycluster.model.lora import LoRAAdapter, LoRASet, load_adapter, parse_modules
+from raycluster.model.pooling import TOKEN_POOLING
 from raycluster.engine.profiler import load_or_profile
 from raycluster.engine.sched_factory import RetiredScheduling, build_scheduler, needs_predictor
 from raycluster.engine.text import TextStream
@@ -224,7 +225,7 @@ class LLMEngine:
                        slo=slo or SLO(), priority=priority, tenant=tenant, app_id=app_id,
                        expected_output_tokens=sampling.max_tokens, eos_token_ids=self.eos_token_ids,
                        output_token_ids=list(output_token_ids or []),
-                       pooling=self.pooling_type if sampling.embed else None)
+                       pooling=(TOKEN_POOLING if sampling.pool_tokens else self.pooling_type) if sampling.embed else None)
 
     def _track_text(self, req: Request) -> None:
         if self.tokenizer is not None:
@@ -234,6 +235,9 @@ class LLMEngine:
         validate_request(ids, sp, self.max_model_len, self.vocab_size, self.kv.capacity_tokens())
         if sp.lora_adapter is not None and sp.lora_adapter not in self.lora:
             raise InvalidRequestError("model", f"LoRA adapter {sp.lora_adapter!r} is not served here")
+        if sp.embed and not sp.pool_tokens and self.model.config.token_classifier:
+            raise InvalidRequestError("model", "this model classifies each token (a *ForTokenClassification): "
+                                      "ask /pooling with task token_classify")
         if not sp.embed and not self.model.config.has_lm_head:
             raise InvalidRequestError("model", "this checkpoint has no output head (lm_head.weight): it serves "
                                       "/v1/embeddings, /score and /rerank only, not text generation")
@@ -319,8 +323,9 @@ class LLMEngine:
             for req, vector in step.embeddings:
                 if self.classifier is not None:
                     vector = torch.nn.functional.linear(vector, self.classifier.to(vector.dtype))
-                elif self.encoder_head is not None:
-                    vector = self.encoder_head(vector.to(self.runner.dtype)[None])[0].float()
+                elif self.encoder_head is not None:     # [H] or, token-level, [n, H]
+                    vector = self.encoder_head(vector.to(self.runner.dtype).view(-1, vector.shape[-1])).float()
+                    vector = vector if req.pooling == TOKEN_POOLING else vector[0]
                 elif self.projector is not None:
                     vector = self.projector(vector)
                 req.embedding = vector.tolist()

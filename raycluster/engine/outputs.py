@@ -34,7 +34,7 @@ class RequestOutput:
     # token, None for the first (nothing precedes it).
     prompt_logprobs: list[TokenLogprob | None] | None = None
     prefill_s: float | None = None     # on the first token's output: first scheduled to first token
-    embedding: list[float] | None = None   # a pooling request's (sampling.embed), on its last output
+    embedding: list[float] | list[list[float]] | None = None   # a pooling request's (sampling.embed), on its last output
 
 
 @dataclass

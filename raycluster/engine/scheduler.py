@@ -309,7 +309,7 @@ class Scheduler:
         urgent request's allocation, and then recomputes from scratch. Returns the tokens."""
         if req.num_computed_tokens or req.request_id in self.kv.block_tables \
                 or req.sampling.prompt_logprobs is not None \
-                or req.pooling in ("mean", "cls"):      # these need every position's logits / hidden state
+                or req.pooling not in (None, "last"):   # these need every position's logits / hidden state
             return 0
         hit = self.kv.match_prefix(req)
         if hit:

@@ -3,8 +3,8 @@ prompts, with Hugging Face's parameter names so their checkpoints load directly.
 
 forward(input_ids [T], lengths, token_type_ids [T] | None) -> final hidden states [T, H]: the
 prompts of a step back to back, each `lengths[i]` tokens, attending to every token of its own
-prompt (no causal mask, no KV cache). `classify(pooled [n, H])` -> logits [n, labels] is a
-*ForSequenceClassification's head over the [CLS] rows. Post-norm layers as in HF: attention,
+prompt (no causal mask, no KV cache). `classify(rows [n, H])` -> logits [n, labels] is a
+*ForSequenceClassification's head over [CLS] rows, or a *ForTokenClassification's over any rows. Post-norm layers as in HF: attention,
 residual, LayerNorm; feed-forward, residual, LayerNorm.
 """
 
@@ -155,7 +155,7 @@ class BertEncoderModel(nn.Module):
         self.embeddings = Embeddings(config)
         self.encoder = Encoder(config)
         self.pooler = Pooler(config) if head == "bert" else None
-        if head == "bert":
+        if head in ("bert", "token"):
             self.classifier = nn.Linear(config.hidden_size, len(config.labels))
         elif head == "roberta":
             self.classifier = RobertaHead(config)
@@ -183,9 +183,12 @@ class BertEncoderModel(nn.Module):
 
     @torch.inference_mode()
     def classify(self, cls_rows: torch.Tensor) -> torch.Tensor:
-        """The classifier's logits [n, labels] from the final hidden [CLS] rows [n, H]."""
+        """The classifier's logits [n, labels] from final hidden rows [n, H] ([CLS] rows for a
+        sequence classifier; any token's for a token classifier)."""
         if self.classifier is None:
             raise RuntimeError("this encoder has no classification head")
+        if self.config.encoder.head == "token":
+            return self.classifier(cls_rows)
         if self.pooler is not None:
             return self.classifier(torch.tanh(self.pooler.dense(cls_rows)))
         head = self.classifier

@@ -130,6 +130,11 @@ class ModelConfig:
         return self.encoder is not None
 
     @property
+    def token_classifier(self) -> bool:
+        """A *ForTokenClassification: its head classifies every token, not a pooled vector."""
+        return self.encoder is not None and self.encoder.head == "token"
+
+    @property
     def num_kv_layers(self) -> int:
         """Layers that keep KV in the cache: none for an encoder (each prompt runs whole, once)."""
         return 0 if self.encoder is not None else self.num_hidden_layers
@@ -271,7 +276,8 @@ class ModelConfig:
 def model_summary(cfg: ModelConfig) -> dict[str, Any]:
     """What a served checkpoint is, for `raycluster status`: its architecture, what it serves
     (generation, embeddings, classification), how it pools, and its weight format."""
-    tasks = (["generate"] if cfg.has_lm_head else []) + (["classify"] if cfg.labels else ["embed"])
+    tasks = ["token_classify"] if cfg.token_classifier else \
+        (["generate"] if cfg.has_lm_head else []) + (["classify"] if cfg.labels else ["embed"])
     pooler = cfg.pooler
     q = cfg.quant
     return {"architecture": cfg.raw.get("architectures", [cfg.architecture])[0], "tasks": tasks,

@@ -15,7 +15,8 @@ from typing import Any, Callable
 # Architecture -> (family, classification head). The family says how positions are numbered
 # (RoBERTa's start after the padding id) and what the checkpoint prefixes its tensors with in a
 # *For* class; the head: "bert" = the pooler (dense + tanh over [CLS]) then `classifier`,
-# "roberta" = `classifier.dense` + tanh then `classifier.out_proj` (no pooler), None: a base model.
+# "roberta" = `classifier.dense` + tanh then `classifier.out_proj` (no pooler), "token" =
+# `classifier` alone, on each token; None: a base model.
 ENCODER_ARCHITECTURES: dict[str, tuple[str, str | None]] = {
     "BertModel": ("bert", None),
     "BertForSequenceClassification": ("bert", "bert"),
@@ -23,6 +24,10 @@ ENCODER_ARCHITECTURES: dict[str, tuple[str, str | None]] = {
     "RobertaForSequenceClassification": ("roberta", "roberta"),
     "XLMRobertaModel": ("roberta", None),
     "XLMRobertaForSequenceClassification": ("roberta", "roberta"),
+    # Token classifiers (NER, ...): `classifier` on every token's final hidden state.
+    "BertForTokenClassification": ("bert", "token"),
+    "RobertaForTokenClassification": ("roberta", "token"),
+    "XLMRobertaForTokenClassification": ("roberta", "token"),
 }
 ACTIVATIONS = ("gelu", "gelu_new", "gelu_pytorch_tanh", "relu", "silu")
 

@@ -5,8 +5,9 @@ vector sizes the model was trained for.
 
 `read_pooler_config(dir, config_json)` builds a `PoolerConfig` from a checkpoint: a
 sentence-transformers layout (`modules.json` naming a Pooling module, whose `config.json` gives
-the mode in either the current `pooling_mode` or the legacy `pooling_mode_*` booleans, and an
-optional Normalize module) decides type and normalisation; without one a decoder pools its LAST
+the mode in either the current `pooling_mode` or the legacy `pooling_mode_*` booleans: lasttoken,
+mean, cls, max, mean_sqrt_len_tokens or weightedmean, one of them; and an optional Normalize
+module) decides type and normalisation; without one a decoder pools its LAST
 token, normalised (vLLM's defaults for a causal LM served as an embedding model). config.json's
 `is_matryoshka` / `matryoshka_dimensions` say which `dimensions` a request may ask for. Modules
 that would change the vector otherwise (LayerNorm, ...) are refused rather than silently skipped;
@@ -14,7 +15,7 @@ Dense projections after pooling are kept (`DenseSpec`, applied by the engine:
 raycluster.model.projector).
 
 The engine (raycluster.engine.model_runner) pools: `pool_chunk` / `pooled` accumulate a request's
-rows chunk by chunk; the raw pooled vector travels to the API, where `finish_vector` truncates to
+rows chunk by chunk (a token-level request, `TOKEN_POOLING`, keeps every row); the raw pooled vector travels to the API, where `finish_vector` truncates to
 the requested dimensions and normalises.
 """
 
@@ -28,9 +29,15 @@ from typing import Any
 import torch
 
 POOLING_TYPES = ("last", "mean", "cls")
+# A sentence-transformers Pooling module may also say these (ST's max, mean_sqrt_len_tokens and
+# weightedmean: an element-wise max, the sum over sqrt(n), the mean weighted by position 1..n).
+ST_ONLY_TYPES = ("max", "mean_sqrt", "weighted_mean")
+# A request's token-level pooling (vLLM's token_embed / token_classify): every prompt position's row.
+TOKEN_POOLING = "all"
 
 # sentence-transformers' pooling modes (current names and the legacy booleans) -> ours.
-_ST_MODES = {"lasttoken": "last", "mean": "mean", "cls": "cls"}
+_ST_MODES = {"lasttoken": "last", "mean": "mean", "cls": "cls", "max": "max", "mean_sqrt_len_tokens": "mean_sqrt",
+             "weightedmean": "weighted_mean"}
 _ST_LEGACY = {"pooling_mode_lasttoken": "lasttoken", "pooling_mode_mean_tokens": "mean",
               "pooling_mode_cls_token": "cls", "pooling_mode_max_tokens": "max",
               "pooling_mode_mean_sqrt_len_tokens": "mean_sqrt_len_tokens",
@@ -60,7 +67,7 @@ class DenseSpec:
 
 @dataclass(frozen=True)
 class PoolerConfig:
-    pooling_type: str = "last"          # one of POOLING_TYPES
+    pooling_type: str = "last"          # one of POOLING_TYPES, or from sentence-transformers ST_ONLY_TYPES
     normalize: bool = True              # the default; a request's `normalize` overrides it
     matryoshka: bool = False            # may a request ask for fewer `dimensions`
     matryoshka_dimensions: tuple[int, ...] | None = None   # only these (None: any size <= hidden)
@@ -170,7 +177,7 @@ def _st_pooling_mode(path: str) -> str:
     if isinstance(mode, list):
         mode = mode[0] if len(mode) == 1 else mode
     if not isinstance(mode, str) or mode not in _ST_MODES:
-        raise PoolerConfigError(f"{path}: pooling mode {mode!r} is not supported (lasttoken, mean or cls)")
+        raise PoolerConfigError(f"{path}: pooling mode {mode!r} is not supported (one of {', '.join(_ST_MODES)})")
     if cfg.get("include_prompt", True) is False:
         raise PoolerConfigError(f"{path}: include_prompt false is not supported (every prompt token is pooled)")
     return _ST_MODES[mode]
@@ -201,20 +208,40 @@ def finish_vector(raw: list[float], dimensions: int | None, normalize: bool) -> 
     return v.tolist()
 
 
-def pool_chunk(state: torch.Tensor | None, pooling_type: str, rows: torch.Tensor, start: int) -> torch.Tensor | None:
+def pool_chunk(state, pooling_type: str, rows: torch.Tensor, start: int):
     """A request's pooling state after a prefill chunk of final hidden `rows` [n, H] at positions
-    start.. (MEAN: the running fp32 sum; CLS: position 0's row; LAST: the chunk's last row).
-    A chunk at position 0 starts over (a preempted request recomputes its prompt)."""
+    start.. (MEAN, MEAN_SQRT: the running fp32 sum; WEIGHTED_MEAN: the sum weighted by position + 1;
+    MAX: the running max; CLS: position 0's row; LAST: the chunk's last row; ALL: the chunks' rows
+    so far). A chunk at position 0 starts over (a preempted request recomputes its prompt)."""
     if pooling_type == "last":
         return rows[-1].float()
     if start == 0:
         state = None
     if pooling_type == "cls":
         return rows[0].float() if start == 0 else state
-    total = rows.float().sum(0)
+    rows = rows.float()
+    if pooling_type == TOKEN_POOLING:
+        return [rows] if state is None else state + [rows]
+    if pooling_type == "max":
+        top = rows.max(0).values
+        return top if state is None else torch.maximum(state, top)
+    if pooling_type == "weighted_mean":
+        weights = torch.arange(start + 1, start + rows.shape[0] + 1, dtype=rows.dtype, device=rows.device)
+        total = weights @ rows
+    else:
+        total = rows.sum(0)
     return total if state is None else state + total
 
 
-def pooled(state: torch.Tensor, pooling_type: str, num_prompt_tokens: int) -> torch.Tensor:
-    """The raw pooled vector once the whole prompt has been through `pool_chunk`."""
-    return state / num_prompt_tokens if pooling_type == "mean" else state
+def pooled(state, pooling_type: str, num_prompt_tokens: int) -> torch.Tensor:
+    """The raw pooled vector ([H]; ALL: [n, H]) once the whole prompt has been through `pool_chunk`."""
+    n = num_prompt_tokens
+    if pooling_type == TOKEN_POOLING:
+        return torch.cat(state)
+    if pooling_type == "mean":
+        return state / n
+    if pooling_type == "mean_sqrt":
+        return state / n ** 0.5
+    if pooling_type == "weighted_mean":
+        return state / (n * (n + 1) / 2)
+    return state

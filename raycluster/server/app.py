@@ -43,6 +43,7 @@ from raycluster.server.protocol import (ChatCompletionRequest, CompletionRequest
 from raycluster.server.embeddings import add_embedding_routes
 from raycluster.server.scoring import add_scoring_routes
 from raycluster.server.classify import add_classify_routes
+from raycluster.server.pooling_api import add_pooling_routes
 from raycluster.server.lora_resolver import RESOLVER_DIR_ENV, LoRAResolver, resolver_dir
 from raycluster.server.lora_routes import RUNTIME_LORA_ENV, add_lora_routes, runtime_lora_allowed
 from raycluster.server.reasoning import REASONING_PARSERS, ReasoningStream, split_reasoning
@@ -350,6 +351,7 @@ def build_app(engine, tokenizer, model_names: str | Sequence[str], api_keys: Seq
     add_scoring_routes(app, engine, names, _encode_prompt, _encode_pair if tokenizer is not None else None,
                        _unknown_model, model_config, metrics)
     add_classify_routes(app, engine, names, _encode_prompt, _unknown_model, model_config, chat_ids, metrics)
+    add_pooling_routes(app, engine, names, _encode_prompt, _unknown_model, model_config, chat_ids, metrics)
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, http: HTTPRequest):

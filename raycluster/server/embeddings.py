@@ -121,18 +121,20 @@ def input_fields(n: int) -> list[str]:
 
 async def pool_prompts(engine, rid: str, prompts: list[list[int]], fields: list[str],
                        lora_adapter: str | None = None, metrics: RequestMetrics | None = None,
-                       pair_starts: list[int] | None = None) -> list[list[float]]:
+                       pair_starts: list[int] | None = None, pool_tokens: bool = False) -> list:
     """The raw pooled vector of each prompt (token ids), run as pooling requests of `engine`
     (request ids `rid`, or `rid-k` for several) side by side. Raises the first failure:
     `InvalidRequestError` naming the failing prompt's field from `fields`, or `OverloadedError`.
     `metrics`: each prompt counts as a request (its prompt tokens, and when it ends its latency,
     no output tokens), as vLLM counts pooling requests. `pair_starts`: each prompt's second text's
-    first position, for a cross-encoder's pairs (`SamplingParams.pair_start`)."""
+    first position, for a cross-encoder's pairs (`SamplingParams.pair_start`); `pool_tokens`:
+    each prompt's rows, one list per token (`SamplingParams.pool_tokens`)."""
     starts = pair_starts or [0] * len(prompts)
 
     async def one(k: int, ids: list[int]) -> list[float]:
         t0 = time.perf_counter()
-        sampling = SamplingParams(max_tokens=1, embed=True, lora_adapter=lora_adapter, pair_start=starts[k])
+        sampling = SamplingParams(max_tokens=1, embed=True, lora_adapter=lora_adapter, pair_start=starts[k],
+                                  pool_tokens=pool_tokens)
         gen = engine.generate(rid if len(prompts) == 1 else f"{rid}-{k}", ids, sampling)
         if metrics is not None:
             metrics.admitted(len(ids))

@@ -49,7 +49,8 @@ def test_an_embedding_model_through_pd_pools(ray_cluster, st_dense_dir):
 
 def test_a_bert_cross_encoder_through_pd_pools(ray_cluster, encoders):
     """A BERT cross-encoder (token types per pair) on P/D pools whose instances keep no KV:
-    /rerank equals sentence-transformers' CrossEncoder, /classify its sigmoid; nothing left over."""
+    /rerank equals sentence-transformers' CrossEncoder, /pooling's token_classify one row per token;
+    nothing left over."""
     st = pytest.importorskip("sentence_transformers")
     ref = st.CrossEncoder(str(encoders["bert-ce"]), device="cpu")
     query, docs = "what is the capital of germany", ["berlin is the capital of germany", "a cat sat on the mat",
@@ -62,6 +63,12 @@ def test_a_bert_cross_encoder_through_pd_pools(ray_cluster, encoders):
     with deployed_app(cfg, ROUTER, 300, "encoder cluster") as url:
         rerank = httpx.post(f"{url}/v1/rerank", json={"query": query, "documents": docs}, timeout=120)
         gen = httpx.post(f"{url}/v1/completions", json={"prompt": "a cat", "max_tokens": 3}, timeout=120)
+        # Token-level outputs travel the router as one row per prompt token.
+        rows = httpx.post(f"{url}/pooling", json={"input": query, "task": "token_classify"}, timeout=120)
+        ids = httpx.post(f"{url}/tokenize", json={"prompt": query}, timeout=60).json()["tokens"]
+        assert rows.status_code == 200, rows.text
+        per_token = rows.json()["data"][0]["data"]
+        assert len(per_token) == len(ids) and all(len(r) == 1 and 0 < r[0] < 1 for r in per_token)
         assert rerank.status_code == 200, rerank.text
         got = {r["index"]: r["relevance_score"] for r in rerank.json()["results"]}
         assert [got[i] for i in range(len(docs))] == pytest.approx(want.tolist(), abs=1e-5)

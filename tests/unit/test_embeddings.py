@@ -112,6 +112,42 @@ def test_mean_and_cls_pooling_across_chunks_equal_transformers(model, prompts, h
     assert tokens == LLMEngine(EngineConfig(**BASE), model).generate([p for p, _ in others], others[0][1])
 
 
+@pytest.mark.parametrize("pooling", ["max", "mean_sqrt", "weighted_mean"])
+def test_sentence_transformers_modes_across_chunks_equal_their_formulas(model, prompts, hidden_states, pooling):
+    """sentence-transformers' max, mean_sqrt_len_tokens and weightedmean (weights 1..n), carried
+    across 7-token chunks, over transformers' hidden states."""
+    from dataclasses import replace
+
+    from raycluster.model.pooling import PoolerConfig
+    st_model = copy.copy(model)
+    st_model.config = replace(model.config, pooler=PoolerConfig(pooling_type=pooling))
+    got, _ = _embed(LLMEngine(EngineConfig(**BASE, chunk_size=7), st_model), prompts)
+    for g, h in zip(got, hidden_states):
+        w = torch.arange(1, h.shape[0] + 1, dtype=h.dtype)
+        want = {"max": h.max(0).values, "mean_sqrt": h.sum(0) / h.shape[0] ** 0.5,
+                "weighted_mean": (w[:, None] * h).sum(0) / w.sum()}[pooling]
+        torch.testing.assert_close(g, want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("chunk", [7, None])
+def test_token_level_pooling_returns_every_row(model, prompts, hidden_states, chunk):
+    """`pool_tokens` (vLLM's token_embed): every prompt position's final hidden state, across
+    chunks and next to generation; never from the prefix cache (a hit would skip rows)."""
+    eng = LLMEngine(EngineConfig(**BASE, chunk_size=chunk, enable_prefix_caching=True), model)
+    rows = SamplingParams(max_tokens=1, embed=True, pool_tokens=True)
+    for rnd in range(2):            # the second round finds the first's blocks cached, and must not use them
+        reqs = [eng.add_request(f"t{rnd}-{i}", p, rows) for i, p in enumerate(prompts)]
+        eng.add_request(f"g{rnd}", prompts[3], SamplingParams(max_tokens=4, ignore_eos=True))
+        out = {}
+        for _ in range(200):
+            if not eng.has_unfinished():
+                break
+            out.update({o.request_id: o.embedding for o in eng.step().outputs if o.embedding is not None})
+        for r, h in zip(reqs, hidden_states):
+            torch.testing.assert_close(torch.tensor(out[r.request_id]), h, atol=1e-5, rtol=1e-5)
+    assert eng.kv.hit_tokens == 0 or all(r.num_cached_tokens == 0 for r in reqs)
+
+
 def test_the_checkpoint_pooler_decides_unless_the_engine_overrides_it(model, prompts, hidden_states):
     from dataclasses import replace
 

@@ -29,6 +29,10 @@ def test_without_sentence_transformers_files_a_decoder_pools_its_last_token_norm
     ({"pooling_mode_lasttoken": True, "pooling_mode_mean_tokens": False}, True, ("last", True)),
     ({"pooling_mode_cls_token": True}, False, ("cls", False)),
     ({"word_embedding_dimension": 64}, False, ("mean", False)),       # sentence-transformers' default mode
+    ({"pooling_mode": "max"}, True, ("max", True)),
+    ({"pooling_mode_max_tokens": True}, True, ("max", True)),
+    ({"pooling_mode": "weightedmean"}, False, ("weighted_mean", False)),
+    ({"pooling_mode_mean_sqrt_len_tokens": True}, True, ("mean_sqrt", True)),
 ])
 def test_sentence_transformers_pooling_and_normalize_modules(write_st_layout, tmp_path, pooling, normalize, want):
     write_st_layout(tmp_path, pooling, normalize)
@@ -38,7 +42,7 @@ def test_sentence_transformers_pooling_and_normalize_modules(write_st_layout, tm
 
 
 @pytest.mark.parametrize("pooling,extra,match", [
-    ({"pooling_mode": "max"}, (), "pooling mode 'max' is not supported"),
+    ({"pooling_mode": "median"}, (), "pooling mode 'median' is not supported"),
     ({"pooling_mode": ["mean", "cls"]}, (), r"pooling mode \('mean', 'cls'\)|pooling mode \['mean', 'cls'\]"),
     ({"pooling_mode_mean_tokens": True, "pooling_mode_max_tokens": True}, (), "is not supported"),
     ({"pooling_mode": "mean", "include_prompt": False}, (), "include_prompt false"),
@@ -88,14 +92,17 @@ def test_finishing_cuts_first_then_normalises():
 
 
 def test_pooling_state_across_chunks_and_a_restart_at_position_zero():
-    h = torch.arange(24, dtype=torch.float32).reshape(6, 4)
-    for kind, want in (("mean", h.mean(0)), ("cls", h[0]), ("last", h[-1])):
+    h = torch.randn(6, 4, generator=torch.Generator().manual_seed(0))
+    w = torch.arange(1, 7, dtype=torch.float32)
+    for kind, want in (("mean", h.mean(0)), ("cls", h[0]), ("last", h[-1]), ("max", h.max(0).values),
+                       ("mean_sqrt", h.sum(0) / 6 ** 0.5), ("weighted_mean", (w[:, None] * h).sum(0) / w.sum()),
+                       ("all", h)):
         state = pool_chunk(None, kind, h[:2], 0)
         state = pool_chunk(state, kind, h[2:5], 2)
         # A preempted request recomputes from position 0: what it held before is dropped.
-        state = pool_chunk(pool_chunk(state, kind, h[5:], 5) * 100, kind, h[:4], 0)
+        state = pool_chunk(pool_chunk(state, kind, h[5:], 5), kind, h[:4], 0)
         state = pool_chunk(state, kind, h[4:], 4)
-        assert torch.equal(pooled(state, kind, 6), want), kind
+        torch.testing.assert_close(pooled(state, kind, 6), want, atol=1e-6, rtol=1e-6, msg=kind)
 
 
 def test_sentence_transformers_dense_modules_are_read_in_order(st_dense_dir):
