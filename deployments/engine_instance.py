@@ -45,7 +45,7 @@ class EngineInstance:
         ecfg = cfg.engine_config(pool)
         torch.set_num_threads(cfg.threads_per_instance)
         os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
-        path = resolve_model_path(ecfg.model)
+        path = resolve_model_path(ecfg.model, ecfg.hf_overrides)
         ecfg = ecfg.for_model(load_config(path).dtype)      # dtype 'auto': the checkpoint's
         # The full model, or for a TP / SPP pool the checkpoint each rank reads its own part from.
         model = model_source(ecfg, str(path))

@@ -34,7 +34,7 @@ def build_gateway_app():
     from raycluster.server.app import build_app
 
     cfg = ClusterConfig.model_validate_json(os.environ[CONFIG_ENV])
-    path = resolve_model_path(cfg.model)
+    path = resolve_model_path(cfg.model, cfg.engine_config(cfg.pools[0]).hf_overrides)
     mcfg = load_config(path)       # with what the tensor names say (a checkpoint without an output head)
     tokenizer = Tokenizer(path, mcfg.eos_token_id)
     if cfg.chat_template:

@@ -282,6 +282,9 @@ class ClusterConfig(BaseModel):
                 if problems:
                     raise ValueError("; ".join(problems))
             ecfg = self.engine_config(p)       # fail at deploy time, not in a replica
+            if ecfg.hf_overrides != self.engine_config(self.pools[0]).hf_overrides:
+                raise ValueError(f"pools[{i}].engine.hf_overrides: every pool serves the same model, so the same "
+                                 "overrides (set them in the app's engine options)")
             if ecfg.lora_modules != adapters:
                 raise ValueError(f"pools[{i}].engine.lora_modules: every pool serves the same LoRA adapters (a "
                                  "request may prefill on one pool and decode on another, or resume anywhere)")

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-from typing import Literal
+import json
+from typing import Any, Literal
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 # The fields that say how an engine schedules, as opposed to what it runs (model, KV pool, block
 # size, parallelism, device): what an instance adopts when the pressure controller moves it to
@@ -19,6 +20,12 @@ class EngineConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     model: str = Field("tiny", description="'tiny' (the embedded checkpoint) or a checkpoint directory")
+    hf_overrides: dict[str, Any] = Field(
+        default_factory=dict, description="vLLM's --hf-overrides: config.json fields to change (a JSON object), "
+        "e.g. '{\"max_position_embeddings\": 4096}'; with 'architectures': ['...ForSequenceClassification'] and "
+        "'classifier_from_token' (and 'method' from_2_way_softmax or no_post_processing, or "
+        "'is_original_qwen3_reranker': true) a causal LM serves as a classifier scoring with rows of its "
+        "output head (Qwen3-Reranker)")
     dtype: str = Field("auto", pattern="^(auto|float32|bfloat16|float16)$",
                        description="weights and KV; 'auto' (vLLM's default): the checkpoint's own (float32 when it "
                        "names none; a float16 checkpoint runs in bfloat16 off CUDA)")
@@ -117,6 +124,18 @@ class EngineConfig(BaseModel):
                             "loopback for a group on one node, 'node' for each rank's Ray node address (a "
                             "group that may span nodes)")
     group_timeout_s: float = Field(120.0, gt=0, description="a collective waiting longer fails the step")
+
+    @field_validator("hf_overrides", mode="before")
+    @classmethod
+    def _overrides_json(cls, v):
+        if isinstance(v, str):          # the command line's JSON text
+            try:
+                v = json.loads(v)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"not a JSON object: {e}") from None
+        if not isinstance(v, dict):
+            raise ValueError(f"must be a JSON object of config.json fields, got {v!r}")
+        return v
 
     @model_validator(mode="after")
     def _lora(self) -> "EngineConfig":

@@ -137,7 +137,7 @@ class LLMEngine:
 
         from raycluster.model.loader import load_config
 
-        path = resolve_model_path(config.model)
+        path = resolve_model_path(config.model, config.hf_overrides)
         config = config.for_model(load_config(path).dtype)
         model = model_source(config, str(path))
         runner = build_runner(config, model, _DTYPES[config.dtype], model_path=str(path))
@@ -266,7 +266,8 @@ class LLMEngine:
                 if tok is None:
                     from raycluster.model.registry import resolve_model_path
                     from raycluster.model.tokenizer import Tokenizer
-                    tok = Tokenizer(resolve_model_path(self.config.model), self.eos_token_ids)
+                    tok = Tokenizer(resolve_model_path(self.config.model, self.config.hf_overrides),
+                                    self.eos_token_ids)
                 self._guided = GuidedDecoding(tok.token_bytes(), self.eos_token_ids,
                                               tokenizer_json=tok.to_json(), vocab_size=self.vocab_size)
             return self._guided

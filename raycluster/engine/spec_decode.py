@@ -67,7 +67,7 @@ def build_proposer(config, model, runner, dtype: torch.dtype):
         if isinstance(model, GroupModel):
             # A TP group read from its checkpoint: the leader holds only vocab slices of the
             # embedding and head, so the head gets whole copies of them from the checkpoint.
-            target = load_vocab(Checkpoint(str(resolve_model_path(config.model)), model.config), dtype,
+            target = load_vocab(Checkpoint(str(resolve_model_path(config.model, config.hf_overrides)), model.config), dtype,
                                 config.device)
         head = load_eagle_head(path, target, config.speculative_method, dtype, config.device, first_kv_layer=0)
         return EagleProposer(head, runner, config.num_speculative_tokens)

@@ -48,12 +48,7 @@ def _weight_files(path: str) -> list[str]:
     index = os.path.join(path, "model.safetensors.index.json")
     single = os.path.join(path, "model.safetensors")
     if os.path.exists(index):
-        try:
-            with open(index) as f:
-                weight_map = json.load(f)["weight_map"]
-        except (json.JSONDecodeError, KeyError) as e:
-            raise CheckpointError(f"{index}: invalid index file ({e})") from e
-        files = sorted(set(weight_map.values()))
+        files = sorted(set(_index_map(index).values()))
         for fn in files:
             if not os.path.exists(os.path.join(path, fn)):
                 raise CheckpointError(f"shard {fn!r} listed in {index} does not exist")
@@ -63,11 +58,34 @@ def _weight_files(path: str) -> list[str]:
     raise CheckpointError(f"no model.safetensors or model.safetensors.index.json in {path!r}")
 
 
-def _read_tensors(file: str):
+def _file_names(path: str) -> dict[str, set[str]] | None:
+    """With an index: the tensor names it maps to each file (full path). A file may hold more
+    (an hf_overrides classifier's index leaves out the shared files' lm_head): those are not the
+    checkpoint's. None without an index."""
+    index = os.path.join(path, "model.safetensors.index.json")
+    if not os.path.exists(index):
+        return None
+    out: dict[str, set[str]] = {}
+    for name, fn in _index_map(index).items():
+        out.setdefault(os.path.join(path, fn), set()).add(name)
+    return out
+
+
+def _index_map(index: str) -> dict[str, str]:
+    try:
+        with open(index) as f:
+            return json.load(f)["weight_map"]
+    except (json.JSONDecodeError, KeyError) as e:
+        raise CheckpointError(f"{index}: invalid index file ({e})") from e
+
+
+def _read_tensors(file: str, names: set[str] | None = None):
+    """(name, tensor) of each tensor in `file` (only `names` when given)."""
     try:
         with safe_open(file, framework="pt", device="cpu") as f:
             for name in f.keys():
-                yield name, f.get_tensor(name)
+                if names is None or name in names:
+                    yield name, f.get_tensor(name)
     except CheckpointError:
         raise
     except Exception as e:  # safetensors raises its own error types for corrupt headers/data
@@ -87,11 +105,7 @@ def _stored_names(path: str) -> set[str]:
     """Every tensor name of the checkpoint (the index's map, or the file's header)."""
     index = os.path.join(path, "model.safetensors.index.json")
     if os.path.exists(index):
-        try:
-            with open(index) as f:
-                return set(json.load(f)["weight_map"])
-        except (json.JSONDecodeError, KeyError) as e:
-            raise CheckpointError(f"{index}: invalid index file ({e})") from e
+        return set(_index_map(index))
     names: set[str] = set()
     for file in _weight_files(path):
         with _open(file) as f:
@@ -190,8 +204,9 @@ def load_model(path: str | os.PathLike, dtype: torch.dtype = torch.float32,
     model.to(dtype)
     params = dict(model.named_parameters())
     loaded: set[str] = set()
+    mapped = _file_names(path)
     for file in files:
-        for stored, tensor in _read_tensors(file):
+        for stored, tensor in _read_tensors(file, None if mapped is None else mapped.get(file, set())):
             name = _param_name(stored, config)
             if _skipped(name, config):
                 continue
@@ -304,8 +319,10 @@ def load_tensors(path: str | os.PathLike, config: ModelConfig, wanted: Mapping[s
     if unknown:
         raise ValueError(f"not parameters of this model: {', '.join(unknown)}")
     out: dict[str, torch.Tensor] = {}
+    mapped = _file_names(path)
     for file in _weight_files(path):
-        for batch in _batches(_checked_names(file, config, shapes, wanted)):
+        only = None if mapped is None else mapped.get(file, set())
+        for batch in _batches(_checked_names(file, config, shapes, wanted, only)):
             with _open(file) as f:
                 for name in batch:
                     # The slice is a view into the mapped file (safetensors maps it; only the
@@ -345,12 +362,15 @@ def _open(file: str):
 
 
 def _checked_names(file: str, config: ModelConfig, shapes: dict[str, tuple[int, ...]],
-                   wanted: Mapping[str, TensorPart]) -> list[str]:
-    """The wanted tensors in `file`, after checking every name in it is the model's and every
-    wanted one has the model's shape (the header only: no tensor data is read)."""
+                   wanted: Mapping[str, TensorPart], only: set[str] | None = None) -> list[str]:
+    """The wanted tensors in `file`, after checking every name in it (in `only`, the index's for
+    it, when given) is the model's and every wanted one has the model's shape (the header only:
+    no tensor data is read)."""
     names = []
     with _open(file) as f:
         for stored in f.keys():
+            if only is not None and stored not in only:
+                continue
             name = _param_name(stored, config)
             if _skipped(name, config):
                 continue

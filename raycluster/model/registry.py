@@ -21,12 +21,18 @@ def cache_dir() -> Path:
     return Path(os.environ.get("RAYCLUSTER_CACHE", Path.home() / ".cache" / "raycluster"))
 
 
-def resolve_model_path(model: str) -> str:
+def resolve_model_path(model: str, hf_overrides: dict | None = None) -> str:
+    """The checkpoint directory `model` names; with `hf_overrides` (vLLM's --hf-overrides), the
+    directory that reads as it with those config changes (raycluster.model.overrides)."""
     if model == TINY:
-        return str(ensure_tiny_model())
-    path = Path(model).expanduser()
-    if not (path / "config.json").is_file():
-        raise FileNotFoundError(f"model: {model!r} is neither 'tiny' nor a checkpoint directory with config.json")
+        path = ensure_tiny_model()
+    else:
+        path = Path(model).expanduser()
+        if not (path / "config.json").is_file():
+            raise FileNotFoundError(f"model: {model!r} is neither 'tiny' nor a checkpoint directory with config.json")
+    if hf_overrides:
+        from raycluster.model.overrides import overridden_checkpoint
+        return str(overridden_checkpoint(path, hf_overrides, cache_dir()))
     return str(path)
 
 

@@ -111,6 +111,10 @@ class Tokenizer:
             ids = [self.bos_token_id] + ids
         return ids
 
+    def token_id(self, token: str) -> int | None:
+        """A token's id by its vocabulary string (transformers' convert_tokens_to_ids), or None."""
+        return self._tok.token_to_id(token)
+
     def encode_pair(self, first: str, second: str, add_special_tokens: bool = True) -> list[int]:
         """The two texts as one sequence, joined as the tokenizer's pair template says (what a
         cross-encoder reads: transformers' `tokenizer(first, second)`)."""
