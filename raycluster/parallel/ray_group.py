@@ -15,6 +15,8 @@ actor call until the leader posts None. `RayRanks.join` waits for those calls, t
 
 from __future__ import annotations
 
+import os
+
 import ray
 import torch
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
@@ -32,6 +34,10 @@ class GroupRank:
 
         torch.set_num_threads(threads)
         self.config = EngineConfig.model_validate_json(config_json)
+        if self.config.hf_overrides and not os.path.isdir(model_path):
+            # The leader's derived directory is in its node's cache: derive this node's own.
+            from raycluster.model.registry import resolve_model_path
+            model_path = resolve_model_path(self.config.model, self.config.hf_overrides)
         self.dtype = self.config.torch_dtype()
         if group_kind(self.config) in SHARDED_KINDS:
             # read at `serve`, by rank
