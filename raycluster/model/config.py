@@ -28,7 +28,8 @@ from typing import Any
 
 from raycluster.model.encoder_config import ENCODER_ARCHITECTURES, EncoderSpec, encoder_fields
 from raycluster.model.generation_config import load_generation_config
-from raycluster.model.pooling import PoolerConfig, PoolerConfigError, read_pooler_config
+from raycluster.model.pooling import (PoolerConfig, PoolerConfigError, read_pooler_config,
+                                      sentence_transformers_options)
 from raycluster.model.quant.config import QuantConfig, QuantConfigError, parse_quant_config
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM",
@@ -158,8 +159,12 @@ class ModelConfig:
         try:
             cfg = dataclasses.replace(cfg, pooler=read_pooler_config(os.path.dirname(cfg_path), data,
                                                                      "cls" if cfg.is_encoder else "last"))
+            st_max = sentence_transformers_options(os.path.dirname(cfg_path)).get("max_seq_length")
         except PoolerConfigError as e:
             raise ModelConfigError(str(e)) from e
+        if st_max is not None and st_max < cfg.max_model_len:
+            # As vLLM: a sentence-transformers model serves the length it was trained to read.
+            cfg = dataclasses.replace(cfg, max_model_len=st_max)
         # generation_config.json may name more EOS ids (Llama-3 instruct's <|eot_id|>, Qwen's
         # <|endoftext|> beside <|im_end|>): HF's generate and vLLM stop on each.
         try:

@@ -183,6 +183,28 @@ def _st_pooling_mode(path: str) -> str:
     return _ST_MODES[mode]
 
 
+def sentence_transformers_options(model_dir: str) -> dict[str, Any]:
+    """The Transformer module's options in a sentence-transformers `sentence_bert_config.json`
+    (`max_seq_length`, `do_lower_case`), or {}: what vLLM reads as the model's encoder config."""
+    path = os.path.join(model_dir, "sentence_bert_config.json")
+    if not os.path.exists(path):
+        return {}
+    try:
+        with open(path) as f:
+            cfg = json.load(f)
+    except json.JSONDecodeError as e:
+        raise PoolerConfigError(f"{path}: invalid JSON: {e}") from e
+    out: dict[str, Any] = {}
+    n = cfg.get("max_seq_length")
+    if n is not None:
+        if not isinstance(n, int) or n < 1:
+            raise PoolerConfigError(f"{path}: max_seq_length must be a positive int, got {n!r}")
+        out["max_seq_length"] = n
+    if cfg.get("do_lower_case"):
+        out["do_lower_case"] = True
+    return out
+
+
 def check_dimensions(pooler: PoolerConfig, dimensions: int | None, hidden_size: int) -> str | None:
     """Why a request's `dimensions` cannot be served (None: it can)."""
     if dimensions is None or dimensions == hidden_size:

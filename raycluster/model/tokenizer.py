@@ -31,6 +31,13 @@ class Tokenizer:
         if not os.path.exists(tj):
             raise FileNotFoundError(f"no tokenizer.json in {path!r}")
         self._tok = HFTokenizer.from_file(tj)
+        # A sentence-transformers model's `do_lower_case` (sentence_bert_config.json): its texts
+        # are lowercased before tokenizing, as sentence-transformers and vLLM do.
+        from raycluster.model.pooling import PoolerConfigError, sentence_transformers_options
+        try:
+            self.lower_case = bool(sentence_transformers_options(path).get("do_lower_case"))
+        except PoolerConfigError:
+            self.lower_case = False
         cfg: dict[str, Any] = {}
         cfg_path = os.path.join(path, "tokenizer_config.json")
         if os.path.exists(cfg_path):
@@ -98,7 +105,7 @@ class Tokenizer:
         """ValueError for text that is not valid Unicode (a lone surrogate, which JSON's \\ud800
         escapes can carry): it has no UTF-8 bytes to tokenize."""
         try:
-            ids = self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+            ids = self._tok.encode(text.lower() if self.lower_case else text, add_special_tokens=add_special_tokens).ids
         except TypeError:
             try:
                 text.encode("utf-8")
@@ -124,6 +131,8 @@ class Tokenizer:
         """(`encode_pair`'s ids, the position of the first token of type 1): transformers'
         `token_type_ids` are 0 up to there and 1 from there (0: the template types every token 0)."""
         try:
+            if self.lower_case:
+                first, second = first.lower(), second.lower()
             enc = self._tok.encode(first, pair=second, add_special_tokens=add_special_tokens)
         except TypeError:
             raise ValueError("is not valid Unicode (it holds a lone surrogate)") from None

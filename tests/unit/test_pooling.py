@@ -161,3 +161,27 @@ def test_dense_weights_that_do_not_fit_are_a_checkpoint_error(st_dense_dir, tmp_
     (root / "2_Dense" / "model.safetensors").unlink()
     with pytest.raises(CheckpointError, match="only safetensors weights"):
         load_model(root)
+
+
+def test_sentence_bert_config_caps_the_context_and_lowercases(write_st_layout, tiny_model_dir, tmp_path):
+    """sentence_bert_config.json's max_seq_length caps the served context and do_lower_case
+    lowercases texts first: the ids sentence-transformers reads (vLLM reads both too)."""
+    from raycluster.model.tokenizer import Tokenizer
+    root = tmp_path / "st"
+    shutil.copytree(tiny_model_dir, root)
+    write_st_layout(root, {"pooling_mode": "mean", "embedding_dimension": 256}, False)
+    (root / "sentence_bert_config.json").write_text(json.dumps({"max_seq_length": 12, "do_lower_case": True}))
+    text = "Hello World THE river runs to the sea"
+    assert load_config(root).max_model_len == 12
+    tok = Tokenizer(root)
+    assert tok.encode(text) == tok.encode(text.lower()) != Tokenizer(tiny_model_dir).encode(text)
+    st = pytest.importorskip("sentence_transformers")
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        ref = st.SentenceTransformer(str(root), device="cpu")
+    assert ref.max_seq_length == 12
+    assert ref.tokenize([text])["input_ids"][0].tolist() == tok.encode(text)[:12]
+    (root / "sentence_bert_config.json").write_text(json.dumps({"max_seq_length": 0}))
+    with pytest.raises(ModelConfigError, match="max_seq_length"):
+        load_config(root)
