@@ -90,7 +90,7 @@ def _every_field_set() -> list[SamplingParams]:
                         include_stop_str_in_output=True, skip_special_tokens=False,
                         bad_words_token_ids=[[7], [8, 9]], lora_adapter="sql")
     grammar = dataclasses.replace(sp, guided_regex=None, guided_grammar='start: "(" start ")" | "x"')
-    pooling = SamplingParams(max_tokens=1, embed=True, lora_adapter="sql")
+    pooling = SamplingParams(max_tokens=1, embed=True, lora_adapter="sql", pair_start=2, pool_tokens=True)
     defaults = SamplingParams()
     unset = [f.name for f in dataclasses.fields(SamplingParams)
              if all(getattr(s, f.name) == getattr(defaults, f.name) for s in (sp, grammar, pooling))]
