@@ -64,9 +64,17 @@ class Attention(nn.Module):
 
     def forward(self, x, batch: "_Batch"):
         s = self.self
-        q, k, v = (batch.pad(p(x), self.heads, self.head_dim) for p in (s.query, s.key, s.value))
-        o = F.scaled_dot_product_attention(q, k, v, attn_mask=batch.mask)
-        return self.output(batch.unpad(o), x)
+        q, k, v = s.query(x), s.key(x), s.value(x)
+        if len(batch.groups) == 1:
+            g = batch.groups[0]
+            o = g.unpad(F.scaled_dot_product_attention(*(g.pad(y, self.heads, self.head_dim) for y in (q, k, v)),
+                                                       attn_mask=g.mask))
+        else:
+            o = torch.empty_like(q)
+            for g in batch.groups:
+                o[g.rows] = g.unpad(F.scaled_dot_product_attention(
+                    *(g.pad(y, self.heads, self.head_dim) for y in (q, k, v)), attn_mask=g.mask))
+        return self.output(o, x)
 
 
 class Intermediate(nn.Module):
@@ -114,26 +122,28 @@ class RobertaHead(nn.Module):
         self.out_proj = nn.Linear(cfg.hidden_size, len(cfg.labels))
 
 
-class _Batch:
-    """A step's prompts as a padded [B, heads, Lmax, D] batch for one attention call: where each
-    flat row goes, and the mask that keeps padding out of every softmax. A single prompt needs
-    neither (`index` None)."""
+class _Group:
+    """Prompts of similar length as one padded [B, heads, Lmax, D] attention call: the flat rows
+    they own (`rows`), where each goes in the padded batch (`index`), and the mask that keeps
+    padding out of every softmax (keys only). A lone prompt needs neither padding nor mask."""
 
-    def __init__(self, lengths: list[int], device):
+    def __init__(self, starts: list[int], lengths: list[int], device):
         self.b, self.lmax = len(lengths), max(lengths)
         if self.b == 1:
+            self.rows = slice(starts[0], starts[0] + lengths[0])
             self.index = self.mask = None
             return
-        rows = torch.arange(self.lmax, device=device)
+        pos = torch.arange(self.lmax, device=device)
         lens = torch.tensor(lengths, device=device)
-        valid = rows[None, :] < lens[:, None]                               # [B, Lmax]
-        self.index = (torch.arange(self.b, device=device)[:, None] * self.lmax + rows[None, :])[valid]
-        self.mask = valid[:, None, None, :]                                 # keys only
+        valid = pos[None, :] < lens[:, None]                                # [B, Lmax]
+        self.index = (torch.arange(self.b, device=device)[:, None] * self.lmax + pos[None, :])[valid]
+        self.rows = torch.cat([torch.arange(s, s + n, device=device) for s, n in zip(starts, lengths)])
+        self.mask = valid[:, None, None, :]
 
     def pad(self, y, heads: int, d: int):
-        t = y.shape[0]
+        y = y[self.rows]
         if self.index is None:
-            return y.view(1, t, heads, d).transpose(1, 2)
+            return y.view(1, -1, heads, d).transpose(1, 2)
         out = y.new_zeros(self.b * self.lmax, heads * d)
         out[self.index] = y
         return out.view(self.b, self.lmax, heads, d).transpose(1, 2)
@@ -141,6 +151,25 @@ class _Batch:
     def unpad(self, o):
         o = o.transpose(1, 2).reshape(self.b * self.lmax, -1)
         return o if self.index is None else o[self.index]
+
+
+class _Batch:
+    """A step's prompts grouped for attention: sorted by length, a group closes when the next
+    prompt is over twice its shortest, so padding stays under 2x the attention a group needs
+    (one 512-token prompt among short ones would otherwise pad them all to 512)."""
+
+    def __init__(self, lengths: list[int], device):
+        starts = [0]
+        for n in lengths[:-1]:
+            starts.append(starts[-1] + n)
+        members: list[list[int]] = [[]]
+        for i in sorted(range(len(lengths)), key=lengths.__getitem__):
+            if members[-1] and lengths[i] > 2 * lengths[members[-1][0]]:
+                members.append([])
+            members[-1].append(i)
+        if len(members) == 1:       # in step order: the group's rows are the step's, as they come
+            members = [list(range(len(lengths)))]
+        self.groups = [_Group([starts[j] for j in m], [lengths[j] for j in m], device) for m in members]
 
 
 class BertEncoderModel(nn.Module):

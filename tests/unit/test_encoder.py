@@ -182,3 +182,20 @@ def test_startup_profile_times_encoder_steps(encoders):
     lars = LLMEngine(EngineConfig(kv_cache_tokens=1024, policy="lars", packer="medha", max_num_batched_tokens=256,
                                   max_num_seqs=8), model)
     assert lars.predictor is not None and lars.config.packer == "token"
+
+
+@pytest.mark.parametrize("lengths", [[9, 5], [40, 3, 4, 20, 7, 1, 30, 33], [2, 2, 2], [64]])
+def test_prompts_of_any_length_mix_attend_only_to_their_own(encoders, lengths):
+    """Prompts are grouped by length for attention (padding under 2x per group) and come back in
+    step order: each equals transformers on that prompt alone."""
+    model, _ = load_model(encoders["bert"])
+    hf = _hf(encoders["bert"])
+    gen = torch.Generator().manual_seed(sum(lengths))
+    seqs = [torch.randint(5, model.config.vocab_size, (n,), generator=gen) for n in lengths]
+    out = model(torch.cat(seqs), lengths)
+    first = 0
+    for s in seqs:
+        with torch.no_grad():
+            want = hf(s[None]).last_hidden_state[0]
+        torch.testing.assert_close(out[first:first + len(s)], want, atol=1e-5, rtol=1e-5)
+        first += len(s)
