@@ -87,3 +87,16 @@ def test_quant_bench_compares_each_scheme_with_the_dense_model(tmp_path):
         assert all(v["median"] > 0 for v in (*r["decode_ms"].values(), *r["prefill_ms"].values()))
     with pytest.raises(SystemExit):
         main(["bench", "quant", "--schemes", "int3", "--out", str(out)])
+
+
+def test_encoder_bench_times_the_engine_against_transformers(tmp_path, encoders):
+    """`raycluster bench encoder`: each mix's batch through the engine, transformers padded and one
+    by one, in turn; ratios to the engine's median."""
+    out = tmp_path / "encoder.json"
+    assert main(["bench", "encoder", "--model", str(encoders["bert"]), "--requests", "5", "--rounds", "1",
+                 "--threads", "1", "--out", str(out)]) == 0
+    res = json.loads(out.read_text())
+    assert set(res["mixes"]) == {"uniform", "skewed"}
+    for mix in res["mixes"].values():
+        assert mix["requests"] == 5 and mix["ways"]["engine (one step)"]["vs_engine"] == 1.0
+        assert all(w["median_s"] > 0 for w in mix["ways"].values())
