@@ -240,7 +240,8 @@ class LLMEngine:
                                       "ask /pooling with task token_classify")
         if not sp.embed and not self.model.config.has_lm_head:
             raise InvalidRequestError("model", "this checkpoint has no output head (lm_head.weight): it serves "
-                                      "/v1/embeddings, /score and /rerank only, not text generation")
+                                      "the pooling routes (/v1/embeddings, /pooling, /score, /rerank, /classify) "
+                                      "only, not text generation")
         if sp.embed and not hasattr(type(self.runner), "keep_hidden"):
             raise InvalidRequestError("input", f"embeddings are not served by a {self.runner.layout} group "
                                       "(its pipeline stages do not return the final hidden states)")
