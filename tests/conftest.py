@@ -176,8 +176,9 @@ def encoders(tmp_path_factory):
     """Tiny BERT-style checkpoints (tests/encoder_checkpoints.py), written by transformers: "bert"
     (BertModel), "bert-st" (it through sentence-transformers: mean pooling, Normalize),
     "bert-ce" (a one-label BertForSequenceClassification: a cross-encoder), "bert-3" (three
-    labels), "xlmr" (XLMRobertaModel), "xlmr-ce" (a one-label XLM-RoBERTa classifier) and "bert-ner"
-    (a three-label BertForTokenClassification)."""
+    labels), "xlmr" (XLMRobertaModel), "xlmr-ce" (a one-label XLM-RoBERTa classifier), "bert-ner"
+    (a three-label BertForTokenClassification), "modernbert" (ModernBertModel) and "modernbert-ce" (a
+    one-label ModernBERT classifier pooling the mean)."""
     pytest.importorskip("transformers")
     from encoder_checkpoints import write_encoder, write_st_encoder
 
@@ -187,7 +188,10 @@ def encoders(tmp_path_factory):
            "bert-3": write_encoder(root / "bert-3", "BertForSequenceClassification", ["neg", "neutral", "pos"], seed=2),
            "xlmr": write_encoder(root / "xlmr", "XLMRobertaModel", seed=3),
            "xlmr-ce": write_encoder(root / "xlmr-ce", "XLMRobertaForSequenceClassification", ["relevant"], seed=4),
-           "bert-ner": write_encoder(root / "bert-ner", "BertForTokenClassification", ["O", "B-LOC", "I-LOC"], seed=5)}
+           "bert-ner": write_encoder(root / "bert-ner", "BertForTokenClassification", ["O", "B-LOC", "I-LOC"], seed=5),
+           "modernbert": write_encoder(root / "modernbert", "ModernBertModel", seed=6),
+           "modernbert-ce": write_encoder(root / "modernbert-ce", "ModernBertForSequenceClassification", ["relevant"],
+                                          seed=7)}
     if importlib.util.find_spec("sentence_transformers") is not None:
         out["bert-st"] = write_st_encoder(out["bert"], root / "bert-st")
     return out

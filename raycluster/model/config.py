@@ -26,7 +26,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-from raycluster.model.encoder_config import ENCODER_ARCHITECTURES, EncoderSpec, encoder_fields
+from raycluster.model.encoder_config import ENCODER_ARCHITECTURES, TOKEN_HEADS, EncoderSpec, encoder_fields
 from raycluster.model.generation_config import load_generation_config
 from raycluster.model.pooling import (PoolerConfig, PoolerConfigError, read_pooler_config,
                                       sentence_transformers_options)
@@ -133,7 +133,7 @@ class ModelConfig:
     @property
     def token_classifier(self) -> bool:
         """A *ForTokenClassification: its head classifies every token, not a pooled vector."""
-        return self.encoder is not None and self.encoder.head == "token"
+        return self.encoder is not None and self.encoder.head in TOKEN_HEADS
 
     @property
     def num_kv_layers(self) -> int:
@@ -157,8 +157,8 @@ class ModelConfig:
             raise ModelConfigError(f"{cfg_path}: invalid JSON: {e}") from e
         cfg = cls.from_dict(data)
         try:
-            cfg = dataclasses.replace(cfg, pooler=read_pooler_config(os.path.dirname(cfg_path), data,
-                                                                     "cls" if cfg.is_encoder else "last"))
+            cfg = dataclasses.replace(cfg, pooler=read_pooler_config(
+                os.path.dirname(cfg_path), data, cfg.encoder.default_pooling if cfg.is_encoder else "last"))
             st_max = sentence_transformers_options(os.path.dirname(cfg_path)).get("max_seq_length")
         except PoolerConfigError as e:
             raise ModelConfigError(str(e)) from e
@@ -272,7 +272,7 @@ class ModelConfig:
 
         fields = encoder_fields(arch, d, req, _labels)
         try:
-            pooler = read_pooler_config(None, d, "cls")
+            pooler = read_pooler_config(None, d, fields["encoder"].default_pooling)
         except PoolerConfigError as e:
             raise ModelConfigError(str(e)) from None
         return cls(pooler=pooler, **fields)

@@ -30,14 +30,20 @@ from raycluster.model.quant.linear import Kernels, finalize_quantized
 # Buffers some exporters save that we recompute ourselves.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 # An encoder checkpoint's tensors that serve nothing here: position / token-type id buffers, and
-# the pretraining heads of BERT (`cls.*`: masked LM, next sentence) and RoBERTa (`lm_head.*`).
+# the pretraining heads of BERT (`cls.*`: masked LM, next sentence), RoBERTa (`lm_head.*`) and
+# ModernBERT (`decoder.*`).
 _ENCODER_IGNORED = ("embeddings.position_ids", "embeddings.token_type_ids")
-_ENCODER_HEADS = ("cls.", "lm_head.")
+_ENCODER_HEADS = ("cls.", "lm_head.", "decoder.")
 
 
 def build_model(config: ModelConfig, backend=None):
     """The module `config` describes (uninitialised weights): a decoder or a BERT-style encoder."""
-    return BertEncoderModel(config) if config.is_encoder else LlamaForCausalLM(config, backend=backend)
+    if not config.is_encoder:
+        return LlamaForCausalLM(config, backend=backend)
+    if config.encoder.family == "modernbert":
+        from raycluster.model.modernbert import ModernBertEncoderModel
+        return ModernBertEncoderModel(config)
+    return BertEncoderModel(config)
 
 
 class CheckpointError(ValueError):
@@ -150,8 +156,11 @@ def _skipped(name: str, config: ModelConfig) -> bool:
     tied checkpoints still store; an encoder's pretraining heads and id buffers, and the pooler of
     one that does not classify (embeddings pool the final hidden states, not the pooler's output)."""
     if config.is_encoder:
+        enc = config.encoder
         return name in _ENCODER_IGNORED or name.startswith(_ENCODER_HEADS) or (
-            name.startswith("pooler.") and config.encoder.head != "bert")
+            name.startswith("pooler.") and enc.head != "bert") or (
+            # ModernBERT's masked-LM head (its prediction head shares the classifiers' name)
+            name.startswith("head.") and enc.family == "modernbert" and not enc.head)
     return name.endswith(_IGNORED_SUFFIXES) or (name == "lm_head.weight" and config.tie_word_embeddings)
 
 

@@ -50,7 +50,7 @@ def test_embeddings_equal_sentence_transformers(encoders):
     assert long.status_code == 400 and long.json()["error"]["param"] == "input", long.text
 
 
-@pytest.mark.parametrize("name", ["bert-ce", "xlmr-ce"])
+@pytest.mark.parametrize("name", ["bert-ce", "xlmr-ce", "modernbert-ce"])
 def test_cross_encoder_scores_equal_sentence_transformers(encoders, name):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")

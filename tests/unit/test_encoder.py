@@ -75,7 +75,7 @@ def test_config_reads_bert_and_roberta(encoders):
         ModelConfig.from_dict({**raw, "architectures": ["XLMRobertaModel"], "pad_token_id": None})
 
 
-@pytest.mark.parametrize("name", ["bert", "xlmr"])
+@pytest.mark.parametrize("name", ["bert", "xlmr", "modernbert"])
 def test_batched_prompts_pool_transformers_hidden_states(encoders, name):
     """Four prompts of 3-14 tokens run in one step (one padded attention call); each prompt's
     [CLS] row and mean equal transformers' last hidden state of that prompt alone."""
@@ -113,7 +113,7 @@ def test_masked_lm_checkpoint_serves_its_encoder(encoders, tmp_path):
     assert torch.allclose(vec, ref, atol=1e-5)
 
 
-@pytest.mark.parametrize("name", ["bert-ce", "bert-3", "xlmr-ce"])
+@pytest.mark.parametrize("name", ["bert-ce", "bert-3", "xlmr-ce", "modernbert-ce"])
 def test_classifier_logits_with_pair_token_types(encoders, name):
     """Pairs joined by the tokenizer's template, batched in one step: logits = transformers'
     *ForSequenceClassification given the same ids and token types (BERT's second text is type 1;
@@ -199,3 +199,37 @@ def test_prompts_of_any_length_mix_attend_only_to_their_own(encoders, lengths):
             want = hf(s[None]).last_hidden_state[0]
         torch.testing.assert_close(out[first:first + len(s)], want, atol=1e-5, rtol=1e-5)
         first += len(s)
+
+
+def test_modernbert_config_as_transformers_5_and_the_hub_write_it(encoders):
+    """transformers 5's `layer_types` / `rope_parameters` and the hub's `global_attn_every_n_layers`
+    / `global_rope_theta` / `local_rope_theta` read the same; the classifier pools its mean."""
+    new = ModelConfig.from_pretrained(encoders["modernbert-ce"])
+    enc = new.encoder
+    assert (enc.family, enc.sliding_layers, enc.local_window, new.pooler.pooling_type) == ("modernbert", (1, 2), 4,
+                                                                                             "mean")
+    assert (enc.rope_theta_global, enc.rope_theta_local) == (160000.0, 10000.0) and new.labels == ("relevant",)
+    raw = json.loads((encoders["modernbert"] / "config.json").read_text())
+    hub = {k: v for k, v in raw.items() if k not in ("layer_types", "rope_parameters")}
+    hub.update(global_attn_every_n_layers=2, global_rope_theta=8000.0, local_rope_theta=500.0, local_attention=16)
+    old = ModelConfig.from_dict(hub).encoder
+    assert (old.sliding_layers, old.local_window, old.rope_theta_global, old.rope_theta_local) == ((1, 3), 8, 8000.0,
+                                                                                                   500.0)
+    for change, field in (({"layer_types": ["full_attention"]}, "layer_types"),
+                          ({"classifier_pooling": "max"}, "classifier_pooling"),
+                          ({"rope_parameters": {"full_attention": {"rope_type": "yarn", "factor": 2.0}}}, "rope_type")):
+        with pytest.raises(ModelConfigError, match=field):
+            ModelConfig.from_dict({**raw, **change})
+
+
+def test_modernbert_local_layers_see_only_their_window(encoders):
+    """The band matters: attending globally on the local layers changes a 30-token prompt's states."""
+    model, _ = load_model(encoders["modernbert"])
+    ids = torch.randint(5, model.config.vocab_size, (30,), generator=torch.Generator().manual_seed(0))
+    local = model(ids, [30])
+    with torch.no_grad():
+        want = _hf(encoders["modernbert"])(ids[None]).last_hidden_state[0]
+    torch.testing.assert_close(local, want, atol=1e-5, rtol=1e-5)
+    for layer in model.layers:
+        layer.attn.local = False
+    assert (model(ids, [30]) - want).abs().max() > 1e-3
