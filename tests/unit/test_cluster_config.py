@@ -119,3 +119,15 @@ def test_the_cli_overrides_carry_the_served_names():
     assert args == {"policy": "lars", "served_model_name": ["a", "b"]}
     assert ClusterConfig(**args).served_names() == ["a", "b"]
     assert override_args({"served_model_name": ["a"]}, None, None, None) == {"served_model_name": ["a"]}
+
+
+def test_hf_overrides_are_one_json_object_for_every_pool():
+    """`--hf-overrides` reaches the app's engine options as JSON text: every pool (and the gateway,
+    which reads the first pool's) sees the same object; a pool that overrides differently is refused."""
+    cfg = ClusterConfig(engine={"hf_overrides": '{"max_position_embeddings": 96}'},
+                        pools=[{"role": "mixed", "instances": 1}])
+    assert cfg.engine_config(cfg.pools[0]).hf_overrides == {"max_position_embeddings": 96}
+    pd = [{"role": "prefill-short", "instances": 1}, {"role": "prefill-long", "instances": 1},
+          {"role": "decode", "instances": 1, "engine": {"hf_overrides": {"max_position_embeddings": 64}}}]
+    with pytest.raises(ValidationError, match=r"pools\[2\].engine.hf_overrides"):
+        ClusterConfig(engine={"hf_overrides": {"max_position_embeddings": 96}}, pools=pd)
