@@ -68,3 +68,22 @@ def test_a_group_leader_applies_the_head_read_from_the_checkpoint(classifiers, r
             torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
     finally:
         eng.close()
+
+
+def test_token_level_scores_are_the_head_on_every_position(classifiers):
+    """`pool_tokens` on a decoder classifier (vLLM's token_classify: a reward model's per-token
+    scores): the score head on each prompt position's final hidden state, chunked (16 tokens)."""
+    transformers = pytest.importorskip("transformers")
+    hf = transformers.AutoModelForSequenceClassification.from_pretrained(classifiers["sentiment"], dtype=torch.float32,
+                                                                        attn_implementation="eager")
+    eng = LLMEngine(EngineConfig(**BASE), load_model(classifiers["sentiment"])[0])
+    reqs = [eng.add_request(f"t{i}", p, SamplingParams(max_tokens=1, embed=True, pool_tokens=True))
+            for i, p in enumerate(PROMPTS)]
+    for _ in range(100):
+        if not eng.has_unfinished():
+            break
+        eng.step()
+    for r, p in zip(reqs, PROMPTS):
+        with torch.no_grad():
+            want = hf.score(hf.model(torch.tensor([p])).last_hidden_state[0])
+        torch.testing.assert_close(torch.tensor(r.embedding), want, atol=1e-5, rtol=1e-5)
