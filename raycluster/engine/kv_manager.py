@@ -181,6 +181,7 @@ class BlockAllocator:
 
 class KVCacheManager:
     prefix_caching = False      # PrefixCachingKVManager (prefix_cache.py) finds shared prefixes
+    releases_window = False     # SlidingWindowKVManager (window_kv.py) gives back blocks out of a window
 
     def __init__(self, num_blocks: int, block_size: int, allocator=None) -> None:
         """`allocator`: a `BlockAllocator`-like pool (e.g. the KVP ranks' striped one);
@@ -197,6 +198,12 @@ class KVCacheManager:
 
     @property
     def num_blocks(self) -> int:
+        """Blocks requests can hold (a sliding-window manager's reserved null block is not one)."""
+        return self.allocator.num_blocks
+
+    @property
+    def num_physical_blocks(self) -> int:
+        """Blocks the KV tensor holds: every id the tables may name."""
         return self.allocator.num_blocks
 
     def usage(self) -> float:

@@ -50,7 +50,7 @@ class ModelRunner:
         self.kv = kv
         self.device = torch.device(device)
         self.dtype = dtype
-        shape = model.kv_cache_shape(kv.num_blocks, kv.block_size)
+        shape = model.kv_cache_shape(kv.num_physical_blocks, kv.block_size)
         self.kv_cache = torch.zeros((shape[0] + extra_kv_layers, *shape[1:]), dtype=dtype, device=self.device)
         # The EAGLE head's layers: a view of the tensor's last ones, so they move with the blocks.
         self.head_kv_cache = self.kv_cache[shape[0]:] if extra_kv_layers else None

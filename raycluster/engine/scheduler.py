@@ -301,6 +301,8 @@ class Scheduler:
                 continue
             self._finish(req, status)
             finished.append(req)
+        if self.kv.releases_window:     # a sliding-window model's blocks no later query sees
+            self.kv.release_outside_window([r for r, _ in out.prefills] + out.decodes)
         return finished
 
     def _take_cached_prefix(self, req: Request) -> int:

@@ -10,6 +10,7 @@ The model enters as a full model in memory or, for the kinds whose ranks hold on
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import torch
 
@@ -18,6 +19,7 @@ from raycluster.engine.kv_manager import KVCacheManager
 from raycluster.engine.kv_memory import check_kv_fits
 from raycluster.engine.model_runner import ModelRunner
 from raycluster.engine.prefix_cache import PrefixCachingKVManager
+from raycluster.engine.window_kv import SlidingWindowKVManager
 from raycluster.parallel.group import Collective, GroupAddress, ThreadRanks, free_port
 from raycluster.parallel.shard import Checkpoint
 
@@ -81,6 +83,16 @@ def build_runner(config: EngineConfig, model, dtype: torch.dtype, model_path: st
     return runner
 
 
+def releasable_window(config: EngineConfig, mcfg) -> int | None:
+    """The window whose out-of-reach blocks the engine gives back (raycluster.engine.window_kv):
+    when every layer slides, without prefix caching, an EAGLE head or KV parallelism; else None."""
+    if mcfg.is_encoder or not mcfg.sliding_window or len(mcfg.sliding_layers) != mcfg.num_hidden_layers:
+        return None
+    if config.enable_prefix_caching or config.speculative_method in ("eagle", "eagle3") or config.kvp > 1:
+        return None
+    return mcfg.sliding_window
+
+
 def _encoder_runner(config: EngineConfig, model, dtype: torch.dtype, kind: str, blocks: int):
     """A BERT-style encoder's runner: one process, no KV to cache, nothing generated."""
     from raycluster.engine.encoder_runner import EncoderRunner
@@ -100,6 +112,9 @@ def _build_runner(config: EngineConfig, model, dtype: torch.dtype, model_path: s
     """`build_runner`'s runner, `extra`: the EAGLE head's KV layers (0 without one)."""
     blocks = config.kv_cache_tokens // config.block_size
     kv_manager = PrefixCachingKVManager if config.enable_prefix_caching else KVCacheManager
+    window = releasable_window(config, model.config)
+    if window:
+        kv_manager = functools.partial(SlidingWindowKVManager, window=window)
     kind = group_kind(config)
     if kind == "single" or config.group_launch == "threads":     # every rank's KV in this host's memory
         mcfg = dataclasses.replace(model.config, num_hidden_layers=model.config.num_hidden_layers + extra)

@@ -407,7 +407,7 @@ class KVPRunner:
         # own KV bytes: one KVP rank's blocks, or 1/tp of them with TP lanes (1/Hkv with
         # replicated heads), as a TP leader.
         staged = max(1, blocks_per_rank // min(tp, model.config.num_key_value_heads))
-        shape = self.model.kv_cache_shape(self.kv.num_blocks, block_size)
+        shape = self.model.kv_cache_shape(self.kv.num_physical_blocks, block_size)
         self.head_kv = HeadKV(extra_kv_layers, shape[0], shape[1:], dtype, self.device) if extra_kv_layers else None
         self.head_kv_cache = self.head_kv.tensor if self.head_kv else None
         self.port = StagedPort(self, (shape[0] + extra_kv_layers, staged, *shape[2:]), dtype, self.device)

@@ -349,9 +349,9 @@ class SPPRunner:
             self.layout += "ep"
         if kvp > 1:     # a progressive KVP layout names its range (and so its own profile)
             self.layout += kv.allocator.layout_label(kv.block_size)
-        if kv.num_blocks % kvp:
-            raise ValueError(f"kvp {kvp}: the engine's {kv.num_blocks} blocks do not stripe evenly")
-        self.blocks_per_rank = kv.num_blocks // kvp
+        if kv.num_physical_blocks % kvp:
+            raise ValueError(f"kvp {kvp}: the engine's {kv.num_physical_blocks} blocks do not stripe evenly")
+        self.blocks_per_rank = kv.num_physical_blocks // kvp
         self.stage = SPPStage(model, coll, 0, spp, self.blocks_per_rank, kv.block_size, dtype, device, micro_tokens,
                               tp, kvp, expert_parallel)
         self.model = GroupModel(model.config, self.stage.model, tp > 1) if isinstance(model, Checkpoint) else model

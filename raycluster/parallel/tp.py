@@ -168,16 +168,16 @@ class TPRunner:
         """`ranks`: the handle of ranks 1..tp-1 (`join(timeout)`), stopped by `close`."""
         self.kv, self.coll, self.tp, self.dtype, self.ranks = kv, coll, tp, dtype, ranks
         self.layout = f"tp{tp}" + ("ep" if expert_parallel and model.config.moe is not None else "")
-        self.rank0 = TPRank(model, coll, 0, tp, kv.num_blocks, kv.block_size, dtype, device, expert_parallel)
+        self.rank0 = TPRank(model, coll, 0, tp, kv.num_physical_blocks, kv.block_size, dtype, device, expert_parallel)
         self.model = GroupModel(model.config, self.rank0.model, True) if isinstance(model, Checkpoint) else model
         self.device = self.rank0.device
-        shape = self.model.kv_cache_shape(kv.num_blocks, kv.block_size)
+        shape = self.model.kv_cache_shape(kv.num_physical_blocks, kv.block_size)
         self.head_kv = HeadKV(extra_kv_layers, shape[0], shape[1:], dtype, self.device) if extra_kv_layers else None
         self.head_kv_cache = self.head_kv.tensor if self.head_kv else None
         # Connectors see whole blocks (every head, every layer, the head's too): a staging area
         # of the leader's own KV bytes, i.e. 1/tp of the engine's blocks (1/Hkv with replicated
         # heads: the leader holds one of Hkv heads), as a KVP leader stages one rank's worth.
-        staged = max(1, kv.num_blocks // min(tp, model.config.num_key_value_heads))
+        staged = max(1, kv.num_physical_blocks // min(tp, model.config.num_key_value_heads))
         self.port = StagedPort(self, (shape[0] + extra_kv_layers, staged, *shape[2:]), dtype, self.device)
         self._closed = False
 

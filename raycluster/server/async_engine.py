@@ -150,7 +150,7 @@ class AsyncEngine:
         eng = self.engine
         kv = eng.kv
         out = {"waiting": eng.scheduler.num_waiting, "running": eng.scheduler.num_running,
-               "kv_used_blocks": kv.allocator.num_used, "kv_total_blocks": kv.num_blocks,
+               "kv_used_blocks": kv.num_blocks - kv.num_free_blocks, "kv_total_blocks": kv.num_blocks,
                "steps": self.steps, "preemptions": eng.scheduler.preempted_total}
         if kv.prefix_caching:
             out.update(prefix_queries=kv.query_tokens, prefix_hits=kv.hit_tokens)
