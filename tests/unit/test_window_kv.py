@@ -124,3 +124,28 @@ def test_a_tp_group_releases_the_same_way(mistral, hf_greedy):
         assert out == [hf_greedy(p, 20) for p in prompts]
     finally:
         eng.close()
+
+
+def test_a_preempted_request_with_released_blocks_recomputes_exactly(mistral, hf_greedy):
+    """Preemption (what the scheduler does when KV runs out) of a decoding request whose early
+    blocks were given back: its live blocks are freed, it recomputes, its tokens are transformers'."""
+    _, model = mistral
+    eng = LLMEngine(EngineConfig(**BASE, kv_cache_tokens=1024), model)
+    prompts = [_prompt(80, 5), _prompt(40, 6)]
+    sp = SamplingParams(max_tokens=30, ignore_eos=True)
+    reqs = [eng.add_request(f"r{i}", p, sp) for i, p in enumerate(prompts)]
+    for _ in range(200):
+        eng.step()
+        if len(reqs[0].output_token_ids) == 10:
+            break
+    assert eng.kv._released.get("r0", 0) > 0
+    eng.scheduler._preempt(reqs[0])
+    eng.kv.check()
+    assert "r0" not in eng.kv.block_tables and eng.scheduler.preempted_total == 1
+    for _ in range(500):
+        if not eng.has_unfinished():
+            break
+        eng.step()
+        eng.kv.check()
+    assert [r.output_token_ids for r in reqs] == [hf_greedy(p, 30) for p in prompts]
+    assert eng.kv.num_free_blocks == eng.kv.num_blocks
