@@ -12,19 +12,12 @@ from __future__ import annotations
 
 import torch
 
-from raycluster.engine.kv_manager import KVCacheManager
 from raycluster.engine.model_runner import ModelRunner, StepLogits, pool_prefills
 from raycluster.engine.scheduler import SchedulerOutput
 from raycluster.parallel.plan import StepPlan
 
 
 class EncoderRunner(ModelRunner):
-    layout = "single"
-
-    def __init__(self, model, kv: KVCacheManager, dtype: torch.dtype = torch.float32,
-                 device: str | torch.device = "cpu") -> None:
-        super().__init__(model, kv, dtype, device)
-
     def kv_bytes_per_token(self) -> int:
         return 0
 
