@@ -16,7 +16,7 @@ from torch import nn
 
 from raycluster.model.config import ModelConfig
 
-_ACT = {"gelu": F.gelu, "relu": F.relu, "silu": F.silu,
+ACT_FNS = {"gelu": F.gelu, "relu": F.relu, "silu": F.silu,
         "gelu_new": lambda x: F.gelu(x, approximate="tanh"),
         "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh")}
 
@@ -62,7 +62,7 @@ class Attention(nn.Module):
         self.output = DenseNorm(cfg.hidden_size, cfg)
         self.heads, self.head_dim = cfg.num_attention_heads, cfg.head_dim
 
-    def forward(self, x, batch: "_Batch"):
+    def forward(self, x, batch: "LengthGroups"):
         s = self.self
         q, k, v = s.query(x), s.key(x), s.value(x)
         if len(batch.groups) == 1:
@@ -81,7 +81,7 @@ class Intermediate(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.dense = nn.Linear(cfg.hidden_size, cfg.intermediate_size)
-        self.act = _ACT[cfg.encoder.hidden_act]
+        self.act = ACT_FNS[cfg.encoder.hidden_act]
 
     def forward(self, x):
         return self.act(self.dense(x))
@@ -122,7 +122,7 @@ class RobertaHead(nn.Module):
         self.out_proj = nn.Linear(cfg.hidden_size, len(cfg.labels))
 
 
-class _Group:
+class PaddedGroup:
     """Prompts of similar length as one padded [B, heads, Lmax, D] attention call: the flat rows
     they own (`rows`), where each goes in the padded batch (`index`), and the mask that keeps
     padding out of every softmax (keys only). A lone prompt needs neither padding nor mask."""
@@ -153,7 +153,7 @@ class _Group:
         return o if self.index is None else o[self.index]
 
 
-class _Batch:
+class LengthGroups:
     """A step's prompts grouped for attention: sorted by length, a group closes when the next
     prompt is over twice its shortest, so padding stays under 2x the attention a group needs
     (one 512-token prompt among short ones would otherwise pad them all to 512)."""
@@ -169,7 +169,7 @@ class _Batch:
             members[-1].append(i)
         if len(members) == 1:       # in step order: the group's rows are the step's, as they come
             members = [list(range(len(lengths)))]
-        self.groups = [_Group([starts[j] for j in m], [lengths[j] for j in m], device) for m in members]
+        self.groups = [PaddedGroup([starts[j] for j in m], [lengths[j] for j in m], device) for m in members]
 
 
 class BertEncoderModel(nn.Module):
@@ -205,7 +205,7 @@ class BertEncoderModel(nn.Module):
         if token_type_ids is None:
             token_type_ids = torch.zeros_like(input_ids)
         x = self.embeddings(input_ids, positions, token_type_ids)
-        batch = _Batch(lengths, dev)
+        batch = LengthGroups(lengths, dev)
         for layer in self.encoder.layer:
             x = layer(x, batch)
         return x

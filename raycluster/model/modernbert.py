@@ -6,7 +6,7 @@ token_type_ids ignored) -> final hidden states [T, H]; `classify(rows)`. Pre-nor
 has no attention norm), RoPE with one base for global and one for local layers, GeGLU feed-forward,
 and local layers attending only within `local_window` positions on either side (inclusive, as HF's
 bidirectional sliding-window mask); a final norm. Prompts attend in length groups
-(raycluster.model.bert._Batch), a local layer's mask the group's padding mask and the band.
+(raycluster.model.bert.LengthGroups), a local layer's mask the group's padding mask and the band.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from raycluster.model.bert import _ACT, _Batch
+from raycluster.model.bert import ACT_FNS, LengthGroups
 from raycluster.model.config import ModelConfig
 
 
@@ -44,7 +44,7 @@ class Attention(nn.Module):
         self.heads, self.head_dim = cfg.num_attention_heads, cfg.head_dim
         self.local = local
 
-    def forward(self, x, cos, sin, batch: _Batch, bands: dict[int, torch.Tensor]):
+    def forward(self, x, cos, sin, batch: LengthGroups, bands: dict[int, torch.Tensor]):
         t = x.shape[0]
         qkv = self.Wqkv(x).view(t, 3, self.heads, self.head_dim)
         q, k, v = qkv.unbind(1)
@@ -72,7 +72,7 @@ class MLP(nn.Module):
         super().__init__()
         self.Wi = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.encoder.mlp_bias)
         self.Wo = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.encoder.mlp_bias)
-        self.act = _ACT[cfg.encoder.hidden_act]
+        self.act = ACT_FNS[cfg.encoder.hidden_act]
 
     def forward(self, x):
         inp, gate = self.Wi(x).chunk(2, dim=-1)
@@ -99,7 +99,7 @@ class Head(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.dense = nn.Linear(cfg.hidden_size, cfg.hidden_size, bias=cfg.encoder.classifier_bias)
-        self.act = _ACT[cfg.encoder.classifier_activation]
+        self.act = ACT_FNS[cfg.encoder.classifier_activation]
         self.norm = _norm(cfg)
 
     def forward(self, x):
@@ -140,7 +140,7 @@ class ModernBertEncoderModel(nn.Module):
         enc, dev = self.config.encoder, input_ids.device
         positions = torch.cat([torch.arange(n, device=dev) for n in lengths])
         rope = {False: self._rope(positions, enc.rope_theta_global), True: self._rope(positions, enc.rope_theta_local)}
-        batch = _Batch(lengths, dev)
+        batch = LengthGroups(lengths, dev)
         bands = {}
         if enc.sliding_layers:
             for i, g in enumerate(batch.groups):
