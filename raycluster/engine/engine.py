@@ -31,6 +31,7 @@ from raycluster.engine.sampler import Sampler
 from raycluster.engine.spec_decode import SpecDecodeCounts, build_proposer
 from raycluster.model.lora import LoRAAdapter, LoRASet, load_adapter, parse_modules
 from raycluster.model.pooling import TOKEN_POOLING
+from raycluster.engine.pooling_head import PoolingHead
 from raycluster.engine.profiler import load_or_profile
 from raycluster.engine.sched_factory import RetiredScheduling, build_scheduler, needs_predictor
 from raycluster.engine.text import TextStream
@@ -52,12 +53,11 @@ def _min_tokens_ban(req: Request) -> list[int]:
 class LLMEngine:
     def __init__(self, config: EngineConfig, model, tokenizer=None, clock: Clock | None = None,
                  predictor: LinearBatchPredictor | None = None, runner=None,
-                 classifier: torch.Tensor | None = None, projector=None) -> None:
+                 pooling_head: PoolingHead | None = None) -> None:
         """`runner`: a prebuilt runner (e.g. a KVP / SPP / TP group whose ranks are Ray actors);
-        default one built from `config` (raycluster.parallel.factory). `classifier`: a sequence
-        classifier's score head [labels, H] (default: `model.score`'s; a group's leader holds
-        none: `from_runner` reads it from the checkpoint); `projector`: an embedding checkpoint's
-        Dense modules (default `model.projector`, likewise). `model`: what the engine
+        default one built from `config` (raycluster.parallel.factory). `pooling_head`: what pooled
+        vectors go through (default the model's own head and Dense modules; a group's leader
+        holds neither: `from_runner` reads them from the checkpoint). `model`: what the engine
         reads its vocab, length and EOS from (`model.config`): the full model, or the
         `GroupModel` of a prebuilt group whose ranks read their parts from the checkpoint."""
         if config.num_threads:
@@ -74,17 +74,9 @@ class LLMEngine:
         self.vocab_size = mcfg.vocab_size
         # How pooling requests (/v1/embeddings) pool their prompt (raycluster.model.pooling).
         self.pooling_type = mcfg.pooler.pooling_type if config.pooling_type == "auto" else config.pooling_type
-        # A classifier's pooled vector goes through its score head: the output is one logit per label.
-        head = getattr(model, "score", None)
-        self.classifier = classifier if classifier is not None else head.weight if head is not None else None
-        # An encoder classifier's head is its own module (`model.classify`: pooler or dense, then the classifier).
-        self.encoder_head = model.classify if mcfg.is_encoder and mcfg.labels else None
-        if mcfg.labels and self.classifier is None and self.encoder_head is None:
-            raise ValueError("a sequence classifier's engine needs its score head (model.score or `classifier`)")
-        # An embedding's Dense projections after pooling (sentence-transformers' Dense modules).
-        self.projector = projector if projector is not None else getattr(model, "projector", None)
-        if mcfg.pooler.dense and self.projector is None:
-            raise ValueError("the checkpoint's Dense modules were not loaded (model.projector or `projector`)")
+        # What a pooled vector becomes: a classifier's logits, an embedding's Dense projections, itself.
+        self.pooling_head = pooling_head or PoolingHead(model, _DTYPES[config.dtype])
+        self.classifier, self.projector = self.pooling_head.classifier, self.pooling_head.projector
         self.eos_token_ids = tuple(tokenizer.eos_token_ids) if tokenizer is not None else tuple(mcfg.eos_token_id)
         self.runner = runner or build_runner(config, model, _DTYPES[config.dtype])
         self.kv = self.runner.kv
@@ -149,16 +141,8 @@ class LLMEngine:
         """An engine over a built runner of the checkpoint at `path` (its model: the full model,
         or the group's view of it). A group's leader holds neither a classifier's head nor an
         embedding's Dense modules: they are read from the checkpoint here."""
-        mcfg = runner.model.config
-        classifier = projector = None
-        if mcfg.labels and not mcfg.is_encoder and getattr(runner.model, "score", None) is None:
-            from raycluster.model.loader import WHOLE, load_tensors
-            classifier = load_tensors(path, mcfg, {"score.weight": WHOLE}, _DTYPES[config.dtype],
-                                      config.device)["score.weight"]
-        if mcfg.pooler.dense and getattr(runner.model, "projector", None) is None:
-            from raycluster.model.loader import checkpoint_projector
-            projector = checkpoint_projector(path, mcfg, config.device)
-        return cls(config, runner.model, tokenizer, clock, runner=runner, classifier=classifier, projector=projector)
+        head = PoolingHead.for_runner(runner, path, _DTYPES[config.dtype], config.device)
+        return cls(config, runner.model, tokenizer, clock, runner=runner, pooling_head=head)
 
     # ---- requests --------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int],
@@ -323,14 +307,7 @@ class LLMEngine:
                                                 [sampled_reqs[i].sampling.logprobs for i in rows])
                     logprobs = {sampled_reqs[i].request_id: lp for i, lp in zip(rows, lps)}
             for req, vector in step.embeddings:
-                if self.classifier is not None:
-                    vector = torch.nn.functional.linear(vector, self.classifier.to(vector.dtype))
-                elif self.encoder_head is not None:     # [H] or, token-level, [n, H]
-                    vector = self.encoder_head(vector.to(self.runner.dtype).view(-1, vector.shape[-1])).float()
-                    vector = vector if req.pooling == TOKEN_POOLING else vector[0]
-                elif self.projector is not None:
-                    vector = self.projector(vector)
-                req.embedding = vector.tolist()
+                req.embedding = self.pooling_head(vector).tolist()
                 pooled.append(req)
             for req, first, rows_logits in step.prompt:
                 self._record_prompt_logprobs(req, first, rows_logits)

@@ -22,8 +22,7 @@ FREE_FRACTION = 0.9
 def kv_bytes_per_token(mcfg, dtype: torch.dtype) -> int:
     """Every layer's K and V of one token, over all KV heads (an encoder keeps none)."""
     itemsize = torch.empty((), dtype=dtype).element_size()
-    layers = mcfg.num_kv_layers if hasattr(mcfg, "num_kv_layers") else mcfg.num_hidden_layers
-    return layers * 2 * mcfg.num_key_value_heads * mcfg.head_dim * itemsize
+    return mcfg.num_kv_layers * 2 * mcfg.num_key_value_heads * mcfg.head_dim * itemsize
 
 
 def free_memory_bytes(device: torch.device) -> int | None:
