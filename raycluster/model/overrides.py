@@ -116,8 +116,8 @@ def _score_head(src: Path, config: dict[str, Any], tokens, dst: Path) -> dict[st
     if head not in weight_map:
         raise OverrideError(f"hf_overrides.classifier_from_token: the checkpoint has no {head} to take rows from")
     with safe_open(str(src / weight_map[head]), framework="pt") as f:
-        rows = torch.stack([f.get_slice(head)[i] for i in ids]).float()
-        dtype = f.get_slice(head).get_dtype()
+        sl = f.get_slice(head)
+        rows, dtype = torch.stack([sl[i] for i in ids]).float(), sl.get_dtype()
     score = (rows[1] - rows[0])[None] if method == "from_2_way_softmax" else rows
     store = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}.get(dtype, torch.float32)
     save_file({"score.weight": score.to(store).contiguous()}, str(dst / "score.safetensors"))
