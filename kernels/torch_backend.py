@@ -101,7 +101,12 @@ def merge_states(v: torch.Tensor, s: torch.Tensor) -> tuple[torch.Tensor, torch.
     return out.to(v.dtype), lse
 
 
-def _attend_tiled(q, k, v, causal: bool, scale: float):
+def _cap(scores: torch.Tensor, softcap: float | None) -> torch.Tensor:
+    """Gemma 2's score cap, softcap * tanh(scores / softcap), applied before any mask."""
+    return scores if softcap is None else torch.tanh(scores / softcap) * softcap
+
+
+def _attend_tiled(q, k, v, causal: bool, scale: float, softcap: float | None = None):
     """Reference-quality attention with query tiling; q [n,Hq,D], k/v [L,Hkv,D]; top-left causal
     (only used with n == L for causal). Returns out [n,Hq,D], natural lse [n,Hq]."""
     n, hq, d = q.shape
@@ -114,7 +119,7 @@ def _attend_tiled(q, k, v, causal: bool, scale: float):
         qt = q[start:start + _Q_TILE].float()
         m = qt.shape[0]
         qg = qt.view(m, hkv, g, d).permute(1, 0, 2, 3).reshape(hkv, m * g, d)
-        sc = torch.bmm(qg, kf).view(hkv, m, g, L) * scale
+        sc = _cap(torch.bmm(qg, kf).view(hkv, m, g, L) * scale, softcap)
         if causal:
             rows = torch.arange(start, start + m, device=q.device)
             mask = torch.arange(L, device=q.device)[None, :] > rows[:, None]
@@ -127,21 +132,22 @@ def _attend_tiled(q, k, v, causal: bool, scale: float):
     return torch.cat(outs).to(q.dtype), torch.cat(lses)
 
 
-def _attend(q, k, v, causal: bool, scale: float):
+def _attend(q, k, v, causal: bool, scale: float, softcap: float | None = None):
     """Dense attention of q [n,Hq,D] over k/v [L,Hkv,D] (causal: top-left, used with n == L).
-    Returns (out [n,Hq,D], natural-log lse [n,Hq] fp32)."""
-    if q.device.type == "cpu" and q.dtype == k.dtype:
+    Returns (out [n,Hq,D], natural-log lse [n,Hq] fp32). The fused kernel caps no scores:
+    `softcap` takes the tiled path."""
+    if q.device.type == "cpu" and q.dtype == k.dtype and softcap is None:
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
             q.transpose(0, 1).unsqueeze(0), k.transpose(0, 1).unsqueeze(0),
             v.transpose(0, 1).unsqueeze(0), 0.0, causal, scale=scale)
         return out.squeeze(0).transpose(0, 1), lse.squeeze(0).transpose(0, 1).float()
-    return _attend_tiled(q, k, v, causal, scale)
+    return _attend_tiled(q, k, v, causal, scale, softcap)
 
 
-def _attend_masked(q, k, v, visible: torch.Tensor, scale: float):
+def _attend_masked(q, k, v, visible: torch.Tensor, scale: float, softcap: float | None = None):
     """Attention of q [n,Hq,D] over k/v [L,Hkv,D] where visible [n,L] (bool) says which keys each
     query sees (every row sees at least one). Returns (out [n,Hq,D], natural-log lse [n,Hq] fp32)."""
-    if q.device.type == "cpu" and q.dtype == k.dtype:
+    if q.device.type == "cpu" and q.dtype == k.dtype and softcap is None:
         mask = torch.zeros(visible.shape, dtype=q.dtype, device=q.device).masked_fill_(~visible, float("-inf"))
         out, lse = _FLASH_CPU(q.transpose(0, 1).unsqueeze(0), k.transpose(0, 1).unsqueeze(0),
                               v.transpose(0, 1).unsqueeze(0), 0.0, False, attn_mask=mask[None, None], scale=scale)
@@ -150,7 +156,7 @@ def _attend_masked(q, k, v, visible: torch.Tensor, scale: float):
     hkv = k.shape[1]
     g = hq // hkv
     qg = q.float().view(n, hkv, g, d).permute(1, 0, 2, 3).reshape(hkv, n * g, d)
-    sc = torch.bmm(qg, k.float().permute(1, 2, 0)).view(hkv, n, g, -1) * scale
+    sc = _cap(torch.bmm(qg, k.float().permute(1, 2, 0)).view(hkv, n, g, -1) * scale, softcap)
     sc = sc.masked_fill(~visible[None, :, None, :], float("-inf"))
     lse = torch.logsumexp(sc, dim=-1)  # [Hkv, n, g]
     p = torch.exp(sc - lse[..., None])
@@ -158,7 +164,8 @@ def _attend_masked(q, k, v, visible: torch.Tensor, scale: float):
     return o.permute(1, 0, 2, 3).reshape(n, hq, d).to(q.dtype), lse.permute(1, 0, 2).reshape(n, hq)
 
 
-def _windowed_prefill(qi, kv_layer, table, prefix: int, ki, vi, window: int, scale: float):
+def _windowed_prefill(qi, kv_layer, table, prefix: int, ki, vi, window: int, scale: float,
+                      softcap: float | None = None):
     """One request's chunk (queries at positions prefix .. prefix + n - 1, its own K/V ki/vi)
     under a sliding window: query p sees keys p - window < key <= p. Only the blocks holding the
     window's earlier keys are read. Queries go in tiles of at most window - 1: each tile attends
@@ -181,13 +188,13 @@ def _windowed_prefill(qi, kv_layer, table, prefix: int, ki, vi, window: int, sca
         b = min(n, a + tile)
         qt = qi[a:b].to(k_all.dtype)
         start = prefix + a - lo                 # the tile's own first key, in k_all
-        o, lse = _attend(qt, k_all[start:start + b - a], v_all[start:start + b - a], True, scale)
+        o, lse = _attend(qt, k_all[start:start + b - a], v_all[start:start + b - a], True, scale, softcap)
         before = max(lo, prefix + a - window + 1) - lo
         if window > 1 and before < start:
             q_pos = torch.arange(prefix + a, prefix + b, device=qi.device)
             key_pos = torch.arange(lo + before, lo + start, device=qi.device)
             visible = key_pos[None, :] > q_pos[:, None] - window
-            op, lsep = _attend_masked(qt, k_all[before:start], v_all[before:start], visible, scale)
+            op, lsep = _attend_masked(qt, k_all[before:start], v_all[before:start], visible, scale, softcap)
             o, lse = _merge2(op, lsep, o, lse)
         outs.append(o)
         lses.append(lse)
@@ -218,9 +225,10 @@ def _fast_cpu(q: torch.Tensor, kv_layer: torch.Tensor) -> bool:
 def paged_prefill_attention(q: torch.Tensor, kv_layer: torch.Tensor, meta: AttentionMetadata,
                             scale: float, k: torch.Tensor | None = None, v: torch.Tensor | None = None,
                             return_lse: bool = True, workspace: Workspace | None = None,
-                            window: int | None = None):
+                            window: int | None = None, softcap: float | None = None):
     """Attention for the prefill tokens q [Tp,Hq,D]: each chunk sees its request's earlier KV
-    plus itself causally (with `window`, only the `window` latest keys up to each query). KV must
+    plus itself causally (with `window`, only the `window` latest keys up to each query; with
+    `softcap`, scores capped as Gemma 2's). KV must
     already be written. If the chunk's own k/v [Tp,Hkv,D] are given they are used instead of
     re-reading them from the cache. Returns (out [Tp,Hq,D], base-2 lse [Tp,Hq] or None)."""
     c = meta.prepare(kv_layer.device)
@@ -241,13 +249,13 @@ def paged_prefill_attention(q: torch.Tensor, kv_layer: torch.Tensor, meta: Atten
             ki, vi = _gather(kv_layer, table, kv_len)
             ki, vi = ki[prefix:], vi[prefix:]
         if window is not None and kv_len > window:
-            o, lse = _windowed_prefill(qi, kv_layer, table, prefix, ki, vi, window, scale)
+            o, lse = _windowed_prefill(qi, kv_layer, table, prefix, ki, vi, window, scale, softcap)
             out[start:start + n] = o
             if return_lse:
                 lse_all[start:start + n] = lse * LOG2E
             start += n
             continue
-        o, lse = _attend(qi.to(ki.dtype), ki, vi, True, scale)
+        o, lse = _attend(qi.to(ki.dtype), ki, vi, True, scale, softcap)
         if prefix > 0:
             if fast:
                 nbp = -(-prefix // bs)
@@ -256,7 +264,7 @@ def paged_prefill_attention(q: torch.Tensor, kv_layer: torch.Tensor, meta: Atten
                 vp = kv[nbp:].view(nbp * bs, hkv, d)[:prefix]
             else:
                 kp, vp = _gather(kv_layer, table[:-(-prefix // bs)], prefix)
-            op, lsep = _attend(qi.to(kp.dtype), kp, vp, False, scale)
+            op, lsep = _attend(qi.to(kp.dtype), kp, vp, False, scale, softcap)
             o, lse = _merge2(op, lsep, o, lse)
         out[start:start + n] = o
         if return_lse:
@@ -265,7 +273,7 @@ def paged_prefill_attention(q: torch.Tensor, kv_layer: torch.Tensor, meta: Atten
     return out, lse_all
 
 
-def _decode_bucket_manual(qb, k, v, bucket, scale, return_lse):
+def _decode_bucket_manual(qb, k, v, bucket, scale, return_lse, softcap: float | None = None):
     """Portable decode attention of n groups of m queries qb [n*m,Hq,D] over padded k/v
     [n,L,Hkv,D] (fp32 maths). Returns out [n*m,Hq,D] and lse [n*m,Hq] (or None)."""
     n, L, hkv, d = k.shape
@@ -278,6 +286,7 @@ def _decode_bucket_manual(qb, k, v, bucket, scale, return_lse):
     # A short loop over KV heads keeps bmm on strided K/V views (no transposed copies).
     for h in range(hkv):
         torch.bmm(qg[:, :, h].reshape(n, m * g, d), k[:, :, h].transpose(1, 2), out=sc[:, h].view(n, m * g, L))
+    sc = _cap(sc, softcap)
     if bucket.mask is not None:
         sc.masked_fill_(bucket.pad[:, None, :, None, :], float("-inf"))
     lse = None
@@ -295,7 +304,7 @@ def _decode_bucket_manual(qb, k, v, bucket, scale, return_lse):
 
 def paged_decode_attention(q: torch.Tensor, kv_layer: torch.Tensor, meta: AttentionMetadata,
                            scale: float, return_lse: bool = True, workspace: Workspace | None = None,
-                           window: int | None = None):
+                           window: int | None = None, softcap: float | None = None):
     """One query row per decode token, q [Td,Hq,D]. Rows are grouped by KV length into buckets
     (built once per step and window by meta.decode_buckets); each bucket's blocks are gathered
     with one index op into a padded [n, L] layout and attended with a length mask (with `window`,
@@ -320,7 +329,7 @@ def paged_decode_attention(q: torch.Tensor, kv_layer: torch.Tensor, meta: Attent
         else:
             k = kv_layer[:, 0][b.table].flatten(1, 2)
             v = kv_layer[:, 1][b.table].flatten(1, 2)
-        if fast:
+        if fast and softcap is None:
             mask = b.mask
             if mask is not None and mask.dtype != q.dtype:
                 mask = b.mask = mask.to(q.dtype)
@@ -329,7 +338,7 @@ def paged_decode_attention(q: torch.Tensor, kv_layer: torch.Tensor, meta: Attent
             o = o.transpose(1, 2).reshape(n * m, hq, d)
             lse = lse.transpose(1, 2).reshape(n * m, hq).float() if return_lse else None
         else:
-            o, lse = _decode_bucket_manual(qb, k, v, b, scale, return_lse)
+            o, lse = _decode_bucket_manual(qb, k, v, b, scale, return_lse, softcap)
         if b.keep is not None:
             o = o.index_select(0, b.keep)
             lse = lse.index_select(0, b.keep) if return_lse else None
@@ -346,7 +355,9 @@ def paged_decode_attention(q: torch.Tensor, kv_layer: torch.Tensor, meta: Attent
 
 class TorchAttentionBackend:
     """Writes the step's K/V into one layer's paged cache, then attends (prefill + decode).
-    `window`: the layer's sliding window (None: full causal attention)."""
+    `window`: the layer's sliding window (None: full causal attention); `softcap`: Gemma 2's cap
+    on attention scores (None: none; capped layers take the unfused paths, which materialise
+    scores)."""
 
     name = "torch"
     supports_sliding_window = True
@@ -355,17 +366,19 @@ class TorchAttentionBackend:
         self.workspace = Workspace()
 
     def forward(self, layer_kv: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                meta: AttentionMetadata, scale: float, window: int | None = None) -> torch.Tensor:
+                meta: AttentionMetadata, scale: float, window: int | None = None,
+                softcap: float | None = None) -> torch.Tensor:
         c = meta.prepare(layer_kv.device)
         write_kv(layer_kv, k, v, meta.slot_mapping, c["slot_block"], c["slot_offset"], c["slot_row"])
         tp, td = meta.num_prefill_tokens, meta.num_decode_tokens
         if td == 0:
             return paged_prefill_attention(q, layer_kv, meta, scale, k=k, v=v, return_lse=False,
-                                           workspace=self.workspace, window=window)[0]
+                                           workspace=self.workspace, window=window, softcap=softcap)[0]
         out = torch.empty_like(q)
         if tp:
             out[:tp] = paged_prefill_attention(q[:tp], layer_kv, meta, scale, k=k[:tp], v=v[:tp],
-                                               return_lse=False, workspace=self.workspace, window=window)[0]
+                                               return_lse=False, workspace=self.workspace, window=window,
+                                               softcap=softcap)[0]
         out[tp:tp + td] = paged_decode_attention(q[tp:tp + td], layer_kv, meta, scale, return_lse=False,
-                                                 workspace=self.workspace, window=window)[0]
+                                                 workspace=self.workspace, window=window, softcap=softcap)[0]
         return out

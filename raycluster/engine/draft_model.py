@@ -51,7 +51,7 @@ class DraftModelProposer:
         self.device = torch.device(device)
         self.kv_cache = torch.zeros(model.kv_cache_shape(num_blocks, block_size), dtype=dtype, device=self.device)
         self.allocator = BlockAllocator(num_blocks)
-        self.backend = get_attention_backend(self.device, sliding_window=bool(model.config.sliding_layers))
+        self.backend = get_attention_backend(self.device, torch_only=model.config.torch_attention_only)
         self.states: dict[str, _DraftState] = {}
 
     def observe(self, out, sampled: dict[str, int], accepted: dict[str, list[int]]) -> None:

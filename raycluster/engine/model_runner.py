@@ -58,7 +58,7 @@ class ModelRunner:
         # Its own attention backend unless the model was built with one: the torch backend's
         # scratch buffers must not be shared by engines stepping in threads of one process.
         self.backend = model.backend or get_attention_backend(
-            self.device, sliding_window=bool(model.config.sliding_layers))
+            self.device, torch_only=model.config.torch_attention_only)
         self.lora = None            # the engine's LoRASet when it serves adapters
 
     def kv_bytes_per_token(self) -> int:

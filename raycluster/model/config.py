@@ -1,5 +1,6 @@
-"""ModelConfig: the subset of a Hugging Face config.json (Llama / Qwen2 / Qwen3 / Mistral, and the
-mixture-of-experts Mixtral / Qwen2-MoE / Qwen3-MoE) that the from-scratch model needs, validated
+"""ModelConfig: the subset of a Hugging Face config.json (Llama / Qwen2 / Qwen3 / Mistral, the
+mixture-of-experts Mixtral / Qwen2-MoE / Qwen3-MoE, and Gemma / Gemma 2 / Gemma 3 whose own fields
+raycluster.model.gemma_config reads) that the from-scratch model needs, validated
 with errors that name the offending field.
 
 Accepts both transformers-5 files (`rope_parameters`, `dtype`) and older ones (top-level
@@ -27,17 +28,20 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from raycluster.model.encoder_config import ENCODER_ARCHITECTURES, TOKEN_HEADS, EncoderSpec, encoder_fields
+from raycluster.model.gemma_config import GEMMA_ARCHITECTURES, GemmaSpec, gemma3_ropes, gemma_fields
 from raycluster.model.generation_config import load_generation_config
 from raycluster.model.pooling import (PoolerConfig, PoolerConfigError, read_pooler_config,
                                       sentence_transformers_options)
 from raycluster.model.quant.config import QuantConfig, QuantConfigError, parse_quant_config
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM",
-                           "MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
+                           "MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM",
+                           *GEMMA_ARCHITECTURES)
 # Base models saved without an output head (e5-mistral's MistralModel, embedding models written by
 # sentence-transformers): served as their causal LM's decoder, for pooling only unless tied.
 BASE_ARCHITECTURES = {"LlamaModel": "LlamaForCausalLM", "MistralModel": "MistralForCausalLM",
-                      "Qwen2Model": "Qwen2ForCausalLM", "Qwen3Model": "Qwen3ForCausalLM"}
+                      "Qwen2Model": "Qwen2ForCausalLM", "Qwen3Model": "Qwen3ForCausalLM",
+                      "GemmaModel": "GemmaForCausalLM", "Gemma2Model": "Gemma2ForCausalLM"}
 # Sequence classifiers (rerankers, reward / sentiment models): the causal LM's decoder, the last
 # token's final hidden state through a `score` head of num_labels rows instead of an output head.
 CLASSIFIER_ARCHITECTURES = {"LlamaForSequenceClassification": "LlamaForCausalLM",
@@ -112,6 +116,8 @@ class ModelConfig:
     labels: tuple[str, ...] = ()
     # A BERT-style encoder's own fields (raycluster.model.encoder_config); None: a decoder.
     encoder: EncoderSpec | None = None
+    # What a Gemma-family decoder does differently (raycluster.model.gemma_config); None: not one.
+    gemma: GemmaSpec | None = None
     raw: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
 
     def window_of(self, layer: int) -> int | None:
@@ -139,6 +145,11 @@ class ModelConfig:
     def num_kv_layers(self) -> int:
         """Layers that keep KV in the cache: none for an encoder (each prompt runs whole, once)."""
         return 0 if self.encoder is not None else self.num_hidden_layers
+
+    @property
+    def torch_attention_only(self) -> bool:
+        """Attention only the torch backend computes: sliding windows, Gemma 2's score caps."""
+        return bool(self.sliding_layers) or (self.gemma is not None and self.gemma.attn_softcap is not None)
 
     @property
     def num_kv_groups(self) -> int:
@@ -211,7 +222,9 @@ class ModelConfig:
                 f"config field 'num_key_value_heads' = {kv_heads} does not divide num_attention_heads = {heads}")
         eps = float(d.get("rms_norm_eps", 1e-6))
 
-        theta, scaling = _parse_rope(d)
+        gemma = arch in GEMMA_ARCHITECTURES
+        global_rope, local_rope = gemma3_ropes(d) if arch == "Gemma3ForCausalLM" else (d, None)
+        theta, scaling = _parse_rope(global_rope)
 
         if arch in ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM"):
             # Qwen2 always has q/k/v biases and never o_proj/MLP biases.
@@ -223,12 +236,27 @@ class ModelConfig:
         elif arch == "LlamaForCausalLM":
             ab = bool(d.get("attention_bias", False))
             qkv_bias, o_bias, mlp_bias = ab, ab, bool(d.get("mlp_bias", False))
+        elif gemma:
+            qkv_bias = o_bias = bool(d.get("attention_bias", False))
+            mlp_bias = False
         else:  # Mistral, Mixtral
             qkv_bias = o_bias = mlp_bias = False
 
-        window, sliding = _sliding_layers(arch, d, layers)
+        if gemma:
+            family = gemma_fields(arch, d, layers, head_dim, ModelConfigError)
+            if local_rope is not None:
+                local_theta, local_scaling = _parse_rope(local_rope)
+                if local_scaling:
+                    raise ModelConfigError("config field 'rope_parameters.sliding_attention': only the default "
+                                           "RoPE is supported on Gemma 3's sliding layers")
+                family["gemma"] = dataclasses.replace(family["gemma"], local_rope_theta=local_theta)
+        else:
+            window, sliding = _sliding_layers(arch, d, layers)
+            family = {"sliding_window": window, "sliding_layers": sliding,
+                      "qk_norm": arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")}
         moe = _moe(arch, d, layers) if arch in MOE_ARCHITECTURES else None
-        max_len = _scaled_context(max_pos, scaling)
+        # Gemma 3's max_position_embeddings already counts its global layers' linear scaling.
+        max_len = max_pos if arch == "Gemma3ForCausalLM" else _scaled_context(max_pos, scaling)
         try:
             quant = parse_quant_config(d.get("quantization_config"))
         except QuantConfigError as e:
@@ -246,19 +274,20 @@ class ModelConfig:
         else:
             eos_t = (int(eos),)
         bos = d.get("bos_token_id")
+        tied = bool(d.get("tie_word_embeddings", gemma))    # transformers' default: Gemma ties, the rest not
 
         return cls(
             architecture=arch, vocab_size=vocab, hidden_size=hidden, intermediate_size=inter,
             num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
             head_dim=head_dim, rms_norm_eps=eps, rope_theta=theta, rope_scaling=scaling,
             max_position_embeddings=max_pos, max_model_len=max_len,
-            tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
-            has_lm_head=not classifier and (not headless or bool(d.get("tie_word_embeddings", False))),
+            tie_word_embeddings=tied,
+            has_lm_head=not classifier and (not headless or tied),
             labels=labels,
-            qkv_bias=qkv_bias, o_bias=o_bias, mlp_bias=mlp_bias, qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"),
+            qkv_bias=qkv_bias, o_bias=o_bias, mlp_bias=mlp_bias,
             bos_token_id=int(bos) if bos is not None else None, eos_token_id=eos_t,
-            dtype=d.get("dtype") or d.get("torch_dtype"), sliding_window=window,
-            sliding_layers=sliding, moe=moe, quant=quant, pooler=pooler, raw=dict(d))
+            dtype=d.get("dtype") or d.get("torch_dtype"), moe=moe, quant=quant, pooler=pooler, raw=dict(d),
+            **family)
 
     @classmethod
     def _encoder(cls, arch: str, d: dict[str, Any]) -> "ModelConfig":

@@ -1,5 +1,7 @@
 """From-scratch Llama-family decoder (Llama, Qwen2, Qwen3, Mistral; with routed experts Mixtral,
-Qwen2-MoE, Qwen3-MoE: raycluster.model.moe) in a flat, varlen layout over a paged KV cache. Parameter names are identical to Hugging Face's so checkpoints load directly.
+Qwen2-MoE, Qwen3-MoE: raycluster.model.moe; Gemma, Gemma 2 and Gemma 3 with the changes their
+`GemmaSpec` lists: raycluster.model.gemma_config) in a flat, varlen layout over a paged KV cache.
+Parameter names are identical to Hugging Face's so checkpoints load directly.
 
 forward(input_ids [T], positions [T], kv_cache [L, N, 2, B, Hkv, D], meta) -> hidden [T, H];
 compute_logits(hidden [n, H]) -> [n, vocab] for just the rows the engine samples from. A step
@@ -34,6 +36,28 @@ class RMSNorm(nn.Module):
         return self.weight * x32.to(dtype)
 
 
+class GemmaRMSNorm(RMSNorm):
+    """Gemma's RMSNorm: scales by (1 + weight), in fp32 before the cast back (weights start at 0)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (x32 * (1.0 + self.weight.float())).to(x.dtype)
+
+
+def _norm(cfg: ModelConfig, dim: int) -> RMSNorm:
+    return (GemmaRMSNorm if cfg.gemma is not None else RMSNorm)(dim, cfg.rms_norm_eps)
+
+
+def _gelu_tanh(x: torch.Tensor) -> torch.Tensor:
+    return F.gelu(x, approximate="tanh")
+
+
+def softcap(x: torch.Tensor, cap: float | None) -> torch.Tensor:
+    """Gemma 2's soft cap: cap * tanh(x / cap) (None: x unchanged)."""
+    return x if cap is None else torch.tanh(x / cap) * cap
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, window: int | None = None):
         super().__init__()
@@ -41,15 +65,16 @@ class Attention(nn.Module):
         self.num_heads = cfg.num_attention_heads
         self.num_kv_heads = cfg.num_key_value_heads
         self.head_dim = cfg.head_dim
-        self.scale = cfg.head_dim ** -0.5
+        self.scale = cfg.head_dim ** -0.5 if cfg.gemma is None else cfg.gemma.attention_scale
+        self.softcap = None if cfg.gemma is None else cfg.gemma.attn_softcap
         h = cfg.hidden_size
         self.q_proj = nn.Linear(h, self.num_heads * self.head_dim, bias=cfg.qkv_bias)
         self.k_proj = nn.Linear(h, self.num_kv_heads * self.head_dim, bias=cfg.qkv_bias)
         self.v_proj = nn.Linear(h, self.num_kv_heads * self.head_dim, bias=cfg.qkv_bias)
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, h, bias=cfg.o_bias)
         if cfg.qk_norm:     # per head, over head_dim: one weight serves every head (and TP rank)
-            self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
-            self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+            self.q_norm = _norm(cfg, self.head_dim)
+            self.k_norm = _norm(cfg, self.head_dim)
         self.qk_norm = cfg.qk_norm
 
     def forward(self, x, cos, sin, layer_kv, meta, backend, lora=None, index: int = 0):
@@ -63,7 +88,10 @@ class Attention(nn.Module):
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, k, cos, sin)
-        o = backend.forward(layer_kv, q, k, v, meta, self.scale, window=self.window)
+        if self.softcap is None:
+            o = backend.forward(layer_kv, q, k, v, meta, self.scale, window=self.window)
+        else:       # only the torch backend caps scores (kernels.get_attention_backend)
+            o = backend.forward(layer_kv, q, k, v, meta, self.scale, window=self.window, softcap=self.softcap)
         o = o.reshape(t, self.num_heads * self.head_dim)
         return self.o_proj(o) if lora is None else _project(self.o_proj, o, lora, index, "o_proj")
 
@@ -75,11 +103,12 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(h, i, bias=cfg.mlp_bias)
         self.up_proj = nn.Linear(h, i, bias=cfg.mlp_bias)
         self.down_proj = nn.Linear(i, h, bias=cfg.mlp_bias)
+        self.act = F.silu if cfg.gemma is None else _gelu_tanh
 
     def forward(self, x, lora=None, index: int = 0):
         if lora is None:
-            return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-        h = F.silu(lora.add(index, "gate_proj", x, self.gate_proj(x))) * lora.add(index, "up_proj", x, self.up_proj(x))
+            return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+        h = self.act(lora.add(index, "gate_proj", x, self.gate_proj(x))) * lora.add(index, "up_proj", x, self.up_proj(x))
         return _project(self.down_proj, h, lora, index, "down_proj")
 
 
@@ -96,7 +125,9 @@ def _project(linear, x, lora, index: int, name: str):
 class DecoderLayer(nn.Module):
     """Decoder layer `index` of the full model: its sliding window (if any) and its feed-forward
     block, a dense MLP or routed experts (`SparseMoE`), both from the config; with a quantized
-    checkpoint its linear layers are QuantLinears (raycluster.model.quant)."""
+    checkpoint its linear layers are QuantLinears (raycluster.model.quant). Gemma 2 / 3 norm each
+    block's output too: `post_attention_layernorm` then norms attention's output, and the MLP sits
+    between `pre_feedforward_layernorm` and `post_feedforward_layernorm`."""
 
     def __init__(self, cfg: ModelConfig, index: int = 0):
         super().__init__()
@@ -105,8 +136,12 @@ class DecoderLayer(nn.Module):
         # Registered under the checkpoint's name for it: Mixtral's `block_sparse_moe`, else `mlp`.
         self._ffn_name = "block_sparse_moe" if sparse and cfg.moe.mixtral_names else "mlp"
         self.add_module(self._ffn_name, SparseMoE(cfg) if sparse else MLP(cfg))
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.input_layernorm = _norm(cfg, cfg.hidden_size)
+        self.post_attention_layernorm = _norm(cfg, cfg.hidden_size)
+        self.sandwich = cfg.gemma is not None and cfg.gemma.sandwich_norms
+        if self.sandwich:
+            self.pre_feedforward_layernorm = _norm(cfg, cfg.hidden_size)
+            self.post_feedforward_layernorm = _norm(cfg, cfg.hidden_size)
         if cfg.quant is not None:     # a quantized checkpoint's projections (and experts), under its names
             quantize_linears(self, cfg.quant, f"model.layers.{index}")
 
@@ -115,7 +150,11 @@ class DecoderLayer(nn.Module):
         return self._modules[self._ffn_name]
 
     def forward(self, x, cos, sin, layer_kv, meta, backend, lora=None, index: int = 0):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, layer_kv, meta, backend, lora, index)
+        h = self.self_attn(self.input_layernorm(x), cos, sin, layer_kv, meta, backend, lora, index)
+        if self.sandwich:
+            x = x + self.post_attention_layernorm(h)
+            return x + self.post_feedforward_layernorm(self.ffn(self.pre_feedforward_layernorm(x), lora, index))
+        x = x + h
         return x + self.ffn(self.post_attention_layernorm(x), lora, index)
 
 
@@ -124,7 +163,7 @@ class LlamaModel(nn.Module):
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.norm = _norm(cfg, cfg.hidden_size)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -142,6 +181,12 @@ class LlamaForCausalLM(nn.Module):
         # set by the loader: not parameters of the decoder's checkpoint.
         self.projector = None
         self.rotary = RotaryEmbedding.from_config(config)
+        # Gemma 3's sliding layers turn at their own RoPE base.
+        local = config.gemma.local_rope_theta if config.gemma is not None else None
+        self.local_rotary = None if local is None else RotaryEmbedding(
+            config.head_dim, local, None, config.max_position_embeddings)
+        # Gemma multiplies its embeddings by sqrt(hidden_size), rounded to their dtype as HF does.
+        self.embed_scale = None if config.gemma is None else config.hidden_size ** 0.5
         self.backend = backend          # explicit; None: a default per device, made on first use
         self._default_backend = None
 
@@ -150,7 +195,7 @@ class LlamaForCausalLM(nn.Module):
             return self.backend
         if self._default_backend is None:
             from kernels import get_attention_backend
-            self._default_backend = get_attention_backend(device, sliding_window=bool(self.config.sliding_layers))
+            self._default_backend = get_attention_backend(device, torch_only=self.config.torch_attention_only)
         return self._default_backend
 
     def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
@@ -166,16 +211,29 @@ class LlamaForCausalLM(nn.Module):
         layers, concatenated [T, len * H], as (hidden, aux)."""
         backend = backend or self._backend(input_ids.device)
         meta.prepare(kv_cache.device)
-        x = self.model.embed_tokens(input_ids)
-        cos, sin = self.rotary.cos_sin(positions, x.dtype)
+        x = self.embed(input_ids)
+        ropes = self.layer_ropes(positions, x.dtype, range(len(self.model.layers)))
         aux = {}
         for i, layer in enumerate(self.model.layers):
             if i in aux_layers:
                 aux[i] = x
-            x = layer(x, cos, sin, kv_cache[i], meta, backend, lora, i)
+            x = layer(x, *ropes[i], kv_cache[i], meta, backend, lora, i)
         if aux_layers:
             return self.model.norm(x), torch.cat([aux[i] for i in aux_layers], dim=-1)
         return self.model.norm(x)
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        x = self.model.embed_tokens(input_ids)
+        return x if self.embed_scale is None else x * torch.tensor(self.embed_scale, dtype=x.dtype)
+
+    def layer_ropes(self, positions: torch.Tensor, dtype: torch.dtype, layers) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """(cos, sin) for each of `layers` (indices into the full model), in order: one table
+        for all, or Gemma 3's local table for its sliding layers."""
+        full = self.rotary.cos_sin(positions, dtype)
+        if self.local_rotary is None:
+            return [full] * len(layers)
+        local = self.local_rotary.cos_sin(positions, dtype)
+        return [local if self.config.window_of(i) is not None else full for i in layers]
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -183,4 +241,5 @@ class LlamaForCausalLM(nn.Module):
         if not self.config.has_lm_head:
             raise RuntimeError("this checkpoint has no output head (lm_head.weight): it serves pooling requests only")
         w = self.model.embed_tokens.weight if self.config.tie_word_embeddings else self.lm_head.weight
-        return F.linear(hidden, w)
+        logits = F.linear(hidden, w)
+        return logits if self.config.gemma is None else softcap(logits, self.config.gemma.final_softcap)

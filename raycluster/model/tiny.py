@@ -5,7 +5,7 @@ AutoModelForCausalLM), model.safetensors (fp32, seeded), tokenizer.json (byte-le
 on the bundled corpus) and tokenizer_config.json (bos/eos, chat template). Same arguments ->
 byte-identical files. `tiny_config(**overrides)` returns the config dict for variants (other
 head counts, tied embeddings, llama3 rope, Qwen2 with q/k/v biases, Mixtral / Qwen2-MoE /
-Qwen3-MoE experts...); an override of None removes the key.
+Qwen3-MoE experts, Gemma / Gemma 2 / Gemma 3...); an override of None removes the key.
 """
 
 from __future__ import annotations
@@ -91,6 +91,21 @@ def tiny_config(**overrides) -> dict:
                    router_aux_loss_coef=0.0, output_router_logits=False)
         if qwen2:
             cfg["shared_expert_intermediate_size"] = 384
+    elif overrides.get("architectures") in (["GemmaForCausalLM"], ["Gemma2ForCausalLM"], ["Gemma3ForCausalLM"]):
+        version = {"GemmaForCausalLM": 1, "Gemma2ForCausalLM": 2, "Gemma3ForCausalLM": 3}[overrides["architectures"][0]]
+        cfg["model_type"] = ("gemma", "gemma2", "gemma3_text")[version - 1]
+        for k in ("mlp_bias", "hidden_act"):
+            cfg.pop(k)
+        cfg.update(hidden_activation="gelu_pytorch_tanh", tie_word_embeddings=True, rms_norm_eps=1e-6)
+        if version >= 2:
+            # A scale other than head_dim's and a window shorter than the tests' prompts.
+            cfg.update(query_pre_attn_scalar=24, sliding_window=24)
+        if version == 2:
+            cfg.update(attn_logit_softcapping=5.0, final_logit_softcapping=100.0)   # caps that bite
+        if version == 3:
+            cfg.update(sliding_window_pattern=2, final_logit_softcapping=None, attn_logit_softcapping=None,
+                       rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                                        "full_attention": {"rope_type": "default", "rope_theta": 1e6}})
     for k, v in overrides.items():
         if v is None:
             cfg.pop(k, None)
@@ -129,7 +144,9 @@ def _init_weights(cfg: dict, seed: int) -> dict[str, torch.Tensor]:
     out = {}
     for name in sorted(shapes):
         shape = shapes[name]
-        if name.endswith("norm.weight"):
+        if name.endswith("norm.weight") and mc.gemma is not None:
+            t = 0.1 * torch.randn(shape, generator=g)       # Gemma's norms scale by 1 + weight
+        elif name.endswith("norm.weight"):
             # Near-one norms: exercised by the HF comparison, harmless for the output.
             t = 1.0 + 0.1 * torch.randn(shape, generator=g)
         elif name.endswith(".bias"):

@@ -127,6 +127,10 @@ def _build_runner(config: EngineConfig, model, dtype: torch.dtype, model_path: s
     if config.kvp > 1 and model.config.sliding_layers:
         raise ValueError(f"kvp: {config.kvp} KVP ranks for a sliding-window model (window "
                          f"{model.config.sliding_window}): KV parallelism does not mask by a window; use kvp 1")
+    if config.kvp > 1 and model.config.gemma is not None and model.config.gemma.attn_softcap is not None:
+        raise ValueError(f"kvp: {config.kvp} KVP ranks for a model that soft-caps attention scores "
+                         f"(attn_logit_softcapping {model.config.gemma.attn_softcap}): KV-parallel attention "
+                         "does not cap them; use kvp 1")
     if kind in SPP_KINDS and not model.config.has_lm_head:
         raise ValueError(f"spp: {config.spp} stages for a checkpoint without an output head: it serves pooling "
                          "requests only, and an spp group's stages do not return the final hidden states; use spp 1")

@@ -194,7 +194,7 @@ class SPPStage:
             self.backend = KVPAttention(self.kvp_group)
         else:
             self.backend = backend if world == 1 and backend is not None else get_attention_backend(
-                self.device, sliding_window=bool(model.config.sliding_layers))
+                self.device, torch_only=model.config.torch_attention_only)
         self.hidden_dtype = self.layers[0].input_layernorm.weight.dtype
         self.hidden_size = model.config.hidden_size
         self.adapters = RankAdapters(model.config, dtype, self.device, lane=self.lane, tp=tp,
@@ -293,13 +293,13 @@ class SPPStage:
                                 self.blocks_per_rank, self.device, causal_offset=i, ranks=ranks)
             meta.prepare(self.device)
             if self.first:
-                x = m.model.embed_tokens(ids)
+                x = m.embed(ids)
             else:
                 x = self.coll.recv(self._buf(mb.num_tokens), self.prev, HIDDEN_TAG)
-            cos, sin = m.rotary.cos_sin(pos, x.dtype)
+            ropes = m.layer_ropes(pos, x.dtype, range(self.lo, self.lo + len(self.layers)))
             lora = self.adapters.for_step(mb)
             for j, (layer, layer_kv) in enumerate(zip(self.layers, self.kv)):
-                x = layer(x, cos, sin, layer_kv, meta, self.backend, lora, self.lo + j)
+                x = layer(x, *ropes[j], layer_kv, meta, self.backend, lora, self.lo + j)
             if not self.last:
                 # Don't wait: the next stage works on this micro-batch while we go on to the
                 # next. Keep `x` alive until its send completes.

@@ -75,7 +75,7 @@ class TPRank:
                                     device=self.device)
         # Its own backend: the torch backend's scratch buffers must not be shared by ranks
         # running in threads of one process.
-        self.backend = get_attention_backend(self.device, sliding_window=bool(model.config.sliding_layers))
+        self.backend = get_attention_backend(self.device, torch_only=model.config.torch_attention_only)
         self.adapters = RankAdapters(model.config, dtype, self.device, lane=rank, tp=tp)     # its LoRA shards
         self.hidden = self.aux = None       # the last step's (`run`)
 

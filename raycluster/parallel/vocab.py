@@ -24,6 +24,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from raycluster.model.llama import softcap
+
 LOGITS_TAG = 6      # group tags 1-5: SPP hidden / rows, KV moves, plans, all_gather
 
 
@@ -68,14 +70,16 @@ class VocabParallelEmbedding(nn.Module):
 
 class ParallelLMHead(nn.Module):
     """One lane's output-head rows [rows, H] (a tied model's: its embedding's `weight`, the same
-    Parameter): the logits of its vocab slice, padding columns included."""
+    Parameter): the logits of its vocab slice, padding columns included, soft-capped as Gemma 2's
+    (`final_softcap`: elementwise, so each slice alone)."""
 
-    def __init__(self, weight: torch.Tensor) -> None:
+    def __init__(self, weight: torch.Tensor, final_softcap: float | None = None) -> None:
         super().__init__()
         self.weight = weight if isinstance(weight, nn.Parameter) else nn.Parameter(weight, requires_grad=False)
+        self.final_softcap = final_softcap
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        return F.linear(hidden, self.weight)
+        return softcap(F.linear(hidden, self.weight), self.final_softcap)
 
 
 def gather_logits(coll, local: torch.Tensor | None, lanes: list[int], vocab: int, n: int, rows: int,

@@ -51,6 +51,16 @@ VARIANTS = {
     "qwen3_moe": dict(architectures=["Qwen3MoeForCausalLM"], hidden_size=128, num_attention_heads=4,
                       num_key_value_heads=2, head_dim=48, intermediate_size=256, num_hidden_layers=3,
                       moe_intermediate_size=64, mlp_only_layers=[1]),
+    # Gemma (raycluster.model.gemma_config): (1 + w) norms, scaled embeddings, GELU-tanh, tied.
+    # Gemma 2: sandwich norms, query_pre_attn_scalar, attention and final soft caps, even layers
+    # sliding. Gemma 3: q/k norms, its sliding layers' own RoPE base (transformers 5's nested
+    # rope_parameters; the legacy file's rope_local_base_freq and a linear-scaled global RoPE).
+    "gemma": dict(architectures=["GemmaForCausalLM"], num_hidden_layers=2),
+    "gemma2": dict(architectures=["Gemma2ForCausalLM"], num_hidden_layers=3),
+    "gemma3": dict(architectures=["Gemma3ForCausalLM"], num_hidden_layers=3),
+    "gemma3_legacy_rope": dict(architectures=["Gemma3ForCausalLM"], num_hidden_layers=2, rope_parameters=None,
+                               rope_theta=1e6, rope_local_base_freq=500.0,
+                               rope_scaling={"rope_type": "linear", "factor": 4.0}),
 }
 
 
@@ -105,7 +115,7 @@ def test_logits_match_transformers(variant, variant_dirs):
 
 
 @pytest.mark.parametrize("variant", ["tiny", "mha_tied_llama3", "qwen2", "qwen3_bias", "mistral_window",
-                                     "qwen2_window", "mixtral_window", "qwen2_moe", "qwen3_moe"])
+                                     "qwen2_window", "mixtral_window", "qwen2_moe", "qwen3_moe", "gemma2", "gemma3"])
 def test_chunked_prefill_and_decode_match_unchunked(variant, variant_dirs):
     model, cfg = load_model(variant_dirs[variant])
     ids = _prompt(1 + 7 + 64 + 20, 2000, seed=3)

@@ -155,7 +155,7 @@ def test_window_covering_every_request_is_full_attention():
 
 
 def test_sliding_window_models_get_the_torch_backend_and_kvp_refuses_them(tmp_path):
-    assert isinstance(get_attention_backend("cuda", sliding_window=True), TorchAttentionBackend)
+    assert isinstance(get_attention_backend("cuda", torch_only=True), TorchAttentionBackend)
     path = write_tiny_model(tmp_path, seed=1, architectures=["MistralForCausalLM"], sliding_window=32,
                             num_hidden_layers=2)
     model, cfg = load_model(path)

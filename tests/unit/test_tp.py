@@ -6,7 +6,8 @@ biases, tied embeddings), a Mistral-style one, one with o_proj and MLP biases (t
 biases, added once), an MHA one split four ways, and two with fewer KV heads than ranks (their
 heads replicated: 8/2 at tp 4, MQA at tp 2 and 4; more in test_kv_replicate.py), two whose
 vocab (4099) no tp divides, untied and tied (the vocab-parallel embedding and head padded; more in
-test_vocab_parallel.py), and three with routed experts (Mixtral, Qwen2-MoE, Qwen3-MoE)."""
+test_vocab_parallel.py), three with routed experts (Mixtral, Qwen2-MoE, Qwen3-MoE), Gemma 2 and
+Gemma 3."""
 
 from __future__ import annotations
 
@@ -78,6 +79,10 @@ VARIANTS = {
     "qwen3-moe": dict(architectures=["Qwen3MoeForCausalLM"], hidden_size=128, num_attention_heads=4,
                       num_key_value_heads=2, head_dim=32, intermediate_size=256, num_hidden_layers=3,
                       moe_intermediate_size=64, mlp_only_layers=[1]),
+    # Gemma 2 (sandwich norms, soft caps: the final one on each lane's vocab slice, tied, padded
+    # vocab) and Gemma 3 (q/k norms, its sliding layers' own RoPE base).
+    "gemma2": dict(architectures=["Gemma2ForCausalLM"], num_hidden_layers=3, vocab_size=4099),
+    "gemma3": dict(architectures=["Gemma3ForCausalLM"], num_hidden_layers=3),
 }
 
 
@@ -185,7 +190,8 @@ def same_as_single_runner(model, runner) -> ModelRunner:
 
 @pytest.mark.parametrize("variant,tp", [("tiny", 2), ("qwen2", 2), ("mistral", 2), ("gqa-bias", 2), ("mha", 4),
                                         ("qwen3", 2), ("kv-rep", 4), ("mqa", 2), ("mqa", 4), ("odd-vocab", 2),
-                                        ("qwen2-odd", 4), ("mixtral", 2), ("qwen2-moe", 2), ("qwen3-moe", 4)])
+                                        ("qwen2-odd", 4), ("mixtral", 2), ("qwen2-moe", 2), ("qwen3-moe", 4),
+                                        ("gemma2", 2), ("gemma3", 4)])
 def test_a_tp_group_gives_the_single_runners_logits_step_by_step(models, variant, tp):
     model = models[variant]
     runner = _group(model, tp)

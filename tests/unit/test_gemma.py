@@ -1,0 +1,126 @@
+"""Gemma, Gemma 2 and Gemma 3 (raycluster.model.gemma_config): config.json read as transformers
+reads it, the engine's greedy tokens equal to transformers' `generate`, a Gemma 3 pipeline
+(its per-layer RoPE across stages) equal to one process, and what is refused. The logits
+against transformers, chunked and decoded, are in test_model_hf.py; tp groups in test_tp.py."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from test_spp import BS, NUM_BLOCKS, _plans, spp_group
+
+from raycluster.engine.config import EngineConfig
+from raycluster.engine.engine import LLMEngine
+from raycluster.engine.kv_manager import KVCacheManager
+from raycluster.engine.model_runner import ModelRunner
+from raycluster.model.config import ModelConfig, ModelConfigError
+from raycluster.model.loader import load_model
+from raycluster.model.tiny import tiny_config, write_tiny_model
+from raycluster.parallel.factory import build_runner
+from raycluster.request import SamplingParams
+
+
+def _config(arch: str, **over) -> ModelConfig:
+    return ModelConfig.from_dict(tiny_config(architectures=[arch], **over))
+
+
+# ---- config.json ----------------------------------------------------------------------------------
+def test_gemma_reads_as_transformers_defaults_it():
+    g1 = _config("GemmaForCausalLM", tie_word_embeddings=None, head_dim=32)
+    assert g1.tie_word_embeddings and g1.has_lm_head          # transformers' Gemma default: tied
+    assert g1.gemma.version == 1 and g1.gemma.attention_scale == 32 ** -0.5
+    assert g1.sliding_layers == () and g1.sliding_window is None and not g1.qk_norm
+    assert not g1.gemma.sandwich_norms and g1.gemma.attn_softcap is None
+
+    g2 = _config("Gemma2ForCausalLM", num_hidden_layers=5)
+    assert g2.sliding_layers == (0, 2, 4) and g2.sliding_window == 24          # the even layers
+    assert (g2.gemma.attn_softcap, g2.gemma.final_softcap) == (5.0, 100.0) and g2.gemma.sandwich_norms
+    assert g2.gemma.attention_scale == 24 ** -0.5 and not g2.qk_norm
+
+    # Gemma 3: five sliding layers of every six without layer_types; the legacy file's RoPE
+    # fields (the local base, a linear factor on the global layers only, which
+    # max_position_embeddings already counts).
+    g3 = _config("Gemma3ForCausalLM", num_hidden_layers=13, sliding_window_pattern=None, rope_parameters=None,
+                 rope_theta=1e6, rope_local_base_freq=10000.0, rope_scaling={"rope_type": "linear", "factor": 8.0})
+    assert g3.sliding_layers == (0, 1, 2, 3, 4, 6, 7, 8, 9, 10, 12)
+    assert g3.qk_norm and g3.gemma.local_rope_theta == 10000.0 and g3.rope_theta == 1e6
+    assert g3.rope_scaling == {"rope_type": "linear", "factor": 8.0}
+    assert g3.max_model_len == g3.max_position_embeddings == 32768
+    # layer_types, when written, decide.
+    g3 = _config("Gemma3ForCausalLM", num_hidden_layers=3,
+                 layer_types=["full_attention", "sliding_attention", "full_attention"])
+    assert g3.sliding_layers == (1,)
+    # A Gemma 2 base model (an embedding model such as BGE-multilingual-Gemma2).
+    base = _config("Gemma2Model", hidden_act=None)
+    assert base.architecture == "Gemma2ForCausalLM" and base.gemma.version == 2
+
+
+@pytest.mark.parametrize("arch, over, field", [
+    ("GemmaForCausalLM", dict(hidden_activation="relu"), "hidden_activation"),
+    ("Gemma2ForCausalLM", dict(query_pre_attn_scalar=-1), "query_pre_attn_scalar"),
+    ("Gemma2ForCausalLM", dict(attn_logit_softcapping="big"), "attn_logit_softcapping"),
+    ("Gemma2ForCausalLM", dict(layer_types=["full_attention"]), "layer_types"),
+    ("Gemma3ForCausalLM", dict(use_bidirectional_attention=True), "use_bidirectional_attention"),
+    ("Gemma3ForCausalLM", dict(rope_parameters={
+        "full_attention": {"rope_type": "default", "rope_theta": 1e6},
+        "sliding_attention": {"rope_type": "linear", "rope_theta": 1e4, "factor": 2.0}}), "sliding_attention"),
+])
+def test_gemma_config_errors_name_the_field(arch, over, field):
+    with pytest.raises(ModelConfigError, match=field):
+        _config(arch, **over)
+
+
+# ---- the engine against transformers' generate -----------------------------------------------------
+@pytest.fixture(scope="module", params=["Gemma2ForCausalLM", "Gemma3ForCausalLM"])
+def gemma(request, tmp_path_factory):
+    path = write_tiny_model(tmp_path_factory.mktemp(request.param), seed=7, architectures=[request.param],
+                            hidden_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                            num_hidden_layers=3, intermediate_size=256,
+                            layer_types=["sliding_attention", "sliding_attention", "full_attention"])
+    return path, load_model(path)[0]
+
+
+def test_engine_greedy_tokens_equal_transformers_generate(gemma):
+    transformers = pytest.importorskip("transformers")
+    path, model = gemma
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32,
+                                                           attn_implementation="eager").eval()
+    rng = random.Random(3)
+    # Prompts shorter and longer than the 24-token window; generations crossing it.
+    work = [([rng.randrange(6, 4000) for _ in range(n)], m) for n, m in ((1, 12), (5, 30), (23, 8), (40, 16),
+                                                                           (97, 10), (130, 6))]
+    want = []
+    for prompt, m in work:
+        with torch.no_grad():
+            seq = hf.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                              max_new_tokens=m, min_new_tokens=m, do_sample=False, pad_token_id=2)
+        want.append(seq[0, len(prompt):].tolist())
+    eng = LLMEngine(EngineConfig(kv_cache_tokens=4096, policy="fcfs", packer="token", chunk_size=32), model)
+    assert eng.generate([p for p, _ in work], [SamplingParams(max_tokens=m, ignore_eos=True) for _, m in work]) == want
+    eng.kv.check()
+    assert eng.kv.num_free_blocks == eng.kv.num_blocks
+
+
+def test_a_gemma3_pipeline_gives_the_single_runners_hidden_rows(gemma, monkeypatch):
+    """Stage 1 holds layer 2 alone: it must take the RoPE of its own index (full attention, in
+    Gemma 3 the global base), not of the stage's first local layer (0, sliding)."""
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "lo")
+    _, model = gemma
+    ref_runner = ModelRunner(model, KVCacheManager(NUM_BLOCKS, BS))
+    plans = _plans()[:3]
+    want = [ref_runner.run_plan(p) for p in plans]
+    with spp_group(model, KVCacheManager(NUM_BLOCKS, BS), 2, 128) as runner:
+        for plan, ref in zip(plans, want):
+            torch.testing.assert_close(runner.run_plan(plan), ref, atol=1e-4, rtol=1e-4)
+
+
+def test_kv_parallel_attention_refuses_soft_capped_scores(tmp_path):
+    path = write_tiny_model(tmp_path, architectures=["Gemma2ForCausalLM"], num_hidden_layers=2,
+                            layer_types=["full_attention", "full_attention"])
+    model, cfg = load_model(path)
+    assert cfg.sliding_layers == () and cfg.gemma.attn_softcap == 5.0
+    assert cfg.torch_attention_only and not _config("GemmaForCausalLM").torch_attention_only
+    with pytest.raises(ValueError, match="attn_logit_softcapping"):
+        build_runner(EngineConfig(kv_cache_tokens=1024, kvp=2, policy="fcfs", packer="token"), model, torch.float32)
