@@ -1,6 +1,6 @@
 """Plain-formula attention used only by tests: dense per-request K/V,
-softmax(Q K^T * scale + bottom-right causal (optionally sliding-window) mask) V, with the LSE
-converted to base 2."""
+softmax(cap(Q K^T * scale) + bottom-right causal (optionally sliding-window) mask) V, with the LSE
+converted to base 2 (cap: Gemma 2's softcap * tanh(x / softcap), or none)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,8 @@ import torch
 
 
 def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
-                        causal: bool = True, window: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                        causal: bool = True, window: int | None = None,
+                        softcap: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """q [n,Hq,D] (the last n tokens of the request), k/v [L,Hkv,D] (all its KV, L >= n).
     `window` (with causal): each query sees only the `window` latest keys up to itself, as
     Hugging Face's sliding-window mask (key position > query position - window).
@@ -21,6 +22,8 @@ def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale
     kk = k.double().repeat_interleave(g, dim=1)  # [L,Hq,D]
     vv = v.double().repeat_interleave(g, dim=1)
     scores = torch.einsum("nhd,lhd->hnl", q.double(), kk) * scale
+    if softcap is not None:
+        scores = softcap * torch.tanh(scores / softcap)
     if causal:
         # Query i sits at absolute position L - n + i and sees keys 0..L-n+i.
         qpos = torch.arange(L - n, L)[:, None]

@@ -101,9 +101,26 @@ def merge_states(v: torch.Tensor, s: torch.Tensor) -> tuple[torch.Tensor, torch.
     return out.to(v.dtype), lse
 
 
-def _cap(scores: torch.Tensor, softcap: float | None) -> torch.Tensor:
-    """Gemma 2's score cap, softcap * tanh(scores / softcap), applied before any mask."""
-    return scores if softcap is None else torch.tanh(scores / softcap) * softcap
+def _scale_(scores: torch.Tensor, scale: float, softcap: float | None) -> torch.Tensor:
+    """Fresh raw scores times `scale`, then Gemma 2's cap softcap * tanh(x / softcap), in place
+    (these [H, n, L] passes are most of a capped layer's attention time)."""
+    if softcap is None:
+        return scores.mul_(scale)
+    return scores.mul_(scale / softcap).tanh_().mul_(softcap)
+
+
+_BOUNDED_CAP = 60.0     # exp(60) * 2**40 keys stays far below fp32's max (3.4e38)
+
+
+def _softmax_lse_(scores: torch.Tensor, softcap: float | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(softmax over the last dim, natural-log LSE), the scores' buffer reused for the former.
+    Capped scores lie within +-softcap, so with a small cap exp cannot overflow and the max
+    subtraction (two of logsumexp's passes) is skipped; a row fully masked still gives -inf LSE."""
+    if softcap is not None and softcap <= _BOUNDED_CAP:
+        total = scores.exp_().sum(-1)
+        return scores.div_(total.unsqueeze(-1)), total.log()
+    lse = torch.logsumexp(scores, dim=-1)
+    return scores.sub_(lse.unsqueeze(-1)).exp_(), lse
 
 
 def _attend_tiled(q, k, v, causal: bool, scale: float, softcap: float | None = None):
@@ -118,15 +135,15 @@ def _attend_tiled(q, k, v, causal: bool, scale: float, softcap: float | None = N
     for start in range(0, n, _Q_TILE):
         qt = q[start:start + _Q_TILE].float()
         m = qt.shape[0]
+        lt = start + m if causal else L     # a causal tile sees no key after its last query
         qg = qt.view(m, hkv, g, d).permute(1, 0, 2, 3).reshape(hkv, m * g, d)
-        sc = _cap(torch.bmm(qg, kf).view(hkv, m, g, L) * scale, softcap)
+        sc = _scale_(torch.bmm(qg, kf[:, :, :lt]).view(hkv, m, g, lt), scale, softcap)
         if causal:
             rows = torch.arange(start, start + m, device=q.device)
-            mask = torch.arange(L, device=q.device)[None, :] > rows[:, None]
-            sc = sc.masked_fill(mask[None, :, None, :], float("-inf"))
-        lse = torch.logsumexp(sc, dim=-1)  # [Hkv, m, g]
-        p = torch.exp(sc - lse[..., None])
-        o = torch.bmm(p.view(hkv, m * g, L), vf).view(hkv, m, g, d)
+            mask = torch.arange(lt, device=q.device)[None, :] > rows[:, None]
+            sc.masked_fill_(mask[None, :, None, :], float("-inf"))
+        p, lse = _softmax_lse_(sc, softcap)  # lse [Hkv, m, g]
+        o = torch.bmm(p.view(hkv, m * g, lt), vf[:, :lt]).view(hkv, m, g, d)
         outs.append(o.permute(1, 0, 2, 3).reshape(m, hq, d))
         lses.append(lse.permute(1, 0, 2).reshape(m, hq))
     return torch.cat(outs).to(q.dtype), torch.cat(lses)
@@ -156,10 +173,9 @@ def _attend_masked(q, k, v, visible: torch.Tensor, scale: float, softcap: float 
     hkv = k.shape[1]
     g = hq // hkv
     qg = q.float().view(n, hkv, g, d).permute(1, 0, 2, 3).reshape(hkv, n * g, d)
-    sc = _cap(torch.bmm(qg, k.float().permute(1, 2, 0)).view(hkv, n, g, -1) * scale, softcap)
-    sc = sc.masked_fill(~visible[None, :, None, :], float("-inf"))
-    lse = torch.logsumexp(sc, dim=-1)  # [Hkv, n, g]
-    p = torch.exp(sc - lse[..., None])
+    sc = _scale_(torch.bmm(qg, k.float().permute(1, 2, 0)).view(hkv, n, g, -1), scale, softcap)
+    sc.masked_fill_(~visible[None, :, None, :], float("-inf"))
+    p, lse = _softmax_lse_(sc, softcap)  # lse [Hkv, n, g]
     o = torch.bmm(p.view(hkv, n * g, -1), v.float().permute(1, 0, 2)).view(hkv, n, g, d)
     return o.permute(1, 0, 2, 3).reshape(n, hq, d).to(q.dtype), lse.permute(1, 0, 2).reshape(n, hq)
 
@@ -281,18 +297,19 @@ def _decode_bucket_manual(qb, k, v, bucket, scale, return_lse, softcap: float | 
     g = hq // hkv
     if k.dtype != torch.float32:
         k, v = k.float(), v.float()
-    qg = (qb.float() * scale).view(n, m, hkv, g, d)
+    # The scale goes on the queries (fewer rows than scores) unless scores are capped after it.
+    qg = (qb.float() * (scale if softcap is None else 1.0)).view(n, m, hkv, g, d)
     sc = qb.new_empty((n, hkv, m, g, L), dtype=torch.float32)
     # A short loop over KV heads keeps bmm on strided K/V views (no transposed copies).
     for h in range(hkv):
         torch.bmm(qg[:, :, h].reshape(n, m * g, d), k[:, :, h].transpose(1, 2), out=sc[:, h].view(n, m * g, L))
-    sc = _cap(sc, softcap)
+    if softcap is not None:
+        _scale_(sc, scale, softcap)
     if bucket.mask is not None:
         sc.masked_fill_(bucket.pad[:, None, :, None, :], float("-inf"))
     lse = None
     if return_lse:
-        lse = torch.logsumexp(sc, dim=-1)
-        p = torch.exp(sc - lse[..., None])
+        p, lse = _softmax_lse_(sc, softcap)
     else:
         p = torch.softmax(sc, dim=-1)
     out = qb.new_empty((n, hkv, m, g, d), dtype=torch.float32)

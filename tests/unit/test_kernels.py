@@ -100,6 +100,37 @@ def test_mixed_step_matches_reference(hq, hkv, block_size):
     torch.testing.assert_close(torch.cat([lp, ld]), torch.cat(ref_lse), atol=ATOL, rtol=0)
 
 
+@pytest.mark.parametrize("softcap", [0.7, 80.0])     # under and over the bounded-exp shortcut's limit
+@pytest.mark.parametrize("window", [None, 20])
+def test_soft_capped_scores_match_reference(softcap, window):
+    """Gemma 2's capped scores through every path: prefill with and without earlier KV (and
+    under a window, its banded part), decodes in length buckets, with and without the LSE."""
+    hq, hkv, d = 8, 2, 32
+    scale = 3.0 * d ** -0.5          # scores wide enough for the cap to bite
+    kv_lens = [30, 7 + 50, 64 + 17, 40, 1, 33, 100]
+    prefill, decode = [(0, 1), (1, 7), (2, 64), (3, 40)], [4, 5, 6]
+    s = PagedSetup(kv_lens, hkv, d, block_size=16, seed=3)
+    meta, k, v = step_inputs(s, prefill, decode)
+    q = torch.randn(meta.num_tokens, hq, d, generator=torch.Generator().manual_seed(2))
+    out = TorchAttentionBackend().forward(s.cache, q, k, v, meta, scale, window=window, softcap=softcap)
+    refs, lses, row = [], [], 0
+    for i, n in prefill + [(j, 1) for j in decode]:
+        o, l = reference_attention(q[row:row + n], s.k[i], s.v[i], scale, window=window, softcap=softcap)
+        refs.append(o)
+        lses.append(l)
+        row += n
+    ref = torch.cat(refs)
+    torch.testing.assert_close(out, ref, atol=ATOL, rtol=0)
+    tp = meta.num_prefill_tokens
+    op, lp = paged_prefill_attention(q[:tp], s.cache, meta, scale, window=window, softcap=softcap)
+    od, ld = paged_decode_attention(q[tp:], s.cache, meta, scale, window=window, softcap=softcap)
+    torch.testing.assert_close(torch.cat([op, od]), ref, atol=ATOL, rtol=0)
+    torch.testing.assert_close(torch.cat([lp, ld]), torch.cat(lses), atol=ATOL, rtol=0)
+    # The cap matters (at 80 it barely bends these scores): without it the output is off.
+    plain = TorchAttentionBackend().forward(s.cache, q, k, v, meta, scale, window=window)
+    assert (plain - ref).abs().max() > (0.05 if softcap < 1 else 1e-3)
+
+
 def test_write_kv_slots():
     cache = torch.zeros(4, 2, 3, 2, 5)
     k = torch.randn(4, 2, 5)
