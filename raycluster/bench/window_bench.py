@@ -2,7 +2,7 @@
 
     raycluster bench window [--context 8192] [--window 1024] [--decodes 16] [--chunk 512]
                             [--heads 8] [--kv-heads 2] [--head-dim 64] [--block-size 16]
-                            [--repeats 10] [--threads 1] --out FILE.json
+                            [--repeats 10] [--threads 1] [--softcap CAP] --out FILE.json
 
 Over one paged cache of random K/V (`--decodes` requests of `--context` tokens each), three
 attention calls as one layer of a step makes them, each timed with and without `--window` in
@@ -10,6 +10,9 @@ alternation (median of `--repeats`): a decode row per request; one prefill chunk
 tokens ending at the context; the whole context prefilled as one chunk. The windowed calls read
 only the blocks their windows cover, so their cost follows the window, not the context. Every
 windowed output is also checked against the dense reference formula with the window's mask.
+With `--softcap` (Gemma 2's attention cap) the windowed calls cap their scores too, and full
+attention is timed a second time with the cap: `cap_cost` is what capping costs (capped scores
+take the unfused paths).
 """
 
 from __future__ import annotations
@@ -57,24 +60,25 @@ def _cases(args: argparse.Namespace, cache, tables, ks, vs, g: torch.Generator, 
                                torch.zeros(args.decodes, dtype=torch.long), bs)
     q_dec = torch.randn(args.decodes, args.heads, args.head_dim, generator=g)
 
-    def attend_decode(win):
-        return paged_decode_attention(q_dec, cache, decode, scale, return_lse=False, workspace=ws, window=win)[0]
+    def attend_decode(win, cap=None):
+        return paged_decode_attention(q_dec, cache, decode, scale, return_lse=False, workspace=ws, window=win,
+                                      softcap=cap)[0]
 
     def ref_decode():
-        return torch.cat([reference_attention(q_dec[i:i + 1], ks[i], vs[i], scale, window=args.window)[0]
-                          for i in range(args.decodes)])
+        return torch.cat([reference_attention(q_dec[i:i + 1], ks[i], vs[i], scale, window=args.window,
+                                              softcap=args.softcap)[0] for i in range(args.decodes)])
 
     cases = [("decode", attend_decode, ref_decode)]
     for name, n in (("prefill_chunk", args.chunk), ("prefill_whole", ctx)):
         meta = AttentionMetadata(n, 0, [n], [ctx], [tables[0]], [], [], torch.zeros(0, dtype=torch.long), bs)
         q = torch.randn(n, args.heads, args.head_dim, generator=g)
 
-        def attend(win, meta=meta, q=q, n=n):
+        def attend(win, cap=None, meta=meta, q=q, n=n):
             return paged_prefill_attention(q, cache, meta, scale, k=ks[0][ctx - n:], v=vs[0][ctx - n:],
-                                           return_lse=False, workspace=ws, window=win)[0]
+                                           return_lse=False, workspace=ws, window=win, softcap=cap)[0]
 
         def ref(q=q):
-            return reference_attention(q, ks[0], vs[0], scale, window=args.window)[0]
+            return reference_attention(q, ks[0], vs[0], scale, window=args.window, softcap=args.softcap)[0]
 
         cases.append((name, attend, ref))
     return cases
@@ -83,20 +87,28 @@ def _cases(args: argparse.Namespace, cache, tables, ks, vs, g: torch.Generator, 
 def run(args: argparse.Namespace) -> dict:
     if not 1 <= args.window < args.context or not 1 <= args.chunk <= args.context:
         raise SystemExit("raycluster bench window: need 1 <= --window < --context and 1 <= --chunk <= --context")
+    if args.softcap is not None and args.softcap <= 0:
+        raise SystemExit("raycluster bench window: --softcap must be positive")
+    cap = args.softcap
     g = torch.Generator().manual_seed(0)
     cache, tables, ks, vs = _setup(args, g)
     rows = []
     for name, attend, ref in _cases(args, cache, tables, ks, vs, g, Workspace()):
         half = max(1, args.repeats // 2)
-        fulls, wins = [], []
+        fulls, wins, capped = [], [], []
         for _ in range(2):          # two alternating halves: drift on a shared host moves both
             fulls.append(_time(lambda: attend(None), half))
-            wins.append(_time(lambda: attend(args.window), half))
+            wins.append(_time(lambda: attend(args.window, cap), half))
+            if cap is not None:
+                capped.append(_time(lambda: attend(None, cap), half))
         full, windowed = statistics.median(fulls), statistics.median(wins)
-        err = float((attend(args.window) - ref()).abs().max())
-        rows.append({"call": name, "full_ms": full * 1e3, "window_ms": windowed * 1e3, "speedup": full / windowed,
-                     "max_abs_err_vs_reference": err})
-    return {"context": args.context, "window": args.window, "decodes": args.decodes, "chunk": args.chunk,
+        err = float((attend(args.window, cap) - ref()).abs().max())
+        row = {"call": name, "full_ms": full * 1e3, "window_ms": windowed * 1e3, "speedup": full / windowed,
+               "max_abs_err_vs_reference": err}
+        if cap is not None:
+            row.update(capped_full_ms=statistics.median(capped) * 1e3, cap_cost=statistics.median(capped) / full)
+        rows.append(row)
+    return {"context": args.context, "window": args.window, "softcap": cap, "decodes": args.decodes, "chunk": args.chunk,
             "heads": args.heads, "kv_heads": args.kv_heads, "head_dim": args.head_dim,
             "block_size": args.block_size, "threads": torch.get_num_threads(), "rows": rows}
 
@@ -113,17 +125,20 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--repeats", type=int, default=10)
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--softcap", type=float, default=None)
     p.add_argument("--out", required=True)
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     result = run(args)
     with open(args.out, "w") as f:
         json.dump(result, f, indent=2)
-    print(f"context {args.context}, window {args.window}:")
-    print(f"{'call':14s} {'full ms':>9s} {'window ms':>10s} {'speed-up':>9s} {'max err':>9s}")
+    print(f"context {args.context}, window {args.window}" + (f", soft cap {args.softcap}:" if args.softcap else ":"))
+    print(f"{'call':14s} {'full ms':>9s} {'window ms':>10s} {'speed-up':>9s} {'max err':>9s}"
+          + (f" {'capped full ms':>15s} {'cap cost':>9s}" if args.softcap else ""))
     for r in result["rows"]:
         print(f"{r['call']:14s} {r['full_ms']:9.2f} {r['window_ms']:10.2f} {r['speedup']:8.1f}x "
-              f"{r['max_abs_err_vs_reference']:9.1e}")
+              f"{r['max_abs_err_vs_reference']:9.1e}"
+              + (f" {r['capped_full_ms']:15.2f} {r['cap_cost']:8.2f}x" if args.softcap else ""))
     return 0 if all(r["max_abs_err_vs_reference"] < 1e-3 for r in result["rows"]) else 1
 
 
