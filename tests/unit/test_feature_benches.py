@@ -66,6 +66,18 @@ def test_window_bench_times_full_and_windowed_attention(tmp_path):
     assert all(r["full_ms"] > 0 and r["window_ms"] > 0 and r["max_abs_err_vs_reference"] < 1e-4 for r in res["rows"])
     with pytest.raises(SystemExit, match="--window < --context"):
         main(["bench", "window", "--context", "64", "--window", "64", "--out", str(out)])
+    # With Gemma 2's cap: the windowed calls cap too (checked against the capped formula), and
+    # full attention is timed capped as well.
+    assert main(["bench", "window", "--context", "200", "--window", "64", "--decodes", "2", "--chunk", "40",
+                 "--heads", "4", "--kv-heads", "2", "--head-dim", "16", "--block-size", "8", "--repeats", "2",
+                 "--softcap", "1.5", "--out", str(out)]) == 0
+    res = json.loads(out.read_text())
+    assert res["softcap"] == 1.5
+    assert all(r["capped_full_ms"] > 0 and r["cap_cost"] > 0 and r["max_abs_err_vs_reference"] < 1e-4
+               for r in res["rows"])
+    with pytest.raises(SystemExit, match="--softcap"):
+        main(["bench", "window", "--context", "200", "--window", "64", "--chunk", "40", "--softcap", "0",
+              "--out", str(out)])
 
 
 def test_quant_bench_compares_each_scheme_with_the_dense_model(tmp_path):
