@@ -1,7 +1,8 @@
 """OpenAI-compatible HTTP API over a generation backend: one in-process engine (`AsyncEngine`)
 or the cluster (`ClusterClient`, used by the Serve gateway).
 
-Routes: POST /v1/completions, POST /v1/chat/completions (both with `stream` over SSE),
+Routes: POST /v1/completions, POST /v1/chat/completions (both with `stream` over SSE), POST
+/v1/responses (OpenAI's Responses API over the chat route: raycluster.server.responses_api),
 POST /v1/embeddings (raycluster.server.embeddings), POST /score and /rerank (also under /v1, and
 /v2/rerank: raycluster.server.scoring), POST /classify (also /v1/classify: raycluster.server.classify),
 GET /v1/models, GET /health, GET /metrics (Prometheus text); with API keys, a bearer token
@@ -37,6 +38,7 @@ from raycluster.request import SLO
 from raycluster.model.tokenizer import bad_words_token_ids
 from raycluster.server.auth import ApiKeyMiddleware
 from raycluster.server.openai_logprobs import prompt_logprobs
+from raycluster.server.responses_api import add_responses_routes
 from raycluster.server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                        OverloadedError, TokenizeRequest, error_body, now_s,
                                        overloaded_response)
@@ -383,6 +385,8 @@ def build_app(engine, tokenizer, model_names: str | Sequence[str], api_keys: Seq
         tool = None if mode is None else (mode, body.tool_choice.function.name if mode == "named" else None,
                                           parser.for_tools(tool_parameters(body)) if mode == "auto" else parser)
         return await _run(body, [(ids, "")], "chat.completion", http, guided=guided, tool=tool)
+
+    add_responses_routes(app, chat, names)
 
     def _chat_ids(body) -> list[int]:
         """The chat template over `body.messages` (a chat or tokenize request), tokenized. A

@@ -33,15 +33,17 @@ COMPLETION = {"model": "tiny", "prompt": "Once upon a time", "max_tokens": 4, "t
 CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "Hi there"}], "max_tokens": 4}
 TOKENIZE = {"prompt": "Hello world"}
 DETOKENIZE = {"tokens": [5, 6, 7]}
+RESPONSES = {"model": "tiny", "input": "Hi there", "max_output_tokens": 4}
 ROUTES = [("/v1/completions", COMPLETION), ("/v1/chat/completions", CHAT), ("/tokenize", TOKENIZE),
-          ("/detokenize", DETOKENIZE)]
+          ("/detokenize", DETOKENIZE), ("/v1/responses", RESPONSES)]
 FIELDS = ["prompt", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "min_p",
           "n", "stream", "stream_options", "stop", "stop_token_ids", "seed", "logprobs", "top_logprobs", "echo",
           "ignore_eos", "min_tokens", "prompt_logprobs", "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias",
           "ttft_slo_ms", "tpot_slo_ms", "priority", "tenant", "app_id", "tokens", "add_generation_prompt",
           "continue_final_message", "model", "user", "no_such_field", "response_format", "structured_outputs",
           "guided_json", "guided_regex", "guided_choice", "guided_whitespace_pattern", "tools", "tool_choice",
-          "parallel_tool_calls"]
+          "parallel_tool_calls", "input", "instructions", "max_output_tokens", "text", "include",
+          "previous_response_id", "metadata"]
 NUMBERS = [0, 1, -1, 2, 7, 2**31, -2**31, 2**63, 10**30, 0.5, -0.5, 1e308, -1e308, 1e-320]
 STRINGS = ["", "a", "\ud800", "\x00", "x" * 5000, "日本語", "<|eot_id|>", "{{ raise }}"]
 # Near misses per field: the right shape with a wrong value (out-of-vocab ids, empty lists, ...).
@@ -56,6 +58,10 @@ EDGES = {
                                                                                     "arguments": "{"}}]}],
                  [{"role": "tool", "content": "r", "tool_call_id": None}],
                  [{"role": "user", "content": "x", "tool_calls": []}]],
+    "input": [[], [{"role": "user"}], [{"role": "user", "content": [{"type": "input_text"}]}], [3],
+              [{"type": "function_call", "call_id": 1}], [{"type": "function_call_output", "call_id": "c", "output": 5}],
+              [{"type": "reasoning"}], [{"role": ["user"], "content": "x"}], [{"type": {"a": 1}}]],
+    "text": [{"format": {"type": "json_schema"}}, {"format": {"type": "json_object"}}, {"format": 5}, {}],
     "logit_bias": [{"-1": 5}, {"999999": 5}, {"5": 1e308}, {"5": -100}, {"a": 1}, {}],
     "stop_token_ids": [[-1], [10**9], [2**63], [], ["a"]],
     "stop": ["", [""], ["a"] * 100, [None], "x" * 5000],
@@ -134,6 +140,8 @@ def _request(rng: random.Random) -> tuple[str, bytes]:
             body[field] = _value(rng)
     if "max_tokens" in base and rng.random() < 0.7:
         body["max_tokens"] = 4                  # keep most runs short
+    if "max_output_tokens" in base and rng.random() < 0.7:
+        body["max_output_tokens"] = 4
     return route, json.dumps(body).encode()
 
 
@@ -169,6 +177,10 @@ def test_random_malformed_requests_get_answers_not_crashes(fuzz_server):
                 assert err["message"] and err["type"], (route, raw[:300], err)
             elif b"data: " in body[:6]:
                 assert body.rstrip().endswith(b"data: [DONE]"), (route, raw[:300], body[-300:])
+            elif body.startswith(b"event: "):           # a Responses stream ends with its final status
+                last = body.rstrip().rsplit(b"\n\n", 1)[-1]
+                assert last.startswith((b"event: response.completed", b"event: response.incomplete")), \
+                    (route, raw[:300], body[-300:])
     # Both outcomes occurred: the mutations reach the engine as well as the validators.
     assert seen.get(200, 0) >= 40 and sum(n for s, n in seen.items() if 400 <= s < 500) >= 40, seen
     # The engine still serves, exactly, and nothing is left holding KV.

@@ -438,6 +438,13 @@ def test_openai_client_and_status(cluster):
     chunks = list(client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}],
                                                  max_tokens=4, temperature=0, stream=True))
     assert chunks[0].choices[0].delta.role == "assistant" and len(chunks) >= 2
+    # The Responses API rides the chat route through the gateway: the same text, streamed or not.
+    chat = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=4,
+                                          temperature=0)
+    resp = client.responses.create(model="tiny", input="hi", max_output_tokens=4, temperature=0)
+    events = list(client.responses.create(model="tiny", input="hi", max_output_tokens=4, temperature=0, stream=True))
+    assert resp.output_text == chat.choices[0].message.content == events[-1].response.output_text
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == resp.output_text
     metrics = httpx.get(url + "/metrics").text
     assert "raycluster_ttft_seconds_bucket" in metrics and "raycluster_instance_kv_usage" in metrics
     assert "raycluster_instance_prefill_backlog_tokens{" in metrics
