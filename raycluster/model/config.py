@@ -1,11 +1,11 @@
 """ModelConfig: the subset of a Hugging Face config.json (Llama / Qwen2 / Qwen3 / Mistral, the
-mixture-of-experts Mixtral / Qwen2-MoE / Qwen3-MoE, and Gemma / Gemma 2 / Gemma 3 whose own fields
-raycluster.model.gemma_config reads) that the from-scratch model needs, validated
+mixture-of-experts Mixtral / Qwen2-MoE / Qwen3-MoE, Phi-3 (fused projections, LongRoPE, partial
+rotary), and Gemma / Gemma 2 / Gemma 3 whose own fields raycluster.model.gemma_config reads) that the from-scratch model needs, validated
 with errors that name the offending field.
 
 Accepts both transformers-5 files (`rope_parameters`, `dtype`) and older ones (top-level
-`rope_theta` / `rope_scaling` with `rope_type` or `type`, `torch_dtype`). Sliding-window
-attention follows Hugging Face: Mistral slides on every layer when `sliding_window` is set;
+`rope_theta` / `rope_scaling` with `rope_type` or `type`, `torch_dtype`; raycluster.model.rope_config).
+Sliding-window attention follows Hugging Face: Mistral and Phi-3 slide on every layer when `sliding_window` is set;
 Qwen2 / Qwen3 only with `use_sliding_window`, on the layers `layer_types` marks
 "sliding_attention" (or, without it, layers i >= `max_window_layers`); Llama never; the MoE
 models as their dense kin, except Qwen3-MoE (every layer) and Qwen2-MoE (without `layer_types`,
@@ -33,10 +33,11 @@ from raycluster.model.generation_config import load_generation_config
 from raycluster.model.pooling import (PoolerConfig, PoolerConfigError, read_pooler_config,
                                       sentence_transformers_options)
 from raycluster.model.quant.config import QuantConfig, QuantConfigError, parse_quant_config
+from raycluster.model.rope_config import RopeConfigError, longrope_for_context, parse_rope, scaled_context
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM",
                            "MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM",
-                           *GEMMA_ARCHITECTURES)
+                           "Phi3ForCausalLM", *GEMMA_ARCHITECTURES)
 # Base models saved without an output head (e5-mistral's MistralModel, embedding models written by
 # sentence-transformers): served as their causal LM's decoder, for pooling only unless tied.
 BASE_ARCHITECTURES = {"LlamaModel": "LlamaForCausalLM", "MistralModel": "MistralForCausalLM",
@@ -49,7 +50,6 @@ CLASSIFIER_ARCHITECTURES = {"LlamaForSequenceClassification": "LlamaForCausalLM"
                             "Qwen2ForSequenceClassification": "Qwen2ForCausalLM",
                             "Qwen3ForSequenceClassification": "Qwen3ForCausalLM"}
 MOE_ARCHITECTURES = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 
 class ModelConfigError(ValueError):
@@ -97,6 +97,9 @@ class ModelConfig:
     o_bias: bool = False
     mlp_bias: bool = False
     qk_norm: bool = False           # Qwen3: RMSNorm over each query / key head before RoPE
+    partial_rotary_factor: float = 1.0  # the share of each head RoPE turns (its first dims)
+    # Phi-3 stores q/k/v as one `qkv_proj` and gate/up as one `gate_up_proj`: split at load.
+    fused_projections: bool = False
     bos_token_id: int | None = None
     eos_token_id: tuple[int, ...] = ()
     dtype: str | None = None
@@ -145,6 +148,10 @@ class ModelConfig:
     def num_kv_layers(self) -> int:
         """Layers that keep KV in the cache: none for an encoder (each prompt runs whole, once)."""
         return 0 if self.encoder is not None else self.num_hidden_layers
+
+    @property
+    def rotary_dim(self) -> int:
+        return int(self.head_dim * self.partial_rotary_factor)
 
     @property
     def torch_attention_only(self) -> bool:
@@ -224,7 +231,10 @@ class ModelConfig:
 
         gemma = arch in GEMMA_ARCHITECTURES
         global_rope, local_rope = gemma3_ropes(d) if arch == "Gemma3ForCausalLM" else (d, None)
-        theta, scaling = _parse_rope(global_rope)
+        try:
+            theta, scaling, partial = parse_rope(global_rope)
+        except RopeConfigError as e:
+            raise ModelConfigError(str(e)) from None
 
         if arch in ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM"):
             # Qwen2 always has q/k/v biases and never o_proj/MLP biases.
@@ -239,13 +249,16 @@ class ModelConfig:
         elif gemma:
             qkv_bias = o_bias = bool(d.get("attention_bias", False))
             mlp_bias = False
-        else:  # Mistral, Mixtral
+        else:  # Mistral, Mixtral, Phi-3
             qkv_bias = o_bias = mlp_bias = False
 
         if gemma:
             family = gemma_fields(arch, d, layers, head_dim, ModelConfigError)
             if local_rope is not None:
-                local_theta, local_scaling = _parse_rope(local_rope)
+                try:
+                    local_theta, local_scaling, _ = parse_rope(local_rope)
+                except RopeConfigError as e:
+                    raise ModelConfigError(str(e)) from None
                 if local_scaling:
                     raise ModelConfigError("config field 'rope_parameters.sliding_attention': only the default "
                                            "RoPE is supported on Gemma 3's sliding layers")
@@ -256,11 +269,15 @@ class ModelConfig:
                       "qk_norm": arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")}
         moe = _moe(arch, d, layers) if arch in MOE_ARCHITECTURES else None
         # Gemma 3's max_position_embeddings already counts its global layers' linear scaling.
-        max_len = max_pos if arch == "Gemma3ForCausalLM" else _scaled_context(max_pos, scaling)
+        max_len = max_pos if arch == "Gemma3ForCausalLM" else scaled_context(max_pos, scaling)
+        scaling = longrope_for_context(scaling, max_len)
         try:
             quant = parse_quant_config(d.get("quantization_config"))
         except QuantConfigError as e:
             raise ModelConfigError(str(e)) from None
+        if quant is not None and arch == "Phi3ForCausalLM":
+            raise ModelConfigError("config field 'quantization_config': quantized Phi-3 checkpoints (fused qkv_proj / "
+                                   "gate_up_proj) are not supported")
         try:
             pooler = read_pooler_config(None, d)
         except PoolerConfigError as e:
@@ -287,7 +304,7 @@ class ModelConfig:
             qkv_bias=qkv_bias, o_bias=o_bias, mlp_bias=mlp_bias,
             bos_token_id=int(bos) if bos is not None else None, eos_token_id=eos_t,
             dtype=d.get("dtype") or d.get("torch_dtype"), moe=moe, quant=quant, pooler=pooler, raw=dict(d),
-            **family)
+            partial_rotary_factor=partial, fused_projections=arch == "Phi3ForCausalLM", **family)
 
     @classmethod
     def _encoder(cls, arch: str, d: dict[str, Any]) -> "ModelConfig":
@@ -342,51 +359,6 @@ def _labels(d: dict[str, Any]) -> tuple[str, ...]:
     return tuple(f"LABEL_{i}" for i in range(n))
 
 
-def _parse_rope(d: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
-    params = d.get("rope_parameters")
-    if params is None:
-        params = dict(d.get("rope_scaling") or {})
-        if "rope_theta" in d:
-            params.setdefault("rope_theta", d["rope_theta"])
-    else:
-        params = dict(params)
-    theta = float(params.get("rope_theta", d.get("rope_theta", 10000.0)))
-    rtype = params.get("rope_type", params.get("type")) or "default"
-    if rtype not in SUPPORTED_ROPE_TYPES:
-        raise ModelConfigError(
-            f"config field 'rope_scaling.rope_type' = {rtype!r} is not supported "
-            f"(supported: {', '.join(SUPPORTED_ROPE_TYPES)}; 'dynamic' depends on the batch's "
-            "longest sequence and cannot be served per request)")
-    if rtype == "default":
-        return theta, None
-    scaling = {k: v for k, v in params.items() if k not in ("type", "rope_theta")}
-    scaling["rope_type"] = rtype
-    if "factor" not in scaling:
-        raise ModelConfigError(f"config field 'rope_scaling.factor' is required for rope_type {rtype!r}")
-    if rtype == "llama3":
-        for k in ("low_freq_factor", "high_freq_factor"):
-            if k not in scaling:
-                raise ModelConfigError(f"config field 'rope_scaling.{k}' is required for rope_type 'llama3'")
-        scaling.setdefault("original_max_position_embeddings", d.get("max_position_embeddings"))
-    if rtype == "yarn":
-        scaling.setdefault("original_max_position_embeddings", d.get("max_position_embeddings"))
-    return theta, scaling
-
-
-def _scaled_context(max_pos: int, scaling: dict[str, Any] | None) -> int:
-    """The context a scaled rope serves, as vLLM derives it: linear scaling stretches
-    max_position_embeddings by `factor`, YaRN the original context; llama3's configs state the
-    long context in max_position_embeddings already."""
-    if not scaling:
-        return max_pos
-    factor = float(scaling["factor"])
-    if scaling["rope_type"] == "yarn":
-        return int(float(scaling["original_max_position_embeddings"]) * factor)
-    if scaling["rope_type"] == "linear":
-        return int(max_pos * factor)
-    return max_pos
-
-
 def _sliding_layers(arch: str, d: dict[str, Any], layers: int) -> tuple[int | None, tuple[int, ...]]:
     """(window, indices of the sliding layers) as Hugging Face's modeling code reads config.json."""
     window = d.get("sliding_window")
@@ -398,7 +370,7 @@ def _sliding_layers(arch: str, d: dict[str, Any], layers: int) -> tuple[int | No
         raise ModelConfigError(f"config field 'sliding_window' has invalid value {d['sliding_window']!r}") from e
     if window < 1:
         raise ModelConfigError(f"config field 'sliding_window' = {window} must be at least 1")
-    if arch == "MixtralForCausalLM" or arch == "MistralForCausalLM":
+    if arch in ("MixtralForCausalLM", "MistralForCausalLM", "Phi3ForCausalLM"):
         return window, tuple(range(layers))
     if not d.get("use_sliding_window", False):
         return None, ()

@@ -184,7 +184,7 @@ class LlamaForCausalLM(nn.Module):
         # Gemma 3's sliding layers turn at their own RoPE base.
         local = config.gemma.local_rope_theta if config.gemma is not None else None
         self.local_rotary = None if local is None else RotaryEmbedding(
-            config.head_dim, local, None, config.max_position_embeddings)
+            config.rotary_dim, local, None, config.max_position_embeddings)
         # Gemma multiplies its embeddings by sqrt(hidden_size), rounded to their dtype as HF does.
         self.embed_scale = None if config.gemma is None else config.hidden_size ** 0.5
         self.backend = backend          # explicit; None: a default per device, made on first use

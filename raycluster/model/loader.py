@@ -151,6 +151,50 @@ def _stored_name(param: str, config: ModelConfig) -> str:
     return param[len("model."):] if config.bare_names and param.startswith("model.") else param
 
 
+def fused_pieces(name: str, config: ModelConfig) -> list[tuple[str, int, int]] | None:
+    """A fused checkpoint tensor's pieces (Phi-3's `qkv_proj` = q, k, v rows; `gate_up_proj` =
+    gate, up rows), as (parameter name, first row, rows); None for any other tensor."""
+    if not config.fused_projections:
+        return None
+    c = config
+    if name.endswith(".self_attn.qkv_proj.weight"):
+        base = name[:-len("qkv_proj.weight")]
+        q, kv = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
+        return [(base + "q_proj.weight", 0, q), (base + "k_proj.weight", q, kv), (base + "v_proj.weight", q + kv, kv)]
+    if name.endswith(".mlp.gate_up_proj.weight"):
+        base, i = name[:-len("gate_up_proj.weight")], c.intermediate_size
+        return [(base + "gate_proj.weight", 0, i), (base + "up_proj.weight", i, i)]
+    return None
+
+
+# The fused tensor each split projection of a Phi-3 layer is read from.
+_FUSED_INTO = {"q_proj": "qkv_proj", "k_proj": "qkv_proj", "v_proj": "qkv_proj",
+               "gate_proj": "gate_up_proj", "up_proj": "gate_up_proj"}
+
+
+def _source(param: str, config: ModelConfig) -> tuple[str, int | None]:
+    """(checkpoint tensor name, first row) a parameter is read from: its rows of a fused tensor,
+    or (first row None) a tensor of its own."""
+    parent, _, leaf = param.removesuffix(".weight").rpartition(".")
+    if config.fused_projections and param.endswith(".weight") and leaf in _FUSED_INTO:
+        whole = f"{parent}.{_FUSED_INTO[leaf]}.weight"
+        first = next(off for n, off, _ in fused_pieces(whole, config) if n == param)
+        return _stored_name(whole, config), first
+    return _stored_name(param, config), None
+
+
+class _Rows:
+    """Rows [first, first + n) of a safetensors slice handle, indexed as the handle is."""
+
+    def __init__(self, handle, first: int, n: int) -> None:
+        self.handle, self.first, self.n = handle, first, n
+
+    def __getitem__(self, index):
+        head, rest = (index[0], tuple(index[1:])) if isinstance(index, tuple) else (index, ())
+        lo, hi, _ = head.indices(self.n)
+        return self.handle[(slice(self.first + lo, self.first + hi),) + rest]
+
+
 def _skipped(name: str, config: ModelConfig) -> bool:
     """Checkpoint tensors we never load: recomputed buffers, and the copy of a tied head some
     tied checkpoints still store; an encoder's pretraining heads and id buffers, and the pooler of
@@ -189,6 +233,17 @@ def _checked_value(name: str, tensor: torch.Tensor, expected_dtype: torch.dtype,
     return tensor
 
 
+def _check_fused(name: str, file: str, config: ModelConfig, shape: tuple[int, ...], pieces,
+                 shapes: dict[str, tuple[int, ...]]) -> None:
+    """A fused tensor's pieces are the model's, and it holds exactly their rows, as wide as they are."""
+    if any(p not in shapes for p, _, _ in pieces):
+        raise _unexpected(name, file, config)
+    want = (sum(n for _, _, n in pieces),) + tuple(shapes[pieces[0][0]][1:])
+    if shape != want:
+        raise CheckpointError(f"shape mismatch for tensor {name!r}: checkpoint {shape}, model expects {want} "
+                              f"({' + '.join(p.rsplit('.', 2)[-2] for p, _, _ in pieces)})")
+
+
 def _check_missing(missing: set[str]) -> None:
     if missing:
         names = sorted(missing)
@@ -212,6 +267,7 @@ def load_model(path: str | os.PathLike, dtype: torch.dtype = torch.float32,
     model.to_empty(device=device)
     model.to(dtype)
     params = dict(model.named_parameters())
+    shapes = {n: tuple(p.shape) for n, p in params.items()}
     loaded: set[str] = set()
     mapped = _file_names(path)
     for file in files:
@@ -219,16 +275,21 @@ def load_model(path: str | os.PathLike, dtype: torch.dtype = torch.float32,
             name = _param_name(stored, config)
             if _skipped(name, config):
                 continue
-            p = params.get(name)
-            if p is None:
-                raise _unexpected(name, file, config)
-            if not _same_shape(tuple(tensor.shape), tuple(p.shape)):
-                raise CheckpointError(
-                    f"shape mismatch for tensor {name!r}: checkpoint {tuple(tensor.shape)}, "
-                    f"model expects {tuple(p.shape)}")
-            with torch.no_grad():
-                p.copy_(_checked_value(name, tensor, p.dtype, dtype).reshape(p.shape))
-            loaded.add(name)
+            pieces = fused_pieces(name, config)
+            if pieces is not None:
+                _check_fused(name, file, config, tuple(tensor.shape), pieces, shapes)
+            for piece, first, rows in pieces or [(name, 0, None)]:
+                p = params.get(piece)
+                if p is None:
+                    raise _unexpected(name, file, config)
+                part = tensor if rows is None else tensor[first:first + rows]
+                if not _same_shape(tuple(part.shape), tuple(p.shape)):
+                    raise CheckpointError(
+                        f"shape mismatch for tensor {name!r}: checkpoint {tuple(tensor.shape)}, "
+                        f"model expects {tuple(p.shape)}")
+                with torch.no_grad():
+                    p.copy_(_checked_value(name, part, p.dtype, dtype).reshape(p.shape))
+                loaded.add(piece)
     _check_missing(set(params) - loaded)
     finalize_quantized(model, quant_kernels)
     model.projector = checkpoint_projector(path, config, device)
@@ -338,7 +399,10 @@ def load_tensors(path: str | os.PathLike, config: ModelConfig, wanted: Mapping[s
                     # pages the slice covers are read): copy it out so the parameter owns
                     # exactly its part, contiguous, and holds no reference to the mapping.
                     part = wanted[name]
-                    view = part.read(_sliceable(f, _stored_name(name, config), shapes[name]), shapes[name])
+                    stored, first = _source(name, config)
+                    handle = _sliceable(f, stored, shapes[name]) if first is None else \
+                        _Rows(f.get_slice(stored), first, shapes[name][0])
+                    view = part.read(handle, shapes[name])
                     view = _checked_value(name, view, params[name].dtype, dtype)
                     shape = part.out_shape(shapes[name])
                     if tuple(view.shape) == shape:
@@ -382,6 +446,12 @@ def _checked_names(file: str, config: ModelConfig, shapes: dict[str, tuple[int, 
                 continue
             name = _param_name(stored, config)
             if _skipped(name, config):
+                continue
+            pieces = fused_pieces(name, config)
+            if pieces is not None:
+                _check_fused(name, file, config, tuple(f.get_slice(stored).get_shape()), pieces, shapes)
+                if any(p in wanted for p, _, _ in pieces):
+                    names += [p for p, _, _ in pieces if p in wanted]
                 continue
             if name not in shapes:
                 raise _unexpected(name, file, config)

@@ -32,6 +32,10 @@ from raycluster.model.config import ModelConfig
 
 TARGETS = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn",
            "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}
+# A fused checkpoint's projections (Phi-3) and the split ones they hold, in row order. An adapter
+# on one is served as adapters on its pieces: the same A, B's rows for each (B A x, row by row).
+FUSED_TARGETS = {"qkv_proj": ("self_attn", ("q_proj", "k_proj", "v_proj")),
+                 "gate_up_proj": ("mlp", ("gate_proj", "up_proj"))}
 _KEY = re.compile(r"^(?:base_model\.model\.)?model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+_proj)\.lora_([AB])"
                   r"(?:\.default)?\.weight$")
 
@@ -62,11 +66,19 @@ class LoRAAdapter:
 
 
 def _shapes(cfg: ModelConfig) -> dict[str, tuple[int, int]]:
-    """(out, in) of each projection a LoRA may target."""
+    """(out, in) of each projection a LoRA may target (a fused model's fused ones too)."""
     h, d, i = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
     q, kv = cfg.num_attention_heads * d, cfg.num_key_value_heads * d
-    return {"q_proj": (q, h), "k_proj": (kv, h), "v_proj": (kv, h), "o_proj": (h, q),
-            "gate_proj": (i, h), "up_proj": (i, h), "down_proj": (h, i)}
+    shapes = {"q_proj": (q, h), "k_proj": (kv, h), "v_proj": (kv, h), "o_proj": (h, q),
+              "gate_proj": (i, h), "up_proj": (i, h), "down_proj": (h, i)}
+    if cfg.fused_projections:
+        shapes.update(qkv_proj=(q + 2 * kv, h), gate_up_proj=(2 * i, h))
+    return shapes
+
+
+def target_group(module: str) -> str | None:
+    """The layer block ("self_attn" / "mlp") projection `module` belongs to."""
+    return TARGETS.get(module) or FUSED_TARGETS.get(module, (None,))[0]
 
 
 def load_adapter(path: str | os.PathLike, cfg: ModelConfig, name: str, dtype: torch.dtype = torch.float32,
@@ -103,7 +115,7 @@ def load_adapter(path: str | os.PathLike, cfg: ModelConfig, name: str, dtype: to
         if m is None:
             raise AdapterError(f"{name}: tensor {key!r} is not a LoRA A/B of a q/k/v/o or gate/up/down projection")
         layer, group, module, ab = int(m[1]), m[2], m[3], m[4]
-        if TARGETS.get(module) != group or not 0 <= layer < cfg.num_hidden_layers:
+        if target_group(module) != group or module not in shapes or not 0 <= layer < cfg.num_hidden_layers:
             raise AdapterError(f"{name}: tensor {key!r} targets no projection of this model")
         if group == "mlp" and cfg.is_moe_layer(layer):
             raise AdapterError(f"{name}: tensor {key!r} targets the MLP of layer {layer}, a mixture-of-experts "
@@ -114,14 +126,21 @@ def load_adapter(path: str | os.PathLike, cfg: ModelConfig, name: str, dtype: to
             raise AdapterError(f"{name}: tensor {key!r} has shape {tuple(tensor.shape)}, this model needs {want}")
         parts[(layer, module, ab)] = tensor.float()
     adapter = LoRAAdapter(name, path, rank)
+    pairs = 0
     for (layer, module, ab), a in parts.items():
         if ab != "A":
             continue
+        pairs += 1
         b = parts.get((layer, module, "B"))
         if b is None:
             raise AdapterError(f"{name}: layer {layer} {module} has lora_A but no lora_B")
-        adapter.weights[(layer, module)] = (a.to(dtype).contiguous(), (b * scaling).to(dtype).contiguous())
-    if len(adapter.weights) * 2 != len(parts):
+        a = a.to(dtype).contiguous()
+        first = 0
+        for piece in FUSED_TARGETS[module][1] if module in FUSED_TARGETS else (module,):
+            rows = shapes[piece][0] if module in FUSED_TARGETS else b.shape[0]
+            adapter.weights[(layer, piece)] = (a, (b[first:first + rows] * scaling).to(dtype).contiguous())
+            first += rows
+    if pairs * 2 != len(parts):
         raise AdapterError(f"{name}: a lora_B without its lora_A")
     if not adapter.weights:
         raise AdapterError(f"{name}: no LoRA weights in {file}")

@@ -1,6 +1,8 @@
-"""Rotary position embeddings matching transformers (default, linear, llama3 and YaRN scaling):
-inv_freq, an fp32 cos/sin cache (times YaRN's attention factor) cast to the model dtype, and
-rotate_half application at per-token positions."""
+"""Rotary position embeddings matching transformers (default, linear, llama3, YaRN and LongRoPE
+scaling): inv_freq, an fp32 cos/sin cache (times YaRN's or LongRoPE's attention factor) cast to
+the model dtype, and rotate_half application at per-token positions, on a head's first
+`rotary_dim` dimensions (all of them unless the config turns only a share: Phi-4-mini's
+partial_rotary_factor)."""
 
 from __future__ import annotations
 
@@ -49,7 +51,12 @@ def _yarn_inv_freq(inv_freq: torch.Tensor, head_dim: int, theta: float, scaling:
 
 
 def compute_inv_freq(head_dim: int, theta: float, scaling: dict | None = None) -> torch.Tensor:
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").float() / head_dim))
+    """`head_dim`: the dimensions turned (the rotary dim)."""
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").float() / head_dim
+    if scaling and scaling["rope_type"] == "longrope":
+        # The factor set fixed for the served context (raycluster.model.rope_config).
+        return 1.0 / (torch.tensor(scaling["ext_factors"], dtype=torch.float32, device="cpu") * theta ** exponents)
+    inv_freq = 1.0 / (theta ** exponents)
     if not scaling:
         return inv_freq
     rtype = scaling["rope_type"]
@@ -78,15 +85,17 @@ class RotaryEmbedding:
     and grows it if a position exceeds it."""
 
     def __init__(self, head_dim: int, theta: float, scaling: dict | None, max_positions: int):
-        self.head_dim = head_dim
+        self.head_dim = head_dim        # the dims turned: a model's rotary_dim
         self.inv_freq = compute_inv_freq(head_dim, theta, scaling)
-        self.attention_factor = yarn_attention_factor(scaling) if scaling and scaling["rope_type"] == "yarn" else 1.0
+        rtype = scaling["rope_type"] if scaling else None
+        self.attention_factor = yarn_attention_factor(scaling) if rtype == "yarn" else \
+            float(scaling["attention_factor"]) if rtype == "longrope" else 1.0
         self.max_positions = max_positions
         self._cache: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
 
     @classmethod
     def from_config(cls, cfg: ModelConfig) -> "RotaryEmbedding":
-        return cls(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, cfg.max_position_embeddings)
+        return cls(cfg.rotary_dim, cfg.rope_theta, cfg.rope_scaling, cfg.max_position_embeddings)
 
     def _build(self, n: int, device, dtype):
         t = torch.arange(n, dtype=torch.float32, device=device)
@@ -113,7 +122,13 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 def apply_rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-    """q [T,Hq,D], k [T,Hkv,D], cos/sin [T,D] (already gathered at the tokens' positions)."""
+    """q [T,Hq,D], k [T,Hkv,D], cos/sin [T,R] (already gathered at the tokens' positions): the
+    first R <= D dimensions of each head turn, the rest pass."""
     cos = cos.unsqueeze(1)
     sin = sin.unsqueeze(1)
-    return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+    r = cos.shape[-1]
+    if r == q.shape[-1]:
+        return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+    qr, kr = q[..., :r], k[..., :r]
+    return (torch.cat([qr * cos + rotate_half(qr) * sin, q[..., r:]], dim=-1),
+            torch.cat([kr * cos + rotate_half(kr) * sin, k[..., r:]], dim=-1))

@@ -5,7 +5,7 @@ AutoModelForCausalLM), model.safetensors (fp32, seeded), tokenizer.json (byte-le
 on the bundled corpus) and tokenizer_config.json (bos/eos, chat template). Same arguments ->
 byte-identical files. `tiny_config(**overrides)` returns the config dict for variants (other
 head counts, tied embeddings, llama3 rope, Qwen2 with q/k/v biases, Mixtral / Qwen2-MoE /
-Qwen3-MoE experts, Gemma / Gemma 2 / Gemma 3...); an override of None removes the key.
+Qwen3-MoE experts, Gemma / Gemma 2 / Gemma 3, Phi-3 with its fused projections...); an override of None removes the key.
 """
 
 from __future__ import annotations
@@ -91,6 +91,12 @@ def tiny_config(**overrides) -> dict:
                    router_aux_loss_coef=0.0, output_router_logits=False)
         if qwen2:
             cfg["shared_expert_intermediate_size"] = 384
+    elif overrides.get("architectures") == ["Phi3ForCausalLM"]:
+        cfg["model_type"] = "phi3"
+        for k in ("attention_bias", "mlp_bias"):
+            cfg.pop(k)
+        cfg.update(sliding_window=None, original_max_position_embeddings=cfg["max_position_embeddings"],
+                   resid_pdrop=0.0, embd_pdrop=0.0)
     elif overrides.get("architectures") in (["GemmaForCausalLM"], ["Gemma2ForCausalLM"], ["Gemma3ForCausalLM"]):
         version = {"GemmaForCausalLM": 1, "Gemma2ForCausalLM": 2, "Gemma3ForCausalLM": 3}[overrides["architectures"][0]]
         cfg["model_type"] = ("gemma", "gemma2", "gemma3_text")[version - 1]
@@ -163,6 +169,17 @@ def _init_weights(cfg: dict, seed: int) -> dict[str, torch.Tensor]:
         else:
             t = 0.02 * torch.randn(shape, generator=g)
         out[name] = t.contiguous()
+    return _fused(out, mc) if mc.fused_projections else out
+
+
+def _fused(tensors: dict[str, torch.Tensor], mc: ModelConfig) -> dict[str, torch.Tensor]:
+    """Phi-3's layout: each layer's q/k/v rows as one qkv_proj, gate/up rows as one gate_up_proj."""
+    out = dict(tensors)
+    for i in range(mc.num_hidden_layers):
+        for fused, parts in (("self_attn.qkv_proj", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")),
+                             ("mlp.gate_up_proj", ("mlp.gate_proj", "mlp.up_proj"))):
+            out[f"model.layers.{i}.{fused}.weight"] = torch.cat(
+                [out.pop(f"model.layers.{i}.{p}.weight") for p in parts]).contiguous()
     return out
 
 
@@ -199,7 +216,7 @@ def write_tiny_lora(path: str | os.PathLike, model_dir: str | os.PathLike, seed:
     initialisation (B = 0), both A and B are random, so the adapter changes the output. The MLP
     targets are left out of a mixture-of-experts layer."""
     from raycluster.model.loader import load_config
-    from raycluster.model.lora import TARGETS, _shapes
+    from raycluster.model.lora import _shapes, target_group
 
     cfg = load_config(os.fspath(model_dir))
     shapes = _shapes(cfg)
@@ -207,10 +224,10 @@ def write_tiny_lora(path: str | os.PathLike, model_dir: str | os.PathLike, seed:
     tensors = {}
     for layer in range(cfg.num_hidden_layers):
         for module in targets:
-            if TARGETS[module] == "mlp" and cfg.is_moe_layer(layer):
+            if target_group(module) == "mlp" and cfg.is_moe_layer(layer):
                 continue        # a sparse layer's experts take no adapter
-            out_dim, in_dim = shapes[module]
-            key = f"base_model.model.model.layers.{layer}.{TARGETS[module]}.{module}"
+            out_dim, in_dim = shapes[module]        # a fused model's fused projections too (Phi-3)
+            key = f"base_model.model.model.layers.{layer}.{target_group(module)}.{module}"
             tensors[f"{key}.lora_A.weight"] = torch.randn(rank, in_dim, generator=gen) * std
             tensors[f"{key}.lora_B.weight"] = torch.randn(out_dim, rank, generator=gen) * std
     path = os.fspath(path)

@@ -11,6 +11,12 @@ torch.set_num_threads(2)
 HF_ATOL, HF_RTOL = 1e-4, 1e-5  # fp32 vs fp32: observed ~1e-6 abs; tied variants have |logits| ~ 300
 CHUNK_ATOL, CHUNK_RTOL = 1e-4, 1e-5  # same maths, different summation order across chunks
 
+# Phi-4-mini-style LongRoPE over 3/4 of each head (12 of 16 rotary pairs' factors), a 32-token
+# pretraining context: the 80-token prompts here are past it, so the long factors apply.
+PHI_SHORT = [round(1.0 + 0.05 * i, 3) for i in range(12)]
+PHI_LONG = [round(1.0 + 0.8 * i, 3) for i in range(12)]
+LONGROPE = {"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.75, "short_factor": PHI_SHORT,
+            "long_factor": PHI_LONG, "original_max_position_embeddings": 32}
 LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
                "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
 VARIANTS = {
@@ -56,6 +62,17 @@ VARIANTS = {
     # sliding. Gemma 3: q/k norms, its sliding layers' own RoPE base (transformers 5's nested
     # rope_parameters; the legacy file's rope_local_base_freq and a linear-scaled global RoPE).
     "gemma": dict(architectures=["GemmaForCausalLM"], num_hidden_layers=2),
+    # Phi-3: q/k/v and gate/up stored fused (split at load); LongRoPE with partial rotary, the
+    # long set (context 256 past the original 32) or the short one (the context within it); a
+    # window on every layer.
+    "phi3": dict(architectures=["Phi3ForCausalLM"], num_hidden_layers=2),
+    "phi3_longrope": dict(architectures=["Phi3ForCausalLM"], num_hidden_layers=2, max_position_embeddings=256,
+                          original_max_position_embeddings=32, tie_word_embeddings=True, rope_parameters=LONGROPE),
+    "phi3_longrope_short": dict(architectures=["Phi3ForCausalLM"], num_hidden_layers=2, max_position_embeddings=128,
+                                original_max_position_embeddings=128, tie_word_embeddings=True,
+                                rope_parameters={**LONGROPE, "original_max_position_embeddings": 128}),
+    "phi3_window": dict(architectures=["Phi3ForCausalLM"], num_hidden_layers=2, sliding_window=24,
+                        tie_word_embeddings=True),
     "gemma2": dict(architectures=["Gemma2ForCausalLM"], num_hidden_layers=3),
     "gemma3": dict(architectures=["Gemma3ForCausalLM"], num_hidden_layers=3),
     "gemma3_legacy_rope": dict(architectures=["Gemma3ForCausalLM"], num_hidden_layers=2, rope_parameters=None,
@@ -115,7 +132,8 @@ def test_logits_match_transformers(variant, variant_dirs):
 
 
 @pytest.mark.parametrize("variant", ["tiny", "mha_tied_llama3", "qwen2", "qwen3_bias", "mistral_window",
-                                     "qwen2_window", "mixtral_window", "qwen2_moe", "qwen3_moe", "gemma2", "gemma3"])
+                                     "qwen2_window", "mixtral_window", "qwen2_moe", "qwen3_moe", "gemma2", "gemma3",
+                                     "phi3_longrope", "phi3_window"])
 def test_chunked_prefill_and_decode_match_unchunked(variant, variant_dirs):
     model, cfg = load_model(variant_dirs[variant])
     ids = _prompt(1 + 7 + 64 + 20, 2000, seed=3)

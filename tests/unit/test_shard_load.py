@@ -51,7 +51,7 @@ def _split_with_index(src: str, dst: str) -> str:
 @pytest.fixture(scope="module")
 def paths(tiny_model_dir, tmp_path_factory):
     out = {"tiny": str(tiny_model_dir)}
-    for name in ("qwen2", "gqa-bias", "qwen3", "qwen2-moe", "mixtral"):
+    for name in ("qwen2", "gqa-bias", "qwen3", "qwen2-moe", "mixtral", "phi3"):
         out[name] = write_tiny_model(tmp_path_factory.mktemp(name), seed=1, **VARIANTS[name])
     out["sharded"] = _split_with_index(out["gqa-bias"], str(tmp_path_factory.mktemp("sharded") / "m"))
     return out
@@ -81,7 +81,7 @@ def _same_shard(a: torch.nn.Module, b: torch.nn.Module) -> None:
         assert sa[k].device.type == "cpu", k
 
 
-@pytest.mark.parametrize("name", ["tiny", "qwen2", "gqa-bias", "qwen3", "sharded", "qwen2-moe", "mixtral"])
+@pytest.mark.parametrize("name", ["tiny", "qwen2", "gqa-bias", "qwen3", "sharded", "qwen2-moe", "mixtral", "phi3"])
 def test_a_file_loaded_shard_equals_the_shard_cut_from_the_full_model(paths, name):
     full, cfg = load_model(paths[name])
     ckpt = Checkpoint(paths[name], cfg)
@@ -195,6 +195,7 @@ def _want_vocab_elems(cfg, group: dict) -> int:
 
 @pytest.mark.parametrize("name,group,layout,share", [
     ("tiny", {"tp": 2}, "tp2", 2), ("qwen2", {"tp": 2}, "tp2", 2), ("sharded", {"tp": 2}, "tp2", 2),
+    ("phi3", {"tp": 2}, "tp2", 2),
     ("tiny", {"spp": 2, "spp_micro_tokens": 16}, "spp2", 2),
     ("tiny", {"spp": 2, "tp": 2, "spp_micro_tokens": 16}, "spp2xtp2", 4),
     ("gqa-bias", {"spp": 2, "tp": 2, "spp_micro_tokens": 16}, "spp2xtp2", 4),

@@ -83,6 +83,13 @@ VARIANTS = {
     # vocab) and Gemma 3 (q/k norms, its sliding layers' own RoPE base).
     "gemma2": dict(architectures=["Gemma2ForCausalLM"], num_hidden_layers=3, vocab_size=4099),
     "gemma3": dict(architectures=["Gemma3ForCausalLM"], num_hidden_layers=3),
+    # Phi-3: fused q/k/v and gate/up in the file (each rank's rows read from inside them), LongRoPE
+    # over 3/4 of each head.
+    "phi3": dict(architectures=["Phi3ForCausalLM"], num_hidden_layers=2, max_position_embeddings=1024,
+                 original_max_position_embeddings=64,
+                 rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.75,
+                                  "short_factor": [1.0 + 0.05 * i for i in range(12)],
+                                  "long_factor": [1.0 + 0.8 * i for i in range(12)]}),
 }
 
 
@@ -191,7 +198,7 @@ def same_as_single_runner(model, runner) -> ModelRunner:
 @pytest.mark.parametrize("variant,tp", [("tiny", 2), ("qwen2", 2), ("mistral", 2), ("gqa-bias", 2), ("mha", 4),
                                         ("qwen3", 2), ("kv-rep", 4), ("mqa", 2), ("mqa", 4), ("odd-vocab", 2),
                                         ("qwen2-odd", 4), ("mixtral", 2), ("qwen2-moe", 2), ("qwen3-moe", 4),
-                                        ("gemma2", 2), ("gemma3", 4)])
+                                        ("gemma2", 2), ("gemma3", 4), ("phi3", 2)])
 def test_a_tp_group_gives_the_single_runners_logits_step_by_step(models, variant, tp):
     model = models[variant]
     runner = _group(model, tp)
