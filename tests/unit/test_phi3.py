@@ -128,3 +128,10 @@ def test_engine_greedy_tokens_equal_transformers_generate(tmp_path, over):
     eng = LLMEngine(EngineConfig(kv_cache_tokens=4096, policy="fcfs", packer="token", chunk_size=32), model)
     assert eng.generate([p for p, _ in work], [SamplingParams(max_tokens=m, ignore_eos=True) for _, m in work]) == want
     assert len({t for out in want for t in out}) > 6         # not one token repeated
+
+
+def test_raycluster_quantize_refuses_a_phi3_checkpoint(tmp_path):
+    from raycluster.model.quant.write import quantize_checkpoint
+    path = write_tiny_model(tmp_path / "phi3", architectures=["Phi3ForCausalLM"], num_hidden_layers=1)
+    with pytest.raises(ValueError, match="Phi-3"):
+        quantize_checkpoint(path, str(tmp_path / "q"), "w4a16", 32)

@@ -189,6 +189,8 @@ def quantize_checkpoint(src: str, dst: str, scheme: str, group_size: int = 128) 
         config = json.load(f)
     if config.get("quantization_config"):
         raise ValueError(f"{src!r} is already quantized ({config['quantization_config'].get('quant_method')})")
+    if "Phi3ForCausalLM" in (config.get("architectures") or ()):
+        raise ValueError(f"{src!r} is a Phi-3 checkpoint: its fused qkv_proj / gate_up_proj are not served quantized")
     raw = scheme_config(scheme, group_size)
     qc = parse_quant_config(raw)
     tensors = _read_all(src)
