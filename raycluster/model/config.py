@@ -1,6 +1,6 @@
 """ModelConfig: the subset of a Hugging Face config.json (Llama / Qwen2 / Qwen3 / Mistral, the
 mixture-of-experts Mixtral / Qwen2-MoE / Qwen3-MoE, Phi-3 (fused projections, LongRoPE, partial
-rotary), and Gemma / Gemma 2 / Gemma 3 whose own fields raycluster.model.gemma_config reads) that the from-scratch model needs, validated
+rotary), Granite (multipliers), and Gemma / Gemma 2 / Gemma 3 whose own fields raycluster.model.gemma_config reads) that the from-scratch model needs, validated
 with errors that name the offending field.
 
 Accepts both transformers-5 files (`rope_parameters`, `dtype`) and older ones (top-level
@@ -37,7 +37,7 @@ from raycluster.model.rope_config import RopeConfigError, longrope_for_context, 
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM",
                            "MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM",
-                           "Phi3ForCausalLM", *GEMMA_ARCHITECTURES)
+                           "Phi3ForCausalLM", "GraniteForCausalLM", *GEMMA_ARCHITECTURES)
 # Base models saved without an output head (e5-mistral's MistralModel, embedding models written by
 # sentence-transformers): served as their causal LM's decoder, for pooling only unless tied.
 BASE_ARCHITECTURES = {"LlamaModel": "LlamaForCausalLM", "MistralModel": "MistralForCausalLM",
@@ -98,6 +98,13 @@ class ModelConfig:
     mlp_bias: bool = False
     qk_norm: bool = False           # Qwen3: RMSNorm over each query / key head before RoPE
     partial_rotary_factor: float = 1.0  # the share of each head RoPE turns (its first dims)
+    # Granite's multipliers (1.0 / None elsewhere): on the embeddings, on each block's output
+    # before the residual add, as the attention scale (instead of head_dim ** -0.5), and the
+    # divisor of the logits.
+    embedding_multiplier: float = 1.0
+    residual_multiplier: float = 1.0
+    attention_multiplier: float | None = None
+    logits_scaling: float = 1.0
     # Phi-3 stores q/k/v as one `qkv_proj` and gate/up as one `gate_up_proj`: split at load.
     fused_projections: bool = False
     bos_token_id: int | None = None
@@ -243,7 +250,7 @@ class ModelConfig:
             # Qwen3: attention_bias on q/k/v and o_proj alike (off in the released models), none in the MLP.
             ab = bool(d.get("attention_bias", False))
             qkv_bias, o_bias, mlp_bias = ab, ab, False
-        elif arch == "LlamaForCausalLM":
+        elif arch in ("LlamaForCausalLM", "GraniteForCausalLM"):
             ab = bool(d.get("attention_bias", False))
             qkv_bias, o_bias, mlp_bias = ab, ab, bool(d.get("mlp_bias", False))
         elif gemma:
@@ -304,7 +311,8 @@ class ModelConfig:
             qkv_bias=qkv_bias, o_bias=o_bias, mlp_bias=mlp_bias,
             bos_token_id=int(bos) if bos is not None else None, eos_token_id=eos_t,
             dtype=d.get("dtype") or d.get("torch_dtype"), moe=moe, quant=quant, pooler=pooler, raw=dict(d),
-            partial_rotary_factor=partial, fused_projections=arch == "Phi3ForCausalLM", **family)
+            partial_rotary_factor=partial, fused_projections=arch == "Phi3ForCausalLM",
+            **(_granite(d) if arch == "GraniteForCausalLM" else {}), **family)
 
     @classmethod
     def _encoder(cls, arch: str, d: dict[str, Any]) -> "ModelConfig":
@@ -338,6 +346,17 @@ def model_summary(cfg: ModelConfig) -> dict[str, Any]:
             "labels": list(cfg.labels), "dtype": cfg.dtype,
             "weights": "dense" if q is None else q.method + (f" {q.layout}" if q.layout != q.method else "")
                        + f" {q.bits}-bit {q.strategy}" + (f" g{q.group_size}" if q.group_size else "")}
+
+
+def _granite(d: dict[str, Any]) -> dict[str, float]:
+    """Granite's four multipliers (transformers' defaults 1.0), each a positive number."""
+    out = {}
+    for name in ("embedding_multiplier", "residual_multiplier", "attention_multiplier", "logits_scaling"):
+        v = d.get(name, 1.0)
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or v <= 0:
+            raise ModelConfigError(f"config field {name!r} must be a positive number, got {v!r}")
+        out[name] = float(v)
+    return out
 
 
 def _labels(d: dict[str, Any]) -> tuple[str, ...]:

@@ -1,5 +1,5 @@
-"""From-scratch Llama-family decoder (Llama, Qwen2, Qwen3, Mistral; with routed experts Mixtral,
-Qwen2-MoE, Qwen3-MoE: raycluster.model.moe; Gemma, Gemma 2 and Gemma 3 with the changes their
+"""From-scratch Llama-family decoder (Llama, Qwen2, Qwen3, Mistral, Phi-3, Granite's multipliers;
+with routed experts Mixtral, Qwen2-MoE, Qwen3-MoE: raycluster.model.moe; Gemma, Gemma 2 and Gemma 3 with the changes their
 `GemmaSpec` lists: raycluster.model.gemma_config) in a flat, varlen layout over a paged KV cache.
 Parameter names are identical to Hugging Face's so checkpoints load directly.
 
@@ -58,6 +58,14 @@ def softcap(x: torch.Tensor, cap: float | None) -> torch.Tensor:
     return x if cap is None else torch.tanh(x / cap) * cap
 
 
+def finish_logits(logits: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
+    """The output head's logits as the model family returns them: divided by Granite's
+    logits_scaling, capped by Gemma 2's final soft cap (elementwise: a vocab slice alone too)."""
+    if cfg.logits_scaling != 1.0:
+        logits = logits / cfg.logits_scaling
+    return logits if cfg.gemma is None else softcap(logits, cfg.gemma.final_softcap)
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, window: int | None = None):
         super().__init__()
@@ -65,7 +73,8 @@ class Attention(nn.Module):
         self.num_heads = cfg.num_attention_heads
         self.num_kv_heads = cfg.num_key_value_heads
         self.head_dim = cfg.head_dim
-        self.scale = cfg.head_dim ** -0.5 if cfg.gemma is None else cfg.gemma.attention_scale
+        self.scale = cfg.gemma.attention_scale if cfg.gemma is not None else \
+            cfg.attention_multiplier if cfg.attention_multiplier is not None else cfg.head_dim ** -0.5
         self.softcap = None if cfg.gemma is None else cfg.gemma.attn_softcap
         h = cfg.hidden_size
         self.q_proj = nn.Linear(h, self.num_heads * self.head_dim, bias=cfg.qkv_bias)
@@ -139,6 +148,7 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = _norm(cfg, cfg.hidden_size)
         self.post_attention_layernorm = _norm(cfg, cfg.hidden_size)
         self.sandwich = cfg.gemma is not None and cfg.gemma.sandwich_norms
+        self.residual_multiplier = cfg.residual_multiplier     # Granite scales each block's output
         if self.sandwich:
             self.pre_feedforward_layernorm = _norm(cfg, cfg.hidden_size)
             self.post_feedforward_layernorm = _norm(cfg, cfg.hidden_size)
@@ -154,6 +164,9 @@ class DecoderLayer(nn.Module):
         if self.sandwich:
             x = x + self.post_attention_layernorm(h)
             return x + self.post_feedforward_layernorm(self.ffn(self.pre_feedforward_layernorm(x), lora, index))
+        if self.residual_multiplier != 1.0:
+            x = x + h * self.residual_multiplier
+            return x + self.ffn(self.post_attention_layernorm(x), lora, index) * self.residual_multiplier
         x = x + h
         return x + self.ffn(self.post_attention_layernorm(x), lora, index)
 
@@ -224,7 +237,10 @@ class LlamaForCausalLM(nn.Module):
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         x = self.model.embed_tokens(input_ids)
-        return x if self.embed_scale is None else x * torch.tensor(self.embed_scale, dtype=x.dtype)
+        if self.embed_scale is not None:
+            return x * torch.tensor(self.embed_scale, dtype=x.dtype)
+        # Granite's multiplier, a Python float as transformers applies it (not rounded first).
+        return x * self.config.embedding_multiplier if self.config.embedding_multiplier != 1.0 else x
 
     def layer_ropes(self, positions: torch.Tensor, dtype: torch.dtype, layers) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """(cos, sin) for each of `layers` (indices into the full model), in order: one table
@@ -242,4 +258,4 @@ class LlamaForCausalLM(nn.Module):
             raise RuntimeError("this checkpoint has no output head (lm_head.weight): it serves pooling requests only")
         w = self.model.embed_tokens.weight if self.config.tie_word_embeddings else self.lm_head.weight
         logits = F.linear(hidden, w)
-        return logits if self.config.gemma is None else softcap(logits, self.config.gemma.final_softcap)
+        return finish_logits(logits, self.config)

@@ -297,13 +297,12 @@ def _vocab_modules(sharded: LlamaForCausalLM, full_cfg: ModelConfig, rank: int, 
     lo, hi, _ = vocab_rows(full_cfg.vocab_size, tp, rank)
     top = sharded.model
     top.embed_tokens = None if embed is None else VocabParallelEmbedding(embed, lo, hi, reduce)
-    cap = full_cfg.gemma.final_softcap if full_cfg.gemma is not None else None
     if head is None:
         sharded.lm_head = None
     elif top.embed_tokens is not None and head is embed:
-        sharded.lm_head = ParallelLMHead(top.embed_tokens.weight, cap)
+        sharded.lm_head = ParallelLMHead(top.embed_tokens.weight, full_cfg)
     else:
-        sharded.lm_head = ParallelLMHead(head, cap)
+        sharded.lm_head = ParallelLMHead(head, full_cfg)
 
 
 def _lane_rows(weight: torch.Tensor, lo: int, hi: int, rows: int) -> torch.Tensor:

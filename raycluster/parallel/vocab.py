@@ -24,7 +24,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from raycluster.model.llama import softcap
+from raycluster.model.config import ModelConfig
+from raycluster.model.llama import finish_logits
 
 LOGITS_TAG = 6      # group tags 1-5: SPP hidden / rows, KV moves, plans, all_gather
 
@@ -70,16 +71,17 @@ class VocabParallelEmbedding(nn.Module):
 
 class ParallelLMHead(nn.Module):
     """One lane's output-head rows [rows, H] (a tied model's: its embedding's `weight`, the same
-    Parameter): the logits of its vocab slice, padding columns included, soft-capped as Gemma 2's
-    (`final_softcap`: elementwise, so each slice alone)."""
+    Parameter): the logits of its vocab slice, padding columns included, finished as the model
+    family's (`config`: Granite's scaling, Gemma 2's cap; elementwise, so each slice alone)."""
 
-    def __init__(self, weight: torch.Tensor, final_softcap: float | None = None) -> None:
+    def __init__(self, weight: torch.Tensor, config: ModelConfig | None = None) -> None:
         super().__init__()
         self.weight = weight if isinstance(weight, nn.Parameter) else nn.Parameter(weight, requires_grad=False)
-        self.final_softcap = final_softcap
+        self.config = config
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        return softcap(F.linear(hidden, self.weight), self.final_softcap)
+        logits = F.linear(hidden, self.weight)
+        return logits if self.config is None else finish_logits(logits, self.config)
 
 
 def gather_logits(coll, local: torch.Tensor | None, lanes: list[int], vocab: int, n: int, rows: int,

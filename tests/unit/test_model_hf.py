@@ -66,6 +66,8 @@ VARIANTS = {
     # long set (context 256 past the original 32) or the short one (the context within it); a
     # window on every layer.
     "phi3": dict(architectures=["Phi3ForCausalLM"], num_hidden_layers=2),
+    # Granite: embedding, residual and attention multipliers and a logits divisor (tied).
+    "granite": dict(architectures=["GraniteForCausalLM"], num_hidden_layers=2, tie_word_embeddings=True),
     "phi3_longrope": dict(architectures=["Phi3ForCausalLM"], num_hidden_layers=2, max_position_embeddings=256,
                           original_max_position_embeddings=32, tie_word_embeddings=True, rope_parameters=LONGROPE),
     "phi3_longrope_short": dict(architectures=["Phi3ForCausalLM"], num_hidden_layers=2, max_position_embeddings=128,
@@ -133,7 +135,7 @@ def test_logits_match_transformers(variant, variant_dirs):
 
 @pytest.mark.parametrize("variant", ["tiny", "mha_tied_llama3", "qwen2", "qwen3_bias", "mistral_window",
                                      "qwen2_window", "mixtral_window", "qwen2_moe", "qwen3_moe", "gemma2", "gemma3",
-                                     "phi3_longrope", "phi3_window"])
+                                     "phi3_longrope", "phi3_window", "granite"])
 def test_chunked_prefill_and_decode_match_unchunked(variant, variant_dirs):
     model, cfg = load_model(variant_dirs[variant])
     ids = _prompt(1 + 7 + 64 + 20, 2000, seed=3)

@@ -90,6 +90,8 @@ VARIANTS = {
                  rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.75,
                                   "short_factor": [1.0 + 0.05 * i for i in range(12)],
                                   "long_factor": [1.0 + 0.8 * i for i in range(12)]}),
+    # Granite: its logits divisor on each lane's vocab slice (an odd vocab: padded lanes).
+    "granite": dict(architectures=["GraniteForCausalLM"], num_hidden_layers=2, vocab_size=4099),
 }
 
 
@@ -198,7 +200,8 @@ def same_as_single_runner(model, runner) -> ModelRunner:
 @pytest.mark.parametrize("variant,tp", [("tiny", 2), ("qwen2", 2), ("mistral", 2), ("gqa-bias", 2), ("mha", 4),
                                         ("qwen3", 2), ("kv-rep", 4), ("mqa", 2), ("mqa", 4), ("odd-vocab", 2),
                                         ("qwen2-odd", 4), ("mixtral", 2), ("qwen2-moe", 2), ("qwen3-moe", 4),
-                                        ("gemma2", 2), ("gemma3", 4), ("phi3", 2)])
+                                        ("gemma2", 2), ("gemma3", 4), ("phi3", 2),
+                                        ("granite", 2)])
 def test_a_tp_group_gives_the_single_runners_logits_step_by_step(models, variant, tp):
     model = models[variant]
     runner = _group(model, tp)
