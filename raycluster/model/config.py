@@ -1,6 +1,6 @@
 """ModelConfig: the subset of a Hugging Face config.json (Llama / Qwen2 / Qwen3 / Mistral, the
 mixture-of-experts Mixtral / Qwen2-MoE / Qwen3-MoE, Phi-3 (fused projections, LongRoPE, partial
-rotary), Granite (multipliers), and Gemma / Gemma 2 / Gemma 3 whose own fields raycluster.model.gemma_config reads) that the from-scratch model needs, validated
+rotary), Granite (multipliers), OLMo 2 (norms after each block, q/k norms across heads), and Gemma / Gemma 2 / Gemma 3 whose own fields raycluster.model.gemma_config reads) that the from-scratch model needs, validated
 with errors that name the offending field.
 
 Accepts both transformers-5 files (`rope_parameters`, `dtype`) and older ones (top-level
@@ -37,7 +37,7 @@ from raycluster.model.rope_config import RopeConfigError, longrope_for_context, 
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM",
                            "MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM",
-                           "Phi3ForCausalLM", "GraniteForCausalLM", *GEMMA_ARCHITECTURES)
+                           "Phi3ForCausalLM", "GraniteForCausalLM", "Olmo2ForCausalLM", *GEMMA_ARCHITECTURES)
 # Base models saved without an output head (e5-mistral's MistralModel, embedding models written by
 # sentence-transformers): served as their causal LM's decoder, for pooling only unless tied.
 BASE_ARCHITECTURES = {"LlamaModel": "LlamaForCausalLM", "MistralModel": "MistralForCausalLM",
@@ -97,6 +97,11 @@ class ModelConfig:
     o_bias: bool = False
     mlp_bias: bool = False
     qk_norm: bool = False           # Qwen3: RMSNorm over each query / key head before RoPE
+    # OLMo 2: q/k RMSNorm over the whole projection (every head together), not per head.
+    qk_norm_across_heads: bool = False
+    # Where each block's norms sit: "pre" (Llama: before attention and the MLP), "sandwich"
+    # (Gemma 2 / 3: before and after each), "post" (OLMo 2: after each block's output only).
+    block_norms: str = "pre"
     partial_rotary_factor: float = 1.0  # the share of each head RoPE turns (its first dims)
     # Granite's multipliers (1.0 / None elsewhere): on the embeddings, on each block's output
     # before the residual add, as the attention scale (instead of head_dim ** -0.5), and the
@@ -250,7 +255,7 @@ class ModelConfig:
             # Qwen3: attention_bias on q/k/v and o_proj alike (off in the released models), none in the MLP.
             ab = bool(d.get("attention_bias", False))
             qkv_bias, o_bias, mlp_bias = ab, ab, False
-        elif arch in ("LlamaForCausalLM", "GraniteForCausalLM"):
+        elif arch in ("LlamaForCausalLM", "GraniteForCausalLM", "Olmo2ForCausalLM"):
             ab = bool(d.get("attention_bias", False))
             qkv_bias, o_bias, mlp_bias = ab, ab, bool(d.get("mlp_bias", False))
         elif gemma:
@@ -312,6 +317,7 @@ class ModelConfig:
             bos_token_id=int(bos) if bos is not None else None, eos_token_id=eos_t,
             dtype=d.get("dtype") or d.get("torch_dtype"), moe=moe, quant=quant, pooler=pooler, raw=dict(d),
             partial_rotary_factor=partial, fused_projections=arch == "Phi3ForCausalLM",
+            **({"qk_norm_across_heads": True, "block_norms": "post"} if arch == "Olmo2ForCausalLM" else {}),
             **(_granite(d) if arch == "GraniteForCausalLM" else {}), **family)
 
     @classmethod

@@ -35,11 +35,6 @@ class GemmaSpec:
     local_rope_theta: float | None = None  # Gemma 3: RoPE base of the sliding layers
 
     @property
-    def sandwich_norms(self) -> bool:
-        """Norms after attention and before and after the MLP (Gemma 2 and 3)."""
-        return self.version >= 2
-
-    @property
     def attention_scale(self) -> float:
         return self.query_pre_attn_scalar ** -0.5
 
@@ -47,7 +42,7 @@ class GemmaSpec:
 def gemma_fields(arch: str, d: dict[str, Any], layers: int, head_dim: int,
                  error: Callable[[str], Exception]) -> dict[str, Any]:
     """The Gemma-specific `ModelConfig` fields of config.json `d`: `gemma` (a GemmaSpec),
-    `sliding_window` / `sliding_layers`, `qk_norm`. `error(msg)` makes the exception to raise."""
+    `sliding_window` / `sliding_layers`, `qk_norm`, `block_norms`. `error(msg)` makes the exception to raise."""
     version = GEMMA_ARCHITECTURES[arch]
     act = d.get("hidden_activation") or d.get("hidden_act") or "gelu_pytorch_tanh"
     # Gemma's released configs said "gelu" while meaning the tanh form (vLLM reads it so too).
@@ -65,7 +60,7 @@ def gemma_fields(arch: str, d: dict[str, Any], layers: int, head_dim: int,
         window = int(_positive(d, "sliding_window", 4096, error))
         sliding = _sliding(version, d, layers, error)
     return {"gemma": spec, "sliding_window": window if sliding else None, "sliding_layers": sliding,
-            "qk_norm": version == 3}
+            "qk_norm": version == 3, "block_norms": "sandwich" if version >= 2 else "pre"}
 
 
 def gemma3_ropes(d: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:

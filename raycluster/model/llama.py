@@ -84,13 +84,19 @@ class Attention(nn.Module):
         if cfg.qk_norm:     # per head, over head_dim: one weight serves every head (and TP rank)
             self.q_norm = _norm(cfg, self.head_dim)
             self.k_norm = _norm(cfg, self.head_dim)
+        elif cfg.qk_norm_across_heads:      # OLMo 2: over the whole projection, before the split into heads
+            self.q_norm = _norm(cfg, self.num_heads * self.head_dim)
+            self.k_norm = _norm(cfg, self.num_kv_heads * self.head_dim)
         self.qk_norm = cfg.qk_norm
+        self.qk_norm_across_heads = cfg.qk_norm_across_heads
 
     def forward(self, x, cos, sin, layer_kv, meta, backend, lora=None, index: int = 0):
         t = x.shape[0]
         q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         if lora is not None:
             q, k, v = (lora.add(index, name, x, y) for name, y in (("q_proj", q), ("k_proj", k), ("v_proj", v)))
+        if self.qk_norm_across_heads:
+            q, k = self.q_norm(q), self.k_norm(k)
         q = q.view(t, self.num_heads, self.head_dim)
         k = k.view(t, self.num_kv_heads, self.head_dim)
         v = v.view(t, self.num_kv_heads, self.head_dim)
@@ -134,9 +140,12 @@ def _project(linear, x, lora, index: int, name: str):
 class DecoderLayer(nn.Module):
     """Decoder layer `index` of the full model: its sliding window (if any) and its feed-forward
     block, a dense MLP or routed experts (`SparseMoE`), both from the config; with a quantized
-    checkpoint its linear layers are QuantLinears (raycluster.model.quant). Gemma 2 / 3 norm each
-    block's output too: `post_attention_layernorm` then norms attention's output, and the MLP sits
-    between `pre_feedforward_layernorm` and `post_feedforward_layernorm`."""
+    checkpoint its linear layers are QuantLinears (raycluster.model.quant). The config's
+    `block_norms` places the norms: "pre" (input_layernorm before attention,
+    post_attention_layernorm before the MLP), "sandwich" (Gemma 2 / 3: post_attention_layernorm
+    then norms attention's output, and the MLP sits between pre_feedforward_layernorm and
+    post_feedforward_layernorm), "post" (OLMo 2: no input norms; post_attention_layernorm and
+    post_feedforward_layernorm norm each block's output before its residual add)."""
 
     def __init__(self, cfg: ModelConfig, index: int = 0):
         super().__init__()
@@ -145,13 +154,15 @@ class DecoderLayer(nn.Module):
         # Registered under the checkpoint's name for it: Mixtral's `block_sparse_moe`, else `mlp`.
         self._ffn_name = "block_sparse_moe" if sparse and cfg.moe.mixtral_names else "mlp"
         self.add_module(self._ffn_name, SparseMoE(cfg) if sparse else MLP(cfg))
-        self.input_layernorm = _norm(cfg, cfg.hidden_size)
+        self.norms = cfg.block_norms
+        if self.norms != "post":
+            self.input_layernorm = _norm(cfg, cfg.hidden_size)
         self.post_attention_layernorm = _norm(cfg, cfg.hidden_size)
-        self.sandwich = cfg.gemma is not None and cfg.gemma.sandwich_norms
-        self.residual_multiplier = cfg.residual_multiplier     # Granite scales each block's output
-        if self.sandwich:
+        if self.norms == "sandwich":
             self.pre_feedforward_layernorm = _norm(cfg, cfg.hidden_size)
+        if self.norms != "pre":
             self.post_feedforward_layernorm = _norm(cfg, cfg.hidden_size)
+        self.residual_multiplier = cfg.residual_multiplier     # Granite scales each block's output
         if cfg.quant is not None:     # a quantized checkpoint's projections (and experts), under its names
             quantize_linears(self, cfg.quant, f"model.layers.{index}")
 
@@ -160,8 +171,11 @@ class DecoderLayer(nn.Module):
         return self._modules[self._ffn_name]
 
     def forward(self, x, cos, sin, layer_kv, meta, backend, lora=None, index: int = 0):
+        if self.norms == "post":
+            x = x + self.post_attention_layernorm(self.self_attn(x, cos, sin, layer_kv, meta, backend, lora, index))
+            return x + self.post_feedforward_layernorm(self.ffn(x, lora, index))
         h = self.self_attn(self.input_layernorm(x), cos, sin, layer_kv, meta, backend, lora, index)
-        if self.sandwich:
+        if self.norms == "sandwich":
             x = x + self.post_attention_layernorm(h)
             return x + self.post_feedforward_layernorm(self.ffn(self.pre_feedforward_layernorm(x), lora, index))
         if self.residual_multiplier != 1.0:

@@ -5,7 +5,7 @@ AutoModelForCausalLM), model.safetensors (fp32, seeded), tokenizer.json (byte-le
 on the bundled corpus) and tokenizer_config.json (bos/eos, chat template). Same arguments ->
 byte-identical files. `tiny_config(**overrides)` returns the config dict for variants (other
 head counts, tied embeddings, llama3 rope, Qwen2 with q/k/v biases, Mixtral / Qwen2-MoE /
-Qwen3-MoE experts, Gemma / Gemma 2 / Gemma 3, Phi-3 with its fused projections, Granite...); an override of None removes the key.
+Qwen3-MoE experts, Gemma / Gemma 2 / Gemma 3, Phi-3 with its fused projections, Granite, OLMo 2...); an override of None removes the key.
 """
 
 from __future__ import annotations
@@ -96,6 +96,10 @@ def tiny_config(**overrides) -> dict:
         cfg.pop("head_dim")
         # Multipliers away from 1 (Granite 3's are 12 / 0.22 / 1/128 / 8 at their sizes).
         cfg.update(embedding_multiplier=4.0, residual_multiplier=0.5, attention_multiplier=0.125, logits_scaling=2.0)
+    elif overrides.get("architectures") == ["Olmo2ForCausalLM"]:
+        cfg["model_type"] = "olmo2"
+        for k in ("mlp_bias", "head_dim"):
+            cfg.pop(k)
     elif overrides.get("architectures") == ["Phi3ForCausalLM"]:
         cfg["model_type"] = "phi3"
         for k in ("attention_bias", "mlp_bias"):

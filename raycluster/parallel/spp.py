@@ -195,7 +195,7 @@ class SPPStage:
         else:
             self.backend = backend if world == 1 and backend is not None else get_attention_backend(
                 self.device, torch_only=model.config.torch_attention_only)
-        self.hidden_dtype = self.layers[0].input_layernorm.weight.dtype
+        self.hidden_dtype = self.layers[0].post_attention_layernorm.weight.dtype
         self.hidden_size = model.config.hidden_size
         self.adapters = RankAdapters(model.config, dtype, self.device, lane=self.lane, tp=tp,
                                      layers=range(self.lo, self.hi))      # its LoRA shards

@@ -32,11 +32,11 @@ def test_gemma_reads_as_transformers_defaults_it():
     assert g1.tie_word_embeddings and g1.has_lm_head          # transformers' Gemma default: tied
     assert g1.gemma.version == 1 and g1.gemma.attention_scale == 32 ** -0.5
     assert g1.sliding_layers == () and g1.sliding_window is None and not g1.qk_norm
-    assert not g1.gemma.sandwich_norms and g1.gemma.attn_softcap is None
+    assert g1.block_norms == "pre" and g1.gemma.attn_softcap is None
 
     g2 = _config("Gemma2ForCausalLM", num_hidden_layers=5)
     assert g2.sliding_layers == (0, 2, 4) and g2.sliding_window == 24          # the even layers
-    assert (g2.gemma.attn_softcap, g2.gemma.final_softcap) == (5.0, 100.0) and g2.gemma.sandwich_norms
+    assert (g2.gemma.attn_softcap, g2.gemma.final_softcap) == (5.0, 100.0) and g2.block_norms == "sandwich"
     assert g2.gemma.attention_scale == 24 ** -0.5 and not g2.qk_norm
 
     # Gemma 3: five sliding layers of every six without layer_types; the legacy file's RoPE

@@ -68,6 +68,8 @@ VARIANTS = {
     "phi3": dict(architectures=["Phi3ForCausalLM"], num_hidden_layers=2),
     # Granite: embedding, residual and attention multipliers and a logits divisor (tied).
     "granite": dict(architectures=["GraniteForCausalLM"], num_hidden_layers=2, tie_word_embeddings=True),
+    # OLMo 2: norms after each block's output only, q/k norms across all heads.
+    "olmo2": dict(architectures=["Olmo2ForCausalLM"], num_hidden_layers=2),
     "phi3_longrope": dict(architectures=["Phi3ForCausalLM"], num_hidden_layers=2, max_position_embeddings=256,
                           original_max_position_embeddings=32, tie_word_embeddings=True, rope_parameters=LONGROPE),
     "phi3_longrope_short": dict(architectures=["Phi3ForCausalLM"], num_hidden_layers=2, max_position_embeddings=128,
@@ -135,7 +137,7 @@ def test_logits_match_transformers(variant, variant_dirs):
 
 @pytest.mark.parametrize("variant", ["tiny", "mha_tied_llama3", "qwen2", "qwen3_bias", "mistral_window",
                                      "qwen2_window", "mixtral_window", "qwen2_moe", "qwen3_moe", "gemma2", "gemma3",
-                                     "phi3_longrope", "phi3_window", "granite"])
+                                     "phi3_longrope", "phi3_window", "granite", "olmo2"])
 def test_chunked_prefill_and_decode_match_unchunked(variant, variant_dirs):
     model, cfg = load_model(variant_dirs[variant])
     ids = _prompt(1 + 7 + 64 + 20, 2000, seed=3)
