@@ -5,21 +5,15 @@ against transformers, chunked and decoded, are in test_model_hf.py; tp groups in
 
 from __future__ import annotations
 
-import random
-
 import pytest
 import torch
-from test_spp import BS, NUM_BLOCKS, _plans, spp_group
+from family_checks import greedy_equals_transformers, pipeline_equals_single_runner
 
 from raycluster.engine.config import EngineConfig
-from raycluster.engine.engine import LLMEngine
-from raycluster.engine.kv_manager import KVCacheManager
-from raycluster.engine.model_runner import ModelRunner
 from raycluster.model.config import ModelConfig, ModelConfigError
 from raycluster.model.loader import load_model
 from raycluster.model.tiny import tiny_config, write_tiny_model
 from raycluster.parallel.factory import build_runner
-from raycluster.request import SamplingParams
 
 
 def _config(arch: str, **over) -> ModelConfig:
@@ -83,38 +77,16 @@ def gemma(request, tmp_path_factory):
 
 
 def test_engine_greedy_tokens_equal_transformers_generate(gemma):
-    transformers = pytest.importorskip("transformers")
-    path, model = gemma
-    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32,
-                                                           attn_implementation="eager").eval()
-    rng = random.Random(3)
     # Prompts shorter and longer than the 24-token window; generations crossing it.
-    work = [([rng.randrange(6, 4000) for _ in range(n)], m) for n, m in ((1, 12), (5, 30), (23, 8), (40, 16),
-                                                                           (97, 10), (130, 6))]
-    want = []
-    for prompt, m in work:
-        with torch.no_grad():
-            seq = hf.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                              max_new_tokens=m, min_new_tokens=m, do_sample=False, pad_token_id=2)
-        want.append(seq[0, len(prompt):].tolist())
-    eng = LLMEngine(EngineConfig(kv_cache_tokens=4096, policy="fcfs", packer="token", chunk_size=32), model)
-    assert eng.generate([p for p, _ in work], [SamplingParams(max_tokens=m, ignore_eos=True) for _, m in work]) == want
-    assert len({t for out in want for t in out}) > 10        # not one token repeated
-    eng.kv.check()
-    assert eng.kv.num_free_blocks == eng.kv.num_blocks
+    path, model = gemma
+    greedy_equals_transformers(path, model, [(1, 12), (5, 30), (23, 8), (40, 16), (97, 10), (130, 6)], seed=3,
+                               min_distinct=10)
 
 
 def test_a_gemma3_pipeline_gives_the_single_runners_hidden_rows(gemma, monkeypatch):
     """Stage 1 holds layer 2 alone: it must take the RoPE of its own index (full attention, in
     Gemma 3 the global base), not of the stage's first local layer (0, sliding)."""
-    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "lo")
-    _, model = gemma
-    ref_runner = ModelRunner(model, KVCacheManager(NUM_BLOCKS, BS))
-    plans = _plans()[:3]
-    want = [ref_runner.run_plan(p) for p in plans]
-    with spp_group(model, KVCacheManager(NUM_BLOCKS, BS), 2, 128) as runner:
-        for plan, ref in zip(plans, want):
-            torch.testing.assert_close(runner.run_plan(plan), ref, atol=1e-4, rtol=1e-4)
+    pipeline_equals_single_runner(gemma[1], monkeypatch)
 
 
 def test_kv_parallel_attention_refuses_soft_capped_scores(tmp_path):

@@ -5,17 +5,12 @@ decoded: test_model_hf.py; a tp group's vocab-parallel head: test_tp.py."""
 
 from __future__ import annotations
 
-import random
-
 import pytest
-import torch
+from family_checks import greedy_equals_transformers
 
-from raycluster.engine.config import EngineConfig
-from raycluster.engine.engine import LLMEngine
 from raycluster.model.config import ModelConfig, ModelConfigError
 from raycluster.model.loader import load_model
 from raycluster.model.tiny import tiny_config, write_tiny_model
-from raycluster.request import SamplingParams
 
 
 def test_multipliers_are_read_with_transformers_defaults():
@@ -40,19 +35,5 @@ def test_a_bad_multiplier_is_named(field, value):
 
 
 def test_engine_greedy_tokens_equal_transformers_generate(tmp_path):
-    transformers = pytest.importorskip("transformers")
     path = write_tiny_model(tmp_path, seed=4, architectures=["GraniteForCausalLM"], num_hidden_layers=2)
-    model, _ = load_model(path)
-    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32,
-                                                           attn_implementation="eager").eval()
-    rng = random.Random(7)
-    work = [([rng.randrange(6, 4000) for _ in range(n)], m) for n, m in ((5, 12), (40, 8), (90, 10))]
-    want = []
-    for prompt, m in work:
-        with torch.no_grad():
-            seq = hf.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                              max_new_tokens=m, min_new_tokens=m, do_sample=False, pad_token_id=2)
-        want.append(seq[0, len(prompt):].tolist())
-    eng = LLMEngine(EngineConfig(kv_cache_tokens=4096, policy="fcfs", packer="token", chunk_size=32), model)
-    assert eng.generate([p for p, _ in work], [SamplingParams(max_tokens=m, ignore_eos=True) for _, m in work]) == want
-    assert len({t for out in want for t in out}) > 6         # not one token repeated
+    greedy_equals_transformers(path, load_model(path)[0], [(5, 12), (40, 8), (90, 10)], seed=7)

@@ -5,20 +5,14 @@ across all of them). Logits against transformers, chunked and decoded: test_mode
 
 from __future__ import annotations
 
-import random
-
 import pytest
 import torch
-from test_spp import BS, NUM_BLOCKS, _plans, spp_group
+from family_checks import greedy_equals_transformers, pipeline_equals_single_runner
 
 from raycluster.engine.config import EngineConfig
-from raycluster.engine.engine import LLMEngine
-from raycluster.engine.kv_manager import KVCacheManager
-from raycluster.engine.model_runner import ModelRunner
 from raycluster.model.loader import load_model
 from raycluster.model.tiny import write_tiny_model
 from raycluster.parallel.factory import build_runner
-from raycluster.request import SamplingParams
 
 
 @pytest.fixture(scope="module")
@@ -39,32 +33,11 @@ def test_the_layers_hold_only_output_norms_and_whole_width_qk_norms(olmo2):
 
 
 def test_engine_greedy_tokens_equal_transformers_generate(olmo2):
-    transformers = pytest.importorskip("transformers")
-    path, model = olmo2
-    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32,
-                                                           attn_implementation="eager").eval()
-    rng = random.Random(8)
-    work = [([rng.randrange(6, 4000) for _ in range(n)], m) for n, m in ((3, 12), (33, 8), (70, 10))]
-    want = []
-    for prompt, m in work:
-        with torch.no_grad():
-            seq = hf.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                              max_new_tokens=m, min_new_tokens=m, do_sample=False, pad_token_id=2)
-        want.append(seq[0, len(prompt):].tolist())
-    eng = LLMEngine(EngineConfig(kv_cache_tokens=4096, policy="fcfs", packer="token", chunk_size=16), model)
-    assert eng.generate([p for p, _ in work], [SamplingParams(max_tokens=m, ignore_eos=True) for _, m in work]) == want
-    assert len({t for out in want for t in out}) > 6         # not one token repeated
+    greedy_equals_transformers(*olmo2, [(3, 12), (33, 8), (70, 10)], seed=8, chunk_size=16)
 
 
 def test_a_pipeline_gives_the_single_runners_hidden_rows(olmo2, monkeypatch):
-    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "lo")
-    _, model = olmo2
-    ref = ModelRunner(model, KVCacheManager(NUM_BLOCKS, BS))
-    plans = _plans()[:3]
-    want = [ref.run_plan(p) for p in plans]
-    with spp_group(model, KVCacheManager(NUM_BLOCKS, BS), 2, 128) as runner:
-        for plan, w in zip(plans, want):
-            torch.testing.assert_close(runner.run_plan(plan), w, atol=1e-4, rtol=1e-4)
+    pipeline_equals_single_runner(olmo2[1], monkeypatch)
 
 
 def test_tensor_parallelism_is_refused_by_name(olmo2):

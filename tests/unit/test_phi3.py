@@ -12,6 +12,7 @@ import random
 
 import pytest
 import torch
+from family_checks import greedy_equals_transformers
 from safetensors.torch import load_file, save_file
 
 from raycluster.engine.config import EngineConfig
@@ -112,22 +113,8 @@ def test_a_lora_on_the_fused_projections_equals_transformers_with_peft(tmp_path)
 def test_engine_greedy_tokens_equal_transformers_generate(tmp_path, over):
     """A window shorter than the prompts; LongRoPE's long set (the context past the original)
     over prompts longer than the original context, so transformers takes the long set too."""
-    transformers = pytest.importorskip("transformers")
     path = write_tiny_model(tmp_path, seed=4, architectures=["Phi3ForCausalLM"], num_hidden_layers=2, **over)
-    model, _ = load_model(path)
-    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32,
-                                                           attn_implementation="eager").eval()
-    rng = random.Random(6)
-    work = [([rng.randrange(6, 4000) for _ in range(n)], m) for n, m in ((40, 12), (65, 8), (100, 10))]
-    want = []
-    for prompt, m in work:
-        with torch.no_grad():
-            seq = hf.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                              max_new_tokens=m, min_new_tokens=m, do_sample=False, pad_token_id=2)
-        want.append(seq[0, len(prompt):].tolist())
-    eng = LLMEngine(EngineConfig(kv_cache_tokens=4096, policy="fcfs", packer="token", chunk_size=32), model)
-    assert eng.generate([p for p, _ in work], [SamplingParams(max_tokens=m, ignore_eos=True) for _, m in work]) == want
-    assert len({t for out in want for t in out}) > 6         # not one token repeated
+    greedy_equals_transformers(path, load_model(path)[0], [(40, 12), (65, 8), (100, 10)], seed=6)
 
 
 def test_raycluster_quantize_refuses_a_phi3_checkpoint(tmp_path):
