@@ -1,6 +1,7 @@
 """ModelConfig: the subset of a Hugging Face config.json (Llama / Qwen2 / Qwen3 / Mistral, the
 mixture-of-experts Mixtral / Qwen2-MoE / Qwen3-MoE, Phi-3 (fused projections, LongRoPE, partial
-rotary), Granite (multipliers), OLMo 2 (norms after each block, q/k norms across heads), and Gemma / Gemma 2 / Gemma 3 whose own fields raycluster.model.gemma_config reads) that the from-scratch model needs, validated
+rotary), Granite (multipliers), OLMo 2 (norms after each block, q/k norms across heads), Cohere's
+Command models (raycluster.model.cohere_config), and Gemma / Gemma 2 / Gemma 3 whose own fields raycluster.model.gemma_config reads) that the from-scratch model needs, validated
 with errors that name the offending field.
 
 Accepts both transformers-5 files (`rope_parameters`, `dtype`) and older ones (top-level
@@ -27,6 +28,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
+from raycluster.model.cohere_config import COHERE_ARCHITECTURES, cohere_fields
 from raycluster.model.encoder_config import ENCODER_ARCHITECTURES, TOKEN_HEADS, EncoderSpec, encoder_fields
 from raycluster.model.gemma_config import GEMMA_ARCHITECTURES, GemmaSpec, gemma3_ropes, gemma_fields
 from raycluster.model.generation_config import load_generation_config
@@ -37,7 +39,8 @@ from raycluster.model.rope_config import RopeConfigError, longrope_for_context, 
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM",
                            "MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM",
-                           "Phi3ForCausalLM", "GraniteForCausalLM", "Olmo2ForCausalLM", *GEMMA_ARCHITECTURES)
+                           "Phi3ForCausalLM", "GraniteForCausalLM", "Olmo2ForCausalLM", *GEMMA_ARCHITECTURES,
+                           *COHERE_ARCHITECTURES)
 # Base models saved without an output head (e5-mistral's MistralModel, embedding models written by
 # sentence-transformers): served as their causal LM's decoder, for pooling only unless tied.
 BASE_ARCHITECTURES = {"LlamaModel": "LlamaForCausalLM", "MistralModel": "MistralForCausalLM",
@@ -100,8 +103,17 @@ class ModelConfig:
     # OLMo 2: q/k RMSNorm over the whole projection (every head together), not per head.
     qk_norm_across_heads: bool = False
     # Where each block's norms sit: "pre" (Llama: before attention and the MLP), "sandwich"
-    # (Gemma 2 / 3: before and after each), "post" (OLMo 2: after each block's output only).
+    # (Gemma 2 / 3: before and after each), "post" (OLMo 2: after each block's output only),
+    # "parallel" (Cohere: one norm feeding attention and the MLP side by side).
     block_norms: str = "pre"
+    # Cohere (raycluster.model.cohere_config): LayerNorm without bias instead of RMSNorm; RoPE on
+    # interleaved pairs; q/k norms with one weight row per head; the logits' multiplier; layers
+    # without any position embedding (Cohere 2's full-attention layers).
+    layer_norm: bool = False
+    rope_interleaved: bool = False
+    qk_norm_per_head_weights: bool = False
+    logit_scale: float = 1.0
+    nope_layers: tuple[int, ...] = ()
     partial_rotary_factor: float = 1.0  # the share of each head RoPE turns (its first dims)
     # Granite's multipliers (1.0 / None elsewhere): on the embeddings, on each block's output
     # before the residual add, as the attention scale (instead of head_dim ** -0.5), and the
@@ -239,7 +251,7 @@ class ModelConfig:
         if heads % kv_heads:
             raise ModelConfigError(
                 f"config field 'num_key_value_heads' = {kv_heads} does not divide num_attention_heads = {heads}")
-        eps = float(d.get("rms_norm_eps", 1e-6))
+        eps = float(d.get("rms_norm_eps", 1e-6))    # Cohere's layer_norm_eps: cohere_fields
 
         gemma = arch in GEMMA_ARCHITECTURES
         global_rope, local_rope = gemma3_ropes(d) if arch == "Gemma3ForCausalLM" else (d, None)
@@ -255,7 +267,7 @@ class ModelConfig:
             # Qwen3: attention_bias on q/k/v and o_proj alike (off in the released models), none in the MLP.
             ab = bool(d.get("attention_bias", False))
             qkv_bias, o_bias, mlp_bias = ab, ab, False
-        elif arch in ("LlamaForCausalLM", "GraniteForCausalLM", "Olmo2ForCausalLM"):
+        elif arch in ("LlamaForCausalLM", "GraniteForCausalLM", "Olmo2ForCausalLM", *COHERE_ARCHITECTURES):
             ab = bool(d.get("attention_bias", False))
             qkv_bias, o_bias, mlp_bias = ab, ab, bool(d.get("mlp_bias", False))
         elif gemma:
@@ -275,6 +287,8 @@ class ModelConfig:
                     raise ModelConfigError("config field 'rope_parameters.sliding_attention': only the default "
                                            "RoPE is supported on Gemma 3's sliding layers")
                 family["gemma"] = dataclasses.replace(family["gemma"], local_rope_theta=local_theta)
+        elif arch in COHERE_ARCHITECTURES:
+            family = {"sliding_window": None, "sliding_layers": (), **cohere_fields(arch, d, layers, ModelConfigError)}
         else:
             window, sliding = _sliding_layers(arch, d, layers)
             family = {"sliding_window": window, "sliding_layers": sliding,
@@ -303,12 +317,13 @@ class ModelConfig:
         else:
             eos_t = (int(eos),)
         bos = d.get("bos_token_id")
-        tied = bool(d.get("tie_word_embeddings", gemma))    # transformers' default: Gemma ties, the rest not
+        # transformers' defaults: Gemma and Cohere tie, the rest not.
+        tied = bool(d.get("tie_word_embeddings", gemma or arch in COHERE_ARCHITECTURES))
 
         return cls(
             architecture=arch, vocab_size=vocab, hidden_size=hidden, intermediate_size=inter,
             num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
-            head_dim=head_dim, rms_norm_eps=eps, rope_theta=theta, rope_scaling=scaling,
+            head_dim=head_dim, rope_theta=theta, rope_scaling=scaling,
             max_position_embeddings=max_pos, max_model_len=max_len,
             tie_word_embeddings=tied,
             has_lm_head=not classifier and (not headless or tied),
@@ -318,7 +333,7 @@ class ModelConfig:
             dtype=d.get("dtype") or d.get("torch_dtype"), moe=moe, quant=quant, pooler=pooler, raw=dict(d),
             partial_rotary_factor=partial, fused_projections=arch == "Phi3ForCausalLM",
             **({"qk_norm_across_heads": True, "block_norms": "post"} if arch == "Olmo2ForCausalLM" else {}),
-            **(_granite(d) if arch == "GraniteForCausalLM" else {}), **family)
+            **(_granite(d) if arch == "GraniteForCausalLM" else {}), **{"rms_norm_eps": eps, **family})
 
     @classmethod
     def _encoder(cls, arch: str, d: dict[str, Any]) -> "ModelConfig":

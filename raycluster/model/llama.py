@@ -45,7 +45,25 @@ class GemmaRMSNorm(RMSNorm):
         return (x32 * (1.0 + self.weight.float())).to(x.dtype)
 
 
-def _norm(cfg: ModelConfig, dim: int) -> RMSNorm:
+class BiasFreeLayerNorm(nn.Module):
+    """Cohere's LayerNorm: mean-centred, no bias, in fp32 before the cast back. `shape` may be
+    (heads, head_dim): one weight row per head, normalising over head_dim."""
+
+    def __init__(self, shape: int | tuple[int, ...], eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(shape))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        centred = x32 - x32.mean(-1, keepdim=True)
+        x32 = centred * torch.rsqrt(centred.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (self.weight.float() * x32).to(x.dtype)
+
+
+def _norm(cfg: ModelConfig, dim: int | tuple[int, ...]) -> nn.Module:
+    if cfg.layer_norm:
+        return BiasFreeLayerNorm(dim, cfg.rms_norm_eps)
     return (GemmaRMSNorm if cfg.gemma is not None else RMSNorm)(dim, cfg.rms_norm_eps)
 
 
@@ -60,9 +78,12 @@ def softcap(x: torch.Tensor, cap: float | None) -> torch.Tensor:
 
 def finish_logits(logits: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
     """The output head's logits as the model family returns them: divided by Granite's
-    logits_scaling, capped by Gemma 2's final soft cap (elementwise: a vocab slice alone too)."""
+    logits_scaling, times Cohere's logit_scale, capped by Gemma 2's final soft cap (elementwise:
+    a vocab slice alone too)."""
     if cfg.logits_scaling != 1.0:
         logits = logits / cfg.logits_scaling
+    if cfg.logit_scale != 1.0:             # Cohere multiplies
+        logits = logits * cfg.logit_scale
     return logits if cfg.gemma is None else softcap(logits, cfg.gemma.final_softcap)
 
 
@@ -81,7 +102,10 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(h, self.num_kv_heads * self.head_dim, bias=cfg.qkv_bias)
         self.v_proj = nn.Linear(h, self.num_kv_heads * self.head_dim, bias=cfg.qkv_bias)
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, h, bias=cfg.o_bias)
-        if cfg.qk_norm:     # per head, over head_dim: one weight serves every head (and TP rank)
+        if cfg.qk_norm and cfg.qk_norm_per_head_weights:      # Cohere: a weight row per head
+            self.q_norm = _norm(cfg, (self.num_heads, self.head_dim))
+            self.k_norm = _norm(cfg, (self.num_kv_heads, self.head_dim))
+        elif cfg.qk_norm:     # per head, over head_dim: one weight serves every head (and TP rank)
             self.q_norm = _norm(cfg, self.head_dim)
             self.k_norm = _norm(cfg, self.head_dim)
         elif cfg.qk_norm_across_heads:      # OLMo 2: over the whole projection, before the split into heads
@@ -89,6 +113,7 @@ class Attention(nn.Module):
             self.k_norm = _norm(cfg, self.num_kv_heads * self.head_dim)
         self.qk_norm = cfg.qk_norm
         self.qk_norm_across_heads = cfg.qk_norm_across_heads
+        self.rope_interleaved = cfg.rope_interleaved
 
     def forward(self, x, cos, sin, layer_kv, meta, backend, lora=None, index: int = 0):
         t = x.shape[0]
@@ -102,7 +127,8 @@ class Attention(nn.Module):
         v = v.view(t, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q, k, cos, sin)
+        if cos is not None:         # None: a layer without position embedding (Cohere 2's full layers)
+            q, k = apply_rope(q, k, cos, sin, self.rope_interleaved)
         if self.softcap is None:
             o = backend.forward(layer_kv, q, k, v, meta, self.scale, window=self.window)
         else:       # only the torch backend caps scores (kernels.get_attention_backend)
@@ -145,7 +171,8 @@ class DecoderLayer(nn.Module):
     post_attention_layernorm before the MLP), "sandwich" (Gemma 2 / 3: post_attention_layernorm
     then norms attention's output, and the MLP sits between pre_feedforward_layernorm and
     post_feedforward_layernorm), "post" (OLMo 2: no input norms; post_attention_layernorm and
-    post_feedforward_layernorm norm each block's output before its residual add)."""
+    post_feedforward_layernorm norm each block's output before its residual add), "parallel"
+    (Cohere: input_layernorm alone feeds attention and the MLP, both added to the residual)."""
 
     def __init__(self, cfg: ModelConfig, index: int = 0):
         super().__init__()
@@ -157,10 +184,11 @@ class DecoderLayer(nn.Module):
         self.norms = cfg.block_norms
         if self.norms != "post":
             self.input_layernorm = _norm(cfg, cfg.hidden_size)
-        self.post_attention_layernorm = _norm(cfg, cfg.hidden_size)
+        if self.norms != "parallel":
+            self.post_attention_layernorm = _norm(cfg, cfg.hidden_size)
         if self.norms == "sandwich":
             self.pre_feedforward_layernorm = _norm(cfg, cfg.hidden_size)
-        if self.norms != "pre":
+        if self.norms in ("sandwich", "post"):
             self.post_feedforward_layernorm = _norm(cfg, cfg.hidden_size)
         self.residual_multiplier = cfg.residual_multiplier     # Granite scales each block's output
         if cfg.quant is not None:     # a quantized checkpoint's projections (and experts), under its names
@@ -171,6 +199,9 @@ class DecoderLayer(nn.Module):
         return self._modules[self._ffn_name]
 
     def forward(self, x, cos, sin, layer_kv, meta, backend, lora=None, index: int = 0):
+        if self.norms == "parallel":
+            h = self.input_layernorm(x)
+            return x + self.self_attn(h, cos, sin, layer_kv, meta, backend, lora, index) + self.ffn(h, lora, index)
         if self.norms == "post":
             x = x + self.post_attention_layernorm(self.self_attn(x, cos, sin, layer_kv, meta, backend, lora, index))
             return x + self.post_feedforward_layernorm(self.ffn(x, lora, index))
@@ -211,7 +242,7 @@ class LlamaForCausalLM(nn.Module):
         # Gemma 3's sliding layers turn at their own RoPE base.
         local = config.gemma.local_rope_theta if config.gemma is not None else None
         self.local_rotary = None if local is None else RotaryEmbedding(
-            config.rotary_dim, local, None, config.max_position_embeddings)
+            config.rotary_dim, local, None, config.max_position_embeddings, config.rope_interleaved)
         # Gemma multiplies its embeddings by sqrt(hidden_size), rounded to their dtype as HF does.
         self.embed_scale = None if config.gemma is None else config.hidden_size ** 0.5
         self.backend = backend          # explicit; None: a default per device, made on first use
@@ -258,12 +289,15 @@ class LlamaForCausalLM(nn.Module):
 
     def layer_ropes(self, positions: torch.Tensor, dtype: torch.dtype, layers) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """(cos, sin) for each of `layers` (indices into the full model), in order: one table
-        for all, or Gemma 3's local table for its sliding layers."""
+        for all, Gemma 3's local table for its sliding layers, (None, None) for a layer without
+        position embedding (Cohere 2's full-attention layers)."""
         full = self.rotary.cos_sin(positions, dtype)
-        if self.local_rotary is None:
+        nope = self.config.nope_layers
+        if self.local_rotary is None and not nope:
             return [full] * len(layers)
-        local = self.local_rotary.cos_sin(positions, dtype)
-        return [local if self.config.window_of(i) is not None else full for i in layers]
+        local = self.local_rotary.cos_sin(positions, dtype) if self.local_rotary is not None else full
+        return [(None, None) if i in nope else local if self.config.window_of(i) is not None else full
+                for i in layers]
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -84,8 +84,10 @@ class RotaryEmbedding:
     """Holds inv_freq; builds the [max_len, head_dim] cos/sin cache lazily per (device, dtype)
     and grows it if a position exceeds it."""
 
-    def __init__(self, head_dim: int, theta: float, scaling: dict | None, max_positions: int):
+    def __init__(self, head_dim: int, theta: float, scaling: dict | None, max_positions: int,
+                 interleaved: bool = False):
         self.head_dim = head_dim        # the dims turned: a model's rotary_dim
+        self.interleaved = interleaved  # pairs (2i, 2i + 1) turn together (Cohere), not (i, i + d / 2)
         self.inv_freq = compute_inv_freq(head_dim, theta, scaling)
         rtype = scaling["rope_type"] if scaling else None
         self.attention_factor = yarn_attention_factor(scaling) if rtype == "yarn" else \
@@ -95,12 +97,13 @@ class RotaryEmbedding:
 
     @classmethod
     def from_config(cls, cfg: ModelConfig) -> "RotaryEmbedding":
-        return cls(cfg.rotary_dim, cfg.rope_theta, cfg.rope_scaling, cfg.max_position_embeddings)
+        return cls(cfg.rotary_dim, cfg.rope_theta, cfg.rope_scaling, cfg.max_position_embeddings,
+                   cfg.rope_interleaved)
 
     def _build(self, n: int, device, dtype):
         t = torch.arange(n, dtype=torch.float32, device=device)
         freqs = torch.outer(t, self.inv_freq.to(device))
-        emb = torch.cat([freqs, freqs], dim=-1)
+        emb = torch.repeat_interleave(freqs, 2, dim=-1) if self.interleaved else torch.cat([freqs, freqs], dim=-1)
         if self.attention_factor != 1.0:       # in fp32 before the cast, as transformers
             return (emb.cos() * self.attention_factor).to(dtype), (emb.sin() * self.attention_factor).to(dtype)
         return emb.cos().to(dtype), emb.sin().to(dtype)
@@ -121,14 +124,21 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat([-x[..., h:], x[..., :h]], dim=-1)
 
 
-def apply_rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+def rotate_pairs(x: torch.Tensor) -> torch.Tensor:
+    """The interleaved layout's rotate: (x0, x1, x2, x3, ...) -> (-x1, x0, -x3, x2, ...)."""
+    return torch.stack([-x[..., 1::2], x[..., ::2]], dim=-1).flatten(-2)
+
+
+def apply_rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool = False):
     """q [T,Hq,D], k [T,Hkv,D], cos/sin [T,R] (already gathered at the tokens' positions): the
-    first R <= D dimensions of each head turn, the rest pass."""
+    first R <= D dimensions of each head turn, the rest pass. `interleaved`: the pairs are
+    neighbouring dims (the tables built so: RotaryEmbedding(interleaved=True))."""
+    rot = rotate_pairs if interleaved else rotate_half
     cos = cos.unsqueeze(1)
     sin = sin.unsqueeze(1)
     r = cos.shape[-1]
     if r == q.shape[-1]:
-        return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+        return q * cos + rot(q) * sin, k * cos + rot(k) * sin
     qr, kr = q[..., :r], k[..., :r]
-    return (torch.cat([qr * cos + rotate_half(qr) * sin, q[..., r:]], dim=-1),
-            torch.cat([kr * cos + rotate_half(kr) * sin, k[..., r:]], dim=-1))
+    return (torch.cat([qr * cos + rot(qr) * sin, q[..., r:]], dim=-1),
+            torch.cat([kr * cos + rot(kr) * sin, k[..., r:]], dim=-1))

@@ -5,7 +5,7 @@ AutoModelForCausalLM), model.safetensors (fp32, seeded), tokenizer.json (byte-le
 on the bundled corpus) and tokenizer_config.json (bos/eos, chat template). Same arguments ->
 byte-identical files. `tiny_config(**overrides)` returns the config dict for variants (other
 head counts, tied embeddings, llama3 rope, Qwen2 with q/k/v biases, Mixtral / Qwen2-MoE /
-Qwen3-MoE experts, Gemma / Gemma 2 / Gemma 3, Phi-3 with its fused projections, Granite, OLMo 2...); an override of None removes the key.
+Qwen3-MoE experts, Gemma / Gemma 2 / Gemma 3, Phi-3 with its fused projections, Granite, OLMo 2, Cohere / Cohere 2...); an override of None removes the key.
 """
 
 from __future__ import annotations
@@ -96,6 +96,17 @@ def tiny_config(**overrides) -> dict:
         cfg.pop("head_dim")
         # Multipliers away from 1 (Granite 3's are 12 / 0.22 / 1/128 / 8 at their sizes).
         cfg.update(embedding_multiplier=4.0, residual_multiplier=0.5, attention_multiplier=0.125, logits_scaling=2.0)
+    elif overrides.get("architectures") in (["CohereForCausalLM"], ["Cohere2ForCausalLM"]):
+        cohere2 = overrides["architectures"] == ["Cohere2ForCausalLM"]
+        cfg["model_type"] = "cohere2" if cohere2 else "cohere"
+        for k in ("mlp_bias", "head_dim", "rms_norm_eps"):
+            cfg.pop(k)
+        # A logit scale other than 1 (the released 0.0625 would flatten the tiny model's logits).
+        cfg.update(layer_norm_eps=1e-5, logit_scale=0.5, tie_word_embeddings=True)
+        if cohere2:
+            cfg.update(sliding_window=24, sliding_window_pattern=4)
+        else:
+            cfg.update(use_qk_norm=False)
     elif overrides.get("architectures") == ["Olmo2ForCausalLM"]:
         cfg["model_type"] = "olmo2"
         for k in ("mlp_bias", "head_dim"):

@@ -99,6 +99,10 @@ def check_tp(cfg: ModelConfig, tp: int, expert_parallel: bool = False) -> None:
         if n % tp:
             raise ValueError(f"tp: {tp} ranks do not divide the model's {name} ({n}); choose a tp that "
                              "divides the attention heads and the (experts') intermediate size")
+    if cfg.qk_norm_per_head_weights and tp > 1:
+        raise ValueError(f"tp: {tp} ranks for a model whose q/k norms hold a weight row per head (Command R+): "
+                         "splitting those rows over the ranks is not implemented; use tp 1 (kvp and spp groups "
+                         "serve it)")
     if cfg.qk_norm_across_heads and tp > 1:
         raise ValueError(f"tp: {tp} ranks for a model whose q/k norms span every head (OLMo 2): a rank holding "
                          "some of the heads cannot norm them alone; use tp 1 (kvp and spp groups serve it)")

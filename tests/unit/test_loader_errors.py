@@ -41,7 +41,7 @@ def test_missing_field(field):
         ModelConfig.from_dict(tiny_config(**{field: None}))
 
 
-@pytest.mark.parametrize("rope_type", ["dynamic", "longrope"])
+@pytest.mark.parametrize("rope_type", ["dynamic", "mrope"])
 def test_unsupported_rope_type(rope_type):
     cfg = tiny_config(rope_parameters={"rope_type": rope_type, "rope_theta": 1e4, "factor": 2.0})
     with pytest.raises(ModelConfigError, match=r"rope_scaling\.rope_type.*" + rope_type):
