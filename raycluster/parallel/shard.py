@@ -57,7 +57,7 @@ from raycluster.model.llama import DecoderLayer, LlamaForCausalLM
 from raycluster.model.loader import WHOLE, RowsPart, TensorPart, load_tensors
 from raycluster.model.lora import TARGETS as LORA_TARGETS, LoRAAdapter
 from raycluster.model.quant.config import QuantConfig
-from raycluster.parallel.shard_quant import check_tp_quant
+from raycluster.parallel.tp_check import check_tp
 from raycluster.model.quant.formats import tensor_dims
 from raycluster.model.quant.linear import Kernels, QuantLinear, RowParallelQuantLinear, finalize_quantized, is_quantized
 from raycluster.parallel.vocab import ParallelLMHead, VocabParallelEmbedding, pad_rows, vocab_rows
@@ -79,39 +79,6 @@ class Checkpoint:
     path: str
     config: ModelConfig
     quant_kernels: Kernels = "auto"
-
-
-def check_tp(cfg: ModelConfig, tp: int, expert_parallel: bool = False) -> None:
-    """Refuse a model whose query heads or MLP do not split evenly over `tp` ranks, or whose KV
-    heads neither split evenly over them nor replicate evenly (`kv_split`: tp must divide the
-    KV heads, or be a multiple of them); with `expert_parallel`, whose experts do not share out
-    evenly over them (else each expert's intermediate size must split)."""
-    sizes = {"num_attention_heads": cfg.num_attention_heads, "intermediate_size": cfg.intermediate_size}
-    if cfg.moe is not None:
-        if expert_parallel:
-            if cfg.moe.num_experts % tp:
-                raise ValueError(f"enable_expert_parallel: {tp} ranks do not share the model's {cfg.moe.num_experts} "
-                                 "experts evenly; choose a tp that divides the number of experts")
-        else:
-            sizes["moe_intermediate_size"] = cfg.moe.intermediate_size
-        sizes["shared_expert_intermediate_size"] = cfg.moe.shared_intermediate_size
-    for name, n in sizes.items():
-        if n % tp:
-            raise ValueError(f"tp: {tp} ranks do not divide the model's {name} ({n}); choose a tp that "
-                             "divides the attention heads and the (experts') intermediate size")
-    if cfg.qk_norm_per_head_weights and tp > 1:
-        raise ValueError(f"tp: {tp} ranks for a model whose q/k norms hold a weight row per head (Command R+): "
-                         "splitting those rows over the ranks is not implemented; use tp 1 (kvp and spp groups "
-                         "serve it)")
-    if cfg.qk_norm_across_heads and tp > 1:
-        raise ValueError(f"tp: {tp} ranks for a model whose q/k norms span every head (OLMo 2): a rank holding "
-                         "some of the heads cannot norm them alone; use tp 1 (kvp and spp groups serve it)")
-    kv = cfg.num_key_value_heads
-    if kv % tp and tp % kv:
-        raise ValueError(f"tp: {tp} ranks neither divide the model's num_key_value_heads ({kv}) nor are a "
-                         "multiple of them (to replicate each KV head on tp / num_key_value_heads ranks)")
-    if cfg.quant is not None and tp > 1:
-        check_tp_quant(cfg, cfg.quant, tp, expert_parallel)
 
 
 def kv_split(num_kv_heads: int, tp: int) -> tuple[int, int]:
