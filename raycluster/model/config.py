@@ -1,6 +1,7 @@
 """ModelConfig: the subset of a Hugging Face config.json (Llama / Qwen2 / Qwen3 / Mistral, the
 mixture-of-experts Mixtral / Qwen2-MoE / Qwen3-MoE, Phi-3 (fused projections, LongRoPE, partial
-rotary), Granite (multipliers), OLMo 2 (norms after each block, q/k norms across heads), Cohere's
+rotary), GLM-4 (fused gate/up, interleaved partial RoPE), Granite (multipliers), OLMo 2 (norms
+after each block, q/k norms across heads), Cohere's
 Command models (raycluster.model.cohere_config), and Gemma / Gemma 2 / Gemma 3 whose own fields raycluster.model.gemma_config reads) that the from-scratch model needs, validated
 with errors that name the offending field.
 
@@ -39,7 +40,8 @@ from raycluster.model.rope_config import RopeConfigError, longrope_for_context, 
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM",
                            "MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM",
-                           "Phi3ForCausalLM", "GraniteForCausalLM", "Olmo2ForCausalLM", *GEMMA_ARCHITECTURES,
+                           "Phi3ForCausalLM", "GraniteForCausalLM", "Olmo2ForCausalLM", "GlmForCausalLM",
+                           "Glm4ForCausalLM", *GEMMA_ARCHITECTURES,
                            *COHERE_ARCHITECTURES)
 # Base models saved without an output head (e5-mistral's MistralModel, embedding models written by
 # sentence-transformers): served as their causal LM's decoder, for pooling only unless tied.
@@ -52,6 +54,9 @@ CLASSIFIER_ARCHITECTURES = {"LlamaForSequenceClassification": "LlamaForCausalLM"
                             "MistralForSequenceClassification": "MistralForCausalLM",
                             "Qwen2ForSequenceClassification": "Qwen2ForCausalLM",
                             "Qwen3ForSequenceClassification": "Qwen3ForCausalLM"}
+# Checkpoints storing projections fused (raycluster.model.loader splits them).
+FUSED_PROJECTIONS = {"Phi3ForCausalLM": ("qkv_proj", "gate_up_proj"), "GlmForCausalLM": ("gate_up_proj",),
+                     "Glm4ForCausalLM": ("gate_up_proj",)}
 MOE_ARCHITECTURES = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
 
 
@@ -104,7 +109,8 @@ class ModelConfig:
     qk_norm_across_heads: bool = False
     # Where each block's norms sit: "pre" (Llama: before attention and the MLP), "sandwich"
     # (Gemma 2 / 3: before and after each), "post" (OLMo 2: after each block's output only),
-    # "parallel" (Cohere: one norm feeding attention and the MLP side by side).
+    # "parallel" (Cohere: one norm feeding attention and the MLP side by side), "glm4" (GLM-4-0414:
+    # as sandwich, under its own names). raycluster.model.llama.BLOCK_NORMS names them.
     block_norms: str = "pre"
     # Cohere (raycluster.model.cohere_config): LayerNorm without bias instead of RMSNorm; RoPE on
     # interleaved pairs; q/k norms with one weight row per head; the logits' multiplier; layers
@@ -122,8 +128,9 @@ class ModelConfig:
     residual_multiplier: float = 1.0
     attention_multiplier: float | None = None
     logits_scaling: float = 1.0
-    # Phi-3 stores q/k/v as one `qkv_proj` and gate/up as one `gate_up_proj`: split at load.
-    fused_projections: bool = False
+    # Projections a checkpoint stores fused, split at load: Phi-3's q/k/v as one "qkv_proj" and
+    # gate/up as one "gate_up_proj"; GLM's gate/up only.
+    fused_projections: tuple[str, ...] = ()
     bos_token_id: int | None = None
     eos_token_id: tuple[int, ...] = ()
     dtype: str | None = None
@@ -273,6 +280,8 @@ class ModelConfig:
         elif gemma:
             qkv_bias = o_bias = bool(d.get("attention_bias", False))
             mlp_bias = False
+        elif arch in ("GlmForCausalLM", "Glm4ForCausalLM"):     # biases on q/k/v only
+            qkv_bias, o_bias, mlp_bias = bool(d.get("attention_bias", True)), False, False
         else:  # Mistral, Mixtral, Phi-3
             qkv_bias = o_bias = mlp_bias = False
 
@@ -331,8 +340,11 @@ class ModelConfig:
             qkv_bias=qkv_bias, o_bias=o_bias, mlp_bias=mlp_bias,
             bos_token_id=int(bos) if bos is not None else None, eos_token_id=eos_t,
             dtype=d.get("dtype") or d.get("torch_dtype"), moe=moe, quant=quant, pooler=pooler, raw=dict(d),
-            partial_rotary_factor=partial, fused_projections=arch == "Phi3ForCausalLM",
+            partial_rotary_factor=partial, fused_projections=FUSED_PROJECTIONS.get(arch, ()),
             **({"qk_norm_across_heads": True, "block_norms": "post"} if arch == "Olmo2ForCausalLM" else {}),
+            # GLM: RoPE on interleaved pairs of a head's first part; GLM-4-0414 norms after each block too.
+            **({"rope_interleaved": True, "block_norms": "glm4" if arch == "Glm4ForCausalLM" else "pre"}
+               if arch in ("GlmForCausalLM", "Glm4ForCausalLM") else {}),
             **(_granite(d) if arch == "GraniteForCausalLM" else {}), **{"rms_norm_eps": eps, **family})
 
     @classmethod

@@ -163,16 +163,25 @@ def _project(linear, x, lora, index: int, name: str):
     return linear.reduce(lora.add(index, name, x, partial(x)))
 
 
+# Each block layout's norms by checkpoint name: (before attention, after attention, before the
+# MLP, after the MLP); None: no norm there.
+BLOCK_NORMS = {
+    "pre": ("input_layernorm", None, "post_attention_layernorm", None),                 # Llama
+    "sandwich": ("input_layernorm", "post_attention_layernorm",                          # Gemma 2 / 3
+                 "pre_feedforward_layernorm", "post_feedforward_layernorm"),
+    "glm4": ("input_layernorm", "post_self_attn_layernorm", "post_attention_layernorm", "post_mlp_layernorm"),
+    "post": (None, "post_attention_layernorm", None, "post_feedforward_layernorm"),    # OLMo 2
+    "parallel": ("input_layernorm", None, None, None),      # Cohere: one norm feeds attention and the MLP
+}
+
+
 class DecoderLayer(nn.Module):
     """Decoder layer `index` of the full model: its sliding window (if any) and its feed-forward
     block, a dense MLP or routed experts (`SparseMoE`), both from the config; with a quantized
     checkpoint its linear layers are QuantLinears (raycluster.model.quant). The config's
-    `block_norms` places the norms: "pre" (input_layernorm before attention,
-    post_attention_layernorm before the MLP), "sandwich" (Gemma 2 / 3: post_attention_layernorm
-    then norms attention's output, and the MLP sits between pre_feedforward_layernorm and
-    post_feedforward_layernorm), "post" (OLMo 2: no input norms; post_attention_layernorm and
-    post_feedforward_layernorm norm each block's output before its residual add), "parallel"
-    (Cohere: input_layernorm alone feeds attention and the MLP, both added to the residual)."""
+    `block_norms` places the norms (`BLOCK_NORMS`, under the checkpoint's names); in the
+    "parallel" layout attention and the MLP read the same normed input and both add to the
+    residual. Granite's residual multiplier scales each block's output before its add."""
 
     def __init__(self, cfg: ModelConfig, index: int = 0):
         super().__init__()
@@ -181,16 +190,12 @@ class DecoderLayer(nn.Module):
         # Registered under the checkpoint's name for it: Mixtral's `block_sparse_moe`, else `mlp`.
         self._ffn_name = "block_sparse_moe" if sparse and cfg.moe.mixtral_names else "mlp"
         self.add_module(self._ffn_name, SparseMoE(cfg) if sparse else MLP(cfg))
-        self.norms = cfg.block_norms
-        if self.norms != "post":
-            self.input_layernorm = _norm(cfg, cfg.hidden_size)
-        if self.norms != "parallel":
-            self.post_attention_layernorm = _norm(cfg, cfg.hidden_size)
-        if self.norms == "sandwich":
-            self.pre_feedforward_layernorm = _norm(cfg, cfg.hidden_size)
-        if self.norms in ("sandwich", "post"):
-            self.post_feedforward_layernorm = _norm(cfg, cfg.hidden_size)
-        self.residual_multiplier = cfg.residual_multiplier     # Granite scales each block's output
+        self.parallel = cfg.block_norms == "parallel"
+        self.norm_names = BLOCK_NORMS[cfg.block_norms]
+        for name in self.norm_names:
+            if name is not None:
+                self.add_module(name, _norm(cfg, cfg.hidden_size))
+        self.residual_multiplier = cfg.residual_multiplier
         if cfg.quant is not None:     # a quantized checkpoint's projections (and experts), under its names
             quantize_linears(self, cfg.quant, f"model.layers.{index}")
 
@@ -198,22 +203,24 @@ class DecoderLayer(nn.Module):
     def ffn(self) -> nn.Module:
         return self._modules[self._ffn_name]
 
+    @property
+    def activation_dtype(self) -> torch.dtype:
+        """The hidden states' dtype (its norms keep it)."""
+        return self._modules[next(n for n in self.norm_names if n is not None)].weight.dtype
+
+    def _norm(self, at: int, x: torch.Tensor) -> torch.Tensor:
+        name = self.norm_names[at]
+        return x if name is None else self._modules[name](x)
+
     def forward(self, x, cos, sin, layer_kv, meta, backend, lora=None, index: int = 0):
-        if self.norms == "parallel":
-            h = self.input_layernorm(x)
-            return x + self.self_attn(h, cos, sin, layer_kv, meta, backend, lora, index) + self.ffn(h, lora, index)
-        if self.norms == "post":
-            x = x + self.post_attention_layernorm(self.self_attn(x, cos, sin, layer_kv, meta, backend, lora, index))
-            return x + self.post_feedforward_layernorm(self.ffn(x, lora, index))
-        h = self.self_attn(self.input_layernorm(x), cos, sin, layer_kv, meta, backend, lora, index)
-        if self.norms == "sandwich":
-            x = x + self.post_attention_layernorm(h)
-            return x + self.post_feedforward_layernorm(self.ffn(self.pre_feedforward_layernorm(x), lora, index))
-        if self.residual_multiplier != 1.0:
-            x = x + h * self.residual_multiplier
-            return x + self.ffn(self.post_attention_layernorm(x), lora, index) * self.residual_multiplier
-        x = x + h
-        return x + self.ffn(self.post_attention_layernorm(x), lora, index)
+        h = self._norm(0, x)
+        a = self.self_attn(h, cos, sin, layer_kv, meta, backend, lora, index)
+        if self.parallel:
+            return x + a + self.ffn(h, lora, index)
+        a = self._norm(1, a)
+        x = x + (a if self.residual_multiplier == 1.0 else a * self.residual_multiplier)
+        m = self._norm(3, self.ffn(self._norm(2, x), lora, index))
+        return x + (m if self.residual_multiplier == 1.0 else m * self.residual_multiplier)
 
 
 class LlamaModel(nn.Module):

@@ -154,14 +154,12 @@ def _stored_name(param: str, config: ModelConfig) -> str:
 def fused_pieces(name: str, config: ModelConfig) -> list[tuple[str, int, int]] | None:
     """A fused checkpoint tensor's pieces (Phi-3's `qkv_proj` = q, k, v rows; `gate_up_proj` =
     gate, up rows), as (parameter name, first row, rows); None for any other tensor."""
-    if not config.fused_projections:
-        return None
     c = config
-    if name.endswith(".self_attn.qkv_proj.weight"):
+    if name.endswith(".self_attn.qkv_proj.weight") and "qkv_proj" in c.fused_projections:
         base = name[:-len("qkv_proj.weight")]
         q, kv = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
         return [(base + "q_proj.weight", 0, q), (base + "k_proj.weight", q, kv), (base + "v_proj.weight", q + kv, kv)]
-    if name.endswith(".mlp.gate_up_proj.weight"):
+    if name.endswith(".mlp.gate_up_proj.weight") and "gate_up_proj" in c.fused_projections:
         base, i = name[:-len("gate_up_proj.weight")], c.intermediate_size
         return [(base + "gate_proj.weight", 0, i), (base + "up_proj.weight", i, i)]
     return None
@@ -176,7 +174,7 @@ def _source(param: str, config: ModelConfig) -> tuple[str, int | None]:
     """(checkpoint tensor name, first row) a parameter is read from: its rows of a fused tensor,
     or (first row None) a tensor of its own."""
     parent, _, leaf = param.removesuffix(".weight").rpartition(".")
-    if config.fused_projections and param.endswith(".weight") and leaf in _FUSED_INTO:
+    if param.endswith(".weight") and _FUSED_INTO.get(leaf) in config.fused_projections:
         whole = f"{parent}.{_FUSED_INTO[leaf]}.weight"
         first = next(off for n, off, _ in fused_pieces(whole, config) if n == param)
         return _stored_name(whole, config), first

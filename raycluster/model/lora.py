@@ -71,8 +71,8 @@ def _shapes(cfg: ModelConfig) -> dict[str, tuple[int, int]]:
     q, kv = cfg.num_attention_heads * d, cfg.num_key_value_heads * d
     shapes = {"q_proj": (q, h), "k_proj": (kv, h), "v_proj": (kv, h), "o_proj": (h, q),
               "gate_proj": (i, h), "up_proj": (i, h), "down_proj": (h, i)}
-    if cfg.fused_projections:
-        shapes.update(qkv_proj=(q + 2 * kv, h), gate_up_proj=(2 * i, h))
+    fused = {"qkv_proj": (q + 2 * kv, h), "gate_up_proj": (2 * i, h)}
+    shapes.update({name: fused[name] for name in cfg.fused_projections})
     return shapes
 
 

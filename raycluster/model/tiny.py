@@ -5,7 +5,7 @@ AutoModelForCausalLM), model.safetensors (fp32, seeded), tokenizer.json (byte-le
 on the bundled corpus) and tokenizer_config.json (bos/eos, chat template). Same arguments ->
 byte-identical files. `tiny_config(**overrides)` returns the config dict for variants (other
 head counts, tied embeddings, llama3 rope, Qwen2 with q/k/v biases, Mixtral / Qwen2-MoE /
-Qwen3-MoE experts, Gemma / Gemma 2 / Gemma 3, Phi-3 with its fused projections, Granite, OLMo 2, Cohere / Cohere 2...); an override of None removes the key.
+Qwen3-MoE experts, Gemma / Gemma 2 / Gemma 3, Phi-3 with its fused projections, Granite, OLMo 2, Cohere / Cohere 2, GLM / GLM-4...); an override of None removes the key.
 """
 
 from __future__ import annotations
@@ -107,6 +107,11 @@ def tiny_config(**overrides) -> dict:
             cfg.update(sliding_window=24, sliding_window_pattern=4)
         else:
             cfg.update(use_qk_norm=False)
+    elif overrides.get("architectures") in (["GlmForCausalLM"], ["Glm4ForCausalLM"]):
+        cfg["model_type"] = "glm" if overrides["architectures"] == ["GlmForCausalLM"] else "glm4"
+        cfg.pop("mlp_bias")
+        cfg.update(attention_bias=True, rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                                         "partial_rotary_factor": 0.5})
     elif overrides.get("architectures") == ["Olmo2ForCausalLM"]:
         cfg["model_type"] = "olmo2"
         for k in ("mlp_bias", "head_dim"):
@@ -193,11 +198,14 @@ def _init_weights(cfg: dict, seed: int) -> dict[str, torch.Tensor]:
 
 
 def _fused(tensors: dict[str, torch.Tensor], mc: ModelConfig) -> dict[str, torch.Tensor]:
-    """Phi-3's layout: each layer's q/k/v rows as one qkv_proj, gate/up rows as one gate_up_proj."""
+    """The fused layout (Phi-3: each layer's q/k/v rows as one qkv_proj, gate/up rows as one
+    gate_up_proj; GLM: gate_up_proj only)."""
     out = dict(tensors)
     for i in range(mc.num_hidden_layers):
         for fused, parts in (("self_attn.qkv_proj", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")),
                              ("mlp.gate_up_proj", ("mlp.gate_proj", "mlp.up_proj"))):
+            if fused.rpartition(".")[2] not in mc.fused_projections:
+                continue
             out[f"model.layers.{i}.{fused}.weight"] = torch.cat(
                 [out.pop(f"model.layers.{i}.{p}.weight") for p in parts]).contiguous()
     return out

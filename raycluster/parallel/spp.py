@@ -195,9 +195,7 @@ class SPPStage:
         else:
             self.backend = backend if world == 1 and backend is not None else get_attention_backend(
                 self.device, torch_only=model.config.torch_attention_only)
-        first = self.layers[0]      # its norms hold the activations' dtype (OLMo 2 has no input norm)
-        norm = first.input_layernorm if hasattr(first, "input_layernorm") else first.post_attention_layernorm
-        self.hidden_dtype = norm.weight.dtype
+        self.hidden_dtype = self.layers[0].activation_dtype
         self.hidden_size = model.config.hidden_size
         self.adapters = RankAdapters(model.config, dtype, self.device, lane=self.lane, tp=tp,
                                      layers=range(self.lo, self.hi))      # its LoRA shards

@@ -35,7 +35,8 @@ def _config(**over) -> ModelConfig:
 
 def test_longrope_reads_as_transformers_and_fixes_its_factors_by_the_context():
     cfg = _config(max_position_embeddings=131072, original_max_position_embeddings=4096, rope_parameters=ROPE)
-    assert cfg.rotary_dim == 24 and cfg.fused_projections and cfg.max_model_len == 131072
+    assert cfg.rotary_dim == 24 and cfg.fused_projections == ("qkv_proj", "gate_up_proj")
+    assert cfg.max_model_len == 131072
     s = cfg.rope_scaling
     assert s["ext_factors"] == LONG and s["factor"] == 32.0           # 131072 / 4096
     assert s["attention_factor"] == pytest.approx(math.sqrt(1 + math.log(32) / math.log(4096)))

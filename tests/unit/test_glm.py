@@ -1,0 +1,63 @@
+"""GLM-4 (`GlmForCausalLM`: glm-4-9b-chat-hf) and GLM-4-0414 (`Glm4ForCausalLM`): config.json read
+as transformers reads it (gate/up stored fused, q/k/v biases, RoPE on interleaved pairs of each
+head's first half, GLM-4-0414's norms after attention and the MLP), the engine's greedy tokens
+equal to transformers' `generate`, and a LoRA adapter on the fused gate_up_proj and the split
+q_proj equal to transformers + PEFT. Logits against transformers: test_model_hf.py; tp groups and
+shards read from the file: test_tp.py, test_shard_load.py."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from family_checks import greedy_equals_transformers
+
+from raycluster.engine.config import EngineConfig
+from raycluster.engine.engine import LLMEngine
+from raycluster.model.config import ModelConfig
+from raycluster.model.loader import load_model
+from raycluster.model.lora import load_adapter
+from raycluster.model.tiny import tiny_config, write_tiny_lora, write_tiny_model
+from raycluster.request import SamplingParams
+
+
+def test_config_reads_as_transformers_reads_it():
+    glm = ModelConfig.from_dict(tiny_config(architectures=["GlmForCausalLM"]))
+    assert glm.fused_projections == ("gate_up_proj",) and glm.rope_interleaved and glm.rotary_dim == 16
+    assert (glm.qkv_bias, glm.o_bias, glm.mlp_bias, glm.block_norms) == (True, False, False, "pre")
+    glm4 = ModelConfig.from_dict(tiny_config(architectures=["Glm4ForCausalLM"], attention_bias=False))
+    assert glm4.block_norms == "glm4" and not glm4.qkv_bias
+
+
+@pytest.fixture(scope="module", params=["GlmForCausalLM", "Glm4ForCausalLM"])
+def glm(request, tmp_path_factory):
+    path = write_tiny_model(tmp_path_factory.mktemp(request.param), seed=3, architectures=[request.param],
+                            num_hidden_layers=2)
+    return path, load_model(path)[0]
+
+
+def test_engine_greedy_tokens_equal_transformers_generate(glm):
+    greedy_equals_transformers(*glm, [(4, 12), (37, 8), (80, 10)], seed=11)
+
+
+def test_a_lora_on_fused_and_split_projections_equals_transformers_with_peft(glm, tmp_path):
+    transformers = pytest.importorskip("transformers")
+    peft = pytest.importorskip("peft")
+    path, model = glm
+    adapter = write_tiny_lora(tmp_path / "lora", path, seed=4, targets=("q_proj", "v_proj", "gate_up_proj"), std=0.3)
+    assert sorted({m for _, m in load_adapter(adapter, model.config, "a").weights}) == [
+        "gate_proj", "q_proj", "up_proj", "v_proj"]
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager")
+    hf = peft.PeftModel.from_pretrained(hf, str(adapter)).eval()
+    eng = LLMEngine(EngineConfig(kv_cache_tokens=4096, policy="fcfs", packer="token", lora_modules=[f"a={adapter}"]),
+                    model)
+    rng = random.Random(12)
+    prompts = [[rng.randrange(6, 4000) for _ in range(n)] for n in (5, 30)]
+    got = eng.generate(prompts, SamplingParams(max_tokens=8, ignore_eos=True, lora_adapter="a"))
+    for prompt, out in zip(prompts, got):
+        with torch.no_grad():
+            ids = hf.generate(input_ids=torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                              max_new_tokens=8, min_new_tokens=8, do_sample=False, pad_token_id=2)
+        assert out == ids[0, len(prompt):].tolist()
+    assert got != eng.generate(prompts, SamplingParams(max_tokens=8, ignore_eos=True))
