@@ -1,7 +1,6 @@
 """ModelConfig: the subset of a Hugging Face config.json (Llama / Qwen2 / Qwen3 / Mistral, the
 mixture-of-experts Mixtral / Qwen2-MoE / Qwen3-MoE, Phi-3 (fused projections, LongRoPE, partial
-rotary), GLM-4 (fused gate/up, interleaved partial RoPE), Granite (multipliers), OLMo 2 (norms
-after each block, q/k norms across heads), Cohere's
+rotary), GLM-4, Granite, OLMo 2, SmolLM3, EXAONE 4 (their own fields: raycluster.model.family_config), Cohere's
 Command models (raycluster.model.cohere_config), and Gemma / Gemma 2 / Gemma 3 whose own fields raycluster.model.gemma_config reads) that the from-scratch model needs, validated
 with errors that name the offending field.
 
@@ -31,6 +30,7 @@ from typing import Any
 
 from raycluster.model.cohere_config import COHERE_ARCHITECTURES, cohere_fields
 from raycluster.model.encoder_config import ENCODER_ARCHITECTURES, TOKEN_HEADS, EncoderSpec, encoder_fields
+from raycluster.model.family_config import FAMILY_ARCHITECTURES, FUSED_PROJECTIONS, family_fields
 from raycluster.model.gemma_config import GEMMA_ARCHITECTURES, GemmaSpec, gemma3_ropes, gemma_fields
 from raycluster.model.generation_config import load_generation_config
 from raycluster.model.pooling import (PoolerConfig, PoolerConfigError, read_pooler_config,
@@ -40,9 +40,7 @@ from raycluster.model.rope_config import RopeConfigError, longrope_for_context, 
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM",
                            "MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM",
-                           "Phi3ForCausalLM", "GraniteForCausalLM", "Olmo2ForCausalLM", "GlmForCausalLM",
-                           "Glm4ForCausalLM", *GEMMA_ARCHITECTURES,
-                           *COHERE_ARCHITECTURES)
+                           *FAMILY_ARCHITECTURES, *GEMMA_ARCHITECTURES, *COHERE_ARCHITECTURES)
 # Base models saved without an output head (e5-mistral's MistralModel, embedding models written by
 # sentence-transformers): served as their causal LM's decoder, for pooling only unless tied.
 BASE_ARCHITECTURES = {"LlamaModel": "LlamaForCausalLM", "MistralModel": "MistralForCausalLM",
@@ -54,9 +52,6 @@ CLASSIFIER_ARCHITECTURES = {"LlamaForSequenceClassification": "LlamaForCausalLM"
                             "MistralForSequenceClassification": "MistralForCausalLM",
                             "Qwen2ForSequenceClassification": "Qwen2ForCausalLM",
                             "Qwen3ForSequenceClassification": "Qwen3ForCausalLM"}
-# Checkpoints storing projections fused (raycluster.model.loader splits them).
-FUSED_PROJECTIONS = {"Phi3ForCausalLM": ("qkv_proj", "gate_up_proj"), "GlmForCausalLM": ("gate_up_proj",),
-                     "Glm4ForCausalLM": ("gate_up_proj",)}
 MOE_ARCHITECTURES = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
 
 
@@ -267,25 +262,11 @@ class ModelConfig:
         except RopeConfigError as e:
             raise ModelConfigError(str(e)) from None
 
-        if arch in ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM"):
-            # Qwen2 always has q/k/v biases and never o_proj/MLP biases.
-            qkv_bias, o_bias, mlp_bias = True, False, False
-        elif arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"):
-            # Qwen3: attention_bias on q/k/v and o_proj alike (off in the released models), none in the MLP.
-            ab = bool(d.get("attention_bias", False))
-            qkv_bias, o_bias, mlp_bias = ab, ab, False
-        elif arch in ("LlamaForCausalLM", "GraniteForCausalLM", "Olmo2ForCausalLM", *COHERE_ARCHITECTURES):
-            ab = bool(d.get("attention_bias", False))
-            qkv_bias, o_bias, mlp_bias = ab, ab, bool(d.get("mlp_bias", False))
-        elif gemma:
-            qkv_bias = o_bias = bool(d.get("attention_bias", False))
-            mlp_bias = False
-        elif arch in ("GlmForCausalLM", "Glm4ForCausalLM"):     # biases on q/k/v only
-            qkv_bias, o_bias, mlp_bias = bool(d.get("attention_bias", True)), False, False
-        else:  # Mistral, Mixtral, Phi-3
-            qkv_bias = o_bias = mlp_bias = False
-
+        # Biases and the family's own fields (raycluster.model.family_config; its sliding fields,
+        # EXAONE 4's, replace the generic reading below).
+        own = family_fields(arch, d, layers, ModelConfigError)
         if gemma:
+            own["mlp_bias"] = False
             family = gemma_fields(arch, d, layers, head_dim, ModelConfigError)
             if local_rope is not None:
                 try:
@@ -300,8 +281,7 @@ class ModelConfig:
             family = {"sliding_window": None, "sliding_layers": (), **cohere_fields(arch, d, layers, ModelConfigError)}
         else:
             window, sliding = _sliding_layers(arch, d, layers)
-            family = {"sliding_window": window, "sliding_layers": sliding,
-                      "qk_norm": arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")}
+            family = {"sliding_window": window, "sliding_layers": sliding}
         moe = _moe(arch, d, layers) if arch in MOE_ARCHITECTURES else None
         # Gemma 3's max_position_embeddings already counts its global layers' linear scaling.
         max_len = max_pos if arch == "Gemma3ForCausalLM" else scaled_context(max_pos, scaling)
@@ -337,15 +317,10 @@ class ModelConfig:
             tie_word_embeddings=tied,
             has_lm_head=not classifier and (not headless or tied),
             labels=labels,
-            qkv_bias=qkv_bias, o_bias=o_bias, mlp_bias=mlp_bias,
             bos_token_id=int(bos) if bos is not None else None, eos_token_id=eos_t,
             dtype=d.get("dtype") or d.get("torch_dtype"), moe=moe, quant=quant, pooler=pooler, raw=dict(d),
             partial_rotary_factor=partial, fused_projections=FUSED_PROJECTIONS.get(arch, ()),
-            **({"qk_norm_across_heads": True, "block_norms": "post"} if arch == "Olmo2ForCausalLM" else {}),
-            # GLM: RoPE on interleaved pairs of a head's first part; GLM-4-0414 norms after each block too.
-            **({"rope_interleaved": True, "block_norms": "glm4" if arch == "Glm4ForCausalLM" else "pre"}
-               if arch in ("GlmForCausalLM", "Glm4ForCausalLM") else {}),
-            **(_granite(d) if arch == "GraniteForCausalLM" else {}), **{"rms_norm_eps": eps, **family})
+            **{"rms_norm_eps": eps, **family, **own})
 
     @classmethod
     def _encoder(cls, arch: str, d: dict[str, Any]) -> "ModelConfig":
@@ -379,17 +354,6 @@ def model_summary(cfg: ModelConfig) -> dict[str, Any]:
             "labels": list(cfg.labels), "dtype": cfg.dtype,
             "weights": "dense" if q is None else q.method + (f" {q.layout}" if q.layout != q.method else "")
                        + f" {q.bits}-bit {q.strategy}" + (f" g{q.group_size}" if q.group_size else "")}
-
-
-def _granite(d: dict[str, Any]) -> dict[str, float]:
-    """Granite's four multipliers (transformers' defaults 1.0), each a positive number."""
-    out = {}
-    for name in ("embedding_multiplier", "residual_multiplier", "attention_multiplier", "logits_scaling"):
-        v = d.get(name, 1.0)
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or v <= 0:
-            raise ModelConfigError(f"config field {name!r} must be a positive number, got {v!r}")
-        out[name] = float(v)
-    return out
 
 
 def _labels(d: dict[str, Any]) -> tuple[str, ...]:

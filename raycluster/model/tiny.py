@@ -5,7 +5,7 @@ AutoModelForCausalLM), model.safetensors (fp32, seeded), tokenizer.json (byte-le
 on the bundled corpus) and tokenizer_config.json (bos/eos, chat template). Same arguments ->
 byte-identical files. `tiny_config(**overrides)` returns the config dict for variants (other
 head counts, tied embeddings, llama3 rope, Qwen2 with q/k/v biases, Mixtral / Qwen2-MoE /
-Qwen3-MoE experts, Gemma / Gemma 2 / Gemma 3, Phi-3 with its fused projections, Granite, OLMo 2, Cohere / Cohere 2, GLM / GLM-4...); an override of None removes the key.
+Qwen3-MoE experts, Gemma / Gemma 2 / Gemma 3, Phi-3 with its fused projections, Granite, OLMo 2, Cohere / Cohere 2, GLM / GLM-4, SmolLM3, EXAONE 4...); an override of None removes the key.
 """
 
 from __future__ import annotations
@@ -112,6 +112,15 @@ def tiny_config(**overrides) -> dict:
         cfg.pop("mlp_bias")
         cfg.update(attention_bias=True, rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
                                                          "partial_rotary_factor": 0.5})
+    elif overrides.get("architectures") == ["SmolLM3ForCausalLM"]:
+        cfg["model_type"] = "smollm3"
+        cfg.pop("head_dim")
+        cfg.update(no_rope_layer_interval=2, use_sliding_window=False, sliding_window=None)
+    elif overrides.get("architectures") == ["Exaone4ForCausalLM"]:
+        cfg["model_type"] = "exaone4"
+        for k in ("mlp_bias", "attention_bias"):
+            cfg.pop(k)
+        cfg.update(sliding_window=24, sliding_window_pattern=2)
     elif overrides.get("architectures") == ["Olmo2ForCausalLM"]:
         cfg["model_type"] = "olmo2"
         for k in ("mlp_bias", "head_dim"):

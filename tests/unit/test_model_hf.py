@@ -80,6 +80,10 @@ VARIANTS = {
     # half; GLM-4-0414's norms after attention and the MLP too.
     "glm": dict(architectures=["GlmForCausalLM"], num_hidden_layers=2),
     "glm4": dict(architectures=["Glm4ForCausalLM"], num_hidden_layers=2),
+    # Layers without RoPE: SmolLM3's every second one here; EXAONE 4's full-attention layers
+    # between its sliding ones (with post-block norms and per-head q/k norms).
+    "smollm3": dict(architectures=["SmolLM3ForCausalLM"], num_hidden_layers=4),
+    "exaone4": dict(architectures=["Exaone4ForCausalLM"], num_hidden_layers=4),
     "phi3_longrope": dict(architectures=["Phi3ForCausalLM"], num_hidden_layers=2, max_position_embeddings=256,
                           original_max_position_embeddings=32, tie_word_embeddings=True, rope_parameters=LONGROPE),
     "phi3_longrope_short": dict(architectures=["Phi3ForCausalLM"], num_hidden_layers=2, max_position_embeddings=128,
@@ -148,7 +152,7 @@ def test_logits_match_transformers(variant, variant_dirs):
 @pytest.mark.parametrize("variant", ["tiny", "mha_tied_llama3", "qwen2", "qwen3_bias", "mistral_window",
                                      "qwen2_window", "mixtral_window", "qwen2_moe", "qwen3_moe", "gemma2", "gemma3",
                                      "phi3_longrope", "phi3_window", "granite", "olmo2",
-                                     "cohere_qk_norm", "cohere2", "glm4"])
+                                     "cohere_qk_norm", "cohere2", "glm4", "smollm3", "exaone4"])
 def test_chunked_prefill_and_decode_match_unchunked(variant, variant_dirs):
     model, cfg = load_model(variant_dirs[variant])
     ids = _prompt(1 + 7 + 64 + 20, 2000, seed=3)

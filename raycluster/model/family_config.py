@@ -1,0 +1,93 @@
+"""The per-family fields of the Llama-like decoders' config.json, as transformers' modeling code
+reads them: which projections carry biases, and what each family changes in the shared layer
+(raycluster.model.llama follows `ModelConfig`'s fields):
+
+- Qwen2: q/k/v biases always; Qwen3: `attention_bias` on q/k/v and o_proj, q/k norms per head.
+- Phi-3: q/k/v and gate/up stored fused (split at load).
+- Granite: embedding, residual and attention multipliers, a logits divisor.
+- OLMo 2: norms after each block's output only, q/k norms across all heads.
+- GLM-4 / GLM-4-0414: gate/up fused, q/k/v biases, RoPE on interleaved pairs; GLM-4-0414's norms
+  after attention and the MLP as well.
+- SmolLM3: no RoPE on the layers `no_rope_layers` marks 0.
+- EXAONE 4: norms after each block's output, q/k norms per head; with a `sliding_window`, the
+  sliding layers (`layer_types`, else three of every four) keep RoPE and the full ones use none.
+
+Gemma and Cohere have their own modules (gemma_config, cohere_config). Data enters as
+config.json's dict and leaves as keyword arguments for `ModelConfig`; errors name the field.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+FUSED_PROJECTIONS = {"Phi3ForCausalLM": ("qkv_proj", "gate_up_proj"), "GlmForCausalLM": ("gate_up_proj",),
+                     "Glm4ForCausalLM": ("gate_up_proj",)}
+FAMILY_ARCHITECTURES = ("Phi3ForCausalLM", "GraniteForCausalLM", "Olmo2ForCausalLM", "GlmForCausalLM",
+                        "Glm4ForCausalLM", "SmolLM3ForCausalLM", "Exaone4ForCausalLM")
+
+
+def family_fields(arch: str, d: dict[str, Any], layers: int, error: Callable[[str], Exception]) -> dict[str, Any]:
+    """Biases and the family's own fields; sliding fields given here replace the generic reading."""
+    ab = bool(d.get("attention_bias", False))
+    if arch in ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM"):
+        return {"qkv_bias": True, "o_bias": False, "mlp_bias": False}
+    if arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"):
+        return {"qkv_bias": ab, "o_bias": ab, "mlp_bias": False, "qk_norm": True}
+    if arch in ("GlmForCausalLM", "Glm4ForCausalLM"):
+        return {"qkv_bias": bool(d.get("attention_bias", True)), "o_bias": False, "mlp_bias": False,
+                "rope_interleaved": True, "block_norms": "glm4" if arch == "Glm4ForCausalLM" else "pre"}
+    if arch in ("MistralForCausalLM", "MixtralForCausalLM", "Phi3ForCausalLM"):
+        return {"qkv_bias": False, "o_bias": False, "mlp_bias": False}
+    out = {"qkv_bias": ab, "o_bias": ab, "mlp_bias": bool(d.get("mlp_bias", False))}
+    if arch == "GraniteForCausalLM":
+        out.update(_granite(d, error))
+    elif arch == "Olmo2ForCausalLM":
+        out.update(qk_norm_across_heads=True, block_norms="post")
+    elif arch == "SmolLM3ForCausalLM":
+        out["nope_layers"] = _smollm3_nope(d, layers, error)
+    elif arch == "Exaone4ForCausalLM":
+        out.update(block_norms="post", qk_norm=True, **_exaone4_layers(d, layers, error))
+    return out
+
+
+def _granite(d: dict[str, Any], error) -> dict[str, float]:
+    """Granite's four multipliers (transformers' defaults 1.0), each a positive number."""
+    out = {}
+    for name in ("embedding_multiplier", "residual_multiplier", "attention_multiplier", "logits_scaling"):
+        v = d.get(name, 1.0)
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or v <= 0:
+            raise error(f"config field {name!r} must be a positive number, got {v!r}")
+        out[name] = float(v)
+    return out
+
+
+def _smollm3_nope(d: dict[str, Any], layers: int, error) -> tuple[int, ...]:
+    flags = d.get("no_rope_layers")
+    if flags is None:           # transformers' default: every `no_rope_layer_interval`-th layer
+        interval = d.get("no_rope_layer_interval", 4)
+        if not isinstance(interval, int) or interval < 1:
+            raise error(f"config field 'no_rope_layer_interval' must be a positive int, got {interval!r}")
+        flags = [int((i + 1) % interval != 0) for i in range(layers)]
+    if not isinstance(flags, list) or len(flags) != layers or any(f not in (0, 1) for f in flags):
+        raise error(f"config field 'no_rope_layers' must list a 0 or 1 per layer ({layers})")
+    return tuple(i for i, use in enumerate(flags) if not use)
+
+
+def _exaone4_layers(d: dict[str, Any], layers: int, error) -> dict[str, Any]:
+    window = d.get("sliding_window", 4096)     # transformers' default when the field is absent
+    if window is None:
+        return {}
+    if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+        raise error(f"config field 'sliding_window' must be a positive int, got {window!r}")
+    layer_types = d.get("layer_types")
+    if layer_types is not None:
+        if not isinstance(layer_types, list) or len(layer_types) != layers:
+            raise error(f"config field 'layer_types' must list one type per layer ({layers})")
+        sliding = tuple(i for i, t in enumerate(layer_types) if t == "sliding_attention")
+    else:
+        pattern = d.get("sliding_window_pattern", 4)
+        if not isinstance(pattern, int) or pattern < 1:
+            raise error(f"config field 'sliding_window_pattern' must be a positive int, got {pattern!r}")
+        sliding = tuple(i for i in range(layers) if (i + 1) % pattern)
+    return {"sliding_window": window if sliding else None, "sliding_layers": sliding,
+            "nope_layers": tuple(i for i in range(layers) if i not in sliding)}
