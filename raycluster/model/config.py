@@ -33,6 +33,7 @@ from raycluster.model.encoder_config import ENCODER_ARCHITECTURES, TOKEN_HEADS, 
 from raycluster.model.family_config import FAMILY_ARCHITECTURES, FUSED_PROJECTIONS, family_fields
 from raycluster.model.gemma_config import GEMMA_ARCHITECTURES, GemmaSpec, gemma3_ropes, gemma_fields
 from raycluster.model.generation_config import load_generation_config
+from raycluster.model.mla_config import MLASpec
 from raycluster.model.pooling import (PoolerConfig, PoolerConfigError, read_pooler_config,
                                       sentence_transformers_options)
 from raycluster.model.quant.config import QuantConfig, QuantConfigError, parse_quant_config
@@ -52,7 +53,7 @@ CLASSIFIER_ARCHITECTURES = {"LlamaForSequenceClassification": "LlamaForCausalLM"
                             "MistralForSequenceClassification": "MistralForCausalLM",
                             "Qwen2ForSequenceClassification": "Qwen2ForCausalLM",
                             "Qwen3ForSequenceClassification": "Qwen3ForCausalLM"}
-MOE_ARCHITECTURES = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
+MOE_ARCHITECTURES = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", "DeepseekV3ForCausalLM")
 
 
 class ModelConfigError(ValueError):
@@ -78,6 +79,14 @@ class MoEConfig:
     # The experts [first, end) a model built from this config holds (an expert-parallel rank's
     # share, raycluster.parallel.shard); None: every expert.
     local_experts: tuple[int, int] | None = None
+    # DeepSeek-V3's routing: sigmoid scores, a learnt per-expert bias (`e_score_correction_bias`)
+    # added for the choice only, the top `topk_group` of `n_group` expert groups (by each
+    # group's two best biased scores) to choose from, weights times `routed_scaling`; its shared
+    # experts run ungated under the name `shared_experts`.
+    deepseek: bool = False
+    n_group: int = 1
+    topk_group: int = 1
+    routed_scaling: float = 1.0
 
 
 @dataclass
@@ -143,6 +152,8 @@ class ModelConfig:
     bare_names: bool = False
     # A sequence classifier's label names, one per row of its `score` head (empty: not one).
     labels: tuple[str, ...] = ()
+    # DeepSeek's multi-head latent attention (raycluster.model.mla); None: plain attention.
+    mla: MLASpec | None = None
     # A BERT-style encoder's own fields (raycluster.model.encoder_config); None: a decoder.
     encoder: EncoderSpec | None = None
     # What a Gemma-family decoder does differently (raycluster.model.gemma_config); None: not one.
@@ -177,6 +188,8 @@ class ModelConfig:
 
     @property
     def rotary_dim(self) -> int:
+        if self.mla is not None:
+            return self.mla.qk_rope_head_dim
         return int(self.head_dim * self.partial_rotary_factor)
 
     @property
@@ -290,9 +303,9 @@ class ModelConfig:
             quant = parse_quant_config(d.get("quantization_config"))
         except QuantConfigError as e:
             raise ModelConfigError(str(e)) from None
-        if quant is not None and arch == "Phi3ForCausalLM":
-            raise ModelConfigError("config field 'quantization_config': quantized Phi-3 checkpoints (fused qkv_proj / "
-                                   "gate_up_proj) are not supported")
+        if quant is not None and arch in ("Phi3ForCausalLM", "DeepseekV3ForCausalLM"):
+            raise ModelConfigError(f"config field 'quantization_config': quantized {arch} checkpoints (Phi-3's fused "
+                                   "projections, DeepSeek's latent attention) are not supported")
         try:
             pooler = read_pooler_config(None, d)
         except PoolerConfigError as e:
@@ -311,8 +324,10 @@ class ModelConfig:
 
         return cls(
             architecture=arch, vocab_size=vocab, hidden_size=hidden, intermediate_size=inter,
-            num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
-            head_dim=head_dim, rope_theta=theta, rope_scaling=scaling,
+            num_hidden_layers=layers, num_attention_heads=heads,
+            # DeepSeek's latent attention caches one latent "head" (raycluster.model.mla_config).
+            num_key_value_heads=own.pop("num_key_value_heads", kv_heads), head_dim=own.pop("head_dim", head_dim),
+            rope_theta=theta, rope_scaling=scaling,
             max_position_embeddings=max_pos, max_model_len=max_len,
             tie_word_embeddings=tied,
             has_lm_head=not classifier and (not headless or tied),
@@ -428,6 +443,20 @@ def _moe(arch: str, d: dict[str, Any], layers: int) -> MoEConfig:
         experts = count(experts_field)
         moe = MoEConfig(experts, top_k, count("intermediate_size"), True, tuple(range(layers)),
                         mixtral_names=True)
+    elif arch == "DeepseekV3ForCausalLM":
+        experts = count("n_routed_experts")
+        n_group, topk_group = count("n_group", 1), count("topk_group", 1)
+        if experts % n_group or topk_group > n_group:
+            raise ModelConfigError(f"config fields 'n_group' = {n_group} / 'topk_group' = {topk_group} do not fit "
+                                   f"the {experts} experts")
+        scaling = d.get("routed_scaling_factor", 1.0)
+        if isinstance(scaling, bool) or not isinstance(scaling, (int, float)) or scaling <= 0:
+            raise ModelConfigError(f"config field 'routed_scaling_factor' must be a positive number, got {scaling!r}")
+        first = count("first_k_dense_replace", 0, 0)
+        moe = MoEConfig(experts, top_k, count("moe_intermediate_size"), bool(d.get("norm_topk_prob", True)),
+                        tuple(range(first, layers)),
+                        shared_intermediate_size=count("n_shared_experts", 0, 0) * count("moe_intermediate_size"),
+                        deepseek=True, n_group=n_group, topk_group=topk_group, routed_scaling=float(scaling))
     else:
         experts = count(experts_field)
         step = count("decoder_sparse_step", 1)

@@ -17,6 +17,7 @@ from torch import nn
 
 from kernels.metadata import AttentionMetadata
 from raycluster.model.config import ModelConfig
+from raycluster.model.mla import MLAttention
 from raycluster.model.moe import SparseMoE
 from raycluster.model.quant.linear import quantize_linears
 from raycluster.model.rope import RotaryEmbedding, apply_rope
@@ -185,7 +186,8 @@ class DecoderLayer(nn.Module):
 
     def __init__(self, cfg: ModelConfig, index: int = 0):
         super().__init__()
-        self.self_attn = Attention(cfg, cfg.window_of(index))
+        self.self_attn = Attention(cfg, cfg.window_of(index)) if cfg.mla is None else \
+            MLAttention(cfg, lambda dim: _norm(cfg, dim), cfg.window_of(index))
         sparse = cfg.is_moe_layer(index)
         # Registered under the checkpoint's name for it: Mixtral's `block_sparse_moe`, else `mlp`.
         self._ffn_name = "block_sparse_moe" if sparse and cfg.moe.mixtral_names else "mlp"

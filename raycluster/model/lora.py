@@ -84,6 +84,8 @@ def target_group(module: str) -> str | None:
 def load_adapter(path: str | os.PathLike, cfg: ModelConfig, name: str, dtype: torch.dtype = torch.float32,
                  max_rank: int = 256) -> LoRAAdapter:
     path = os.fspath(path)
+    if cfg.mla is not None:
+        raise AdapterError(f"{name}: LoRA adapters on a model with latent attention (DeepSeek) are not supported")
     try:
         with open(os.path.join(path, "adapter_config.json")) as f:
             acfg = json.load(f)

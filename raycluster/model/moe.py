@@ -1,4 +1,4 @@
-"""The sparse mixture-of-experts feed-forward block of Mixtral, Qwen2-MoE and Qwen3-MoE layers.
+"""The sparse mixture-of-experts feed-forward block of Mixtral, Qwen2-MoE, Qwen3-MoE and DeepSeek-V3 layers.
 
 `SparseMoE(cfg)` holds the router (`gate`, [num_experts, H]), the experts (`experts.{e}`, each a
 gated MLP of the experts' intermediate size, under the checkpoint's names: Mixtral's w1 / w3 /
@@ -7,6 +7,8 @@ forward(x [T, H]) -> [T, H]: each token's router probabilities (softmax in fp32)
 experts and their weights (renormalised to sum to 1 when the config says so), each expert run
 once on the rows routed to it, the weighted outputs summed per token in expert order (as
 transformers does, so the sums round alike), then the shared expert's gated output added.
+DeepSeek-V3 routes otherwise (`DeepseekRouter`, `_route_grouped`: sigmoid scores, a correction
+bias for the choice, group-limited top k, scaled weights) and adds its `shared_experts` ungated.
 
 Tensor parallelism cuts every expert as a dense MLP is cut (gate/up by output rows, down by input
 columns: raycluster.parallel.shard); with expert parallelism each rank instead holds a whole
@@ -57,6 +59,19 @@ class MixtralExpert(nn.Module):
         return self.w2(F.silu(self.w1(x)) * self.w3(x))
 
 
+class DeepseekRouter(nn.Module):
+    """DeepSeek-V3's router, under its checkpoint names: `weight` [E, H] and the per-expert
+    `e_score_correction_bias` that steers the choice (not the weights)."""
+
+    def __init__(self, hidden: int, num_experts: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(num_experts, hidden))
+        self.e_score_correction_bias = nn.Parameter(torch.zeros(num_experts))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x.float(), self.weight.float())
+
+
 class SparseMoE(nn.Module):
     def __init__(self, cfg: ModelConfig, reduce: Callable[[torch.Tensor], torch.Tensor] = _identity):
         super().__init__()
@@ -67,26 +82,48 @@ class SparseMoE(nn.Module):
         # Mixtral multiplies an expert's output by its fp32 weight; Qwen casts the weight first.
         self.fp32_weights = moe.mixtral_names
         self.num_experts = moe.num_experts
-        self.gate = nn.Linear(h, moe.num_experts, bias=False)
+        self.moe = moe
+        self.gate = DeepseekRouter(h, moe.num_experts) if moe.deepseek else nn.Linear(h, moe.num_experts, bias=False)
         expert = MixtralExpert if moe.mixtral_names else GatedMLP
         # Keyed by expert id (the checkpoint's `experts.{e}` names): every expert, or an
         # expert-parallel rank's [first, end) of them.
         self.first, end = moe.local_experts or (0, moe.num_experts)
         self.experts = nn.ModuleDict({str(e): expert(h, moe.intermediate_size) for e in range(self.first, end)})
-        if moe.shared_intermediate_size:
+        self.shared_expert = None
+        if moe.shared_intermediate_size and moe.deepseek:     # ungated, under DeepSeek's name
+            self.shared_experts = GatedMLP(h, moe.shared_intermediate_size)
+        elif moe.shared_intermediate_size:
             self.shared_expert = GatedMLP(h, moe.shared_intermediate_size)
             self.shared_expert_gate = nn.Linear(h, 1, bias=False)
-        else:
-            self.shared_expert = None
         self.reduce = reduce
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(weights [T, k], expert ids [T, k]) of each token's top k experts."""
+        if self.moe.deepseek:
+            return self._route_grouped(x)
         probs = torch.softmax(self.gate(x).float(), dim=-1)
         weights, ids = torch.topk(probs, self.top_k, dim=-1)
         if self.norm_topk_prob:
             weights = weights / weights.sum(dim=-1, keepdim=True)
         return (weights if self.fp32_weights else weights.to(x.dtype)), ids
+
+    def _route_grouped(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """DeepSeek-V3's: sigmoid scores; the choice by score plus bias within the `topk_group`
+        best groups (a group's worth: its two best biased scores); the chosen experts' plain
+        scores as weights, renormalised if asked, times `routed_scaling`."""
+        moe = self.moe
+        scores = self.gate(x).sigmoid()
+        biased = scores + self.gate.e_score_correction_bias.float()
+        t, per = x.shape[0], moe.num_experts // moe.n_group
+        group_worth = biased.view(t, moe.n_group, per).topk(min(2, per), dim=-1)[0].sum(dim=-1)
+        groups = torch.topk(group_worth, moe.topk_group, dim=-1, sorted=False)[1]
+        allowed = torch.zeros_like(group_worth).scatter_(1, groups, 1).bool()
+        biased = biased.masked_fill(~allowed.repeat_interleave(per, dim=1), float("-inf"))
+        ids = torch.topk(biased, self.top_k, dim=-1, sorted=False)[1]
+        weights = scores.gather(1, ids)
+        if self.norm_topk_prob:
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        return weights * moe.routed_scaling, ids
 
     def forward(self, x: torch.Tensor, lora=None, index: int = 0) -> torch.Tensor:
         # `lora` is never given experts' updates: adapters on a sparse layer's MLP are refused at load.
@@ -106,4 +143,6 @@ class SparseMoE(nn.Module):
                 start += n
         if self.shared_expert is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        elif self.moe.shared_intermediate_size:
+            out = out + self.shared_experts(x)
         return self.reduce(out)

@@ -5,7 +5,7 @@ AutoModelForCausalLM), model.safetensors (fp32, seeded), tokenizer.json (byte-le
 on the bundled corpus) and tokenizer_config.json (bos/eos, chat template). Same arguments ->
 byte-identical files. `tiny_config(**overrides)` returns the config dict for variants (other
 head counts, tied embeddings, llama3 rope, Qwen2 with q/k/v biases, Mixtral / Qwen2-MoE /
-Qwen3-MoE experts, Gemma / Gemma 2 / Gemma 3, Phi-3 with its fused projections, Granite, OLMo 2, Cohere / Cohere 2, GLM / GLM-4, SmolLM3, EXAONE 4...); an override of None removes the key.
+Qwen3-MoE experts, Gemma / Gemma 2 / Gemma 3, Phi-3 with its fused projections, Granite, OLMo 2, Cohere / Cohere 2, GLM / GLM-4, SmolLM3, EXAONE 4, DeepSeek-V3...); an override of None removes the key.
 """
 
 from __future__ import annotations
@@ -112,6 +112,17 @@ def tiny_config(**overrides) -> dict:
         cfg.pop("mlp_bias")
         cfg.update(attention_bias=True, rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
                                                          "partial_rotary_factor": 0.5})
+    elif overrides.get("architectures") == ["DeepseekV3ForCausalLM"]:
+        cfg["model_type"] = "deepseek_v3"
+        for k in ("mlp_bias", "head_dim"):
+            cfg.pop(k)
+        # Latent attention (q through a rank-64 bottleneck, a 32-wide latent, 8 rotary dims) and
+        # 8 routed experts in 4 groups, 2 groups and 2 experts per token, one shared expert.
+        cfg.update(num_key_value_heads=8, q_lora_rank=64, kv_lora_rank=32, qk_nope_head_dim=16,
+                   qk_rope_head_dim=8, v_head_dim=16, rope_interleave=True, n_routed_experts=8,
+                   num_experts_per_tok=2, n_group=4, topk_group=2, moe_intermediate_size=64, n_shared_experts=1,
+                   first_k_dense_replace=1, routed_scaling_factor=2.5, norm_topk_prob=True,
+                   rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
     elif overrides.get("architectures") == ["SmolLM3ForCausalLM"]:
         cfg["model_type"] = "smollm3"
         cfg.pop("head_dim")
@@ -197,6 +208,8 @@ def _init_weights(cfg: dict, seed: int) -> dict[str, torch.Tensor]:
             t = torch.randn(shape, generator=g)
         elif name.endswith(("q_proj.weight", "k_proj.weight")):
             t = 0.1 * torch.randn(shape, generator=g)  # sharper attention than std 0.02
+        elif name.endswith("e_score_correction_bias"):
+            t = 0.1 * torch.randn(shape, generator=g)     # enough to change some choices
         elif name.endswith(("mlp.gate.weight", "block_sparse_moe.gate.weight")):
             # A decisive router: rounding differences never flip which experts a token takes.
             t = 0.2 * torch.randn(shape, generator=g)
@@ -220,10 +233,11 @@ def _fused(tensors: dict[str, torch.Tensor], mc: ModelConfig) -> dict[str, torch
     return out
 
 
-def write_tiny_model(path: str | os.PathLike, seed: int = 0, **overrides) -> str:
+def write_tiny_model(path: str | os.PathLike, seed: int = 0, nulls: tuple[str, ...] = (), **overrides) -> str:
+    """`nulls`: config fields written as JSON null (an override of None removes a field)."""
     path = os.fspath(path)
     os.makedirs(path, exist_ok=True)
-    cfg = tiny_config(**overrides)
+    cfg = {**tiny_config(**overrides), **dict.fromkeys(nulls)}
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump(cfg, f, indent=2, sort_keys=True)
         f.write("\n")

@@ -84,6 +84,13 @@ VARIANTS = {
     # between its sliding ones (with post-block norms and per-head q/k norms).
     "smollm3": dict(architectures=["SmolLM3ForCausalLM"], num_hidden_layers=4),
     "exaone4": dict(architectures=["Exaone4ForCausalLM"], num_hidden_layers=4),
+    # DeepSeek-V3: latent attention (raycluster.model.mla; the cache holds one latent head) with
+    # a YaRN RoPE and its mscale, grouped routing with a correction bias, a shared expert, layer 0
+    # dense.
+    "deepseek_v3": dict(architectures=["DeepseekV3ForCausalLM"], num_hidden_layers=3, max_position_embeddings=256,
+                        rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                                         "original_max_position_embeddings": 64, "mscale": 1.0,
+                                         "mscale_all_dim": 0.707, "beta_fast": 32, "beta_slow": 1}),
     "phi3_longrope": dict(architectures=["Phi3ForCausalLM"], num_hidden_layers=2, max_position_embeddings=256,
                           original_max_position_embeddings=32, tie_word_embeddings=True, rope_parameters=LONGROPE),
     "phi3_longrope_short": dict(architectures=["Phi3ForCausalLM"], num_hidden_layers=2, max_position_embeddings=128,
@@ -152,7 +159,7 @@ def test_logits_match_transformers(variant, variant_dirs):
 @pytest.mark.parametrize("variant", ["tiny", "mha_tied_llama3", "qwen2", "qwen3_bias", "mistral_window",
                                      "qwen2_window", "mixtral_window", "qwen2_moe", "qwen3_moe", "gemma2", "gemma3",
                                      "phi3_longrope", "phi3_window", "granite", "olmo2",
-                                     "cohere_qk_norm", "cohere2", "glm4", "smollm3", "exaone4"])
+                                     "cohere_qk_norm", "cohere2", "glm4", "smollm3", "exaone4", "deepseek_v3"])
 def test_chunked_prefill_and_decode_match_unchunked(variant, variant_dirs):
     model, cfg = load_model(variant_dirs[variant])
     ids = _prompt(1 + 7 + 64 + 20, 2000, seed=3)
