@@ -65,9 +65,12 @@ from raycluster.parallel.vocab import ParallelLMHead, VocabParallelEmbedding, pa
 # Decoder-layer projections split over the ranks, by the projection's name (nn.Linear weights
 # are [out, in]): column-parallel ones split their weight's dim 0 and their bias, row-parallel
 # ones dim 1 (the bias whole, on rank 0 only). An expert's (and a shared expert's) projections
-# split as a dense MLP's; Mixtral's w1 / w3 / w2 are gate / up / down. Anything else (norms,
-# a router, a shared expert's gate) is whole on every rank.
-_COLUMN = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "w1", "w3")
+# split as a dense MLP's; Mixtral's w1 / w3 / w2 are gate / up / down. DeepSeek's latent
+# attention splits by heads the projections out of the latents (q_b_proj, kv_b_proj) and into
+# o_proj; the projections into the latents (q_a_proj, kv_a_proj_with_mqa) are whole, and so is
+# the one latent KV head (replicated, as an MQA model's). Anything else (norms, a router, a
+# shared expert's gate) is whole on every rank.
+_COLUMN = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "w1", "w3", "q_b_proj", "kv_b_proj")
 _ROW = ("o_proj", "down_proj", "w2")
 _KV = ("k_proj", "v_proj")      # rows by KV head (`kv_heads_of`)
 

@@ -4,7 +4,8 @@ shared expert (raycluster.model.moe). config.json read as transformers reads it;
 attention against the plain formula (every head's keys and values expanded from the latents);
 the engine's greedy tokens equal to transformers' `generate` (q through its low-rank bottleneck,
 and DeepSeek-V2-Lite's single q_proj); a KVP group and a pipeline equal to one process; what is
-refused. Logits against transformers, chunked and decoded: test_model_hf.py."""
+refused. Logits against transformers, chunked and decoded: test_model_hf.py; tp groups (heads
+split, the latent head replicated) and shards read from the file: test_tp.py, test_shard_load.py."""
 
 from __future__ import annotations
 
@@ -18,9 +19,8 @@ from raycluster.model.config import ModelConfig, ModelConfigError
 from raycluster.model.loader import load_model
 from raycluster.model.lora import AdapterError, load_adapter
 from raycluster.model.tiny import tiny_config, write_tiny_lora, write_tiny_model
-from raycluster.parallel.factory import build_runner
 from raycluster.request import SamplingParams
-from test_model_hf import _prompt, run_chunks
+from test_model_hf import _prompt
 
 ARCH = ["DeepseekV3ForCausalLM"]
 
@@ -116,10 +116,8 @@ def test_a_kvp_engine_gives_the_single_engines_tokens(deepseek, monkeypatch):
         eng.close()
 
 
-def test_tp_and_lora_are_refused_by_name(deepseek, tmp_path):
-    path, model = deepseek
-    with pytest.raises(ValueError, match="latent attention"):
-        build_runner(EngineConfig(kv_cache_tokens=1024, tp=2, policy="fcfs", packer="token"), model, torch.float32)
+def test_lora_is_refused_by_name(deepseek, tmp_path):
+    _, model = deepseek
     tiny = write_tiny_model(tmp_path / "llama", num_hidden_layers=1)
     adapter = write_tiny_lora(tmp_path / "lora", tiny)
     with pytest.raises(AdapterError, match="latent attention"):

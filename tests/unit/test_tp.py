@@ -96,6 +96,9 @@ VARIANTS = {
     "cohere2": dict(architectures=["Cohere2ForCausalLM"], num_hidden_layers=4),
     # GLM-4-0414: fused gate/up in the file, interleaved partial RoPE, q/k/v biases.
     "glm4": dict(architectures=["Glm4ForCausalLM"], num_hidden_layers=2),
+    # DeepSeek-V3: latent attention's heads split (q_b / kv_b / o_proj), the latent KV head
+    # replicated on each rank, grouped routing and a shared expert.
+    "deepseek_v3": dict(architectures=["DeepseekV3ForCausalLM"], num_hidden_layers=3),
 }
 
 
@@ -205,7 +208,8 @@ def same_as_single_runner(model, runner) -> ModelRunner:
                                         ("qwen3", 2), ("kv-rep", 4), ("mqa", 2), ("mqa", 4), ("odd-vocab", 2),
                                         ("qwen2-odd", 4), ("mixtral", 2), ("qwen2-moe", 2), ("qwen3-moe", 4),
                                         ("gemma2", 2), ("gemma3", 4), ("phi3", 2),
-                                        ("granite", 2), ("cohere2", 2), ("glm4", 2)])
+                                        ("granite", 2), ("cohere2", 2), ("glm4", 2),
+                                        ("deepseek_v3", 2), ("deepseek_v3", 4)])
 def test_a_tp_group_gives_the_single_runners_logits_step_by_step(models, variant, tp):
     model = models[variant]
     runner = _group(model, tp)
