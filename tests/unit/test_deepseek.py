@@ -12,6 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 from family_checks import greedy_equals_transformers, pipeline_equals_single_runner
+from test_model_hf import _prompt
 
 from raycluster.engine.config import EngineConfig
 from raycluster.engine.engine import LLMEngine
@@ -20,7 +21,6 @@ from raycluster.model.loader import load_model
 from raycluster.model.lora import AdapterError, load_adapter
 from raycluster.model.tiny import tiny_config, write_tiny_lora, write_tiny_model
 from raycluster.request import SamplingParams
-from test_model_hf import _prompt
 
 ARCH = ["DeepseekV3ForCausalLM"]
 
