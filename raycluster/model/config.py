@@ -53,7 +53,8 @@ CLASSIFIER_ARCHITECTURES = {"LlamaForSequenceClassification": "LlamaForCausalLM"
                             "MistralForSequenceClassification": "MistralForCausalLM",
                             "Qwen2ForSequenceClassification": "Qwen2ForCausalLM",
                             "Qwen3ForSequenceClassification": "Qwen3ForCausalLM"}
-MOE_ARCHITECTURES = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", "DeepseekV3ForCausalLM")
+MOE_ARCHITECTURES = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", "DeepseekV2ForCausalLM",
+                     "DeepseekV3ForCausalLM")
 
 
 class ModelConfigError(ValueError):
@@ -79,11 +80,13 @@ class MoEConfig:
     # The experts [first, end) a model built from this config holds (an expert-parallel rank's
     # share, raycluster.parallel.shard); None: every expert.
     local_experts: tuple[int, int] | None = None
-    # DeepSeek-V3's routing: sigmoid scores, a learnt per-expert bias (`e_score_correction_bias`)
-    # added for the choice only, the top `topk_group` of `n_group` expert groups (by each
-    # group's two best biased scores) to choose from, weights times `routed_scaling`; its shared
-    # experts run ungated under the name `shared_experts`.
-    deepseek: bool = False
+    # DeepSeek's routing (raycluster.model.moe): "v3": sigmoid scores, a learnt per-expert bias
+    # (`e_score_correction_bias`) added for the choice only, the top `topk_group` of `n_group`
+    # expert groups (by each group's two best biased scores) to choose from; "v2": softmax
+    # scores, groups by their best score (`topk_method` group_limited_greedy, else one group),
+    # never renormalised. Weights times `routed_scaling`; shared experts ungated, named
+    # `shared_experts`. None: softmax top k (Mixtral, Qwen).
+    deepseek: str | None = None
     n_group: int = 1
     topk_group: int = 1
     routed_scaling: float = 1.0
@@ -443,9 +446,15 @@ def _moe(arch: str, d: dict[str, Any], layers: int) -> MoEConfig:
         experts = count(experts_field)
         moe = MoEConfig(experts, top_k, count("intermediate_size"), True, tuple(range(layers)),
                         mixtral_names=True)
-    elif arch == "DeepseekV3ForCausalLM":
+    elif arch in ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM"):
         experts = count("n_routed_experts")
-        n_group, topk_group = count("n_group", 1), count("topk_group", 1)
+        v2 = arch == "DeepseekV2ForCausalLM"
+        method = d.get("topk_method", "greedy" if v2 else "noaux_tc")
+        if method not in (("greedy", "group_limited_greedy") if v2 else ("noaux_tc",)):
+            raise ModelConfigError(f"config field 'topk_method' = {method!r} is not supported for {arch}")
+        grouped = method != "greedy"
+        n_group = count("n_group", 1) if grouped else 1
+        topk_group = count("topk_group", 1) if grouped else 1
         if experts % n_group or topk_group > n_group:
             raise ModelConfigError(f"config fields 'n_group' = {n_group} / 'topk_group' = {topk_group} do not fit "
                                    f"the {experts} experts")
@@ -453,10 +462,11 @@ def _moe(arch: str, d: dict[str, Any], layers: int) -> MoEConfig:
         if isinstance(scaling, bool) or not isinstance(scaling, (int, float)) or scaling <= 0:
             raise ModelConfigError(f"config field 'routed_scaling_factor' must be a positive number, got {scaling!r}")
         first = count("first_k_dense_replace", 0, 0)
-        moe = MoEConfig(experts, top_k, count("moe_intermediate_size"), bool(d.get("norm_topk_prob", True)),
-                        tuple(range(first, layers)),
+        moe = MoEConfig(experts, top_k, count("moe_intermediate_size"),
+                        not v2 and bool(d.get("norm_topk_prob", True)), tuple(range(first, layers)),
                         shared_intermediate_size=count("n_shared_experts", 0, 0) * count("moe_intermediate_size"),
-                        deepseek=True, n_group=n_group, topk_group=topk_group, routed_scaling=float(scaling))
+                        deepseek="v2" if v2 else "v3", n_group=n_group, topk_group=topk_group,
+                        routed_scaling=float(scaling))
     else:
         experts = count(experts_field)
         step = count("decoder_sparse_step", 1)

@@ -11,7 +11,7 @@ reads them: which projections carry biases, and what each family changes in the 
 - SmolLM3: no RoPE on the layers `no_rope_layers` marks 0.
 - EXAONE 4: norms after each block's output, q/k norms per head; with a `sliding_window`, the
   sliding layers (`layer_types`, else three of every four) keep RoPE and the full ones use none.
-- DeepSeek-V3: multi-head latent attention (raycluster.model.mla); its routed experts are read
+- DeepSeek-V2 / V3: multi-head latent attention (raycluster.model.mla); its routed experts are read
   with the other mixture-of-experts models (ModelConfig's `_moe`).
 
 Gemma and Cohere have their own modules (gemma_config, cohere_config). Data enters as
@@ -27,7 +27,8 @@ from raycluster.model.mla_config import mla_fields
 FUSED_PROJECTIONS = {"Phi3ForCausalLM": ("qkv_proj", "gate_up_proj"), "GlmForCausalLM": ("gate_up_proj",),
                      "Glm4ForCausalLM": ("gate_up_proj",)}
 FAMILY_ARCHITECTURES = ("Phi3ForCausalLM", "GraniteForCausalLM", "Olmo2ForCausalLM", "GlmForCausalLM",
-                        "Glm4ForCausalLM", "SmolLM3ForCausalLM", "Exaone4ForCausalLM", "DeepseekV3ForCausalLM")
+                        "Glm4ForCausalLM", "SmolLM3ForCausalLM", "Exaone4ForCausalLM", "DeepseekV2ForCausalLM",
+                        "DeepseekV3ForCausalLM")
 
 
 def family_fields(arch: str, d: dict[str, Any], layers: int, error: Callable[[str], Exception]) -> dict[str, Any]:
@@ -51,7 +52,7 @@ def family_fields(arch: str, d: dict[str, Any], layers: int, error: Callable[[st
         out["nope_layers"] = _smollm3_nope(d, layers, error)
     elif arch == "Exaone4ForCausalLM":
         out.update(block_norms="post", qk_norm=True, **_exaone4_layers(d, layers, error))
-    elif arch == "DeepseekV3ForCausalLM":
+    elif arch in ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM"):
         out.update(mla_fields(d, error))
     return out
 

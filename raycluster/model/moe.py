@@ -60,13 +60,13 @@ class MixtralExpert(nn.Module):
 
 
 class DeepseekRouter(nn.Module):
-    """DeepSeek-V3's router, under its checkpoint names: `weight` [E, H] and the per-expert
+    """DeepSeek's router, under its checkpoint names: `weight` [E, H] and, on V3, the per-expert
     `e_score_correction_bias` that steers the choice (not the weights)."""
 
-    def __init__(self, hidden: int, num_experts: int):
+    def __init__(self, hidden: int, num_experts: int, bias: bool):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(num_experts, hidden))
-        self.e_score_correction_bias = nn.Parameter(torch.zeros(num_experts))
+        self.e_score_correction_bias = nn.Parameter(torch.zeros(num_experts)) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x.float(), self.weight.float())
@@ -83,7 +83,8 @@ class SparseMoE(nn.Module):
         self.fp32_weights = moe.mixtral_names
         self.num_experts = moe.num_experts
         self.moe = moe
-        self.gate = DeepseekRouter(h, moe.num_experts) if moe.deepseek else nn.Linear(h, moe.num_experts, bias=False)
+        self.gate = DeepseekRouter(h, moe.num_experts, moe.deepseek == "v3") if moe.deepseek else \
+            nn.Linear(h, moe.num_experts, bias=False)
         expert = MixtralExpert if moe.mixtral_names else GatedMLP
         # Keyed by expert id (the checkpoint's `experts.{e}` names): every expert, or an
         # expert-parallel rank's [first, end) of them.
@@ -108,18 +109,24 @@ class SparseMoE(nn.Module):
         return (weights if self.fp32_weights else weights.to(x.dtype)), ids
 
     def _route_grouped(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """DeepSeek-V3's: sigmoid scores; the choice by score plus bias within the `topk_group`
-        best groups (a group's worth: its two best biased scores); the chosen experts' plain
-        scores as weights, renormalised if asked, times `routed_scaling`."""
+        """DeepSeek's: V3's sigmoid scores plus the bias choose, within the `topk_group` best
+        groups (a group's worth: its two best biased scores); V2's softmax scores choose within
+        the groups of the best single scores. The chosen experts' plain scores are the weights,
+        renormalised if asked, times `routed_scaling`."""
         moe = self.moe
-        scores = self.gate(x).sigmoid()
-        biased = scores + self.gate.e_score_correction_bias.float()
-        t, per = x.shape[0], moe.num_experts // moe.n_group
-        group_worth = biased.view(t, moe.n_group, per).topk(min(2, per), dim=-1)[0].sum(dim=-1)
-        groups = torch.topk(group_worth, moe.topk_group, dim=-1, sorted=False)[1]
-        allowed = torch.zeros_like(group_worth).scatter_(1, groups, 1).bool()
-        biased = biased.masked_fill(~allowed.repeat_interleave(per, dim=1), float("-inf"))
-        ids = torch.topk(biased, self.top_k, dim=-1, sorted=False)[1]
+        logits = self.gate(x)
+        v3 = moe.deepseek == "v3"
+        scores = logits.sigmoid() if v3 else logits.softmax(dim=-1)
+        choice = scores + self.gate.e_score_correction_bias.float() if v3 else scores
+        if moe.n_group > 1:
+            t, per = x.shape[0], moe.num_experts // moe.n_group
+            grouped = choice.view(t, moe.n_group, per)
+            worth = grouped.topk(min(2, per), dim=-1)[0].sum(dim=-1) if v3 else grouped.amax(dim=-1)
+            groups = torch.topk(worth, moe.topk_group, dim=-1, sorted=False)[1]
+            allowed = torch.zeros_like(worth).scatter_(1, groups, 1).bool().repeat_interleave(per, dim=1)
+            # V3 rules the others out; V2 zeroes their scores (transformers' masked_fill 0.0).
+            choice = choice.masked_fill(~allowed, float("-inf") if v3 else 0.0)
+        ids = torch.topk(choice, self.top_k, dim=-1, sorted=False)[1]
         weights = scores.gather(1, ids)
         if self.norm_topk_prob:
             weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)

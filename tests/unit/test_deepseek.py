@@ -1,6 +1,7 @@
-"""DeepSeek-V3 (`DeepseekV3ForCausalLM`): multi-head latent attention served absorbed over one
+"""DeepSeek-V3 (`DeepseekV3ForCausalLM`) and V2 (`DeepseekV2ForCausalLM`): multi-head latent attention served absorbed over one
 latent KV head (raycluster.model.mla), grouped sigmoid routing with a correction bias and a
-shared expert (raycluster.model.moe). config.json read as transformers reads it; the absorbed
+shared expert (raycluster.model.moe; V2's softmax routing within the groups of the best
+scores). config.json read as transformers reads it; the absorbed
 attention against the plain formula (every head's keys and values expanded from the latents);
 the engine's greedy tokens equal to transformers' `generate` (q through its low-rank bottleneck,
 and DeepSeek-V2-Lite's single q_proj); a KVP group and a pipeline equal to one process; what is
@@ -90,11 +91,21 @@ def test_engine_greedy_tokens_equal_transformers_generate(deepseek):
     greedy_equals_transformers(*deepseek, [(4, 10), (35, 8), (70, 6)], seed=14)
 
 
-def test_v2_lite_style_single_q_proj_equals_transformers(tmp_path):
-    path = write_tiny_model(tmp_path, seed=3, nulls=("q_lora_rank",), architectures=ARCH, num_hidden_layers=2)
+@pytest.mark.parametrize("arch", ["DeepseekV3ForCausalLM", "DeepseekV2ForCausalLM"])
+def test_v2_lite_style_single_q_proj_equals_transformers(tmp_path, arch):
+    path = write_tiny_model(tmp_path, seed=3, nulls=("q_lora_rank",), architectures=[arch], num_hidden_layers=2)
     model, cfg = load_model(path)
     assert cfg.mla.q_lora_rank is None and hasattr(model.model.layers[0].self_attn, "q_proj")
     greedy_equals_transformers(path, model, [(10, 10), (50, 8)], seed=15)
+
+
+def test_v2_routes_by_softmax_within_the_best_groups():
+    cfg = ModelConfig.from_dict(tiny_config(architectures=["DeepseekV2ForCausalLM"], num_hidden_layers=3))
+    assert cfg.moe.deepseek == "v2" and (cfg.moe.n_group, cfg.moe.topk_group) == (4, 2) and not cfg.moe.norm_topk_prob
+    greedy = ModelConfig.from_dict(tiny_config(architectures=["DeepseekV2ForCausalLM"], topk_method="greedy"))
+    assert greedy.moe.n_group == 1
+    with pytest.raises(ModelConfigError, match="topk_method"):
+        ModelConfig.from_dict(tiny_config(architectures=["DeepseekV2ForCausalLM"], topk_method="noaux_tc"))
 
 
 def test_a_pipeline_gives_the_single_runners_hidden_rows(deepseek, monkeypatch):

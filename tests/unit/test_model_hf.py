@@ -91,6 +91,8 @@ VARIANTS = {
                         rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
                                          "original_max_position_embeddings": 64, "mscale": 1.0,
                                          "mscale_all_dim": 0.707, "beta_fast": 32, "beta_slow": 1}),
+    # DeepSeek-V2: softmax routing within the groups of the best scores, never renormalised.
+    "deepseek_v2": dict(architectures=["DeepseekV2ForCausalLM"], num_hidden_layers=3),
     "phi3_longrope": dict(architectures=["Phi3ForCausalLM"], num_hidden_layers=2, max_position_embeddings=256,
                           original_max_position_embeddings=32, tie_word_embeddings=True, rope_parameters=LONGROPE),
     "phi3_longrope_short": dict(architectures=["Phi3ForCausalLM"], num_hidden_layers=2, max_position_embeddings=128,
@@ -159,7 +161,8 @@ def test_logits_match_transformers(variant, variant_dirs):
 @pytest.mark.parametrize("variant", ["tiny", "mha_tied_llama3", "qwen2", "qwen3_bias", "mistral_window",
                                      "qwen2_window", "mixtral_window", "qwen2_moe", "qwen3_moe", "gemma2", "gemma3",
                                      "phi3_longrope", "phi3_window", "granite", "olmo2",
-                                     "cohere_qk_norm", "cohere2", "glm4", "smollm3", "exaone4", "deepseek_v3"])
+                                     "cohere_qk_norm", "cohere2", "glm4", "smollm3", "exaone4", "deepseek_v3",
+                                     "deepseek_v2"])
 def test_chunked_prefill_and_decode_match_unchunked(variant, variant_dirs):
     model, cfg = load_model(variant_dirs[variant])
     ids = _prompt(1 + 7 + 64 + 20, 2000, seed=3)
