@@ -54,7 +54,7 @@ CLASSIFIER_ARCHITECTURES = {"LlamaForSequenceClassification": "LlamaForCausalLM"
                             "Qwen2ForSequenceClassification": "Qwen2ForCausalLM",
                             "Qwen3ForSequenceClassification": "Qwen3ForCausalLM"}
 MOE_ARCHITECTURES = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", "DeepseekV2ForCausalLM",
-                     "DeepseekV3ForCausalLM")
+                     "DeepseekV3ForCausalLM", "Glm4MoeForCausalLM")
 
 
 class ModelConfigError(ValueError):
@@ -446,7 +446,7 @@ def _moe(arch: str, d: dict[str, Any], layers: int) -> MoEConfig:
         experts = count(experts_field)
         moe = MoEConfig(experts, top_k, count("intermediate_size"), True, tuple(range(layers)),
                         mixtral_names=True)
-    elif arch in ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM"):
+    elif arch in ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM", "Glm4MoeForCausalLM"):   # GLM-4.5 routes as V3
         experts = count("n_routed_experts")
         v2 = arch == "DeepseekV2ForCausalLM"
         method = d.get("topk_method", "greedy" if v2 else "noaux_tc")

@@ -11,6 +11,7 @@ reads them: which projections carry biases, and what each family changes in the 
 - SmolLM3: no RoPE on the layers `no_rope_layers` marks 0.
 - EXAONE 4: norms after each block's output, q/k norms per head; with a `sliding_window`, the
   sliding layers (`layer_types`, else three of every four) keep RoPE and the full ones use none.
+- GLM-4.5 (`Glm4MoeForCausalLM`): q/k/v biases, optional per-head q/k norms, DeepSeek-V3's routing.
 - DeepSeek-V2 / V3: multi-head latent attention (raycluster.model.mla); its routed experts are read
   with the other mixture-of-experts models (ModelConfig's `_moe`).
 
@@ -28,7 +29,7 @@ FUSED_PROJECTIONS = {"Phi3ForCausalLM": ("qkv_proj", "gate_up_proj"), "GlmForCau
                      "Glm4ForCausalLM": ("gate_up_proj",)}
 FAMILY_ARCHITECTURES = ("Phi3ForCausalLM", "GraniteForCausalLM", "Olmo2ForCausalLM", "GlmForCausalLM",
                         "Glm4ForCausalLM", "SmolLM3ForCausalLM", "Exaone4ForCausalLM", "DeepseekV2ForCausalLM",
-                        "DeepseekV3ForCausalLM")
+                        "DeepseekV3ForCausalLM", "Glm4MoeForCausalLM")
 
 
 def family_fields(arch: str, d: dict[str, Any], layers: int, error: Callable[[str], Exception]) -> dict[str, Any]:
@@ -41,6 +42,8 @@ def family_fields(arch: str, d: dict[str, Any], layers: int, error: Callable[[st
     if arch in ("GlmForCausalLM", "Glm4ForCausalLM"):
         return {"qkv_bias": bool(d.get("attention_bias", True)), "o_bias": False, "mlp_bias": False,
                 "rope_interleaved": True, "block_norms": "glm4" if arch == "Glm4ForCausalLM" else "pre"}
+    if arch == "Glm4MoeForCausalLM":        # GLM-4.5: q/k/v biases, optional per-head q/k norms
+        return {"qkv_bias": ab, "o_bias": False, "mlp_bias": False, "qk_norm": bool(d.get("use_qk_norm", False))}
     if arch in ("MistralForCausalLM", "MixtralForCausalLM", "Phi3ForCausalLM"):
         return {"qkv_bias": False, "o_bias": False, "mlp_bias": False}
     out = {"qkv_bias": ab, "o_bias": ab, "mlp_bias": bool(d.get("mlp_bias", False))}

@@ -196,7 +196,11 @@ class _Rows:
 def _skipped(name: str, config: ModelConfig) -> bool:
     """Checkpoint tensors we never load: recomputed buffers, and the copy of a tied head some
     tied checkpoints still store; an encoder's pretraining heads and id buffers, and the pooler of
-    one that does not classify (embeddings pool the final hidden states, not the pooler's output)."""
+    one that does not classify (embeddings pool the final hidden states, not the pooler's output);
+    the multi-token-prediction layers DeepSeek-V3 and GLM-4.5 store after their decoder layers
+    (`num_nextn_predict_layers`: vLLM too skips them unless it drafts with them)."""
+    if _mtp_layer(name, config):
+        return True
     if config.is_encoder:
         enc = config.encoder
         return name in _ENCODER_IGNORED or name.startswith(_ENCODER_HEADS) or (
@@ -204,6 +208,14 @@ def _skipped(name: str, config: ModelConfig) -> bool:
             # ModernBERT's masked-LM head (its prediction head shares the classifiers' name)
             name.startswith("head.") and enc.family == "modernbert" and not enc.head)
     return name.endswith(_IGNORED_SUFFIXES) or (name == "lm_head.weight" and config.tie_word_embeddings)
+
+
+def _mtp_layer(name: str, config: ModelConfig) -> bool:
+    extra = config.raw.get("num_nextn_predict_layers") or 0
+    if not extra or not name.startswith("model.layers."):
+        return False
+    index = name.split(".", 3)[2]
+    return index.isdigit() and config.num_hidden_layers <= int(index) < config.num_hidden_layers + extra
 
 
 def _unexpected(name: str, file: str, config: ModelConfig) -> CheckpointError:

@@ -5,7 +5,7 @@ AutoModelForCausalLM), model.safetensors (fp32, seeded), tokenizer.json (byte-le
 on the bundled corpus) and tokenizer_config.json (bos/eos, chat template). Same arguments ->
 byte-identical files. `tiny_config(**overrides)` returns the config dict for variants (other
 head counts, tied embeddings, llama3 rope, Qwen2 with q/k/v biases, Mixtral / Qwen2-MoE /
-Qwen3-MoE experts, Gemma / Gemma 2 / Gemma 3, Phi-3 with its fused projections, Granite, OLMo 2, Cohere / Cohere 2, GLM / GLM-4, SmolLM3, EXAONE 4, DeepSeek-V2 / V3...); an override of None removes the key.
+Qwen3-MoE experts, Gemma / Gemma 2 / Gemma 3, Phi-3 with its fused projections, Granite, OLMo 2, Cohere / Cohere 2, GLM / GLM-4, SmolLM3, EXAONE 4, DeepSeek-V2 / V3, GLM-4.5...); an override of None removes the key.
 """
 
 from __future__ import annotations
@@ -127,6 +127,13 @@ def tiny_config(**overrides) -> dict:
         if v2:      # softmax routing over groups by their best score; no correction bias
             cfg.update(topk_method="group_limited_greedy", norm_topk_prob=False)
             cfg.pop("rope_interleave")
+    elif overrides.get("architectures") == ["Glm4MoeForCausalLM"]:
+        cfg["model_type"] = "glm4_moe"
+        cfg.pop("mlp_bias")
+        cfg.update(attention_bias=True, use_qk_norm=True, n_routed_experts=8, num_experts_per_tok=2, n_group=2,
+                   topk_group=1, moe_intermediate_size=64, n_shared_experts=1, first_k_dense_replace=1,
+                   routed_scaling_factor=2.5, norm_topk_prob=True, num_nextn_predict_layers=0,
+                   rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5})
     elif overrides.get("architectures") == ["SmolLM3ForCausalLM"]:
         cfg["model_type"] = "smollm3"
         cfg.pop("head_dim")
