@@ -1,7 +1,10 @@
-"""From-scratch Llama-family decoder (Llama, Qwen2, Qwen3, Mistral, Phi-3, Granite's multipliers;
-with routed experts Mixtral, Qwen2-MoE, Qwen3-MoE: raycluster.model.moe; Gemma, Gemma 2 and Gemma 3 with the changes their
-`GemmaSpec` lists: raycluster.model.gemma_config) in a flat, varlen layout over a paged KV cache.
-Parameter names are identical to Hugging Face's so checkpoints load directly.
+"""From-scratch Llama-family decoder in a flat, varlen layout over a paged KV cache: Llama,
+Qwen2 / Qwen3, Mistral, Phi-3, Granite, OLMo 2, Cohere, GLM-4, SmolLM3, EXAONE 4, Gemma 1-3, and
+with routed experts (raycluster.model.moe) Mixtral, Qwen-MoE, GLM-4.5 and DeepSeek-V2 / V3 (whose
+latent attention is raycluster.model.mla). One layer, parametrised by the config's family fields
+(norm kind and placement `BLOCK_NORMS`, q/k norms, biases, RoPE layout and layers without it,
+multipliers, soft caps). Parameter names are identical to Hugging Face's so checkpoints load
+directly.
 
 forward(input_ids [T], positions [T], kv_cache [L, N, 2, B, Hkv, D], meta) -> hidden [T, H];
 compute_logits(hidden [n, H]) -> [n, vocab] for just the rows the engine samples from. A step
