@@ -213,18 +213,19 @@ class DecoderLayer(nn.Module):
         """The hidden states' dtype (its norms keep it)."""
         return self._modules[next(n for n in self.norm_names if n is not None)].weight.dtype
 
-    def _norm(self, at: int, x: torch.Tensor) -> torch.Tensor:
+    def _normed(self, at: int, x: torch.Tensor) -> torch.Tensor:
+        """x through the layout's norm at position `at` of BLOCK_NORMS' tuple, if it has one."""
         name = self.norm_names[at]
         return x if name is None else self._modules[name](x)
 
     def forward(self, x, cos, sin, layer_kv, meta, backend, lora=None, index: int = 0):
-        h = self._norm(0, x)
+        h = self._normed(0, x)
         a = self.self_attn(h, cos, sin, layer_kv, meta, backend, lora, index)
         if self.parallel:
             return x + a + self.ffn(h, lora, index)
-        a = self._norm(1, a)
+        a = self._normed(1, a)
         x = x + (a if self.residual_multiplier == 1.0 else a * self.residual_multiplier)
-        m = self._norm(3, self.ffn(self._norm(2, x), lora, index))
+        m = self._normed(3, self.ffn(self._normed(2, x), lora, index))
         return x + (m if self.residual_multiplier == 1.0 else m * self.residual_multiplier)
 
 
