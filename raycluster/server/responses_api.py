@@ -32,10 +32,10 @@ from raycluster.server.streams import ClosingStreamingResponse
 
 # The chat request's names for the fields a Responses request spells differently.
 _CHAT_TO_RESPONSES = {"max_tokens": "max_output_tokens", "messages": "input", "response_format": "text.format"}
-# Chat fields a Responses request may not set through vLLM's extra sampling parameters.
-_NOT_PASSED = {"messages", "n", "stream", "stream_options", "max_tokens", "max_completion_tokens", "response_format",
-               "tools", "tool_choice", "parallel_tool_calls", "logprobs", "top_logprobs", "echo", "model",
-               "temperature", "top_p"}
+# Chat fields a Responses request may not set through vLLM's extra sampling parameters (its own
+# fields, e.g. `tools`, reach chat translated instead).
+_NOT_PASSED = {"messages", "n", "stream_options", "max_tokens", "max_completion_tokens", "response_format",
+               "logprobs", "echo"}
 
 
 class ResponsesInputError(ValueError):
