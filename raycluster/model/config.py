@@ -123,6 +123,9 @@ class ModelConfig:
     # interleaved pairs; q/k norms with one weight row per head; the logits' multiplier; layers
     # without any position embedding (Cohere 2's full-attention layers).
     layer_norm: bool = False
+    # StarCoder2: LayerNorm with a bias (torch's), and an ungated MLP c_fc -> GELU-tanh -> c_proj.
+    layer_norm_bias: bool = False
+    plain_mlp: bool = False
     rope_interleaved: bool = False
     qk_norm_per_head_weights: bool = False
     logit_scale: float = 1.0
@@ -322,8 +325,8 @@ class ModelConfig:
         else:
             eos_t = (int(eos),)
         bos = d.get("bos_token_id")
-        # transformers' defaults: Gemma and Cohere tie, the rest not.
-        tied = bool(d.get("tie_word_embeddings", gemma or arch in COHERE_ARCHITECTURES))
+        # transformers' defaults: Gemma, Cohere and StarCoder2 tie, the rest not.
+        tied = bool(d.get("tie_word_embeddings", gemma or arch in (*COHERE_ARCHITECTURES, "Starcoder2ForCausalLM")))
 
         return cls(
             architecture=arch, vocab_size=vocab, hidden_size=hidden, intermediate_size=inter,
@@ -404,7 +407,7 @@ def _sliding_layers(arch: str, d: dict[str, Any], layers: int) -> tuple[int | No
         raise ModelConfigError(f"config field 'sliding_window' has invalid value {d['sliding_window']!r}") from e
     if window < 1:
         raise ModelConfigError(f"config field 'sliding_window' = {window} must be at least 1")
-    if arch in ("MixtralForCausalLM", "MistralForCausalLM", "Phi3ForCausalLM"):
+    if arch in ("MixtralForCausalLM", "MistralForCausalLM", "Phi3ForCausalLM", "Starcoder2ForCausalLM"):
         return window, tuple(range(layers))
     if not d.get("use_sliding_window", False):
         return None, ()

@@ -11,6 +11,8 @@ reads them: which projections carry biases, and what each family changes in the 
 - SmolLM3: no RoPE on the layers `no_rope_layers` marks 0.
 - EXAONE 4: norms after each block's output, q/k norms per head; with a `sliding_window`, the
   sliding layers (`layer_types`, else three of every four) keep RoPE and the full ones use none.
+- StarCoder2: biases on every projection, LayerNorm with bias, an ungated GELU-tanh MLP (c_fc,
+  c_proj), a window on every layer when `sliding_window` is set.
 - GLM-4.5 (`Glm4MoeForCausalLM`): q/k/v biases, optional per-head q/k norms, DeepSeek-V3's routing.
 - DeepSeek-V2 / V3: multi-head latent attention (raycluster.model.mla); its routed experts are read
   with the other mixture-of-experts models (ModelConfig's `_moe`).
@@ -29,7 +31,7 @@ FUSED_PROJECTIONS = {"Phi3ForCausalLM": ("qkv_proj", "gate_up_proj"), "GlmForCau
                      "Glm4ForCausalLM": ("gate_up_proj",)}
 FAMILY_ARCHITECTURES = ("Phi3ForCausalLM", "GraniteForCausalLM", "Olmo2ForCausalLM", "GlmForCausalLM",
                         "Glm4ForCausalLM", "SmolLM3ForCausalLM", "Exaone4ForCausalLM", "DeepseekV2ForCausalLM",
-                        "DeepseekV3ForCausalLM", "Glm4MoeForCausalLM")
+                        "DeepseekV3ForCausalLM", "Glm4MoeForCausalLM", "Starcoder2ForCausalLM")
 
 
 def family_fields(arch: str, d: dict[str, Any], layers: int, error: Callable[[str], Exception]) -> dict[str, Any]:
@@ -42,6 +44,16 @@ def family_fields(arch: str, d: dict[str, Any], layers: int, error: Callable[[st
     if arch in ("GlmForCausalLM", "Glm4ForCausalLM"):
         return {"qkv_bias": bool(d.get("attention_bias", True)), "o_bias": False, "mlp_bias": False,
                 "rope_interleaved": True, "block_norms": "glm4" if arch == "Glm4ForCausalLM" else "pre"}
+    if arch == "Starcoder2ForCausalLM":     # biases everywhere (use_bias), LayerNorm, ungated GELU MLP
+        bias = bool(d.get("use_bias", True))
+        eps = d.get("norm_epsilon", 1e-5)
+        if isinstance(eps, bool) or not isinstance(eps, (int, float)) or eps <= 0:
+            raise error(f"config field 'norm_epsilon' must be a positive number, got {eps!r}")
+        act = d.get("hidden_act", "gelu_pytorch_tanh")
+        if act not in ("gelu_pytorch_tanh", "gelu_new"):
+            raise error(f"config field 'hidden_act' = {act!r} is not supported for {arch} (gelu_pytorch_tanh)")
+        return {"qkv_bias": bias, "o_bias": bias, "mlp_bias": bias, "layer_norm_bias": True, "plain_mlp": True,
+                "rms_norm_eps": float(eps)}
     if arch == "Glm4MoeForCausalLM":        # GLM-4.5: q/k/v biases, optional per-head q/k norms
         return {"qkv_bias": ab, "o_bias": False, "mlp_bias": False, "qk_norm": bool(d.get("use_qk_norm", False))}
     if arch in ("MistralForCausalLM", "MixtralForCausalLM", "Phi3ForCausalLM"):

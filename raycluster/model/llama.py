@@ -66,6 +66,8 @@ class BiasFreeLayerNorm(nn.Module):
 
 
 def _norm(cfg: ModelConfig, dim: int | tuple[int, ...]) -> nn.Module:
+    if cfg.layer_norm_bias:
+        return nn.LayerNorm(dim, eps=cfg.rms_norm_eps)
     if cfg.layer_norm:
         return BiasFreeLayerNorm(dim, cfg.rms_norm_eps)
     return (GemmaRMSNorm if cfg.gemma is not None else RMSNorm)(dim, cfg.rms_norm_eps)
@@ -157,6 +159,18 @@ class MLP(nn.Module):
         return _project(self.down_proj, h, lora, index, "down_proj")
 
 
+class PlainMLP(nn.Module):
+    """StarCoder2's ungated MLP: c_proj(gelu_tanh(c_fc(x))). No LoRA target names it."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.c_fc = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
+        self.c_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+
+    def forward(self, x, lora=None, index: int = 0):
+        return self.c_proj(_gelu_tanh(self.c_fc(x)))
+
+
 def _project(linear, x, lora, index: int, name: str):
     """linear(x) plus the step's adapters' update. A tensor-parallel rank's row-parallel layer
     (raycluster.parallel.shard.RowParallelLinear) sums partial outputs over the group: its
@@ -194,7 +208,7 @@ class DecoderLayer(nn.Module):
         sparse = cfg.is_moe_layer(index)
         # Registered under the checkpoint's name for it: Mixtral's `block_sparse_moe`, else `mlp`.
         self._ffn_name = "block_sparse_moe" if sparse and cfg.moe.mixtral_names else "mlp"
-        self.add_module(self._ffn_name, SparseMoE(cfg) if sparse else MLP(cfg))
+        self.add_module(self._ffn_name, SparseMoE(cfg) if sparse else PlainMLP(cfg) if cfg.plain_mlp else MLP(cfg))
         self.parallel = cfg.block_norms == "parallel"
         self.norm_names = BLOCK_NORMS[cfg.block_norms]
         for name in self.norm_names:

@@ -119,6 +119,9 @@ def load_adapter(path: str | os.PathLike, cfg: ModelConfig, name: str, dtype: to
         layer, group, module, ab = int(m[1]), m[2], m[3], m[4]
         if target_group(module) != group or module not in shapes or not 0 <= layer < cfg.num_hidden_layers:
             raise AdapterError(f"{name}: tensor {key!r} targets no projection of this model")
+        if group == "mlp" and cfg.plain_mlp:
+            raise AdapterError(f"{name}: tensor {key!r} targets an MLP projection; this model's MLP is "
+                               "c_fc / c_proj (StarCoder2), which adapters are not applied to here")
         if group == "mlp" and cfg.is_moe_layer(layer):
             raise AdapterError(f"{name}: tensor {key!r} targets the MLP of layer {layer}, a mixture-of-experts "
                                "layer (adapters on experts are not supported; attention projections are)")

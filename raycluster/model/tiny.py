@@ -5,7 +5,7 @@ AutoModelForCausalLM), model.safetensors (fp32, seeded), tokenizer.json (byte-le
 on the bundled corpus) and tokenizer_config.json (bos/eos, chat template). Same arguments ->
 byte-identical files. `tiny_config(**overrides)` returns the config dict for variants (other
 head counts, tied embeddings, llama3 rope, Qwen2 with q/k/v biases, Mixtral / Qwen2-MoE /
-Qwen3-MoE experts, Gemma / Gemma 2 / Gemma 3, Phi-3 with its fused projections, Granite, OLMo 2, Cohere / Cohere 2, GLM / GLM-4, SmolLM3, EXAONE 4, DeepSeek-V2 / V3, GLM-4.5...); an override of None removes the key.
+Qwen3-MoE experts, Gemma / Gemma 2 / Gemma 3, Phi-3 with its fused projections, Granite, OLMo 2, Cohere / Cohere 2, GLM / GLM-4, SmolLM3, EXAONE 4, DeepSeek-V2 / V3, GLM-4.5, StarCoder2...); an override of None removes the key.
 """
 
 from __future__ import annotations
@@ -127,6 +127,12 @@ def tiny_config(**overrides) -> dict:
         if v2:      # softmax routing over groups by their best score; no correction bias
             cfg.update(topk_method="group_limited_greedy", norm_topk_prob=False)
             cfg.pop("rope_interleave")
+    elif overrides.get("architectures") == ["Starcoder2ForCausalLM"]:
+        cfg["model_type"] = "starcoder2"
+        for k in ("mlp_bias", "attention_bias", "head_dim", "rms_norm_eps"):
+            cfg.pop(k)
+        cfg.update(use_bias=True, norm_epsilon=1e-5, hidden_act="gelu_pytorch_tanh", tie_word_embeddings=True,
+                   sliding_window=None, residual_dropout=0.0, embedding_dropout=0.0)
     elif overrides.get("architectures") == ["Glm4MoeForCausalLM"]:
         cfg["model_type"] = "glm4_moe"
         cfg.pop("mlp_bias")

@@ -70,8 +70,8 @@ from raycluster.parallel.vocab import ParallelLMHead, VocabParallelEmbedding, pa
 # o_proj; the projections into the latents (q_a_proj, kv_a_proj_with_mqa) are whole, and so is
 # the one latent KV head (replicated, as an MQA model's). Anything else (norms, a router, a
 # shared expert's gate) is whole on every rank.
-_COLUMN = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "w1", "w3", "q_b_proj", "kv_b_proj")
-_ROW = ("o_proj", "down_proj", "w2")
+_COLUMN = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "w1", "w3", "q_b_proj", "kv_b_proj", "c_fc")
+_ROW = ("o_proj", "down_proj", "w2", "c_proj")
 _KV = ("k_proj", "v_proj")      # rows by KV head (`kv_heads_of`)
 
 
@@ -224,8 +224,9 @@ def _shard_layer(cfg: ModelConfig, full_cfg: ModelConfig, rank: int, reduce: Cal
     attn.o_proj = _row_parallel(attn.o_proj, full_cfg.o_bias and rank == 0, reduce)
     if full_cfg.is_moe_layer(index):
         layer.ffn.reduce = reduce
-    else:
-        layer.mlp.down_proj = _row_parallel(layer.mlp.down_proj, full_cfg.mlp_bias and rank == 0, reduce)
+    else:       # the MLP's output projection: down_proj (StarCoder2's ungated MLP: c_proj)
+        out = "c_proj" if full_cfg.plain_mlp else "down_proj"
+        setattr(layer.mlp, out, _row_parallel(getattr(layer.mlp, out), full_cfg.mlp_bias and rank == 0, reduce))
     return layer
 
 
@@ -369,8 +370,10 @@ def load_shard(ckpt: Checkpoint, rank: int, tp: int, reduce: Callable[[torch.Ten
     read_embed = embed or (head and tied)
     if read_embed:
         wanted["model.embed_tokens.weight"] = vocab
+    # The final norm's parameters: its weight (and a LayerNorm's bias: StarCoder2).
+    norm_params = ["weight", "bias"] if full_cfg.layer_norm_bias else ["weight"]
     if norm:
-        wanted["model.norm.weight"] = WHOLE
+        wanted.update({f"model.norm.{p}": WHOLE for p in norm_params})
     if head and not tied:
         wanted["lm_head.weight"] = vocab
     tensors = load_tensors(ckpt.path, full_cfg, wanted, dtype, device)
@@ -382,7 +385,7 @@ def load_shard(ckpt: Checkpoint, rank: int, tp: int, reduce: Callable[[torch.Ten
     sharded = _assemble(full_cfg, rank, tp, reduce, layers, layer_state, expert_parallel)
     top = sharded.model
     if norm:
-        top.norm.load_state_dict({"weight": tensors["model.norm.weight"]}, assign=True)
+        top.norm.load_state_dict({p: tensors[f"model.norm.{p}"] for p in norm_params}, assign=True)
     else:
         top.norm = None
     if tp > 1:

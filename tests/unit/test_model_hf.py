@@ -95,6 +95,10 @@ VARIANTS = {
     "deepseek_v2": dict(architectures=["DeepseekV2ForCausalLM"], num_hidden_layers=3),
     # GLM-4.5: GQA with q/k/v biases, per-head q/k norms and half-width RoPE; DeepSeek-V3's routing.
     "glm4_moe": dict(architectures=["Glm4MoeForCausalLM"], num_hidden_layers=3),
+    # StarCoder2: biases everywhere, LayerNorm with bias, an ungated GELU MLP; a window on every layer.
+    "starcoder2": dict(architectures=["Starcoder2ForCausalLM"], num_hidden_layers=2),
+    "starcoder2_window": dict(architectures=["Starcoder2ForCausalLM"], num_hidden_layers=2, sliding_window=24,
+                              tie_word_embeddings=False),
     "phi3_longrope": dict(architectures=["Phi3ForCausalLM"], num_hidden_layers=2, max_position_embeddings=256,
                           original_max_position_embeddings=32, tie_word_embeddings=True, rope_parameters=LONGROPE),
     "phi3_longrope_short": dict(architectures=["Phi3ForCausalLM"], num_hidden_layers=2, max_position_embeddings=128,
@@ -164,7 +168,7 @@ def test_logits_match_transformers(variant, variant_dirs):
                                      "qwen2_window", "mixtral_window", "qwen2_moe", "qwen3_moe", "gemma2", "gemma3",
                                      "phi3_longrope", "phi3_window", "granite", "olmo2",
                                      "cohere_qk_norm", "cohere2", "glm4", "smollm3", "exaone4", "deepseek_v3",
-                                     "deepseek_v2", "glm4_moe"])
+                                     "deepseek_v2", "glm4_moe", "starcoder2_window"])
 def test_chunked_prefill_and_decode_match_unchunked(variant, variant_dirs):
     model, cfg = load_model(variant_dirs[variant])
     ids = _prompt(1 + 7 + 64 + 20, 2000, seed=3)

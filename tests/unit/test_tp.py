@@ -100,6 +100,8 @@ VARIANTS = {
     # replicated on each rank, grouped routing and a shared expert.
     "deepseek_v3": dict(architectures=["DeepseekV3ForCausalLM"], num_hidden_layers=3),
     "glm4_moe": dict(architectures=["Glm4MoeForCausalLM"], num_hidden_layers=3),
+    # StarCoder2: c_fc split by rows, c_proj by columns with its bias on rank 0.
+    "starcoder2": dict(architectures=["Starcoder2ForCausalLM"], num_hidden_layers=2),
 }
 
 
@@ -210,7 +212,8 @@ def same_as_single_runner(model, runner) -> ModelRunner:
                                         ("qwen2-odd", 4), ("mixtral", 2), ("qwen2-moe", 2), ("qwen3-moe", 4),
                                         ("gemma2", 2), ("gemma3", 4), ("phi3", 2),
                                         ("granite", 2), ("cohere2", 2), ("glm4", 2),
-                                        ("deepseek_v3", 2), ("deepseek_v3", 4), ("glm4_moe", 2)])
+                                        ("deepseek_v3", 2), ("deepseek_v3", 4), ("glm4_moe", 2),
+                                        ("starcoder2", 2)])
 def test_a_tp_group_gives_the_single_runners_logits_step_by_step(models, variant, tp):
     model = models[variant]
     runner = _group(model, tp)
