@@ -135,15 +135,14 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         if cos is not None:         # None: a layer without position embedding (Cohere 2's full layers)
             q, k = apply_rope(q, k, cos, sin, self.rope_interleaved)
-        if self.softcap is None:
-            o = backend.forward(layer_kv, q, k, v, meta, self.scale, window=self.window)
-        else:       # only the torch backend caps scores (kernels.get_attention_backend)
-            o = backend.forward(layer_kv, q, k, v, meta, self.scale, window=self.window, softcap=self.softcap)
+        o = backend.forward(layer_kv, q, k, v, meta, self.scale, window=self.window, softcap=self.softcap)
         o = o.reshape(t, self.num_heads * self.head_dim)
         return self.o_proj(o) if lora is None else _project(self.o_proj, o, lora, index, "o_proj")
 
 
 class MLP(nn.Module):
+    output_proj = "down_proj"       # the row-parallel projection on a tp rank (raycluster.parallel.shard)
+
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         h, i = cfg.hidden_size, cfg.intermediate_size
@@ -161,6 +160,7 @@ class MLP(nn.Module):
 
 class PlainMLP(nn.Module):
     """StarCoder2's ungated MLP: c_proj(gelu_tanh(c_fc(x))). No LoRA target names it."""
+    output_proj = "c_proj"
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()

@@ -69,8 +69,9 @@ def _shapes(cfg: ModelConfig) -> dict[str, tuple[int, int]]:
     """(out, in) of each projection a LoRA may target (a fused model's fused ones too)."""
     h, d, i = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
     q, kv = cfg.num_attention_heads * d, cfg.num_key_value_heads * d
-    shapes = {"q_proj": (q, h), "k_proj": (kv, h), "v_proj": (kv, h), "o_proj": (h, q),
-              "gate_proj": (i, h), "up_proj": (i, h), "down_proj": (h, i)}
+    shapes = {"q_proj": (q, h), "k_proj": (kv, h), "v_proj": (kv, h), "o_proj": (h, q)}
+    if not cfg.plain_mlp:       # StarCoder2's c_fc / c_proj take no adapter
+        shapes.update(gate_proj=(i, h), up_proj=(i, h), down_proj=(h, i))
     fused = {"qkv_proj": (q + 2 * kv, h), "gate_up_proj": (2 * i, h)}
     shapes.update({name: fused[name] for name in cfg.fused_projections})
     return shapes
@@ -119,9 +120,6 @@ def load_adapter(path: str | os.PathLike, cfg: ModelConfig, name: str, dtype: to
         layer, group, module, ab = int(m[1]), m[2], m[3], m[4]
         if target_group(module) != group or module not in shapes or not 0 <= layer < cfg.num_hidden_layers:
             raise AdapterError(f"{name}: tensor {key!r} targets no projection of this model")
-        if group == "mlp" and cfg.plain_mlp:
-            raise AdapterError(f"{name}: tensor {key!r} targets an MLP projection; this model's MLP is "
-                               "c_fc / c_proj (StarCoder2), which adapters are not applied to here")
         if group == "mlp" and cfg.is_moe_layer(layer):
             raise AdapterError(f"{name}: tensor {key!r} targets the MLP of layer {layer}, a mixture-of-experts "
                                "layer (adapters on experts are not supported; attention projections are)")

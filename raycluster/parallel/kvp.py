@@ -182,9 +182,12 @@ class KVPAttention:
         self.workspace = Workspace()
 
     def forward(self, layer_kv: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                meta: KVPMeta, scale: float, window: int | None = None) -> torch.Tensor:
-        if window is not None:      # the factory refuses kvp > 1 for sliding-window models
+                meta: KVPMeta, scale: float, window: int | None = None, softcap: float | None = None) -> torch.Tensor:
+        # The factory refuses kvp > 1 for sliding-window and soft-capped models.
+        if window is not None:
             raise ValueError(f"window: {window}: KV-parallel attention takes no sliding window")
+        if softcap is not None:
+            raise ValueError(f"softcap: {softcap}: KV-parallel attention caps no scores")
         if meta.write_idx.numel():
             write_kv(layer_kv, k.index_select(0, meta.write_idx), v.index_select(0, meta.write_idx), None,
                      slot_row=meta.write_rows)

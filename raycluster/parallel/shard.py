@@ -224,8 +224,8 @@ def _shard_layer(cfg: ModelConfig, full_cfg: ModelConfig, rank: int, reduce: Cal
     attn.o_proj = _row_parallel(attn.o_proj, full_cfg.o_bias and rank == 0, reduce)
     if full_cfg.is_moe_layer(index):
         layer.ffn.reduce = reduce
-    else:       # the MLP's output projection: down_proj (StarCoder2's ungated MLP: c_proj)
-        out = "c_proj" if full_cfg.plain_mlp else "down_proj"
+    else:
+        out = layer.mlp.output_proj
         setattr(layer.mlp, out, _row_parallel(getattr(layer.mlp, out), full_cfg.mlp_bias and rank == 0, reduce))
     return layer
 
