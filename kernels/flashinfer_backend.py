@@ -107,12 +107,15 @@ class FlashInferAttentionBackend:
 
     def forward(self, layer_kv: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 meta: AttentionMetadata, scale: float, window: int | None = None,
-                softcap: float | None = None) -> torch.Tensor:
+                softcap: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
         if window is not None:
             raise ValueError(f"window: {window}: the flashinfer backend takes no sliding window; "
                              "sliding-window models run on the torch backend (kernels.get_attention_backend)")
         if softcap is not None:
             raise ValueError(f"softcap: {softcap}: the flashinfer backend caps no scores; soft-capped models run "
+                             "on the torch backend (kernels.get_attention_backend)")
+        if sinks is not None:
+            raise ValueError("sinks: the flashinfer backend takes no attention sinks; models with them (gpt-oss) run "
                              "on the torch backend (kernels.get_attention_backend)")
         st = self._plan(meta, q, layer_kv, scale)
         batch_idx, positions, indices, indptr, last = st["append"]

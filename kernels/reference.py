@@ -1,6 +1,7 @@
 """Plain-formula attention used only by tests: dense per-request K/V,
 softmax(cap(Q K^T * scale) + bottom-right causal (optionally sliding-window) mask) V, with the LSE
-converted to base 2 (cap: Gemma 2's softcap * tanh(x / softcap), or none)."""
+converted to base 2 (cap: Gemma 2's softcap * tanh(x / softcap), or none; sinks: gpt-oss's
+per-head logit joining each softmax as one more column whose value is dropped)."""
 
 from __future__ import annotations
 
@@ -11,11 +12,12 @@ import torch
 
 def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
                         causal: bool = True, window: int | None = None,
-                        softcap: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                        softcap: float | None = None,
+                        sinks: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """q [n,Hq,D] (the last n tokens of the request), k/v [L,Hkv,D] (all its KV, L >= n).
     `window` (with causal): each query sees only the `window` latest keys up to itself, as
     Hugging Face's sliding-window mask (key position > query position - window).
-    Returns out [n,Hq,D] and base-2 lse [n,Hq], computed in fp64."""
+    Returns out [n,Hq,D] and base-2 lse [n,Hq] (of the scores without the sink), computed in fp64."""
     n, hq, d = q.shape
     L, hkv, _ = k.shape
     g = hq // hkv
@@ -32,6 +34,10 @@ def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale
             mask |= torch.arange(L)[None, :] <= qpos - window
         scores = scores.masked_fill(mask[None], float("-inf"))
     lse = torch.logsumexp(scores, dim=-1)  # [Hq, n]
-    p = torch.softmax(scores, dim=-1)
+    if sinks is None:
+        p = torch.softmax(scores, dim=-1)
+    else:
+        sink_col = sinks.double()[:, None, None].expand(hq, n, 1)
+        p = torch.softmax(torch.cat([scores, sink_col], dim=-1), dim=-1)[..., :-1]
     out = torch.einsum("hnl,lhd->nhd", p, vv)
     return out.to(q.dtype), (lse.T / math.log(2.0)).float()

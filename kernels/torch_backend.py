@@ -370,11 +370,20 @@ def paged_decode_attention(q: torch.Tensor, kv_layer: torch.Tensor, meta: Attent
     return out, lse_all
 
 
+def with_sinks(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:
+    """Attention with a learnt sink logit per head (gpt-oss) from the same attention without one:
+    the sink adds e^sink to each row's softmax denominator Z, which scales the row's output by
+    Z / (Z + e^sink) = sigmoid(ln Z - sink). out [T,Hq,D], base-2 lse [T,Hq], sinks [Hq]."""
+    keep = torch.sigmoid(lse / LOG2E - sinks.float())
+    return (out.float() * keep.unsqueeze(-1)).to(out.dtype)
+
+
 class TorchAttentionBackend:
     """Writes the step's K/V into one layer's paged cache, then attends (prefill + decode).
     `window`: the layer's sliding window (None: full causal attention); `softcap`: Gemma 2's cap
     on attention scores (None: none; capped layers take the unfused paths, which materialise
-    scores)."""
+    scores); `sinks`: gpt-oss's per-head sink logits [Hq] (None: none), applied through each
+    row's LSE (`with_sinks`)."""
 
     name = "torch"
     supports_sliding_window = True
@@ -384,18 +393,24 @@ class TorchAttentionBackend:
 
     def forward(self, layer_kv: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 meta: AttentionMetadata, scale: float, window: int | None = None,
-                softcap: float | None = None) -> torch.Tensor:
+                softcap: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
         c = meta.prepare(layer_kv.device)
         write_kv(layer_kv, k, v, meta.slot_mapping, c["slot_block"], c["slot_offset"], c["slot_row"])
         tp, td = meta.num_prefill_tokens, meta.num_decode_tokens
+        lse = sinks is not None
+        kw = dict(return_lse=lse, workspace=self.workspace, window=window, softcap=softcap)
         if td == 0:
-            return paged_prefill_attention(q, layer_kv, meta, scale, k=k, v=v, return_lse=False,
-                                           workspace=self.workspace, window=window, softcap=softcap)[0]
+            out, out_lse = paged_prefill_attention(q, layer_kv, meta, scale, k=k, v=v, **kw)
+            return out if sinks is None else with_sinks(out, out_lse, sinks)
         out = torch.empty_like(q)
+        out_lse = q.new_empty(q.shape[:2], dtype=torch.float32) if lse else None
         if tp:
-            out[:tp] = paged_prefill_attention(q[:tp], layer_kv, meta, scale, k=k[:tp], v=v[:tp],
-                                               return_lse=False, workspace=self.workspace, window=window,
-                                               softcap=softcap)[0]
-        out[tp:tp + td] = paged_decode_attention(q[tp:tp + td], layer_kv, meta, scale, return_lse=False,
-                                                 workspace=self.workspace, window=window, softcap=softcap)[0]
-        return out
+            o, l_ = paged_prefill_attention(q[:tp], layer_kv, meta, scale, k=k[:tp], v=v[:tp], **kw)
+            out[:tp] = o
+            if lse:
+                out_lse[:tp] = l_
+        o, l_ = paged_decode_attention(q[tp:tp + td], layer_kv, meta, scale, **kw)
+        out[tp:tp + td] = o
+        if lse:
+            out_lse[tp:tp + td] = l_
+        return out if sinks is None else with_sinks(out, out_lse, sinks)

@@ -59,7 +59,8 @@ import torch
 
 from kernels.rowcopy import index_copy
 from kernels.metadata import AttentionMetadata
-from kernels.torch_backend import LOG2E, Workspace, _attend, _gather_rows, merge_states, paged_decode_attention, write_kv
+from kernels.torch_backend import (LOG2E, Workspace, _attend, _gather_rows, merge_states, paged_decode_attention,
+                                   with_sinks, write_kv)
 from raycluster.engine.model_runner import execute_step, forward_keeping
 from raycluster.parallel.group import Collective
 from raycluster.parallel.head_kv import HeadKV
@@ -182,7 +183,9 @@ class KVPAttention:
         self.workspace = Workspace()
 
     def forward(self, layer_kv: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                meta: KVPMeta, scale: float, window: int | None = None, softcap: float | None = None) -> torch.Tensor:
+                meta: KVPMeta, scale: float, window: int | None = None, softcap: float | None = None,
+                sinks: torch.Tensor | None = None) -> torch.Tensor:
+        """`sinks` (gpt-oss's per-head sink logits) scale the merged state by its LSE (`with_sinks`)."""
         # The factory refuses kvp > 1 for sliding-window and soft-capped models.
         if window is not None:
             raise ValueError(f"window: {window}: KV-parallel attention takes no sliding window")
@@ -220,10 +223,11 @@ class KVPAttention:
             index_copy(out, 0, rows, od.float())
             index_copy(lse, 0, rows, ld)
         if self.coll is None or (meta.ranks is not None and len(meta.ranks) == 1):
-            return out.to(q.dtype)
-        states = self.coll.all_gather(state, meta.ranks).transpose(0, 1)   # [T, ranks, Hq * D + Hq]
-        merged, _ = merge_states(states[..., :hq * d].reshape(t, -1, hq, d), states[..., hq * d:])
-        return merged.to(q.dtype)
+            merged, merged_lse = out, lse
+        else:
+            states = self.coll.all_gather(state, meta.ranks).transpose(0, 1)   # [T, ranks, Hq * D + Hq]
+            merged, merged_lse = merge_states(states[..., :hq * d].reshape(t, -1, hq, d), states[..., hq * d:])
+        return (merged if sinks is None else with_sinks(merged, merged_lse, sinks)).to(q.dtype)
 
 
 def _merge_natural(o1, l1, o2, l2):

@@ -131,6 +131,31 @@ def test_soft_capped_scores_match_reference(softcap, window):
     assert (plain - ref).abs().max() > (0.05 if softcap < 1 else 1e-3)
 
 
+@pytest.mark.parametrize("window", [None, 20])
+@pytest.mark.parametrize("decode", [[], [4, 5, 6]])
+def test_attention_sinks_match_reference(window, decode):
+    """gpt-oss's per-head sink logits (each softmax's extra column, its value dropped) through a
+    prefill-only step and a mixed one, windowed or not; sinks large and small against the scores."""
+    hq, hkv, d = 8, 2, 32
+    scale = d ** -0.5
+    kv_lens = [30, 7 + 50, 64 + 17, 40, 1, 33, 100]
+    prefill = [(0, 1), (1, 7), (2, 64), (3, 40)]
+    s = PagedSetup(kv_lens, hkv, d, block_size=16, seed=5)
+    meta, k, v = step_inputs(s, prefill, decode)
+    q = torch.randn(meta.num_tokens, hq, d, generator=torch.Generator().manual_seed(6))
+    sinks = torch.tensor([-4.0, -1.0, 0.0, 0.5, 1.0, 2.0, 3.0, 6.0])
+    out = TorchAttentionBackend().forward(s.cache, q, k, v, meta, scale, window=window, sinks=sinks)
+    refs, row = [], 0
+    for i, n in prefill + [(j, 1) for j in decode]:
+        refs.append(reference_attention(q[row:row + n], s.k[i], s.v[i], scale, window=window, sinks=sinks)[0])
+        row += n
+    ref = torch.cat(refs)
+    torch.testing.assert_close(out, ref, atol=ATOL, rtol=0)
+    # A sink of 6 takes most of each softmax's mass; without sinks the output is far off.
+    plain = TorchAttentionBackend().forward(s.cache, q, k, v, meta, scale, window=window)
+    assert (plain - ref).abs().max() > 0.1
+
+
 def test_write_kv_slots():
     cache = torch.zeros(4, 2, 3, 2, 5)
     k = torch.randn(4, 2, 5)
