@@ -46,7 +46,7 @@ from safetensors.torch import save_file
 
 from raycluster.engine.config import EngineConfig
 from raycluster.engine.engine import LLMEngine
-from raycluster.model.loader import _weight_files
+from raycluster.model.checkpoint_files import weight_files
 from raycluster.model.registry import resolve_model_path
 from raycluster.request import SamplingParams
 
@@ -86,7 +86,7 @@ def write_first_layers(src: str, dst: str, num_layers: int) -> str:
         json.dump(cfg, f, indent=2)
     layer = re.compile(r"\.layers\.(\d+)\.")
     kept = {}
-    for file in _weight_files(src):
+    for file in weight_files(src):
         with safe_open(file, framework="pt") as f:
             for name in f.keys():
                 m = layer.search(name)

@@ -33,6 +33,7 @@ from raycluster.model.encoder_config import ENCODER_ARCHITECTURES, TOKEN_HEADS, 
 from raycluster.model.family_config import FAMILY_ARCHITECTURES, FUSED_PROJECTIONS, family_fields
 from raycluster.model.gemma_config import GEMMA_ARCHITECTURES, GemmaSpec, gemma3_ropes, gemma_fields
 from raycluster.model.generation_config import load_generation_config
+from raycluster.model.gpt_oss_config import ARCHITECTURE as GPT_OSS, gpt_oss_fields, gpt_oss_rope
 from raycluster.model.mla_config import MLASpec
 from raycluster.model.pooling import (PoolerConfig, PoolerConfigError, read_pooler_config,
                                       sentence_transformers_options)
@@ -41,7 +42,7 @@ from raycluster.model.rope_config import RopeConfigError, longrope_for_context, 
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM",
                            "MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM",
-                           *FAMILY_ARCHITECTURES, *GEMMA_ARCHITECTURES, *COHERE_ARCHITECTURES)
+                           *FAMILY_ARCHITECTURES, *GEMMA_ARCHITECTURES, *COHERE_ARCHITECTURES, GPT_OSS)
 # Base models saved without an output head (e5-mistral's MistralModel, embedding models written by
 # sentence-transformers): served as their causal LM's decoder, for pooling only unless tied.
 BASE_ARCHITECTURES = {"LlamaModel": "LlamaForCausalLM", "MistralModel": "MistralForCausalLM",
@@ -55,6 +56,9 @@ CLASSIFIER_ARCHITECTURES = {"LlamaForSequenceClassification": "LlamaForCausalLM"
                             "Qwen3ForSequenceClassification": "Qwen3ForCausalLM"}
 MOE_ARCHITECTURES = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", "DeepseekV2ForCausalLM",
                      "DeepseekV3ForCausalLM", "Glm4MoeForCausalLM")
+# Architectures served from no quantized checkpoint (raycluster.model.quant): Phi-3's fused
+# projections, DeepSeek's latent attention, gpt-oss's stacked experts (its own MXFP4 files aside).
+UNQUANTIZABLE = ("Phi3ForCausalLM", "DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM", GPT_OSS)
 
 
 class ModelConfigError(ValueError):
@@ -90,6 +94,15 @@ class MoEConfig:
     n_group: int = 1
     topk_group: int = 1
     routed_scaling: float = 1.0
+    # gpt-oss (raycluster.model.gpt_oss): every layer's experts stacked in three tensors with
+    # biases, a router with a bias whose top k logits are softmaxed, each expert's SwiGLU clamped
+    # at `swiglu_limit` (the gate above, up both sides) with sigmoid gain `swiglu_alpha`.
+    gpt_oss: bool = False
+    swiglu_alpha: float = 1.702
+    swiglu_limit: float = 7.0
+    # The checkpoint stores the experts' weights as MXFP4 blocks and scales (gpt-oss's released
+    # files: raycluster.model.quant.mxfp4), dequantized at load.
+    mxfp4: bool = False
 
 
 @dataclass
@@ -130,6 +143,8 @@ class ModelConfig:
     qk_norm_per_head_weights: bool = False
     logit_scale: float = 1.0
     nope_layers: tuple[int, ...] = ()
+    # gpt-oss: a learnt logit per attention head (`self_attn.sinks`) joining each softmax.
+    attention_sinks: bool = False
     partial_rotary_factor: float = 1.0  # the share of each head RoPE turns (its first dims)
     # Granite's multipliers (1.0 / None elsewhere): on the embeddings, on each block's output
     # before the residual add, as the attention scale (instead of head_dim ** -0.5), and the
@@ -200,8 +215,9 @@ class ModelConfig:
 
     @property
     def torch_attention_only(self) -> bool:
-        """Attention only the torch backend computes: sliding windows, Gemma 2's score caps."""
-        return bool(self.sliding_layers) or (self.gemma is not None and self.gemma.attn_softcap is not None)
+        """Attention only the torch backend computes: sliding windows, Gemma 2's score caps, sinks."""
+        return bool(self.sliding_layers) or self.attention_sinks or (
+            self.gemma is not None and self.gemma.attn_softcap is not None)
 
     @property
     def num_kv_groups(self) -> int:
@@ -272,10 +288,11 @@ class ModelConfig:
         if heads % kv_heads:
             raise ModelConfigError(
                 f"config field 'num_key_value_heads' = {kv_heads} does not divide num_attention_heads = {heads}")
-        eps = float(d.get("rms_norm_eps", 1e-6))    # Cohere's layer_norm_eps: cohere_fields
+        eps = float(d.get("rms_norm_eps", 1e-5 if arch == GPT_OSS else 1e-6))    # Cohere's layer_norm_eps: cohere_fields
 
         gemma = arch in GEMMA_ARCHITECTURES
-        global_rope, local_rope = gemma3_ropes(d) if arch == "Gemma3ForCausalLM" else (d, None)
+        global_rope, local_rope = gemma3_ropes(d) if arch == "Gemma3ForCausalLM" else \
+            (gpt_oss_rope(d), None) if arch == GPT_OSS else (d, None)
         try:
             theta, scaling, partial = parse_rope(global_rope)
         except RopeConfigError as e:
@@ -298,20 +315,26 @@ class ModelConfig:
                 family["gemma"] = dataclasses.replace(family["gemma"], local_rope_theta=local_theta)
         elif arch in COHERE_ARCHITECTURES:
             family = {"sliding_window": None, "sliding_layers": (), **cohere_fields(arch, d, layers, ModelConfigError)}
+        elif arch == GPT_OSS:       # its sliding layers, sinks and experts
+            family = gpt_oss_fields(d, layers, ModelConfigError)
         else:
             window, sliding = _sliding_layers(arch, d, layers)
             family = {"sliding_window": window, "sliding_layers": sliding}
-        moe = _moe(arch, d, layers) if arch in MOE_ARCHITECTURES else None
+        moe = _moe(arch, d, layers) if arch in MOE_ARCHITECTURES else family.pop("moe", None)
         # Gemma 3's max_position_embeddings already counts its global layers' linear scaling.
         max_len = max_pos if arch == "Gemma3ForCausalLM" else scaled_context(max_pos, scaling)
         scaling = longrope_for_context(scaling, max_len)
+        raw_quant = d.get("quantization_config")
+        if moe is not None and moe.mxfp4:     # gpt-oss's packed experts: dequantized at load, the rest dense
+            raw_quant = None
         try:
-            quant = parse_quant_config(d.get("quantization_config"))
+            quant = parse_quant_config(raw_quant)
         except QuantConfigError as e:
             raise ModelConfigError(str(e)) from None
-        if quant is not None and arch in ("Phi3ForCausalLM", "DeepseekV3ForCausalLM"):
+        if quant is not None and arch in UNQUANTIZABLE:
             raise ModelConfigError(f"config field 'quantization_config': quantized {arch} checkpoints (Phi-3's fused "
-                                   "projections, DeepSeek's latent attention) are not supported")
+                                   "projections, DeepSeek's latent attention, gpt-oss's stacked experts beyond its "
+                                   "MXFP4 files) are not supported")
         try:
             pooler = read_pooler_config(None, d)
         except PoolerConfigError as e:
@@ -373,7 +396,8 @@ def model_summary(cfg: ModelConfig) -> dict[str, Any]:
                         "dense": [d.path for d in pooler.dense], "size": pooler.output_size(cfg.hidden_size),
                         "matryoshka": pooler.matryoshka_dimensions or pooler.matryoshka},
             "labels": list(cfg.labels), "dtype": cfg.dtype,
-            "weights": "dense" if q is None else q.method + (f" {q.layout}" if q.layout != q.method else "")
+            "weights": ("mxfp4 experts, dequantized at load" if cfg.moe is not None and cfg.moe.mxfp4 else "dense")
+                       if q is None else q.method + (f" {q.layout}" if q.layout != q.method else "")
                        + f" {q.bits}-bit {q.strategy}" + (f" g{q.group_size}" if q.group_size else "")}
 
 

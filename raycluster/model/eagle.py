@@ -36,7 +36,7 @@ from torch import nn
 from raycluster.model.config import ModelConfig, ModelConfigError
 from raycluster.model.eagle3 import Eagle3Head, default_aux_layers
 from raycluster.model.llama import DecoderLayer
-from raycluster.model.loader import CheckpointError, _read_tensors, _weight_files
+from raycluster.model.checkpoint_files import CheckpointError, read_tensors, weight_files
 from raycluster.model.rope import RotaryEmbedding
 
 ARCHITECTURES = {"eagle": ("LlamaForCausalLM", "EagleLlamaForCausalLM"),
@@ -115,8 +115,8 @@ def _head_tensors(path: str) -> dict[str, torch.Tensor]:
     """The checkpoint's tensors under the head's own names (`model.` dropped, `midlayer.` ->
     `layers.0.`, `t2d` and rotary buffers dropped)."""
     tensors = {}
-    for file in _weight_files(path):
-        for name, tensor in _read_tensors(file):
+    for file in weight_files(path):
+        for name, tensor in read_tensors(file):
             name = name.removeprefix("model.")
             if name.startswith("midlayer."):
                 name = "layers.0." + name.removeprefix("midlayer.")

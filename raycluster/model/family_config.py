@@ -14,6 +14,8 @@ reads them: which projections carry biases, and what each family changes in the 
 - StarCoder2: biases on every projection, LayerNorm with bias, an ungated GELU-tanh MLP (c_fc,
   c_proj), a window on every layer when `sliding_window` is set.
 - GLM-4.5 (`Glm4MoeForCausalLM`): q/k/v biases, optional per-head q/k norms, DeepSeek-V3's routing.
+- gpt-oss: biases on q/k/v and o_proj unless `attention_bias` is false (its sinks, windows and
+  experts: raycluster.model.gpt_oss_config).
 - DeepSeek-V2 / V3: multi-head latent attention (raycluster.model.mla); its routed experts are read
   with the other mixture-of-experts models (ModelConfig's `_moe`).
 
@@ -56,6 +58,9 @@ def family_fields(arch: str, d: dict[str, Any], layers: int, error: Callable[[st
                 "rms_norm_eps": float(eps)}
     if arch == "Glm4MoeForCausalLM":        # GLM-4.5: q/k/v biases, optional per-head q/k norms
         return {"qkv_bias": ab, "o_bias": False, "mlp_bias": False, "qk_norm": bool(d.get("use_qk_norm", False))}
+    if arch == "GptOssForCausalLM":     # attention biases by default (its own fields: gpt_oss_config)
+        bias = bool(d.get("attention_bias", True))
+        return {"qkv_bias": bias, "o_bias": bias, "mlp_bias": False}
     if arch in ("MistralForCausalLM", "MixtralForCausalLM", "Phi3ForCausalLM"):
         return {"qkv_bias": False, "o_bias": False, "mlp_bias": False}
     out = {"qkv_bias": ab, "o_bias": ab, "mlp_bias": bool(d.get("mlp_bias", False))}

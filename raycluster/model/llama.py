@@ -1,7 +1,8 @@
 """From-scratch Llama-family decoder in a flat, varlen layout over a paged KV cache: Llama,
 Qwen2 / Qwen3, Mistral, Phi-3, Granite, OLMo 2, Cohere, GLM-4, SmolLM3, EXAONE 4, Gemma 1-3, and
 with routed experts (raycluster.model.moe) Mixtral, Qwen-MoE, GLM-4.5 and DeepSeek-V2 / V3 (whose
-latent attention is raycluster.model.mla). One layer, parametrised by the config's family fields
+latent attention is raycluster.model.mla), and gpt-oss (its experts: raycluster.model.gpt_oss;
+its attention sinks go to the attention backend). One layer, parametrised by the config's family fields
 (norm kind and placement `BLOCK_NORMS`, q/k norms, biases, RoPE layout and layers without it,
 multipliers, soft caps). Parameter names are identical to Hugging Face's so checkpoints load
 directly.
@@ -20,6 +21,7 @@ from torch import nn
 
 from kernels.metadata import AttentionMetadata
 from raycluster.model.config import ModelConfig
+from raycluster.model.gpt_oss import GptOssMoE
 from raycluster.model.mla import MLAttention
 from raycluster.model.moe import SparseMoE
 from raycluster.model.quant.linear import quantize_linears
@@ -103,6 +105,8 @@ class Attention(nn.Module):
         self.scale = cfg.gemma.attention_scale if cfg.gemma is not None else \
             cfg.attention_multiplier if cfg.attention_multiplier is not None else cfg.head_dim ** -0.5
         self.softcap = None if cfg.gemma is None else cfg.gemma.attn_softcap
+        # gpt-oss: one learnt logit per head joins its softmax (the backend applies it).
+        self.sinks = nn.Parameter(torch.empty(self.num_heads)) if cfg.attention_sinks else None
         h = cfg.hidden_size
         self.q_proj = nn.Linear(h, self.num_heads * self.head_dim, bias=cfg.qkv_bias)
         self.k_proj = nn.Linear(h, self.num_kv_heads * self.head_dim, bias=cfg.qkv_bias)
@@ -135,7 +139,8 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         if cos is not None:         # None: a layer without position embedding (Cohere 2's full layers)
             q, k = apply_rope(q, k, cos, sin, self.rope_interleaved)
-        o = backend.forward(layer_kv, q, k, v, meta, self.scale, window=self.window, softcap=self.softcap)
+        o = backend.forward(layer_kv, q, k, v, meta, self.scale, window=self.window, softcap=self.softcap,
+                            sinks=self.sinks)
         o = o.reshape(t, self.num_heads * self.head_dim)
         return self.o_proj(o) if lora is None else _project(self.o_proj, o, lora, index, "o_proj")
 
@@ -208,7 +213,9 @@ class DecoderLayer(nn.Module):
         sparse = cfg.is_moe_layer(index)
         # Registered under the checkpoint's name for it: Mixtral's `block_sparse_moe`, else `mlp`.
         self._ffn_name = "block_sparse_moe" if sparse and cfg.moe.mixtral_names else "mlp"
-        self.add_module(self._ffn_name, SparseMoE(cfg) if sparse else PlainMLP(cfg) if cfg.plain_mlp else MLP(cfg))
+        ffn = (GptOssMoE if cfg.moe.gpt_oss else SparseMoE)(cfg) if sparse else \
+            PlainMLP(cfg) if cfg.plain_mlp else MLP(cfg)
+        self.add_module(self._ffn_name, ffn)
         self.parallel = cfg.block_norms == "parallel"
         self.norm_names = BLOCK_NORMS[cfg.block_norms]
         for name in self.norm_names:

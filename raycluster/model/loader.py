@@ -8,24 +8,26 @@ or a `RowsPart`: a range of rows padded with zeros,
 read from the file with `safe_open(...).get_slice`, so the rest of the tensor is never read):
 a tensor-parallel or pipeline rank loads only its shard this way (raycluster.parallel.shard).
 Both check every checkpoint name against the model the config describes and every shape
-against the full tensor's."""
+against the full tensor's. gpt-oss's MXFP4 expert weights (a blocks and a scales tensor each,
+raycluster.model.quant.mxfp4) are read whole after the rest, dequantized, then cut. Which file
+holds which tensor: raycluster.model.checkpoint_files."""
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import json
 import os
 from dataclasses import dataclass
 from typing import Mapping
 
 import torch
-from safetensors import safe_open
 
 from raycluster.model.bert import BertEncoderModel
+from raycluster.model.checkpoint_files import (CheckpointError, file_names, open_checkpoint, read_named, read_tensors,
+                                               stored_names, weight_files)
 from raycluster.model.config import ModelConfig
 from raycluster.model.llama import LlamaForCausalLM
 from raycluster.model.quant.linear import Kernels, finalize_quantized
+from raycluster.model.quant.mxfp4 import packed_param, read_packed
 
 # Buffers some exporters save that we recompute ourselves.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -46,58 +48,6 @@ def build_model(config: ModelConfig, backend=None):
     return BertEncoderModel(config)
 
 
-class CheckpointError(ValueError):
-    """The safetensors weights are missing, corrupt, or do not fit the config."""
-
-
-def _weight_files(path: str) -> list[str]:
-    index = os.path.join(path, "model.safetensors.index.json")
-    single = os.path.join(path, "model.safetensors")
-    if os.path.exists(index):
-        files = sorted(set(_index_map(index).values()))
-        for fn in files:
-            if not os.path.exists(os.path.join(path, fn)):
-                raise CheckpointError(f"shard {fn!r} listed in {index} does not exist")
-        return [os.path.join(path, fn) for fn in files]
-    if os.path.exists(single):
-        return [single]
-    raise CheckpointError(f"no model.safetensors or model.safetensors.index.json in {path!r}")
-
-
-def _file_names(path: str) -> dict[str, set[str]] | None:
-    """With an index: the tensor names it maps to each file (full path). A file may hold more
-    (an hf_overrides classifier's index leaves out the shared files' lm_head): those are not the
-    checkpoint's. None without an index."""
-    index = os.path.join(path, "model.safetensors.index.json")
-    if not os.path.exists(index):
-        return None
-    out: dict[str, set[str]] = {}
-    for name, fn in _index_map(index).items():
-        out.setdefault(os.path.join(path, fn), set()).add(name)
-    return out
-
-
-def _index_map(index: str) -> dict[str, str]:
-    try:
-        with open(index) as f:
-            return json.load(f)["weight_map"]
-    except (json.JSONDecodeError, KeyError) as e:
-        raise CheckpointError(f"{index}: invalid index file ({e})") from e
-
-
-def _read_tensors(file: str, names: set[str] | None = None):
-    """(name, tensor) of each tensor in `file` (only `names` when given)."""
-    try:
-        with safe_open(file, framework="pt", device="cpu") as f:
-            for name in f.keys():
-                if names is None or name in names:
-                    yield name, f.get_tensor(name)
-    except CheckpointError:
-        raise
-    except Exception as e:  # safetensors raises its own error types for corrupt headers/data
-        raise CheckpointError(f"cannot read safetensors file {file!r}: {e}") from e
-
-
 def load_config(path: str | os.PathLike) -> ModelConfig:
     """The checkpoint's ModelConfig, with what its tensor names say (`bare_names`,
     `has_lm_head`: `checkpoint_layout`)."""
@@ -105,18 +55,6 @@ def load_config(path: str | os.PathLike) -> ModelConfig:
     if not os.path.exists(os.path.join(path, "config.json")):
         raise FileNotFoundError(f"model directory {path!r} has no config.json")
     return checkpoint_layout(ModelConfig.from_pretrained(path), path)
-
-
-def _stored_names(path: str) -> set[str]:
-    """Every tensor name of the checkpoint (the index's map, or the file's header)."""
-    index = os.path.join(path, "model.safetensors.index.json")
-    if os.path.exists(index):
-        return set(_index_map(index))
-    names: set[str] = set()
-    for file in _weight_files(path):
-        with _open(file) as f:
-            names.update(f.keys())
-    return names
 
 
 def checkpoint_layout(config: ModelConfig, path: str) -> ModelConfig:
@@ -127,7 +65,7 @@ def checkpoint_layout(config: ModelConfig, path: str) -> ModelConfig:
     if config.is_encoder:       # its names map both ways by `_param_name`
         return config
     try:
-        names = _stored_names(path)
+        names = stored_names(path)
     except CheckpointError:
         return config
     bare = bool(names) and not any(n.startswith("model.") for n in names) and \
@@ -261,6 +199,34 @@ def _check_missing(missing: set[str]) -> None:
         raise CheckpointError(f"missing tensors in checkpoint: {', '.join(names[:5])}{more}")
 
 
+def _packed(name: str, file: str, config: ModelConfig, shapes: dict[str, tuple[int, ...]]) -> bool:
+    """Whether checkpoint tensor `name` is half of an MXFP4 expert weight (gpt-oss: read whole by
+    `_unpacked` after the other tensors); the weight must be the model's."""
+    if config.moe is None or not config.moe.mxfp4:
+        return False
+    param = packed_param(name)
+    if param is None:
+        return False
+    if param not in shapes:
+        raise _unexpected(name, file, config)
+    return True
+
+
+def _unpacked(path: str, config: ModelConfig, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """Parameter `name`, stored as MXFP4 blocks and scales (either in any file), dequantized."""
+    try:
+        return read_packed(lambda stored: read_named(path, stored), _stored_name(name, config), shape, dtype)
+    except ValueError as e:
+        raise CheckpointError(str(e)) from None
+
+
+def _packed_params(config: ModelConfig, names) -> list[str]:
+    """The parameters among `names` a checkpoint stores as MXFP4."""
+    if config.moe is None or not config.moe.mxfp4:
+        return []
+    return [n for n in names if n.endswith(".mlp.experts.gate_up_proj") or n.endswith(".mlp.experts.down_proj")]
+
+
 def load_model(path: str | os.PathLike, dtype: torch.dtype = torch.float32,
                device: str | torch.device = "cpu", backend=None,
                quant_kernels: Kernels = "auto") -> tuple[LlamaForCausalLM | BertEncoderModel, ModelConfig]:
@@ -269,7 +235,7 @@ def load_model(path: str | os.PathLike, dtype: torch.dtype = torch.float32,
     `quant_kernels` says (raycluster.model.quant.linear)."""
     path = os.fspath(path)
     config = load_config(path)
-    files = _weight_files(path)
+    files = weight_files(path)
 
     # Build on the meta device so no memory or time is spent on random init.
     with torch.device("meta"):
@@ -279,11 +245,11 @@ def load_model(path: str | os.PathLike, dtype: torch.dtype = torch.float32,
     params = dict(model.named_parameters())
     shapes = {n: tuple(p.shape) for n, p in params.items()}
     loaded: set[str] = set()
-    mapped = _file_names(path)
+    mapped = file_names(path)
     for file in files:
-        for stored, tensor in _read_tensors(file, None if mapped is None else mapped.get(file, set())):
+        for stored, tensor in read_tensors(file, None if mapped is None else mapped.get(file, set())):
             name = _param_name(stored, config)
-            if _skipped(name, config):
+            if _skipped(name, config) or _packed(name, file, config, shapes):
                 continue
             pieces = fused_pieces(name, config)
             if pieces is not None:
@@ -300,6 +266,10 @@ def load_model(path: str | os.PathLike, dtype: torch.dtype = torch.float32,
                 with torch.no_grad():
                     p.copy_(_checked_value(name, part, p.dtype, dtype).reshape(p.shape))
                 loaded.add(piece)
+    for name in _packed_params(config, params):
+        with torch.no_grad():
+            params[name].copy_(_unpacked(path, config, name, shapes[name], dtype))
+        loaded.add(name)
     _check_missing(set(params) - loaded)
     finalize_quantized(model, quant_kernels)
     model.projector = checkpoint_projector(path, config, device)
@@ -399,11 +369,11 @@ def load_tensors(path: str | os.PathLike, config: ModelConfig, wanted: Mapping[s
     if unknown:
         raise ValueError(f"not parameters of this model: {', '.join(unknown)}")
     out: dict[str, torch.Tensor] = {}
-    mapped = _file_names(path)
-    for file in _weight_files(path):
+    mapped = file_names(path)
+    for file in weight_files(path):
         only = None if mapped is None else mapped.get(file, set())
         for batch in _batches(_checked_names(file, config, shapes, wanted, only)):
-            with _open(file) as f:
+            with open_checkpoint(file) as f:
                 for name in batch:
                     # The slice is a view into the mapped file (safetensors maps it; only the
                     # pages the slice covers are read): copy it out so the parameter owns
@@ -420,6 +390,9 @@ def load_tensors(path: str | os.PathLike, config: ModelConfig, wanted: Mapping[s
                     else:       # a padded part (`RowsPart`): the rows read, then zeros
                         out[name] = torch.zeros(shape, dtype=view.dtype, device=device)
                         out[name][:view.shape[0]].copy_(view)
+    for name in _packed_params(config, wanted):     # read whole, then cut
+        part = wanted[name].take(_unpacked(path, config, name, shapes[name], dtype))
+        out[name] = torch.empty(part.shape, dtype=dtype, device=device).copy_(part)
     _check_missing(set(wanted) - set(out))
     return out
 
@@ -432,30 +405,18 @@ def _sliceable(f, name: str, shape: tuple[int, ...]):
     return f.get_tensor(name).reshape(shape)
 
 
-@contextlib.contextmanager
-def _open(file: str):
-    """safe_open, its errors (corrupt header or data) as CheckpointError naming the file."""
-    try:
-        with safe_open(file, framework="pt", device="cpu") as f:
-            yield f
-    except CheckpointError:
-        raise
-    except Exception as e:  # safetensors raises its own error types for corrupt headers/data
-        raise CheckpointError(f"cannot read safetensors file {file!r}: {e}") from e
-
-
 def _checked_names(file: str, config: ModelConfig, shapes: dict[str, tuple[int, ...]],
                    wanted: Mapping[str, TensorPart], only: set[str] | None = None) -> list[str]:
     """The wanted tensors in `file`, after checking every name in it (in `only`, the index's for
     it, when given) is the model's and every wanted one has the model's shape (the header only:
     no tensor data is read)."""
     names = []
-    with _open(file) as f:
+    with open_checkpoint(file) as f:
         for stored in f.keys():
             if only is not None and stored not in only:
                 continue
             name = _param_name(stored, config)
-            if _skipped(name, config):
+            if _skipped(name, config) or _packed(name, file, config, shapes):
                 continue
             pieces = fused_pieces(name, config)
             if pieces is not None:

@@ -135,21 +135,33 @@ class SparseMoE(nn.Module):
     def forward(self, x: torch.Tensor, lora=None, index: int = 0) -> torch.Tensor:
         # `lora` is never given experts' updates: adapters on a sparse layer's MLP are refused at load.
         weights, ids = self.route(x)
-        k = self.top_k
-        flat = ids.flatten()
-        order = torch.argsort(flat, stable=True)      # (token, slot) pairs grouped by expert
-        counts = torch.bincount(flat, minlength=self.num_experts).tolist()
-        rows = order // k
-        pair_weights = weights.flatten()[order].unsqueeze(1)
-        out = torch.zeros_like(x)
-        start = sum(counts[:self.first])              # the pairs of the experts held elsewhere come first
-        for expert, n in zip(self.experts.values(), counts[self.first:]):
-            if n:
-                r = rows[start:start + n]
-                out.index_add_(0, r, (expert(x[r]) * pair_weights[start:start + n]).to(x.dtype))
-                start += n
+        experts = list(self.experts.values())
+        out = combine_experts(x, weights, ids, self.num_experts, self.first, len(experts),
+                              lambda e, rows: experts[e](rows))
         if self.shared_expert is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         elif self.moe.shared_intermediate_size:
             out = out + self.shared_experts(x)
         return self.reduce(out)
+
+
+def combine_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, num_experts: int, first: int,
+                    local: int, run: Callable[[int, torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """sum over each token's routed slots of weight * expert(x[token]), for the `local` experts
+    [first, first + local) this module holds (the rest contribute nothing here): `run(e, rows)`
+    is local expert e on its rows. Each expert runs once, on the rows routed to it, and adds to
+    the sum in expert order (as transformers does, so the sums round alike)."""
+    k = ids.shape[1]
+    flat = ids.flatten()
+    order = torch.argsort(flat, stable=True)      # (token, slot) pairs grouped by expert
+    counts = torch.bincount(flat, minlength=num_experts).tolist()
+    rows = order // k
+    pair_weights = weights.flatten()[order].unsqueeze(1)
+    out = torch.zeros_like(x)
+    start = sum(counts[:first])                   # the pairs of the experts held elsewhere come first
+    for e, n in enumerate(counts[first:first + local]):
+        if n:
+            r = rows[start:start + n]
+            out.index_add_(0, r, (run(e, x[r]) * pair_weights[start:start + n]).to(x.dtype))
+            start += n
+    return out

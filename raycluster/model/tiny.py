@@ -5,7 +5,7 @@ AutoModelForCausalLM), model.safetensors (fp32, seeded), tokenizer.json (byte-le
 on the bundled corpus) and tokenizer_config.json (bos/eos, chat template). Same arguments ->
 byte-identical files. `tiny_config(**overrides)` returns the config dict for variants (other
 head counts, tied embeddings, llama3 rope, Qwen2 with q/k/v biases, Mixtral / Qwen2-MoE /
-Qwen3-MoE experts, Gemma / Gemma 2 / Gemma 3, Phi-3 with its fused projections, Granite, OLMo 2, Cohere / Cohere 2, GLM / GLM-4, SmolLM3, EXAONE 4, DeepSeek-V2 / V3, GLM-4.5, StarCoder2...); an override of None removes the key.
+Qwen3-MoE experts, Gemma / Gemma 2 / Gemma 3, Phi-3 with its fused projections, Granite, OLMo 2, Cohere / Cohere 2, GLM / GLM-4, SmolLM3, EXAONE 4, DeepSeek-V2 / V3, GLM-4.5, StarCoder2, gpt-oss...); an override of None removes the key.
 """
 
 from __future__ import annotations
@@ -140,6 +140,15 @@ def tiny_config(**overrides) -> dict:
                    topk_group=1, moe_intermediate_size=64, n_shared_experts=1, first_k_dense_replace=1,
                    routed_scaling_factor=2.5, norm_topk_prob=True, num_nextn_predict_layers=0,
                    rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5})
+    elif overrides.get("architectures") == ["GptOssForCausalLM"]:
+        cfg["model_type"] = "gpt_oss"
+        cfg.pop("mlp_bias")
+        # 8 experts of 96 columns, 2 per token; a clamp that bites on the tiny activations; YaRN
+        # as the released models turn it; a window shorter than the tests' prompts.
+        cfg.update(attention_bias=True, num_local_experts=8, num_experts_per_tok=2, intermediate_size=96,
+                   swiglu_limit=0.3, sliding_window=24, router_aux_loss_coef=0.0, output_router_logits=False,
+                   rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0, "factor": 8.0, "beta_fast": 32.0,
+                                    "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 4096})
     elif overrides.get("architectures") == ["SmolLM3ForCausalLM"]:
         cfg["model_type"] = "smollm3"
         cfg.pop("head_dim")
@@ -227,7 +236,9 @@ def _init_weights(cfg: dict, seed: int) -> dict[str, torch.Tensor]:
             t = 0.1 * torch.randn(shape, generator=g)  # sharper attention than std 0.02
         elif name.endswith("e_score_correction_bias"):
             t = 0.1 * torch.randn(shape, generator=g)     # enough to change some choices
-        elif name.endswith(("mlp.gate.weight", "block_sparse_moe.gate.weight")):
+        elif name.endswith("self_attn.sinks"):
+            t = torch.randn(shape, generator=g)          # sinks that take a real share of each softmax
+        elif name.endswith(("mlp.gate.weight", "block_sparse_moe.gate.weight", "mlp.router.weight")):
             # A decisive router: rounding differences never flip which experts a token takes.
             t = 0.2 * torch.randn(shape, generator=g)
         else:

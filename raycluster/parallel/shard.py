@@ -141,9 +141,13 @@ def layer_part(name: str, rank: int, tp: int, num_kv_heads: int, experts: range 
     quantized checkpoint's config, whose tensors are cut along the dims running over the
     layer's output rows (column-split) or input columns (row-split): `formats.tensor_dims`."""
     parts = name.split(".")
+    module, param = parts[-2:]
+    if module == "experts":             # gpt-oss's stacked experts
+        return _stacked_expert_part(param, rank, tp, experts is not None)
+    if module == "self_attn" and param == "sinks":      # one per query head
+        return TensorPart(0, rank, tp)
     if experts is not None and "experts" in parts:
         return WHOLE if int(parts[parts.index("experts") + 1]) in experts else None
-    module, param = parts[-2:]
     # (dim over output rows, dim over input columns) of this tensor; None: it has no such dim.
     n_dim, k_dim = (0, 1) if param == "weight" else (0, None)
     if quant is not None and module in _COLUMN + _ROW and param != "bias" and quant.quantizes(name.rpartition(".")[0]):
@@ -158,6 +162,23 @@ def layer_part(name: str, rank: int, tp: int, num_kv_heads: int, experts: range 
             return WHOLE if rank == 0 else None
         return WHOLE if k_dim is None else TensorPart(k_dim, rank, tp)
     return WHOLE
+
+
+# gpt-oss's stacked experts ([E, ...] each): the dim holding a tp rank's intermediate columns
+# (gate_up's interleaved pairs stay together: a contiguous run of 2I / tp columns); None: the
+# down bias, added once, by rank 0.
+_STACKED_SPLIT = {"gate_up_proj": 2, "gate_up_proj_bias": 1, "down_proj": 1, "down_proj_bias": None}
+
+
+def _stacked_expert_part(param: str, rank: int, tp: int, expert_parallel: bool) -> TensorPart | None:
+    """A tp rank's part of a gpt-oss stacked expert tensor: under expert parallelism its share of
+    the experts (dim 0: `expert_range`'s contiguous share), else every expert's share of columns."""
+    if expert_parallel:
+        return TensorPart(0, rank, tp)
+    dim = _STACKED_SPLIT[param]
+    if dim is None:
+        return WHOLE if rank == 0 else None
+    return TensorPart(dim, rank, tp)
 
 
 def shard_layer_state(state: dict[str, torch.Tensor], rank: int, tp: int,
@@ -224,6 +245,8 @@ def _shard_layer(cfg: ModelConfig, full_cfg: ModelConfig, rank: int, reduce: Cal
     attn.o_proj = _row_parallel(attn.o_proj, full_cfg.o_bias and rank == 0, reduce)
     if full_cfg.is_moe_layer(index):
         layer.ffn.reduce = reduce
+        if full_cfg.moe.gpt_oss and not cfg.moe.local_experts and rank:
+            layer.ffn.experts.down_proj_bias = None     # each expert's bias joins the sum once, from rank 0
     else:
         out = layer.mlp.output_proj
         setattr(layer.mlp, out, _row_parallel(getattr(layer.mlp, out), full_cfg.mlp_bias and rank == 0, reduce))

@@ -107,6 +107,12 @@ VARIANTS = {
     "phi3_window": dict(architectures=["Phi3ForCausalLM"], num_hidden_layers=2, sliding_window=24,
                         tie_word_embeddings=True),
     "gemma2": dict(architectures=["Gemma2ForCausalLM"], num_hidden_layers=3),
+    # gpt-oss: attention sinks, even layers sliding, YaRN, biases on attention; 8 stacked experts
+    # behind a biased router, a clamped SwiGLU (interleaved gate / up). Every layer full, no
+    # attention biases: sinks on full layers alone.
+    "gpt_oss": dict(architectures=["GptOssForCausalLM"], num_hidden_layers=2),
+    "gpt_oss_full": dict(architectures=["GptOssForCausalLM"], num_hidden_layers=3, layer_types=["full_attention"] * 3,
+                         attention_bias=False),
     "gemma3": dict(architectures=["Gemma3ForCausalLM"], num_hidden_layers=3),
     "gemma3_legacy_rope": dict(architectures=["Gemma3ForCausalLM"], num_hidden_layers=2, rope_parameters=None,
                                rope_theta=1e6, rope_local_base_freq=500.0,
@@ -168,7 +174,7 @@ def test_logits_match_transformers(variant, variant_dirs):
                                      "qwen2_window", "mixtral_window", "qwen2_moe", "qwen3_moe", "gemma2", "gemma3",
                                      "phi3_longrope", "phi3_window", "granite", "olmo2",
                                      "cohere_qk_norm", "cohere2", "glm4", "smollm3", "exaone4", "deepseek_v3",
-                                     "deepseek_v2", "glm4_moe", "starcoder2_window"])
+                                     "deepseek_v2", "glm4_moe", "starcoder2_window", "gpt_oss"])
 def test_chunked_prefill_and_decode_match_unchunked(variant, variant_dirs):
     model, cfg = load_model(variant_dirs[variant])
     ids = _prompt(1 + 7 + 64 + 20, 2000, seed=3)

@@ -102,6 +102,9 @@ VARIANTS = {
     "glm4_moe": dict(architectures=["Glm4MoeForCausalLM"], num_hidden_layers=3),
     # StarCoder2: c_fc split by rows, c_proj by columns with its bias on rank 0.
     "starcoder2": dict(architectures=["Starcoder2ForCausalLM"], num_hidden_layers=2),
+    # gpt-oss: each rank's sinks are its heads'; every stacked expert's interleaved gate / up
+    # column pairs and down rows split, the down bias on rank 0; a window on the even layers.
+    "gpt_oss": dict(architectures=["GptOssForCausalLM"], num_hidden_layers=2),
 }
 
 
@@ -213,7 +216,7 @@ def same_as_single_runner(model, runner) -> ModelRunner:
                                         ("gemma2", 2), ("gemma3", 4), ("phi3", 2),
                                         ("granite", 2), ("cohere2", 2), ("glm4", 2),
                                         ("deepseek_v3", 2), ("deepseek_v3", 4), ("glm4_moe", 2),
-                                        ("starcoder2", 2)])
+                                        ("starcoder2", 2), ("gpt_oss", 2), ("gpt_oss", 4)])
 def test_a_tp_group_gives_the_single_runners_logits_step_by_step(models, variant, tp):
     model = models[variant]
     runner = _group(model, tp)

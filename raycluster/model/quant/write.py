@@ -31,6 +31,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from raycluster.model.config import UNQUANTIZABLE
 from raycluster.model.quant.config import QuantConfig, parse_quant_config
 from raycluster.model.quant.formats import AWQ_ORDER
 
@@ -189,8 +190,10 @@ def quantize_checkpoint(src: str, dst: str, scheme: str, group_size: int = 128) 
         config = json.load(f)
     if config.get("quantization_config"):
         raise ValueError(f"{src!r} is already quantized ({config['quantization_config'].get('quant_method')})")
-    if "Phi3ForCausalLM" in (config.get("architectures") or ()):
-        raise ValueError(f"{src!r} is a Phi-3 checkpoint: its fused qkv_proj / gate_up_proj are not served quantized")
+    arch = next(iter(config.get("architectures") or ()), None)
+    if arch in UNQUANTIZABLE:
+        raise ValueError(f"{src!r} is a {arch} checkpoint: its quantized form is not served (Phi-3's fused "
+                         "projections, DeepSeek's latent attention, gpt-oss's stacked experts)")
     raw = scheme_config(scheme, group_size)
     qc = parse_quant_config(raw)
     tensors = _read_all(src)

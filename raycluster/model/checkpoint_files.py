@@ -1,0 +1,99 @@
+"""Which files of a checkpoint directory hold which tensors, and reading them: model.safetensors
+or the shards a model.safetensors.index.json maps, with errors (`CheckpointError`) naming the file.
+The loader (raycluster.model.loader) and the EAGLE / draft readers go through these."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+
+import torch
+from safetensors import safe_open
+
+
+class CheckpointError(ValueError):
+    """The safetensors weights are missing, corrupt, or do not fit the config."""
+
+
+def weight_files(path: str) -> list[str]:
+    index = os.path.join(path, "model.safetensors.index.json")
+    single = os.path.join(path, "model.safetensors")
+    if os.path.exists(index):
+        files = sorted(set(index_map(index).values()))
+        for fn in files:
+            if not os.path.exists(os.path.join(path, fn)):
+                raise CheckpointError(f"shard {fn!r} listed in {index} does not exist")
+        return [os.path.join(path, fn) for fn in files]
+    if os.path.exists(single):
+        return [single]
+    raise CheckpointError(f"no model.safetensors or model.safetensors.index.json in {path!r}")
+
+
+def file_names(path: str) -> dict[str, set[str]] | None:
+    """With an index: the tensor names it maps to each file (full path). A file may hold more
+    (an hf_overrides classifier's index leaves out the shared files' lm_head): those are not the
+    checkpoint's. None without an index."""
+    index = os.path.join(path, "model.safetensors.index.json")
+    if not os.path.exists(index):
+        return None
+    out: dict[str, set[str]] = {}
+    for name, fn in index_map(index).items():
+        out.setdefault(os.path.join(path, fn), set()).add(name)
+    return out
+
+
+def index_map(index: str) -> dict[str, str]:
+    try:
+        with open(index) as f:
+            return json.load(f)["weight_map"]
+    except (json.JSONDecodeError, KeyError) as e:
+        raise CheckpointError(f"{index}: invalid index file ({e})") from e
+
+
+def read_tensors(file: str, names: set[str] | None = None):
+    """(name, tensor) of each tensor in `file` (only `names` when given)."""
+    try:
+        with safe_open(file, framework="pt", device="cpu") as f:
+            for name in f.keys():
+                if names is None or name in names:
+                    yield name, f.get_tensor(name)
+    except CheckpointError:
+        raise
+    except Exception as e:  # safetensors raises its own error types for corrupt headers/data
+        raise CheckpointError(f"cannot read safetensors file {file!r}: {e}") from e
+
+
+def stored_names(path: str) -> set[str]:
+    """Every tensor name of the checkpoint (the index's map, or the file's header)."""
+    index = os.path.join(path, "model.safetensors.index.json")
+    if os.path.exists(index):
+        return set(index_map(index))
+    names: set[str] = set()
+    for file in weight_files(path):
+        with open_checkpoint(file) as f:
+            names.update(f.keys())
+    return names
+
+
+@contextlib.contextmanager
+def open_checkpoint(file: str):
+    """safe_open, its errors (corrupt header or data) as CheckpointError naming the file."""
+    try:
+        with safe_open(file, framework="pt", device="cpu") as f:
+            yield f
+    except CheckpointError:
+        raise
+    except Exception as e:  # safetensors raises its own error types for corrupt headers/data
+        raise CheckpointError(f"cannot read safetensors file {file!r}: {e}") from e
+
+
+def read_named(path: str, stored: str) -> torch.Tensor | None:
+    """Checkpoint tensor `stored`, from whichever file holds it (None: no file does)."""
+    mapped = file_names(path)
+    files = [f for f, names in mapped.items() if stored in names] if mapped else weight_files(path)
+    for file in files:
+        with open_checkpoint(file) as f:
+            if stored in f.keys():
+                return f.get_tensor(stored)
+    return None
