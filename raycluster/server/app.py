@@ -48,7 +48,7 @@ from raycluster.server.classify import add_classify_routes
 from raycluster.server.pooling_api import add_pooling_routes
 from raycluster.server.lora_resolver import RESOLVER_DIR_ENV, LoRAResolver, resolver_dir
 from raycluster.server.lora_routes import RUNTIME_LORA_ENV, add_lora_routes, runtime_lora_allowed
-from raycluster.server.reasoning import REASONING_PARSERS, ReasoningStream, split_reasoning
+from raycluster.server.reasoning import REASONING_PARSERS, reasoning_stream, split_reasoning
 from raycluster.server.request_metrics import RequestMetrics, RequestMetricsSink
 from raycluster.server.streams import ClosingStreamingResponse, Stream, sse, usage_of
 from raycluster.engine.guided import Grammar, Regex
@@ -74,6 +74,15 @@ def _bad_request(message: str, param: str | None, status: int = 400) -> JSONResp
     return JSONResponse(error_body(message, param), status_code=status)
 
 
+
+
+def template_kwargs(body) -> dict | None:
+    """A chat (or tokenize) request's extra variables for the chat template: its
+    chat_template_kwargs, and its reasoning_effort unless they set one themselves."""
+    effort = getattr(body, "reasoning_effort", None)
+    if effort is None:
+        return body.chat_template_kwargs
+    return {"reasoning_effort": effort, **(body.chat_template_kwargs or {})}
 
 
 def build_app(engine, tokenizer, model_names: str | Sequence[str], api_keys: Sequence[str] = (),
@@ -236,6 +245,8 @@ def build_app(engine, tokenizer, model_names: str | Sequence[str], api_keys: Seq
             sampling.lora_adapter = model_name
         if body.bad_words:
             sampling.bad_words_token_ids = bad_words_token_ids(tokenizer, body.bad_words)
+        if thinking is not None and thinking.keeps_special_tokens and kind != "text_completion":
+            sampling.skip_special_tokens = False    # gpt-oss's channel markers are special tokens
         if guided is not None:
             guided.into(sampling)
         room = engine.max_model_len - max(len(ids) for ids, _ in prompts)
@@ -303,7 +314,7 @@ def build_app(engine, tokenizer, model_names: str | Sequence[str], api_keys: Seq
             usage_mode = "each" if opts and opts.include_usage and opts.continuous_usage_stats else \
                 "end" if opts and opts.include_usage else None
             calls = [ToolCallOutput(*tool) for _ in streams] if tool else None
-            reasoning = [ReasoningStream(thinking) for _ in streams] if thinking and kind != "text_completion" \
+            reasoning = [reasoning_stream(thinking) for _ in streams] if thinking and kind != "text_completion" \
                 else None
             body_iter = sse(streams, response_id, kind, model_name, n_prompt, body.n, usage_mode, calls, reasoning)
             return ClosingStreamingResponse(body_iter, media_type="text/event-stream",
@@ -397,7 +408,7 @@ def build_app(engine, tokenizer, model_names: str | Sequence[str], api_keys: Seq
                                                    add_generation_prompt=body.add_generation_prompt,
                                                    continue_final_message=body.continue_final_message,
                                                    tools=template_tools(body),
-                                                   template_kwargs=body.chat_template_kwargs)
+                                                   template_kwargs=template_kwargs(body))
         except ValueError as e:
             field = "chat_template_kwargs" if str(e).startswith("chat_template_kwargs") else \
                 "continue_final_message" if body.continue_final_message else "messages"

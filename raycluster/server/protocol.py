@@ -298,6 +298,8 @@ class ChatCompletionRequest(_GenerationFields):
     # vLLM's: special tokens on top of what the chat template writes (which places BOS itself).
     add_special_tokens: bool = False
     chat_template_kwargs: dict[str, Any] | None = None     # vLLM's: more variables for the template
+    # OpenAI's: how hard a reasoning model thinks; the chat template reads it (gpt-oss's does).
+    reasoning_effort: Literal["minimal", "low", "medium", "high"] | None = None
     tools: list[ToolDef] | None = Field(None, max_length=128)
     tool_choice: ToolChoice | None = None
     parallel_tool_calls: bool | None = None

@@ -8,8 +8,11 @@ two deltas is held back until it is whole, so a client never sees part of one. P
   reasoning, the rest content. As vLLM's.
 - `qwen3`: the output is reasoning only if it opens with `<think>`; otherwise (e.g. Qwen3 with
   `chat_template_kwargs: {"enable_thinking": false}`) all of it is content.
-A whole text splits as its deltas do (`split_reasoning`), so streamed and non-streamed responses
-agree. (vLLM's qwen3 parser calls an output that opens `<think>` but never closes it content
+- `openai_gptoss` (gpt-oss): its harmony channels (raycluster.server.harmony): the output is read
+  with its special tokens (`keeps_special_tokens`), analysis as reasoning, final as content, calls
+  to functions passed on in the content for the `openai` tool parser.
+A whole text splits as its deltas do (`split_reasoning`; `reasoning_stream` makes a parser's
+stream), so streamed and non-streamed responses agree. (vLLM's qwen3 parser calls an output that opens `<think>` but never closes it content
 when not streamed; here it is reasoning either way.)
 """
 
@@ -17,16 +20,30 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from raycluster.server.harmony import HarmonyStream
+
 START, END = "<think>", "</think>"
 
 
 @dataclass(frozen=True)
 class ReasoningFormat:
     opened_by_prompt: bool      # the output starts inside the reasoning (the template opened it)
+    harmony: bool = False       # gpt-oss's channels, not <think> tags
+
+    @property
+    def keeps_special_tokens(self) -> bool:
+        """Whether the parser reads the output's special tokens (its markers are special tokens)."""
+        return self.harmony
 
 
 REASONING_PARSERS = {"deepseek_r1": ReasoningFormat(opened_by_prompt=True),
-                     "qwen3": ReasoningFormat(opened_by_prompt=False)}
+                     "qwen3": ReasoningFormat(opened_by_prompt=False),
+                     "openai_gptoss": ReasoningFormat(opened_by_prompt=False, harmony=True)}
+
+
+def reasoning_stream(fmt: ReasoningFormat) -> "ReasoningStream | HarmonyStream":
+    """A fresh stream of the parser `fmt` for one choice's output."""
+    return HarmonyStream() if fmt.harmony else ReasoningStream(fmt)
 
 
 def _partial_suffix(text: str, tag: str) -> int:
@@ -77,5 +94,5 @@ class ReasoningStream:
 
 def split_reasoning(fmt: ReasoningFormat, text: str) -> tuple[str | None, str | None]:
     """(reasoning_content, content) of a whole output; None for a part that is empty."""
-    reasoning, content = ReasoningStream(fmt).feed(text, final=True)
+    reasoning, content = reasoning_stream(fmt).feed(text, final=True)
     return reasoning or None, content or None

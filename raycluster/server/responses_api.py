@@ -108,6 +108,8 @@ def to_chat(req: ResponsesRequest) -> ChatCompletionRequest:
         chat["tools"] = [_tool(t, i) for i, t in enumerate(req.tools)]
     if req.tool_choice is not None:
         chat["tool_choice"] = _tool_choice(req.tool_choice)
+    if req.reasoning and req.reasoning.get("effort") is not None:     # the chat's reasoning_effort
+        chat["reasoning_effort"] = req.reasoning["effort"]
     fmt = req.text.format if req.text is not None else None
     if fmt is not None and fmt.type == "json_schema":
         if fmt.schema_ is None:

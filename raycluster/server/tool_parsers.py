@@ -18,7 +18,10 @@ name as vLLM's `--tool-call-parser`:
   (only spaces / tabs before it on the line) and they run, space between them, to the end;
 - `deepseek_v3` (DeepSeek-V3 / R1): `<｜tool▁calls▁begin｜>`, then per call
   `<｜tool▁call▁begin｜>function<｜tool▁sep｜>NAME` and a ```json fenced arguments object before
-  `<｜tool▁call▁end｜>`, then `<｜tool▁calls▁end｜>`.
+  `<｜tool▁call▁end｜>`, then `<｜tool▁calls▁end｜>`;
+- `openai` (gpt-oss, with the `openai_gptoss` reasoning parser, which passes each harmony message
+  to a function on as `<|start|>assistant to=functions.NAME<|message|>ARGS<|call|>`): one call per
+  such message, its arguments JSON.
 
 A parser takes a choice's whole text and returns (content, calls): the text before the calls
 (None when there is none) and each call's name and arguments (a JSON string). A text whose calls
@@ -369,8 +372,23 @@ class DeepSeekV3Parser(MarkerParser):
         return calls
 
 
+class OpenAIParser(MarkerParser):
+    name = "openai"
+    MARK = "<|start|>assistant to=functions."
+    _CALL = re.compile(r"\s*<\|start\|>assistant to=functions\.([^\s<]+)<\|message\|>(.*?)<\|call\|>", re.S)
+
+    def _calls(self, text: str, at: int) -> list[ParsedCall]:
+        calls, i = [], at
+        while m := self._CALL.match(text, i):
+            calls.append(ParsedCall(m.group(1), _json(json.loads(m.group(2)))))
+            i = m.end()
+        if text[i:].strip():
+            raise ValueError("not a call")
+        return calls
+
+
 TOOL_PARSERS = {p.name: p for p in (HermesParser, Llama3JsonParser, MistralParser, PythonicParser,
-                                    Llama4PythonicParser, Qwen3CoderParser, DeepSeekV3Parser)}
+                                    Llama4PythonicParser, Qwen3CoderParser, DeepSeekV3Parser, OpenAIParser)}
 
 
 def tool_parser(name: str | None):

@@ -480,6 +480,57 @@ def test_x_request_id_names_the_response_and_requests_are_logged(tiny_model_dir,
     assert not any("secret" in m for m in lines)
 
 
+def test_gpt_oss_harmony_channels_come_back_as_reasoning_content_and_tool_calls(tiny_model_dir):
+    """--reasoning-parser openai_gptoss with --tool-call-parser openai: harmony output (forced by a
+    regex) comes back as reasoning_content, content and tool_calls, the same streamed and not; chat
+    requests are decoded with their special tokens (harmony's markers are special tokens), plain
+    completions as asked."""
+    model, tok = tiny_parts(tiny_model_dir)
+    cfg = EngineConfig(kv_cache_tokens=4096, policy="fcfs", packer="token")
+    think = r"<\|channel\|>analysis<\|message\|>[a-z]{3,6}<\|end\|><\|start\|>assistant"
+    answer = think + r"<\|channel\|>final<\|message\|>[a-z]{2,5}"
+    call = think + r' to=functions\.get_weather<\|channel\|>commentary json<\|message\|>\{"city": "[a-z]{3,6}"\}<\|call\|>'
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}}}}}]
+    with serve_engine(cfg, model, tok, reasoning_parser="openai_gptoss", tool_call_parser="openai") as (url, aeng):
+        seen = []
+        generate = aeng.generate
+
+        def recording(rid, ids, sampling, **kw):
+            seen.append(sampling.skip_special_tokens)
+            return generate(rid, ids, sampling, **kw)
+        aeng.generate = recording
+        # The tiny tokenizer spells the markers out in pieces: room for them.
+        body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 300, "temperature": 0,
+                "structured_outputs": {"regex": answer}}
+        msg = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=60).json()["choices"][0]["message"]
+        raw = httpx.post(f"{url}/v1/completions", timeout=60, json={
+            "prompt": tok.apply_chat_template(body["messages"], tokenize=True), "max_tokens": 300,
+            "temperature": 0, "structured_outputs": {"regex": answer}}).json()["choices"][0]["text"]
+        assert seen == [False, True]
+        thought = raw.split("<|message|>")[1].split("<|end|>")[0]
+        assert (msg["reasoning_content"], msg["content"]) == (thought, raw.split("<|message|>")[2])
+        with httpx.stream("POST", f"{url}/v1/chat/completions", json={**body, "stream": True}, timeout=60) as r:
+            deltas = [json.loads(line[6:])["choices"][0]["delta"] for line in r.iter_lines()
+                      if line.startswith("data: ") and line != "data: [DONE]"]
+        assert "".join(d.get("reasoning_content") or "" for d in deltas) == thought
+        assert "".join(d.get("content") or "" for d in deltas) == msg["content"]
+        tool_body = {**body, "tools": tools, "tool_choice": "auto", "structured_outputs": {"regex": call}}
+        choice = httpx.post(f"{url}/v1/chat/completions", json=tool_body, timeout=60).json()["choices"][0]
+        assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] is None
+        assert choice["message"]["reasoning_content"]
+        [tc] = choice["message"]["tool_calls"]
+        assert tc["function"]["name"] == "get_weather" and set(json.loads(tc["function"]["arguments"])) == {"city"}
+        with httpx.stream("POST", f"{url}/v1/chat/completions", json={**tool_body, "stream": True}, timeout=60) as r:
+            chunks = [json.loads(line[6:])["choices"][0] for line in r.iter_lines()
+                      if line.startswith("data: ") and line != "data: [DONE]"]
+        streamed = [c for ch in chunks for c in ch["delta"].get("tool_calls") or []]
+        assert streamed[0]["function"]["name"] == "get_weather"
+        assert "".join(c["function"].get("arguments") or "" for c in streamed) == tc["function"]["arguments"]
+        assert chunks[-1]["finish_reason"] == "tool_calls"
+        assert all_free(aeng)
+
+
 @pytest.mark.parametrize("parser", ["deepseek_r1", "qwen3"])
 def test_reasoning_parser_splits_thinking_from_the_answer(tiny_model_dir, parser):
     """vLLM's --reasoning-parser: the model's output (forced here by a regex to think, then
