@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+from typing import Callable
 
 import torch
 from safetensors import safe_open
@@ -51,12 +52,12 @@ def index_map(index: str) -> dict[str, str]:
         raise CheckpointError(f"{index}: invalid index file ({e})") from e
 
 
-def read_tensors(file: str, names: set[str] | None = None):
-    """(name, tensor) of each tensor in `file` (only `names` when given)."""
+def read_tensors(file: str, names: set[str] | None = None, skip: Callable[[str], bool] | None = None):
+    """(name, tensor) of each tensor in `file` (only `names` when given; none `skip` says, unread)."""
     try:
         with safe_open(file, framework="pt", device="cpu") as f:
             for name in f.keys():
-                if names is None or name in names:
+                if (names is None or name in names) and (skip is None or not skip(name)):
                     yield name, f.get_tensor(name)
     except CheckpointError:
         raise

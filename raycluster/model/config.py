@@ -31,14 +31,16 @@ from typing import Any
 from raycluster.model.cohere_config import COHERE_ARCHITECTURES, cohere_fields
 from raycluster.model.encoder_config import ENCODER_ARCHITECTURES, TOKEN_HEADS, EncoderSpec, encoder_fields
 from raycluster.model.family_config import FAMILY_ARCHITECTURES, FUSED_PROJECTIONS, family_fields
-from raycluster.model.gemma_config import GEMMA_ARCHITECTURES, GemmaSpec, gemma3_ropes, gemma_fields
+from raycluster.model.gemma_config import GEMMA_ARCHITECTURES, GemmaSpec, gemma_fields
 from raycluster.model.generation_config import load_generation_config
 from raycluster.model.gpt_oss_config import ARCHITECTURE as GPT_OSS, gpt_oss_fields, gpt_oss_rope
 from raycluster.model.mla_config import MLASpec
+from raycluster.model.multimodal_config import MULTIMODAL_ARCHITECTURES, text_config_of
 from raycluster.model.pooling import (PoolerConfig, PoolerConfigError, read_pooler_config,
                                       sentence_transformers_options)
 from raycluster.model.quant.config import QuantConfig, QuantConfigError, parse_quant_config
-from raycluster.model.rope_config import RopeConfigError, longrope_for_context, parse_rope, scaled_context
+from raycluster.model.rope_config import (RopeConfigError, layer_type_ropes, longrope_for_context, parse_rope,
+                                          scaled_context)
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM",
                            "MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM",
@@ -145,6 +147,8 @@ class ModelConfig:
     nope_layers: tuple[int, ...] = ()
     # gpt-oss: a learnt logit per attention head (`self_attn.sinks`) joining each softmax.
     attention_sinks: bool = False
+    # Gemma 3, OLMo 3: the sliding layers' own plain RoPE base (None: every layer turns alike).
+    sliding_rope_theta: float | None = None
     partial_rotary_factor: float = 1.0  # the share of each head RoPE turns (its first dims)
     # Granite's multipliers (1.0 / None elsewhere): on the embeddings, on each block's output
     # before the residual add, as the attention scale (instead of head_dim ** -0.5), and the
@@ -179,6 +183,10 @@ class ModelConfig:
     encoder: EncoderSpec | None = None
     # What a Gemma-family decoder does differently (raycluster.model.gemma_config); None: not one.
     gemma: GemmaSpec | None = None
+    # An image-text checkpoint served on its text alone (raycluster.model.multimodal_config): its
+    # architecture, and the prefix its text model's tensors carry (the loader reads it off the names).
+    multimodal: str | None = None
+    text_prefix: str = ""
     raw: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
 
     def window_of(self, layer: int) -> int | None:
@@ -261,12 +269,19 @@ class ModelConfig:
         arch = archs[0]
         if arch in ENCODER_ARCHITECTURES:
             return cls._encoder(arch, d)
+        if arch in MULTIMODAL_ARCHITECTURES:
+            _, text = text_config_of(arch, d, ModelConfigError)
+            try:
+                cfg = cls.from_dict(text)
+            except ModelConfigError as e:      # its fields are the text config's
+                raise ModelConfigError(str(e).replace("config field '", "config field 'text_config.", 1)) from None
+            return dataclasses.replace(cfg, multimodal=arch, raw=dict(d))
         headless, classifier = arch in BASE_ARCHITECTURES, arch in CLASSIFIER_ARCHITECTURES
         arch = BASE_ARCHITECTURES.get(arch) or CLASSIFIER_ARCHITECTURES.get(arch) or arch
         if arch not in SUPPORTED_ARCHITECTURES:
             raise ModelConfigError(
                 f"config field 'architectures' = {archs!r} is not supported (supported: "
-                f"{', '.join(SUPPORTED_ARCHITECTURES + tuple(BASE_ARCHITECTURES) + tuple(CLASSIFIER_ARCHITECTURES) + tuple(ENCODER_ARCHITECTURES))})")
+                f"{', '.join(SUPPORTED_ARCHITECTURES + tuple(BASE_ARCHITECTURES) + tuple(CLASSIFIER_ARCHITECTURES) + tuple(ENCODER_ARCHITECTURES) + MULTIMODAL_ARCHITECTURES)})")
         labels = _labels(d) if classifier else ()
 
         def req(name: str, typ=int):
@@ -291,12 +306,19 @@ class ModelConfig:
         eps = float(d.get("rms_norm_eps", 1e-5 if arch == GPT_OSS else 1e-6))    # Cohere's layer_norm_eps: cohere_fields
 
         gemma = arch in GEMMA_ARCHITECTURES
-        global_rope, local_rope = gemma3_ropes(d) if arch == "Gemma3ForCausalLM" else \
+        # Gemma 3's and OLMo 3's sliding layers turn by their own plain RoPE.
+        global_rope, local_rope = \
+            layer_type_ropes(d, d.get("rope_local_base_freq", 10000.0)) if arch == "Gemma3ForCausalLM" else \
+            layer_type_ropes(d, d.get("rope_theta", 500000.0)) if arch == "Olmo3ForCausalLM" else \
             (gpt_oss_rope(d), None) if arch == GPT_OSS else (d, None)
         try:
             theta, scaling, partial = parse_rope(global_rope)
+            local_theta, local_scaling, _ = parse_rope(local_rope) if local_rope is not None else (None, None, 1.0)
         except RopeConfigError as e:
             raise ModelConfigError(str(e)) from None
+        if local_scaling:
+            raise ModelConfigError("config field 'rope_parameters.sliding_attention': only the default RoPE is "
+                                   f"supported on {arch}'s sliding layers")
 
         # Biases and the family's own fields (raycluster.model.family_config; its sliding fields,
         # EXAONE 4's, replace the generic reading below).
@@ -304,15 +326,6 @@ class ModelConfig:
         if gemma:
             own["mlp_bias"] = False
             family = gemma_fields(arch, d, layers, head_dim, ModelConfigError)
-            if local_rope is not None:
-                try:
-                    local_theta, local_scaling, _ = parse_rope(local_rope)
-                except RopeConfigError as e:
-                    raise ModelConfigError(str(e)) from None
-                if local_scaling:
-                    raise ModelConfigError("config field 'rope_parameters.sliding_attention': only the default "
-                                           "RoPE is supported on Gemma 3's sliding layers")
-                family["gemma"] = dataclasses.replace(family["gemma"], local_rope_theta=local_theta)
         elif arch in COHERE_ARCHITECTURES:
             family = {"sliding_window": None, "sliding_layers": (), **cohere_fields(arch, d, layers, ModelConfigError)}
         elif arch == GPT_OSS:       # its sliding layers, sinks and experts
@@ -364,6 +377,7 @@ class ModelConfig:
             bos_token_id=int(bos) if bos is not None else None, eos_token_id=eos_t,
             dtype=d.get("dtype") or d.get("torch_dtype"), moe=moe, quant=quant, pooler=pooler, raw=dict(d),
             partial_rotary_factor=partial, fused_projections=FUSED_PROJECTIONS.get(arch, ()),
+            sliding_rope_theta=local_theta,
             **{"rms_norm_eps": eps, **family, **own})
 
     @classmethod
@@ -392,6 +406,7 @@ def model_summary(cfg: ModelConfig) -> dict[str, Any]:
     pooler = cfg.pooler
     q = cfg.quant
     return {"architecture": cfg.raw.get("architectures", [cfg.architecture])[0], "tasks": tasks,
+            "text_only": cfg.multimodal is not None,
             "pooling": {"type": pooler.pooling_type, "normalize": pooler.normalize, "source": pooler.source,
                         "dense": [d.path for d in pooler.dense], "size": pooler.output_size(cfg.hidden_size),
                         "matryoshka": pooler.matryoshka_dimensions or pooler.matryoshka},

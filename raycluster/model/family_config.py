@@ -5,7 +5,9 @@ reads them: which projections carry biases, and what each family changes in the 
 - Qwen2: q/k/v biases always; Qwen3: `attention_bias` on q/k/v and o_proj, q/k norms per head.
 - Phi-3: q/k/v and gate/up stored fused (split at load).
 - Granite: embedding, residual and attention multipliers, a logits divisor.
-- OLMo 2: norms after each block's output only, q/k norms across all heads.
+- OLMo 2: norms after each block's output only, q/k norms across all heads. OLMo 3: the same, with
+  sliding layers (`layer_types`, else three of every four) under `sliding_window` (default 4096),
+  their RoPE plain at their own base (ModelConfig's `sliding_rope_theta`).
 - GLM-4 / GLM-4-0414: gate/up fused, q/k/v biases, RoPE on interleaved pairs; GLM-4-0414's norms
   after attention and the MLP as well.
 - SmolLM3: no RoPE on the layers `no_rope_layers` marks 0.
@@ -31,7 +33,7 @@ from raycluster.model.mla_config import mla_fields
 
 FUSED_PROJECTIONS = {"Phi3ForCausalLM": ("qkv_proj", "gate_up_proj"), "GlmForCausalLM": ("gate_up_proj",),
                      "Glm4ForCausalLM": ("gate_up_proj",)}
-FAMILY_ARCHITECTURES = ("Phi3ForCausalLM", "GraniteForCausalLM", "Olmo2ForCausalLM", "GlmForCausalLM",
+FAMILY_ARCHITECTURES = ("Phi3ForCausalLM", "GraniteForCausalLM", "Olmo2ForCausalLM", "Olmo3ForCausalLM", "GlmForCausalLM",
                         "Glm4ForCausalLM", "SmolLM3ForCausalLM", "Exaone4ForCausalLM", "DeepseekV2ForCausalLM",
                         "DeepseekV3ForCausalLM", "Glm4MoeForCausalLM", "Starcoder2ForCausalLM")
 
@@ -68,6 +70,8 @@ def family_fields(arch: str, d: dict[str, Any], layers: int, error: Callable[[st
         out.update(_granite(d, error))
     elif arch == "Olmo2ForCausalLM":
         out.update(qk_norm_across_heads=True, block_norms="post")
+    elif arch == "Olmo3ForCausalLM":
+        out.update(qk_norm_across_heads=True, block_norms="post", **_olmo3_layers(d, layers, error))
     elif arch == "SmolLM3ForCausalLM":
         out["nope_layers"] = _smollm3_nope(d, layers, error)
     elif arch == "Exaone4ForCausalLM":
@@ -98,6 +102,21 @@ def _smollm3_nope(d: dict[str, Any], layers: int, error) -> tuple[int, ...]:
     if not isinstance(flags, list) or len(flags) != layers or any(f not in (0, 1) for f in flags):
         raise error(f"config field 'no_rope_layers' must list a 0 or 1 per layer ({layers})")
     return tuple(i for i, use in enumerate(flags) if not use)
+
+
+def _olmo3_layers(d: dict[str, Any], layers: int, error) -> dict[str, Any]:
+    window = d.get("sliding_window", 4096)
+    if window is None:
+        return {"sliding_window": None, "sliding_layers": ()}
+    if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+        raise error(f"config field 'sliding_window' must be a positive int, got {window!r}")
+    layer_types = d.get("layer_types")
+    if layer_types is None:
+        layer_types = ["sliding_attention" if (i + 1) % 4 else "full_attention" for i in range(layers)]
+    if not isinstance(layer_types, list) or len(layer_types) != layers:
+        raise error(f"config field 'layer_types' must list one type per layer ({layers})")
+    sliding = tuple(i for i, t in enumerate(layer_types) if t == "sliding_attention")
+    return {"sliding_window": window if sliding else None, "sliding_layers": sliding}
 
 
 def _exaone4_layers(d: dict[str, Any], layers: int, error) -> dict[str, Any]:

@@ -9,7 +9,8 @@ query_pre_attn_scalar ** -0.5. Gemma 2 and 3 add a norm after attention and arou
 sliding-window and full layers (`layer_types`, else Gemma 2's even layers, Gemma 3's five of
 every six). Gemma 2 caps attention scores and final logits with cap * tanh(x / cap); Gemma 3
 norms each query and key head (as Qwen3) and gives its sliding layers their own RoPE base
-(`rope_local_base_freq`, or transformers 5's per-layer-type `rope_parameters`).
+(`rope_local_base_freq`, or transformers 5's per-layer-type `rope_parameters`: ModelConfig's
+`sliding_rope_theta`, read by raycluster.model.rope_config.layer_type_ropes).
 
 Data enters as config.json's dict and leaves as keyword arguments for `ModelConfig`; errors name
 the field. Gemma 3's multimodal checkpoints (Gemma3ForConditionalGeneration, weights under
@@ -32,7 +33,6 @@ class GemmaSpec:
     query_pre_attn_scalar: float       # attention scale = query_pre_attn_scalar ** -0.5
     attn_softcap: float | None = None  # Gemma 2: scores -> cap * tanh(scores / cap) before softmax
     final_softcap: float | None = None  # Gemma 2: the same on the output logits
-    local_rope_theta: float | None = None  # Gemma 3: RoPE base of the sliding layers
 
     @property
     def attention_scale(self) -> float:
@@ -61,18 +61,6 @@ def gemma_fields(arch: str, d: dict[str, Any], layers: int, head_dim: int,
         sliding = _sliding(version, d, layers, error)
     return {"gemma": spec, "sliding_window": window if sliding else None, "sliding_layers": sliding,
             "qk_norm": version == 3, "block_norms": "sandwich" if version >= 2 else "pre"}
-
-
-def gemma3_ropes(d: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
-    """Gemma 3's (global, local) RoPE parameters as one-RoPE config dicts for the shared parser:
-    transformers 5 nests them by layer type in `rope_parameters`; older files give the global
-    one at the top level and the local base as `rope_local_base_freq`."""
-    params = d.get("rope_parameters")
-    if isinstance(params, dict) and "full_attention" in params:
-        return ({**d, "rope_parameters": params["full_attention"]},
-                {**d, "rope_parameters": params.get("sliding_attention", {"rope_type": "default", "rope_theta": 10000.0})})
-    local = {"rope_type": "default", "rope_theta": float(d.get("rope_local_base_freq", 10000.0))}
-    return d, {**d, "rope_parameters": local, "rope_scaling": None}
 
 
 def _positive(d: dict[str, Any], name: str, default: float, error) -> float:

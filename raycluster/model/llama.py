@@ -273,8 +273,8 @@ class LlamaForCausalLM(nn.Module):
         # set by the loader: not parameters of the decoder's checkpoint.
         self.projector = None
         self.rotary = RotaryEmbedding.from_config(config)
-        # Gemma 3's sliding layers turn at their own RoPE base.
-        local = config.gemma.local_rope_theta if config.gemma is not None else None
+        # Gemma 3's and OLMo 3's sliding layers turn at their own RoPE base, unscaled.
+        local = config.sliding_rope_theta
         self.local_rotary = None if local is None else RotaryEmbedding(
             config.rotary_dim, local, None, config.max_position_embeddings, config.rope_interleaved)
         # Gemma multiplies its embeddings by sqrt(hidden_size), rounded to their dtype as HF does.
@@ -323,7 +323,7 @@ class LlamaForCausalLM(nn.Module):
 
     def layer_ropes(self, positions: torch.Tensor, dtype: torch.dtype, layers) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """(cos, sin) for each of `layers` (indices into the full model), in order: one table
-        for all, Gemma 3's local table for its sliding layers, (None, None) for a layer without
+        for all, Gemma 3's / OLMo 3's local table for their sliding layers, (None, None) for a layer without
         position embedding (Cohere 2's full-attention layers)."""
         full = self.rotary.cos_sin(positions, dtype)
         nope = self.config.nope_layers

@@ -60,14 +60,18 @@ def load_config(path: str | os.PathLike) -> ModelConfig:
 def checkpoint_layout(config: ModelConfig, path: str) -> ModelConfig:
     """`config` with the layout of the tensors in `path`: stored without the "model." prefix
     (a base model's save: `bare_names`), and then without an output head unless it stores one or
-    ties it to the embedding (`has_lm_head` False: a pooling-only model). A directory without
-    weights keeps `config` as it is (loading it fails later, naming what is missing)."""
+    ties it to the embedding (`has_lm_head` False: a pooling-only model); an image-text
+    checkpoint's text model under `text_prefix`. A directory without weights keeps `config` as it
+    is (loading it fails later, naming what is missing)."""
     if config.is_encoder:       # its names map both ways by `_param_name`
         return config
     try:
         names = stored_names(path)
     except CheckpointError:
         return config
+    if config.multimodal is not None:       # the text model's prefix in an image-text checkpoint
+        prefix = next((p for p in _TEXT_PREFIXES if any(n.startswith(p) for n in names)), "")
+        return dataclasses.replace(config, text_prefix=prefix)
     bare = bool(names) and not any(n.startswith("model.") for n in names) and \
         any(n.startswith("layers.") for n in names)
     if not bare:
@@ -76,17 +80,36 @@ def checkpoint_layout(config: ModelConfig, path: str) -> ModelConfig:
     return dataclasses.replace(config, bare_names=True, has_lm_head=head)
 
 
+# Where an image-text checkpoint keeps its text model: the released files' `language_model.model.*`
+# and `language_model.lm_head.*`, transformers 5's `model.language_model.*` (its head `lm_head.*`).
+_TEXT_PREFIXES = ("language_model.", "model.language_model.")
+
+
 def _param_name(stored: str, config: ModelConfig) -> str:
     """The model's parameter name for a checkpoint tensor name."""
     if config.is_encoder:
         prefix = config.encoder.checkpoint_prefix
         return stored[len(prefix):] if stored.startswith(prefix) else stored
+    if config.text_prefix and stored.startswith(config.text_prefix):
+        rest = stored[len(config.text_prefix):]
+        return rest if config.text_prefix == "language_model." else "model." + rest
     return "model." + stored if config.bare_names and not stored.startswith(("lm_head.", "score.")) else stored
 
 
 def _stored_name(param: str, config: ModelConfig) -> str:
     """The checkpoint's tensor name for a model parameter name."""
+    if config.text_prefix == "language_model.":
+        return config.text_prefix + param
+    if config.text_prefix and param.startswith("model."):
+        return config.text_prefix + param[len("model."):]
     return param[len("model."):] if config.bare_names and param.startswith("model.") else param
+
+
+def _foreign(stored: str, config: ModelConfig) -> bool:
+    """An image-text checkpoint's tensor outside its text model (the vision tower, the
+    projector): never read."""
+    return config.multimodal is not None and bool(config.text_prefix) and not stored.startswith(config.text_prefix) \
+        and not (config.text_prefix != "language_model." and stored.startswith("lm_head."))
 
 
 def fused_pieces(name: str, config: ModelConfig) -> list[tuple[str, int, int]] | None:
@@ -247,7 +270,8 @@ def load_model(path: str | os.PathLike, dtype: torch.dtype = torch.float32,
     loaded: set[str] = set()
     mapped = file_names(path)
     for file in files:
-        for stored, tensor in read_tensors(file, None if mapped is None else mapped.get(file, set())):
+        for stored, tensor in read_tensors(file, None if mapped is None else mapped.get(file, set()),
+                                           lambda stored: _foreign(stored, config)):
             name = _param_name(stored, config)
             if _skipped(name, config) or _packed(name, file, config, shapes):
                 continue
@@ -413,7 +437,7 @@ def _checked_names(file: str, config: ModelConfig, shapes: dict[str, tuple[int, 
     names = []
     with open_checkpoint(file) as f:
         for stored in f.keys():
-            if only is not None and stored not in only:
+            if (only is not None and stored not in only) or _foreign(stored, config):
                 continue
             name = _param_name(stored, config)
             if _skipped(name, config) or _packed(name, file, config, shapes):

@@ -103,3 +103,17 @@ def scaled_context(max_pos: int, scaling: dict[str, Any] | None) -> int:
     if scaling["rope_type"] == "yarn":
         return int(float(scaling["original_max_position_embeddings"]) * factor)
     return int(max_pos * factor)
+
+
+def layer_type_ropes(d: dict[str, Any], legacy_local_theta: float) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(full layers', sliding layers') RoPE of a model whose sliding layers turn by their own plain
+    RoPE (Gemma 3, OLMo 3), each as a one-RoPE config dict for `parse_rope`: transformers 5 nests
+    them by layer type in `rope_parameters`; older files give the full layers' at the top level
+    (scaling included) and the sliding layers take the default RoPE at `legacy_local_theta`."""
+    params = d.get("rope_parameters")
+    if isinstance(params, dict) and "full_attention" in params:
+        local = params.get("sliding_attention") or {"rope_type": "default", "rope_theta": legacy_local_theta}
+        return {**d, "rope_parameters": params["full_attention"]}, {**d, "rope_parameters": local}
+    local = {"rope_type": "default", "rope_theta": float(legacy_local_theta)}
+    return d, {**d, "rope_parameters": local, "rope_scaling": None}
+

@@ -5,7 +5,7 @@ AutoModelForCausalLM), model.safetensors (fp32, seeded), tokenizer.json (byte-le
 on the bundled corpus) and tokenizer_config.json (bos/eos, chat template). Same arguments ->
 byte-identical files. `tiny_config(**overrides)` returns the config dict for variants (other
 head counts, tied embeddings, llama3 rope, Qwen2 with q/k/v biases, Mixtral / Qwen2-MoE /
-Qwen3-MoE experts, Gemma / Gemma 2 / Gemma 3, Phi-3 with its fused projections, Granite, OLMo 2, Cohere / Cohere 2, GLM / GLM-4, SmolLM3, EXAONE 4, DeepSeek-V2 / V3, GLM-4.5, StarCoder2, gpt-oss...); an override of None removes the key.
+Qwen3-MoE experts, Gemma / Gemma 2 / Gemma 3, Phi-3 with its fused projections, Granite, OLMo 2 / 3, Cohere / Cohere 2, GLM / GLM-4, SmolLM3, EXAONE 4, DeepSeek-V2 / V3, GLM-4.5, StarCoder2, gpt-oss...); an override of None removes the key.
 """
 
 from __future__ import annotations
@@ -158,10 +158,15 @@ def tiny_config(**overrides) -> dict:
         for k in ("mlp_bias", "attention_bias"):
             cfg.pop(k)
         cfg.update(sliding_window=24, sliding_window_pattern=2)
-    elif overrides.get("architectures") == ["Olmo2ForCausalLM"]:
-        cfg["model_type"] = "olmo2"
+    elif overrides.get("architectures") in (["Olmo2ForCausalLM"], ["Olmo3ForCausalLM"]):
+        cfg["model_type"] = "olmo2" if overrides["architectures"] == ["Olmo2ForCausalLM"] else "olmo3"
         for k in ("mlp_bias", "head_dim"):
             cfg.pop(k)
+        if cfg["model_type"] == "olmo3":    # a window shorter than the tests' prompts; YaRN on the full layers only
+            cfg.update(sliding_window=24, max_position_embeddings=256, rope_parameters={
+                "full_attention": {"rope_type": "yarn", "rope_theta": 500000.0, "factor": 4.0,
+                                   "original_max_position_embeddings": 64},
+                "sliding_attention": {"rope_type": "default", "rope_theta": 500000.0}})
     elif overrides.get("architectures") == ["Phi3ForCausalLM"]:
         cfg["model_type"] = "phi3"
         for k in ("attention_bias", "mlp_bias"):
@@ -284,6 +289,52 @@ def write_tiny_model(path: str | os.PathLike, seed: int = 0, nulls: tuple[str, .
     with open(os.path.join(path, "tokenizer_config.json"), "w", encoding="utf-8") as f:
         json.dump(tok_cfg, f, indent=2, sort_keys=True)
         f.write("\n")
+    return path
+
+
+# Image-text wrappers of a tiny text checkpoint: (model_type, text model_type, the text
+# architecture, a tiny vision tower's config, extra top-level fields).
+_MULTIMODAL = {
+    "Gemma3ForConditionalGeneration": ("gemma3", "gemma3_text", "Gemma3ForCausalLM", {
+        "model_type": "siglip_vision_model", "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1,
+        "num_attention_heads": 2, "image_size": 28, "patch_size": 14},
+        {"mm_tokens_per_image": 4, "image_token_index": 5, "boi_token_index": 3, "eoi_token_index": 4}),
+    "Mistral3ForConditionalGeneration": ("mistral3", "mistral", "MistralForCausalLM", {
+        "model_type": "pixtral", "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1,
+        "num_attention_heads": 2, "image_size": 28, "patch_size": 14, "head_dim": 16},
+        {"image_token_index": 5, "spatial_merge_size": 2}),
+    "LlavaForConditionalGeneration": ("llava", "llama", "LlamaForCausalLM", {
+        "model_type": "clip_vision_model", "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1,
+        "num_attention_heads": 2, "image_size": 28, "patch_size": 14, "projection_dim": 32},
+        {"image_token_index": 5}),
+}
+
+
+def write_tiny_multimodal(path: str | os.PathLike, arch: str, seed: int = 0, layout: str = "released",
+                          **overrides) -> str:
+    """The tiny text checkpoint of `arch`'s text model wrapped as `arch` (an image-text model):
+    config.json nesting it under `text_config` beside a tiny vision config, its tensors under
+    `language_model.` (`layout` "released", as the hub's files and transformers' save_pretrained
+    write them) or `model.language_model.` ("transformers5", the head as `lm_head.`), plus one
+    vision tensor (the rest of the tower left out: a text-only server never reads it)."""
+    model_type, text_type, text_arch, vision, extra = _MULTIMODAL[arch]
+    path = write_tiny_model(path, seed, architectures=[text_arch], **overrides)
+    with open(os.path.join(path, "config.json")) as f:
+        text = {k: v for k, v in json.load(f).items() if k != "architectures"}
+    config = {"architectures": [arch], "model_type": model_type, "text_config": {**text, "model_type": text_type},
+              "vision_config": vision, "dtype": "float32", **extra}
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(config, f, indent=2, sort_keys=True)
+    from safetensors.torch import load_file
+    tensors = load_file(os.path.join(path, "model.safetensors"))
+    if layout == "released":
+        out = {"language_model." + k: v for k, v in tensors.items()}
+        out["vision_tower.vision_model.post_layernorm.weight"] = torch.ones(vision["hidden_size"])
+    else:
+        out = {("model.language_model." + k[len("model."):]) if k.startswith("model.") else k: v
+               for k, v in tensors.items()}
+        out["model.vision_tower.vision_model.post_layernorm.weight"] = torch.ones(vision["hidden_size"])
+    save_file(out, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
     return path
 
 

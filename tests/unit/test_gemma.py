@@ -39,7 +39,7 @@ def test_gemma_reads_as_transformers_defaults_it():
     g3 = _config("Gemma3ForCausalLM", num_hidden_layers=13, sliding_window_pattern=None, rope_parameters=None,
                  rope_theta=1e6, rope_local_base_freq=10000.0, rope_scaling={"rope_type": "linear", "factor": 8.0})
     assert g3.sliding_layers == (0, 1, 2, 3, 4, 6, 7, 8, 9, 10, 12)
-    assert g3.qk_norm and g3.gemma.local_rope_theta == 10000.0 and g3.rope_theta == 1e6
+    assert g3.qk_norm and g3.sliding_rope_theta == 10000.0 and g3.rope_theta == 1e6
     assert g3.rope_scaling == {"rope_type": "linear", "factor": 8.0}
     assert g3.max_model_len == g3.max_position_embeddings == 32768
     # layer_types, when written, decide.

@@ -70,6 +70,8 @@ VARIANTS = {
     "granite": dict(architectures=["GraniteForCausalLM"], num_hidden_layers=2, tie_word_embeddings=True),
     # OLMo 2: norms after each block's output only, q/k norms across all heads.
     "olmo2": dict(architectures=["Olmo2ForCausalLM"], num_hidden_layers=2),
+    # OLMo 3: OLMo 2's layers, three sliding of every four, YaRN on the full layer only.
+    "olmo3": dict(architectures=["Olmo3ForCausalLM"], num_hidden_layers=4),
     # Cohere: bias-free LayerNorm, attention and MLP side by side, interleaved RoPE, a logit
     # scale; Command R+'s per-head q/k norms; Cohere 2's sliding layers and full layers without RoPE.
     "cohere": dict(architectures=["CohereForCausalLM"], num_hidden_layers=2),
@@ -172,7 +174,7 @@ def test_logits_match_transformers(variant, variant_dirs):
 
 @pytest.mark.parametrize("variant", ["tiny", "mha_tied_llama3", "qwen2", "qwen3_bias", "mistral_window",
                                      "qwen2_window", "mixtral_window", "qwen2_moe", "qwen3_moe", "gemma2", "gemma3",
-                                     "phi3_longrope", "phi3_window", "granite", "olmo2",
+                                     "phi3_longrope", "phi3_window", "granite", "olmo2", "olmo3",
                                      "cohere_qk_norm", "cohere2", "glm4", "smollm3", "exaone4", "deepseek_v3",
                                      "deepseek_v2", "glm4_moe", "starcoder2_window", "gpt_oss"])
 def test_chunked_prefill_and_decode_match_unchunked(variant, variant_dirs):
