@@ -81,7 +81,8 @@ def checkpoint_layout(config: ModelConfig, path: str) -> ModelConfig:
 
 
 # Where an image-text checkpoint keeps its text model: the released files' `language_model.model.*`
-# and `language_model.lm_head.*`, transformers 5's `model.language_model.*` (its head `lm_head.*`).
+# and `language_model.lm_head.*`, transformers 5's `model.language_model.*` (its head `lm_head.*`);
+# neither: plain names (the released Qwen-VL files, their tower under `visual.`).
 _TEXT_PREFIXES = ("language_model.", "model.language_model.")
 
 
@@ -107,9 +108,13 @@ def _stored_name(param: str, config: ModelConfig) -> str:
 
 def _foreign(stored: str, config: ModelConfig) -> bool:
     """An image-text checkpoint's tensor outside its text model (the vision tower, the
-    projector): never read."""
-    return config.multimodal is not None and bool(config.text_prefix) and not stored.startswith(config.text_prefix) \
-        and not (config.text_prefix != "language_model." and stored.startswith("lm_head."))
+    projector): never read. Without a text prefix (the released Qwen-VL files) the text model
+    is the plain `model.` and `lm_head.` beside them."""
+    if config.multimodal is None:
+        return False
+    if config.text_prefix == "language_model.":
+        return not stored.startswith(config.text_prefix)
+    return not stored.startswith((config.text_prefix or "model.", "lm_head."))
 
 
 def fused_pieces(name: str, config: ModelConfig) -> list[tuple[str, int, int]] | None:

@@ -1,13 +1,18 @@
 """Image-text checkpoints served on their text alone: Gemma 3 (`Gemma3ForConditionalGeneration`, the
-4B / 12B / 27B releases), Mistral 3 (`Mistral3ForConditionalGeneration`: Mistral Small 3.1 / 3.2) and
-LLaVA (`LlavaForConditionalGeneration`, over a Llama, Mistral or Qwen2 text model).
+4B / 12B / 27B releases), Mistral 3 (`Mistral3ForConditionalGeneration`: Mistral Small 3.1 / 3.2),
+LLaVA (`LlavaForConditionalGeneration`, over a Llama, Mistral or Qwen2 text model), Qwen2-VL and
+Qwen2.5-VL (over Qwen2) and Qwen3-VL (over Qwen3).
 
-Their config.json nests the text model's config under `text_config`; `text_config_of(arch, d)`
-returns (the text model's architecture, its config dict): `text_config` with transformers' defaults
-for the fields a release leaves out (Gemma 3's sparse text configs) and the top-level ids, dtype and
-tying it inherits. The weights sit under the text model's prefix (`language_model.` in the released
-files, `model.language_model.` in transformers 5's own layout; raycluster.model.loader maps them);
-the vision tower and projector are never read, and requests with image parts are refused.
+Their config.json nests the text model's config under `text_config` (Qwen2-VL's and Qwen2.5-VL's
+released files keep it at the top level); `text_config_of(arch, d)` returns (the text model's
+architecture, its config dict): the text config with transformers' defaults for the fields a
+release leaves out (Gemma 3's sparse text configs) and the top-level ids, dtype and tying it
+inherits. The Qwen-VL models' multimodal RoPE (`mrope`) turns every section of a head by the same
+position when the input is text alone, which is plain RoPE. The weights sit under the text model's
+prefix (`language_model.` in the released Gemma / Mistral / LLaVA files, `model.language_model.` in
+transformers 5's own layout, plain `model.` beside `visual.` in the released Qwen-VL files;
+raycluster.model.loader maps them); the vision tower and projector are never read, and requests
+with image parts are refused.
 """
 
 from __future__ import annotations
@@ -15,7 +20,16 @@ from __future__ import annotations
 from typing import Any, Callable
 
 MULTIMODAL_ARCHITECTURES = ("Gemma3ForConditionalGeneration", "Mistral3ForConditionalGeneration",
-                            "LlavaForConditionalGeneration")
+                            "LlavaForConditionalGeneration", "Qwen2VLForConditionalGeneration",
+                            "Qwen2_5_VLForConditionalGeneration", "Qwen3VLForConditionalGeneration")
+# Wrappers whose text model is fixed (the others name it by its text config's model_type).
+_FIXED_TEXT = {"Gemma3ForConditionalGeneration": "Gemma3ForCausalLM",
+               "Qwen2VLForConditionalGeneration": "Qwen2ForCausalLM",
+               "Qwen2_5_VLForConditionalGeneration": "Qwen2ForCausalLM",
+               "Qwen3VLForConditionalGeneration": "Qwen3ForCausalLM"}
+# The wrapper's own top-level fields, never the text model's (a flat Qwen-VL config holds both).
+_WRAPPER_FIELDS = ("architectures", "model_type", "vision_config", "text_config", "image_token_id",
+                   "video_token_id", "vision_start_token_id", "vision_end_token_id", "vision_token_id")
 # A text config's model_type -> its causal LM architecture (when it names none itself).
 _TEXT_ARCHITECTURES = {"gemma3_text": "Gemma3ForCausalLM", "mistral": "MistralForCausalLM",
                        "llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
@@ -31,14 +45,15 @@ _INHERITED = ("bos_token_id", "eos_token_id", "pad_token_id", "dtype", "torch_dt
 
 
 def text_config_of(arch: str, d: dict[str, Any], error: Callable[[str], Exception]) -> tuple[str, dict[str, Any]]:
-    text = d.get("text_config")
+    flat = arch.startswith("Qwen2") and "text_config" not in d     # Qwen2(.5)-VL's released files
+    text = {k: v for k, v in d.items() if k not in _WRAPPER_FIELDS} if flat else d.get("text_config")
     if not isinstance(text, dict):
         raise error(f"config field 'text_config' must be an object describing {arch}'s text model, got {text!r}")
     if d.get("quantization_config") is not None:
         raise error(f"config field 'quantization_config': quantized {arch} checkpoints are not supported")
     named = text.get("architectures")
-    text_arch = "Gemma3ForCausalLM" if arch == "Gemma3ForConditionalGeneration" else \
-        named[0] if isinstance(named, list) and named else _TEXT_ARCHITECTURES.get(text.get("model_type", "llama"))
+    text_arch = _FIXED_TEXT.get(arch) or \
+        (named[0] if isinstance(named, list) and named else _TEXT_ARCHITECTURES.get(text.get("model_type", "llama")))
     if text_arch is None:
         raise error(f"config field 'text_config.model_type' = {text.get('model_type')!r} is not a text model served "
                     f"here (supported: {', '.join(_TEXT_ARCHITECTURES)})")
@@ -46,4 +61,11 @@ def text_config_of(arch: str, d: dict[str, Any], error: Callable[[str], Exceptio
     out.update({k: d[k] for k in _INHERITED if d.get(k) is not None})
     out.update({k: v for k, v in text.items() if v is not None or k not in out})
     out["architectures"] = [text_arch]
+    for key in ("rope_parameters", "rope_scaling"):
+        rope = out.get(key)
+        if isinstance(rope, dict) and "mrope_section" in rope:     # on text alone: plain RoPE
+            out[key] = {k: v for k, v in rope.items() if k not in ("type", "rope_type", "mrope_section",
+                                                                    "mrope_interleaved")} or None
+            if out[key] is not None:
+                out[key]["rope_type"] = "default"
     return text_arch, out

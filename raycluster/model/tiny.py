@@ -307,7 +307,27 @@ _MULTIMODAL = {
         "model_type": "clip_vision_model", "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1,
         "num_attention_heads": 2, "image_size": 28, "patch_size": 14, "projection_dim": 32},
         {"image_token_index": 5}),
+    "Qwen2VLForConditionalGeneration": ("qwen2_vl", "qwen2_vl_text", "Qwen2ForCausalLM", {
+        "model_type": "qwen2_vl", "depth": 1, "embed_dim": 32, "hidden_size": 256, "num_heads": 2, "mlp_ratio": 2},
+        {"image_token_id": 5, "video_token_id": 6, "vision_start_token_id": 3, "vision_end_token_id": 4}),
+    "Qwen2_5_VLForConditionalGeneration": ("qwen2_5_vl", "qwen2_5_vl_text", "Qwen2ForCausalLM", {
+        "model_type": "qwen2_5_vl", "depth": 1, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2,
+        "out_hidden_size": 256, "fullatt_block_indexes": [0]},
+        {"image_token_id": 5, "video_token_id": 6, "vision_start_token_id": 3, "vision_end_token_id": 4}),
+    "Qwen3VLForConditionalGeneration": ("qwen3_vl", "qwen3_vl_text", "Qwen3ForCausalLM", {
+        "model_type": "qwen3_vl", "depth": 1, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2,
+        "out_hidden_size": 256, "deepstack_visual_indexes": [0], "num_position_embeddings": 16},
+        {"image_token_id": 5, "video_token_id": 6, "vision_start_token_id": 3, "vision_end_token_id": 4}),
 }
+# Where each wrapper's released files keep the text model: under `language_model.`, or (Qwen2.5-VL)
+# a flat config and plain names beside `visual.`; Qwen3-VL's are transformers 5's layout.
+_RELEASED = {"Qwen2VLForConditionalGeneration": "flat", "Qwen2_5_VLForConditionalGeneration": "flat",
+             "Qwen3VLForConditionalGeneration": "transformers5"}
+# Their multimodal RoPE sections (half-dims of the tiny heads: 16 of 32 dims).
+_MROPE = {"Qwen2VLForConditionalGeneration": {"type": "mrope", "mrope_section": [4, 6, 6]},
+          "Qwen2_5_VLForConditionalGeneration": {"type": "mrope", "mrope_section": [4, 6, 6]},
+          "Qwen3VLForConditionalGeneration": {"rope_type": "default", "mrope_section": [6, 5, 5],
+                                              "mrope_interleaved": True}}
 
 
 def write_tiny_multimodal(path: str | os.PathLike, arch: str, seed: int = 0, layout: str = "released",
@@ -315,25 +335,36 @@ def write_tiny_multimodal(path: str | os.PathLike, arch: str, seed: int = 0, lay
     """The tiny text checkpoint of `arch`'s text model wrapped as `arch` (an image-text model):
     config.json nesting it under `text_config` beside a tiny vision config, its tensors under
     `language_model.` (`layout` "released", as the hub's files and transformers' save_pretrained
-    write them) or `model.language_model.` ("transformers5", the head as `lm_head.`), plus one
-    vision tensor (the rest of the tower left out: a text-only server never reads it)."""
+    write them; Qwen2.5-VL's released files: a flat config, plain names beside `visual.`) or
+    `model.language_model.` ("transformers5", the head as `lm_head.`), plus one vision tensor (the
+    rest of the tower left out: a text-only server never reads it)."""
     model_type, text_type, text_arch, vision, extra = _MULTIMODAL[arch]
     path = write_tiny_model(path, seed, architectures=[text_arch], **overrides)
     with open(os.path.join(path, "config.json")) as f:
         text = {k: v for k, v in json.load(f).items() if k != "architectures"}
-    config = {"architectures": [arch], "model_type": model_type, "text_config": {**text, "model_type": text_type},
-              "vision_config": vision, "dtype": "float32", **extra}
+    if arch in _MROPE:
+        theta = text.pop("rope_parameters", {}).get("rope_theta", 1e6)
+        text.update(rope_theta=theta, rope_scaling=_MROPE[arch])
+    style = _RELEASED.get(arch, "language_model") if layout == "released" else layout
+    config = {"architectures": [arch], "model_type": model_type, "vision_config": vision, "dtype": "float32", **extra}
+    if style == "flat":
+        config.update({k: v for k, v in text.items() if k != "model_type"})
+    else:
+        config["text_config"] = {**text, "model_type": text_type}
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump(config, f, indent=2, sort_keys=True)
     from safetensors.torch import load_file
     tensors = load_file(os.path.join(path, "model.safetensors"))
-    if layout == "released":
+    tower = "visual.blocks.0.norm1.weight" if arch in _MROPE else "vision_tower.vision_model.post_layernorm.weight"
+    if style == "language_model":
         out = {"language_model." + k: v for k, v in tensors.items()}
-        out["vision_tower.vision_model.post_layernorm.weight"] = torch.ones(vision["hidden_size"])
+    elif style == "flat":
+        out = dict(tensors)
     else:
         out = {("model.language_model." + k[len("model."):]) if k.startswith("model.") else k: v
                for k, v in tensors.items()}
-        out["model.vision_tower.vision_model.post_layernorm.weight"] = torch.ones(vision["hidden_size"])
+        tower = "model." + tower
+    out[tower] = torch.ones(vision.get("embed_dim", vision["hidden_size"]))
     save_file(out, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
     return path
 

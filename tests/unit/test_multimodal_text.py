@@ -1,6 +1,7 @@
-"""Image-text checkpoints served on their text alone (Gemma 3, Mistral 3, LLaVA): config.json's
-`text_config` read as transformers reads it (Gemma 3's sparse release configs filled with its
-defaults), the text model's tensors found under either prefix and the vision tower's never taken
+"""Image-text checkpoints served on their text alone (Gemma 3, Mistral 3, LLaVA, Qwen2-VL, Qwen2.5-VL,
+Qwen3-VL): config.json's `text_config` (or Qwen2-VL's flat config) read as transformers reads it
+(Gemma 3's sparse release configs filled with its defaults, multimodal RoPE as plain RoPE), the
+text model's tensors found under any of the layouts and the vision tower's never taken
 for the text model's, logits and greedy tokens equal to transformers' image-text model given the
 same text, a tp rank's shard read from the file, and what is refused (errors naming the nested field)."""
 
@@ -23,7 +24,13 @@ from raycluster.parallel.shard import Checkpoint, load_shard, shard_model
 CASES = [("Gemma3ForConditionalGeneration", "released", dict(num_hidden_layers=3, tie_word_embeddings=False)),
          ("Gemma3ForConditionalGeneration", "transformers5", dict(num_hidden_layers=3)),
          ("Mistral3ForConditionalGeneration", "released", dict(num_hidden_layers=2, sliding_window=None)),
-         ("LlavaForConditionalGeneration", "transformers5", dict(num_hidden_layers=2))]
+         ("LlavaForConditionalGeneration", "transformers5", dict(num_hidden_layers=2)),
+         # Multimodal RoPE (mrope), which on text alone is plain RoPE: Qwen2-VL's and Qwen2.5-VL's
+         # released files (a flat config, plain names beside `visual.`), Qwen3-VL's (over Qwen3).
+         ("Qwen2VLForConditionalGeneration", "released", dict(num_hidden_layers=2)),
+         ("Qwen2_5_VLForConditionalGeneration", "released", dict(num_hidden_layers=2, tie_word_embeddings=True)),
+         ("Qwen2_5_VLForConditionalGeneration", "transformers5", dict(num_hidden_layers=2)),
+         ("Qwen3VLForConditionalGeneration", "released", dict(num_hidden_layers=2))]
 
 
 @pytest.fixture(scope="module", params=CASES, ids=[f"{a}-{layout}" for a, layout, _ in CASES])
@@ -38,7 +45,8 @@ def test_logits_equal_the_image_text_model_given_text(checkpoint):
     path, model, cfg = checkpoint
     with open(f"{path}/config.json") as f:
         arch = json.load(f)["architectures"][0]
-    assert cfg.multimodal == arch and cfg.text_prefix in ("language_model.", "model.language_model.")
+    assert cfg.multimodal == arch and cfg.text_prefix in ("language_model.", "model.language_model.", "")
+    assert cfg.rope_scaling is None
     summary = model_summary(cfg)
     assert summary["architecture"] == arch and summary["text_only"] and "generate" in summary["tasks"]
     from raycluster.cli_status import model_line
