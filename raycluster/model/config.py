@@ -34,6 +34,7 @@ from raycluster.model.family_config import FAMILY_ARCHITECTURES, FUSED_PROJECTIO
 from raycluster.model.gemma_config import GEMMA_ARCHITECTURES, GemmaSpec, gemma_fields
 from raycluster.model.generation_config import load_generation_config
 from raycluster.model.gpt_oss_config import ARCHITECTURE as GPT_OSS, gpt_oss_fields, gpt_oss_rope
+from raycluster.model.llama4_config import ARCHITECTURE as LLAMA4, Llama4Spec, llama4_fields
 from raycluster.model.mla_config import MLASpec
 from raycluster.model.multimodal_config import MULTIMODAL_ARCHITECTURES, text_config_of
 from raycluster.model.pooling import (PoolerConfig, PoolerConfigError, read_pooler_config,
@@ -44,7 +45,7 @@ from raycluster.model.rope_config import (RopeConfigError, layer_type_ropes, lon
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM",
                            "MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM",
-                           *FAMILY_ARCHITECTURES, *GEMMA_ARCHITECTURES, *COHERE_ARCHITECTURES, GPT_OSS)
+                           *FAMILY_ARCHITECTURES, *GEMMA_ARCHITECTURES, *COHERE_ARCHITECTURES, GPT_OSS, LLAMA4)
 # Base models saved without an output head (e5-mistral's MistralModel, embedding models written by
 # sentence-transformers): served as their causal LM's decoder, for pooling only unless tied.
 BASE_ARCHITECTURES = {"LlamaModel": "LlamaForCausalLM", "MistralModel": "MistralForCausalLM",
@@ -105,6 +106,9 @@ class MoEConfig:
     # The checkpoint stores the experts' weights as MXFP4 blocks and scales (gpt-oss's released
     # files: raycluster.model.quant.mxfp4), dequantized at load.
     mxfp4: bool = False
+    # Llama 4 (raycluster.model.llama4): the top k by router logit, each chosen expert fed the
+    # token times sigmoid(its logit); stacked experts, gate / up in halves; a shared expert.
+    llama4: bool = False
 
 
 @dataclass
@@ -187,6 +191,8 @@ class ModelConfig:
     # architecture, and the prefix its text model's tensors carry (the loader reads it off the names).
     multimodal: str | None = None
     text_prefix: str = ""
+    # What Llama 4's layers do differently (raycluster.model.llama4_config); None: not Llama 4.
+    llama4: Llama4Spec | None = None
     raw: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
 
     def window_of(self, layer: int) -> int | None:
@@ -330,12 +336,18 @@ class ModelConfig:
             family = {"sliding_window": None, "sliding_layers": (), **cohere_fields(arch, d, layers, ModelConfigError)}
         elif arch == GPT_OSS:       # its sliding layers, sinks and experts
             family = gpt_oss_fields(d, layers, ModelConfigError)
+        elif arch == LLAMA4:        # its NoPE layers, q/k norms, experts and dense MLPs' own width
+            family = {"sliding_window": None, "sliding_layers": (), **llama4_fields(d, layers, ModelConfigError)}
+            inter = family.pop("intermediate_size")
         else:
             window, sliding = _sliding_layers(arch, d, layers)
             family = {"sliding_window": window, "sliding_layers": sliding}
         moe = _moe(arch, d, layers) if arch in MOE_ARCHITECTURES else family.pop("moe", None)
         # Gemma 3's max_position_embeddings already counts its global layers' linear scaling.
         max_len = max_pos if arch == "Gemma3ForCausalLM" else scaled_context(max_pos, scaling)
+        chunk = family["llama4"].attention_chunk_size if arch == LLAMA4 else None
+        if chunk is not None:       # chunked attention is not built: one chunk, where it is causal
+            max_len = min(max_len, chunk)
         scaling = longrope_for_context(scaling, max_len)
         raw_quant = d.get("quantization_config")
         if moe is not None and moe.mxfp4:     # gpt-oss's packed experts: dequantized at load, the rest dense

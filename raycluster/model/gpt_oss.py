@@ -1,7 +1,6 @@
 """gpt-oss's mixture-of-experts block (`GptOssMoE`, a layer's `mlp`), under its checkpoint names:
-`router` (weight [E, H], bias [E]) and `experts`, every expert stacked in four tensors --
-gate_up_proj [E, H, 2I] (stored input-major, gate and up interleaved column by column),
-gate_up_proj_bias [E, 2I], down_proj [E, I, H], down_proj_bias [E, H].
+`router` (weight [E, H], bias [E]) and `experts`, every expert stacked in four tensors
+(raycluster.model.stacked_experts: gate and up interleaved column by column, with biases).
 
 forward(x [T, H]) -> [T, H]: each token's router logits (with the bias), its top k experts, their
 weights the softmax of the chosen logits; each expert runs once on its rows (moe.combine_experts):
@@ -24,6 +23,7 @@ from torch import nn
 
 from raycluster.model.config import ModelConfig
 from raycluster.model.moe import combine_experts
+from raycluster.model.stacked_experts import ClampedSwiGLU, StackedExperts
 
 
 def _identity(t: torch.Tensor) -> torch.Tensor:
@@ -37,27 +37,6 @@ class GptOssRouter(nn.Module):
         self.bias = nn.Parameter(torch.empty(num_experts))
 
 
-class GptOssExperts(nn.Module):
-    """`experts` stacked experts of `intermediate` columns each (a tp rank's share of them)."""
-
-    def __init__(self, hidden: int, intermediate: int, experts: int, alpha: float, limit: float):
-        super().__init__()
-        self.gate_up_proj = nn.Parameter(torch.empty(experts, hidden, 2 * intermediate))
-        self.gate_up_proj_bias = nn.Parameter(torch.empty(experts, 2 * intermediate))
-        self.down_proj = nn.Parameter(torch.empty(experts, intermediate, hidden))
-        self.down_proj_bias = nn.Parameter(torch.empty(experts, hidden))
-        self.alpha, self.limit = alpha, limit
-
-    def run(self, e: int, x: torch.Tensor) -> torch.Tensor:
-        """Local expert `e` on its rows x [n, H]."""
-        gate_up = x @ self.gate_up_proj[e] + self.gate_up_proj_bias[e]
-        gate = gate_up[:, ::2].clamp(max=self.limit)
-        up = gate_up[:, 1::2].clamp(min=-self.limit, max=self.limit)
-        out = ((up + 1) * (gate * torch.sigmoid(gate * self.alpha))) @ self.down_proj[e]
-        # None on a tp rank other than 0 (raycluster.parallel.shard): the bias joins the sum once.
-        return out if self.down_proj_bias is None else out + self.down_proj_bias[e]
-
-
 class GptOssMoE(nn.Module):
     def __init__(self, cfg: ModelConfig, reduce: Callable[[torch.Tensor], torch.Tensor] = _identity):
         super().__init__()
@@ -65,8 +44,8 @@ class GptOssMoE(nn.Module):
         self.top_k, self.num_experts = moe.top_k, moe.num_experts
         self.first, end = moe.local_experts or (0, moe.num_experts)
         self.router = GptOssRouter(cfg.hidden_size, moe.num_experts)
-        self.experts = GptOssExperts(cfg.hidden_size, moe.intermediate_size, end - self.first,
-                                     moe.swiglu_alpha, moe.swiglu_limit)
+        self.experts = StackedExperts(cfg.hidden_size, moe.intermediate_size, end - self.first,
+                                      ClampedSwiGLU(moe.swiglu_alpha, moe.swiglu_limit), interleaved=True, bias=True)
         self.reduce = reduce
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -78,6 +57,5 @@ class GptOssMoE(nn.Module):
     def forward(self, x: torch.Tensor, lora=None, index: int = 0) -> torch.Tensor:
         # `lora` is never given: adapters on a sparse layer's MLP are refused at load.
         weights, ids = self.route(x)
-        out = combine_experts(x, weights, ids, self.num_experts, self.first, self.experts.gate_up_proj.shape[0],
-                              self.experts.run)
+        out = combine_experts(x, weights, ids, self.num_experts, self.first, self.experts.num_local, self.experts.run)
         return self.reduce(out)

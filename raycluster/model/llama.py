@@ -22,6 +22,7 @@ from torch import nn
 from kernels.metadata import AttentionMetadata
 from raycluster.model.config import ModelConfig
 from raycluster.model.gpt_oss import GptOssMoE
+from raycluster.model.llama4 import Llama4MoE, query_temperature
 from raycluster.model.mla import MLAttention
 from raycluster.model.moe import SparseMoE
 from raycluster.model.quant.linear import quantize_linears
@@ -49,6 +50,18 @@ class GemmaRMSNorm(RMSNorm):
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return (x32 * (1.0 + self.weight.float())).to(x.dtype)
+
+
+class L2Norm(nn.Module):
+    """Llama 4's weightless RMS norm of q / k heads (fp32, cast back)."""
+
+    def __init__(self, eps: float):
+        super().__init__()
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
 
 
 class BiasFreeLayerNorm(nn.Module):
@@ -96,7 +109,7 @@ def finish_logits(logits: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, window: int | None = None):
+    def __init__(self, cfg: ModelConfig, window: int | None = None, rope: bool = True):
         super().__init__()
         self.window = window        # sliding window of this layer (None: full causal attention)
         self.num_heads = cfg.num_attention_heads
@@ -121,7 +134,11 @@ class Attention(nn.Module):
         elif cfg.qk_norm_across_heads:      # OLMo 2: over the whole projection, before the split into heads
             self.q_norm = _norm(cfg, self.num_heads * self.head_dim)
             self.k_norm = _norm(cfg, self.num_kv_heads * self.head_dim)
-        self.qk_norm = cfg.qk_norm
+        # Llama 4: weightless, on its RoPE layers only (after RoPE there; a rotation keeps the RMS).
+        l2 = cfg.llama4 is not None and cfg.llama4.l2_qk_norm and rope
+        if l2:
+            self.q_norm = self.k_norm = L2Norm(cfg.rms_norm_eps)
+        self.qk_norm = cfg.qk_norm or l2
         self.qk_norm_across_heads = cfg.qk_norm_across_heads
         self.rope_interleaved = cfg.rope_interleaved
 
@@ -139,6 +156,8 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         if cos is not None:         # None: a layer without position embedding (Cohere 2's full layers)
             q, k = apply_rope(q, k, cos, sin, self.rope_interleaved)
+        elif sin is not None:       # and its queries' temperature (Llama 4's NoPE layers: `layer_ropes`)
+            q = (q * sin).to(q.dtype)
         o = backend.forward(layer_kv, q, k, v, meta, self.scale, window=self.window, softcap=self.softcap,
                             sinks=self.sinks)
         o = o.reshape(t, self.num_heads * self.head_dim)
@@ -208,12 +227,14 @@ class DecoderLayer(nn.Module):
 
     def __init__(self, cfg: ModelConfig, index: int = 0):
         super().__init__()
-        self.self_attn = Attention(cfg, cfg.window_of(index)) if cfg.mla is None else \
+        self.self_attn = Attention(cfg, cfg.window_of(index), index not in cfg.nope_layers) if cfg.mla is None else \
             MLAttention(cfg, lambda dim: _norm(cfg, dim), cfg.window_of(index))
         sparse = cfg.is_moe_layer(index)
-        # Registered under the checkpoint's name for it: Mixtral's `block_sparse_moe`, else `mlp`.
-        self._ffn_name = "block_sparse_moe" if sparse and cfg.moe.mixtral_names else "mlp"
-        ffn = (GptOssMoE if cfg.moe.gpt_oss else SparseMoE)(cfg) if sparse else \
+        # Registered under the checkpoint's name for it: Mixtral's `block_sparse_moe`, Llama 4's
+        # `feed_forward`, else `mlp`.
+        self._ffn_name = "block_sparse_moe" if sparse and cfg.moe.mixtral_names else \
+            "feed_forward" if cfg.llama4 is not None else "mlp"
+        ffn = (GptOssMoE if cfg.moe.gpt_oss else Llama4MoE if cfg.moe.llama4 else SparseMoE)(cfg) if sparse else \
             PlainMLP(cfg) if cfg.plain_mlp else MLP(cfg)
         self.add_module(self._ffn_name, ffn)
         self.parallel = cfg.block_norms == "parallel"
@@ -324,14 +345,17 @@ class LlamaForCausalLM(nn.Module):
     def layer_ropes(self, positions: torch.Tensor, dtype: torch.dtype, layers) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """(cos, sin) for each of `layers` (indices into the full model), in order: one table
         for all, Gemma 3's / OLMo 3's local table for their sliding layers, (None, None) for a layer without
-        position embedding (Cohere 2's full-attention layers)."""
+        position embedding (Cohere 2's full-attention layers), or (None, [T, 1, 1] factors) for one whose
+        queries a temperature scales instead (Llama 4's NoPE layers)."""
         full = self.rotary.cos_sin(positions, dtype)
         nope = self.config.nope_layers
         if self.local_rotary is None and not nope:
             return [full] * len(layers)
         local = self.local_rotary.cos_sin(positions, dtype) if self.local_rotary is not None else full
-        return [(None, None) if i in nope else local if self.config.window_of(i) is not None else full
-                for i in layers]
+        l4 = self.config.llama4
+        unroped = (None, None) if l4 is None or l4.temperature is None else \
+            (None, query_temperature(positions, *l4.temperature))
+        return [unroped if i in nope else local if self.config.window_of(i) is not None else full for i in layers]
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

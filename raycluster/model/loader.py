@@ -357,6 +357,39 @@ WHOLE = TensorPart()
 
 
 @dataclass(frozen=True)
+class HalvesPart:
+    """Chunk `index` of `parts` equal chunks of each half of a tensor along `dim`, the two side by
+    side: a tp rank's share of a gate / up projection stored fused in halves (Llama 4's stacked
+    experts), its gate columns and its up columns."""
+    dim: int
+    index: int
+    parts: int
+
+    def _bounds(self, size: int) -> tuple[int, int, int]:
+        half = size // 2
+        return (half, *TensorPart(self.dim, self.index, self.parts).bounds(half))
+
+    def take(self, t: torch.Tensor) -> torch.Tensor:
+        half, lo, hi = self._bounds(t.shape[self.dim])
+        return torch.cat([t.narrow(self.dim, lo, hi - lo), t.narrow(self.dim, half + lo, hi - lo)], self.dim)
+
+    def read(self, tensor_slice, shape: tuple[int, ...]) -> torch.Tensor:
+        half, lo, hi = self._bounds(shape[self.dim])
+        pieces = []
+        for a, b in ((lo, hi), (half + lo, half + hi)):
+            index = [slice(None)] * len(shape)
+            index[self.dim] = slice(a, b)
+            pieces.append(tensor_slice[tuple(index)])
+        return torch.cat(pieces, self.dim)
+
+    def out_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
+        _, lo, hi = self._bounds(shape[self.dim])
+        out = list(shape)
+        out[self.dim] = 2 * (hi - lo)
+        return tuple(out)
+
+
+@dataclass(frozen=True)
 class RowsPart:
     """Rows [lo, hi) of a tensor, padded with zero rows up to `rows` (a vocab-parallel lane's
     embedding or head rows: raycluster.parallel.vocab.vocab_rows); only [lo, hi) is read."""

@@ -146,11 +146,13 @@ class SparseMoE(nn.Module):
 
 
 def combine_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, num_experts: int, first: int,
-                    local: int, run: Callable[[int, torch.Tensor], torch.Tensor]) -> torch.Tensor:
-    """sum over each token's routed slots of weight * expert(x[token]), for the `local` experts
-    [first, first + local) this module holds (the rest contribute nothing here): `run(e, rows)`
-    is local expert e on its rows. Each expert runs once, on the rows routed to it, and adds to
-    the sum in expert order (as transformers does, so the sums round alike)."""
+                    local: int, run: Callable[[int, torch.Tensor], torch.Tensor],
+                    weight_inputs: bool = False) -> torch.Tensor:
+    """sum over each token's routed slots of weight * expert(x[token]) (`weight_inputs`, Llama 4's:
+    expert(weight * x[token])), for the `local` experts [first, first + local) this module holds
+    (the rest contribute nothing here): `run(e, rows)` is local expert e on its rows. Each expert
+    runs once, on the rows routed to it, and adds to the sum in expert order (as transformers
+    does, so the sums round alike)."""
     k = ids.shape[1]
     flat = ids.flatten()
     order = torch.argsort(flat, stable=True)      # (token, slot) pairs grouped by expert
@@ -161,7 +163,8 @@ def combine_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, n
     start = sum(counts[:first])                   # the pairs of the experts held elsewhere come first
     for e, n in enumerate(counts[first:first + local]):
         if n:
-            r = rows[start:start + n]
-            out.index_add_(0, r, (run(e, x[r]) * pair_weights[start:start + n]).to(x.dtype))
+            r, w = rows[start:start + n], pair_weights[start:start + n]
+            y = run(e, (x[r] * w).to(x.dtype)) if weight_inputs else run(e, x[r]) * w
+            out.index_add_(0, r, y.to(x.dtype))
             start += n
     return out

@@ -5,7 +5,7 @@ AutoModelForCausalLM), model.safetensors (fp32, seeded), tokenizer.json (byte-le
 on the bundled corpus) and tokenizer_config.json (bos/eos, chat template). Same arguments ->
 byte-identical files. `tiny_config(**overrides)` returns the config dict for variants (other
 head counts, tied embeddings, llama3 rope, Qwen2 with q/k/v biases, Mixtral / Qwen2-MoE /
-Qwen3-MoE experts, Gemma / Gemma 2 / Gemma 3, Phi-3 with its fused projections, Granite, OLMo 2 / 3, Cohere / Cohere 2, GLM / GLM-4, SmolLM3, EXAONE 4, DeepSeek-V2 / V3, GLM-4.5, StarCoder2, gpt-oss...); an override of None removes the key.
+Qwen3-MoE experts, Gemma / Gemma 2 / Gemma 3, Phi-3 with its fused projections, Granite, OLMo 2 / 3, Cohere / Cohere 2, GLM / GLM-4, SmolLM3, EXAONE 4, DeepSeek-V2 / V3, GLM-4.5, StarCoder2, gpt-oss, Llama 4...); an override of None removes the key.
 """
 
 from __future__ import annotations
@@ -149,6 +149,18 @@ def tiny_config(**overrides) -> dict:
                    swiglu_limit=0.3, sliding_window=24, router_aux_loss_coef=0.0, output_router_logits=False,
                    rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0, "factor": 8.0, "beta_fast": 32.0,
                                     "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 4096})
+    elif overrides.get("architectures") == ["Llama4ForCausalLM"]:
+        cfg["model_type"] = "llama4_text"
+        cfg.pop("mlp_bias")
+        # Layers 1 and 3 without RoPE (their query temperature from position 15 on), layers 1 and 3
+        # routed (4 experts of 96, top 1, a shared expert), 0 and 2 dense MLPs of 256; llama3 RoPE
+        # on interleaved pairs.
+        cfg.update(no_rope_layer_interval=2, interleave_moe_layer_step=2, num_local_experts=4, num_experts_per_tok=1,
+                   intermediate_size=96, intermediate_size_mlp=256, floor_scale=16, attn_scale=0.1,
+                   attn_temperature_tuning=True, use_qk_norm=True, attention_chunk_size=8192,
+                   router_aux_loss_coef=0.0, output_router_logits=False,
+                   rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+                                    "high_freq_factor": 4.0, "original_max_position_embeddings": 64})
     elif overrides.get("architectures") == ["SmolLM3ForCausalLM"]:
         cfg["model_type"] = "smollm3"
         cfg.pop("head_dim")
@@ -243,7 +255,8 @@ def _init_weights(cfg: dict, seed: int) -> dict[str, torch.Tensor]:
             t = 0.1 * torch.randn(shape, generator=g)     # enough to change some choices
         elif name.endswith("self_attn.sinks"):
             t = torch.randn(shape, generator=g)          # sinks that take a real share of each softmax
-        elif name.endswith(("mlp.gate.weight", "block_sparse_moe.gate.weight", "mlp.router.weight")):
+        elif name.endswith(("mlp.gate.weight", "block_sparse_moe.gate.weight", "mlp.router.weight",
+                            "feed_forward.router.weight")):
             # A decisive router: rounding differences never flip which experts a token takes.
             t = 0.2 * torch.randn(shape, generator=g)
         else:
@@ -307,6 +320,11 @@ _MULTIMODAL = {
         "model_type": "clip_vision_model", "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1,
         "num_attention_heads": 2, "image_size": 28, "patch_size": 14, "projection_dim": 32},
         {"image_token_index": 5}),
+    "Llama4ForConditionalGeneration": ("llama4", "llama4_text", "Llama4ForCausalLM", {
+        "model_type": "llama4_vision_model", "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1,
+        "num_attention_heads": 2, "image_size": 28, "patch_size": 14, "vision_output_dim": 32,
+        "projector_input_dim": 32, "projector_output_dim": 32},
+        {"image_token_index": 5, "boi_token_index": 3, "eoi_token_index": 4}),
     "Qwen2VLForConditionalGeneration": ("qwen2_vl", "qwen2_vl_text", "Qwen2ForCausalLM", {
         "model_type": "qwen2_vl", "depth": 1, "embed_dim": 32, "hidden_size": 256, "num_heads": 2, "mlp_ratio": 2},
         {"image_token_id": 5, "video_token_id": 6, "vision_start_token_id": 3, "vision_end_token_id": 4}),

@@ -54,7 +54,7 @@ from torch import nn
 
 from raycluster.model.config import ModelConfig
 from raycluster.model.llama import DecoderLayer, LlamaForCausalLM
-from raycluster.model.loader import WHOLE, RowsPart, TensorPart, load_tensors
+from raycluster.model.loader import WHOLE, HalvesPart, RowsPart, TensorPart, load_tensors
 from raycluster.model.lora import TARGETS as LORA_TARGETS, LoRAAdapter
 from raycluster.model.quant.config import QuantConfig
 from raycluster.parallel.tp_check import check_tp
@@ -142,8 +142,8 @@ def layer_part(name: str, rank: int, tp: int, num_kv_heads: int, experts: range 
     layer's output rows (column-split) or input columns (row-split): `formats.tensor_dims`."""
     parts = name.split(".")
     module, param = parts[-2:]
-    if module == "experts":             # gpt-oss's stacked experts
-        return _stacked_expert_part(param, rank, tp, experts is not None)
+    if module == "experts":             # gpt-oss's and Llama 4's stacked experts
+        return _stacked_expert_part(param, rank, tp, experts is not None, halves=parts[-3] == "feed_forward")
     if module == "self_attn" and param == "sinks":      # one per query head
         return TensorPart(0, rank, tp)
     if experts is not None and "experts" in parts:
@@ -164,20 +164,24 @@ def layer_part(name: str, rank: int, tp: int, num_kv_heads: int, experts: range 
     return WHOLE
 
 
-# gpt-oss's stacked experts ([E, ...] each): the dim holding a tp rank's intermediate columns
-# (gate_up's interleaved pairs stay together: a contiguous run of 2I / tp columns); None: the
-# down bias, added once, by rank 0.
+# Stacked experts ([E, ...] each, raycluster.model.stacked_experts): the dim holding a tp rank's
+# intermediate columns (gpt-oss's interleaved gate / up pairs stay together: a contiguous run of
+# 2I / tp columns; Llama 4's halves, under `feed_forward`, give a run from each); None: the down
+# bias, added once, by rank 0.
 _STACKED_SPLIT = {"gate_up_proj": 2, "gate_up_proj_bias": 1, "down_proj": 1, "down_proj_bias": None}
 
 
-def _stacked_expert_part(param: str, rank: int, tp: int, expert_parallel: bool) -> TensorPart | None:
-    """A tp rank's part of a gpt-oss stacked expert tensor: under expert parallelism its share of
-    the experts (dim 0: `expert_range`'s contiguous share), else every expert's share of columns."""
+def _stacked_expert_part(param: str, rank: int, tp: int, expert_parallel: bool,
+                         halves: bool) -> TensorPart | HalvesPart | None:
+    """A tp rank's part of a stacked expert tensor: under expert parallelism its share of the
+    experts (dim 0: `expert_range`'s contiguous share), else every expert's share of columns."""
     if expert_parallel:
         return TensorPart(0, rank, tp)
     dim = _STACKED_SPLIT[param]
     if dim is None:
         return WHOLE if rank == 0 else None
+    if halves and param.startswith("gate_up_proj"):
+        return HalvesPart(dim, rank, tp)
     return TensorPart(dim, rank, tp)
 
 
@@ -248,8 +252,8 @@ def _shard_layer(cfg: ModelConfig, full_cfg: ModelConfig, rank: int, reduce: Cal
         if full_cfg.moe.gpt_oss and not cfg.moe.local_experts and rank:
             layer.ffn.experts.down_proj_bias = None     # each expert's bias joins the sum once, from rank 0
     else:
-        out = layer.mlp.output_proj
-        setattr(layer.mlp, out, _row_parallel(getattr(layer.mlp, out), full_cfg.mlp_bias and rank == 0, reduce))
+        mlp, out = layer.ffn, layer.ffn.output_proj
+        setattr(mlp, out, _row_parallel(getattr(mlp, out), full_cfg.mlp_bias and rank == 0, reduce))
     return layer
 
 

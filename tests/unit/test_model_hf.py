@@ -113,6 +113,12 @@ VARIANTS = {
     # behind a biased router, a clamped SwiGLU (interleaved gate / up). Every layer full, no
     # attention biases: sinks on full layers alone.
     "gpt_oss": dict(architectures=["GptOssForCausalLM"], num_hidden_layers=2),
+    # Llama 4: interleaved llama3 RoPE, weightless q/k norms on RoPE layers, NoPE layers with their
+    # query temperature, routed layers (top 1, the score on the expert's input, a shared expert)
+    # between dense ones; Scout's every layer routed, two experts per token.
+    "llama4": dict(architectures=["Llama4ForCausalLM"], num_hidden_layers=4),
+    "llama4_scout": dict(architectures=["Llama4ForCausalLM"], num_hidden_layers=2, interleave_moe_layer_step=1,
+                         num_experts_per_tok=2),
     "gpt_oss_full": dict(architectures=["GptOssForCausalLM"], num_hidden_layers=3, layer_types=["full_attention"] * 3,
                          attention_bias=False),
     "gemma3": dict(architectures=["Gemma3ForCausalLM"], num_hidden_layers=3),
@@ -176,7 +182,7 @@ def test_logits_match_transformers(variant, variant_dirs):
                                      "qwen2_window", "mixtral_window", "qwen2_moe", "qwen3_moe", "gemma2", "gemma3",
                                      "phi3_longrope", "phi3_window", "granite", "olmo2", "olmo3",
                                      "cohere_qk_norm", "cohere2", "glm4", "smollm3", "exaone4", "deepseek_v3",
-                                     "deepseek_v2", "glm4_moe", "starcoder2_window", "gpt_oss"])
+                                     "deepseek_v2", "glm4_moe", "starcoder2_window", "gpt_oss", "llama4"])
 def test_chunked_prefill_and_decode_match_unchunked(variant, variant_dirs):
     model, cfg = load_model(variant_dirs[variant])
     ids = _prompt(1 + 7 + 64 + 20, 2000, seed=3)

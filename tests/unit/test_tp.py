@@ -105,6 +105,9 @@ VARIANTS = {
     # gpt-oss: each rank's sinks are its heads'; every stacked expert's interleaved gate / up
     # column pairs and down rows split, the down bias on rank 0; a window on the even layers.
     "gpt_oss": dict(architectures=["GptOssForCausalLM"], num_hidden_layers=2),
+    # Llama 4: every stacked expert's gate and up halves split alike, the shared expert's partial
+    # sum joining the experts' before the reduce, dense layers between.
+    "llama4": dict(architectures=["Llama4ForCausalLM"], num_hidden_layers=4),
 }
 
 
@@ -216,7 +219,8 @@ def same_as_single_runner(model, runner) -> ModelRunner:
                                         ("gemma2", 2), ("gemma3", 4), ("phi3", 2),
                                         ("granite", 2), ("cohere2", 2), ("glm4", 2),
                                         ("deepseek_v3", 2), ("deepseek_v3", 4), ("glm4_moe", 2),
-                                        ("starcoder2", 2), ("gpt_oss", 2), ("gpt_oss", 4)])
+                                        ("starcoder2", 2), ("gpt_oss", 2), ("gpt_oss", 4),
+                                        ("llama4", 2), ("llama4", 4)])
 def test_a_tp_group_gives_the_single_runners_logits_step_by_step(models, variant, tp):
     model = models[variant]
     runner = _group(model, tp)

@@ -1,0 +1,121 @@
+"""Llama 4 (`Llama4ForCausalLM`, and Scout / Maverick's `Llama4ForConditionalGeneration` on its text):
+config.json read as transformers reads it, the served context capped at one attention chunk
+(chunked attention is not built), the engine's greedy tokens equal to transformers' `generate`,
+the image-text wrapper's logits equal to its text model's, expert-parallel shards summing to the
+block, an expert-parallel group and a pipeline equal to one process. Logits against transformers,
+chunked and decoded: test_model_hf.py; tp groups (each expert's gate and up halves split alike)
+and shards read from the file: test_tp.py, test_shard_load.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from family_checks import greedy_equals_transformers, pipeline_equals_single_runner
+from test_model_hf import _prompt, run_chunks
+from test_shard_load import _same_shard
+from test_tp import BASE, BS, _close, same_as_single_runner
+
+from raycluster.engine.config import EngineConfig
+from raycluster.engine.engine import LLMEngine
+from raycluster.model.config import ModelConfig, ModelConfigError
+from raycluster.model.loader import load_model
+from raycluster.model.tiny import tiny_config, write_tiny_model, write_tiny_multimodal
+from raycluster.parallel.factory import build_runner
+from raycluster.parallel.shard import Checkpoint, load_shard, shard_model
+from raycluster.request import SamplingParams
+
+ARCH = ["Llama4ForCausalLM"]
+
+
+@pytest.fixture(scope="module")
+def llama4(tmp_path_factory):
+    path = write_tiny_model(tmp_path_factory.mktemp("llama4"), seed=6, architectures=ARCH, num_hidden_layers=4)
+    return path, load_model(path)[0]
+
+
+def test_config_reads_as_transformers_reads_it():
+    cfg = ModelConfig.from_dict(tiny_config(architectures=ARCH, num_hidden_layers=4))
+    assert cfg.nope_layers == (1, 3) and cfg.rope_interleaved and cfg.llama4.l2_qk_norm
+    assert cfg.llama4.temperature == (16.0, 0.1) and cfg.moe.layers == (1, 3) and cfg.moe.llama4
+    assert (cfg.intermediate_size, cfg.moe.intermediate_size, cfg.moe.shared_intermediate_size) == (256, 96, 96)
+    # Chunked attention is not built: the context is one chunk, where it is causal attention.
+    assert (cfg.max_model_len, cfg.max_position_embeddings) == (8192, 32768)
+    # transformers' defaults: every 4th layer without RoPE, every layer routed (Scout).
+    d = tiny_config(architectures=ARCH, num_hidden_layers=8)
+    for k in ("no_rope_layer_interval", "interleave_moe_layer_step", "floor_scale", "attention_chunk_size"):
+        del d[k]
+    dflt = ModelConfig.from_dict(d)
+    assert dflt.nope_layers == (3, 7) and dflt.moe.layers == tuple(range(8)) and dflt.llama4.temperature == (8192.0, 0.1)
+    assert dflt.max_model_len == 8192
+    # Explicit lists win; without a chunk (or with every layer NoPE) the context is RoPE's.
+    cfg = ModelConfig.from_dict({**tiny_config(architectures=ARCH, num_hidden_layers=3, no_rope_layers=[1, 0, 1],
+                                               moe_layers=[2], attn_temperature_tuning=False),
+                                 "attention_chunk_size": None})
+    assert cfg.nope_layers == (1,) and cfg.moe.layers == (2,) and cfg.llama4.temperature is None
+    assert cfg.max_model_len == 32768
+
+
+@pytest.mark.parametrize("over, field", [
+    (dict(no_rope_layers=[1, 0]), "no_rope_layers"),
+    (dict(moe_layers=[9]), "moe_layers"),
+    (dict(num_experts_per_tok=5), "num_experts_per_tok"),
+    (dict(attention_chunk_size=0), "attention_chunk_size"),
+    (dict(intermediate_size_mlp="x"), "intermediate_size_mlp"),
+])
+def test_config_errors_name_the_field(over, field):
+    with pytest.raises(ModelConfigError, match=field):
+        ModelConfig.from_dict(tiny_config(architectures=ARCH, **over))
+
+
+def test_engine_greedy_tokens_equal_transformers_generate(llama4):
+    # Prompts past the temperature's first step (position 15), decodes running on past it.
+    greedy_equals_transformers(*llama4, [(4, 14), (37, 8), (80, 10)], seed=18)
+
+
+def test_a_prompt_past_the_chunk_is_refused(llama4):
+    eng = LLMEngine(EngineConfig(kv_cache_tokens=4096, policy="fcfs", packer="token"), llama4[1])
+    assert eng.max_model_len == 8192
+    with pytest.raises(ValueError, match="8192"):
+        eng.add_request("long", list(range(6, 8198)), SamplingParams(max_tokens=4))
+
+
+def test_the_image_text_wrapper_gives_its_text_models_logits(tmp_path):
+    """transformers 5.24's Llama4ForConditionalGeneration cannot run without images; its text
+    model (checked against transformers above) is the reference."""
+    text = write_tiny_model(tmp_path / "text", seed=2, architectures=ARCH, num_hidden_layers=4)
+    wrapped = write_tiny_multimodal(tmp_path / "mm", "Llama4ForConditionalGeneration", seed=2, num_hidden_layers=4)
+    model, cfg = load_model(wrapped)
+    assert cfg.multimodal == "Llama4ForConditionalGeneration" and cfg.text_prefix == "language_model."
+    ids = _prompt(60, 2000)
+    torch.testing.assert_close(run_chunks(model, ids, [60])[0], run_chunks(load_model(text)[0], ids, [60])[0],
+                               atol=0, rtol=0)
+
+
+def test_expert_parallel_ranks_hold_whole_experts_and_sum_to_the_block(llama4):
+    path, model = llama4
+    cfg = model.config
+    whole = model.model.layers[1].ffn
+    shards = [shard_model(model, r, 2, expert_parallel=True) for r in range(2)]
+    for r, s in enumerate(shards):
+        block = s.model.layers[1].ffn
+        assert block.first == 2 * r and block.experts.gate_up_proj.shape == (2, cfg.hidden_size, 2 * 96)
+        # The shared expert is still split over the ranks.
+        assert block.shared_expert.down_proj.weight.shape == (cfg.hidden_size, 48)
+        _same_shard(load_shard(Checkpoint(path, cfg), r, 2, expert_parallel=True), s)
+    x = torch.randn(31, cfg.hidden_size, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(sum(s.model.layers[1].ffn(x) for s in shards), whole(x), atol=1e-5, rtol=1e-5)
+
+
+def test_an_expert_parallel_group_gives_the_single_runners_logits(llama4):
+    runner = build_runner(EngineConfig(**{**BASE, "kv_cache_tokens": 64 * BS, "enable_expert_parallel": True,
+                                          "tp": 2}), llama4[1], torch.float32)
+    try:
+        assert runner.layout == "tp2ep"
+        same_as_single_runner(llama4[1], runner)
+    finally:
+        _close(runner)
+
+
+def test_a_pipeline_gives_the_single_runners_hidden_rows(llama4, monkeypatch):
+    pipeline_equals_single_runner(llama4[1], monkeypatch)
