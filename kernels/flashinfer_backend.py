@@ -107,10 +107,11 @@ class FlashInferAttentionBackend:
 
     def forward(self, layer_kv: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 meta: AttentionMetadata, scale: float, window: int | None = None,
-                softcap: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
-        if window is not None:
-            raise ValueError(f"window: {window}: the flashinfer backend takes no sliding window; "
-                             "sliding-window models run on the torch backend (kernels.get_attention_backend)")
+                softcap: float | None = None, sinks: torch.Tensor | None = None,
+                chunk: int | None = None) -> torch.Tensor:
+        if window is not None or chunk is not None:
+            raise ValueError(f"window: {window}, chunk: {chunk}: the flashinfer backend takes no sliding window or "
+                             "attention chunk; such models run on the torch backend (kernels.get_attention_backend)")
         if softcap is not None:
             raise ValueError(f"softcap: {softcap}: the flashinfer backend caps no scores; soft-capped models run "
                              "on the torch backend (kernels.get_attention_backend)")

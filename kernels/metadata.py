@@ -16,6 +16,17 @@ from typing import Any
 import torch
 
 
+def first_visible(kv_len, window: int | None, chunk: int | None):
+    """The earliest key the query at position kv_len - 1 sees (an int or a tensor of them): the
+    last `window` keys under a sliding window, its own `chunk`-token chunk under chunked
+    attention, else key 0."""
+    if window is not None:
+        return kv_len - window if isinstance(kv_len, torch.Tensor) else max(0, kv_len - window)
+    if chunk is not None:
+        return (kv_len - 1) // chunk * chunk
+    return 0 * kv_len
+
+
 @dataclass
 class AttentionMetadata:
     num_prefill_tokens: int
@@ -98,19 +109,23 @@ class AttentionMetadata:
         return c
 
     def decode_buckets(self, device: torch.device | str | None = None,
-                       window: int | None = None) -> list["DecodeBucket"]:
+                       window: int | None = None, chunk: int | None = None) -> list["DecodeBucket"]:
         """The decode rows as the torch backend attends them (built once per window, on
         `device`): grouped by KV length so a bucket pads little, each with its gather rows and
         additive pad mask; rows on one block table (a request's drafts) share one gather.
-        `window` (a sliding-window layer's): a row sees only its `window` latest keys, so a
+        `window` (a sliding-window layer's): a row sees only its `window` latest keys; `chunk`
+        (Llama 4's chunked attention): only the keys of its own `chunk`-token chunk. Either way a
         group gathers from the block holding its earliest visible key and masks the rest."""
-        if window is not None and (not self.decode_kv_lens or max(self.decode_kv_lens) <= window):
+        longest = max(self.decode_kv_lens, default=0)
+        if window is not None and longest <= window:
             window = None           # every key is in the window: the plain layout, shared
+        if chunk is not None and longest <= chunk:
+            chunk = None
         c = self.cache
-        key = "decode_buckets" if window is None else ("decode_buckets", window)
+        key = "decode_buckets" if window is None and chunk is None else ("decode_buckets", window, chunk)
         if key not in c:
             device = torch.device(device) if device is not None else self.slot_mapping.device
-            groups = [(rows, self._first_block(rows, window), nb) for rows, nb in self._kv_groups()] \
+            groups = [(rows, self._first_block(rows, window, chunk), nb) for rows, nb in self._kv_groups()] \
                 if self.num_decodes else []
             parts = []
             for multi in (False, True):    # rows sharing a table pad only against each other
@@ -118,15 +133,15 @@ class AttentionMetadata:
                 parts += [[sel[i] for i in part] for part in
                           bucket_by_length([nb - first for _, first, nb in sel], self.block_size,
                                            DECODE_BUCKET_OVERHEAD_TOKENS)]
-            c[key] = [self._decode_bucket([(rows, first) for rows, first, _ in part], device, window)
+            c[key] = [self._decode_bucket([(rows, first) for rows, first, _ in part], device, window, chunk)
                       for part in parts]
         return c[key]
 
-    def _first_block(self, rows: list[int], window: int | None) -> int:
-        """The first block holding a key some row of the group sees (0 without a window)."""
-        if window is None:
+    def _first_block(self, rows: list[int], window: int | None, chunk: int | None) -> int:
+        """The first block holding a key some row of the group sees (0 without a window or chunk)."""
+        if window is None and chunk is None:
             return 0
-        return max(0, min(self.decode_kv_lens[i] for i in rows) - window) // self.block_size
+        return min(first_visible(self.decode_kv_lens[i], window, chunk) for i in rows) // self.block_size
 
     def _kv_groups(self) -> list[tuple[list[int], int]]:
         """Consecutive decode rows reading the same KV: (rows, blocks of the longest). A request
@@ -150,7 +165,8 @@ class AttentionMetadata:
             head = bt
         return groups
 
-    def _decode_bucket(self, spans: list[tuple[list[int], int]], device, window: int | None) -> "DecodeBucket":
+    def _decode_bucket(self, spans: list[tuple[list[int], int]], device, window: int | None,
+                       chunk: int | None) -> "DecodeBucket":
         """One gather of each group's blocks from its first block on, its rows' queries side by
         side (m = the largest group; a shorter group repeats its last row, whose output is
         dropped). `spans`: (rows, first block) per group."""
@@ -172,8 +188,8 @@ class AttentionMetadata:
         # Absolute position of each gathered key, per group.
         key_pos = torch.tensor(firsts, dtype=torch.long)[:, None, None] * bs + torch.arange(nb * bs)[None, None, :]
         pad = key_pos >= kv_lens[..., None]
-        if window is not None:
-            pad |= key_pos < kv_lens[..., None] - window
+        if window is not None or chunk is not None:
+            pad |= key_pos < first_visible(kv_lens[..., None], window, chunk)
         mask = None
         if bool(pad.any()):
             mask = torch.zeros(len(groups), 1, m, nb * bs).masked_fill_(pad[:, None], float("-inf")).to(device)

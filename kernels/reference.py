@@ -12,11 +12,12 @@ import torch
 
 def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
                         causal: bool = True, window: int | None = None,
-                        softcap: float | None = None,
-                        sinks: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                        softcap: float | None = None, sinks: torch.Tensor | None = None,
+                        chunk: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """q [n,Hq,D] (the last n tokens of the request), k/v [L,Hkv,D] (all its KV, L >= n).
     `window` (with causal): each query sees only the `window` latest keys up to itself, as
-    Hugging Face's sliding-window mask (key position > query position - window).
+    Hugging Face's sliding-window mask (key position > query position - window); `chunk`: only
+    the keys of its own chunk (key position >= floor(query position / chunk) * chunk).
     Returns out [n,Hq,D] and base-2 lse [n,Hq] (of the scores without the sink), computed in fp64."""
     n, hq, d = q.shape
     L, hkv, _ = k.shape
@@ -32,6 +33,8 @@ def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale
         mask = torch.arange(L)[None, :] > qpos
         if window is not None:
             mask |= torch.arange(L)[None, :] <= qpos - window
+        if chunk is not None:           # Llama 4's: only the keys of the query's own chunk
+            mask |= torch.arange(L)[None, :] < qpos // chunk * chunk
         scores = scores.masked_fill(mask[None], float("-inf"))
     lse = torch.logsumexp(scores, dim=-1)  # [Hq, n]
     if sinks is None:

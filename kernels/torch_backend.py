@@ -12,7 +12,10 @@ exactly the bottom-right aligned causal mask. A sliding-window layer (Mistral, Q
 layers) passes `window`: a query at position p sees keys p - window < key <= p (Hugging Face's
 mask); a chunk whose request is longer than the window reads only the window's blocks and
 attends in query tiles, each to itself causally and to the keys before it under the window's
-band; decode gathers from the window's first block.
+band; decode gathers from the window's first block. A chunked-attention layer (Llama 4's RoPE
+layers) passes `chunk`: a query sees only the keys of its own `chunk`-token chunk (HF's chunked
+causal mask); a request's queries split at chunk boundaries, each piece attending itself causally
+and its chunk's earlier keys, and decode gathers from the block where the row's chunk begins.
 
 CPU fast paths (same results): a chunk with earlier KV keeps the two fused passes (one pass over
 prefix + chunk with an additive bottom-right causal mask measured no faster: it loses the causal
@@ -217,6 +220,40 @@ def _windowed_prefill(qi, kv_layer, table, prefix: int, ki, vi, window: int, sca
     return torch.cat(outs), torch.cat(lses)
 
 
+def _chunked_prefill(qi, kv_layer, table, prefix: int, ki, vi, chunk: int, scale: float,
+                     softcap: float | None = None):
+    """One request's chunk (queries at positions prefix .. prefix + n - 1, its own K/V ki/vi) under
+    chunked attention: query p sees keys floor(p / chunk) * chunk <= key <= p. The queries split
+    at chunk boundaries; each piece attends itself causally and, when its chunk began before it,
+    that chunk's earlier keys (from the cache or the piece's predecessors) unmasked, the two
+    states merged by LSE. Only the blocks from the first query's chunk on are read."""
+    n = qi.shape[0]
+    bs = kv_layer.shape[2]
+    lo = prefix // chunk * chunk                # the earliest key any query of the chunk sees
+    if lo < prefix:
+        first = lo // bs
+        kp, vp = _gather(kv_layer, table[first:-(-prefix // bs)], prefix - first * bs)
+        off = lo - first * bs
+        k_all, v_all = torch.cat([kp[off:], ki]), torch.cat([vp[off:], vi])
+    else:
+        k_all, v_all = ki, vi
+    outs, lses = [], []
+    a = 0
+    while a < n:
+        begins = (prefix + a) // chunk * chunk          # this piece's chunk, from its start
+        b = min(n, begins + chunk - prefix)
+        qt = qi[a:b].to(k_all.dtype)
+        own, before = prefix + a - lo, begins - lo      # in k_all: the piece's first key, its chunk's
+        o, lse = _attend(qt, k_all[own:own + b - a], v_all[own:own + b - a], True, scale, softcap)
+        if before < own:
+            op, lsep = _attend(qt, k_all[before:own], v_all[before:own], False, scale, softcap)
+            o, lse = _merge2(op, lsep, o, lse)
+        outs.append(o)
+        lses.append(lse)
+        a = b
+    return torch.cat(outs), torch.cat(lses)
+
+
 def _gather(kv_layer: torch.Tensor, table: torch.Tensor, length: int):
     """Dense K, V [length, Hkv, D] of one request from its block ids (one copy each)."""
     k = kv_layer[:, 0][table].flatten(0, 1)[:length]
@@ -241,10 +278,11 @@ def _fast_cpu(q: torch.Tensor, kv_layer: torch.Tensor) -> bool:
 def paged_prefill_attention(q: torch.Tensor, kv_layer: torch.Tensor, meta: AttentionMetadata,
                             scale: float, k: torch.Tensor | None = None, v: torch.Tensor | None = None,
                             return_lse: bool = True, workspace: Workspace | None = None,
-                            window: int | None = None, softcap: float | None = None):
+                            window: int | None = None, softcap: float | None = None, chunk: int | None = None):
     """Attention for the prefill tokens q [Tp,Hq,D]: each chunk sees its request's earlier KV
     plus itself causally (with `window`, only the `window` latest keys up to each query; with
-    `softcap`, scores capped as Gemma 2's). KV must
+    `chunk`, only the keys of each query's own chunk; with `softcap`, scores capped as Gemma
+    2's). KV must
     already be written. If the chunk's own k/v [Tp,Hkv,D] are given they are used instead of
     re-reading them from the cache. Returns (out [Tp,Hq,D], base-2 lse [Tp,Hq] or None)."""
     c = meta.prepare(kv_layer.device)
@@ -264,8 +302,10 @@ def paged_prefill_attention(q: torch.Tensor, kv_layer: torch.Tensor, meta: Atten
         else:
             ki, vi = _gather(kv_layer, table, kv_len)
             ki, vi = ki[prefix:], vi[prefix:]
-        if window is not None and kv_len > window:
-            o, lse = _windowed_prefill(qi, kv_layer, table, prefix, ki, vi, window, scale, softcap)
+        local = window is not None and kv_len > window or chunk is not None and kv_len > chunk
+        if local:
+            o, lse = _windowed_prefill(qi, kv_layer, table, prefix, ki, vi, window, scale, softcap) \
+                if window is not None else _chunked_prefill(qi, kv_layer, table, prefix, ki, vi, chunk, scale, softcap)
             out[start:start + n] = o
             if return_lse:
                 lse_all[start:start + n] = lse * LOG2E
@@ -321,12 +361,12 @@ def _decode_bucket_manual(qb, k, v, bucket, scale, return_lse, softcap: float | 
 
 def paged_decode_attention(q: torch.Tensor, kv_layer: torch.Tensor, meta: AttentionMetadata,
                            scale: float, return_lse: bool = True, workspace: Workspace | None = None,
-                           window: int | None = None, softcap: float | None = None):
+                           window: int | None = None, softcap: float | None = None, chunk: int | None = None):
     """One query row per decode token, q [Td,Hq,D]. Rows are grouped by KV length into buckets
     (built once per step and window by meta.decode_buckets); each bucket's blocks are gathered
-    with one index op into a padded [n, L] layout and attended with a length mask (with `window`,
-    from the block of each group's earliest visible key, the keys before each row's window masked
-    too). The rows of one request's drafts share their gather: its m queries attend together,
+    with one index op into a padded [n, L] layout and attended with a length mask (with `window`
+    or `chunk`, from the block of each group's earliest visible key, the keys before each row's
+    window or chunk masked too). The rows of one request's drafts share their gather: its m queries attend together,
     each masked at its own length. Returns (out [Td,Hq,D], base-2 lse [Td,Hq] or None)."""
     td, hq, d = q.shape
     if td == 0:
@@ -335,7 +375,7 @@ def paged_decode_attention(q: torch.Tensor, kv_layer: torch.Tensor, meta: Attent
     bs, hkv = kv_layer.shape[2], kv_layer.shape[3]
     out = torch.empty_like(q)
     lse_all = q.new_empty((td, hq), dtype=torch.float32) if return_lse else None
-    for b in meta.decode_buckets(kv_layer.device, window):
+    for b in meta.decode_buckets(kv_layer.device, window, chunk):
         qb = q if b.index is None else q.index_select(0, b.index)
         m = b.num_queries
         n, L = qb.shape[0] // m, b.num_blocks * bs
@@ -383,7 +423,7 @@ class TorchAttentionBackend:
     `window`: the layer's sliding window (None: full causal attention); `softcap`: Gemma 2's cap
     on attention scores (None: none; capped layers take the unfused paths, which materialise
     scores); `sinks`: gpt-oss's per-head sink logits [Hq] (None: none), applied through each
-    row's LSE (`with_sinks`)."""
+    row's LSE (`with_sinks`); `chunk`: Llama 4's attention chunk (None: none)."""
 
     name = "torch"
     supports_sliding_window = True
@@ -393,12 +433,13 @@ class TorchAttentionBackend:
 
     def forward(self, layer_kv: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 meta: AttentionMetadata, scale: float, window: int | None = None,
-                softcap: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
+                softcap: float | None = None, sinks: torch.Tensor | None = None,
+                chunk: int | None = None) -> torch.Tensor:
         c = meta.prepare(layer_kv.device)
         write_kv(layer_kv, k, v, meta.slot_mapping, c["slot_block"], c["slot_offset"], c["slot_row"])
         tp, td = meta.num_prefill_tokens, meta.num_decode_tokens
         lse = sinks is not None
-        kw = dict(return_lse=lse, workspace=self.workspace, window=window, softcap=softcap)
+        kw = dict(return_lse=lse, workspace=self.workspace, window=window, softcap=softcap, chunk=chunk)
         if td == 0:
             out, out_lse = paged_prefill_attention(q, layer_kv, meta, scale, k=k, v=v, **kw)
             return out if sinks is None else with_sinks(out, out_lse, sinks)

@@ -229,9 +229,15 @@ class ModelConfig:
 
     @property
     def torch_attention_only(self) -> bool:
-        """Attention only the torch backend computes: sliding windows, Gemma 2's score caps, sinks."""
-        return bool(self.sliding_layers) or self.attention_sinks or (
+        """Attention only the torch backend computes: sliding windows, Gemma 2's score caps, sinks,
+        Llama 4's attention chunks."""
+        return bool(self.sliding_layers) or self.attention_sinks or self.attention_chunk is not None or (
             self.gemma is not None and self.gemma.attn_softcap is not None)
+
+    @property
+    def attention_chunk(self) -> int | None:
+        """Llama 4's: the chunk its RoPE layers attend within (None: no chunked attention)."""
+        return self.llama4.attention_chunk_size if self.llama4 is not None else None
 
     @property
     def num_kv_groups(self) -> int:
@@ -345,9 +351,6 @@ class ModelConfig:
         moe = _moe(arch, d, layers) if arch in MOE_ARCHITECTURES else family.pop("moe", None)
         # Gemma 3's max_position_embeddings already counts its global layers' linear scaling.
         max_len = max_pos if arch == "Gemma3ForCausalLM" else scaled_context(max_pos, scaling)
-        chunk = family["llama4"].attention_chunk_size if arch == LLAMA4 else None
-        if chunk is not None:       # chunked attention is not built: one chunk, where it is causal
-            max_len = min(max_len, chunk)
         scaling = longrope_for_context(scaling, max_len)
         raw_quant = d.get("quantization_config")
         if moe is not None and moe.mxfp4:     # gpt-oss's packed experts: dequantized at load, the rest dense

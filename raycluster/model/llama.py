@@ -118,6 +118,8 @@ class Attention(nn.Module):
         self.scale = cfg.gemma.attention_scale if cfg.gemma is not None else \
             cfg.attention_multiplier if cfg.attention_multiplier is not None else cfg.head_dim ** -0.5
         self.softcap = None if cfg.gemma is None else cfg.gemma.attn_softcap
+        # Llama 4's RoPE layers attend within chunks of attention_chunk_size tokens.
+        self.chunk = cfg.llama4.attention_chunk_size if cfg.llama4 is not None and rope else None
         # gpt-oss: one learnt logit per head joins its softmax (the backend applies it).
         self.sinks = nn.Parameter(torch.empty(self.num_heads)) if cfg.attention_sinks else None
         h = cfg.hidden_size
@@ -159,7 +161,7 @@ class Attention(nn.Module):
         elif sin is not None:       # and its queries' temperature (Llama 4's NoPE layers: `layer_ropes`)
             q = (q * sin).to(q.dtype)
         o = backend.forward(layer_kv, q, k, v, meta, self.scale, window=self.window, softcap=self.softcap,
-                            sinks=self.sinks)
+                            sinks=self.sinks, chunk=self.chunk)
         o = o.reshape(t, self.num_heads * self.head_dim)
         return self.o_proj(o) if lora is None else _project(self.o_proj, o, lora, index, "o_proj")
 

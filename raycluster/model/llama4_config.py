@@ -9,9 +9,8 @@ transformers reads it:
 - `moe_layers` (default: every `interleave_moe_layer_step`-th) route each token to its top
   `num_experts_per_tok` of `num_local_experts` stacked experts of `intermediate_size`, plus a
   shared expert as wide (raycluster.model.llama4); the other layers' MLP is `intermediate_size_mlp`;
-- the RoPE layers attend within chunks of `attention_chunk_size` tokens. Chunked attention is not
-  built here: the served context is capped at one chunk (8192 tokens in the releases), within
-  which chunked and causal attention agree.
+- the RoPE layers attend within chunks of `attention_chunk_size` tokens (the attention backend's
+  `chunk`: a query sees only its own chunk's keys).
 
 `llama4_fields(d, layers, error)` returns ModelConfig keyword arguments (a `Llama4Spec` and the
 MoE config among them); errors name the field.
@@ -29,7 +28,7 @@ ARCHITECTURE = "Llama4ForCausalLM"
 class Llama4Spec:
     l2_qk_norm: bool                    # a weightless RMS norm of q / k heads on the RoPE layers
     temperature: tuple[float, float] | None     # (floor_scale, attn_scale) on the NoPE layers; None: off
-    attention_chunk_size: int | None    # the RoPE layers' attention chunk (the context is capped at it)
+    attention_chunk_size: int | None    # the RoPE layers' attention chunk (None: they attend causally)
 
 
 def _int(d: dict[str, Any], name: str, default: int | None, error, minimum: int = 1) -> int:

@@ -152,12 +152,12 @@ def tiny_config(**overrides) -> dict:
     elif overrides.get("architectures") == ["Llama4ForCausalLM"]:
         cfg["model_type"] = "llama4_text"
         cfg.pop("mlp_bias")
-        # Layers 1 and 3 without RoPE (their query temperature from position 15 on), layers 1 and 3
-        # routed (4 experts of 96, top 1, a shared expert), 0 and 2 dense MLPs of 256; llama3 RoPE
-        # on interleaved pairs.
+        # Layers 1 and 3 without RoPE (their query temperature from position 15 on), 0 and 2 with
+        # it, attending in 24-token chunks; layers 1 and 3 routed (4 experts of 96, top 1, a shared
+        # expert), 0 and 2 dense MLPs of 256; llama3 RoPE on interleaved pairs.
         cfg.update(no_rope_layer_interval=2, interleave_moe_layer_step=2, num_local_experts=4, num_experts_per_tok=1,
                    intermediate_size=96, intermediate_size_mlp=256, floor_scale=16, attn_scale=0.1,
-                   attn_temperature_tuning=True, use_qk_norm=True, attention_chunk_size=8192,
+                   attn_temperature_tuning=True, use_qk_norm=True, attention_chunk_size=24,
                    router_aux_loss_coef=0.0, output_router_logits=False,
                    rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
                                     "high_freq_factor": 4.0, "original_max_position_embeddings": 64})

@@ -127,6 +127,9 @@ def _build_runner(config: EngineConfig, model, dtype: torch.dtype, model_path: s
     if config.kvp > 1 and model.config.sliding_layers:
         raise ValueError(f"kvp: {config.kvp} KVP ranks for a sliding-window model (window "
                          f"{model.config.sliding_window}): KV parallelism does not mask by a window; use kvp 1")
+    if config.kvp > 1 and model.config.attention_chunk is not None:
+        raise ValueError(f"kvp: {config.kvp} KVP ranks for a model with chunked attention (attention_chunk_size "
+                         f"{model.config.attention_chunk}): KV parallelism does not mask by a chunk; use kvp 1")
     if config.kvp > 1 and model.config.gemma is not None and model.config.gemma.attn_softcap is not None:
         raise ValueError(f"kvp: {config.kvp} KVP ranks for a model that soft-caps attention scores "
                          f"(attn_logit_softcapping {model.config.gemma.attn_softcap}): KV-parallel attention "

@@ -184,11 +184,12 @@ class KVPAttention:
 
     def forward(self, layer_kv: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 meta: KVPMeta, scale: float, window: int | None = None, softcap: float | None = None,
-                sinks: torch.Tensor | None = None) -> torch.Tensor:
+                sinks: torch.Tensor | None = None, chunk: int | None = None) -> torch.Tensor:
         """`sinks` (gpt-oss's per-head sink logits) scale the merged state by its LSE (`with_sinks`)."""
-        # The factory refuses kvp > 1 for sliding-window and soft-capped models.
-        if window is not None:
-            raise ValueError(f"window: {window}: KV-parallel attention takes no sliding window")
+        # The factory refuses kvp > 1 for sliding-window, chunked-attention and soft-capped models.
+        if window is not None or chunk is not None:
+            raise ValueError(f"window: {window}, chunk: {chunk}: KV-parallel attention takes no sliding window or "
+                             "attention chunk")
         if softcap is not None:
             raise ValueError(f"softcap: {softcap}: KV-parallel attention caps no scores")
         if meta.write_idx.numel():

@@ -1,6 +1,6 @@
 """Llama 4 (`Llama4ForCausalLM`, and Scout / Maverick's `Llama4ForConditionalGeneration` on its text):
-config.json read as transformers reads it, the served context capped at one attention chunk
-(chunked attention is not built), the engine's greedy tokens equal to transformers' `generate`,
+config.json read as transformers reads it, the engine's greedy tokens equal to transformers'
+`generate` over prompts and decodes spanning several attention chunks, kvp refused,
 the image-text wrapper's logits equal to its text model's, expert-parallel shards summing to the
 block, an expert-parallel group and a pipeline equal to one process. Logits against transformers,
 chunked and decoded: test_model_hf.py; tp groups (each expert's gate and up halves split alike)
@@ -22,7 +22,6 @@ from raycluster.model.loader import load_model
 from raycluster.model.tiny import tiny_config, write_tiny_model, write_tiny_multimodal
 from raycluster.parallel.factory import build_runner
 from raycluster.parallel.shard import Checkpoint, load_shard, shard_model
-from raycluster.request import SamplingParams
 
 ARCH = ["Llama4ForCausalLM"]
 
@@ -38,21 +37,20 @@ def test_config_reads_as_transformers_reads_it():
     assert cfg.nope_layers == (1, 3) and cfg.rope_interleaved and cfg.llama4.l2_qk_norm
     assert cfg.llama4.temperature == (16.0, 0.1) and cfg.moe.layers == (1, 3) and cfg.moe.llama4
     assert (cfg.intermediate_size, cfg.moe.intermediate_size, cfg.moe.shared_intermediate_size) == (256, 96, 96)
-    # Chunked attention is not built: the context is one chunk, where it is causal attention.
-    assert (cfg.max_model_len, cfg.max_position_embeddings) == (8192, 32768)
+    assert cfg.attention_chunk == 24 and cfg.torch_attention_only and cfg.max_model_len == 32768
     # transformers' defaults: every 4th layer without RoPE, every layer routed (Scout).
     d = tiny_config(architectures=ARCH, num_hidden_layers=8)
     for k in ("no_rope_layer_interval", "interleave_moe_layer_step", "floor_scale", "attention_chunk_size"):
         del d[k]
     dflt = ModelConfig.from_dict(d)
     assert dflt.nope_layers == (3, 7) and dflt.moe.layers == tuple(range(8)) and dflt.llama4.temperature == (8192.0, 0.1)
-    assert dflt.max_model_len == 8192
-    # Explicit lists win; without a chunk (or with every layer NoPE) the context is RoPE's.
+    assert dflt.attention_chunk == 8192
+    # Explicit lists win; without a chunk the RoPE layers attend causally.
     cfg = ModelConfig.from_dict({**tiny_config(architectures=ARCH, num_hidden_layers=3, no_rope_layers=[1, 0, 1],
                                                moe_layers=[2], attn_temperature_tuning=False),
                                  "attention_chunk_size": None})
     assert cfg.nope_layers == (1,) and cfg.moe.layers == (2,) and cfg.llama4.temperature is None
-    assert cfg.max_model_len == 32768
+    assert cfg.attention_chunk is None and not cfg.torch_attention_only
 
 
 @pytest.mark.parametrize("over, field", [
@@ -68,15 +66,14 @@ def test_config_errors_name_the_field(over, field):
 
 
 def test_engine_greedy_tokens_equal_transformers_generate(llama4):
-    # Prompts past the temperature's first step (position 15), decodes running on past it.
+    # Prompts past the temperature's first step (position 15) and over several 24-token attention
+    # chunks, decodes running across chunk boundaries.
     greedy_equals_transformers(*llama4, [(4, 14), (37, 8), (80, 10)], seed=18)
 
 
-def test_a_prompt_past_the_chunk_is_refused(llama4):
-    eng = LLMEngine(EngineConfig(kv_cache_tokens=4096, policy="fcfs", packer="token"), llama4[1])
-    assert eng.max_model_len == 8192
-    with pytest.raises(ValueError, match="8192"):
-        eng.add_request("long", list(range(6, 8198)), SamplingParams(max_tokens=4))
+def test_kvp_is_refused_for_its_chunked_attention(llama4):
+    with pytest.raises(ValueError, match="chunked attention"):
+        LLMEngine(EngineConfig(kv_cache_tokens=2048, policy="fcfs", packer="token", kvp=2), llama4[1])
 
 
 def test_the_image_text_wrapper_gives_its_text_models_logits(tmp_path):

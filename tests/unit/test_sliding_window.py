@@ -160,7 +160,7 @@ def test_sliding_window_models_get_the_torch_backend_and_kvp_refuses_them(tmp_pa
                             num_hidden_layers=2)
     model, cfg = load_model(path)
     assert [layer.self_attn.window for layer in model.model.layers] == [32, 32]
-    with pytest.raises(ValueError, match="window: 32: KV-parallel attention takes no sliding window"):
+    with pytest.raises(ValueError, match="window: 32, chunk: None: KV-parallel attention takes no sliding window"):
         KVPAttention(None).forward(None, None, None, None, None, 1.0, window=32)
     with pytest.raises(ValueError, match="kvp: 2 KVP ranks for a sliding-window model"):
         build_runner(EngineConfig(kvp=2, kv_cache_tokens=1024, policy="fcfs", packer="token", predictor="none"),
