@@ -30,7 +30,7 @@ def router_config(cfg: ClusterConfig) -> RouterConfig:
                         pressure=cfg.controller.pressure(),
                         pressure_period_s=cfg.controller.period_s,
                         slo=SLOConfig(ttft_ms=ecfg.ttft_ms, tpot_ms=ecfg.tpot_ms, ttft_scale=ecfg.ttft_scale),
-                        lora=cfg.lora_modules())
+                        lora=cfg.lora_modules(), max_stored_responses=cfg.max_stored_responses)
 
 
 def placement(cfg: ClusterConfig, pool: PoolSpec) -> dict:

@@ -21,6 +21,7 @@ from raycluster.cluster.client import ClusterClient, LoRACalls
 from raycluster.cluster.config import ClusterConfig
 from raycluster.server.auth import keys_from_env
 from raycluster.server.protocol import error_body
+from raycluster.server.response_store import RemoteResponses
 
 CONFIG_ENV = "RAYCLUSTER_CLUSTER_CONFIG"
 
@@ -63,7 +64,9 @@ def build_gateway_app():
                     metrics_sinks=sinks, sampling_defaults=defaults, log_requests=cfg.log_requests,
                     reasoning_parser=cfg.reasoning_parser, request_id_header=False,
                     allow_runtime_lora=cfg.allow_runtime_lora_updating, lora_resolver_dir=cfg.lora_resolver_dir,
-                    lora_resolver_max_loaded=cfg.lora_resolver_max_loaded, model_config=mcfg)
+                    lora_resolver_max_loaded=cfg.lora_resolver_max_loaded, model_config=mcfg,
+                    response_store=RemoteResponses(lambda method, *args: getattr(router, method).remote(*args),
+                                                   enabled=cfg.max_stored_responses > 0))
 
     @app.get("/v1/cluster/status")
     async def cluster_status(request: Request):

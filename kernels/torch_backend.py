@@ -183,6 +183,18 @@ def _attend_masked(q, k, v, visible: torch.Tensor, scale: float, softcap: float 
     return o.permute(1, 0, 2, 3).reshape(n, hq, d).to(q.dtype), lse.permute(1, 0, 2).reshape(n, hq)
 
 
+def _keys_from(kv_layer, table, prefix: int, ki, vi, lo: int):
+    """A request's K, V from position `lo` on: the cached ones before its chunk (positions
+    lo .. prefix - 1, only their blocks read), then the chunk's own ki / vi."""
+    if lo >= prefix:
+        return ki, vi
+    bs = kv_layer.shape[2]
+    first = lo // bs
+    kp, vp = _gather(kv_layer, table[first:-(-prefix // bs)], prefix - first * bs)
+    off = lo - first * bs
+    return torch.cat([kp[off:], ki]), torch.cat([vp[off:], vi])
+
+
 def _windowed_prefill(qi, kv_layer, table, prefix: int, ki, vi, window: int, scale: float,
                       softcap: float | None = None):
     """One request's chunk (queries at positions prefix .. prefix + n - 1, its own K/V ki/vi)
@@ -192,15 +204,8 @@ def _windowed_prefill(qi, kv_layer, table, prefix: int, ki, vi, window: int, sca
     kernel's causal block skipping applies) and the keys before it under the banded mask (each
     query then sees at least the key just before the tile), the two states merged by LSE."""
     n = qi.shape[0]
-    bs = kv_layer.shape[2]
     lo = max(0, prefix - window + 1)            # the earliest key any query of the chunk sees
-    if lo < prefix:
-        first = lo // bs
-        kp, vp = _gather(kv_layer, table[first:-(-prefix // bs)], prefix - first * bs)
-        off = lo - first * bs
-        k_all, v_all = torch.cat([kp[off:], ki]), torch.cat([vp[off:], vi])
-    else:
-        k_all, v_all = ki, vi
+    k_all, v_all = _keys_from(kv_layer, table, prefix, ki, vi, lo)
     outs, lses = [], []
     tile = min(_Q_TILE, max(1, window - 1))
     for a in range(0, n, tile):
@@ -228,15 +233,8 @@ def _chunked_prefill(qi, kv_layer, table, prefix: int, ki, vi, chunk: int, scale
     that chunk's earlier keys (from the cache or the piece's predecessors) unmasked, the two
     states merged by LSE. Only the blocks from the first query's chunk on are read."""
     n = qi.shape[0]
-    bs = kv_layer.shape[2]
     lo = prefix // chunk * chunk                # the earliest key any query of the chunk sees
-    if lo < prefix:
-        first = lo // bs
-        kp, vp = _gather(kv_layer, table[first:-(-prefix // bs)], prefix - first * bs)
-        off = lo - first * bs
-        k_all, v_all = torch.cat([kp[off:], ki]), torch.cat([vp[off:], vi])
-    else:
-        k_all, v_all = ki, vi
+    k_all, v_all = _keys_from(kv_layer, table, prefix, ki, vi, lo)
     outs, lses = [], []
     a = 0
     while a < n:

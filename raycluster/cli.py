@@ -39,6 +39,7 @@ from raycluster.cli_status import cmd_status
 from raycluster.engine_flags import add_engine_flags, check_overrides, engine_overrides
 from raycluster.server.auth import API_KEY_ENV
 from raycluster.server.reasoning import REASONING_PARSERS
+from raycluster.server.response_store import LocalResponses, ResponseStore
 from raycluster.server.tool_parsers import TOOL_PARSERS
 
 
@@ -80,7 +81,8 @@ def _serve_engine(args: argparse.Namespace) -> int:
         app = build_app(async_engine, engine.tokenizer, names, api_keys=keys_from_env(),
                         tool_call_parser=args.tool_call_parser, sampling_defaults=defaults,
                         log_requests=args.enable_log_requests, reasoning_parser=args.reasoning_parser,
-                        lora_resolver_max_loaded=args.lora_resolver_max_loaded, model_config=engine.model.config)
+                        lora_resolver_max_loaded=args.lora_resolver_max_loaded, model_config=engine.model.config,
+                        response_store=LocalResponses(ResponseStore(args.max_stored_responses)))
     except ValueError as e:             # a setting that does not hold together, named in the message
         async_engine.shutdown()
         print(f"raycluster engine-server: {e}", file=sys.stderr)
@@ -376,6 +378,9 @@ def build_parser() -> argparse.ArgumentParser:
     es.add_argument("--threads", type=int, default=None, help="torch threads of the engine")
     es.add_argument("--chat-template", default=None, metavar="TEMPLATE",
                     help="a Jinja chat template (its text, or a file) instead of the checkpoint's (vLLM's)")
+    es.add_argument("--max-stored-responses", type=int, default=1000,
+                    help="Responses API: keep this many responses for GET and previous_response_id, the least "
+                         "recently used dropped past it (0: store none)")
     es.add_argument("--reasoning-parser", default=None, choices=sorted(REASONING_PARSERS),
                     help="chat replies carry the model's thinking as reasoning_content (vLLM's)")
     es.add_argument("--enable-log-requests", action="store_true",

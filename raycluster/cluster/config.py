@@ -164,6 +164,9 @@ class ClusterConfig(BaseModel):
     transfer_timeout_s: float = Field(10.0, gt=0)
     kv_lease_s: float = Field(30.0, gt=0)
     max_queue: int = Field(256, ge=1, description="requests waiting in the router before 429")
+    max_stored_responses: int = Field(1000, ge=0, description="Responses API: responses the router keeps for GET "
+                                      "and previous_response_id (the least recently used dropped past it; lost "
+                                      "when the router restarts); 0: store none")
     drain_s: float = Field(15.0, ge=0, description="an engine replica Serve stops (scale-down, redeploy) first "
                            "takes no new work and finishes its running requests for up to this long; what is "
                            "left then resumes elsewhere (0: at once)")

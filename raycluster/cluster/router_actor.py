@@ -41,6 +41,7 @@ from raycluster.cluster.messages import (GatewayReply, InstanceStats, PollReply,
 from raycluster.cluster.router_core import QUEUES, RouterConfig, RouterCore
 from raycluster.cluster.router_lora import RouterAdapters, load_everywhere, unload_everywhere
 from raycluster.cluster.router_reconfigure import reconfigure
+from raycluster.server.response_store import ResponseStore
 
 log = logging.getLogger(__name__)
 
@@ -72,6 +73,7 @@ class RouterActor:
         self.core = RouterCore(cfg or RouterConfig(), router_id=router_id)
         if adapters is not None:
             self.core.adapters = RouterAdapters(self.core.cfg.lora, restored=adapters)
+        self.responses = ResponseStore(self.core.cfg.max_stored_responses)
         self._inst_ev: dict[str, asyncio.Event] = {}
         self._gw_ev: dict[str, asyncio.Event] = {}
         self._reap_interval_s = reap_interval_s
@@ -187,6 +189,7 @@ class RouterActor:
     async def reconfigure(self, cfg: RouterConfig) -> list[str]:
         """Apply a redeployed config (every `build_app` sends it); returns the fields that changed."""
         changed = reconfigure(self.core, cfg)
+        self.responses.resize(self.core.cfg.max_stored_responses)
         if changed:
             self._save_config(cfg, dict(self.core.adapters.served))
             log.info("router: config changed: %s", ", ".join(changed))
@@ -222,10 +225,22 @@ class RouterActor:
             self._save_config(self.core.cfg, dict(self.core.adapters.served))
         return reply
 
+    # ------------------------------------------------------------- stored responses
+    async def put_response(self, response_id: str, record: dict) -> None:
+        """Keep a Responses API response for every gateway (raycluster.server.response_store)."""
+        self.responses.put(response_id, record)
+
+    async def get_response(self, response_id: str) -> dict | None:
+        return self.responses.get(response_id)
+
+    async def delete_response(self, response_id: str) -> bool:
+        return self.responses.delete(response_id)
+
     # ------------------------------------------------------------- inspection
     async def status(self) -> dict:
         st = self.core.status()
         st["config"] = asdict(self.core.cfg)
+        st["stored_responses"] = len(self.responses)
         return st
 
     async def inflight(self) -> int:

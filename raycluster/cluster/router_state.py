@@ -43,6 +43,9 @@ class RouterConfig:
     # LoRA adapters every instance starts with (name -> path, the engines' lora_modules);
     # more come and go at run time (router_lora.py).
     lora: dict[str, str] = field(default_factory=dict)
+    # The Responses API's stored responses the router keeps for every gateway (0: none; lost when
+    # the router restarts): raycluster.server.response_store.
+    max_stored_responses: int = 1000
 
 
 class Transit(dict):

@@ -1,10 +1,11 @@
 """From-scratch Llama-family decoder in a flat, varlen layout over a paged KV cache: Llama,
-Qwen2 / Qwen3, Mistral, Phi-3, Granite, OLMo 2, Cohere, GLM-4, SmolLM3, EXAONE 4, Gemma 1-3, and
+Qwen2 / Qwen3, Mistral, Phi-3, Granite, OLMo 2 / 3, Cohere, GLM-4, SmolLM3, EXAONE 4, Gemma 1-3, and
 with routed experts (raycluster.model.moe) Mixtral, Qwen-MoE, GLM-4.5 and DeepSeek-V2 / V3 (whose
-latent attention is raycluster.model.mla), and gpt-oss (its experts: raycluster.model.gpt_oss;
-its attention sinks go to the attention backend). One layer, parametrised by the config's family fields
-(norm kind and placement `BLOCK_NORMS`, q/k norms, biases, RoPE layout and layers without it,
-multipliers, soft caps). Parameter names are identical to Hugging Face's so checkpoints load
+latent attention is raycluster.model.mla), gpt-oss (raycluster.model.gpt_oss) and Llama 4
+(raycluster.model.llama4). One layer, parametrised by the config's family fields (norm kind and
+placement `BLOCK_NORMS`, q/k norms, biases, RoPE layout and layers without it, multipliers, soft
+caps); what the attention backend applies per layer: a sliding window, a soft cap, gpt-oss's sinks,
+Llama 4's attention chunk. Parameter names are identical to Hugging Face's so checkpoints load
 directly.
 
 forward(input_ids [T], positions [T], kv_cache [L, N, 2, B, Hkv, D], meta) -> hidden [T, H];

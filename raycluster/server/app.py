@@ -2,7 +2,8 @@
 or the cluster (`ClusterClient`, used by the Serve gateway).
 
 Routes: POST /v1/completions, POST /v1/chat/completions (both with `stream` over SSE), POST
-/v1/responses (OpenAI's Responses API over the chat route: raycluster.server.responses_api),
+/v1/responses (OpenAI's Responses API over the chat route, responses stored when given a store:
+raycluster.server.responses_routes),
 POST /v1/embeddings (raycluster.server.embeddings), POST /score and /rerank (also under /v1, and
 /v2/rerank: raycluster.server.scoring), POST /classify (also /v1/classify: raycluster.server.classify),
 GET /v1/models, GET /health, GET /metrics (Prometheus text); with API keys, a bearer token
@@ -38,7 +39,7 @@ from raycluster.request import SLO
 from raycluster.model.tokenizer import bad_words_token_ids
 from raycluster.server.auth import ApiKeyMiddleware
 from raycluster.server.openai_logprobs import prompt_logprobs
-from raycluster.server.responses_api import add_responses_routes
+from raycluster.server.responses_routes import add_responses_routes
 from raycluster.server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                        OverloadedError, TokenizeRequest, error_body, now_s,
                                        overloaded_response)
@@ -90,7 +91,8 @@ def build_app(engine, tokenizer, model_names: str | Sequence[str], api_keys: Seq
               sampling_defaults: dict | None = None, log_requests: bool = False,
               reasoning_parser: str | None = None, request_id_header: bool = True,
               allow_runtime_lora: bool | None = None, lora_resolver_dir: str | None = None,
-              lora_resolver_max_loaded: int | None = None, model_config: ModelConfig | None = None) -> FastAPI:
+              lora_resolver_max_loaded: int | None = None, model_config: ModelConfig | None = None,
+              response_store=None) -> FastAPI:
     """`model_names`: the names a request's `model` may give (vLLM's --served-model-name); a
     response names the one its request gave, else the first. `sampling_defaults`: the model's
     default sampling parameters (its generation_config.json: raycluster.model.generation_config)
@@ -113,7 +115,8 @@ def build_app(engine, tokenizer, model_names: str | Sequence[str], api_keys: Seq
     (raycluster.server.tool_parsers), which `tool_choice: "auto"` needs. `metrics_sinks`: where
     each request's metrics go besides /metrics (raycluster.server.request_metrics).
     `model_config`: the served model's (how /v1/embeddings pools, normalises and shortens vectors:
-    raycluster.server.embeddings)."""
+    raycluster.server.embeddings). `response_store`: where the Responses API keeps responses
+    (raycluster.server.response_store; None: nothing is stored)."""
     names = [model_names] if isinstance(model_names, str) else list(model_names)
     lora_names = getattr(engine, "lora_adapters", dict)      # a backend without adapters may omit it
 
@@ -397,7 +400,7 @@ def build_app(engine, tokenizer, model_names: str | Sequence[str], api_keys: Seq
                                           parser.for_tools(tool_parameters(body)) if mode == "auto" else parser)
         return await _run(body, [(ids, "")], "chat.completion", http, guided=guided, tool=tool)
 
-    add_responses_routes(app, chat, names)
+    add_responses_routes(app, chat, names, response_store)
 
     def _chat_ids(body) -> list[int]:
         """The chat template over `body.messages` (a chat or tokenize request), tokenized. A

@@ -11,9 +11,9 @@ object (`response_from_chat`: reasoning, message and function_call output items)
 stream as Responses' typed events (`ResponseEvents`: response.created, output_item.added,
 output_text.delta, function_call_arguments.delta, ..., response.completed).
 
-Nothing is stored (every replica of the cluster's gateway answers alone): `store` comes back
-false, and `previous_response_id`, `background` and GET of a stored response are refused, as are
-tools other than functions and non-text input.
+The routes (raycluster.server.responses_routes) store responses and continue them
+(`previous_response_id`: `to_chat` takes the earlier turns' items as `context`). `background`,
+tools other than functions and non-text input are refused.
 """
 
 from __future__ import annotations
@@ -21,14 +21,11 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from typing import Any, AsyncIterator, Literal
+from typing import Any, AsyncIterator, Awaitable, Callable, Literal
 
-from fastapi import Request as HTTPRequest
-from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from raycluster.server.protocol import ChatCompletionRequest, error_body
-from raycluster.server.streams import ClosingStreamingResponse
+from raycluster.server.protocol import ChatCompletionRequest
 
 # The chat request's names for the fields a Responses request spells differently.
 _CHAT_TO_RESPONSES = {"max_tokens": "max_output_tokens", "messages": "input", "response_format": "text.format"}
@@ -83,18 +80,22 @@ class ResponsesRequest(BaseModel):
     user: str | None = None
 
 
-def to_chat(req: ResponsesRequest) -> ChatCompletionRequest:
-    """The chat completion request `req` means; ResponsesInputError names the Responses field."""
-    if req.previous_response_id is not None:
-        raise ResponsesInputError("previous_response_id", "this server stores no responses: send the whole "
-                                  "conversation as input items")
+def input_items(req: ResponsesRequest) -> list[dict[str, Any]]:
+    """The request's input as items (a string is one user message)."""
+    if isinstance(req.input, str):
+        return [{"type": "message", "role": "user", "content": req.input}]
+    return list(req.input)
+
+
+def to_chat(req: ResponsesRequest, context: list[dict[str, Any]] = ()) -> ChatCompletionRequest:
+    """The chat completion request `req` means, continuing `context` (the items of the turns
+    before it: a stored response's input and output, for `previous_response_id`; its
+    instructions are not carried over, as OpenAI's are not); ResponsesInputError names the
+    Responses field."""
     if req.background:
         raise ResponsesInputError("background", "not supported by this server (leave it out)")
     messages = [{"role": "system", "content": req.instructions}] if req.instructions else []
-    if isinstance(req.input, str):
-        messages.append({"role": "user", "content": req.input})
-    else:
-        messages += _messages(req.input)
+    messages += _messages(list(context), "context") + _messages(input_items(req))
     if not messages:
         raise ResponsesInputError("input", "must hold at least one message")
     chat: dict[str, Any] = {k: v for k, v in (req.model_extra or {}).items() if k not in _NOT_PASSED}
@@ -131,19 +132,19 @@ def to_chat(req: ResponsesRequest) -> ChatCompletionRequest:
         raise ResponsesInputError(field, str(err.get("msg")).removeprefix("Value error, ")) from None
 
 
-def _messages(items: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def _messages(items: list[dict[str, Any]], where: str = "input") -> list[dict[str, Any]]:
     out: list[dict[str, Any]] = []
     for i, item in enumerate(items):
         kind = item.get("type", "message")
         if kind == "message":
             role = item.get("role")
             if role not in ("user", "system", "developer", "assistant"):
-                raise ResponsesInputError(f"input.{i}.role", f"must be user, system, developer or assistant, got {role!r}")
-            out.append({"role": role, "content": _text(item.get("content"), f"input.{i}.content")})
+                raise ResponsesInputError(f"{where}.{i}.role", f"must be user, system, developer or assistant, got {role!r}")
+            out.append({"role": role, "content": _text(item.get("content"), f"{where}.{i}.content")})
         elif kind == "function_call":
             for key in ("call_id", "name", "arguments"):
                 if not isinstance(item.get(key), str):
-                    raise ResponsesInputError(f"input.{i}.{key}", "must be a string")
+                    raise ResponsesInputError(f"{where}.{i}.{key}", "must be a string")
             call = {"id": item["call_id"], "type": "function",
                     "function": {"name": item["name"], "arguments": item["arguments"]}}
             # Calls in a row are one assistant turn (as chat holds parallel calls).
@@ -154,14 +155,14 @@ def _messages(items: list[dict[str, Any]]) -> list[dict[str, Any]]:
         elif kind == "function_call_output":
             output = item.get("output")
             if not isinstance(item.get("call_id"), str):
-                raise ResponsesInputError(f"input.{i}.call_id", "must be a string")
+                raise ResponsesInputError(f"{where}.{i}.call_id", "must be a string")
             if not isinstance(output, str):
-                output = _text(output, f"input.{i}.output")
+                output = _text(output, f"{where}.{i}.output")
             out.append({"role": "tool", "tool_call_id": item["call_id"], "content": output})
         elif kind == "reasoning":
             continue        # a model's earlier thinking is not fed back (as chat templates drop it)
         else:
-            raise ResponsesInputError(f"input.{i}.type", f"{kind!r} is not supported (message, function_call, "
+            raise ResponsesInputError(f"{where}.{i}.type", f"{kind!r} is not supported (message, function_call, "
                                       "function_call_output or reasoning)")
     return out
 
@@ -200,14 +201,16 @@ def _new_id(prefix: str) -> str:
     return f"{prefix}_{uuid.uuid4().hex}"
 
 
-def response_shell(req: ResponsesRequest, model: str, response_id: str, created: int) -> dict[str, Any]:
-    """The response object without output, status or usage: what the request asked for, echoed."""
+def response_shell(req: ResponsesRequest, model: str, response_id: str, created: int,
+                   stored: bool = False) -> dict[str, Any]:
+    """The response object without output, status or usage: what the request asked for, echoed
+    (`stored`: whether it will be kept for GET and `previous_response_id`)."""
     fmt = req.text.format.model_dump(by_alias=True, exclude_none=True) if req.text else {"type": "text"}
     return {"id": response_id, "object": "response", "created_at": created, "model": model,
             "status": "in_progress", "error": None, "incomplete_details": None, "instructions": req.instructions,
             "max_output_tokens": req.max_output_tokens, "metadata": req.metadata or {}, "output": [],
-            "parallel_tool_calls": req.parallel_tool_calls is not False, "previous_response_id": None,
-            "reasoning": req.reasoning, "store": False,
+            "parallel_tool_calls": req.parallel_tool_calls is not False,
+            "previous_response_id": req.previous_response_id, "reasoning": req.reasoning, "store": stored,
             "temperature": 1.0 if req.temperature is None else req.temperature,
             "text": {"format": fmt}, "tool_choice": req.tool_choice or "auto", "tools": req.tools or [],
             "top_p": 1.0 if req.top_p is None else req.top_p, "truncation": req.truncation or "disabled",
@@ -284,6 +287,7 @@ class ResponseEvents:
         self.calls: dict[int, dict] = {}   # chat tool-call index -> its item
         self.finish_reason: str | None = None
         self.usage: dict | None = None
+        self.final: dict | None = None     # the completed response object, once `end` ran
 
     def _event(self, kind: str, **fields) -> str:
         data = {"type": kind, "sequence_number": self.seq, **fields}
@@ -364,13 +368,15 @@ class ResponseEvents:
         events = self._close()
         if not self.output:             # nothing generated: still one (empty) message, as non-streamed
             events += self._open(_message_item(_new_id("msg"), "", "in_progress")) + self._close()
-        final = finish(self.shell, self.output, self.finish_reason, self.usage)
-        kind = "response.completed" if final["status"] == "completed" else "response.incomplete"
-        return events + [self._event(kind, response=final)]
+        self.final = finish(self.shell, self.output, self.finish_reason, self.usage)
+        kind = "response.completed" if self.final["status"] == "completed" else "response.incomplete"
+        return events + [self._event(kind, response=self.final)]
 
 
-async def response_events(chat_sse: AsyncIterator, shell: dict[str, Any]) -> AsyncIterator[str]:
-    """The Responses events of a chat completion's SSE stream (its `data:` lines)."""
+async def response_events(chat_sse: AsyncIterator, shell: dict[str, Any],
+                          on_done: Callable[[dict], Awaitable[None]] | None = None) -> AsyncIterator[str]:
+    """The Responses events of a chat completion's SSE stream (its `data:` lines); `on_done` gets
+    the final response object once the chat stream has ended whole, before its last events go out."""
     events = ResponseEvents(shell)
     for e in events.start():
         yield e
@@ -384,50 +390,12 @@ async def response_events(chat_sse: AsyncIterator, shell: dict[str, Any]) -> Asy
                     yield e
     finally:
         await chat_sse.aclose()
-    for e in events.end():
+    last = events.end()
+    if on_done is not None:         # before the client hears it ended (it may fetch it at once)
+        await on_done(events.final)
+    for e in last:
         yield e
 
 
 def created_now() -> int:
     return int(time.time())
-
-
-def add_responses_routes(app, chat_handler, names) -> None:
-    """POST /v1/responses through `chat_handler` (the chat route's handler: (ChatCompletionRequest,
-    HTTP request) -> its response); GET and cancel of a stored response answer that none is."""
-
-    @app.post("/v1/responses")
-    async def responses(body: ResponsesRequest, http: HTTPRequest):
-        try:
-            chat_body = to_chat(body)
-        except ResponsesInputError as e:
-            return JSONResponse(error_body(str(e), e.field), status_code=400)
-        result = await chat_handler(chat_body, http)
-        if result.status_code != 200:           # the chat route's error, its fields renamed
-            err = json.loads(result.body)
-            param = (err.get("error") or {}).get("param")
-            if param:
-                head, _, rest = param.partition(".")
-                renamed = _CHAT_TO_RESPONSES.get(head, head) + (f".{rest}" if rest else "")
-                err["error"]["param"] = renamed
-                err["error"]["message"] = err["error"]["message"].replace(param, renamed, 1)
-            return JSONResponse(err, status_code=result.status_code, headers=_passed_headers(result))
-        shell = response_shell(body, chat_body.model or names[0], _new_id("resp"), created_now())
-        if isinstance(result, ClosingStreamingResponse):
-            return ClosingStreamingResponse(response_events(result.body_iterator, shell), requests=result.requests,
-                                            media_type="text/event-stream", headers=_passed_headers(result))
-        completion = json.loads(result.body)
-        shell["model"] = completion["model"]
-        return JSONResponse(response_from_chat(shell, completion), headers=_passed_headers(result))
-
-    @app.get("/v1/responses/{response_id}")
-    @app.post("/v1/responses/{response_id}/cancel")
-    async def stored_response(response_id: str):
-        return JSONResponse(error_body(f"response_id: {response_id!r} not found: this server stores no responses",
-                                       "response_id", code="not_found"), status_code=404)
-
-
-def _passed_headers(result) -> dict[str, str]:
-    rid = result.headers.get("x-request-id")
-    retry = result.headers.get("retry-after")
-    return {k: v for k, v in (("X-Request-Id", rid), ("Retry-After", retry)) if v is not None}

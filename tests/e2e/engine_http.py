@@ -35,10 +35,10 @@ def serve_engine(config: EngineConfig, model, tok, log_level: str = "warning", a
                  tool_call_parser: str | None = None, names=("tiny",), sampling_defaults: dict | None = None,
                  log_requests: bool = False, reasoning_parser: str | None = None,
                  allow_runtime_lora: bool | None = None, lora_resolver_dir: str | None = None,
-                 lora_resolver_max_loaded: int | None = None):
+                 lora_resolver_max_loaded: int | None = None, response_store=None):
     """Yields (base URL, the AsyncEngine) while the server runs (`api_keys`, `tool_call_parser`,
     `names`, `sampling_defaults`, `log_requests`, `reasoning_parser`, `allow_runtime_lora`,
-    `lora_resolver_dir`, `lora_resolver_max_loaded`: build_app's)."""
+    `lora_resolver_dir`, `lora_resolver_max_loaded`, `response_store`: build_app's)."""
     engine = LLMEngine(config, model, tok)
     aeng = AsyncEngine(engine)
     port = _free_port()
@@ -46,7 +46,7 @@ def serve_engine(config: EngineConfig, model, tok, log_level: str = "warning", a
                     sampling_defaults=sampling_defaults, log_requests=log_requests,
                     reasoning_parser=reasoning_parser, allow_runtime_lora=allow_runtime_lora,
                     lora_resolver_dir=lora_resolver_dir, lora_resolver_max_loaded=lora_resolver_max_loaded,
-                    model_config=model.config)
+                    model_config=model.config, response_store=response_store)
     srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level=log_level))
     th = threading.Thread(target=srv.run, daemon=True)
     th.start()

@@ -445,6 +445,15 @@ def test_openai_client_and_status(cluster):
     events = list(client.responses.create(model="tiny", input="hi", max_output_tokens=4, temperature=0, stream=True))
     assert resp.output_text == chat.choices[0].message.content == events[-1].response.output_text
     assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == resp.output_text
+    # Stored in the router for every gateway replica: fetched back, and continued.
+    assert client.responses.retrieve(resp.id) == resp and client.responses.retrieve(events[-1].response.id)
+    more = client.responses.create(model="tiny", previous_response_id=resp.id, input="and?", max_output_tokens=4,
+                                   temperature=0)
+    turns = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": resp.output_text},
+             {"role": "user", "content": "and?"}]
+    again = client.chat.completions.create(model="tiny", messages=turns, max_tokens=4, temperature=0)
+    assert more.output_text == again.choices[0].message.content
+    assert httpx.get(url + "/v1/cluster/status", timeout=5).json()["stored_responses"] >= 3
     metrics = httpx.get(url + "/metrics").text
     assert "raycluster_ttft_seconds_bucket" in metrics and "raycluster_instance_kv_usage" in metrics
     assert "raycluster_instance_prefill_backlog_tokens{" in metrics

@@ -1,6 +1,7 @@
 """Checks every decoder family's test module runs on its tiny checkpoint: the engine's greedy
-tokens against transformers' `generate` (each prompt alone, fp32, eager attention), and an spp
-group of 2 against the single-process runner."""
+tokens against transformers' `generate` (each prompt alone, fp32, eager attention), an spp
+group of 2 against the single-process runner, a kvp group of 2 against the single engine, and a
+stacked-experts model's expert-parallel shards and group (gpt-oss, Llama 4)."""
 
 from __future__ import annotations
 
@@ -8,12 +9,16 @@ import random
 
 import pytest
 import torch
+from test_shard_load import _same_shard
 from test_spp import BS, NUM_BLOCKS, _plans, spp_group
+from test_tp import BASE, _close, same_as_single_runner
 
 from raycluster.engine.config import EngineConfig
 from raycluster.engine.engine import LLMEngine
 from raycluster.engine.kv_manager import KVCacheManager
 from raycluster.engine.model_runner import ModelRunner
+from raycluster.parallel.factory import build_runner
+from raycluster.parallel.shard import Checkpoint, load_shard, shard_model
 from raycluster.request import SamplingParams
 
 
@@ -50,3 +55,48 @@ def pipeline_equals_single_runner(model, monkeypatch) -> None:
     with spp_group(model, KVCacheManager(NUM_BLOCKS, BS), 2, 128) as runner:
         for plan, w in zip(plans, want):
             torch.testing.assert_close(runner.run_plan(plan), w, atol=1e-4, rtol=1e-4)
+
+
+def stacked_experts_shard_by_expert(path, model, layer: int) -> list:
+    """Two expert-parallel ranks of a stacked-experts model: each holds half the experts whole
+    (its first one `first`, its stacked gate_up the width of every column), read from the file as
+    cut in memory, and their routed layer `layer` sums to the whole block's. Returns the shards."""
+    cfg = model.config
+    per = cfg.moe.num_experts // 2
+    shards = [shard_model(model, r, 2, expert_parallel=True) for r in range(2)]
+    for r, s in enumerate(shards):
+        block = s.model.layers[layer].ffn
+        assert block.first == per * r
+        assert block.experts.gate_up_proj.shape == (per, cfg.hidden_size, 2 * cfg.moe.intermediate_size)
+        _same_shard(load_shard(Checkpoint(path, cfg), r, 2, expert_parallel=True), s)
+    x = torch.randn(31, cfg.hidden_size, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        whole = model.model.layers[layer].ffn(x)
+        torch.testing.assert_close(sum(s.model.layers[layer].ffn(x) for s in shards), whole, atol=1e-5, rtol=1e-5)
+    return shards
+
+
+def expert_parallel_group_equals_single_runner(model) -> None:
+    runner = build_runner(EngineConfig(**{**BASE, "kv_cache_tokens": 64 * BS, "enable_expert_parallel": True,
+                                          "tp": 2}), model, torch.float32)
+    try:
+        assert runner.layout == "tp2ep"
+        same_as_single_runner(model, runner)
+    finally:
+        _close(runner)
+
+
+def kvp_engine_equals_single_engine(model, monkeypatch) -> None:
+    """A kvp 2 engine gives the single engine's greedy tokens on prompts of 20 to 130 tokens."""
+    from test_model_hf import _prompt
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "lo")
+    prompts = [_prompt(n, 3000, seed=n) for n in (20, 70, 130)]
+    sp = SamplingParams(max_tokens=8, ignore_eos=True)
+    base = dict(kv_cache_tokens=2048, policy="fcfs", packer="token", block_size=16, num_threads=1, group_timeout_s=30)
+    want = LLMEngine(EngineConfig(**base), model).generate(prompts, sp)
+    eng = LLMEngine(EngineConfig(**base, kvp=2), model)
+    try:
+        assert eng.runner.layout == "kvp2"
+        assert eng.generate(prompts, sp) == want
+    finally:
+        eng.close()

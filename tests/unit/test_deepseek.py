@@ -12,8 +12,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from family_checks import greedy_equals_transformers, pipeline_equals_single_runner
-from test_model_hf import _prompt
+from family_checks import greedy_equals_transformers, kvp_engine_equals_single_engine, pipeline_equals_single_runner
 
 from raycluster.engine.config import EngineConfig
 from raycluster.engine.engine import LLMEngine
@@ -21,7 +20,6 @@ from raycluster.model.config import ModelConfig, ModelConfigError
 from raycluster.model.loader import load_model
 from raycluster.model.lora import AdapterError, load_adapter
 from raycluster.model.tiny import tiny_config, write_tiny_lora, write_tiny_model
-from raycluster.request import SamplingParams
 
 ARCH = ["DeepseekV3ForCausalLM"]
 
@@ -113,18 +111,7 @@ def test_a_pipeline_gives_the_single_runners_hidden_rows(deepseek, monkeypatch):
 
 
 def test_a_kvp_engine_gives_the_single_engines_tokens(deepseek, monkeypatch):
-    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "lo")
-    _, model = deepseek
-    prompts = [_prompt(n, 3000, seed=n) for n in (20, 70, 130)]
-    sp = SamplingParams(max_tokens=8, ignore_eos=True)
-    base = dict(kv_cache_tokens=2048, policy="fcfs", packer="token", block_size=16, num_threads=1, group_timeout_s=30)
-    want = LLMEngine(EngineConfig(**base), model).generate(prompts, sp)
-    eng = LLMEngine(EngineConfig(**base, kvp=2), model)
-    try:
-        assert eng.runner.layout == "kvp2"
-        assert eng.generate(prompts, sp) == want
-    finally:
-        eng.close()
+    kvp_engine_equals_single_engine(deepseek[1], monkeypatch)
 
 
 def test_lora_is_refused_by_name(deepseek, tmp_path):

@@ -18,8 +18,9 @@ import shutil
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from family_checks import greedy_equals_transformers, pipeline_equals_single_runner
-from test_model_hf import _prompt
+from family_checks import (expert_parallel_group_equals_single_runner, greedy_equals_transformers,
+                           kvp_engine_equals_single_engine, pipeline_equals_single_runner,
+                           stacked_experts_shard_by_expert)
 from test_shard_load import _same_shard
 from test_tp import BASE, BS, _close, same_as_single_runner
 
@@ -119,28 +120,14 @@ def test_a_lora_on_attention_equals_transformers_with_peft(gpt_oss, tmp_path):
 
 def test_expert_parallel_ranks_hold_whole_experts_and_sum_to_the_block(gpt_oss):
     path, model = gpt_oss
-    cfg = model.config
     whole = model.model.layers[1].ffn
-    shards = [shard_model(model, r, 2, expert_parallel=True) for r in range(2)]
-    for r, s in enumerate(shards):
-        block = s.model.layers[1].ffn
-        assert block.first == 4 * r and block.experts.gate_up_proj.shape == (4, cfg.hidden_size, 2 * 96)
-        torch.testing.assert_close(block.experts.down_proj_bias, whole.experts.down_proj_bias[4 * r:4 * r + 4],
-                                   atol=0, rtol=0)
-        _same_shard(load_shard(Checkpoint(path, cfg), r, 2, expert_parallel=True), s)
-    x = torch.randn(31, cfg.hidden_size, generator=torch.Generator().manual_seed(0))
-    with torch.no_grad():
-        torch.testing.assert_close(sum(s.model.layers[1].ffn(x) for s in shards), whole(x), atol=1e-5, rtol=1e-5)
+    for r, s in enumerate(stacked_experts_shard_by_expert(path, model, 1)):
+        torch.testing.assert_close(s.model.layers[1].ffn.experts.down_proj_bias,
+                                   whole.experts.down_proj_bias[4 * r:4 * r + 4], atol=0, rtol=0)
 
 
 def test_an_expert_parallel_group_gives_the_single_runners_logits(gpt_oss):
-    runner = build_runner(EngineConfig(**{**BASE, "kv_cache_tokens": 64 * BS, "enable_expert_parallel": True,
-                                          "tp": 2}), gpt_oss[1], torch.float32)
-    try:
-        assert runner.layout == "tp2ep"
-        same_as_single_runner(gpt_oss[1], runner)
-    finally:
-        _close(runner)
+    expert_parallel_group_equals_single_runner(gpt_oss[1])
 
 
 def test_a_pipeline_gives_the_single_runners_hidden_rows(gpt_oss, monkeypatch):
@@ -158,15 +145,7 @@ def test_a_kvp_group_applies_the_sinks_after_the_merge(full_attention, monkeypat
         same_as_single_runner(model, runner)
     finally:
         _close(runner)
-    prompts = [_prompt(n, 3000, seed=n) for n in (20, 70, 130)]
-    sp = SamplingParams(max_tokens=8, ignore_eos=True)
-    base = dict(kv_cache_tokens=2048, policy="fcfs", packer="token", block_size=16, num_threads=1, group_timeout_s=30)
-    want = LLMEngine(EngineConfig(**base), model).generate(prompts, sp)
-    eng = LLMEngine(EngineConfig(**base, kvp=2), model)
-    try:
-        assert eng.generate(prompts, sp) == want
-    finally:
-        eng.close()
+    kvp_engine_equals_single_engine(model, monkeypatch)
 
 
 def test_kvp_is_refused_for_its_sliding_layers(gpt_oss):

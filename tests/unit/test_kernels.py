@@ -100,6 +100,27 @@ def test_mixed_step_matches_reference(hq, hkv, block_size):
     torch.testing.assert_close(torch.cat([lp, ld]), torch.cat(ref_lse), atol=ATOL, rtol=0)
 
 
+def _every_path_matches_reference(s, q, k, v, meta, prefill, decode, scale, **opts):
+    """The backend's output for the step, and the LSE-returning entry points' (the cache now
+    written), against the reference per request under `opts` (window / softcap / chunk). Returns
+    the reference output."""
+    out = TorchAttentionBackend().forward(s.cache, q, k, v, meta, scale, **opts)
+    refs, lses, row = [], [], 0
+    for i, n in prefill + [(j, 1) for j in decode]:
+        o, l = reference_attention(q[row:row + n], s.k[i], s.v[i], scale, **opts)
+        refs.append(o)
+        lses.append(l)
+        row += n
+    ref = torch.cat(refs)
+    torch.testing.assert_close(out, ref, atol=ATOL, rtol=0)
+    tp = meta.num_prefill_tokens
+    op, lp = paged_prefill_attention(q[:tp], s.cache, meta, scale, **opts)
+    od, ld = paged_decode_attention(q[tp:], s.cache, meta, scale, **opts)
+    torch.testing.assert_close(torch.cat([op, od]), ref, atol=ATOL, rtol=0)
+    torch.testing.assert_close(torch.cat([lp, ld]), torch.cat(lses), atol=ATOL, rtol=0)
+    return ref
+
+
 @pytest.mark.parametrize("softcap", [0.7, 80.0])     # under and over the bounded-exp shortcut's limit
 @pytest.mark.parametrize("window", [None, 20])
 def test_soft_capped_scores_match_reference(softcap, window):
@@ -112,20 +133,7 @@ def test_soft_capped_scores_match_reference(softcap, window):
     s = PagedSetup(kv_lens, hkv, d, block_size=16, seed=3)
     meta, k, v = step_inputs(s, prefill, decode)
     q = torch.randn(meta.num_tokens, hq, d, generator=torch.Generator().manual_seed(2))
-    out = TorchAttentionBackend().forward(s.cache, q, k, v, meta, scale, window=window, softcap=softcap)
-    refs, lses, row = [], [], 0
-    for i, n in prefill + [(j, 1) for j in decode]:
-        o, l = reference_attention(q[row:row + n], s.k[i], s.v[i], scale, window=window, softcap=softcap)
-        refs.append(o)
-        lses.append(l)
-        row += n
-    ref = torch.cat(refs)
-    torch.testing.assert_close(out, ref, atol=ATOL, rtol=0)
-    tp = meta.num_prefill_tokens
-    op, lp = paged_prefill_attention(q[:tp], s.cache, meta, scale, window=window, softcap=softcap)
-    od, ld = paged_decode_attention(q[tp:], s.cache, meta, scale, window=window, softcap=softcap)
-    torch.testing.assert_close(torch.cat([op, od]), ref, atol=ATOL, rtol=0)
-    torch.testing.assert_close(torch.cat([lp, ld]), torch.cat(lses), atol=ATOL, rtol=0)
+    ref = _every_path_matches_reference(s, q, k, v, meta, prefill, decode, scale, window=window, softcap=softcap)
     # The cap matters (at 80 it barely bends these scores): without it the output is off.
     plain = TorchAttentionBackend().forward(s.cache, q, k, v, meta, scale, window=window)
     assert (plain - ref).abs().max() > (0.05 if softcap < 1 else 1e-3)
@@ -170,20 +178,7 @@ def test_chunked_attention_matches_reference(chunk, block_size):
     s = PagedSetup(kv_lens, hkv, d, block_size=block_size, seed=9)
     meta, k, v = step_inputs(s, prefill, decode)
     q = torch.randn(meta.num_tokens, hq, d, generator=torch.Generator().manual_seed(10))
-    out = TorchAttentionBackend().forward(s.cache, q, k, v, meta, scale, chunk=chunk)
-    refs, lses, row = [], [], 0
-    for i, n in prefill + [(j, 1) for j in decode]:
-        o, l = reference_attention(q[row:row + n], s.k[i], s.v[i], scale, chunk=chunk)
-        refs.append(o)
-        lses.append(l)
-        row += n
-    ref = torch.cat(refs)
-    torch.testing.assert_close(out, ref, atol=ATOL, rtol=0)
-    tp = meta.num_prefill_tokens
-    op, lp = paged_prefill_attention(q[:tp], s.cache, meta, scale, chunk=chunk)
-    od, ld = paged_decode_attention(q[tp:], s.cache, meta, scale, chunk=chunk)
-    torch.testing.assert_close(torch.cat([op, od]), ref, atol=ATOL, rtol=0)
-    torch.testing.assert_close(torch.cat([lp, ld]), torch.cat(lses), atol=ATOL, rtol=0)
+    ref = _every_path_matches_reference(s, q, k, v, meta, prefill, decode, scale, chunk=chunk)
     # The chunks matter: causal attention over every key differs.
     assert (TorchAttentionBackend().forward(s.cache, q, k, v, meta, scale) - ref).abs().max() > 0.05
 

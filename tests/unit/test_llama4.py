@@ -10,18 +10,15 @@ from __future__ import annotations
 
 import pytest
 import torch
-from family_checks import greedy_equals_transformers, pipeline_equals_single_runner
+from family_checks import (expert_parallel_group_equals_single_runner, greedy_equals_transformers,
+                           pipeline_equals_single_runner, stacked_experts_shard_by_expert)
 from test_model_hf import _prompt, run_chunks
-from test_shard_load import _same_shard
-from test_tp import BASE, BS, _close, same_as_single_runner
 
 from raycluster.engine.config import EngineConfig
 from raycluster.engine.engine import LLMEngine
 from raycluster.model.config import ModelConfig, ModelConfigError
 from raycluster.model.loader import load_model
 from raycluster.model.tiny import tiny_config, write_tiny_model, write_tiny_multimodal
-from raycluster.parallel.factory import build_runner
-from raycluster.parallel.shard import Checkpoint, load_shard, shard_model
 
 ARCH = ["Llama4ForCausalLM"]
 
@@ -90,28 +87,12 @@ def test_the_image_text_wrapper_gives_its_text_models_logits(tmp_path):
 
 def test_expert_parallel_ranks_hold_whole_experts_and_sum_to_the_block(llama4):
     path, model = llama4
-    cfg = model.config
-    whole = model.model.layers[1].ffn
-    shards = [shard_model(model, r, 2, expert_parallel=True) for r in range(2)]
-    for r, s in enumerate(shards):
-        block = s.model.layers[1].ffn
-        assert block.first == 2 * r and block.experts.gate_up_proj.shape == (2, cfg.hidden_size, 2 * 96)
-        # The shared expert is still split over the ranks.
-        assert block.shared_expert.down_proj.weight.shape == (cfg.hidden_size, 48)
-        _same_shard(load_shard(Checkpoint(path, cfg), r, 2, expert_parallel=True), s)
-    x = torch.randn(31, cfg.hidden_size, generator=torch.Generator().manual_seed(0))
-    with torch.no_grad():
-        torch.testing.assert_close(sum(s.model.layers[1].ffn(x) for s in shards), whole(x), atol=1e-5, rtol=1e-5)
+    for s in stacked_experts_shard_by_expert(path, model, 1):      # the shared expert still split
+        assert s.model.layers[1].ffn.shared_expert.down_proj.weight.shape == (model.config.hidden_size, 48)
 
 
 def test_an_expert_parallel_group_gives_the_single_runners_logits(llama4):
-    runner = build_runner(EngineConfig(**{**BASE, "kv_cache_tokens": 64 * BS, "enable_expert_parallel": True,
-                                          "tp": 2}), llama4[1], torch.float32)
-    try:
-        assert runner.layout == "tp2ep"
-        same_as_single_runner(llama4[1], runner)
-    finally:
-        _close(runner)
+    expert_parallel_group_equals_single_runner(llama4[1])
 
 
 def test_a_pipeline_gives_the_single_runners_hidden_rows(llama4, monkeypatch):

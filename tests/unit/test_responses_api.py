@@ -60,7 +60,6 @@ def test_tools_formats_and_logprobs_take_chats_shapes():
 
 
 @pytest.mark.parametrize("body, field", [
-    (dict(input="hi", previous_response_id="resp_1"), "previous_response_id"),
     (dict(input="hi", background=True), "background"),
     (dict(input="hi", tools=[{"type": "web_search"}]), "tools.0.type"),
     (dict(input=[{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]), "input.0.content.0"),
@@ -77,6 +76,27 @@ def test_what_cannot_be_served_is_refused_naming_the_field(body, field):
     with pytest.raises(ResponsesInputError) as e:
         to_chat(_req(**body))
     assert e.value.field == field and str(e.value).startswith(field + ":")
+
+
+def test_a_continued_conversation_is_its_context_then_the_new_input():
+    """`previous_response_id`: the stored turns' items (input and output: reasoning dropped, a
+    call as the assistant's tool call), then the new input; only the new instructions."""
+    context = [{"type": "message", "role": "user", "content": "Weather in Paris?"},
+               {"type": "reasoning", "id": "rs_1", "summary": [], "content": [{"type": "reasoning_text", "text": "t"}]},
+               {"type": "message", "id": "msg_1", "role": "assistant", "status": "completed",
+                "content": [{"type": "output_text", "text": "Checking.", "annotations": [], "logprobs": []}]},
+               {"type": "function_call", "id": "fc_1", "call_id": "call_1", "name": "get_weather",
+                "arguments": '{"city": "Paris"}', "status": "completed"}]
+    chat = to_chat(_req(instructions="Be brief.", input=[
+        {"type": "function_call_output", "call_id": "call_1", "output": "22C"}]), context)
+    assert [m.model_dump(exclude_none=True) for m in chat.messages] == [
+        {"role": "system", "content": "Be brief."}, {"role": "user", "content": "Weather in Paris?"},
+        {"role": "assistant", "content": "Checking."},
+        {"role": "assistant", "tool_calls": [{"id": "call_1", "type": "function", "function": {
+            "name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+        {"role": "tool", "content": "22C", "tool_call_id": "call_1"}]
+    with pytest.raises(ResponsesInputError, match="context.0.role"):
+        to_chat(_req(input="hi"), [{"type": "message", "role": "robot", "content": "x"}])
 
 
 def _shell(**body):
