@@ -10,7 +10,7 @@ engine options (a pool's own `engine` options in the app file still win, as for
 --enable-prefix-caching). vLLM's `--speculative-config JSON` is taken too: its `method`,
 `model`, `num_speculative_tokens`, `prompt_lookup_max` and `prompt_lookup_min` become the fields
 of the same names (`method` is `speculative_method`, `model` is `speculative_model`; a `model`
-without a `method` means "draft_model", as in vLLM).
+without a `method` means "draft_model", as in vLLM; vLLM's `deepseek_mtp` is `mtp`).
 """
 
 from __future__ import annotations
@@ -24,11 +24,12 @@ from pydantic import ValidationError
 from raycluster.engine.config import EngineConfig
 
 _PREFIX = "engine_"       # where the values land on the argparse namespace: no clash with other flags
-# vLLM's --speculative-config keys -> EngineConfig fields (MTP heads are not served).
+# vLLM's --speculative-config keys -> EngineConfig fields.
 _SPEC_KEYS = {"method": "speculative_method", "model": "speculative_model",
               "num_speculative_tokens": "num_speculative_tokens",
               "prompt_lookup_max": "prompt_lookup_max", "prompt_lookup_min": "prompt_lookup_min"}
-_SPEC_METHODS = ("ngram", "draft_model", "eagle", "eagle3")
+_SPEC_METHODS = ("ngram", "draft_model", "eagle", "eagle3", "mtp")
+_SPEC_ALIASES = {"deepseek_mtp": "mtp"}     # vLLM's name for the checkpoint's MTP layers
 
 
 def _literal_choices(annotation) -> list[str] | None:
@@ -92,9 +93,11 @@ def speculative_config(text: str) -> dict:
                          f"{', '.join(_SPEC_KEYS)})")
     if "model" in spec and "method" not in spec:
         spec = {**spec, "method": "draft_model"}
+    if spec.get("method") in _SPEC_ALIASES:
+        spec = {**spec, "method": _SPEC_ALIASES[spec["method"]]}
     if spec.get("method") not in _SPEC_METHODS:
         raise ValueError(f"--speculative-config: method {spec.get('method')!r} not supported (\"ngram\", "
-                         "\"draft_model\", \"eagle\" or \"eagle3\": no MTP)")
+                         "\"draft_model\", \"eagle\", \"eagle3\" or \"mtp\" / \"deepseek_mtp\")")
     return {_SPEC_KEYS[k]: v for k, v in spec.items()}
 
 

@@ -16,6 +16,10 @@ SCHEDULING_FIELDS = ("policy", "packer", "decode_selector", "chunk_size", "long_
                      "ttft_ms", "tpot_ms", "ttft_scale", "max_num_batched_tokens", "max_num_seqs", "predictor")
 
 
+# Speculative methods whose head runs on the target's own hidden states, its KV an extra layer of
+# the engine's (raycluster.engine.eagle): EAGLE-1 / EAGLE-3 heads and the checkpoint's MTP layer.
+HEAD_METHODS = ("eagle", "eagle3", "mtp")
+
 class EngineConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -62,12 +66,14 @@ class EngineConfig(BaseModel):
     enable_prefix_caching: bool = Field(
         False, description="keep full KV blocks findable by their tokens after use, so a prompt that "
                            "starts like an earlier one prefills only the rest")
-    speculative_method: Literal["none", "ngram", "draft_model", "eagle", "eagle3"] = Field(
+    speculative_method: Literal["none", "ngram", "draft_model", "eagle", "eagle3", "mtp"] = Field(
         "none", description="speculative decoding (vLLM's speculative_config method): 'ngram' drafts the next "
         "tokens by prompt lookup (the tokens that followed the latest earlier occurrence of the context's last "
         "n-gram), 'draft_model' by a smaller model's greedy continuation (speculative_model), 'eagle' / "
         "'eagle3' by an EAGLE-1 / EAGLE-3 head on the target's own hidden states (speculative_model: the "
-        "head's directory; single-process engines and tp / kvp groups, where it runs on the leader); the target verifies them in one step; greedy output is unchanged, sampled output "
+        "head's directory; single-process engines and tp / kvp groups, where it runs on the leader), 'mtp' "
+        "(vLLM's deepseek_mtp) by the checkpoint's own multi-token-prediction layer (DeepSeek-V3, GLM-4.5; "
+        "where EAGLE runs); the target verifies them in one step; greedy output is unchanged, sampled output "
         "keeps its distribution")
     speculative_model: str | None = Field(
         None, description="draft_model: the draft checkpoint ('tiny' or a directory), sharing the target's "
@@ -158,8 +164,9 @@ class EngineConfig(BaseModel):
                              f"{'a draft checkpoint' if method == 'draft_model' else 'an EAGLE head'}")
         if self.speculative_model and method not in ("draft_model", "eagle", "eagle3"):
             raise ValueError(f"speculative_model: a draft model or EAGLE head is only for speculative_method "
-                             f"'draft_model', 'eagle' or 'eagle3' (speculative_method is {method!r})")
-        if method in ("eagle", "eagle3") and self.spp > 1:
+                             f"'draft_model', 'eagle' or 'eagle3' (speculative_method is {method!r}"
+                             + ("; 'mtp' reads the model's own checkpoint)" if method == "mtp" else ")"))
+        if method in HEAD_METHODS and self.spp > 1:
             raise ValueError(f"speculative_method: {method!r} runs on a single-process engine or a tp / kvp "
                              f"group's leader; spp groups draft with 'ngram' or 'draft_model'")
         if self.speculative_kv_tokens is not None and method != "draft_model":

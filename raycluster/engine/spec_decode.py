@@ -24,6 +24,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from raycluster.engine.config import HEAD_METHODS
+
 from raycluster.request import Request
 
 
@@ -55,22 +57,24 @@ def build_proposer(config, model, runner, dtype: torch.dtype):
     ValueError naming the field otherwise."""
     if config.speculative_method == "ngram":
         return NgramProposer(config.num_speculative_tokens, config.prompt_lookup_max, config.prompt_lookup_min)
-    if config.speculative_method not in ("draft_model", "eagle", "eagle3"):
+    if config.speculative_method not in ("draft_model", *HEAD_METHODS):
         return None
     from raycluster.model.registry import resolve_model_path
-    path = resolve_model_path(config.speculative_model)
-    if config.speculative_method in ("eagle", "eagle3"):
+    if config.speculative_method in HEAD_METHODS:
         from raycluster.engine.eagle import EagleProposer
         from raycluster.model.eagle import load_eagle_head
+        from raycluster.model.mtp import load_mtp_head
         from raycluster.parallel.shard import Checkpoint, GroupModel, load_vocab
-        target = model
+        target, target_path = model, str(resolve_model_path(config.model, config.hf_overrides))
         if isinstance(model, GroupModel):
             # A TP group read from its checkpoint: the leader holds only vocab slices of the
             # embedding and head, so the head gets whole copies of them from the checkpoint.
-            target = load_vocab(Checkpoint(str(resolve_model_path(config.model, config.hf_overrides)), model.config), dtype,
-                                config.device)
-        head = load_eagle_head(path, target, config.speculative_method, dtype, config.device, first_kv_layer=0)
+            target = load_vocab(Checkpoint(target_path, model.config), dtype, config.device)
+        head = load_mtp_head(target_path, target, dtype, config.device) if config.speculative_method == "mtp" else \
+            load_eagle_head(resolve_model_path(config.speculative_model), target, config.speculative_method, dtype,
+                            config.device, first_kv_layer=0)
         return EagleProposer(head, runner, config.num_speculative_tokens)
+    path = resolve_model_path(config.speculative_model)
     from raycluster.engine.draft_model import DraftModelProposer
     from raycluster.model.loader import load_model
     target_config = model.config

@@ -98,3 +98,15 @@ def read_named(path: str, stored: str) -> torch.Tensor | None:
             if stored in f.keys():
                 return f.get_tensor(stored)
     return None
+
+
+def read_prefixed(path: str, prefix: str) -> dict[str, torch.Tensor]:
+    """Every checkpoint tensor whose name starts with `prefix`, under its name without it (each
+    file opened once; no other tensor read)."""
+    mapped = file_names(path)
+    out = {}
+    for file in weight_files(path):
+        names = mapped.get(file, set()) if mapped is not None else None
+        for name, tensor in read_tensors(file, names, skip=lambda n: not n.startswith(prefix)):
+            out[name[len(prefix):]] = tensor
+    return out

@@ -234,6 +234,10 @@ def _init_weights(cfg: dict, seed: int) -> dict[str, torch.Tensor]:
     mc = ModelConfig.from_dict(cfg)
     with torch.device("meta"):
         shapes = {n: tuple(p.shape) for n, p in LlamaForCausalLM(mc).named_parameters()}
+        if cfg.get("num_nextn_predict_layers"):       # DeepSeek-V3's / GLM-4.5's MTP layer after the decoder's
+            from raycluster.model.mtp import MTPHead
+            mtp = f"model.layers.{mc.num_hidden_layers}."
+            shapes.update({mtp + n: tuple(p.shape) for n, p in MTPHead(mc, None, 0).named_parameters()})
     g = torch.Generator().manual_seed(seed)
     out = {}
     for name in sorted(shapes):
@@ -262,6 +266,9 @@ def _init_weights(cfg: dict, seed: int) -> dict[str, torch.Tensor]:
         else:
             t = 0.02 * torch.randn(shape, generator=g)
         out[name] = t.contiguous()
+    if cfg.get("num_nextn_predict_layers"):       # as released, its embedding and head copy the model's
+        out[mtp + "embed_tokens.weight"] = out["model.embed_tokens.weight"].clone()
+        out[mtp + "shared_head.head.weight"] = out.get("lm_head.weight", out["model.embed_tokens.weight"]).clone()
     return _fused(out, mc) if mc.fused_projections else out
 
 

@@ -14,7 +14,7 @@ import functools
 
 import torch
 
-from raycluster.engine.config import EngineConfig
+from raycluster.engine.config import HEAD_METHODS, EngineConfig
 from raycluster.engine.kv_manager import KVCacheManager
 from raycluster.engine.kv_memory import check_kv_fits
 from raycluster.engine.model_runner import ModelRunner
@@ -88,7 +88,7 @@ def releasable_window(config: EngineConfig, mcfg) -> int | None:
     when every layer slides, without prefix caching, an EAGLE head or KV parallelism; else None."""
     if mcfg.is_encoder or not mcfg.sliding_window or len(mcfg.sliding_layers) != mcfg.num_hidden_layers:
         return None
-    if config.enable_prefix_caching or config.speculative_method in ("eagle", "eagle3") or config.kvp > 1:
+    if config.enable_prefix_caching or config.speculative_method in HEAD_METHODS or config.kvp > 1:
         return None
     return mcfg.sliding_window
 
@@ -179,9 +179,11 @@ def _build_runner(config: EngineConfig, model, dtype: torch.dtype, model_path: s
 
 
 def eagle_kv_layers(config: EngineConfig) -> int:
-    """The EAGLE head's layers, whose KV the runner holds beside the model's (0 without one; the
-    config keeps EAGLE to single-process, TP and KVP engines)."""
-    if config.speculative_method not in ("eagle", "eagle3"):
+    """The EAGLE head's (or MTP layer's) layers, whose KV the runner holds beside the model's (0
+    without one; the config keeps them to single-process, TP and KVP engines)."""
+    if config.speculative_method == "mtp":
+        return 1
+    if config.speculative_method not in HEAD_METHODS:
         return 0
     from raycluster.model.eagle import head_config
     from raycluster.model.registry import resolve_model_path

@@ -127,7 +127,10 @@ def test_vllms_speculative_config_sets_the_speculative_fields(capsys):
     eagle = engine_overrides(build_parser().parse_args(["up", "--speculative-config",
                                                         '{"method": "eagle", "model": "/heads/e1"}']))
     assert eagle == {"speculative_method": "eagle", "speculative_model": "/heads/e1"}
-    for spec, msg in (('{"method": "mtp", "model": "h"}', "method 'mtp' not supported"),
+    assert engine_overrides(build_parser().parse_args(["up", "--speculative-config", '{"method": "deepseek_mtp"}'])) \
+        == {"speculative_method": "mtp"}
+    for spec, msg in (('{"method": "medusa", "model": "h"}', "method 'medusa' not supported"),
+                      ('{"method": "mtp", "model": "h"}', "a draft model or EAGLE head is only for"),
                       ('{"method": "eagle"}', "speculative_method 'eagle' needs an EAGLE head"),
                       ('{"method": "ngram", "model": "draft"}', "a draft model or EAGLE head is only for"),
                       ('{"method": "draft_model"}', "speculative_model: speculative_method 'draft_model' needs"),
