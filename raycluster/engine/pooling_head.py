@@ -33,7 +33,8 @@ class PoolingHead:
         model, mcfg = runner.model, runner.model.config
         classifier = projector = None
         if mcfg.labels and not mcfg.is_encoder and getattr(model, "score", None) is None:
-            from raycluster.model.loader import WHOLE, load_tensors
+            from raycluster.model.loader import load_tensors
+            from raycluster.model.tensor_parts import WHOLE
             classifier = load_tensors(path, mcfg, {"score.weight": WHOLE}, dtype, device)["score.weight"]
         if mcfg.pooler.dense and getattr(model, "projector", None) is None:
             from raycluster.model.loader import checkpoint_projector

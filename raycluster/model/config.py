@@ -36,7 +36,8 @@ from raycluster.model.generation_config import load_generation_config
 from raycluster.model.gpt_oss_config import ARCHITECTURE as GPT_OSS, gpt_oss_fields, gpt_oss_rope
 from raycluster.model.llama4_config import ARCHITECTURE as LLAMA4, Llama4Spec, llama4_fields
 from raycluster.model.mla_config import MLASpec
-from raycluster.model.multimodal_config import MULTIMODAL_ARCHITECTURES, text_config_of
+from raycluster.model.moe_config import MoEConfig, moe_config
+from raycluster.model.multimodal_config import MULTIMODAL_ARCHITECTURES, STACKED_EXPERTS, text_config_of
 from raycluster.model.pooling import (PoolerConfig, PoolerConfigError, read_pooler_config,
                                       sentence_transformers_options)
 from raycluster.model.quant.config import QuantConfig, QuantConfigError, parse_quant_config
@@ -66,49 +67,6 @@ UNQUANTIZABLE = ("Phi3ForCausalLM", "DeepseekV2ForCausalLM", "DeepseekV3ForCausa
 
 class ModelConfigError(ValueError):
     """config.json is missing a field or uses something this model does not implement."""
-
-
-@dataclass(frozen=True)
-class MoEConfig:
-    """The sparse mixture-of-experts feed-forward of Mixtral / Qwen2-MoE / Qwen3-MoE layers: each
-    token runs through the `top_k` of `num_experts` experts its router scores highest (softmax
-    over the router's logits; the k weights renormalised to sum to 1 when `norm_topk_prob`), plus,
-    in Qwen2-MoE, a shared expert every token runs, scaled by a sigmoid gate. `layers`: the indices
-    (in the full model) of the sparse layers; the others keep a dense MLP of `intermediate_size`.
-    `mixtral_names`: the checkpoint calls the block `block_sparse_moe` and an expert's
-    projections w1 / w3 / w2 (gate / up / down); Qwen's call them `mlp`, gate/up/down_proj."""
-    num_experts: int
-    top_k: int
-    intermediate_size: int             # of each routed expert
-    norm_topk_prob: bool
-    layers: tuple[int, ...]
-    shared_intermediate_size: int = 0  # Qwen2-MoE's shared expert (0: none)
-    mixtral_names: bool = False
-    # The experts [first, end) a model built from this config holds (an expert-parallel rank's
-    # share, raycluster.parallel.shard); None: every expert.
-    local_experts: tuple[int, int] | None = None
-    # DeepSeek's routing (raycluster.model.moe): "v3": sigmoid scores, a learnt per-expert bias
-    # (`e_score_correction_bias`) added for the choice only, the top `topk_group` of `n_group`
-    # expert groups (by each group's two best biased scores) to choose from; "v2": softmax
-    # scores, groups by their best score (`topk_method` group_limited_greedy, else one group),
-    # never renormalised. Weights times `routed_scaling`; shared experts ungated, named
-    # `shared_experts`. None: softmax top k (Mixtral, Qwen).
-    deepseek: str | None = None
-    n_group: int = 1
-    topk_group: int = 1
-    routed_scaling: float = 1.0
-    # gpt-oss (raycluster.model.gpt_oss): every layer's experts stacked in three tensors with
-    # biases, a router with a bias whose top k logits are softmaxed, each expert's SwiGLU clamped
-    # at `swiglu_limit` (the gate above, up both sides) with sigmoid gain `swiglu_alpha`.
-    gpt_oss: bool = False
-    swiglu_alpha: float = 1.702
-    swiglu_limit: float = 7.0
-    # The checkpoint stores the experts' weights as MXFP4 blocks and scales (gpt-oss's released
-    # files: raycluster.model.quant.mxfp4), dequantized at load.
-    mxfp4: bool = False
-    # Llama 4 (raycluster.model.llama4): the top k by router logit, each chosen expert fed the
-    # token times sigmoid(its logit); stacked experts, gate / up in halves; a shared expert.
-    llama4: bool = False
 
 
 @dataclass
@@ -287,6 +245,8 @@ class ModelConfig:
                 cfg = cls.from_dict(text)
             except ModelConfigError as e:      # its fields are the text config's
                 raise ModelConfigError(str(e).replace("config field '", "config field 'text_config.", 1)) from None
+            if arch in STACKED_EXPERTS:
+                cfg = dataclasses.replace(cfg, moe=dataclasses.replace(cfg.moe, stacked=STACKED_EXPERTS[arch]))
             return dataclasses.replace(cfg, multimodal=arch, raw=dict(d))
         headless, classifier = arch in BASE_ARCHITECTURES, arch in CLASSIFIER_ARCHITECTURES
         arch = BASE_ARCHITECTURES.get(arch) or CLASSIFIER_ARCHITECTURES.get(arch) or arch
@@ -348,7 +308,7 @@ class ModelConfig:
         else:
             window, sliding = _sliding_layers(arch, d, layers)
             family = {"sliding_window": window, "sliding_layers": sliding}
-        moe = _moe(arch, d, layers) if arch in MOE_ARCHITECTURES else family.pop("moe", None)
+        moe = moe_config(arch, d, layers, ModelConfigError) if arch in MOE_ARCHITECTURES else family.pop("moe", None)
         # Gemma 3's max_position_embeddings already counts its global layers' linear scaling.
         max_len = max_pos if arch == "Gemma3ForCausalLM" else scaled_context(max_pos, scaling)
         scaling = longrope_for_context(scaling, max_len)
@@ -479,61 +439,3 @@ def _sliding_layers(arch: str, d: dict[str, Any], layers: int) -> tuple[int | No
         start = int(d.get("max_window_layers", layers))
         sliding = tuple(range(start, layers))
     return (window, sliding) if sliding else (None, ())
-
-def _moe(arch: str, d: dict[str, Any], layers: int) -> MoEConfig:
-    """The experts config.json describes, read as transformers does: Mixtral's
-    `num_local_experts` experts of `intermediate_size` on every layer, weights always
-    renormalised; Qwen's `num_experts` (or `num_local_experts`) of `moe_intermediate_size` on the layers i with
-    (i + 1) % `decoder_sparse_step` == 0 and not in `mlp_only_layers`."""
-    def count(name: str, default: int | None = None, minimum: int = 1) -> int:
-        v = d.get(name, default)
-        try:
-            v = int(v)
-        except (TypeError, ValueError):
-            raise ModelConfigError(f"config field {name!r} has invalid value {d.get(name)!r}") from None
-        if v < minimum:
-            raise ModelConfigError(f"config field {name!r} = {v} must be at least {minimum}")
-        return v
-
-    top_k = count("num_experts_per_tok")
-    # The hub's Qwen configs say num_experts, transformers 5 writes num_local_experts for both.
-    experts_field = next((f for f in ("num_local_experts", "num_experts") if d.get(f) is not None),
-                         "num_local_experts" if arch == "MixtralForCausalLM" else "num_experts")
-    if arch == "MixtralForCausalLM":
-        experts = count(experts_field)
-        moe = MoEConfig(experts, top_k, count("intermediate_size"), True, tuple(range(layers)),
-                        mixtral_names=True)
-    elif arch in ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM", "Glm4MoeForCausalLM"):   # GLM-4.5 routes as V3
-        experts = count("n_routed_experts")
-        v2 = arch == "DeepseekV2ForCausalLM"
-        method = d.get("topk_method", "greedy" if v2 else "noaux_tc")
-        if method not in (("greedy", "group_limited_greedy") if v2 else ("noaux_tc",)):
-            raise ModelConfigError(f"config field 'topk_method' = {method!r} is not supported for {arch}")
-        grouped = method != "greedy"
-        n_group = count("n_group", 1) if grouped else 1
-        topk_group = count("topk_group", 1) if grouped else 1
-        if experts % n_group or topk_group > n_group:
-            raise ModelConfigError(f"config fields 'n_group' = {n_group} / 'topk_group' = {topk_group} do not fit "
-                                   f"the {experts} experts")
-        scaling = d.get("routed_scaling_factor", 1.0)
-        if isinstance(scaling, bool) or not isinstance(scaling, (int, float)) or scaling <= 0:
-            raise ModelConfigError(f"config field 'routed_scaling_factor' must be a positive number, got {scaling!r}")
-        first = count("first_k_dense_replace", 0, 0)
-        moe = MoEConfig(experts, top_k, count("moe_intermediate_size"),
-                        not v2 and bool(d.get("norm_topk_prob", True)), tuple(range(first, layers)),
-                        shared_intermediate_size=count("n_shared_experts", 0, 0) * count("moe_intermediate_size"),
-                        deepseek="v2" if v2 else "v3", n_group=n_group, topk_group=topk_group,
-                        routed_scaling=float(scaling))
-    else:
-        experts = count(experts_field)
-        step = count("decoder_sparse_step", 1)
-        only_dense = d.get("mlp_only_layers") or []
-        if not isinstance(only_dense, list) or not all(isinstance(i, int) for i in only_dense):
-            raise ModelConfigError(f"config field 'mlp_only_layers' must be a list of layer indices: {only_dense!r}")
-        sparse = tuple(i for i in range(layers) if (i + 1) % step == 0 and i not in only_dense)
-        shared = count("shared_expert_intermediate_size", 0, 0) if arch == "Qwen2MoeForCausalLM" else 0
-        moe = MoEConfig(experts, top_k, count("moe_intermediate_size"), bool(d.get("norm_topk_prob", False)),
-                        sparse, shared_intermediate_size=shared)
-    if top_k > moe.num_experts:
-        raise ModelConfigError(f"config field 'num_experts_per_tok' = {top_k} exceeds the {moe.num_experts} experts")
-    return moe

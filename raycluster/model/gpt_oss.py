@@ -45,7 +45,8 @@ class GptOssMoE(nn.Module):
         self.first, end = moe.local_experts or (0, moe.num_experts)
         self.router = GptOssRouter(cfg.hidden_size, moe.num_experts)
         self.experts = StackedExperts(cfg.hidden_size, moe.intermediate_size, end - self.first,
-                                      ClampedSwiGLU(moe.swiglu_alpha, moe.swiglu_limit), interleaved=True, bias=True)
+                                      ClampedSwiGLU(moe.swiglu_alpha, moe.swiglu_limit),
+                                      interleaved=moe.stacked == "interleaved", bias=True)
         self.reduce = reduce
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

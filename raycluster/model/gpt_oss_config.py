@@ -16,6 +16,8 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
+from raycluster.model.moe_config import MoEConfig
+
 ARCHITECTURE = "GptOssForCausalLM"
 _DEFAULT_ROPE = {"rope_type": "yarn", "rope_theta": 150000.0, "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
                  "truncate": False, "original_max_position_embeddings": 4096}
@@ -37,7 +39,6 @@ def _positive(d: dict[str, Any], name: str, default: float, error: Callable[[str
 
 
 def gpt_oss_fields(d: dict[str, Any], layers: int, error: Callable[[str], Exception]) -> dict[str, Any]:
-    from raycluster.model.config import MoEConfig   # config imports this module
 
     window = d.get("sliding_window", 128)
     layer_types = d.get("layer_types")
@@ -69,6 +70,6 @@ def gpt_oss_fields(d: dict[str, Any], layers: int, error: Callable[[str], Except
                     f"{d.get('hidden_size')} and intermediate_size {inter} must be multiples of 32")
     moe = MoEConfig(experts, top_k, inter, True, tuple(range(layers)), gpt_oss=True,
                     swiglu_alpha=_positive(d, "swiglu_alpha", 1.702, error),
-                    swiglu_limit=_positive(d, "swiglu_limit", 7.0, error), mxfp4=mxfp4)
+                    swiglu_limit=_positive(d, "swiglu_limit", 7.0, error), mxfp4=mxfp4, stacked="interleaved")
     return {"attention_sinks": True,
             "sliding_window": window, "sliding_layers": sliding, "moe": moe}

@@ -41,7 +41,7 @@ class Llama4MoE(nn.Module):
         self.first, end = moe.local_experts or (0, moe.num_experts)
         self.router = nn.Linear(cfg.hidden_size, moe.num_experts, bias=False)
         self.experts = StackedExperts(cfg.hidden_size, moe.intermediate_size, end - self.first, silu_glu,
-                                      interleaved=False, bias=False)
+                                      interleaved=moe.stacked == "interleaved", bias=False)
         self.shared_expert = GatedMLP(cfg.hidden_size, moe.shared_intermediate_size)
         self.reduce = reduce
 

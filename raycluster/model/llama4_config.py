@@ -21,6 +21,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from raycluster.model.moe_config import MoEConfig
+
 ARCHITECTURE = "Llama4ForCausalLM"
 
 
@@ -39,7 +41,6 @@ def _int(d: dict[str, Any], name: str, default: int | None, error, minimum: int 
 
 
 def llama4_fields(d: dict[str, Any], layers: int, error: Callable[[str], Exception]) -> dict[str, Any]:
-    from raycluster.model.config import MoEConfig   # config imports this module
 
     flags = d.get("no_rope_layers")
     if not flags:       # transformers' default: no RoPE on every `no_rope_layer_interval`-th layer
@@ -72,4 +73,4 @@ def llama4_fields(d: dict[str, Any], layers: int, error: Callable[[str], Excepti
             "o_bias": bool(d.get("attention_bias", False)), "mlp_bias": False,
             "intermediate_size": _int(d, "intermediate_size_mlp", 16384, error),
             "moe": MoEConfig(experts, top_k, inter, False, tuple(sorted(moe_layers)), shared_intermediate_size=inter,
-                             llama4=True)}
+                             llama4=True, stacked="halves")}

@@ -3,9 +3,9 @@ LlamaForCausalLM (or, for a BERT-style checkpoint, BertEncoderModel: `build_mode
 and errors that name the offending tensor or file.
 
 `load_model` builds the whole model (one process serves it). `load_tensors` reads just the
-tensors a caller names, each whole or one `TensorPart` of it (a contiguous chunk along one dim,
-or a `RowsPart`: a range of rows padded with zeros,
-read from the file with `safe_open(...).get_slice`, so the rest of the tensor is never read):
+tensors a caller names, each whole or a part of it (raycluster.model.tensor_parts: a chunk along
+one dim, a range of rows padded with zeros, a chunk of each half), read from the file with
+`safe_open(...).get_slice`, so the rest of the tensor is never read:
 a tensor-parallel or pipeline rank loads only its shard this way (raycluster.parallel.shard).
 Both check every checkpoint name against the model the config describes and every shape
 against the full tensor's. gpt-oss's MXFP4 expert weights (a blocks and a scales tensor each,
@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from dataclasses import dataclass
 from typing import Mapping
 
 import torch
@@ -28,6 +27,7 @@ from raycluster.model.config import ModelConfig
 from raycluster.model.llama import LlamaForCausalLM
 from raycluster.model.quant.linear import Kernels, finalize_quantized
 from raycluster.model.quant.mxfp4 import packed_param, read_packed
+from raycluster.model.tensor_parts import TensorPart
 
 # Buffers some exporters save that we recompute ourselves.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -314,96 +314,6 @@ def checkpoint_projector(path: str, config: ModelConfig, device):
         return load_projector(path, config.pooler, device=device)
     except ValueError as e:
         raise CheckpointError(str(e)) from e
-
-
-@dataclass(frozen=True)
-class TensorPart:
-    """Chunk `index` of `parts` equal chunks along `dim` of a tensor (what torch.chunk gives for a
-    size `parts` divides); parts == 1 is the whole tensor. The one rule both an in-memory
-    tensor (`take`) and a checkpoint slice (`read`) are cut by."""
-    dim: int = 0
-    index: int = 0
-    parts: int = 1
-
-    def bounds(self, size: int) -> tuple[int, int]:
-        if size % self.parts or not 0 <= self.index < self.parts:
-            raise ValueError(f"chunk {self.index} of {self.parts}: a size of {size} does not split evenly")
-        n = size // self.parts
-        return self.index * n, (self.index + 1) * n
-
-    def take(self, t: torch.Tensor) -> torch.Tensor:
-        if self.parts == 1:
-            return t
-        lo, hi = self.bounds(t.shape[self.dim])
-        return t.narrow(self.dim, lo, hi - lo)
-
-    def read(self, tensor_slice, shape: tuple[int, ...]) -> torch.Tensor:
-        """This part of a safetensors `get_slice` handle of a tensor of `shape` (only it is read)."""
-        index = [slice(None)] * len(shape)
-        if self.parts > 1:
-            index[self.dim] = slice(*self.bounds(shape[self.dim]))
-        return tensor_slice[tuple(index)]
-
-    def out_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
-        """The shape of this part of a tensor of `shape`."""
-        out = list(shape)
-        if self.parts > 1:
-            lo, hi = self.bounds(shape[self.dim])
-            out[self.dim] = hi - lo
-        return tuple(out)
-
-
-WHOLE = TensorPart()
-
-
-@dataclass(frozen=True)
-class HalvesPart:
-    """Chunk `index` of `parts` equal chunks of each half of a tensor along `dim`, the two side by
-    side: a tp rank's share of a gate / up projection stored fused in halves (Llama 4's stacked
-    experts), its gate columns and its up columns."""
-    dim: int
-    index: int
-    parts: int
-
-    def _bounds(self, size: int) -> tuple[int, int, int]:
-        half = size // 2
-        return (half, *TensorPart(self.dim, self.index, self.parts).bounds(half))
-
-    def take(self, t: torch.Tensor) -> torch.Tensor:
-        half, lo, hi = self._bounds(t.shape[self.dim])
-        return torch.cat([t.narrow(self.dim, lo, hi - lo), t.narrow(self.dim, half + lo, hi - lo)], self.dim)
-
-    def read(self, tensor_slice, shape: tuple[int, ...]) -> torch.Tensor:
-        half, lo, hi = self._bounds(shape[self.dim])
-        pieces = []
-        for a, b in ((lo, hi), (half + lo, half + hi)):
-            index = [slice(None)] * len(shape)
-            index[self.dim] = slice(a, b)
-            pieces.append(tensor_slice[tuple(index)])
-        return torch.cat(pieces, self.dim)
-
-    def out_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
-        _, lo, hi = self._bounds(shape[self.dim])
-        out = list(shape)
-        out[self.dim] = 2 * (hi - lo)
-        return tuple(out)
-
-
-@dataclass(frozen=True)
-class RowsPart:
-    """Rows [lo, hi) of a tensor, padded with zero rows up to `rows` (a vocab-parallel lane's
-    embedding or head rows: raycluster.parallel.vocab.vocab_rows); only [lo, hi) is read."""
-    lo: int
-    hi: int
-    rows: int
-
-    def read(self, tensor_slice, shape: tuple[int, ...]) -> torch.Tensor:
-        if not 0 <= self.lo <= self.hi <= shape[0] or self.hi - self.lo > self.rows:
-            raise ValueError(f"rows [{self.lo}, {self.hi}) padded to {self.rows} do not fit {shape[0]} rows")
-        return tensor_slice[self.lo:self.hi]
-
-    def out_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
-        return (self.rows,) + tuple(shape[1:])
 
 
 def model_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:

@@ -2,7 +2,7 @@
 
 `SparseMoE(cfg)` holds the router (`gate`, [num_experts, H]), the experts (`experts.{e}`, each a
 gated MLP of the experts' intermediate size, under the checkpoint's names: Mixtral's w1 / w3 /
-w2, Qwen's gate/up/down_proj) and, for Qwen2-MoE, the shared expert and its sigmoid gate.
+w2, Qwen's gate/up/down_proj; or Qwen3-VL-MoE's stacked ones, raycluster.model.stacked_experts) and, for Qwen2-MoE, the shared expert and its sigmoid gate.
 forward(x [T, H]) -> [T, H]: each token's router probabilities (softmax in fp32), its top k
 experts and their weights (renormalised to sum to 1 when the config says so), each expert run
 once on the rows routed to it, the weighted outputs summed per token in expert order (as
@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from raycluster.model.config import ModelConfig
+from raycluster.model.stacked_experts import StackedExperts, silu_glu
 
 
 def _identity(t: torch.Tensor) -> torch.Tensor:
@@ -87,9 +88,11 @@ class SparseMoE(nn.Module):
             nn.Linear(h, moe.num_experts, bias=False)
         expert = MixtralExpert if moe.mixtral_names else GatedMLP
         # Keyed by expert id (the checkpoint's `experts.{e}` names): every expert, or an
-        # expert-parallel rank's [first, end) of them.
+        # expert-parallel rank's [first, end) of them; or stacked (Qwen3-VL-MoE's checkpoints).
         self.first, end = moe.local_experts or (0, moe.num_experts)
-        self.experts = nn.ModuleDict({str(e): expert(h, moe.intermediate_size) for e in range(self.first, end)})
+        self.experts = StackedExperts(h, moe.intermediate_size, end - self.first, silu_glu, interleaved=False,
+                                      bias=False) if moe.stacked else \
+            nn.ModuleDict({str(e): expert(h, moe.intermediate_size) for e in range(self.first, end)})
         self.shared_expert = None
         if moe.shared_intermediate_size and moe.deepseek:     # ungated, under DeepSeek's name
             self.shared_experts = GatedMLP(h, moe.shared_intermediate_size)
@@ -135,9 +138,13 @@ class SparseMoE(nn.Module):
     def forward(self, x: torch.Tensor, lora=None, index: int = 0) -> torch.Tensor:
         # `lora` is never given experts' updates: adapters on a sparse layer's MLP are refused at load.
         weights, ids = self.route(x)
-        experts = list(self.experts.values())
-        out = combine_experts(x, weights, ids, self.num_experts, self.first, len(experts),
-                              lambda e, rows: experts[e](rows))
+        if isinstance(self.experts, StackedExperts):
+            out = combine_experts(x, weights, ids, self.num_experts, self.first, self.experts.num_local,
+                                  self.experts.run)
+        else:
+            experts = list(self.experts.values())
+            out = combine_experts(x, weights, ids, self.num_experts, self.first, len(experts),
+                                  lambda e, rows: experts[e](rows))
         if self.shared_expert is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         elif self.moe.shared_intermediate_size:

@@ -1,7 +1,8 @@
 """Image-text checkpoints served on their text alone: Gemma 3 (`Gemma3ForConditionalGeneration`, the
 4B / 12B / 27B releases), Mistral 3 (`Mistral3ForConditionalGeneration`: Mistral Small 3.1 / 3.2),
 LLaVA (`LlavaForConditionalGeneration`, over a Llama, Mistral or Qwen2 text model), Qwen2-VL and
-Qwen2.5-VL (over Qwen2), Qwen3-VL (over Qwen3) and Llama 4 (Scout, Maverick).
+Qwen2.5-VL (over Qwen2), Qwen3-VL (over Qwen3), Qwen3-VL-MoE (over Qwen3-MoE, its experts stored
+stacked) and Llama 4 (Scout, Maverick).
 
 Their config.json nests the text model's config under `text_config` (Qwen2-VL's and Qwen2.5-VL's
 released files keep it at the top level); `text_config_of(arch, d)` returns (the text model's
@@ -22,12 +23,16 @@ from typing import Any, Callable
 MULTIMODAL_ARCHITECTURES = ("Gemma3ForConditionalGeneration", "Mistral3ForConditionalGeneration",
                             "LlavaForConditionalGeneration", "Qwen2VLForConditionalGeneration",
                             "Qwen2_5_VLForConditionalGeneration", "Qwen3VLForConditionalGeneration",
-                            "Llama4ForConditionalGeneration")
+                            "Qwen3VLMoeForConditionalGeneration", "Llama4ForConditionalGeneration")
+# Wrappers whose text model stores its experts stacked (gate / up in halves), unlike its
+# causal LM's own checkpoints: ModelConfig's `moe.stacked`.
+STACKED_EXPERTS = {"Qwen3VLMoeForConditionalGeneration": "halves"}
 # Wrappers whose text model is fixed (the others name it by its text config's model_type).
 _FIXED_TEXT = {"Gemma3ForConditionalGeneration": "Gemma3ForCausalLM",
                "Qwen2VLForConditionalGeneration": "Qwen2ForCausalLM",
                "Qwen2_5_VLForConditionalGeneration": "Qwen2ForCausalLM",
                "Qwen3VLForConditionalGeneration": "Qwen3ForCausalLM",
+               "Qwen3VLMoeForConditionalGeneration": "Qwen3MoeForCausalLM",
                "Llama4ForConditionalGeneration": "Llama4ForCausalLM"}
 # The wrapper's own top-level fields, never the text model's (a flat Qwen-VL config holds both).
 _WRAPPER_FIELDS = ("architectures", "model_type", "vision_config", "text_config", "image_token_id",

@@ -5,7 +5,8 @@ and with biases (gpt-oss) `gate_up_proj_bias` [E, 2I], `down_proj_bias` [E, H].
 `StackedExperts.run(e, x [n, H]) -> [n, H]` is local expert e on its rows: x @ gate_up (+ bias),
 split into gate and up, the family's gated activation `glu(gate, up)`, then @ down (+ bias). A
 module holds `experts` of them (an expert-parallel rank's share) of `intermediate` columns each
-(a tensor-parallel rank's share: raycluster.parallel.shard cuts interleaved pairs or both halves).
+(a tensor-parallel rank's share: `stacked_expert_part` says which, for raycluster.parallel.shard:
+interleaved pairs, or a run of each half).
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from raycluster.model.tensor_parts import WHOLE, HalvesPart, TensorPart
 
 
 def silu_glu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
@@ -56,3 +59,25 @@ class StackedExperts(nn.Module):
         gate, up = (gate_up[:, ::2], gate_up[:, 1::2]) if self.interleaved else gate_up.chunk(2, dim=-1)
         out = self.glu(gate, up) @ self.down_proj[e]
         return out if self.down_proj_bias is None else out + self.down_proj_bias[e]
+
+
+# A tp rank's part of a stacked expert tensor ([E, ...] each): the dim holding its
+# intermediate columns (gpt-oss's interleaved gate / up pairs stay together: a contiguous run of
+# 2I / tp columns; Llama 4's halves, under `feed_forward`, give a run from each); None: the down
+# bias, added once, by rank 0.
+_STACKED_SPLIT = {"gate_up_proj": 2, "gate_up_proj_bias": 1, "down_proj": 1, "down_proj_bias": None}
+
+
+def stacked_expert_part(param: str, rank: int, tp: int, expert_parallel: bool,
+                         halves: bool) -> TensorPart | HalvesPart | None:
+    """A tp rank's part of stacked expert tensor `param` (`halves`: gate / up stored in halves):
+    under expert parallelism its share of the experts (dim 0: the contiguous share of
+    raycluster.parallel.shard.expert_range), else every expert's share of columns."""
+    if expert_parallel:
+        return TensorPart(0, rank, tp)
+    dim = _STACKED_SPLIT[param]
+    if dim is None:
+        return WHOLE if rank == 0 else None
+    if halves and param.startswith("gate_up_proj"):
+        return HalvesPart(dim, rank, tp)
+    return TensorPart(dim, rank, tp)

@@ -339,6 +339,10 @@ _MULTIMODAL = {
         "model_type": "qwen2_5_vl", "depth": 1, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2,
         "out_hidden_size": 256, "fullatt_block_indexes": [0]},
         {"image_token_id": 5, "video_token_id": 6, "vision_start_token_id": 3, "vision_end_token_id": 4}),
+    "Qwen3VLMoeForConditionalGeneration": ("qwen3_vl_moe", "qwen3_vl_moe_text", "Qwen3MoeForCausalLM", {
+        "model_type": "qwen3_vl_moe", "depth": 1, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2,
+        "out_hidden_size": 256, "deepstack_visual_indexes": [0], "num_position_embeddings": 16},
+        {"image_token_id": 5, "video_token_id": 6, "vision_start_token_id": 3, "vision_end_token_id": 4}),
     "Qwen3VLForConditionalGeneration": ("qwen3_vl", "qwen3_vl_text", "Qwen3ForCausalLM", {
         "model_type": "qwen3_vl", "depth": 1, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2,
         "out_hidden_size": 256, "deepstack_visual_indexes": [0], "num_position_embeddings": 16},
@@ -347,12 +351,14 @@ _MULTIMODAL = {
 # Where each wrapper's released files keep the text model: under `language_model.`, or (Qwen2.5-VL)
 # a flat config and plain names beside `visual.`; Qwen3-VL's are transformers 5's layout.
 _RELEASED = {"Qwen2VLForConditionalGeneration": "flat", "Qwen2_5_VLForConditionalGeneration": "flat",
-             "Qwen3VLForConditionalGeneration": "transformers5"}
+             "Qwen3VLForConditionalGeneration": "transformers5", "Qwen3VLMoeForConditionalGeneration": "transformers5"}
 # Their multimodal RoPE sections (half-dims of the tiny heads: 16 of 32 dims).
 _MROPE = {"Qwen2VLForConditionalGeneration": {"type": "mrope", "mrope_section": [4, 6, 6]},
           "Qwen2_5_VLForConditionalGeneration": {"type": "mrope", "mrope_section": [4, 6, 6]},
           "Qwen3VLForConditionalGeneration": {"rope_type": "default", "mrope_section": [6, 5, 5],
-                                              "mrope_interleaved": True}}
+                                              "mrope_interleaved": True},
+          "Qwen3VLMoeForConditionalGeneration": {"rope_type": "default", "mrope_section": [6, 5, 5],
+                                                 "mrope_interleaved": True}}
 
 
 def write_tiny_multimodal(path: str | os.PathLike, arch: str, seed: int = 0, layout: str = "released",
@@ -380,6 +386,8 @@ def write_tiny_multimodal(path: str | os.PathLike, arch: str, seed: int = 0, lay
         json.dump(config, f, indent=2, sort_keys=True)
     from safetensors.torch import load_file
     tensors = load_file(os.path.join(path, "model.safetensors"))
+    if arch == "Qwen3VLMoeForConditionalGeneration":
+        tensors = _stacked_experts(tensors)
     tower = "visual.blocks.0.norm1.weight" if arch in _MROPE else "vision_tower.vision_model.post_layernorm.weight"
     if style == "language_model":
         out = {"language_model." + k: v for k, v in tensors.items()}
@@ -392,6 +400,25 @@ def write_tiny_multimodal(path: str | os.PathLike, arch: str, seed: int = 0, lay
     out[tower] = torch.ones(vision.get("embed_dim", vision["hidden_size"]))
     save_file(out, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
     return path
+
+
+def _stacked_experts(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Each sparse layer's experts as Qwen3-VL-MoE stores them: gate_up_proj [E, H, 2I] (gate
+    columns, then up) and down_proj [E, I, H]."""
+    out, experts = {}, {}
+    for name, t in tensors.items():
+        head, sep, rest = name.partition(".mlp.experts.")
+        if not sep:
+            out[name] = t
+            continue
+        e, proj = rest.split(".")[:2]
+        experts.setdefault(head, {})[(int(e), proj)] = t
+    for head, parts in experts.items():
+        n = 1 + max(e for e, _ in parts)
+        out[f"{head}.mlp.experts.gate_up_proj"] = torch.stack(
+            [torch.cat([parts[(e, "gate_proj")].t(), parts[(e, "up_proj")].t()], dim=-1) for e in range(n)]).contiguous()
+        out[f"{head}.mlp.experts.down_proj"] = torch.stack([parts[(e, "down_proj")].t() for e in range(n)]).contiguous()
+    return out
 
 
 def write_tiny_lora(path: str | os.PathLike, model_dir: str | os.PathLike, seed: int = 0, rank: int = 8,

@@ -54,7 +54,9 @@ from torch import nn
 
 from raycluster.model.config import ModelConfig
 from raycluster.model.llama import DecoderLayer, LlamaForCausalLM
-from raycluster.model.loader import WHOLE, HalvesPart, RowsPart, TensorPart, load_tensors
+from raycluster.model.loader import load_tensors
+from raycluster.model.stacked_experts import stacked_expert_part
+from raycluster.model.tensor_parts import WHOLE, RowsPart, TensorPart
 from raycluster.model.lora import TARGETS as LORA_TARGETS, LoRAAdapter
 from raycluster.model.quant.config import QuantConfig
 from raycluster.parallel.tp_check import check_tp
@@ -131,7 +133,7 @@ def shard_config(cfg: ModelConfig, tp: int, rank: int = 0, expert_parallel: bool
 
 
 def layer_part(name: str, rank: int, tp: int, num_kv_heads: int, experts: range | None = None,
-               quant: QuantConfig | None = None) -> TensorPart | None:
+               quant: QuantConfig | None = None, halves: bool = False) -> TensorPart | None:
     """What rank `rank` of `tp` holds of a decoder layer's tensor `name` (relative to the layer):
     its chunk along the split dim, the whole tensor (norms, Qwen3's per-head-dim q/k norms), or
     None (a row-parallel bias off rank 0). k/v_proj rows (and biases) are its KV heads': chunk
@@ -139,11 +141,12 @@ def layer_part(name: str, rank: int, tp: int, num_kv_heads: int, experts: range 
     rank // (tp / num_kv_heads) of num_kv_heads. `experts`: under expert parallelism, the
     routed experts the rank holds whole (`expert_range`; the others' tensors: None). `quant`: a
     quantized checkpoint's config, whose tensors are cut along the dims running over the
-    layer's output rows (column-split) or input columns (row-split): `formats.tensor_dims`."""
+    layer's output rows (column-split) or input columns (row-split): `formats.tensor_dims`.
+    `halves`: stacked experts store gate / up in halves (`MoEConfig.stacked`), not interleaved."""
     parts = name.split(".")
     module, param = parts[-2:]
-    if module == "experts":             # gpt-oss's and Llama 4's stacked experts
-        return _stacked_expert_part(param, rank, tp, experts is not None, halves=parts[-3] == "feed_forward")
+    if module == "experts":             # stacked experts (gpt-oss, Llama 4, Qwen3-VL-MoE)
+        return stacked_expert_part(param, rank, tp, experts is not None, halves)
     if module == "self_attn" and param == "sinks":      # one per query head
         return TensorPart(0, rank, tp)
     if experts is not None and "experts" in parts:
@@ -164,36 +167,15 @@ def layer_part(name: str, rank: int, tp: int, num_kv_heads: int, experts: range 
     return WHOLE
 
 
-# Stacked experts ([E, ...] each, raycluster.model.stacked_experts): the dim holding a tp rank's
-# intermediate columns (gpt-oss's interleaved gate / up pairs stay together: a contiguous run of
-# 2I / tp columns; Llama 4's halves, under `feed_forward`, give a run from each); None: the down
-# bias, added once, by rank 0.
-_STACKED_SPLIT = {"gate_up_proj": 2, "gate_up_proj_bias": 1, "down_proj": 1, "down_proj_bias": None}
-
-
-def _stacked_expert_part(param: str, rank: int, tp: int, expert_parallel: bool,
-                         halves: bool) -> TensorPart | HalvesPart | None:
-    """A tp rank's part of a stacked expert tensor: under expert parallelism its share of the
-    experts (dim 0: `expert_range`'s contiguous share), else every expert's share of columns."""
-    if expert_parallel:
-        return TensorPart(0, rank, tp)
-    dim = _STACKED_SPLIT[param]
-    if dim is None:
-        return WHOLE if rank == 0 else None
-    if halves and param.startswith("gate_up_proj"):
-        return HalvesPart(dim, rank, tp)
-    return TensorPart(dim, rank, tp)
-
-
 def shard_layer_state(state: dict[str, torch.Tensor], rank: int, tp: int,
-                      num_kv_heads: int, experts: range | None = None) -> dict[str, torch.Tensor]:
+                      num_kv_heads: int, experts: range | None = None, halves: bool = False) -> dict[str, torch.Tensor]:
     """Rank `rank`'s tensors of one decoder layer's state dict (names relative to the layer):
     split ones are copied out (contiguous, so the full weights may be freed), norms (and an
     expert-parallel rank's whole experts) are shared, row-parallel biases are kept by rank 0
-    only. `num_kv_heads`: the model's, which k/v_proj are cut by; `experts`: `layer_part`'s."""
+    only. `num_kv_heads`: the model's, which k/v_proj are cut by; `experts`, `halves`: `layer_part`'s."""
     out = {}
     for name, t in state.items():
-        part = layer_part(name, rank, tp, num_kv_heads, experts)
+        part = layer_part(name, rank, tp, num_kv_heads, experts, halves=halves)
         if part is None:
             continue
         out[name] = part.take(t).clone(memory_format=torch.contiguous_format) if part is not WHOLE else t
@@ -317,6 +299,11 @@ def _lane_rows(weight: torch.Tensor, lo: int, hi: int, rows: int) -> torch.Tenso
     return weight[lo:hi] if hi - lo == rows else pad_rows(weight[lo:hi], rows)
 
 
+def _halves(cfg: ModelConfig) -> bool:
+    """Whether the model's stacked experts hold gate / up in halves."""
+    return cfg.moe is not None and cfg.moe.stacked == "halves"
+
+
 def _rank_experts(cfg: ModelConfig, rank: int, tp: int, expert_parallel: bool) -> range | None:
     """The experts rank `rank` holds whole under expert parallelism (None: each expert split)."""
     return expert_range(cfg.moe.num_experts, tp, rank) if expert_parallel and cfg.moe is not None else None
@@ -350,7 +337,7 @@ def shard_model(model: LlamaForCausalLM, rank: int, tp: int,
     def layer_state(i: int) -> dict[str, torch.Tensor]:
         prefix = f"model.layers.{i}."
         return shard_layer_state({k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)}, rank, tp,
-                                 model.config.num_key_value_heads, experts)
+                                 model.config.num_key_value_heads, experts, _halves(model.config))
 
     sharded = _assemble(model.config, rank, tp, reduce, layers, layer_state, expert_parallel)
     sharded.model.norm = model.model.norm
@@ -389,7 +376,7 @@ def load_shard(ckpt: Checkpoint, rank: int, tp: int, reduce: Callable[[torch.Ten
     for i in layers:
         for name in _layer_names(full_cfg, i):
             part = layer_part(f"model.layers.{i}.{name}", rank, tp, full_cfg.num_key_value_heads, experts,
-                              full_cfg.quant)
+                              full_cfg.quant, _halves(full_cfg))
             if part is not None:
                 wanted[f"model.layers.{i}.{name}"] = part
     tied = full_cfg.tie_word_embeddings

@@ -1,5 +1,5 @@
 """Image-text checkpoints served on their text alone (Gemma 3, Mistral 3, LLaVA, Qwen2-VL, Qwen2.5-VL,
-Qwen3-VL): config.json's `text_config` (or Qwen2-VL's flat config) read as transformers reads it
+Qwen3-VL, Qwen3-VL-MoE with its stacked experts): config.json's `text_config` (or Qwen2-VL's flat config) read as transformers reads it
 (Gemma 3's sparse release configs filled with its defaults, multimodal RoPE as plain RoPE), the
 text model's tensors found under any of the layouts and the vision tower's never taken
 for the text model's, logits and greedy tokens equal to transformers' image-text model given the
@@ -30,7 +30,9 @@ CASES = [("Gemma3ForConditionalGeneration", "released", dict(num_hidden_layers=3
          ("Qwen2VLForConditionalGeneration", "released", dict(num_hidden_layers=2)),
          ("Qwen2_5_VLForConditionalGeneration", "released", dict(num_hidden_layers=2, tie_word_embeddings=True)),
          ("Qwen2_5_VLForConditionalGeneration", "transformers5", dict(num_hidden_layers=2)),
-         ("Qwen3VLForConditionalGeneration", "released", dict(num_hidden_layers=2))]
+         ("Qwen3VLForConditionalGeneration", "released", dict(num_hidden_layers=2)),
+         # Qwen3-VL-MoE: Qwen3-MoE whose experts the checkpoint stores stacked, gate / up in halves.
+         ("Qwen3VLMoeForConditionalGeneration", "released", dict(num_hidden_layers=2))]
 
 
 @pytest.fixture(scope="module", params=CASES, ids=[f"{a}-{layout}" for a, layout, _ in CASES])
@@ -72,6 +74,9 @@ def test_a_tp_rank_reads_its_shard_under_the_prefix(checkpoint):
     path, model, cfg = checkpoint
     for rank in range(2):
         _same_shard(load_shard(Checkpoint(path, cfg), rank, 2), shard_model(model, rank, 2))
+        if cfg.moe is not None:         # stacked experts: an expert-parallel rank's whole share too
+            _same_shard(load_shard(Checkpoint(path, cfg), rank, 2, expert_parallel=True),
+                        shard_model(model, rank, 2, expert_parallel=True))
 
 
 def test_raycluster_quantize_refuses_it(checkpoint, tmp_path):
