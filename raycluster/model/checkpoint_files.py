@@ -110,3 +110,20 @@ def read_prefixed(path: str, prefix: str) -> dict[str, torch.Tensor]:
         for name, tensor in read_tensors(file, names, skip=lambda n: not n.startswith(prefix)):
             out[name[len(prefix):]] = tensor
     return out
+
+
+def copy_into(params: dict[str, torch.Tensor], tensors: dict[str, torch.Tensor], where: str, dtype: torch.dtype,
+              as_stored: tuple[str, ...] = ()) -> None:
+    """Each of `tensors` into the parameter (or buffer) of its name, cast to `dtype` (those named
+    in `as_stored` kept as stored); CheckpointError naming the tensor and `where` it comes from
+    for a name `params` lacks or a shape that differs."""
+    for name, tensor in tensors.items():
+        p = params.get(name)
+        if p is None:
+            raise CheckpointError(f"unexpected tensor {name!r} in {where}")
+        if tuple(tensor.shape) != tuple(p.shape):
+            raise CheckpointError(f"shape mismatch for tensor {name!r} in {where}: checkpoint {tuple(tensor.shape)}, "
+                                  f"expected {tuple(p.shape)}")
+        with torch.no_grad():
+            p.copy_(tensor if name in as_stored else tensor.to(dtype))
+

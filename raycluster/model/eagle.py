@@ -36,7 +36,7 @@ from torch import nn
 from raycluster.model.config import ModelConfig, ModelConfigError
 from raycluster.model.eagle3 import Eagle3Head, default_aux_layers
 from raycluster.model.llama import DecoderLayer
-from raycluster.model.checkpoint_files import CheckpointError, read_tensors, weight_files
+from raycluster.model.checkpoint_files import CheckpointError, copy_into, read_tensors, weight_files
 from raycluster.model.rope import RotaryEmbedding
 
 ARCHITECTURES = {"eagle": ("LlamaForCausalLM", "EagleLlamaForCausalLM"),
@@ -160,15 +160,7 @@ def load_eagle_head(path: str | os.PathLike, target, method: str = "eagle", dtyp
     head.to_empty(device=device)
     head.to(dtype)
     state = {**dict(head.named_parameters()), **dict(head.named_buffers())}
-    for name, tensor in tensors.items():
-        p = state.get(name)
-        if p is None:
-            raise CheckpointError(f"unexpected tensor {name!r} in EAGLE head {path!r}")
-        if tuple(tensor.shape) != tuple(p.shape):
-            raise CheckpointError(f"shape mismatch for EAGLE head tensor {name!r}: checkpoint {tuple(tensor.shape)}, "
-                                  f"head expects {tuple(p.shape)}")
-        with torch.no_grad():
-            p.copy_(tensor if name == "d2t" else tensor.to(dtype))
+    copy_into(state, tensors, f"EAGLE head {path!r}", dtype, as_stored=("d2t",))
     missing = sorted(set(state) - set(tensors) - ({"d2t"} if method == "eagle3" else set()))
     if missing:
         raise CheckpointError(f"missing tensors in EAGLE head {path!r}: {', '.join(missing[:5])}")

@@ -19,7 +19,7 @@ import os
 import torch
 from torch import nn
 
-from raycluster.model.checkpoint_files import CheckpointError, read_prefixed
+from raycluster.model.checkpoint_files import CheckpointError, copy_into, read_prefixed
 from raycluster.model.config import ModelConfig
 from raycluster.model.llama import DecoderLayer, RMSNorm
 
@@ -82,15 +82,7 @@ def load_mtp_head(path: str | os.PathLike, target, dtype: torch.dtype = torch.fl
     head.to_empty(device=device)
     head.to(dtype)
     params = dict(head.named_parameters())
-    for name, tensor in tensors.items():
-        p = params.get(name)
-        if p is None:
-            raise CheckpointError(f"unexpected tensor 'model.layers.{index}.{name}' in the MTP layer")
-        if tuple(tensor.shape) != tuple(p.shape):
-            raise CheckpointError(f"shape mismatch for tensor 'model.layers.{index}.{name}': checkpoint "
-                                  f"{tuple(tensor.shape)}, the MTP layer expects {tuple(p.shape)}")
-        with torch.no_grad():
-            p.copy_(tensor.to(dtype))
+    copy_into(params, tensors, f"the MTP layer (model.layers.{index})", dtype)
     missing = sorted(set(params) - set(tensors))
     if missing:
         raise CheckpointError(f"missing tensors of the MTP layer: {', '.join(f'model.layers.{index}.{m}' for m in missing[:5])}")

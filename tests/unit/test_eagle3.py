@@ -120,7 +120,7 @@ def test_loader_names_and_errors(eagle_heads, loaded, tmp_path):
         load_eagle_head(write("aux", c={**cfg, "eagle_aux_hidden_state_layer_ids": [0, 1, 9]}), model, "eagle3")
     with pytest.raises(ValueError, match="target_hidden_size is 512"):
         load_eagle_head(write("thid", c={**cfg, "target_hidden_size": 512}), model, "eagle3")
-    with pytest.raises(CheckpointError, match="shape mismatch for EAGLE head tensor '(lm_head.weight|d2t)'"):
+    with pytest.raises(CheckpointError, match="shape mismatch for tensor '(lm_head.weight|d2t)' in EAGLE head"):
         load_eagle_head(write("vocab", c={**cfg, "draft_vocab_size": 512}), model, "eagle3")
     with pytest.raises(ModelConfigError, match="HASS"):
         load_eagle_head(write("hass", c={**cfg, "add_para_norm": True}), model, "eagle3")
