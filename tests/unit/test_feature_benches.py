@@ -78,6 +78,13 @@ def test_window_bench_times_full_and_windowed_attention(tmp_path):
     with pytest.raises(SystemExit, match="--softcap"):
         main(["bench", "window", "--context", "200", "--window", "64", "--chunk", "40", "--softcap", "0",
               "--out", str(out)])
+    # Llama 4's chunked attention in place of the window, checked against the chunks' mask.
+    assert main(["bench", "window", "--context", "200", "--attention-chunk", "48", "--decodes", "2", "--chunk", "40",
+                 "--heads", "4", "--kv-heads", "2", "--head-dim", "16", "--block-size", "8", "--repeats", "2",
+                 "--out", str(out)]) == 0
+    res = json.loads(out.read_text())
+    assert res["attention_chunk"] == 48 and res["window"] is None
+    assert all(r["window_ms"] > 0 and r["max_abs_err_vs_reference"] < 1e-4 for r in res["rows"])
 
 
 def test_quant_bench_compares_each_scheme_with_the_dense_model(tmp_path):
