@@ -59,6 +59,7 @@ CLASSIFIER_ARCHITECTURES = {"LlamaForSequenceClassification": "LlamaForCausalLM"
                             "Qwen2ForSequenceClassification": "Qwen2ForCausalLM",
                             "Qwen3ForSequenceClassification": "Qwen3ForCausalLM"}
 MOE_ARCHITECTURES = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", "DeepseekV2ForCausalLM",
+                     "GraniteMoeForCausalLM",
                      "DeepseekV3ForCausalLM", "Glm4MoeForCausalLM")
 # Architectures served from no quantized checkpoint (raycluster.model.quant): Phi-3's fused
 # projections, DeepSeek's latent attention, gpt-oss's stacked experts (its own MXFP4 files aside).

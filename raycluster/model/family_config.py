@@ -4,7 +4,8 @@ reads them: which projections carry biases, and what each family changes in the 
 
 - Qwen2: q/k/v biases always; Qwen3: `attention_bias` on q/k/v and o_proj, q/k norms per head.
 - Phi-3: q/k/v and gate/up stored fused (split at load).
-- Granite: embedding, residual and attention multipliers, a logits divisor.
+- Granite (and Granite MoE, its experts: raycluster.model.granite_moe): embedding, residual and
+  attention multipliers, a logits divisor.
 - OLMo 2: norms after each block's output only, q/k norms across all heads. OLMo 3: the same, with
   sliding layers (`layer_types`, else three of every four) under `sliding_window` (default 4096),
   their RoPE plain at their own base (ModelConfig's `sliding_rope_theta`).
@@ -33,7 +34,7 @@ from raycluster.model.mla_config import mla_fields
 
 FUSED_PROJECTIONS = {"Phi3ForCausalLM": ("qkv_proj", "gate_up_proj"), "GlmForCausalLM": ("gate_up_proj",),
                      "Glm4ForCausalLM": ("gate_up_proj",)}
-FAMILY_ARCHITECTURES = ("Phi3ForCausalLM", "GraniteForCausalLM", "Olmo2ForCausalLM", "Olmo3ForCausalLM", "GlmForCausalLM",
+FAMILY_ARCHITECTURES = ("Phi3ForCausalLM", "GraniteForCausalLM", "GraniteMoeForCausalLM", "Olmo2ForCausalLM", "Olmo3ForCausalLM", "GlmForCausalLM",
                         "Glm4ForCausalLM", "SmolLM3ForCausalLM", "Exaone4ForCausalLM", "DeepseekV2ForCausalLM",
                         "DeepseekV3ForCausalLM", "Glm4MoeForCausalLM", "Starcoder2ForCausalLM")
 
@@ -66,7 +67,7 @@ def family_fields(arch: str, d: dict[str, Any], layers: int, error: Callable[[st
     if arch in ("MistralForCausalLM", "MixtralForCausalLM", "Phi3ForCausalLM"):
         return {"qkv_bias": False, "o_bias": False, "mlp_bias": False}
     out = {"qkv_bias": ab, "o_bias": ab, "mlp_bias": bool(d.get("mlp_bias", False))}
-    if arch == "GraniteForCausalLM":
+    if arch in ("GraniteForCausalLM", "GraniteMoeForCausalLM"):
         out.update(_granite(d, error))
     elif arch == "Olmo2ForCausalLM":
         out.update(qk_norm_across_heads=True, block_norms="post")

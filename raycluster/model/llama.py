@@ -23,6 +23,7 @@ from torch import nn
 from kernels.metadata import AttentionMetadata
 from raycluster.model.config import ModelConfig
 from raycluster.model.gpt_oss import GptOssMoE
+from raycluster.model.granite_moe import GraniteMoE
 from raycluster.model.llama4 import Llama4MoE, query_temperature
 from raycluster.model.mla import MLAttention
 from raycluster.model.moe import SparseMoE
@@ -237,7 +238,8 @@ class DecoderLayer(nn.Module):
         # `feed_forward`, else `mlp`.
         self._ffn_name = "block_sparse_moe" if sparse and cfg.moe.mixtral_names else \
             "feed_forward" if cfg.llama4 is not None else "mlp"
-        ffn = (GptOssMoE if cfg.moe.gpt_oss else Llama4MoE if cfg.moe.llama4 else SparseMoE)(cfg) if sparse else \
+        ffn = (GptOssMoE if cfg.moe.gpt_oss else Llama4MoE if cfg.moe.llama4 else GraniteMoE if cfg.moe.granite
+               else SparseMoE)(cfg) if sparse else \
             PlainMLP(cfg) if cfg.plain_mlp else MLP(cfg)
         self.add_module(self._ffn_name, ffn)
         self.parallel = cfg.block_norms == "parallel"

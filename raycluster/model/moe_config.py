@@ -53,6 +53,8 @@ class MoEConfig:
     # Experts stored stacked (raycluster.model.stacked_experts): gate / up "interleaved" column by
     # column (gpt-oss) or in "halves" (Llama 4, Qwen3-VL-MoE); None: one module per expert.
     stacked: str | None = None
+    # Granite's (raycluster.model.granite_moe): stacked output-major as input_linear / output_linear.
+    granite: bool = False
 
 
 def moe_config(arch: str, d: dict[str, Any], layers: int, error: Callable[[str], Exception]) -> MoEConfig:
@@ -74,7 +76,10 @@ def moe_config(arch: str, d: dict[str, Any], layers: int, error: Callable[[str],
     # The hub's Qwen configs say num_experts, transformers 5 writes num_local_experts for both.
     experts_field = next((f for f in ("num_local_experts", "num_experts") if d.get(f) is not None),
                          "num_local_experts" if arch == "MixtralForCausalLM" else "num_experts")
-    if arch == "MixtralForCausalLM":
+    if arch == "GraniteMoeForCausalLM":      # every layer routed; softmax over the top k logits
+        moe = MoEConfig(count("num_local_experts", 8), top_k, count("intermediate_size"), True, tuple(range(layers)),
+                        mixtral_names=True, granite=True)
+    elif arch == "MixtralForCausalLM":
         experts = count(experts_field)
         moe = MoEConfig(experts, top_k, count("intermediate_size"), True, tuple(range(layers)),
                         mixtral_names=True)

@@ -39,7 +39,7 @@ _WRAPPER_FIELDS = ("architectures", "model_type", "vision_config", "text_config"
                    "video_token_id", "vision_start_token_id", "vision_end_token_id", "vision_token_id")
 # A text config's model_type -> its causal LM architecture (when it names none itself).
 _TEXT_ARCHITECTURES = {"gemma3_text": "Gemma3ForCausalLM", "mistral": "MistralForCausalLM",
-                       "llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+                       "llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 # transformers' Gemma3TextConfig defaults: the released text configs state only what differs.
 _GEMMA3_TEXT_DEFAULTS = {
     "vocab_size": 262208, "hidden_size": 2304, "intermediate_size": 9216, "num_hidden_layers": 26,
@@ -52,6 +52,8 @@ _INHERITED = ("bos_token_id", "eos_token_id", "pad_token_id", "dtype", "torch_dt
 
 
 def text_config_of(arch: str, d: dict[str, Any], error: Callable[[str], Exception]) -> tuple[str, dict[str, Any]]:
+    """(text architecture, text config dict) of image-text config.json `d` (module docstring);
+    `error(msg)` makes the exception to raise, naming the field."""
     flat = arch.startswith("Qwen2") and "text_config" not in d     # Qwen2(.5)-VL's released files
     text = {k: v for k, v in d.items() if k not in _WRAPPER_FIELDS} if flat else d.get("text_config")
     if not isinstance(text, dict):

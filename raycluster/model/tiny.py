@@ -91,9 +91,13 @@ def tiny_config(**overrides) -> dict:
                    router_aux_loss_coef=0.0, output_router_logits=False)
         if qwen2:
             cfg["shared_expert_intermediate_size"] = 384
-    elif overrides.get("architectures") == ["GraniteForCausalLM"]:
-        cfg["model_type"] = "granite"
+    elif overrides.get("architectures") in (["GraniteForCausalLM"], ["GraniteMoeForCausalLM"]):
+        cfg["model_type"] = "granite" if overrides["architectures"] == ["GraniteForCausalLM"] else "granitemoe"
         cfg.pop("head_dim")
+        if cfg["model_type"] == "granitemoe":       # 8 experts of 96, 2 per token
+            cfg.pop("mlp_bias")
+            cfg.update(num_local_experts=8, num_experts_per_tok=2, intermediate_size=96, router_aux_loss_coef=0.0,
+                       output_router_logits=False)
         # Multipliers away from 1 (Granite 3's are 12 / 0.22 / 1/128 / 8 at their sizes).
         cfg.update(embedding_multiplier=4.0, residual_multiplier=0.5, attention_multiplier=0.125, logits_scaling=2.0)
     elif overrides.get("architectures") in (["CohereForCausalLM"], ["Cohere2ForCausalLM"]):
@@ -260,7 +264,7 @@ def _init_weights(cfg: dict, seed: int) -> dict[str, torch.Tensor]:
         elif name.endswith("self_attn.sinks"):
             t = torch.randn(shape, generator=g)          # sinks that take a real share of each softmax
         elif name.endswith(("mlp.gate.weight", "block_sparse_moe.gate.weight", "mlp.router.weight",
-                            "feed_forward.router.weight")):
+                            "feed_forward.router.weight", "router.layer.weight")):
             # A decisive router: rounding differences never flip which experts a token takes.
             t = 0.2 * torch.randn(shape, generator=g)
         else:

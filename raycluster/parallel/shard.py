@@ -55,6 +55,7 @@ from torch import nn
 from raycluster.model.config import ModelConfig
 from raycluster.model.llama import DecoderLayer, LlamaForCausalLM
 from raycluster.model.loader import load_tensors
+from raycluster.model.granite_moe import granite_expert_part
 from raycluster.model.stacked_experts import stacked_expert_part
 from raycluster.model.tensor_parts import WHOLE, RowsPart, TensorPart
 from raycluster.model.lora import TARGETS as LORA_TARGETS, LoRAAdapter
@@ -147,6 +148,8 @@ def layer_part(name: str, rank: int, tp: int, num_kv_heads: int, experts: range 
     module, param = parts[-2:]
     if module == "experts":             # stacked experts (gpt-oss, Llama 4, Qwen3-VL-MoE)
         return stacked_expert_part(param, rank, tp, experts is not None, halves)
+    if module in ("input_linear", "output_linear") and parts[-3] == "block_sparse_moe":     # Granite's
+        return granite_expert_part(module, rank, tp, experts is not None)
     if module == "self_attn" and param == "sinks":      # one per query head
         return TensorPart(0, rank, tp)
     if experts is not None and "experts" in parts:

@@ -108,6 +108,8 @@ VARIANTS = {
     # Llama 4: every stacked expert's gate and up halves split alike, the shared expert's partial
     # sum joining the experts' before the reduce, dense layers between.
     "llama4": dict(architectures=["Llama4ForCausalLM"], num_hidden_layers=4),
+    # Granite MoE: input_linear's gate and up halves split alike, output_linear by its columns.
+    "granite_moe": dict(architectures=["GraniteMoeForCausalLM"], num_hidden_layers=2),
 }
 
 
@@ -220,7 +222,7 @@ def same_as_single_runner(model, runner) -> ModelRunner:
                                         ("granite", 2), ("cohere2", 2), ("glm4", 2),
                                         ("deepseek_v3", 2), ("deepseek_v3", 4), ("glm4_moe", 2),
                                         ("starcoder2", 2), ("gpt_oss", 2), ("gpt_oss", 4),
-                                        ("llama4", 2), ("llama4", 4)])
+                                        ("llama4", 2), ("llama4", 4), ("granite_moe", 2), ("granite_moe", 4)])
 def test_a_tp_group_gives_the_single_runners_logits_step_by_step(models, variant, tp):
     model = models[variant]
     runner = _group(model, tp)
