@@ -84,3 +84,25 @@ def test_reasoning_effort_reaches_the_template_unless_chat_template_kwargs_set_i
     assert template_kwargs(ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}])) is None
     with pytest.raises(ValueError, match="reasoning_effort"):
         ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}], reasoning_effort="max")
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_any_marker_soup_splits_alike_whole_and_in_pieces(seed):
+    """Arbitrary runs of harmony's markers and text (malformed included): the stream never
+    fails, splits in pieces as whole, and the openai tool parser reads its content without
+    failing (calls or plain content)."""
+    rng = random.Random(seed)
+    atoms = ["<|start|>", "assistant", "<|channel|>", "analysis", "final", "commentary", " to=functions.f",
+             " to=browser.search", "<|constrain|>", "json", "<|message|>", "<|end|>", "<|call|>", "<|return|>",
+             "{\"a\": 1}", "hello", " ", "<|", "|>", "<"]
+    text = "".join(rng.choice(atoms) for _ in range(rng.randint(0, 25)))
+    cuts = sorted(rng.sample(range(1, len(text)), min(len(text) - 1, rng.randint(0, 10)))) if len(text) > 1 else []
+    pieces = [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)])]
+    stream = reasoning_stream(GPTOSS)
+    got = [stream.feed(p, final=k == len(pieces) - 1) for k, p in enumerate(pieces)] or [stream.feed("", True)]
+    whole = split_reasoning(GPTOSS, text)
+    assert ("".join(r for r, _ in got) or None, "".join(c for _, c in got) or None) == whole
+    _, calls = tool_parser("openai").parse(whole[1] or "")
+    for call in calls:          # whole calls only: a name, and arguments that are JSON
+        assert call.name
+        json.loads(call.arguments)
