@@ -26,6 +26,7 @@ from raycluster.engine.engine import LLMEngine
 from raycluster.model.loader import load_model
 from raycluster.model.tokenizer import Tokenizer
 from raycluster.request import SamplingParams
+from raycluster.server.response_store import LocalResponses, ResponseStore
 
 pytestmark = pytest.mark.e2e
 
@@ -43,7 +44,7 @@ FIELDS = ["prompt", "messages", "max_tokens", "max_completion_tokens", "temperat
           "continue_final_message", "model", "user", "no_such_field", "response_format", "structured_outputs",
           "guided_json", "guided_regex", "guided_choice", "guided_whitespace_pattern", "tools", "tool_choice",
           "parallel_tool_calls", "input", "instructions", "max_output_tokens", "text", "include",
-          "previous_response_id", "metadata"]
+          "previous_response_id", "metadata", "store", "reasoning_effort"]
 NUMBERS = [0, 1, -1, 2, 7, 2**31, -2**31, 2**63, 10**30, 0.5, -0.5, 1e308, -1e308, 1e-320]
 STRINGS = ["", "a", "\ud800", "\x00", "x" * 5000, "日本語", "<|eot_id|>", "{{ raise }}"]
 # Near misses per field: the right shape with a wrong value (out-of-vocab ids, empty lists, ...).
@@ -150,7 +151,8 @@ def fuzz_server(tiny_model_dir, request):
     model, mcfg = load_model(tiny_model_dir)
     tok = Tokenizer(tiny_model_dir, mcfg.eos_token_id)
     cfg = EngineConfig(kv_cache_tokens=8192, enable_prefix_caching=True, num_threads=1, **SCHEDULING[request.param])
-    with serve_engine(cfg, model, tok, log_level="critical") as (url, aeng):
+    with serve_engine(cfg, model, tok, log_level="critical",
+                      response_store=LocalResponses(ResponseStore(50))) as (url, aeng):
         yield url, aeng, tok
 
 
