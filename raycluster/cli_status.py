@@ -50,7 +50,8 @@ def model_line(m: dict) -> str:
 def format_status(status: dict) -> str:
     """`raycluster status`'s table, from the router's status JSON."""
     lines = [f"policy {status.get('policy')}   in flight {status.get('inflight')}   queues {status.get('queues')}   "
-             f"router {status.get('router_id')}"]
+             f"router {status.get('router_id')}"
+             + (f"   stored responses {status['stored_responses']}" if "stored_responses" in status else "")]
     if status.get("model"):
         lines.append(model_line(status["model"]))
     if status.get("gateway_urls"):

@@ -28,6 +28,8 @@ def test_status_table_shows_each_instance_and_its_kv_pulls():
     assert lines[4] == "  kv pulls: 4 ok (90 blocks, 2.5 ms per pull), 1 failed and recomputed"
     assert lines[6] == "  kv pulls: 0 ok (0 blocks), 2 failed and recomputed"
     assert len(lines) == 7          # no pull line for an instance that pulled nothing
+    # The router's stored Responses API responses, when it reports them.
+    assert format_status({**STATUS, "stored_responses": 12}).splitlines()[0].endswith("router r1   stored responses 12")
 
 
 def test_status_shows_the_lora_adapters_and_instances_that_could_not_load_one():
