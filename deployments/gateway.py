@@ -65,8 +65,10 @@ def build_gateway_app():
                     reasoning_parser=cfg.reasoning_parser, request_id_header=False,
                     allow_runtime_lora=cfg.allow_runtime_lora_updating, lora_resolver_dir=cfg.lora_resolver_dir,
                     lora_resolver_max_loaded=cfg.lora_resolver_max_loaded, model_config=mcfg,
-                    response_store=RemoteResponses(lambda method, *args: getattr(router, method).remote(*args),
-                                                   enabled=cfg.max_stored_responses > 0))
+                    response_store=RemoteResponses(
+                        put=lambda rid, record: router.put_response.remote(rid, record),
+                        get=lambda rid: router.get_response.remote(rid),
+                        delete=lambda rid: router.delete_response.remote(rid), enabled=cfg.max_stored_responses > 0))
 
     @app.get("/v1/cluster/status")
     async def cluster_status(request: Request):

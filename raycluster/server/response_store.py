@@ -71,17 +71,18 @@ class LocalResponses:
 
 
 class RemoteResponses:
-    """The async facade over the router actor's store: `call(method, *args)` awaits the actor's
-    method (`put_response`, `get_response`, `delete_response`)."""
+    """The async facade over the router actor's store: `put`, `get` and `delete` are awaitables'
+    makers (the actor's `put_response`, `get_response`, `delete_response` calls)."""
 
-    def __init__(self, call: Callable[..., Awaitable[Any]], enabled: bool = True) -> None:
-        self.call, self.enabled = call, enabled
+    def __init__(self, put: Callable[[str, dict], Awaitable[None]], get: Callable[[str], Awaitable[Any]],
+                 delete: Callable[[str], Awaitable[bool]], enabled: bool = True) -> None:
+        self._put, self._get, self._delete, self.enabled = put, get, delete, enabled
 
     async def put(self, response_id: str, record: dict[str, Any]) -> None:
-        await self.call("put_response", response_id, record)
+        await self._put(response_id, record)
 
     async def get(self, response_id: str) -> dict[str, Any] | None:
-        return await self.call("get_response", response_id)
+        return await self._get(response_id)
 
     async def delete(self, response_id: str) -> bool:
-        return await self.call("delete_response", response_id)
+        return await self._delete(response_id)

@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from raycluster.server.response_store import LocalResponses, ResponseStore
+from raycluster.server.response_store import LocalResponses, RemoteResponses, ResponseStore
 
 
 def test_least_recently_used_goes_first():
@@ -36,3 +36,18 @@ def test_the_local_facade_answers_as_the_store():
         await responses.put("a", {"response": {"id": "a"}, "context": [1]})
         return await responses.get("a"), await responses.delete("a"), await responses.get("a")
     assert asyncio.run(run()) == ({"response": {"id": "a"}, "context": [1]}, True, None)
+
+
+def test_the_remote_facade_awaits_the_actors_calls():
+    """RemoteResponses as the gateway builds it, over an object standing in for the router actor."""
+    store = ResponseStore(4)
+
+    async def later(value):
+        return value
+    responses = RemoteResponses(put=lambda rid, rec: later(store.put(rid, rec)),
+                                get=lambda rid: later(store.get(rid)), delete=lambda rid: later(store.delete(rid)))
+
+    async def run():
+        await responses.put("a", {"response": {"id": "a"}, "context": []})
+        return await responses.get("a"), await responses.delete("a"), await responses.get("a")
+    assert asyncio.run(run()) == ({"response": {"id": "a"}, "context": []}, True, None)
