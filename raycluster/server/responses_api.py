@@ -28,7 +28,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from raycluster.server.protocol import ChatCompletionRequest
 
 # The chat request's names for the fields a Responses request spells differently.
-_CHAT_TO_RESPONSES = {"max_tokens": "max_output_tokens", "messages": "input", "response_format": "text.format"}
+_CHAT_TO_RESPONSES = {"max_tokens": "max_output_tokens", "messages": "input", "response_format": "text.format",
+                      "reasoning_effort": "reasoning.effort"}
 # Chat fields a Responses request may not set through vLLM's extra sampling parameters (its own
 # fields, e.g. `tools`, reach chat translated instead).
 _NOT_PASSED = {"messages", "n", "stream_options", "max_tokens", "max_completion_tokens", "response_format",

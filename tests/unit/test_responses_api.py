@@ -57,10 +57,13 @@ def test_tools_formats_and_logprobs_take_chats_shapes():
     assert chat.stream and chat.stream_options.include_usage          # usage for response.completed
     assert to_chat(_req(input="hi", include=["message.output_text.logprobs"])).top_logprobs == 0
     assert to_chat(_req(input="hi", text={"format": {"type": "json_object"}})).response_format.type == "json_object"
+    assert to_chat(_req(input="hi", reasoning={"effort": "low"})).reasoning_effort == "low"
+    assert to_chat(_req(input="hi", reasoning={"summary": "auto"})).reasoning_effort is None
 
 
 @pytest.mark.parametrize("body, field", [
     (dict(input="hi", background=True), "background"),
+    (dict(input="hi", reasoning={"effort": "max"}), "reasoning.effort"),
     (dict(input="hi", tools=[{"type": "web_search"}]), "tools.0.type"),
     (dict(input=[{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]), "input.0.content.0"),
     (dict(input=[{"role": "tool", "content": "x"}]), "input.0.role"),
