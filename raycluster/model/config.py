@@ -104,6 +104,8 @@ class ModelConfig:
     # StarCoder2: LayerNorm with a bias (torch's), and an ungated MLP c_fc -> GELU-tanh -> c_proj.
     layer_norm_bias: bool = False
     plain_mlp: bool = False
+    # Arcee (AFM): an ungated MLP under up_proj / down_proj, ReLU squared between.
+    relu2_mlp: bool = False
     rope_interleaved: bool = False
     qk_norm_per_head_weights: bool = False
     logit_scale: float = 1.0
@@ -337,8 +339,9 @@ class ModelConfig:
         else:
             eos_t = (int(eos),)
         bos = d.get("bos_token_id")
-        # transformers' defaults: Gemma, Cohere and StarCoder2 tie, the rest not.
-        tied = bool(d.get("tie_word_embeddings", gemma or arch in (*COHERE_ARCHITECTURES, "Starcoder2ForCausalLM")))
+        # transformers' defaults: Gemma, Cohere, StarCoder2 and Ernie 4.5 tie, the rest not.
+        tied = bool(d.get("tie_word_embeddings", gemma or arch in (*COHERE_ARCHITECTURES, "Starcoder2ForCausalLM",
+                                                                   "Ernie4_5ForCausalLM")))
 
         return cls(
             architecture=arch, vocab_size=vocab, hidden_size=hidden, intermediate_size=inter,

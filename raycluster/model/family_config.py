@@ -16,6 +16,9 @@ reads them: which projections carry biases, and what each family changes in the 
   sliding layers (`layer_types`, else three of every four) keep RoPE and the full ones use none.
 - StarCoder2: biases on every projection, LayerNorm with bias, an ungated GELU-tanh MLP (c_fc,
   c_proj), a window on every layer when `sliding_window` is set.
+- Seed-OSS: o_proj's bias by `attention_out_bias`, apart from q/k/v's `attention_bias`.
+- Ernie 4.5: one `use_bias` for every projection, RoPE on interleaved pairs of the whole head.
+- Arcee (AFM): an ungated MLP, up_proj then down_proj with ReLU squared between.
 - GLM-4.5 (`Glm4MoeForCausalLM`): q/k/v biases, optional per-head q/k norms, DeepSeek-V3's routing.
 - gpt-oss: biases on q/k/v and o_proj unless `attention_bias` is false (its sinks, windows and
   experts: raycluster.model.gpt_oss_config).
@@ -34,7 +37,8 @@ from raycluster.model.mla_config import mla_fields
 
 FUSED_PROJECTIONS = {"Phi3ForCausalLM": ("qkv_proj", "gate_up_proj"), "GlmForCausalLM": ("gate_up_proj",),
                      "Glm4ForCausalLM": ("gate_up_proj",)}
-FAMILY_ARCHITECTURES = ("Phi3ForCausalLM", "GraniteForCausalLM", "GraniteMoeForCausalLM", "Olmo2ForCausalLM", "Olmo3ForCausalLM", "GlmForCausalLM",
+FAMILY_ARCHITECTURES = ("Phi3ForCausalLM", "GraniteForCausalLM", "GraniteMoeForCausalLM", "SeedOssForCausalLM",
+                        "Ernie4_5ForCausalLM", "ArceeForCausalLM", "Olmo2ForCausalLM", "Olmo3ForCausalLM", "GlmForCausalLM",
                         "Glm4ForCausalLM", "SmolLM3ForCausalLM", "Exaone4ForCausalLM", "DeepseekV2ForCausalLM",
                         "DeepseekV3ForCausalLM", "Glm4MoeForCausalLM", "Starcoder2ForCausalLM")
 
@@ -64,6 +68,17 @@ def family_fields(arch: str, d: dict[str, Any], layers: int, error: Callable[[st
     if arch == "GptOssForCausalLM":     # attention biases by default (its own fields: gpt_oss_config)
         bias = bool(d.get("attention_bias", True))
         return {"qkv_bias": bias, "o_bias": bias, "mlp_bias": False}
+    if arch == "SeedOssForCausalLM":        # o_proj's bias apart from q/k/v's
+        return {"qkv_bias": ab, "o_bias": bool(d.get("attention_out_bias", False)),
+                "mlp_bias": bool(d.get("mlp_bias", False))}
+    if arch == "Ernie4_5ForCausalLM":       # one `use_bias` for every projection; RoPE on interleaved pairs
+        bias = bool(d.get("use_bias", False))
+        return {"qkv_bias": bias, "o_bias": bias, "mlp_bias": bias, "rope_interleaved": True}
+    if arch == "ArceeForCausalLM":          # an ungated MLP, up then down, ReLU squared between
+        act = d.get("hidden_act", "relu2")
+        if act != "relu2":
+            raise error(f"config field 'hidden_act' = {act!r} is not supported for {arch} (relu2)")
+        return {"qkv_bias": ab, "o_bias": ab, "mlp_bias": bool(d.get("mlp_bias", False)), "relu2_mlp": True}
     if arch in ("MistralForCausalLM", "MixtralForCausalLM", "Phi3ForCausalLM"):
         return {"qkv_bias": False, "o_bias": False, "mlp_bias": False}
     out = {"qkv_bias": ab, "o_bias": ab, "mlp_bias": bool(d.get("mlp_bias", False))}

@@ -199,6 +199,21 @@ class PlainMLP(nn.Module):
         return self.c_proj(_gelu_tanh(self.c_fc(x)))
 
 
+class Relu2MLP(nn.Module):
+    """Arcee's ungated MLP: down_proj(relu(up_proj(x)) ** 2)."""
+    output_proj = "down_proj"
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+
+    def forward(self, x, lora=None, index: int = 0):
+        up = self.up_proj(x) if lora is None else lora.add(index, "up_proj", x, self.up_proj(x))
+        h = torch.relu(up).square()
+        return self.down_proj(h) if lora is None else _project(self.down_proj, h, lora, index, "down_proj")
+
+
 def _project(linear, x, lora, index: int, name: str):
     """linear(x) plus the step's adapters' update. A tensor-parallel rank's row-parallel layer
     (raycluster.parallel.shard.RowParallelLinear) sums partial outputs over the group: its
@@ -240,7 +255,7 @@ class DecoderLayer(nn.Module):
             "feed_forward" if cfg.llama4 is not None else "mlp"
         ffn = (GptOssMoE if cfg.moe.gpt_oss else Llama4MoE if cfg.moe.llama4 else GraniteMoE if cfg.moe.granite
                else SparseMoE)(cfg) if sparse else \
-            PlainMLP(cfg) if cfg.plain_mlp else MLP(cfg)
+            PlainMLP(cfg) if cfg.plain_mlp else Relu2MLP(cfg) if cfg.relu2_mlp else MLP(cfg)
         self.add_module(self._ffn_name, ffn)
         self.parallel = cfg.block_norms == "parallel"
         self.norm_names = BLOCK_NORMS[cfg.block_norms]

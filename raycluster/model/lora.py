@@ -70,7 +70,9 @@ def _shapes(cfg: ModelConfig) -> dict[str, tuple[int, int]]:
     h, d, i = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
     q, kv = cfg.num_attention_heads * d, cfg.num_key_value_heads * d
     shapes = {"q_proj": (q, h), "k_proj": (kv, h), "v_proj": (kv, h), "o_proj": (h, q)}
-    if not cfg.plain_mlp:       # StarCoder2's c_fc / c_proj take no adapter
+    if cfg.relu2_mlp:           # Arcee's: no gate
+        shapes.update(up_proj=(i, h), down_proj=(h, i))
+    elif not cfg.plain_mlp:     # StarCoder2's c_fc / c_proj take no adapter
         shapes.update(gate_proj=(i, h), up_proj=(i, h), down_proj=(h, i))
     fused = {"qkv_proj": (q + 2 * kv, h), "gate_up_proj": (2 * i, h)}
     shapes.update({name: fused[name] for name in cfg.fused_projections})

@@ -165,6 +165,17 @@ def tiny_config(**overrides) -> dict:
                    router_aux_loss_coef=0.0, output_router_logits=False,
                    rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
                                     "high_freq_factor": 4.0, "original_max_position_embeddings": 64})
+    elif overrides.get("architectures") == ["SeedOssForCausalLM"]:
+        cfg["model_type"] = "seed_oss"
+        cfg.update(attention_bias=True, attention_out_bias=True, mlp_bias=False)
+    elif overrides.get("architectures") == ["Ernie4_5ForCausalLM"]:
+        cfg["model_type"] = "ernie4_5"
+        for k in ("attention_bias", "mlp_bias"):
+            cfg.pop(k)
+        cfg.update(use_bias=True, tie_word_embeddings=False)
+    elif overrides.get("architectures") == ["ArceeForCausalLM"]:
+        cfg["model_type"] = "arcee"
+        cfg.update(hidden_act="relu2")
     elif overrides.get("architectures") == ["SmolLM3ForCausalLM"]:
         cfg["model_type"] = "smollm3"
         cfg.pop("head_dim")

@@ -70,6 +70,11 @@ VARIANTS = {
     "granite": dict(architectures=["GraniteForCausalLM"], num_hidden_layers=2, tie_word_embeddings=True),
     # Granite MoE: the multipliers, and 8 stacked experts (input_linear / output_linear), top 2.
     "granite_moe": dict(architectures=["GraniteMoeForCausalLM"], num_hidden_layers=2),
+    # Seed-OSS (o_proj's bias apart), Ernie 4.5 (biases everywhere, interleaved RoPE), Arcee
+    # (an ungated ReLU-squared MLP).
+    "seed_oss": dict(architectures=["SeedOssForCausalLM"], num_hidden_layers=2),
+    "ernie4_5": dict(architectures=["Ernie4_5ForCausalLM"], num_hidden_layers=2),
+    "arcee": dict(architectures=["ArceeForCausalLM"], num_hidden_layers=2),
     # OLMo 2: norms after each block's output only, q/k norms across all heads.
     "olmo2": dict(architectures=["Olmo2ForCausalLM"], num_hidden_layers=2),
     # OLMo 3: OLMo 2's layers, three sliding of every four, YaRN on the full layer only.
@@ -185,7 +190,7 @@ def test_logits_match_transformers(variant, variant_dirs):
                                      "phi3_longrope", "phi3_window", "granite", "olmo2", "olmo3",
                                      "cohere_qk_norm", "cohere2", "glm4", "smollm3", "exaone4", "deepseek_v3",
                                      "deepseek_v2", "glm4_moe", "starcoder2_window", "gpt_oss", "llama4",
-                                     "granite_moe"])
+                                     "granite_moe", "seed_oss", "ernie4_5", "arcee"])
 def test_chunked_prefill_and_decode_match_unchunked(variant, variant_dirs):
     model, cfg = load_model(variant_dirs[variant])
     ids = _prompt(1 + 7 + 64 + 20, 2000, seed=3)

@@ -110,6 +110,10 @@ VARIANTS = {
     "llama4": dict(architectures=["Llama4ForCausalLM"], num_hidden_layers=4),
     # Granite MoE: input_linear's gate and up halves split alike, output_linear by its columns.
     "granite_moe": dict(architectures=["GraniteMoeForCausalLM"], num_hidden_layers=2),
+    # Ernie 4.5's biases on every projection (o_proj's and down_proj's on rank 0); Arcee's
+    # ungated MLP (up_proj by rows, down_proj by columns).
+    "ernie4_5": dict(architectures=["Ernie4_5ForCausalLM"], num_hidden_layers=2),
+    "arcee": dict(architectures=["ArceeForCausalLM"], num_hidden_layers=2),
 }
 
 
@@ -222,7 +226,8 @@ def same_as_single_runner(model, runner) -> ModelRunner:
                                         ("granite", 2), ("cohere2", 2), ("glm4", 2),
                                         ("deepseek_v3", 2), ("deepseek_v3", 4), ("glm4_moe", 2),
                                         ("starcoder2", 2), ("gpt_oss", 2), ("gpt_oss", 4),
-                                        ("llama4", 2), ("llama4", 4), ("granite_moe", 2), ("granite_moe", 4)])
+                                        ("llama4", 2), ("llama4", 4), ("granite_moe", 2), ("granite_moe", 4),
+                                        ("ernie4_5", 2), ("arcee", 2)])
 def test_a_tp_group_gives_the_single_runners_logits_step_by_step(models, variant, tp):
     model = models[variant]
     runner = _group(model, tp)

@@ -1,0 +1,65 @@
+"""Seed-OSS (`SeedOssForCausalLM`), Ernie 4.5 (`Ernie4_5ForCausalLM`) and Arcee's AFM
+(`ArceeForCausalLM`): config.json read as transformers reads it, the engine's greedy tokens equal
+to transformers' `generate`, and a LoRA adapter on Arcee's ungated MLP equal to transformers + PEFT
+(a gate it has not refused). Logits against transformers, chunked and decoded: test_model_hf.py;
+tp groups: test_tp.py."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from family_checks import greedy_equals_transformers
+
+from raycluster.engine.config import EngineConfig
+from raycluster.engine.engine import LLMEngine
+from raycluster.model.config import ModelConfig, ModelConfigError
+from raycluster.model.loader import load_model
+from raycluster.model.lora import AdapterError, load_adapter
+from raycluster.model.tiny import tiny_config, write_tiny_lora, write_tiny_model
+from raycluster.request import SamplingParams
+
+ARCHS = ["SeedOssForCausalLM", "Ernie4_5ForCausalLM", "ArceeForCausalLM"]
+
+
+def test_configs_read_as_transformers_reads_them():
+    seed = ModelConfig.from_dict(tiny_config(architectures=["SeedOssForCausalLM"], attention_out_bias=False))
+    assert (seed.qkv_bias, seed.o_bias, seed.mlp_bias) == (True, False, False)
+    ernie = ModelConfig.from_dict(tiny_config(architectures=["Ernie4_5ForCausalLM"], tie_word_embeddings=None))
+    assert (ernie.qkv_bias, ernie.o_bias, ernie.mlp_bias, ernie.rope_interleaved, ernie.tie_word_embeddings) == \
+        (True, True, True, True, True)
+    arcee = ModelConfig.from_dict(tiny_config(architectures=["ArceeForCausalLM"]))
+    assert arcee.relu2_mlp and not arcee.plain_mlp
+    with pytest.raises(ModelConfigError, match="hidden_act"):
+        ModelConfig.from_dict(tiny_config(architectures=["ArceeForCausalLM"], hidden_act="silu"))
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_engine_greedy_tokens_equal_transformers_generate(tmp_path, arch):
+    path = write_tiny_model(tmp_path, seed=5, architectures=[arch], num_hidden_layers=2)
+    greedy_equals_transformers(path, load_model(path)[0], [(4, 12), (37, 8), (80, 10)], seed=19)
+
+
+def test_a_lora_on_arcees_mlp_equals_transformers_with_peft(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    peft = pytest.importorskip("peft")
+    path = write_tiny_model(tmp_path / "arcee", seed=5, architectures=["ArceeForCausalLM"], num_hidden_layers=2)
+    model, _ = load_model(path)
+    adapter = write_tiny_lora(tmp_path / "lora", path, seed=6, targets=("q_proj", "up_proj", "down_proj"), std=0.3)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager")
+    hf = peft.PeftModel.from_pretrained(hf, str(adapter)).eval()
+    eng = LLMEngine(EngineConfig(kv_cache_tokens=4096, policy="fcfs", packer="token", lora_modules=[f"a={adapter}"]),
+                    model)
+    rng = random.Random(20)
+    prompts = [[rng.randrange(6, 4000) for _ in range(n)] for n in (5, 30)]
+    got = eng.generate(prompts, SamplingParams(max_tokens=8, ignore_eos=True, lora_adapter="a"))
+    for prompt, out in zip(prompts, got):
+        with torch.no_grad():
+            seq = hf.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                              max_new_tokens=8, min_new_tokens=8, do_sample=False, pad_token_id=2)
+        assert out == seq[0, len(prompt):].tolist()
+    llama = write_tiny_model(tmp_path / "llama", seed=5, num_hidden_layers=2)      # same shapes, with a gate
+    gated = write_tiny_lora(tmp_path / "gate", llama, seed=6, targets=("gate_proj",))
+    with pytest.raises(AdapterError, match="targets no projection"):
+        load_adapter(gated, model.config, "g")
