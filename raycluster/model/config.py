@@ -30,7 +30,7 @@ from typing import Any
 
 from raycluster.model.cohere_config import COHERE_ARCHITECTURES, cohere_fields
 from raycluster.model.encoder_config import ENCODER_ARCHITECTURES, TOKEN_HEADS, EncoderSpec, encoder_fields
-from raycluster.model.family_config import FAMILY_ARCHITECTURES, FUSED_PROJECTIONS, family_fields
+from raycluster.model.family_config import FAMILY_ARCHITECTURES, FUSED_PROJECTIONS, apertus_rope, family_fields
 from raycluster.model.gemma_config import GEMMA_ARCHITECTURES, GemmaSpec, gemma_fields
 from raycluster.model.generation_config import load_generation_config
 from raycluster.model.gpt_oss_config import ARCHITECTURE as GPT_OSS, gpt_oss_fields, gpt_oss_rope
@@ -104,8 +104,9 @@ class ModelConfig:
     # StarCoder2: LayerNorm with a bias (torch's), and an ungated MLP c_fc -> GELU-tanh -> c_proj.
     layer_norm_bias: bool = False
     plain_mlp: bool = False
-    # Arcee (AFM): an ungated MLP under up_proj / down_proj, ReLU squared between.
-    relu2_mlp: bool = False
+    # An ungated MLP under up_proj / down_proj: "relu2" (Arcee's AFM, ReLU squared between),
+    # "xielu" (Apertus, its learnt xIELU); None: gated (or StarCoder2's plain_mlp).
+    ungated_mlp: str | None = None
     rope_interleaved: bool = False
     qk_norm_per_head_weights: bool = False
     logit_scale: float = 1.0
@@ -285,7 +286,8 @@ class ModelConfig:
         global_rope, local_rope = \
             layer_type_ropes(d, d.get("rope_local_base_freq", 10000.0)) if arch == "Gemma3ForCausalLM" else \
             layer_type_ropes(d, d.get("rope_theta", 500000.0)) if arch == "Olmo3ForCausalLM" else \
-            (gpt_oss_rope(d), None) if arch == GPT_OSS else (d, None)
+            (gpt_oss_rope(d), None) if arch == GPT_OSS else \
+            (apertus_rope(d), None) if arch == "ApertusForCausalLM" else (d, None)
         try:
             theta, scaling, partial = parse_rope(global_rope)
             local_theta, local_scaling, _ = parse_rope(local_rope) if local_rope is not None else (None, None, 1.0)

@@ -19,6 +19,9 @@ reads them: which projections carry biases, and what each family changes in the 
 - Seed-OSS: o_proj's bias by `attention_out_bias`, apart from q/k/v's `attention_bias`.
 - Ernie 4.5: one `use_bias` for every projection, RoPE on interleaved pairs of the whole head.
 - Arcee (AFM): an ungated MLP, up_proj then down_proj with ReLU squared between.
+- Apertus: the same with its learnt xIELU (`mlp.act_fn`), per-head q/k norms, its norms named
+  attention_layernorm / feedforward_layernorm; llama3 RoPE at base 12e6 when the file states none
+  (`apertus_rope`).
 - GLM-4.5 (`Glm4MoeForCausalLM`): q/k/v biases, optional per-head q/k norms, DeepSeek-V3's routing.
 - gpt-oss: biases on q/k/v and o_proj unless `attention_bias` is false (its sinks, windows and
   experts: raycluster.model.gpt_oss_config).
@@ -38,7 +41,7 @@ from raycluster.model.mla_config import mla_fields
 FUSED_PROJECTIONS = {"Phi3ForCausalLM": ("qkv_proj", "gate_up_proj"), "GlmForCausalLM": ("gate_up_proj",),
                      "Glm4ForCausalLM": ("gate_up_proj",)}
 FAMILY_ARCHITECTURES = ("Phi3ForCausalLM", "GraniteForCausalLM", "GraniteMoeForCausalLM", "SeedOssForCausalLM",
-                        "Ernie4_5ForCausalLM", "ArceeForCausalLM", "Olmo2ForCausalLM", "Olmo3ForCausalLM", "GlmForCausalLM",
+                        "Ernie4_5ForCausalLM", "ArceeForCausalLM", "ApertusForCausalLM", "Olmo2ForCausalLM", "Olmo3ForCausalLM", "GlmForCausalLM",
                         "Glm4ForCausalLM", "SmolLM3ForCausalLM", "Exaone4ForCausalLM", "DeepseekV2ForCausalLM",
                         "DeepseekV3ForCausalLM", "Glm4MoeForCausalLM", "Starcoder2ForCausalLM")
 
@@ -78,7 +81,13 @@ def family_fields(arch: str, d: dict[str, Any], layers: int, error: Callable[[st
         act = d.get("hidden_act", "relu2")
         if act != "relu2":
             raise error(f"config field 'hidden_act' = {act!r} is not supported for {arch} (relu2)")
-        return {"qkv_bias": ab, "o_bias": ab, "mlp_bias": bool(d.get("mlp_bias", False)), "relu2_mlp": True}
+        return {"qkv_bias": ab, "o_bias": ab, "mlp_bias": bool(d.get("mlp_bias", False)), "ungated_mlp": "relu2"}
+    if arch == "ApertusForCausalLM":        # per-head q/k norms, an ungated xIELU MLP, its norms' own names
+        act = d.get("hidden_act", "xielu")
+        if act != "xielu":
+            raise error(f"config field 'hidden_act' = {act!r} is not supported for {arch} (xielu)")
+        return {"qkv_bias": ab, "o_bias": ab, "mlp_bias": False, "qk_norm": True, "ungated_mlp": "xielu",
+                "block_norms": "apertus"}
     if arch in ("MistralForCausalLM", "MixtralForCausalLM", "Phi3ForCausalLM"):
         return {"qkv_bias": False, "o_bias": False, "mlp_bias": False}
     out = {"qkv_bias": ab, "o_bias": ab, "mlp_bias": bool(d.get("mlp_bias", False))}
@@ -153,3 +162,15 @@ def _exaone4_layers(d: dict[str, Any], layers: int, error) -> dict[str, Any]:
         sliding = tuple(i for i in range(layers) if (i + 1) % pattern)
     return {"sliding_window": window if sliding else None, "sliding_layers": sliding,
             "nope_layers": tuple(i for i in range(layers) if i not in sliding)}
+
+
+_APERTUS_ROPE = {"rope_type": "llama3", "rope_theta": 12_000_000.0, "factor": 8.0,
+                 "original_max_position_embeddings": 8192, "low_freq_factor": 1.0, "high_freq_factor": 4.0}
+
+
+def apertus_rope(d: dict[str, Any]) -> dict[str, Any]:
+    """`d`, or with transformers' default Apertus RoPE when it states none."""
+    if d.get("rope_parameters") is not None or d.get("rope_scaling") is not None:
+        return d
+    return {**d, "rope_parameters": {**_APERTUS_ROPE, "rope_theta": d.get("rope_theta", _APERTUS_ROPE["rope_theta"])}}
+

@@ -199,18 +199,44 @@ class PlainMLP(nn.Module):
         return self.c_proj(_gelu_tanh(self.c_fc(x)))
 
 
-class Relu2MLP(nn.Module):
-    """Arcee's ungated MLP: down_proj(relu(up_proj(x)) ** 2)."""
+class XIELU(nn.Module):
+    """Apertus' xIELU activation, its learnt parameters under transformers' names: for x > 0
+    softplus(alpha_p) x^2 + beta x, else (expm1(min(x, eps)) - x) (beta + softplus(alpha_n)) + beta x."""
+
+    def __init__(self):
+        super().__init__()
+        self.alpha_p = nn.Parameter(torch.empty(1))
+        self.alpha_n = nn.Parameter(torch.empty(1))
+        self.beta = nn.Parameter(torch.empty(()))
+        self.eps = nn.Parameter(torch.empty(()))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        alpha_p = F.softplus(self.alpha_p)
+        alpha_n = self.beta + F.softplus(self.alpha_n)
+        return torch.where(x > 0, alpha_p * x * x + self.beta * x,
+                           (torch.expm1(torch.min(x, self.eps)) - x) * alpha_n + self.beta * x)
+
+
+def _relu2(x: torch.Tensor) -> torch.Tensor:
+    return torch.relu(x).square()
+
+
+class UngatedMLP(nn.Module):
+    """down_proj(act(up_proj(x))): Arcee's with ReLU squared, Apertus' with xIELU (`act_fn`)."""
     output_proj = "down_proj"
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+        if cfg.ungated_mlp == "xielu":
+            self.act_fn = XIELU()
+        else:
+            self.act = _relu2
 
     def forward(self, x, lora=None, index: int = 0):
         up = self.up_proj(x) if lora is None else lora.add(index, "up_proj", x, self.up_proj(x))
-        h = torch.relu(up).square()
+        h = self.act_fn(up) if "act_fn" in self._modules else self.act(up)
         return self.down_proj(h) if lora is None else _project(self.down_proj, h, lora, index, "down_proj")
 
 
@@ -233,6 +259,7 @@ BLOCK_NORMS = {
     "glm4": ("input_layernorm", "post_self_attn_layernorm", "post_attention_layernorm", "post_mlp_layernorm"),
     "post": (None, "post_attention_layernorm", None, "post_feedforward_layernorm"),    # OLMo 2
     "parallel": ("input_layernorm", None, None, None),      # Cohere: one norm feeds attention and the MLP
+    "apertus": ("attention_layernorm", None, "feedforward_layernorm", None),     # Llama's, under its names
 }
 
 
@@ -255,7 +282,7 @@ class DecoderLayer(nn.Module):
             "feed_forward" if cfg.llama4 is not None else "mlp"
         ffn = (GptOssMoE if cfg.moe.gpt_oss else Llama4MoE if cfg.moe.llama4 else GraniteMoE if cfg.moe.granite
                else SparseMoE)(cfg) if sparse else \
-            PlainMLP(cfg) if cfg.plain_mlp else Relu2MLP(cfg) if cfg.relu2_mlp else MLP(cfg)
+            PlainMLP(cfg) if cfg.plain_mlp else UngatedMLP(cfg) if cfg.ungated_mlp else MLP(cfg)
         self.add_module(self._ffn_name, ffn)
         self.parallel = cfg.block_norms == "parallel"
         self.norm_names = BLOCK_NORMS[cfg.block_norms]

@@ -70,7 +70,7 @@ def _shapes(cfg: ModelConfig) -> dict[str, tuple[int, int]]:
     h, d, i = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
     q, kv = cfg.num_attention_heads * d, cfg.num_key_value_heads * d
     shapes = {"q_proj": (q, h), "k_proj": (kv, h), "v_proj": (kv, h), "o_proj": (h, q)}
-    if cfg.relu2_mlp:           # Arcee's: no gate
+    if cfg.ungated_mlp:         # Arcee's, Apertus': no gate
         shapes.update(up_proj=(i, h), down_proj=(h, i))
     elif not cfg.plain_mlp:     # StarCoder2's c_fc / c_proj take no adapter
         shapes.update(gate_proj=(i, h), up_proj=(i, h), down_proj=(h, i))

@@ -176,6 +176,12 @@ def tiny_config(**overrides) -> dict:
     elif overrides.get("architectures") == ["ArceeForCausalLM"]:
         cfg["model_type"] = "arcee"
         cfg.update(hidden_act="relu2")
+    elif overrides.get("architectures") == ["ApertusForCausalLM"]:
+        cfg["model_type"] = "apertus"
+        cfg.pop("mlp_bias")
+        cfg.update(hidden_act="xielu", rope_parameters={"rope_type": "llama3", "rope_theta": 12e6, "factor": 8.0,
+                                                        "original_max_position_embeddings": 64, "low_freq_factor": 1.0,
+                                                        "high_freq_factor": 4.0})
     elif overrides.get("architectures") == ["SmolLM3ForCausalLM"]:
         cfg["model_type"] = "smollm3"
         cfg.pop("head_dim")
@@ -272,6 +278,14 @@ def _init_weights(cfg: dict, seed: int) -> dict[str, torch.Tensor]:
             t = 0.1 * torch.randn(shape, generator=g)  # sharper attention than std 0.02
         elif name.endswith("e_score_correction_bias"):
             t = 0.1 * torch.randn(shape, generator=g)     # enough to change some choices
+        elif name.endswith("act_fn.alpha_p"):        # xIELU as transformers initialises it
+            t = torch.log(torch.expm1(torch.tensor([0.8])))
+        elif name.endswith("act_fn.alpha_n"):
+            t = torch.log(torch.expm1(torch.tensor([0.3])))
+        elif name.endswith("act_fn.beta"):
+            t = torch.tensor(0.5)
+        elif name.endswith("act_fn.eps"):
+            t = torch.tensor(-1e-6)
         elif name.endswith("self_attn.sinks"):
             t = torch.randn(shape, generator=g)          # sinks that take a real share of each softmax
         elif name.endswith(("mlp.gate.weight", "block_sparse_moe.gate.weight", "mlp.router.weight",

@@ -1,8 +1,8 @@
-"""Seed-OSS (`SeedOssForCausalLM`), Ernie 4.5 (`Ernie4_5ForCausalLM`) and Arcee's AFM
-(`ArceeForCausalLM`): config.json read as transformers reads it, the engine's greedy tokens equal
-to transformers' `generate`, and a LoRA adapter on Arcee's ungated MLP equal to transformers + PEFT
-(a gate it has not refused). Logits against transformers, chunked and decoded: test_model_hf.py;
-tp groups: test_tp.py."""
+"""Seed-OSS (`SeedOssForCausalLM`), Ernie 4.5 (`Ernie4_5ForCausalLM`), Arcee's AFM
+(`ArceeForCausalLM`) and Apertus (`ApertusForCausalLM`): config.json read as transformers reads it
+(Apertus' default RoPE), the engine's greedy tokens equal to transformers' `generate`, and a LoRA
+adapter on Arcee's ungated MLP equal to transformers + PEFT (a gate it has not, refused). Logits
+against transformers, chunked and decoded: test_model_hf.py; tp groups: test_tp.py."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ from raycluster.model.lora import AdapterError, load_adapter
 from raycluster.model.tiny import tiny_config, write_tiny_lora, write_tiny_model
 from raycluster.request import SamplingParams
 
-ARCHS = ["SeedOssForCausalLM", "Ernie4_5ForCausalLM", "ArceeForCausalLM"]
+ARCHS = ["SeedOssForCausalLM", "Ernie4_5ForCausalLM", "ArceeForCausalLM", "ApertusForCausalLM"]
 
 
 def test_configs_read_as_transformers_reads_them():
@@ -30,9 +30,13 @@ def test_configs_read_as_transformers_reads_them():
     assert (ernie.qkv_bias, ernie.o_bias, ernie.mlp_bias, ernie.rope_interleaved, ernie.tie_word_embeddings) == \
         (True, True, True, True, True)
     arcee = ModelConfig.from_dict(tiny_config(architectures=["ArceeForCausalLM"]))
-    assert arcee.relu2_mlp and not arcee.plain_mlp
-    with pytest.raises(ModelConfigError, match="hidden_act"):
-        ModelConfig.from_dict(tiny_config(architectures=["ArceeForCausalLM"], hidden_act="silu"))
+    assert arcee.ungated_mlp == "relu2" and not arcee.plain_mlp
+    apertus = ModelConfig.from_dict(tiny_config(architectures=["ApertusForCausalLM"], rope_parameters=None))
+    assert (apertus.ungated_mlp, apertus.qk_norm, apertus.block_norms) == ("xielu", True, "apertus")
+    assert apertus.rope_theta == 12e6 and apertus.rope_scaling["rope_type"] == "llama3"    # transformers' default
+    for arch in ("ArceeForCausalLM", "ApertusForCausalLM"):
+        with pytest.raises(ModelConfigError, match="hidden_act"):
+            ModelConfig.from_dict(tiny_config(architectures=[arch], hidden_act="silu"))
 
 
 @pytest.mark.parametrize("arch", ARCHS)
