@@ -1,6 +1,7 @@
 """Checks every decoder family's test module runs on its tiny checkpoint: the engine's greedy
 tokens against transformers' `generate` (each prompt alone, fp32, eager attention), an spp
-group of 2 against the single-process runner, a kvp group of 2 against the single engine, and a
+group of 2 against the single-process runner, a kvp group of 2 against the single engine, a LoRA
+adapter against transformers + PEFT, and a
 stacked-experts model's expert-parallel shards and group (gpt-oss, Llama 4)."""
 
 from __future__ import annotations
@@ -43,6 +44,26 @@ def greedy_equals_transformers(path, model, shape: list[tuple[int, int]], seed: 
     assert len({t for out in want for t in out}) > min_distinct
     eng.kv.check()
     assert eng.kv.num_free_blocks == eng.kv.num_blocks
+
+
+def lora_equals_transformers_with_peft(path, model, adapter, seed: int, lengths=(5, 30)) -> None:
+    """The engine's greedy tokens with LoRA adapter `adapter` (PEFT's layout) equal transformers +
+    PEFT's on prompts of `lengths` (random ids, `seed`), and differ from the base model's."""
+    transformers = pytest.importorskip("transformers")
+    peft = pytest.importorskip("peft")
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager")
+    hf = peft.PeftModel.from_pretrained(hf, str(adapter)).eval()
+    eng = LLMEngine(EngineConfig(kv_cache_tokens=4096, policy="fcfs", packer="token", lora_modules=[f"a={adapter}"]),
+                    model)
+    rng = random.Random(seed)
+    prompts = [[rng.randrange(6, 4000) for _ in range(n)] for n in lengths]
+    got = eng.generate(prompts, SamplingParams(max_tokens=8, ignore_eos=True, lora_adapter="a"))
+    for prompt, out in zip(prompts, got):
+        with torch.no_grad():
+            seq = hf.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                              max_new_tokens=8, min_new_tokens=8, do_sample=False, pad_token_id=2)
+        assert out == seq[0, len(prompt):].tolist()
+    assert got != eng.generate(prompts, SamplingParams(max_tokens=8, ignore_eos=True))
 
 
 def pipeline_equals_single_runner(model, monkeypatch) -> None:

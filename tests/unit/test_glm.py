@@ -9,20 +9,15 @@ shards read from the file: test_tp.py, test_shard_load.py."""
 from __future__ import annotations
 
 import json
-import random
 
 import pytest
-import torch
-from family_checks import greedy_equals_transformers
+from family_checks import greedy_equals_transformers, lora_equals_transformers_with_peft
 from safetensors.torch import load_file, save_file
 
-from raycluster.engine.config import EngineConfig
-from raycluster.engine.engine import LLMEngine
 from raycluster.model.config import ModelConfig
 from raycluster.model.loader import CheckpointError, load_model
 from raycluster.model.lora import load_adapter
 from raycluster.model.tiny import tiny_config, write_tiny_lora, write_tiny_model
-from raycluster.request import SamplingParams
 
 
 def test_config_reads_as_transformers_reads_it():
@@ -64,23 +59,9 @@ def test_glm45_skips_its_multi_token_prediction_layer(tmp_path):
 
 @pytest.mark.parametrize("arch", ["GlmForCausalLM", "Glm4ForCausalLM"])
 def test_a_lora_on_fused_and_split_projections_equals_transformers_with_peft(arch, tmp_path):
-    transformers = pytest.importorskip("transformers")
-    peft = pytest.importorskip("peft")
     path = write_tiny_model(tmp_path / "glm", seed=3, architectures=[arch], num_hidden_layers=2)
     model, _ = load_model(path)
     adapter = write_tiny_lora(tmp_path / "lora", path, seed=4, targets=("q_proj", "v_proj", "gate_up_proj"), std=0.3)
     assert sorted({m for _, m in load_adapter(adapter, model.config, "a").weights}) == [
         "gate_proj", "q_proj", "up_proj", "v_proj"]
-    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager")
-    hf = peft.PeftModel.from_pretrained(hf, str(adapter)).eval()
-    eng = LLMEngine(EngineConfig(kv_cache_tokens=4096, policy="fcfs", packer="token", lora_modules=[f"a={adapter}"]),
-                    model)
-    rng = random.Random(12)
-    prompts = [[rng.randrange(6, 4000) for _ in range(n)] for n in (5, 30)]
-    got = eng.generate(prompts, SamplingParams(max_tokens=8, ignore_eos=True, lora_adapter="a"))
-    for prompt, out in zip(prompts, got):
-        with torch.no_grad():
-            ids = hf.generate(input_ids=torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                              max_new_tokens=8, min_new_tokens=8, do_sample=False, pad_token_id=2)
-        assert out == ids[0, len(prompt):].tolist()
-    assert got != eng.generate(prompts, SamplingParams(max_tokens=8, ignore_eos=True))
+    lora_equals_transformers_with_peft(path, model, adapter, seed=12)

@@ -12,15 +12,14 @@ from __future__ import annotations
 
 import json
 import os
-import random
 import shutil
 
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
 from family_checks import (expert_parallel_group_equals_single_runner, greedy_equals_transformers,
-                           kvp_engine_equals_single_engine, pipeline_equals_single_runner,
-                           stacked_experts_shard_by_expert)
+                           kvp_engine_equals_single_engine, lora_equals_transformers_with_peft,
+                           pipeline_equals_single_runner, stacked_experts_shard_by_expert)
 from test_shard_load import _same_shard
 from test_tp import BASE, BS, _close, same_as_single_runner
 
@@ -32,7 +31,6 @@ from raycluster.model.quant.mxfp4 import dequantize, pack
 from raycluster.model.tiny import tiny_config, write_tiny_lora, write_tiny_model
 from raycluster.parallel.factory import build_runner
 from raycluster.parallel.shard import Checkpoint, load_shard, shard_model
-from raycluster.request import SamplingParams
 
 ARCH = ["GptOssForCausalLM"]
 
@@ -98,24 +96,9 @@ def test_engine_greedy_tokens_equal_transformers_generate(gpt_oss):
 
 
 def test_a_lora_on_attention_equals_transformers_with_peft(gpt_oss, tmp_path):
-    transformers = pytest.importorskip("transformers")
-    peft = pytest.importorskip("peft")
     path, model = gpt_oss
     adapter = write_tiny_lora(tmp_path / "lora", path, seed=5, targets=("q_proj", "v_proj", "o_proj"), std=0.3)
-    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager")
-    hf = peft.PeftModel.from_pretrained(hf, str(adapter)).eval()
-    eng = LLMEngine(EngineConfig(kv_cache_tokens=4096, policy="fcfs", packer="token", lora_modules=[f"a={adapter}"]),
-                    model)
-    rng = random.Random(13)
-    prompts = [[rng.randrange(6, 4000) for _ in range(n)] for n in (5, 40)]
-    got = eng.generate(prompts, SamplingParams(max_tokens=8, ignore_eos=True, lora_adapter="a"))
-    base = eng.generate(prompts, SamplingParams(max_tokens=8, ignore_eos=True))
-    for prompt, out in zip(prompts, got):
-        with torch.no_grad():
-            seq = hf.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                              max_new_tokens=8, min_new_tokens=8, do_sample=False, pad_token_id=2)
-        assert out == seq[0, len(prompt):].tolist()
-    assert got != base
+    lora_equals_transformers_with_peft(path, model, adapter, seed=13, lengths=(5, 40))
 
 
 def test_expert_parallel_ranks_hold_whole_experts_and_sum_to_the_block(gpt_oss):

@@ -6,19 +6,14 @@ against transformers, chunked and decoded: test_model_hf.py; tp groups: test_tp.
 
 from __future__ import annotations
 
-import random
 
 import pytest
-import torch
-from family_checks import greedy_equals_transformers
+from family_checks import greedy_equals_transformers, lora_equals_transformers_with_peft
 
-from raycluster.engine.config import EngineConfig
-from raycluster.engine.engine import LLMEngine
 from raycluster.model.config import ModelConfig, ModelConfigError
 from raycluster.model.loader import load_model
 from raycluster.model.lora import AdapterError, load_adapter
 from raycluster.model.tiny import tiny_config, write_tiny_lora, write_tiny_model
-from raycluster.request import SamplingParams
 
 ARCHS = ["SeedOssForCausalLM", "Ernie4_5ForCausalLM", "ArceeForCausalLM", "ApertusForCausalLM"]
 
@@ -46,23 +41,10 @@ def test_engine_greedy_tokens_equal_transformers_generate(tmp_path, arch):
 
 
 def test_a_lora_on_arcees_mlp_equals_transformers_with_peft(tmp_path):
-    transformers = pytest.importorskip("transformers")
-    peft = pytest.importorskip("peft")
     path = write_tiny_model(tmp_path / "arcee", seed=5, architectures=["ArceeForCausalLM"], num_hidden_layers=2)
     model, _ = load_model(path)
     adapter = write_tiny_lora(tmp_path / "lora", path, seed=6, targets=("q_proj", "up_proj", "down_proj"), std=0.3)
-    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager")
-    hf = peft.PeftModel.from_pretrained(hf, str(adapter)).eval()
-    eng = LLMEngine(EngineConfig(kv_cache_tokens=4096, policy="fcfs", packer="token", lora_modules=[f"a={adapter}"]),
-                    model)
-    rng = random.Random(20)
-    prompts = [[rng.randrange(6, 4000) for _ in range(n)] for n in (5, 30)]
-    got = eng.generate(prompts, SamplingParams(max_tokens=8, ignore_eos=True, lora_adapter="a"))
-    for prompt, out in zip(prompts, got):
-        with torch.no_grad():
-            seq = hf.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                              max_new_tokens=8, min_new_tokens=8, do_sample=False, pad_token_id=2)
-        assert out == seq[0, len(prompt):].tolist()
+    lora_equals_transformers_with_peft(path, model, adapter, seed=20)
     llama = write_tiny_model(tmp_path / "llama", seed=5, num_hidden_layers=2)      # same shapes, with a gate
     gated = write_tiny_lora(tmp_path / "gate", llama, seed=6, targets=("gate_proj",))
     with pytest.raises(AdapterError, match="targets no projection"):
