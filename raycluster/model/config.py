@@ -30,7 +30,8 @@ from typing import Any
 
 from raycluster.model.cohere_config import COHERE_ARCHITECTURES, cohere_fields
 from raycluster.model.encoder_config import ENCODER_ARCHITECTURES, TOKEN_HEADS, EncoderSpec, encoder_fields
-from raycluster.model.family_config import FAMILY_ARCHITECTURES, FUSED_PROJECTIONS, apertus_rope, family_fields
+from raycluster.model.family_config import (FAMILY_ARCHITECTURES, FUSED_PROJECTIONS, apertus_rope, family_fields,
+                                            hunyuan_rope)
 from raycluster.model.gemma_config import GEMMA_ARCHITECTURES, GemmaSpec, gemma_fields
 from raycluster.model.generation_config import load_generation_config
 from raycluster.model.gpt_oss_config import ARCHITECTURE as GPT_OSS, gpt_oss_fields, gpt_oss_rope
@@ -90,6 +91,8 @@ class ModelConfig:
     o_bias: bool = False
     mlp_bias: bool = False
     qk_norm: bool = False           # Qwen3: RMSNorm over each query / key head before RoPE
+    # Hunyuan: the same norm after RoPE, under the names query_layernorm / key_layernorm.
+    qk_norm_after_rope: bool = False
     # OLMo 2: q/k RMSNorm over the whole projection (every head together), not per head.
     qk_norm_across_heads: bool = False
     # Where each block's norms sit: "pre" (Llama: before attention and the MLP), "sandwich"
@@ -287,7 +290,8 @@ class ModelConfig:
             layer_type_ropes(d, d.get("rope_local_base_freq", 10000.0)) if arch == "Gemma3ForCausalLM" else \
             layer_type_ropes(d, d.get("rope_theta", 500000.0)) if arch == "Olmo3ForCausalLM" else \
             (gpt_oss_rope(d), None) if arch == GPT_OSS else \
-            (apertus_rope(d), None) if arch == "ApertusForCausalLM" else (d, None)
+            (apertus_rope(d), None) if arch == "ApertusForCausalLM" else \
+            (hunyuan_rope(d, head_dim), None) if arch == "HunYuanDenseV1ForCausalLM" else (d, None)
         try:
             theta, scaling, partial = parse_rope(global_rope)
             local_theta, local_scaling, _ = parse_rope(local_rope) if local_rope is not None else (None, None, 1.0)

@@ -19,6 +19,9 @@ reads them: which projections carry biases, and what each family changes in the 
 - Seed-OSS: o_proj's bias by `attention_out_bias`, apart from q/k/v's `attention_bias`.
 - Ernie 4.5: one `use_bias` for every projection, RoPE on interleaved pairs of the whole head.
 - Arcee (AFM): an ungated MLP, up_proj then down_proj with ReLU squared between.
+- Hunyuan dense: per-head q/k norms applied after RoPE (`query_layernorm` / `key_layernorm`); its
+  "dynamic" RoPE with a fixed `alpha` is a plain RoPE at base theta * alpha^(d / (d - 2))
+  (`hunyuan_rope`), as transformers computes it.
 - Apertus: the same with its learnt xIELU (`mlp.act_fn`), per-head q/k norms, its norms named
   attention_layernorm / feedforward_layernorm; llama3 RoPE at base 12e6 when the file states none
   (`apertus_rope`).
@@ -41,7 +44,7 @@ from raycluster.model.mla_config import mla_fields
 FUSED_PROJECTIONS = {"Phi3ForCausalLM": ("qkv_proj", "gate_up_proj"), "GlmForCausalLM": ("gate_up_proj",),
                      "Glm4ForCausalLM": ("gate_up_proj",)}
 FAMILY_ARCHITECTURES = ("Phi3ForCausalLM", "GraniteForCausalLM", "GraniteMoeForCausalLM", "SeedOssForCausalLM",
-                        "Ernie4_5ForCausalLM", "ArceeForCausalLM", "ApertusForCausalLM", "Olmo2ForCausalLM", "Olmo3ForCausalLM", "GlmForCausalLM",
+                        "Ernie4_5ForCausalLM", "ArceeForCausalLM", "ApertusForCausalLM", "HunYuanDenseV1ForCausalLM", "Olmo2ForCausalLM", "Olmo3ForCausalLM", "GlmForCausalLM",
                         "Glm4ForCausalLM", "SmolLM3ForCausalLM", "Exaone4ForCausalLM", "DeepseekV2ForCausalLM",
                         "DeepseekV3ForCausalLM", "Glm4MoeForCausalLM", "Starcoder2ForCausalLM")
 
@@ -82,6 +85,8 @@ def family_fields(arch: str, d: dict[str, Any], layers: int, error: Callable[[st
         if act != "relu2":
             raise error(f"config field 'hidden_act' = {act!r} is not supported for {arch} (relu2)")
         return {"qkv_bias": ab, "o_bias": ab, "mlp_bias": bool(d.get("mlp_bias", False)), "ungated_mlp": "relu2"}
+    if arch == "HunYuanDenseV1ForCausalLM":     # per-head q/k norms after RoPE, under their own names
+        return {"qkv_bias": ab, "o_bias": ab, "mlp_bias": False, "qk_norm_after_rope": True}
     if arch == "ApertusForCausalLM":        # per-head q/k norms, an ungated xIELU MLP, its norms' own names
         act = d.get("hidden_act", "xielu")
         if act != "xielu":
@@ -173,4 +178,16 @@ def apertus_rope(d: dict[str, Any]) -> dict[str, Any]:
     if d.get("rope_parameters") is not None or d.get("rope_scaling") is not None:
         return d
     return {**d, "rope_parameters": {**_APERTUS_ROPE, "rope_theta": d.get("rope_theta", _APERTUS_ROPE["rope_theta"])}}
+
+
+def hunyuan_rope(d: dict[str, Any], head_dim: int) -> dict[str, Any]:
+    """`d` with Hunyuan's "dynamic" RoPE of a fixed `alpha` as the plain RoPE it amounts to: the
+    base stretched to theta * alpha^(head_dim / (head_dim - 2)), independent of the length."""
+    params = d.get("rope_parameters") or d.get("rope_scaling")
+    if not isinstance(params, dict) or params.get("rope_type", params.get("type")) != "dynamic" \
+            or not params.get("alpha"):
+        return d
+    theta = float(params.get("rope_theta", d.get("rope_theta", 10000.0)))
+    base = theta * float(params["alpha"]) ** (head_dim / (head_dim - 2))
+    return {**d, "rope_parameters": {"rope_type": "default", "rope_theta": base}, "rope_scaling": None}
 

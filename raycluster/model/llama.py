@@ -143,6 +143,10 @@ class Attention(nn.Module):
         if l2:
             self.q_norm = self.k_norm = L2Norm(cfg.rms_norm_eps)
         self.qk_norm = cfg.qk_norm or l2
+        self.qk_norm_after_rope = cfg.qk_norm_after_rope
+        if cfg.qk_norm_after_rope:      # Hunyuan's, under its names
+            self.query_layernorm = _norm(cfg, self.head_dim)
+            self.key_layernorm = _norm(cfg, self.head_dim)
         self.qk_norm_across_heads = cfg.qk_norm_across_heads
         self.rope_interleaved = cfg.rope_interleaved
 
@@ -162,6 +166,8 @@ class Attention(nn.Module):
             q, k = apply_rope(q, k, cos, sin, self.rope_interleaved)
         elif sin is not None:       # and its queries' temperature (Llama 4's NoPE layers: `layer_ropes`)
             q = (q * sin).to(q.dtype)
+        if self.qk_norm_after_rope:
+            q, k = self.query_layernorm(q), self.key_layernorm(k)
         o = backend.forward(layer_kv, q, k, v, meta, self.scale, window=self.window, softcap=self.softcap,
                             sinks=self.sinks, chunk=self.chunk)
         o = o.reshape(t, self.num_heads * self.head_dim)

@@ -176,6 +176,11 @@ def tiny_config(**overrides) -> dict:
     elif overrides.get("architectures") == ["ArceeForCausalLM"]:
         cfg["model_type"] = "arcee"
         cfg.update(hidden_act="relu2")
+    elif overrides.get("architectures") == ["HunYuanDenseV1ForCausalLM"]:
+        cfg["model_type"] = "hunyuan_v1_dense"
+        cfg.pop("mlp_bias")
+        # Its "dynamic" RoPE with a fixed alpha (a stretched base).
+        cfg.update(rope_parameters={"rope_type": "dynamic", "rope_theta": 10000.0, "alpha": 1000.0, "factor": 1.0})
     elif overrides.get("architectures") == ["ApertusForCausalLM"]:
         cfg["model_type"] = "apertus"
         cfg.pop("mlp_bias")

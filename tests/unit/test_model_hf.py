@@ -77,6 +77,8 @@ VARIANTS = {
     "arcee": dict(architectures=["ArceeForCausalLM"], num_hidden_layers=2),
     # Apertus: its learnt xIELU in an ungated MLP, per-head q/k norms, llama3 RoPE.
     "apertus": dict(architectures=["ApertusForCausalLM"], num_hidden_layers=2),
+    # Hunyuan dense: per-head q/k norms after RoPE; its "dynamic" RoPE of a fixed alpha.
+    "hunyuan": dict(architectures=["HunYuanDenseV1ForCausalLM"], num_hidden_layers=2),
     # OLMo 2: norms after each block's output only, q/k norms across all heads.
     "olmo2": dict(architectures=["Olmo2ForCausalLM"], num_hidden_layers=2),
     # OLMo 3: OLMo 2's layers, three sliding of every four, YaRN on the full layer only.
@@ -192,7 +194,7 @@ def test_logits_match_transformers(variant, variant_dirs):
                                      "phi3_longrope", "phi3_window", "granite", "olmo2", "olmo3",
                                      "cohere_qk_norm", "cohere2", "glm4", "smollm3", "exaone4", "deepseek_v3",
                                      "deepseek_v2", "glm4_moe", "starcoder2_window", "gpt_oss", "llama4",
-                                     "granite_moe", "seed_oss", "ernie4_5", "arcee", "apertus"])
+                                     "granite_moe", "seed_oss", "ernie4_5", "arcee", "apertus", "hunyuan"])
 def test_chunked_prefill_and_decode_match_unchunked(variant, variant_dirs):
     model, cfg = load_model(variant_dirs[variant])
     ids = _prompt(1 + 7 + 64 + 20, 2000, seed=3)

@@ -1,6 +1,6 @@
 """Seed-OSS (`SeedOssForCausalLM`), Ernie 4.5 (`Ernie4_5ForCausalLM`), Arcee's AFM
-(`ArceeForCausalLM`) and Apertus (`ApertusForCausalLM`): config.json read as transformers reads it
-(Apertus' default RoPE), the engine's greedy tokens equal to transformers' `generate`, and a LoRA
+(`ArceeForCausalLM`), Apertus (`ApertusForCausalLM`) and Hunyuan dense (`HunYuanDenseV1ForCausalLM`):
+config.json read as transformers reads it (Apertus' default RoPE, Hunyuan's fixed-alpha RoPE), the engine's greedy tokens equal to transformers' `generate`, and a LoRA
 adapter on Arcee's ungated MLP equal to transformers + PEFT (a gate it has not, refused). Logits
 against transformers, chunked and decoded: test_model_hf.py; tp groups: test_tp.py."""
 
@@ -15,7 +15,8 @@ from raycluster.model.loader import load_model
 from raycluster.model.lora import AdapterError, load_adapter
 from raycluster.model.tiny import tiny_config, write_tiny_lora, write_tiny_model
 
-ARCHS = ["SeedOssForCausalLM", "Ernie4_5ForCausalLM", "ArceeForCausalLM", "ApertusForCausalLM"]
+ARCHS = ["SeedOssForCausalLM", "Ernie4_5ForCausalLM", "ArceeForCausalLM", "ApertusForCausalLM",
+         "HunYuanDenseV1ForCausalLM"]
 
 
 def test_configs_read_as_transformers_reads_them():
@@ -29,6 +30,11 @@ def test_configs_read_as_transformers_reads_them():
     apertus = ModelConfig.from_dict(tiny_config(architectures=["ApertusForCausalLM"], rope_parameters=None))
     assert (apertus.ungated_mlp, apertus.qk_norm, apertus.block_norms) == ("xielu", True, "apertus")
     assert apertus.rope_theta == 12e6 and apertus.rope_scaling["rope_type"] == "llama3"    # transformers' default
+    # Hunyuan's "dynamic" RoPE of a fixed alpha: a plain RoPE at theta * alpha^(d / (d - 2)); q/k
+    # norms after RoPE.
+    hunyuan = ModelConfig.from_dict(tiny_config(architectures=["HunYuanDenseV1ForCausalLM"]))
+    assert hunyuan.rope_scaling is None and hunyuan.rope_theta == pytest.approx(10000.0 * 1000.0 ** (32 / 30))
+    assert hunyuan.qk_norm_after_rope and not hunyuan.qk_norm
     for arch in ("ArceeForCausalLM", "ApertusForCausalLM"):
         with pytest.raises(ModelConfigError, match="hidden_act"):
             ModelConfig.from_dict(tiny_config(architectures=[arch], hidden_act="silu"))
