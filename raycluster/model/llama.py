@@ -235,14 +235,12 @@ class UngatedMLP(nn.Module):
         super().__init__()
         self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
-        if cfg.ungated_mlp == "xielu":
-            self.act_fn = XIELU()
-        else:
-            self.act = _relu2
+        # xIELU is a module with parameters (`act_fn.*` in the checkpoint); ReLU squared is a function.
+        self.act_fn = XIELU() if cfg.ungated_mlp == "xielu" else _relu2
 
     def forward(self, x, lora=None, index: int = 0):
         up = self.up_proj(x) if lora is None else lora.add(index, "up_proj", x, self.up_proj(x))
-        h = self.act_fn(up) if "act_fn" in self._modules else self.act(up)
+        h = self.act_fn(up)
         return self.down_proj(h) if lora is None else _project(self.down_proj, h, lora, index, "down_proj")
 
 
