@@ -68,7 +68,10 @@ def build_gateway_app():
                     response_store=RemoteResponses(
                         put=lambda rid, record: router.put_response.remote(rid, record),
                         get=lambda rid: router.get_response.remote(rid),
-                        delete=lambda rid: router.delete_response.remote(rid), enabled=cfg.max_stored_responses > 0))
+                        delete=lambda rid: router.delete_response.remote(rid),
+                        cancel=lambda rid: router.cancel_response.remote(rid),
+                        statuses=lambda rids: router.response_statuses.remote(rids),
+                        enabled=cfg.max_stored_responses > 0))
 
     @app.get("/v1/cluster/status")
     async def cluster_status(request: Request):

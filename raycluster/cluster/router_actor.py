@@ -236,6 +236,14 @@ class RouterActor:
     async def delete_response(self, response_id: str) -> bool:
         return self.responses.delete(response_id)
 
+    async def cancel_response(self, response_id: str) -> dict | None:
+        """Mark a background response cancelled; the gateway replica running it sees that through
+        `response_statuses` and aborts its request."""
+        return self.responses.cancel(response_id)
+
+    async def response_statuses(self, response_ids: list[str]) -> dict[str, str | None]:
+        return self.responses.statuses(response_ids)
+
     # ------------------------------------------------------------- inspection
     async def status(self) -> dict:
         st = self.core.status()

@@ -1,5 +1,5 @@
 """Stored responses of the Responses API (`store`, `previous_response_id`, GET / DELETE of
-/v1/responses/{id}).
+/v1/responses/{id}, background responses and their cancelling).
 
 `ResponseStore(capacity)` keeps each stored response with the context its input continued (the
 earlier turns' input items, so a later `previous_response_id` sees the whole conversation), the
@@ -8,13 +8,21 @@ them). The routes reach it through an async facade: `LocalResponses` in the proc
 HTTP (engine-server), `RemoteResponses` through the cluster's router actor (which owns the one
 store every gateway replica shares; a router restart empties it).
 
-A record is a plain dict: {"response": the response object, "context": [input items]}.
+A record is a plain dict: {"response": the response object, "context": [input items]}. A
+background response is stored as soon as it is queued and again as it advances; `cancel` marks a
+running one cancelled, and a cancelled record stays so whatever is put over it later (the task
+that ran it may still be ending on another gateway replica, which learns of the cancel through
+`statuses`).
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
 from typing import Any, Awaitable, Callable
+
+
+# The statuses of a background response that has not ended.
+RUNNING = ("queued", "in_progress")
 
 
 class ResponseStore:
@@ -32,7 +40,9 @@ class ResponseStore:
         self._trim()
 
     def put(self, response_id: str, record: dict[str, Any]) -> None:
-        self._records[response_id] = record
+        old = self._records.get(response_id)
+        if old is None or old["response"].get("status") != "cancelled":
+            self._records[response_id] = record
         self._records.move_to_end(response_id)
         self._trim()
 
@@ -44,6 +54,21 @@ class ResponseStore:
 
     def delete(self, response_id: str) -> bool:
         return self._records.pop(response_id, None) is not None
+
+    def cancel(self, response_id: str) -> dict[str, Any] | None:
+        """The record, marked cancelled first if it is a background response still queued or in
+        progress (a finished or cancelled one is returned as it is; None: no such record)."""
+        record = self.get(response_id)
+        if record is not None and record["response"].get("background") and \
+                record["response"].get("status") in RUNNING:
+            record = {**record, "response": {**record["response"], "status": "cancelled"}}
+            self._records[response_id] = record
+        return record
+
+    def statuses(self, response_ids: list[str]) -> dict[str, str | None]:
+        """Each response's status (None: not stored), without counting as a use."""
+        return {rid: (r["response"].get("status") if (r := self._records.get(rid)) is not None else None)
+                for rid in response_ids}
 
     def _trim(self) -> None:
         while len(self._records) > self.capacity:
@@ -69,14 +94,23 @@ class LocalResponses:
     async def delete(self, response_id: str) -> bool:
         return self.store.delete(response_id)
 
+    async def cancel(self, response_id: str) -> dict[str, Any] | None:
+        return self.store.cancel(response_id)
+
+    async def statuses(self, response_ids: list[str]) -> dict[str, str | None]:
+        return self.store.statuses(response_ids)
+
 
 class RemoteResponses:
-    """The async facade over the router actor's store: `put`, `get` and `delete` are awaitables'
-    makers (the actor's `put_response`, `get_response`, `delete_response` calls)."""
+    """The async facade over the router actor's store: each argument makes the awaitable of one
+    of the actor's calls (`put_response`, `get_response`, `delete_response`, `cancel_response`,
+    `response_statuses`)."""
 
     def __init__(self, put: Callable[[str, dict], Awaitable[None]], get: Callable[[str], Awaitable[Any]],
-                 delete: Callable[[str], Awaitable[bool]], enabled: bool = True) -> None:
+                 delete: Callable[[str], Awaitable[bool]], cancel: Callable[[str], Awaitable[Any]],
+                 statuses: Callable[[list[str]], Awaitable[dict]], enabled: bool = True) -> None:
         self._put, self._get, self._delete, self.enabled = put, get, delete, enabled
+        self._cancel, self._statuses = cancel, statuses
 
     async def put(self, response_id: str, record: dict[str, Any]) -> None:
         await self._put(response_id, record)
@@ -86,3 +120,9 @@ class RemoteResponses:
 
     async def delete(self, response_id: str) -> bool:
         return await self._delete(response_id)
+
+    async def cancel(self, response_id: str) -> dict[str, Any] | None:
+        return await self._cancel(response_id)
+
+    async def statuses(self, response_ids: list[str]) -> dict[str, str | None]:
+        return await self._statuses(response_ids)

@@ -12,8 +12,8 @@ stream as Responses' typed events (`ResponseEvents`: response.created, output_it
 output_text.delta, function_call_arguments.delta, ..., response.completed).
 
 The routes (raycluster.server.responses_routes) store responses and continue them
-(`previous_response_id`: `to_chat` takes the earlier turns' items as `context`). `background`,
-tools other than functions and non-text input are refused.
+(`previous_response_id`: `to_chat` takes the earlier turns' items as `context`) and run background
+responses. Tools other than functions and non-text input are refused.
 """
 
 from __future__ import annotations
@@ -88,13 +88,31 @@ def input_items(req: ResponsesRequest) -> list[dict[str, Any]]:
     return list(req.input)
 
 
+# The id prefix of each kind of item an input may hold.
+_ITEM_PREFIX = {"message": "msg", "function_call": "fc", "function_call_output": "fco", "reasoning": "rs"}
+
+
+def with_ids(items: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """`items` as a stored response lists them (GET .../input_items): each with an id (its own, or
+    a new one), a message's string content as one text part."""
+    out = []
+    for item in items:
+        kind = item.get("type", "message")
+        new = {"id": item.get("id") or _new_id(_ITEM_PREFIX.get(kind, "item")), **item, "type": kind}
+        if kind == "message":
+            if isinstance(new.get("content"), str):
+                part = "output_text" if new.get("role") == "assistant" else "input_text"
+                new["content"] = [{"type": part, "text": new["content"]}]
+            new.setdefault("status", "completed")
+        out.append(new)
+    return out
+
+
 def to_chat(req: ResponsesRequest, context: list[dict[str, Any]] = ()) -> ChatCompletionRequest:
     """The chat completion request `req` means, continuing `context` (the items of the turns
     before it: a stored response's input and output, for `previous_response_id`; its
     instructions are not carried over, as OpenAI's are not); ResponsesInputError names the
     Responses field."""
-    if req.background:
-        raise ResponsesInputError("background", "not supported by this server (leave it out)")
     messages = [{"role": "system", "content": req.instructions}] if req.instructions else []
     messages += _messages(list(context), "context") + _messages(input_items(req))
     if not messages:
@@ -212,6 +230,7 @@ def response_shell(req: ResponsesRequest, model: str, response_id: str, created:
             "max_output_tokens": req.max_output_tokens, "metadata": req.metadata or {}, "output": [],
             "parallel_tool_calls": req.parallel_tool_calls is not False,
             "previous_response_id": req.previous_response_id, "reasoning": req.reasoning, "store": stored,
+            "background": bool(req.background),
             "temperature": 1.0 if req.temperature is None else req.temperature,
             "text": {"format": fmt}, "tool_choice": req.tool_choice or "auto", "tools": req.tools or [],
             "top_p": 1.0 if req.top_p is None else req.top_p, "truncation": req.truncation or "disabled",

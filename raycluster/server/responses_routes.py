@@ -1,5 +1,6 @@
 """The Responses API's routes: POST /v1/responses through the chat route's handler, and the stored
-responses (GET / DELETE /v1/responses/{id}, `previous_response_id`).
+responses (GET / DELETE /v1/responses/{id}, GET /v1/responses/{id}/input_items,
+`previous_response_id`, background responses and POST /v1/responses/{id}/cancel).
 
 A request is translated (raycluster.server.responses_api.to_chat), run by the chat handler, and its
 answer reshaped into a response object or Responses events. With a store (`store`, an async facade
@@ -7,7 +8,11 @@ of raycluster.server.response_store; None or disabled: nothing is kept) a respon
 did not say `store: false` is kept once it has ended, with the context its input continued, so a
 later request naming it in `previous_response_id` continues the whole conversation: the stored
 context, its output items, then the new input (its instructions are the new request's alone).
-An unknown `previous_response_id` is a 404 naming the field, as OpenAI answers.
+An unknown `previous_response_id` is a 404 naming the field, as OpenAI answers. A `background`
+request (stored, not streamed) is answered `queued` at once and runs in this process
+(raycluster.server.responses_background) while clients poll it; `cancel` stops a running one, from
+any gateway replica. A response's input items (the context it continued, then its own input, each
+with an id) list newest first by default, in pages of `limit` after / before an item id.
 """
 
 from __future__ import annotations
@@ -19,9 +24,11 @@ from fastapi import Request as HTTPRequest
 from fastapi.responses import JSONResponse
 
 from raycluster.server.protocol import error_body
+from raycluster.server.response_store import RUNNING
 from raycluster.server.responses_api import (_CHAT_TO_RESPONSES, ResponsesInputError, ResponsesRequest, _new_id,
                                              created_now, input_items, response_events, response_from_chat,
-                                             response_shell, to_chat)
+                                             response_shell, to_chat, with_ids)
+from raycluster.server.responses_background import BackgroundResponses
 from raycluster.server.streams import ClosingStreamingResponse
 
 
@@ -29,13 +36,34 @@ def _not_found(field: str, message: str) -> JSONResponse:
     return JSONResponse(error_body(message, field, code="not_found"), status_code=404)
 
 
-def add_responses_routes(app, chat_handler, names, store=None) -> None:
+def _bad(field: str, message: str) -> JSONResponse:
+    return JSONResponse(error_body(f"{field}: {message}", field), status_code=400)
+
+
+def _background_refusal(body: ResponsesRequest, storing: bool) -> JSONResponse | None:
+    if not body.background:
+        return None
+    if not storing:
+        return _bad("background", "this server stores no responses (max_stored_responses is 0), and a background "
+                    "response is one to poll")
+    if body.store is False:
+        return _bad("store", "a background response must be stored (leave store out or set it true)")
+    if body.stream:
+        return _bad("stream", "streaming a background response is not supported: poll GET /v1/responses/{id}")
+    return None
+
+
+def add_responses_routes(app, chat_handler, names, store=None, poll_s: float = 0.5) -> None:
     """The routes on `app`; `chat_handler` is the chat route's handler ((ChatCompletionRequest,
-    HTTP request) -> its response), `store` the stored responses' facade (None: none kept)."""
+    HTTP request) -> its response), `store` the stored responses' facade (None: none kept),
+    `poll_s` how often background responses cancelled through another replica are looked for."""
     storing = store is not None and store.enabled
+    background = BackgroundResponses(store, poll_s) if storing else None
 
     @app.post("/v1/responses")
     async def responses(body: ResponsesRequest, http: HTTPRequest):
+        if (refusal := _background_refusal(body, storing)) is not None:
+            return refusal
         context: list[dict[str, Any]] = []
         if body.previous_response_id is not None:
             if not storing:
@@ -51,12 +79,16 @@ def add_responses_routes(app, chat_handler, names, store=None) -> None:
             chat_body = to_chat(body, context)
         except ResponsesInputError as e:
             return JSONResponse(error_body(str(e), e.field), status_code=400)
+        keep = storing and body.store is not False
+        shell = response_shell(body, chat_body.model or names[0], _new_id("resp"), created_now(), stored=keep)
+        items = context + with_ids(input_items(body))
+        if body.background:
+            queued = dict(shell, status="queued")
+            await background.start(queued, items, lambda: chat_handler(chat_body, http))
+            return queued
         result = await chat_handler(chat_body, http)
         if result.status_code != 200:           # the chat route's error, its fields renamed
             return _renamed_error(result)
-        keep = storing and body.store is not False
-        shell = response_shell(body, chat_body.model or names[0], _new_id("resp"), created_now(), stored=keep)
-        items = context + input_items(body)
 
         async def kept(response: dict) -> None:
             if keep:
@@ -78,19 +110,51 @@ def add_responses_routes(app, chat_handler, names, store=None) -> None:
                               ("" if storing else ": this server stores no responses"))
         return record["response"]
 
+    @app.get("/v1/responses/{response_id}/input_items")
+    async def listed_input_items(response_id: str, limit: str = "20", order: str = "desc",
+                                 after: str | None = None, before: str | None = None):
+        record = await store.get(response_id) if storing else None
+        if record is None:
+            return _not_found("response_id", f"response_id: {response_id!r} not found" +
+                              ("" if storing else ": this server stores no responses"))
+        if not limit.isdigit() or not 1 <= int(limit) <= 100:
+            return _bad("limit", f"must be an integer from 1 to 100, got {limit!r}")
+        if order not in ("asc", "desc"):
+            return _bad("order", f"must be asc or desc, got {order!r}")
+        items = record["context"] if order == "asc" else record["context"][::-1]
+        ids = [item["id"] for item in items]
+        lo, hi = 0, len(items)
+        for field, cursor in (("after", after), ("before", before)):
+            if cursor is not None and cursor not in ids:
+                return _bad(field, f"{cursor!r} is not an input item of {response_id!r}")
+        if after is not None:
+            lo = ids.index(after) + 1
+        if before is not None:
+            hi = ids.index(before)
+        window = items[lo:hi]
+        # A page after a cursor (or none) starts there; a page before one ends at it.
+        page = window[-int(limit):] if before is not None and after is None else window[:int(limit)]
+        return {"object": "list", "data": page, "has_more": len(window) > len(page),
+                "first_id": page[0]["id"] if page else None, "last_id": page[-1]["id"] if page else None}
+
     @app.delete("/v1/responses/{response_id}")
     async def delete_response(response_id: str):
-        if not storing or not await store.delete(response_id):
+        record = await store.get(response_id) if storing else None
+        if record is not None and record["response"].get("status") in RUNNING:
+            return _bad("response_id", f"{response_id!r} is still running in the background: cancel it first")
+        if record is None or not await store.delete(response_id):
             return _not_found("response_id", f"response_id: {response_id!r} not found")
         return {"id": response_id, "object": "response", "deleted": True}
 
     @app.post("/v1/responses/{response_id}/cancel")
     async def cancel_response(response_id: str):
-        if storing and await store.get(response_id) is not None:
-            return JSONResponse(error_body(f"response_id: {response_id!r} is not running in the background (this "
-                                           "server runs no background responses): nothing to cancel", "response_id"),
-                                status_code=400)
-        return _not_found("response_id", f"response_id: {response_id!r} not found")
+        record = await background.cancel(response_id) if storing else None
+        if record is None:
+            return _not_found("response_id", f"response_id: {response_id!r} not found")
+        if not record["response"].get("background"):
+            return _bad("response_id", f"{response_id!r} was not created with background: true: only background "
+                        "responses can be cancelled")
+        return record["response"]      # cancelled now, or as it ended (cancelling again changes nothing)
 
 
 def _renamed_error(result) -> JSONResponse:

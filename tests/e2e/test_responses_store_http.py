@@ -2,10 +2,15 @@
 kept unless `store: false`, GET returns it as it was answered (streamed ones too), a request naming
 it in `previous_response_id` continues the whole conversation (its output equal to the engine's for
 the chat the turns make, the earlier instructions not carried over), DELETE forgets it, and what
-names an unknown or forgotten response is a 404 naming the field. (The store's own order and
-capacity: tests/unit/test_response_store.py.)"""
+names an unknown or forgotten response is a 404 naming the field. A background response is answered
+queued and polled to the engine's text; cancelling one aborts its request and frees its KV. A
+response's input items list with ids, in pages either way. (The store's own order and capacity:
+tests/unit/test_response_store.py; background tasks without an engine:
+tests/unit/test_responses_background.py.)"""
 
 from __future__ import annotations
+
+import time
 
 import httpx
 import openai
@@ -74,4 +79,92 @@ def test_store_false_deleted_and_unknown_responses_are_404s(served):
         r = httpx.post(url + "/v1/responses", timeout=30, json={"model": "tiny", "input": "x",
                                                                  "previous_response_id": rid})
         assert r.status_code == 404 and r.json()["error"]["param"] == "previous_response_id", r.text
+    assert all_free(aeng)
+
+
+def _poll(client, rid, until, timeout=60.0):
+    """The response once `until(response)` holds, polled for at most `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        response = client.responses.retrieve(rid)
+        if until(response):
+            return response
+        time.sleep(0.05)
+    raise AssertionError(f"{rid}: still {response.status} after {timeout} s")
+
+
+def test_a_background_response_is_polled_to_the_engines_text(served):
+    url, client, aeng, ref, tok = served
+    queued = client.responses.create(model="tiny", input="Tell me about the sea.", max_output_tokens=12,
+                                     temperature=0, background=True)
+    assert queued.status == "queued" and queued.background is True and queued.output == []
+    done = _poll(client, queued.id, lambda r: r.status not in ("queued", "in_progress"))
+    assert done.status in ("completed", "incomplete") and done.background is True
+    assert done.output_text == _greedy(ref, tok, [{"role": "user", "content": "Tell me about the sea."}], 12)
+    # Continued like any stored response.
+    second = client.responses.create(model="tiny", previous_response_id=queued.id, input="And the moon?",
+                                     max_output_tokens=6, temperature=0)
+    turns = [{"role": "user", "content": "Tell me about the sea."},
+             {"role": "assistant", "content": done.output_text}, {"role": "user", "content": "And the moon?"}]
+    assert second.output_text == _greedy(ref, tok, turns, 6)
+    r = httpx.post(f"{url}/v1/responses/{queued.id}/cancel", timeout=30)      # ended: returned as it is
+    assert r.status_code == 200 and r.json()["status"] == done.status
+    assert all_free(aeng)
+
+
+def test_cancelling_a_background_response_aborts_its_request(served):
+    url, client, aeng, _, _ = served
+    queued = client.responses.create(model="tiny", input="Count.", max_output_tokens=3000, temperature=0,
+                                     background=True, extra_body={"ignore_eos": True})
+    _poll(client, queued.id, lambda r: r.status == "in_progress")
+    r = httpx.delete(f"{url}/v1/responses/{queued.id}", timeout=30)        # running: cancel first
+    assert r.status_code == 400 and r.json()["error"]["param"] == "response_id"
+    cancelled = client.responses.cancel(queued.id)
+    assert cancelled.status == "cancelled"
+    assert all_free(aeng, timeout=10)       # the request was aborted, its KV freed
+    time.sleep(0.3)
+    assert client.responses.retrieve(queued.id).status == "cancelled"
+    assert client.responses.cancel(queued.id).status == "cancelled"        # again: the same
+    assert client.responses.delete(queued.id) is None
+
+
+def test_background_refusals_name_their_field(served):
+    url, _, aeng, _, _ = served
+    for extra, field in (({"store": False}, "store"), ({"stream": True}, "stream")):
+        r = httpx.post(url + "/v1/responses", timeout=30, json={"model": "tiny", "input": "x", "background": True,
+                                                                 **extra})
+        assert r.status_code == 400 and r.json()["error"]["param"] == field, r.text
+    assert all_free(aeng)
+
+
+def test_input_items_list_the_conversation_in_pages(served):
+    url, client, aeng, _, _ = served
+    first = client.responses.create(model="tiny", input=[{"role": "user", "content": "One."},
+                                                         {"role": "user", "content": "Two."}],
+                                    max_output_tokens=3, temperature=0)
+    second = client.responses.create(model="tiny", previous_response_id=first.id, input="Three.",
+                                     max_output_tokens=3, temperature=0)
+    page = client.responses.input_items.list(second.id, order="asc", limit=100)
+    assert [i.type for i in page.data] == ["message", "message", "message", "message"]
+    assert [i.content[0].text for i in page.data] == ["One.", "Two.", first.output_text, "Three."]
+    assert page.data[2].id == first.output[0].id and all(i.id for i in page.data)
+    assert not page.has_more and page.first_id == page.data[0].id and page.last_id == page.data[-1].id
+    ids = [i.id for i in page.data]
+    # Newest first by default; the same ids on every listing.
+    assert [i.id for i in client.responses.input_items.list(second.id).data] == ids[::-1]
+    assert [i.id for i in client.responses.input_items.list(first.id, order="asc").data] == ids[:2]
+    got = httpx.get(f"{url}/v1/responses/{second.id}/input_items",
+                    params={"order": "asc", "limit": 2, "after": ids[0]}, timeout=30).json()
+    assert [i["id"] for i in got["data"]] == ids[1:3] and got["has_more"] is True
+    got = httpx.get(f"{url}/v1/responses/{second.id}/input_items",
+                    params={"order": "asc", "limit": 2, "before": ids[3]}, timeout=30).json()
+    assert [i["id"] for i in got["data"]] == ids[1:3] and got["has_more"] is True
+    # The client's own pager walks every page.
+    assert [i.id for i in client.responses.input_items.list(second.id, order="asc", limit=1)] == ids
+    for params, field in (({"limit": 0}, "limit"), ({"limit": "x"}, "limit"), ({"order": "up"}, "order"),
+                          ({"after": "msg_nope"}, "after"), ({"before": "msg_nope"}, "before")):
+        r = httpx.get(f"{url}/v1/responses/{second.id}/input_items", params=params, timeout=30)
+        assert r.status_code == 400 and r.json()["error"]["param"] == field, (params, r.text)
+    r = httpx.get(f"{url}/v1/responses/resp_nope/input_items", timeout=30)
+    assert r.status_code == 404 and r.json()["error"]["param"] == "response_id"
     assert all_free(aeng)

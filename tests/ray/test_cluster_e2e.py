@@ -453,7 +453,19 @@ def test_openai_client_and_status(cluster):
              {"role": "user", "content": "and?"}]
     again = client.chat.completions.create(model="tiny", messages=turns, max_tokens=4, temperature=0)
     assert more.output_text == again.choices[0].message.content
-    assert httpx.get(url + "/v1/cluster/status", timeout=5).json()["stored_responses"] >= 3
+    # Background responses run in the gateway replica and are polled through the router's store;
+    # a cancelled one ends cancelled and its request is aborted (checked drained below).
+    bg = client.responses.create(model="tiny", input="hi", max_output_tokens=4, temperature=0, background=True)
+    deadline = time.monotonic() + 60
+    while bg.status in ("queued", "in_progress") and time.monotonic() < deadline:
+        time.sleep(0.05)
+        bg = client.responses.retrieve(bg.id)
+    assert bg.status == resp.status and bg.output_text == resp.output_text
+    long = client.responses.create(model="tiny", input="count", max_output_tokens=200, temperature=0,
+                                   background=True, extra_body={"ignore_eos": True})
+    assert client.responses.cancel(long.id).status == "cancelled"
+    assert client.responses.retrieve(long.id).status == "cancelled"
+    assert httpx.get(url + "/v1/cluster/status", timeout=5).json()["stored_responses"] >= 5
     metrics = httpx.get(url + "/metrics").text
     assert "raycluster_ttft_seconds_bucket" in metrics and "raycluster_instance_kv_usage" in metrics
     assert "raycluster_instance_prefill_backlog_tokens{" in metrics

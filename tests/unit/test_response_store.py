@@ -1,6 +1,6 @@
 """The Responses API's store: the least recently used response goes first past the capacity (a
-read counts as a use), a smaller capacity drops at once, 0 keeps nothing, and the async facade
-over it answers as the store does."""
+read counts as a use), a smaller capacity drops at once, 0 keeps nothing, a running background
+response is cancelled and stays so, and the async facades over it answer as the store does."""
 
 import asyncio
 
@@ -45,9 +45,37 @@ def test_the_remote_facade_awaits_the_actors_calls():
     async def later(value):
         return value
     responses = RemoteResponses(put=lambda rid, rec: later(store.put(rid, rec)),
-                                get=lambda rid: later(store.get(rid)), delete=lambda rid: later(store.delete(rid)))
+                                get=lambda rid: later(store.get(rid)), delete=lambda rid: later(store.delete(rid)),
+                                cancel=lambda rid: later(store.cancel(rid)),
+                                statuses=lambda rids: later(store.statuses(rids)))
 
     async def run():
         await responses.put("a", {"response": {"id": "a"}, "context": []})
-        return await responses.get("a"), await responses.delete("a"), await responses.get("a")
-    assert asyncio.run(run()) == ({"response": {"id": "a"}, "context": []}, True, None)
+        await responses.put("b", {"response": {"id": "b", "background": True, "status": "queued"}, "context": []})
+        cancelled = await responses.cancel("b")
+        return (await responses.get("a"), await responses.delete("a"), await responses.get("a"),
+                cancelled["response"]["status"], await responses.statuses(["a", "b"]))
+    assert asyncio.run(run()) == ({"response": {"id": "a"}, "context": []}, True, None, "cancelled",
+                                  {"a": None, "b": "cancelled"})
+
+
+def _record(rid, status, background=True):
+    return {"response": {"id": rid, "status": status, "background": background}, "context": []}
+
+
+def test_a_cancelled_background_response_stays_cancelled():
+    store = ResponseStore(4)
+    store.put("bg", _record("bg", "queued"))
+    store.put("done", _record("done", "completed"))
+    store.put("sync", _record("sync", "completed", background=False))
+    assert store.cancel("bg")["response"]["status"] == "cancelled"
+    # What the task running it stores afterwards does not undo the cancel.
+    store.put("bg", _record("bg", "completed"))
+    assert store.get("bg")["response"]["status"] == "cancelled"
+    # Ended (or never background) responses are returned as they are; unknown ones are None.
+    assert store.cancel("done")["response"]["status"] == "completed"
+    assert store.cancel("sync")["response"]["status"] == "completed"
+    assert store.cancel("nope") is None
+    assert store.statuses(["bg", "done", "nope"]) == {"bg": "cancelled", "done": "completed", "nope": None}
+    store.put("ip", _record("ip", "in_progress"))
+    assert store.cancel("ip")["response"]["status"] == "cancelled"

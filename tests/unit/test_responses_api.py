@@ -62,7 +62,6 @@ def test_tools_formats_and_logprobs_take_chats_shapes():
 
 
 @pytest.mark.parametrize("body, field", [
-    (dict(input="hi", background=True), "background"),
     (dict(input="hi", reasoning={"effort": "max"}), "reasoning.effort"),
     (dict(input="hi", tools=[{"type": "web_search"}]), "tools.0.type"),
     (dict(input=[{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]), "input.0.content.0"),
