@@ -31,7 +31,7 @@ from typing import Any
 from raycluster.model.cohere_config import COHERE_ARCHITECTURES, cohere_fields
 from raycluster.model.encoder_config import ENCODER_ARCHITECTURES, TOKEN_HEADS, EncoderSpec, encoder_fields
 from raycluster.model.family_config import (FAMILY_ARCHITECTURES, FUSED_PROJECTIONS, apertus_rope, family_fields,
-                                            hunyuan_rope)
+                                            hunyuan_rope, ministral3_rope)
 from raycluster.model.gemma_config import GEMMA_ARCHITECTURES, GemmaSpec, gemma_fields
 from raycluster.model.generation_config import load_generation_config
 from raycluster.model.gpt_oss_config import ARCHITECTURE as GPT_OSS, gpt_oss_fields, gpt_oss_rope
@@ -114,6 +114,9 @@ class ModelConfig:
     qk_norm_per_head_weights: bool = False
     logit_scale: float = 1.0
     nope_layers: tuple[int, ...] = ()
+    # Ministral 3: (beta, original context) of the factor on every layer's queries past the
+    # pretraining context (raycluster.model.query_scale); None: no factor.
+    query_scaling: tuple[float, int] | None = None
     # gpt-oss: a learnt logit per attention head (`self_attn.sinks`) joining each softmax.
     attention_sinks: bool = False
     # Gemma 3, OLMo 3: the sliding layers' own plain RoPE base (None: every layer turns alike).
@@ -291,7 +294,8 @@ class ModelConfig:
             layer_type_ropes(d, d.get("rope_theta", 500000.0)) if arch == "Olmo3ForCausalLM" else \
             (gpt_oss_rope(d), None) if arch == GPT_OSS else \
             (apertus_rope(d), None) if arch == "ApertusForCausalLM" else \
-            (hunyuan_rope(d, head_dim), None) if arch == "HunYuanDenseV1ForCausalLM" else (d, None)
+            (hunyuan_rope(d, head_dim), None) if arch == "HunYuanDenseV1ForCausalLM" else \
+            (ministral3_rope(d), None) if arch == "Ministral3ForCausalLM" else (d, None)
         try:
             theta, scaling, partial = parse_rope(global_rope)
             local_theta, local_scaling, _ = parse_rope(local_rope) if local_rope is not None else (None, None, 1.0)
@@ -431,7 +435,8 @@ def _sliding_layers(arch: str, d: dict[str, Any], layers: int) -> tuple[int | No
         raise ModelConfigError(f"config field 'sliding_window' has invalid value {d['sliding_window']!r}") from e
     if window < 1:
         raise ModelConfigError(f"config field 'sliding_window' = {window} must be at least 1")
-    if arch in ("MixtralForCausalLM", "MistralForCausalLM", "Phi3ForCausalLM", "Starcoder2ForCausalLM"):
+    if arch in ("MixtralForCausalLM", "MistralForCausalLM", "Ministral3ForCausalLM", "Phi3ForCausalLM",
+                "Starcoder2ForCausalLM"):
         return window, tuple(range(layers))
     if not d.get("use_sliding_window", False):
         return None, ()

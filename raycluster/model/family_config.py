@@ -43,7 +43,7 @@ from raycluster.model.mla_config import mla_fields
 
 FUSED_PROJECTIONS = {"Phi3ForCausalLM": ("qkv_proj", "gate_up_proj"), "GlmForCausalLM": ("gate_up_proj",),
                      "Glm4ForCausalLM": ("gate_up_proj",)}
-FAMILY_ARCHITECTURES = ("Phi3ForCausalLM", "GraniteForCausalLM", "GraniteMoeForCausalLM", "SeedOssForCausalLM",
+FAMILY_ARCHITECTURES = ("Phi3ForCausalLM", "Ministral3ForCausalLM", "GraniteForCausalLM", "GraniteMoeForCausalLM", "SeedOssForCausalLM",
                         "Ernie4_5ForCausalLM", "ArceeForCausalLM", "ApertusForCausalLM", "HunYuanDenseV1ForCausalLM", "Olmo2ForCausalLM", "Olmo3ForCausalLM", "GlmForCausalLM",
                         "Glm4ForCausalLM", "SmolLM3ForCausalLM", "Exaone4ForCausalLM", "DeepseekV2ForCausalLM",
                         "DeepseekV3ForCausalLM", "Glm4MoeForCausalLM", "Starcoder2ForCausalLM")
@@ -95,6 +95,9 @@ def family_fields(arch: str, d: dict[str, Any], layers: int, error: Callable[[st
                 "block_norms": "apertus"}
     if arch in ("MistralForCausalLM", "MixtralForCausalLM", "Phi3ForCausalLM"):
         return {"qkv_bias": False, "o_bias": False, "mlp_bias": False}
+    if arch == "Ministral3ForCausalLM":     # Mistral's layers, queries scaled past the pretraining context
+        return {"qkv_bias": False, "o_bias": False, "mlp_bias": False,
+                "query_scaling": _ministral3_query_scaling(ministral3_rope(d), error)}
     out = {"qkv_bias": ab, "o_bias": ab, "mlp_bias": bool(d.get("mlp_bias", False))}
     if arch in ("GraniteForCausalLM", "GraniteMoeForCausalLM"):
         out.update(_granite(d, error))
@@ -178,6 +181,35 @@ def apertus_rope(d: dict[str, Any]) -> dict[str, Any]:
     if d.get("rope_parameters") is not None or d.get("rope_scaling") is not None:
         return d
     return {**d, "rope_parameters": {**_APERTUS_ROPE, "rope_theta": d.get("rope_theta", _APERTUS_ROPE["rope_theta"])}}
+
+
+# transformers' Ministral3Config default, for a file that states no RoPE.
+_MINISTRAL3_ROPE = {"rope_type": "yarn", "rope_theta": 1_000_000.0, "factor": 16.0,
+                    "original_max_position_embeddings": 16384, "beta_fast": 32.0, "beta_slow": 1.0,
+                    "mscale_all_dim": 1.0, "mscale": 1.0, "llama_4_scaling_beta": 0.1}
+
+
+def ministral3_rope(d: dict[str, Any]) -> dict[str, Any]:
+    """`d`, or with transformers' default Ministral 3 RoPE when it states none."""
+    if d.get("rope_parameters") is not None or d.get("rope_scaling") is not None:
+        return d
+    return {**d, "rope_parameters": dict(_MINISTRAL3_ROPE)}
+
+
+def _ministral3_query_scaling(d: dict[str, Any], error: Callable[[str], Exception]) -> tuple[float, int] | None:
+    """(beta, original context) of Ministral 3's query factor (raycluster.model.query_scale),
+    from its RoPE parameters; None without a beta (no factor)."""
+    params = d.get("rope_parameters") or d.get("rope_scaling") or {}
+    beta = params.get("llama_4_scaling_beta")
+    if beta is None:
+        return None
+    if isinstance(beta, bool) or not isinstance(beta, (int, float)) or beta < 0:
+        raise error(f"config field 'rope_parameters.llama_4_scaling_beta' must be a number >= 0, got {beta!r}")
+    original = params.get("original_max_position_embeddings", d.get("max_position_embeddings"))
+    if isinstance(original, bool) or not isinstance(original, int) or original < 1:
+        raise error("config field 'rope_parameters.original_max_position_embeddings' must be a positive int "
+                    f"(the context Ministral 3's query factor counts in), got {original!r}")
+    return float(beta), original
 
 
 def hunyuan_rope(d: dict[str, Any], head_dim: int) -> dict[str, Any]:

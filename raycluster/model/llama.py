@@ -24,7 +24,8 @@ from kernels.metadata import AttentionMetadata
 from raycluster.model.config import ModelConfig
 from raycluster.model.gpt_oss import GptOssMoE
 from raycluster.model.granite_moe import GraniteMoE
-from raycluster.model.llama4 import Llama4MoE, query_temperature
+from raycluster.model.llama4 import Llama4MoE
+from raycluster.model.query_scale import ministral3_query_scale, query_temperature
 from raycluster.model.mla import MLAttention
 from raycluster.model.moe import SparseMoE
 from raycluster.model.quant.linear import quantize_linears
@@ -150,7 +151,8 @@ class Attention(nn.Module):
         self.qk_norm_across_heads = cfg.qk_norm_across_heads
         self.rope_interleaved = cfg.rope_interleaved
 
-    def forward(self, x, cos, sin, layer_kv, meta, backend, lora=None, index: int = 0):
+    def forward(self, x, cos, sin, layer_kv, meta, backend, lora=None, index: int = 0, q_scale=None):
+        """`q_scale`: [T, 1, 1] factors on the queries after RoPE (`LlamaForCausalLM.layer_ropes`)."""
         t = x.shape[0]
         q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         if lora is not None:
@@ -164,8 +166,8 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         if cos is not None:         # None: a layer without position embedding (Cohere 2's full layers)
             q, k = apply_rope(q, k, cos, sin, self.rope_interleaved)
-        elif sin is not None:       # and its queries' temperature (Llama 4's NoPE layers: `layer_ropes`)
-            q = (q * sin).to(q.dtype)
+        if q_scale is not None:
+            q = (q * q_scale).to(q.dtype)
         if self.qk_norm_after_rope:
             q, k = self.query_layernorm(q), self.key_layernorm(k)
         o = backend.forward(layer_kv, q, k, v, meta, self.scale, window=self.window, softcap=self.softcap,
@@ -311,9 +313,9 @@ class DecoderLayer(nn.Module):
         name = self.norm_names[at]
         return x if name is None else self._modules[name](x)
 
-    def forward(self, x, cos, sin, layer_kv, meta, backend, lora=None, index: int = 0):
+    def forward(self, x, cos, sin, layer_kv, meta, backend, lora=None, index: int = 0, q_scale=None):
         h = self._normed(0, x)
-        a = self.self_attn(h, cos, sin, layer_kv, meta, backend, lora, index)
+        a = self.self_attn(h, cos, sin, layer_kv, meta, backend, lora, index, q_scale)
         if self.parallel:
             return x + a + self.ffn(h, lora, index)
         a = self._normed(1, a)
@@ -381,7 +383,8 @@ class LlamaForCausalLM(nn.Module):
         for i, layer in enumerate(self.model.layers):
             if i in aux_layers:
                 aux[i] = x
-            x = layer(x, *ropes[i], kv_cache[i], meta, backend, lora, i)
+            cos, sin, q_scale = ropes[i]
+            x = layer(x, cos, sin, kv_cache[i], meta, backend, lora, i, q_scale)
         if aux_layers:
             return self.model.norm(x), torch.cat([aux[i] for i in aux_layers], dim=-1)
         return self.model.norm(x)
@@ -393,19 +396,26 @@ class LlamaForCausalLM(nn.Module):
         # Granite's multiplier, a Python float as transformers applies it (not rounded first).
         return x * self.config.embedding_multiplier if self.config.embedding_multiplier != 1.0 else x
 
-    def layer_ropes(self, positions: torch.Tensor, dtype: torch.dtype, layers) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """(cos, sin) for each of `layers` (indices into the full model), in order: one table
-        for all, Gemma 3's / OLMo 3's local table for their sliding layers, (None, None) for a layer without
-        position embedding (Cohere 2's full-attention layers), or (None, [T, 1, 1] factors) for one whose
-        queries a temperature scales instead (Llama 4's NoPE layers)."""
+    def layer_ropes(self, positions: torch.Tensor, dtype: torch.dtype, layers) -> list[tuple]:
+        """(cos, sin, query factors) for each of `layers` (indices into the full model), in order:
+        one table for all, Gemma 3's / OLMo 3's local table for their sliding layers, no table for a
+        layer without position embedding (Cohere 2's full-attention layers, Llama 4's NoPE layers).
+        Query factors ([T, 1, 1], or None) scale the queries after RoPE: Llama 4's temperature on its
+        NoPE layers (fp32, as transformers multiplies), Ministral 3's long-context factor on every
+        layer (in `dtype`, as transformers casts it)."""
         full = self.rotary.cos_sin(positions, dtype)
         nope = self.config.nope_layers
+        scaling = self.config.query_scaling
+        if scaling is not None:
+            full = (*full, ministral3_query_scale(positions, *scaling).to(dtype))
+        else:
+            full = (*full, None)
         if self.local_rotary is None and not nope:
             return [full] * len(layers)
-        local = self.local_rotary.cos_sin(positions, dtype) if self.local_rotary is not None else full
+        local = (*self.local_rotary.cos_sin(positions, dtype), None) if self.local_rotary is not None else full
         l4 = self.config.llama4
-        unroped = (None, None) if l4 is None or l4.temperature is None else \
-            (None, query_temperature(positions, *l4.temperature))
+        unroped = (None, None, None if l4 is None or l4.temperature is None else
+                   query_temperature(positions, *l4.temperature))
         return [unroped if i in nope else local if self.config.window_of(i) is not None else full for i in layers]
 
     @torch.inference_mode()

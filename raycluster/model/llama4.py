@@ -1,15 +1,13 @@
-"""Llama 4's mixture-of-experts block (`Llama4MoE`, a layer's `feed_forward`) and its queries'
-temperature, under the checkpoint's names: `router` (a linear layer [E, H]), `experts` (stacked,
+"""Llama 4's mixture-of-experts block (`Llama4MoE`, a layer's `feed_forward`), under the
+checkpoint's names: `router` (a linear layer [E, H]), `experts` (stacked,
 gate and up in halves: raycluster.model.stacked_experts) and `shared_expert` (a gated MLP).
 
 forward(x [T, H]) -> [T, H]: each token's top k experts by router logit, each run once on its rows
 times sigmoid(that logit) (the score scales the expert's input, not its output), their outputs
 summed per token, plus the shared expert's. A tensor-parallel rank holds every expert's share of
 the columns and the shared expert's (a partial sum joining the experts' before `reduce`), an
-expert-parallel rank whole experts [first, end).
-
-`query_temperature(positions, floor_scale, attn_scale)`: the factor transformers scales queries by
-on the layers without RoPE, log1p(floor((position + 1) / floor_scale)) * attn_scale + 1.
+expert-parallel rank whole experts [first, end). (Its NoPE layers' query temperature:
+raycluster.model.query_scale.)
 """
 
 from __future__ import annotations
@@ -26,11 +24,6 @@ from raycluster.model.stacked_experts import StackedExperts, silu_glu
 
 def _identity(t: torch.Tensor) -> torch.Tensor:
     return t
-
-
-def query_temperature(positions: torch.Tensor, floor_scale: float, attn_scale: float) -> torch.Tensor:
-    """[T, 1, 1] fp32 factors for the queries at `positions`."""
-    return (torch.log1p(torch.floor((positions.float() + 1.0) / floor_scale)) * attn_scale + 1.0).view(-1, 1, 1)
 
 
 class Llama4MoE(nn.Module):

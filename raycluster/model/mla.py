@@ -49,10 +49,13 @@ class MLAttention(nn.Module):
         self.scale = softmax_scale(m, cfg.rope_scaling)
         self.interleaved = cfg.rope_interleaved
 
-    def forward(self, x, cos, sin, layer_kv, meta, backend, lora=None, index: int = 0):
+    def forward(self, x, cos, sin, layer_kv, meta, backend, lora=None, index: int = 0, q_scale=None):
         m, h, t = self.spec, self.num_heads, x.shape[0]
         q = self.q_proj(x) if m.q_lora_rank is None else self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
-        q_nope, q_pe = q.view(t, h, -1).split([m.qk_nope_head_dim, m.qk_rope_head_dim], dim=-1)
+        q = q.view(t, h, -1)
+        if q_scale is not None:     # a query factor commutes with RoPE and the absorbed W_uk
+            q = (q * q_scale).to(q.dtype)
+        q_nope, q_pe = q.split([m.qk_nope_head_dim, m.qk_rope_head_dim], dim=-1)
         latent, k_pe = self.kv_a_proj_with_mqa(x).split([m.kv_lora_rank, m.qk_rope_head_dim], dim=-1)
         latent = self.kv_a_layernorm(latent)
         q_pe, k_pe = apply_rope(q_pe, k_pe.view(t, 1, -1), cos, sin, self.interleaved)

@@ -1,5 +1,6 @@
 """Image-text checkpoints served on their text alone: Gemma 3 (`Gemma3ForConditionalGeneration`, the
-4B / 12B / 27B releases), Mistral 3 (`Mistral3ForConditionalGeneration`: Mistral Small 3.1 / 3.2),
+4B / 12B / 27B releases), Mistral 3 (`Mistral3ForConditionalGeneration`: Mistral Small 3.1 / 3.2, and
+Ministral 3 over its `ministral3` text model),
 LLaVA (`LlavaForConditionalGeneration`, over a Llama, Mistral or Qwen2 text model), Qwen2-VL and
 Qwen2.5-VL (over Qwen2), Qwen3-VL (over Qwen3), Qwen3-VL-MoE (over Qwen3-MoE, its experts stored
 stacked) and Llama 4 (Scout, Maverick).
@@ -39,6 +40,7 @@ _WRAPPER_FIELDS = ("architectures", "model_type", "vision_config", "text_config"
                    "video_token_id", "vision_start_token_id", "vision_end_token_id", "vision_token_id")
 # A text config's model_type -> its causal LM architecture (when it names none itself).
 _TEXT_ARCHITECTURES = {"gemma3_text": "Gemma3ForCausalLM", "mistral": "MistralForCausalLM",
+                       "ministral3": "Ministral3ForCausalLM",
                        "llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 # transformers' Gemma3TextConfig defaults: the released text configs state only what differs.
 _GEMMA3_TEXT_DEFAULTS = {

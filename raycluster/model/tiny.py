@@ -73,6 +73,15 @@ def tiny_config(**overrides) -> dict:
         for k in ("attention_bias", "mlp_bias"):
             cfg.pop(k)
         cfg["sliding_window"] = None
+    elif overrides.get("architectures") == ["Ministral3ForCausalLM"]:
+        cfg["model_type"] = "ministral3"
+        for k in ("attention_bias", "mlp_bias"):
+            cfg.pop(k)
+        # Its YaRN over a short pretraining context, so a test's prompts cross several of the
+        # query factor's steps (one per 32 positions).
+        cfg.update(sliding_window=None, max_position_embeddings=512, rope_parameters={
+            "rope_type": "yarn", "rope_theta": 1e6, "factor": 16.0, "original_max_position_embeddings": 32,
+            "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0, "llama_4_scaling_beta": 0.1})
     elif overrides.get("architectures") == ["MixtralForCausalLM"]:
         cfg["model_type"] = "mixtral"
         for k in ("attention_bias", "mlp_bias"):
@@ -395,15 +404,22 @@ _MROPE = {"Qwen2VLForConditionalGeneration": {"type": "mrope", "mrope_section": 
                                                  "mrope_interleaved": True}}
 
 
+# Text models a wrapper may hold besides its usual one (`text_architecture`): their model_type.
+_OTHER_TEXT_TYPES = {"Ministral3ForCausalLM": "ministral3"}
+
+
 def write_tiny_multimodal(path: str | os.PathLike, arch: str, seed: int = 0, layout: str = "released",
-                          **overrides) -> str:
+                          text_architecture: str | None = None, **overrides) -> str:
     """The tiny text checkpoint of `arch`'s text model wrapped as `arch` (an image-text model):
     config.json nesting it under `text_config` beside a tiny vision config, its tensors under
     `language_model.` (`layout` "released", as the hub's files and transformers' save_pretrained
     write them; Qwen2.5-VL's released files: a flat config, plain names beside `visual.`) or
     `model.language_model.` ("transformers5", the head as `lm_head.`), plus one vision tensor (the
-    rest of the tower left out: a text-only server never reads it)."""
+    rest of the tower left out: a text-only server never reads it). `text_architecture`: another
+    text model than the wrapper's usual one (Ministral 3 in Mistral 3)."""
     model_type, text_type, text_arch, vision, extra = _MULTIMODAL[arch]
+    if text_architecture is not None:
+        text_type, text_arch = _OTHER_TEXT_TYPES[text_architecture], text_architecture
     path = write_tiny_model(path, seed, architectures=[text_arch], **overrides)
     with open(os.path.join(path, "config.json")) as f:
         text = {k: v for k, v in json.load(f).items() if k != "architectures"}

@@ -299,7 +299,8 @@ class SPPStage:
             ropes = m.layer_ropes(pos, x.dtype, range(self.lo, self.lo + len(self.layers)))
             lora = self.adapters.for_step(mb)
             for j, (layer, layer_kv) in enumerate(zip(self.layers, self.kv)):
-                x = layer(x, *ropes[j], layer_kv, meta, self.backend, lora, self.lo + j)
+                cos, sin, q_scale = ropes[j]
+                x = layer(x, cos, sin, layer_kv, meta, self.backend, lora, self.lo + j, q_scale)
             if not self.last:
                 # Don't wait: the next stage works on this micro-batch while we go on to the
                 # next. Keep `x` alive until its send completes.

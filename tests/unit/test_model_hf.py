@@ -79,6 +79,12 @@ VARIANTS = {
     "apertus": dict(architectures=["ApertusForCausalLM"], num_hidden_layers=2),
     # Hunyuan dense: per-head q/k norms after RoPE; its "dynamic" RoPE of a fixed alpha.
     "hunyuan": dict(architectures=["HunYuanDenseV1ForCausalLM"], num_hidden_layers=2),
+    # Ministral 3: Mistral's layers, YaRN over a 32-token pretraining context and queries scaled by
+    # 1 + beta ln(1 + floor(position / 32)) past it (beta raised from 0.1 so the factor shows).
+    "ministral3": dict(architectures=["Ministral3ForCausalLM"], num_hidden_layers=2,
+                       rope_parameters={"rope_type": "yarn", "rope_theta": 1e6, "factor": 16.0,
+                                        "original_max_position_embeddings": 32, "beta_fast": 32.0, "beta_slow": 1.0,
+                                        "mscale": 1.0, "mscale_all_dim": 1.0, "llama_4_scaling_beta": 0.8}),
     # OLMo 2: norms after each block's output only, q/k norms across all heads.
     "olmo2": dict(architectures=["Olmo2ForCausalLM"], num_hidden_layers=2),
     # OLMo 3: OLMo 2's layers, three sliding of every four, YaRN on the full layer only.
@@ -194,7 +200,8 @@ def test_logits_match_transformers(variant, variant_dirs):
                                      "phi3_longrope", "phi3_window", "granite", "olmo2", "olmo3",
                                      "cohere_qk_norm", "cohere2", "glm4", "smollm3", "exaone4", "deepseek_v3",
                                      "deepseek_v2", "glm4_moe", "starcoder2_window", "gpt_oss", "llama4",
-                                     "granite_moe", "seed_oss", "ernie4_5", "arcee", "apertus", "hunyuan"])
+                                     "granite_moe", "seed_oss", "ernie4_5", "arcee", "apertus", "hunyuan",
+                                     "ministral3"])
 def test_chunked_prefill_and_decode_match_unchunked(variant, variant_dirs):
     model, cfg = load_model(variant_dirs[variant])
     ids = _prompt(1 + 7 + 64 + 20, 2000, seed=3)

@@ -1,4 +1,4 @@
-"""Image-text checkpoints served on their text alone (Gemma 3, Mistral 3, LLaVA, Qwen2-VL, Qwen2.5-VL,
+"""Image-text checkpoints served on their text alone (Gemma 3, Mistral 3 and Ministral 3, LLaVA, Qwen2-VL, Qwen2.5-VL,
 Qwen3-VL, Qwen3-VL-MoE with its stacked experts): config.json's `text_config` (or Qwen2-VL's flat config) read as transformers reads it
 (Gemma 3's sparse release configs filled with its defaults, multimodal RoPE as plain RoPE), the
 text model's tensors found under any of the layouts and the vision tower's never taken
@@ -24,6 +24,9 @@ from raycluster.parallel.shard import Checkpoint, load_shard, shard_model
 CASES = [("Gemma3ForConditionalGeneration", "released", dict(num_hidden_layers=3, tie_word_embeddings=False)),
          ("Gemma3ForConditionalGeneration", "transformers5", dict(num_hidden_layers=3)),
          ("Mistral3ForConditionalGeneration", "released", dict(num_hidden_layers=2, sliding_window=None)),
+         # Ministral 3: Mistral 3's wrapper over a `ministral3` text model (YaRN, scaled queries).
+         ("Mistral3ForConditionalGeneration", "transformers5", dict(num_hidden_layers=2,
+                                                                    text_architecture="Ministral3ForCausalLM")),
          ("LlavaForConditionalGeneration", "transformers5", dict(num_hidden_layers=2)),
          # Multimodal RoPE (mrope), which on text alone is plain RoPE: Qwen2-VL's and Qwen2.5-VL's
          # released files (a flat config, plain names beside `visual.`), Qwen3-VL's (over Qwen3).
@@ -48,7 +51,7 @@ def test_logits_equal_the_image_text_model_given_text(checkpoint):
     with open(f"{path}/config.json") as f:
         arch = json.load(f)["architectures"][0]
     assert cfg.multimodal == arch and cfg.text_prefix in ("language_model.", "model.language_model.", "")
-    assert cfg.rope_scaling is None
+    assert (cfg.rope_scaling is None) == (cfg.query_scaling is None)    # Ministral 3's YaRN, else plain
     summary = model_summary(cfg)
     assert summary["architecture"] == arch and summary["text_only"] and "generate" in summary["tasks"]
     from raycluster.cli_status import model_line

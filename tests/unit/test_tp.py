@@ -118,6 +118,8 @@ VARIANTS = {
     "apertus": dict(architectures=["ApertusForCausalLM"], num_hidden_layers=2),
     # Hunyuan: its per-head q/k norms after RoPE, whole on every rank.
     "hunyuan": dict(architectures=["HunYuanDenseV1ForCausalLM"], num_hidden_layers=2),
+    # Ministral 3: every rank scales its heads' queries alike.
+    "ministral3": dict(architectures=["Ministral3ForCausalLM"], num_hidden_layers=2),
 }
 
 
@@ -231,7 +233,8 @@ def same_as_single_runner(model, runner) -> ModelRunner:
                                         ("deepseek_v3", 2), ("deepseek_v3", 4), ("glm4_moe", 2),
                                         ("starcoder2", 2), ("gpt_oss", 2), ("gpt_oss", 4),
                                         ("llama4", 2), ("llama4", 4), ("granite_moe", 2), ("granite_moe", 4),
-                                        ("ernie4_5", 2), ("arcee", 2), ("apertus", 2), ("hunyuan", 2)])
+                                        ("ernie4_5", 2), ("arcee", 2), ("apertus", 2), ("hunyuan", 2),
+                                        ("ministral3", 2)])
 def test_a_tp_group_gives_the_single_runners_logits_step_by_step(models, variant, tp):
     model = models[variant]
     runner = _group(model, tp)
