@@ -16,6 +16,8 @@ from deployments.scaling import pool_deployment
 from raycluster.cluster.config import ClusterConfig, PoolSpec
 from raycluster.cluster.router_actor import get_or_create_router
 from raycluster.cluster.router_core import RouterConfig
+from raycluster.model.loader import load_config
+from raycluster.model.registry import resolve_model_path
 from raycluster.sched.base import SLOConfig
 
 
@@ -55,6 +57,10 @@ def pool_options(cfg: ClusterConfig, pool: PoolSpec) -> dict:
 
 def build_app(args: dict) -> serve.Application:
     cfg = ClusterConfig(**(args or {}))
+    path = resolve_model_path(cfg.model, cfg.engine_config(cfg.pools[0]).hf_overrides)
+    problem = cfg.kv_layout_problem(load_config(path))
+    if problem is not None:         # refused at deploy time, not at the first handoff
+        raise ValueError(problem)
     rcfg = router_config(cfg)
     router = get_or_create_router(rcfg, name=cfg.router_name, namespace=cfg.namespace)
     # A router from an earlier deploy outlives it (detached): it takes this deploy's config, and

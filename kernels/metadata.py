@@ -1,5 +1,7 @@
 """Per-step attention metadata: the contract between the engine (which fills it) and the
-attention backends (which consume it).
+attention backends (which consume it). A model reads each layer's KV and metadata through
+`layer(i, kv_cache)`: one AttentionMetadata serves every layer, a `GroupedMetadata` (a hybrid
+cache of full and sliding-window groups) picks the layer's group.
 
 Token layout in a step: all prefill-chunk tokens first (request by request), then one token per
 decode request. Derived tensors (block/offset indices, padded block tables, masks) are built once
@@ -67,6 +69,11 @@ class AttentionMetadata:
     @property
     def num_decodes(self) -> int:
         return len(self.decode_kv_lens)
+
+    def layer(self, index: int, kv_cache: torch.Tensor) -> tuple[torch.Tensor, "AttentionMetadata"]:
+        """Decoder layer `index`'s KV tensor and metadata: its own slice of the cache, under this
+        metadata (a hybrid cache's layers differ: `GroupedMetadata`)."""
+        return kv_cache[index], self
 
     def prepare(self, device: torch.device | str | None = None) -> dict[str, Any]:
         """Build (once) the index tensors the torch backend needs; returns the cache dict.
@@ -217,6 +224,27 @@ class AttentionMetadata:
             c["decode_table"] = table.to(device)
             c["decode_pad_mask"] = (torch.arange(max_nb * bs)[None, :] >= kv_lens[:, None]).to(device)
         return c["decode_table"], c["decode_pad_mask"]
+
+
+@dataclass
+class GroupedMetadata:
+    """A step's metadata over a hybrid KV cache (raycluster.engine.kv_groups): one
+    AttentionMetadata per KV group (the same tokens, each group's block tables and slots), and
+    which cache slot and group each decoder layer reads."""
+    metas: list[AttentionMetadata]
+    group_of: tuple[int, ...]
+    slot_of: tuple[int, ...]
+
+    @property
+    def num_tokens(self) -> int:
+        return self.metas[0].num_tokens
+
+    def layer(self, index: int, kv_cache: torch.Tensor) -> tuple[torch.Tensor, AttentionMetadata]:
+        return kv_cache[self.slot_of[index]], self.metas[self.group_of[index]]
+
+    def prepare(self, device: torch.device | str | None = None) -> None:
+        for meta in self.metas:
+            meta.prepare(device)
 
 
 # Fixed cost of one decode bucket (index ops + a kernel launch) in padded-KV-token units; a bucket

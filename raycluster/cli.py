@@ -327,7 +327,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
                "profile": "profile_bench", "kv-transfer": "kv_transfer_bench",
                "parallel": "parallel_bench", "prefix": "prefix_bench", "guided": "guided_bench",
                "spec-decode": "spec_bench", "lora": "lora_bench", "window": "window_bench",
-               "quant": "quant_bench", "encoder": "encoder_bench"}
+               "quant": "quant_bench", "encoder": "encoder_bench", "hybrid-kv": "hybrid_kv_bench"}
     if not args.rest or args.rest[0] not in benches:
         print(f"raycluster bench: choose one of {', '.join(benches)}", file=sys.stderr)
         return 2

@@ -305,6 +305,25 @@ class ClusterConfig(BaseModel):
                                      "other nodes; set group_host: node")
         return self
 
+    def kv_layout_problem(self, mcfg) -> str | None:
+        """Why the prefill and decode pools could not hand KV to each other for model config
+        `mcfg`, or None: with a model mixing sliding and full layers, an engine lays its KV out in
+        groups (the hybrid cache) or in one table by its options (raycluster.parallel.factory
+        .hybrid_groups), and every pool that hands KV over or receives it must do the same."""
+        from raycluster.parallel.factory import hybrid_groups
+
+        kinds = {i: hybrid_groups(self.engine_config(p), mcfg) is not None for i, p in enumerate(self.pools)
+                 if p.role != "mixed" and p in self.deployed_pools()}
+        if len(set(kinds.values())) < 2:
+            return None
+        i, j = next(i for i, k in kinds.items() if k), next(i for i, k in kinds.items() if not k)
+        return (f"pools[{j}].engine: this model mixes sliding-window and full-attention layers, and pools[{i}] "
+                f"({self.pools[i].role}) keeps its KV in the hybrid cache's groups while pools[{j}] "
+                f"({self.pools[j].role}) keeps one table (prefix caching, an EAGLE head or MTP layer, kvp, spp "
+                "or disable_hybrid_kv_cache_manager turn it off), so their KV could not be handed over; give "
+                "the prefill and decode pools the same of those options (e.g. disable_hybrid_kv_cache_manager: "
+                "true in the app's engine options)")
+
     def deployed_pools(self) -> list[PoolSpec]:
         """The pools that get a Serve deployment: those with instances, and autoscaled ones
         (which may start at zero)."""

@@ -139,9 +139,10 @@ class InstanceWorker:
     def stats(self) -> InstanceStats:
         eng, kv = self.engine, self.engine.kv
         pulls = getattr(self.connector, "pull_counts", None) or {}
+        kv_free, kv_total = kv.placement_blocks()
         return InstanceStats(
             instance_id=self.instance_id, role=self.role, waiting=eng.scheduler.num_waiting,
-            running=len(eng.scheduler.decoding), kv_free_blocks=kv.num_free_blocks, kv_total_blocks=kv.num_blocks,
+            running=len(eng.scheduler.decoding), kv_free_blocks=kv_free, kv_total_blocks=kv_total,
             block_size=kv.block_size, step_time_ema_s=self._step_ema, steps=self.steps, busy_s=self.busy_s,
             queued_tokens=eng.scheduler.prefill_backlog,
             connector=(self.connector.local_descriptor() or {}) if self.connector else {},

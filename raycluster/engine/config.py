@@ -66,6 +66,10 @@ class EngineConfig(BaseModel):
     enable_prefix_caching: bool = Field(
         False, description="keep full KV blocks findable by their tokens after use, so a prompt that "
                            "starts like an earlier one prefills only the rest")
+    disable_hybrid_kv_cache_manager: bool = Field(
+        False, description="a model mixing sliding-window and full-attention layers keeps one block table "
+                           "for all its layers (every block kept), instead of one per layer group with the "
+                           "sliding groups giving back blocks that fall out of their window (vLLM's flag)")
     speculative_method: Literal["none", "ngram", "draft_model", "eagle", "eagle3", "mtp"] = Field(
         "none", description="speculative decoding (vLLM's speculative_config method): 'ngram' drafts the next "
         "tokens by prompt lookup (the tokens that followed the latest earlier occurrence of the context's last "

@@ -198,7 +198,7 @@ class LLMEngine:
     def parked_blocks(self, request_id: str) -> list[int] | None:
         if request_id not in self.scheduler.parked:
             return None
-        return list(self.kv.block_tables[request_id])
+        return self.kv.handoff_table(request_id)
 
     def _new_request(self, request_id, prompt_token_ids, sampling, slo, priority, tenant, app_id,
                      arrival_time, output_token_ids) -> Request:

@@ -182,6 +182,10 @@ class BlockAllocator:
 class KVCacheManager:
     prefix_caching = False      # PrefixCachingKVManager (prefix_cache.py) finds shared prefixes
     releases_window = False     # SlidingWindowKVManager (window_kv.py) gives back blocks out of a window
+    # A hybrid model's KV groups and the tables of all but the first (HybridKVManager, hybrid_kv.py):
+    # here one table per request serves every layer.
+    groups = None
+    extra_group_tables: tuple = ()
 
     def __init__(self, num_blocks: int, block_size: int, allocator=None) -> None:
         """`allocator`: a `BlockAllocator`-like pool (e.g. the KVP ranks' striped one);
@@ -214,6 +218,18 @@ class KVCacheManager:
 
     def capacity_tokens(self) -> int:
         return self.allocator.num_blocks * self.block_size
+
+    def kv_slots(self, num_layers: int) -> int:
+        """The KV tensor's leading size for a model of `num_layers` layers: one slot per layer."""
+        return num_layers
+
+    def placement_blocks(self) -> tuple[int, int]:
+        """(free, total) blocks as the router counts them (a block per block_size tokens)."""
+        return self.num_free_blocks, self.num_blocks
+
+    def handoff_table(self, request_id: str) -> list[int]:
+        """The blocks a KV handoff of `request_id` moves, in the order the receiver allocates them."""
+        return list(self.block_tables[request_id])
 
     def try_allocate(self, req: Request, num_new_tokens: int) -> bool:
         """Grow `req`'s table to hold its computed tokens plus `num_new_tokens`."""

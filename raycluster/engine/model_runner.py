@@ -51,6 +51,7 @@ class ModelRunner:
         self.device = torch.device(device)
         self.dtype = dtype
         shape = model.kv_cache_shape(kv.num_physical_blocks, kv.block_size)
+        shape = (kv.kv_slots(shape[0]), *shape[1:])     # a hybrid cache's slots (raycluster.engine.kv_groups)
         self.kv_cache = torch.zeros((shape[0] + extra_kv_layers, *shape[1:]), dtype=dtype, device=self.device)
         # The EAGLE head's layers: a view of the tensor's last ones, so they move with the blocks.
         self.head_kv_cache = self.kv_cache[shape[0]:] if extra_kv_layers else None
@@ -67,7 +68,7 @@ class ModelRunner:
 
     def run_plan(self, plan: StepPlan) -> torch.Tensor:
         """Run one step; returns the final hidden states of `plan.sample_rows` [n, H]."""
-        input_ids, positions, meta = plan_inputs(plan, self.kv.block_size, self.device)
+        input_ids, positions, meta = plan_inputs(plan, self.kv.block_size, self.device, self.kv.groups)
         lora = self.lora.for_step(plan.lora_runs, plan.num_tokens, self.device) if plan.lora_runs else None
         hidden, self.last_aux = forward_keeping(self.model, input_ids, positions, self.kv_cache, meta, self.backend,
                                                 lora, self.aux_layers)
@@ -104,7 +105,7 @@ def execute_step(runner, out: SchedulerOutput) -> StepLogits:
     """What every runner's `execute` does: plan the step, run it, and turn the sampled rows into
     fp32 logits (`plan_logits`: the leader's output head, or the group's vocab-parallel lanes).
     Pooling requests' prefill rows are pooled on the way (`pool_prefills`)."""
-    plan, reqs, prompt, drafts = step_plan(out, runner.kv.block_tables)
+    plan, reqs, prompt, drafts = step_plan(out, runner.kv.block_tables, runner.kv.extra_group_tables)
     pooling = any(req.pooling is not None for req, _ in out.prefills)
     # Pooling reads the step's final hidden states, kept as for an EAGLE head (every runner but
     # SPP's keeps them whole on the leader; the engine refuses pooling requests on the others).

@@ -161,7 +161,7 @@ class Scheduler:
         self._holders[req.request_id] = req
         self.decoding[req.request_id] = req
         skip = cached // self.kv.block_size
-        return self.kv.block_tables[req.request_id][skip:], skip
+        return self.kv.handoff_table(req.request_id)[skip:], skip
 
     def kv_arrived(self, req: Request) -> None:
         """The KV `admit_prefilled` reserved is filled: make its full blocks findable."""

@@ -384,7 +384,8 @@ class LlamaForCausalLM(nn.Module):
             if i in aux_layers:
                 aux[i] = x
             cos, sin, q_scale = ropes[i]
-            x = layer(x, cos, sin, kv_cache[i], meta, backend, lora, i, q_scale)
+            layer_kv, layer_meta = meta.layer(i, kv_cache)
+            x = layer(x, cos, sin, layer_kv, layer_meta, backend, lora, i, q_scale)
         if aux_layers:
             return self.model.norm(x), torch.cat([aux[i] for i in aux_layers], dim=-1)
         return self.model.norm(x)

@@ -15,6 +15,8 @@ import functools
 import torch
 
 from raycluster.engine.config import HEAD_METHODS, EngineConfig
+from raycluster.engine.hybrid_kv import HybridKVManager
+from raycluster.engine.kv_groups import KVGroups, kv_groups
 from raycluster.engine.kv_manager import KVCacheManager
 from raycluster.engine.kv_memory import check_kv_fits
 from raycluster.engine.model_runner import ModelRunner
@@ -50,7 +52,8 @@ def group_worker(kind: str, model, coll: Collective, config: EngineConfig, dtype
                           config.enable_expert_parallel)
     if kind == "tp":
         from raycluster.parallel.tp import tp_worker
-        return tp_worker(model, coll, blocks, config.block_size, dtype, config.device, config.enable_expert_parallel)
+        return tp_worker(model, coll, blocks, config.block_size, dtype, config.device, config.enable_expert_parallel,
+                         hybrid_groups(config, model.config))
     from raycluster.parallel.spp import spp_worker
     # tp: 1, or the lanes of each stage (or of each KVP rank of it); kvp: 1, or each stage's KVP
     # ranks, each holding `blocks` blocks as a plain KVP rank does.
@@ -93,6 +96,17 @@ def releasable_window(config: EngineConfig, mcfg) -> int | None:
     return mcfg.sliding_window
 
 
+def hybrid_groups(config: EngineConfig, mcfg) -> KVGroups | None:
+    """The KV groups of a model mixing sliding and full layers, when the engine keeps a table per
+    group (raycluster.engine.hybrid_kv): one process or a TP group, without prefix caching or an
+    EAGLE head / MTP layer, unless `disable_hybrid_kv_cache_manager`; else None (one table)."""
+    if mcfg.is_encoder or config.disable_hybrid_kv_cache_manager or config.enable_prefix_caching:
+        return None
+    if config.speculative_method in HEAD_METHODS or config.kvp > 1 or config.spp > 1:
+        return None
+    return kv_groups(mcfg)
+
+
 def _encoder_runner(config: EngineConfig, model, dtype: torch.dtype, kind: str, blocks: int):
     """A BERT-style encoder's runner: one process, no KV to cache, nothing generated."""
     from raycluster.engine.encoder_runner import EncoderRunner
@@ -115,6 +129,9 @@ def _build_runner(config: EngineConfig, model, dtype: torch.dtype, model_path: s
     window = releasable_window(config, model.config)
     if window:
         kv_manager = functools.partial(SlidingWindowKVManager, window=window)
+    groups = hybrid_groups(config, model.config)
+    if groups is not None:      # the same memory as a pool of blocks of `slots` layers each
+        kv_manager = functools.partial(_hybrid_manager, groups=groups)
     kind = group_kind(config)
     if kind == "single" or config.group_launch == "threads":     # every rank's KV in this host's memory
         mcfg = dataclasses.replace(model.config, num_hidden_layers=model.config.num_hidden_layers + extra)
@@ -176,6 +193,10 @@ def _build_runner(config: EngineConfig, model, dtype: torch.dtype, model_path: s
         kv = kv_manager(blocks, config.block_size)
     return SPPRunner(model, kv, coll, config.spp, dtype, config.device, config.spp_micro_tokens, ranks=ranks,
                      tp=config.tp, kvp=config.kvp, expert_parallel=config.enable_expert_parallel)
+
+
+def _hybrid_manager(blocks: int, block_size: int, groups: KVGroups) -> HybridKVManager:
+    return HybridKVManager(groups.pool_blocks(blocks), block_size, groups)
 
 
 def eagle_kv_layers(config: EngineConfig) -> int:

@@ -119,6 +119,9 @@ class KVPMeta:
     def prepare(self, device=None) -> dict:   # the model calls this on any metadata
         return self.cache
 
+    def layer(self, index: int, kv_cache: torch.Tensor) -> tuple[torch.Tensor, "KVPMeta"]:
+        return kv_cache[index], self
+
 
 def step_ranks(plan: StepPlan, block_size: int, blocks_per_rank: int, world: int) -> list[int]:
     """The KVP ranks a step needs, ascending: rank 0 (which samples) and every rank holding a

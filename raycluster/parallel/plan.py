@@ -3,7 +3,8 @@
 `step_plan(out, tables)` turns a `SchedulerOutput` into a `StepPlan` (ints and lists only, so a
 parallel group's leader can post it to its workers) plus the requests whose rows are
 sampled. `plan_inputs(plan, block_size)` turns a plan into the model's flat inputs and the
-attention metadata. Token layout (kernels.metadata): prefill chunks first, request by request,
+attention metadata (one per KV group of a hybrid cache, whose other groups' tables the plan
+carries too). Token layout (kernels.metadata): prefill chunks first, request by request,
 then one token per decode. A row is sampled for a request when the step computes its last known
 token. A request asking for prompt log-probabilities also gets the rows of its chunk's prompt
 positions (each predicts the next prompt token); those come before its sampled row, so
@@ -19,7 +20,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kernels.metadata import AttentionMetadata
+from kernels.metadata import AttentionMetadata, GroupedMetadata
 from raycluster.engine.scheduler import SchedulerOutput
 from raycluster.request import Request
 
@@ -35,6 +36,10 @@ class StepPlan:
     sample_rows: list[int]              # rows of the step's tokens whose logits are sampled
     # Tokens that run with a LoRA adapter: (adapter name, first token, count), in token order.
     lora_runs: list[tuple[str, int, int]] = field(default_factory=list)
+    # A hybrid KV cache's groups after the first (raycluster.engine.kv_groups): each one's
+    # (prefill tables, decode tables), in the order of the ones above. Empty: every group reads
+    # the tables above (a plain cache; a profiling plan's synthetic tables).
+    group_tables: list[tuple[list[list[int]], list[list[int]]]] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -61,10 +66,11 @@ class DraftRows:
     count: int
 
 
-def step_plan(out: SchedulerOutput, tables: dict[str, list[int]]
+def step_plan(out: SchedulerOutput, tables: dict[str, list[int]], group_tables=()
               ) -> tuple[StepPlan, list[Request | None], list[PromptRows], list[DraftRows]]:
     """The plan, the request sampled at each output row (None: a prompt or draft row), the
-    prompt rows and the draft rows by request."""
+    prompt rows and the draft rows by request. `group_tables`: a hybrid cache's other groups'
+    tables (KVCacheManager.extra_group_tables), looked up alike."""
     ids: list[int] = []
     starts, lens, p_tables, rows, reqs, prompt, lora = [], [], [], [], [], [], []
     for req, n in out.prefills:
@@ -108,7 +114,13 @@ def step_plan(out: SchedulerOutput, tables: dict[str, list[int]]
         d_tables.append(tables[req.request_id])
         rows.append(len(ids) - 1)
         reqs.append(req)
-    return StepPlan(ids, starts, lens, p_tables, d_pos, d_tables, rows, lora), reqs, prompt, drafts
+    plan = StepPlan(ids, starts, lens, p_tables, d_pos, d_tables, rows, lora)
+    if group_tables:
+        # Same rows: a table in the plan names its request; each group's table of that request.
+        p_ids = [req.request_id for req, _ in out.prefills]
+        d_ids = [req.request_id for req in out.decodes for _ in range(1 + len((spec or {}).get(req.request_id, ())))]
+        plan.group_tables = [([g[r] for r in p_ids], [g[r] for r in d_ids]) for g in group_tables]
+    return plan, reqs, prompt, drafts
 
 
 def _lora_run(runs: list[tuple[str, int, int]], name: str, first: int, count: int) -> None:
@@ -125,23 +137,33 @@ def _slots(table: list[int], start: int, end: int, bs: int) -> torch.Tensor:
     return torch.tensor(table, dtype=torch.long)[pos // bs] * bs + pos % bs
 
 
-def plan_inputs(plan: StepPlan, block_size: int,
-                device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
-    """(input_ids [T], positions [T], metadata) of a plan; slots address the plan's block ids."""
-    bs = block_size
-    positions, slots = [], []
-    for start, n, table in zip(plan.prefill_starts, plan.prefill_lens, plan.prefill_tables):
-        positions.append(torch.arange(start, start + n))
-        slots.append(_slots(table, start, start + n, bs))
+def _metadata(plan: StepPlan, prefill_tables: list[list[int]], decode_tables: list[list[int]], bs: int,
+              device) -> AttentionMetadata:
+    """The plan's metadata over these block tables (slots addressing their block ids)."""
+    slots = [_slots(table, start, start + n, bs)
+             for start, n, table in zip(plan.prefill_starts, plan.prefill_lens, prefill_tables)]
     if plan.decode_positions:
-        positions.append(torch.tensor(plan.decode_positions, dtype=torch.long))
-        slots.append(torch.tensor([t[p // bs] * bs + p % bs for t, p in zip(plan.decode_tables, plan.decode_positions)],
+        slots.append(torch.tensor([t[p // bs] * bs + p % bs for t, p in zip(decode_tables, plan.decode_positions)],
                                   dtype=torch.long))
-    meta = AttentionMetadata(
+    return AttentionMetadata(
         num_prefill_tokens=sum(plan.prefill_lens), num_decode_tokens=len(plan.decode_positions),
         prefill_query_lens=list(plan.prefill_lens),
         prefill_kv_lens=[s + n for s, n in zip(plan.prefill_starts, plan.prefill_lens)],
-        prefill_block_tables=plan.prefill_tables, decode_kv_lens=[p + 1 for p in plan.decode_positions],
-        decode_block_tables=plan.decode_tables, slot_mapping=torch.cat(slots).to(device), block_size=bs)
+        prefill_block_tables=prefill_tables, decode_kv_lens=[p + 1 for p in plan.decode_positions],
+        decode_block_tables=decode_tables, slot_mapping=torch.cat(slots).to(device), block_size=bs)
+
+
+def plan_inputs(plan: StepPlan, block_size: int, device: torch.device | str = "cpu", groups=None
+                ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata | GroupedMetadata]:
+    """(input_ids [T], positions [T], metadata) of a plan; slots address the plan's block ids.
+    `groups` (a hybrid cache's KVGroups): metadata per group (`GroupedMetadata`)."""
+    positions = [torch.arange(start, start + n) for start, n in zip(plan.prefill_starts, plan.prefill_lens)]
+    if plan.decode_positions:
+        positions.append(torch.tensor(plan.decode_positions, dtype=torch.long))
+    meta = _metadata(plan, plan.prefill_tables, plan.decode_tables, block_size, device)
+    if groups is not None:
+        others = plan.group_tables or [(plan.prefill_tables, plan.decode_tables)] * (groups.num_groups - 1)
+        meta = GroupedMetadata([meta, *(_metadata(plan, p, d, block_size, device) for p, d in others)],
+                               groups.group_of, groups.slot_of)
     input_ids = torch.tensor(plan.input_ids, dtype=torch.long, device=device)
     return input_ids, torch.cat(positions).to(device), meta

@@ -20,7 +20,9 @@ ids on every rank, so the leader's block bookkeeping is the plain engine's (`KVC
 `PrefixCachingKVManager`: a cached block is cached on every rank at once). When tp > Hkv (tp a
 multiple of Hkv), KV heads are replicated as vLLM does (raycluster.parallel.shard.kv_split): each
 rank's KV is [L, N, 2, B, 1, D], the one head rank // (tp / Hkv), and the tp / Hkv ranks sharing
-a head each compute and cache their own copy of it.
+a head each compute and cache their own copy of it. With a hybrid cache (a model mixing sliding
+and full layers: raycluster.engine.kv_groups) the tensor's first dimension is the groups' slots
+and every rank lays its heads out in the same pool blocks.
 
 Data enters as a `StepPlan` the leader (rank 0, the engine's `TPRunner`) posts down the group's
 plan chain; every rank runs the same forward; what leaves is the leader's logits of
@@ -38,6 +40,7 @@ import torch
 
 from kernels.rowcopy import index_copy
 from kernels import get_attention_backend
+from raycluster.engine.kv_groups import KVGroups
 from raycluster.engine.kv_manager import KVCacheManager
 from raycluster.engine.model_runner import StepLogits, execute_step, forward_keeping
 from raycluster.engine.scheduler import SchedulerOutput
@@ -62,7 +65,9 @@ class TPRank:
 
     def __init__(self, model: LlamaForCausalLM | Checkpoint, coll: Collective | None, rank: int, tp: int,
                  num_blocks: int, block_size: int, dtype: torch.dtype, device: str | torch.device = "cpu",
-                 expert_parallel: bool = False) -> None:
+                 expert_parallel: bool = False, groups: KVGroups | None = None) -> None:
+        """`groups`: a hybrid cache's KV groups (raycluster.engine.kv_groups): the KV tensor holds
+        their slots, and each step's metadata is per group."""
         if tp > 1 and (coll is None or coll.world != tp or coll.rank != rank):
             raise ValueError(f"tp={tp} rank {rank} needs a Collective of world {tp} at that rank")
         self.coll, self.rank, self.tp, self.block_size = coll, rank, tp, block_size
@@ -71,7 +76,9 @@ class TPRank:
         self.vocab = model.config.vocab_size
         self.model = rank_model(model, rank, tp, coll.all_reduce if tp > 1 else _identity, None, dtype, self.device,
                                 expert_parallel=expert_parallel)
-        self.kv_cache = torch.zeros(self.model.kv_cache_shape(num_blocks, block_size), dtype=dtype,
+        shape = self.model.kv_cache_shape(num_blocks, block_size)
+        self.groups = groups
+        self.kv_cache = torch.zeros((groups.num_slots if groups else shape[0], *shape[1:]), dtype=dtype,
                                     device=self.device)
         # Its own backend: the torch backend's scratch buffers must not be shared by ranks
         # running in threads of one process.
@@ -115,7 +122,7 @@ class TPRank:
         every rank (each layer ends in an all_reduce): `hidden` keeps them, and with
         `aux_layers` (the leader's, for an EAGLE-3 head) `aux` the residual streams entering
         those layers."""
-        input_ids, positions, meta = plan_inputs(plan, self.block_size, self.device)
+        input_ids, positions, meta = plan_inputs(plan, self.block_size, self.device, self.groups)
         hidden, self.aux = forward_keeping(self.model, input_ids, positions, self.kv_cache, meta, self.backend,
                                            self.adapters.for_step(plan), aux_layers)
         self.hidden = hidden
@@ -134,13 +141,18 @@ class TPRank:
 
 
 def tp_worker(model: LlamaForCausalLM | Checkpoint, coll: Collective, num_blocks: int, block_size: int,
-              dtype: torch.dtype, device: str | torch.device = "cpu", expert_parallel: bool = False) -> Callable:
+              dtype: torch.dtype, device: str | torch.device = "cpu", expert_parallel: bool = False,
+              groups: KVGroups | None = None) -> Callable:
     """What a non-leader rank runs per message the leader posts (for `serve_rank`); reads its
-    shard from the `Checkpoint`, or cuts it from the full model it is given (the leader's)."""
+    shard from the `Checkpoint`, or cuts it from the full model it is given (the leader's).
+    `num_blocks`: the engine's blocks of every layer; with hybrid KV `groups` the rank holds
+    the leader's pool (HybridKVManager's, its null block included)."""
     if coll.rank == 0:
         raise ValueError("rank 0 is the leader: use TPRunner")
+    if groups is not None:
+        num_blocks = groups.pool_blocks(num_blocks) + 1
     return rank_handler(TPRank(model, coll, coll.rank, coll.world, num_blocks, block_size, dtype, device,
-                               expert_parallel))
+                               expert_parallel, groups))
 
 
 class TPRunner:
@@ -168,10 +180,12 @@ class TPRunner:
         """`ranks`: the handle of ranks 1..tp-1 (`join(timeout)`), stopped by `close`."""
         self.kv, self.coll, self.tp, self.dtype, self.ranks = kv, coll, tp, dtype, ranks
         self.layout = f"tp{tp}" + ("ep" if expert_parallel and model.config.moe is not None else "")
-        self.rank0 = TPRank(model, coll, 0, tp, kv.num_physical_blocks, kv.block_size, dtype, device, expert_parallel)
+        self.rank0 = TPRank(model, coll, 0, tp, kv.num_physical_blocks, kv.block_size, dtype, device, expert_parallel,
+                            kv.groups)
         self.model = GroupModel(model.config, self.rank0.model, True) if isinstance(model, Checkpoint) else model
         self.device = self.rank0.device
         shape = self.model.kv_cache_shape(kv.num_physical_blocks, kv.block_size)
+        shape = (kv.kv_slots(shape[0]), *shape[1:])
         self.head_kv = HeadKV(extra_kv_layers, shape[0], shape[1:], dtype, self.device) if extra_kv_layers else None
         self.head_kv_cache = self.head_kv.tensor if self.head_kv else None
         # Connectors see whole blocks (every head, every layer, the head's too): a staging area

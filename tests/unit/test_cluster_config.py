@@ -131,3 +131,23 @@ def test_hf_overrides_are_one_json_object_for_every_pool():
           {"role": "decode", "instances": 1, "engine": {"hf_overrides": {"max_position_embeddings": 64}}}]
     with pytest.raises(ValidationError, match=r"pools\[2\].engine.hf_overrides"):
         ClusterConfig(engine={"hf_overrides": {"max_position_embeddings": 96}}, pools=pd)
+
+
+def test_prefill_and_decode_pools_must_lay_kv_out_alike():
+    """A model mixing sliding and full layers: a decode pool with prefix caching keeps one table
+    while the prefill pools use the hybrid cache's groups, so their KV could not move; refused
+    naming the pool. The same options everywhere, or a model without the mix, are fine."""
+    from raycluster.model.config import ModelConfig
+    from raycluster.model.tiny import tiny_config
+
+    mixed_layers = ModelConfig.from_dict(tiny_config(architectures=["GptOssForCausalLM"], num_hidden_layers=4))
+    split = ClusterConfig(pools=[*PD[:2], {"role": "decode", "engine": {"enable_prefix_caching": True}}])
+    problem = split.kv_layout_problem(mixed_layers)
+    assert problem.startswith("pools[2].engine:") and "pools[0] (prefill-short)" in problem
+    assert split.kv_layout_problem(ModelConfig.from_dict(tiny_config())) is None
+    same = ClusterConfig(pools=PD, engine={"enable_prefix_caching": True})
+    assert same.kv_layout_problem(mixed_layers) is None
+    assert ClusterConfig(pools=PD).kv_layout_problem(mixed_layers) is None
+    # A mixed pool hands no KV over: it may differ.
+    assert ClusterConfig(pools=[{"role": "mixed", "engine": {"enable_prefix_caching": True}}, *PD]) \
+        .kv_layout_problem(mixed_layers) is None

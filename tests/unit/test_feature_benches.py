@@ -1,6 +1,6 @@
 """Smoke tests of `raycluster bench spec-decode` (the JSON's shape, n-gram, draft-model and EAGLE runs
-that give the plain run's tokens, on TP groups too, the CLI's exit status) and `raycluster bench lora` (its four
-mixes); no timing assertions."""
+that give the plain run's tokens, on TP groups too, the CLI's exit status), `raycluster bench lora` (its four
+mixes), `bench window` and `bench hybrid-kv`; no timing assertions."""
 
 from __future__ import annotations
 
@@ -119,3 +119,16 @@ def test_encoder_bench_times_the_engine_against_transformers(tmp_path, encoders)
     for mix in res["mixes"].values():
         assert mix["requests"] == 5 and mix["ways"]["engine (one step)"]["vs_engine"] == 1.0
         assert all(w["median_s"] > 0 for w in mix["ways"].values())
+
+
+def test_hybrid_kv_bench_runs_both_caches_to_the_same_tokens(tmp_path):
+    """`raycluster bench hybrid-kv`: both engines each round (the tokens compared inside), the
+    hybrid one on a pool of blocks of fewer layers."""
+    out = tmp_path / "hkv.json"
+    assert main(["bench", "hybrid-kv", "--arch", "Gemma3ForCausalLM", "--layers", "3", "--full-every", "3",
+                 "--window", "16", "--requests", "3", "--prompt", "60", "--output", "12", "--kv-tokens", "256",
+                 "--rounds", "1", "--out", str(out)]) == 0
+    res = json.loads(out.read_text())
+    hybrid, one = res["rounds"][0]["hybrid"], res["rounds"][0]["one_table"]
+    assert hybrid["kv_groups"] == 3 and one["kv_groups"] == 1
+    assert hybrid["pool_blocks"] == 3 * one["pool_blocks"] and res["wall_ratio_one_table_over_hybrid"] > 0

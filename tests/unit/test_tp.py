@@ -139,7 +139,10 @@ def models(tiny_model_dir, tmp_path_factory):
 
 
 def _group(model, tp: int, **cfg) -> TPRunner:
-    runner = build_runner(EngineConfig(**{**BASE, "kv_cache_tokens": 64 * BS, **cfg, "tp": tp}), model, torch.float32)
+    # One table for every layer: the plans here name one table per request (a hybrid cache's
+    # groups would need one each: tests/unit/test_hybrid_kv.py).
+    runner = build_runner(EngineConfig(**{**BASE, "kv_cache_tokens": 64 * BS, "disable_hybrid_kv_cache_manager": True,
+                                          **cfg, "tp": tp}), model, torch.float32)
     assert isinstance(runner, TPRunner) and runner.layout == f"tp{tp}"
     return runner
 
