@@ -319,8 +319,8 @@ class ClusterConfig(BaseModel):
         i, j = next(i for i, k in kinds.items() if k), next(i for i, k in kinds.items() if not k)
         return (f"pools[{j}].engine: this model mixes sliding-window and full-attention layers, and pools[{i}] "
                 f"({self.pools[i].role}) keeps its KV in the hybrid cache's groups while pools[{j}] "
-                f"({self.pools[j].role}) keeps one table (prefix caching, an EAGLE head or MTP layer, kvp, spp "
-                "or disable_hybrid_kv_cache_manager turn it off), so their KV could not be handed over; give "
+                f"({self.pools[j].role}) keeps one table (an EAGLE head or MTP layer, kvp, spp or "
+                "disable_hybrid_kv_cache_manager turn it off), so their KV could not be handed over; give "
                 "the prefill and decode pools the same of those options (e.g. disable_hybrid_kv_cache_manager: "
                 "true in the app's engine options)")
 

@@ -11,12 +11,13 @@ backend never reads (it starts at the window's first block). Full groups keep ev
 The first group (full attention) is the one `block_tables` shows: the scheduler reads a table's
 length to see whether a decode's next token fits, and every group's table has that length. The
 others are `extra_group_tables`; a step plan carries them (raycluster.parallel.plan). A KV
-handoff moves `handoff_table`: every group's blocks, group after group, which the receiving
-engine, laid out alike, allocates in the same order. Requests that will be handed off
+handoff moves `handoff_table`: every group's blocks, which the receiving
+engine, laid out alike, allocates in the same order (block by block, each block in every group, so a
+cached prefix the receiver has already is skipped in every group). Requests that will be handed off
 (prefill-only) keep every block until then, as do requests parked for it.
 
-Not used with prefix caching, an EAGLE head or MTP layer, or KV / sequence-pipeline parallelism
-(raycluster.parallel.factory decides).
+Prefix caching on it: raycluster.engine.hybrid_prefix. Not used with an EAGLE head or MTP layer,
+or KV / sequence-pipeline parallelism (raycluster.parallel.factory decides).
 """
 
 from __future__ import annotations
@@ -32,9 +33,10 @@ from raycluster.request import Request
 class HybridKVManager(KVCacheManager):
     releases_window = True
 
-    def __init__(self, num_blocks: int, block_size: int, groups: KVGroups) -> None:
-        """`num_blocks`: the pool's blocks (KVGroups.pool_blocks of the all-layer count)."""
-        super().__init__(num_blocks + 1, block_size)
+    def __init__(self, num_blocks: int, block_size: int, groups: KVGroups, allocator=None) -> None:
+        """`num_blocks`: the pool's blocks (KVGroups.pool_blocks of the all-layer count);
+        `allocator`: of num_blocks + 1 blocks (prefix caching's, raycluster.engine.hybrid_prefix)."""
+        super().__init__(num_blocks + 1, block_size, allocator)
         self.groups = groups
         # What a released entry points to, never handed out (kept at refcount 1).
         self.null_block = self.allocator.allocate(1)[0]
@@ -103,7 +105,12 @@ class HybridKVManager(KVCacheManager):
                 self.released_total += dead - done
 
     def handoff_table(self, request_id: str) -> list[int]:
-        return [b for tables in self.group_tables for b in tables[request_id]]
+        """Every group's block of each logical block in turn (block-major), so that skipping a
+        prefix's blocks skips them in every group (`handoff_skip`)."""
+        return [b for blocks in zip(*(tables[request_id] for tables in self.group_tables)) for b in blocks]
+
+    def handoff_skip(self, blocks: int) -> int:
+        return blocks * self.groups.num_groups
 
     def fork(self, src_id: str, dst_id: str) -> None:
         if dst_id in self.block_tables:

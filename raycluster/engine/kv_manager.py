@@ -231,6 +231,10 @@ class KVCacheManager:
         """The blocks a KV handoff of `request_id` moves, in the order the receiver allocates them."""
         return list(self.block_tables[request_id])
 
+    def handoff_skip(self, blocks: int) -> int:
+        """Entries of `handoff_table` that cover a request's first `blocks` logical blocks."""
+        return blocks
+
     def try_allocate(self, req: Request, num_new_tokens: int) -> bool:
         """Grow `req`'s table to hold its computed tokens plus `num_new_tokens`."""
         table = self.block_tables.get(req.request_id, [])

@@ -174,6 +174,36 @@ class PrefixCachingAllocator(BlockAllocator):
             assert self._block_of.get(k) == b, f"block {b}: its key maps to {self._block_of.get(k)}"
 
 
+class PrefixLookups:
+    """The prefix cache's hit counters, in tokens. A request is counted once per admission (it is
+    looked up on arrival and again when first scheduled; a preemption, which frees its blocks,
+    starts a new admission); one that never runs (`withdraw`) takes its counts back."""
+
+    def __init__(self) -> None:
+        self._queried: dict[str, list[int]] = {}    # per request: the (query, hit) tokens counted
+        self.query_tokens = 0       # known tokens of requests looked up
+        self.hit_tokens = 0         # of those, found cached
+
+    def count(self, request_id: str, known: int, hit: int) -> None:
+        counted = self._queried.get(request_id)
+        if counted is None:
+            counted = self._queried[request_id] = [known, 0]
+            self.query_tokens += known
+        self.hit_tokens += hit
+        counted[1] += hit
+
+    def forget(self, request_id: str) -> None:
+        self._queried.pop(request_id, None)
+
+    def withdraw(self, request_id: str) -> None:
+        q, h = self._queried.pop(request_id, (0, 0))
+        self.query_tokens -= q
+        self.hit_tokens -= h
+
+    def rate(self) -> float:
+        return self.hit_tokens / self.query_tokens if self.query_tokens else 0.0
+
+
 class PrefixCachingKVManager(KVCacheManager):
     prefix_caching = True
 
@@ -182,12 +212,7 @@ class PrefixCachingKVManager(KVCacheManager):
         pool of `num_blocks`."""
         super().__init__(num_blocks, block_size, allocator or PrefixCachingAllocator(num_blocks))
         self._keys: dict[str, list[bytes]] = {}     # per request: keys of its leading full blocks
-        # Counted once per admission (a request is looked up on arrival and again when first
-        # scheduled; a preemption, which frees its blocks, starts a new admission): per request,
-        # the (query, hit) tokens this admission counted, so one that never runs takes them back.
-        self._queried: dict[str, list[int]] = {}
-        self.query_tokens = 0       # known tokens of requests looked up
-        self.hit_tokens = 0         # of those, found cached
+        self.lookups = PrefixLookups()
         # adapter name -> what its chains are rooted at (the engine's `LoRASet.roots`), so KV
         # made by an unloaded adapter never matches a later load under the same name
         self.lora_roots: dict[str, str] = {}
@@ -205,12 +230,7 @@ class PrefixCachingKVManager(KVCacheManager):
             return 0
         tokens, bs, a = req.all_token_ids, self.block_size, self.allocator
         keys, blocks = self._longest_cached(tokens, self._root(req.sampling.lora_adapter))
-        counted = self._queried.get(rid)
-        if counted is None:
-            counted = self._queried[rid] = [len(tokens), 0]
-            self.query_tokens += len(tokens)
-        self.hit_tokens += len(blocks) * bs
-        counted[1] += len(blocks) * bs
+        self.lookups.count(rid, len(tokens), len(blocks) * bs)
         if not blocks:
             return 0
         for b in blocks:
@@ -263,20 +283,26 @@ class PrefixCachingKVManager(KVCacheManager):
             a.register(table[i], parent)
             keys.append(parent)
 
+    @property
+    def query_tokens(self) -> int:
+        return self.lookups.query_tokens
+
+    @property
+    def hit_tokens(self) -> int:
+        return self.lookups.hit_tokens
+
     def hit_rate(self) -> float:
-        return self.hit_tokens / self.query_tokens if self.query_tokens else 0.0
+        return self.lookups.rate()
 
     def free(self, request_id: str) -> None:
         self._keys.pop(request_id, None)
-        self._queried.pop(request_id, None)
+        self.lookups.forget(request_id)
         super().free(request_id)
 
     def withdraw(self, request_id: str) -> None:
         """Free an admission that never ran (KV short): its lookup leaves the counters, since the
         request will be looked up again when it is admitted for real."""
-        q, h = self._queried.get(request_id, (0, 0))
-        self.query_tokens -= q
-        self.hit_tokens -= h
+        self.lookups.withdraw(request_id)
         self.free(request_id)
 
     def fork(self, src_id: str, dst_id: str) -> None:

@@ -160,7 +160,7 @@ class Scheduler:
         self.requests[req.request_id] = req
         self._holders[req.request_id] = req
         self.decoding[req.request_id] = req
-        skip = cached // self.kv.block_size
+        skip = self.kv.handoff_skip(cached // self.kv.block_size)
         return self.kv.handoff_table(req.request_id)[skip:], skip
 
     def kv_arrived(self, req: Request) -> None:

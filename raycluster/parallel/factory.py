@@ -16,6 +16,7 @@ import torch
 
 from raycluster.engine.config import HEAD_METHODS, EngineConfig
 from raycluster.engine.hybrid_kv import HybridKVManager
+from raycluster.engine.hybrid_prefix import HybridPrefixCachingKVManager
 from raycluster.engine.kv_groups import KVGroups, kv_groups
 from raycluster.engine.kv_manager import KVCacheManager
 from raycluster.engine.kv_memory import check_kv_fits
@@ -98,9 +99,9 @@ def releasable_window(config: EngineConfig, mcfg) -> int | None:
 
 def hybrid_groups(config: EngineConfig, mcfg) -> KVGroups | None:
     """The KV groups of a model mixing sliding and full layers, when the engine keeps a table per
-    group (raycluster.engine.hybrid_kv): one process or a TP group, without prefix caching or an
-    EAGLE head / MTP layer, unless `disable_hybrid_kv_cache_manager`; else None (one table)."""
-    if mcfg.is_encoder or config.disable_hybrid_kv_cache_manager or config.enable_prefix_caching:
+    group (raycluster.engine.hybrid_kv): one process or a TP group, without an EAGLE head / MTP
+    layer, unless `disable_hybrid_kv_cache_manager`; else None (one table)."""
+    if mcfg.is_encoder or config.disable_hybrid_kv_cache_manager:
         return None
     if config.speculative_method in HEAD_METHODS or config.kvp > 1 or config.spp > 1:
         return None
@@ -131,7 +132,7 @@ def _build_runner(config: EngineConfig, model, dtype: torch.dtype, model_path: s
         kv_manager = functools.partial(SlidingWindowKVManager, window=window)
     groups = hybrid_groups(config, model.config)
     if groups is not None:      # the same memory as a pool of blocks of `slots` layers each
-        kv_manager = functools.partial(_hybrid_manager, groups=groups)
+        kv_manager = functools.partial(_hybrid_manager, groups=groups, prefix_caching=config.enable_prefix_caching)
     kind = group_kind(config)
     if kind == "single" or config.group_launch == "threads":     # every rank's KV in this host's memory
         mcfg = dataclasses.replace(model.config, num_hidden_layers=model.config.num_hidden_layers + extra)
@@ -195,8 +196,9 @@ def _build_runner(config: EngineConfig, model, dtype: torch.dtype, model_path: s
                      tp=config.tp, kvp=config.kvp, expert_parallel=config.enable_expert_parallel)
 
 
-def _hybrid_manager(blocks: int, block_size: int, groups: KVGroups) -> HybridKVManager:
-    return HybridKVManager(groups.pool_blocks(blocks), block_size, groups)
+def _hybrid_manager(blocks: int, block_size: int, groups: KVGroups, prefix_caching: bool) -> HybridKVManager:
+    manager = HybridPrefixCachingKVManager if prefix_caching else HybridKVManager
+    return manager(groups.pool_blocks(blocks), block_size, groups)
 
 
 def eagle_kv_layers(config: EngineConfig) -> int:

@@ -134,14 +134,14 @@ def test_hf_overrides_are_one_json_object_for_every_pool():
 
 
 def test_prefill_and_decode_pools_must_lay_kv_out_alike():
-    """A model mixing sliding and full layers: a decode pool with prefix caching keeps one table
-    while the prefill pools use the hybrid cache's groups, so their KV could not move; refused
-    naming the pool. The same options everywhere, or a model without the mix, are fine."""
+    """A model mixing sliding and full layers: a decode pool that keeps one table while the
+    prefill pools use the hybrid cache's groups could not take their KV; refused naming the pool.
+    The same options everywhere, or a model without the mix, are fine."""
     from raycluster.model.config import ModelConfig
     from raycluster.model.tiny import tiny_config
 
     mixed_layers = ModelConfig.from_dict(tiny_config(architectures=["GptOssForCausalLM"], num_hidden_layers=4))
-    split = ClusterConfig(pools=[*PD[:2], {"role": "decode", "engine": {"enable_prefix_caching": True}}])
+    split = ClusterConfig(pools=[*PD[:2], {"role": "decode", "engine": {"disable_hybrid_kv_cache_manager": True}}])
     problem = split.kv_layout_problem(mixed_layers)
     assert problem.startswith("pools[2].engine:") and "pools[0] (prefill-short)" in problem
     assert split.kv_layout_problem(ModelConfig.from_dict(tiny_config())) is None
@@ -149,5 +149,5 @@ def test_prefill_and_decode_pools_must_lay_kv_out_alike():
     assert same.kv_layout_problem(mixed_layers) is None
     assert ClusterConfig(pools=PD).kv_layout_problem(mixed_layers) is None
     # A mixed pool hands no KV over: it may differ.
-    assert ClusterConfig(pools=[{"role": "mixed", "engine": {"enable_prefix_caching": True}}, *PD]) \
+    assert ClusterConfig(pools=[{"role": "mixed", "engine": {"disable_hybrid_kv_cache_manager": True}}, *PD]) \
         .kv_layout_problem(mixed_layers) is None

@@ -74,7 +74,9 @@ def test_tables_grow_alike_and_sliding_groups_give_back_their_past():
     kv.check()
     kv.fork("a", "a2")                                  # parallel samples share all but the nulls
     kv.check()
-    assert kv.handoff_table("a") == kv.block_tables["a"] + sliding
+    # Block by block, each in every group: a skipped prefix is skipped in every group.
+    assert kv.handoff_table("a") == [b for pair in zip(kv.block_tables["a"], sliding) for b in pair]
+    assert kv.handoff_skip(3) == 6
     assert not kv.try_allocate(_req("big", 200), 200)   # 25 blocks x 2 groups do not fit
     kv.free("a")
     kv.free("a2")
@@ -154,8 +156,8 @@ def test_a_tp_group_on_the_hybrid_cache(models):
 
 
 def test_a_handoff_between_hybrid_engines(models):
-    """The prefill side offers every group's blocks, group after group; the decode side,
-    laid out alike, allocates them in that order: its tokens are a plain engine's."""
+    """The prefill side offers every group's blocks, block by block; the decode side, laid out
+    alike, allocates them in that order: its tokens are a plain engine's."""
     model = models["gpt_oss"]
     prompt = _prompts(model.config.vocab_size - 10, (77,), seed=6)[0]
     hybrid, plain = _hybrid_and_plain(model)
@@ -186,3 +188,72 @@ def test_drafts_on_the_hybrid_cache(models):
     assert drafting.generate(prompts, sp) == want
     assert drafting.spec.draft_tokens > 0 and 0 < drafting.spec.accepted_tokens < drafting.spec.draft_tokens
     drafting.kv.check()
+
+
+# ---- prefix caching on the hybrid cache -------------------------------------------------------------
+def test_a_hit_needs_every_full_block_and_the_sliding_groups_window(monkeypatch):
+    """A's 56 computed tokens (7 blocks of 8; window 24) are cached in both groups. A hit of h
+    blocks needs blocks 0..h-1 of the full group and, of the sliding group, those from the one
+    holding position 8h - 23 on; with the sliding group's later blocks gone it is shorter. The hit's
+    sliding entries before its window are null, as if released."""
+    from raycluster.engine.hybrid_prefix import HybridPrefixCachingKVManager
+
+    groups = kv_groups(ModelConfig.from_dict(tiny_config(**GPT_OSS)))
+    kv = HybridPrefixCachingKVManager(40, 8, groups)
+    a = _req("a", 57)
+    assert kv.match_prefix(a) == 0 and kv.try_allocate(a, 57)
+    a.num_computed_tokens = 56
+    kv.cache_full_blocks(a, 56)
+    kv.release_outside_window([a])          # the sliding group's blocks 0-3 leave its window, findable still
+    sliding = kv.extra_group_tables[0]["a"]
+    assert kv.cached_prefix_tokens(a.all_token_ids) == 56
+    hidden: set[int] = set()
+    lookup = kv.allocator.lookup
+    monkeypatch.setattr(kv.allocator, "lookup", lambda key: None if lookup(key) in hidden else lookup(key))
+    hidden.add(sliding[6])
+    assert kv.cached_prefix_tokens(a.all_token_ids) == 48          # blocks 3-5 serve a hit of 6
+    hidden.add(sliding[5])
+    assert kv.cached_prefix_tokens(a.all_token_ids) == 40          # blocks 2-4 serve a hit of 5
+    hidden.add(kv.block_tables["a"][2])
+    assert kv.cached_prefix_tokens(a.all_token_ids) == 16          # the full group's chain ends at 2
+    monkeypatch.undo()
+    b = _req("b", 57)
+    assert kv.match_prefix(b) == 56
+    table = kv.extra_group_tables[0]["b"]
+    assert table[:4] == [kv.null_block] * 4 and table[4:] == sliding[4:7]
+    assert kv.block_tables["b"] == kv.block_tables["a"][:7]
+    kv.check()
+    assert kv.hit_tokens == 56 and kv.query_tokens == 2 * 57
+    for rid in ("a", "b"):
+        kv.free(rid)
+    kv.check()
+    assert kv.num_free_blocks == kv.num_blocks
+
+
+@pytest.mark.parametrize("group", [{}, {"tp": 2}], ids=["single", "tp2"])
+def test_prefix_caching_on_the_hybrid_cache_gives_the_plain_tokens(models, group):
+    """Timed arrivals sharing a 70-token prefix (past the 24-token window), some asking for prompt
+    log-probabilities: the tokens of an engine without prefix caching, hits counted."""
+    from test_tp import engine_matches_plain
+
+    model = models["gpt_oss"]
+    engine_matches_plain(model, group, "tp2" if group else "single")
+
+
+def test_a_handoff_skips_a_prefix_the_decode_side_has_cached(models):
+    """The decode engine has the prompt's first two blocks cached (a 40-token shared start, past
+    the 24-token window): it pulls the rest of every group's blocks, the handoff table's first
+    2 x groups entries skipped, and decodes a plain engine's tokens."""
+    model = models["gemma3"]
+    rng = random.Random(3)
+    shared = [rng.randrange(6, 4000) for _ in range(40)]
+    prompt = shared + [rng.randrange(6, 4000) for _ in range(57)]
+    cfg = {**BASE, "kv_cache_tokens": 2048, "chunk_size": 32}
+    want = LLMEngine(EngineConfig(**cfg, disable_hybrid_kv_cache_manager=True), model).generate([prompt], GREEDY)[0]
+    prefill, decode = (LLMEngine(EngineConfig(**cfg, enable_prefix_caching=True), model) for _ in range(2))
+    decode.generate([shared + [7, 8, 9]], GREEDY)
+    first, data = _prefill(prefill, "h", prompt)
+    groups = prefill.kv.groups
+    assert data.shape[1] == groups.num_groups * -(-len(prompt) // BS)
+    tokens, moved, _ = _decode(decode, "h", prompt, first, data)
+    assert moved == [2 * groups.num_groups] and first == want[:1] and tokens == want

@@ -150,6 +150,8 @@ def _group(model, tp: int, **cfg) -> TPRunner:
 def _close(runner: TPRunner) -> None:
     runner.close()
     runner.close()              # idempotent
+    if runner.ranks is None:    # a single-process runner (the group helpers below run on one too)
+        return
     assert runner.ranks.errors == []
     assert not any(t.is_alive() for t in runner.ranks._threads), "ranks did not leave serve_rank"
 
