@@ -65,6 +65,9 @@ MOE_ARCHITECTURES = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCa
 # Architectures served from no quantized checkpoint (raycluster.model.quant): Phi-3's fused
 # projections, DeepSeek's latent attention, gpt-oss's stacked experts (its own MXFP4 files aside).
 UNQUANTIZABLE = ("Phi3ForCausalLM", "DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM", GPT_OSS)
+# Of those, served from FP8 checkpoints (DeepSeek-V3 / R1's own format; dequantized at load, so the
+# latent attention's absorbed projections read dense weights).
+FP8_ONLY = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
 
 
 class ModelConfigError(ValueError):
@@ -332,10 +335,10 @@ class ModelConfig:
             quant = parse_quant_config(raw_quant)
         except QuantConfigError as e:
             raise ModelConfigError(str(e)) from None
-        if quant is not None and arch in UNQUANTIZABLE:
+        if quant is not None and arch in UNQUANTIZABLE and not (arch in FP8_ONLY and not quant.integer):
             raise ModelConfigError(f"config field 'quantization_config': quantized {arch} checkpoints (Phi-3's fused "
-                                   "projections, DeepSeek's latent attention, gpt-oss's stacked experts beyond its "
-                                   "MXFP4 files) are not supported")
+                                   "projections, DeepSeek's latent attention beyond its FP8 releases, gpt-oss's "
+                                   "stacked experts beyond its MXFP4 files) are not supported")
         try:
             pooler = read_pooler_config(None, d)
         except PoolerConfigError as e:

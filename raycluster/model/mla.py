@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from raycluster.model.mla_config import MLASpec, softmax_scale
+from raycluster.model.quant.linear import dense_weight
 from raycluster.model.rope import apply_rope
 
 
@@ -59,7 +60,7 @@ class MLAttention(nn.Module):
         latent, k_pe = self.kv_a_proj_with_mqa(x).split([m.kv_lora_rank, m.qk_rope_head_dim], dim=-1)
         latent = self.kv_a_layernorm(latent)
         q_pe, k_pe = apply_rope(q_pe, k_pe.view(t, 1, -1), cos, sin, self.interleaved)
-        w = self.kv_b_proj.weight.view(h, m.qk_nope_head_dim + m.v_head_dim, m.kv_lora_rank)
+        w = dense_weight(self.kv_b_proj).view(h, m.qk_nope_head_dim + m.v_head_dim, m.kv_lora_rank)
         q_lat = torch.einsum("thn,hnl->thl", q_nope, w[:, :m.qk_nope_head_dim])
         keys = torch.cat([latent.unsqueeze(1), k_pe], dim=-1)                     # [T, 1, L + R]
         values = torch.cat([latent, latent.new_zeros(t, m.qk_rope_head_dim)], dim=-1).unsqueeze(1)

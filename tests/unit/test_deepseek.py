@@ -4,7 +4,8 @@ shared expert (raycluster.model.moe; V2's softmax routing within the groups of t
 scores). config.json read as transformers reads it; the absorbed
 attention against the plain formula (every head's keys and values expanded from the latents);
 the engine's greedy tokens equal to transformers' `generate` (q through its low-rank bottleneck,
-and DeepSeek-V2-Lite's single q_proj); a KVP group and a pipeline equal to one process; what is
+and DeepSeek-V2-Lite's single q_proj); FP8 block-quantized checkpoints (the released format)
+against transformers and on a TP group; a KVP group and a pipeline equal to one process; what is
 refused. Logits against transformers, chunked and decoded: test_model_hf.py; tp groups (heads
 split, the latent head replicated) and shards read from the file: test_tp.py, test_shard_load.py."""
 
@@ -47,7 +48,8 @@ def test_config_reads_the_latent_attention_and_the_routing():
 @pytest.mark.parametrize("over, field", [
     (dict(kv_lora_rank=0), "kv_lora_rank"), (dict(qk_rope_head_dim=7), "qk_rope_head_dim"),
     (dict(n_group=3), "n_group"), (dict(routed_scaling_factor=-1), "routed_scaling_factor"),
-    (dict(quantization_config={"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128]}),
+    # FP8 (its own releases' format) is served; integer weights are not.
+    (dict(quantization_config={"quant_method": "gptq", "bits": 4, "group_size": 32, "sym": True}),
      "quantization_config"),
 ])
 def test_config_errors_name_the_field(over, field):
@@ -129,3 +131,61 @@ def test_the_cache_holds_one_latent_head_per_token(deepseek):
     # 3 layers x (keys + values) x 40 fp32 numbers: 960 bytes a token, where expanded per-head
     # keys and values (8 heads x (24 + 16)) would take 3 x 8 x 40 x 4 = 3840.
     assert eng.runner.kv_bytes_per_token() == 960
+
+
+@pytest.fixture(scope="module")
+def deepseek_fp8(deepseek, tmp_path_factory):
+    """The tiny checkpoint in DeepSeek-V3's released format: FP8 weights in 8 x 8 blocks with
+    `weight_scale_inv`, the router, norms, embedding and head dense."""
+    from raycluster.model.quant.write import quantize_checkpoint
+
+    path = str(tmp_path_factory.mktemp("dsv3-fp8"))
+    quantize_checkpoint(deepseek[0], path, "fp8-block", 8)
+    return path, load_model(path, quant_kernels="quantized")[0]
+
+
+def test_an_fp8_checkpoint_equals_transformers(deepseek, deepseek_fp8):
+    """Dequantized at load (the absorbed kv_b_proj reads the dense weight): transformers' own FP8
+    dequantization gives the same logits, which differ from the unquantized model's."""
+    transformers = pytest.importorskip("transformers")
+    from test_model_hf import _prompt, run_chunks
+
+    from raycluster.model.quant.linear import QuantLinear
+
+    path, model = deepseek_fp8
+    attn = model.model.layers[1].self_attn
+    assert isinstance(attn.kv_b_proj, QuantLinear) and isinstance(attn.q_a_proj, QuantLinear)
+    assert isinstance(model.model.layers[1].mlp.experts["0"].down_proj, QuantLinear)
+    assert type(model.model.layers[1].mlp.gate).__name__ == "DeepseekRouter"
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    ids = _prompt(60, 2000)
+    got, _, _ = run_chunks(model, ids, [60])
+    with torch.no_grad():
+        want = hf(torch.tensor([ids])).logits[0]
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-5)
+    dense, _, _ = run_chunks(deepseek[1], ids, [60])
+    assert (dense - want).abs().max() > 1e-3
+
+
+def test_an_fp8_checkpoint_on_a_tp_group(deepseek_fp8):
+    """Each rank reads its heads' rows of the FP8 projections and their block scales."""
+    from test_tp import BASE, BS, _close, same_as_single_runner
+
+    from raycluster.model.loader import load_config
+    from raycluster.parallel.factory import build_runner
+    from raycluster.parallel.shard import Checkpoint
+
+    path, model = deepseek_fp8
+    runner = build_runner(EngineConfig(**{**BASE, "kv_cache_tokens": 64 * BS, "tp": 2, "quant_kernels": "quantized"}),
+                          Checkpoint(path, load_config(path), "quantized"), torch.float32)
+    try:
+        same_as_single_runner(model, runner)
+    finally:
+        _close(runner)
+
+
+def test_raycluster_quantize_writes_deepseek_as_fp8_only(deepseek, tmp_path):
+    from raycluster.model.quant.write import quantize_checkpoint
+
+    with pytest.raises(ValueError, match="beyond FP8"):
+        quantize_checkpoint(deepseek[0], str(tmp_path / "q"), "w4a16", 32)

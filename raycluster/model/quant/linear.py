@@ -195,6 +195,17 @@ class RowParallelQuantLinear(QuantLinear):
         return super().forward(x)
 
 
+def dense_weight(linear: nn.Module) -> torch.Tensor:
+    """The [out, in] weight of a linear layer that holds one dense: an nn.Linear's, or a
+    QuantLinear's dequantized at load (DenseMatmul: FP8 checkpoints). A layer whose weight is
+    read as a tensor, not only multiplied (DeepSeek's absorbed kv_b_proj), needs one."""
+    if isinstance(linear, QuantLinear):
+        if not isinstance(linear.matmul, DenseMatmul):
+            raise ValueError(f"{linear}: its weight is kept packed ({type(linear.matmul).__name__}), not dense")
+        return linear.matmul.weight
+    return linear.weight
+
+
 def quantize_linears(module: nn.Module, qc: QuantConfig, prefix: str) -> None:
     """Replace every nn.Linear under `module` (whose parameters are named `prefix`.<name>) that
     the checkpoint stores quantized (`qc.quantizes`) by a QuantLinear of the same shape."""

@@ -31,7 +31,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from raycluster.model.config import UNQUANTIZABLE
+from raycluster.model.config import FP8_ONLY, UNQUANTIZABLE
 from raycluster.model.multimodal_config import MULTIMODAL_ARCHITECTURES
 from raycluster.model.quant.config import QuantConfig, parse_quant_config
 from raycluster.model.quant.formats import AWQ_ORDER
@@ -192,11 +192,12 @@ def quantize_checkpoint(src: str, dst: str, scheme: str, group_size: int = 128) 
     if config.get("quantization_config"):
         raise ValueError(f"{src!r} is already quantized ({config['quantization_config'].get('quant_method')})")
     arch = next(iter(config.get("architectures") or ()), None)
-    if arch in UNQUANTIZABLE or arch in MULTIMODAL_ARCHITECTURES:
-        raise ValueError(f"{src!r} is a {arch} checkpoint: its quantized form is not served (Phi-3's fused "
-                         "projections, DeepSeek's latent attention, gpt-oss's stacked experts, image-text models)")
     raw = scheme_config(scheme, group_size)
     qc = parse_quant_config(raw)
+    if (arch in UNQUANTIZABLE and not (arch in FP8_ONLY and not qc.integer)) or arch in MULTIMODAL_ARCHITECTURES:
+        raise ValueError(f"{src!r} is a {arch} checkpoint: its quantized form is not served (Phi-3's fused "
+                         "projections, DeepSeek's latent attention beyond FP8, gpt-oss's stacked experts, "
+                         "image-text models)")
     tensors = _read_all(src)
     out = {}
     for name, t in tensors.items():
