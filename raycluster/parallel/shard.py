@@ -60,6 +60,8 @@ from raycluster.model.stacked_experts import stacked_expert_part
 from raycluster.model.tensor_parts import WHOLE, RowsPart, TensorPart
 from raycluster.model.lora import TARGETS as LORA_TARGETS, LoRAAdapter
 from raycluster.model.quant.config import QuantConfig
+from raycluster.parallel.head_norm import HeadShardedRMSNorm
+from raycluster.parallel.kv_heads import expert_range, kv_heads_of, kv_holder, kv_split
 from raycluster.parallel.tp_check import check_tp
 from raycluster.model.quant.formats import tensor_dims
 from raycluster.model.quant.linear import Kernels, QuantLinear, RowParallelQuantLinear, finalize_quantized, is_quantized
@@ -87,35 +89,6 @@ class Checkpoint:
     quant_kernels: Kernels = "auto"
 
 
-def kv_split(num_kv_heads: int, tp: int) -> tuple[int, int]:
-    """(KV heads each rank holds, ranks holding each KV head) over `tp` ranks: num_kv_heads / tp
-    heads per rank, each on one rank; or, when tp > num_kv_heads (vLLM's replication), one head
-    per rank, each on tp / num_kv_heads consecutive ranks."""
-    if tp <= num_kv_heads:
-        return num_kv_heads // tp, 1
-    return 1, tp // num_kv_heads
-
-
-def kv_heads_of(num_kv_heads: int, tp: int, rank: int) -> tuple[int, int]:
-    """(first, count) of the KV heads rank `rank` of `tp` holds: a contiguous block of count
-    heads, or with replication the one head rank // (tp / num_kv_heads). Its query heads
-    (a contiguous num_attention_heads / tp of them) all read these heads under GQA."""
-    per, replicas = kv_split(num_kv_heads, tp)
-    return (rank // replicas) * per, per
-
-
-def kv_holder(num_kv_heads: int, tp: int, rank: int) -> bool:
-    """Whether rank `rank` is the first of the ranks holding its KV heads (every rank without
-    replication): the one a whole block's heads are gathered from."""
-    return rank % kv_split(num_kv_heads, tp)[1] == 0
-
-
-def expert_range(num_experts: int, tp: int, rank: int) -> range:
-    """The experts rank `rank` of `tp` holds whole under expert parallelism: a contiguous share."""
-    per = num_experts // tp
-    return range(rank * per, (rank + 1) * per)
-
-
 def shard_config(cfg: ModelConfig, tp: int, rank: int = 0, expert_parallel: bool = False) -> ModelConfig:
     """The config rank `rank`'s layers are built from: its heads (one KV head when replicated),
     its share of the MLP, and of each expert's (tensor parallel) or of the experts (`expert_parallel`)."""
@@ -134,7 +107,8 @@ def shard_config(cfg: ModelConfig, tp: int, rank: int = 0, expert_parallel: bool
 
 
 def layer_part(name: str, rank: int, tp: int, num_kv_heads: int, experts: range | None = None,
-               quant: QuantConfig | None = None, halves: bool = False) -> TensorPart | None:
+               quant: QuantConfig | None = None, halves: bool = False,
+               head_norms: bool = False) -> TensorPart | None:
     """What rank `rank` of `tp` holds of a decoder layer's tensor `name` (relative to the layer):
     its chunk along the split dim, the whole tensor (norms, Qwen3's per-head-dim q/k norms), or
     None (a row-parallel bias off rank 0). k/v_proj rows (and biases) are its KV heads': chunk
@@ -143,7 +117,9 @@ def layer_part(name: str, rank: int, tp: int, num_kv_heads: int, experts: range 
     routed experts the rank holds whole (`expert_range`; the others' tensors: None). `quant`: a
     quantized checkpoint's config, whose tensors are cut along the dims running over the
     layer's output rows (column-split) or input columns (row-split): `formats.tensor_dims`.
-    `halves`: stacked experts store gate / up in halves (`MoEConfig.stacked`), not interleaved."""
+    `halves`: stacked experts store gate / up in halves (`MoEConfig.stacked`), not interleaved.
+    `head_norms`: the q/k norms' weights run over heads (OLMo 2's over the whole projection,
+    Command R+'s a row per head) and split as q_proj's / k_proj's rows do."""
     parts = name.split(".")
     module, param = parts[-2:]
     if module == "experts":             # stacked experts (gpt-oss, Llama 4, Qwen3-VL-MoE)
@@ -158,6 +134,8 @@ def layer_part(name: str, rank: int, tp: int, num_kv_heads: int, experts: range 
     n_dim, k_dim = (0, 1) if param == "weight" else (0, None)
     if quant is not None and module in _COLUMN + _ROW and param != "bias" and quant.quantizes(name.rpartition(".")[0]):
         n_dim, k_dim = tensor_dims(quant, param)
+    if head_norms and module in ("q_norm", "k_norm"):
+        module = "q_proj" if module == "q_norm" else "k_proj"
     if module in _KV and tp > num_kv_heads:
         first, _ = kv_heads_of(num_kv_heads, tp, rank)
         return WHOLE if n_dim is None else TensorPart(n_dim, first, num_kv_heads)
@@ -170,15 +148,17 @@ def layer_part(name: str, rank: int, tp: int, num_kv_heads: int, experts: range 
     return WHOLE
 
 
-def shard_layer_state(state: dict[str, torch.Tensor], rank: int, tp: int,
-                      num_kv_heads: int, experts: range | None = None, halves: bool = False) -> dict[str, torch.Tensor]:
+def shard_layer_state(state: dict[str, torch.Tensor], rank: int, tp: int, num_kv_heads: int,
+                      experts: range | None = None, halves: bool = False,
+                      head_norms: bool = False) -> dict[str, torch.Tensor]:
     """Rank `rank`'s tensors of one decoder layer's state dict (names relative to the layer):
     split ones are copied out (contiguous, so the full weights may be freed), norms (and an
     expert-parallel rank's whole experts) are shared, row-parallel biases are kept by rank 0
-    only. `num_kv_heads`: the model's, which k/v_proj are cut by; `experts`, `halves`: `layer_part`'s."""
+    only. `num_kv_heads`: the model's, which k/v_proj are cut by; `experts`, `halves`,
+    `head_norms`: `layer_part`'s."""
     out = {}
     for name, t in state.items():
-        part = layer_part(name, rank, tp, num_kv_heads, experts, halves=halves)
+        part = layer_part(name, rank, tp, num_kv_heads, experts, halves=halves, head_norms=head_norms)
         if part is None:
             continue
         out[name] = part.take(t).clone(memory_format=torch.contiguous_format) if part is not WHOLE else t
@@ -232,6 +212,10 @@ def _shard_layer(cfg: ModelConfig, full_cfg: ModelConfig, rank: int, reduce: Cal
     layer = DecoderLayer(cfg, index)
     attn = layer.self_attn
     attn.o_proj = _row_parallel(attn.o_proj, full_cfg.o_bias and rank == 0, reduce)
+    if full_cfg.qk_norm_across_heads:       # OLMo 2: the RMS of the whole projection, over the group
+        tp = full_cfg.num_attention_heads // cfg.num_attention_heads
+        attn.q_norm, attn.k_norm = (HeadShardedRMSNorm(norm.weight.shape[0], cfg.rms_norm_eps, tp, reduce)
+                                    for norm in (attn.q_norm, attn.k_norm))
     if full_cfg.is_moe_layer(index):
         layer.ffn.reduce = reduce
         if full_cfg.moe.gpt_oss and not cfg.moe.local_experts and rank:
@@ -302,6 +286,11 @@ def _lane_rows(weight: torch.Tensor, lo: int, hi: int, rows: int) -> torch.Tenso
     return weight[lo:hi] if hi - lo == rows else pad_rows(weight[lo:hi], rows)
 
 
+def _head_norms(cfg: ModelConfig) -> bool:
+    """Whether the q/k norms' weights run over heads (split with them)."""
+    return cfg.qk_norm_across_heads or cfg.qk_norm_per_head_weights
+
+
 def _halves(cfg: ModelConfig) -> bool:
     """Whether the model's stacked experts hold gate / up in halves."""
     return cfg.moe is not None and cfg.moe.stacked == "halves"
@@ -340,7 +329,8 @@ def shard_model(model: LlamaForCausalLM, rank: int, tp: int,
     def layer_state(i: int) -> dict[str, torch.Tensor]:
         prefix = f"model.layers.{i}."
         return shard_layer_state({k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)}, rank, tp,
-                                 model.config.num_key_value_heads, experts, _halves(model.config))
+                                 model.config.num_key_value_heads, experts, _halves(model.config),
+                                 _head_norms(model.config))
 
     sharded = _assemble(model.config, rank, tp, reduce, layers, layer_state, expert_parallel)
     sharded.model.norm = model.model.norm
@@ -379,7 +369,7 @@ def load_shard(ckpt: Checkpoint, rank: int, tp: int, reduce: Callable[[torch.Ten
     for i in layers:
         for name in _layer_names(full_cfg, i):
             part = layer_part(f"model.layers.{i}.{name}", rank, tp, full_cfg.num_key_value_heads, experts,
-                              full_cfg.quant, _halves(full_cfg))
+                              full_cfg.quant, _halves(full_cfg), _head_norms(full_cfg))
             if part is not None:
                 wanted[f"model.layers.{i}.{name}"] = part
     tied = full_cfg.tie_word_embeddings

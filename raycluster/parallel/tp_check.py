@@ -26,10 +26,6 @@ def check_tp(cfg: ModelConfig, tp: int, expert_parallel: bool = False) -> None:
         if n % tp:
             raise ValueError(f"tp: {tp} ranks do not divide the model's {name} ({n}); choose a tp that "
                              "divides the attention heads and the (experts') intermediate size")
-    if tp > 1 and (cfg.qk_norm_across_heads or cfg.qk_norm_per_head_weights):
-        raise ValueError(f"tp: {tp} ranks for a model whose q/k norms span every head (OLMo 2: a rank holding some "
-                         "heads cannot norm them alone) or hold a weight row per head (Command R+: not split over "
-                         "ranks here); use tp 1 (kvp and spp groups serve it)")
     kv = cfg.num_key_value_heads
     if kv % tp and tp % kv:
         raise ValueError(f"tp: {tp} ranks neither divide the model's num_key_value_heads ({kv}) nor are a "

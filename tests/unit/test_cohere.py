@@ -10,11 +10,9 @@ import pytest
 import torch
 from family_checks import greedy_equals_transformers, pipeline_equals_single_runner
 
-from raycluster.engine.config import EngineConfig
 from raycluster.model.config import ModelConfig, ModelConfigError
 from raycluster.model.loader import load_model
 from raycluster.model.tiny import tiny_config, write_tiny_model
-from raycluster.parallel.factory import build_runner
 
 
 def _config(arch: str, **over) -> ModelConfig:
@@ -63,9 +61,17 @@ def test_a_pipeline_gives_the_single_runners_hidden_rows(command, monkeypatch):
     pipeline_equals_single_runner(command[1], monkeypatch)
 
 
-def test_tp_is_refused_for_per_head_qk_norm_weights(tmp_path):
+def test_per_head_qk_norm_weights_split_with_their_heads(tmp_path):
+    """Command R+: a tp rank holds the q/k norm rows of its heads (its KV head's when replicated)."""
+    from raycluster.parallel.shard import shard_model
+
     path = write_tiny_model(tmp_path, architectures=["CohereForCausalLM"], num_hidden_layers=1, use_qk_norm=True)
     model, _ = load_model(path)
-    assert model.model.layers[0].self_attn.q_norm.weight.shape == (8, 32)
-    with pytest.raises(ValueError, match="weight row per head"):
-        build_runner(EngineConfig(kv_cache_tokens=1024, tp=2, policy="fcfs", packer="token"), model, torch.float32)
+    attn = model.model.layers[0].self_attn
+    assert attn.q_norm.weight.shape == (8, 32)
+    for tp in (2, 4):
+        for rank in range(tp):
+            shard = shard_model(model, rank, tp).model.layers[0].self_attn
+            assert torch.equal(shard.q_norm.weight, attn.q_norm.weight[rank * 8 // tp:(rank + 1) * 8 // tp])
+            kv = rank * 2 // tp
+            assert torch.equal(shard.k_norm.weight, attn.k_norm.weight[kv:kv + max(1, 2 // tp)])

@@ -8,14 +8,14 @@ chunked and decoded: test_model_hf.py."""
 from __future__ import annotations
 
 import pytest
-import torch
 from family_checks import greedy_equals_transformers, pipeline_equals_single_runner
 
 from raycluster.engine.config import EngineConfig
+from raycluster.engine.engine import LLMEngine
 from raycluster.model.config import ModelConfig, ModelConfigError
 from raycluster.model.loader import load_model
 from raycluster.model.tiny import tiny_config, write_tiny_model
-from raycluster.parallel.factory import build_runner
+from raycluster.request import SamplingParams
 
 
 @pytest.fixture(scope="module", params=["Olmo2ForCausalLM", "Olmo3ForCausalLM"])
@@ -60,7 +60,18 @@ def test_a_pipeline_gives_the_single_runners_hidden_rows(olmo2, monkeypatch):
     pipeline_equals_single_runner(olmo2[1], monkeypatch)
 
 
-def test_tensor_parallelism_is_refused_by_name(olmo2):
+def test_a_tp_engine_gives_the_single_engines_tokens(olmo2):
+    """Each rank norms its heads' part of q and k by the RMS of the whole projection (the ranks'
+    sums of squares all-reduced): the engine's greedy tokens are one process's."""
+    from test_model_hf import _prompt
+
     _, model = olmo2
-    with pytest.raises(ValueError, match="q/k norms span every head"):
-        build_runner(EngineConfig(kv_cache_tokens=1024, tp=2, policy="fcfs", packer="token"), model, torch.float32)
+    prompts = [_prompt(n, 3000, seed=n) for n in (9, 40, 75)]
+    sp = SamplingParams(max_tokens=10, ignore_eos=True)
+    cfg = dict(kv_cache_tokens=1024, policy="fcfs", packer="token", num_threads=1, group_timeout_s=30)
+    want = LLMEngine(EngineConfig(**cfg), model).generate(prompts, sp)
+    eng = LLMEngine(EngineConfig(**cfg, tp=2), model)
+    try:
+        assert eng.runner.layout == "tp2" and eng.generate(prompts, sp) == want
+    finally:
+        eng.runner.close()

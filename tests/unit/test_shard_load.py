@@ -52,7 +52,7 @@ def _split_with_index(src: str, dst: str) -> str:
 def paths(tiny_model_dir, tmp_path_factory):
     out = {"tiny": str(tiny_model_dir)}
     for name in ("qwen2", "gqa-bias", "qwen3", "qwen2-moe", "mixtral", "phi3", "glm4", "deepseek_v3", "starcoder2",
-                 "gpt_oss", "llama4", "granite_moe", "apertus"):
+                 "gpt_oss", "llama4", "granite_moe", "apertus", "olmo2", "cohere_qk_norm"):
         out[name] = write_tiny_model(tmp_path_factory.mktemp(name), seed=1, **VARIANTS[name])
     out["sharded"] = _split_with_index(out["gqa-bias"], str(tmp_path_factory.mktemp("sharded") / "m"))
     return out
@@ -84,7 +84,7 @@ def _same_shard(a: torch.nn.Module, b: torch.nn.Module) -> None:
 
 @pytest.mark.parametrize("name", ["tiny", "qwen2", "gqa-bias", "qwen3", "sharded", "qwen2-moe", "mixtral", "phi3",
                                   "glm4", "deepseek_v3", "starcoder2", "gpt_oss", "llama4",
-                                  "granite_moe", "apertus"])
+                                  "granite_moe", "apertus", "olmo2", "cohere_qk_norm"])
 def test_a_file_loaded_shard_equals_the_shard_cut_from_the_full_model(paths, name):
     full, cfg = load_model(paths[name])
     ckpt = Checkpoint(paths[name], cfg)

@@ -120,6 +120,12 @@ VARIANTS = {
     "hunyuan": dict(architectures=["HunYuanDenseV1ForCausalLM"], num_hidden_layers=2),
     # Ministral 3: every rank scales its heads' queries alike.
     "ministral3": dict(architectures=["Ministral3ForCausalLM"], num_hidden_layers=2),
+    # OLMo 2 / 3: q/k norms over the whole projection (the ranks' sums of squares all-reduced;
+    # at tp 4 the 2 KV heads are replicated); Command R+: a q/k norm weight row per head.
+    "olmo2": dict(architectures=["Olmo2ForCausalLM"], num_hidden_layers=2),
+    "olmo3": dict(architectures=["Olmo3ForCausalLM"], num_hidden_layers=4),
+    "cohere_qk_norm": dict(architectures=["CohereForCausalLM"], num_hidden_layers=2, use_qk_norm=True,
+                           tie_word_embeddings=False),
 }
 
 
@@ -239,7 +245,8 @@ def same_as_single_runner(model, runner) -> ModelRunner:
                                         ("starcoder2", 2), ("gpt_oss", 2), ("gpt_oss", 4),
                                         ("llama4", 2), ("llama4", 4), ("granite_moe", 2), ("granite_moe", 4),
                                         ("ernie4_5", 2), ("arcee", 2), ("apertus", 2), ("hunyuan", 2),
-                                        ("ministral3", 2)])
+                                        ("ministral3", 2), ("olmo2", 2), ("olmo2", 4), ("olmo3", 2),
+                                        ("cohere_qk_norm", 2), ("cohere_qk_norm", 4)])
 def test_a_tp_group_gives_the_single_runners_logits_step_by_step(models, variant, tp):
     model = models[variant]
     runner = _group(model, tp)
