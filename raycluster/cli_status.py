@@ -75,6 +75,10 @@ def format_status(status: dict) -> str:
             per_pull = f", {inst.get('kv_pull_s', 0.0) / ok * 1e3:.1f} ms per pull" if ok else ""
             lines.append(f"  kv pulls: {ok} ok ({inst.get('kv_pull_blocks', 0)} blocks{per_pull}), "
                          f"{failed} failed and recomputed")
+        groups, released = inst.get("kv_groups", 1), inst.get("kv_released_blocks", 0)
+        if groups > 1 or released:  # a sliding-window model's KV: tables per layer group, blocks given back
+            lines.append(f"  kv cache: {f'hybrid, {groups} layer groups' if groups > 1 else 'one table'}, "
+                         f"{released} blocks given back out of the window")
         drafts = inst.get("spec_draft_tokens", 0)
         if drafts:                  # speculative decoding: how many drafts the model agreed with
             runs, per_pos = inst.get("spec_drafts", 0), inst.get("spec_accepted_per_pos") or []

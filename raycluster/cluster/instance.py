@@ -154,6 +154,7 @@ class InstanceWorker:
             spec_draft_tokens=eng.spec.draft_tokens, spec_accepted_tokens=eng.spec.accepted_tokens,
             spec_drafts=eng.spec.drafts, spec_accepted_per_pos=list(eng.spec.accepted_per_pos),
             preemptions=eng.scheduler.preempted_total, lora_adapters=list(self._lora_paths),
+            kv_groups=kv.groups.num_groups if kv.groups is not None else 1, kv_released_blocks=kv.released_total,
             lora_failed=dict(self._lora_failed), lora_version=self._lora_version)
 
     # ---- threads ---------------------------------------------------------------------------

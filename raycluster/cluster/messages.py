@@ -134,6 +134,8 @@ class InstanceStats:
     kv_pull_blocks: int = 0            # blocks the successful pulls moved
     kv_pull_s: float = 0.0             # wall time of the successful pulls
     preemptions: int = 0               # requests preempted (by recompute), so far
+    kv_groups: int = 1                 # block tables per request: a hybrid cache's layer groups (1: one table)
+    kv_released_blocks: int = 0        # blocks given back as they left a sliding window, so far
     spec_draft_tokens: int = 0         # speculative decoding: draft tokens run, so far
     spec_accepted_tokens: int = 0      # of those, accepted
     spec_drafts: int = 0               # verified runs of drafts

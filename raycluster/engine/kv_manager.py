@@ -186,6 +186,7 @@ class KVCacheManager:
     # here one table per request serves every layer.
     groups = None
     extra_group_tables: tuple = ()
+    released_total = 0          # blocks given back early as they left a sliding window (the managers that do)
 
     def __init__(self, num_blocks: int, block_size: int, allocator=None) -> None:
         """`allocator`: a `BlockAllocator`-like pool (e.g. the KVP ranks' striped one);

@@ -1,5 +1,6 @@
 """`raycluster status`'s table, from a router status JSON: exact lines, including the decode
-instances' KV pulls (moved vs recomputed, and the mean cost of a pull)."""
+instances' KV pulls (moved vs recomputed, and the mean cost of a pull) and a sliding-window model's KV
+tables (hybrid groups, blocks given back)."""
 
 from __future__ import annotations
 
@@ -58,3 +59,13 @@ def test_status_names_the_served_model_its_tasks_pooling_and_weights(tiny_model_
             "quantization_config": {"quant_method": "gptq", "bits": 4, "group_size": 32, "desc_act": False,
                                     "sym": True}}
     assert line(ModelConfig.from_dict(gptq)).endswith("weights gptq 4-bit group g32 (bfloat16)")
+
+
+def test_status_shows_a_sliding_window_models_kv_tables():
+    hybrid = {**STATUS["instances"][1], "kv_pulls_ok": 0, "kv_pulls_failed": 0, "kv_groups": 2,
+              "kv_released_blocks": 37}
+    sliding = {**hybrid, "id": "decode-d", "kv_groups": 1, "kv_released_blocks": 5}
+    lines = format_status({**STATUS, "instances": [hybrid, sliding, STATUS["instances"][0]]}).splitlines()
+    assert lines[3] == "  kv cache: hybrid, 2 layer groups, 37 blocks given back out of the window"
+    assert lines[5] == "  kv cache: one table, 5 blocks given back out of the window"
+    assert len(lines) == 7          # nothing for an instance whose every layer attends fully
