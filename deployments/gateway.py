@@ -71,6 +71,8 @@ def build_gateway_app():
                         delete=lambda rid: router.delete_response.remote(rid),
                         cancel=lambda rid: router.cancel_response.remote(rid),
                         statuses=lambda rids: router.response_statuses.remote(rids),
+                        append_events=lambda rid, events, done: router.append_response_events.remote(rid, events, done),
+                        events_after=lambda rid, after: router.response_events_after.remote(rid, after),
                         enabled=cfg.max_stored_responses > 0))
 
     @app.get("/v1/cluster/status")

@@ -244,6 +244,13 @@ class RouterActor:
     async def response_statuses(self, response_ids: list[str]) -> dict[str, str | None]:
         return self.responses.statuses(response_ids)
 
+    async def append_response_events(self, response_id: str, events: list[str], done: bool = False) -> None:
+        """A streamed background response's next events, for clients resuming its stream anywhere."""
+        self.responses.append_events(response_id, events, done)
+
+    async def response_events_after(self, response_id: str, after: int) -> tuple[list[str], bool] | None:
+        return self.responses.events_after(response_id, after)
+
     # ------------------------------------------------------------- inspection
     async def status(self) -> dict:
         st = self.core.status()

@@ -12,7 +12,8 @@ A record is a plain dict: {"response": the response object, "context": [input it
 background response is stored as soon as it is queued and again as it advances; `cancel` marks a
 running one cancelled, and a cancelled record stays so whatever is put over it later (the task
 that ran it may still be ending on another gateway replica, which learns of the cancel through
-`statuses`).
+`statuses`). A background response streamed as it runs also keeps its events (`append_events`,
+`events_after`), so a client may resume its stream from any gateway replica.
 """
 
 from __future__ import annotations
@@ -65,6 +66,22 @@ class ResponseStore:
             self._records[response_id] = record
         return record
 
+    def append_events(self, response_id: str, events: list[str], done: bool = False) -> None:
+        """More events of a streamed background response (event i has sequence_number i); `done`:
+        its stream has ended. Appended even to a cancelled record (its stream ends there)."""
+        record = self._records.get(response_id)
+        if record is not None:
+            record.setdefault("events", []).extend(events)
+            record["stream_done"] = record.get("stream_done", False) or done
+
+    def events_after(self, response_id: str, after: int) -> tuple[list[str], bool] | None:
+        """(the stored events with sequence_number > `after`, whether the stream has ended), or
+        None: no such response, or one not streamed in the background."""
+        record = self._records.get(response_id)
+        if record is None or "events" not in record:
+            return None
+        return record["events"][after + 1:], record.get("stream_done", False)
+
     def statuses(self, response_ids: list[str]) -> dict[str, str | None]:
         """Each response's status (None: not stored), without counting as a use."""
         return {rid: (r["response"].get("status") if (r := self._records.get(rid)) is not None else None)
@@ -100,17 +117,26 @@ class LocalResponses:
     async def statuses(self, response_ids: list[str]) -> dict[str, str | None]:
         return self.store.statuses(response_ids)
 
+    async def append_events(self, response_id: str, events: list[str], done: bool = False) -> None:
+        self.store.append_events(response_id, events, done)
+
+    async def events_after(self, response_id: str, after: int) -> tuple[list[str], bool] | None:
+        return self.store.events_after(response_id, after)
+
 
 class RemoteResponses:
     """The async facade over the router actor's store: each argument makes the awaitable of one
     of the actor's calls (`put_response`, `get_response`, `delete_response`, `cancel_response`,
-    `response_statuses`)."""
+    `response_statuses`, `append_response_events`, `response_events_after`)."""
 
     def __init__(self, put: Callable[[str, dict], Awaitable[None]], get: Callable[[str], Awaitable[Any]],
                  delete: Callable[[str], Awaitable[bool]], cancel: Callable[[str], Awaitable[Any]],
-                 statuses: Callable[[list[str]], Awaitable[dict]], enabled: bool = True) -> None:
+                 statuses: Callable[[list[str]], Awaitable[dict]],
+                 append_events: Callable[[str, list[str], bool], Awaitable[None]],
+                 events_after: Callable[[str, int], Awaitable[Any]], enabled: bool = True) -> None:
         self._put, self._get, self._delete, self.enabled = put, get, delete, enabled
         self._cancel, self._statuses = cancel, statuses
+        self._append_events, self._events_after = append_events, events_after
 
     async def put(self, response_id: str, record: dict[str, Any]) -> None:
         await self._put(response_id, record)
@@ -126,3 +152,10 @@ class RemoteResponses:
 
     async def statuses(self, response_ids: list[str]) -> dict[str, str | None]:
         return await self._statuses(response_ids)
+
+    async def append_events(self, response_id: str, events: list[str], done: bool = False) -> None:
+        await self._append_events(response_id, events, done)
+
+    async def events_after(self, response_id: str, after: int) -> tuple[list[str], bool] | None:
+        got = await self._events_after(response_id, after)
+        return None if got is None else (list(got[0]), bool(got[1]))

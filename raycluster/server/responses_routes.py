@@ -9,9 +9,10 @@ did not say `store: false` is kept once it has ended, with the context its input
 later request naming it in `previous_response_id` continues the whole conversation: the stored
 context, its output items, then the new input (its instructions are the new request's alone).
 An unknown `previous_response_id` is a 404 naming the field, as OpenAI answers. A `background`
-request (stored, not streamed) is answered `queued` at once and runs in this process
-(raycluster.server.responses_background) while clients poll it; `cancel` stops a running one, from
-any gateway replica. A response's input items (the context it continued, then its own input, each
+request (stored) is answered `queued` at once, or with `stream` its events as they come, and runs
+in this process (raycluster.server.responses_background) while clients poll it or resume its stream
+(GET with `stream=true&starting_after=N`, from any gateway replica); a client hanging up stops
+nothing; `cancel` stops a running one, from any gateway replica. A response's input items (the context it continued, then its own input, each
 with an id) list newest first by default, in pages of `limit` after / before an item id.
 """
 
@@ -21,7 +22,7 @@ import json
 from typing import Any
 
 from fastapi import Request as HTTPRequest
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, StreamingResponse
 
 from raycluster.server.protocol import error_body
 from raycluster.server.response_store import RUNNING
@@ -48,8 +49,6 @@ def _background_refusal(body: ResponsesRequest, storing: bool) -> JSONResponse |
                     "response is one to poll")
     if body.store is False:
         return _bad("store", "a background response must be stored (leave store out or set it true)")
-    if body.stream:
-        return _bad("stream", "streaming a background response is not supported: poll GET /v1/responses/{id}")
     return None
 
 
@@ -84,6 +83,9 @@ def add_responses_routes(app, chat_handler, names, store=None, poll_s: float = 0
         items = context + with_ids(input_items(body))
         if body.background:
             queued = dict(shell, status="queued")
+            if body.stream:         # the client may hang up: the response runs on, its stream resumable
+                events = await background.start_streamed(queued, items, lambda: chat_handler(chat_body, http))
+                return StreamingResponse(events.follow(), media_type="text/event-stream")
             await background.start(queued, items, lambda: chat_handler(chat_body, http))
             return queued
         result = await chat_handler(chat_body, http)
@@ -103,12 +105,22 @@ def add_responses_routes(app, chat_handler, names, store=None, poll_s: float = 0
         return JSONResponse(response, headers=_passed_headers(result))
 
     @app.get("/v1/responses/{response_id}")
-    async def stored_response(response_id: str):
+    async def stored_response(response_id: str, stream: bool = False, starting_after: str | None = None):
         record = await store.get(response_id) if storing else None
         if record is None:
             return _not_found("response_id", f"response_id: {response_id!r} not found" +
                               ("" if storing else ": this server stores no responses"))
-        return record["response"]
+        if not stream:
+            return record["response"]
+        if "events" not in record:
+            return _bad("stream", f"{response_id!r} was not created with background and stream true: it has no "
+                        "stream to resume")
+        if starting_after is not None and not starting_after.lstrip("-").isdigit():
+            return _bad("starting_after", f"must be an event's sequence_number, got {starting_after!r}")
+        after = -1 if starting_after is None else max(-1, int(starting_after))
+        running = background.running_log(response_id)
+        events = running.follow(after) if running is not None else background.follow_stored(response_id, after)
+        return StreamingResponse(events, media_type="text/event-stream")
 
     @app.get("/v1/responses/{response_id}/input_items")
     async def listed_input_items(response_id: str, limit: str = "20", order: str = "desc",

@@ -129,12 +129,53 @@ def test_cancelling_a_background_response_aborts_its_request(served):
 
 
 def test_background_refusals_name_their_field(served):
-    url, _, aeng, _, _ = served
-    for extra, field in (({"store": False}, "store"), ({"stream": True}, "stream")):
-        r = httpx.post(url + "/v1/responses", timeout=30, json={"model": "tiny", "input": "x", "background": True,
-                                                                 **extra})
+    url, client, aeng, _, _ = served
+    r = httpx.post(url + "/v1/responses", timeout=30, json={"model": "tiny", "input": "x", "background": True,
+                                                             "store": False})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "store", r.text
+    plain = client.responses.create(model="tiny", input="hi", max_output_tokens=3, temperature=0)
+    for params, field in (({"stream": "true"}, "stream"), ({"stream": "true", "starting_after": "x"}, "stream")):
+        r = httpx.get(f"{url}/v1/responses/{plain.id}", params=params, timeout=30)     # nothing streamed to resume
         assert r.status_code == 400 and r.json()["error"]["param"] == field, r.text
     assert all_free(aeng)
+
+
+def _events(lines) -> list[dict]:
+    """The JSON events of an SSE stream's lines."""
+    import json
+    return [json.loads(line[len("data: "):]) for line in lines if line.startswith("data: ")]
+
+
+def test_a_streamed_background_response_resumes_after_a_hang_up(served):
+    """The POST streams the events as they come; a client that hangs up after a few leaves the
+    response running, and resumes after the last sequence number it saw: the events join up
+    with no gap or repeat, and the text is the engine's."""
+    url, client, aeng, ref, tok = served
+    body = {"model": "tiny", "input": "Tell me about the sea.", "max_output_tokens": 24, "temperature": 0,
+            "background": True, "stream": True, "ignore_eos": True}
+    seen = []
+    with httpx.stream("POST", url + "/v1/responses", json=body, timeout=60) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        lines = r.iter_lines()
+        while len(seen) < 6:
+            line = next(lines)
+            if line.startswith("data: "):
+                seen += _events([line])
+    rid = seen[0]["response"]["id"]
+    assert [e["sequence_number"] for e in seen] == list(range(6)) and seen[0]["type"] == "response.created"
+    with httpx.stream("GET", f"{url}/v1/responses/{rid}", params={"stream": "true", "starting_after": 5},
+                      timeout=60) as r:
+        rest = _events(r.iter_lines())
+    assert [e["sequence_number"] for e in rest] == list(range(6, 6 + len(rest)))
+    assert rest[-1]["type"] == "response.incomplete"          # max_output_tokens ran out
+    text = "".join(e["delta"] for e in seen + rest if e["type"] == "response.output_text.delta")
+    want = _greedy(ref, tok, [{"role": "user", "content": "Tell me about the sea."}], 24)
+    assert text == want and client.responses.retrieve(rid).output_text == want
+    # The whole stream again, from the store, once it has ended.
+    with httpx.stream("GET", f"{url}/v1/responses/{rid}", params={"stream": "true"}, timeout=60) as r:
+        assert _events(r.iter_lines()) == seen + rest
+    assert all_free(aeng)
+
 
 
 def test_input_items_list_the_conversation_in_pages(served):
@@ -168,3 +209,20 @@ def test_input_items_list_the_conversation_in_pages(served):
     r = httpx.get(f"{url}/v1/responses/resp_nope/input_items", timeout=30)
     assert r.status_code == 404 and r.json()["error"]["param"] == "response_id"
     assert all_free(aeng)
+
+
+def test_cancelling_a_streamed_background_response_ends_its_streams(served):
+    url, client, aeng, _, _ = served
+    body = {"model": "tiny", "input": "Count.", "max_output_tokens": 3000, "temperature": 0, "background": True,
+            "stream": True, "ignore_eos": True}
+    with httpx.stream("POST", url + "/v1/responses", json=body, timeout=60) as r:
+        lines = r.iter_lines()
+        first = _events([next(line for line in lines if line.startswith("data: "))])[0]
+        rid = first["response"]["id"]
+        assert client.responses.cancel(rid).status == "cancelled"
+        rest = _events(lines)                   # the POST's own stream ends too
+    assert all_free(aeng, timeout=10)
+    with httpx.stream("GET", f"{url}/v1/responses/{rid}", params={"stream": "true"}, timeout=60) as r:
+        stored = _events(r.iter_lines())
+    assert stored[:1 + len(rest)] == [first] + rest and not any(e["type"] == "response.completed" for e in stored)
+    assert client.responses.retrieve(rid).status == "cancelled"

@@ -465,7 +465,20 @@ def test_openai_client_and_status(cluster):
                                    background=True, extra_body={"ignore_eos": True})
     assert client.responses.cancel(long.id).status == "cancelled"
     assert client.responses.retrieve(long.id).status == "cancelled"
-    assert httpx.get(url + "/v1/cluster/status", timeout=5).json()["stored_responses"] >= 5
+    # Streamed in the background: its events reach the router's store, where a stream resumes.
+    body = {"model": "tiny", "input": "hi", "max_output_tokens": 4, "temperature": 0, "background": True,
+            "stream": True}
+    with httpx.stream("POST", url + "/v1/responses", json=body, timeout=60) as r:
+        live = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: ")]
+    rid = live[0]["response"]["id"]
+    assert "".join(e["delta"] for e in live if e["type"] == "response.output_text.delta") == resp.output_text
+    deadline = time.monotonic() + 30
+    while client.responses.retrieve(rid).status == "in_progress" and time.monotonic() < deadline:
+        time.sleep(0.05)
+    with httpx.stream("GET", f"{url}/v1/responses/{rid}", params={"stream": "true", "starting_after": 1},
+                      timeout=60) as r:
+        assert [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: ")] == live[2:]
+    assert httpx.get(url + "/v1/cluster/status", timeout=5).json()["stored_responses"] >= 6
     metrics = httpx.get(url + "/metrics").text
     assert "raycluster_ttft_seconds_bucket" in metrics and "raycluster_instance_kv_usage" in metrics
     assert "raycluster_instance_prefill_backlog_tokens{" in metrics

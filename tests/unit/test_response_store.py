@@ -47,16 +47,23 @@ def test_the_remote_facade_awaits_the_actors_calls():
     responses = RemoteResponses(put=lambda rid, rec: later(store.put(rid, rec)),
                                 get=lambda rid: later(store.get(rid)), delete=lambda rid: later(store.delete(rid)),
                                 cancel=lambda rid: later(store.cancel(rid)),
-                                statuses=lambda rids: later(store.statuses(rids)))
+                                statuses=lambda rids: later(store.statuses(rids)),
+                                append_events=lambda rid, ev, done: later(store.append_events(rid, ev, done)),
+                                events_after=lambda rid, after: later(store.events_after(rid, after)))
 
     async def run():
         await responses.put("a", {"response": {"id": "a"}, "context": []})
         await responses.put("b", {"response": {"id": "b", "background": True, "status": "queued"}, "context": []})
+        await responses.put("s", {"response": {"id": "s", "background": True, "status": "queued"}, "context": [],
+                                  "events": []})
+        await responses.append_events("s", ["e0", "e1"])
+        await responses.append_events("s", ["e2"], True)
         cancelled = await responses.cancel("b")
         return (await responses.get("a"), await responses.delete("a"), await responses.get("a"),
-                cancelled["response"]["status"], await responses.statuses(["a", "b"]))
+                cancelled["response"]["status"], await responses.statuses(["a", "b"]),
+                await responses.events_after("s", 0), await responses.events_after("b", -1))
     assert asyncio.run(run()) == ({"response": {"id": "a"}, "context": []}, True, None, "cancelled",
-                                  {"a": None, "b": "cancelled"})
+                                  {"a": None, "b": "cancelled"}, (["e1", "e2"], True), None)
 
 
 def _record(rid, status, background=True):

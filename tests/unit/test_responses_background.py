@@ -1,7 +1,9 @@
 """Background responses without an engine: the chat request is a coroutine the test controls. A
 response is stored queued, then in progress, then as the chat answer ended it (completed, or failed
 with the chat route's error or the exception); a cancel aborts the task at once when it runs here,
-and within a poll when the store was told by another replica; a cancelled response stays so."""
+and within a poll when the store was told by another replica; a cancelled response stays so. A
+streamed one runs on when its client hangs up, its events logged and stored in order, and its
+stream resumes from the store (giving up when nothing comes)."""
 
 import asyncio
 import json
@@ -103,3 +105,69 @@ def test_cancel_here_aborts_at_once_and_cancel_elsewhere_within_a_poll():
     assert sorted(closed) == ["elsewhere", "here"]
     assert statuses == {"here": "cancelled", "elsewhere": "cancelled"}
     assert json.dumps(record)      # plain data, as the router actor would carry it
+
+
+def _chat_chunks(words, finish="stop"):
+    """A streamed chat completion's SSE chunks: one delta per word, then the finish and usage."""
+    for w in words:
+        yield f'data: {json.dumps({"model": "tiny", "choices": [{"index": 0, "delta": {"content": w}, "finish_reason": None}]})}\n\n'
+    last = {"model": "tiny", "choices": [{"index": 0, "delta": {}, "finish_reason": finish}],
+            "usage": {"prompt_tokens": 3, "completion_tokens": len(words), "total_tokens": 3 + len(words)}}
+    yield f"data: {json.dumps(last)}\n\n"
+    yield "data: [DONE]\n\n"
+
+
+def test_a_streamed_background_response_is_logged_stored_and_resumable():
+    from raycluster.server.streams import ClosingStreamingResponse
+
+    store = LocalResponses(ResponseStore(10))
+    runner = BackgroundResponses(store, poll_s=0.01)
+    closed = []
+
+    async def scenario():
+        go = asyncio.Event()
+
+        async def body():
+            for i, chunk in enumerate(_chat_chunks(["a", "b", "c"])):
+                if i == 2:
+                    await go.wait()         # the client hears the first events before the rest exist
+                yield chunk
+
+        async def request():
+            try:
+                yield None
+            finally:
+                closed.append("r")
+
+        async def chat():           # the chat route awaits each request's first output before answering
+            started = request()
+            await started.__anext__()
+            return ClosingStreamingResponse(body(), requests=[started], media_type="text/event-stream")
+        events = await runner.start_streamed(_queued("s"), [], chat)
+        first = []
+        async for e in events.follow():
+            first.append(e)
+            if len(first) == 3:
+                break                       # the client hangs up: the response runs on
+        go.set()
+        await _settle(runner)
+        resumed = [e async for e in runner.follow_stored("s", 2)]
+        return first, resumed, await store.get("s")
+    first, resumed, record = asyncio.run(scenario())
+    seqs = [json.loads(e.split("data: ", 1)[1])["sequence_number"] for e in first + resumed]
+    assert seqs == list(range(len(seqs))) and len(first) == 3
+    assert record["events"] == first + resumed and record["stream_done"] is True
+    assert record["response"]["status"] == "completed" and record["response"]["output"][0]["content"][0]["text"] == "abc"
+    assert '"type": "response.completed"' in resumed[-1] and closed == ["r"]
+
+
+def test_following_the_store_gives_up_when_nothing_comes():
+    """A streamed response whose replica went away (its events stop, never marked done)."""
+    store = LocalResponses(ResponseStore(10))
+    runner = BackgroundResponses(store, poll_s=0.01, idle_s=0.05)
+
+    async def scenario():
+        await store.put("x", {"response": _queued("x"), "context": [], "events": []})
+        await store.append_events("x", ["e0"])
+        return [e async for e in runner.follow_stored("x", -1)], [e async for e in runner.follow_stored("nope", -1)]
+    assert asyncio.run(scenario()) == (["e0"], [])
