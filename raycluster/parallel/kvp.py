@@ -65,15 +65,8 @@ from raycluster.engine.model_runner import execute_step, forward_keeping
 from raycluster.parallel.group import Collective
 from raycluster.parallel.head_kv import HeadKV
 from raycluster.parallel.kv_port import KV_TAG, KVLoad, KVSave, StagedPort, rank_handler
+from raycluster.parallel.kvp_layout import kvp_kv_manager
 from raycluster.parallel.lora_ranks import LoRAChange, RankAdapters
-# The layouts' allocators live in kvp_layout; imported here too, where they were first defined.
-from raycluster.parallel.kvp_layout import (  # noqa: F401
-    ProgressiveAllocator,
-    ProgressiveCachingAllocator,
-    StripedAllocator,
-    StripedCachingAllocator,
-    kvp_kv_manager,
-)
 from raycluster.parallel.plan import StepPlan, plan_inputs
 from raycluster.parallel.shard import Checkpoint, GroupModel, kv_heads_of, kv_holder, rank_model
 from raycluster.parallel.vocab import gather_logits

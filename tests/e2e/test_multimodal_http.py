@@ -9,7 +9,7 @@ from engine_http import all_free, serve_engine, tiny_parts
 
 from raycluster.engine.config import EngineConfig
 from raycluster.engine.engine import LLMEngine
-from raycluster.model.tiny import write_tiny_multimodal
+from raycluster.model.tiny_multimodal import write_tiny_multimodal
 from raycluster.request import SamplingParams
 
 

@@ -18,7 +18,8 @@ from raycluster.engine.model_runner import ModelRunner
 from raycluster.engine.scheduler import SchedulerOutput
 from raycluster.model.loader import load_model
 from raycluster.parallel.factory import build_runner
-from raycluster.parallel.kvp import StripedAllocator, local_share
+from raycluster.parallel.kvp import local_share
+from raycluster.parallel.kvp_layout import StripedAllocator
 from raycluster.parallel.plan import step_plan
 from raycluster.request import Request, SamplingParams
 

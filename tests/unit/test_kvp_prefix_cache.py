@@ -21,7 +21,7 @@ from raycluster.engine.prefix_cache import (
     block_key,
 )
 from raycluster.model.loader import load_model
-from raycluster.parallel.kvp import StripedAllocator, StripedCachingAllocator
+from raycluster.parallel.kvp_layout import StripedAllocator, StripedCachingAllocator
 from raycluster.request import Request, SamplingParams
 
 BS = 8

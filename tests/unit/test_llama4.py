@@ -18,7 +18,8 @@ from raycluster.engine.config import EngineConfig
 from raycluster.engine.engine import LLMEngine
 from raycluster.model.config import ModelConfig, ModelConfigError
 from raycluster.model.loader import load_model
-from raycluster.model.tiny import tiny_config, write_tiny_model, write_tiny_multimodal
+from raycluster.model.tiny import tiny_config, write_tiny_model
+from raycluster.model.tiny_multimodal import write_tiny_multimodal
 
 ARCH = ["Llama4ForCausalLM"]
 

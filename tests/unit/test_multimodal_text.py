@@ -17,7 +17,8 @@ from test_shard_load import _same_shard
 
 from raycluster.model.config import ModelConfig, ModelConfigError, model_summary
 from raycluster.model.loader import load_model
-from raycluster.model.tiny import tiny_config, write_tiny_multimodal
+from raycluster.model.tiny import tiny_config
+from raycluster.model.tiny_multimodal import write_tiny_multimodal
 from raycluster.parallel.shard import Checkpoint, load_shard, shard_model
 
 # Untied Gemma 3 (tied, the tiny checkpoint repeats its input token under greedy decoding).
