@@ -66,12 +66,13 @@ class HybridPrefixCachingKVManager(HybridKVManager):
             if any(lookup(_group_key(parent, g)) is None for g in full):
                 break
             keys.append(parent)
-        for hit in range(len(keys), 0, -1):             # the longest the sliding groups serve too
+        # Each group's cached block of each key, looked up once; the longest hit the sliding
+        # groups serve too (only the blocks inside the window at its end need be there).
+        found = [[lookup(_group_key(k, g)) for k in keys] for g in range(len(windows))]
+        for hit in range(len(keys), 0, -1):
             firsts = [0 if w is None else self._first_visible(g, hit) for g, w in enumerate(windows)]
-            tables = [[None] * first + [lookup(_group_key(k, g)) for k in keys[first:hit]]
-                      for g, first in enumerate(firsts)]
-            if all(None not in t[first:] for t, first in zip(tables, firsts)):
-                return keys[:hit], tables
+            if all(None not in blocks[first:hit] for blocks, first in zip(found, firsts)):
+                return keys[:hit], [[None] * first + blocks[first:hit] for blocks, first in zip(found, firsts)]
         return [], [[] for _ in windows]
 
     def match_prefix(self, req: Request) -> int:

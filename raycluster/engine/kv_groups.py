@@ -20,6 +20,7 @@ other slots unused.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 
@@ -29,11 +30,12 @@ class KVGroups:
     layers: tuple[tuple[int, ...], ...]     # per group: its layers, in slot order
     num_slots: int                          # layers a pool block holds
 
-    @property
+    # Per layer: its group and its slot. Cached: every step's metadata reads them.
+    @functools.cached_property
     def group_of(self) -> tuple[int, ...]:
         return tuple(g for _, g in sorted((i, g) for g, ls in enumerate(self.layers) for i in ls))
 
-    @property
+    @functools.cached_property
     def slot_of(self) -> tuple[int, ...]:
         return tuple(s for _, s in sorted((i, s) for ls in self.layers for s, i in enumerate(ls)))
 
