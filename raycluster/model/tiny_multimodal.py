@@ -2,7 +2,8 @@
 Qwen2.5-VL, Qwen3-VL, Qwen3-VL-MoE) for tests: `write_tiny_multimodal(path, arch)` wraps the tiny text
 checkpoint of the wrapper's text model (raycluster.model.tiny) as its released files and
 transformers lay them out, with a vision config and one vision tensor (a text-only server never
-reads the tower)."""
+reads the tower); LLaVA's with `vision_weights=True`: its whole tower, projector, image processor
+and "<image>" token (raycluster.model.tiny_llava)."""
 
 from __future__ import annotations
 
@@ -69,15 +70,23 @@ _OTHER_TEXT_TYPES = {"Ministral3ForCausalLM": "ministral3"}
 
 
 def write_tiny_multimodal(path: str | os.PathLike, arch: str, seed: int = 0, layout: str = "released",
-                          text_architecture: str | None = None, **overrides) -> str:
+                          text_architecture: str | None = None, vision_weights: bool = False,
+                          vision_options: dict | None = None, **overrides) -> str:
     """The tiny text checkpoint of `arch`'s text model wrapped as `arch` (an image-text model):
     config.json nesting it under `text_config` beside a tiny vision config, its tensors under
     `language_model.` (`layout` "released", as the hub's files and transformers' save_pretrained
     write them; Qwen2.5-VL's released files: a flat config, plain names beside `visual.`) or
     `model.language_model.` ("transformers5", the head as `lm_head.`), plus one vision tensor (the
     rest of the tower left out: a text-only server never reads it). `text_architecture`: another
-    text model than the wrapper's usual one (Ministral 3 in Mistral 3)."""
+    text model than the wrapper's usual one (Ministral 3 in Mistral 3). `vision_weights` (LLaVA
+    only): the whole seeded tower and projector instead, with `vision_options` as
+    raycluster.model.tiny_llava.llava_fields takes them (image_size, vision_feature_layer, ...)."""
     model_type, text_type, text_arch, vision, extra = _MULTIMODAL[arch]
+    if vision_weights:
+        if arch != "LlavaForConditionalGeneration":
+            raise ValueError(f"vision_weights: only the tiny LLaVA has a whole tower, not {arch}")
+        from raycluster.model import tiny_llava
+        vision, extra, overrides = tiny_llava.llava_fields(vision, extra, overrides, **(vision_options or {}))
     if text_architecture is not None:
         text_type, text_arch = _OTHER_TEXT_TYPES[text_architecture], text_architecture
     path = write_tiny_model(path, seed, architectures=[text_arch], **overrides)
@@ -107,7 +116,11 @@ def write_tiny_multimodal(path: str | os.PathLike, arch: str, seed: int = 0, lay
         out = {("model.language_model." + k[len("model."):]) if k.startswith("model.") else k: v
                for k, v in tensors.items()}
         tower = "model." + tower
-    out[tower] = torch.ones(vision.get("embed_dim", vision["hidden_size"]))
+    if vision_weights:
+        out.update(tiny_llava.vision_tensors(config, seed, style))
+        tiny_llava.write_llava_files(path, config)
+    else:
+        out[tower] = torch.ones(vision.get("embed_dim", vision["hidden_size"]))
     save_file(out, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
     return path
 

@@ -1,0 +1,117 @@
+"""The image side of the tiny LLaVA checkpoint (raycluster.model.tiny_multimodal's
+`write_tiny_multimodal(path, "LlavaForConditionalGeneration", vision_weights=True)`): a seeded
+CLIP tower (hidden 32, 2 layers, 2 heads, 28-pixel images in 14-pixel patches: 4 image tokens)
+and projector to the text hidden size, `preprocessor_config.json` (CLIPImageProcessor), and a
+tokenizer whose special added token "<image>" is the config's `image_token_index`: the id after
+the tiny text vocabulary, which grows by one to cover it. Its chat template renders a message's
+content list as the text parts with "<image>" for each image part (string content as before).
+
+`llava_fields(...)` gives the config pieces before the text checkpoint is written;
+`vision_tensors(config, seed, style)` the tensors under the layout's names; `write_llava_files(path,
+config)` the processor, tokenizer and template files over the text checkpoint's.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import torch
+
+from raycluster.model.clip_vision import ClipVisionTower
+from raycluster.model.image_processor import CLIP_MEAN, CLIP_STD
+from raycluster.model.tiny import TOKENIZER_VOCAB, _tokenizer_json
+
+IMAGE_TOKEN = "<image>"
+IMAGE_TOKEN_ID = TOKENIZER_VOCAB        # the first id after the tiny tokenizer's vocabulary
+
+CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% for message in messages %}"
+    "{{ '<|' + message['role'] + '|>\\n' }}"
+    "{% if message['content'] is string %}{{ message['content'] }}"
+    "{% else %}{% for part in message['content'] %}"
+    "{% if part['type'] == 'text' %}{{ part['text'] }}"
+    "{% elif part['type'] in ['image', 'image_url'] %}{{ '" + IMAGE_TOKEN + "' }}{% endif %}"
+    "{% endfor %}{% endif %}"
+    "{{ eos_token + '\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|assistant|>\\n' }}{% endif %}"
+)
+
+
+def llava_fields(vision: dict, extra: dict, overrides: dict, image_size: int = 28, num_hidden_layers: int = 2,
+                 **fields) -> tuple[dict, dict, dict]:
+    """(vision_config, top-level fields, text overrides) of the tiny LLaVA with a tower: `image_size`
+    (a multiple of the 14-pixel patch), the tower's depth, and LLaVA's own fields in `fields`
+    (vision_feature_layer, vision_feature_select_strategy, projector_hidden_act,
+    multimodal_projector_bias)."""
+    vision = {**vision, "num_hidden_layers": num_hidden_layers, "image_size": image_size, "hidden_act": "quick_gelu",
+              "layer_norm_eps": 1e-5, "num_channels": 3}
+    extra = {**extra, "image_token_index": IMAGE_TOKEN_ID, "vision_feature_layer": -2,
+             "vision_feature_select_strategy": "default", "projector_hidden_act": "gelu",
+             "multimodal_projector_bias": True, **fields}
+    return vision, extra, {**overrides, "vocab_size": TOKENIZER_VOCAB + 1}
+
+
+def vision_tensors(config: dict, seed: int, style: str) -> dict[str, torch.Tensor]:
+    """The seeded tower (every layer and post_layernorm, as released files hold them) and projector
+    under the released names (`style` "language_model") or transformers 5's ("transformers5")."""
+    vision, text_hidden = config["vision_config"], config["text_config"]["hidden_size"]
+    layers = config["vision_feature_layer"]
+    width = vision["hidden_size"] * (1 if isinstance(layers, int) else len(layers))
+    with torch.device("meta"):
+        shapes = {"vision_tower.vision_model." + n: tuple(p.shape)
+                  for n, p in ClipVisionTower(vision, post_layernorm=True).named_parameters()}
+    bias = config["multimodal_projector_bias"]
+    shapes.update({"multi_modal_projector.linear_1.weight": (text_hidden, width),
+                   "multi_modal_projector.linear_2.weight": (text_hidden, text_hidden)})
+    if bias:
+        shapes.update({"multi_modal_projector.linear_1.bias": (text_hidden,),
+                       "multi_modal_projector.linear_2.bias": (text_hidden,)})
+    g = torch.Generator().manual_seed(seed + 1)      # apart from the text weights' stream
+    out = {}
+    for name in sorted(shapes):
+        shape = shapes[name]
+        if "norm" in name.rpartition(".")[0] and name.endswith(".weight"):
+            t = 1.0 + 0.1 * torch.randn(shape, generator=g)
+        elif name.endswith(".bias"):
+            t = 0.02 * torch.randn(shape, generator=g)
+        elif name.endswith(("class_embedding", "position_embedding.weight")):
+            t = torch.randn(shape, generator=g)
+        else:
+            # Fan-in scaling keeps activations near unit size, so the projected features weigh as
+            # much as the unit-scale token embeddings beside them and change what the text model says.
+            fan_in = 1
+            for d in shape[1:]:
+                fan_in *= d
+            t = torch.randn(shape, generator=g) / fan_in ** 0.5
+        out[name] = t.contiguous()
+    prefix = "model." if style == "transformers5" else ""
+    return {prefix + k: v for k, v in out.items()}
+
+
+def write_llava_files(path: str, config: dict) -> None:
+    """preprocessor_config.json, and the tokenizer with "<image>" and the content-list template."""
+    from tokenizers import AddedToken, Tokenizer
+
+    size = config["vision_config"]["image_size"]
+    processor = {"image_processor_type": "CLIPImageProcessor", "processor_class": "LlavaProcessor",
+                 "do_convert_rgb": True, "do_resize": True, "size": {"shortest_edge": size}, "resample": 3,
+                 "do_center_crop": True, "crop_size": {"height": size, "width": size}, "do_rescale": True,
+                 "rescale_factor": 1 / 255, "do_normalize": True, "image_mean": list(CLIP_MEAN),
+                 "image_std": list(CLIP_STD)}
+    with open(os.path.join(path, "preprocessor_config.json"), "w") as f:
+        json.dump(processor, f, indent=2, sort_keys=True)
+    tok = Tokenizer.from_str(_tokenizer_json())
+    if tok.get_vocab_size(with_added_tokens=True) != IMAGE_TOKEN_ID:
+        raise AssertionError("the tiny tokenizer's vocabulary is not the size the image token id assumes")
+    tok.add_special_tokens([AddedToken(IMAGE_TOKEN, special=True, normalized=False)])
+    with open(os.path.join(path, "tokenizer.json"), "w", encoding="utf-8") as f:
+        f.write(tok.to_str(pretty=True))
+    with open(os.path.join(path, "tokenizer_config.json"), encoding="utf-8") as f:
+        tok_cfg = json.load(f)
+    tok_cfg["chat_template"] = CHAT_TEMPLATE
+    with open(os.path.join(path, "tokenizer_config.json"), "w", encoding="utf-8") as f:
+        json.dump(tok_cfg, f, indent=2, sort_keys=True)
+        f.write("\n")
