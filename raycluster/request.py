@@ -29,6 +29,16 @@ class RequestStatus(enum.Enum):
 MAX_LOGPROBS = 20         # top alternatives a request may ask for per token (OpenAI's limit)
 
 
+@dataclass(eq=False)
+class ImageInput:
+    """One image of a prompt: its preprocessed pixels and the run of placeholder tokens (the image
+    token id, repeated) whose embeddings the image encoder's output replaces."""
+    offset: int                 # prompt position of its first placeholder token
+    length: int                 # placeholder tokens: the encoder's tokens per image
+    pixel_values: Any           # float32 tensor [3, H, W], as the checkpoint's image processor made it
+    digest: bytes               # hash of the pixels: prefix-cache keys of blocks it starts in include it
+
+
 @dataclass
 class TokenLogprob:
     """One token's log-probability under the model (raw logits, before penalties, temperature,
@@ -90,6 +100,9 @@ class SamplingParams:
     # A pooling request's token-level output (vLLM's token_embed / token_classify): every prompt
     # position's final hidden state (through a classifier's head), not one pooled vector.
     pool_tokens: bool = False
+    # The prompt's images (image-text checkpoints with a vision tower). Here, not on the request,
+    # for the same reason as lora_adapter: a P/D decode side that recomputes needs them too.
+    images: list[ImageInput] = field(default_factory=list)
 
     @property
     def penalized(self) -> bool:
@@ -175,6 +188,9 @@ class Request:
     pooling: str | None = None
     pool_state: Any = None
     embedding: list[float] | list[list[float]] | None = None
+    # Image-encoder outputs [length, H] by index into sampling.images, kept from the step that
+    # first needs an image until its prefill passes it (raycluster.engine.image_inputs).
+    image_embeds: dict[int, Any] = field(default_factory=dict)
 
     @property
     def num_prompt_tokens(self) -> int:

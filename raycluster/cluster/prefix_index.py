@@ -18,22 +18,23 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
-from raycluster.engine.prefix_cache import block_key, chain_root
+from raycluster.engine.prefix_cache import block_key, chain_root, image_extras
 
 
-def prompt_keys(tokens: list[int], block_size: int, lora_adapter: str | None = None) -> list[bytes]:
+def prompt_keys(tokens: list[int], block_size: int, lora_adapter: str | None = None, images=()) -> list[bytes]:
     """Keys of the full blocks an engine could reuse for `tokens` (never the last token's), run
-    with `lora_adapter` (None: the base weights)."""
-    return extend_keys([], tokens, block_size, lora_adapter)
+    with `lora_adapter` (None: the base weights), with the prompt's `images`."""
+    return extend_keys([], tokens, block_size, lora_adapter, images)
 
 
 def extend_keys(keys: list[bytes], tokens: list[int], block_size: int,
-                lora_adapter: str | None = None) -> list[bytes]:
+                lora_adapter: str | None = None, images=()) -> list[bytes]:
     """`keys` (those of a prefix of `tokens`) continued over `tokens`' further full blocks (never
     the last token's); a new list, `keys` untouched."""
     out, parent = list(keys), keys[-1] if keys else chain_root(lora_adapter)
+    extras = image_extras(images, block_size)
     for i in range(len(keys), (len(tokens) - 1) // block_size):
-        parent = block_key(parent, tokens[i * block_size:(i + 1) * block_size])
+        parent = block_key(parent, tokens[i * block_size:(i + 1) * block_size], extras.get(i, b""))
         out.append(parent)
     return out
 

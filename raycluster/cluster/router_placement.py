@@ -88,7 +88,7 @@ def prefill_tokens(meta, requests: dict[str, ReqState]) -> int:
 def _keys(st: ReqState, block_size: int) -> list:
     if st.prefix_keys is None or st.prefix_keys[0] != block_size:
         st.prefix_keys = (block_size, prompt_keys(st.meta.prompt_token_ids, block_size,
-                                                  st.meta.sampling.lora_adapter))
+                                                  st.meta.sampling.lora_adapter, st.meta.sampling.images))
     return st.prefix_keys[1]
 
 
@@ -153,5 +153,6 @@ def finished(index: PrefixIndex, st: ReqState, inst: Instance | None) -> None:
         return      # (a handoff still queued for decode: `inst` is its prefill instance, which
         #             computed the prompt, i.e. prompt + first token less the last token)
     bs = max(1, inst.stats.block_size)
-    keys = extend_keys(_keys(st, bs), st.meta.prompt_token_ids + st.delivered, bs, st.meta.sampling.lora_adapter)
+    keys = extend_keys(_keys(st, bs), st.meta.prompt_token_ids + st.delivered, bs, st.meta.sampling.lora_adapter,
+                       st.meta.sampling.images)
     index.record(inst.instance_id, keys, inst.stats.kv_total_blocks)

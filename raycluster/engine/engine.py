@@ -25,6 +25,7 @@ import torch
 from raycluster.clock import WallClock
 from raycluster.engine.config import EngineConfig
 from raycluster.engine.guided import GuidedDecoding, constraint_of
+from raycluster.engine.image_inputs import check_images
 from raycluster.engine.outputs import InvalidRequestError, RequestOutput, StepResult, validate_request
 from raycluster.parallel.factory import build_runner
 from raycluster.engine.sampler import Sampler
@@ -53,13 +54,15 @@ def _min_tokens_ban(req: Request) -> list[int]:
 class LLMEngine:
     def __init__(self, config: EngineConfig, model, tokenizer=None, clock: Clock | None = None,
                  predictor: LinearBatchPredictor | None = None, runner=None,
-                 pooling_head: PoolingHead | None = None) -> None:
+                 pooling_head: PoolingHead | None = None, image_encoder=None) -> None:
         """`runner`: a prebuilt runner (e.g. a KVP / SPP / TP group whose ranks are Ray actors);
         default one built from `config` (raycluster.parallel.factory). `pooling_head`: what pooled
         vectors go through (default the model's own head and Dense modules; a group's leader
         holds neither: `from_runner` reads them from the checkpoint). `model`: what the engine
         reads its vocab, length and EOS from (`model.config`): the full model, or the
-        `GroupModel` of a prebuilt group whose ranks read their parts from the checkpoint."""
+        `GroupModel` of a prebuilt group whose ranks read their parts from the checkpoint.
+        `image_encoder`: an image-text checkpoint's (raycluster.model.llava), for prompts with
+        images; only single-process and TP runners take it."""
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         config = config.for_model(getattr(model.config, "dtype", None))
@@ -80,6 +83,9 @@ class LLMEngine:
         self.eos_token_ids = tuple(tokenizer.eos_token_ids) if tokenizer is not None else tuple(mcfg.eos_token_id)
         self.runner = runner or build_runner(config, model, _DTYPES[config.dtype])
         self.kv = self.runner.kv
+        self.image_encoder = image_encoder
+        if image_encoder is not None and hasattr(type(self.runner), "image_encoder"):
+            self.runner.image_encoder = image_encoder
         self.predictor = predictor or self._predictor(config)
         self.scheduler = build_scheduler(config, self.kv, self.clock, self.max_model_len, self.predictor)
         self._retired = RetiredScheduling()       # pieces of pools it left (reconfigure_scheduling)
@@ -141,8 +147,11 @@ class LLMEngine:
         """An engine over a built runner of the checkpoint at `path` (its model: the full model,
         or the group's view of it). A group's leader holds neither a classifier's head nor an
         embedding's Dense modules: they are read from the checkpoint here."""
+        from raycluster.model.llava import image_encoder_for
+
         head = PoolingHead.for_runner(runner, path, _DTYPES[config.dtype], config.device)
-        return cls(config, runner.model, tokenizer, clock, runner=runner, pooling_head=head)
+        images = image_encoder_for(path, _DTYPES[config.dtype], config.device)
+        return cls(config, runner.model, tokenizer, clock, runner=runner, pooling_head=head, image_encoder=images)
 
     # ---- requests --------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int],
@@ -217,6 +226,8 @@ class LLMEngine:
 
     def _validate(self, ids: list[int], sp: SamplingParams) -> None:
         validate_request(ids, sp, self.max_model_len, self.vocab_size, self.kv.capacity_tokens())
+        check_images(ids, sp, self.image_encoder, None if getattr(self.runner, "image_encoder", None) is not None else
+                     f"images are not served by a {self.runner.layout} group (only by single-process and tp instances)")
         if sp.lora_adapter is not None and sp.lora_adapter not in self.lora:
             raise InvalidRequestError("model", f"LoRA adapter {sp.lora_adapter!r} is not served here")
         if sp.embed and not sp.pool_tokens and self.model.config.token_classifier:

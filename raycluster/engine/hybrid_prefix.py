@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from raycluster.engine.hybrid_kv import HybridKVManager
 from raycluster.engine.kv_groups import KVGroups
-from raycluster.engine.prefix_cache import PrefixCachingAllocator, PrefixLookups, block_key, chain_root
+from raycluster.engine.prefix_cache import PrefixCachingAllocator, PrefixLookups, block_key, chain_root, image_extras
 from raycluster.request import Request
 
 
@@ -54,15 +54,16 @@ class HybridPrefixCachingKVManager(HybridKVManager):
         """The first block a sliding group still needs after a hit of `hit` blocks."""
         return max(0, (hit * self.block_size - self.groups.windows[group] + 1) // self.block_size)
 
-    def _longest_cached(self, tokens: list[int], root: bytes) -> tuple[list[bytes], list[list[int | None]]]:
+    def _longest_cached(self, tokens: list[int], root: bytes, extras: dict[int, bytes]
+                        ) -> tuple[list[bytes], list[list[int | None]]]:
         """Chain keys of the longest hit and, per group, its blocks (None: before a sliding
-        group's window, left null)."""
+        group's window, left null). `extras`: `image_extras` of the prompt's images."""
         bs, lookup, windows = self.block_size, self.allocator.lookup, self.groups.windows
         full = [g for g, w in enumerate(windows) if w is None]
         keys: list[bytes] = []
         parent = root
         for i in range((len(tokens) - 1) // bs):        # the run every full group has
-            parent = block_key(parent, tokens[i * bs:(i + 1) * bs])
+            parent = block_key(parent, tokens[i * bs:(i + 1) * bs], extras.get(i, b""))
             if any(lookup(_group_key(parent, g)) is None for g in full):
                 break
             keys.append(parent)
@@ -82,7 +83,8 @@ class HybridPrefixCachingKVManager(HybridKVManager):
         if rid in self.block_tables:
             return 0
         tokens = req.all_token_ids
-        keys, tables = self._longest_cached(tokens, self._root(req.sampling.lora_adapter))
+        keys, tables = self._longest_cached(tokens, self._root(req.sampling.lora_adapter),
+                                            image_extras(req.sampling.images, self.block_size))
         self.lookups.count(rid, len(tokens), len(keys) * self.block_size)
         if not keys:
             return 0
@@ -96,8 +98,9 @@ class HybridPrefixCachingKVManager(HybridKVManager):
         self._keys[rid] = keys
         return len(keys) * self.block_size
 
-    def cached_prefix_tokens(self, tokens: list[int], lora_adapter: str | None = None) -> int:
-        return len(self._longest_cached(tokens, self._root(lora_adapter))[0]) * self.block_size
+    def cached_prefix_tokens(self, tokens: list[int], lora_adapter: str | None = None, images=()) -> int:
+        extras = image_extras(images, self.block_size)
+        return len(self._longest_cached(tokens, self._root(lora_adapter), extras)[0]) * self.block_size
 
     def cache_full_blocks(self, req: Request, num_computed_tokens: int) -> None:
         """Register `req`'s full, computed blocks not registered yet, in every group."""
@@ -112,8 +115,9 @@ class HybridPrefixCachingKVManager(HybridKVManager):
         tokens, register, null = req.all_token_ids, self.allocator.register, self.null_block
         tables = [t[req.request_id] for t in self.group_tables]
         parent = keys[-1] if keys else self._root(req.sampling.lora_adapter)
+        extras = image_extras(req.sampling.images, bs)
         for i in range(len(keys), n_full):
-            parent = block_key(parent, tokens[i * bs:(i + 1) * bs])
+            parent = block_key(parent, tokens[i * bs:(i + 1) * bs], extras.get(i, b""))
             for g, t in enumerate(tables):
                 if t[i] != null:
                     register(t[i], _group_key(parent, g))

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kernels import get_attention_backend
+from raycluster.engine.image_inputs import drop_passed_images, encode_images
 from raycluster.engine.kv_manager import KVCacheManager
 from raycluster.engine.scheduler import SchedulerOutput
 from raycluster.model.pooling import pool_chunk, pooled
@@ -42,6 +43,9 @@ class ModelRunner:
     last_hidden = None
     aux_layers: tuple[int, ...] = ()    # an EAGLE-3 head's: `last_aux`, the residual streams entering them
     last_aux = None
+    # An image-text checkpoint's image encoder (raycluster.model.llava), run on this process for
+    # prompts with images (`execute_step`); None: the runner takes no images.
+    image_encoder = None
 
     def __init__(self, model, kv: KVCacheManager, dtype: torch.dtype = torch.float32,
                  device: str | torch.device = "cpu", extra_kv_layers: int = 0) -> None:
@@ -71,7 +75,7 @@ class ModelRunner:
         input_ids, positions, meta = plan_inputs(plan, self.kv.block_size, self.device, self.kv.groups)
         lora = self.lora.for_step(plan.lora_runs, plan.num_tokens, self.device) if plan.lora_runs else None
         hidden, self.last_aux = forward_keeping(self.model, input_ids, positions, self.kv_cache, meta, self.backend,
-                                                lora, self.aux_layers)
+                                                lora, self.aux_layers, plan.image_rows)
         if self.keep_hidden:
             self.last_hidden = hidden
         return hidden.index_select(0, torch.tensor(plan.sample_rows, dtype=torch.long, device=hidden.device))
@@ -83,12 +87,15 @@ class ModelRunner:
         pass
 
 
-def forward_keeping(model, input_ids, positions, kv_cache, meta, backend, lora, aux_layers: tuple[int, ...]):
+def forward_keeping(model, input_ids, positions, kv_cache, meta, backend, lora, aux_layers: tuple[int, ...],
+                    image_rows=()):
     """(final hidden states, the residual streams entering `aux_layers` or None): one forward of
-    `model` (a full model or a rank's shard), as an EAGLE head's runner keeps them."""
+    `model` (a full model or a rank's shard), as an EAGLE head's runner keeps them. `image_rows`
+    (the plan's) go to the model only when there are some: only models that take images accept them."""
+    more = {"image_rows": image_rows} if image_rows else {}
     if aux_layers:
-        return model(input_ids, positions, kv_cache, meta, backend=backend, lora=lora, aux_layers=aux_layers)
-    return model(input_ids, positions, kv_cache, meta, backend=backend, lora=lora), None
+        return model(input_ids, positions, kv_cache, meta, backend=backend, lora=lora, aux_layers=aux_layers, **more)
+    return model(input_ids, positions, kv_cache, meta, backend=backend, lora=lora, **more), None
 
 
 def plan_logits(runner, plan) -> torch.Tensor:
@@ -105,7 +112,12 @@ def execute_step(runner, out: SchedulerOutput) -> StepLogits:
     """What every runner's `execute` does: plan the step, run it, and turn the sampled rows into
     fp32 logits (`plan_logits`: the leader's output head, or the group's vocab-parallel lanes).
     Pooling requests' prefill rows are pooled on the way (`pool_prefills`)."""
+    encoder = getattr(runner, "image_encoder", None)     # only single-process and TP runners take images
+    if encoder is not None:
+        encode_images(encoder, out.prefills)
     plan, reqs, prompt, drafts = step_plan(out, runner.kv.block_tables, runner.kv.extra_group_tables)
+    if plan.image_rows:
+        drop_passed_images(out.prefills)
     pooling = any(req.pooling is not None for req, _ in out.prefills)
     # Pooling reads the step's final hidden states, kept as for an EAGLE head (every runner but
     # SPP's keeps them whole on the leader; the engine refuses pooling requests on the others).

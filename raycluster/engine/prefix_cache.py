@@ -35,10 +35,23 @@ from raycluster.engine.kv_manager import BlockAllocator, KVCacheManager, OutOfBl
 from raycluster.request import Request
 
 
-def block_key(parent: bytes, tokens: list[int]) -> bytes:
+def block_key(parent: bytes, tokens: list[int], extra: bytes = b"") -> bytes:
     """The key of a full block holding `tokens`, after the block whose key is `parent`
-    (`chain_root` for the first block)."""
-    return hashlib.sha256(parent + array("q", tokens).tobytes()).digest()
+    (`chain_root` for the first block). `extra`: what else decides its KV besides the tokens
+    (`image_extras`)."""
+    return hashlib.sha256(parent + extra + array("q", tokens).tobytes()).digest()
+
+
+def image_extras(images, block_size: int) -> dict[int, bytes]:
+    """Per block index, the digests of the prompt images (`ImageInput`s) whose placeholders
+    start in that block: equal placeholder tokens under other pixels have other KV (vLLM keys
+    blocks on their multimodal inputs' hashes too). The chain carries a digest into every later
+    block, so the block an image starts in is the only one that needs it."""
+    out: dict[int, bytes] = {}
+    for image in images:
+        i = image.offset // block_size
+        out[i] = out.get(i, b"") + b"img:" + image.digest
+    return out
 
 
 def chain_root(lora_adapter: str | None) -> bytes:
@@ -229,7 +242,8 @@ class PrefixCachingKVManager(KVCacheManager):
         if rid in self.block_tables:
             return 0
         tokens, bs, a = req.all_token_ids, self.block_size, self.allocator
-        keys, blocks = self._longest_cached(tokens, self._root(req.sampling.lora_adapter))
+        keys, blocks = self._longest_cached(tokens, self._root(req.sampling.lora_adapter),
+                                            image_extras(req.sampling.images, bs))
         self.lookups.count(rid, len(tokens), len(blocks) * bs)
         if not blocks:
             return 0
@@ -239,21 +253,24 @@ class PrefixCachingKVManager(KVCacheManager):
         self._keys[rid] = keys
         return len(blocks) * bs
 
-    def cached_prefix_tokens(self, tokens: list[int], lora_adapter: str | None = None) -> int:
+    def cached_prefix_tokens(self, tokens: list[int], lora_adapter: str | None = None, images=()) -> int:
         """What `match_prefix` would find for these known tokens, touching nothing."""
-        return len(self._longest_cached(tokens, self._root(lora_adapter))[1]) * self.block_size
+        extras = image_extras(images, self.block_size)
+        return len(self._longest_cached(tokens, self._root(lora_adapter), extras)[1]) * self.block_size
 
     def _root(self, lora_adapter: str | None) -> bytes:
         return chain_root(None if lora_adapter is None else self.lora_roots.get(lora_adapter, lora_adapter))
 
-    def _longest_cached(self, tokens: list[int], root: bytes = b"") -> tuple[list[bytes], list[int]]:
-        """Keys and blocks of the longest cached run of full blocks before the last token."""
+    def _longest_cached(self, tokens: list[int], root: bytes = b"", extras: dict[int, bytes] | None = None
+                        ) -> tuple[list[bytes], list[int]]:
+        """Keys and blocks of the longest cached run of full blocks before the last token
+        (`extras`: `image_extras` of its images)."""
         bs, a = self.block_size, self.allocator
         keys: list[bytes] = []
         blocks: list[int] = []
         parent = root
         for i in range((len(tokens) - 1) // bs):
-            key = block_key(parent, tokens[i * bs:(i + 1) * bs])
+            key = block_key(parent, tokens[i * bs:(i + 1) * bs], extras.get(i, b"") if extras else b"")
             block = a.lookup(key)
             if block is None:
                 break
@@ -278,8 +295,9 @@ class PrefixCachingKVManager(KVCacheManager):
             return
         tokens, a = req.all_token_ids, self.allocator
         parent = keys[-1] if keys else self._root(req.sampling.lora_adapter)
+        extras = image_extras(req.sampling.images, bs)
         for i in range(len(keys), n_full):
-            parent = block_key(parent, tokens[i * bs:(i + 1) * bs])
+            parent = block_key(parent, tokens[i * bs:(i + 1) * bs], extras.get(i, b""))
             a.register(table[i], parent)
             keys.append(parent)
 

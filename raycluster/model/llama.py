@@ -370,14 +370,18 @@ class LlamaForCausalLM(nn.Module):
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
-                meta: AttentionMetadata, backend=None, lora=None, aux_layers: tuple[int, ...] = ()):
+                meta: AttentionMetadata, backend=None, lora=None, aux_layers: tuple[int, ...] = (),
+                image_rows=()):
         """`backend`: an attention backend for this call only (a KVP rank's, with its own shard
         and collective); default the model's. `lora`: the step's adapters (StepLoRA), if any.
         `aux_layers` (an EAGLE-3 head's): also return the residual stream entering those
-        layers, concatenated [T, len * H], as (hidden, aux)."""
+        layers, concatenated [T, len * H], as (hidden, aux). `image_rows`: (first row,
+        embeddings) pieces of prompt images written over those rows' token embeddings."""
         backend = backend or self._backend(input_ids.device)
         meta.prepare(kv_cache.device)
         x = self.embed(input_ids)
+        for row, e in image_rows:       # as HF's LLaVA scatters image features over the placeholders
+            x[row:row + e.shape[0]] = e.to(device=x.device, dtype=x.dtype)
         ropes = self.layer_ropes(positions, x.dtype, range(len(self.model.layers)))
         aux = {}
         for i, layer in enumerate(self.model.layers):

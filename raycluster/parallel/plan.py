@@ -1,17 +1,19 @@
 """The step plan: what the model runs in one engine step, as a plain message.
 
-`step_plan(out, tables)` turns a `SchedulerOutput` into a `StepPlan` (ints and lists only, so a
-parallel group's leader can post it to its workers) plus the requests whose rows are
+`step_plan(out, tables)` turns a `SchedulerOutput` into a `StepPlan` (ints and lists, and the
+image embeddings of prompts with images, so a parallel group's leader can post it to its workers) plus the requests whose rows are
 sampled. `plan_inputs(plan, block_size)` turns a plan into the model's flat inputs and the
 attention metadata (one per KV group of a hybrid cache, whose other groups' tables the plan
 carries too). Token layout (kernels.metadata): prefill chunks first, request by request,
 then one token per decode. A row is sampled for a request when the step computes its last known
 token. A request asking for prompt log-probabilities also gets the rows of its chunk's prompt
 positions (each predicts the next prompt token); those come before its sampled row, so
-`sample_rows` stays increasing. A decode running draft tokens (speculative decoding) takes one
-decode row per token, its last one and then each draft at the next position, all on its block
-table and all sampled (`DraftRows`): each row attends to the KV up to its own position, which
-the step writes before attending, so the rows are causal and batch with every other decode.
+`sample_rows` stays increasing. A prefill chunk over a prompt's image placeholders carries the
+pieces of the image's embeddings that replace theirs (`image_rows`, encoded before the plan).
+A decode running draft tokens (speculative decoding) takes one decode row per token, its last
+one and then each draft at the next position, all on its block table and all sampled
+(`DraftRows`): each row attends to the KV up to its own position, which the step writes before
+attending, so the rows are causal and batch with every other decode.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kernels.metadata import AttentionMetadata, GroupedMetadata
+from raycluster.engine.image_inputs import image_rows
 from raycluster.engine.scheduler import SchedulerOutput
 from raycluster.request import Request
 
@@ -40,6 +43,9 @@ class StepPlan:
     # (prefill tables, decode tables), in the order of the ones above. Empty: every group reads
     # the tables above (a plain cache; a profiling plan's synthetic tables).
     group_tables: list[tuple[list[list[int]], list[list[int]]]] = field(default_factory=list)
+    # Prompt images' encoder outputs: (first row, embeddings [k, H]) written over the input
+    # embeddings of k placeholder tokens (raycluster.engine.image_inputs).
+    image_rows: list[tuple[int, torch.Tensor]] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -72,12 +78,14 @@ def step_plan(out: SchedulerOutput, tables: dict[str, list[int]], group_tables=(
     prompt rows and the draft rows by request. `group_tables`: a hybrid cache's other groups'
     tables (KVCacheManager.extra_group_tables), looked up alike."""
     ids: list[int] = []
-    starts, lens, p_tables, rows, reqs, prompt, lora = [], [], [], [], [], [], []
+    starts, lens, p_tables, rows, reqs, prompt, lora, images = [], [], [], [], [], [], [], []
     for req, n in out.prefills:
         start = req.num_computed_tokens
         known = req.all_token_ids
         if req.sampling.lora_adapter is not None:
             _lora_run(lora, req.sampling.lora_adapter, len(ids), n)
+        if req.sampling.images:
+            images.extend(image_rows(req, start, n, len(ids)))
         ids.extend(known[start:start + n])
         starts.append(start)
         lens.append(n)
@@ -114,7 +122,7 @@ def step_plan(out: SchedulerOutput, tables: dict[str, list[int]], group_tables=(
         d_tables.append(tables[req.request_id])
         rows.append(len(ids) - 1)
         reqs.append(req)
-    plan = StepPlan(ids, starts, lens, p_tables, d_pos, d_tables, rows, lora)
+    plan = StepPlan(ids, starts, lens, p_tables, d_pos, d_tables, rows, lora, image_rows=images)
     if group_tables:
         # Same rows: a table in the plan names its request; each group's table of that request.
         p_ids = [req.request_id for req, _ in out.prefills]

@@ -124,7 +124,7 @@ class TPRank:
         those layers."""
         input_ids, positions, meta = plan_inputs(plan, self.block_size, self.device, self.groups)
         hidden, self.aux = forward_keeping(self.model, input_ids, positions, self.kv_cache, meta, self.backend,
-                                           self.adapters.for_step(plan), aux_layers)
+                                           self.adapters.for_step(plan), aux_layers, plan.image_rows)
         self.hidden = hidden
         n = len(plan.sample_rows)
         if not self.model.config.has_lm_head:       # pooling only: no logits (every rank agrees)
@@ -170,6 +170,7 @@ class TPRunner:
 
     returns_logits = True
     keep_hidden = False
+    image_encoder = None    # as ModelRunner's: on the leader, its output posted in the plan
     last_hidden = None
     aux_layers: tuple[int, ...] = ()
     last_aux = None

@@ -1,0 +1,89 @@
+"""A prompt's images inside the engine: checked on arrival, encoded when a prefill chunk first
+reaches them, and spliced into the step's input embeddings.
+
+A request's images arrive on `SamplingParams.images` (`ImageInput`s: pixels plus the run of
+placeholder tokens they replace, which the gateway laid out). `check_images` refuses what the
+engine cannot serve. Before a step runs, `encode_images` runs the image encoder once over every
+image a prefill chunk of the step overlaps and has no embeddings for yet, keeping the output on
+the request (`Request.image_embeds`) so later chunks of the same prompt slice it instead of
+encoding again (vLLM's encoder cache, per request). `image_rows` gives the step plan the
+(row, embeddings) pieces that replace the placeholder tokens' embeddings, and
+`drop_passed_images` frees an image's embeddings once the prefill is past it. A preempted
+request recomputes: its images are encoded again.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from raycluster.engine.outputs import InvalidRequestError
+from raycluster.request import ImageInput, Request, SamplingParams
+
+
+def check_images(ids: list[int], sp: SamplingParams, encoder, why_not: str | None = None) -> None:
+    """Raise InvalidRequestError unless the prompt's images fit `encoder` (None: this engine takes
+    no images) and lie on runs of its image token. `why_not`: why an engine with an encoder still
+    cannot take them (e.g. its runner's layout)."""
+    if not sp.images:
+        return
+    if encoder is None:
+        raise InvalidRequestError("messages", "this model takes no images (it has no vision tower to encode them)")
+    if why_not is not None:
+        raise InvalidRequestError("messages", why_not)
+    end = 0
+    for k, image in enumerate(sp.images):
+        if image.length != encoder.tokens_per_image:
+            raise InvalidRequestError("messages", f"image {k} holds {image.length} placeholder tokens, "
+                                      f"the encoder makes {encoder.tokens_per_image}")
+        if image.offset < end or image.offset + image.length > len(ids):
+            raise InvalidRequestError("messages", f"image {k} at {image.offset} overlaps another or leaves the prompt")
+        if any(t != encoder.image_token_id for t in ids[image.offset:image.offset + image.length]):
+            raise InvalidRequestError("messages", f"image {k}'s positions do not all hold the image token")
+        shape = tuple(getattr(image.pixel_values, "shape", ()))
+        if shape != (3, encoder.image_size, encoder.image_size):
+            raise InvalidRequestError("messages", f"image {k}'s pixels are {shape}, the encoder takes "
+                                      f"(3, {encoder.image_size}, {encoder.image_size})")
+        end = image.offset + image.length
+    if ids.count(encoder.image_token_id) != sum(image.length for image in sp.images):
+        raise InvalidRequestError("messages", "the prompt holds image tokens that no image fills")
+
+
+def _overlapping(req: Request, start: int, n: int):
+    """(index, image) of the request's images with a placeholder in prompt positions [start, start + n)."""
+    for k, image in enumerate(req.sampling.images):
+        if image.offset < start + n and start < image.offset + image.length:
+            yield k, image
+
+
+def encode_images(encoder, prefills: list[tuple[Request, int]]) -> None:
+    """Encode, in one batch, every image the step's prefill chunks reach that has no
+    embeddings on its request yet."""
+    todo: list[tuple[Request, int, ImageInput]] = [
+        (req, k, image) for req, n in prefills if req.sampling.images
+        for k, image in _overlapping(req, req.num_computed_tokens, n) if k not in req.image_embeds]
+    if not todo:
+        return
+    pixels = torch.stack([torch.as_tensor(image.pixel_values) for _, _, image in todo])
+    embeds = encoder.encode(pixels)
+    for (req, k, _), e in zip(todo, embeds):
+        req.image_embeds[k] = e
+
+
+def image_rows(req: Request, start: int, n: int, first_row: int) -> list[tuple[int, torch.Tensor]]:
+    """The pieces of `req`'s image embeddings that a chunk of prompt positions [start, start + n),
+    laid out from step row `first_row`, puts in place of its placeholder tokens' embeddings."""
+    out = []
+    for k, image in _overlapping(req, start, n):
+        lo, hi = max(start, image.offset), min(start + n, image.offset + image.length)
+        out.append((first_row + lo - start, req.image_embeds[k][lo - image.offset:hi - image.offset]))
+    return out
+
+
+def drop_passed_images(prefills: list[tuple[Request, int]]) -> None:
+    """Free the embeddings of images that end within the chunks just run (before the requests'
+    computed counts advance past them)."""
+    for req, n in prefills:
+        for k, image in enumerate(req.sampling.images):
+            if k in req.image_embeds and image.offset + image.length <= req.num_computed_tokens + n:
+                del req.image_embeds[k]
+
