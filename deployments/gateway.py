@@ -33,6 +33,7 @@ def build_gateway_app():
     from raycluster.model.registry import resolve_model_path
     from raycluster.model.tokenizer import Tokenizer
     from raycluster.server.app import build_app
+    from raycluster.server.images import image_spec_for
 
     cfg = ClusterConfig.model_validate_json(os.environ[CONFIG_ENV])
     path = resolve_model_path(cfg.model, cfg.engine_config(cfg.pools[0]).hf_overrides)
@@ -60,11 +61,13 @@ def build_gateway_app():
     # In a replica its request metrics also go to Ray's metrics export (summable over replicas).
     sinks = [RayRequestMetrics(gateway_id)] if gateway_id is not None else []
     defaults = load_generation_config(path).sampling if cfg.generation_config == "auto" else None
+    # Images are loaded and preprocessed here, once; the instances encode them.
+    images = image_spec_for(path, tokenizer)
     app = build_app(client, tokenizer, names, api_keys=keys_from_env(), tool_call_parser=cfg.tool_call_parser,
                     metrics_sinks=sinks, sampling_defaults=defaults, log_requests=cfg.log_requests,
                     reasoning_parser=cfg.reasoning_parser, request_id_header=False,
                     allow_runtime_lora=cfg.allow_runtime_lora_updating, lora_resolver_dir=cfg.lora_resolver_dir,
-                    lora_resolver_max_loaded=cfg.lora_resolver_max_loaded, model_config=mcfg,
+                    lora_resolver_max_loaded=cfg.lora_resolver_max_loaded, model_config=mcfg, images=images,
                     response_store=RemoteResponses(
                         put=lambda rid, record: router.put_response.remote(rid, record),
                         get=lambda rid: router.get_response.remote(rid),
@@ -83,6 +86,8 @@ def build_gateway_app():
             return JSONResponse(error_body(f"router unavailable: {e}", None, "unavailable", "unavailable"),
                                 status_code=503, headers={"Retry-After": "1"})
         status["model"] = {"name": names[0], **model_summary(mcfg)}
+        if images is not None:          # an image-text checkpoint served with its images
+            status["model"].update(text_only=False, image_tokens=images.tokens_per_image)
         if app_name is not None:        # each replica's own port (Serve direct ingress), if on
             status["gateway_urls"] = await asyncio.to_thread(
                 direct_ingress.urls, app_name, request.url.hostname or "127.0.0.1")

@@ -57,6 +57,10 @@ class Tokenizer:
         if template is None and os.path.exists(jinja_file):
             with open(jinja_file, encoding="utf-8") as f:
                 template = f.read()
+        processor_file = os.path.join(path, "chat_template.json")    # a processor's (llava-hf's releases)
+        if template is None and os.path.exists(processor_file):
+            with open(processor_file, encoding="utf-8") as f:
+                template = json.load(f).get("chat_template")
         if isinstance(template, list):  # named templates: take "default"
             template = next((t["template"] for t in template if t.get("name") == "default"), None)
         self.chat_template: str | None = template
@@ -76,6 +80,10 @@ class Tokenizer:
     def to_json(self) -> str:
         """The tokenizer.json text (what llguidance builds its tokenizer from)."""
         return self._tok.to_str()
+
+    def id_to_token(self, token_id: int) -> str | None:
+        """The vocabulary entry of a token id (None: not in the vocabulary)."""
+        return self._tok.id_to_token(token_id)
 
     @property
     def vocab_size(self) -> int:
@@ -169,7 +177,10 @@ class Tokenizer:
         text = self._compiled.render(**(template_kwargs or {}), **fixed)
         if continue_final_message:
             # As HF does: cut after the final content's last occurrence (templates may strip it).
-            final = (messages[-1]["content"] if messages else "").strip()
+            final = messages[-1]["content"] if messages else ""
+            if isinstance(final, list):       # content parts (templates that iterate them)
+                final = "".join(p.get("text", "") for p in final)
+            final = final.strip()
             at = text.rfind(final) if final else -1
             if at < 0:
                 raise ValueError("the chat template's text does not contain the final message to continue")

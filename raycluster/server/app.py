@@ -44,6 +44,7 @@ from raycluster.server.protocol import (ChatCompletionRequest, CompletionRequest
                                        OverloadedError, TokenizeRequest, error_body, now_s,
                                        overloaded_response)
 from raycluster.server.embeddings import add_embedding_routes
+from raycluster.server.images import ImageSpec, load_images, place_images, takes_parts, template_content
 from raycluster.server.scoring import add_scoring_routes
 from raycluster.server.classify import add_classify_routes
 from raycluster.server.pooling_api import add_pooling_routes
@@ -92,7 +93,7 @@ def build_app(engine, tokenizer, model_names: str | Sequence[str], api_keys: Seq
               reasoning_parser: str | None = None, request_id_header: bool = True,
               allow_runtime_lora: bool | None = None, lora_resolver_dir: str | None = None,
               lora_resolver_max_loaded: int | None = None, model_config: ModelConfig | None = None,
-              response_store=None) -> FastAPI:
+              response_store=None, images: ImageSpec | None = None) -> FastAPI:
     """`model_names`: the names a request's `model` may give (vLLM's --served-model-name); a
     response names the one its request gave, else the first. `sampling_defaults`: the model's
     default sampling parameters (its generation_config.json: raycluster.model.generation_config)
@@ -116,7 +117,8 @@ def build_app(engine, tokenizer, model_names: str | Sequence[str], api_keys: Seq
     each request's metrics go besides /metrics (raycluster.server.request_metrics).
     `model_config`: the served model's (how /v1/embeddings pools, normalises and shortens vectors:
     raycluster.server.embeddings). `response_store`: where the Responses API keeps responses
-    (raycluster.server.response_store; None: nothing is stored)."""
+    (raycluster.server.response_store; None: nothing is stored). `images`: how the model takes
+    images (raycluster.server.images; None: chat requests with image parts are refused)."""
     names = [model_names] if isinstance(model_names, str) else list(model_names)
     lora_names = getattr(engine, "lora_adapters", dict)      # a backend without adapters may omit it
 
@@ -231,15 +233,17 @@ def build_app(engine, tokenizer, model_names: str | Sequence[str], api_keys: Seq
         return asked[1]
 
     async def _run(body, prompts: list[tuple[list[int], str]], kind: str, http: HTTPRequest, echo: bool = False,
-                   guided: Regex | Grammar | None = None, tool: tuple | None = None):
+                   guided: Regex | Grammar | None = None, tool: tuple | None = None, prompt_images: list | None = None):
         """Serve `prompts` ((ids, text) each) with `body.n` choices each: choice p * n + i is
         prompt p's i-th. `echo`: put each prompt's text before its choices' completions.
         `guided`: the regex or grammar every choice's output must match. `tool`: (mode, function name,
         parser) of a chat request's tool choice (raycluster.server.tools): the outputs are
-        returned as tool calls."""
+        returned as tool calls. `prompt_images`: the prompt's (`ImageInput`s; one prompt)."""
         max_tokens = getattr(body, "max_completion_tokens", None) or body.max_tokens
         default_max = (sampling_defaults or {}).get("max_tokens")
         model_name = body.model or names[0]
+        if prompt_images and body.truncate_prompt_tokens is not None:
+            return _bad_request("truncate_prompt_tokens: a prompt with images is not cut", "truncate_prompt_tokens")
         if (k := body.truncate_prompt_tokens) is not None:      # vLLM's: keep the last k tokens
             prompts = [(ids[-k:], tokenizer.decode(ids[-k:]) if echo and len(ids) > k else text)
                        for ids, text in prompts]
@@ -252,6 +256,8 @@ def build_app(engine, tokenizer, model_names: str | Sequence[str], api_keys: Seq
             sampling.skip_special_tokens = False    # gpt-oss's channel markers are special tokens
         if guided is not None:
             guided.into(sampling)
+        if prompt_images:
+            sampling.images = prompt_images
         room = engine.max_model_len - max(len(ids) for ids, _ in prompts)
         if max_tokens is not None and 0 < room < max_tokens:     # room <= 0: the prompt's own error
             field = "max_completion_tokens" if getattr(body, "max_completion_tokens", None) else "max_tokens"
@@ -389,7 +395,7 @@ def build_app(engine, tokenizer, model_names: str | Sequence[str], api_keys: Seq
             return missing
         try:
             engine.admit()
-            ids = _chat_ids(body)
+            ids, image_inputs = await _chat_prompt(body)
             mode = tool_mode(body, parser)
             guided = await _structured(body, mode)
         except OverloadedError as e:
@@ -398,16 +404,27 @@ def build_app(engine, tokenizer, model_names: str | Sequence[str], api_keys: Seq
             return _bad_request(str(e), e.field)
         tool = None if mode is None else (mode, body.tool_choice.function.name if mode == "named" else None,
                                           parser.for_tools(tool_parameters(body)) if mode == "auto" else parser)
-        return await _run(body, [(ids, "")], "chat.completion", http, guided=guided, tool=tool)
+        return await _run(body, [(ids, "")], "chat.completion", http, guided=guided, tool=tool, prompt_images=image_inputs)
 
     add_responses_routes(app, chat, names, response_store)
 
-    def _chat_ids(body) -> list[int]:
-        """The chat template over `body.messages` (a chat or tokenize request), tokenized. A
-        template that refuses the messages (e.g. roles that do not alternate) is the client's
-        error."""
+    async def _chat_prompt(body) -> tuple[list[int], list]:
+        """The chat request's prompt ids, its image tokens expanded, and its images on them."""
+        pixels = await load_images(body.messages, images)
+        ids = _chat_ids(body, with_images=True)
+        return place_images(ids, pixels, images) if pixels else (ids, [])
+
+    def _chat_ids(body, with_images: bool = False) -> list[int]:
+        """The chat template over `body.messages` (a chat or tokenize request), tokenized; image
+        parts as the image token, once each (`_chat_prompt` expands them). A template that
+        refuses the messages (e.g. roles that do not alternate) is the client's error."""
+        if not with_images and any(m.images() for m in body.messages):
+            raise InvalidRequestError("messages", "image_url parts are taken by /v1/chat/completions and /tokenize only")
+        parts = takes_parts(tokenizer.chat_template)
+        image_text = images.token_text if images is not None else None
         try:
-            prompt = tokenizer.apply_chat_template([template_message(m) for m in body.messages],
+            prompt = tokenizer.apply_chat_template([template_message(m) | {"content": template_content(m, parts, image_text)}
+                                                    for m in body.messages],
                                                    add_generation_prompt=body.add_generation_prompt,
                                                    continue_final_message=body.continue_final_message,
                                                    tools=template_tools(body),
@@ -430,7 +447,7 @@ def build_app(engine, tokenizer, model_names: str | Sequence[str], api_keys: Seq
             return missing
         try:
             ids = _encode_prompt(body.prompt, special=body.add_special_tokens is not False) \
-                if body.messages is None else _chat_ids(body)
+                if body.messages is None else (await _chat_prompt(body))[0]
         except InvalidRequestError as e:
             return _bad_request(str(e), e.field)
         return {"count": len(ids), "max_model_len": engine.max_model_len, "tokens": ids}

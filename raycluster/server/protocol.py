@@ -27,7 +27,7 @@ grammar the engine enforces).
 from __future__ import annotations
 
 import time
-from typing import Literal
+from typing import Annotated, Literal
 
 from typing import Any
 
@@ -255,10 +255,22 @@ class TextPart(BaseModel):
     text: str
 
 
+class ImageURL(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    url: str = Field(..., max_length=64 * 2 ** 20)     # a data: URL holds the image itself
+    detail: Literal["auto", "low", "high"] | None = None    # OpenAI's; one resolution here
+
+
+class ImagePart(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["image_url"]
+    image_url: ImageURL
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
     role: Literal["system", "user", "assistant", "tool", "developer"]
-    content: str | list[TextPart] | None = None
+    content: str | list[Annotated[TextPart | ImagePart, Field(discriminator="type")]] | None = None
     tool_calls: list[ToolCall] | None = None       # an assistant's earlier calls
     tool_call_id: str | None = None                # a tool message: the call it answers
     name: str | None = None
@@ -273,17 +285,29 @@ class ChatMessage(BaseModel):
 
     @field_validator("content", mode="before")
     @classmethod
-    def _text_only(cls, v):
+    def _known_parts(cls, v):
         if isinstance(v, list):
-            kinds = {p.get("type") for p in v if isinstance(p, dict)} - {"text"}
+            kinds = {p.get("type") for p in v if isinstance(p, dict)} - {"text", "image_url"}
             if kinds:
-                raise ValueError(f"only text content parts are supported, got {sorted(map(str, kinds))}")
+                raise ValueError(f"only text and image_url content parts are supported, got {sorted(map(str, kinds))}")
         return v
+
+    @model_validator(mode="after")
+    def _images_from_users(self) -> "ChatMessage":
+        if self.images() and self.role != "user":
+            raise ValueError(f"image_url parts belong in user messages, not {self.role!r} ones")
+        return self
 
     def text(self) -> str:
         if self.content is None:
             return ""
-        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(p.text for p in self.content if isinstance(p, TextPart))
+
+    def images(self) -> list[ImageURL]:
+        return [] if isinstance(self.content, (str, type(None))) else \
+            [p.image_url for p in self.content if isinstance(p, ImagePart)]
 
 
 class ChatCompletionRequest(_GenerationFields):

@@ -13,7 +13,8 @@ output_text.delta, function_call_arguments.delta, ..., response.completed).
 
 The routes (raycluster.server.responses_routes) store responses and continue them
 (`previous_response_id`: `to_chat` takes the earlier turns' items as `context`) and run background
-responses. Tools other than functions and non-text input are refused.
+responses. Tools other than functions and file input are refused; `input_image` parts become the
+chat's image_url parts.
 """
 
 from __future__ import annotations
@@ -159,7 +160,7 @@ def _messages(items: list[dict[str, Any]], where: str = "input") -> list[dict[st
             role = item.get("role")
             if role not in ("user", "system", "developer", "assistant"):
                 raise ResponsesInputError(f"{where}.{i}.role", f"must be user, system, developer or assistant, got {role!r}")
-            out.append({"role": role, "content": _text(item.get("content"), f"{where}.{i}.content")})
+            out.append({"role": role, "content": _content(item.get("content"), f"{where}.{i}.content")})
         elif kind == "function_call":
             for key in ("call_id", "name", "arguments"):
                 if not isinstance(item.get(key), str):
@@ -184,6 +185,24 @@ def _messages(items: list[dict[str, Any]], where: str = "input") -> list[dict[st
             raise ResponsesInputError(f"{where}.{i}.type", f"{kind!r} is not supported (message, function_call, "
                                       "function_call_output or reasoning)")
     return out
+
+
+def _content(content: Any, field: str) -> str | list[dict[str, Any]]:
+    """A message's content as the chat request takes it: its text, or with `input_image` parts
+    (an image URL: data: or http(s)) a list of chat text and image_url parts in order."""
+    if not isinstance(content, list) or not any(isinstance(p, dict) and p.get("type") == "input_image"
+                                                for p in content):
+        return _text(content, field)
+    parts = []
+    for j, part in enumerate(content):
+        if isinstance(part, dict) and part.get("type") == "input_image":
+            if not isinstance(part.get("image_url"), str):
+                raise ResponsesInputError(f"{field}.{j}.image_url", "must be a data: or http(s) URL "
+                                          "(file_id images are not supported)")
+            parts.append({"type": "image_url", "image_url": {"url": part["image_url"]}})
+        else:
+            parts.append({"type": "text", "text": _text([part], f"{field}.{j}")})
+    return parts
 
 
 def _text(content: Any, field: str) -> str:

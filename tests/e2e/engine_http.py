@@ -35,18 +35,20 @@ def serve_engine(config: EngineConfig, model, tok, log_level: str = "warning", a
                  tool_call_parser: str | None = None, names=("tiny",), sampling_defaults: dict | None = None,
                  log_requests: bool = False, reasoning_parser: str | None = None,
                  allow_runtime_lora: bool | None = None, lora_resolver_dir: str | None = None,
-                 lora_resolver_max_loaded: int | None = None, response_store=None):
+                 lora_resolver_max_loaded: int | None = None, response_store=None, image_encoder=None,
+                 images=None):
     """Yields (base URL, the AsyncEngine) while the server runs (`api_keys`, `tool_call_parser`,
     `names`, `sampling_defaults`, `log_requests`, `reasoning_parser`, `allow_runtime_lora`,
-    `lora_resolver_dir`, `lora_resolver_max_loaded`, `response_store`: build_app's)."""
-    engine = LLMEngine(config, model, tok)
+    `lora_resolver_dir`, `lora_resolver_max_loaded`, `response_store`, `images`: build_app's;
+    `image_encoder`: the engine's)."""
+    engine = LLMEngine(config, model, tok, image_encoder=image_encoder)
     aeng = AsyncEngine(engine)
     port = _free_port()
     app = build_app(aeng, tok, names, api_keys=api_keys, tool_call_parser=tool_call_parser,
                     sampling_defaults=sampling_defaults, log_requests=log_requests,
                     reasoning_parser=reasoning_parser, allow_runtime_lora=allow_runtime_lora,
                     lora_resolver_dir=lora_resolver_dir, lora_resolver_max_loaded=lora_resolver_max_loaded,
-                    model_config=model.config, response_store=response_store)
+                    model_config=model.config, response_store=response_store, images=images)
     srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level=log_level))
     th = threading.Thread(target=srv.run, daemon=True)
     th.start()

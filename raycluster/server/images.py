@@ -1,0 +1,168 @@
+"""Chat requests' images, from `image_url` content parts to the prompt's `ImageInput`s.
+
+The HTTP server does what vLLM's input processor does before a request reaches an engine:
+`load_images` fetches each image part (a `data:` URL, or an http(s) URL, bounded in bytes and
+time), decodes it and runs the checkpoint's image processor (off the event loop), so a bad
+image is the client's 400 and never reaches a worker. The chat template then renders each image
+as the model's image token: templates that iterate a message's content parts (`takes_parts`,
+as llava-hf's do) see `{"type": "image"}` parts in place, other templates see the image token's
+text before the message's text, one line each (vLLM's placement). `place_images` expands each
+image token of the tokenized prompt to the encoder's tokens per image and records where each
+image's run lies (`ImageInput`), with a digest of its pixels for the prefix cache.
+`image_spec_for(model_dir, tokenizer)` says whether (and how) a checkpoint takes images.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import binascii
+import functools
+import hashlib
+import re
+from dataclasses import dataclass
+
+import httpx
+import torch
+
+from raycluster.engine.outputs import InvalidRequestError
+from raycluster.model.image_processor import ImageProcessor, decode_image
+from raycluster.request import ImageInput
+
+MAX_IMAGES_PER_PROMPT = 16           # vLLM's --limit-mm-per-prompt, for images
+MAX_IMAGE_BYTES = 20 * 2 ** 20       # an image's encoded bytes, fetched or inline
+FETCH_TIMEOUT_S = 10.0               # vLLM's VLLM_IMAGE_FETCH_TIMEOUT is 5 s; a slow origin gets 10
+
+
+@dataclass
+class ImageSpec:
+    """How a checkpoint takes images: its image token (id and text), the encoder's tokens per
+    image and the image processor."""
+    token_id: int
+    token_text: str
+    tokens_per_image: int
+    processor: ImageProcessor
+
+
+def image_spec_for(model_dir, tokenizer) -> ImageSpec | None:
+    """The spec of a checkpoint that can encode images (raycluster.model.llava), else None."""
+    from raycluster.model.llava import llava_image_facts
+
+    facts = llava_image_facts(model_dir)
+    processor = ImageProcessor.from_model_dir(model_dir)
+    if facts is None or processor is None:
+        return None
+    token_id, per_image = facts
+    text = tokenizer.id_to_token(token_id)
+    if text is None:
+        raise ValueError(f"{model_dir}: the image token id {token_id} is not in the tokenizer's vocabulary")
+    return ImageSpec(token_id, text, per_image, processor)
+
+
+_PARTS_LOOP = re.compile(r"\{%-?\s*for\s+\w+\s+in\s+\w+(?:\[\s*['\"]content['\"]\s*\]|\.content\b)")
+
+
+@functools.lru_cache(maxsize=8)
+def takes_parts(template: str | None) -> bool:
+    """Whether a chat template iterates a message's content parts (vLLM's "openai" content
+    format) rather than reading it as one string."""
+    return bool(template) and _PARTS_LOOP.search(template) is not None
+
+
+def template_content(message, parts: bool, image_text: str | None):
+    """A message's content as the template reads it: a list of text and image parts (`parts`),
+    else a string with one line of the image token's text per image before the text."""
+    if parts:
+        if isinstance(message.content, str) or message.content is None:
+            return [{"type": "text", "text": message.text()}]
+        return [{"type": "text", "text": p.text} if p.type == "text" else {"type": "image"} for p in message.content]
+    n = len(message.images())
+    if not n:
+        return message.text()
+    return "\n".join([image_text] * n + [message.text()])
+
+
+async def load_images(messages, spec: ImageSpec | None, client: httpx.AsyncClient | None = None
+                      ) -> list[torch.Tensor]:
+    """The pixel tensors of the messages' image parts, in order; InvalidRequestError for what the
+    client got wrong (no images on this model, too many, a URL or image that does not load)."""
+    urls = [u for m in messages for u in m.images()]
+    if not urls:
+        return []
+    if spec is None:
+        raise InvalidRequestError("messages", "this model takes no images (image_url parts need an image-text "
+                                  "checkpoint whose vision tower is served)")
+    if len(urls) > MAX_IMAGES_PER_PROMPT:
+        raise InvalidRequestError("messages", f"{len(urls)} images; at most {MAX_IMAGES_PER_PROMPT} per request")
+    datas = await asyncio.gather(*(_image_bytes(u.url, k, client) for k, u in enumerate(urls)))
+    return await asyncio.to_thread(_preprocess, datas, spec.processor)
+
+
+def _preprocess(datas: list[bytes], processor: ImageProcessor) -> list[torch.Tensor]:
+    out = []
+    for k, data in enumerate(datas):
+        try:
+            out.append(processor(decode_image(data)))
+        except ValueError as e:
+            raise InvalidRequestError("messages", f"image {k}: {e}") from None
+    return out
+
+
+async def _image_bytes(url: str, k: int, client: httpx.AsyncClient | None) -> bytes:
+    if url.startswith("data:"):
+        head, sep, payload = url.partition(",")
+        if not sep or not head.endswith(";base64"):
+            raise InvalidRequestError("messages", f"image {k}: a data URL must be data:<type>;base64,<data>")
+        try:
+            data = base64.b64decode(payload, validate=True)
+        except (binascii.Error, ValueError):
+            raise InvalidRequestError("messages", f"image {k}: the data URL's payload is not base64") from None
+        if len(data) > MAX_IMAGE_BYTES:
+            raise InvalidRequestError("messages", f"image {k}: {len(data)} bytes; at most {MAX_IMAGE_BYTES}")
+        return data
+    if not url.startswith(("http://", "https://")):
+        raise InvalidRequestError("messages", f"image {k}: the URL must be http(s):// or data:, got {url[:40]!r}")
+    try:
+        if client is not None:
+            return await _fetch(client, url, k)
+        async with httpx.AsyncClient(timeout=FETCH_TIMEOUT_S, follow_redirects=True) as own:
+            return await _fetch(own, url, k)
+    except httpx.HTTPError as e:
+        raise InvalidRequestError("messages", f"image {k}: cannot fetch {url[:200]}: {e!r}") from None
+
+
+async def _fetch(client: httpx.AsyncClient, url: str, k: int) -> bytes:
+    async with asyncio.timeout(FETCH_TIMEOUT_S):
+        async with client.stream("GET", url) as r:
+            if r.status_code != 200:
+                raise InvalidRequestError("messages", f"image {k}: {url[:200]} answered HTTP {r.status_code}")
+            chunks, size = [], 0
+            async for chunk in r.aiter_bytes():
+                size += len(chunk)
+                if size > MAX_IMAGE_BYTES:
+                    raise InvalidRequestError("messages", f"image {k}: more than {MAX_IMAGE_BYTES} bytes at {url[:200]}")
+                chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def place_images(ids: list[int], pixels: list[torch.Tensor], spec: ImageSpec) -> tuple[list[int], list[ImageInput]]:
+    """The prompt with each image token expanded to the encoder's tokens per image, and the
+    images laid on those runs in order. InvalidRequestError when the template placed another
+    number of image tokens than there are images."""
+    at = [i for i, t in enumerate(ids) if t == spec.token_id]
+    if len(at) != len(pixels):
+        raise InvalidRequestError("messages", f"the prompt holds {len(at)} image tokens ({spec.token_text!r}) "
+                                  f"for {len(pixels)} images")
+    if not pixels:
+        return ids, []
+    out: list[int] = []
+    images: list[ImageInput] = []
+    last = 0
+    for pos, px in zip(at, pixels):
+        out.extend(ids[last:pos])
+        images.append(ImageInput(offset=len(out), length=spec.tokens_per_image, pixel_values=px,
+                                 digest=hashlib.sha256(px.contiguous().numpy().tobytes()).digest()))
+        out.extend([spec.token_id] * spec.tokens_per_image)
+        last = pos + 1
+    out.extend(ids[last:])
+    return out, images

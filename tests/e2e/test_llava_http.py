@@ -1,0 +1,129 @@
+"""Images over real HTTP (raycluster.server.images): a tiny LLaVA served by one engine answers a
+chat message with an image, given inline as a data URL or fetched from an http URL on loopback,
+with transformers' greedy tokens for the prompt `/tokenize` shows (its image token expanded), and
+so does the Responses API given the image as an input_image part;
+what a client gets wrong about an image is a 400 naming `messages`, and the engine is left clean."""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import functools
+import http.server
+import io
+import threading
+
+import httpx
+import numpy as np
+import pytest
+from engine_http import all_free, serve_engine, tiny_parts
+from llava_reference import hf_llava_greedy, hf_pixel_values
+from PIL import Image
+
+from raycluster.engine.config import EngineConfig
+from raycluster.model.llava import image_encoder_for
+from raycluster.model.tiny_llava import IMAGE_TOKEN_ID
+from raycluster.model.tiny_multimodal import write_tiny_multimodal
+from raycluster.server.images import MAX_IMAGES_PER_PROMPT, image_spec_for
+
+pytest.importorskip("transformers")
+
+
+def _png(seed: int, size=(37, 29)) -> bytes:
+    rng = np.random.default_rng(seed)
+    buf = io.BytesIO()
+    Image.fromarray(rng.integers(0, 256, size=(*size, 3), dtype=np.uint8)).save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def _data_url(data: bytes) -> str:
+    return "data:image/png;base64," + base64.b64encode(data).decode()
+
+
+def _message(url: str, text: str = "what is in this picture") -> dict:
+    return {"role": "user", "content": [{"type": "text", "text": text}, {"type": "image_url", "image_url": {"url": url}}]}
+
+
+@contextlib.contextmanager
+def _file_server(files: dict[str, bytes]):
+    """An HTTP server on 127.0.0.1 serving `files` by path (404 otherwise)."""
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            body = files.get(self.path)
+            self.send_response(200 if body is not None else 404)
+            self.send_header("Content-Length", str(len(body or b"")))
+            self.end_headers()
+            self.wfile.write(body or b"")
+
+        def log_message(self, *args):
+            pass
+
+    srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    th = threading.Thread(target=functools.partial(srv.serve_forever, poll_interval=0.05), daemon=True)
+    th.start()
+    try:
+        yield f"http://127.0.0.1:{srv.server_address[1]}"
+    finally:
+        srv.shutdown()
+        th.join(timeout=10)
+
+
+def test_chat_with_images_over_http(tmp_path):
+    path = write_tiny_multimodal(tmp_path / "llava", "LlavaForConditionalGeneration", seed=1, vision_weights=True)
+    model, tok = tiny_parts(path)
+    enc = image_encoder_for(path)
+    cfg = EngineConfig(kv_cache_tokens=2048, policy="fcfs", packer="token", enable_prefix_caching=True)
+    png = _png(0)
+    gen = {"max_tokens": 10, "temperature": 0, "ignore_eos": True}
+    with _file_server({"/cat.png": png, "/junk.png": b"not an image"}) as files, \
+            serve_engine(cfg, model, tok, image_encoder=enc, images=image_spec_for(path, tok)) as (url, aeng):
+        r = httpx.post(f"{url}/tokenize", timeout=30, json={"messages": [_message(_data_url(png))]})
+        assert r.status_code == 200, r.text
+        ids = r.json()["tokens"]
+        assert ids.count(IMAGE_TOKEN_ID) == enc.tokens_per_image == 4
+        want = hf_llava_greedy(path, ids, hf_pixel_values(path, [Image.open(io.BytesIO(png))]), 10)
+        for image_url in (_data_url(png), f"{files}/cat.png"):
+            r = httpx.post(f"{url}/v1/chat/completions", timeout=60, json={"messages": [_message(image_url)], **gen})
+            assert r.status_code == 200, r.text
+            out = r.json()
+            assert out["choices"][0]["message"]["content"] == tok.decode(want)
+            assert out["usage"]["prompt_tokens"] == len(ids)
+        # The Responses API's input_image parts are the chat's image_url parts.
+        r = httpx.post(f"{url}/v1/responses", timeout=60, json={
+            "input": [{"role": "user", "content": [{"type": "input_text", "text": "what is in this picture"},
+                                                   {"type": "input_image", "image_url": _data_url(png)}]}],
+            "max_output_tokens": 10, "temperature": 0})
+        assert r.status_code == 200, r.text
+        stop = hf_llava_greedy(path, ids, hf_pixel_values(path, [Image.open(io.BytesIO(png))]), 10, stop_at_eos=True)
+        assert r.json()["output"][-1]["content"][0]["text"] == tok.decode(stop)
+        # Another picture, same text (a prefix-cache hit up to the image): its own tokens.
+        other = _png(3)
+        want_other = hf_llava_greedy(path, ids, hf_pixel_values(path, [Image.open(io.BytesIO(other))]), 10)
+        assert want_other != want
+        r = httpx.post(f"{url}/v1/chat/completions", timeout=60, json={"messages": [_message(_data_url(other))], **gen})
+        assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] == tok.decode(want_other)
+
+        bad = {
+            "data:image/png;base64,@@@": "not base64",
+            "data:image/png,abc": "data:<type>;base64",
+            _data_url(b"GIF89a-but-not-really"): "cannot decode image",
+            f"{files}/junk.png": "cannot decode image",
+            f"{files}/missing.png": "answered HTTP 404",
+            "ftp://127.0.0.1/x.png": "must be http(s):// or data:",
+        }
+        for image_url, why in bad.items():
+            r = httpx.post(f"{url}/v1/chat/completions", timeout=30, json={"messages": [_message(image_url)], **gen})
+            assert r.status_code == 400 and r.json()["error"]["param"] == "messages", (image_url, r.text)
+            assert why in r.json()["error"]["message"], (image_url, r.text)
+        many = {"role": "user", "content": [{"type": "image_url", "image_url": {"url": _data_url(png)}}]
+                * (MAX_IMAGES_PER_PROMPT + 1)}
+        assistant = {"role": "assistant", "content": [{"type": "image_url", "image_url": {"url": _data_url(png)}}]}
+        typed = _message(_data_url(png), "a literal <image> in the text")
+        for messages, why in (([many], "at most"), ([_message(_data_url(png)), assistant], "belong in user messages"),
+                              ([typed], "image tokens")):
+            r = httpx.post(f"{url}/v1/chat/completions", timeout=30, json={"messages": messages, **gen})
+            assert r.status_code == 400 and why in r.json()["error"]["message"], r.text
+        r = httpx.post(f"{url}/v1/chat/completions", timeout=30,
+                       json={"messages": [_message(_data_url(png))], "truncate_prompt_tokens": 5, **gen})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "truncate_prompt_tokens", r.text
+        assert all_free(aeng)

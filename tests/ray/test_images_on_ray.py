@@ -1,0 +1,58 @@
+"""Images through the P/D cluster over real HTTP: a tiny LLaVA whose gateway loads and
+preprocesses each image, whose router carries the pixels to the prefill instance (a tp 2 group of
+Ray-actor ranks for short prompts, a single-process instance for long ones), which encodes them and
+hands the KV to a decode instance. Each chat reply equals transformers' greedy tokens; afterwards
+nothing is in flight and every instance's KV is free."""
+
+from __future__ import annotations
+
+import base64
+import io
+
+import httpx
+import numpy as np
+import pytest
+from cluster_http import drained_status
+from llava_reference import hf_llava_greedy, hf_pixel_values
+from PIL import Image
+from serve_app import deployed_app
+
+from raycluster.model.tokenizer import Tokenizer
+
+pytestmark = [pytest.mark.ray, pytest.mark.e2e]
+pytest.importorskip("transformers")
+
+ROUTER = "router-images"
+
+
+def _png(seed: int) -> bytes:
+    buf = io.BytesIO()
+    Image.fromarray(np.random.default_rng(seed).integers(0, 256, size=(31, 45, 3), dtype=np.uint8)).save(buf, "PNG")
+    return buf.getvalue()
+
+
+def test_image_chats_through_pd_pools(ray_cluster, tmp_path):
+    from raycluster.model.tiny_multimodal import write_tiny_multimodal
+
+    path = write_tiny_multimodal(tmp_path / "llava", "LlavaForConditionalGeneration", seed=1, vision_weights=True)
+    cfg = {"model": path, "policy": "lars", "threads_per_instance": 1, "router_name": ROUTER,
+           "connector": "torch_dist", "initial_l_m": 32, "engine": {"kv_cache_tokens": 4096, "chunk_size": 16},
+           "pools": [{"role": "prefill-short", "instances": 1, "engine": {"tp": 2, "group_launch": "ray"}},
+                     {"role": "prefill-long", "instances": 1},
+                     {"role": "decode", "instances": 1, "engine": {"policy": "fcfs", "packer": "token"}}]}
+    texts = ["what is in this picture", "describe it " * 20 + "in one line"]      # short, long
+    pngs = [_png(0), _png(3)]
+    tok = Tokenizer(path)
+    with deployed_app(cfg, ROUTER, 300, "images cluster") as url:
+        for text, png in zip(texts, pngs):
+            url_part = {"type": "image_url", "image_url": {"url": "data:image/png;base64," + base64.b64encode(png).decode()}}
+            messages = [{"role": "user", "content": [{"type": "text", "text": text}, url_part]}]
+            ids = httpx.post(f"{url}/tokenize", json={"messages": messages}, timeout=60).json()["tokens"]
+            want = hf_llava_greedy(path, ids, hf_pixel_values(path, [Image.open(io.BytesIO(png))]), 12)
+            r = httpx.post(f"{url}/v1/chat/completions", timeout=120, json={
+                "messages": messages, "max_tokens": 12, "temperature": 0, "ignore_eos": True})
+            assert r.status_code == 200, r.text
+            assert r.json()["choices"][0]["message"]["content"] == tok.decode(want), (len(ids), text)
+        status = drained_status(url)
+        assert {i["role"]: i["layout"] for i in status["instances"]}["prefill-short"] == "tp2"
+        assert status["model"]["image_tokens"] == 4 and not status["model"]["text_only"]
