@@ -62,7 +62,7 @@ class LLMEngine:
         reads its vocab, length and EOS from (`model.config`): the full model, or the
         `GroupModel` of a prebuilt group whose ranks read their parts from the checkpoint.
         `image_encoder`: an image-text checkpoint's (raycluster.model.llava), for prompts with
-        images; only single-process and TP runners take it."""
+        images; the runner's leader runs it."""
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         config = config.for_model(getattr(model.config, "dtype", None))
@@ -83,9 +83,7 @@ class LLMEngine:
         self.eos_token_ids = tuple(tokenizer.eos_token_ids) if tokenizer is not None else tuple(mcfg.eos_token_id)
         self.runner = runner or build_runner(config, model, _DTYPES[config.dtype])
         self.kv = self.runner.kv
-        self.image_encoder = image_encoder
-        if image_encoder is not None and hasattr(type(self.runner), "image_encoder"):
-            self.runner.image_encoder = image_encoder
+        self.image_encoder = self.runner.image_encoder = image_encoder
         self.predictor = predictor or self._predictor(config)
         self.scheduler = build_scheduler(config, self.kv, self.clock, self.max_model_len, self.predictor)
         self._retired = RetiredScheduling()       # pieces of pools it left (reconfigure_scheduling)
@@ -226,8 +224,7 @@ class LLMEngine:
 
     def _validate(self, ids: list[int], sp: SamplingParams) -> None:
         validate_request(ids, sp, self.max_model_len, self.vocab_size, self.kv.capacity_tokens())
-        check_images(ids, sp, self.image_encoder, None if getattr(self.runner, "image_encoder", None) is not None else
-                     f"images are not served by a {self.runner.layout} group (only by single-process and tp instances)")
+        check_images(ids, sp, self.image_encoder)
         if sp.lora_adapter is not None and sp.lora_adapter not in self.lora:
             raise InvalidRequestError("model", f"LoRA adapter {sp.lora_adapter!r} is not served here")
         if sp.embed and not sp.pool_tokens and self.model.config.token_classifier:

@@ -20,16 +20,13 @@ from raycluster.engine.outputs import InvalidRequestError
 from raycluster.request import ImageInput, Request, SamplingParams
 
 
-def check_images(ids: list[int], sp: SamplingParams, encoder, why_not: str | None = None) -> None:
+def check_images(ids: list[int], sp: SamplingParams, encoder) -> None:
     """Raise InvalidRequestError unless the prompt's images fit `encoder` (None: this engine takes
-    no images) and lie on runs of its image token. `why_not`: why an engine with an encoder still
-    cannot take them (e.g. its runner's layout)."""
+    no images) and lie on runs of its image token."""
     if not sp.images:
         return
     if encoder is None:
         raise InvalidRequestError("messages", "this model takes no images (it has no vision tower to encode them)")
-    if why_not is not None:
-        raise InvalidRequestError("messages", why_not)
     end = 0
     for k, image in enumerate(sp.images):
         if image.length != encoder.tokens_per_image:

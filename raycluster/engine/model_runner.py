@@ -112,7 +112,7 @@ def execute_step(runner, out: SchedulerOutput) -> StepLogits:
     """What every runner's `execute` does: plan the step, run it, and turn the sampled rows into
     fp32 logits (`plan_logits`: the leader's output head, or the group's vocab-parallel lanes).
     Pooling requests' prefill rows are pooled on the way (`pool_prefills`)."""
-    encoder = getattr(runner, "image_encoder", None)     # only single-process and TP runners take images
+    encoder = runner.image_encoder
     if encoder is not None:
         encode_images(encoder, out.prefills)
     plan, reqs, prompt, drafts = step_plan(out, runner.kv.block_tables, runner.kv.extra_group_tables)

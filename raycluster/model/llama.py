@@ -32,6 +32,14 @@ from raycluster.model.quant.linear import quantize_linears
 from raycluster.model.rope import RotaryEmbedding, apply_rope
 
 
+
+def splice_rows(x: torch.Tensor, rows) -> torch.Tensor:
+    """`x` [T, H] with each (first row, embeddings [k, H]) piece written over its rows: prompt
+    images' features over their placeholders' token embeddings, as HF's LLaVA scatters them."""
+    for row, e in rows:
+        x[row:row + e.shape[0]] = e.to(device=x.device, dtype=x.dtype)
+    return x
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -380,8 +388,8 @@ class LlamaForCausalLM(nn.Module):
         backend = backend or self._backend(input_ids.device)
         meta.prepare(kv_cache.device)
         x = self.embed(input_ids)
-        for row, e in image_rows:       # as HF's LLaVA scatters image features over the placeholders
-            x[row:row + e.shape[0]] = e.to(device=x.device, dtype=x.dtype)
+        if image_rows:
+            x = splice_rows(x, image_rows)
         ropes = self.layer_ropes(positions, x.dtype, range(len(self.model.layers)))
         aux = {}
         for i, layer in enumerate(self.model.layers):

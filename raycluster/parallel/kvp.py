@@ -320,7 +320,7 @@ class KVPRank:
         meta = kvp_meta(plan, gmeta.slot_mapping, self.rank, self.world, self.block_size,
                         self.blocks_per_rank, self.device, ranks=ranks)
         hidden, self.aux = forward_keeping(self.model, input_ids, positions, self.kv_cache, meta, self.backend,
-                                           self.adapters.for_step(plan), aux_layers)
+                                           self.adapters.for_step(plan), aux_layers, plan.image_rows)
         self.hidden = hidden
         rows = hidden.index_select(0, torch.tensor(plan.sample_rows, dtype=torch.long, device=hidden.device))
         if self.tp == 1 or not self.model.config.has_lm_head:      # the latter: pooling only, no logits
@@ -388,6 +388,7 @@ class KVPRunner:
     last_hidden = None
     aux_layers: tuple[int, ...] = ()
     last_aux = None
+    image_encoder = None    # as ModelRunner's: on the leader, its output posted in the plan
 
     def __init__(self, model, coll: Collective | None, world: int, blocks_per_rank: int, block_size: int,
                  dtype: torch.dtype, device: str | torch.device = "cpu", ranks=None,

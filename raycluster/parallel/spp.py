@@ -63,7 +63,7 @@ from kernels import get_attention_backend
 from raycluster.engine.kv_manager import KVCacheManager
 from raycluster.engine.model_runner import StepLogits, execute_step
 from raycluster.engine.scheduler import SchedulerOutput
-from raycluster.model.llama import LlamaForCausalLM
+from raycluster.model.llama import LlamaForCausalLM, splice_rows
 from raycluster.parallel.group import Collective
 from raycluster.parallel.kv_port import KV_TAG, KVLoad, KVSave, StagedPort, rank_handler
 from raycluster.parallel.kvp import KVPAttention, kvp_meta, owned_positions, step_ranks
@@ -110,7 +110,8 @@ def split_plan(plan: StepPlan, micro_tokens: int) -> list[StepPlan]:
             # trailing rows) so the group returns exactly len(plan.sample_rows) rows.
             rows = [r - a for r in plan.sample_rows if a <= r < a + m]
             out.append(StepPlan(ids[a:a + m], [start + s], [m], [table], [], [], rows,
-                                runs_within(plan.lora_runs, a, a + m)))
+                                runs_within(plan.lora_runs, a, a + m),
+                                image_rows=image_rows_within(plan.image_rows, a, a + m)))
         off += n
     if plan.decode_positions:
         rows = [r - off for r in plan.sample_rows if r >= off]
@@ -126,6 +127,16 @@ def runs_within(runs: list[tuple[str, int, int]], lo: int, hi: int) -> list[tupl
         a, b = max(first, lo), min(first + count, hi)
         if a < b:
             out.append((name, a - lo, b - a))
+    return out
+
+
+def image_rows_within(pieces: list[tuple[int, torch.Tensor]], lo: int, hi: int) -> list[tuple[int, torch.Tensor]]:
+    """The image-embedding pieces of tokens [lo, hi) of a plan, as rows of a micro-batch of those tokens."""
+    out = []
+    for row, e in pieces:
+        a, b = max(row, lo), min(row + e.shape[0], hi)
+        if a < b:
+            out.append((a - lo, e[a - row:b - row]))
     return out
 
 
@@ -293,7 +304,7 @@ class SPPStage:
                                 self.blocks_per_rank, self.device, causal_offset=i, ranks=ranks)
             meta.prepare(self.device)
             if self.first:
-                x = m.embed(ids)
+                x = splice_rows(m.embed(ids), mb.image_rows)
             else:
                 x = self.coll.recv(self._buf(mb.num_tokens), self.prev, HIDDEN_TAG)
             ropes = m.layer_ropes(pos, x.dtype, range(self.lo, self.lo + len(self.layers)))
@@ -336,6 +347,8 @@ class SPPRunner:
     `GroupModel` over the leader's stage). `kv`: the engine's block bookkeeping; with kvp > 1 it
     spans every KVP rank's blocks, in the KVP layout (`kvp_layout.kvp_kv_manager`), the same for
     every stage."""
+
+    image_encoder = None    # as ModelRunner's: on the leader; the plan carries its output to the first stage
 
     def __init__(self, model: LlamaForCausalLM | Checkpoint, kv: KVCacheManager, coll: Collective | None, spp: int,
                  dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",

@@ -1,7 +1,7 @@
 """Prompts with images through the engine (raycluster.engine.image_inputs): a tiny
 LlavaForConditionalGeneration's greedy tokens equal transformers' for prompts with one or two
 images, whole or with the image cut across prefill chunks, batched with other requests, on one
-process and on a TP group; the prefix cache reuses a prompt's blocks only under the same pixels;
+process and on TP, KVP and SPP groups; the prefix cache reuses a prompt's blocks only under the same pixels;
 and what the engine cannot serve is refused naming the field."""
 
 from __future__ import annotations
@@ -117,12 +117,15 @@ def test_prefix_cache_keys_on_the_pixels(llava):
     assert again.num_cached_tokens == 20 and other.num_cached_tokens == 8
 
 
-def test_a_tp_group_takes_images(llava):
+@pytest.mark.parametrize("group", [{"tp": 2}, {"kvp": 2}, {"spp": 2, "spp_micro_tokens": 3}])
+def test_parallel_groups_take_images(llava, group):
+    """The leader encodes; the plan carries the features to the ranks (an SPP group's first stage
+    gets each micro-batch's share: micro-batches of 3 tokens cut the image)."""
     path, model, enc, proc = llava
     p = _prompt([[7, 8, 9], None, [20, 21]], enc.tokens_per_image, [_pixels(proc, 7)])
-    eng = LLMEngine(EngineConfig(**BASE, kv_cache_tokens=512, chunk_size=5, tp=2), model, image_encoder=enc)
+    eng = LLMEngine(EngineConfig(**BASE, kv_cache_tokens=512, chunk_size=5, **group), model, image_encoder=enc)
     try:
-        assert eng.runner.layout == "tp2"
+        assert eng.runner.layout == "".join(f"{k}{v}" for k, v in group.items() if k != "spp_micro_tokens")
         assert eng.generate([p[0]], [_sp(p[1])]) == [_reference(path, *p)]
     finally:
         eng.runner.close()
