@@ -1,6 +1,6 @@
 """Smoke tests of `raycluster bench spec-decode` (the JSON's shape, n-gram, draft-model and EAGLE runs
 that give the plain run's tokens, on TP groups too, the CLI's exit status), `raycluster bench lora` (its four
-mixes), `bench window` and `bench hybrid-kv`; no timing assertions."""
+mixes), `bench window`, `bench hybrid-kv` and `bench images`; no timing assertions."""
 
 from __future__ import annotations
 
@@ -132,3 +132,15 @@ def test_hybrid_kv_bench_runs_both_caches_to_the_same_tokens(tmp_path):
     hybrid, one = res["rounds"][0]["hybrid"], res["rounds"][0]["one_table"]
     assert hybrid["kv_groups"] == 3 and one["kv_groups"] == 1
     assert hybrid["pool_blocks"] == 3 * one["pool_blocks"] and res["wall_ratio_one_table_over_hybrid"] > 0
+
+
+def test_image_bench_finds_the_same_image_in_the_prefix_cache(tmp_path):
+    """`raycluster bench images`: the same image prompt again finds every full block before its
+    last token cached, the same text with another image only the blocks before the image."""
+    out = tmp_path / "img.json"
+    assert main(["bench", "images", "--image-size", "56", "--tower-layers", "1", "--text-tokens", "20",
+                 "--photo", "64x48", "--repeats", "1", "--out", str(out)]) == 0
+    res = json.loads(out.read_text())
+    assert res["tokens_per_image"] == 16 and res["prompt_tokens"] == 56
+    assert res["cached_tokens"] == {"same_image_again": [48], "other_image_same_text": [16]}
+    assert res["ratio_image_over_text"] > 0 and set(res["median_s"]) == set(res["seconds"])
