@@ -241,6 +241,10 @@ def test_neutral_openai_options_and_text_parts_are_accepted(server):
     assert a["choices"][0]["message"]["content"] == b["choices"][0]["message"]["content"]
     r = httpx.post(f"{url}/v1/chat/completions", timeout=30, json={**msg, "messages": [
         {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "http://x"}}]}]})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages", r.text
+    assert "takes no images" in r.json()["error"]["message"]
+    r = httpx.post(f"{url}/v1/chat/completions", timeout=30, json={**msg, "messages": [
+        {"role": "user", "content": [{"type": "input_audio", "input_audio": {"data": "", "format": "wav"}}]}]})
     assert r.status_code == 400 and r.json()["error"]["param"] == "messages.0.content", r.text
     r = httpx.post(f"{url}/v1/completions", content=b"{bad", headers={"content-type": "application/json"})
     assert r.status_code == 400 and r.json()["error"]["param"] is None, r.text
