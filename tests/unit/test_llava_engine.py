@@ -117,6 +117,27 @@ def test_prefix_cache_keys_on_the_pixels(llava):
     assert again.num_cached_tokens == 20 and other.num_cached_tokens == 8
 
 
+def test_a_prefix_hit_that_ends_inside_an_image(llava):
+    """Same text and image, another tail: the hit ends in the middle of the image (block 3 holds
+    its last two placeholders and the first tail token), so the prefill resumes there and
+    splices the rest of the image's features."""
+    path, model, enc, proc = llava
+    px = _pixels(proc, 9)
+    head = [70 + i for i in range(10)]
+    a = _prompt([head, None, [90, 91, 92, 93, 94]], enc.tokens_per_image, [px])
+    b = _prompt([head, None, [95, 96, 97, 98, 99]], enc.tokens_per_image, [px])
+    eng = LLMEngine(EngineConfig(**BASE, kv_cache_tokens=512, enable_prefix_caching=True), model,
+                    image_encoder=enc)
+    assert eng.generate([a[0]], [_sp(a[1])]) == [_reference(path, *a)]
+    pieces, run = [], eng.runner.run_plan
+    eng.runner.run_plan = lambda plan: pieces.append([(r, len(e)) for r, e in plan.image_rows]) or run(plan)
+    req = eng.add_request("b", b[0], _sp(b[1]))
+    while eng.has_unfinished():
+        eng.step()
+    assert req.num_cached_tokens == 12 and pieces[0] == [(0, 2)]
+    assert req.output_token_ids == _reference(path, *b)
+
+
 @pytest.mark.parametrize("group", [{"tp": 2}, {"kvp": 2}, {"spp": 2, "spp_micro_tokens": 3}])
 def test_parallel_groups_take_images(llava, group):
     """The leader encodes; the plan carries the features to the ranks (an SPP group's first stage
