@@ -87,7 +87,7 @@ def build_gateway_app():
                                 status_code=503, headers={"Retry-After": "1"})
         status["model"] = {"name": names[0], **model_summary(mcfg)}
         if images is not None:          # an image-text checkpoint served with its images
-            status["model"].update(text_only=False, image_tokens=images.tokens_per_image)
+            status["model"].update(text_only=False, images=True)
         if app_name is not None:        # each replica's own port (Serve direct ingress), if on
             status["gateway_urls"] = await asyncio.to_thread(
                 direct_ingress.urls, app_name, request.url.hostname or "127.0.0.1")

@@ -43,7 +43,7 @@ def model_line(m: dict) -> str:
         "".join(f", {d}" for d in pool.get("dense", [])) + f", {pool.get('size')} dims"
     labels = f" labels {', '.join(m['labels'])};" if m.get("labels") else ""
     arch = f"{m.get('architecture')}" + (", text only" if m.get("text_only") else "") + \
-        (f", images of {m['image_tokens']} tokens" if m.get("image_tokens") else "")
+        (", takes images" if m.get("images") else "")
     return (f"model {m.get('name')} ({arch}): {' + '.join(m.get('tasks', []))};{labels} "
             f"{pooling}; weights {m.get('weights')} ({m.get('dtype') or 'float32'})")
 

@@ -34,9 +34,10 @@ class ImageInput:
     """One image of a prompt: its preprocessed pixels and the run of placeholder tokens (the image
     token id, repeated) whose embeddings the image encoder's output replaces."""
     offset: int                 # prompt position of its first placeholder token
-    length: int                 # placeholder tokens: the encoder's tokens per image
-    pixel_values: Any           # float32 tensor [3, H, W], as the checkpoint's image processor made it
-    digest: bytes               # hash of the pixels: prefix-cache keys of blocks it starts in include it
+    length: int                 # placeholder tokens: what the encoder makes of an image of `size`
+    pixel_values: Any           # float32 tensor, as the checkpoint's image processor made it
+    digest: bytes               # hash of pixels and size: prefix-cache keys of blocks it starts in include it
+    size: tuple[int, int] = (0, 0)     # the image's (height, width) before processing (LLaVA-NeXT's tiling)
 
 
 @dataclass

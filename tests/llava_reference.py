@@ -5,7 +5,9 @@ LlavaProcessor does (one id per image feature); `hf_pixel_values(model_dir, imag
 checkpoint's image processor output through transformers' PIL path; `hf_llava_greedy(model_dir,
 input_ids, pixel_values, max_new_tokens)` is LlavaForConditionalGeneration's greedy continuation
 of one prompt whose image placeholders are already expanded (pure argmax: EOS neither stops nor is
-suppressed unless `stop_at_eos`), the new token ids only.
+suppressed unless `stop_at_eos`), the new token ids only. `hf_llava_next_greedy(model_dir, input_ids,
+pixel_values, image_sizes, max_new_tokens)` is the same for LlavaNextForConditionalGeneration, whose
+images bring their squares ([images, 1 + tiles, 3, S, S]) and (height, width) each.
 """
 
 from __future__ import annotations
@@ -36,9 +38,26 @@ def hf_llava(model_dir: str):
     return LlavaForConditionalGeneration.from_pretrained(model_dir, dtype=torch.float32).eval()
 
 
+@functools.lru_cache(maxsize=4)
+def hf_llava_next(model_dir: str):
+    from transformers import LlavaNextForConditionalGeneration
+
+    return LlavaNextForConditionalGeneration.from_pretrained(model_dir, dtype=torch.float32).eval()
+
+
+def hf_llava_next_greedy(model_dir, input_ids: list[int], pixel_values: torch.Tensor | None,
+                         image_sizes: torch.Tensor | None, max_new_tokens: int, stop_at_eos: bool = False) -> list[int]:
+    image = {} if image_sizes is None else {"image_sizes": image_sizes}
+    return _greedy(hf_llava_next(str(model_dir)), input_ids, pixel_values, max_new_tokens, stop_at_eos, **image)
+
+
 def hf_llava_greedy(model_dir, input_ids: list[int], pixel_values: torch.Tensor | None, max_new_tokens: int,
                     stop_at_eos: bool = False) -> list[int]:
-    model = hf_llava(str(model_dir))
+    return _greedy(hf_llava(str(model_dir)), input_ids, pixel_values, max_new_tokens, stop_at_eos)
+
+
+def _greedy(model, input_ids: list[int], pixel_values: torch.Tensor | None, max_new_tokens: int, stop_at_eos: bool,
+            **image) -> list[int]:
     ids = torch.tensor([input_ids])
     kwargs = {} if stop_at_eos else {"eos_token_id": None}
     config = model.generation_config
@@ -48,7 +67,7 @@ def hf_llava_greedy(model_dir, input_ids: list[int], pixel_values: torch.Tensor 
     try:
         with torch.no_grad():
             seq = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), pixel_values=pixel_values,
-                                 max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=2, **kwargs)
+                                 max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=2, **image, **kwargs)
     finally:
         config.eos_token_id = saved
     return seq[0, len(input_ids):].tolist()

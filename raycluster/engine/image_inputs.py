@@ -29,17 +29,19 @@ def check_images(ids: list[int], sp: SamplingParams, encoder) -> None:
         raise InvalidRequestError("messages", "this model takes no images (it has no vision tower to encode them)")
     end = 0
     for k, image in enumerate(sp.images):
-        if image.length != encoder.tokens_per_image:
+        if not isinstance(image.pixel_values, torch.Tensor):
+            raise InvalidRequestError("messages", f"image {k}'s pixels are not a tensor")
+        why = encoder.check_pixels(image.pixel_values, image.size)
+        if why is not None:
+            raise InvalidRequestError("messages", f"image {k}: {why}")
+        n = encoder.tokens_for(image.size)
+        if image.length != n:
             raise InvalidRequestError("messages", f"image {k} holds {image.length} placeholder tokens, "
-                                      f"the encoder makes {encoder.tokens_per_image}")
+                                      f"the encoder makes {n}")
         if image.offset < end or image.offset + image.length > len(ids):
             raise InvalidRequestError("messages", f"image {k} at {image.offset} overlaps another or leaves the prompt")
         if any(t != encoder.image_token_id for t in ids[image.offset:image.offset + image.length]):
             raise InvalidRequestError("messages", f"image {k}'s positions do not all hold the image token")
-        shape = tuple(getattr(image.pixel_values, "shape", ()))
-        if shape != (3, encoder.image_size, encoder.image_size):
-            raise InvalidRequestError("messages", f"image {k}'s pixels are {shape}, the encoder takes "
-                                      f"(3, {encoder.image_size}, {encoder.image_size})")
         end = image.offset + image.length
     if ids.count(encoder.image_token_id) != sum(image.length for image in sp.images):
         raise InvalidRequestError("messages", "the prompt holds image tokens that no image fills")
@@ -60,8 +62,7 @@ def encode_images(encoder, prefills: list[tuple[Request, int]]) -> None:
         for k, image in _overlapping(req, req.num_computed_tokens, n) if k not in req.image_embeds]
     if not todo:
         return
-    pixels = torch.stack([torch.as_tensor(image.pixel_values) for _, _, image in todo])
-    embeds = encoder.encode(pixels)
+    embeds = encoder.encode_images([(image.pixel_values, image.size) for _, _, image in todo])
     for (req, k, _), e in zip(todo, embeds):
         req.image_embeds[k] = e
 

@@ -7,7 +7,9 @@ one) and maps a PIL image to float32 [3, H, W] exactly as transformers' PIL imag
 (`CLIPImageProcessorPil`, and `LlavaImageProcessorPil`'s pad-to-square): RGB with transparency
 composited onto white, a shortest-edge (or fixed height/width) PIL resize, a center crop that
 pads with zeros when the image is smaller, rescale through float64 then float32, normalize in
-float32. Fields the file leaves out take CLIPImageProcessor's defaults.
+float32. Fields the file leaves out take CLIPImageProcessor's defaults. `preprocess_rgb` is the
+part after the RGB conversion, which LLaVA-NeXT's processor (raycluster.model.anyres) runs on
+each of its squares.
 """
 
 from __future__ import annotations
@@ -102,9 +104,14 @@ class ImageProcessor:
 
     def __call__(self, image: Image.Image) -> torch.Tensor:
         """float32 [3, H, W] for `image`."""
-        image = _to_rgb(image)      # also without do_convert_rgb: the tower takes 3 channels
+        image = to_rgb(image)      # also without do_convert_rgb: the tower takes 3 channels
         if self.pad_to_square:
             image = _pad_to_square(image, tuple(int(m * 255) for m in self.image_mean))
+        return self.preprocess_rgb(image)
+
+    def preprocess_rgb(self, image: Image.Image) -> torch.Tensor:
+        """float32 [3, H, W] for an RGB image: the resize, crop, rescale and normalize (what
+        LLaVA-NeXT's processor, raycluster.model.anyres, applies to each of its tiles)."""
         if self.do_resize:
             height, width = self._resized(image.height, image.width)
             image = image.resize((width, height), resample=Image.Resampling(self.resample))
@@ -129,7 +136,7 @@ class ImageProcessor:
         return self.size["height"], self.size["width"]
 
 
-def _to_rgb(image: Image.Image) -> Image.Image:
+def to_rgb(image: Image.Image) -> Image.Image:
     """transformers 5's convert_to_rgb: any transparency composited onto white."""
     if "A" in image.getbands() or image.info.get("transparency") is not None:
         rgba = image.convert("RGBA")

@@ -1,188 +1,154 @@
-"""LLaVA's image side (transformers' `LlavaForConditionalGeneration.get_image_features`): pixels
-through the CLIP tower (raycluster.model.clip_vision) to the hidden state(s) `vision_feature_layer`
-names (-2 by default; a list is concatenated along the features), the CLS token dropped
-(`vision_feature_select_strategy` "default") or kept ("full"), then `multi_modal_projector`
-(linear_1 -> `projector_hidden_act` -> linear_2) to the text model's hidden size.
+"""LLaVA's image side, and which image encoder / processor a checkpoint gets.
 
-`image_encoder_for(model_dir, dtype, device)` builds the encoder of a LLaVA checkpoint whose files
-hold the tower (None for other architectures and for a LLaVA checkpoint stored without it: those
-are served on their text); `llava_image_facts(model_dir)` its image token id and tokens per image
-without reading weights. Config enters from config.json with transformers' LlavaConfig defaults;
-tensors from model.safetensors or its shards (raycluster.model.checkpoint_files), under the
-released files' `vision_tower.vision_model.` / `multi_modal_projector.`, transformers 5's
-`model.` before both, or the `vision_tower.` (no `vision_model.`) transformers 5.24 saves.
-Only the tower layers the feature layers need are built and read. Image features leave `encode`
-as [images, tokens_per_image, text hidden] in the encoder's dtype; the text model puts them, in
-order, at the positions of its `image_token_id` placeholders.
+LLaVA-1.5 (`LlavaForConditionalGeneration.get_image_features`): `LlavaImageEncoder` is the CLIP
+tower and projector of raycluster.model.llava_tower over one square per image, every image
+`tokens_per_image` features. LLaVA-NeXT (`LlavaNextForConditionalGeneration`) is
+raycluster.model.llava_next's `LlavaNextImageEncoder`, its count depending on the image's size.
+
+Both encoders answer the same calls (what the engine uses): `image_token_id`,
+`tokens_for((height, width))`, `check_pixels(pixels, (height, width))` (None, or why the pixels
+do not fit) and `encode_images([(pixels, (height, width)), ...])` -> one [tokens_for(size), text
+hidden] tensor per image, in the encoder's dtype, for the text model's image-token positions.
+
+`image_encoder_for(model_dir, dtype, device)` builds the encoder of a LLaVA / LLaVA-NeXT
+checkpoint whose files hold the tower (None for other architectures and for one stored without it:
+those are served on their text). `image_facts(model_dir)` is the gateway's side, from config.json,
+preprocessor_config.json and the stored tensor names alone (no weights read): the image token,
+its processor (PIL image -> (pixels, (height, width))) and the token count of an image's size,
+`prepare(image)` all three at once. `llava_image_facts(model_dir)` is LLaVA-1.5's older
+(image_token_id, tokens_per_image) pair (None for LLaVA-NeXT, whose count is per image).
 """
 
 from __future__ import annotations
 
-import json
+import dataclasses
 import os
 
 import torch
-from torch import nn
+from PIL import Image
 
-from raycluster.model.checkpoint_files import CheckpointError, copy_into, read_prefixed, stored_names
-from raycluster.model.clip_vision import ClipVisionTower, activation, hidden_state_index
+from raycluster.model import llava_next
+from raycluster.model.anyres import AnyresGrid, AnyresImageProcessor
+from raycluster.model.image_processor import ImageProcessor
+from raycluster.model.llava_tower import ClipProjectorEncoder, read_config, tensor_prefixes
 
 ARCHITECTURE = "LlavaForConditionalGeneration"
-# Where checkpoints keep the tower and the projector (the first whose patch embedding / linear_1
-# is stored wins: `vision_tower.vision_model.` must be tried before the bare `vision_tower.`).
-_TOWER_PREFIXES = ("vision_tower.vision_model.", "model.vision_tower.vision_model.", "vision_tower.",
-                   "model.vision_tower.")
-_PROJECTOR_PREFIXES = ("multi_modal_projector.", "model.multi_modal_projector.")
-# Stored tower tensors LLaVA never uses (old saves kept the position ids buffer).
-_UNUSED = ("post_layernorm.", "embeddings.position_ids")
 
 
-class _Projector(nn.Module):
-    def __init__(self, in_features: int, hidden: int, act, bias: bool):
-        super().__init__()
-        self.linear_1, self.act = nn.Linear(in_features, hidden, bias), act
-        self.linear_2 = nn.Linear(hidden, hidden, bias)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.linear_2(self.act(self.linear_1(x)))
-
-
-class LlavaImageEncoder(nn.Module):
-    """The tower's selected features and the projector (module docstring)."""
+class LlavaImageEncoder(ClipProjectorEncoder):
+    """LLaVA-1.5: one image_size square per image, `tokens_per_image` features each."""
 
     def __init__(self, config: dict, text_hidden: int):
-        super().__init__()
-        vision = config.get("vision_config")
-        if not isinstance(vision, dict):
-            raise ValueError(f"config field 'vision_config' must be an object, got {vision!r}")
-        kind = vision.get("model_type", "clip_vision_model")
-        if kind != "clip_vision_model":
-            raise ValueError(f"config field 'vision_config.model_type' = {kind!r}: only LLaVA over a CLIP tower "
-                             "('clip_vision_model') takes images here")
-        layers = config.get("vision_feature_layer", -2)
-        self.feature_layers = [layers] if isinstance(layers, int) else list(layers)
-        if not self.feature_layers or not all(isinstance(i, int) for i in self.feature_layers):
-            raise ValueError(f"config field 'vision_feature_layer' = {layers!r}: expected an int or a list of ints")
-        self.select_strategy = config.get("vision_feature_select_strategy", "default")
-        if self.select_strategy not in ("default", "full"):
-            raise ValueError(f"config field 'vision_feature_select_strategy' = {self.select_strategy!r}: "
-                             "expected 'default' or 'full'")
-        depth = vision.get("num_hidden_layers")
-        if not isinstance(depth, int):
-            raise ValueError(f"config field 'vision_config.num_hidden_layers' = {depth!r}: expected an int")
-        deepest = max(hidden_state_index(i, depth) for i in self.feature_layers)
-        self.vision_tower = ClipVisionTower(vision, num_layers=deepest)
-        act = activation(config.get("projector_hidden_act", "gelu"), "projector_hidden_act")
-        self.multi_modal_projector = _Projector(self.vision_tower.hidden_size * len(self.feature_layers), text_hidden,
-                                                act, bool(config.get("multimodal_projector_bias", True)))
-        token = config.get("image_token_index", config.get("image_token_id", 32000))
-        self.image_token_id: int = int(token)
-        self.image_size: int = self.vision_tower.image_size
-        self.tokens_per_image: int = self.vision_tower.num_patches + (self.select_strategy == "full")
-        self.text_hidden_size = text_hidden
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.multi_modal_projector.linear_1.weight.dtype
-
-    @property
-    def device(self) -> torch.device:
-        return self.multi_modal_projector.linear_1.weight.device
+        super().__init__(config, text_hidden)
+        self.tokens_per_image: int = self.tokens_per_tile
 
     @torch.inference_mode()
     def encode(self, pixel_values: torch.Tensor) -> torch.Tensor:
         """[N, C, image_size, image_size] pixels -> [N, tokens_per_image, text hidden] features."""
-        t = self.vision_tower
-        if pixel_values.dim() != 4 or tuple(pixel_values.shape[1:]) != (t.num_channels, t.image_size, t.image_size):
-            raise ValueError(f"pixel_values must be [N, {t.num_channels}, {t.image_size}, {t.image_size}], "
-                             f"got {list(pixel_values.shape)}")
-        states = t.hidden_states(pixel_values.to(self.device, self.dtype), self.feature_layers)
-        if self.select_strategy == "default":
-            states = [s[:, 1:] for s in states]
-        return self.multi_modal_projector(torch.cat(states, dim=-1))
+        return self.tile_features(pixel_values)
 
-    @classmethod
-    def from_checkpoint(cls, model_dir: str | os.PathLike, dtype: torch.dtype = torch.float32,
-                        device: str | torch.device = "cpu") -> "LlavaImageEncoder":
-        path = os.fspath(model_dir)
-        config = read_config(path)
-        tower_prefix, projector_prefix = _prefixes(path)
-        if tower_prefix is None or projector_prefix is None:
-            missing = "vision tower" if tower_prefix is None else "multi_modal_projector"
-            raise CheckpointError(f"{path!r}: the checkpoint stores no {missing} tensors")
-        projector = read_prefixed(path, projector_prefix)
-        with torch.device("meta"):
-            encoder = cls(config, _text_hidden(config, projector))
-        encoder.to_empty(device=device).to(dtype)
-        built = len(encoder.vision_tower.encoder.layers)
-        tower = {k: v for k, v in read_prefixed(path, tower_prefix).items()
-                 if not k.startswith(_UNUSED) and _layer_of(k) < built}
-        params = dict(encoder.named_parameters())
-        loaded = {"vision_tower." + k: v for k, v in tower.items()}
-        loaded.update({"multi_modal_projector." + k: v for k, v in projector.items()})
-        copy_into(params, loaded, f"{path} (LLaVA vision tower / projector)", dtype)
-        missing = sorted(set(params) - set(loaded))
-        if missing:
-            more = "..." if len(missing) > 4 else ""
-            raise CheckpointError(f"{path!r}: missing LLaVA vision tensors {missing[:4]}{more}")
-        return encoder.eval()
+    def tokens_for(self, image_size: tuple[int, int]) -> int:
+        """tokens_per_image, whatever the image's size (it was resized to one square)."""
+        return self.tokens_per_image
+
+    def check_pixels(self, pixel_values, image_size) -> str | None:
+        want = (self.vision_tower.num_channels, self.image_size, self.image_size)
+        shape = tuple(getattr(pixel_values, "shape", ()))
+        return None if shape == want else f"pixels are {shape}; the encoder takes {want}"
+
+    def encode_images(self, items: list[tuple[torch.Tensor, tuple[int, int]]]) -> list[torch.Tensor]:
+        """Each image's [tokens_per_image, text hidden] features, all encoded in one batch."""
+        self.check_items(items)
+        if not items:
+            return []
+        return list(self.encode(torch.stack([torch.as_tensor(p) for p, _ in items])).unbind(0))
 
 
-def read_config(path: str) -> dict:
-    with open(os.path.join(path, "config.json")) as f:
-        return json.load(f)
+_ENCODERS = {ARCHITECTURE: LlavaImageEncoder, llava_next.ARCHITECTURE: llava_next.LlavaNextImageEncoder}
 
 
-def _prefixes(path: str) -> tuple[str | None, str | None]:
-    """(tower prefix, projector prefix) of the stored names (None: not stored)."""
-    try:
-        names = stored_names(path)
-    except CheckpointError:
-        return None, None
-    tower = next((p for p in _TOWER_PREFIXES if p + "embeddings.patch_embedding.weight" in names), None)
-    projector = next((p for p in _PROJECTOR_PREFIXES if p + "linear_1.weight" in names), None)
-    return tower, projector
-
-
-def _text_hidden(config: dict, projector: dict[str, torch.Tensor]) -> int:
-    """The text model's hidden size: text_config's, else the projector's output rows (released
-    configs such as llava-1.5-7b's leave LlamaConfig's default 4096 out)."""
-    text = config.get("text_config") or {}
-    if text.get("hidden_size") is not None:
-        return int(text["hidden_size"])
-    if "linear_2.weight" in projector:
-        return int(projector["linear_2.weight"].shape[0])
-    raise CheckpointError("config field 'text_config.hidden_size' is missing and no multi_modal_projector.linear_2 "
-                          "tensor gives it")
-
-
-def _layer_of(name: str) -> int:
-    """The encoder layer a tower tensor belongs to (-1 for the others)."""
-    if not name.startswith("encoder.layers."):
-        return -1
-    return int(name.split(".")[2])
-
-
-def llava_image_facts(model_dir: str | os.PathLike) -> tuple[int, int] | None:
-    """(image_token_id, tokens_per_image) where `image_encoder_for` gives an encoder, from
-    config.json and the stored tensor names alone (no weights read: for a gateway); None where
-    it gives None; the same ValueError for a config it cannot serve."""
-    path = os.fspath(model_dir)
-    if not _has_tower(path):
-        return None
-    with torch.device("meta"):      # validates the config as loading would, allocating nothing
-        encoder = LlavaImageEncoder(read_config(path), text_hidden=1)
-    return encoder.image_token_id, encoder.tokens_per_image
-
-
-def _has_tower(path: str) -> bool:
+def _encoder_class(path: str):
+    """The encoder class of a checkpoint whose files hold a LLaVA tower, else None."""
     if not os.path.exists(os.path.join(path, "config.json")):
-        return False
-    return ARCHITECTURE in (read_config(path).get("architectures") or []) and _prefixes(path)[0] is not None
+        return None
+    archs = read_config(path).get("architectures") or []
+    cls = next((_ENCODERS[a] for a in archs if a in _ENCODERS), None)
+    return cls if cls is not None and tensor_prefixes(path)[0] is not None else None
 
 
 def image_encoder_for(model_dir: str | os.PathLike, dtype: torch.dtype = torch.float32,
-                      device: str | torch.device = "cpu") -> LlavaImageEncoder | None:
-    """The image encoder of a LLaVA checkpoint that stores its tower, else None (module docstring)."""
+                      device: str | torch.device = "cpu") -> ClipProjectorEncoder | None:
+    """The image encoder of a LLaVA / LLaVA-NeXT checkpoint that stores its tower, else None."""
     path = os.fspath(model_dir)
-    return LlavaImageEncoder.from_checkpoint(path, dtype, device) if _has_tower(path) else None
+    cls = _encoder_class(path)
+    return None if cls is None else cls.from_checkpoint(path, dtype, device)
+
+
+@dataclasses.dataclass(frozen=True)
+class FixedSizeProcessor:
+    """LLaVA-1.5's processor in the common form: the one square, and the image's (height, width)."""
+    steps: ImageProcessor
+
+    def __call__(self, image: Image.Image) -> tuple[torch.Tensor, tuple[int, int]]:
+        return self.steps(image), (image.height, image.width)
+
+
+@dataclasses.dataclass(frozen=True)
+class ImageFacts:
+    """How a checkpoint takes images (module docstring). `processor` is None when the checkpoint
+    has no preprocessor_config.json; `grid` (LLaVA-NeXT) makes the count depend on the size."""
+    image_token_id: int
+    processor: FixedSizeProcessor | AnyresImageProcessor | None
+    tokens_per_image: int | None = None
+    grid: AnyresGrid | None = None
+
+    def tokens_for(self, image_size: tuple[int, int]) -> int:
+        return self.grid.tokens_for(image_size) if self.grid is not None else self.tokens_per_image
+
+    def prepare(self, image: Image.Image) -> tuple[torch.Tensor, tuple[int, int], int]:
+        """(pixels, (height, width), placeholder tokens) of a decoded image."""
+        if self.processor is None:
+            raise ValueError("the checkpoint has no preprocessor_config.json to process images with")
+        pixels, size = self.processor(image)
+        return pixels, size, self.tokens_for(size)
+
+
+def image_facts(model_dir: str | os.PathLike) -> ImageFacts | None:
+    """The facts of a checkpoint `image_encoder_for` gives an encoder, else None; the same
+    ValueError for a config it cannot serve, and for a processor that does not fit the tower."""
+    path = os.fspath(model_dir)
+    cls = _encoder_class(path)
+    if cls is None:
+        return None
+    config = read_config(path)
+    with torch.device("meta"):      # validates the config as loading would, allocating nothing
+        encoder = cls(config, text_hidden=1)
+    if cls is LlavaImageEncoder:
+        steps = ImageProcessor.from_model_dir(path)
+        return ImageFacts(encoder.image_token_id, None if steps is None else FixedSizeProcessor(steps),
+                          tokens_per_image=encoder.tokens_per_image)
+    processor = AnyresImageProcessor.from_model_dir(path)
+    if processor is not None and (processor.tile_size, processor.pinpoints) != (encoder.image_size,
+                                                                                 encoder.grid.pinpoints):
+        raise ValueError(f"{path}: preprocessor_config.json's tiles ({processor.tile_size} pixels, pinpoints "
+                         f"{processor.pinpoints}) are not config.json's ({encoder.image_size} pixels, pinpoints "
+                         f"{encoder.grid.pinpoints})")
+    return ImageFacts(encoder.image_token_id, processor, grid=encoder.grid)
+
+
+def processor_for(model_dir: str | os.PathLike) -> FixedSizeProcessor | AnyresImageProcessor | None:
+    """The checkpoint's image processor (PIL image -> (pixels, (height, width))), else None."""
+    facts = image_facts(model_dir)
+    return None if facts is None else facts.processor
+
+
+def llava_image_facts(model_dir: str | os.PathLike) -> tuple[int, int] | None:
+    """LLaVA-1.5's (image_token_id, tokens_per_image), from config.json and the stored tensor
+    names alone; None where `image_encoder_for` gives None and for LLaVA-NeXT (see `image_facts`);
+    the same ValueError for a config it cannot serve."""
+    path = os.fspath(model_dir)
+    if _encoder_class(path) is not LlavaImageEncoder:
+        return None
+    with torch.device("meta"):
+        encoder = LlavaImageEncoder(read_config(path), text_hidden=1)
+    return encoder.image_token_id, encoder.tokens_per_image

@@ -1,7 +1,8 @@
 """Image-text checkpoints served on their text alone: Gemma 3 (`Gemma3ForConditionalGeneration`, the
 4B / 12B / 27B releases), Mistral 3 (`Mistral3ForConditionalGeneration`: Mistral Small 3.1 / 3.2, and
 Ministral 3 over its `ministral3` text model),
-LLaVA (`LlavaForConditionalGeneration`, over a Llama, Mistral or Qwen2 text model), Qwen2-VL and
+LLaVA (`LlavaForConditionalGeneration`, over a Llama, Mistral or Qwen2 text model), LLaVA-NeXT
+(`LlavaNextForConditionalGeneration`: llava-v1.6, over Mistral or Llama), Qwen2-VL and
 Qwen2.5-VL (over Qwen2), Qwen3-VL (over Qwen3), Qwen3-VL-MoE (over Qwen3-MoE, its experts stored
 stacked) and Llama 4 (Scout, Maverick).
 
@@ -11,8 +12,9 @@ architecture, its config dict): the text config with transformers' defaults for 
 release leaves out (Gemma 3's sparse text configs) and the top-level ids, dtype and tying it
 inherits. The Qwen-VL models' multimodal RoPE (`mrope`) turns every section of a head by the same
 position when the input is text alone, which is plain RoPE. The weights sit under the text model's
-prefix (`language_model.` in the released Gemma / Mistral / LLaVA files, `model.language_model.` in
-transformers 5's own layout, plain `model.` beside `visual.` in the released Qwen-VL files;
+prefix (`language_model.` in the released Gemma / Mistral / LLaVA / LLaVA-NeXT files,
+`model.language_model.` in transformers 5's own layout, plain `model.` beside `visual.` in the
+released Qwen-VL files;
 raycluster.model.loader maps them); the vision tower and projector are never read, and requests
 with image parts are refused.
 """
@@ -22,7 +24,8 @@ from __future__ import annotations
 from typing import Any, Callable
 
 MULTIMODAL_ARCHITECTURES = ("Gemma3ForConditionalGeneration", "Mistral3ForConditionalGeneration",
-                            "LlavaForConditionalGeneration", "Qwen2VLForConditionalGeneration",
+                            "LlavaForConditionalGeneration", "LlavaNextForConditionalGeneration",
+                            "Qwen2VLForConditionalGeneration",
                             "Qwen2_5_VLForConditionalGeneration", "Qwen3VLForConditionalGeneration",
                             "Qwen3VLMoeForConditionalGeneration", "Llama4ForConditionalGeneration")
 # Wrappers whose text model stores its experts stacked (gate / up in halves), unlike its

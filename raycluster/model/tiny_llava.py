@@ -1,7 +1,9 @@
-"""The image side of the tiny LLaVA checkpoint (raycluster.model.tiny_multimodal's
-`write_tiny_multimodal(path, "LlavaForConditionalGeneration", vision_weights=True)`): a seeded
-CLIP tower (hidden 32, 2 layers, 2 heads, 28-pixel images in 14-pixel patches: 4 image tokens)
-and projector to the text hidden size, `preprocessor_config.json` (CLIPImageProcessor), and a
+"""The image side of the tiny LLaVA and LLaVA-NeXT checkpoints (raycluster.model.tiny_multimodal's
+`write_tiny_multimodal(path, "LlavaForConditionalGeneration" or "LlavaNextForConditionalGeneration",
+vision_weights=True)`): a seeded CLIP tower (hidden 32, 2 layers, 2 heads, 28-pixel images in
+14-pixel patches: 4 features a square) and projector to the text hidden size,
+`preprocessor_config.json` (CLIPImageProcessor; LLaVA-NeXT's LlavaNextImageProcessor with its
+pinpoints, a seeded `image_newline` and LlavaNextProcessor's processor_config.json), and a
 tokenizer whose special added token "<image>" is the config's `image_token_index`: the id after
 the tiny text vocabulary, which grows by one to cover it. Its chat template renders a message's
 content list as the text parts with "<image>" for each image part (string content as before).
@@ -45,9 +47,12 @@ def llava_fields(vision: dict, extra: dict, overrides: dict, image_size: int = 2
     """(vision_config, top-level fields, text overrides) of the tiny LLaVA with a tower: `image_size`
     (a multiple of the 14-pixel patch), the tower's depth, and LLaVA's own fields in `fields`
     (vision_feature_layer, vision_feature_select_strategy, projector_hidden_act,
-    multimodal_projector_bias)."""
+    multimodal_projector_bias; LLaVA-NeXT's image_grid_pinpoints)."""
     vision = {**vision, "num_hidden_layers": num_hidden_layers, "image_size": image_size, "hidden_act": "quick_gelu",
               "layer_norm_eps": 1e-5, "num_channels": 3}
+    if "image_grid_pinpoints" in extra:     # LLaVA-NeXT: the table's pinpoints of 28-pixel tiles, in this tile's
+        extra = {**extra, "image_grid_pinpoints": [[h // 28 * image_size, w // 28 * image_size]
+                                                   for h, w in extra["image_grid_pinpoints"]]}
     extra = {**extra, "image_token_index": IMAGE_TOKEN_ID, "vision_feature_layer": -2,
              "vision_feature_select_strategy": "default", "projector_hidden_act": "gelu",
              "multimodal_projector_bias": True, **fields}
@@ -55,8 +60,9 @@ def llava_fields(vision: dict, extra: dict, overrides: dict, image_size: int = 2
 
 
 def vision_tensors(config: dict, seed: int, style: str) -> dict[str, torch.Tensor]:
-    """The seeded tower (every layer and post_layernorm, as released files hold them) and projector
-    under the released names (`style` "language_model") or transformers 5's ("transformers5")."""
+    """The seeded tower (every layer and post_layernorm, as released files hold them), projector
+    and LLaVA-NeXT's image_newline under the released names (`style` "language_model") or
+    transformers 5's ("transformers5")."""
     vision, text_hidden = config["vision_config"], config["text_config"]["hidden_size"]
     layers = config["vision_feature_layer"]
     width = vision["hidden_size"] * (1 if isinstance(layers, int) else len(layers))
@@ -69,6 +75,8 @@ def vision_tensors(config: dict, seed: int, style: str) -> dict[str, torch.Tenso
     if bias:
         shapes.update({"multi_modal_projector.linear_1.bias": (text_hidden,),
                        "multi_modal_projector.linear_2.bias": (text_hidden,)})
+    if config["model_type"] == "llava_next":
+        shapes["image_newline"] = (text_hidden,)
     g = torch.Generator().manual_seed(seed + 1)      # apart from the text weights' stream
     out = {}
     for name in sorted(shapes):
@@ -77,7 +85,8 @@ def vision_tensors(config: dict, seed: int, style: str) -> dict[str, torch.Tenso
             t = 1.0 + 0.1 * torch.randn(shape, generator=g)
         elif name.endswith(".bias"):
             t = 0.02 * torch.randn(shape, generator=g)
-        elif name.endswith(("class_embedding", "position_embedding.weight")):
+        elif name.endswith(("class_embedding", "position_embedding.weight", "image_newline")):
+            # image_newline at unit scale too: it sits among the features like a token embedding.
             t = torch.randn(shape, generator=g)
         else:
             # Fan-in scaling keeps activations near unit size, so the projected features weigh as
@@ -92,7 +101,8 @@ def vision_tensors(config: dict, seed: int, style: str) -> dict[str, torch.Tenso
 
 
 def write_llava_files(path: str, config: dict) -> None:
-    """preprocessor_config.json, and the tokenizer with "<image>" and the content-list template."""
+    """preprocessor_config.json (and LLaVA-NeXT's processor_config.json), and the tokenizer with
+    "<image>" and the content-list template."""
     from tokenizers import AddedToken, Tokenizer
 
     size = config["vision_config"]["image_size"]
@@ -101,6 +111,16 @@ def write_llava_files(path: str, config: dict) -> None:
                  "do_center_crop": True, "crop_size": {"height": size, "width": size}, "do_rescale": True,
                  "rescale_factor": 1 / 255, "do_normalize": True, "image_mean": list(CLIP_MEAN),
                  "image_std": list(CLIP_STD)}
+    if config["model_type"] == "llava_next":
+        processor.update(image_processor_type="LlavaNextImageProcessor", processor_class="LlavaNextProcessor",
+                         image_grid_pinpoints=config["image_grid_pinpoints"], do_pad=True,
+                         aspect_ratio_setting="anyres")
+        # As llava-v1.6's: the CLS the processor counts and then drops for the "default" strategy.
+        with open(os.path.join(path, "processor_config.json"), "w") as f:
+            json.dump({"image_token": IMAGE_TOKEN, "num_additional_image_tokens": 1,
+                       "patch_size": config["vision_config"]["patch_size"], "processor_class": "LlavaNextProcessor",
+                       "vision_feature_select_strategy": config["vision_feature_select_strategy"]},
+                      f, indent=2, sort_keys=True)
     with open(os.path.join(path, "preprocessor_config.json"), "w") as f:
         json.dump(processor, f, indent=2, sort_keys=True)
     tok = Tokenizer.from_str(_tokenizer_json())

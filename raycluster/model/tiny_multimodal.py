@@ -1,9 +1,9 @@
-"""Tiny image-text checkpoints (Gemma 3, Mistral 3 / Ministral 3, LLaVA, Llama 4, Qwen2-VL,
+"""Tiny image-text checkpoints (Gemma 3, Mistral 3 / Ministral 3, LLaVA, LLaVA-NeXT, Llama 4, Qwen2-VL,
 Qwen2.5-VL, Qwen3-VL, Qwen3-VL-MoE) for tests: `write_tiny_multimodal(path, arch)` wraps the tiny text
 checkpoint of the wrapper's text model (raycluster.model.tiny) as its released files and
 transformers lay them out, with a vision config and one vision tensor (a text-only server never
-reads the tower); LLaVA's with `vision_weights=True`: its whole tower, projector, image processor
-and "<image>" token (raycluster.model.tiny_llava)."""
+reads the tower); LLaVA's and LLaVA-NeXT's with `vision_weights=True`: the whole tower, projector
+(and NeXT's image_newline), image processor and "<image>" token (raycluster.model.tiny_llava)."""
 
 from __future__ import annotations
 
@@ -31,6 +31,11 @@ _MULTIMODAL = {
         "model_type": "clip_vision_model", "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1,
         "num_attention_heads": 2, "image_size": 28, "patch_size": 14, "projection_dim": 32},
         {"image_token_index": 5}),
+    # LLaVA-NeXT over Mistral (llava-v1.6-mistral's layout); pinpoints of 28-pixel tiles, (height, width).
+    "LlavaNextForConditionalGeneration": ("llava_next", "mistral", "MistralForCausalLM", {
+        "model_type": "clip_vision_model", "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1,
+        "num_attention_heads": 2, "image_size": 28, "patch_size": 14, "projection_dim": 32},
+        {"image_token_index": 5, "image_grid_pinpoints": [[28, 56], [56, 28], [56, 56]]}),
     "Llama4ForConditionalGeneration": ("llama4", "llama4_text", "Llama4ForCausalLM", {
         "model_type": "llama4_vision_model", "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1,
         "num_attention_heads": 2, "image_size": 28, "patch_size": 14, "vision_output_dim": 32,
@@ -79,12 +84,13 @@ def write_tiny_multimodal(path: str | os.PathLike, arch: str, seed: int = 0, lay
     `model.language_model.` ("transformers5", the head as `lm_head.`), plus one vision tensor (the
     rest of the tower left out: a text-only server never reads it). `text_architecture`: another
     text model than the wrapper's usual one (Ministral 3 in Mistral 3). `vision_weights` (LLaVA
-    only): the whole seeded tower and projector instead, with `vision_options` as
-    raycluster.model.tiny_llava.llava_fields takes them (image_size, vision_feature_layer, ...)."""
+    and LLaVA-NeXT only): the whole seeded tower and projector instead, with `vision_options` as
+    raycluster.model.tiny_llava.llava_fields takes them (image_size, vision_feature_layer,
+    image_grid_pinpoints, ...)."""
     model_type, text_type, text_arch, vision, extra = _MULTIMODAL[arch]
     if vision_weights:
-        if arch != "LlavaForConditionalGeneration":
-            raise ValueError(f"vision_weights: only the tiny LLaVA has a whole tower, not {arch}")
+        if arch not in ("LlavaForConditionalGeneration", "LlavaNextForConditionalGeneration"):
+            raise ValueError(f"vision_weights: only the tiny LLaVA and LLaVA-NeXT have a whole tower, not {arch}")
         from raycluster.model import tiny_llava
         vision, extra, overrides = tiny_llava.llava_fields(vision, extra, overrides, **(vision_options or {}))
     if text_architecture is not None:

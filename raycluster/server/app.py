@@ -410,9 +410,9 @@ def build_app(engine, tokenizer, model_names: str | Sequence[str], api_keys: Seq
 
     async def _chat_prompt(body) -> tuple[list[int], list]:
         """The chat request's prompt ids, its image tokens expanded, and its images on them."""
-        pixels = await load_images(body.messages, images)
+        loaded = await load_images(body.messages, images)
         ids = _chat_ids(body, with_images=True)
-        return place_images(ids, pixels, images) if pixels else (ids, [])
+        return place_images(ids, loaded, images) if loaded else (ids, [])
 
     def _chat_ids(body, with_images: bool = False) -> list[int]:
         """The chat template over `body.messages` (a chat or tokenize request), tokenized; image

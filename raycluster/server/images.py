@@ -7,8 +7,9 @@ image is the client's 400 and never reaches a worker. The chat template then ren
 as the model's image token: templates that iterate a message's content parts (`takes_parts`,
 as llava-hf's do) see `{"type": "image"}` parts in place, other templates see the image token's
 text before the message's text, one line each (vLLM's placement). `place_images` expands each
-image token of the tokenized prompt to the encoder's tokens per image and records where each
-image's run lies (`ImageInput`), with a digest of its pixels for the prefix cache.
+image token of the tokenized prompt to that image's placeholder tokens (a fixed count for
+LLaVA-1.5, one that depends on the image's size for LLaVA-NeXT's tiles) and records where each
+image's run lies (`ImageInput`), with a digest of its pixels and size for the prefix cache.
 `image_spec_for(model_dir, tokenizer)` says whether (and how) a checkpoint takes images.
 """
 
@@ -26,7 +27,8 @@ import httpx
 import torch
 
 from raycluster.engine.outputs import InvalidRequestError
-from raycluster.model.image_processor import ImageProcessor, decode_image
+from raycluster.model.image_processor import decode_image
+from raycluster.model.llava import ImageFacts, image_facts
 from raycluster.request import ImageInput
 
 MAX_IMAGES_PER_PROMPT = 16           # vLLM's --limit-mm-per-prompt, for images
@@ -36,27 +38,22 @@ FETCH_TIMEOUT_S = 10.0               # vLLM's VLLM_IMAGE_FETCH_TIMEOUT is 5 s; a
 
 @dataclass
 class ImageSpec:
-    """How a checkpoint takes images: its image token (id and text), the encoder's tokens per
-    image and the image processor."""
+    """How a checkpoint takes images: its image token (id and text) and `facts.prepare(image)`,
+    the processed pixels, the image's size and its placeholder tokens (raycluster.model.llava)."""
     token_id: int
     token_text: str
-    tokens_per_image: int
-    processor: ImageProcessor
+    facts: ImageFacts
 
 
 def image_spec_for(model_dir, tokenizer) -> ImageSpec | None:
     """The spec of a checkpoint that can encode images (raycluster.model.llava), else None."""
-    from raycluster.model.llava import llava_image_facts
-
-    facts = llava_image_facts(model_dir)
-    processor = ImageProcessor.from_model_dir(model_dir)
-    if facts is None or processor is None:
+    facts = image_facts(model_dir)
+    if facts is None or facts.processor is None:
         return None
-    token_id, per_image = facts
-    text = tokenizer.id_to_token(token_id)
+    text = tokenizer.id_to_token(facts.image_token_id)
     if text is None:
-        raise ValueError(f"{model_dir}: the image token id {token_id} is not in the tokenizer's vocabulary")
-    return ImageSpec(token_id, text, per_image, processor)
+        raise ValueError(f"{model_dir}: the image token id {facts.image_token_id} is not in the tokenizer's vocabulary")
+    return ImageSpec(facts.image_token_id, text, facts)
 
 
 _PARTS_LOOP = re.compile(r"\{%-?\s*for\s+\w+\s+in\s+\w+(?:\[\s*['\"]content['\"]\s*\]|\.content\b)")
@@ -83,9 +80,10 @@ def template_content(message, parts: bool, image_text: str | None):
 
 
 async def load_images(messages, spec: ImageSpec | None, client: httpx.AsyncClient | None = None
-                      ) -> list[torch.Tensor]:
-    """The pixel tensors of the messages' image parts, in order; InvalidRequestError for what the
-    client got wrong (no images on this model, too many, a URL or image that does not load)."""
+                      ) -> list[tuple[torch.Tensor, tuple[int, int], int]]:
+    """(pixels, (height, width), placeholder tokens) of the messages' image parts, in order;
+    InvalidRequestError for what the client got wrong (no images on this model, too many, a URL
+    or image that does not load)."""
     urls = [u for m in messages for u in m.images()]
     if not urls:
         return []
@@ -95,14 +93,14 @@ async def load_images(messages, spec: ImageSpec | None, client: httpx.AsyncClien
     if len(urls) > MAX_IMAGES_PER_PROMPT:
         raise InvalidRequestError("messages", f"{len(urls)} images; at most {MAX_IMAGES_PER_PROMPT} per request")
     datas = await asyncio.gather(*(_image_bytes(u.url, k, client) for k, u in enumerate(urls)))
-    return await asyncio.to_thread(_preprocess, datas, spec.processor)
+    return await asyncio.to_thread(_preprocess, datas, spec.facts)
 
 
-def _preprocess(datas: list[bytes], processor: ImageProcessor) -> list[torch.Tensor]:
+def _preprocess(datas: list[bytes], facts: ImageFacts) -> list[tuple[torch.Tensor, tuple[int, int], int]]:
     out = []
     for k, data in enumerate(datas):
         try:
-            out.append(processor(decode_image(data)))
+            out.append(facts.prepare(decode_image(data)))
         except ValueError as e:
             raise InvalidRequestError("messages", f"image {k}: {e}") from None
     return out
@@ -145,24 +143,25 @@ async def _fetch(client: httpx.AsyncClient, url: str, k: int) -> bytes:
     return b"".join(chunks)
 
 
-def place_images(ids: list[int], pixels: list[torch.Tensor], spec: ImageSpec) -> tuple[list[int], list[ImageInput]]:
-    """The prompt with each image token expanded to the encoder's tokens per image, and the
-    images laid on those runs in order. InvalidRequestError when the template placed another
-    number of image tokens than there are images."""
+def place_images(ids: list[int], loaded: list[tuple[torch.Tensor, tuple[int, int], int]], spec: ImageSpec
+                 ) -> tuple[list[int], list[ImageInput]]:
+    """The prompt with each image token expanded to that image's placeholder tokens, and the
+    images (`load_images`' output) laid on those runs in order. InvalidRequestError when the
+    template placed another number of image tokens than there are images."""
     at = [i for i, t in enumerate(ids) if t == spec.token_id]
-    if len(at) != len(pixels):
+    if len(at) != len(loaded):
         raise InvalidRequestError("messages", f"the prompt holds {len(at)} image tokens ({spec.token_text!r}) "
-                                  f"for {len(pixels)} images")
-    if not pixels:
+                                  f"for {len(loaded)} images")
+    if not loaded:
         return ids, []
     out: list[int] = []
     images: list[ImageInput] = []
     last = 0
-    for pos, px in zip(at, pixels):
+    for pos, (px, size, n) in zip(at, loaded):
         out.extend(ids[last:pos])
-        images.append(ImageInput(offset=len(out), length=spec.tokens_per_image, pixel_values=px,
-                                 digest=hashlib.sha256(px.contiguous().numpy().tobytes()).digest()))
-        out.extend([spec.token_id] * spec.tokens_per_image)
+        digest = hashlib.sha256(repr(size).encode() + px.contiguous().numpy().tobytes()).digest()
+        images.append(ImageInput(offset=len(out), length=n, pixel_values=px, digest=digest, size=size))
+        out.extend([spec.token_id] * n)
         last = pos + 1
     out.extend(ids[last:])
     return out, images

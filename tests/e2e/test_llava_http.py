@@ -17,7 +17,7 @@ import httpx
 import numpy as np
 import pytest
 from engine_http import all_free, serve_engine, tiny_parts
-from llava_reference import hf_llava_greedy, hf_pixel_values
+from llava_reference import hf_llava_greedy, hf_llava_next_greedy, hf_pixel_values
 from PIL import Image
 
 from raycluster.engine.config import EngineConfig
@@ -126,4 +126,33 @@ def test_chat_with_images_over_http(tmp_path):
         r = httpx.post(f"{url}/v1/chat/completions", timeout=30,
                        json={"messages": [_message(_data_url(png))], "truncate_prompt_tokens": 5, **gen})
         assert r.status_code == 400 and r.json()["error"]["param"] == "truncate_prompt_tokens", r.text
+        assert all_free(aeng)
+
+
+def test_llava_next_images_of_two_sizes_over_http(tmp_path):
+    """LLaVA-NeXT tiles each image by its size, so two images take different numbers of tokens;
+    the reply equals transformers' for the prompt `/tokenize` shows and its processor's tiles."""
+    from transformers import LlavaNextImageProcessor
+
+    path = write_tiny_multimodal(tmp_path / "next", "LlavaNextForConditionalGeneration", seed=3, vision_weights=True,
+                                 num_hidden_layers=2)
+    model, tok = tiny_parts(path)
+    enc = image_encoder_for(path)
+    pngs = [_png(0, (30, 40)), _png(3, (100, 17))]
+    parts = lambda png: {"type": "image_url", "image_url": {"url": _data_url(png)}}    # noqa: E731
+    messages = [{"role": "user", "content": [parts(pngs[0]), {"type": "text", "text": "Compare"}, parts(pngs[1]),
+                                             {"type": "text", "text": "these."}]}]
+    cfg = EngineConfig(kv_cache_tokens=2048, policy="fcfs", packer="token", chunk_size=16)
+    with serve_engine(cfg, model, tok, image_encoder=enc, images=image_spec_for(path, tok)) as (url, aeng):
+        ids = httpx.post(f"{url}/tokenize", timeout=30, json={"messages": messages}).json()["tokens"]
+        counts = [enc.tokens_for((30, 40)), enc.tokens_for((100, 17))]
+        assert counts[0] != counts[1] and ids.count(IMAGE_TOKEN_ID) == sum(counts)
+        hf = LlavaNextImageProcessor.from_pretrained(str(path))([Image.open(io.BytesIO(p)) for p in pngs],
+                                                                return_tensors="pt")
+        want = hf_llava_next_greedy(path, ids, hf["pixel_values"], hf["image_sizes"], 10)
+        r = httpx.post(f"{url}/v1/chat/completions", timeout=60, json={
+            "messages": messages, "max_tokens": 10, "temperature": 0, "ignore_eos": True})
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["message"]["content"] == tok.decode(want)
+        assert r.json()["usage"]["prompt_tokens"] == len(ids)
         assert all_free(aeng)

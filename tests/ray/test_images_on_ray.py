@@ -55,4 +55,4 @@ def test_image_chats_through_pd_pools(ray_cluster, tmp_path):
             assert r.json()["choices"][0]["message"]["content"] == tok.decode(want), (len(ids), text)
         status = drained_status(url)
         assert {i["role"]: i["layout"] for i in status["instances"]}["prefill-short"] == "tp2"
-        assert status["model"]["image_tokens"] == 4 and not status["model"]["text_only"]
+        assert status["model"]["images"] and not status["model"]["text_only"]

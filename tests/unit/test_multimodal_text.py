@@ -1,4 +1,4 @@
-"""Image-text checkpoints served on their text alone (Gemma 3, Mistral 3 and Ministral 3, LLaVA, Qwen2-VL, Qwen2.5-VL,
+"""Image-text checkpoints served on their text alone (Gemma 3, Mistral 3 and Ministral 3, LLaVA, LLaVA-NeXT, Qwen2-VL, Qwen2.5-VL,
 Qwen3-VL, Qwen3-VL-MoE with its stacked experts): config.json's `text_config` (or Qwen2-VL's flat config) read as transformers reads it
 (Gemma 3's sparse release configs filled with its defaults, multimodal RoPE as plain RoPE), the
 text model's tensors found under any of the layouts and the vision tower's never taken
@@ -29,6 +29,8 @@ CASES = [("Gemma3ForConditionalGeneration", "released", dict(num_hidden_layers=3
          ("Mistral3ForConditionalGeneration", "transformers5", dict(num_hidden_layers=2,
                                                                     text_architecture="Ministral3ForCausalLM")),
          ("LlavaForConditionalGeneration", "transformers5", dict(num_hidden_layers=2)),
+         # LLaVA-NeXT over Mistral, as llava-v1.6-mistral's released files hold it.
+         ("LlavaNextForConditionalGeneration", "released", dict(num_hidden_layers=2)),
          # Multimodal RoPE (mrope), which on text alone is plain RoPE: Qwen2-VL's and Qwen2.5-VL's
          # released files (a flat config, plain names beside `visual.`), Qwen3-VL's (over Qwen3).
          ("Qwen2VLForConditionalGeneration", "released", dict(num_hidden_layers=2)),
