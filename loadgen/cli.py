@@ -7,7 +7,8 @@ results JSON (metrics.build_results), `sweep` writes {"meta": {"kind": "sweep"},
 
   loadgen run --url URL --workload NAME|FILE.jsonl --qps Q (--duration S | --num-requests N)
               --seed N --out FILE.json [--concurrency C] [--arrival poisson|gamma|constant|trace]
-              [--long-fraction F] [--long-tokens MIN:MAX] [--model NAME] [--timeout S] ...
+              [--long-fraction F] [--long-tokens MIN:MAX] [--model NAME] [--timeout S]
+              [--images K [--image-size WxH] [--distinct-images N]] ...
   loadgen sweep --qps 1,2,4 (same options) --out SWEEP.json
   loadgen report FILE.json [FILE.json ...] [--plot PNG]
 """
@@ -15,6 +16,7 @@ results JSON (metrics.build_results), `sweep` writes {"meta": {"kind": "sweep"},
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -91,10 +93,24 @@ def _add_client_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--warmup-requests", type=int, default=0, help="exclude the first N arrivals")
     g.add_argument("--save-token-times", action="store_true", help="keep every token time in requests")
     g.add_argument("--quiet", action="store_true", help="no progress bar")
+    g.add_argument("--images", type=int, default=0, metavar="K",
+                   help="K synthetic pictures in each request: chat messages to /v1/chat/completions "
+                        "(an image-text model; --prompt-format text)")
+    g.add_argument("--image-size", type=_size, default=(640, 480), metavar="WxH", help="the pictures' size")
+    g.add_argument("--distinct-images", type=int, default=64, metavar="N",
+                   help="pictures in the pool requests draw from (repeats are prefix-cache hits)")
+
+
+def _size(text: str) -> tuple[int, int]:
+    w, sep, h = text.partition("x")
+    if not sep or not w.isdigit() or not h.isdigit() or int(w) < 1 or int(h) < 1:
+        raise argparse.ArgumentTypeError(f"expected WIDTHxHEIGHT, got {text!r}")
+    return int(w), int(h)
 
 
 def _run_one(args: argparse.Namespace, qps: float) -> dict:
     from loadgen.client import ClientConfig, run
+    from loadgen.images import ImageLoad
     from loadgen.metrics import build_results
 
     wl = workload_from_args(args, qps)
@@ -103,7 +119,10 @@ def _run_one(args: argparse.Namespace, qps: float) -> dict:
                        retry_429=args.retry_429, max_retries=args.max_retries,
                        send_extras=not args.no_extras, prompt_format=args.prompt_format,
                        id_range=args.id_range, keep_token_times=True, progress=not args.quiet,
-                       api_key=args.api_key, lora_modules=tuple(args.lora_modules))
+                       api_key=args.api_key, lora_modules=tuple(args.lora_modules),
+                       images=ImageLoad(args.images, *args.image_size, args.distinct_images))
+    if args.images and cfg.prompt_format == "ids":
+        raise SystemExit("loadgen: --images sends chat messages; it needs --prompt-format text")
     if cfg.model is None:
         import asyncio
         from loadgen.client import fetch_model
@@ -114,7 +133,7 @@ def _run_one(args: argparse.Namespace, qps: float) -> dict:
             "workload_params": wl.params, "qps": qps, "concurrency": args.concurrency,
             "seed": args.seed, "started_at": started, "wall_s": time.time() - started,
             "prompt_format": cfg.prompt_format, "send_extras": cfg.send_extras,
-            "lora_modules": list(cfg.lora_modules),
+            "lora_modules": list(cfg.lora_modules), "images": dataclasses.asdict(cfg.images),
             "argv": sys.argv[1:]}
     return build_results(records, meta, warmup_s=args.warmup_s, warmup_requests=args.warmup_requests,
                          keep_token_times=args.save_token_times)

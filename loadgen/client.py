@@ -7,7 +7,7 @@ workload request, times in seconds from the start of the run (time.perf_counter)
 Per request: wait for its arrival (open loop) -> wait for its dependencies, then `think_s` ->
 take a concurrency slot (closed loop: `concurrency`; open loop: `max_inflight`) -> POST
 /v1/completions with stream=true, stream_options.include_usage, max_tokens=output length and
-ignore_eos -> read the SSE stream (httpx-sse), stamping each token chunk. 429/503 are retried
+ignore_eos (with `images`, /v1/chat/completions: a user message of pictures and the prompt text) -> read the SSE stream (httpx-sse), stamping each token chunk. 429/503 are retried
 after the server's Retry-After when `retry_429` is set (up to `max_retries`), else recorded as
 http_error; a mid-stream `{"error": ...}` event, a dropped connection or a stream without
 `[DONE]` is recorded as error; the per-request timeout as timeout. The whole run is bounded by
@@ -21,11 +21,12 @@ import email.utils
 import json
 import time
 import zlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import httpx
 from httpx_sse import aconnect_sse
 
+from loadgen.images import ImageLoad, ImagePool
 from loadgen.metrics import OK, RequestRecord
 from loadgen.workloads import Workload, WorkloadRequest
 
@@ -49,6 +50,9 @@ class ClientConfig:
     # LoRA adapters (their names as served): each request names one, picked by its id (vLLM's
     # benchmark --lora-modules), so a trace spreads over them the same way in every run.
     lora_modules: tuple[str, ...] = ()
+    # Pictures in each request (loadgen.images): a chat message of the prompt text and them,
+    # posted to /v1/chat/completions.
+    images: ImageLoad = field(default_factory=ImageLoad)
 
     def headers(self) -> dict[str, str]:
         return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
@@ -89,10 +93,21 @@ def request_model(req: WorkloadRequest, cfg: ClientConfig, model: str) -> str:
     return cfg.lora_modules[zlib.crc32(req.request_id.encode()) % len(cfg.lora_modules)]
 
 
-def build_payload(req: WorkloadRequest, cfg: ClientConfig, model: str) -> dict:
-    prompt = req.prompt_token_ids(cfg.id_range) if cfg.prompt_format == "ids" else req.prompt_text()
-    body = {"model": request_model(req, cfg, model), "prompt": prompt, "max_tokens": req.output_tokens, "ignore_eos": True,
-            "temperature": 0.0, "stream": True, "stream_options": {"include_usage": True}}
+def build_payload(req: WorkloadRequest, cfg: ClientConfig, model: str, pool: ImagePool | None = None) -> dict:
+    """The request's body: a completion of its prompt, or with `pool` (its images) a chat message
+    of the pictures and the prompt's text."""
+    common = {"model": request_model(req, cfg, model), "max_tokens": req.output_tokens, "ignore_eos": True,
+              "temperature": 0.0, "stream": True, "stream_options": {"include_usage": True}}
+    if pool is not None and cfg.images.per_request:
+        if cfg.prompt_format == "ids":
+            raise ValueError("requests with images are chat messages: use prompt_format text")
+        # Pictures first, then the question (as LLaVA's template lays a turn out).
+        parts = [{"type": "image_url", "image_url": {"url": url}} for url in pool.urls_for(req.request_id)]
+        parts.append({"type": "text", "text": req.prompt_text()})
+        body = {**common, "messages": [{"role": "user", "content": parts}]}
+    else:
+        prompt = req.prompt_token_ids(cfg.id_range) if cfg.prompt_format == "ids" else req.prompt_text()
+        body = {**common, "prompt": prompt}
     if cfg.send_extras:
         extras = {"ttft_slo_ms": req.ttft_slo_ms, "tpot_slo_ms": req.tpot_slo_ms,
                   "priority": req.priority, "tenant": req.tenant, "app_id": req.app_id}
@@ -104,7 +119,8 @@ async def _stream(client: httpx.AsyncClient, body: dict, rec: RequestRecord, cfg
                   clock, deadline: float) -> None:
     """One request, retries included; fills `rec` (status stays None until decided)."""
     while True:
-        async with aconnect_sse(client, "POST", "/v1/completions", json=body) as es:
+        route = "/v1/chat/completions" if "messages" in body else "/v1/completions"
+        async with aconnect_sse(client, "POST", route, json=body) as es:
             resp = es.response
             if resp.status_code != 200:
                 text = (await resp.aread()).decode(errors="replace")[:300]
@@ -157,6 +173,7 @@ async def _stream(client: httpx.AsyncClient, body: dict, rec: RequestRecord, cfg
 async def run_workload(workload: Workload, cfg: ClientConfig) -> list[RequestRecord]:
     """Send every request of `workload`; returns records in workload order."""
     model = cfg.model or await fetch_model(cfg.url, headers=cfg.headers())
+    pool = ImagePool(cfg.images) if cfg.images.per_request else None
     reqs = list(workload)
     records = {r.request_id: RequestRecord(
         r.request_id, arrival_s=r.arrival_s, klass=r.klass, tenant=r.tenant, app_id=r.app_id,
@@ -197,7 +214,7 @@ async def run_workload(workload: Workload, cfg: ClientConfig) -> list[RequestRec
                     rec.arrival_s = clock()  # ready time; for roots in open loop: scheduled time
                 async with sem:
                     rec.send_s = clock()
-                    body = build_payload(req, cfg, model)
+                    body = build_payload(req, cfg, model, pool)
                     try:
                         async with asyncio.timeout(cfg.timeout_s):
                             await _stream(client, body, rec, cfg, clock, rec.send_s + cfg.timeout_s)

@@ -19,17 +19,15 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import io
 import json
 import random
 import statistics
 import tempfile
 import time
 
-import numpy as np
 import torch
-from PIL import Image
 
+from loadgen.images import synthetic_jpeg
 from raycluster.engine.config import EngineConfig
 from raycluster.engine.engine import LLMEngine
 from raycluster.model.image_processor import ImageProcessor, decode_image
@@ -38,17 +36,6 @@ from raycluster.model.loader import load_model
 from raycluster.model.tiny_llava import IMAGE_TOKEN_ID
 from raycluster.model.tiny_multimodal import write_tiny_multimodal
 from raycluster.request import ImageInput, SamplingParams
-
-
-def _photo(width: int, height: int, seed: int) -> bytes:
-    """A JPEG of smooth gradients with some noise (compresses like a photo, not like noise)."""
-    rng = np.random.default_rng(seed)
-    y, x = np.mgrid[0:height, 0:width]
-    base = np.stack([x * 255 / width, y * 255 / height, (x + y) * 127 / (width + height)], axis=-1)
-    img = np.clip(base + rng.normal(0, 12, size=base.shape), 0, 255).astype(np.uint8)
-    buf = io.BytesIO()
-    Image.fromarray(img).save(buf, format="JPEG", quality=90)
-    return buf.getvalue()
 
 
 def _ttft(eng: LLMEngine, rid: str, ids: list[int], images: list[ImageInput]) -> tuple[float, int]:
@@ -84,7 +71,7 @@ def run(args: argparse.Namespace) -> dict:
     cases = {k: [] for k in ("text", "image", "same_image_again", "other_image_same_text", "encode", "preprocess")}
     cached = {k: [] for k in ("same_image_again", "other_image_same_text")}
     for r in range(args.repeats + 1):              # repeat 0 warms up and is left out
-        jpegs = [_photo(width, height, 2 * r), _photo(width, height, 2 * r + 1)]
+        jpegs = [synthetic_jpeg(width, height, 2 * r), synthetic_jpeg(width, height, 2 * r + 1)]
         t0 = time.perf_counter()
         pixels = processor(decode_image(jpegs[0]))
         preprocess = time.perf_counter() - t0

@@ -7,6 +7,7 @@ what a client gets wrong about an image is a 400 naming `messages`, and the engi
 from __future__ import annotations
 
 import base64
+import json
 import contextlib
 import functools
 import http.server
@@ -156,3 +157,25 @@ def test_llava_next_images_of_two_sizes_over_http(tmp_path):
         assert r.json()["choices"][0]["message"]["content"] == tok.decode(want)
         assert r.json()["usage"]["prompt_tokens"] == len(ids)
         assert all_free(aeng)
+
+
+def test_loadgen_sends_pictures_to_an_image_model(tmp_path):
+    """`loadgen run --images 2`: chat messages with two pictures each, drawn from a pool of 3, all
+    answered; the results record the image load, and repeated pictures are prefix-cache hits."""
+    from loadgen.cli import main as loadgen
+
+    path = write_tiny_multimodal(tmp_path / "llava", "LlavaForConditionalGeneration", seed=1, vision_weights=True)
+    model, tok = tiny_parts(path)
+    cfg = EngineConfig(kv_cache_tokens=4096, policy="fcfs", packer="token", enable_prefix_caching=True, block_size=4)
+    out = tmp_path / "run.json"
+    with serve_engine(cfg, model, tok, image_encoder=image_encoder_for(path), images=image_spec_for(path, tok)) \
+            as (url, aeng):
+        assert loadgen(["run", "--url", url, "--workload", "chat", "--num-requests", "8", "--qps", "20", "--seed", "1",
+                        "--max-output-tokens", "4", "--images", "2", "--image-size", "64x48", "--distinct-images", "3",
+                        "--quiet", "--out", str(out)]) == 0
+        hits = aeng.engine.kv.hit_tokens
+        assert all_free(aeng)
+    res = json.loads(out.read_text())
+    assert res["summary"]["completed"] == 8 and res["summary"]["failed"] == 0
+    assert res["meta"]["images"] == {"per_request": 2, "width": 64, "height": 48, "distinct": 3}
+    assert hits > 0
