@@ -192,6 +192,9 @@ class Request:
     # Image-encoder outputs [length, H] by index into sampling.images, kept from the step that
     # first needs an image until its prefill passes it (raycluster.engine.image_inputs).
     image_embeds: dict[int, Any] = field(default_factory=dict)
+    # On a Qwen-VL model, its images' M-RoPE layout (raycluster.model.mrope.MRopeLayout): the
+    # rotary positions of its prompt and of the tokens after it. None: positions are indices.
+    mrope: Any = None
 
     @property
     def num_prompt_tokens(self) -> int:

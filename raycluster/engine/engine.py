@@ -26,6 +26,7 @@ from raycluster.clock import WallClock
 from raycluster.engine.config import EngineConfig
 from raycluster.engine.guided import GuidedDecoding, constraint_of
 from raycluster.engine.image_inputs import check_images
+from raycluster.model.mrope import MRopeLayout
 from raycluster.engine.outputs import InvalidRequestError, RequestOutput, StepResult, validate_request
 from raycluster.parallel.factory import build_runner
 from raycluster.engine.sampler import Sampler
@@ -211,7 +212,10 @@ class LLMEngine:
                      arrival_time, output_token_ids) -> Request:
         sampling = sampling or SamplingParams()
         self._validate(prompt_token_ids, sampling)
-        return Request(request_id=request_id, prompt_token_ids=list(prompt_token_ids), sampling=sampling,
+        # Qwen-VL: the prompt's images lay out its rotary positions (raycluster.model.mrope).
+        mrope = None if not sampling.images or self.model.config.mrope is None else MRopeLayout(
+            [(im.offset, im.length, self.image_encoder.grid_for(im.size)) for im in sampling.images])
+        return Request(request_id=request_id, prompt_token_ids=list(prompt_token_ids), sampling=sampling, mrope=mrope,
                        arrival_time=self.clock.now() if arrival_time is None else arrival_time,
                        slo=slo or SLO(), priority=priority, tenant=tenant, app_id=app_id,
                        expected_output_tokens=sampling.max_tokens, eos_token_ids=self.eos_token_ids,

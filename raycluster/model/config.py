@@ -38,7 +38,8 @@ from raycluster.model.gpt_oss_config import ARCHITECTURE as GPT_OSS, gpt_oss_fie
 from raycluster.model.llama4_config import ARCHITECTURE as LLAMA4, Llama4Spec, llama4_fields
 from raycluster.model.mla_config import MLASpec
 from raycluster.model.moe_config import MoEConfig, moe_config
-from raycluster.model.multimodal_config import MULTIMODAL_ARCHITECTURES, STACKED_EXPERTS, text_config_of
+from raycluster.model.mrope import MRopeSpec
+from raycluster.model.multimodal_config import MULTIMODAL_ARCHITECTURES, STACKED_EXPERTS, mrope_of, text_config_of
 from raycluster.model.pooling import (PoolerConfig, PoolerConfigError, read_pooler_config,
                                       sentence_transformers_options)
 from raycluster.model.quant.config import QuantConfig, QuantConfigError, parse_quant_config
@@ -161,6 +162,9 @@ class ModelConfig:
     # An image-text checkpoint served on its text alone (raycluster.model.multimodal_config): its
     # architecture, and the prefix its text model's tensors carry (the loader reads it off the names).
     multimodal: str | None = None
+    # Qwen-VL's multimodal RoPE (raycluster.model.mrope), for prompts with images; text alone
+    # turns by plain RoPE.
+    mrope: MRopeSpec | None = None
     text_prefix: str = ""
     # What Llama 4's layers do differently (raycluster.model.llama4_config); None: not Llama 4.
     llama4: Llama4Spec | None = None
@@ -260,7 +264,7 @@ class ModelConfig:
                 raise ModelConfigError(str(e).replace("config field '", "config field 'text_config.", 1)) from None
             if arch in STACKED_EXPERTS:
                 cfg = dataclasses.replace(cfg, moe=dataclasses.replace(cfg.moe, stacked=STACKED_EXPERTS[arch]))
-            return dataclasses.replace(cfg, multimodal=arch, raw=dict(d))
+            return dataclasses.replace(cfg, multimodal=arch, raw=dict(d), mrope=mrope_of(arch, d))
         headless, classifier = arch in BASE_ARCHITECTURES, arch in CLASSIFIER_ARCHITECTURES
         arch = BASE_ARCHITECTURES.get(arch) or CLASSIFIER_ARCHITECTURES.get(arch) or arch
         if arch not in SUPPORTED_ARCHITECTURES:

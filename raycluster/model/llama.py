@@ -27,6 +27,7 @@ from raycluster.model.granite_moe import GraniteMoE
 from raycluster.model.llama4 import Llama4MoE
 from raycluster.model.query_scale import ministral3_query_scale, query_temperature
 from raycluster.model.mla import MLAttention
+from raycluster.model.mrope import mrope_cos_sin
 from raycluster.model.moe import SparseMoE
 from raycluster.model.quant.linear import quantize_linears
 from raycluster.model.rope import RotaryEmbedding, apply_rope
@@ -415,7 +416,11 @@ class LlamaForCausalLM(nn.Module):
         layer without position embedding (Cohere 2's full-attention layers, Llama 4's NoPE layers).
         Query factors ([T, 1, 1], or None) scale the queries after RoPE: Llama 4's temperature on its
         NoPE layers (fp32, as transformers multiplies), Ministral 3's long-context factor on every
-        layer (in `dtype`, as transformers casts it)."""
+        layer (in `dtype`, as transformers casts it). `positions` [T], or [3, T] for a step with
+        Qwen-VL image prompts (raycluster.model.mrope: each stream turns its own frequencies)."""
+        if positions.dim() == 2:
+            cos, sin = mrope_cos_sin(*self.rotary.cos_sin(positions, dtype), self.config.mrope)
+            return [(cos, sin, None)] * len(layers)
         full = self.rotary.cos_sin(positions, dtype)
         nope = self.config.nope_layers
         scaling = self.config.query_scaling

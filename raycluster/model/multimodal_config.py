@@ -23,6 +23,8 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
+from raycluster.model.mrope import MRopeSpec
+
 MULTIMODAL_ARCHITECTURES = ("Gemma3ForConditionalGeneration", "Mistral3ForConditionalGeneration",
                             "LlavaForConditionalGeneration", "LlavaNextForConditionalGeneration",
                             "Qwen2VLForConditionalGeneration",
@@ -83,3 +85,18 @@ def text_config_of(arch: str, d: dict[str, Any], error: Callable[[str], Exceptio
             if out[key] is not None:
                 out[key]["rope_type"] = "default"
     return text_arch, out
+
+
+def mrope_of(arch: str, d: dict[str, Any]) -> MRopeSpec | None:
+    """The multimodal RoPE of a Qwen-VL config.json (its text config's rope parameters'
+    `mrope_section`, interleaved on Qwen3-VL), else None."""
+    flat = arch.startswith("Qwen2") and "text_config" not in d
+    text = d if flat else (d.get("text_config") or {})
+    for key in ("rope_parameters", "rope_scaling"):
+        rope = text.get(key)
+        if isinstance(rope, dict) and rope.get("mrope_section") is not None:
+            section = tuple(int(x) for x in rope["mrope_section"])
+            if len(section) != 3:
+                raise ValueError(f"config field 'text_config.{key}.mrope_section' must hold 3 numbers, got {list(section)}")
+            return MRopeSpec(section, bool(rope.get("mrope_interleaved", False)))
+    return None

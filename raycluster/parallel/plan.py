@@ -9,7 +9,8 @@ then one token per decode. A row is sampled for a request when the step computes
 token. A request asking for prompt log-probabilities also gets the rows of its chunk's prompt
 positions (each predicts the next prompt token); those come before its sampled row, so
 `sample_rows` stays increasing. A prefill chunk over a prompt's image placeholders carries the
-pieces of the image's embeddings that replace theirs (`image_rows`, encoded before the plan).
+pieces of the image's embeddings that replace theirs (`image_rows`, encoded before the plan), and
+on a Qwen-VL model the chunk's and the request's later tokens' M-RoPE positions (`rope_rows`).
 A decode running draft tokens (speculative decoding) takes one decode row per token, its last
 one and then each draft at the next position, all on its block table and all sampled
 (`DraftRows`): each row attends to the KV up to its own position, which the step writes before
@@ -46,6 +47,10 @@ class StepPlan:
     # Prompt images' encoder outputs: (first row, embeddings [k, H]) written over the input
     # embeddings of k placeholder tokens (raycluster.engine.image_inputs).
     image_rows: list[tuple[int, torch.Tensor]] = field(default_factory=list)
+    # Rows whose rotary positions are not their token index (Qwen-VL image prompts' M-RoPE,
+    # raycluster.model.mrope): (first row, positions [k, 3]); with any, the model turns by
+    # [3, T] positions, the other rows' three streams equal.
+    rope_rows: list[tuple[int, torch.Tensor]] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -78,7 +83,7 @@ def step_plan(out: SchedulerOutput, tables: dict[str, list[int]], group_tables=(
     prompt rows and the draft rows by request. `group_tables`: a hybrid cache's other groups'
     tables (KVCacheManager.extra_group_tables), looked up alike."""
     ids: list[int] = []
-    starts, lens, p_tables, rows, reqs, prompt, lora, images = [], [], [], [], [], [], [], []
+    starts, lens, p_tables, rows, reqs, prompt, lora, images, ropes = [], [], [], [], [], [], [], [], []
     for req, n in out.prefills:
         start = req.num_computed_tokens
         known = req.all_token_ids
@@ -86,6 +91,8 @@ def step_plan(out: SchedulerOutput, tables: dict[str, list[int]], group_tables=(
             _lora_run(lora, req.sampling.lora_adapter, len(ids), n)
         if req.sampling.images:
             images.extend(image_rows(req, start, n, len(ids)))
+        if req.mrope is not None:
+            ropes.append((len(ids), req.mrope.positions(start, n)))
         ids.extend(known[start:start + n])
         starts.append(start)
         lens.append(n)
@@ -106,6 +113,8 @@ def step_plan(out: SchedulerOutput, tables: dict[str, list[int]], group_tables=(
             table, pos = tables[req.request_id], req.num_computed_tokens
             run = [req.output_token_ids[-1], *spec[req.request_id]]
             drafts.append(DraftRows(req, len(rows), len(run)))
+            if req.mrope is not None:
+                ropes.append((len(ids), _shifted(pos, len(run), req.mrope.delta)))
             if req.sampling.lora_adapter is not None:
                 _lora_run(lora, req.sampling.lora_adapter, len(ids), len(run))
             for j, token in enumerate(run):
@@ -117,18 +126,25 @@ def step_plan(out: SchedulerOutput, tables: dict[str, list[int]], group_tables=(
             continue
         if req.sampling.lora_adapter is not None:
             _lora_run(lora, req.sampling.lora_adapter, len(ids), 1)
+        if req.mrope is not None:
+            ropes.append((len(ids), _shifted(req.num_computed_tokens, 1, req.mrope.delta)))
         ids.append(req.output_token_ids[-1])
         d_pos.append(req.num_computed_tokens)
         d_tables.append(tables[req.request_id])
         rows.append(len(ids) - 1)
         reqs.append(req)
-    plan = StepPlan(ids, starts, lens, p_tables, d_pos, d_tables, rows, lora, image_rows=images)
+    plan = StepPlan(ids, starts, lens, p_tables, d_pos, d_tables, rows, lora, image_rows=images, rope_rows=ropes)
     if group_tables:
         # Same rows: a table in the plan names its request; each group's table of that request.
         p_ids = [req.request_id for req, _ in out.prefills]
         d_ids = [req.request_id for req in out.decodes for _ in range(1 + len((spec or {}).get(req.request_id, ())))]
         plan.group_tables = [([g[r] for r in p_ids], [g[r] for r in d_ids]) for g in group_tables]
     return plan, reqs, prompt, drafts
+
+
+def _shifted(position: int, n: int, delta: int) -> torch.Tensor:
+    """M-RoPE positions [n, 3] of tokens from index `position` past a prompt's images."""
+    return torch.arange(position + delta, position + delta + n, dtype=torch.long).view(-1, 1).repeat(1, 3)
 
 
 def _lora_run(runs: list[tuple[str, int, int]], name: str, first: int, count: int) -> None:
@@ -163,7 +179,8 @@ def _metadata(plan: StepPlan, prefill_tables: list[list[int]], decode_tables: li
 
 def plan_inputs(plan: StepPlan, block_size: int, device: torch.device | str = "cpu", groups=None
                 ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata | GroupedMetadata]:
-    """(input_ids [T], positions [T], metadata) of a plan; slots address the plan's block ids.
+    """(input_ids [T], positions [T] (or [3, T] with `rope_rows`), metadata) of a plan; slots
+    address the plan's block ids.
     `groups` (a hybrid cache's KVGroups): metadata per group (`GroupedMetadata`)."""
     positions = [torch.arange(start, start + n) for start, n in zip(plan.prefill_starts, plan.prefill_lens)]
     if plan.decode_positions:
@@ -174,4 +191,9 @@ def plan_inputs(plan: StepPlan, block_size: int, device: torch.device | str = "c
         meta = GroupedMetadata([meta, *(_metadata(plan, p, d, block_size, device) for p, d in others)],
                                groups.group_of, groups.slot_of)
     input_ids = torch.tensor(plan.input_ids, dtype=torch.long, device=device)
-    return input_ids, torch.cat(positions).to(device), meta
+    flat = torch.cat(positions)
+    if plan.rope_rows:
+        flat = flat.view(1, -1).repeat(3, 1)
+        for row, p in plan.rope_rows:
+            flat[:, row:row + p.shape[0]] = p.t()
+    return input_ids, flat.to(device), meta

@@ -111,12 +111,14 @@ def split_plan(plan: StepPlan, micro_tokens: int) -> list[StepPlan]:
             rows = [r - a for r in plan.sample_rows if a <= r < a + m]
             out.append(StepPlan(ids[a:a + m], [start + s], [m], [table], [], [], rows,
                                 runs_within(plan.lora_runs, a, a + m),
-                                image_rows=image_rows_within(plan.image_rows, a, a + m)))
+                                image_rows=rows_within(plan.image_rows, a, a + m),
+                                rope_rows=rows_within(plan.rope_rows, a, a + m)))
         off += n
     if plan.decode_positions:
         rows = [r - off for r in plan.sample_rows if r >= off]
         out.append(StepPlan(ids[off:], [], [], [], list(plan.decode_positions), list(plan.decode_tables), rows,
-                            runs_within(plan.lora_runs, off, len(ids))))
+                            runs_within(plan.lora_runs, off, len(ids)),
+                            rope_rows=rows_within(plan.rope_rows, off, len(ids))))
     return out
 
 
@@ -130,8 +132,9 @@ def runs_within(runs: list[tuple[str, int, int]], lo: int, hi: int) -> list[tupl
     return out
 
 
-def image_rows_within(pieces: list[tuple[int, torch.Tensor]], lo: int, hi: int) -> list[tuple[int, torch.Tensor]]:
-    """The image-embedding pieces of tokens [lo, hi) of a plan, as rows of a micro-batch of those tokens."""
+def rows_within(pieces: list[tuple[int, torch.Tensor]], lo: int, hi: int) -> list[tuple[int, torch.Tensor]]:
+    """The (first row, per-row tensor) pieces of tokens [lo, hi) of a plan (image embeddings,
+    M-RoPE positions), as rows of a micro-batch of those tokens."""
     out = []
     for row, e in pieces:
         a, b = max(row, lo), min(row + e.shape[0], hi)
