@@ -127,3 +127,14 @@ def copy_into(params: dict[str, torch.Tensor], tensors: dict[str, torch.Tensor],
         with torch.no_grad():
             p.copy_(tensor if name in as_stored else tensor.to(dtype))
 
+
+def copy_whole(params: dict[str, torch.Tensor], tensors: dict[str, torch.Tensor], path: str, what: str,
+               dtype: torch.dtype) -> None:
+    """`copy_into`, and a CheckpointError naming the first of `params` the checkpoint at `path`
+    did not give (`what`: which tensors these are, e.g. a vision tower's)."""
+    copy_into(params, tensors, f"{path} ({what})", dtype)
+    missing = sorted(set(params) - set(tensors))
+    if missing:
+        more = "..." if len(missing) > 4 else ""
+        raise CheckpointError(f"{path!r}: missing {what} tensors {missing[:4]}{more}")
+

@@ -1,22 +1,27 @@
-"""LLaVA's image side, and which image encoder / processor a checkpoint gets.
+"""LLaVA's image side, and which image encoder / processor a checkpoint gets (LLaVA, LLaVA-NeXT, Qwen2-VL,
+Qwen2.5-VL).
 
 LLaVA-1.5 (`LlavaForConditionalGeneration.get_image_features`): `LlavaImageEncoder` is the CLIP
 tower and projector of raycluster.model.llava_tower over one square per image, every image
 `tokens_per_image` features. LLaVA-NeXT (`LlavaNextForConditionalGeneration`) is
 raycluster.model.llava_next's `LlavaNextImageEncoder`, its count depending on the image's size.
+Qwen2-VL and Qwen2.5-VL (`Qwen2VLForConditionalGeneration`, `Qwen2_5_VLForConditionalGeneration`)
+are raycluster.model.qwen_vl's `QwenVLImageEncoder`, which also gives `grid_for((height, width))`,
+the (t, rows, columns) of an image's tokens that their multimodal rotary positions are laid on.
 
-Both encoders answer the same calls (what the engine uses): `image_token_id`,
+The encoders answer the same calls (what the engine uses): `image_token_id`,
 `tokens_for((height, width))`, `check_pixels(pixels, (height, width))` (None, or why the pixels
 do not fit) and `encode_images([(pixels, (height, width)), ...])` -> one [tokens_for(size), text
 hidden] tensor per image, in the encoder's dtype, for the text model's image-token positions.
 
-`image_encoder_for(model_dir, dtype, device)` builds the encoder of a LLaVA / LLaVA-NeXT
-checkpoint whose files hold the tower (None for other architectures and for one stored without it:
-those are served on their text). `image_facts(model_dir)` is the gateway's side, from config.json,
-preprocessor_config.json and the stored tensor names alone (no weights read): the image token,
-its processor (PIL image -> (pixels, (height, width))) and the token count of an image's size,
-`prepare(image)` all three at once. `llava_image_facts(model_dir)` is LLaVA-1.5's older
-(image_token_id, tokens_per_image) pair (None for LLaVA-NeXT, whose count is per image).
+`image_encoder_for(model_dir, dtype, device)` builds the encoder of a checkpoint of those
+architectures whose files hold the tower (None for other architectures and for one stored without
+it: those are served on their text). `image_facts(model_dir)` is the gateway's side, from
+config.json, preprocessor_config.json and the stored tensor names alone (no weights read): the
+image token, its processor (PIL image -> (pixels, (height, width))) and the token count of an
+image's size, `prepare(image)` all three at once, and (Qwen-VL; None for LLaVA) `grid_for(size)`.
+`llava_image_facts(model_dir)` is LLaVA-1.5's older (image_token_id, tokens_per_image) pair (None
+for LLaVA-NeXT and Qwen-VL, whose count is per image).
 """
 
 from __future__ import annotations
@@ -27,10 +32,12 @@ import os
 import torch
 from PIL import Image
 
-from raycluster.model import llava_next
+from raycluster.model import llava_next, qwen_vl
 from raycluster.model.anyres import AnyresGrid, AnyresImageProcessor
 from raycluster.model.image_processor import ImageProcessor
-from raycluster.model.llava_tower import ClipProjectorEncoder, read_config, tensor_prefixes
+from raycluster.model.llava_tower import ClipProjectorEncoder, check_items, read_config
+from raycluster.model.qwen_vl import QwenVLImageEncoder
+from raycluster.model.qwen_vl_processor import QwenVLGrid, QwenVLImageProcessor, pixel_limits, read_preprocessor
 
 ARCHITECTURE = "LlavaForConditionalGeneration"
 
@@ -58,27 +65,28 @@ class LlavaImageEncoder(ClipProjectorEncoder):
 
     def encode_images(self, items: list[tuple[torch.Tensor, tuple[int, int]]]) -> list[torch.Tensor]:
         """Each image's [tokens_per_image, text hidden] features, all encoded in one batch."""
-        self.check_items(items)
+        check_items(self, items)
         if not items:
             return []
         return list(self.encode(torch.stack([torch.as_tensor(p) for p, _ in items])).unbind(0))
 
 
-_ENCODERS = {ARCHITECTURE: LlavaImageEncoder, llava_next.ARCHITECTURE: llava_next.LlavaNextImageEncoder}
+_ENCODERS = {ARCHITECTURE: LlavaImageEncoder, llava_next.ARCHITECTURE: llava_next.LlavaNextImageEncoder,
+             **{arch: QwenVLImageEncoder for arch in qwen_vl.ARCHITECTURES}}
 
 
 def _encoder_class(path: str):
-    """The encoder class of a checkpoint whose files hold a LLaVA tower, else None."""
+    """The encoder class of a checkpoint whose files hold its vision tower, else None."""
     if not os.path.exists(os.path.join(path, "config.json")):
         return None
     archs = read_config(path).get("architectures") or []
     cls = next((_ENCODERS[a] for a in archs if a in _ENCODERS), None)
-    return cls if cls is not None and tensor_prefixes(path)[0] is not None else None
+    return cls if cls is not None and cls.stores_tower(path) else None
 
 
 def image_encoder_for(model_dir: str | os.PathLike, dtype: torch.dtype = torch.float32,
-                      device: str | torch.device = "cpu") -> ClipProjectorEncoder | None:
-    """The image encoder of a LLaVA / LLaVA-NeXT checkpoint that stores its tower, else None."""
+                      device: str | torch.device = "cpu") -> ClipProjectorEncoder | QwenVLImageEncoder | None:
+    """The image encoder of a checkpoint (module docstring) that stores its tower, else None."""
     path = os.fspath(model_dir)
     cls = _encoder_class(path)
     return None if cls is None else cls.from_checkpoint(path, dtype, device)
@@ -96,14 +104,18 @@ class FixedSizeProcessor:
 @dataclasses.dataclass(frozen=True)
 class ImageFacts:
     """How a checkpoint takes images (module docstring). `processor` is None when the checkpoint
-    has no preprocessor_config.json; `grid` (LLaVA-NeXT) makes the count depend on the size."""
+    has no preprocessor_config.json; `grid` (LLaVA-NeXT, Qwen-VL) makes the count depend on the size."""
     image_token_id: int
-    processor: FixedSizeProcessor | AnyresImageProcessor | None
+    processor: FixedSizeProcessor | AnyresImageProcessor | QwenVLImageProcessor | None
     tokens_per_image: int | None = None
-    grid: AnyresGrid | None = None
+    grid: AnyresGrid | QwenVLGrid | None = None
 
     def tokens_for(self, image_size: tuple[int, int]) -> int:
         return self.grid.tokens_for(image_size) if self.grid is not None else self.tokens_per_image
+
+    def grid_for(self, image_size: tuple[int, int]) -> tuple[int, int, int] | None:
+        """Qwen-VL: the (t, rows, columns) of the image's tokens (raycluster.model.qwen_vl); else None."""
+        return self.grid.grid_for(image_size) if isinstance(self.grid, QwenVLGrid) else None
 
     def prepare(self, image: Image.Image) -> tuple[torch.Tensor, tuple[int, int], int]:
         """(pixels, (height, width), placeholder tokens) of a decoded image."""
@@ -121,6 +133,8 @@ def image_facts(model_dir: str | os.PathLike) -> ImageFacts | None:
     if cls is None:
         return None
     config = read_config(path)
+    if cls is QwenVLImageEncoder:
+        return _qwen_vl_facts(path, config)
     with torch.device("meta"):      # validates the config as loading would, allocating nothing
         encoder = cls(config, text_hidden=1)
     if cls is LlavaImageEncoder:
@@ -136,7 +150,20 @@ def image_facts(model_dir: str | os.PathLike) -> ImageFacts | None:
     return ImageFacts(encoder.image_token_id, processor, grid=encoder.grid)
 
 
-def processor_for(model_dir: str | os.PathLike) -> FixedSizeProcessor | AnyresImageProcessor | None:
+def _qwen_vl_facts(path: str, config: dict) -> ImageFacts:
+    with torch.device("meta"):
+        encoder = QwenVLImageEncoder(config, pixel_limits(read_preprocessor(path)))
+    processor = QwenVLImageProcessor.from_model_dir(path)
+    if processor is not None and processor.grid != encoder.grid:
+        g, want = processor.grid, encoder.grid
+        raise ValueError(f"{path}: preprocessor_config.json's patches (patch_size {g.patch_size}, merge_size "
+                         f"{g.merge_size}, temporal_patch_size {g.temporal_patch_size}) are not config.json's "
+                         f"({want.patch_size}, {want.merge_size}, {want.temporal_patch_size})")
+    return ImageFacts(encoder.image_token_id, processor, grid=encoder.grid)
+
+
+def processor_for(model_dir: str | os.PathLike
+                  ) -> FixedSizeProcessor | AnyresImageProcessor | QwenVLImageProcessor | None:
     """The checkpoint's image processor (PIL image -> (pixels, (height, width))), else None."""
     facts = image_facts(model_dir)
     return None if facts is None else facts.processor

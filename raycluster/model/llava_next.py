@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from raycluster.model.anyres import AnyresGrid, check_image_size
-from raycluster.model.llava_tower import ClipProjectorEncoder
+from raycluster.model.llava_tower import ClipProjectorEncoder, check_items, shape_reason
 
 ARCHITECTURE = "LlavaNextForConditionalGeneration"
 
@@ -47,17 +47,14 @@ class LlavaNextImageEncoder(ClipProjectorEncoder):
         if reason is not None:
             return reason
         t = self.vision_tower
-        want = (self.grid.num_tiles(tuple(image_size)) + 1, t.num_channels, t.image_size, t.image_size)
-        shape = tuple(getattr(pixel_values, "shape", ()))
-        if shape != want:
-            return f"pixels are {shape}; an image of {image_size[0]}x{image_size[1]} takes {want}"
-        return None
+        return shape_reason(pixel_values, (self.grid.num_tiles(tuple(image_size)) + 1, t.num_channels, t.image_size,
+                                           t.image_size), image_size)
 
     @torch.inference_mode()
     def encode_images(self, items: list[tuple[torch.Tensor, tuple[int, int]]]) -> list[torch.Tensor]:
         """Each image's features [tokens_for(size), text hidden] (module docstring); ValueError for
         pixels that do not fit their size."""
-        self.check_items(items)
+        check_items(self, items)
         if not items:
             return []
         features = self.tile_features(torch.cat([torch.as_tensor(p) for p, _ in items]))

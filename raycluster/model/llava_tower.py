@@ -24,7 +24,7 @@ import os
 import torch
 from torch import nn
 
-from raycluster.model.checkpoint_files import CheckpointError, copy_into, read_named, read_prefixed, stored_names
+from raycluster.model.checkpoint_files import CheckpointError, copy_whole, read_named, read_prefixed, stored_names
 from raycluster.model.clip_vision import ClipVisionTower, activation, hidden_state_index
 
 # Where checkpoints keep the tower and the projector (the first whose patch embedding / linear_1
@@ -44,6 +44,23 @@ class _Projector(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.linear_2(self.act(self.linear_1(x)))
+
+
+def check_items(encoder, items: list[tuple[torch.Tensor, tuple[int, int]]]) -> None:
+    """ValueError naming the first image whose pixels do not fit its size (`encoder.check_pixels`,
+    any image encoder's)."""
+    for k, (pixels, size) in enumerate(items):
+        reason = encoder.check_pixels(pixels, size)
+        if reason is not None:
+            raise ValueError(f"image {k}: {reason}")
+
+
+def shape_reason(pixel_values, want: tuple[int, ...], image_size) -> str | None:
+    """None if `pixel_values` have the shape `want`, else why not (for an image of `image_size`)."""
+    shape = tuple(getattr(pixel_values, "shape", ()))
+    if shape == want:
+        return None
+    return f"pixels are {shape}; an image of {image_size[0]}x{image_size[1]} takes {want}"
 
 
 class ClipProjectorEncoder(nn.Module):
@@ -91,14 +108,6 @@ class ClipProjectorEncoder(nn.Module):
     def device(self) -> torch.device:
         return self.multi_modal_projector.linear_1.weight.device
 
-    def check_items(self, items: list[tuple[torch.Tensor, tuple[int, int]]]) -> None:
-        """ValueError naming the first image whose pixels do not fit its size (the subclass's
-        `check_pixels`)."""
-        for k, (pixels, size) in enumerate(items):
-            reason = self.check_pixels(pixels, size)
-            if reason is not None:
-                raise ValueError(f"image {k}: {reason}")
-
     def tile_features(self, pixel_values: torch.Tensor) -> torch.Tensor:
         """[N, C, image_size, image_size] pixels -> [N, tokens_per_tile, text hidden] features."""
         t = self.vision_tower
@@ -109,6 +118,11 @@ class ClipProjectorEncoder(nn.Module):
         if self.select_strategy == "default":
             states = [s[:, 1:] for s in states]
         return self.multi_modal_projector(torch.cat(states, dim=-1))
+
+    @classmethod
+    def stores_tower(cls, path: str) -> bool:
+        """Whether the checkpoint's files hold the CLIP tower (else it is served on its text)."""
+        return tensor_prefixes(path)[0] is not None
 
     @classmethod
     def from_checkpoint(cls, model_dir: str | os.PathLike, dtype: torch.dtype = torch.float32,
@@ -135,11 +149,7 @@ class ClipProjectorEncoder(nn.Module):
                 if tensor is not None:
                     loaded[name] = tensor
                     break
-        copy_into(params, loaded, f"{path} (LLaVA vision tower / projector)", dtype)
-        missing = sorted(set(params) - set(loaded))
-        if missing:
-            more = "..." if len(missing) > 4 else ""
-            raise CheckpointError(f"{path!r}: missing LLaVA vision tensors {missing[:4]}{more}")
+        copy_whole(params, loaded, path, "LLaVA vision tower / projector", dtype)
         return encoder.eval()
 
 

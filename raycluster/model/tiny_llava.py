@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+from typing import Callable
 
 import torch
 
@@ -59,6 +60,32 @@ def llava_fields(vision: dict, extra: dict, overrides: dict, image_size: int = 2
     return vision, extra, {**overrides, "vocab_size": TOKENIZER_VOCAB + 1}
 
 
+def seeded_tensors(shapes: dict[str, tuple[int, ...]], seed: int, is_norm: Callable[[str], bool],
+                   unit: tuple[str, ...] = ()) -> dict[str, torch.Tensor]:
+    """A tiny vision tower's tensors by name, drawn in name order from `seed + 1` (apart from the
+    text weights' stream): norm weights (`is_norm(name)`) near 1, biases small, the names ending
+    in `unit` at unit scale, the rest scaled by their fan-in."""
+    g = torch.Generator().manual_seed(seed + 1)
+    out = {}
+    for name in sorted(shapes):
+        shape = shapes[name]
+        if is_norm(name) and name.endswith(".weight"):
+            t = 1.0 + 0.1 * torch.randn(shape, generator=g)
+        elif name.endswith(".bias"):
+            t = 0.02 * torch.randn(shape, generator=g)
+        elif unit and name.endswith(unit):
+            t = torch.randn(shape, generator=g)
+        else:
+            # Fan-in scaling keeps activations near unit size, so the projected features weigh as
+            # much as the unit-scale token embeddings beside them and change what the text model says.
+            fan_in = 1
+            for d in shape[1:]:
+                fan_in *= d
+            t = torch.randn(shape, generator=g) / fan_in ** 0.5
+        out[name] = t.contiguous()
+    return out
+
+
 def vision_tensors(config: dict, seed: int, style: str) -> dict[str, torch.Tensor]:
     """The seeded tower (every layer and post_layernorm, as released files hold them), projector
     and LLaVA-NeXT's image_newline under the released names (`style` "language_model") or
@@ -77,25 +104,9 @@ def vision_tensors(config: dict, seed: int, style: str) -> dict[str, torch.Tenso
                        "multi_modal_projector.linear_2.bias": (text_hidden,)})
     if config["model_type"] == "llava_next":
         shapes["image_newline"] = (text_hidden,)
-    g = torch.Generator().manual_seed(seed + 1)      # apart from the text weights' stream
-    out = {}
-    for name in sorted(shapes):
-        shape = shapes[name]
-        if "norm" in name.rpartition(".")[0] and name.endswith(".weight"):
-            t = 1.0 + 0.1 * torch.randn(shape, generator=g)
-        elif name.endswith(".bias"):
-            t = 0.02 * torch.randn(shape, generator=g)
-        elif name.endswith(("class_embedding", "position_embedding.weight", "image_newline")):
-            # image_newline at unit scale too: it sits among the features like a token embedding.
-            t = torch.randn(shape, generator=g)
-        else:
-            # Fan-in scaling keeps activations near unit size, so the projected features weigh as
-            # much as the unit-scale token embeddings beside them and change what the text model says.
-            fan_in = 1
-            for d in shape[1:]:
-                fan_in *= d
-            t = torch.randn(shape, generator=g) / fan_in ** 0.5
-        out[name] = t.contiguous()
+    # image_newline at unit scale too: it sits among the features like a token embedding.
+    out = seeded_tensors(shapes, seed, lambda name: "norm" in name.rpartition(".")[0],
+                         ("class_embedding", "position_embedding.weight", "image_newline"))
     prefix = "model." if style == "transformers5" else ""
     return {prefix + k: v for k, v in out.items()}
 
@@ -103,8 +114,6 @@ def vision_tensors(config: dict, seed: int, style: str) -> dict[str, torch.Tenso
 def write_llava_files(path: str, config: dict) -> None:
     """preprocessor_config.json (and LLaVA-NeXT's processor_config.json), and the tokenizer with
     "<image>" and the content-list template."""
-    from tokenizers import AddedToken, Tokenizer
-
     size = config["vision_config"]["image_size"]
     processor = {"image_processor_type": "CLIPImageProcessor", "processor_class": "LlavaProcessor",
                  "do_convert_rgb": True, "do_resize": True, "size": {"shortest_edge": size}, "resample": 3,
@@ -123,15 +132,23 @@ def write_llava_files(path: str, config: dict) -> None:
                       f, indent=2, sort_keys=True)
     with open(os.path.join(path, "preprocessor_config.json"), "w") as f:
         json.dump(processor, f, indent=2, sort_keys=True)
+    write_tokenizer_with(path, [IMAGE_TOKEN], CHAT_TEMPLATE)
+
+
+def write_tokenizer_with(path: str, tokens: list[str], template: str) -> None:
+    """The tiny tokenizer with `tokens` as special added tokens after its vocabulary (ids
+    TOKENIZER_VOCAB, ...), and `template` as the chat template, over the text checkpoint's files."""
+    from tokenizers import AddedToken, Tokenizer
+
     tok = Tokenizer.from_str(_tokenizer_json())
-    if tok.get_vocab_size(with_added_tokens=True) != IMAGE_TOKEN_ID:
-        raise AssertionError("the tiny tokenizer's vocabulary is not the size the image token id assumes")
-    tok.add_special_tokens([AddedToken(IMAGE_TOKEN, special=True, normalized=False)])
+    if tok.get_vocab_size(with_added_tokens=True) != TOKENIZER_VOCAB:
+        raise AssertionError("the tiny tokenizer's vocabulary is not the size the added token ids assume")
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in tokens])
     with open(os.path.join(path, "tokenizer.json"), "w", encoding="utf-8") as f:
         f.write(tok.to_str(pretty=True))
     with open(os.path.join(path, "tokenizer_config.json"), encoding="utf-8") as f:
         tok_cfg = json.load(f)
-    tok_cfg["chat_template"] = CHAT_TEMPLATE
+    tok_cfg["chat_template"] = template
     with open(os.path.join(path, "tokenizer_config.json"), "w", encoding="utf-8") as f:
         json.dump(tok_cfg, f, indent=2, sort_keys=True)
         f.write("\n")

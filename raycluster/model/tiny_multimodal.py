@@ -3,7 +3,9 @@ Qwen2.5-VL, Qwen3-VL, Qwen3-VL-MoE) for tests: `write_tiny_multimodal(path, arch
 checkpoint of the wrapper's text model (raycluster.model.tiny) as its released files and
 transformers lay them out, with a vision config and one vision tensor (a text-only server never
 reads the tower); LLaVA's and LLaVA-NeXT's with `vision_weights=True`: the whole tower, projector
-(and NeXT's image_newline), image processor and "<image>" token (raycluster.model.tiny_llava)."""
+(and NeXT's image_newline), image processor and "<image>" token (raycluster.model.tiny_llava);
+Qwen2-VL's and Qwen2.5-VL's: the whole tower, image processor and vision tokens
+(raycluster.model.tiny_qwen_vl)."""
 
 from __future__ import annotations
 
@@ -70,6 +72,8 @@ _MROPE = {"Qwen2VLForConditionalGeneration": {"type": "mrope", "mrope_section": 
                                                  "mrope_interleaved": True}}
 
 
+# Wrappers whose whole tower raycluster.model.tiny_qwen_vl writes (`vision_weights`).
+_QWEN_VL = ("Qwen2VLForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration")
 # Text models a wrapper may hold besides its usual one (`text_architecture`): their model_type.
 _OTHER_TEXT_TYPES = {"Ministral3ForCausalLM": "ministral3"}
 
@@ -83,16 +87,22 @@ def write_tiny_multimodal(path: str | os.PathLike, arch: str, seed: int = 0, lay
     write them; Qwen2.5-VL's released files: a flat config, plain names beside `visual.`) or
     `model.language_model.` ("transformers5", the head as `lm_head.`), plus one vision tensor (the
     rest of the tower left out: a text-only server never reads it). `text_architecture`: another
-    text model than the wrapper's usual one (Ministral 3 in Mistral 3). `vision_weights` (LLaVA
-    and LLaVA-NeXT only): the whole seeded tower and projector instead, with `vision_options` as
-    raycluster.model.tiny_llava.llava_fields takes them (image_size, vision_feature_layer,
-    image_grid_pinpoints, ...)."""
+    text model than the wrapper's usual one (Ministral 3 in Mistral 3). `vision_weights` (LLaVA,
+    LLaVA-NeXT, Qwen2-VL and Qwen2.5-VL only): the whole seeded tower (and LLaVA's projector)
+    instead, with `vision_options` as raycluster.model.tiny_llava.llava_fields takes them
+    (image_size, vision_feature_layer, image_grid_pinpoints, ...), or
+    raycluster.model.tiny_qwen_vl.qwen_vl_fields (vision_config fields, min_pixels, max_pixels)."""
     model_type, text_type, text_arch, vision, extra = _MULTIMODAL[arch]
     if vision_weights:
-        if arch not in ("LlavaForConditionalGeneration", "LlavaNextForConditionalGeneration"):
-            raise ValueError(f"vision_weights: only the tiny LLaVA and LLaVA-NeXT have a whole tower, not {arch}")
-        from raycluster.model import tiny_llava
-        vision, extra, overrides = tiny_llava.llava_fields(vision, extra, overrides, **(vision_options or {}))
+        from raycluster.model import tiny_llava, tiny_qwen_vl
+        if arch in _QWEN_VL:
+            vision, extra, overrides, processor = tiny_qwen_vl.qwen_vl_fields(arch, vision, extra, overrides,
+                                                                             **(vision_options or {}))
+        elif arch in ("LlavaForConditionalGeneration", "LlavaNextForConditionalGeneration"):
+            vision, extra, overrides = tiny_llava.llava_fields(vision, extra, overrides, **(vision_options or {}))
+        else:
+            raise ValueError(f"vision_weights: only the tiny LLaVA, LLaVA-NeXT, Qwen2-VL and Qwen2.5-VL have a "
+                             f"whole tower, not {arch}")
     if text_architecture is not None:
         text_type, text_arch = _OTHER_TEXT_TYPES[text_architecture], text_architecture
     path = write_tiny_model(path, seed, architectures=[text_arch], **overrides)
@@ -122,7 +132,10 @@ def write_tiny_multimodal(path: str | os.PathLike, arch: str, seed: int = 0, lay
         out = {("model.language_model." + k[len("model."):]) if k.startswith("model.") else k: v
                for k, v in tensors.items()}
         tower = "model." + tower
-    if vision_weights:
+    if vision_weights and arch in _QWEN_VL:
+        out.update(tiny_qwen_vl.vision_tensors(config, seed, style))
+        tiny_qwen_vl.write_qwen_vl_files(path, config, processor)
+    elif vision_weights:
         out.update(tiny_llava.vision_tensors(config, seed, style))
         tiny_llava.write_llava_files(path, config)
     else:

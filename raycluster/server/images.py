@@ -20,6 +20,8 @@ import base64
 import binascii
 import functools
 import hashlib
+import json
+import os
 import re
 from dataclasses import dataclass
 
@@ -38,8 +40,10 @@ FETCH_TIMEOUT_S = 10.0               # vLLM's VLLM_IMAGE_FETCH_TIMEOUT is 5 s; a
 
 @dataclass
 class ImageSpec:
-    """How a checkpoint takes images: its image token (id and text) and `facts.prepare(image)`,
-    the processed pixels, the image's size and its placeholder tokens (raycluster.model.llava)."""
+    """How a checkpoint takes images: its image token's id; the text a template without content
+    parts gets for an image (the token's, within Qwen-VL's vision start and end tokens); and
+    `facts.prepare(image)`: the processed pixels, the image's size and its placeholder tokens
+    (raycluster.model.llava)."""
     token_id: int
     token_text: str
     facts: ImageFacts
@@ -53,6 +57,13 @@ def image_spec_for(model_dir, tokenizer) -> ImageSpec | None:
     text = tokenizer.id_to_token(facts.image_token_id)
     if text is None:
         raise ValueError(f"{model_dir}: the image token id {facts.image_token_id} is not in the tokenizer's vocabulary")
+    with open(os.path.join(model_dir, "config.json")) as f:
+        config = json.load(f)
+    # Qwen-VL's placeholder is the image token between its vision start and end tokens.
+    around = [tokenizer.id_to_token(config.get(k)) if isinstance(config.get(k), int) else None
+              for k in ("vision_start_token_id", "vision_end_token_id")]
+    if None not in around:
+        text = around[0] + text + around[1]
     return ImageSpec(facts.image_token_id, text, facts)
 
 

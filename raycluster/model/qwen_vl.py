@@ -1,0 +1,129 @@
+"""Qwen2-VL's and Qwen2.5-VL's image encoder (transformers 5.24's `get_image_features` of
+`Qwen2VLForConditionalGeneration` / `Qwen2_5_VLForConditionalGeneration`), in the common form the
+engine calls (raycluster.model.llava): `image_token_id`, `tokens_for((height, width))`,
+`check_pixels(pixels, (height, width))`, `encode_images([(pixels, (height, width)), ...])`; and
+`grid_for((height, width))`, the (t, rows, columns) grid of the image's tokens the text model's
+multimodal rotary positions are laid out on (transformers' `get_rope_index`).
+
+`QwenVLImageEncoder(config, pixel_limits)` reads config.json (the version from `architectures`,
+the tower from `vision_config`: raycluster.model.qwen_vision) and the processor's pixel limits
+(raycluster.model.qwen_vl_processor: an image's token count depends on the size it is resized
+to). Pixels enter as the processor's rows, [t * h * w patches, C * T * P * P] per image; every
+image of a call goes through the tower at once (attention stays within each image), and each
+leaves as [tokens_for(size), text hidden] in the encoder's dtype, the text model putting them,
+in order, at its `image_token_id` placeholders.
+
+`from_checkpoint(model_dir, dtype, device)` reads config.json, preprocessor_config.json and the
+tower's tensors from model.safetensors or its shards (raycluster.model.checkpoint_files): under
+`visual.` in the released files (their flat config), `model.visual.` in transformers 5's layout.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+from torch import nn
+
+from raycluster.model.checkpoint_files import CheckpointError, copy_whole, read_prefixed, stored_names
+from raycluster.model.llava_tower import check_items, read_config, shape_reason
+from raycluster.model.qwen_vision import QwenVisionSpec, QwenVisionTower
+from raycluster.model.qwen_vl_processor import (DEFAULT_MAX_PIXELS, DEFAULT_MIN_PIXELS, QwenVLGrid, pixel_limits,
+                                                read_preprocessor)
+
+# Architecture -> the tower's version (raycluster.model.qwen_vision).
+ARCHITECTURES = {"Qwen2VLForConditionalGeneration": "qwen2_vl", "Qwen2_5_VLForConditionalGeneration": "qwen2_5_vl"}
+_PREFIXES = ("visual.", "model.visual.")
+# Stored tower tensors the encoder never uses (old saves kept the rotary frequencies).
+_UNUSED = ("rotary_pos_emb.",)
+
+
+def tower_prefix(path: str) -> str | None:
+    """Where the checkpoint keeps the tower (None: not stored, or no readable weights)."""
+    try:
+        names = stored_names(path)
+    except CheckpointError:
+        return None
+    return next((p for p in _PREFIXES if p + "patch_embed.proj.weight" in names), None)
+
+
+def _text_hidden(config: dict) -> int | None:
+    """The text model's hidden size: a flat config's own (the released files), else text_config's."""
+    text = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
+    return text.get("hidden_size")
+
+
+class QwenVLImageEncoder(nn.Module):
+    """The tower and the image-size arithmetic (module docstring)."""
+
+    def __init__(self, config: dict, pixel_limits: tuple[int, int] = (DEFAULT_MIN_PIXELS, DEFAULT_MAX_PIXELS)):
+        super().__init__()
+        archs = config.get("architectures") or []
+        version = next((ARCHITECTURES[a] for a in archs if a in ARCHITECTURES), None)
+        if version is None:
+            raise ValueError(f"config field 'architectures' = {archs!r} names no Qwen-VL model "
+                             f"({', '.join(ARCHITECTURES)})")
+        spec = QwenVisionSpec.from_config(config.get("vision_config"), version)
+        text_hidden = _text_hidden(config)
+        if text_hidden is not None and text_hidden != spec.out_hidden:
+            field = "hidden_size" if version == "qwen2_vl" else "out_hidden_size"
+            raise ValueError(f"config field 'vision_config.{field}' = {spec.out_hidden}: the tower's tokens must be "
+                             f"the text model's hidden size, {text_hidden}")
+        self.visual = QwenVisionTower(spec)
+        self.image_token_id: int = int(config.get("image_token_id", 151655))
+        self.grid = QwenVLGrid(spec.patch_size, spec.merge_size, spec.temporal_patch_size, *pixel_limits)
+        self.text_hidden_size = spec.out_hidden
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.visual.patch_embed.proj.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.visual.patch_embed.proj.weight.device
+
+    def tokens_for(self, image_size: tuple[int, int]) -> int:
+        """The tokens (prompt placeholders) of an image of (height, width)."""
+        return self.grid.tokens_for(tuple(image_size))
+
+    def grid_for(self, image_size: tuple[int, int]) -> tuple[int, int, int]:
+        """(t, rows, columns) of the image's tokens for the text model's rotary positions."""
+        return self.grid.grid_for(tuple(image_size))
+
+    def check_pixels(self, pixel_values, image_size) -> str | None:
+        """None if `pixel_values` are what the processor makes of an image of `image_size`, else why not."""
+        reason = self.grid.check(image_size)
+        if reason is not None:
+            return reason
+        t, h, w = self.grid.grid_thw(tuple(image_size))
+        return shape_reason(pixel_values, (t * h * w, self.visual.spec.patch_dim), image_size)
+
+    @torch.inference_mode()
+    def encode_images(self, items: list[tuple[torch.Tensor, tuple[int, int]]]) -> list[torch.Tensor]:
+        """Each image's features [tokens_for(size), text hidden] (module docstring); ValueError for
+        pixels that do not fit their size."""
+        check_items(self, items)
+        if not items:
+            return []
+        pixels = torch.cat([torch.as_tensor(p) for p, _ in items]).to(self.device, self.dtype)
+        features = self.visual(pixels, [self.grid.grid_thw(tuple(size)) for _, size in items])
+        return list(features.split([self.tokens_for(size) for _, size in items]))
+
+    @classmethod
+    def stores_tower(cls, path: str) -> bool:
+        return tower_prefix(path) is not None
+
+    @classmethod
+    def from_checkpoint(cls, model_dir: str | os.PathLike, dtype: torch.dtype = torch.float32,
+                        device: str | torch.device = "cpu") -> "QwenVLImageEncoder":
+        path = os.fspath(model_dir)
+        prefix = tower_prefix(path)
+        if prefix is None:
+            raise CheckpointError(f"{path!r}: the checkpoint stores no Qwen-VL vision tower tensors")
+        with torch.device("meta"):
+            encoder = cls(read_config(path), pixel_limits(read_preprocessor(path)))
+        encoder.to_empty(device=device).to(dtype)
+        loaded = {"visual." + k: v for k, v in read_prefixed(path, prefix).items() if not k.startswith(_UNUSED)}
+        params = dict(encoder.named_parameters())
+        copy_whole(params, loaded, path, "Qwen-VL vision tower", dtype)
+        return encoder.eval()
