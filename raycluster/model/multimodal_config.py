@@ -15,8 +15,10 @@ position when the input is text alone, which is plain RoPE. The weights sit unde
 prefix (`language_model.` in the released Gemma / Mistral / LLaVA / LLaVA-NeXT files,
 `model.language_model.` in transformers 5's own layout, plain `model.` beside `visual.` in the
 released Qwen-VL files;
-raycluster.model.loader maps them); the vision tower and projector are never read, and requests
-with image parts are refused.
+raycluster.model.loader maps them). The text model alone is built here; the image encoders of
+the architectures that take images (LLaVA, LLaVA-NeXT, Qwen2-VL, Qwen2.5-VL) are
+raycluster.model.llava's, and `mrope_of` reads the Qwen-VL models' multimodal RoPE, which turns
+image prompts (raycluster.model.mrope). The other wrappers' requests with image parts are refused.
 """
 
 from __future__ import annotations
