@@ -1,4 +1,4 @@
-"""Images through the P/D cluster over real HTTP: a tiny LLaVA whose gateway loads and
+"""Images through the P/D cluster over real HTTP: a tiny LLaVA (and Qwen2-VL) whose gateway loads and
 preprocesses each image, whose router carries the pixels to the prefill instance (a tp 2 group of
 Ray-actor ranks for short prompts, a single-process instance for long ones), which encodes them and
 hands the KV to a decode instance. Each chat reply equals transformers' greedy tokens; afterwards
@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 from cluster_http import drained_status
 from llava_reference import hf_llava_greedy, hf_pixel_values
+from qwen_vl_reference import hf_qwen_vl_greedy, hf_qwen_vl_processor
 from PIL import Image
 from serve_app import deployed_app
 
@@ -31,11 +32,23 @@ def _png(seed: int) -> bytes:
     return buf.getvalue()
 
 
-def test_image_chats_through_pd_pools(ray_cluster, tmp_path):
+def _reference(arch: str, path, ids: list[int], png: bytes) -> list[int]:
+    """transformers' 12 greedy tokens for the expanded prompt `ids` with the image `png`."""
+    image = Image.open(io.BytesIO(png))
+    if arch == "LlavaForConditionalGeneration":
+        return hf_llava_greedy(path, ids, hf_pixel_values(path, [image]), 12)
+    hf = hf_qwen_vl_processor(path).image_processor([image], return_tensors="pt")
+    return hf_qwen_vl_greedy(path, ids, hf["pixel_values"], hf["image_grid_thw"], 12)
+
+
+@pytest.mark.parametrize("arch,seed", [("LlavaForConditionalGeneration", 1), ("Qwen2VLForConditionalGeneration", 5)])
+def test_image_chats_through_pd_pools(ray_cluster, tmp_path, arch, seed):
+    """LLaVA, and Qwen2-VL (whose multimodal RoPE positions the tp ranks and the decode side lay
+    out from the request's images)."""
     from raycluster.model.tiny_multimodal import write_tiny_multimodal
 
-    path = write_tiny_multimodal(tmp_path / "llava", "LlavaForConditionalGeneration", seed=1, vision_weights=True)
-    cfg = {"model": path, "policy": "lars", "threads_per_instance": 1, "router_name": ROUTER,
+    path = write_tiny_multimodal(tmp_path / "vlm", arch, seed=seed, vision_weights=True)
+    cfg = {"model": path, "policy": "lars", "threads_per_instance": 1, "router_name": f"{ROUTER}-{seed}",
            "connector": "torch_dist", "initial_l_m": 32, "engine": {"kv_cache_tokens": 4096, "chunk_size": 16},
            "pools": [{"role": "prefill-short", "instances": 1, "engine": {"tp": 2, "group_launch": "ray"}},
                      {"role": "prefill-long", "instances": 1},
@@ -43,12 +56,12 @@ def test_image_chats_through_pd_pools(ray_cluster, tmp_path):
     texts = ["what is in this picture", "describe it " * 20 + "in one line"]      # short, long
     pngs = [_png(0), _png(3)]
     tok = Tokenizer(path)
-    with deployed_app(cfg, ROUTER, 300, "images cluster") as url:
+    with deployed_app(cfg, f"{ROUTER}-{seed}", 300, "images cluster") as url:
         for text, png in zip(texts, pngs):
             url_part = {"type": "image_url", "image_url": {"url": "data:image/png;base64," + base64.b64encode(png).decode()}}
             messages = [{"role": "user", "content": [{"type": "text", "text": text}, url_part]}]
             ids = httpx.post(f"{url}/tokenize", json={"messages": messages}, timeout=60).json()["tokens"]
-            want = hf_llava_greedy(path, ids, hf_pixel_values(path, [Image.open(io.BytesIO(png))]), 12)
+            want = _reference(arch, path, ids, png)
             r = httpx.post(f"{url}/v1/chat/completions", timeout=120, json={
                 "messages": messages, "max_tokens": 12, "temperature": 0, "ignore_eos": True})
             assert r.status_code == 200, r.text
