@@ -129,3 +129,18 @@ def test_a_pd_handoff_goes_on_from_the_shifted_positions(qwen):
             break
         decode.step()
     assert req.output_token_ids == want
+
+
+def test_preempted_image_requests_recompute_to_the_same_tokens(qwen):
+    """A pool too small for every request at once preempts: a recomputed request encodes its
+    images again and lays out the same positions (its generated tokens past the shift)."""
+    model, enc, ids, images, want = qwen
+    eng = LLMEngine(EngineConfig(**BASE, kv_cache_tokens=3 * len(ids), chunk_size=16), model, image_encoder=enc)
+    reqs = [eng.add_request(f"r{i}", ids, _sp(images, 24)) for i in range(4)]
+    for _ in range(2000):
+        if not eng.has_unfinished():
+            break
+        eng.step()
+    assert eng.scheduler.preempted_total > 0
+    assert all(r.output_token_ids[:10] == want for r in reqs)
+    assert len({tuple(r.output_token_ids) for r in reqs}) == 1
