@@ -33,7 +33,7 @@ def build_gateway_app():
     from raycluster.model.registry import resolve_model_path
     from raycluster.model.tokenizer import Tokenizer
     from raycluster.server.app import build_app
-    from raycluster.server.images import image_spec_for
+    from raycluster.server.images import image_limit, image_spec_for
 
     cfg = ClusterConfig.model_validate_json(os.environ[CONFIG_ENV])
     path = resolve_model_path(cfg.model, cfg.engine_config(cfg.pools[0]).hf_overrides)
@@ -68,6 +68,7 @@ def build_gateway_app():
                     reasoning_parser=cfg.reasoning_parser, request_id_header=False,
                     allow_runtime_lora=cfg.allow_runtime_lora_updating, lora_resolver_dir=cfg.lora_resolver_dir,
                     lora_resolver_max_loaded=cfg.lora_resolver_max_loaded, model_config=mcfg, images=images,
+                    max_images=image_limit(cfg.limit_mm_per_prompt),
                     response_store=RemoteResponses(
                         put=lambda rid, record: router.put_response.remote(rid, record),
                         get=lambda rid: router.get_response.remote(rid),

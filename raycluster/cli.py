@@ -66,6 +66,8 @@ def detach_command(args: argparse.Namespace) -> list[str]:
             cmd += ["--" + flag.replace("_", "-"), str(getattr(args, flag))]
     if getattr(args, "served_model_name", None):
         cmd += ["--served-model-name", *args.served_model_name]
+    if getattr(args, "limit_mm_per_prompt", None) is not None:
+        cmd += ["--limit-mm-per-prompt", json.dumps(args.limit_mm_per_prompt)]
     for name, value in engine_overrides(args).items():
         flag = "--" + name.replace("_", "-")
         if isinstance(value, bool):
@@ -329,6 +331,8 @@ def build_parser() -> argparse.ArgumentParser:
                          "recently used dropped past it (0: store none)")
     es.add_argument("--reasoning-parser", default=None, choices=sorted(REASONING_PARSERS),
                     help="chat replies carry the model's thinking as reasoning_content (vLLM's)")
+    es.add_argument("--limit-mm-per-prompt", type=json.loads, default=None, metavar="JSON",
+                    help='the most images a request may carry, as vLLM\'s: \'{"image": 4}\' (default 16)')
     es.add_argument("--enable-log-requests", action="store_true",
                     help="log a line per request received (sampling parameters, not the prompt) and per choice "
                          "ended (vLLM's)")

@@ -30,7 +30,7 @@ def serve_engine(args: argparse.Namespace) -> int:
     from raycluster.server.app import build_app
     from raycluster.server.async_engine import AsyncEngine
     from raycluster.server.auth import keys_from_env
-    from raycluster.server.images import image_spec_for
+    from raycluster.server.images import image_limit, image_spec_for
 
     cfg = EngineConfig(**{**engine_overrides(args), "model": args.model, "policy": args.policy,
                           "num_threads": args.threads, "enable_prefix_caching": args.enable_prefix_caching})
@@ -55,7 +55,7 @@ def serve_engine(args: argparse.Namespace) -> int:
                         lora_resolver_max_loaded=args.lora_resolver_max_loaded, model_config=engine.model.config,
                         response_store=LocalResponses(ResponseStore(args.max_stored_responses)),
                         images=image_spec_for(resolve_model_path(cfg.model, cfg.hf_overrides), engine.tokenizer)
-                        if engine.image_encoder else None)
+                        if engine.image_encoder else None, max_images=image_limit(args.limit_mm_per_prompt))
     except ValueError as e:             # a setting that does not hold together, named in the message
         async_engine.shutdown()
         print(f"raycluster engine-server: {e}", file=sys.stderr)

@@ -197,6 +197,9 @@ class ClusterConfig(BaseModel):
     reasoning_parser: str | None = Field(
         None, description="vLLM's --reasoning-parser: chat replies carry the model's thinking as "
         "reasoning_content (deepseek_r1: the template opens <think>; qwen3: the reply opens it)")
+    limit_mm_per_prompt: dict[str, int] | None = Field(
+        None, description="vLLM's --limit-mm-per-prompt: the most images a request may carry, {image: N} "
+        "(default 16; 0 refuses images)")
     controller: ControllerConfig = Field(default_factory=ControllerConfig)
     router_name: str = "raycluster-router"
     namespace: str = "raycluster"
@@ -206,6 +209,14 @@ class ClusterConfig(BaseModel):
     def _known_policy(cls, v: str) -> str:
         if v not in policy_names():
             raise ValueError(f"unknown policy {v!r}; choose one of {', '.join(policy_names())}")
+        return v
+
+    @field_validator("limit_mm_per_prompt")
+    @classmethod
+    def _image_limit(cls, v):
+        from raycluster.server.images import image_limit
+
+        image_limit(v)          # raises naming what is wrong
         return v
 
     @field_validator("served_model_name", mode="before")

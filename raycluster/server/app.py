@@ -44,7 +44,8 @@ from raycluster.server.protocol import (ChatCompletionRequest, CompletionRequest
                                        OverloadedError, TokenizeRequest, error_body, now_s,
                                        overloaded_response)
 from raycluster.server.embeddings import add_embedding_routes
-from raycluster.server.images import ImageSpec, load_images, place_images, takes_parts, template_content
+from raycluster.server.images import (MAX_IMAGES_PER_PROMPT, ImageSpec, load_images, place_images, takes_parts,
+                                      template_content)
 from raycluster.server.scoring import add_scoring_routes
 from raycluster.server.classify import add_classify_routes
 from raycluster.server.pooling_api import add_pooling_routes
@@ -93,7 +94,8 @@ def build_app(engine, tokenizer, model_names: str | Sequence[str], api_keys: Seq
               reasoning_parser: str | None = None, request_id_header: bool = True,
               allow_runtime_lora: bool | None = None, lora_resolver_dir: str | None = None,
               lora_resolver_max_loaded: int | None = None, model_config: ModelConfig | None = None,
-              response_store=None, images: ImageSpec | None = None) -> FastAPI:
+              response_store=None, images: ImageSpec | None = None,
+              max_images: int = MAX_IMAGES_PER_PROMPT) -> FastAPI:
     """`model_names`: the names a request's `model` may give (vLLM's --served-model-name); a
     response names the one its request gave, else the first. `sampling_defaults`: the model's
     default sampling parameters (its generation_config.json: raycluster.model.generation_config)
@@ -118,7 +120,8 @@ def build_app(engine, tokenizer, model_names: str | Sequence[str], api_keys: Seq
     `model_config`: the served model's (how /v1/embeddings pools, normalises and shortens vectors:
     raycluster.server.embeddings). `response_store`: where the Responses API keeps responses
     (raycluster.server.response_store; None: nothing is stored). `images`: how the model takes
-    images (raycluster.server.images; None: chat requests with image parts are refused)."""
+    images (raycluster.server.images; None: chat requests with image parts are refused);
+    `max_images`: the most a request may carry (vLLM's limit_mm_per_prompt)."""
     names = [model_names] if isinstance(model_names, str) else list(model_names)
     lora_names = getattr(engine, "lora_adapters", dict)      # a backend without adapters may omit it
 
@@ -410,7 +413,7 @@ def build_app(engine, tokenizer, model_names: str | Sequence[str], api_keys: Seq
 
     async def _chat_prompt(body) -> tuple[list[int], list]:
         """The chat request's prompt ids, its image tokens expanded, and its images on them."""
-        loaded = await load_images(body.messages, images)
+        loaded = await load_images(body.messages, images, max_images)
         ids = _chat_ids(body, with_images=True)
         return place_images(ids, loaded, images) if loaded else (ids, [])
 

@@ -33,7 +33,7 @@ from raycluster.model.image_processor import decode_image
 from raycluster.model.llava import ImageFacts, image_facts
 from raycluster.request import ImageInput
 
-MAX_IMAGES_PER_PROMPT = 16           # vLLM's --limit-mm-per-prompt, for images
+MAX_IMAGES_PER_PROMPT = 16           # default of vLLM's --limit-mm-per-prompt {"image": N} here
 MAX_IMAGE_BYTES = 20 * 2 ** 20       # an image's encoded bytes, fetched or inline
 FETCH_TIMEOUT_S = 10.0               # vLLM's VLLM_IMAGE_FETCH_TIMEOUT is 5 s; a slow origin gets 10
 
@@ -90,19 +90,20 @@ def template_content(message, parts: bool, image_text: str | None):
     return "\n".join([image_text] * n + [message.text()])
 
 
-async def load_images(messages, spec: ImageSpec | None, client: httpx.AsyncClient | None = None
-                      ) -> list[tuple[torch.Tensor, tuple[int, int], int]]:
+async def load_images(messages, spec: ImageSpec | None, limit: int = MAX_IMAGES_PER_PROMPT,
+                      client: httpx.AsyncClient | None = None) -> list[tuple[torch.Tensor, tuple[int, int], int]]:
     """(pixels, (height, width), placeholder tokens) of the messages' image parts, in order;
-    InvalidRequestError for what the client got wrong (no images on this model, too many, a URL
-    or image that does not load)."""
+    InvalidRequestError for what the client got wrong (no images on this model, more than
+    `limit`, a URL or image that does not load)."""
     urls = [u for m in messages for u in m.images()]
     if not urls:
         return []
     if spec is None:
         raise InvalidRequestError("messages", "this model takes no images (image_url parts need an image-text "
                                   "checkpoint whose vision tower is served)")
-    if len(urls) > MAX_IMAGES_PER_PROMPT:
-        raise InvalidRequestError("messages", f"{len(urls)} images; at most {MAX_IMAGES_PER_PROMPT} per request")
+    if len(urls) > limit:
+        raise InvalidRequestError("messages", f"{len(urls)} images; this server takes at most {limit} per request "
+                                  "(limit_mm_per_prompt)")
     datas = await asyncio.gather(*(_image_bytes(u.url, k, client) for k, u in enumerate(urls)))
     return await asyncio.to_thread(_preprocess, datas, spec.facts)
 
@@ -176,3 +177,16 @@ def place_images(ids: list[int], loaded: list[tuple[torch.Tensor, tuple[int, int
         last = pos + 1
     out.extend(ids[last:])
     return out, images
+
+
+def image_limit(limit_mm_per_prompt: dict[str, int] | None) -> int:
+    """Images a request may carry under vLLM's `limit_mm_per_prompt` ({"image": N}; None: the default)."""
+    if not limit_mm_per_prompt:
+        return MAX_IMAGES_PER_PROMPT
+    unknown = sorted(set(limit_mm_per_prompt) - {"image"})
+    if unknown:
+        raise ValueError(f"limit_mm_per_prompt: only 'image' is served here, not {', '.join(unknown)}")
+    n = limit_mm_per_prompt.get("image", MAX_IMAGES_PER_PROMPT)
+    if not isinstance(n, int) or isinstance(n, bool) or n < 0:
+        raise ValueError(f"limit_mm_per_prompt: 'image' must be a count >= 0, got {n!r}")
+    return n

@@ -179,3 +179,34 @@ def test_loadgen_sends_pictures_to_an_image_model(tmp_path):
     assert res["summary"]["completed"] == 8 and res["summary"]["failed"] == 0
     assert res["meta"]["images"] == {"per_request": 2, "width": 64, "height": 48, "distinct": 3}
     assert hits > 0
+
+
+def test_limit_mm_per_prompt(tmp_path):
+    """vLLM's limit_mm_per_prompt: a server taking one image per request refuses two, naming the
+    limit; the cluster config and the engine-server flag check it."""
+    from raycluster.cli import build_parser, detach_command
+    from raycluster.cluster.config import ClusterConfig
+    from raycluster.server.images import image_limit
+
+    path = write_tiny_multimodal(tmp_path / "llava", "LlavaForConditionalGeneration", seed=1, vision_weights=True)
+    model, tok = tiny_parts(path)
+    cfg = EngineConfig(kv_cache_tokens=2048, policy="fcfs", packer="token")
+    png = _png(0)
+    two = {"role": "user", "content": [{"type": "image_url", "image_url": {"url": _data_url(png)}}] * 2}
+    with serve_engine(cfg, model, tok, image_encoder=image_encoder_for(path), images=image_spec_for(path, tok),
+                      max_images=1) as (url, aeng):
+        r = httpx.post(f"{url}/v1/chat/completions", timeout=30, json={"messages": [two], "max_tokens": 2})
+        assert r.status_code == 400 and "at most 1 per request (limit_mm_per_prompt)" in r.text, r.text
+        r = httpx.post(f"{url}/v1/chat/completions", timeout=30, json={"messages": [_message(_data_url(png))],
+                                                                         "max_tokens": 2})
+        assert r.status_code == 200, r.text
+        assert all_free(aeng)
+    assert image_limit(None) == 16 and image_limit({"image": 0}) == 0
+    assert ClusterConfig(limit_mm_per_prompt={"image": 3}).limit_mm_per_prompt == {"image": 3}
+    for bad, why in (({"video": 1}, "only 'image'"), ({"image": -1}, "a count >= 0")):
+        with pytest.raises(ValueError, match=why):
+            ClusterConfig(limit_mm_per_prompt=bad)
+    args = build_parser().parse_args(["engine-server", "--limit-mm-per-prompt", '{"image": 2}'])
+    assert args.limit_mm_per_prompt == {"image": 2}
+    cmd = detach_command(args)
+    assert cmd[cmd.index("--limit-mm-per-prompt") + 1] == '{"image": 2}'
