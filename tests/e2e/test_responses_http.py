@@ -137,8 +137,11 @@ def test_json_schema_format_and_logprobs(served):
 @pytest.mark.parametrize("body, status, field", [
     (dict(input="hi", previous_response_id="resp_1"), 400, "previous_response_id"),
     (dict(input="hi", tools=[{"type": "web_search"}]), 400, "tools.0.type"),
-    (dict(input=[{"role": "user", "content": [{"type": "input_image", "image_url": "http://127.0.0.1/x.png"}]}]),
+    (dict(input=[{"role": "user", "content": [{"type": "input_file", "file_id": "file_1"}]}]),
      400, "input.0.content.0"),
+    # An image reaches the chat as an image_url part; this text-only model takes none.
+    (dict(input=[{"role": "user", "content": [{"type": "input_image", "image_url": "http://127.0.0.1/x.png"}]}]),
+     400, "input"),
     (dict(input="hi", max_output_tokens=10 ** 6), 400, "max_output_tokens"),
     (dict(input="hi", model="nope"), 404, "model"),
     (dict(input=7), 400, "input"),
