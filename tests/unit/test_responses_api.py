@@ -64,7 +64,8 @@ def test_tools_formats_and_logprobs_take_chats_shapes():
 @pytest.mark.parametrize("body, field", [
     (dict(input="hi", reasoning={"effort": "max"}), "reasoning.effort"),
     (dict(input="hi", tools=[{"type": "web_search"}]), "tools.0.type"),
-    (dict(input=[{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]), "input.0.content.0"),
+    (dict(input=[{"role": "user", "content": [{"type": "input_file", "file_id": "x"}]}]), "input.0.content.0"),
+    (dict(input=[{"role": "user", "content": [{"type": "input_image", "file_id": "x"}]}]), "input.0.content.0.image_url"),
     (dict(input=[{"role": "tool", "content": "x"}]), "input.0.role"),
     (dict(input=[{"type": "function_call_output", "output": "x"}]), "input.0.call_id"),
     (dict(input=[{"type": "file_search_call"}]), "input.0.type"),
@@ -78,6 +79,16 @@ def test_what_cannot_be_served_is_refused_naming_the_field(body, field):
     with pytest.raises(ResponsesInputError) as e:
         to_chat(_req(**body))
     assert e.value.field == field and str(e.value).startswith(field + ":")
+
+
+def test_input_images_become_chat_image_parts_in_order():
+    chat = to_chat(_req(input=[{"role": "user", "content": [
+        {"type": "input_text", "text": "what is "}, {"type": "input_image", "image_url": "data:image/png;base64,AA=="},
+        {"type": "input_text", "text": "this"}]}]))
+    message = chat.messages[-1]
+    assert message.text() == "what is this"
+    assert [u.url for u in message.images()] == ["data:image/png;base64,AA=="]
+    assert [p.type for p in message.content] == ["text", "image_url", "text"]
 
 
 def test_a_continued_conversation_is_its_context_then_the_new_input():
