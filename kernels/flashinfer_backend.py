@@ -84,6 +84,8 @@ class FlashInferAttentionBackend:
         st["append"] = (torch.tensor(batch_idx, **i32), torch.tensor(positions, **i32),
                         torch.tensor(indices, **i32), torch.tensor(indptr, **i32), torch.tensor(last, **i32))
 
+        if meta.prefill_spans and any(meta.prefill_spans):
+            raise NotImplementedError("bidirectional prefill spans (Gemma 3's images) run on the torch backend only")
         if meta.num_prefills:
             p_indptr, p_indices, p_last = _csr(meta.prefill_kv_lens, meta.prefill_block_tables, ps)
             qo = [0]

@@ -40,6 +40,9 @@ class AttentionMetadata:
     decode_block_tables: list[list[int]]
     slot_mapping: torch.Tensor  # int64 [T]: block_id * block_size + offset of each new K/V
     block_size: int
+    # Per prefill request, [lo, hi) runs of its chunk's query rows that also attend each other's
+    # later keys (Gemma 3's images, bidirectional inside an image). None: every chunk is causal.
+    prefill_spans: list[list[tuple[int, int]]] | None = None
     # Backend-private derived state (torch tensors, flashinfer plan markers); built once per step.
     cache: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
 
@@ -57,6 +60,12 @@ class AttentionMetadata:
         for q, kv in zip(self.prefill_query_lens, self.prefill_kv_lens):
             if q > kv:
                 raise ValueError(f"prefill query_len {q} > kv_len {kv}")
+        if self.prefill_spans is not None:
+            if len(self.prefill_spans) != len(self.prefill_query_lens):
+                raise ValueError("prefill_spans and prefill_query_lens differ in length")
+            for q, spans in zip(self.prefill_query_lens, self.prefill_spans):
+                if any(not 0 <= lo < hi <= q for lo, hi in spans):
+                    raise ValueError(f"prefill span outside its chunk of {q} tokens: {spans}")
 
     @property
     def num_tokens(self) -> int:

@@ -16,6 +16,8 @@ band; decode gathers from the window's first block. A chunked-attention layer (L
 layers) passes `chunk`: a query sees only the keys of its own `chunk`-token chunk (HF's chunked
 causal mask); a request's queries split at chunk boundaries, each piece attending itself causally
 and its chunk's earlier keys, and decode gathers from the block where the row's chunk begins.
+A chunk with `prefill_spans` (Gemma 3's images) attends itself under a mask: causal, and each
+span's queries see all of the span's keys.
 
 CPU fast paths (same results): a chunk with earlier KV keeps the two fused passes (one pass over
 prefix + chunk with an additive bottom-right causal mask measured no faster: it loses the causal
@@ -252,6 +254,32 @@ def _chunked_prefill(qi, kv_layer, table, prefix: int, ki, vi, chunk: int, scale
     return torch.cat(outs), torch.cat(lses)
 
 
+def _span_visible(n: int, spans, device) -> torch.Tensor:
+    """[n, n] keys each of a chunk's queries sees among the chunk's own: the earlier ones and
+    itself, and every key of its span (spans: [lo, hi) runs of query rows)."""
+    rows = torch.arange(n, device=device)
+    visible = rows[None, :] <= rows[:, None]
+    for lo, hi in spans:
+        visible[lo:hi, lo:hi] = True
+    return visible
+
+
+def _spanned_window_prefill(qi, kv_layer, table, prefix: int, ki, vi, window: int, spans, scale: float,
+                            softcap: float | None = None):
+    """A sliding-window layer's chunk with spans: query p sees keys p - window < key <= p and
+    every key of its span, all under one mask over the window's earliest key onwards (spans are
+    images, shorter than any window served, so this is only a chunk by the window's width)."""
+    n = qi.shape[0]
+    lo = max(0, prefix - window + 1)
+    k_all, v_all = _keys_from(kv_layer, table, prefix, ki, vi, lo)
+    q_pos = torch.arange(prefix, prefix + n, device=qi.device)
+    key_pos = torch.arange(lo, prefix + n, device=qi.device)
+    visible = (key_pos[None, :] <= q_pos[:, None]) & (key_pos[None, :] > q_pos[:, None] - window)
+    for a, b in spans:
+        visible[a:b, prefix - lo + a:prefix - lo + b] = True
+    return _attend_masked(qi.to(k_all.dtype), k_all, v_all, visible, scale, softcap)
+
+
 def _gather(kv_layer: torch.Tensor, table: torch.Tensor, length: int):
     """Dense K, V [length, Hkv, D] of one request from its block ids (one copy each)."""
     k = kv_layer[:, 0][table].flatten(0, 1)[:length]
@@ -300,16 +328,26 @@ def paged_prefill_attention(q: torch.Tensor, kv_layer: torch.Tensor, meta: Atten
         else:
             ki, vi = _gather(kv_layer, table, kv_len)
             ki, vi = ki[prefix:], vi[prefix:]
+        spans = meta.prefill_spans[r] if meta.prefill_spans else ()
+        if spans and chunk is not None:
+            raise ValueError("bidirectional prefill spans on a chunked-attention layer are not supported")
         local = window is not None and kv_len > window or chunk is not None and kv_len > chunk
         if local:
-            o, lse = _windowed_prefill(qi, kv_layer, table, prefix, ki, vi, window, scale, softcap) \
-                if window is not None else _chunked_prefill(qi, kv_layer, table, prefix, ki, vi, chunk, scale, softcap)
+            if spans:
+                o, lse = _spanned_window_prefill(qi, kv_layer, table, prefix, ki, vi, window, spans, scale, softcap)
+            elif window is not None:
+                o, lse = _windowed_prefill(qi, kv_layer, table, prefix, ki, vi, window, scale, softcap)
+            else:
+                o, lse = _chunked_prefill(qi, kv_layer, table, prefix, ki, vi, chunk, scale, softcap)
             out[start:start + n] = o
             if return_lse:
                 lse_all[start:start + n] = lse * LOG2E
             start += n
             continue
-        o, lse = _attend(qi.to(ki.dtype), ki, vi, True, scale, softcap)
+        if spans:
+            o, lse = _attend_masked(qi.to(ki.dtype), ki, vi, _span_visible(n, spans, qi.device), scale, softcap)
+        else:
+            o, lse = _attend(qi.to(ki.dtype), ki, vi, True, scale, softcap)
         if prefix > 0:
             if fast:
                 nbp = -(-prefix // bs)

@@ -195,6 +195,9 @@ class Request:
     # On a Qwen-VL model, its images' M-RoPE layout (raycluster.model.mrope.MRopeLayout): the
     # rotary positions of its prompt and of the tokens after it. None: positions are indices.
     mrope: Any = None
+    # Prompt spans [start, end) whose tokens attend each other both ways (on Gemma 3 its images):
+    # the scheduler never ends a prefill chunk inside one, so each is computed in one step.
+    bidirectional_spans: tuple[tuple[int, int], ...] = ()
 
     @property
     def num_prompt_tokens(self) -> int:

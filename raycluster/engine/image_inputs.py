@@ -47,6 +47,22 @@ def check_images(ids: list[int], sp: SamplingParams, encoder) -> None:
         raise InvalidRequestError("messages", "the prompt holds image tokens that no image fills")
 
 
+def bidirectional_spans(sp: SamplingParams, encoder, runner, max_chunk: int) -> tuple[tuple[int, int], ...]:
+    """The prompt spans of `sp`'s images when `encoder`'s model attends inside an image both ways
+    (Gemma 3: Request.bidirectional_spans), else (); InvalidRequestError where `runner` cannot
+    run them or an image is longer than a step may hold (it is computed in one step)."""
+    if not sp.images or encoder is None or not encoder.bidirectional:
+        return ()
+    if not runner.runs_bidirectional_spans:
+        raise InvalidRequestError("messages", f"this model's images attend both ways inside an image, which a "
+                                  f"{runner.layout} group does not run (serve it on one process or a tp group)")
+    for k, image in enumerate(sp.images):
+        if image.length > max_chunk:
+            raise InvalidRequestError("messages", f"image {k} holds {image.length} tokens, more than a step's "
+                                      f"{max_chunk} (max_num_batched_tokens); each image is computed in one step")
+    return tuple((image.offset, image.offset + image.length) for image in sp.images)
+
+
 def _overlapping(req: Request, start: int, n: int):
     """(index, image) of the request's images with a placeholder in prompt positions [start, start + n)."""
     for k, image in enumerate(req.sampling.images):

@@ -38,6 +38,9 @@ class ModelRunner:
     # Parallel runners say e.g. "kvp2" / "spp2" / "tp2" / "spp2xtp2" / "kvp2xtp2" / "kvp2xspp2" /
     # "kvp2xspp2xtp2" (the profile cache keys on it).
     layout = "single"
+    # Whether a step's prefills may hold bidirectional spans (Gemma 3's images): the attention
+    # runs on one process's whole chunk (a KVP or SPP group splits it).
+    runs_bidirectional_spans = True
     ranks = None           # parallel runners: the group's other ranks (`alive()`, `join(timeout)`)
     keep_hidden = False    # an EAGLE proposer reads every step's hidden states (`last_hidden`)
     last_hidden = None

@@ -236,10 +236,32 @@ class Scheduler:
         limits = PackLimits(budget, self.config.max_num_seqs)
         queue = _PrefixMatchingQueue(self) if self.kv.prefix_caching else self.policy
         out.prefills = self.packer.plan(out.decodes, queue, limits, alloc)
+        if any(req.bidirectional_spans for req, _ in out.prefills):
+            out.prefills = self._whole_spans(out.prefills, alloc)
         for req, _ in out.prefills:
             if req.first_scheduled_time is None:
                 req.first_scheduled_time = now
         return out
+
+    def _whole_spans(self, prefills: list[tuple[Request, int]], alloc: _StepAllocator) -> list[tuple[Request, int]]:
+        """The packer's chunks with none ending inside a bidirectional span of its request (vLLM's
+        `disable_chunked_mm_input`): such a chunk ends where the span begins, or, when it starts
+        at or inside the span, runs on to the span's end (a step may then exceed its token
+        budget by less than one image). A request whose longer chunk finds no KV waits, back in
+        the policy."""
+        kept = []
+        for req, n in prefills:
+            start = req.num_computed_tokens
+            end = start + n
+            for a, b in req.bidirectional_spans:
+                if a < end < b:
+                    end = a if a > start else b
+                    break
+            if end > start + n and not alloc.try_allocate(req, end - start):
+                self.policy.push(req)
+                continue
+            kept.append((req, end - start))
+        return kept
 
     def _schedule_drafts(self, out: SchedulerOutput, budget: int) -> int:
         """Let decodes with drafts run them this step, in decode order, while the token budget

@@ -36,9 +36,29 @@ from raycluster.model.rope import RotaryEmbedding, apply_rope
 
 def splice_rows(x: torch.Tensor, rows) -> torch.Tensor:
     """`x` [T, H] with each (first row, embeddings [k, H]) piece written over its rows: prompt
-    images' features over their placeholders' token embeddings, as HF's LLaVA scatters them."""
+    images' features over their placeholders' token embeddings, as HF's LLaVA scatters them.
+    A piece wider than H (Qwen3-VL's, [k, (1 + levels) * H]) carries its deepstack levels after
+    the features: only its first H columns are written here (`add_deepstack` adds the rest)."""
+    h = x.shape[1]
     for row, e in rows:
-        x[row:row + e.shape[0]] = e.to(device=x.device, dtype=x.dtype)
+        x[row:row + e.shape[0]] = e[:, :h].to(device=x.device, dtype=x.dtype)
+    return x
+
+
+def deepstack_levels(rows, hidden: int) -> int:
+    """How many deepstack levels the image pieces `rows` carry (0: none, any other model)."""
+    return max((e.shape[1] // hidden - 1 for _, e in rows), default=0)
+
+
+def add_deepstack(x: torch.Tensor, rows, level: int) -> torch.Tensor:
+    """Qwen3-VL's deepstack: after decoder layer `level`, each image piece's level-`level`
+    features (columns (level + 1) * H onwards) are added to its rows' hidden states, as
+    transformers' `_deepstack_process` adds them to the image positions."""
+    h = x.shape[1]
+    lo = (level + 1) * h
+    for row, e in rows:
+        if e.shape[1] >= lo + h:
+            x[row:row + e.shape[0]] += e[:, lo:lo + h].to(device=x.device, dtype=x.dtype)
     return x
 
 class RMSNorm(nn.Module):
@@ -389,8 +409,10 @@ class LlamaForCausalLM(nn.Module):
         backend = backend or self._backend(input_ids.device)
         meta.prepare(kv_cache.device)
         x = self.embed(input_ids)
+        levels = 0
         if image_rows:
             x = splice_rows(x, image_rows)
+            levels = deepstack_levels(image_rows, x.shape[1])
         ropes = self.layer_ropes(positions, x.dtype, range(len(self.model.layers)))
         aux = {}
         for i, layer in enumerate(self.model.layers):
@@ -399,6 +421,8 @@ class LlamaForCausalLM(nn.Module):
             cos, sin, q_scale = ropes[i]
             layer_kv, layer_meta = meta.layer(i, kv_cache)
             x = layer(x, cos, sin, layer_kv, layer_meta, backend, lora, i, q_scale)
+            if i < levels:
+                x = add_deepstack(x, image_rows, i)
         if aux_layers:
             return self.model.norm(x), torch.cat([aux[i] for i in aux_layers], dim=-1)
         return self.model.norm(x)

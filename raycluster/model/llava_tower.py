@@ -68,6 +68,7 @@ class ClipProjectorEncoder(nn.Module):
 
     # A subclass's parameters outside the tower and projector: name -> the stored names to try.
     EXTRA_TENSORS: dict[str, tuple[str, ...]] = {}
+    bidirectional = False       # the text model attends an image's tokens causally
 
     def __init__(self, config: dict, text_hidden: int):
         super().__init__()

@@ -56,6 +56,8 @@ def _text_hidden(config: dict) -> int | None:
 class QwenVLImageEncoder(nn.Module):
     """The tower and the image-size arithmetic (module docstring)."""
 
+    bidirectional = False       # the text model attends an image's tokens causally
+
     def __init__(self, config: dict, pixel_limits: tuple[int, int] = (DEFAULT_MIN_PIXELS, DEFAULT_MAX_PIXELS)):
         super().__init__()
         archs = config.get("architectures") or []

@@ -384,6 +384,7 @@ class KVPRunner:
     `head_kv_cache`, a tensor of the leader's own under the group's global block ids
     (raycluster.parallel.head_kv), staged after the model's layers in handoffs."""
 
+    runs_bidirectional_spans = False    # each rank attends its own share of the chunk causally
     keep_hidden = False
     last_hidden = None
     aux_layers: tuple[int, ...] = ()

@@ -10,7 +10,8 @@ token. A request asking for prompt log-probabilities also gets the rows of its c
 positions (each predicts the next prompt token); those come before its sampled row, so
 `sample_rows` stays increasing. A prefill chunk over a prompt's image placeholders carries the
 pieces of the image's embeddings that replace theirs (`image_rows`, encoded before the plan), and
-on a Qwen-VL model the chunk's and the request's later tokens' M-RoPE positions (`rope_rows`).
+on a Qwen-VL model the chunk's and the request's later tokens' M-RoPE positions (`rope_rows`),
+on Gemma 3 the rows of its images, which attend each other both ways (`bidirectional_rows`).
 A decode running draft tokens (speculative decoding) takes one decode row per token, its last
 one and then each draft at the next position, all on its block table and all sampled
 (`DraftRows`): each row attends to the KV up to its own position, which the step writes before
@@ -51,6 +52,9 @@ class StepPlan:
     # raycluster.model.mrope): (first row, positions [k, 3]); with any, the model turns by
     # [3, T] positions, the other rows' three streams equal.
     rope_rows: list[tuple[int, torch.Tensor]] = field(default_factory=list)
+    # Runs of prefill rows [lo, hi) that attend each other both ways (Gemma 3's images:
+    # Request.bidirectional_spans); each lies within one request's chunk.
+    bidirectional_rows: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -83,7 +87,7 @@ def step_plan(out: SchedulerOutput, tables: dict[str, list[int]], group_tables=(
     prompt rows and the draft rows by request. `group_tables`: a hybrid cache's other groups'
     tables (KVCacheManager.extra_group_tables), looked up alike."""
     ids: list[int] = []
-    starts, lens, p_tables, rows, reqs, prompt, lora, images, ropes = [], [], [], [], [], [], [], [], []
+    starts, lens, p_tables, rows, reqs, prompt, lora, images, ropes, both = [], [], [], [], [], [], [], [], [], []
     for req, n in out.prefills:
         start = req.num_computed_tokens
         known = req.all_token_ids
@@ -93,6 +97,9 @@ def step_plan(out: SchedulerOutput, tables: dict[str, list[int]], group_tables=(
             images.extend(image_rows(req, start, n, len(ids)))
         if req.mrope is not None:
             ropes.append((len(ids), req.mrope.positions(start, n)))
+        for a, b in req.bidirectional_spans:
+            if a < start + n and start < b:
+                both.append((len(ids) + max(a, start) - start, len(ids) + min(b, start + n) - start))
         ids.extend(known[start:start + n])
         starts.append(start)
         lens.append(n)
@@ -133,7 +140,8 @@ def step_plan(out: SchedulerOutput, tables: dict[str, list[int]], group_tables=(
         d_tables.append(tables[req.request_id])
         rows.append(len(ids) - 1)
         reqs.append(req)
-    plan = StepPlan(ids, starts, lens, p_tables, d_pos, d_tables, rows, lora, image_rows=images, rope_rows=ropes)
+    plan = StepPlan(ids, starts, lens, p_tables, d_pos, d_tables, rows, lora, image_rows=images, rope_rows=ropes,
+                    bidirectional_rows=both)
     if group_tables:
         # Same rows: a table in the plan names its request; each group's table of that request.
         p_ids = [req.request_id for req, _ in out.prefills]
@@ -169,7 +177,14 @@ def _metadata(plan: StepPlan, prefill_tables: list[list[int]], decode_tables: li
     if plan.decode_positions:
         slots.append(torch.tensor([t[p // bs] * bs + p % bs for t, p in zip(decode_tables, plan.decode_positions)],
                                   dtype=torch.long))
+    spans = None
+    if plan.bidirectional_rows:
+        # Each request's runs, in its chunk's own rows.
+        firsts = [sum(plan.prefill_lens[:r]) for r in range(len(plan.prefill_lens))]
+        spans = [[(lo - f, hi - f) for lo, hi in plan.bidirectional_rows if f <= lo < f + n]
+                 for f, n in zip(firsts, plan.prefill_lens)]
     return AttentionMetadata(
+        prefill_spans=spans,
         num_prefill_tokens=sum(plan.prefill_lens), num_decode_tokens=len(plan.decode_positions),
         prefill_query_lens=list(plan.prefill_lens),
         prefill_kv_lens=[s + n for s, n in zip(plan.prefill_starts, plan.prefill_lens)],

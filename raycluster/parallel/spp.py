@@ -63,7 +63,7 @@ from kernels import get_attention_backend
 from raycluster.engine.kv_manager import KVCacheManager
 from raycluster.engine.model_runner import StepLogits, execute_step
 from raycluster.engine.scheduler import SchedulerOutput
-from raycluster.model.llama import LlamaForCausalLM, splice_rows
+from raycluster.model.llama import LlamaForCausalLM, add_deepstack, deepstack_levels, splice_rows
 from raycluster.parallel.group import Collective
 from raycluster.parallel.kv_port import KV_TAG, KVLoad, KVSave, StagedPort, rank_handler
 from raycluster.parallel.kvp import KVPAttention, kvp_meta, owned_positions, step_ranks
@@ -312,9 +312,12 @@ class SPPStage:
                 x = self.coll.recv(self._buf(mb.num_tokens), self.prev, HIDDEN_TAG)
             ropes = m.layer_ropes(pos, x.dtype, range(self.lo, self.lo + len(self.layers)))
             lora = self.adapters.for_step(mb)
+            levels = deepstack_levels(mb.image_rows, x.shape[1])   # Qwen3-VL's, on the stages holding them
             for j, (layer, layer_kv) in enumerate(zip(self.layers, self.kv)):
                 cos, sin, q_scale = ropes[j]
                 x = layer(x, cos, sin, layer_kv, meta, self.backend, lora, self.lo + j, q_scale)
+                if self.lo + j < levels:
+                    x = add_deepstack(x, mb.image_rows, self.lo + j)
             if not self.last:
                 # Don't wait: the next stage works on this micro-batch while we go on to the
                 # next. Keep `x` alive until its send completes.
@@ -352,6 +355,7 @@ class SPPRunner:
     every stage."""
 
     image_encoder = None    # as ModelRunner's: on the leader; the plan carries its output to the first stage
+    runs_bidirectional_spans = False    # micro-batches would split an image
 
     def __init__(self, model: LlamaForCausalLM | Checkpoint, kv: KVCacheManager, coll: Collective | None, spp: int,
                  dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",

@@ -168,6 +168,7 @@ class TPRunner:
     heads under the engine's block ids, which handoffs stage after the model's layers
     (raycluster.parallel.head_kv)."""
 
+    runs_bidirectional_spans = True      # every lane attends the whole chunk
     returns_logits = True
     keep_hidden = False
     image_encoder = None    # as ModelRunner's: on the leader, its output posted in the plan

@@ -1,0 +1,76 @@
+"""The scheduler never ends a prefill chunk inside a request's bidirectional span (Gemma 3's
+images): the chunk stops before the span or runs on to its end, whatever the packer asked."""
+
+import random
+
+import pytest
+
+from raycluster.clock import VirtualClock
+from raycluster.engine.kv_manager import KVCacheManager
+from raycluster.engine.scheduler import Scheduler, SchedulerConfig
+from raycluster.request import Request, SamplingParams
+from raycluster.sched.base import PolicyContext
+from raycluster.sched.registry import make_policy
+from raycluster.sched.token_packer import TokenBudgetPacker
+
+
+def _sched(chunk: int, budget: int = 96, num_blocks: int = 64) -> Scheduler:
+    clock = VirtualClock()
+    return Scheduler(SchedulerConfig(budget, 8, 4096), KVCacheManager(num_blocks, 16),
+                     make_policy("fcfs", PolicyContext(clock=clock)), TokenBudgetPacker(chunk), clock)
+
+
+def _request(rid: str, n: int, spans) -> Request:
+    return Request(rid, [1] * n, SamplingParams(max_tokens=2, ignore_eos=True), bidirectional_spans=tuple(spans))
+
+
+def test_hand_computed_chunks():
+    s = _sched(chunk=32)
+    s.add_request(_request("a", 100, [(20, 50), (60, 70)]))
+    chunks = []
+    for _ in range(10):
+        out = s.schedule()
+        if not out.prefills:
+            break
+        chunks += [n for _, n in out.prefills]
+        s.update(out, {r.request_id: 2 for r, k in out.prefills if r.num_computed_tokens + k == 100})
+    # 32 would cut (20, 50): stop at 20; 20 + 32 = 52 ends past it; 52 + 32 = 84 past (60, 70);
+    # then the last 16.
+    assert chunks == [20, 32, 32, 16]
+
+
+def test_a_chunk_starting_at_a_span_runs_to_its_end():
+    s = _sched(chunk=8)
+    s.add_request(_request("a", 40, [(8, 30)]))
+    out = s.schedule()
+    assert [n for _, n in out.prefills] == [8]
+    s.update(out, {})
+    out = s.schedule()
+    assert [n for _, n in out.prefills] == [22]          # 8 .. 30, past the chunk size
+    assert len(s.kv.block_tables["a"]) * 16 >= 30
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_no_chunk_ends_inside_a_span_under_churn(seed):
+    rng = random.Random(seed)
+    s = _sched(chunk=rng.choice([7, 16, 40]), budget=64, num_blocks=40)
+    n = 0
+    spans_of = {}
+    for step in range(300):
+        if rng.random() < 0.3:
+            n += 1
+            length = rng.randint(5, 150)
+            spans, at = [], rng.randint(0, 10)
+            while at + 3 < length and len(spans) < 3:
+                end = min(length, at + rng.randint(1, 40))
+                spans.append((at, end))
+                at = end + rng.randint(0, 20)
+            req = _request(f"r{n}", length, spans)
+            spans_of[req.request_id] = spans
+            s.add_request(req)
+        out = s.schedule()
+        for req, k in out.prefills:
+            end = req.num_computed_tokens + k
+            assert not any(a < end < b for a, b in spans_of[req.request_id]), (step, req.request_id, end)
+        s.update(out, {r.request_id: 2 for r, _ in out.prefills} | {r.request_id: 2 for r in out.decodes})
+    assert n > 50
