@@ -78,7 +78,9 @@ class EngineInstance:
             role_configs=cfg.role_engine_configs(), nodes=rank_nodes(self.engine.runner, ecfg.parallel_world),
             # Serve's replica logger: lines reach the replica's log file, the dashboard and the driver.
             stat_logger=StatLogger(self.instance_id, cfg.log_stats_interval_s, logging.getLogger("ray.serve").info)
-            if cfg.log_stats_interval_s > 0 else None).start()
+            if cfg.log_stats_interval_s > 0 else None,
+            # The gateway's image handles, fetched on the poll thread (Ray's object store).
+            fetch_images=ray.get).start()
 
     def check_health(self) -> None:
         if self.worker.fatal is not None:

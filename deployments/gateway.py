@@ -55,7 +55,9 @@ def build_gateway_app():
         eos_token_ids=tokenizer.eos_token_ids, gateway_id=gateway_id, lora_modules=cfg.lora_modules(),
         lora=LoRACalls(names=lambda: router.lora_adapters.remote(),
                        load=lambda name, path: router.load_lora.remote(name, path),
-                       unload=lambda name: router.unload_lora.remote(name)))
+                       unload=lambda name: router.unload_lora.remote(name)),
+        # Pixels go by handle: the router and the instances a request visits pass a few bytes.
+        share_images=ray.put)
     names = cfg.served_names()
     # The key comes from the replica's environment (its node's), never from the Serve config.
     # In a replica its request metrics also go to Ray's metrics export (summable over replicas).

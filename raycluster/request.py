@@ -35,7 +35,9 @@ class ImageInput:
     token id, repeated) whose embeddings the image encoder's output replaces."""
     offset: int                 # prompt position of its first placeholder token
     length: int                 # placeholder tokens: what the encoder makes of an image of `size`
-    pixel_values: Any           # float32 tensor, as the checkpoint's image processor made it
+    # float32 tensor, as the checkpoint's image processor made it; in a cluster, from the gateway
+    # to the instance, a handle to it in Ray's object store (raycluster.cluster: `share_images`)
+    pixel_values: Any
     digest: bytes               # hash of pixels and size: prefix-cache keys of blocks it starts in include it
     size: tuple[int, int] = (0, 0)     # the image's (height, width) before processing (LLaVA-NeXT's tiling)
 

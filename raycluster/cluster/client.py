@@ -22,6 +22,10 @@ Backlogs: events queued for a request while its reader was busy go out as one ou
 and logprobs concatenated), so a slow client or a busy gateway costs one SSE chunk per read, not
 one per engine step (vLLM's RequestOutputCollector does the same).
 
+Images: a request's pixels go to the router as handles (`share_images`, Ray's `ray.put`): the
+router and every instance the request visits pass a few bytes, and only the instance that
+encodes the image fetches it. A resubmitted request keeps its handles.
+
 Aborts: a request whose client is gone is aborted from a task of its own (`_abort_soon`), not
 from the request generator's closing code: that code often runs inside a task being cancelled,
 and under Starlette's disconnect listener (an anyio cancel scope) every await there is cancelled
@@ -39,7 +43,9 @@ import itertools
 import logging
 import time
 import uuid
-from typing import AsyncIterator, Awaitable, Callable
+from typing import Any, AsyncIterator, Awaitable, Callable
+
+import torch
 
 from raycluster.cluster.messages import GatewayReply, RequestMeta, SubmitReply, TokenEvent
 from raycluster.engine.engine import InvalidRequestError, RequestOutput, validate_request
@@ -92,10 +98,12 @@ class ClusterClient:
                  tokenizer, max_model_len: int, vocab_size: int, eos_token_ids: tuple[int, ...],
                  gateway_id: str | None = None, pull_timeout_s: float = 0.5,
                  router_wait_s: float = 30.0, lora: LoRACalls | None = None,
-                 lora_modules: dict[str, str] | None = None) -> None:
+                 lora_modules: dict[str, str] | None = None, share_images: Callable[[Any], Any] | None = None) -> None:
         """`lora`: the router's adapter calls (None: the adapters stay `lora_modules`, the
-        instances' configured ones, name -> path)."""
+        instances' configured ones, name -> path). `share_images`: a pixel tensor -> the handle
+        the request carries instead (None: the tensor itself)."""
         self._submit, self._abort, self._pull, self._status = submit, abort, pull, status
+        self._share_images = share_images
         self._lora = lora
         self._lora_paths = dict(lora_modules or {})
         self.tokenizer = tokenizer
@@ -239,6 +247,7 @@ class ClusterClient:
         validate_request(prompt_token_ids, sampling, self.max_model_len, self.vocab_size)
         slo = slo or SLO()
         # The meta gets its own copy: the caller may reuse its object (n choices share one).
+        sampling = self._shared(sampling)
         meta = RequestMeta(request_id, self.gateway_id, list(prompt_token_ids), copy.deepcopy(sampling),
                            ttft_slo_s=slo.ttft_s, tpot_slo_s=slo.tpot_s, priority=priority, tenant=tenant,
                            app_id=app_id, arrival_time=time.time())
@@ -325,6 +334,15 @@ class ClusterClient:
             await self._abort(request_id)
         except Exception as e:      # router restarting: it does not know the request
             log.warning("gateway %s: abort of %s failed: %s", self.gateway_id, request_id, e)
+
+    def _shared(self, sampling: SamplingParams) -> SamplingParams:
+        """`sampling` with its images' pixels as `share_images` handles (a copy; the same object
+        when there is nothing to share)."""
+        if self._share_images is None or not any(isinstance(im.pixel_values, torch.Tensor) for im in sampling.images):
+            return sampling
+        return dataclasses.replace(sampling, images=[
+            dataclasses.replace(im, pixel_values=self._share_images(im.pixel_values))
+            if isinstance(im.pixel_values, torch.Tensor) else im for im in sampling.images])
 
     async def _place(self, meta: RequestMeta, q: asyncio.Queue) -> SubmitReply:
         """Submit, retrying while the router restarts (and, for a resumed request, until

@@ -22,7 +22,9 @@ before it applies the reply's work, and the stats report what it serves and coul
 A poll reply with a new `role` (the pressure controller moved the instance) makes the step
 thread adopt that pool's scheduling config (`role_configs`, `LLMEngine.reconfigure_scheduling`)
 before it applies the reply's work; the role and scheduling it reports change together then.
-No Ray import: the Serve deployment passes the two functions, so tests can drive it directly.
+Work whose images arrive as handles (the gateway's `share_images`) has its pixels fetched on the
+poll thread (`fetch_images`) before the reply is queued.
+No Ray import: the Serve deployment passes the functions, so tests can drive it directly.
 """
 
 from __future__ import annotations
@@ -33,6 +35,8 @@ import queue
 import threading
 import time
 from typing import Callable
+
+import torch
 
 from raycluster.cluster.messages import (InstanceStats, PollReply, PrefillDone, StepReport, TokenEvent,
                                          WorkItem)
@@ -55,9 +59,11 @@ class InstanceWorker:
                  connector: KVConnector | None = None, transfer_timeout_s: float = 10.0,
                  on_transfer_failure: str = "recompute", poll_timeout_s: float = 0.5,
                  role_configs: dict[str, EngineConfig] | None = None, nodes: list[str] | None = None,
-                 stat_logger: StatLogger | None = None) -> None:
+                 stat_logger: StatLogger | None = None, fetch_images: Callable[[list], list] | None = None) -> None:
         """`role_configs`: the engine config of each pool this instance may be moved to (a role
         missing there keeps the scheduling the instance has). `nodes`: where its ranks run (stats).
+        `fetch_images`: the pixel tensors of the gateway's handles (raycluster.cluster.client's
+        `share_images`), in order; None: work carries the tensors themselves.
         `stat_logger`: fed every step and idle tick of the step thread (periodic stats lines)."""
         self.engine = engine
         self.role = role
@@ -72,6 +78,7 @@ class InstanceWorker:
         self.on_transfer_failure = on_transfer_failure
         self.poll_timeout_s = poll_timeout_s
         self.stat_logger = stat_logger
+        self.fetch_images = fetch_images
         self._replies: queue.Queue[PollReply] = queue.Queue()
         self._to_compile: queue.Queue[PollReply] = queue.Queue()
         self._compile_backlog = 0                # replies on the compile thread (under its lock)
@@ -169,9 +176,29 @@ class InstanceWorker:
             if (reply.work or reply.aborts or reply.releases or reply.role or reply.lora is not None
                     or reply.epoch != self._polled_epoch):
                 self._polled_epoch = reply.epoch
+                if self.fetch_images is not None and any(w.meta.sampling.images for w in reply.work):
+                    reply = dataclasses.replace(reply, work=[self._with_pixels(w) for w in reply.work])
                 self._deliver(reply)
             if reply.shutdown:
                 self._stop.set()
+
+    def _with_pixels(self, item: WorkItem) -> WorkItem:
+        """`item` with its images' pixels fetched (the router passed handles). A fetch that fails
+        leaves the handles: the engine then refuses the request, naming the image."""
+        images = item.meta.sampling.images
+        handles = [k for k, im in enumerate(images) if not isinstance(im.pixel_values, torch.Tensor)]
+        if not handles:
+            return item
+        try:
+            pixels = self.fetch_images([images[k].pixel_values for k in handles])
+        except Exception as e:      # an object lost with its owner (the gateway's node died)
+            log.warning("%s: fetching the images of %s failed: %s", self.instance_id, item.meta.request_id, e)
+            return item
+        fetched = list(images)
+        for k, px in zip(handles, pixels):
+            fetched[k] = dataclasses.replace(images[k], pixel_values=px)
+        sampling = dataclasses.replace(item.meta.sampling, images=fetched)
+        return dataclasses.replace(item, meta=dataclasses.replace(item.meta, sampling=sampling))
 
     def _deliver(self, reply: PollReply) -> None:
         """Queue a reply for the step thread. One with a pattern to compile goes by the compile
