@@ -1,5 +1,5 @@
 """LLaVA's image side, and which image encoder / processor a checkpoint gets (LLaVA, LLaVA-NeXT, Qwen2-VL,
-Qwen2.5-VL).
+Qwen2.5-VL, Qwen3-VL).
 
 LLaVA-1.5 (`LlavaForConditionalGeneration.get_image_features`): `LlavaImageEncoder` is the CLIP
 tower and projector of raycluster.model.llava_tower over one square per image, every image
@@ -8,6 +8,9 @@ raycluster.model.llava_next's `LlavaNextImageEncoder`, its count depending on th
 Qwen2-VL and Qwen2.5-VL (`Qwen2VLForConditionalGeneration`, `Qwen2_5_VLForConditionalGeneration`)
 are raycluster.model.qwen_vl's `QwenVLImageEncoder`, which also gives `grid_for((height, width))`,
 the (t, rows, columns) of an image's tokens that their multimodal rotary positions are laid on.
+Qwen3-VL and Qwen3-VL-MoE (`Qwen3VLForConditionalGeneration`, `Qwen3VLMoeForConditionalGeneration`)
+are raycluster.model.qwen3_vl's `Qwen3VLImageEncoder`, the same arithmetic, whose features also
+carry the DeepStack levels the text model adds after its first layers.
 
 The encoders answer the same calls (what the engine uses): `image_token_id`,
 `tokens_for((height, width))`, `check_pixels(pixels, (height, width))` (None, or why the pixels
@@ -32,10 +35,11 @@ import os
 import torch
 from PIL import Image
 
-from raycluster.model import llava_next, qwen_vl
+from raycluster.model import llava_next, qwen3_vl, qwen_vl
 from raycluster.model.anyres import AnyresGrid, AnyresImageProcessor
 from raycluster.model.image_processor import ImageProcessor
 from raycluster.model.llava_tower import ClipProjectorEncoder, check_items, read_config
+from raycluster.model.qwen3_vl import Qwen3VLImageEncoder
 from raycluster.model.qwen_vl import QwenVLImageEncoder
 from raycluster.model.qwen_vl_processor import QwenVLGrid, QwenVLImageProcessor, pixel_limits, read_preprocessor
 
@@ -72,7 +76,8 @@ class LlavaImageEncoder(ClipProjectorEncoder):
 
 
 _ENCODERS = {ARCHITECTURE: LlavaImageEncoder, llava_next.ARCHITECTURE: llava_next.LlavaNextImageEncoder,
-             **{arch: QwenVLImageEncoder for arch in qwen_vl.ARCHITECTURES}}
+             **{arch: QwenVLImageEncoder for arch in qwen_vl.ARCHITECTURES},
+             **{arch: Qwen3VLImageEncoder for arch in qwen3_vl.ARCHITECTURES}}
 
 
 def _encoder_class(path: str):
@@ -84,8 +89,8 @@ def _encoder_class(path: str):
     return cls if cls is not None and cls.stores_tower(path) else None
 
 
-def image_encoder_for(model_dir: str | os.PathLike, dtype: torch.dtype = torch.float32,
-                      device: str | torch.device = "cpu") -> ClipProjectorEncoder | QwenVLImageEncoder | None:
+def image_encoder_for(model_dir: str | os.PathLike, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"
+                      ) -> ClipProjectorEncoder | QwenVLImageEncoder | Qwen3VLImageEncoder | None:
     """The image encoder of a checkpoint (module docstring) that stores its tower, else None."""
     path = os.fspath(model_dir)
     cls = _encoder_class(path)
@@ -133,8 +138,8 @@ def image_facts(model_dir: str | os.PathLike) -> ImageFacts | None:
     if cls is None:
         return None
     config = read_config(path)
-    if cls is QwenVLImageEncoder:
-        return _qwen_vl_facts(path, config)
+    if cls in (QwenVLImageEncoder, Qwen3VLImageEncoder):
+        return _qwen_vl_facts(path, config, cls)
     with torch.device("meta"):      # validates the config as loading would, allocating nothing
         encoder = cls(config, text_hidden=1)
     if cls is LlavaImageEncoder:
@@ -150,9 +155,9 @@ def image_facts(model_dir: str | os.PathLike) -> ImageFacts | None:
     return ImageFacts(encoder.image_token_id, processor, grid=encoder.grid)
 
 
-def _qwen_vl_facts(path: str, config: dict) -> ImageFacts:
+def _qwen_vl_facts(path: str, config: dict, cls) -> ImageFacts:
     with torch.device("meta"):
-        encoder = QwenVLImageEncoder(config, pixel_limits(read_preprocessor(path)))
+        encoder = cls(config, pixel_limits(read_preprocessor(path)))
     processor = QwenVLImageProcessor.from_model_dir(path)
     if processor is not None and processor.grid != encoder.grid:
         g, want = processor.grid, encoder.grid

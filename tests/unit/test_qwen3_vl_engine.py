@@ -1,0 +1,121 @@
+"""Prompts with images on Qwen3-VL through the engine: the merger's features spliced over the
+"<|image_pad|>" runs, the DeepStack levels added after the first decoder layers at the image's
+rows (raycluster.model.llama's `add_deepstack`) and the text model turned by interleaved
+multimodal RoPE, so the greedy tokens equal transformers' for a prompt with two images of
+different sizes, whole or cut into prefill chunks, from a prefix-cache hit that ends inside an
+image, on one process and on TP, KVP and SPP groups (the SPP stages each holding one of the
+layers the levels go to)."""
+
+from __future__ import annotations
+
+import hashlib
+
+import numpy as np
+import pytest
+from PIL import Image
+from qwen3_vl_reference import hf_qwen3_vl_greedy, hf_qwen3_vl_processor
+
+from raycluster.engine.config import EngineConfig
+from raycluster.engine.engine import LLMEngine
+from raycluster.model.llava import image_encoder_for, image_facts
+from raycluster.model.loader import load_model
+from raycluster.model.tiny_qwen3_vl import write_tiny_qwen3_vl
+from raycluster.model.tokenizer import Tokenizer
+from raycluster.request import ImageInput, SamplingParams
+
+pytest.importorskip("transformers")
+BASE = dict(policy="fcfs", packer="token", predictor="none", block_size=4, num_threads=1, group_timeout_s=30)
+
+
+def _picture(h: int, w: int, seed: int) -> Image.Image:
+    """A smooth picture (a 3 x 3 grid of colours, stretched): the tiny model's tokens tell two apart."""
+    grid = np.random.default_rng(seed).integers(0, 256, size=(3, 3, 3), dtype=np.uint8)
+    return Image.fromarray(grid).resize((w, h), Image.Resampling.BILINEAR)
+
+
+@pytest.fixture(scope="module")
+def qwen3(tmp_path_factory):
+    path = write_tiny_qwen3_vl(tmp_path_factory.mktemp("qwen3_vl"), seed=5)
+    tok = Tokenizer(path)
+    facts = image_facts(path)
+    text = tok.apply_chat_template([{"role": "user", "content": [
+        {"type": "image"}, {"type": "text", "text": "Compare"}, {"type": "image"}, {"type": "text", "text": "these."}]}])
+    prompt = tok.encode(text, add_special_tokens=False)
+    images = [_picture(30, 40, 7), _picture(100, 17, 8)]
+    loaded = [facts.prepare(im) for im in images]
+    ids, inputs, it = [], [], iter(loaded)
+    for t in prompt:
+        if t != facts.image_token_id:
+            ids.append(t)
+            continue
+        px, size, n = next(it)
+        inputs.append(ImageInput(len(ids), n, px, hashlib.sha256(px.numpy().tobytes()).digest(), size))
+        ids.extend([t] * n)
+    hf = hf_qwen3_vl_processor(path)(images=images, text=[text.replace("<|bos|>", "", 1)], return_tensors="pt")
+    assert hf["input_ids"][0].tolist() == ids
+    want = hf_qwen3_vl_greedy(path, ids, hf["pixel_values"], hf["image_grid_thw"], 10)
+    model, _ = load_model(path)
+    return model, image_encoder_for(path), ids, inputs, want
+
+
+def _sp(images, n: int = 10) -> SamplingParams:
+    return SamplingParams(max_tokens=n, ignore_eos=True, images=images)
+
+
+def _run(eng: LLMEngine, rid: str, ids, sp) -> list[int]:
+    req = eng.add_request(rid, ids, sp)
+    for _ in range(500):
+        if not eng.has_unfinished():
+            break
+        eng.step()
+    return req.output_token_ids
+
+
+@pytest.mark.parametrize("chunk", [5, 64])
+def test_greedy_tokens_equal_transformers(qwen3, chunk):
+    model, enc, ids, images, want = qwen3
+    assert enc.deepstack_levels == 2
+    eng = LLMEngine(EngineConfig(**BASE, kv_cache_tokens=512, chunk_size=chunk), model, image_encoder=enc)
+    assert _run(eng, "q", ids, _sp(images)) == want
+
+
+def test_the_deepstack_levels_are_added(qwen3):
+    """The same features without their levels (each image's first H columns alone) give other
+    tokens: the levels reach the text model."""
+    model, enc, ids, images, want = qwen3
+
+    class MergerOnly:
+        def __getattr__(self, name):
+            return getattr(enc, name)
+
+        def encode_images(self, items):
+            return [e[:, :model.config.hidden_size] for e in enc.encode_images(items)]
+
+    eng = LLMEngine(EngineConfig(**BASE, kv_cache_tokens=512, chunk_size=64), model, image_encoder=MergerOnly())
+    assert _run(eng, "q", ids, _sp(images)) != want
+
+
+def test_a_prefix_hit_inside_an_image_adds_the_rest_of_its_levels(qwen3):
+    """A second request over the same prompt and images reuses the cached blocks, the first of
+    which end inside the first image; its prefill resumes there with the levels of the rest."""
+    model, enc, ids, images, want = qwen3
+    eng = LLMEngine(EngineConfig(**BASE, kv_cache_tokens=512, chunk_size=64, enable_prefix_caching=True), model,
+                    image_encoder=enc)
+    assert _run(eng, "a", ids, _sp(images)) == want
+    req = eng.add_request("b", ids, _sp(images))
+    assert images[0].offset < req.num_computed_tokens
+    for _ in range(500):
+        if not eng.has_unfinished():
+            break
+        eng.step()
+    assert req.output_token_ids == want
+
+
+@pytest.mark.parametrize("group", [{"tp": 2}, {"kvp": 2}, {"spp": 2, "spp_micro_tokens": 3}])
+def test_parallel_groups(qwen3, group):
+    model, enc, ids, images, want = qwen3
+    eng = LLMEngine(EngineConfig(**BASE, kv_cache_tokens=512, chunk_size=8, **group), model, image_encoder=enc)
+    try:
+        assert eng.generate([ids], [_sp(images)]) == [want]
+    finally:
+        eng.runner.close()
