@@ -10,7 +10,10 @@ are raycluster.model.qwen_vl's `QwenVLImageEncoder`, which also gives `grid_for(
 the (t, rows, columns) of an image's tokens that their multimodal rotary positions are laid on.
 Qwen3-VL and Qwen3-VL-MoE (`Qwen3VLForConditionalGeneration`, `Qwen3VLMoeForConditionalGeneration`)
 are raycluster.model.qwen3_vl's `Qwen3VLImageEncoder`, the same arithmetic, whose features also
-carry the DeepStack levels the text model adds after its first layers.
+carry the DeepStack levels the text model adds after its first layers. Gemma 3
+(`Gemma3ForConditionalGeneration`) is raycluster.model.gemma3_vision's `Gemma3ImageEncoder`: a
+SigLIP tower, `tokens_per_image` features per image, whose tokens the text model attends to each
+other both ways (its `bidirectional`).
 
 The encoders answer the same calls (what the engine uses): `image_token_id`,
 `tokens_for((height, width))`, `check_pixels(pixels, (height, width))` (None, or why the pixels
@@ -35,8 +38,10 @@ import os
 import torch
 from PIL import Image
 
-from raycluster.model import llava_next, qwen3_vl, qwen_vl
+from raycluster.model import gemma3_vision, llava_next, qwen3_vl, qwen_vl
 from raycluster.model.anyres import AnyresGrid, AnyresImageProcessor
+from raycluster.model.gemma3_processor import Gemma3ImageProcessor
+from raycluster.model.gemma3_vision import Gemma3ImageEncoder
 from raycluster.model.image_processor import ImageProcessor
 from raycluster.model.llava_tower import ClipProjectorEncoder, check_items, read_config
 from raycluster.model.qwen3_vl import Qwen3VLImageEncoder
@@ -77,7 +82,8 @@ class LlavaImageEncoder(ClipProjectorEncoder):
 
 _ENCODERS = {ARCHITECTURE: LlavaImageEncoder, llava_next.ARCHITECTURE: llava_next.LlavaNextImageEncoder,
              **{arch: QwenVLImageEncoder for arch in qwen_vl.ARCHITECTURES},
-             **{arch: Qwen3VLImageEncoder for arch in qwen3_vl.ARCHITECTURES}}
+             **{arch: Qwen3VLImageEncoder for arch in qwen3_vl.ARCHITECTURES},
+             gemma3_vision.ARCHITECTURE: Gemma3ImageEncoder}
 
 
 def _encoder_class(path: str):
@@ -90,7 +96,7 @@ def _encoder_class(path: str):
 
 
 def image_encoder_for(model_dir: str | os.PathLike, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"
-                      ) -> ClipProjectorEncoder | QwenVLImageEncoder | Qwen3VLImageEncoder | None:
+                      ) -> ClipProjectorEncoder | QwenVLImageEncoder | Qwen3VLImageEncoder | Gemma3ImageEncoder | None:
     """The image encoder of a checkpoint (module docstring) that stores its tower, else None."""
     path = os.fspath(model_dir)
     cls = _encoder_class(path)
@@ -111,7 +117,7 @@ class ImageFacts:
     """How a checkpoint takes images (module docstring). `processor` is None when the checkpoint
     has no preprocessor_config.json; `grid` (LLaVA-NeXT, Qwen-VL) makes the count depend on the size."""
     image_token_id: int
-    processor: FixedSizeProcessor | AnyresImageProcessor | QwenVLImageProcessor | None
+    processor: FixedSizeProcessor | AnyresImageProcessor | QwenVLImageProcessor | Gemma3ImageProcessor | None
     tokens_per_image: int | None = None
     grid: AnyresGrid | QwenVLGrid | None = None
 
@@ -140,6 +146,8 @@ def image_facts(model_dir: str | os.PathLike) -> ImageFacts | None:
     config = read_config(path)
     if cls in (QwenVLImageEncoder, Qwen3VLImageEncoder):
         return _qwen_vl_facts(path, config, cls)
+    if cls is Gemma3ImageEncoder:
+        return _gemma3_facts(path, config)
     with torch.device("meta"):      # validates the config as loading would, allocating nothing
         encoder = cls(config, text_hidden=1)
     if cls is LlavaImageEncoder:
@@ -167,8 +175,18 @@ def _qwen_vl_facts(path: str, config: dict, cls) -> ImageFacts:
     return ImageFacts(encoder.image_token_id, processor, grid=encoder.grid)
 
 
+def _gemma3_facts(path: str, config: dict) -> ImageFacts:
+    with torch.device("meta"):
+        encoder = Gemma3ImageEncoder(config, text_hidden=1)
+    processor = Gemma3ImageProcessor.from_model_dir(path)
+    if processor is not None and processor.size != {"height": encoder.image_size, "width": encoder.image_size}:
+        raise ValueError(f"{path}: preprocessor_config.json's size {processor.size} is not the tower's "
+                         f"{encoder.image_size} x {encoder.image_size} (config.json's vision_config.image_size)")
+    return ImageFacts(encoder.image_token_id, processor, tokens_per_image=encoder.tokens_per_image)
+
+
 def processor_for(model_dir: str | os.PathLike
-                  ) -> FixedSizeProcessor | AnyresImageProcessor | QwenVLImageProcessor | None:
+                  ) -> FixedSizeProcessor | AnyresImageProcessor | QwenVLImageProcessor | Gemma3ImageProcessor | None:
     """The checkpoint's image processor (PIL image -> (pixels, (height, width))), else None."""
     facts = image_facts(model_dir)
     return None if facts is None else facts.processor

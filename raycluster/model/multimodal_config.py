@@ -1,4 +1,5 @@
-"""Image-text checkpoints served on their text alone: Gemma 3 (`Gemma3ForConditionalGeneration`, the
+"""Image-text checkpoints' text models (served on their text alone when the files hold no vision
+tower, or the architecture's images are not served here): Gemma 3 (`Gemma3ForConditionalGeneration`, the
 4B / 12B / 27B releases), Mistral 3 (`Mistral3ForConditionalGeneration`: Mistral Small 3.1 / 3.2, and
 Ministral 3 over its `ministral3` text model),
 LLaVA (`LlavaForConditionalGeneration`, over a Llama, Mistral or Qwen2 text model), LLaVA-NeXT
@@ -16,9 +17,10 @@ prefix (`language_model.` in the released Gemma / Mistral / LLaVA / LLaVA-NeXT f
 `model.language_model.` in transformers 5's own layout, plain `model.` beside `visual.` in the
 released Qwen-VL files;
 raycluster.model.loader maps them). The text model alone is built here; the image encoders of
-the architectures that take images (LLaVA, LLaVA-NeXT, Qwen2-VL, Qwen2.5-VL) are
-raycluster.model.llava's, and `mrope_of` reads the Qwen-VL models' multimodal RoPE, which turns
-image prompts (raycluster.model.mrope). The other wrappers' requests with image parts are refused.
+the architectures that take images (LLaVA, LLaVA-NeXT, Qwen2-VL, Qwen2.5-VL, Qwen3-VL,
+Qwen3-VL-MoE, Gemma 3) are raycluster.model.llava's, and `mrope_of` reads the Qwen-VL models'
+multimodal RoPE, which turns image prompts (raycluster.model.mrope). The other wrappers'
+(Mistral 3, Llama 4) requests with image parts are refused.
 """
 
 from __future__ import annotations

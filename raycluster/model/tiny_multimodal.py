@@ -102,7 +102,8 @@ def write_tiny_multimodal(path: str | os.PathLike, arch: str, seed: int = 0, lay
             vision, extra, overrides = tiny_llava.llava_fields(vision, extra, overrides, **(vision_options or {}))
         else:
             raise ValueError(f"vision_weights: only the tiny LLaVA, LLaVA-NeXT, Qwen2-VL and Qwen2.5-VL have a "
-                             f"whole tower, not {arch}")
+                             f"whole tower here, not {arch} (Qwen3-VL's and Gemma 3's: raycluster.model.tiny_qwen3_vl, "
+                             f"raycluster.model.tiny_gemma3_vl)")
     if text_architecture is not None:
         text_type, text_arch = _OTHER_TEXT_TYPES[text_architecture], text_architecture
     path = write_tiny_model(path, seed, architectures=[text_arch], **overrides)

@@ -414,12 +414,13 @@ def build_app(engine, tokenizer, model_names: str | Sequence[str], api_keys: Seq
     async def _chat_prompt(body) -> tuple[list[int], list]:
         """The chat request's prompt ids, its image tokens expanded, and its images on them."""
         loaded = await load_images(body.messages, images, max_images)
-        ids = _chat_ids(body, with_images=True)
+        ids = _chat_ids(body, with_images=True, loaded=loaded)
         return place_images(ids, loaded, images) if loaded else (ids, [])
 
-    def _chat_ids(body, with_images: bool = False) -> list[int]:
+    def _chat_ids(body, with_images: bool = False, loaded=()) -> list[int]:
         """The chat template over `body.messages` (a chat or tokenize request), tokenized; image
-        parts as the image token, once each (`_chat_prompt` expands them). A template that
+        parts as the image token, once each (`_chat_prompt` expands them), or on Gemma 3 as its
+        marker, expanded in the text for the `loaded` images before tokenizing. A template that
         refuses the messages (e.g. roles that do not alternate) is the client's error."""
         if not with_images and any(m.images() for m in body.messages):
             raise InvalidRequestError("messages", "image_url parts are taken by /v1/chat/completions and /tokenize only")
@@ -438,6 +439,8 @@ def build_app(engine, tokenizer, model_names: str | Sequence[str], api_keys: Seq
             raise InvalidRequestError(field, str(e).removeprefix("chat_template_kwargs: ")) from e
         except (TemplateError, TypeError) as e:       # a template that cannot render these messages
             raise InvalidRequestError("messages", f"the chat template cannot render them: {e}") from e
+        if loaded:
+            prompt = images.expand_text(prompt, loaded)
         try:        # the template writes BOS itself: none added on top unless asked (vLLM's rule)
             return tokenizer.encode(prompt, add_special_tokens=bool(body.add_special_tokens))
         except ValueError as e:

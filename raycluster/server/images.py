@@ -41,12 +41,34 @@ FETCH_TIMEOUT_S = 10.0               # vLLM's VLLM_IMAGE_FETCH_TIMEOUT is 5 s; a
 @dataclass
 class ImageSpec:
     """How a checkpoint takes images: its image token's id; the text a template without content
-    parts gets for an image (the token's, within Qwen-VL's vision start and end tokens); and
-    `facts.prepare(image)`: the processed pixels, the image's size and its placeholder tokens
-    (raycluster.model.llava)."""
+    parts gets for an image (the token's, within Qwen-VL's vision start and end tokens; Gemma 3's
+    start-of-image token); and `facts.prepare(image)`: the processed pixels, the image's size and
+    its placeholder tokens (raycluster.model.llava).
+
+    `wrap` (Gemma 3): the image's marker is expanded in the prompt's text, before tokenizing, to
+    wrap[0] + the placeholder token's text once per placeholder + wrap[1], as transformers'
+    processor does (its newlines then merge with the template's as the tokenizer sees them);
+    `placeholder_text` is that token's text. None: the marker is one image token, expanded
+    after tokenizing."""
     token_id: int
     token_text: str
     facts: ImageFacts
+    wrap: tuple[str, str] | None = None
+    placeholder_text: str | None = None
+
+    def expand_text(self, prompt: str, loaded: list[tuple[torch.Tensor, tuple[int, int], int]]) -> str:
+        """`prompt` with its k-th image marker expanded for the k-th image (`wrap`); unchanged
+        without `wrap`. InvalidRequestError when the markers are not one per image."""
+        if self.wrap is None:
+            return prompt
+        pieces = prompt.split(self.token_text)
+        if len(pieces) - 1 != len(loaded):
+            raise InvalidRequestError("messages", f"the prompt holds {len(pieces) - 1} image markers "
+                                      f"({self.token_text!r}) for {len(loaded)} images")
+        out = [pieces[0]]
+        for piece, (_, _, n) in zip(pieces[1:], loaded):
+            out += [self.wrap[0], self.placeholder_text * n, self.wrap[1], piece]
+        return "".join(out)
 
 
 def image_spec_for(model_dir, tokenizer) -> ImageSpec | None:
@@ -59,6 +81,12 @@ def image_spec_for(model_dir, tokenizer) -> ImageSpec | None:
         raise ValueError(f"{model_dir}: the image token id {facts.image_token_id} is not in the tokenizer's vocabulary")
     with open(os.path.join(model_dir, "config.json")) as f:
         config = json.load(f)
+    if isinstance(config.get("boi_token_index"), int):
+        # Gemma 3: "<start_of_image>" marks an image; its processor's text around the placeholders.
+        boi, eoi = (tokenizer.id_to_token(config.get(k)) for k in ("boi_token_index", "eoi_token_index"))
+        if boi is None or eoi is None:
+            raise ValueError(f"{model_dir}: the start / end of image token ids are not in the tokenizer's vocabulary")
+        return ImageSpec(facts.image_token_id, boi, facts, wrap=(f"\n\n{boi}", f"{eoi}\n\n"), placeholder_text=text)
     # Qwen-VL's placeholder is the image token between its vision start and end tokens.
     around = [tokenizer.id_to_token(config.get(k)) if isinstance(config.get(k), int) else None
               for k in ("vision_start_token_id", "vision_end_token_id")]
@@ -160,6 +188,8 @@ def place_images(ids: list[int], loaded: list[tuple[torch.Tensor, tuple[int, int
     """The prompt with each image token expanded to that image's placeholder tokens, and the
     images (`load_images`' output) laid on those runs in order. InvalidRequestError when the
     template placed another number of image tokens than there are images."""
+    if spec.wrap is not None:
+        return _place_on_runs(ids, loaded, spec)
     at = [i for i, t in enumerate(ids) if t == spec.token_id]
     if len(at) != len(loaded):
         raise InvalidRequestError("messages", f"the prompt holds {len(at)} image tokens ({spec.token_text!r}) "
@@ -171,12 +201,32 @@ def place_images(ids: list[int], loaded: list[tuple[torch.Tensor, tuple[int, int
     last = 0
     for pos, (px, size, n) in zip(at, loaded):
         out.extend(ids[last:pos])
-        digest = hashlib.sha256(repr(size).encode() + px.contiguous().numpy().tobytes()).digest()
-        images.append(ImageInput(offset=len(out), length=n, pixel_values=px, digest=digest, size=size))
+        images.append(ImageInput(offset=len(out), length=n, pixel_values=px, digest=image_digest(px, size), size=size))
         out.extend([spec.token_id] * n)
         last = pos + 1
     out.extend(ids[last:])
     return out, images
+
+
+def _place_on_runs(ids: list[int], loaded, spec: ImageSpec) -> tuple[list[int], list[ImageInput]]:
+    """The images on the runs of placeholder tokens a text expansion (`ImageSpec.expand_text`) left."""
+    runs: list[list[int]] = []
+    for i, t in enumerate(ids):
+        if t == spec.token_id:
+            if runs and runs[-1][1] == i:
+                runs[-1][1] = i + 1
+            else:
+                runs.append([i, i + 1])
+    if [b - a for a, b in runs] != [n for _, _, n in loaded]:
+        raise InvalidRequestError("messages", f"the prompt holds runs of {[b - a for a, b in runs]} image tokens "
+                                  f"({spec.placeholder_text!r}) for images of {[n for _, _, n in loaded]}")
+    return ids, [ImageInput(offset=a, length=n, pixel_values=px, digest=image_digest(px, size), size=size)
+                 for (a, _), (px, size, n) in zip(runs, loaded)]
+
+
+def image_digest(pixels: torch.Tensor, size: tuple[int, int]) -> bytes:
+    """The prefix cache's key of an image: its pixels and size."""
+    return hashlib.sha256(repr(size).encode() + pixels.contiguous().numpy().tobytes()).digest()
 
 
 def image_limit(limit_mm_per_prompt: dict[str, int] | None) -> int:
