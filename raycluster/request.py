@@ -197,6 +197,9 @@ class Request:
     # On a Qwen-VL model, its images' M-RoPE layout (raycluster.model.mrope.MRopeLayout): the
     # rotary positions of its prompt and of the tokens after it. None: positions are indices.
     mrope: Any = None
+    # Per image, the [start, end) runs of its span its features fill (Mistral 3: the rows between
+    # its break tokens; raycluster.engine.image_inputs). Empty: each image's whole span.
+    image_runs: list[list[tuple[int, int]]] = field(default_factory=list)
     # Prompt spans [start, end) whose tokens attend each other both ways (on Gemma 3 its images):
     # the scheduler never ends a prefill chunk inside one, so each is computed in one step.
     bidirectional_spans: tuple[tuple[int, int], ...] = ()

@@ -25,7 +25,7 @@ import torch
 from raycluster.clock import WallClock
 from raycluster.engine.config import EngineConfig
 from raycluster.engine.guided import GuidedDecoding, constraint_of
-from raycluster.engine.image_inputs import bidirectional_spans, check_images
+from raycluster.engine.image_inputs import bidirectional_spans, check_images, feature_runs
 from raycluster.model.mrope import MRopeLayout
 from raycluster.engine.outputs import InvalidRequestError, RequestOutput, StepResult, validate_request
 from raycluster.parallel.factory import build_runner
@@ -216,8 +216,9 @@ class LLMEngine:
         mrope = None if not sampling.images or self.model.config.mrope is None else MRopeLayout(
             [(im.offset, im.length, self.image_encoder.grid_for(im.size)) for im in sampling.images])
         both = bidirectional_spans(sampling, self.image_encoder, self.runner, self.scheduler.config.max_num_batched_tokens)
+        runs = feature_runs(self.image_encoder, sampling) if sampling.images else []
         return Request(request_id=request_id, prompt_token_ids=list(prompt_token_ids), sampling=sampling, mrope=mrope,
-                       bidirectional_spans=both,
+                       bidirectional_spans=both, image_runs=runs,
                        arrival_time=self.clock.now() if arrival_time is None else arrival_time,
                        slo=slo or SLO(), priority=priority, tenant=tenant, app_id=app_id,
                        expected_output_tokens=sampling.max_tokens, eos_token_ids=self.eos_token_ids,

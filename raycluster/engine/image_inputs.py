@@ -40,11 +40,26 @@ def check_images(ids: list[int], sp: SamplingParams, encoder) -> None:
                                       f"the encoder makes {n}")
         if image.offset < end or image.offset + image.length > len(ids):
             raise InvalidRequestError("messages", f"image {k} at {image.offset} overlaps another or leaves the prompt")
-        if any(t != encoder.image_token_id for t in ids[image.offset:image.offset + image.length]):
-            raise InvalidRequestError("messages", f"image {k}'s positions do not all hold the image token")
+        if ids[image.offset:image.offset + image.length] != span_ids(encoder, image.size):
+            raise InvalidRequestError("messages", f"image {k}'s positions do not hold its placeholder tokens")
         end = image.offset + image.length
-    if ids.count(encoder.image_token_id) != sum(image.length for image in sp.images):
+    if ids.count(encoder.image_token_id) != sum(span_ids(encoder, im.size).count(encoder.image_token_id)
+                                                for im in sp.images):
         raise InvalidRequestError("messages", "the prompt holds image tokens that no image fills")
+
+
+def span_ids(encoder, size: tuple[int, int]) -> list[int]:
+    """The prompt tokens of an image of `size`: the image token, repeated, or (Mistral 3) rows of
+    it between break tokens (the encoder's `span_ids`)."""
+    spans = getattr(encoder, "span_ids", None)
+    return spans(size) if spans is not None else [encoder.image_token_id] * encoder.tokens_for(size)
+
+
+def feature_runs(encoder, sp: SamplingParams) -> list[list[tuple[int, int]]]:
+    """Per image, the [start, end) runs of its span its features fill (Request.image_runs): the
+    whole span, or (Mistral 3, the encoder's `feature_runs`) the rows between break tokens."""
+    runs = getattr(encoder, "feature_runs", None)
+    return [[(0, im.length)] if runs is None else list(runs(im.size)) for im in sp.images]
 
 
 def bidirectional_spans(sp: SamplingParams, encoder, runner, max_chunk: int) -> tuple[tuple[int, int], ...]:
@@ -88,8 +103,10 @@ def image_rows(req: Request, start: int, n: int, first_row: int) -> list[tuple[i
     laid out from step row `first_row`, puts in place of its placeholder tokens' embeddings."""
     out = []
     for k, image in _overlapping(req, start, n):
-        lo, hi = max(start, image.offset), min(start + n, image.offset + image.length)
-        out.append((first_row + lo - start, req.image_embeds[k][lo - image.offset:hi - image.offset]))
+        for a, b in req.image_runs[k] if req.image_runs else [(0, image.length)]:
+            lo, hi = max(start, image.offset + a), min(start + n, image.offset + b)
+            if lo < hi:
+                out.append((first_row + lo - start, req.image_embeds[k][lo - image.offset:hi - image.offset]))
     return out
 
 

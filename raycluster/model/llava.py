@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from typing import Callable
 
 import torch
 from PIL import Image
@@ -120,9 +121,17 @@ class ImageFacts:
     processor: FixedSizeProcessor | AnyresImageProcessor | QwenVLImageProcessor | Gemma3ImageProcessor | None
     tokens_per_image: int | None = None
     grid: AnyresGrid | QwenVLGrid | None = None
+    spans: Callable[[tuple[int, int]], list[int]] | None = None
 
     def tokens_for(self, image_size: tuple[int, int]) -> int:
         return self.grid.tokens_for(image_size) if self.grid is not None else self.tokens_per_image
+
+    def span_ids(self, image_size: tuple[int, int]) -> list[int]:
+        """The prompt tokens an image of this size takes: its token, tokens_for(size) times, or the
+        layout `spans` gives (Mistral 3's rows between break tokens)."""
+        if self.spans is not None:
+            return self.spans(image_size)
+        return [self.image_token_id] * self.tokens_for(image_size)
 
     def grid_for(self, image_size: tuple[int, int]) -> tuple[int, int, int] | None:
         """Qwen-VL: the (t, rows, columns) of the image's tokens (raycluster.model.qwen_vl); else None."""

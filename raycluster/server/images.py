@@ -202,7 +202,7 @@ def place_images(ids: list[int], loaded: list[tuple[torch.Tensor, tuple[int, int
     for pos, (px, size, n) in zip(at, loaded):
         out.extend(ids[last:pos])
         images.append(ImageInput(offset=len(out), length=n, pixel_values=px, digest=image_digest(px, size), size=size))
-        out.extend([spec.token_id] * n)
+        out.extend(spec.facts.span_ids(size))
         last = pos + 1
     out.extend(ids[last:])
     return out, images

@@ -165,7 +165,7 @@ def test_what_the_engine_cannot_serve_is_refused(llava):
     bad = {
         "placeholder tokens": [ImageInput(2, per - 1, px, b"d")],
         "overlaps another or leaves": [ImageInput(len(ids) - 2, per, px, b"d")],
-        "do not all hold the image token": [ImageInput(1, per, px, b"d")],
+        "do not hold its placeholder tokens": [ImageInput(1, per, px, b"d")],
         "pixels are": [ImageInput(2, per, px[:, :14], b"d")],
         "that no image fills": [],
     }
