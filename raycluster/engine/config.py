@@ -13,7 +13,8 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 # another pool (`EngineConfig.with_scheduling_of`). `predictor` says where a batch-time predictor
 # comes from, should the new policy / packer / selector need one the engine did not.
 SCHEDULING_FIELDS = ("policy", "packer", "decode_selector", "chunk_size", "long_threshold", "min_chunk",
-                     "ttft_ms", "tpot_ms", "ttft_scale", "max_num_batched_tokens", "max_num_seqs", "predictor")
+                     "ttft_ms", "tpot_ms", "ttft_scale", "max_num_batched_tokens", "max_num_seqs", "max_num_encoder_tokens",
+                     "predictor")
 
 
 # Speculative methods whose head runs on the target's own hidden states, its KV an extra layer of
@@ -48,6 +49,9 @@ class EngineConfig(BaseModel):
     kv_cache_tokens: int = Field(262144, ge=16, description="KV capacity in tokens (rounded down to blocks)")
     max_num_batched_tokens: int = Field(2048, ge=1)
     max_num_seqs: int = Field(128, ge=1)
+    max_num_encoder_tokens: int | None = Field(
+        None, ge=1, description="vLLM's max_num_encoder_input_tokens: the image tokens one step may encode (a prefill "
+        "chunk stops before an image that would pass it); default max_num_batched_tokens")
     max_model_len: int | None = Field(None, ge=2, description="default: the model's context length")
     chunk_size: int | None = Field(512, ge=1, description="prefill chunk size; None: unchunked prefill")
     policy: str = Field("lars", description="priority policy by name (raycluster.sched.registry)")

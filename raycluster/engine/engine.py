@@ -25,7 +25,7 @@ import torch
 from raycluster.clock import WallClock
 from raycluster.engine.config import EngineConfig
 from raycluster.engine.guided import GuidedDecoding, constraint_of
-from raycluster.engine.image_inputs import bidirectional_spans, check_images, feature_runs
+from raycluster.engine.image_inputs import bidirectional_spans, check_encoder_budget, check_images, feature_runs
 from raycluster.model.mrope import MRopeLayout
 from raycluster.engine.outputs import InvalidRequestError, RequestOutput, StepResult, validate_request
 from raycluster.parallel.factory import build_runner
@@ -232,6 +232,8 @@ class LLMEngine:
     def _validate(self, ids: list[int], sp: SamplingParams) -> None:
         validate_request(ids, sp, self.max_model_len, self.vocab_size, self.kv.capacity_tokens())
         check_images(ids, sp, self.image_encoder)
+        if sp.images and self.scheduler.config.max_num_encoder_tokens is not None:
+            check_encoder_budget(sp, self.scheduler.config.max_num_encoder_tokens)
         if sp.lora_adapter is not None and sp.lora_adapter not in self.lora:
             raise InvalidRequestError("model", f"LoRA adapter {sp.lora_adapter!r} is not served here")
         if sp.embed and not sp.pool_tokens and self.model.config.token_classifier:

@@ -48,6 +48,14 @@ def check_images(ids: list[int], sp: SamplingParams, encoder) -> None:
         raise InvalidRequestError("messages", "the prompt holds image tokens that no image fills")
 
 
+def check_encoder_budget(sp: SamplingParams, budget: int) -> None:
+    """InvalidRequestError for an image longer than a step may encode (it would never be scheduled)."""
+    for k, image in enumerate(sp.images):
+        if image.length > budget:
+            raise InvalidRequestError("messages", f"image {k} holds {image.length} tokens, more than a step may encode "
+                                      f"({budget}: max_num_encoder_tokens)")
+
+
 def span_ids(encoder, size: tuple[int, int]) -> list[int]:
     """The prompt tokens of an image of `size`: the image token, repeated, or (Mistral 3) rows of
     it between break tokens (the encoder's `span_ids`)."""

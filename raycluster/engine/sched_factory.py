@@ -55,7 +55,8 @@ def build_scheduling(config: EngineConfig, clock: Clock, max_model_len: int,
     else:
         selector = AllDecodes()
     spec = config.num_speculative_tokens if config.speculative_method != "none" else 0
-    return SchedulingParts(SchedulerConfig(config.max_num_batched_tokens, config.max_num_seqs, max_model_len, spec),
+    return SchedulingParts(SchedulerConfig(config.max_num_batched_tokens, config.max_num_seqs, max_model_len, spec,
+                                           config.max_num_encoder_tokens or config.max_num_batched_tokens),
                            policy, packer, selector)
 
 

@@ -53,6 +53,8 @@ class SchedulerConfig:
     max_num_seqs: int = 128
     max_model_len: int = 32768
     num_spec_tokens: int = 0        # speculative decoding: draft tokens a decode may run per step
+    # Image tokens one step may encode (vLLM's max_num_encoder_input_tokens); None: no limit.
+    max_num_encoder_tokens: int | None = None
 
 
 class _StepAllocator:
@@ -236,12 +238,36 @@ class Scheduler:
         limits = PackLimits(budget, self.config.max_num_seqs)
         queue = _PrefixMatchingQueue(self) if self.kv.prefix_caching else self.policy
         out.prefills = self.packer.plan(out.decodes, queue, limits, alloc)
+        if self.config.max_num_encoder_tokens is not None and any(req.sampling.images for req, _ in out.prefills):
+            out.prefills = self._encoder_budget(out.prefills)
         if any(req.bidirectional_spans for req, _ in out.prefills):
             out.prefills = self._whole_spans(out.prefills, alloc)
         for req, _ in out.prefills:
             if req.first_scheduled_time is None:
                 req.first_scheduled_time = now
         return out
+
+    def _encoder_budget(self, prefills: list[tuple[Request, int]]) -> list[tuple[Request, int]]:
+        """The packer's chunks, each ending before the first image it reaches that is not encoded
+        yet and would take the step past `max_num_encoder_tokens` image tokens (vLLM's encoder
+        budget: encoding is part of the step). A chunk left empty waits, back in the policy."""
+        budget = self.config.max_num_encoder_tokens
+        kept = []
+        for req, n in prefills:
+            start = req.num_computed_tokens
+            end = start + n
+            for k, image in enumerate(req.sampling.images):
+                if k in req.image_embeds or image.offset + image.length <= start or image.offset >= end:
+                    continue
+                if image.length > budget:
+                    end = max(start, image.offset)
+                    break
+                budget -= image.length
+            if end > start:
+                kept.append((req, end - start))
+            else:
+                self.policy.push(req)
+        return kept
 
     def _whole_spans(self, prefills: list[tuple[Request, int]], alloc: _StepAllocator) -> list[tuple[Request, int]]:
         """The packer's chunks with none ending inside a bidirectional span of its request (vLLM's

@@ -135,7 +135,7 @@ def test_an_spp_group_refuses_the_images(gemma3):
 
 def test_an_image_longer_than_a_step_is_refused(gemma3):
     model, enc, ids, images, _ = gemma3
-    eng = LLMEngine(EngineConfig(**BASE, kv_cache_tokens=512, chunk_size=8, max_num_batched_tokens=12), model,
-                    image_encoder=enc)
+    eng = LLMEngine(EngineConfig(**BASE, kv_cache_tokens=512, chunk_size=8, max_num_batched_tokens=12,
+                                 max_num_encoder_tokens=64), model, image_encoder=enc)
     with pytest.raises(InvalidRequestError, match="max_num_batched_tokens"):
         eng.add_request("x", ids, _sp(images))

@@ -119,3 +119,30 @@ def test_parallel_groups(qwen3, group):
         assert eng.generate([ids], [_sp(images)]) == [want]
     finally:
         eng.runner.close()
+
+
+def test_an_encoder_budget_of_one_image_per_step(qwen3):
+    """With room to encode one image per step, the prompt's chunk stops before the second image
+    and the tokens are the same; an image past the budget is refused, naming the field."""
+    from raycluster.engine.outputs import InvalidRequestError
+
+    model, enc, ids, images, want = qwen3
+    budget = max(im.length for im in images)
+    eng = LLMEngine(EngineConfig(**BASE, kv_cache_tokens=512, chunk_size=64, max_num_encoder_tokens=budget), model,
+                    image_encoder=enc)
+    req = eng.add_request("q", ids, _sp(images))
+    chunks = []
+    for _ in range(500):
+        if not eng.has_unfinished():
+            break
+        before = req.num_computed_tokens
+        eng.step()
+        if req.num_computed_tokens <= len(ids):
+            chunks.append(req.num_computed_tokens - before)
+    assert req.output_token_ids == want
+    assert chunks[0] == images[1].offset            # the first step stops before the second image
+    small = LLMEngine(EngineConfig(**BASE, kv_cache_tokens=512, chunk_size=64, max_num_encoder_tokens=budget - 1),
+                      model, image_encoder=enc)
+    with pytest.raises(InvalidRequestError, match="max_num_encoder_tokens") as e:
+        small.add_request("x", ids, _sp(images))
+    assert e.value.field == "messages"

@@ -1,5 +1,7 @@
-"""The scheduler never ends a prefill chunk inside a request's bidirectional span (Gemma 3's
-images): the chunk stops before the span or runs on to its end, whatever the packer asked."""
+"""The scheduler's image rules, whatever the packer asked: it never ends a prefill chunk inside a
+request's bidirectional span (Gemma 3's images), stopping before the span or running on to its
+end; and a step encodes at most `max_num_encoder_tokens` image tokens, a chunk stopping before
+the first image past the budget (vLLM's encoder budget)."""
 
 import random
 
@@ -8,15 +10,15 @@ import pytest
 from raycluster.clock import VirtualClock
 from raycluster.engine.kv_manager import KVCacheManager
 from raycluster.engine.scheduler import Scheduler, SchedulerConfig
-from raycluster.request import Request, SamplingParams
+from raycluster.request import ImageInput, Request, SamplingParams
 from raycluster.sched.base import PolicyContext
 from raycluster.sched.registry import make_policy
 from raycluster.sched.token_packer import TokenBudgetPacker
 
 
-def _sched(chunk: int, budget: int = 96, num_blocks: int = 64) -> Scheduler:
+def _sched(chunk: int, budget: int = 96, num_blocks: int = 64, encoder: int | None = None) -> Scheduler:
     clock = VirtualClock()
-    return Scheduler(SchedulerConfig(budget, 8, 4096), KVCacheManager(num_blocks, 16),
+    return Scheduler(SchedulerConfig(budget, 8, 4096, max_num_encoder_tokens=encoder), KVCacheManager(num_blocks, 16),
                      make_policy("fcfs", PolicyContext(clock=clock)), TokenBudgetPacker(chunk), clock)
 
 
@@ -74,3 +76,38 @@ def test_no_chunk_ends_inside_a_span_under_churn(seed):
             assert not any(a < end < b for a, b in spans_of[req.request_id]), (step, req.request_id, end)
         s.update(out, {r.request_id: 2 for r, _ in out.prefills} | {r.request_id: 2 for r in out.decodes})
     assert n > 50
+
+
+def _with_images(rid: str, n: int, images: list[tuple[int, int]]) -> Request:
+    sp = SamplingParams(max_tokens=2, ignore_eos=True,
+                        images=[ImageInput(offset, length, None, b"") for offset, length in images])
+    return Request(rid, [1] * n, sp)
+
+
+def test_a_step_encodes_at_most_its_encoder_budget():
+    s = _sched(chunk=96, budget=96, encoder=20)
+    s.add_request(_with_images("a", 60, [(4, 12), (20, 12), (40, 8)]))
+    s.add_request(_with_images("b", 30, [(2, 10)]))
+    out = s.schedule()
+    # a: image 0 (12) fits, image 1 (12 more) does not: a stops at 20. b's image (10) does not
+    # fit either: b stops before it.
+    assert [(r.request_id, n) for r, n in out.prefills] == [("a", 20), ("b", 2)]
+    for req, n in out.prefills:       # as the engine does: the images the chunk reached are encoded
+        end = req.num_computed_tokens + n
+        req.image_embeds.update({k: object() for k, im in enumerate(req.sampling.images) if im.offset < end})
+    s.update(out, {})
+    out = s.schedule()
+    # a: images 1 and 2 (20) fill the budget; b, at its image, waits for the next step.
+    assert [(r.request_id, n) for r, n in out.prefills] == [("a", 40)]
+    s.update(out, {"a": 2})
+    out = s.schedule()
+    assert [(r.request_id, n) for r, n in out.prefills] == [("b", 28)]
+
+
+def test_without_images_the_budget_changes_nothing():
+    with_budget, without = _sched(chunk=16, encoder=4), _sched(chunk=16)
+    for s in (with_budget, without):
+        s.add_request(_request("a", 40, []))
+        s.add_request(_request("b", 20, []))
+    a, b = with_budget.schedule(), without.schedule()
+    assert [(r.request_id, n) for r, n in a.prefills] == [(r.request_id, n) for r, n in b.prefills]
