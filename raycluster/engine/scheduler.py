@@ -16,6 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Sequence
 
+from raycluster.engine.image_scheduling import whole_spans, within_encoder_budget
 from raycluster.engine.kv_manager import KVCacheManager
 from raycluster.request import Request, RequestStatus
 from raycluster.sched.base import AllDecodes, Clock, DecodeSelector, PackLimits, Packer, Policy
@@ -239,55 +240,13 @@ class Scheduler:
         queue = _PrefixMatchingQueue(self) if self.kv.prefix_caching else self.policy
         out.prefills = self.packer.plan(out.decodes, queue, limits, alloc)
         if self.config.max_num_encoder_tokens is not None and any(req.sampling.images for req, _ in out.prefills):
-            out.prefills = self._encoder_budget(out.prefills)
+            out.prefills = within_encoder_budget(out.prefills, self.config.max_num_encoder_tokens, self.policy)
         if any(req.bidirectional_spans for req, _ in out.prefills):
-            out.prefills = self._whole_spans(out.prefills, alloc)
+            out.prefills = whole_spans(out.prefills, alloc, self.policy)
         for req, _ in out.prefills:
             if req.first_scheduled_time is None:
                 req.first_scheduled_time = now
         return out
-
-    def _encoder_budget(self, prefills: list[tuple[Request, int]]) -> list[tuple[Request, int]]:
-        """The packer's chunks, each ending before the first image it reaches that is not encoded
-        yet and would take the step past `max_num_encoder_tokens` image tokens (vLLM's encoder
-        budget: encoding is part of the step). A chunk left empty waits, back in the policy."""
-        budget = self.config.max_num_encoder_tokens
-        kept = []
-        for req, n in prefills:
-            start = req.num_computed_tokens
-            end = start + n
-            for k, image in enumerate(req.sampling.images):
-                if k in req.image_embeds or image.offset + image.length <= start or image.offset >= end:
-                    continue
-                if image.length > budget:
-                    end = max(start, image.offset)
-                    break
-                budget -= image.length
-            if end > start:
-                kept.append((req, end - start))
-            else:
-                self.policy.push(req)
-        return kept
-
-    def _whole_spans(self, prefills: list[tuple[Request, int]], alloc: _StepAllocator) -> list[tuple[Request, int]]:
-        """The packer's chunks with none ending inside a bidirectional span of its request (vLLM's
-        `disable_chunked_mm_input`): such a chunk ends where the span begins, or, when it starts
-        at or inside the span, runs on to the span's end (a step may then exceed its token
-        budget by less than one image). A request whose longer chunk finds no KV waits, back in
-        the policy."""
-        kept = []
-        for req, n in prefills:
-            start = req.num_computed_tokens
-            end = start + n
-            for a, b in req.bidirectional_spans:
-                if a < end < b:
-                    end = a if a > start else b
-                    break
-            if end > start + n and not alloc.try_allocate(req, end - start):
-                self.policy.push(req)
-                continue
-            kept.append((req, end - start))
-        return kept
 
     def _schedule_drafts(self, out: SchedulerOutput, budget: int) -> int:
         """Let decodes with drafts run them this step, in decode order, while the token budget
