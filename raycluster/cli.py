@@ -11,7 +11,7 @@
   raycluster quantize SRC DST --scheme w4a16|w4a16-asym|w8a16|w8a8|fp8|fp8-block|gptq|awq [--group-size G]
   raycluster sim --cluster SPEC.yaml --workload NAME|FILE.jsonl ... --out F.json
   raycluster sim-search --search SEARCH.yaml --workload NAME|FILE.jsonl ... --out F.json
-  raycluster bench engine|convoy|policy|profile|kv-transfer|parallel|prefix|guided|images ...
+  raycluster bench engine|convoy|policy|profile|kv-transfer|parallel|prefix|guided|images|image-hop ...
 
 `up` runs the cluster (Ray Serve gateway, router, engine pools) on a new local Ray cluster or
 the one at `--address`; `--detach` starts it in the background, records its PID under the cache
@@ -275,7 +275,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
                "parallel": "parallel_bench", "prefix": "prefix_bench", "guided": "guided_bench",
                "spec-decode": "spec_bench", "lora": "lora_bench", "window": "window_bench",
                "quant": "quant_bench", "encoder": "encoder_bench", "hybrid-kv": "hybrid_kv_bench",
-               "images": "image_bench"}
+               "images": "image_bench", "image-hop": "image_hop_bench"}
     if not args.rest or args.rest[0] not in benches:
         print(f"raycluster bench: choose one of {', '.join(benches)}", file=sys.stderr)
         return 2

@@ -84,3 +84,15 @@ def test_image_chats_through_pd_pools(ray_cluster, tmp_path, arch, seed):
         # (The pressure controller may have moved the tp group to another pool by now.)
         assert sorted(i["layout"] for i in status["instances"]) == ["single", "single", "tp2"]
         assert status["model"]["images"] and not status["model"]["text_only"]
+
+
+def test_image_hop_bench_runs_both_ways(ray_cluster, tmp_path):
+    """`raycluster bench image-hop`: each case's pixels come back whole both ways, and the router
+    passes a handle faster than the pixels of the largest image."""
+    import argparse
+
+    from raycluster.bench.image_hop_bench import run
+
+    res = run(argparse.Namespace(repeats=2, concurrent=2, out=str(tmp_path / "hop.json")))
+    big = res["cases"]["qwen2-vl 1280x960"]
+    assert big["mb"] > 20 and big["router_ratio_handle_over_pixels"] < 1
