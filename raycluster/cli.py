@@ -61,7 +61,7 @@ def detach_command(args: argparse.Namespace) -> list[str]:
     cmd = [sys.executable, "-m", "raycluster.cli", args.cmd, "--host", args.host, "--port", str(args.port)]
     for flag in ("model", "policy", "app", "address", "threads", "tool_call_parser", "log_stats_interval",
                  "generation_config", "reasoning_parser", "chat_template", "speculative_config",
-                 "lora_resolver_max_loaded"):
+                 "lora_resolver_max_loaded", "allowed_local_media_path"):
         if getattr(args, flag, None) is not None:
             cmd += ["--" + flag.replace("_", "-"), str(getattr(args, flag))]
     if getattr(args, "served_model_name", None):
@@ -333,6 +333,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="chat replies carry the model's thinking as reasoning_content (vLLM's)")
     es.add_argument("--limit-mm-per-prompt", type=json.loads, default=None, metavar="JSON",
                     help='the most images a request may carry, as vLLM\'s: \'{"image": 4}\' (default 16)')
+    es.add_argument("--allowed-local-media-path", default=None, metavar="DIR",
+                    help="file: image URLs may read files under DIR (vLLM's; default: refused)")
     es.add_argument("--enable-log-requests", action="store_true",
                     help="log a line per request received (sampling parameters, not the prompt) and per choice "
                          "ended (vLLM's)")

@@ -200,6 +200,9 @@ class ClusterConfig(BaseModel):
     limit_mm_per_prompt: dict[str, int] | None = Field(
         None, description="vLLM's --limit-mm-per-prompt: the most images a request may carry, {image: N} "
         "(default 16; 0 refuses images)")
+    allowed_local_media_path: str | None = Field(
+        None, description="vLLM's --allowed-local-media-path: file: image URLs may read files under this directory "
+        "(on every gateway's node; default: refused)")
     controller: ControllerConfig = Field(default_factory=ControllerConfig)
     router_name: str = "raycluster-router"
     namespace: str = "raycluster"

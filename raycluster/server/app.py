@@ -95,7 +95,7 @@ def build_app(engine, tokenizer, model_names: str | Sequence[str], api_keys: Seq
               allow_runtime_lora: bool | None = None, lora_resolver_dir: str | None = None,
               lora_resolver_max_loaded: int | None = None, model_config: ModelConfig | None = None,
               response_store=None, images: ImageSpec | None = None,
-              max_images: int = MAX_IMAGES_PER_PROMPT) -> FastAPI:
+              max_images: int = MAX_IMAGES_PER_PROMPT, allowed_local_media_path: str | None = None) -> FastAPI:
     """`model_names`: the names a request's `model` may give (vLLM's --served-model-name); a
     response names the one its request gave, else the first. `sampling_defaults`: the model's
     default sampling parameters (its generation_config.json: raycluster.model.generation_config)
@@ -121,7 +121,8 @@ def build_app(engine, tokenizer, model_names: str | Sequence[str], api_keys: Seq
     raycluster.server.embeddings). `response_store`: where the Responses API keeps responses
     (raycluster.server.response_store; None: nothing is stored). `images`: how the model takes
     images (raycluster.server.images; None: chat requests with image parts are refused);
-    `max_images`: the most a request may carry (vLLM's limit_mm_per_prompt)."""
+    `max_images`: the most a request may carry (vLLM's limit_mm_per_prompt);
+    `allowed_local_media_path` (vLLM's): a directory file: image URLs may read (None: refused)."""
     names = [model_names] if isinstance(model_names, str) else list(model_names)
     lora_names = getattr(engine, "lora_adapters", dict)      # a backend without adapters may omit it
 
@@ -413,7 +414,7 @@ def build_app(engine, tokenizer, model_names: str | Sequence[str], api_keys: Seq
 
     async def _chat_prompt(body) -> tuple[list[int], list]:
         """The chat request's prompt ids, its image tokens expanded, and its images on them."""
-        loaded = await load_images(body.messages, images, max_images)
+        loaded = await load_images(body.messages, images, max_images, local_root=allowed_local_media_path)
         ids = _chat_ids(body, with_images=True, loaded=loaded)
         return place_images(ids, loaded, images) if loaded else (ids, [])
 

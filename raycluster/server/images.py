@@ -1,8 +1,8 @@
 """Chat requests' images, from `image_url` content parts to the prompt's `ImageInput`s.
 
 The HTTP server does what vLLM's input processor does before a request reaches an engine:
-`load_images` fetches each image part (a `data:` URL, or an http(s) URL, bounded in bytes and
-time), decodes it and runs the checkpoint's image processor (off the event loop), so a bad
+`load_images` fetches each image part (a `data:` URL, an http(s) URL, bounded in bytes and
+time, or a `file:` URL under the directory vLLM's --allowed-local-media-path names), decodes it and runs the checkpoint's image processor (off the event loop), so a bad
 image is the client's 400 and never reaches a worker. The chat template then renders each image
 as the model's image token: templates that iterate a message's content parts (`takes_parts`,
 as llava-hf's do) see `{"type": "image"}` parts in place, other templates see the image token's
@@ -23,6 +23,7 @@ import hashlib
 import json
 import os
 import re
+import urllib.parse
 from dataclasses import dataclass
 
 import httpx
@@ -119,10 +120,12 @@ def template_content(message, parts: bool, image_text: str | None):
 
 
 async def load_images(messages, spec: ImageSpec | None, limit: int = MAX_IMAGES_PER_PROMPT,
-                      client: httpx.AsyncClient | None = None) -> list[tuple[torch.Tensor, tuple[int, int], int]]:
+                      client: httpx.AsyncClient | None = None, local_root: str | None = None
+                      ) -> list[tuple[torch.Tensor, tuple[int, int], int]]:
     """(pixels, (height, width), placeholder tokens) of the messages' image parts, in order;
     InvalidRequestError for what the client got wrong (no images on this model, more than
-    `limit`, a URL or image that does not load)."""
+    `limit`, a URL or image that does not load). `local_root` (vLLM's --allowed-local-media-path):
+    file:// URLs under that directory are read too (None: refused)."""
     urls = [u for m in messages for u in m.images()]
     if not urls:
         return []
@@ -132,7 +135,7 @@ async def load_images(messages, spec: ImageSpec | None, limit: int = MAX_IMAGES_
     if len(urls) > limit:
         raise InvalidRequestError("messages", f"{len(urls)} images; this server takes at most {limit} per request "
                                   "(limit_mm_per_prompt)")
-    datas = await asyncio.gather(*(_image_bytes(u.url, k, client) for k, u in enumerate(urls)))
+    datas = await asyncio.gather(*(_image_bytes(u.url, k, client, local_root) for k, u in enumerate(urls)))
     return await asyncio.to_thread(_preprocess, datas, spec.facts)
 
 
@@ -146,7 +149,9 @@ def _preprocess(datas: list[bytes], facts: ImageFacts) -> list[tuple[torch.Tenso
     return out
 
 
-async def _image_bytes(url: str, k: int, client: httpx.AsyncClient | None) -> bytes:
+async def _image_bytes(url: str, k: int, client: httpx.AsyncClient | None, local_root: str | None = None) -> bytes:
+    if url.startswith("file:"):
+        return await asyncio.to_thread(_local_file, url, k, local_root)
     if url.startswith("data:"):
         head, sep, payload = url.partition(",")
         if not sep or not head.endswith(";base64"):
@@ -159,7 +164,7 @@ async def _image_bytes(url: str, k: int, client: httpx.AsyncClient | None) -> by
             raise InvalidRequestError("messages", f"image {k}: {len(data)} bytes; at most {MAX_IMAGE_BYTES}")
         return data
     if not url.startswith(("http://", "https://")):
-        raise InvalidRequestError("messages", f"image {k}: the URL must be http(s):// or data:, got {url[:40]!r}")
+        raise InvalidRequestError("messages", f"image {k}: the URL must be http(s)://, data: or file:, got {url[:40]!r}")
     try:
         if client is not None:
             return await _fetch(client, url, k)
@@ -167,6 +172,28 @@ async def _image_bytes(url: str, k: int, client: httpx.AsyncClient | None) -> by
             return await _fetch(own, url, k)
     except httpx.HTTPError as e:
         raise InvalidRequestError("messages", f"image {k}: cannot fetch {url[:200]}: {e!r}") from None
+
+
+def _local_file(url: str, k: int, local_root: str | None) -> bytes:
+    """The bytes of a file:// image under `local_root` (its real path: no way out by `..` or a link)."""
+    if local_root is None:
+        raise InvalidRequestError("messages", f"image {k}: file: URLs are not served (the server's "
+                                  "--allowed-local-media-path names a directory they may read)")
+    parsed = urllib.parse.urlparse(url)
+    if parsed.netloc not in ("", "localhost"):
+        raise InvalidRequestError("messages", f"image {k}: a file: URL names no host, got {parsed.netloc!r}")
+    root = os.path.realpath(local_root)
+    path = os.path.realpath(urllib.parse.unquote(parsed.path))
+    if os.path.commonpath([root, path]) != root:
+        raise InvalidRequestError("messages", f"image {k}: {parsed.path} is outside the allowed local media path")
+    try:
+        size = os.path.getsize(path)
+        if size > MAX_IMAGE_BYTES:
+            raise InvalidRequestError("messages", f"image {k}: {size} bytes; at most {MAX_IMAGE_BYTES}")
+        with open(path, "rb") as f:
+            return f.read(MAX_IMAGE_BYTES + 1)
+    except OSError as e:
+        raise InvalidRequestError("messages", f"image {k}: cannot read {parsed.path}: {e.strerror}") from None
 
 
 async def _fetch(client: httpx.AsyncClient, url: str, k: int) -> bytes:

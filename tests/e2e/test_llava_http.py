@@ -1,5 +1,6 @@
 """Images over real HTTP (raycluster.server.images): a tiny LLaVA served by one engine answers a
-chat message with an image, given inline as a data URL or fetched from an http URL on loopback,
+chat message with an image, given inline as a data URL, fetched from an http URL on loopback or read
+from a file: URL under the allowed local media path,
 with transformers' greedy tokens for the prompt `/tokenize` shows (its image token expanded), and
 so does the Responses API given the image as an input_image part;
 what a client gets wrong about an image is a 400 naming `messages`, and the engine is left clean."""
@@ -110,7 +111,8 @@ def test_chat_with_images_over_http(tmp_path):
             _data_url(b"GIF89a-but-not-really"): "cannot decode image",
             f"{files}/junk.png": "cannot decode image",
             f"{files}/missing.png": "answered HTTP 404",
-            "ftp://127.0.0.1/x.png": "must be http(s):// or data:",
+            "ftp://127.0.0.1/x.png": "must be http(s)://, data: or file:",
+            "file:///etc/hostname": "file: URLs are not served",
         }
         for image_url, why in bad.items():
             r = httpx.post(f"{url}/v1/chat/completions", timeout=30, json={"messages": [_message(image_url)], **gen})
@@ -210,3 +212,44 @@ def test_limit_mm_per_prompt(tmp_path):
     assert args.limit_mm_per_prompt == {"image": 2}
     cmd = detach_command(args)
     assert cmd[cmd.index("--limit-mm-per-prompt") + 1] == '{"image": 2}'
+
+
+def test_local_media_path(tmp_path):
+    """vLLM's --allowed-local-media-path: file: URLs under the directory are read (the same tokens
+    as the image inline); outside it (by path, by `..`, by a link), missing, or with a host, a 400
+    naming `messages`."""
+    from raycluster.cli import build_parser, detach_command
+    from raycluster.cluster.config import ClusterConfig
+
+    path = write_tiny_multimodal(tmp_path / "llava", "LlavaForConditionalGeneration", seed=1, vision_weights=True)
+    model, tok = tiny_parts(path)
+    media, outside = tmp_path / "media", tmp_path / "outside"
+    media.mkdir()
+    outside.mkdir()
+    png = _png(0)
+    (media / "cat 1.png").write_bytes(png)
+    (outside / "dog.png").write_bytes(_png(1))
+    (media / "link.png").symlink_to(outside / "dog.png")
+    gen = {"max_tokens": 6, "temperature": 0, "ignore_eos": True}
+    cfg = EngineConfig(kv_cache_tokens=2048, policy="fcfs", packer="token")
+    with serve_engine(cfg, model, tok, image_encoder=image_encoder_for(path), images=image_spec_for(path, tok),
+                      allowed_local_media_path=str(media)) as (url, aeng):
+        texts = []
+        for image_url in (_data_url(png), f"file://{media}/cat%201.png", f"file://localhost{media}/cat%201.png"):
+            r = httpx.post(f"{url}/v1/chat/completions", timeout=60, json={"messages": [_message(image_url)], **gen})
+            assert r.status_code == 200, (image_url, r.text)
+            texts.append(r.json()["choices"][0]["message"]["content"])
+        assert texts[1:] == texts[:1] * 2
+        for image_url, why in ((f"file://{outside}/dog.png", "outside the allowed local media path"),
+                               (f"file://{media}/../outside/dog.png", "outside the allowed local media path"),
+                               (f"file://{media}/link.png", "outside the allowed local media path"),
+                               (f"file://{media}/missing.png", "cannot read"),
+                               (f"file://example.com{media}/cat%201.png", "names no host")):
+            r = httpx.post(f"{url}/v1/chat/completions", timeout=30, json={"messages": [_message(image_url)], **gen})
+            assert r.status_code == 400 and r.json()["error"]["param"] == "messages", (image_url, r.text)
+            assert why in r.json()["error"]["message"], (image_url, r.text)
+        assert all_free(aeng)
+    assert ClusterConfig(allowed_local_media_path="/data").allowed_local_media_path == "/data"
+    args = build_parser().parse_args(["engine-server", "--allowed-local-media-path", str(media)])
+    cmd = detach_command(args)
+    assert cmd[cmd.index("--allowed-local-media-path") + 1] == str(media)
