@@ -52,6 +52,9 @@ class EngineConfig(BaseModel):
     max_num_encoder_tokens: int | None = Field(
         None, ge=1, description="vLLM's max_num_encoder_input_tokens: the image tokens one step may encode (a prefill "
         "chunk stops before an image that would pass it); default max_num_batched_tokens")
+    encoder_cache_tokens: int = Field(
+        4096, ge=0, description="image encoder outputs kept across requests, in image tokens (the least recently used "
+        "go first): the same image in another prompt is not encoded again (vLLM's encoder cache); 0: none")
     max_model_len: int | None = Field(None, ge=2, description="default: the model's context length")
     chunk_size: int | None = Field(512, ge=1, description="prefill chunk size; None: unchunked prefill")
     policy: str = Field("lars", description="priority policy by name (raycluster.sched.registry)")

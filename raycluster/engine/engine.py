@@ -25,7 +25,8 @@ import torch
 from raycluster.clock import WallClock
 from raycluster.engine.config import EngineConfig
 from raycluster.engine.guided import GuidedDecoding, constraint_of
-from raycluster.engine.image_inputs import bidirectional_spans, check_encoder_budget, check_images, feature_runs
+from raycluster.engine.image_inputs import (EncoderCache, bidirectional_spans, check_encoder_budget, check_images,
+                                            feature_runs)
 from raycluster.model.mrope import MRopeLayout
 from raycluster.engine.outputs import InvalidRequestError, RequestOutput, StepResult, validate_request
 from raycluster.parallel.factory import build_runner
@@ -85,6 +86,8 @@ class LLMEngine:
         self.runner = runner or build_runner(config, model, _DTYPES[config.dtype])
         self.kv = self.runner.kv
         self.image_encoder = self.runner.image_encoder = image_encoder
+        if image_encoder is not None and config.encoder_cache_tokens > 0:
+            self.runner.image_cache = EncoderCache(config.encoder_cache_tokens)
         self.predictor = predictor or self._predictor(config)
         self.scheduler = build_scheduler(config, self.kv, self.clock, self.max_model_len, self.predictor)
         self._retired = RetiredScheduling()       # pieces of pools it left (reconfigure_scheduling)

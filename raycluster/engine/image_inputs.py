@@ -9,10 +9,13 @@ the request (`Request.image_embeds`) so later chunks of the same prompt slice it
 encoding again (vLLM's encoder cache, per request). `image_rows` gives the step plan the
 (row, embeddings) pieces that replace the placeholder tokens' embeddings, and
 `drop_passed_images` frees an image's embeddings once the prefill is past it. A preempted
-request recomputes: its images are encoded again.
+request recomputes: its images are encoded again, unless the engine's `EncoderCache` (by the
+images' digests, across requests) still holds them.
 """
 
 from __future__ import annotations
+
+from collections import OrderedDict
 
 import torch
 
@@ -93,17 +96,56 @@ def _overlapping(req: Request, start: int, n: int):
             yield k, image
 
 
-def encode_images(encoder, prefills: list[tuple[Request, int]]) -> None:
+class EncoderCache:
+    """The image encoder's outputs of recent images by digest (pixels and size), least recently
+    used first out, at most `capacity` image tokens: the same image in another prompt (another
+    system prompt, another user's question) is not encoded again (vLLM's encoder cache). The
+    prefix cache already covers the same image after the same tokens."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self.tokens = 0
+        self.hits = self.misses = 0
+        self._entries: OrderedDict[bytes, torch.Tensor] = OrderedDict()
+
+    def get(self, digest: bytes) -> torch.Tensor | None:
+        e = self._entries.get(digest)
+        if e is None:
+            self.misses += 1
+            return None
+        self._entries.move_to_end(digest)
+        self.hits += 1
+        return e
+
+    def put(self, digest: bytes, e: torch.Tensor) -> None:
+        if digest in self._entries or e.shape[0] > self.capacity:
+            return
+        self._entries[digest] = e
+        self.tokens += e.shape[0]
+        while self.tokens > self.capacity:
+            _, old = self._entries.popitem(last=False)
+            self.tokens -= old.shape[0]
+
+
+def encode_images(encoder, prefills: list[tuple[Request, int]], cache: EncoderCache | None = None) -> None:
     """Encode, in one batch, every image the step's prefill chunks reach that has no
-    embeddings on its request yet."""
+    embeddings on its request yet and none in `cache`."""
     todo: list[tuple[Request, int, ImageInput]] = [
         (req, k, image) for req, n in prefills if req.sampling.images
         for k, image in _overlapping(req, req.num_computed_tokens, n) if k not in req.image_embeds]
+    if cache is not None:
+        for req, k, image in todo:
+            e = cache.get(image.digest)
+            if e is not None:
+                req.image_embeds[k] = e
+        todo = [(req, k, image) for req, k, image in todo if k not in req.image_embeds]
     if not todo:
         return
     embeds = encoder.encode_images([(image.pixel_values, image.size) for _, _, image in todo])
-    for (req, k, _), e in zip(todo, embeds):
+    for (req, k, image), e in zip(todo, embeds):
         req.image_embeds[k] = e
+        if cache is not None:
+            cache.put(image.digest, e)
 
 
 def image_rows(req: Request, start: int, n: int, first_row: int) -> list[tuple[int, torch.Tensor]]:

@@ -47,8 +47,10 @@ class ModelRunner:
     aux_layers: tuple[int, ...] = ()    # an EAGLE-3 head's: `last_aux`, the residual streams entering them
     last_aux = None
     # An image-text checkpoint's image encoder (raycluster.model.llava), run on this process for
-    # prompts with images (`execute_step`); None: the runner takes no images.
+    # prompts with images (`execute_step`); None: the runner takes no images. Its recent outputs
+    # by image digest (raycluster.engine.image_inputs.EncoderCache), when the engine keeps them.
     image_encoder = None
+    image_cache = None
 
     def __init__(self, model, kv: KVCacheManager, dtype: torch.dtype = torch.float32,
                  device: str | torch.device = "cpu", extra_kv_layers: int = 0) -> None:
@@ -117,7 +119,7 @@ def execute_step(runner, out: SchedulerOutput) -> StepLogits:
     Pooling requests' prefill rows are pooled on the way (`pool_prefills`)."""
     encoder = runner.image_encoder
     if encoder is not None:
-        encode_images(encoder, out.prefills)
+        encode_images(encoder, out.prefills, runner.image_cache)
     plan, reqs, prompt, drafts = step_plan(out, runner.kv.block_tables, runner.kv.extra_group_tables)
     if plan.image_rows:
         drop_passed_images(out.prefills)

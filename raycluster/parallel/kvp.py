@@ -390,6 +390,7 @@ class KVPRunner:
     aux_layers: tuple[int, ...] = ()
     last_aux = None
     image_encoder = None    # as ModelRunner's: on the leader, its output posted in the plan
+    image_cache = None
 
     def __init__(self, model, coll: Collective | None, world: int, blocks_per_rank: int, block_size: int,
                  dtype: torch.dtype, device: str | torch.device = "cpu", ranks=None,

@@ -355,6 +355,7 @@ class SPPRunner:
     every stage."""
 
     image_encoder = None    # as ModelRunner's: on the leader; the plan carries its output to the first stage
+    image_cache = None
     runs_bidirectional_spans = False    # micro-batches would split an image
 
     def __init__(self, model: LlamaForCausalLM | Checkpoint, kv: KVCacheManager, coll: Collective | None, spp: int,

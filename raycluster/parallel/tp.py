@@ -172,6 +172,7 @@ class TPRunner:
     returns_logits = True
     keep_hidden = False
     image_encoder = None    # as ModelRunner's: on the leader, its output posted in the plan
+    image_cache = None
     last_hidden = None
     aux_layers: tuple[int, ...] = ()
     last_aux = None

@@ -175,3 +175,39 @@ def test_what_the_engine_cannot_serve_is_refused(llava):
         with pytest.raises(InvalidRequestError, match=match):
             eng.add_request(f"bad-{match}", prompt, sp)
     assert not eng.has_unfinished()
+
+
+def test_the_encoder_cache_encodes_an_image_once_across_prompts(llava):
+    """The same picture after other text is not encoded again (the encoder cache, by digest), and
+    gives the tokens of an engine without the cache; the least recently used image goes first."""
+    from raycluster.engine.image_inputs import EncoderCache
+
+    path, model, enc, processor = llava
+    per = enc.tokens_per_image
+    px, other = _pixels(processor, 0), _pixels(processor, 1)
+    calls = []
+
+    class Counting:
+        def __getattr__(self, name):
+            return getattr(enc, name)
+
+        def encode_images(self, items):
+            calls.append(len(items))
+            return enc.encode_images(items)
+
+    prompts = [_prompt([[5, 6, 7], None, [8]], per, [px]), _prompt([[9, 10, 11, 12, 13], None, [8]], per, [px]),
+               _prompt([[5, 6], None, [9]], per, [other])]
+    outs = {}
+    for tokens in (4096, 0):
+        eng = LLMEngine(EngineConfig(**BASE, kv_cache_tokens=512, chunk_size=64, encoder_cache_tokens=tokens), model,
+                        image_encoder=Counting())
+        calls.clear()
+        outs[tokens] = [eng.generate([ids], [_sp(images)])[0] for ids, images in prompts]
+        assert calls == ([1, 1] if tokens else [1, 1, 1])
+        assert (eng.runner.image_cache is None) == (tokens == 0)
+    assert outs[4096] == outs[0]
+    cache = EncoderCache(capacity=2 * per)
+    for digest in (b"a", b"b", b"a", b"c"):         # c pushes out b, the least recently used
+        if cache.get(digest) is None:
+            cache.put(digest, torch.zeros(per, 4))
+    assert cache.get(b"b") is None and cache.get(b"a") is not None and cache.tokens == 2 * per
