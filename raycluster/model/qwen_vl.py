@@ -54,27 +54,37 @@ def _text_hidden(config: dict) -> int | None:
 
 
 class QwenVLImageEncoder(nn.Module):
-    """The tower and the image-size arithmetic (module docstring)."""
+    """The tower and the image-size arithmetic (module docstring). Qwen3-VL's encoder
+    (raycluster.model.qwen3_vl) is this one over another tower (`_tower`, `_features`)."""
 
     bidirectional = False       # the text model attends an image's tokens causally
+    NAME = "Qwen-VL"
 
     def __init__(self, config: dict, pixel_limits: tuple[int, int] = (DEFAULT_MIN_PIXELS, DEFAULT_MAX_PIXELS)):
         super().__init__()
+        self.visual, spec, field = self._tower(config)
+        text_hidden = _text_hidden(config)
+        if text_hidden is not None and text_hidden != spec.out_hidden:
+            raise ValueError(f"config field 'vision_config.{field}' = {spec.out_hidden}: the tower's tokens must be "
+                             f"the text model's hidden size, {text_hidden}")
+        self.image_token_id: int = int(config.get("image_token_id", 151655))
+        self.grid = QwenVLGrid(spec.patch_size, spec.merge_size, spec.temporal_patch_size, *pixel_limits)
+        self.text_hidden_size = spec.out_hidden
+
+    @staticmethod
+    def _tower(config: dict) -> tuple[nn.Module, QwenVisionSpec, str]:
+        """(the tower, its spec, the vision_config field naming its output width) of config.json."""
         archs = config.get("architectures") or []
         version = next((ARCHITECTURES[a] for a in archs if a in ARCHITECTURES), None)
         if version is None:
             raise ValueError(f"config field 'architectures' = {archs!r} names no Qwen-VL model "
                              f"({', '.join(ARCHITECTURES)})")
         spec = QwenVisionSpec.from_config(config.get("vision_config"), version)
-        text_hidden = _text_hidden(config)
-        if text_hidden is not None and text_hidden != spec.out_hidden:
-            field = "hidden_size" if version == "qwen2_vl" else "out_hidden_size"
-            raise ValueError(f"config field 'vision_config.{field}' = {spec.out_hidden}: the tower's tokens must be "
-                             f"the text model's hidden size, {text_hidden}")
-        self.visual = QwenVisionTower(spec)
-        self.image_token_id: int = int(config.get("image_token_id", 151655))
-        self.grid = QwenVLGrid(spec.patch_size, spec.merge_size, spec.temporal_patch_size, *pixel_limits)
-        self.text_hidden_size = spec.out_hidden
+        return QwenVisionTower(spec), spec, "hidden_size" if version == "qwen2_vl" else "out_hidden_size"
+
+    def _features(self, pixels: torch.Tensor, grids: list[tuple[int, int, int]]) -> torch.Tensor:
+        """The tower's output rows for the images' patches, one per image token, in order."""
+        return self.visual(pixels, grids)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -108,7 +118,7 @@ class QwenVLImageEncoder(nn.Module):
         if not items:
             return []
         pixels = torch.cat([torch.as_tensor(p) for p, _ in items]).to(self.device, self.dtype)
-        features = self.visual(pixels, [self.grid.grid_thw(tuple(size)) for _, size in items])
+        features = self._features(pixels, [self.grid.grid_thw(tuple(size)) for _, size in items])
         return list(features.split([self.tokens_for(size) for _, size in items]))
 
     @classmethod
@@ -121,11 +131,11 @@ class QwenVLImageEncoder(nn.Module):
         path = os.fspath(model_dir)
         prefix = tower_prefix(path)
         if prefix is None:
-            raise CheckpointError(f"{path!r}: the checkpoint stores no Qwen-VL vision tower tensors")
+            raise CheckpointError(f"{path!r}: the checkpoint stores no {cls.NAME} vision tower tensors")
         with torch.device("meta"):
             encoder = cls(read_config(path), pixel_limits(read_preprocessor(path)))
         encoder.to_empty(device=device).to(dtype)
         loaded = {"visual." + k: v for k, v in read_prefixed(path, prefix).items() if not k.startswith(_UNUSED)}
         params = dict(encoder.named_parameters())
-        copy_whole(params, loaded, path, "Qwen-VL vision tower", dtype)
+        copy_whole(params, loaded, path, f"{cls.NAME} vision tower", dtype)
         return encoder.eval()
