@@ -55,23 +55,10 @@ def image_token_types(model_dir, input_ids: list[int]) -> torch.Tensor:
 
 def hf_gemma3_greedy(model_dir, input_ids: list[int], pixel_values: torch.Tensor | None, max_new_tokens: int,
                      stop_at_eos: bool = False) -> list[int]:
-    model = hf_gemma3(str(model_dir))
-    ids = torch.tensor([input_ids])
-    # Gemma 3's generate() encodes whatever `pixel_values` it is handed, None too: left out without images.
-    image = {} if pixel_values is None else {"pixel_values": pixel_values,
-                                             "token_type_ids": image_token_types(model_dir, input_ids)}
-    config = model.generation_config
-    saved = config.eos_token_id
-    if not stop_at_eos:
-        config.eos_token_id = None      # generate() would take the model's EOS back from here
-    try:
-        with torch.no_grad():
-            seq = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
-                                 do_sample=False, pad_token_id=2, **image,
-                                 **({} if stop_at_eos else {"eos_token_id": None}))
-    finally:
-        config.eos_token_id = saved
-    return seq[0, len(input_ids):].tolist()
+    from llava_reference import _greedy
+
+    types = {} if pixel_values is None else {"token_type_ids": image_token_types(model_dir, input_ids)}
+    return _greedy(hf_gemma3(str(model_dir)), input_ids, pixel_values, max_new_tokens, stop_at_eos, **types)
 
 
 def hf_gemma3_logits(model_dir, input_ids: list[int], inputs_embeds: torch.Tensor | None = None,

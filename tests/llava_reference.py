@@ -58,7 +58,12 @@ def hf_llava_greedy(model_dir, input_ids: list[int], pixel_values: torch.Tensor 
 
 def _greedy(model, input_ids: list[int], pixel_values: torch.Tensor | None, max_new_tokens: int, stop_at_eos: bool,
             **image) -> list[int]:
+    """The model's greedy new tokens (pure argmax: EOS neither stops nor is suppressed unless
+    `stop_at_eos`). Without pixels (None) no pixel_values reach generate(): some models encode
+    whatever they are handed, None too."""
     ids = torch.tensor([input_ids])
+    if pixel_values is not None:
+        image = {"pixel_values": pixel_values, **image}
     kwargs = {} if stop_at_eos else {"eos_token_id": None}
     config = model.generation_config
     saved = config.eos_token_id
@@ -66,8 +71,8 @@ def _greedy(model, input_ids: list[int], pixel_values: torch.Tensor | None, max_
         config.eos_token_id = None      # generate() would take the model's EOS back from here
     try:
         with torch.no_grad():
-            seq = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), pixel_values=pixel_values,
-                                 max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=2, **image, **kwargs)
+            seq = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
+                                 do_sample=False, pad_token_id=2, **image, **kwargs)
     finally:
         config.eos_token_id = saved
     return seq[0, len(input_ids):].tolist()

@@ -55,22 +55,11 @@ def hf_qwen3_vl_greedy(model_dir, input_ids: list[int], pixel_values: torch.Tens
                        image_grid_thw: torch.Tensor | None, max_new_tokens: int, stop_at_eos: bool = False,
                        model=None) -> list[int]:
     """`model`: another loaded model to run instead of the checkpoint's cached one (a test's variant)."""
+    from llava_reference import _greedy
+
     model = hf_qwen3_vl(model_dir) if model is None else model
-    ids = torch.tensor([input_ids])
     image = {}
-    # generate() runs the image encoder whenever a pixel_values key is given, even None: leave it out.
     if pixel_values is not None:
-        types = (ids == model.config.image_token_id).int()
-        image = {"pixel_values": pixel_values, "image_grid_thw": image_grid_thw, "mm_token_type_ids": types}
-    config = model.generation_config
-    saved = config.eos_token_id
-    if not stop_at_eos:
-        config.eos_token_id = None      # generate() would take the model's EOS back from here
-    try:
-        with torch.no_grad():
-            seq = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
-                                 do_sample=False, pad_token_id=2, **image,
-                                 **({} if stop_at_eos else {"eos_token_id": None}))
-    finally:
-        config.eos_token_id = saved
-    return seq[0, len(input_ids):].tolist()
+        types = (torch.tensor([input_ids]) == model.config.image_token_id).int()
+        image = {"image_grid_thw": image_grid_thw, "mm_token_type_ids": types}
+    return _greedy(model, input_ids, pixel_values, max_new_tokens, stop_at_eos, **image)

@@ -8,20 +8,19 @@ layers the levels go to)."""
 
 from __future__ import annotations
 
-import hashlib
 
 import numpy as np
 import pytest
 from PIL import Image
 from qwen3_vl_reference import hf_qwen3_vl_greedy, hf_qwen3_vl_processor
+from qwen_vl_reference import compare_prompt
 
 from raycluster.engine.config import EngineConfig
 from raycluster.engine.engine import LLMEngine
-from raycluster.model.llava import image_encoder_for, image_facts
+from raycluster.model.llava import image_encoder_for
 from raycluster.model.loader import load_model
 from raycluster.model.tiny_qwen3_vl import write_tiny_qwen3_vl
-from raycluster.model.tokenizer import Tokenizer
-from raycluster.request import ImageInput, SamplingParams
+from raycluster.request import SamplingParams
 
 pytest.importorskip("transformers")
 BASE = dict(policy="fcfs", packer="token", predictor="none", block_size=4, num_threads=1, group_timeout_s=30)
@@ -36,23 +35,7 @@ def _picture(h: int, w: int, seed: int) -> Image.Image:
 @pytest.fixture(scope="module")
 def qwen3(tmp_path_factory):
     path = write_tiny_qwen3_vl(tmp_path_factory.mktemp("qwen3_vl"), seed=5)
-    tok = Tokenizer(path)
-    facts = image_facts(path)
-    text = tok.apply_chat_template([{"role": "user", "content": [
-        {"type": "image"}, {"type": "text", "text": "Compare"}, {"type": "image"}, {"type": "text", "text": "these."}]}])
-    prompt = tok.encode(text, add_special_tokens=False)
-    images = [_picture(30, 40, 7), _picture(100, 17, 8)]
-    loaded = [facts.prepare(im) for im in images]
-    ids, inputs, it = [], [], iter(loaded)
-    for t in prompt:
-        if t != facts.image_token_id:
-            ids.append(t)
-            continue
-        px, size, n = next(it)
-        inputs.append(ImageInput(len(ids), n, px, hashlib.sha256(px.numpy().tobytes()).digest(), size))
-        ids.extend([t] * n)
-    hf = hf_qwen3_vl_processor(path)(images=images, text=[text.replace("<|bos|>", "", 1)], return_tensors="pt")
-    assert hf["input_ids"][0].tolist() == ids
+    ids, inputs, hf = compare_prompt(path, [_picture(30, 40, 7), _picture(100, 17, 8)], hf_qwen3_vl_processor)
     want = hf_qwen3_vl_greedy(path, ids, hf["pixel_values"], hf["image_grid_thw"], 10)
     model, _ = load_model(path)
     return model, image_encoder_for(path), ids, inputs, want
