@@ -13,7 +13,10 @@ are raycluster.model.qwen3_vl's `Qwen3VLImageEncoder`, the same arithmetic, whos
 carry the DeepStack levels the text model adds after its first layers. Gemma 3
 (`Gemma3ForConditionalGeneration`) is raycluster.model.gemma3_vision's `Gemma3ImageEncoder`: a
 SigLIP tower, `tokens_per_image` features per image, whose tokens the text model attends to each
-other both ways (its `bidirectional`).
+other both ways (its `bidirectional`). Mistral 3 (`Mistral3ForConditionalGeneration`: Mistral Small
+3.1 / 3.2) is raycluster.model.mistral3_vision's `Mistral3ImageEncoder`: a Pixtral tower, an image
+taking rows of its token, each row ended by a break token (the last by an end token); its features
+fill the rows (`feature_runs`), the facts' `spans` lay out the whole span.
 
 The encoders answer the same calls (what the engine uses): `image_token_id`,
 `tokens_for((height, width))`, `check_pixels(pixels, (height, width))` (None, or why the pixels
@@ -39,12 +42,14 @@ from typing import Callable
 import torch
 from PIL import Image
 
-from raycluster.model import gemma3_vision, llava_next, qwen3_vl, qwen_vl
+from raycluster.model import gemma3_vision, llava_next, mistral3_vision, qwen3_vl, qwen_vl
 from raycluster.model.anyres import AnyresGrid, AnyresImageProcessor
 from raycluster.model.gemma3_processor import Gemma3ImageProcessor
 from raycluster.model.gemma3_vision import Gemma3ImageEncoder
 from raycluster.model.image_processor import ImageProcessor
 from raycluster.model.llava_tower import ClipProjectorEncoder, check_items, read_config
+from raycluster.model.mistral3_vision import Mistral3ImageEncoder
+from raycluster.model.pixtral_processor import PixtralGrid, PixtralImageProcessor
 from raycluster.model.qwen3_vl import Qwen3VLImageEncoder
 from raycluster.model.qwen_vl import QwenVLImageEncoder
 from raycluster.model.qwen_vl_processor import QwenVLGrid, QwenVLImageProcessor, pixel_limits, read_preprocessor
@@ -84,7 +89,7 @@ class LlavaImageEncoder(ClipProjectorEncoder):
 _ENCODERS = {ARCHITECTURE: LlavaImageEncoder, llava_next.ARCHITECTURE: llava_next.LlavaNextImageEncoder,
              **{arch: QwenVLImageEncoder for arch in qwen_vl.ARCHITECTURES},
              **{arch: Qwen3VLImageEncoder for arch in qwen3_vl.ARCHITECTURES},
-             gemma3_vision.ARCHITECTURE: Gemma3ImageEncoder}
+             gemma3_vision.ARCHITECTURE: Gemma3ImageEncoder, mistral3_vision.ARCHITECTURE: Mistral3ImageEncoder}
 
 
 def _encoder_class(path: str):
@@ -97,7 +102,7 @@ def _encoder_class(path: str):
 
 
 def image_encoder_for(model_dir: str | os.PathLike, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"
-                      ) -> ClipProjectorEncoder | QwenVLImageEncoder | Qwen3VLImageEncoder | Gemma3ImageEncoder | None:
+                      ) -> ClipProjectorEncoder | QwenVLImageEncoder | Gemma3ImageEncoder | Mistral3ImageEncoder | None:
     """The image encoder of a checkpoint (module docstring) that stores its tower, else None."""
     path = os.fspath(model_dir)
     cls = _encoder_class(path)
@@ -118,9 +123,10 @@ class ImageFacts:
     """How a checkpoint takes images (module docstring). `processor` is None when the checkpoint
     has no preprocessor_config.json; `grid` (LLaVA-NeXT, Qwen-VL) makes the count depend on the size."""
     image_token_id: int
-    processor: FixedSizeProcessor | AnyresImageProcessor | QwenVLImageProcessor | Gemma3ImageProcessor | None
+    processor: FixedSizeProcessor | AnyresImageProcessor | QwenVLImageProcessor | Gemma3ImageProcessor | \
+        PixtralImageProcessor | None
     tokens_per_image: int | None = None
-    grid: AnyresGrid | QwenVLGrid | None = None
+    grid: AnyresGrid | QwenVLGrid | PixtralGrid | None = None
     spans: Callable[[tuple[int, int]], list[int]] | None = None
 
     def tokens_for(self, image_size: tuple[int, int]) -> int:
@@ -157,6 +163,11 @@ def image_facts(model_dir: str | os.PathLike) -> ImageFacts | None:
         return _qwen_vl_facts(path, config, cls)
     if cls is Gemma3ImageEncoder:
         return _gemma3_facts(path, config)
+    if cls is Mistral3ImageEncoder:
+        with torch.device("meta"):
+            encoder = Mistral3ImageEncoder.for_model_dir(path, text_hidden=1)
+        return ImageFacts(encoder.image_token_id, PixtralImageProcessor.from_model_dir(path), grid=encoder.grid,
+                          spans=encoder.span_ids)
     with torch.device("meta"):      # validates the config as loading would, allocating nothing
         encoder = cls(config, text_hidden=1)
     if cls is LlavaImageEncoder:
@@ -194,8 +205,8 @@ def _gemma3_facts(path: str, config: dict) -> ImageFacts:
     return ImageFacts(encoder.image_token_id, processor, tokens_per_image=encoder.tokens_per_image)
 
 
-def processor_for(model_dir: str | os.PathLike
-                  ) -> FixedSizeProcessor | AnyresImageProcessor | QwenVLImageProcessor | Gemma3ImageProcessor | None:
+def processor_for(model_dir: str | os.PathLike) -> FixedSizeProcessor | AnyresImageProcessor | QwenVLImageProcessor | \
+        Gemma3ImageProcessor | PixtralImageProcessor | None:
     """The checkpoint's image processor (PIL image -> (pixels, (height, width))), else None."""
     facts = image_facts(model_dir)
     return None if facts is None else facts.processor
