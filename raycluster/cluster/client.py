@@ -247,7 +247,9 @@ class ClusterClient:
         validate_request(prompt_token_ids, sampling, self.max_model_len, self.vocab_size)
         slo = slo or SLO()
         # The meta gets its own copy: the caller may reuse its object (n choices share one).
-        sampling = self._shared(sampling)
+        if self._share_images is not None and sampling.images:
+            # Off the event loop: putting a large image copies megabytes (other streams go on).
+            sampling = await asyncio.to_thread(self._shared, sampling)
         meta = RequestMeta(request_id, self.gateway_id, list(prompt_token_ids), copy.deepcopy(sampling),
                            ttft_slo_s=slo.ttft_s, tpot_slo_s=slo.tpot_s, priority=priority, tenant=tenant,
                            app_id=app_id, arrival_time=time.time())
@@ -338,7 +340,7 @@ class ClusterClient:
     def _shared(self, sampling: SamplingParams) -> SamplingParams:
         """`sampling` with its images' pixels as `share_images` handles (a copy; the same object
         when there is nothing to share)."""
-        if self._share_images is None or not any(isinstance(im.pixel_values, torch.Tensor) for im in sampling.images):
+        if not any(isinstance(im.pixel_values, torch.Tensor) for im in sampling.images):
             return sampling
         return dataclasses.replace(sampling, images=[
             dataclasses.replace(im, pixel_values=self._share_images(im.pixel_values))
