@@ -16,10 +16,14 @@ SigLIP tower, `tokens_per_image` features per image, whose tokens the text model
 other both ways (its `bidirectional`). Mistral 3 (`Mistral3ForConditionalGeneration`: Mistral Small
 3.1 / 3.2) is raycluster.model.mistral3_vision's `Mistral3ImageEncoder`: a Pixtral tower, an image
 taking rows of its token, each row ended by a break token (the last by an end token); its features
-fill the rows (`feature_runs`), the facts' `spans` lay out the whole span.
+fill the rows (`feature_runs`), the facts' `spans` lay out the whole span. Llama 4
+(`Llama4ForConditionalGeneration`) is raycluster.model.llama4_image's `Llama4ImageEncoder`: tiles of
+the image and a global one, each tile's patch tokens between separators; the template's
+"<|image|>" (the facts' `image_token_id`) becomes the span from "<|image_start|>" to
+"<|image_end|>", the features filling the patch tokens (the encoder's `image_token_id`).
 
 The encoders answer the same calls (what the engine uses): `image_token_id`,
-`tokens_for((height, width))`, `check_pixels(pixels, (height, width))` (None, or why the pixels
+`tokens_for((height, width))` (the image's span of prompt tokens), `check_pixels(pixels, (height, width))` (None, or why the pixels
 do not fit) and `encode_images([(pixels, (height, width)), ...])` -> one [tokens_for(size), text
 hidden] tensor per image, in the encoder's dtype, for the text model's image-token positions.
 
@@ -42,11 +46,13 @@ from typing import Callable
 import torch
 from PIL import Image
 
-from raycluster.model import gemma3_vision, llava_next, mistral3_vision, qwen3_vl, qwen_vl
+from raycluster.model import gemma3_vision, llama4_image, llava_next, mistral3_vision, qwen3_vl, qwen_vl
 from raycluster.model.anyres import AnyresGrid, AnyresImageProcessor
 from raycluster.model.gemma3_processor import Gemma3ImageProcessor
 from raycluster.model.gemma3_vision import Gemma3ImageEncoder
 from raycluster.model.image_processor import ImageProcessor
+from raycluster.model.llama4_image import Llama4ImageEncoder
+from raycluster.model.llama4_processor import Llama4Grid, Llama4ImageProcessor
 from raycluster.model.llava_tower import ClipProjectorEncoder, check_items, read_config
 from raycluster.model.mistral3_vision import Mistral3ImageEncoder
 from raycluster.model.pixtral_processor import PixtralGrid, PixtralImageProcessor
@@ -89,7 +95,8 @@ class LlavaImageEncoder(ClipProjectorEncoder):
 _ENCODERS = {ARCHITECTURE: LlavaImageEncoder, llava_next.ARCHITECTURE: llava_next.LlavaNextImageEncoder,
              **{arch: QwenVLImageEncoder for arch in qwen_vl.ARCHITECTURES},
              **{arch: Qwen3VLImageEncoder for arch in qwen3_vl.ARCHITECTURES},
-             gemma3_vision.ARCHITECTURE: Gemma3ImageEncoder, mistral3_vision.ARCHITECTURE: Mistral3ImageEncoder}
+             gemma3_vision.ARCHITECTURE: Gemma3ImageEncoder, mistral3_vision.ARCHITECTURE: Mistral3ImageEncoder,
+             llama4_image.ARCHITECTURE: Llama4ImageEncoder}
 
 
 def _encoder_class(path: str):
@@ -102,7 +109,8 @@ def _encoder_class(path: str):
 
 
 def image_encoder_for(model_dir: str | os.PathLike, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"
-                      ) -> ClipProjectorEncoder | QwenVLImageEncoder | Gemma3ImageEncoder | Mistral3ImageEncoder | None:
+                      ) -> ClipProjectorEncoder | QwenVLImageEncoder | Gemma3ImageEncoder | Mistral3ImageEncoder | \
+        Llama4ImageEncoder | None:
     """The image encoder of a checkpoint (module docstring) that stores its tower, else None."""
     path = os.fspath(model_dir)
     cls = _encoder_class(path)
@@ -124,10 +132,12 @@ class ImageFacts:
     has no preprocessor_config.json; `grid` (LLaVA-NeXT, Qwen-VL) makes the count depend on the size."""
     image_token_id: int
     processor: FixedSizeProcessor | AnyresImageProcessor | QwenVLImageProcessor | Gemma3ImageProcessor | \
-        PixtralImageProcessor | None
+        PixtralImageProcessor | Llama4ImageProcessor | None
     tokens_per_image: int | None = None
-    grid: AnyresGrid | QwenVLGrid | PixtralGrid | None = None
+    grid: AnyresGrid | QwenVLGrid | PixtralGrid | Llama4Grid | None = None
     spans: Callable[[tuple[int, int]], list[int]] | None = None
+    # Gemma 3's start / end of image tokens, whose text the server wraps each image's placeholders in.
+    wrap_ids: tuple[int, int] | None = None
 
     def tokens_for(self, image_size: tuple[int, int]) -> int:
         return self.grid.tokens_for(image_size) if self.grid is not None else self.tokens_per_image
@@ -168,6 +178,12 @@ def image_facts(model_dir: str | os.PathLike) -> ImageFacts | None:
             encoder = Mistral3ImageEncoder.for_model_dir(path, text_hidden=1)
         return ImageFacts(encoder.image_token_id, PixtralImageProcessor.from_model_dir(path), grid=encoder.grid,
                           spans=encoder.span_ids)
+    if cls is Llama4ImageEncoder:
+        # The template writes "<|image|>"; the server expands it to the image's whole span.
+        with torch.device("meta"):
+            encoder = Llama4ImageEncoder.for_model_dir(path, text_hidden=1)
+        return ImageFacts(encoder.placeholder_token_id, Llama4ImageProcessor.from_model_dir(path), grid=encoder.grid,
+                          spans=encoder.span_ids)
     with torch.device("meta"):      # validates the config as loading would, allocating nothing
         encoder = cls(config, text_hidden=1)
     if cls is LlavaImageEncoder:
@@ -202,11 +218,12 @@ def _gemma3_facts(path: str, config: dict) -> ImageFacts:
     if processor is not None and processor.size != {"height": encoder.image_size, "width": encoder.image_size}:
         raise ValueError(f"{path}: preprocessor_config.json's size {processor.size} is not the tower's "
                          f"{encoder.image_size} x {encoder.image_size} (config.json's vision_config.image_size)")
-    return ImageFacts(encoder.image_token_id, processor, tokens_per_image=encoder.tokens_per_image)
+    return ImageFacts(encoder.image_token_id, processor, tokens_per_image=encoder.tokens_per_image,
+                      wrap_ids=(encoder.boi_token_id, encoder.eoi_token_id))
 
 
 def processor_for(model_dir: str | os.PathLike) -> FixedSizeProcessor | AnyresImageProcessor | QwenVLImageProcessor | \
-        Gemma3ImageProcessor | PixtralImageProcessor | None:
+        Gemma3ImageProcessor | PixtralImageProcessor | Llama4ImageProcessor | None:
     """The checkpoint's image processor (PIL image -> (pixels, (height, width))), else None."""
     facts = image_facts(model_dir)
     return None if facts is None else facts.processor

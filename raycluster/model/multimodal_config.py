@@ -18,9 +18,9 @@ prefix (`language_model.` in the released Gemma / Mistral / LLaVA / LLaVA-NeXT f
 released Qwen-VL files;
 raycluster.model.loader maps them). The text model alone is built here; the image encoders of
 the architectures that take images (LLaVA, LLaVA-NeXT, Qwen2-VL, Qwen2.5-VL, Qwen3-VL,
-Qwen3-VL-MoE, Gemma 3, Mistral 3) are raycluster.model.llava's, and `mrope_of` reads the Qwen-VL
-models' multimodal RoPE, which turns image prompts (raycluster.model.mrope). Llama 4's requests
-with image parts are refused.
+Qwen3-VL-MoE, Gemma 3, Mistral 3, Llama 4) are raycluster.model.llava's, and `mrope_of` reads the
+Qwen-VL models' multimodal RoPE, which turns image prompts (raycluster.model.mrope). A checkpoint
+stored without its tower serves its text alone and refuses image parts.
 """
 
 from __future__ import annotations

@@ -82,9 +82,9 @@ def image_spec_for(model_dir, tokenizer) -> ImageSpec | None:
         raise ValueError(f"{model_dir}: the image token id {facts.image_token_id} is not in the tokenizer's vocabulary")
     with open(os.path.join(model_dir, "config.json")) as f:
         config = json.load(f)
-    if isinstance(config.get("boi_token_index"), int):
+    if facts.wrap_ids is not None:
         # Gemma 3: "<start_of_image>" marks an image; its processor's text around the placeholders.
-        boi, eoi = (tokenizer.id_to_token(config.get(k)) for k in ("boi_token_index", "eoi_token_index"))
+        boi, eoi = (tokenizer.id_to_token(i) for i in facts.wrap_ids)
         if boi is None or eoi is None:
             raise ValueError(f"{model_dir}: the start / end of image token ids are not in the tokenizer's vocabulary")
         return ImageSpec(facts.image_token_id, boi, facts, wrap=(f"\n\n{boi}", f"{eoi}\n\n"), placeholder_text=text)

@@ -1,6 +1,7 @@
-"""Mistral 3 over real HTTP: a chat message with two images of different sizes is answered with
-transformers' greedy tokens; /tokenize shows the processor's ids, each image's span rows of
-"[IMG]" ended by "[IMG_BREAK]" and the last by "[IMG_END]"."""
+"""Mistral 3 and Llama 4 over real HTTP: a chat message with two images of different sizes is
+answered with transformers' greedy tokens; /tokenize shows the processor's ids (Mistral 3: each
+image's rows of "[IMG]" ended by "[IMG_BREAK]", the last by "[IMG_END]"; Llama 4: "<|image|>"
+expanded to its tiles' "<|patch|>" tokens between separators)."""
 
 from __future__ import annotations
 
@@ -10,11 +11,13 @@ import io
 import httpx
 import pytest
 from engine_http import all_free, serve_engine, tiny_parts
-from mistral3_reference import hf_mistral3_greedy, hf_processed
+import llama4_reference
+import mistral3_reference
 from PIL import Image
 
 from raycluster.engine.config import EngineConfig
 from raycluster.model.llava import image_encoder_for
+from raycluster.model.tiny_llama4_vl import write_tiny_llama4_vl
 from raycluster.model.tiny_mistral3_vl import write_tiny_mistral3_vl
 from raycluster.server.images import image_spec_for
 
@@ -31,10 +34,25 @@ def _part(png: bytes) -> dict:
     return {"type": "image_url", "image_url": {"url": "data:image/png;base64," + base64.b64encode(png).decode()}}
 
 
-def test_mistral3_chat_with_two_images(tmp_path):
-    path = write_tiny_mistral3_vl(tmp_path / "mistral3", seed=0)
+def _mistral3_greedy(path, ids, pixels, sizes, n):
+    return mistral3_reference.hf_mistral3_greedy(path, ids, pixels, sizes, n)
+
+
+def _llama4_greedy(path, ids, pixels, sizes, n):
+    return llama4_reference.hf_llama4_greedy(path, ids, pixels, n)
+
+
+# (checkpoint writer, transformers' processed prompt, its greedy tokens, two images)
+MODELS = {"mistral3": (write_tiny_mistral3_vl, mistral3_reference.hf_processed, _mistral3_greedy, ((53, 37), (20, 40))),
+          "llama4": (write_tiny_llama4_vl, llama4_reference.hf_processed, _llama4_greedy, ((16, 16), (53, 37)))}
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_chat_with_two_images(tmp_path, name):
+    write, hf_processed, hf_greedy, sizes = MODELS[name]
+    path = write(tmp_path / name, seed=0)
     model, tok = tiny_parts(path)
-    images = [Image.new("RGB", (53, 37), (200, 30, 30)), Image.new("RGB", (20, 40), (30, 30, 200))]
+    images = [Image.new("RGB", sizes[0], (200, 30, 30)), Image.new("RGB", sizes[1], (30, 30, 200))]
     pngs = [_png(im) for im in images]
     messages = [{"role": "user", "content": [{"type": "text", "text": "Compare"}, _part(pngs[0]),
                                              {"type": "text", "text": "with"}, _part(pngs[1])]}]
@@ -45,9 +63,9 @@ def test_mistral3_chat_with_two_images(tmp_path):
         text = tok.apply_chat_template([{"role": "user", "content": [
             {"type": "text", "text": "Compare"}, {"type": "image"}, {"type": "text", "text": "with"},
             {"type": "image"}]}])
-        hf_ids, pixels, sizes = hf_processed(path, text, [Image.open(io.BytesIO(p)) for p in pngs])
+        hf_ids, pixels, shapes = hf_processed(path, text, [Image.open(io.BytesIO(p)) for p in pngs])
         assert hf_ids == ids
-        want = hf_mistral3_greedy(path, ids, pixels, sizes, 10)
+        want = hf_greedy(path, ids, pixels, shapes, 10)
         r = httpx.post(f"{url}/v1/chat/completions", timeout=60, json={
             "messages": messages, "max_tokens": 10, "temperature": 0, "ignore_eos": True})
         assert r.status_code == 200, r.text
