@@ -138,3 +138,30 @@ def copy_whole(params: dict[str, torch.Tensor], tensors: dict[str, torch.Tensor]
         more = "..." if len(missing) > 4 else ""
         raise CheckpointError(f"{path!r}: missing {what} tensors {missing[:4]}{more}")
 
+
+
+def stored_prefixes(path: str, *wanted: tuple[tuple[str, ...], str]) -> tuple[str | None, ...]:
+    """For each (candidate prefixes, a tensor name under them), the first prefix under which the
+    checkpoint stores that name (None: none does, or no readable weights): where an image-text
+    checkpoint keeps its tower and its projector, whichever layout it was saved in."""
+    try:
+        names = stored_names(path)
+    except CheckpointError:
+        return (None,) * len(wanted)
+    return tuple(next((p for p in prefixes if p + key in names), None) for prefixes, key in wanted)
+
+
+def check_projection(name: str, shape: list[int], width: int, text: int, width_field: str,
+                     text_first: bool = True) -> None:
+    """ValueError naming the config field a stored projection [text, width] (`text_first`; else
+    [width, text]) disagrees with: the tower's `width` (config `width_field`) or the text
+    model's hidden size."""
+    w, t = (1, 0) if text_first else (0, 1)
+    if len(shape) == 2 and shape[w] == width and shape[t] != text:
+        field = f"config field 'text_config.hidden_size' = {text}"
+    elif len(shape) != 2 or shape[w] != width:
+        field = f"config field '{width_field}' = {width}"
+    else:
+        return
+    want = [text, width] if text_first else [width, text]
+    raise ValueError(f"{name} is {shape}, not {want}: it does not fit {field}")

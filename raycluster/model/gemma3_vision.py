@@ -38,7 +38,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from raycluster.model.checkpoint_files import CheckpointError, copy_whole, read_prefixed, stored_names
+from raycluster.model.checkpoint_files import (CheckpointError, check_projection, copy_whole, read_prefixed,
+                                               stored_prefixes)
 from raycluster.model.llava_tower import check_items, read_config, shape_reason
 from raycluster.model.multimodal_config import text_config_of
 from raycluster.model.siglip_vision import SiglipVisionModel, SiglipVisionSpec
@@ -186,27 +187,13 @@ class Gemma3ImageEncoder(nn.Module):
 
 
 def _check_projection(weight: torch.Tensor | None, encoder: Gemma3ImageEncoder) -> None:
-    """ValueError naming the config field the stored projection disagrees with (its rows are the
-    tower's width, its columns the text model's hidden size)."""
-    if weight is None:
-        return      # copy_whole names the missing tensor
-    width, text = encoder.vision_tower.spec.hidden_size, encoder.text_hidden_size
-    shape = list(weight.shape)
-    if len(shape) == 2 and shape[0] == width and shape[1] != text:
-        field = f"config field 'text_config.hidden_size' = {text}"
-    elif len(shape) != 2 or shape[0] != width:
-        field = f"config field 'vision_config.hidden_size' = {width}"
-    else:
-        return
-    raise ValueError(f"multi_modal_projector.{_PROJECTION} is {shape}, not [{width}, {text}]: it does not fit {field}")
+    """The stored projection [tower width, text hidden] against the config (copy_whole names a missing one)."""
+    if weight is not None:
+        check_projection(f"multi_modal_projector.{_PROJECTION}", list(weight.shape), encoder.vision_tower.spec.hidden_size,
+                         encoder.text_hidden_size, "vision_config.hidden_size", text_first=False)
 
 
 def tensor_prefixes(path: str) -> tuple[str | None, str | None]:
     """(tower prefix, projector prefix) of the stored names (None: not stored, or no readable weights)."""
-    try:
-        names = stored_names(path)
-    except CheckpointError:
-        return None, None
-    tower = next((p for p in _TOWER_PREFIXES if p + "embeddings.patch_embedding.weight" in names), None)
-    projector = next((p for p in _PROJECTOR_PREFIXES if p + _PROJECTION in names), None)
-    return tower, projector
+    return stored_prefixes(path, (_TOWER_PREFIXES, "embeddings.patch_embedding.weight"),
+                           (_PROJECTOR_PREFIXES, _PROJECTION))

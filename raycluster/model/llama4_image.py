@@ -43,7 +43,8 @@ import os
 import torch
 from torch import nn
 
-from raycluster.model.checkpoint_files import CheckpointError, copy_whole, read_prefixed, stored_names
+from raycluster.model.checkpoint_files import (CheckpointError, check_projection, copy_whole, read_prefixed,
+                                               stored_prefixes)
 from raycluster.model.llama4_processor import Llama4Grid, Llama4ImageProcessor, SpanTokens, span_tokens_of
 from raycluster.model.llama4_vision import Llama4VisionModel, Llama4VisionSpec
 from raycluster.model.llava_tower import check_items, read_config, shape_reason
@@ -199,28 +200,12 @@ class Llama4ImageEncoder(nn.Module):
 
 
 def _check_projection(weight: torch.Tensor | None, encoder: Llama4ImageEncoder) -> None:
-    """ValueError naming the config field the stored linear_1 disagrees with (its columns are
-    vision_output_dim, its rows the text model's hidden size)."""
-    if weight is None:
-        return      # copy_whole names the missing tensor
-    width, text = encoder.vision_model.spec.vision_output_dim, encoder.text_hidden_size
-    shape = list(weight.shape)
-    if len(shape) == 2 and shape[1] == width and shape[0] != text:
-        field = f"config field 'text_config.hidden_size' = {text}"
-    elif len(shape) != 2 or shape[1] != width:
-        field = f"config field 'vision_config.vision_output_dim' = {width}"
-    else:
-        return
-    raise ValueError(f"multi_modal_projector.linear_1.weight is {shape}, not [{text}, {width}]: "
-                     f"it does not fit {field}")
+    """The stored linear_1 [text hidden, tower width] against the config (copy_whole names a missing one)."""
+    if weight is not None:
+        check_projection("multi_modal_projector.linear_1.weight", list(weight.shape), encoder.vision_model.spec.vision_output_dim,
+                         encoder.text_hidden_size, "vision_config.vision_output_dim")
 
 
 def tensor_prefixes(path: str) -> tuple[str | None, str | None]:
     """(tower prefix, projector prefix) of the stored names (None: not stored, or no readable weights)."""
-    try:
-        names = stored_names(path)
-    except CheckpointError:
-        return None, None
-    tower = next((p for p in _TOWER_PREFIXES if p + _TOWER_KEY in names), None)
-    projector = next((p for p in _PROJECTOR_PREFIXES if p + _PROJECTOR_KEY in names), None)
-    return tower, projector
+    return stored_prefixes(path, (_TOWER_PREFIXES, _TOWER_KEY), (_PROJECTOR_PREFIXES, _PROJECTOR_KEY))

@@ -24,7 +24,7 @@ import os
 import torch
 from torch import nn
 
-from raycluster.model.checkpoint_files import CheckpointError, copy_whole, read_named, read_prefixed, stored_names
+from raycluster.model.checkpoint_files import CheckpointError, copy_whole, read_named, read_prefixed, stored_prefixes
 from raycluster.model.clip_vision import ClipVisionTower, activation, hidden_state_index
 
 # Where checkpoints keep the tower and the projector (the first whose patch embedding / linear_1
@@ -161,13 +161,8 @@ def read_config(path: str) -> dict:
 
 def tensor_prefixes(path: str) -> tuple[str | None, str | None]:
     """(tower prefix, projector prefix) of the stored names (None: not stored)."""
-    try:
-        names = stored_names(path)
-    except CheckpointError:
-        return None, None
-    tower = next((p for p in _TOWER_PREFIXES if p + "embeddings.patch_embedding.weight" in names), None)
-    projector = next((p for p in _PROJECTOR_PREFIXES if p + "linear_1.weight" in names), None)
-    return tower, projector
+    return stored_prefixes(path, (_TOWER_PREFIXES, "embeddings.patch_embedding.weight"),
+                           (_PROJECTOR_PREFIXES, "linear_1.weight"))
 
 
 def _text_hidden(config: dict, projector: dict[str, torch.Tensor]) -> int:

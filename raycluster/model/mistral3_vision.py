@@ -43,7 +43,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from raycluster.model.checkpoint_files import CheckpointError, copy_whole, read_prefixed, stored_names
+from raycluster.model.checkpoint_files import (CheckpointError, check_projection, copy_whole, read_prefixed,
+                                               stored_prefixes)
 from raycluster.model.clip_vision import activation, hidden_state_index
 from raycluster.model.llava_tower import check_items, read_config, shape_reason
 from raycluster.model.multimodal_config import text_config_of
@@ -271,28 +272,12 @@ def token_ids_of(model_dir: str | os.PathLike, config: dict) -> tuple[int | None
 
 
 def _check_projection(weight: torch.Tensor | None, encoder: Mistral3ImageEncoder) -> None:
-    """ValueError naming the config field the stored linear_1 disagrees with (its columns are the
-    tower's width, its rows the text model's hidden size)."""
-    if weight is None:
-        return      # copy_whole names the missing tensor
-    width, text = encoder.vision_tower.spec.hidden_size, encoder.text_hidden_size
-    shape = list(weight.shape)
-    if len(shape) == 2 and shape[1] == width and shape[0] != text:
-        field = f"config field 'text_config.hidden_size' = {text}"
-    elif len(shape) != 2 or shape[1] != width:
-        field = f"config field 'vision_config.hidden_size' = {width}"
-    else:
-        return
-    raise ValueError(f"multi_modal_projector.linear_1.weight is {shape}, not [{text}, {width}]: "
-                     f"it does not fit {field}")
+    """The stored linear_1 [text hidden, tower width] against the config (copy_whole names a missing one)."""
+    if weight is not None:
+        check_projection("multi_modal_projector.linear_1.weight", list(weight.shape), encoder.vision_tower.spec.hidden_size,
+                         encoder.text_hidden_size, "vision_config.hidden_size")
 
 
 def tensor_prefixes(path: str) -> tuple[str | None, str | None]:
     """(tower prefix, projector prefix) of the stored names (None: not stored, or no readable weights)."""
-    try:
-        names = stored_names(path)
-    except CheckpointError:
-        return None, None
-    tower = next((p for p in _TOWER_PREFIXES if p + _TOWER_KEY in names), None)
-    projector = next((p for p in _PROJECTOR_PREFIXES if p + _PROJECTOR_KEY in names), None)
-    return tower, projector
+    return stored_prefixes(path, (_TOWER_PREFIXES, _TOWER_KEY), (_PROJECTOR_PREFIXES, _PROJECTOR_KEY))

@@ -25,7 +25,7 @@ import os
 import torch
 from torch import nn
 
-from raycluster.model.checkpoint_files import CheckpointError, copy_whole, read_prefixed, stored_names
+from raycluster.model.checkpoint_files import CheckpointError, copy_whole, read_prefixed, stored_prefixes
 from raycluster.model.llava_tower import check_items, read_config, shape_reason
 from raycluster.model.qwen_vision import QwenVisionSpec, QwenVisionTower
 from raycluster.model.qwen_vl_processor import (DEFAULT_MAX_PIXELS, DEFAULT_MIN_PIXELS, QwenVLGrid, pixel_limits,
@@ -40,11 +40,7 @@ _UNUSED = ("rotary_pos_emb.",)
 
 def tower_prefix(path: str) -> str | None:
     """Where the checkpoint keeps the tower (None: not stored, or no readable weights)."""
-    try:
-        names = stored_names(path)
-    except CheckpointError:
-        return None
-    return next((p for p in _PREFIXES if p + "patch_embed.proj.weight" in names), None)
+    return stored_prefixes(path, (_PREFIXES, "patch_embed.proj.weight"))[0]
 
 
 def _text_hidden(config: dict) -> int | None:
