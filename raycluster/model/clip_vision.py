@@ -29,6 +29,13 @@ ACTIVATIONS = {"quick_gelu": _quick_gelu, "gelu": F.gelu, "gelu_pytorch_tanh": l
                "gelu_new": lambda x: F.gelu(x, approximate="tanh"), "silu": F.silu, "relu": F.relu}
 
 
+def positive_int(value, field: str) -> int:
+    """`value` if it is a positive int, else ValueError naming the config field (vision towers' specs)."""
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise ValueError(f"config field {field!r} = {value!r}: expected a positive int")
+    return value
+
+
 def activation(name: str, field: str):
     if name not in ACTIVATIONS:
         raise ValueError(f"config field {field!r} = {name!r} is not supported (supported: {', '.join(ACTIVATIONS)})")

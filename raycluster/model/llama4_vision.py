@@ -36,6 +36,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from raycluster.model.clip_vision import positive_int
+
 # transformers' Llama4VisionConfig defaults, for the fields a config leaves out.
 LLAMA4_VISION_DEFAULTS = {"hidden_size": 768, "num_hidden_layers": 34, "num_attention_heads": 16, "num_channels": 3,
                           "intermediate_size": 5632, "vision_output_dim": 7680, "image_size": 448, "patch_size": 14,
@@ -43,12 +45,6 @@ LLAMA4_VISION_DEFAULTS = {"hidden_size": 768, "num_hidden_layers": 34, "num_atte
 DEFAULT_ROPE_THETA = 10_000.0
 # Every LayerNorm of transformers' tower is nn.LayerNorm(hidden) with torch's default epsilon.
 NORM_EPS = 1e-5
-
-
-def _positive_int(value, field: str) -> int:
-    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-        raise ValueError(f"config field {field!r} = {value!r}: expected a positive int")
-    return value
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,7 +86,7 @@ class Llama4VisionSpec:
         c = {**LLAMA4_VISION_DEFAULTS, **{k: v for k, v in vision_config.items() if v is not None}}
         names = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_channels",
                  "image_size", "patch_size", "vision_output_dim", "projector_input_dim", "projector_output_dim")
-        ints = {name: _positive_int(c[name], f"{field}.{name}") for name in names}
+        ints = {name: positive_int(c[name], f"{field}.{name}") for name in names}
         hidden, heads = ints["hidden_size"], ints["num_attention_heads"]
         if hidden % heads or (hidden // heads) % 4:
             raise ValueError(f"config field '{field}.hidden_size' = {hidden} must be {field}.num_attention_heads "

@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from raycluster.model.clip_vision import activation
+from raycluster.model.clip_vision import activation, positive_int
 
 # transformers' PixtralVisionConfig defaults, for the fields a config leaves out.
 PIXTRAL_DEFAULTS = {"hidden_size": 1024, "intermediate_size": 4096, "num_hidden_layers": 24, "num_attention_heads": 16,
@@ -37,12 +37,6 @@ PIXTRAL_DEFAULTS = {"hidden_size": 1024, "intermediate_size": 4096, "num_hidden_
 DEFAULT_ROPE_THETA = 10_000.0
 # PixtralRMSNorm's epsilon is fixed in transformers (ln_pre and every layer's norms), not a config field.
 NORM_EPS = 1e-5
-
-
-def _positive_int(value, field: str) -> int:
-    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-        raise ValueError(f"config field {field!r} = {value!r}: expected a positive int")
-    return value
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,7 +64,7 @@ class PixtralVisionSpec:
         if kind != "pixtral":
             raise ValueError(f"config field '{field}.model_type' = {kind!r}: expected 'pixtral'")
         c = {**PIXTRAL_DEFAULTS, **{k: v for k, v in vision_config.items() if v is not None}}
-        ints = {name: _positive_int(c[name], f"{field}.{name}")
+        ints = {name: positive_int(c[name], f"{field}.{name}")
                 for name in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
                              "num_channels", "patch_size", "image_size")}
         hidden, heads = ints["hidden_size"], ints["num_attention_heads"]

@@ -25,7 +25,7 @@ from torch import nn
 # SigLIP's encoder layer is CLIP's: the same pre-norm block, parameter names, biased
 # projections and unmasked attention over every patch; only the embeddings and the norms
 # around the encoder differ (no class token, no pre-layernorm, a post-layernorm on every patch).
-from raycluster.model.clip_vision import _Encoder, _EncoderLayer, activation
+from raycluster.model.clip_vision import _Encoder, _EncoderLayer, activation, positive_int
 
 # transformers' SiglipVisionConfig defaults, for the fields a release leaves out.
 SIGLIP_DEFAULTS = {"hidden_size": 768, "intermediate_size": 3072, "num_hidden_layers": 12, "num_attention_heads": 12,
@@ -71,8 +71,8 @@ class SiglipVisionSpec:
         ints = {}
         for name in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_channels",
                      "patch_size"):
-            ints[name] = _positive_int(c[name], f"{field}.{name}")
-        ints["image_size"] = _positive_int(size, f"{field}.image_size")
+            ints[name] = positive_int(c[name], f"{field}.{name}")
+        ints["image_size"] = positive_int(size, f"{field}.image_size")
         if ints["image_size"] < ints["patch_size"]:
             raise ValueError(f"config field '{field}.image_size' = {ints['image_size']} is smaller than one "
                              f"{ints['patch_size']}-pixel patch")
@@ -84,12 +84,6 @@ class SiglipVisionSpec:
         if not isinstance(eps, (int, float)) or isinstance(eps, bool) or eps <= 0:
             raise ValueError(f"config field '{field}.layer_norm_eps' = {eps!r}: expected a positive number")
         return cls(**ints, hidden_act=c["hidden_act"], layer_norm_eps=float(eps))
-
-
-def _positive_int(value, field: str) -> int:
-    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-        raise ValueError(f"config field {field!r} = {value!r}: expected a positive int")
-    return value
 
 
 class _Embeddings(nn.Module):
