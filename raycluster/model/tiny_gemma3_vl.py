@@ -34,7 +34,7 @@ from raycluster.model.gemma3_processor import GEMMA3_MEAN, GEMMA3_STD
 from raycluster.model.gemma3_vision import ARCHITECTURE
 from raycluster.model.siglip_vision import SiglipVisionModel, SiglipVisionSpec
 from raycluster.model.tiny import TOKENIZER_VOCAB
-from raycluster.model.tiny_llava import seeded_tensors, write_tokenizer_with
+from raycluster.model.tiny_llava import parts_template, seeded_tensors, write_tokenizer_with
 from raycluster.model.tiny_multimodal import write_tiny_multimodal
 
 BOI_TOKEN, EOI_TOKEN, IMAGE_TOKEN = "<start_of_image>", "<end_of_image>", "<image_soft_token>"
@@ -45,19 +45,7 @@ VISION = {"model_type": "siglip_vision_model", "hidden_size": 32, "intermediate_
           "vision_use_head": False}
 MM_TOKENS_PER_IMAGE = 16
 
-CHAT_TEMPLATE = (
-    "{{ bos_token }}"
-    "{% for message in messages %}"
-    "{{ '<|' + message['role'] + '|>\\n' }}"
-    "{% if message['content'] is string %}{{ message['content'] }}"
-    "{% else %}{% for part in message['content'] %}"
-    "{% if part['type'] == 'text' %}{{ part['text'] }}"
-    "{% elif part['type'] in ['image', 'image_url'] %}{{ '" + BOI_TOKEN + "' }}{% endif %}"
-    "{% endfor %}{% endif %}"
-    "{{ eos_token + '\\n' }}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|assistant|>\\n' }}{% endif %}"
-)
+CHAT_TEMPLATE = parts_template(BOI_TOKEN)
 
 
 def write_tiny_gemma3_vl(path: str | os.PathLike, seed: int = 0, layout: str = "released", **vision_options) -> str:

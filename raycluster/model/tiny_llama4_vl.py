@@ -35,7 +35,7 @@ from safetensors.torch import load_file, save_file
 from raycluster.model.llama4_image import ARCHITECTURE, Llama4ImageEncoder
 from raycluster.model.llama4_processor import SPAN_TOKEN_TEXT, SpanTokens
 from raycluster.model.tiny import TOKENIZER_VOCAB
-from raycluster.model.tiny_llava import seeded_tensors, write_tokenizer_with
+from raycluster.model.tiny_llava import parts_template, seeded_tensors, write_tokenizer_with
 from raycluster.model.tiny_multimodal import write_tiny_multimodal
 
 # The six tokens in SpanTokens' order take the ids after the tiny vocabulary.
@@ -51,19 +51,7 @@ VISION = {"model_type": "llama4_vision_model", "hidden_size": 32, "num_hidden_la
 ROPE_THETA = 10_000.0
 PROCESSOR = {"max_patches": 4, "resize_to_max_canvas": False, "resample": 2}
 
-CHAT_TEMPLATE = (
-    "{{ bos_token }}"
-    "{% for message in messages %}"
-    "{{ '<|' + message['role'] + '|>\\n' }}"
-    "{% if message['content'] is string %}{{ message['content'] }}"
-    "{% else %}{% for part in message['content'] %}"
-    "{% if part['type'] == 'text' %}{{ part['text'] }}"
-    "{% elif part['type'] in ['image', 'image_url'] %}{{ '" + IMAGE_TOKEN + "' }}{% endif %}"
-    "{% endfor %}{% endif %}"
-    "{{ eos_token + '\\n' }}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|assistant|>\\n' }}{% endif %}"
-)
+CHAT_TEMPLATE = parts_template(IMAGE_TOKEN)
 
 
 def write_tiny_llama4_vl(path: str | os.PathLike, seed: int = 0, layout: str = "released", **vision_options) -> str:

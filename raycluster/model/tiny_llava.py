@@ -28,19 +28,24 @@ from raycluster.model.tiny import TOKENIZER_VOCAB, _tokenizer_json
 IMAGE_TOKEN = "<image>"
 IMAGE_TOKEN_ID = TOKENIZER_VOCAB        # the first id after the tiny tokenizer's vocabulary
 
-CHAT_TEMPLATE = (
-    "{{ bos_token }}"
-    "{% for message in messages %}"
-    "{{ '<|' + message['role'] + '|>\\n' }}"
-    "{% if message['content'] is string %}{{ message['content'] }}"
-    "{% else %}{% for part in message['content'] %}"
-    "{% if part['type'] == 'text' %}{{ part['text'] }}"
-    "{% elif part['type'] in ['image', 'image_url'] %}{{ '" + IMAGE_TOKEN + "' }}{% endif %}"
-    "{% endfor %}{% endif %}"
-    "{{ eos_token + '\\n' }}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|assistant|>\\n' }}{% endif %}"
-)
+def parts_template(image_text: str) -> str:
+    """The tiny image-text checkpoints' chat template: it iterates a message's content parts (as
+    llava-hf's and Qwen's do), rendering each image part as `image_text` (string content as the
+    tiny text model's template)."""
+    return ("{{ bos_token }}"
+            "{% for message in messages %}"
+            "{{ '<|' + message['role'] + '|>\\n' }}"
+            "{% if message['content'] is string %}{{ message['content'] }}"
+            "{% else %}{% for part in message['content'] %}"
+            "{% if part['type'] == 'text' %}{{ part['text'] }}"
+            "{% elif part['type'] in ['image', 'image_url'] %}{{ '" + image_text + "' }}{% endif %}"
+            "{% endfor %}{% endif %}"
+            "{{ eos_token + '\\n' }}"
+            "{% endfor %}"
+            "{% if add_generation_prompt %}{{ '<|assistant|>\\n' }}{% endif %}")
+
+
+CHAT_TEMPLATE = parts_template(IMAGE_TOKEN)
 
 
 def llava_fields(vision: dict, extra: dict, overrides: dict, image_size: int = 28, num_hidden_layers: int = 2,

@@ -33,7 +33,7 @@ from safetensors.torch import load_file, save_file
 from raycluster.model.image_processor import CLIP_MEAN, CLIP_STD
 from raycluster.model.mistral3_vision import ARCHITECTURE, Mistral3ImageEncoder
 from raycluster.model.tiny import TOKENIZER_VOCAB
-from raycluster.model.tiny_llava import seeded_tensors, write_tokenizer_with
+from raycluster.model.tiny_llava import parts_template, seeded_tensors, write_tokenizer_with
 from raycluster.model.tiny_multimodal import write_tiny_multimodal
 
 IMAGE_TOKEN, IMAGE_BREAK_TOKEN, IMAGE_END_TOKEN = "[IMG]", "[IMG_BREAK]", "[IMG_END]"
@@ -45,19 +45,7 @@ ROPE_THETA = 10_000.0
 WRAPPER = {"spatial_merge_size": 2, "vision_feature_layer": -1, "projector_hidden_act": "gelu",
            "multimodal_projector_bias": False}
 
-CHAT_TEMPLATE = (
-    "{{ bos_token }}"
-    "{% for message in messages %}"
-    "{{ '<|' + message['role'] + '|>\\n' }}"
-    "{% if message['content'] is string %}{{ message['content'] }}"
-    "{% else %}{% for part in message['content'] %}"
-    "{% if part['type'] == 'text' %}{{ part['text'] }}"
-    "{% elif part['type'] in ['image', 'image_url'] %}{{ '" + IMAGE_TOKEN + "' }}{% endif %}"
-    "{% endfor %}{% endif %}"
-    "{{ eos_token + '\\n' }}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|assistant|>\\n' }}{% endif %}"
-)
+CHAT_TEMPLATE = parts_template(IMAGE_TOKEN)
 
 
 def write_tiny_mistral3_vl(path: str | os.PathLike, seed: int = 0, layout: str = "released", **vision_options) -> str:

@@ -28,26 +28,14 @@ from raycluster.model.image_processor import CLIP_MEAN, CLIP_STD
 from raycluster.model.qwen_vision import QwenVisionSpec, QwenVisionTower
 from raycluster.model.qwen_vl import ARCHITECTURES
 from raycluster.model.tiny import TOKENIZER_VOCAB, tiny_config
-from raycluster.model.tiny_llava import seeded_tensors, write_tokenizer_with
+from raycluster.model.tiny_llava import parts_template, seeded_tensors, write_tokenizer_with
 
 # Qwen's order of its vision tokens, from the first id after the tiny vocabulary.
 VISION_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")
 VISION_START_ID, VISION_END_ID, IMAGE_TOKEN_ID, VIDEO_TOKEN_ID = range(TOKENIZER_VOCAB, TOKENIZER_VOCAB + 4)
 IMAGE_TOKEN = "<|image_pad|>"
 
-CHAT_TEMPLATE = (
-    "{{ bos_token }}"
-    "{% for message in messages %}"
-    "{{ '<|' + message['role'] + '|>\\n' }}"
-    "{% if message['content'] is string %}{{ message['content'] }}"
-    "{% else %}{% for part in message['content'] %}"
-    "{% if part['type'] == 'text' %}{{ part['text'] }}"
-    "{% elif part['type'] in ['image', 'image_url'] %}{{ '<|vision_start|><|image_pad|><|vision_end|>' }}{% endif %}"
-    "{% endfor %}{% endif %}"
-    "{{ eos_token + '\\n' }}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|assistant|>\\n' }}{% endif %}"
-)
+CHAT_TEMPLATE = parts_template("<|vision_start|><|image_pad|><|vision_end|>")
 _PROCESSOR_OPTIONS = ("min_pixels", "max_pixels")
 
 
