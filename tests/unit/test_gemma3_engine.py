@@ -11,6 +11,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from gemma3_reference import hf_gemma3_greedy, hf_gemma3_processor
+from image_engine_checks import BASE, check_group, check_prefix_hit, image_sp, run_to_end
 from PIL import Image
 
 from raycluster.engine.config import EngineConfig
@@ -20,11 +21,9 @@ from raycluster.model.llava import image_encoder_for, image_facts
 from raycluster.model.loader import load_model
 from raycluster.model.tiny_gemma3_vl import IMAGE_TOKEN_ID, write_tiny_gemma3_vl
 from raycluster.model.tokenizer import Tokenizer
-from raycluster.request import SamplingParams
 from raycluster.server.images import image_spec_for, place_images
 
 pytest.importorskip("transformers")
-BASE = dict(policy="fcfs", packer="token", predictor="none", block_size=4, num_threads=1, group_timeout_s=30)
 
 
 def _images() -> list[Image.Image]:
@@ -53,24 +52,11 @@ def gemma3(tmp_path_factory):
     return model, image_encoder_for(path), ids, inputs, want
 
 
-def _sp(images, n: int = 10) -> SamplingParams:
-    return SamplingParams(max_tokens=n, ignore_eos=True, images=images)
-
-
-def _run(eng: LLMEngine, rid: str, ids, sp):
-    req = eng.add_request(rid, ids, sp)
-    for _ in range(500):
-        if not eng.has_unfinished():
-            break
-        eng.step()
-    return req
-
-
 @pytest.mark.parametrize("chunk", [5, 13, 64])
 def test_greedy_tokens_equal_transformers(gemma3, chunk):
     model, enc, ids, images, want = gemma3
     eng = LLMEngine(EngineConfig(**BASE, kv_cache_tokens=512, chunk_size=chunk), model, image_encoder=enc)
-    req = _run(eng, "g", ids, _sp(images))
+    req = run_to_end(eng, "g", ids, image_sp(images))
     assert req.bidirectional_spans == tuple((im.offset, im.offset + im.length) for im in images)
     assert req.output_token_ids == want
 
@@ -82,7 +68,7 @@ def test_the_images_attend_both_ways(gemma3):
     lps = []
     for both in (True, False):
         eng = LLMEngine(EngineConfig(**BASE, kv_cache_tokens=512, chunk_size=64), model, image_encoder=enc)
-        sp = _sp(images, 1)
+        sp = image_sp(images, 1)
         sp.prompt_logprobs = 0
         req = eng.add_request("p", ids, sp)
         if not both:
@@ -98,26 +84,12 @@ def test_the_images_attend_both_ways(gemma3):
 
 
 def test_a_prefix_hit_inside_an_image(gemma3):
-    model, enc, ids, images, want = gemma3
-    eng = LLMEngine(EngineConfig(**BASE, kv_cache_tokens=512, chunk_size=64, enable_prefix_caching=True), model,
-                    image_encoder=enc)
-    assert _run(eng, "a", ids, _sp(images)).output_token_ids == want
-    req = eng.add_request("b", ids, _sp(images))
-    assert images[0].offset < req.num_computed_tokens
-    for _ in range(500):
-        if not eng.has_unfinished():
-            break
-        eng.step()
-    assert req.output_token_ids == want
+    """The image's KV was computed whole, both ways: a prefill resuming inside it is the same."""
+    check_prefix_hit(*gemma3, whole_images=True, block_size=5)
 
 
 def test_a_tp_group(gemma3):
-    model, enc, ids, images, want = gemma3
-    eng = LLMEngine(EngineConfig(**BASE, kv_cache_tokens=512, chunk_size=8, tp=2), model, image_encoder=enc)
-    try:
-        assert eng.generate([ids], [_sp(images)]) == [want]
-    finally:
-        eng.runner.close()
+    check_group(*gemma3, {"tp": 2})
 
 
 def test_an_spp_group_refuses_the_images(gemma3):
@@ -126,7 +98,7 @@ def test_an_spp_group_refuses_the_images(gemma3):
     eng = LLMEngine(EngineConfig(**BASE, kv_cache_tokens=512, chunk_size=8, spp=2), model, image_encoder=enc)
     try:
         with pytest.raises(InvalidRequestError, match="attend both ways") as e:
-            eng.add_request("x", ids, _sp(images))
+            eng.add_request("x", ids, image_sp(images))
         assert e.value.field == "messages"
         assert not eng.has_unfinished()
     finally:
@@ -138,4 +110,4 @@ def test_an_image_longer_than_a_step_is_refused(gemma3):
     eng = LLMEngine(EngineConfig(**BASE, kv_cache_tokens=512, chunk_size=8, max_num_batched_tokens=12,
                                  max_num_encoder_tokens=64), model, image_encoder=enc)
     with pytest.raises(InvalidRequestError, match="max_num_batched_tokens"):
-        eng.add_request("x", ids, _sp(images))
+        eng.add_request("x", ids, image_sp(images))

@@ -4,7 +4,7 @@ rows (raycluster.model.llama's `add_deepstack`) and the text model turned by int
 multimodal RoPE, so the greedy tokens equal transformers' for a prompt with two images of
 different sizes, whole or cut into prefill chunks, from a prefix-cache hit that ends inside an
 image, on one process and on TP, KVP and SPP groups (the SPP stages each holding one of the
-layers the levels go to)."""
+layers the levels go to), and under an encoder budget of one image per step."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 from PIL import Image
 from qwen3_vl_reference import hf_qwen3_vl_greedy, hf_qwen3_vl_processor
+from image_engine_checks import BASE, check_group, check_prefix_hit, image_sp, run_to_end
 from qwen_vl_reference import compare_prompt
 
 from raycluster.engine.config import EngineConfig
@@ -20,10 +21,8 @@ from raycluster.engine.engine import LLMEngine
 from raycluster.model.llava import image_encoder_for
 from raycluster.model.loader import load_model
 from raycluster.model.tiny_qwen3_vl import write_tiny_qwen3_vl
-from raycluster.request import SamplingParams
 
 pytest.importorskip("transformers")
-BASE = dict(policy="fcfs", packer="token", predictor="none", block_size=4, num_threads=1, group_timeout_s=30)
 
 
 def _picture(h: int, w: int, seed: int) -> Image.Image:
@@ -41,25 +40,12 @@ def qwen3(tmp_path_factory):
     return model, image_encoder_for(path), ids, inputs, want
 
 
-def _sp(images, n: int = 10) -> SamplingParams:
-    return SamplingParams(max_tokens=n, ignore_eos=True, images=images)
-
-
-def _run(eng: LLMEngine, rid: str, ids, sp) -> list[int]:
-    req = eng.add_request(rid, ids, sp)
-    for _ in range(500):
-        if not eng.has_unfinished():
-            break
-        eng.step()
-    return req.output_token_ids
-
-
 @pytest.mark.parametrize("chunk", [5, 64])
 def test_greedy_tokens_equal_transformers(qwen3, chunk):
     model, enc, ids, images, want = qwen3
     assert enc.deepstack_levels == 2
     eng = LLMEngine(EngineConfig(**BASE, kv_cache_tokens=512, chunk_size=chunk), model, image_encoder=enc)
-    assert _run(eng, "q", ids, _sp(images)) == want
+    assert run_to_end(eng, "q", ids, image_sp(images)).output_token_ids == want
 
 
 def test_the_deepstack_levels_are_added(qwen3):
@@ -75,33 +61,16 @@ def test_the_deepstack_levels_are_added(qwen3):
             return [e[:, :model.config.hidden_size] for e in enc.encode_images(items)]
 
     eng = LLMEngine(EngineConfig(**BASE, kv_cache_tokens=512, chunk_size=64), model, image_encoder=MergerOnly())
-    assert _run(eng, "q", ids, _sp(images)) != want
+    assert run_to_end(eng, "q", ids, image_sp(images)).output_token_ids != want
 
 
 def test_a_prefix_hit_inside_an_image_adds_the_rest_of_its_levels(qwen3):
-    """A second request over the same prompt and images reuses the cached blocks, the first of
-    which end inside the first image; its prefill resumes there with the levels of the rest."""
-    model, enc, ids, images, want = qwen3
-    eng = LLMEngine(EngineConfig(**BASE, kv_cache_tokens=512, chunk_size=64, enable_prefix_caching=True), model,
-                    image_encoder=enc)
-    assert _run(eng, "a", ids, _sp(images)) == want
-    req = eng.add_request("b", ids, _sp(images))
-    assert images[0].offset < req.num_computed_tokens
-    for _ in range(500):
-        if not eng.has_unfinished():
-            break
-        eng.step()
-    assert req.output_token_ids == want
+    check_prefix_hit(*qwen3)
 
 
 @pytest.mark.parametrize("group", [{"tp": 2}, {"kvp": 2}, {"spp": 2, "spp_micro_tokens": 3}])
 def test_parallel_groups(qwen3, group):
-    model, enc, ids, images, want = qwen3
-    eng = LLMEngine(EngineConfig(**BASE, kv_cache_tokens=512, chunk_size=8, **group), model, image_encoder=enc)
-    try:
-        assert eng.generate([ids], [_sp(images)]) == [want]
-    finally:
-        eng.runner.close()
+    check_group(*qwen3, group)
 
 
 def test_an_encoder_budget_of_one_image_per_step(qwen3):
@@ -113,7 +82,7 @@ def test_an_encoder_budget_of_one_image_per_step(qwen3):
     budget = max(im.length for im in images)
     eng = LLMEngine(EngineConfig(**BASE, kv_cache_tokens=512, chunk_size=64, max_num_encoder_tokens=budget), model,
                     image_encoder=enc)
-    req = eng.add_request("q", ids, _sp(images))
+    req = eng.add_request("q", ids, image_sp(images))
     chunks = []
     for _ in range(500):
         if not eng.has_unfinished():
@@ -127,5 +96,5 @@ def test_an_encoder_budget_of_one_image_per_step(qwen3):
     small = LLMEngine(EngineConfig(**BASE, kv_cache_tokens=512, chunk_size=64, max_num_encoder_tokens=budget - 1),
                       model, image_encoder=enc)
     with pytest.raises(InvalidRequestError, match="max_num_encoder_tokens") as e:
-        small.add_request("x", ids, _sp(images))
+        small.add_request("x", ids, image_sp(images))
     assert e.value.field == "messages"
