@@ -40,6 +40,7 @@ from torch import nn
 
 from raycluster.model.checkpoint_files import (CheckpointError, check_projection, copy_whole, read_prefixed,
                                                stored_prefixes)
+from raycluster.model.llama import GemmaRMSNorm
 from raycluster.model.llava_tower import check_items, read_config, shape_reason
 from raycluster.model.multimodal_config import text_config_of
 from raycluster.model.siglip_vision import SiglipVisionModel, SiglipVisionSpec
@@ -66,26 +67,13 @@ def _token_id(config: dict, names: tuple[str, ...]) -> int:
     return value
 
 
-class _GemmaRMSNorm(nn.Module):
-    """Gemma3RMSNorm: in float32, scaled by (1 + weight) before the cast back."""
-
-    def __init__(self, dim: int, eps: float):
-        super().__init__()
-        self.weight, self.eps = nn.Parameter(torch.empty(dim)), eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = x.float()
-        y = y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (y * (1.0 + self.weight.float())).type_as(x)
-
-
 class Gemma3Projector(nn.Module):
     """Gemma3MultiModalProjector: [N, patches, vision hidden] -> [N, tokens, text hidden]."""
 
     def __init__(self, vision_hidden: int, text_hidden: int, patches_per_side: int, tokens_per_side: int, eps: float):
         super().__init__()
         self.mm_input_projection_weight = nn.Parameter(torch.empty(vision_hidden, text_hidden))
-        self.mm_soft_emb_norm = _GemmaRMSNorm(vision_hidden, eps)
+        self.mm_soft_emb_norm = GemmaRMSNorm(vision_hidden, eps)
         self.patches_per_side, self.kernel = patches_per_side, patches_per_side // tokens_per_side
 
     def forward(self, patches: torch.Tensor) -> torch.Tensor:

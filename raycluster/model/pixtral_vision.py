@@ -30,6 +30,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from raycluster.model.clip_vision import activation, positive_int
+# PixtralRMSNorm and Mistral3RMSNorm are Llama's (normed in float32, cast back, then scaled).
+from raycluster.model.llama import RMSNorm
 
 # transformers' PixtralVisionConfig defaults, for the fields a config leaves out.
 PIXTRAL_DEFAULTS = {"hidden_size": 1024, "intermediate_size": 4096, "num_hidden_layers": 24, "num_attention_heads": 16,
@@ -91,19 +93,6 @@ def _rope_theta(vision_config: dict, field: str) -> float:
     if not isinstance(theta, (int, float)) or isinstance(theta, bool) or theta <= 0:
         raise ValueError(f"config field '{field}.{name}' = {theta!r}: expected a positive number")
     return float(theta)
-
-
-class RMSNorm(nn.Module):
-    """PixtralRMSNorm (and Mistral3RMSNorm): normed in float32, cast back, then scaled."""
-
-    def __init__(self, dim: int, eps: float):
-        super().__init__()
-        self.weight, self.eps = nn.Parameter(torch.empty(dim)), eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = x.float()
-        y = y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * y.to(x.dtype)
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
