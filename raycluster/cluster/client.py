@@ -172,6 +172,8 @@ class ClusterClient:
                 "spec_drafts": sum(i.get("spec_draft_tokens", 0) for i in instances),
                 "spec_accepted": sum(i.get("spec_accepted_tokens", 0) for i in instances),
                 "spec_runs": sum(i.get("spec_drafts", 0) for i in instances),
+                "mm_cache_queries": sum(i.get("encoder_cache_queries", 0) for i in instances),
+                "mm_cache_hits": sum(i.get("encoder_cache_hits", 0) for i in instances),
                 "spec_accepted_per_pos": _sum_by_position(i.get("spec_accepted_per_pos") or [] for i in instances)}
 
     async def health(self) -> tuple[bool, dict]:

@@ -147,6 +147,7 @@ class InstanceWorker:
         eng, kv = self.engine, self.engine.kv
         pulls = getattr(self.connector, "pull_counts", None) or {}
         kv_free, kv_total = kv.placement_blocks()
+        cache = eng.runner.image_cache
         return InstanceStats(
             instance_id=self.instance_id, role=self.role, waiting=eng.scheduler.num_waiting,
             running=len(eng.scheduler.decoding), kv_free_blocks=kv_free, kv_total_blocks=kv_total,
@@ -161,6 +162,8 @@ class InstanceWorker:
             spec_draft_tokens=eng.spec.draft_tokens, spec_accepted_tokens=eng.spec.accepted_tokens,
             spec_drafts=eng.spec.drafts, spec_accepted_per_pos=list(eng.spec.accepted_per_pos),
             preemptions=eng.scheduler.preempted_total, lora_adapters=list(self._lora_paths),
+            encoder_cache_queries=cache.hits + cache.misses if cache is not None else 0,
+            encoder_cache_hits=cache.hits if cache is not None else 0,
             kv_groups=kv.groups.num_groups if kv.groups is not None else 1, kv_released_blocks=kv.released_total,
             lora_failed=dict(self._lora_failed), lora_version=self._lora_version)
 

@@ -134,6 +134,8 @@ class InstanceStats:
     kv_pull_blocks: int = 0            # blocks the successful pulls moved
     kv_pull_s: float = 0.0             # wall time of the successful pulls
     preemptions: int = 0               # requests preempted (by recompute), so far
+    encoder_cache_queries: int = 0     # images looked up in its encoder cache, so far (raycluster.engine.image_inputs)
+    encoder_cache_hits: int = 0        # of those, found (not encoded again)
     kv_groups: int = 1                 # block tables per request: a hybrid cache's layer groups (1: one table)
     kv_released_blocks: int = 0        # blocks given back as they left a sliding window, so far
     spec_draft_tokens: int = 0         # speculative decoding: draft tokens run, so far

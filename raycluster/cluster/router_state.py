@@ -149,6 +149,7 @@ def instance_summary(i: Instance, now: float) -> dict:
             "spec_draft_tokens": s.spec_draft_tokens, "spec_accepted_tokens": s.spec_accepted_tokens,
             "spec_drafts": s.spec_drafts, "spec_accepted_per_pos": s.spec_accepted_per_pos,
             "preemptions": s.preemptions, "lora_adapters": s.lora_adapters, "lora_failed": s.lora_failed,
+            "encoder_cache_queries": s.encoder_cache_queries, "encoder_cache_hits": s.encoder_cache_hits,
             "last_seen_s_ago": now - i.last_seen, "draining": i.draining}
 
 

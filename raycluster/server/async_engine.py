@@ -154,6 +154,9 @@ class AsyncEngine:
                "steps": self.steps, "preemptions": eng.scheduler.preempted_total}
         if kv.prefix_caching:
             out.update(prefix_queries=kv.query_tokens, prefix_hits=kv.hit_tokens)
+        cache = eng.runner.image_cache
+        if cache is not None:
+            out.update(mm_cache_queries=cache.hits + cache.misses, mm_cache_hits=cache.hits)
         if eng.proposer is not None:
             out.update(spec_drafts=eng.spec.draft_tokens, spec_accepted=eng.spec.accepted_tokens,
                        spec_runs=eng.spec.drafts, spec_accepted_per_pos=list(eng.spec.accepted_per_pos))

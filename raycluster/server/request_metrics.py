@@ -157,6 +157,8 @@ class RequestMetrics:
 _TOTALS = (("num_preemptions", "preemptions", "Requests preempted (recomputed later)"),
            ("prefix_cache_queries", "prefix_queries", "Prompt tokens looked up in the prefix cache"),
            ("prefix_cache_hits", "prefix_hits", "Of those, tokens found cached"),
+           ("mm_cache_queries", "mm_cache_queries", "Images looked up in the image encoder's cache"),
+           ("mm_cache_hits", "mm_cache_hits", "Of those, found (not encoded again)"),
            ("spec_decode_num_drafts", "spec_runs", "Runs of draft tokens verified (speculative decoding)"),
            ("spec_decode_num_draft_tokens", "spec_drafts", "Draft tokens run (speculative decoding)"),
            ("spec_decode_num_accepted_tokens", "spec_accepted", "Of those, accepted"))

@@ -216,8 +216,8 @@ def test_limit_mm_per_prompt(tmp_path):
 
 def test_local_media_path(tmp_path):
     """vLLM's --allowed-local-media-path: file: URLs under the directory are read (the same tokens
-    as the image inline); outside it (by path, by `..`, by a link), missing, or with a host, a 400
-    naming `messages`."""
+    as the image inline, and the image encoded once: the encoder cache); outside it (by path, by
+    `..`, by a link), missing, or with a host, a 400 naming `messages`."""
     from raycluster.cli import build_parser, detach_command
     from raycluster.cluster.config import ClusterConfig
 
@@ -240,6 +240,10 @@ def test_local_media_path(tmp_path):
             assert r.status_code == 200, (image_url, r.text)
             texts.append(r.json()["choices"][0]["message"]["content"])
         assert texts[1:] == texts[:1] * 2
+        # The same picture three times, no prefix cache: encoded once (vLLM's mm_cache metrics).
+        metrics = httpx.get(f"{url}/metrics", timeout=10).text
+        assert 'vllm:mm_cache_queries_total{model_name="tiny"} 3' in metrics
+        assert 'vllm:mm_cache_hits_total{model_name="tiny"} 2' in metrics
         for image_url, why in ((f"file://{outside}/dog.png", "outside the allowed local media path"),
                                (f"file://{media}/../outside/dog.png", "outside the allowed local media path"),
                                (f"file://{media}/link.png", "outside the allowed local media path"),

@@ -96,7 +96,9 @@ def _serve(llava, store: _Store, max_tokens: int = 8):
         return out
 
     try:
-        return asyncio.run(asyncio.wait_for(run(), 60)), board, engine
+        tokens = asyncio.run(asyncio.wait_for(run(), 60))
+        board.instance_stats = worker.stats()
+        return tokens, board, engine
     finally:
         worker.stop()
 
@@ -110,6 +112,10 @@ def test_the_router_holds_handles_and_the_tokens_equal_one_engines(llava):
     assert tokens == want
     assert board.router_pixels == ["obj0", "obj1"]
     assert store.fetched == [["obj0", "obj1"]]
+    # Its encoder cache's counts reach the router (vLLM's mm_cache_queries / mm_cache_hits): two
+    # new images.
+    stats = board.instance_stats
+    assert (stats.encoder_cache_queries, stats.encoder_cache_hits) == (2, 0)
     assert engine.kv.num_free_blocks == engine.kv.num_blocks
 
 
