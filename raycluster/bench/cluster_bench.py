@@ -32,13 +32,14 @@ import asyncio
 import json
 import os
 import random
-import socket
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
 from contextlib import contextmanager
+
+from raycluster.ports import free_port
 
 PROMPT_LEN = 16
 IDLE_S = 0.010   # idle time before each request of the engine's second baseline
@@ -61,12 +62,6 @@ def summ(xs_s: list[float]) -> dict:
 def prompts(n: int, seed: int = 0, vocab=(6, 4000)) -> list[list[int]]:
     rng = random.Random(seed)
     return [[rng.randrange(*vocab) for _ in range(PROMPT_LEN)] for _ in range(n)]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # ------------------------------------------------------------------ in-process engine baseline

@@ -73,7 +73,8 @@ def cluster_config(name: str, tpot_ms: float) -> dict:
 
 
 def one(args) -> int:
-    from raycluster.bench.cluster_bench import free_port, local_cluster
+    from raycluster.bench.cluster_bench import local_cluster
+    from raycluster.ports import free_port
 
     cfg = cluster_config(args.config, args.tpot_ms)
     out = os.path.join(args.out_dir, f"{args.config}.json")

@@ -70,7 +70,8 @@ def loadgen_argv(args, url: str, out: str) -> list[str]:
 def one(args) -> int:
     import httpx
 
-    from raycluster.bench.cluster_bench import free_port, local_cluster
+    from raycluster.bench.cluster_bench import local_cluster
+    from raycluster.ports import free_port
 
     cfg = {**CONFIGS[args.config], "router_name": f"router-{args.config}"}
     out = os.path.join(args.out_dir, f"{args.config}.json")

@@ -23,7 +23,8 @@ from raycluster.engine.kv_memory import check_kv_fits
 from raycluster.engine.model_runner import ModelRunner
 from raycluster.engine.prefix_cache import PrefixCachingKVManager
 from raycluster.engine.window_kv import SlidingWindowKVManager
-from raycluster.parallel.group import Collective, GroupAddress, ThreadRanks, free_port
+from raycluster.parallel.group import Collective, GroupAddress, ThreadRanks
+from raycluster.ports import free_port
 from raycluster.parallel.shard import Checkpoint
 
 # Each rank loads only its part of the weights.

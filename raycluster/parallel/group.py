@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import pickle
 from collections import deque
-import socket
 import threading
 from dataclasses import dataclass
 from datetime import timedelta
@@ -43,12 +42,6 @@ class GroupAddress:
     port: int
     world: int
     timeout_s: float = 60.0
-
-
-def free_port(host: str) -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 def _process_group(store, rank: int, world: int, host: str, timeout: timedelta, device: str):

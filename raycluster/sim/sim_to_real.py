@@ -114,7 +114,8 @@ def loadgen_argv(url: str, trace: Path, out: Path, warmup_requests: int = 0) -> 
 
 def real_child(d: Path, seed: int) -> int:
     """In a child process: fresh local cluster, calibration replay, test-trace replay, teardown."""
-    from raycluster.bench.cluster_bench import free_port, local_cluster
+    from raycluster.bench.cluster_bench import local_cluster
+    from raycluster.ports import free_port
 
     cfg = {**CLUSTER, "router_name": f"router-s2r-{seed}"}
     with tempfile.TemporaryDirectory(prefix="s2r-", dir="/tmp") as tmp:

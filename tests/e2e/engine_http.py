@@ -4,7 +4,6 @@ on an `AsyncEngine`, under uvicorn in a daemon thread, torn down when the contex
 from __future__ import annotations
 
 import contextlib
-import socket
 import threading
 import time
 
@@ -15,6 +14,7 @@ from raycluster.engine.engine import LLMEngine
 from raycluster.model.loader import load_model
 from raycluster.model.tokenizer import Tokenizer
 from raycluster.server.app import build_app
+from raycluster.ports import free_port
 from raycluster.server.async_engine import AsyncEngine
 
 
@@ -22,12 +22,6 @@ def tiny_parts(path) -> tuple:
     """(model, tokenizer) of the checkpoint at `path`."""
     model, mcfg = load_model(path)
     return model, Tokenizer(path, mcfg.eos_token_id)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @contextlib.contextmanager
@@ -44,7 +38,7 @@ def serve_engine(config: EngineConfig, model, tok, log_level: str = "warning", a
     `image_encoder`: the engine's)."""
     engine = LLMEngine(config, model, tok, image_encoder=image_encoder)
     aeng = AsyncEngine(engine)
-    port = _free_port()
+    port = free_port()
     app = build_app(aeng, tok, names, api_keys=api_keys, tool_call_parser=tool_call_parser,
                     sampling_defaults=sampling_defaults, log_requests=log_requests,
                     reasoning_parser=reasoning_parser, allow_runtime_lora=allow_runtime_lora,

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -17,17 +16,12 @@ import pytest
 import yaml
 
 from deployments import haproxy_ingress
+from raycluster.ports import free_port
 
 pytestmark = pytest.mark.e2e
 
 KEY = "sk-cli-test"
 AUTH = {"Authorization": f"Bearer {KEY}"}
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _cli(*args: str, env: dict, timeout: float = 900) -> subprocess.CompletedProcess:
@@ -123,7 +117,7 @@ def test_up_detach_status_generate_down(tmp_path):
     """With `--api-key`: the gateway replicas (behind the proxy and on their own ports) want it,
     /health does not, and `status` sends the key from RAYCLUSTER_API_KEY. With
     `--served-model-name`: the API answers to each name."""
-    port = _free_port()
+    port = free_port()
     ray_tmp = tempfile.mkdtemp(prefix="rcup", dir="/tmp")      # short: Ray's unix sockets live here
     env = {**os.environ, "RAYCLUSTER_STATE_DIR": str(tmp_path), "RAY_TMPDIR": ray_tmp}
     env.pop("RAYCLUSTER_API_KEY", None)
@@ -183,12 +177,12 @@ def test_up_detach_status_generate_down(tmp_path):
 def test_up_with_haproxy_serves_on_the_port_and_down_stops_haproxy(tmp_path):
     """`up --haproxy`: HAProxy (not Serve's Python proxy) answers on --port with the gateway's
     API, and `down` stops it too (killing Ray alone would leave it running)."""
-    port = _free_port()
+    port = free_port()
     cfg = str(tmp_path / "haproxy.cfg")
     ray_tmp = tempfile.mkdtemp(prefix="rcup", dir="/tmp")
     env = {**os.environ, "RAYCLUSTER_STATE_DIR": str(tmp_path), "RAY_TMPDIR": ray_tmp,
-           "RAY_SERVE_HAPROXY_CONFIG_FILE_LOC": cfg, "RAY_SERVE_HAPROXY_STATS_PORT": str(_free_port()),
-           "RAY_SERVE_HAPROXY_METRICS_PORT": str(_free_port())}
+           "RAY_SERVE_HAPROXY_CONFIG_FILE_LOC": cfg, "RAY_SERVE_HAPROXY_STATS_PORT": str(free_port()),
+           "RAY_SERVE_HAPROXY_METRICS_PORT": str(free_port())}
     env.pop("RAYCLUSTER_API_KEY", None)
     up = _cli("up", "--detach", "--no-dashboard", "--haproxy", "--port", str(port), env=env)
     try:

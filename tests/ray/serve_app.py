@@ -4,15 +4,10 @@ it (Serve's declarative config with the ClusterConfig's JSON dump as args), on a
 from __future__ import annotations
 
 import contextlib
-import socket
 
 import pytest
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from raycluster.ports import free_port
 
 
 @contextlib.contextmanager

@@ -12,22 +12,17 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import sys
 import tempfile
 import time
 
 import httpx
 
+from raycluster.ports import free_port
+
 LAYOUTS = {"tp2": {"tp": 2}, "spp2": {"spp": 2, "spp_micro_tokens": 32}}
 PROMPTS = [[(7 * i + 3 * j) % 3000 + 6 for j in range(n)] for i, n in enumerate((40, 150, 9))]
 MAX_TOKENS = 12
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def single_engine_texts(model_dir: str) -> list[str]:
@@ -109,7 +104,7 @@ def main(model_dir: str) -> None:
         cluster.wait_for_nodes()
         ray.init(address=cluster.address, runtime_env={"env_vars": env}, namespace="raycluster")
         node_ids = sorted(n["NodeID"] for n in ray.nodes() if n["Alive"])
-        url_port = _free_port()
+        url_port = free_port()
         serve.start(http_options={"host": "127.0.0.1", "port": url_port})
         print(f"two nodes up after {time.monotonic() - t0:.1f} s", file=sys.stderr, flush=True)
         res = serve_pd(model_dir, f"http://127.0.0.1:{url_port}")

@@ -26,7 +26,8 @@ from raycluster.engine.model_runner import plan_logits
 from raycluster.model.loader import load_model
 from raycluster.model.tiny import write_tiny_model
 from raycluster.parallel.factory import build_runner
-from raycluster.parallel.group import Collective, GroupAddress, ThreadRanks, free_port
+from raycluster.parallel.group import Collective, GroupAddress, ThreadRanks
+from raycluster.ports import free_port
 from raycluster.parallel.kv_port import rank_handler
 from raycluster.parallel.kvp import KVPRunner
 from raycluster.parallel.plan import StepPlan

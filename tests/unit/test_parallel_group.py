@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from raycluster.parallel.group import PLAN_BUFFER_BYTES, Collective, GroupAddress, ThreadRanks, free_port
+from raycluster.parallel.group import PLAN_BUFFER_BYTES, Collective, GroupAddress, ThreadRanks
+from raycluster.ports import free_port
 
 
 def test_plans_small_and_larger_than_the_buffer_reach_every_rank(monkeypatch):

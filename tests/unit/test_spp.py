@@ -15,7 +15,8 @@ from raycluster.engine.kv_manager import KVCacheManager
 from raycluster.engine.model_runner import ModelRunner
 from raycluster.model.loader import load_model
 from raycluster.parallel import spp as spp_mod
-from raycluster.parallel.group import Collective, GroupAddress, ThreadRanks, free_port
+from raycluster.parallel.group import Collective, GroupAddress, ThreadRanks
+from raycluster.ports import free_port
 from raycluster.parallel.plan import StepPlan, plan_inputs
 from raycluster.parallel.spp import SPPRunner, SPPStage, split_plan, spp_worker, stage_layers
 from raycluster.request import SamplingParams

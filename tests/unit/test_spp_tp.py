@@ -17,7 +17,8 @@ from test_tp import (UNEVEN_KV, engine_matches_plain, handoff_matches_plain, sam
 
 from raycluster.engine.config import EngineConfig
 from raycluster.parallel.factory import build_runner
-from raycluster.parallel.group import Collective, GroupAddress, free_port
+from raycluster.parallel.group import Collective, GroupAddress
+from raycluster.ports import free_port
 from raycluster.parallel.spp import SPPRunner
 from raycluster.parallel.tp import shard_model
 from raycluster.request import SamplingParams

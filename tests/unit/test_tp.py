@@ -29,7 +29,8 @@ from raycluster.engine.model_runner import ModelRunner, plan_logits
 from raycluster.model.loader import load_model
 from raycluster.model.tiny import write_tiny_model
 from raycluster.parallel.factory import build_runner
-from raycluster.parallel.group import Collective, GroupAddress, free_port
+from raycluster.parallel.group import Collective, GroupAddress
+from raycluster.ports import free_port
 from raycluster.parallel.plan import StepPlan
 from raycluster.parallel.tp import TPRunner, check_tp, shard_layer_state
 from raycluster.request import SamplingParams
