@@ -90,6 +90,8 @@ class LLMEngine:
             self.runner.image_cache = EncoderCache(config.encoder_cache_tokens)
         self.predictor = predictor or self._predictor(config)
         self.scheduler = build_scheduler(config, self.kv, self.clock, self.max_model_len, self.predictor)
+        if self.runner.image_cache is not None:
+            self.scheduler.encoder_cached = self.runner.image_cache
         self._retired = RetiredScheduling()       # pieces of pools it left (reconfigure_scheduling)
         self.sampler = Sampler(config.seed)
         # LoRA adapters served beside the base weights; a group's ranks each hold their shards.

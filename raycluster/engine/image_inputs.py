@@ -108,6 +108,11 @@ class EncoderCache:
         self.hits = self.misses = 0
         self._entries: OrderedDict[bytes, torch.Tensor] = OrderedDict()
 
+    def __contains__(self, digest: bytes) -> bool:
+        """Whether the cache holds the image (no lookup counted, no recency changed): the
+        scheduler's question, the step's encode_images then takes it."""
+        return digest in self._entries
+
     def get(self, digest: bytes) -> torch.Tensor | None:
         e = self._entries.get(digest)
         if e is None:

@@ -4,27 +4,32 @@ shorten a chunk, lengthen one to an image's end, or send a request back to the p
 
 - `within_encoder_budget`: a step encodes at most `budget` image tokens (vLLM's
   max_num_encoder_input_tokens). A chunk ends before the first image it reaches that is not
-  encoded yet and does not fit what is left.
+  encoded yet and does not fit what is left; an image the encoder cache holds costs nothing.
 - `whole_spans`: a chunk never ends inside one of its request's bidirectional spans (Gemma 3's
   images, whose tokens attend each other both ways: vLLM's disable_chunked_mm_input).
 """
 
 from __future__ import annotations
 
+from collections.abc import Container
+
 from raycluster.request import Request
 from raycluster.sched.base import KVAllocator, Policy
 
 
-def within_encoder_budget(prefills: list[tuple[Request, int]], budget: int,
-                          policy: Policy) -> list[tuple[Request, int]]:
-    """The chunks, each ending before the first image it reaches that is not encoded yet and would
-    take the step past `budget` image tokens. A chunk left empty waits, back in `policy`."""
+def within_encoder_budget(prefills: list[tuple[Request, int]], budget: int, policy: Policy,
+                          cached: Container[bytes] = ()) -> list[tuple[Request, int]]:
+    """The chunks, each ending before the first image it reaches that is not encoded yet (on its
+    request, or by digest in `cached`: the encoder cache) and would take the step past `budget`
+    image tokens. A chunk left empty waits, back in `policy`."""
     kept = []
     for req, n in prefills:
         start = req.num_computed_tokens
         end = start + n
         for k, image in enumerate(req.sampling.images):
             if k in req.image_embeds or image.offset + image.length <= start or image.offset >= end:
+                continue
+            if image.digest in cached:
                 continue
             if image.length > budget:
                 end = max(start, image.offset)

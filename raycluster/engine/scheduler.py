@@ -13,6 +13,7 @@ urgent arrival can overtake a long prefill between its chunks (Medha's preemptiv
 
 from __future__ import annotations
 
+from collections.abc import Container
 from dataclasses import dataclass, field
 from typing import Sequence
 
@@ -122,6 +123,9 @@ class Scheduler:
         # instance's prefill backlog, reported to the router. Kept incrementally because the
         # simulator reads it every report; `prefill_backlog_slow` is the definition.
         self.prefill_backlog = 0
+        # The digests of images whose encoder outputs the runner keeps (its EncoderCache): they
+        # cost a step no encoder budget. The engine sets it; empty without a cache.
+        self.encoder_cached: Container[bytes] = ()
 
     # ---- interface -------------------------------------------------------------------------
     def add_request(self, req: Request) -> None:
@@ -240,7 +244,8 @@ class Scheduler:
         queue = _PrefixMatchingQueue(self) if self.kv.prefix_caching else self.policy
         out.prefills = self.packer.plan(out.decodes, queue, limits, alloc)
         if self.config.max_num_encoder_tokens is not None and any(req.sampling.images for req, _ in out.prefills):
-            out.prefills = within_encoder_budget(out.prefills, self.config.max_num_encoder_tokens, self.policy)
+            out.prefills = within_encoder_budget(out.prefills, self.config.max_num_encoder_tokens, self.policy,
+                                                  self.encoder_cached)
         if any(req.bidirectional_spans for req, _ in out.prefills):
             out.prefills = whole_spans(out.prefills, alloc, self.policy)
         for req, _ in out.prefills:

@@ -111,3 +111,14 @@ def test_without_images_the_budget_changes_nothing():
         s.add_request(_request("b", 20, []))
     a, b = with_budget.schedule(), without.schedule()
     assert [(r.request_id, n) for r, n in a.prefills] == [(r.request_id, n) for r, n in b.prefills]
+
+
+def test_an_image_the_encoder_cache_holds_costs_no_budget():
+    s = _sched(chunk=96, budget=96, encoder=20)
+    req = Request("a", [1] * 60, SamplingParams(max_tokens=2, ignore_eos=True, images=[
+        ImageInput(4, 12, None, b"new"), ImageInput(20, 12, None, b"held"), ImageInput(40, 12, None, b"other")]))
+    s.encoder_cached = {b"held"}
+    s.add_request(req)
+    out = s.schedule()
+    # "new" (12) fits the budget, "held" is free, "other" (12 more than the 8 left) is not.
+    assert [(r.request_id, n) for r, n in out.prefills] == [("a", 40)]

@@ -177,6 +177,35 @@ def test_what_the_engine_cannot_serve_is_refused(llava):
     assert not eng.has_unfinished()
 
 
+def test_an_image_the_encoder_cache_holds_takes_no_encoder_budget(llava):
+    """A step's encoder budget of one image: a prompt with a new image and one the cache holds is
+    prefilled in one step (vLLM skips cached images too); without the cache it takes two."""
+    path, model, enc, processor = llava
+    per = enc.tokens_per_image
+    px, other = _pixels(processor, 0), _pixels(processor, 1)
+    steps = {}
+    for tokens in (4096, 0):
+        eng = LLMEngine(EngineConfig(**BASE, kv_cache_tokens=512, chunk_size=64, encoder_cache_tokens=tokens,
+                                     max_num_encoder_tokens=per), model, image_encoder=enc)
+        assert eng.scheduler.encoder_cached is (eng.runner.image_cache if tokens else ())
+        eng.generate(*_one(_prompt([[5, 6], None, [7]], per, [px])))
+        ids, images = _prompt([[9, 10], None, [11], None, [12]], per, [px, other])
+        eng.add_request("b", ids, _sp(images, 1))
+        prefills = []
+        for _ in range(10):
+            prefills.append(eng.step().num_prefill_tokens)
+            if not eng.has_unfinished():
+                break
+        steps[tokens] = [n for n in prefills if n]
+    assert steps[4096] == [2 + per + 1 + per + 1]
+    assert steps[0] == [2 + per + 1, per + 1]
+
+
+def _one(prompt) -> tuple[list[list[int]], list[SamplingParams]]:
+    ids, images = prompt
+    return [ids], [_sp(images, 1)]
+
+
 def test_the_encoder_cache_encodes_an_image_once_across_prompts(llava):
     """The same picture after other text is not encoded again (the encoder cache, by digest), and
     gives the tokens of an engine without the cache; the least recently used image goes first."""
