@@ -25,9 +25,7 @@ import torch
 from raycluster.clock import WallClock
 from raycluster.engine.config import EngineConfig
 from raycluster.engine.guided import GuidedDecoding, constraint_of
-from raycluster.engine.image_inputs import (EncoderCache, bidirectional_spans, check_encoder_budget, check_images,
-                                            feature_runs)
-from raycluster.model.mrope import MRopeLayout
+from raycluster.engine.image_inputs import EncoderCache, check_request_images, request_image_fields
 from raycluster.engine.outputs import InvalidRequestError, RequestOutput, StepResult, validate_request
 from raycluster.parallel.factory import build_runner
 from raycluster.engine.sampler import Sampler
@@ -217,13 +215,9 @@ class LLMEngine:
                      arrival_time, output_token_ids) -> Request:
         sampling = sampling or SamplingParams()
         self._validate(prompt_token_ids, sampling)
-        # Qwen-VL: the prompt's images lay out its rotary positions (raycluster.model.mrope).
-        mrope = None if not sampling.images or self.model.config.mrope is None else MRopeLayout(
-            [(im.offset, im.length, self.image_encoder.grid_for(im.size)) for im in sampling.images])
-        both = bidirectional_spans(sampling, self.image_encoder, self.runner, self.scheduler.config.max_num_batched_tokens)
-        runs = feature_runs(self.image_encoder, sampling) if sampling.images else []
-        return Request(request_id=request_id, prompt_token_ids=list(prompt_token_ids), sampling=sampling, mrope=mrope,
-                       bidirectional_spans=both, image_runs=runs,
+        images = request_image_fields(sampling, self.image_encoder, self.runner, self.model.config.mrope is not None,
+                                      self.scheduler.config.max_num_batched_tokens)
+        return Request(request_id=request_id, prompt_token_ids=list(prompt_token_ids), sampling=sampling, **images,
                        arrival_time=self.clock.now() if arrival_time is None else arrival_time,
                        slo=slo or SLO(), priority=priority, tenant=tenant, app_id=app_id,
                        expected_output_tokens=sampling.max_tokens, eos_token_ids=self.eos_token_ids,
@@ -236,9 +230,7 @@ class LLMEngine:
 
     def _validate(self, ids: list[int], sp: SamplingParams) -> None:
         validate_request(ids, sp, self.max_model_len, self.vocab_size, self.kv.capacity_tokens())
-        check_images(ids, sp, self.image_encoder)
-        if sp.images and self.scheduler.config.max_num_encoder_tokens is not None:
-            check_encoder_budget(sp, self.scheduler.config.max_num_encoder_tokens)
+        check_request_images(ids, sp, self.image_encoder, self.scheduler.config.max_num_encoder_tokens)
         if sp.lora_adapter is not None and sp.lora_adapter not in self.lora:
             raise InvalidRequestError("model", f"LoRA adapter {sp.lora_adapter!r} is not served here")
         if sp.embed and not sp.pool_tokens and self.model.config.token_classifier:

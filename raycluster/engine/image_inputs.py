@@ -20,6 +20,7 @@ from collections import OrderedDict
 import torch
 
 from raycluster.engine.outputs import InvalidRequestError
+from raycluster.model.mrope import MRopeLayout
 from raycluster.request import ImageInput, Request, SamplingParams
 
 
@@ -49,6 +50,24 @@ def check_images(ids: list[int], sp: SamplingParams, encoder) -> None:
     if ids.count(encoder.image_token_id) != sum(span_ids(encoder, im.size).count(encoder.image_token_id)
                                                 for im in sp.images):
         raise InvalidRequestError("messages", "the prompt holds image tokens that no image fills")
+
+
+def check_request_images(ids: list[int], sp: SamplingParams, encoder, encoder_budget: int | None) -> None:
+    """`check_images`, then `check_encoder_budget` under a budget (None: unbounded)."""
+    check_images(ids, sp, encoder)
+    if sp.images and encoder_budget is not None:
+        check_encoder_budget(sp, encoder_budget)
+
+
+def request_image_fields(sp: SamplingParams, encoder, runner, mrope: bool, max_chunk: int) -> dict:
+    """The Request fields a prompt's images set: on a model with multimodal RoPE (`mrope`: Qwen-VL)
+    its positions' layout (raycluster.model.mrope), its bidirectional spans, each image's
+    feature runs."""
+    if not sp.images:
+        return {"mrope": None, "bidirectional_spans": (), "image_runs": []}
+    layout = MRopeLayout([(im.offset, im.length, encoder.grid_for(im.size)) for im in sp.images]) if mrope else None
+    return {"mrope": layout, "bidirectional_spans": bidirectional_spans(sp, encoder, runner, max_chunk),
+            "image_runs": feature_runs(encoder, sp)}
 
 
 def check_encoder_budget(sp: SamplingParams, budget: int) -> None:

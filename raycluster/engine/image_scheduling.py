@@ -17,6 +17,16 @@ from raycluster.request import Request
 from raycluster.sched.base import KVAllocator, Policy
 
 
+def image_rules(prefills: list[tuple[Request, int]], encoder_budget: int | None, alloc: KVAllocator,
+                policy: Policy, cached: Container[bytes] = ()) -> list[tuple[Request, int]]:
+    """`within_encoder_budget` (None: no budget), then `whole_spans`, each where a chunk needs it."""
+    if encoder_budget is not None and any(req.sampling.images for req, _ in prefills):
+        prefills = within_encoder_budget(prefills, encoder_budget, policy, cached)
+    if any(req.bidirectional_spans for req, _ in prefills):
+        prefills = whole_spans(prefills, alloc, policy)
+    return prefills
+
+
 def within_encoder_budget(prefills: list[tuple[Request, int]], budget: int, policy: Policy,
                           cached: Container[bytes] = ()) -> list[tuple[Request, int]]:
     """The chunks, each ending before the first image it reaches that is not encoded yet (on its

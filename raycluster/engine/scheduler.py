@@ -17,7 +17,7 @@ from collections.abc import Container
 from dataclasses import dataclass, field
 from typing import Sequence
 
-from raycluster.engine.image_scheduling import whole_spans, within_encoder_budget
+from raycluster.engine.image_scheduling import image_rules
 from raycluster.engine.kv_manager import KVCacheManager
 from raycluster.request import Request, RequestStatus
 from raycluster.sched.base import AllDecodes, Clock, DecodeSelector, PackLimits, Packer, Policy
@@ -123,8 +123,7 @@ class Scheduler:
         # instance's prefill backlog, reported to the router. Kept incrementally because the
         # simulator reads it every report; `prefill_backlog_slow` is the definition.
         self.prefill_backlog = 0
-        # The digests of images whose encoder outputs the runner keeps (its EncoderCache): they
-        # cost a step no encoder budget. The engine sets it; empty without a cache.
+        # Digests of images the runner's EncoderCache holds (no encoder budget); the engine sets it.
         self.encoder_cached: Container[bytes] = ()
 
     # ---- interface -------------------------------------------------------------------------
@@ -243,11 +242,8 @@ class Scheduler:
         limits = PackLimits(budget, self.config.max_num_seqs)
         queue = _PrefixMatchingQueue(self) if self.kv.prefix_caching else self.policy
         out.prefills = self.packer.plan(out.decodes, queue, limits, alloc)
-        if self.config.max_num_encoder_tokens is not None and any(req.sampling.images for req, _ in out.prefills):
-            out.prefills = within_encoder_budget(out.prefills, self.config.max_num_encoder_tokens, self.policy,
-                                                  self.encoder_cached)
-        if any(req.bidirectional_spans for req, _ in out.prefills):
-            out.prefills = whole_spans(out.prefills, alloc, self.policy)
+        out.prefills = image_rules(out.prefills, self.config.max_num_encoder_tokens, alloc, self.policy,
+                                   self.encoder_cached)
         for req, _ in out.prefills:
             if req.first_scheduled_time is None:
                 req.first_scheduled_time = now
