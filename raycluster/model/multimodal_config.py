@@ -3,7 +3,8 @@ tower, or the architecture's images are not served here): Gemma 3 (`Gemma3ForCon
 4B / 12B / 27B releases), Mistral 3 (`Mistral3ForConditionalGeneration`: Mistral Small 3.1 / 3.2, and
 Ministral 3 over its `ministral3` text model),
 LLaVA (`LlavaForConditionalGeneration`, over a Llama, Mistral or Qwen2 text model), LLaVA-NeXT
-(`LlavaNextForConditionalGeneration`: llava-v1.6, over Mistral or Llama), Qwen2-VL and
+(`LlavaNextForConditionalGeneration`: llava-v1.6, over Mistral or Llama), LLaVA-OneVision
+(`LlavaOnevisionForConditionalGeneration`: llava-onevision-qwen2, over Qwen2), Qwen2-VL and
 Qwen2.5-VL (over Qwen2), Qwen3-VL (over Qwen3), Qwen3-VL-MoE (over Qwen3-MoE, its experts stored
 stacked) and Llama 4 (Scout, Maverick).
 
@@ -13,12 +14,13 @@ architecture, its config dict): the text config with transformers' defaults for 
 release leaves out (Gemma 3's sparse text configs) and the top-level ids, dtype and tying it
 inherits. The Qwen-VL models' multimodal RoPE (`mrope`) turns every section of a head by the same
 position when the input is text alone, which is plain RoPE. The weights sit under the text model's
-prefix (`language_model.` in the released Gemma / Mistral / LLaVA / LLaVA-NeXT files,
+prefix (`language_model.` in the released Gemma / Mistral / LLaVA / LLaVA-NeXT / LLaVA-OneVision files,
 `model.language_model.` in transformers 5's own layout, plain `model.` beside `visual.` in the
 released Qwen-VL files;
 raycluster.model.loader maps them). The text model alone is built here; the image encoders of
 the architectures that take images (LLaVA, LLaVA-NeXT, Qwen2-VL, Qwen2.5-VL, Qwen3-VL,
-Qwen3-VL-MoE, Gemma 3, Mistral 3, Llama 4) are raycluster.model.llava's, and `mrope_of` reads the
+Qwen3-VL-MoE, Gemma 3, Mistral 3, Llama 4) are raycluster.model.llava's (LLaVA-OneVision's:
+raycluster.model.llava_onevision), and `mrope_of` reads the
 Qwen-VL models' multimodal RoPE, which turns image prompts (raycluster.model.mrope). A checkpoint
 stored without its tower serves its text alone and refuses image parts.
 """
@@ -31,6 +33,7 @@ from raycluster.model.mrope import MRopeSpec
 
 MULTIMODAL_ARCHITECTURES = ("Gemma3ForConditionalGeneration", "Mistral3ForConditionalGeneration",
                             "LlavaForConditionalGeneration", "LlavaNextForConditionalGeneration",
+                            "LlavaOnevisionForConditionalGeneration",
                             "Qwen2VLForConditionalGeneration",
                             "Qwen2_5_VLForConditionalGeneration", "Qwen3VLForConditionalGeneration",
                             "Qwen3VLMoeForConditionalGeneration", "Llama4ForConditionalGeneration")

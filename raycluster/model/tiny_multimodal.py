@@ -1,9 +1,10 @@
-"""Tiny image-text checkpoints (Gemma 3, Mistral 3 / Ministral 3, LLaVA, LLaVA-NeXT, Llama 4, Qwen2-VL,
-Qwen2.5-VL, Qwen3-VL, Qwen3-VL-MoE) for tests: `write_tiny_multimodal(path, arch)` wraps the tiny text
+"""Tiny image-text checkpoints (Gemma 3, Mistral 3 / Ministral 3, LLaVA, LLaVA-NeXT, LLaVA-OneVision, Llama 4,
+Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Qwen3-VL-MoE) for tests: `write_tiny_multimodal(path, arch)` wraps the tiny text
 checkpoint of the wrapper's text model (raycluster.model.tiny) as its released files and
 transformers lay them out, with a vision config and one vision tensor (a text-only server never
 reads the tower); LLaVA's and LLaVA-NeXT's with `vision_weights=True`: the whole tower, projector
-(and NeXT's image_newline), image processor and "<image>" token (raycluster.model.tiny_llava);
+(and NeXT's image_newline), image processor and "<image>" token (raycluster.model.tiny_llava;
+LLaVA-OneVision's whole image side: raycluster.model.tiny_llava_onevision);
 Qwen2-VL's and Qwen2.5-VL's: the whole tower, image processor and vision tokens
 (raycluster.model.tiny_qwen_vl)."""
 
@@ -38,6 +39,12 @@ _MULTIMODAL = {
         "model_type": "clip_vision_model", "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1,
         "num_attention_heads": 2, "image_size": 28, "patch_size": 14, "projection_dim": 32},
         {"image_token_index": 5, "image_grid_pinpoints": [[28, 56], [56, 28], [56, 56]]}),
+    # LLaVA-OneVision over Qwen2 (llava-onevision-qwen2's layout), a SigLIP tower; the whole image side:
+    # raycluster.model.tiny_llava_onevision.
+    "LlavaOnevisionForConditionalGeneration": ("llava_onevision", "qwen2", "Qwen2ForCausalLM", {
+        "model_type": "siglip_vision_model", "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1,
+        "num_attention_heads": 2, "image_size": 28, "patch_size": 7, "vision_use_head": False},
+        {"image_token_index": 5, "image_grid_pinpoints": [[28, 28], [28, 56], [56, 28], [56, 56]]}),
     "Llama4ForConditionalGeneration": ("llama4", "llama4_text", "Llama4ForCausalLM", {
         "model_type": "llama4_vision_model", "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1,
         "num_attention_heads": 2, "image_size": 28, "patch_size": 14, "vision_output_dim": 32,

@@ -1,0 +1,200 @@
+"""LLaVA-OneVision's image side (transformers 5.24's `LlavaOnevisionModel.get_image_features` with its
+`pack_image_features`): an image's squares (the base, then its tiles: raycluster.model.
+onevision_processor) through a SigLIP tower and the projector to [squares, side * side, text hidden];
+then the base square's features, followed by the tiles' features laid on one grid, cropped back to
+the image's aspect ratio, bilinearly shrunk when they hold more than `vision_aspect_ratio`'s
+"anyres_max_N" tiles' worth (`OnevisionGrid.packed_shape`), each row ended by `image_newline`.
+
+`LlavaOnevisionImageEncoder(config, text_hidden)` validates config.json (ValueError naming the
+field): `vision_config` a SigLIP tower (raycluster.model.siglip_vision; LlavaOnevisionConfig's
+default tower when left out), `vision_feature_layer` an int or a list of ints (their hidden states,
+taken before the tower's post_layernorm as transformers' `hidden_states` are, concatenated along
+the features), `vision_feature_select_strategy` "full" only (SigLIP has no CLS: "default" drops a
+patch, and transformers' packing then refuses the non-square grid), `projector_hidden_act`,
+`multimodal_projector_bias`, `image_grid_pinpoints`, `vision_aspect_ratio`. Only the tower layers
+the feature layers need are built and read.
+
+Pixels and each image's original (height, width) enter `encode_images([(pixels [1 + tiles, 3, S,
+S], (height, width)), ...])`; every image's squares run through the tower in one batch, and each
+image's features leave as [tokens_for((height, width)), text hidden] in the encoder's dtype, for
+the text model's `image_token_id` placeholders in order. `from_checkpoint(model_dir, dtype,
+device)` reads config.json and the tensors from model.safetensors or its shards: the tower under
+the released files' `vision_tower.vision_model.` (the text beside it under `language_model.`),
+transformers 5's `model.vision_tower.vision_model.`, or the bare `vision_tower.` /
+`model.vision_tower.` a transformers 5.24 save writes; the projector under `multi_modal_projector.`
+(or `model.`-prefixed); `image_newline` (or `model.image_newline`).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from raycluster.model.anyres import check_image_size
+from raycluster.model.checkpoint_files import CheckpointError, copy_whole, read_named, read_prefixed
+from raycluster.model.clip_vision import _Encoder, _EncoderLayer, activation, hidden_state_index
+from raycluster.model.llava_tower import (_Projector, _layer_of, _text_hidden, check_items, read_config, shape_reason,
+                                          tensor_prefixes)
+from raycluster.model.onevision_processor import DEFAULT_VISION, OnevisionGrid
+from raycluster.model.siglip_vision import SiglipVisionSpec, _Embeddings
+
+ARCHITECTURE = "LlavaOnevisionForConditionalGeneration"
+# LlavaOnevisionConfig's image_token_index default (llava-onevision-qwen2's "<image>").
+DEFAULT_IMAGE_TOKEN_ID = 151646
+# Stored tower tensors never used here: the post-layernorm (transformers' hidden_states are taken
+# before it), a pooling head, old saves' position ids buffer.
+_UNUSED = ("post_layernorm.", "head.", "embeddings.position_ids")
+_NEWLINE = ("image_newline", "model.image_newline")
+
+
+class SiglipHiddenStates(nn.Module):
+    """SigLIP's embeddings and first `num_layers` encoder layers (names as below `vision_model.`)."""
+
+    def __init__(self, spec: SiglipVisionSpec, num_layers: int):
+        super().__init__()
+        act = activation(spec.hidden_act, "vision_config.hidden_act")
+        self.spec = spec
+        self.embeddings = _Embeddings(spec)
+        self.encoder = _Encoder([_EncoderLayer(spec.hidden_size, spec.intermediate_size, spec.num_attention_heads,
+                                               spec.layer_norm_eps, act) for _ in range(num_layers)])
+
+    def hidden_states(self, pixel_values: torch.Tensor, indices: list[int]) -> list[torch.Tensor]:
+        """transformers' `hidden_states[k]` [N, patches, hidden] for each k of `indices` (0: the
+        embeddings, k: layer k's output, negative k from the end of the full tower's states)."""
+        wanted = [hidden_state_index(i, self.spec.num_hidden_layers) for i in indices]
+        x = self.embeddings(pixel_values)
+        states = {0: x}
+        for k, layer in enumerate(self.encoder.layers[:max(wanted)], start=1):
+            x = layer(x)
+            states[k] = x
+        return [states[k] for k in wanted]
+
+
+class LlavaOnevisionImageEncoder(nn.Module):
+    """The tower, projector and anyres packing (module docstring)."""
+
+    ARCHITECTURE = ARCHITECTURE
+    bidirectional = False       # the text model attends an image's tokens causally
+
+    def __init__(self, config: dict, text_hidden: int):
+        super().__init__()
+        vision = config.get("vision_config")
+        spec = SiglipVisionSpec.from_config(DEFAULT_VISION if vision is None else vision)
+        layers = config.get("vision_feature_layer", -1)
+        self.feature_layers = [layers] if isinstance(layers, int) else list(layers) if isinstance(layers, list) else []
+        if not self.feature_layers or not all(isinstance(i, int) and not isinstance(i, bool)
+                                              for i in self.feature_layers):
+            raise ValueError(f"config field 'vision_feature_layer' = {layers!r}: expected an int or a list of ints")
+        try:
+            deepest = max(hidden_state_index(i, spec.num_hidden_layers) for i in self.feature_layers)
+        except ValueError as e:
+            raise ValueError(f"config field 'vision_feature_layer' = {layers!r}: {e}") from None
+        strategy = config.get("vision_feature_select_strategy", "full")
+        if strategy != "full":
+            raise ValueError(f"config field 'vision_feature_select_strategy' = {strategy!r}: LLaVA-OneVision's "
+                             "SigLIP tower has no CLS token, so only 'full' keeps each tile a square grid of "
+                             "features (transformers' packing refuses the others too)")
+        self.select_strategy = strategy
+        self.grid = OnevisionGrid.from_config(config)
+        self.vision_tower = SiglipHiddenStates(spec, deepest)
+        act = activation(config.get("projector_hidden_act", "gelu"), "projector_hidden_act")
+        self.multi_modal_projector = _Projector(spec.hidden_size * len(self.feature_layers), text_hidden, act,
+                                                bool(config.get("multimodal_projector_bias", True)))
+        self.image_newline = nn.Parameter(torch.empty(text_hidden))
+        token = config.get("image_token_index", config.get("image_token_id", DEFAULT_IMAGE_TOKEN_ID))
+        if not isinstance(token, int) or isinstance(token, bool) or token < 0:
+            raise ValueError(f"config field 'image_token_index' = {token!r}: expected a token id")
+        self.image_token_id: int = token
+        self.image_size: int = spec.image_size
+        self.text_hidden_size: int = text_hidden
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.multi_modal_projector.linear_1.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.multi_modal_projector.linear_1.weight.device
+
+    def tokens_for(self, image_size: tuple[int, int]) -> int:
+        """The features an image of (height, width) becomes (LlavaOnevisionProcessor's count)."""
+        return self.grid.tokens_for(image_size)
+
+    def check_pixels(self, pixel_values, image_size) -> str | None:
+        """None if `pixel_values` are what the processor makes of an image of `image_size`, else why not."""
+        reason = check_image_size(image_size)
+        if reason is not None:
+            return reason
+        spec = self.vision_tower.spec
+        return shape_reason(pixel_values, (self.grid.num_tiles(tuple(image_size)) + 1, spec.num_channels,
+                                           spec.image_size, spec.image_size), image_size)
+
+    def tile_features(self, pixel_values: torch.Tensor) -> torch.Tensor:
+        """[N, C, S, S] squares -> [N, side * side, text hidden]: the selected hidden states, projected."""
+        states = self.vision_tower.hidden_states(pixel_values.to(self.device, self.dtype), self.feature_layers)
+        return self.multi_modal_projector(torch.cat(states, dim=-1))
+
+    @torch.inference_mode()
+    def encode_images(self, items: list[tuple[torch.Tensor, tuple[int, int]]]) -> list[torch.Tensor]:
+        """Each image's features [tokens_for(size), text hidden] (module docstring); ValueError
+        naming the first image whose pixels do not fit its size."""
+        check_items(self, items)
+        if not items:
+            return []
+        features = self.tile_features(torch.cat([torch.as_tensor(p) for p, _ in items]))
+        out, at = [], 0
+        for pixels, size in items:
+            out.append(self._pack(features[at:at + pixels.shape[0]], tuple(size)))
+            at += pixels.shape[0]
+        return out
+
+    def _pack(self, features: torch.Tensor, image_size: tuple[int, int]) -> torch.Tensor:
+        """One image's square features [1 + tiles, side * side, hidden] -> its packed features, in
+        transformers' order of operations (so the bilinear shrink rounds as its does)."""
+        rows, cols = self.grid.grid_shape(image_size)
+        side = self.grid.side
+        # [hidden, rows * side, cols * side]: tile (r, c)'s feature (i, j) at row r * side + i, column c * side + j.
+        grid = features[1:].view(rows, cols, side, side, -1).permute(4, 0, 2, 1, 3).contiguous()
+        grid = grid.flatten(1, 2).flatten(2, 3)
+        row_slice, col_slice = self.grid.kept(image_size)
+        grid = grid[:, row_slice, col_slice]
+        height, width = self.grid.packed_shape(image_size)
+        if (height, width) != tuple(grid.shape[1:]):
+            if height and width:
+                grid = F.interpolate(grid[None], [height, width], mode="bilinear")[0]
+            else:       # shrunk to nothing (only a degenerate grid): interpolate takes no empty size
+                grid = grid[:, :height, :width]
+        newline = self.image_newline.to(grid.dtype)[:, None, None].expand(*grid.shape[:-1], 1)
+        grid = torch.cat([grid, newline], dim=-1).flatten(1, 2).transpose(0, 1)
+        return torch.cat([features[0], grid])
+
+    @classmethod
+    def stores_tower(cls, path: str | os.PathLike) -> bool:
+        """Whether the checkpoint's files hold the SigLIP tower (else it is served on its text)."""
+        return tensor_prefixes(os.fspath(path))[0] is not None
+
+    @classmethod
+    def from_checkpoint(cls, model_dir: str | os.PathLike, dtype: torch.dtype = torch.float32,
+                        device: str | torch.device = "cpu") -> "LlavaOnevisionImageEncoder":
+        path = os.fspath(model_dir)
+        config = read_config(path)
+        tower_prefix, projector_prefix = tensor_prefixes(path)
+        if tower_prefix is None or projector_prefix is None:
+            missing = "SigLIP vision tower" if tower_prefix is None else "multi_modal_projector"
+            raise CheckpointError(f"{path!r}: the checkpoint stores no {missing} tensors")
+        projector = read_prefixed(path, projector_prefix)
+        with torch.device("meta"):
+            encoder = cls(config, _text_hidden(config, projector))
+        encoder.to_empty(device=device).to(dtype)
+        built = len(encoder.vision_tower.encoder.layers)
+        loaded = {"vision_tower." + k: v for k, v in read_prefixed(path, tower_prefix).items()
+                  if not k.startswith(_UNUSED) and _layer_of(k) < built}
+        loaded.update({"multi_modal_projector." + k: v for k, v in projector.items()})
+        newline = next((t for t in (read_named(path, name) for name in _NEWLINE) if t is not None), None)
+        if newline is not None:
+            loaded["image_newline"] = newline
+        copy_whole(dict(encoder.named_parameters()), loaded, path, "LLaVA-OneVision vision tower / projector", dtype)
+        return encoder.eval()
