@@ -1,10 +1,13 @@
-"""LLaVA's image side, and which image encoder / processor a checkpoint gets (LLaVA, LLaVA-NeXT, Qwen2-VL,
-Qwen2.5-VL, Qwen3-VL).
+"""LLaVA's image side, and which image encoder / processor a checkpoint gets (LLaVA, LLaVA-NeXT,
+LLaVA-OneVision, Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Gemma 3, Mistral 3, Llama 4).
 
 LLaVA-1.5 (`LlavaForConditionalGeneration.get_image_features`): `LlavaImageEncoder` is the CLIP
 tower and projector of raycluster.model.llava_tower over one square per image, every image
 `tokens_per_image` features. LLaVA-NeXT (`LlavaNextForConditionalGeneration`) is
-raycluster.model.llava_next's `LlavaNextImageEncoder`, its count depending on the image's size.
+raycluster.model.llava_next's `LlavaNextImageEncoder`, its count depending on the image's size;
+LLaVA-OneVision (`LlavaOnevisionForConditionalGeneration`) raycluster.model.llava_onevision's, the
+same layout over a SigLIP tower with its "anyres_max" shrink (each image of a prompt tiled, as
+vLLM and transformers' flat image lists do).
 Qwen2-VL and Qwen2.5-VL (`Qwen2VLForConditionalGeneration`, `Qwen2_5_VLForConditionalGeneration`)
 are raycluster.model.qwen_vl's `QwenVLImageEncoder`, which also gives `grid_for((height, width))`,
 the (t, rows, columns) of an image's tokens that their multimodal rotary positions are laid on.
@@ -46,7 +49,7 @@ from typing import Callable
 import torch
 from PIL import Image
 
-from raycluster.model import gemma3_vision, llama4_image, llava_next, mistral3_vision, qwen3_vl, qwen_vl
+from raycluster.model import gemma3_vision, llama4_image, llava_next, llava_onevision, mistral3_vision, qwen3_vl, qwen_vl
 from raycluster.model.anyres import AnyresGrid, AnyresImageProcessor
 from raycluster.model.gemma3_processor import Gemma3ImageProcessor
 from raycluster.model.gemma3_vision import Gemma3ImageEncoder
@@ -55,6 +58,7 @@ from raycluster.model.llama4_image import Llama4ImageEncoder
 from raycluster.model.llama4_processor import Llama4Grid, Llama4ImageProcessor
 from raycluster.model.llava_tower import ClipProjectorEncoder, check_items, read_config
 from raycluster.model.mistral3_vision import Mistral3ImageEncoder
+from raycluster.model.onevision_processor import OnevisionImageProcessor
 from raycluster.model.pixtral_processor import PixtralGrid, PixtralImageProcessor
 from raycluster.model.qwen3_vl import Qwen3VLImageEncoder
 from raycluster.model.qwen_vl import QwenVLImageEncoder
@@ -96,7 +100,8 @@ _ENCODERS = {ARCHITECTURE: LlavaImageEncoder, llava_next.ARCHITECTURE: llava_nex
              **{arch: QwenVLImageEncoder for arch in qwen_vl.ARCHITECTURES},
              **{arch: Qwen3VLImageEncoder for arch in qwen3_vl.ARCHITECTURES},
              gemma3_vision.ARCHITECTURE: Gemma3ImageEncoder, mistral3_vision.ARCHITECTURE: Mistral3ImageEncoder,
-             llama4_image.ARCHITECTURE: Llama4ImageEncoder}
+             llama4_image.ARCHITECTURE: Llama4ImageEncoder,
+             llava_onevision.ARCHITECTURE: llava_onevision.LlavaOnevisionImageEncoder}
 
 
 def _encoder_class(path: str):
@@ -190,7 +195,9 @@ def image_facts(model_dir: str | os.PathLike) -> ImageFacts | None:
         steps = ImageProcessor.from_model_dir(path)
         return ImageFacts(encoder.image_token_id, None if steps is None else FixedSizeProcessor(steps),
                           tokens_per_image=encoder.tokens_per_image)
-    processor = AnyresImageProcessor.from_model_dir(path)
+    # LLaVA-OneVision's processor has its own defaults (no center crop, 384-pixel tiles).
+    processor = (OnevisionImageProcessor if cls is llava_onevision.LlavaOnevisionImageEncoder
+                 else AnyresImageProcessor).from_model_dir(path)
     if processor is not None and (processor.tile_size, processor.pinpoints) != (encoder.image_size,
                                                                                  encoder.grid.pinpoints):
         raise ValueError(f"{path}: preprocessor_config.json's tiles ({processor.tile_size} pixels, pinpoints "

@@ -18,13 +18,16 @@ import threading
 import httpx
 import numpy as np
 import pytest
+import torch
 from engine_http import all_free, serve_engine, tiny_parts
-from llava_reference import hf_llava_greedy, hf_llava_next_greedy, hf_pixel_values
+from llava_reference import _greedy, hf_llava_greedy, hf_llava_next_greedy, hf_pixel_values
 from PIL import Image
 
 from raycluster.engine.config import EngineConfig
 from raycluster.model.llava import image_encoder_for
 from raycluster.model.tiny_llava import IMAGE_TOKEN_ID
+from raycluster.model.tiny_llava_onevision import IMAGE_TOKEN_ID as OV_IMAGE_TOKEN_ID
+from raycluster.model.tiny_llava_onevision import write_tiny_llava_onevision
 from raycluster.model.tiny_multimodal import write_tiny_multimodal
 from raycluster.server.images import MAX_IMAGES_PER_PROMPT, image_spec_for
 
@@ -257,3 +260,30 @@ def test_local_media_path(tmp_path):
     args = build_parser().parse_args(["engine-server", "--allowed-local-media-path", str(media)])
     cmd = detach_command(args)
     assert cmd[cmd.index("--allowed-local-media-path") + 1] == str(media)
+
+
+def test_llava_onevision_images_over_http(tmp_path):
+    """LLaVA-OneVision (its tiles shrunk under anyres_max for the larger picture): the reply equals
+    transformers' for the prompt `/tokenize` shows and its processor's tiles."""
+    from transformers import LlavaOnevisionForConditionalGeneration, LlavaOnevisionImageProcessorPil
+
+    path = write_tiny_llava_onevision(tmp_path / "ov", seed=5)
+    model, tok = tiny_parts(path)
+    enc = image_encoder_for(path)
+    pngs = [_png(1, (120, 90)), _png(2, (30, 40))]
+    parts = lambda png: {"type": "image_url", "image_url": {"url": _data_url(png)}}    # noqa: E731
+    messages = [{"role": "user", "content": [parts(pngs[0]), {"type": "text", "text": "Compare"}, parts(pngs[1]),
+                                             {"type": "text", "text": "these."}]}]
+    cfg = EngineConfig(kv_cache_tokens=2048, policy="fcfs", packer="token", chunk_size=64)
+    with serve_engine(cfg, model, tok, image_encoder=enc, images=image_spec_for(path, tok)) as (url, aeng):
+        ids = httpx.post(f"{url}/tokenize", timeout=30, json={"messages": messages}).json()["tokens"]
+        assert ids.count(OV_IMAGE_TOKEN_ID) == enc.tokens_for((120, 90)) + enc.tokens_for((30, 40))
+        hf = LlavaOnevisionImageProcessorPil.from_pretrained(str(path))(
+            [Image.open(io.BytesIO(p)) for p in pngs], return_tensors="pt")
+        ref = LlavaOnevisionForConditionalGeneration.from_pretrained(str(path), dtype=torch.float32).eval()
+        want = _greedy(ref, ids, hf["pixel_values"], 10, False, image_sizes=hf["image_sizes"])
+        r = httpx.post(f"{url}/v1/chat/completions", timeout=60, json={
+            "messages": messages, "max_tokens": 10, "temperature": 0, "ignore_eos": True})
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["message"]["content"] == tok.decode(want)
+        assert all_free(aeng)
