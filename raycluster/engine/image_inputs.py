@@ -35,6 +35,9 @@ def check_images(ids: list[int], sp: SamplingParams, encoder) -> None:
     for k, image in enumerate(sp.images):
         if not isinstance(image.pixel_values, torch.Tensor):
             raise InvalidRequestError("messages", f"image {k}'s pixels are not a tensor")
+        if len(image.size) == 3 and not getattr(encoder, "takes_video", False):
+            raise InvalidRequestError("messages", "this model takes no videos (video_url parts need Qwen2-VL or "
+                                      "Qwen2.5-VL)")
         why = encoder.check_pixels(image.pixel_values, image.size)
         if why is not None:
             raise InvalidRequestError("messages", f"image {k}: {why}")
@@ -47,9 +50,9 @@ def check_images(ids: list[int], sp: SamplingParams, encoder) -> None:
         if ids[image.offset:image.offset + image.length] != span_ids(encoder, image.size):
             raise InvalidRequestError("messages", f"image {k}'s positions do not hold its placeholder tokens")
         end = image.offset + image.length
-    if ids.count(encoder.image_token_id) != sum(span_ids(encoder, im.size).count(encoder.image_token_id)
-                                                for im in sp.images):
-        raise InvalidRequestError("messages", "the prompt holds image tokens that no image fills")
+    for token in {encoder.image_token_id, getattr(encoder, "video_token_id", encoder.image_token_id)}:
+        if ids.count(token) != sum(span_ids(encoder, im.size).count(token) for im in sp.images):
+            raise InvalidRequestError("messages", "the prompt holds image or video tokens that no image or video fills")
 
 
 def check_request_images(ids: list[int], sp: SamplingParams, encoder, encoder_budget: int | None) -> None:
@@ -65,7 +68,8 @@ def request_image_fields(sp: SamplingParams, encoder, runner, mrope: bool, max_c
     feature runs."""
     if not sp.images:
         return {"mrope": None, "bidirectional_spans": (), "image_runs": []}
-    layout = MRopeLayout([(im.offset, im.length, encoder.grid_for(im.size)) for im in sp.images]) if mrope else None
+    layout = MRopeLayout([(im.offset, im.length, encoder.grid_for(im.size)) for im in sp.images],
+                         tuple(encoder.time_step_for(im.size) for im in sp.images)) if mrope else None
     return {"mrope": layout, "bidirectional_spans": bidirectional_spans(sp, encoder, runner, max_chunk),
             "image_runs": feature_runs(encoder, sp)}
 

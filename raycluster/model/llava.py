@@ -10,7 +10,9 @@ same layout over a SigLIP tower with its "anyres_max" shrink (each image of a pr
 vLLM and transformers' flat image lists do).
 Qwen2-VL and Qwen2.5-VL (`Qwen2VLForConditionalGeneration`, `Qwen2_5_VLForConditionalGeneration`)
 are raycluster.model.qwen_vl's `QwenVLImageEncoder`, which also gives `grid_for((height, width))`,
-the (t, rows, columns) of an image's tokens that their multimodal rotary positions are laid on.
+the (t, rows, columns) of an image's tokens that their multimodal rotary positions are laid on,
+and takes videos (sizes of (frames, height, width): raycluster.model.qwen_vl_video; the facts'
+`prepare_video(frames)`).
 Qwen3-VL and Qwen3-VL-MoE (`Qwen3VLForConditionalGeneration`, `Qwen3VLMoeForConditionalGeneration`)
 are raycluster.model.qwen3_vl's `Qwen3VLImageEncoder`, the same arithmetic, whose features also
 carry the DeepStack levels the text model adds after its first layers. Gemma 3
@@ -63,6 +65,7 @@ from raycluster.model.pixtral_processor import PixtralGrid, PixtralImageProcesso
 from raycluster.model.qwen3_vl import Qwen3VLImageEncoder
 from raycluster.model.qwen_vl import QwenVLImageEncoder
 from raycluster.model.qwen_vl_processor import QwenVLGrid, QwenVLImageProcessor, pixel_limits, read_preprocessor
+from raycluster.model.qwen_vl_video import QwenVLVideoGrid, QwenVLVideoProcessor, read_video_preprocessor, video_fields
 
 ARCHITECTURE = "LlavaForConditionalGeneration"
 
@@ -143,8 +146,14 @@ class ImageFacts:
     spans: Callable[[tuple[int, int]], list[int]] | None = None
     # Gemma 3's start / end of image tokens, whose text the server wraps each image's placeholders in.
     wrap_ids: tuple[int, int] | None = None
+    # Qwen2-VL / Qwen2.5-VL: videos, sized (frames, height, width) (raycluster.model.qwen_vl_video).
+    video_token_id: int | None = None
+    video_grid: QwenVLVideoGrid | None = None
+    video_processor: QwenVLVideoProcessor | None = None
 
     def tokens_for(self, image_size: tuple[int, int]) -> int:
+        if len(image_size) == 3:
+            return self.video_grid.tokens_for(image_size)
         return self.grid.tokens_for(image_size) if self.grid is not None else self.tokens_per_image
 
     def span_ids(self, image_size: tuple[int, int]) -> list[int]:
@@ -155,8 +164,18 @@ class ImageFacts:
         return [self.image_token_id] * self.tokens_for(image_size)
 
     def grid_for(self, image_size: tuple[int, int]) -> tuple[int, int, int] | None:
-        """Qwen-VL: the (t, rows, columns) of the image's tokens (raycluster.model.qwen_vl); else None."""
+        """Qwen-VL: the (t, rows, columns) of the image's (or video's) tokens (raycluster.model.qwen_vl); else None."""
+        if len(image_size) == 3:
+            return self.video_grid.grid_for(image_size)
         return self.grid.grid_for(image_size) if isinstance(self.grid, QwenVLGrid) else None
+
+    def prepare_video(self, frames: list[Image.Image]) -> tuple[torch.Tensor, tuple[int, int, int], int]:
+        """(pixels, (frames, height, width), placeholder tokens) of a video's decoded frames."""
+        if self.video_processor is None:
+            raise ValueError("this model takes no videos" if self.video_grid is None else
+                             "the checkpoint has no preprocessor_config.json to process videos with")
+        pixels, size = self.video_processor(frames)
+        return pixels, size, self.tokens_for(size)
 
     def prepare(self, image: Image.Image) -> tuple[torch.Tensor, tuple[int, int], int]:
         """(pixels, (height, width), placeholder tokens) of a decoded image."""
@@ -208,14 +227,20 @@ def image_facts(model_dir: str | os.PathLike) -> ImageFacts | None:
 
 def _qwen_vl_facts(path: str, config: dict, cls) -> ImageFacts:
     with torch.device("meta"):
-        encoder = cls(config, pixel_limits(read_preprocessor(path)))
+        encoder = cls(config, pixel_limits(read_preprocessor(path)), video_fields(read_video_preprocessor(path)))
     processor = QwenVLImageProcessor.from_model_dir(path)
     if processor is not None and processor.grid != encoder.grid:
         g, want = processor.grid, encoder.grid
         raise ValueError(f"{path}: preprocessor_config.json's patches (patch_size {g.patch_size}, merge_size "
                          f"{g.merge_size}, temporal_patch_size {g.temporal_patch_size}) are not config.json's "
                          f"({want.patch_size}, {want.merge_size}, {want.temporal_patch_size})")
-    return ImageFacts(encoder.image_token_id, processor, grid=encoder.grid)
+    if not encoder.takes_video:
+        return ImageFacts(encoder.image_token_id, processor, grid=encoder.grid)
+    video = QwenVLVideoProcessor.from_model_dir(path)
+    if video is not None:       # the patch sizes were checked against the tower's above
+        video = dataclasses.replace(video, grid=encoder.video_grid)
+    return ImageFacts(encoder.image_token_id, processor, grid=encoder.grid, spans=encoder.span_ids,
+                      video_token_id=encoder.video_token_id, video_grid=encoder.video_grid, video_processor=video)
 
 
 def _gemma3_facts(path: str, config: dict) -> ImageFacts:

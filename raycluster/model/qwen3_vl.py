@@ -37,6 +37,7 @@ class Qwen3VLImageEncoder(QwenVLImageEncoder):
     """Qwen-VL's encoder over Qwen3-VL's tower (module docstring)."""
 
     NAME = "Qwen3-VL"
+    takes_video = False         # its videos interleave timestamps with the frames: not served here
 
     def __init__(self, config: dict, *args, **kwargs):
         super().__init__(config, *args, **kwargs)
