@@ -276,7 +276,9 @@ def test_qwen3_vl_takes_no_video(tmp_path):
     from raycluster.engine.outputs import InvalidRequestError
     from raycluster.request import ImageInput, SamplingParams
 
-    path = write_tiny_multimodal(tmp_path, "Qwen3VLForConditionalGeneration", seed=1, vision_weights=True)
+    from raycluster.model.tiny_qwen3_vl import write_tiny_qwen3_vl
+
+    path = write_tiny_qwen3_vl(tmp_path, seed=1)
     enc = image_encoder_for(path)
     assert not enc.takes_video and "not served" in enc.check_pixels(torch.zeros(1, 1), (2, 32, 32))
     sp = SamplingParams(images=[ImageInput(0, 4, torch.zeros(1, 1), b"", (2, 32, 32))])
