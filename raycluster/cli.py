@@ -332,7 +332,8 @@ def build_parser() -> argparse.ArgumentParser:
     es.add_argument("--reasoning-parser", default=None, choices=sorted(REASONING_PARSERS),
                     help="chat replies carry the model's thinking as reasoning_content (vLLM's)")
     es.add_argument("--limit-mm-per-prompt", type=json.loads, default=None, metavar="JSON",
-                    help='the most images a request may carry, as vLLM\'s: \'{"image": 4}\' (default 16)')
+                    help='the most images and videos a request may carry, as vLLM\'s: \'{"image": 4, "video": 1}\' '
+                         '(defaults 16 and 2)')
     es.add_argument("--allowed-local-media-path", default=None, metavar="DIR",
                     help="file: image URLs may read files under DIR (vLLM's; default: refused)")
     es.add_argument("--enable-log-requests", action="store_true",

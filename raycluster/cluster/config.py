@@ -198,8 +198,8 @@ class ClusterConfig(BaseModel):
         None, description="vLLM's --reasoning-parser: chat replies carry the model's thinking as "
         "reasoning_content (deepseek_r1: the template opens <think>; qwen3: the reply opens it)")
     limit_mm_per_prompt: dict[str, int] | None = Field(
-        None, description="vLLM's --limit-mm-per-prompt: the most images a request may carry, {image: N} "
-        "(default 16; 0 refuses images)")
+        None, description="vLLM's --limit-mm-per-prompt: the most images and videos a request may carry, "
+        "{image: N, video: M} (defaults 16 and 2; 0 refuses them)")
     allowed_local_media_path: str | None = Field(
         None, description="vLLM's --allowed-local-media-path: file: image URLs may read files under this directory "
         "(on every gateway's node; default: refused)")

@@ -28,17 +28,18 @@ from raycluster.model.tiny import TOKENIZER_VOCAB, _tokenizer_json
 IMAGE_TOKEN = "<image>"
 IMAGE_TOKEN_ID = TOKENIZER_VOCAB        # the first id after the tiny tokenizer's vocabulary
 
-def parts_template(image_text: str) -> str:
+def parts_template(image_text: str, video_text: str | None = None) -> str:
     """The tiny image-text checkpoints' chat template: it iterates a message's content parts (as
-    llava-hf's and Qwen's do), rendering each image part as `image_text` (string content as the
-    tiny text model's template)."""
+    llava-hf's and Qwen's do), rendering each image part as `image_text` and each video part as
+    `video_text` (Qwen-VL's; string content as the tiny text model's template)."""
+    video = "" if video_text is None else "{% elif part['type'] in ['video', 'video_url'] %}{{ '" + video_text + "' }}"
     return ("{{ bos_token }}"
             "{% for message in messages %}"
             "{{ '<|' + message['role'] + '|>\\n' }}"
             "{% if message['content'] is string %}{{ message['content'] }}"
             "{% else %}{% for part in message['content'] %}"
             "{% if part['type'] == 'text' %}{{ part['text'] }}"
-            "{% elif part['type'] in ['image', 'image_url'] %}{{ '" + image_text + "' }}{% endif %}"
+            "{% elif part['type'] in ['image', 'image_url'] %}{{ '" + image_text + "' }}" + video + "{% endif %}"
             "{% endfor %}{% endif %}"
             "{{ eos_token + '\\n' }}"
             "{% endfor %}"

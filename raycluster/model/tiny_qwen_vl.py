@@ -8,7 +8,8 @@ tokens, none more than 16); and a tokenizer whose special added tokens "<|vision
 "<|vision_end|>", "<|image_pad|>" and "<|video_pad|>" take the ids after the tiny text vocabulary
 (the config's vision_start_token_id, vision_end_token_id, image_token_id and video_token_id; the
 text vocabulary grows to cover them). Its chat template renders an image part as
-"<|vision_start|><|image_pad|><|vision_end|>" (string content as before).
+"<|vision_start|><|image_pad|><|vision_end|>", a video part as "<|vision_start|><|video_pad|><|vision_end|>"
+(string content as before).
 
 `qwen_vl_fields(arch, vision, extra, overrides, **options)` gives the config pieces before the
 text checkpoint is written (options: vision_config fields, and min_pixels / max_pixels for the
@@ -35,7 +36,7 @@ VISION_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video
 VISION_START_ID, VISION_END_ID, IMAGE_TOKEN_ID, VIDEO_TOKEN_ID = range(TOKENIZER_VOCAB, TOKENIZER_VOCAB + 4)
 IMAGE_TOKEN = "<|image_pad|>"
 
-CHAT_TEMPLATE = parts_template("<|vision_start|><|image_pad|><|vision_end|>")
+CHAT_TEMPLATE = parts_template("<|vision_start|><|image_pad|><|vision_end|>", "<|vision_start|><|video_pad|><|vision_end|>")
 _PROCESSOR_OPTIONS = ("min_pixels", "max_pixels")
 
 

@@ -46,6 +46,7 @@ from raycluster.server.protocol import (ChatCompletionRequest, CompletionRequest
 from raycluster.server.embeddings import add_embedding_routes
 from raycluster.server.images import (MAX_IMAGES_PER_PROMPT, ImageSpec, load_images, place_images, takes_parts,
                                       template_content)
+from raycluster.server.videos import MAX_VIDEOS_PER_PROMPT
 from raycluster.server.scoring import add_scoring_routes
 from raycluster.server.classify import add_classify_routes
 from raycluster.server.pooling_api import add_pooling_routes
@@ -95,7 +96,8 @@ def build_app(engine, tokenizer, model_names: str | Sequence[str], api_keys: Seq
               allow_runtime_lora: bool | None = None, lora_resolver_dir: str | None = None,
               lora_resolver_max_loaded: int | None = None, model_config: ModelConfig | None = None,
               response_store=None, images: ImageSpec | None = None,
-              max_images: int = MAX_IMAGES_PER_PROMPT, allowed_local_media_path: str | None = None) -> FastAPI:
+              max_images: int = MAX_IMAGES_PER_PROMPT, allowed_local_media_path: str | None = None,
+              max_videos: int = MAX_VIDEOS_PER_PROMPT) -> FastAPI:
     """`model_names`: the names a request's `model` may give (vLLM's --served-model-name); a
     response names the one its request gave, else the first. `sampling_defaults`: the model's
     default sampling parameters (its generation_config.json: raycluster.model.generation_config)
@@ -121,7 +123,7 @@ def build_app(engine, tokenizer, model_names: str | Sequence[str], api_keys: Seq
     raycluster.server.embeddings). `response_store`: where the Responses API keeps responses
     (raycluster.server.response_store; None: nothing is stored). `images`: how the model takes
     images (raycluster.server.images; None: chat requests with image parts are refused);
-    `max_images`: the most a request may carry (vLLM's limit_mm_per_prompt);
+    `max_images` / `max_videos`: the most a request may carry (vLLM's limit_mm_per_prompt);
     `allowed_local_media_path` (vLLM's): a directory file: image URLs may read (None: refused)."""
     names = [model_names] if isinstance(model_names, str) else list(model_names)
     lora_names = getattr(engine, "lora_adapters", dict)      # a backend without adapters may omit it
@@ -414,7 +416,8 @@ def build_app(engine, tokenizer, model_names: str | Sequence[str], api_keys: Seq
 
     async def _chat_prompt(body) -> tuple[list[int], list]:
         """The chat request's prompt ids, its image tokens expanded, and its images on them."""
-        loaded = await load_images(body.messages, images, max_images, local_root=allowed_local_media_path)
+        loaded = await load_images(body.messages, images, max_images, local_root=allowed_local_media_path,
+                                   video_limit=max_videos)
         ids = _chat_ids(body, with_images=True, loaded=loaded)
         return place_images(ids, loaded, images) if loaded else (ids, [])
 
@@ -423,12 +426,13 @@ def build_app(engine, tokenizer, model_names: str | Sequence[str], api_keys: Seq
         parts as the image token, once each (`_chat_prompt` expands them), or on Gemma 3 as its
         marker, expanded in the text for the `loaded` images before tokenizing. A template that
         refuses the messages (e.g. roles that do not alternate) is the client's error."""
-        if not with_images and any(m.images() for m in body.messages):
-            raise InvalidRequestError("messages", "image_url parts are taken by /v1/chat/completions and /tokenize only")
+        if not with_images and any(m.media() for m in body.messages):
+            raise InvalidRequestError("messages", "image_url and video_url parts are taken by /v1/chat/completions "
+                                      "and /tokenize only")
         parts = takes_parts(tokenizer.chat_template)
-        image_text = images.token_text if images is not None else None
+        image_text, video_text = (images.token_text, images.video_text) if images is not None else (None, None)
         try:
-            prompt = tokenizer.apply_chat_template([template_message(m) | {"content": template_content(m, parts, image_text)}
+            prompt = tokenizer.apply_chat_template([template_message(m) | {"content": template_content(m, parts, image_text, video_text)}
                                                     for m in body.messages],
                                                    add_generation_prompt=body.add_generation_prompt,
                                                    continue_final_message=body.continue_final_message,

@@ -11,6 +11,11 @@ image token of the tokenized prompt to that image's placeholder tokens (a fixed 
 LLaVA-1.5, one that depends on the image's size for LLaVA-NeXT's tiles) and records where each
 image's run lies (`ImageInput`), with a digest of its pixels and size for the prefix cache.
 `image_spec_for(model_dir, tokenizer)` says whether (and how) a checkpoint takes images.
+
+Videos (`video_url` parts, on Qwen2-VL and Qwen2.5-VL) go the same way beside the images, in the
+order the messages give them: their frames decoded (raycluster.server.videos), processed by the
+checkpoint's video processor, rendered as the video token (a `{"type": "video"}` part), expanded to
+the video's placeholders; an `ImageInput` whose size is (frames, height, width).
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ from raycluster.engine.outputs import InvalidRequestError
 from raycluster.model.image_processor import decode_image
 from raycluster.model.llava import ImageFacts, image_facts
 from raycluster.request import ImageInput
+from raycluster.server.videos import MAX_VIDEOS_PER_PROMPT, video_frames
 
 MAX_IMAGES_PER_PROMPT = 16           # default of vLLM's --limit-mm-per-prompt {"image": N} here
 MAX_IMAGE_BYTES = 20 * 2 ** 20       # an image's encoded bytes, fetched or inline
@@ -56,6 +62,9 @@ class ImageSpec:
     facts: ImageFacts
     wrap: tuple[str, str] | None = None
     placeholder_text: str | None = None
+    # Videos (Qwen2-VL, Qwen2.5-VL): their token, and its text between the vision start / end tokens.
+    video_token_id: int | None = None
+    video_text: str | None = None
 
     def expand_text(self, prompt: str, loaded: list[tuple[torch.Tensor, tuple[int, int], int]]) -> str:
         """`prompt` with its k-th image marker expanded for the k-th image (`wrap`); unchanged
@@ -91,9 +100,12 @@ def image_spec_for(model_dir, tokenizer) -> ImageSpec | None:
     # Qwen-VL's placeholder is the image token between its vision start and end tokens.
     around = [tokenizer.id_to_token(config.get(k)) if isinstance(config.get(k), int) else None
               for k in ("vision_start_token_id", "vision_end_token_id")]
+    video_text = tokenizer.id_to_token(facts.video_token_id) if facts.video_token_id is not None else None
     if None not in around:
         text = around[0] + text + around[1]
-    return ImageSpec(facts.image_token_id, text, facts)
+        video_text = None if video_text is None else around[0] + video_text + around[1]
+    return ImageSpec(facts.image_token_id, text, facts, video_token_id=facts.video_token_id if video_text else None,
+                     video_text=video_text)
 
 
 _PARTS_LOOP = re.compile(r"\{%-?\s*for\s+\w+\s+in\s+\w+(?:\[\s*['\"]content['\"]\s*\]|\.content\b)")
@@ -106,46 +118,60 @@ def takes_parts(template: str | None) -> bool:
     return bool(template) and _PARTS_LOOP.search(template) is not None
 
 
-def template_content(message, parts: bool, image_text: str | None):
-    """A message's content as the template reads it: a list of text and image parts (`parts`),
-    else a string with one line of the image token's text per image before the text."""
+def template_content(message, parts: bool, image_text: str | None, video_text: str | None = None):
+    """A message's content as the template reads it: a list of text, image and video parts
+    (`parts`), else a string with one line of the image's (video's) token text per image (video),
+    in order, before the text."""
     if parts:
         if isinstance(message.content, str) or message.content is None:
             return [{"type": "text", "text": message.text()}]
-        return [{"type": "text", "text": p.text} if p.type == "text" else {"type": "image"} for p in message.content]
-    n = len(message.images())
-    if not n:
+        kinds = {"image_url": "image", "video_url": "video"}
+        return [{"type": "text", "text": p.text} if p.type == "text" else {"type": kinds[p.type]}
+                for p in message.content]
+    media = message.media()
+    if not media:
         return message.text()
-    return "\n".join([image_text] * n + [message.text()])
+    return "\n".join([image_text if kind == "image" else video_text for kind, _ in media] + [message.text()])
 
 
 async def load_images(messages, spec: ImageSpec | None, limit: int = MAX_IMAGES_PER_PROMPT,
-                      client: httpx.AsyncClient | None = None, local_root: str | None = None
-                      ) -> list[tuple[torch.Tensor, tuple[int, int], int]]:
-    """(pixels, (height, width), placeholder tokens) of the messages' image parts, in order;
-    InvalidRequestError for what the client got wrong (no images on this model, more than
-    `limit`, a URL or image that does not load). `local_root` (vLLM's --allowed-local-media-path):
-    file:// URLs under that directory are read too (None: refused)."""
-    urls = [u for m in messages for u in m.images()]
-    if not urls:
+                      client: httpx.AsyncClient | None = None, local_root: str | None = None,
+                      video_limit: int = MAX_VIDEOS_PER_PROMPT) -> list[tuple[torch.Tensor, tuple, int]]:
+    """(pixels, size, placeholder tokens) of the messages' image and video parts, in order (an
+    image's size (height, width), a video's (frames, height, width)); InvalidRequestError for what
+    the client got wrong (no images or videos on this model, more than `limit` images or
+    `video_limit` videos, a URL, image or video that does not load). `local_root` (vLLM's
+    --allowed-local-media-path): file:// image URLs under that directory are read too (None: refused)."""
+    media = [(kind, u.url) for m in messages for kind, u in m.media()]
+    if not media:
         return []
     if spec is None:
         raise InvalidRequestError("messages", "this model takes no images (image_url parts need an image-text "
                                   "checkpoint whose vision tower is served)")
-    if len(urls) > limit:
-        raise InvalidRequestError("messages", f"{len(urls)} images; this server takes at most {limit} per request "
-                                  "(limit_mm_per_prompt)")
-    datas = await asyncio.gather(*(_image_bytes(u.url, k, client, local_root) for k, u in enumerate(urls)))
-    return await asyncio.to_thread(_preprocess, datas, spec.facts)
+    urls = [url for kind, url in media if kind == "image"]
+    videos = [url for kind, url in media if kind == "video"]
+    if videos and spec.video_token_id is None:
+        raise InvalidRequestError("messages", "this model takes no videos (video_url parts need Qwen2-VL or Qwen2.5-VL)")
+    for n, most, what in ((len(urls), limit, "images"), (len(videos), video_limit, "videos")):
+        if n > most:
+            raise InvalidRequestError("messages", f"{n} {what}; this server takes at most {most} per request "
+                                      "(limit_mm_per_prompt)")
+    datas = iter(await asyncio.gather(*(_image_bytes(u, k, client, local_root) for k, u in enumerate(urls))))
+    return await asyncio.to_thread(_preprocess, [(kind, next(datas) if kind == "image" else url)
+                                                 for kind, url in media], spec.facts)
 
 
-def _preprocess(datas: list[bytes], facts: ImageFacts) -> list[tuple[torch.Tensor, tuple[int, int], int]]:
-    out = []
-    for k, data in enumerate(datas):
+def _preprocess(items: list[tuple[str, bytes | str]], facts: ImageFacts) -> list[tuple[torch.Tensor, tuple, int]]:
+    """Each image's bytes or video's URL, processed, in order."""
+    out, counts = [], {"image": 0, "video": 0}
+    for kind, data in items:
+        k = counts[kind]
+        counts[kind] += 1
         try:
-            out.append(facts.prepare(decode_image(data)))
+            out.append(facts.prepare(decode_image(data)) if kind == "image" else
+                       facts.prepare_video(video_frames(data)))
         except ValueError as e:
-            raise InvalidRequestError("messages", f"image {k}: {e}") from None
+            raise InvalidRequestError("messages", f"{kind} {k}: {e}") from None
     return out
 
 
@@ -217,10 +243,14 @@ def place_images(ids: list[int], loaded: list[tuple[torch.Tensor, tuple[int, int
     template placed another number of image tokens than there are images."""
     if spec.wrap is not None:
         return _place_on_runs(ids, loaded, spec)
-    at = [i for i, t in enumerate(ids) if t == spec.token_id]
-    if len(at) != len(loaded):
-        raise InvalidRequestError("messages", f"the prompt holds {len(at)} image tokens ({spec.token_text!r}) "
-                                  f"for {len(loaded)} images")
+    marks = {spec.token_id, spec.video_token_id}
+    at = [i for i, t in enumerate(ids) if t in marks]
+    kinds = [ids[i] == spec.token_id for i in at]
+    if kinds != [len(size) == 2 for _, size, _ in loaded]:
+        raise InvalidRequestError("messages", f"the prompt holds {sum(kinds)} image tokens ({spec.token_text!r}) and "
+                                  f"{len(kinds) - sum(kinds)} video tokens, in another order than its "
+                                  f"{sum(len(s) == 2 for _, s, _ in loaded)} images and "
+                                  f"{sum(len(s) == 3 for _, s, _ in loaded)} videos")
     if not loaded:
         return ids, []
     out: list[int] = []
@@ -256,14 +286,16 @@ def image_digest(pixels: torch.Tensor, size: tuple[int, int]) -> bytes:
     return hashlib.sha256(repr(size).encode() + pixels.contiguous().numpy().tobytes()).digest()
 
 
-def image_limit(limit_mm_per_prompt: dict[str, int] | None) -> int:
-    """Images a request may carry under vLLM's `limit_mm_per_prompt` ({"image": N}; None: the default)."""
+def image_limit(limit_mm_per_prompt: dict[str, int] | None, kind: str = "image") -> int:
+    """Images (`kind` "video": videos) a request may carry under vLLM's `limit_mm_per_prompt`
+    ({"image": N, "video": M}; None or a kind left out: the default)."""
+    default = MAX_IMAGES_PER_PROMPT if kind == "image" else MAX_VIDEOS_PER_PROMPT
     if not limit_mm_per_prompt:
-        return MAX_IMAGES_PER_PROMPT
-    unknown = sorted(set(limit_mm_per_prompt) - {"image"})
+        return default
+    unknown = sorted(set(limit_mm_per_prompt) - {"image", "video"})
     if unknown:
-        raise ValueError(f"limit_mm_per_prompt: only 'image' is served here, not {', '.join(unknown)}")
-    n = limit_mm_per_prompt.get("image", MAX_IMAGES_PER_PROMPT)
-    if not isinstance(n, int) or isinstance(n, bool) or n < 0:
-        raise ValueError(f"limit_mm_per_prompt: 'image' must be a count >= 0, got {n!r}")
-    return n
+        raise ValueError(f"limit_mm_per_prompt: only 'image' and 'video' are served here, not {', '.join(unknown)}")
+    for key, n in limit_mm_per_prompt.items():
+        if not isinstance(n, int) or isinstance(n, bool) or n < 0:
+            raise ValueError(f"limit_mm_per_prompt: {key!r} must be a count >= 0, got {n!r}")
+    return limit_mm_per_prompt.get(kind, default)

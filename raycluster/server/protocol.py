@@ -267,10 +267,18 @@ class ImagePart(BaseModel):
     image_url: ImageURL
 
 
+class VideoPart(BaseModel):
+    """vLLM's video part; its URL a frame list, data:video/jpeg;base64,<frame>,<frame>,...
+    (raycluster.server.videos)."""
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["video_url"]
+    video_url: ImageURL
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
     role: Literal["system", "user", "assistant", "tool", "developer"]
-    content: str | list[Annotated[TextPart | ImagePart, Field(discriminator="type")]] | None = None
+    content: str | list[Annotated[TextPart | ImagePart | VideoPart, Field(discriminator="type")]] | None = None
     tool_calls: list[ToolCall] | None = None       # an assistant's earlier calls
     tool_call_id: str | None = None                # a tool message: the call it answers
     name: str | None = None
@@ -287,15 +295,16 @@ class ChatMessage(BaseModel):
     @classmethod
     def _known_parts(cls, v):
         if isinstance(v, list):
-            kinds = {p.get("type") for p in v if isinstance(p, dict)} - {"text", "image_url"}
+            kinds = {p.get("type") for p in v if isinstance(p, dict)} - {"text", "image_url", "video_url"}
             if kinds:
-                raise ValueError(f"only text and image_url content parts are supported, got {sorted(map(str, kinds))}")
+                raise ValueError(f"only text, image_url and video_url content parts are supported, got "
+                                 f"{sorted(map(str, kinds))}")
         return v
 
     @model_validator(mode="after")
     def _images_from_users(self) -> "ChatMessage":
-        if self.images() and self.role != "user":
-            raise ValueError(f"image_url parts belong in user messages, not {self.role!r} ones")
+        if self.media() and self.role != "user":
+            raise ValueError(f"image_url and video_url parts belong in user messages, not {self.role!r} ones")
         return self
 
     def text(self) -> str:
@@ -306,8 +315,14 @@ class ChatMessage(BaseModel):
         return "".join(p.text for p in self.content if isinstance(p, TextPart))
 
     def images(self) -> list[ImageURL]:
-        return [] if isinstance(self.content, (str, type(None))) else \
-            [p.image_url for p in self.content if isinstance(p, ImagePart)]
+        return [url for kind, url in self.media() if kind == "image"]
+
+    def media(self) -> list[tuple[str, ImageURL]]:
+        """The message's images and videos in order: ("image" | "video", URL) each."""
+        if isinstance(self.content, (str, type(None))):
+            return []
+        return [("image", p.image_url) if isinstance(p, ImagePart) else ("video", p.video_url)
+                for p in self.content if isinstance(p, (ImagePart, VideoPart))]
 
 
 class ChatCompletionRequest(_GenerationFields):

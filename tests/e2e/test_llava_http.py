@@ -208,7 +208,8 @@ def test_limit_mm_per_prompt(tmp_path):
         assert all_free(aeng)
     assert image_limit(None) == 16 and image_limit({"image": 0}) == 0
     assert ClusterConfig(limit_mm_per_prompt={"image": 3}).limit_mm_per_prompt == {"image": 3}
-    for bad, why in (({"video": 1}, "only 'image'"), ({"image": -1}, "a count >= 0")):
+    assert ClusterConfig(limit_mm_per_prompt={"video": 1}).limit_mm_per_prompt == {"video": 1}
+    for bad, why in (({"audio": 1}, "only 'image' and 'video'"), ({"image": -1}, "a count >= 0")):
         with pytest.raises(ValueError, match=why):
             ClusterConfig(limit_mm_per_prompt=bad)
     args = build_parser().parse_args(["engine-server", "--limit-mm-per-prompt", '{"image": 2}'])
