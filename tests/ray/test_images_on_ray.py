@@ -80,10 +80,44 @@ def test_image_chats_through_pd_pools(ray_cluster, tmp_path, arch, seed):
                 "messages": messages, "max_tokens": 12, "temperature": 0, "ignore_eos": True})
             assert r.status_code == 200, r.text
             assert r.json()["choices"][0]["message"]["content"] == tok.decode(want), (len(ids), text)
+        if arch == "Qwen2VLForConditionalGeneration":
+            _check_video(url, path, tok)
         status = drained_status(url)
         # (The pressure controller may have moved the tp group to another pool by now.)
         assert sorted(i["layout"] for i in status["instances"]) == ["single", "single", "tp2"]
         assert status["model"]["images"] and not status["model"]["text_only"]
+
+
+def _check_video(url: str, path, tok) -> None:
+    """A chat with a video (three frames, vLLM's frame list) answered with transformers' tokens."""
+    import torch
+    from llava_reference import _greedy
+    from qwen_vl_reference import hf_qwen_vl
+
+    from raycluster.model.llava import image_facts
+    from raycluster.model.tiny_qwen_vl import VIDEO_TOKEN_ID
+
+    rng = np.random.default_rng(11)
+    frames = []
+    for _ in range(3):
+        buf = io.BytesIO()
+        Image.fromarray(rng.integers(0, 256, size=(28, 420, 3), dtype=np.uint8)).save(buf, "JPEG")
+        frames.append(buf.getvalue())
+    video = "data:video/jpeg;base64," + ",".join(base64.b64encode(f).decode() for f in frames)
+    messages = [{"role": "user", "content": [{"type": "video_url", "video_url": {"url": video}},
+                                             {"type": "text", "text": "what happens"}]}]
+    ids = httpx.post(f"{url}/tokenize", json={"messages": messages}, timeout=60).json()["tokens"]
+    facts = image_facts(path)
+    pixels, size, n = facts.prepare_video([Image.open(io.BytesIO(f)) for f in frames])
+    assert ids.count(VIDEO_TOKEN_ID) == n
+    t, h, w = facts.video_grid.grid_thw(size)
+    want = _greedy(hf_qwen_vl(str(path)), ids, None, 12, False, pixel_values_videos=pixels,
+                   video_grid_thw=torch.tensor([[t, h, w]]),
+                   mm_token_type_ids=torch.tensor([[2 if i == VIDEO_TOKEN_ID else 0 for i in ids]]))
+    r = httpx.post(f"{url}/v1/chat/completions", timeout=120, json={
+        "messages": messages, "max_tokens": 12, "temperature": 0, "ignore_eos": True})
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["message"]["content"] == tok.decode(want)
 
 
 def test_image_hop_bench_runs_both_ways(ray_cluster, tmp_path):
