@@ -151,6 +151,15 @@ def stored_prefixes(path: str, *wanted: tuple[tuple[str, ...], str]) -> tuple[st
     return tuple(next((p for p in prefixes if p + key in names), None) for prefixes, key in wanted)
 
 
+def tower_and_projector(found: tuple[str | None, str | None], path: str, tower: str) -> tuple[str, str]:
+    """`found`, the (tower, projector) prefixes `stored_prefixes` gave; CheckpointError naming the
+    one the checkpoint lacks (`tower`: how the tower is called)."""
+    if found[0] is None or found[1] is None:
+        missing = tower if found[0] is None else "multi_modal_projector"
+        raise CheckpointError(f"{path!r}: the checkpoint stores no {missing} tensors")
+    return found
+
+
 def check_projection(name: str, shape: list[int], width: int, text: int, width_field: str,
                      text_first: bool = True) -> None:
     """ValueError naming the config field a stored projection [text, width] (`text_first`; else

@@ -38,8 +38,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from raycluster.model.checkpoint_files import (CheckpointError, check_projection, copy_whole, read_prefixed,
-                                               stored_prefixes)
+from raycluster.model.checkpoint_files import (check_projection, copy_whole, read_prefixed, stored_prefixes,
+                                               tower_and_projector)
 from raycluster.model.llama import GemmaRMSNorm
 from raycluster.model.llava_tower import check_items, read_config, shape_reason
 from raycluster.model.multimodal_config import text_config_of
@@ -158,10 +158,7 @@ class Gemma3ImageEncoder(nn.Module):
                         device: str | torch.device = "cpu") -> "Gemma3ImageEncoder":
         path = os.fspath(model_dir)
         config = read_config(path)
-        tower_prefix, projector_prefix = tensor_prefixes(path)
-        if tower_prefix is None or projector_prefix is None:
-            missing = "SigLIP vision tower" if tower_prefix is None else "multi_modal_projector"
-            raise CheckpointError(f"{path!r}: the checkpoint stores no {missing} tensors")
+        tower_prefix, projector_prefix = tower_and_projector(tensor_prefixes(path), path, "SigLIP vision tower")
         with torch.device("meta"):
             encoder = cls(config)
         projector = read_prefixed(path, projector_prefix)

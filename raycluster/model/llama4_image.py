@@ -43,8 +43,8 @@ import os
 import torch
 from torch import nn
 
-from raycluster.model.checkpoint_files import (CheckpointError, check_projection, copy_whole, read_prefixed,
-                                               stored_prefixes)
+from raycluster.model.checkpoint_files import (check_projection, copy_whole, read_prefixed, stored_prefixes,
+                                               tower_and_projector)
 from raycluster.model.llama4_processor import Llama4Grid, Llama4ImageProcessor, SpanTokens, span_tokens_of
 from raycluster.model.llama4_vision import Llama4VisionModel, Llama4VisionSpec
 from raycluster.model.llava_tower import check_items, read_config, shape_reason
@@ -184,10 +184,7 @@ class Llama4ImageEncoder(nn.Module):
     def from_checkpoint(cls, model_dir: str | os.PathLike, dtype: torch.dtype = torch.float32,
                         device: str | torch.device = "cpu") -> "Llama4ImageEncoder":
         path = os.fspath(model_dir)
-        tower_prefix, projector_prefix = tensor_prefixes(path)
-        if tower_prefix is None or projector_prefix is None:
-            missing = "Llama 4 vision tower" if tower_prefix is None else "multi_modal_projector"
-            raise CheckpointError(f"{path!r}: the checkpoint stores no {missing} tensors")
+        tower_prefix, projector_prefix = tower_and_projector(tensor_prefixes(path), path, "Llama 4 vision tower")
         with torch.device("meta"):
             encoder = cls.for_model_dir(path)
         projector = read_prefixed(path, projector_prefix)

@@ -34,7 +34,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from raycluster.model.anyres import check_image_size
-from raycluster.model.checkpoint_files import CheckpointError, copy_whole, read_named, read_prefixed
+from raycluster.model.checkpoint_files import copy_whole, read_named, read_prefixed, tower_and_projector
 from raycluster.model.clip_vision import _Encoder, _EncoderLayer, activation, hidden_state_index
 from raycluster.model.llava_tower import (_Projector, _layer_of, _text_hidden, check_items, read_config, shape_reason,
                                           tensor_prefixes)
@@ -181,10 +181,7 @@ class LlavaOnevisionImageEncoder(nn.Module):
                         device: str | torch.device = "cpu") -> "LlavaOnevisionImageEncoder":
         path = os.fspath(model_dir)
         config = read_config(path)
-        tower_prefix, projector_prefix = tensor_prefixes(path)
-        if tower_prefix is None or projector_prefix is None:
-            missing = "SigLIP vision tower" if tower_prefix is None else "multi_modal_projector"
-            raise CheckpointError(f"{path!r}: the checkpoint stores no {missing} tensors")
+        tower_prefix, projector_prefix = tower_and_projector(tensor_prefixes(path), path, "SigLIP vision tower")
         projector = read_prefixed(path, projector_prefix)
         with torch.device("meta"):
             encoder = cls(config, _text_hidden(config, projector))

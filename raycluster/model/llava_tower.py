@@ -24,7 +24,8 @@ import os
 import torch
 from torch import nn
 
-from raycluster.model.checkpoint_files import CheckpointError, copy_whole, read_named, read_prefixed, stored_prefixes
+from raycluster.model.checkpoint_files import (CheckpointError, copy_whole, read_named, read_prefixed,
+                                               stored_prefixes, tower_and_projector)
 from raycluster.model.clip_vision import ClipVisionTower, activation, hidden_state_index
 
 # Where checkpoints keep the tower and the projector (the first whose patch embedding / linear_1
@@ -130,10 +131,7 @@ class ClipProjectorEncoder(nn.Module):
                         device: str | torch.device = "cpu"):
         path = os.fspath(model_dir)
         config = read_config(path)
-        tower_prefix, projector_prefix = tensor_prefixes(path)
-        if tower_prefix is None or projector_prefix is None:
-            missing = "vision tower" if tower_prefix is None else "multi_modal_projector"
-            raise CheckpointError(f"{path!r}: the checkpoint stores no {missing} tensors")
+        tower_prefix, projector_prefix = tower_and_projector(tensor_prefixes(path), path, "vision tower")
         projector = read_prefixed(path, projector_prefix)
         with torch.device("meta"):
             encoder = cls(config, _text_hidden(config, projector))
