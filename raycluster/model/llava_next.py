@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from raycluster.model.anyres import AnyresGrid, check_image_size
-from raycluster.model.llava_tower import ClipProjectorEncoder, check_items, shape_reason
+from raycluster.model.llava_tower import ClipProjectorEncoder, check_items, pack_each, shape_reason
 
 ARCHITECTURE = "LlavaNextForConditionalGeneration"
 
@@ -57,12 +57,7 @@ class LlavaNextImageEncoder(ClipProjectorEncoder):
         check_items(self, items)
         if not items:
             return []
-        features = self.tile_features(torch.cat([torch.as_tensor(p) for p, _ in items]))
-        out, at = [], 0
-        for pixels, size in items:
-            out.append(self._pack(features[at:at + pixels.shape[0]], tuple(size)))
-            at += pixels.shape[0]
-        return out
+        return pack_each(self.tile_features(torch.cat([torch.as_tensor(p) for p, _ in items])), items, self._pack)
 
     def _pack(self, features: torch.Tensor, image_size: tuple[int, int]) -> torch.Tensor:
         """One image's square features [1 + tiles, side * side, hidden] -> its packed features."""

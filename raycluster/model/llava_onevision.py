@@ -36,8 +36,8 @@ from torch import nn
 from raycluster.model.anyres import check_image_size
 from raycluster.model.checkpoint_files import copy_whole, read_named, read_prefixed, tower_and_projector
 from raycluster.model.clip_vision import _Encoder, _EncoderLayer, activation, hidden_state_index
-from raycluster.model.llava_tower import (_Projector, _layer_of, _text_hidden, check_items, read_config, shape_reason,
-                                          tensor_prefixes)
+from raycluster.model.llava_tower import (_Projector, _layer_of, _text_hidden, check_items, pack_each, read_config,
+                                          shape_reason, tensor_prefixes)
 from raycluster.model.onevision_processor import DEFAULT_VISION, OnevisionGrid
 from raycluster.model.siglip_vision import SiglipVisionSpec, _Embeddings
 
@@ -144,12 +144,7 @@ class LlavaOnevisionImageEncoder(nn.Module):
         check_items(self, items)
         if not items:
             return []
-        features = self.tile_features(torch.cat([torch.as_tensor(p) for p, _ in items]))
-        out, at = [], 0
-        for pixels, size in items:
-            out.append(self._pack(features[at:at + pixels.shape[0]], tuple(size)))
-            at += pixels.shape[0]
-        return out
+        return pack_each(self.tile_features(torch.cat([torch.as_tensor(p) for p, _ in items])), items, self._pack)
 
     def _pack(self, features: torch.Tensor, image_size: tuple[int, int]) -> torch.Tensor:
         """One image's square features [1 + tiles, side * side, hidden] -> its packed features, in

@@ -56,6 +56,16 @@ def check_items(encoder, items: list[tuple[torch.Tensor, tuple[int, int]]]) -> N
             raise ValueError(f"image {k}: {reason}")
 
 
+def pack_each(features: torch.Tensor, items: list[tuple[torch.Tensor, tuple[int, int]]], pack) -> list[torch.Tensor]:
+    """Per image, `pack(its squares' features, its size)`: `features` holds every image's squares
+    (its pixels' first dimension) in the items' order (LLaVA-NeXT's and LLaVA-OneVision's tiles)."""
+    out, at = [], 0
+    for pixels, size in items:
+        out.append(pack(features[at:at + pixels.shape[0]], tuple(size)))
+        at += pixels.shape[0]
+    return out
+
+
 def shape_reason(pixel_values, want: tuple[int, ...], image_size) -> str | None:
     """None if `pixel_values` have the shape `want`, else why not (for an image of `image_size`)."""
     shape = tuple(getattr(pixel_values, "shape", ()))

@@ -140,17 +140,8 @@ class QwenVLImageProcessor:
         fields = read_preprocessor(model_dir)
         if fields is None:
             return None
-        low, high = pixel_limits(fields)
-        grid = QwenVLGrid(int(fields.get("patch_size", 14)), int(fields.get("merge_size", 2)),
-                          int(fields.get("temporal_patch_size", 2)), low, high)
-        defaults = ImageProcessor()
-        steps = ImageProcessor(
-            resample=fields.get("resample", defaults.resample), do_center_crop=False,
-            do_rescale=fields.get("do_rescale", True), rescale_factor=fields.get("rescale_factor", 1 / 255),
-            do_normalize=fields.get("do_normalize", True),
-            image_mean=_per_channel(fields.get("image_mean", defaults.image_mean)),
-            image_std=_per_channel(fields.get("image_std", defaults.image_std)))
-        return cls(grid, steps, bool(fields.get("do_resize", True)))
+        grid = patch_grid(fields, *pixel_limits(fields))
+        return cls(grid, processing_steps(fields), bool(fields.get("do_resize", True)))
 
     def __call__(self, image: Image.Image) -> tuple[torch.Tensor, tuple[int, int]]:
         """(float32 [grid_h * grid_w, C * T * P * P], (height, width)) for `image`; ValueError
@@ -178,6 +169,24 @@ class QwenVLImageProcessor:
         x = x.permute(1, 4, 2, 5, 0, 3, 6)      # (block row, block col, row in block, col in block, C, P, P)
         x = x.unsqueeze(5).expand(*x.shape[:5], t, p, p)        # the frame repeated along time
         return x.reshape(rows * cols, channels * t * p * p).contiguous()
+
+
+def patch_grid(fields: dict, min_pixels: int = DEFAULT_MIN_PIXELS, max_pixels: int = DEFAULT_MAX_PIXELS) -> QwenVLGrid:
+    """The patch, merge and temporal patch sizes a processor config's fields name, under these limits."""
+    return QwenVLGrid(int(fields.get("patch_size", 14)), int(fields.get("merge_size", 2)),
+                      int(fields.get("temporal_patch_size", 2)), min_pixels, max_pixels)
+
+
+def processing_steps(fields: dict) -> ImageProcessor:
+    """The resample, rescale and normalize steps a Qwen-VL processor config's fields name (no crop;
+    the resize size is each image's own)."""
+    defaults = ImageProcessor()
+    return ImageProcessor(
+        resample=fields.get("resample", defaults.resample), do_center_crop=False,
+        do_rescale=fields.get("do_rescale", True), rescale_factor=fields.get("rescale_factor", 1 / 255),
+        do_normalize=fields.get("do_normalize", True),
+        image_mean=_per_channel(fields.get("image_mean", defaults.image_mean)),
+        image_std=_per_channel(fields.get("image_std", defaults.image_std)))
 
 
 def _per_channel(value) -> tuple[float, ...]:

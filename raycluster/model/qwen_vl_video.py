@@ -35,7 +35,8 @@ import torch
 from PIL import Image
 
 from raycluster.model.image_processor import ImageProcessor, to_rgb
-from raycluster.model.qwen_vl_processor import MAX_ASPECT_RATIO, QwenVLGrid, read_preprocessor
+from raycluster.model.qwen_vl_processor import (MAX_ASPECT_RATIO, QwenVLGrid, patch_grid, processing_steps,
+                                                read_preprocessor)
 
 # Qwen2VLVideoProcessor's defaults.
 DEFAULT_MIN_PIXELS = 128 * 28 * 28
@@ -141,17 +142,8 @@ class QwenVLVideoProcessor:
         fields = read_video_preprocessor(model_dir)
         if fields is None:
             return None
-        image = QwenVLGrid(int(fields.get("patch_size", 14)), int(fields.get("merge_size", 2)),
-                           int(fields.get("temporal_patch_size", 2)))
-        defaults = ImageProcessor()
-        mean, std = fields.get("image_mean", defaults.image_mean), fields.get("image_std", defaults.image_std)
-        steps = ImageProcessor(
-            resample=fields.get("resample", defaults.resample), do_center_crop=False,
-            do_rescale=fields.get("do_rescale", True), rescale_factor=fields.get("rescale_factor", 1 / 255),
-            do_normalize=fields.get("do_normalize", True),
-            image_mean=tuple(mean) if isinstance(mean, (list, tuple)) else (float(mean),) * 3,
-            image_std=tuple(std) if isinstance(std, (list, tuple)) else (float(std),) * 3)
-        return cls(QwenVLVideoGrid(image, video_fields(fields)), steps, bool(fields.get("do_resize", True)))
+        return cls(QwenVLVideoGrid(patch_grid(fields), video_fields(fields)), processing_steps(fields),
+                   bool(fields.get("do_resize", True)))
 
     def __call__(self, frames: list[Image.Image]) -> tuple[torch.Tensor, tuple[int, int, int]]:
         """(float32 [t * h * w, C * T * P * P], (frames, height, width)); ValueError for frames of
