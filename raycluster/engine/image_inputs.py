@@ -50,9 +50,10 @@ def check_images(ids: list[int], sp: SamplingParams, encoder) -> None:
         if ids[image.offset:image.offset + image.length] != span_ids(encoder, image.size):
             raise InvalidRequestError("messages", f"image {k}'s positions do not hold its placeholder tokens")
         end = image.offset + image.length
-    for token in {encoder.image_token_id, getattr(encoder, "video_token_id", encoder.image_token_id)}:
-        if ids.count(token) != sum(span_ids(encoder, im.size).count(token) for im in sp.images):
-            raise InvalidRequestError("messages", "the prompt holds image or video tokens that no image or video fills")
+    marks = {"image": encoder.image_token_id, "video": getattr(encoder, "video_token_id", None)}
+    for kind, token in marks.items():
+        if token is not None and ids.count(token) != sum(span_ids(encoder, im.size).count(token) for im in sp.images):
+            raise InvalidRequestError("messages", f"the prompt holds {kind} tokens that no {kind} fills")
 
 
 def check_request_images(ids: list[int], sp: SamplingParams, encoder, encoder_budget: int | None) -> None:
