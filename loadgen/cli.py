@@ -93,6 +93,11 @@ def _add_client_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--warmup-requests", type=int, default=0, help="exclude the first N arrivals")
     g.add_argument("--save-token-times", action="store_true", help="keep every token time in requests")
     g.add_argument("--quiet", action="store_true", help="no progress bar")
+    add_image_args(g)
+
+
+def add_image_args(g) -> None:
+    """The pictures in each request (`loadgen run`, and `raycluster sim`, which draws the same ones)."""
     g.add_argument("--images", type=int, default=0, metavar="K",
                    help="K synthetic pictures in each request: chat messages to /v1/chat/completions "
                         "(an image-text model; --prompt-format text)")

@@ -53,5 +53,11 @@ class ImagePool:
         return self._urls[i]
 
     def urls_for(self, request_id: str) -> list[str]:
-        first = zlib.crc32(request_id.encode())
-        return [self._url((first + j) % self.load.distinct) for j in range(self.load.per_request)]
+        return [self._url(i) for i in image_indices(request_id, self.load.per_request, self.load.distinct)]
+
+
+def image_indices(request_id: str, per_request: int, distinct: int) -> list[int]:
+    """The pool indices of a request's pictures: consecutive from a hash of its id (the simulator
+    draws its requests' pictures by the same rule, raycluster.sim.images)."""
+    first = zlib.crc32(request_id.encode())
+    return [(first + j) % distinct for j in range(per_request)]

@@ -2,7 +2,8 @@
 
   raycluster sim --cluster SPEC.yaml --workload NAME|FILE.jsonl [--qps Q]
                  [--duration S | --num-requests N] [--seed N] [--policy NAME]
-                 [workload options as loadgen] [--horizon S] [--decode-path default|fast|exact]
+                 [workload options as loadgen] [--images K [--distinct-images N]] [--horizon S]
+                 [--decode-path default|fast|exact]
                  --out F.json
 
 Entry point `main(argv)`; also `python -m raycluster.sim.cli ...`.
@@ -15,7 +16,7 @@ import json
 import sys
 from pathlib import Path
 
-from loadgen.cli import add_workload_args, workload_from_args
+from loadgen.cli import add_image_args, add_workload_args, workload_from_args
 from raycluster.sched.registry import policy_names
 
 
@@ -31,6 +32,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_decode_path_arg(ap)
     ap.add_argument("--quiet", action="store_true")
     add_workload_args(ap)
+    add_image_args(ap.add_argument_group("images (the spec's vision tower times them)"))
     return ap
 
 
@@ -54,9 +56,16 @@ def main(argv: list[str] | None = None) -> int:
     except (OSError, ValueError) as e:
         print(f"raycluster sim: bad cluster spec {args.cluster}: {e}", file=sys.stderr)
         return 2
+    from loadgen.images import ImageLoad
+
     wl = workload_from_args(args)
+    images = ImageLoad(args.images, *args.image_size, args.distinct_images)
+    if args.images and spec.vision is None:
+        print(f"raycluster sim: --images needs a vision tower in {args.cluster} (vision: clip-vit-l-336 | "
+              "siglip-so400m-896)", file=sys.stderr)
+        return 2
     res = simulate(spec, wl, horizon_s=args.horizon, seed=args.seed, warmup_s=args.warmup_s,
-                   warmup_requests=args.warmup_requests, fast_decode=args.decode_path == "fast",
+                   warmup_requests=args.warmup_requests, fast_decode=args.decode_path == "fast", images=images,
                    meta={"argv": list(argv if argv is not None else sys.argv[1:]), "cluster_spec": args.cluster})
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(res, indent=1))

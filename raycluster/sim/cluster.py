@@ -19,6 +19,7 @@ import math
 import random
 from pathlib import Path
 
+from loadgen.images import ImageLoad
 from loadgen.metrics import RequestRecord
 from loadgen.workloads import Workload, WorkloadRequest
 from raycluster.cluster.messages import RequestMeta, StepReport, WorkItem
@@ -26,9 +27,11 @@ from raycluster.cluster.router_core import RouterConfig, RouterCore
 from raycluster.request import SamplingParams
 from raycluster.sched.base import SLOConfig
 from raycluster.sched.predictor import LinearBatchPredictor
+from raycluster.sched.vision_cost import VISION, VisionCost
 from raycluster.sim.engine import EventLoop
 from raycluster.sim.fastpath import router_ok
 from raycluster.sim.gcquiet import quiet_gc
+from raycluster.sim.images import StepImages, request_images
 from raycluster.sim.instance import SimInstance
 from raycluster.sim.spec import SimPool, SimSpec
 from raycluster.sim.step_noise import inverse_cdf
@@ -127,8 +130,13 @@ def dispatch_latencies(spec: SimSpec, workload: Workload) -> dict[str, float]:
 
 
 class SimCluster:
-    def __init__(self, spec: SimSpec, workload: Workload, fast_decode: bool = False) -> None:
+    def __init__(self, spec: SimSpec, workload: Workload, fast_decode: bool = False,
+                 images: ImageLoad | None = None) -> None:
+        """`images`: pictures in every request (the load generator's --images; needs spec.vision)."""
         self.spec = spec
+        self.images = images if images is not None and images.per_request else None
+        if self.images is not None and spec.vision is None:
+            raise ValueError("images: the spec names no vision tower (vision: clip-vit-l-336 | siglip-so400m-896)")
         self.loop = EventLoop()
         self.kv_bytes_per_token = kv_bytes_per_token(spec)
         rcfg = {"policy": spec.policy, "max_queue": 1 << 40, "heartbeat_timeout_s": math.inf,
@@ -156,7 +164,8 @@ class SimCluster:
                 n += 1
                 self.instances[iid] = SimInstance(self, iid, pool.role, ecfg, pred, blocks,
                                                   pool.gpus_per_instance, spec.max_model_len,
-                                                  fast=self.fast_decode, role_configs=role_configs)
+                                                  fast=self.fast_decode, role_configs=role_configs,
+                                                  images=self._step_images(pool, ecfg))
         # Prefix caching needs the prompts' real token ids (the ones `loadgen run --prompt-format
         # ids` sends for the same workload); otherwise every prompt is one repeated token.
         self.token_ids = any(spec.engine_config(p).enable_prefix_caching for p in spec.pools)
@@ -201,6 +210,15 @@ class SimCluster:
         if spec.controller.enabled:
             self.loop.after(spec.controller.period_s, "control", None)
 
+    def _step_images(self, pool: SimPool, ecfg) -> StepImages | None:
+        """An instance's image encoder (None without images): the pool's GPUs time it."""
+        if self.images is None:
+            return None
+        from raycluster.sched.roofline import GPUS, MODELS
+        cost = VisionCost(GPUS[self.spec.gpu.upper()], VISION[self.spec.vision], MODELS[self.spec.model].hidden,
+                          pool.tp, self.spec.mfu, self.spec.mbu)
+        return StepImages(cost, ecfg.encoder_cache_tokens)
+
     # ---- client side -----------------------------------------------------------------------------
     def _arrival(self, rid: str) -> None:
         r, rec = self.wreqs[rid], self.records[rid]
@@ -209,8 +227,12 @@ class SimCluster:
             else r.arrival_s
         rec.status = "sent"
         ids = r.prompt_token_ids() if self.token_ids else [PROMPT_TOKEN] * r.prompt_tokens
+        pictures = []
+        if self.images is not None:         # the pictures before the text, as loadgen's messages
+            marks, pictures = request_images(rid, self.images, VISION[self.spec.vision])
+            ids = marks + ids
         meta = RequestMeta(request_id=rid, gateway_id=GATEWAY, prompt_token_ids=ids,
-                           sampling=SamplingParams(max_tokens=r.output_tokens, ignore_eos=True),
+                           sampling=SamplingParams(max_tokens=r.output_tokens, ignore_eos=True, images=pictures),
                            ttft_slo_s=r.ttft_slo_ms / 1000.0 if r.ttft_slo_ms is not None else None,
                            tpot_slo_s=r.tpot_slo_ms / 1000.0 if r.tpot_slo_ms is not None else None,
                            priority=r.priority, tenant=r.tenant, app_id=r.app_id, arrival_time=now)

@@ -69,6 +69,7 @@ from raycluster.sim.step_noise import StepNoise
 
 if TYPE_CHECKING:
     from raycluster.sim.cluster import SimCluster
+    from raycluster.sim.images import StepImages
 
 TOKEN = 2           # the fake sampled token id (never EOS: requests ignore EOS anyway)
 _RUNNING, _WAITING = RequestStatus.RUNNING, RequestStatus.WAITING     # the unfinished states
@@ -85,8 +86,9 @@ class SimKVHandle:
 class SimInstance:
     def __init__(self, cluster: "SimCluster", instance_id: str, role: str, engine_cfg, predictor,
                  kv_blocks: int, gpus: int, max_model_len: int, fast: bool = False,
-                 role_configs: dict | None = None) -> None:
-        """`role_configs`: role -> EngineConfig of the pools it may be moved to (as InstanceWorker)."""
+                 role_configs: dict | None = None, images: "StepImages | None" = None) -> None:
+        """`role_configs`: role -> EngineConfig of the pools it may be moved to (as InstanceWorker);
+        `images`: its image encoder (sim/images.py), None when requests carry no pictures."""
         self.cluster = cluster
         self.instance_id = instance_id
         self.role = role
@@ -101,6 +103,9 @@ class SimInstance:
         caching = engine_cfg.enable_prefix_caching
         self.kv = (PrefixCachingKVManager if caching else KVCacheManager)(kv_blocks, engine_cfg.block_size)
         self.scheduler = build_scheduler(engine_cfg, self.kv, self.clock, max_model_len, predictor)
+        self.images = images
+        if images is not None and images.cache is not None:    # the encoder budget skips what it holds
+            self.scheduler.encoder_cached = images.cache
         self.retired = RetiredScheduling()          # pieces of pools it left, for a return (_move)
         # Speculative decoding (sim/spec_decode.py): None when this instance does not draft.
         sd = cluster.spec.spec_decode
@@ -239,6 +244,8 @@ class SimInstance:
                                            decs.kv_lens if grouped else [r.num_computed_tokens for r in decs])
         if self.drafter is not None:
             dt += self.drafter.take_debt()
+        if self.images is not None and out.prefills:      # the encoder runs before the text model
+            dt += self.images.step_time(out.prefills)
         if self.noise is not None:
             dt *= self.noise.factor(self.clock.now())
         self.out, self.busy = out, True

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import time
 
+from loadgen.images import ImageLoad
 from loadgen.metrics import build_results
 from loadgen.workloads import Workload
 from raycluster.sim.cluster import SimCluster
@@ -23,9 +24,10 @@ def with_decode_path(spec: SimSpec, decode_path: str) -> SimSpec:
 
 def simulate(spec: SimSpec, workload: Workload, *, horizon_s: float | None = None, seed: int | None = None,
              warmup_s: float = 0.0, warmup_requests: int = 0, check: bool = False,
-             meta: dict | None = None, fast_decode: bool = False) -> dict:
+             meta: dict | None = None, fast_decode: bool = False, images: ImageLoad | None = None) -> dict:
+    """`images`: pictures in every request (the load generator's --images; needs spec.vision)."""
     t0 = time.perf_counter()
-    cluster = SimCluster(spec, workload, fast_decode=fast_decode)
+    cluster = SimCluster(spec, workload, fast_decode=fast_decode, images=images)
     cluster.run(horizon_s)
     wall = time.perf_counter() - t0
     if check and cluster.done >= len(cluster.records):
@@ -46,6 +48,11 @@ def simulate(spec: SimSpec, workload: Workload, *, horizon_s: float | None = Non
            "group_dissolved": sum(getattr(i.scheduler, "dissolved", 0) for i in cluster.instances.values()),
            "prefix_query_tokens": sum(getattr(i.kv, "query_tokens", 0) for i in cluster.instances.values()),
            "prefix_hit_tokens": sum(getattr(i.kv, "hit_tokens", 0) for i in cluster.instances.values())}
+    if cluster.images is not None:
+        encoders = [i.images for i in cluster.instances.values()]
+        sim["images"] = {"per_request": cluster.images.per_request, "distinct": cluster.images.distinct,
+                         "vision": spec.vision, "encoded": sum(e.encoder.encoded for e in encoders),
+                         "encoder_cache_hits": sum(e.cache.hits for e in encoders if e.cache is not None)}
     m = {"source": "sim", "workload": workload.name, "workload_params": workload.params,
          "qps": workload.params.get("qps"), "seed": seed if seed is not None else workload.params.get("seed"),
          "policy": spec.policy, "spec": spec.model_dump(), "sim": sim, **(meta or {})}

@@ -34,6 +34,8 @@ function of spec, workload and seed. `dispatch_noise` (off when absent) draws ea
 dispatch latency from an empirical distribution instead. raycluster/sim/step_noise.py draws and
 fits both.
 
+Images (`vision`: the encoder's shape; requests with `--images K`): raycluster/sim/images.py.
+
 Speculative decoding: a pool whose `engine` turns it on (`speculative_method: ngram`, or
 `draft_model` / `eagle` with any `speculative_model` name: nothing is loaded; `num_speculative_tokens` k)
 drafts, and `spec_decode` (required then) says how its drafts fare: `acceptance` per draft token,
@@ -181,6 +183,10 @@ class SimSpec(BaseModel):
     coalesce_decode: bool = Field(True, description="run decode-only stretches as one event (see sim/instance.py)")
     max_run_steps: int = Field(1 << 20, ge=2, description="cap on the steps of one decode run")
     kv_bytes_per_token: float | None = Field(None, gt=0, description="gpu: cpu or custom models")
+    vision: Literal["clip-vit-l-336", "siglip-so400m-896"] | None = Field(
+        None, description="the image encoder before the text model (raycluster/sched/vision_cost.py: LLaVA-1.5's "
+        "CLIP ViT-L/336, 576 tokens an image; Gemma 3's SigLIP-so400m/896, 256): what requests with --images "
+        "cost; roofline gpus only")
 
     @model_validator(mode="after")
     def _check(self) -> "SimSpec":
@@ -200,6 +206,9 @@ class SimSpec(BaseModel):
             raise ValueError(f"quantization: {self.quantization!r} needs a roofline gpu (a100, h100, h200); gpu: "
                              "cpu times steps with the profile of the real engine, so profile a quantized "
                              "checkpoint by pointing model at it and leave quantization none")
+        if self.gpu == "cpu" and self.vision is not None:
+            raise ValueError("vision: images are timed by the roofline (gpu a100, h100 or h200); gpu: cpu has no "
+                             "profile of an image encoder")
         if self.gpu != "cpu":
             from raycluster.sched.roofline import MODELS
             if self.model not in MODELS:
