@@ -36,8 +36,8 @@ def check_images(ids: list[int], sp: SamplingParams, encoder) -> None:
         if not isinstance(image.pixel_values, torch.Tensor):
             raise InvalidRequestError("messages", f"image {k}'s pixels are not a tensor")
         if len(image.size) == 3 and not getattr(encoder, "takes_video", False):
-            raise InvalidRequestError("messages", "this model takes no videos (video_url parts need Qwen2-VL or "
-                                      "Qwen2.5-VL)")
+            raise InvalidRequestError("messages", "this model takes no videos (video_url parts need Qwen2-VL, "
+                                      "Qwen2.5-VL or LLaVA-OneVision)")
         why = encoder.check_pixels(image.pixel_values, image.size)
         if why is not None:
             raise InvalidRequestError("messages", f"image {k}: {why}")

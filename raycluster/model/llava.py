@@ -12,7 +12,8 @@ Qwen2-VL and Qwen2.5-VL (`Qwen2VLForConditionalGeneration`, `Qwen2_5_VLForCondit
 are raycluster.model.qwen_vl's `QwenVLImageEncoder`, which also gives `grid_for((height, width))`,
 the (t, rows, columns) of an image's tokens that their multimodal rotary positions are laid on,
 and takes videos (sizes of (frames, height, width): raycluster.model.qwen_vl_video; the facts'
-`prepare_video(frames)`).
+`prepare_video(frames)`), as LLaVA-OneVision does (raycluster.model.onevision_video: each frame
+one tile, its features pooled 2 x 2, one newline after the video).
 Qwen3-VL and Qwen3-VL-MoE (`Qwen3VLForConditionalGeneration`, `Qwen3VLMoeForConditionalGeneration`)
 are raycluster.model.qwen3_vl's `Qwen3VLImageEncoder`, the same arithmetic, whose features also
 carry the DeepStack levels the text model adds after its first layers. Gemma 3
@@ -61,6 +62,7 @@ from raycluster.model.llama4_processor import Llama4Grid, Llama4ImageProcessor
 from raycluster.model.llava_tower import ClipProjectorEncoder, check_items, read_config
 from raycluster.model.mistral3_vision import Mistral3ImageEncoder
 from raycluster.model.onevision_processor import OnevisionImageProcessor
+from raycluster.model.onevision_video import OnevisionVideoGrid, OnevisionVideoProcessor
 from raycluster.model.pixtral_processor import PixtralGrid, PixtralImageProcessor
 from raycluster.model.qwen3_vl import Qwen3VLImageEncoder
 from raycluster.model.qwen_vl import QwenVLImageEncoder
@@ -146,10 +148,11 @@ class ImageFacts:
     spans: Callable[[tuple[int, int]], list[int]] | None = None
     # Gemma 3's start / end of image tokens, whose text the server wraps each image's placeholders in.
     wrap_ids: tuple[int, int] | None = None
-    # Qwen2-VL / Qwen2.5-VL: videos, sized (frames, height, width) (raycluster.model.qwen_vl_video).
+    # Qwen2-VL / Qwen2.5-VL and LLaVA-OneVision: videos, sized (frames, height, width)
+    # (raycluster.model.qwen_vl_video, raycluster.model.onevision_video).
     video_token_id: int | None = None
-    video_grid: QwenVLVideoGrid | None = None
-    video_processor: QwenVLVideoProcessor | None = None
+    video_grid: QwenVLVideoGrid | OnevisionVideoGrid | None = None
+    video_processor: QwenVLVideoProcessor | OnevisionVideoProcessor | None = None
 
     def tokens_for(self, image_size: tuple[int, int]) -> int:
         if len(image_size) == 3:
@@ -166,7 +169,7 @@ class ImageFacts:
     def grid_for(self, image_size: tuple[int, int]) -> tuple[int, int, int] | None:
         """Qwen-VL: the (t, rows, columns) of the image's (or video's) tokens (raycluster.model.qwen_vl); else None."""
         if len(image_size) == 3:
-            return self.video_grid.grid_for(image_size)
+            return self.video_grid.grid_for(image_size) if isinstance(self.video_grid, QwenVLVideoGrid) else None
         return self.grid.grid_for(image_size) if isinstance(self.grid, QwenVLGrid) else None
 
     def prepare_video(self, frames: list[Image.Image]) -> tuple[torch.Tensor, tuple[int, int, int], int]:
@@ -222,7 +225,15 @@ def image_facts(model_dir: str | os.PathLike) -> ImageFacts | None:
         raise ValueError(f"{path}: preprocessor_config.json's tiles ({processor.tile_size} pixels, pinpoints "
                          f"{processor.pinpoints}) are not config.json's ({encoder.image_size} pixels, pinpoints "
                          f"{encoder.grid.pinpoints})")
-    return ImageFacts(encoder.image_token_id, processor, grid=encoder.grid)
+    if cls is not llava_onevision.LlavaOnevisionImageEncoder:
+        return ImageFacts(encoder.image_token_id, processor, grid=encoder.grid)
+    video = OnevisionVideoProcessor.from_model_dir(path)
+    side = encoder.image_size
+    if video is not None and video.frame_size not in (None, (side, side)):
+        raise ValueError(f"{path}: the video processor's frames ({video.frame_size}) are not the tower's "
+                         f"{side} x {side} (config.json's vision_config.image_size)")
+    return ImageFacts(encoder.image_token_id, processor, grid=encoder.grid, spans=encoder.span_ids,
+                      video_token_id=encoder.video_token_id, video_grid=encoder.video_grid, video_processor=video)
 
 
 def _qwen_vl_facts(path: str, config: dict, cls) -> ImageFacts:

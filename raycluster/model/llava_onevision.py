@@ -11,18 +11,27 @@ default tower when left out), `vision_feature_layer` an int or a list of ints (t
 taken before the tower's post_layernorm as transformers' `hidden_states` are, concatenated along
 the features), `vision_feature_select_strategy` "full" only (SigLIP has no CLS: "default" drops a
 patch, and transformers' packing then refuses the non-square grid), `projector_hidden_act`,
-`multimodal_projector_bias`, `image_grid_pinpoints`, `vision_aspect_ratio`. Only the tower layers
-the feature layers need are built and read.
+`multimodal_projector_bias`, `image_grid_pinpoints`, `vision_aspect_ratio`, `image_token_index`
+and `video_token_index` (two distinct token ids). Only the tower layers the feature layers need
+are built and read.
 
 Pixels and each image's original (height, width) enter `encode_images([(pixels [1 + tiles, 3, S,
 S], (height, width)), ...])`; every image's squares run through the tower in one batch, and each
 image's features leave as [tokens_for((height, width)), text hidden] in the encoder's dtype, for
-the text model's `image_token_id` placeholders in order. `from_checkpoint(model_dir, dtype,
-device)` reads config.json and the tensors from model.safetensors or its shards: the tower under
-the released files' `vision_tower.vision_model.` (the text beside it under `language_model.`),
-transformers 5's `model.vision_tower.vision_model.`, or the bare `vision_tower.` /
-`model.vision_tower.` a transformers 5.24 save writes; the projector under `multi_modal_projector.`
-(or `model.`-prefixed); `image_newline` (or `model.image_newline`).
+the text model's `image_token_id` placeholders in order (`span_ids(size)`: the image token,
+tokens_for(size) times).
+
+Videos (`takes_video`, `get_video_features` with `apply_pooling`) go through the same calls with a
+size of (frames, height, width) (raycluster.model.onevision_video, `video_grid`): pixels [frames,
+3, S, S], each frame a tower square whose features are bilinearly pooled to ceil(side / 2) a side,
+the frames' pooled features in order and then one `image_newline` for the whole video, at the
+text model's `video_token_id` placeholders. A call's images and videos share one tower batch.
+
+`from_checkpoint(model_dir, dtype, device)` reads config.json and the tensors from
+model.safetensors or its shards: the tower under the released files' `vision_tower.vision_model.`
+(the text beside it under `language_model.`), transformers 5's `model.vision_tower.vision_model.`,
+or the bare `vision_tower.` / `model.vision_tower.` a transformers 5.24 save writes; the projector
+under `multi_modal_projector.` (or `model.`-prefixed); `image_newline` (or `model.image_newline`).
 """
 
 from __future__ import annotations
@@ -39,11 +48,14 @@ from raycluster.model.clip_vision import _Encoder, _EncoderLayer, activation, hi
 from raycluster.model.llava_tower import (_Projector, _layer_of, _text_hidden, check_items, pack_each, read_config,
                                           shape_reason, tensor_prefixes)
 from raycluster.model.onevision_processor import DEFAULT_VISION, OnevisionGrid
+from raycluster.model.onevision_video import OnevisionVideoGrid
 from raycluster.model.siglip_vision import SiglipVisionSpec, _Embeddings
 
 ARCHITECTURE = "LlavaOnevisionForConditionalGeneration"
 # LlavaOnevisionConfig's image_token_index default (llava-onevision-qwen2's "<image>").
 DEFAULT_IMAGE_TOKEN_ID = 151646
+# LlavaOnevisionConfig's video_token_index default (its "<video>").
+DEFAULT_VIDEO_TOKEN_ID = 151647
 # Stored tower tensors never used here: the post-layernorm (transformers' hidden_states are taken
 # before it), a pooling head, old saves' position ids buffer.
 _UNUSED = ("post_layernorm.", "head.", "embeddings.position_ids")
@@ -78,6 +90,7 @@ class LlavaOnevisionImageEncoder(nn.Module):
 
     ARCHITECTURE = ARCHITECTURE
     bidirectional = False       # the text model attends an image's tokens causally
+    takes_video = True
 
     def __init__(self, config: dict, text_hidden: int):
         super().__init__()
@@ -104,10 +117,12 @@ class LlavaOnevisionImageEncoder(nn.Module):
         self.multi_modal_projector = _Projector(spec.hidden_size * len(self.feature_layers), text_hidden, act,
                                                 bool(config.get("multimodal_projector_bias", True)))
         self.image_newline = nn.Parameter(torch.empty(text_hidden))
-        token = config.get("image_token_index", config.get("image_token_id", DEFAULT_IMAGE_TOKEN_ID))
-        if not isinstance(token, int) or isinstance(token, bool) or token < 0:
-            raise ValueError(f"config field 'image_token_index' = {token!r}: expected a token id")
-        self.image_token_id: int = token
+        self.image_token_id: int = _token_id(config, "image_token_index", "image_token_id", DEFAULT_IMAGE_TOKEN_ID)
+        self.video_token_id: int = _token_id(config, "video_token_index", "video_token_id", DEFAULT_VIDEO_TOKEN_ID)
+        if self.video_token_id == self.image_token_id:
+            # transformers would scatter both an image's and a video's features over the same placeholders.
+            raise ValueError(f"config field 'video_token_index' = {self.video_token_id}: the image token's id too")
+        self.video_grid = OnevisionVideoGrid(self.grid.side)
         self.image_size: int = spec.image_size
         self.text_hidden_size: int = text_hidden
 
@@ -119,12 +134,22 @@ class LlavaOnevisionImageEncoder(nn.Module):
     def device(self) -> torch.device:
         return self.multi_modal_projector.linear_1.weight.device
 
-    def tokens_for(self, image_size: tuple[int, int]) -> int:
-        """The features an image of (height, width) becomes (LlavaOnevisionProcessor's count)."""
-        return self.grid.tokens_for(image_size)
+    def tokens_for(self, size) -> int:
+        """The features an image of (height, width) or a video of (frames, height, width) becomes
+        (LlavaOnevisionProcessor's count)."""
+        if _is_video(size):
+            return self.video_grid.tokens_for(tuple(size))
+        return self.grid.tokens_for(size)
+
+    def span_ids(self, size) -> list[int]:
+        """The prompt tokens of an image or video of `size`: its placeholder token, repeated."""
+        return [self.video_token_id if _is_video(size) else self.image_token_id] * self.tokens_for(size)
 
     def check_pixels(self, pixel_values, image_size) -> str | None:
-        """None if `pixel_values` are what the processor makes of an image of `image_size`, else why not."""
+        """None if `pixel_values` are what the processors make of an image or video of `image_size`,
+        else why not."""
+        if _is_video(image_size):
+            return self._check_video(pixel_values, image_size)
         reason = check_image_size(image_size)
         if reason is not None:
             return reason
@@ -132,19 +157,42 @@ class LlavaOnevisionImageEncoder(nn.Module):
         return shape_reason(pixel_values, (self.grid.num_tiles(tuple(image_size)) + 1, spec.num_channels,
                                            spec.image_size, spec.image_size), image_size)
 
+    def _check_video(self, pixel_values, size) -> str | None:
+        reason = self.video_grid.check(size)
+        if reason is not None:
+            return reason
+        spec = self.vision_tower.spec
+        want = (size[0], spec.num_channels, spec.image_size, spec.image_size)
+        shape = tuple(getattr(pixel_values, "shape", ()))
+        if shape != want:
+            return f"pixels are {shape}; a video of {size[0]} frames of {size[1]}x{size[2]} takes {want}"
+        return None
+
     def tile_features(self, pixel_values: torch.Tensor) -> torch.Tensor:
         """[N, C, S, S] squares -> [N, side * side, text hidden]: the selected hidden states, projected."""
         states = self.vision_tower.hidden_states(pixel_values.to(self.device, self.dtype), self.feature_layers)
         return self.multi_modal_projector(torch.cat(states, dim=-1))
 
     @torch.inference_mode()
-    def encode_images(self, items: list[tuple[torch.Tensor, tuple[int, int]]]) -> list[torch.Tensor]:
-        """Each image's features [tokens_for(size), text hidden] (module docstring); ValueError
-        naming the first image whose pixels do not fit its size."""
+    def encode_images(self, items: list[tuple[torch.Tensor, tuple]]) -> list[torch.Tensor]:
+        """Each image's or video's features [tokens_for(size), text hidden] (module docstring);
+        ValueError naming the first item whose pixels do not fit its size."""
         check_items(self, items)
         if not items:
             return []
-        return pack_each(self.tile_features(torch.cat([torch.as_tensor(p) for p, _ in items])), items, self._pack)
+        # Every image's squares and every video's frames in one tower batch, then each item its own way.
+        features = self.tile_features(torch.cat([torch.as_tensor(p) for p, _ in items]))
+        return pack_each(features, items, lambda f, size: self._pool(f) if _is_video(size) else self._pack(f, size))
+
+    def _pool(self, features: torch.Tensor) -> torch.Tensor:
+        """A video's frame features [frames, side * side, hidden] -> [frames * pooled^2 + 1, hidden]:
+        transformers' apply_pooling in its order of operations (so the bilinear resize rounds as
+        its does), the frames flattened, then one image_newline."""
+        frames, side, pooled = features.shape[0], self.grid.side, self.video_grid.pooled_side
+        x = features.view(frames, side, side, -1).permute(0, 3, 1, 2).contiguous()
+        x = F.interpolate(x, size=[pooled, pooled], mode="bilinear")
+        x = x.permute(0, 2, 3, 1).reshape(frames * pooled * pooled, -1)
+        return torch.cat([x, self.image_newline.to(x.dtype)[None]])
 
     def _pack(self, features: torch.Tensor, image_size: tuple[int, int]) -> torch.Tensor:
         """One image's square features [1 + tiles, side * side, hidden] -> its packed features, in
@@ -190,3 +238,16 @@ class LlavaOnevisionImageEncoder(nn.Module):
             loaded["image_newline"] = newline
         copy_whole(dict(encoder.named_parameters()), loaded, path, "LLaVA-OneVision vision tower / projector", dtype)
         return encoder.eval()
+
+
+def _is_video(size) -> bool:
+    """A video's size is (frames, height, width); an image's (height, width)."""
+    return isinstance(size, (tuple, list)) and len(size) == 3
+
+
+def _token_id(config: dict, field: str, alias: str, default: int) -> int:
+    """config.json's token id `field` (or its transformers 5 `alias`); ValueError naming the field."""
+    token = config.get(field, config.get(alias, default))
+    if not isinstance(token, int) or isinstance(token, bool) or token < 0:
+        raise ValueError(f"config field {field!r} = {token!r}: expected a token id")
+    return token

@@ -3,20 +3,22 @@
 
 raycluster.model.tiny_multimodal writes the text model (the tiny Qwen2 checkpoint wrapped as
 LlavaOnevisionForConditionalGeneration, `text_config.model_type` "qwen2", its vocabulary grown by
-one for "<image>"); this module then rewrites config.json and model.safetensors with a seeded
-SigLIP tower (hidden 32, 2 layers, 2 heads, 28-pixel tiles in 7-pixel patches: 4 x 4 = 16
-features a square; every layer and the post_layernorm, as released files hold them), the
+two for "<image>" and "<video>"); this module then rewrites config.json and model.safetensors
+with a seeded SigLIP tower (hidden 32, 2 layers, 2 heads, 28-pixel tiles in 7-pixel patches: 4 x 4
+= 16 features a square; every layer and the post_layernorm, as released files hold them), the
 projector to the text hidden size and `image_newline`, under the released names
 (`vision_tower.vision_model.`, `multi_modal_projector.`, `image_newline` beside `language_model.`)
 or transformers 5's (`layout="transformers5"`: the same under `model.`, the head as `lm_head.`).
 config.json takes LlavaOnevisionConfig's fields: pinpoints of 1 to 4 tiles a side (up to 16 tiles:
 an image on the 4 x 4 grid holds more than "anyres_max_9" allows and is shrunk), the "full"
 strategy, the last layer's features. It adds preprocessor_config.json (LlavaOnevisionImageProcessor
-as released: the tile-sized square, bicubic, mean / std 0.5, the pinpoints), processor_config.json
-(LlavaOnevisionProcessor's num_image_tokens, strategy and vision_aspect_ratio), and the tokenizer
-with the special added token "<image>" at the id after the tiny vocabulary (IMAGE_TOKEN_ID, the
-config's `image_token_index`) and raycluster.model.tiny_llava's content-list template (an image part
-rendered as "<image>").
+as released: the tile-sized square, bicubic, mean / std 0.5, the pinpoints),
+video_preprocessor_config.json (LlavaOnevisionVideoProcessor: frames resized to the tile-sized
+square, the same mean / std), processor_config.json (LlavaOnevisionProcessor's num_image_tokens,
+strategy and vision_aspect_ratio), and the tokenizer with the special added tokens "<image>" and
+"<video>" at the ids after the tiny vocabulary (IMAGE_TOKEN_ID and VIDEO_TOKEN_ID, the config's
+`image_token_index` and `video_token_index`) and raycluster.model.tiny_llava's content-list
+template (an image part rendered as "<image>", a video part as "<video>").
 
 `vision`: vision_config fields over the tiny tower's; `fields`: top-level LLaVA-OneVision fields
 (vision_feature_layer, vision_feature_select_strategy, vision_aspect_ratio, image_grid_pinpoints,
@@ -34,7 +36,8 @@ from safetensors.torch import load_file, save_file
 from raycluster.model.llava_onevision import ARCHITECTURE
 from raycluster.model.siglip_vision import SiglipVisionModel, SiglipVisionSpec
 from raycluster.model.tiny import TOKENIZER_VOCAB
-from raycluster.model.tiny_llava import CHAT_TEMPLATE, IMAGE_TOKEN, IMAGE_TOKEN_ID, seeded_tensors, write_tokenizer_with
+from raycluster.model.tiny_llava import (IMAGE_TOKEN, IMAGE_TOKEN_ID, parts_template, seeded_tensors,
+                                         write_tokenizer_with)
 from raycluster.model.tiny_multimodal import write_tiny_multimodal
 
 VISION = {"model_type": "siglip_vision_model", "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
@@ -42,6 +45,10 @@ VISION = {"model_type": "siglip_vision_model", "hidden_size": 32, "intermediate_
           "hidden_act": "gelu_pytorch_tanh", "layer_norm_eps": 1e-6, "attention_dropout": 0.0,
           "vision_use_head": False}
 MEAN = STD = (0.5, 0.5, 0.5)        # the released processor's
+# LLaVA-OneVision's video placeholder, the id after "<image>"'s (which stays where tiny_llava puts it).
+VIDEO_TOKEN = "<video>"
+VIDEO_TOKEN_ID = IMAGE_TOKEN_ID + 1
+CHAT_TEMPLATE = parts_template(IMAGE_TOKEN, VIDEO_TOKEN)
 
 
 def tiny_pinpoints(tile: int, most: int = 4) -> list[list[int]]:
@@ -54,10 +61,11 @@ def write_tiny_llava_onevision(path: str | os.PathLike, seed: int = 0, layout: s
     """The tiny LLaVA-OneVision with its image side (module docstring); returns the path."""
     vision = {**VISION, **(vision or {})}
     path = write_tiny_multimodal(path, ARCHITECTURE, seed=seed, layout=layout, num_hidden_layers=text_layers,
-                                 vocab_size=TOKENIZER_VOCAB + 1)
+                                 vocab_size=TOKENIZER_VOCAB + 2)
     with open(os.path.join(path, "config.json")) as f:
         config = json.load(f)
-    config.update(vision_config=vision, image_token_index=IMAGE_TOKEN_ID, vision_feature_layer=-1,
+    config.update(vision_config=vision, image_token_index=IMAGE_TOKEN_ID, video_token_index=VIDEO_TOKEN_ID,
+                  vision_feature_layer=-1,
                   vision_feature_select_strategy="full", vision_aspect_ratio="anyres_max_9",
                   image_grid_pinpoints=tiny_pinpoints(vision["image_size"]), projector_hidden_act="gelu",
                   multimodal_projector_bias=True, tie_word_embeddings=False)
@@ -93,7 +101,8 @@ def vision_tensors(config: dict, seed: int) -> dict[str, torch.Tensor]:
 
 
 def _write_processor_files(path: str, config: dict) -> None:
-    """preprocessor_config.json and processor_config.json as released, and the tokenizer."""
+    """preprocessor_config.json, video_preprocessor_config.json and processor_config.json as
+    released, and the tokenizer."""
     vision = config["vision_config"]
     tile = vision["image_size"]
     processor = {"image_processor_type": "LlavaOnevisionImageProcessor", "processor_class": "LlavaOnevisionProcessor",
@@ -103,10 +112,16 @@ def _write_processor_files(path: str, config: dict) -> None:
                  "size": {"height": tile, "width": tile}}
     with open(os.path.join(path, "preprocessor_config.json"), "w") as f:
         json.dump(processor, f, indent=2, sort_keys=True)
+    video = {"video_processor_type": "LlavaOnevisionVideoProcessor", "processor_class": "LlavaOnevisionProcessor",
+             "do_convert_rgb": True, "do_normalize": True, "do_rescale": True, "do_resize": True,
+             "do_sample_frames": False, "image_mean": list(MEAN), "image_std": list(STD), "resample": 3,
+             "rescale_factor": 1 / 255, "size": {"height": tile, "width": tile}}
+    with open(os.path.join(path, "video_preprocessor_config.json"), "w") as f:
+        json.dump(video, f, indent=2, sort_keys=True)
     with open(os.path.join(path, "processor_config.json"), "w") as f:
         json.dump({"image_token": IMAGE_TOKEN, "num_image_tokens": (tile // vision["patch_size"]) ** 2,
-                   "processor_class": "LlavaOnevisionProcessor", "video_token": "<video>",
+                   "processor_class": "LlavaOnevisionProcessor", "video_token": VIDEO_TOKEN,
                    "vision_aspect_ratio": config["vision_aspect_ratio"],
                    "vision_feature_select_strategy": config["vision_feature_select_strategy"]},
                   f, indent=2, sort_keys=True)
-    write_tokenizer_with(path, [IMAGE_TOKEN], CHAT_TEMPLATE)
+    write_tokenizer_with(path, [IMAGE_TOKEN, VIDEO_TOKEN], CHAT_TEMPLATE)

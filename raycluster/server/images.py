@@ -12,7 +12,7 @@ LLaVA-1.5, one that depends on the image's size for LLaVA-NeXT's tiles) and reco
 image's run lies (`ImageInput`), with a digest of its pixels and size for the prefix cache.
 `image_spec_for(model_dir, tokenizer)` says whether (and how) a checkpoint takes images.
 
-Videos (`video_url` parts, on Qwen2-VL and Qwen2.5-VL) go the same way beside the images, in the
+Videos (`video_url` parts, on Qwen2-VL, Qwen2.5-VL and LLaVA-OneVision) go the same way beside the images, in the
 order the messages give them: their frames decoded (raycluster.server.videos), processed by the
 checkpoint's video processor, rendered as the video token (a `{"type": "video"}` part), expanded to
 the video's placeholders; an `ImageInput` whose size is (frames, height, width).
@@ -151,7 +151,8 @@ async def load_images(messages, spec: ImageSpec | None, limit: int = MAX_IMAGES_
     urls = [url for kind, url in media if kind == "image"]
     videos = [url for kind, url in media if kind == "video"]
     if videos and spec.video_token_id is None:
-        raise InvalidRequestError("messages", "this model takes no videos (video_url parts need Qwen2-VL or Qwen2.5-VL)")
+        raise InvalidRequestError("messages", "this model takes no videos (video_url parts need Qwen2-VL, Qwen2.5-VL "
+                                  "or LLaVA-OneVision)")
     for n, most, what in ((len(urls), limit, "images"), (len(videos), video_limit, "videos")):
         if n > most:
             raise InvalidRequestError("messages", f"{n} {what}; this server takes at most {most} per request "

@@ -1,4 +1,4 @@
-"""Videos over real HTTP on Qwen2-VL and Qwen2.5-VL: a chat message with a video (vLLM's frame list,
+"""Videos over real HTTP on Qwen2-VL, Qwen2.5-VL and LLaVA-OneVision: a chat message with a video (vLLM's frame list,
 data:video/jpeg;base64,<frame>,...) and an image is answered with transformers' greedy tokens for
 the prompt `/tokenize` shows; what a client gets wrong about a video is a 400 naming `messages`
 (containers, bad frames, frames of two sizes, too many videos, a model without videos), and the
@@ -114,3 +114,39 @@ def test_a_string_template_gets_the_video_placeholder_text():
                                                        {"type": "image"}]
     with pytest.raises(ValueError, match="belong in user messages"):
         ChatMessage.model_validate({"role": "assistant", "content": [{"type": "video_url", "video_url": {"url": "x"}}]})
+
+
+def test_llava_onevision_chat_with_a_video_and_an_image(tmp_path):
+    """LLaVA-OneVision: each frame a tile pooled 2 x 2, a newline after the video; the reply equals
+    transformers' for the prompt `/tokenize` shows."""
+    from transformers import LlavaOnevisionForConditionalGeneration, LlavaOnevisionImageProcessorPil
+
+    from raycluster.model.tiny_llava_onevision import IMAGE_TOKEN_ID as OV_IMAGE, VIDEO_TOKEN_ID as OV_VIDEO
+    from raycluster.model.tiny_llava_onevision import write_tiny_llava_onevision
+
+    path = write_tiny_llava_onevision(tmp_path / "ov", seed=7)
+    model, tok = tiny_parts(path)
+    spec = image_spec_for(path, tok)
+    assert spec.video_text == "<video>"
+    frames = [_frame(40, 50, s) for s in range(4)]
+    png, picture = _frame(60, 40, 9, "PNG")
+    messages = [{"role": "user", "content": [
+        _video_part(_video_url([f for f, _ in frames])), {"type": "text", "text": "and"},
+        {"type": "image_url", "image_url": {"url": "data:image/png;base64," + base64.b64encode(png).decode()}},
+        {"type": "text", "text": "what happens?"}]}]
+    cfg = EngineConfig(kv_cache_tokens=2048, policy="fcfs", packer="token", chunk_size=16)
+    facts, enc = image_facts(path), image_encoder_for(path)
+    with serve_engine(cfg, model, tok, image_encoder=enc, images=spec) as (url, aeng):
+        ids = httpx.post(f"{url}/tokenize", timeout=30, json={"messages": messages}).json()["tokens"]
+        vpx, vsize, vn = facts.prepare_video([im for _, im in frames])
+        assert vsize == (4, 40, 50) and ids.count(OV_VIDEO) == vn == enc.tokens_for(vsize)
+        assert ids.count(OV_IMAGE) == enc.tokens_for((60, 40))
+        hf = LlavaOnevisionImageProcessorPil.from_pretrained(str(path))([picture], return_tensors="pt")
+        ref = LlavaOnevisionForConditionalGeneration.from_pretrained(str(path), dtype=torch.float32).eval()
+        want = _greedy(ref, ids, hf["pixel_values"], 10, False, image_sizes=hf["image_sizes"],
+                       pixel_values_videos=vpx[None])
+        r = httpx.post(f"{url}/v1/chat/completions", timeout=60, json={
+            "messages": messages, "max_tokens": 10, "temperature": 0, "ignore_eos": True})
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["message"]["content"] == tok.decode(want)
+        assert all_free(aeng)
