@@ -39,6 +39,7 @@ from typing import Callable
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from loadgen.images import ImageLoad
 from loadgen.metrics import summarize
 from loadgen.workloads import Workload
 from raycluster.sim.spec import SimSpec
@@ -241,22 +242,24 @@ class _Simulate:
     workload_at: Callable[[float], Workload]
     horizon_s: float | None
     decode_path: str
+    images: ImageLoad | None = None
 
     def __call__(self, spec: SimSpec, q: float) -> dict:
         from raycluster.sim.run import simulate, with_decode_path
 
         return simulate(with_decode_path(spec, self.decode_path), self.workload_at(q), horizon_s=self.horizon_s,
-                        fast_decode=self.decode_path == "fast")
+                        fast_decode=self.decode_path == "fast", images=self.images)
 
 
 def search(search_spec: SearchSpec, base: dict, workload_at: Callable[[float], Workload], *,
            horizon_s: float | None = None, decode_path: str = "default", jobs: int = 1,
-           progress: Callable[[str], None] | None = None) -> dict:
+           progress: Callable[[str], None] | None = None, images: ImageLoad | None = None) -> dict:
     """Capacity of every candidate, and the best by QPS per GPU (ties: fewer GPUs, then name).
     `workload_at(q)`: the workload offered at q QPS (picklable when jobs > 1); `horizon_s`,
     `decode_path`: as `raycluster sim`; `jobs`: candidates searched at once, in worker processes
-    (each search is sequential; the results do not depend on jobs)."""
-    run = _Simulate(workload_at, horizon_s, decode_path)
+    (each search is sequential; the results do not depend on jobs); `images`: pictures in every
+    request (every candidate's spec then needs a vision tower)."""
+    run = _Simulate(workload_at, horizon_s, decode_path, images)
     names, specs = zip(*expand(search_spec, base))
     n = len(names)
     args = (names, specs, [run] * n, [search_spec.slo] * n, [search_spec.qps] * n)

@@ -18,7 +18,7 @@ import sys
 from functools import partial
 from pathlib import Path
 
-from loadgen.cli import add_workload_args, workload_from_args
+from loadgen.cli import add_image_args, add_workload_args, workload_from_args
 from raycluster.sim.cli import add_decode_path_arg
 
 
@@ -33,6 +33,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--quiet", action="store_true")
     add_decode_path_arg(ap)
     add_workload_args(ap)
+    add_image_args(ap.add_argument_group("images (each candidate's vision tower times them)"))
     return ap
 
 
@@ -51,8 +52,15 @@ def main(argv: list[str] | None = None) -> int:
         print("raycluster sim-search: --qps is ignored; the search sets the offered load (the search "
               "file's qps range)", file=sys.stderr)
     say = None if args.quiet else (lambda line: print(line, file=sys.stderr, flush=True))
+    from loadgen.images import ImageLoad
+
+    images = ImageLoad(args.images, *args.image_size, args.distinct_images) if args.images else None
+    if images is not None and any(s.vision is None for _, s in expand(spec, base)):
+        print("raycluster sim-search: --images needs a vision tower in every candidate's spec (vision: "
+              "clip-vit-l-336 | siglip-so400m-896)", file=sys.stderr)
+        return 2
     res = search(spec, base, partial(workload_from_args, args), horizon_s=args.horizon,
-                 decode_path=args.decode_path, jobs=max(1, args.jobs), progress=say)
+                 decode_path=args.decode_path, jobs=max(1, args.jobs), progress=say, images=images)
     res["meta"] = {"argv": list(argv if argv is not None else sys.argv[1:]), "search": args.search,
                    "workload": args.workload, "seed": args.seed, "decode_path": args.decode_path}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)

@@ -104,3 +104,26 @@ def test_refusals(tmp_path):
     spec.write_text(json.dumps({k: v for k, v in SPEC.items() if k != "vision"}))
     assert sim_main(["--cluster", str(spec), "--workload", "chat", "--num-requests", "2", "--images", "1",
                      "--out", str(tmp_path / "o.json"), "--quiet"]) == 2
+
+
+def test_sim_search_sizes_an_image_text_cluster(tmp_path):
+    """`raycluster sim-search --images 2`: the same A100 serves fewer QPS under the same TTFT bound
+    when every request carries two pictures; a candidate without a vision tower is refused."""
+    from raycluster.sim.search_cli import main as search_main
+
+    base = tmp_path / "base.yaml"
+    base.write_text(json.dumps(SPEC))
+    search = tmp_path / "search.yaml"
+    search.write_text(json.dumps({"base": str(base), "candidates": [{"name": "one"}],
+                                  "qps": {"min": 0.5, "max": 32, "rel_tol": 0.3},
+                                  "slo": [{"metric": "ttft_p99_s", "max": 2.0}]}))
+    common = ["--search", str(search), "--workload", "chat", "--duration", "60", "--seed", "1", "--quiet"]
+    assert search_main(common + ["--out", str(tmp_path / "text.json")]) == 0
+    assert search_main(common + ["--images", "2", "--out", str(tmp_path / "img.json")]) == 0
+    text, img = (json.loads((tmp_path / f).read_text())["candidates"][0]["capacity_qps"]
+                 for f in ("text.json", "img.json"))
+    assert 0 < img < text / 2
+    plain = tmp_path / "plain.yaml"
+    plain.write_text(json.dumps({k: v for k, v in SPEC.items() if k != "vision"}))
+    search.write_text(search.read_text().replace(str(base), str(plain)))
+    assert search_main(common + ["--images", "1", "--out", str(tmp_path / "x.json")]) == 2
