@@ -136,6 +136,16 @@ class ImageProcessor:
         return self.size["height"], self.size["width"]
 
 
+def frames_size(frames: list[Image.Image]) -> tuple[int, int, int]:
+    """(frames, height, width) of a video's frames; ValueError for none, or frames of two sizes."""
+    if not frames:
+        raise ValueError("a video needs at least one frame")
+    sizes = {(f.height, f.width) for f in frames}
+    if len(sizes) > 1:
+        raise ValueError(f"a video's frames must share one size, got {sorted(sizes)}")
+    return len(frames), frames[0].height, frames[0].width
+
+
 def to_rgb(image: Image.Image) -> Image.Image:
     """transformers 5's convert_to_rgb: any transparency composited onto white."""
     if "A" in image.getbands() or image.info.get("transparency") is not None:

@@ -27,7 +27,7 @@ import os
 import torch
 from PIL import Image
 
-from raycluster.model.image_processor import CLIP_MEAN, CLIP_STD, ImageProcessor, _size
+from raycluster.model.image_processor import CLIP_MEAN, CLIP_STD, ImageProcessor, _size, frames_size
 from raycluster.model.qwen_vl_video import read_video_preprocessor
 
 # A request's video may hold at most this many frames (transformers sets no cap; this bounds the
@@ -122,12 +122,7 @@ class OnevisionVideoProcessor:
     def __call__(self, frames: list[Image.Image]) -> tuple[torch.Tensor, tuple[int, int, int]]:
         """(float32 [frames, 3, H, W], (frames, height, width)); ValueError for no frames, frames
         of different sizes, or too many."""
-        if not frames:
-            raise ValueError("a video needs at least one frame")
-        sizes = {(f.height, f.width) for f in frames}
-        if len(sizes) > 1:
-            raise ValueError(f"a video's frames must share one size, got {sorted(sizes)}")
-        size = (len(frames), frames[0].height, frames[0].width)
+        size = frames_size(frames)
         reason = video_size_reason(size, self.max_frames)
         if reason is not None:
             raise ValueError(reason)

@@ -34,7 +34,7 @@ import os
 import torch
 from PIL import Image
 
-from raycluster.model.image_processor import ImageProcessor, to_rgb
+from raycluster.model.image_processor import ImageProcessor, frames_size, to_rgb
 from raycluster.model.qwen_vl_processor import (MAX_ASPECT_RATIO, QwenVLGrid, patch_grid, processing_steps,
                                                 read_preprocessor)
 
@@ -148,12 +148,7 @@ class QwenVLVideoProcessor:
     def __call__(self, frames: list[Image.Image]) -> tuple[torch.Tensor, tuple[int, int, int]]:
         """(float32 [t * h * w, C * T * P * P], (frames, height, width)); ValueError for frames of
         different sizes, too many, or a size smart_resize refuses."""
-        if not frames:
-            raise ValueError("a video needs at least one frame")
-        sizes = {(f.height, f.width) for f in frames}
-        if len(sizes) > 1:
-            raise ValueError(f"a video's frames must share one size, got {sorted(sizes)}")
-        size = (len(frames), frames[0].height, frames[0].width)
+        size = frames_size(frames)
         reason = self.grid.check(size)
         if reason is not None:
             raise ValueError(reason)

@@ -43,6 +43,15 @@ def _video_part(url: str) -> dict:
     return {"type": "video_url", "video_url": {"url": url}}
 
 
+def _video_then_picture(frames: list[tuple[bytes, Image.Image]]) -> tuple[list[dict], Image.Image]:
+    """A user message of the video, "and", a 60x40 picture and the question; and that picture."""
+    png, picture = _frame(60, 40, 9, "PNG")
+    return [{"role": "user", "content": [
+        _video_part(_video_url([f for f, _ in frames])), {"type": "text", "text": "and"},
+        {"type": "image_url", "image_url": {"url": "data:image/png;base64," + base64.b64encode(png).decode()}},
+        {"type": "text", "text": "what happens?"}]}], picture
+
+
 @pytest.mark.parametrize("arch", ["Qwen2VLForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration"])
 def test_chat_with_a_video_and_an_image(tmp_path, arch):
     path = write_tiny_multimodal(tmp_path / "q", arch, seed=6, vision_weights=True, num_hidden_layers=2)
@@ -50,11 +59,7 @@ def test_chat_with_a_video_and_an_image(tmp_path, arch):
     spec = image_spec_for(path, tok)
     assert spec.video_text == "<|vision_start|><|video_pad|><|vision_end|>"
     frames = [_frame(28, 420, s) for s in range(3)]           # wide frames: see test_qwen_vl_video
-    png, picture = _frame(60, 40, 9, "PNG")
-    messages = [{"role": "user", "content": [
-        _video_part(_video_url([f for f, _ in frames])), {"type": "text", "text": "and"},
-        {"type": "image_url", "image_url": {"url": "data:image/png;base64," + base64.b64encode(png).decode()}},
-        {"type": "text", "text": "what happens?"}]}]
+    messages, picture = _video_then_picture(frames)
     cfg = EngineConfig(kv_cache_tokens=2048, policy="fcfs", packer="token", chunk_size=16)
     facts, enc = image_facts(path), image_encoder_for(path)
     with serve_engine(cfg, model, tok, image_encoder=enc, images=spec) as (url, aeng):
@@ -129,11 +134,7 @@ def test_llava_onevision_chat_with_a_video_and_an_image(tmp_path):
     spec = image_spec_for(path, tok)
     assert spec.video_text == "<video>"
     frames = [_frame(40, 50, s) for s in range(4)]
-    png, picture = _frame(60, 40, 9, "PNG")
-    messages = [{"role": "user", "content": [
-        _video_part(_video_url([f for f, _ in frames])), {"type": "text", "text": "and"},
-        {"type": "image_url", "image_url": {"url": "data:image/png;base64," + base64.b64encode(png).decode()}},
-        {"type": "text", "text": "what happens?"}]}]
+    messages, picture = _video_then_picture(frames)
     cfg = EngineConfig(kv_cache_tokens=2048, policy="fcfs", packer="token", chunk_size=16)
     facts, enc = image_facts(path), image_encoder_for(path)
     with serve_engine(cfg, model, tok, image_encoder=enc, images=spec) as (url, aeng):
