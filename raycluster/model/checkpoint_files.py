@@ -112,6 +112,11 @@ def read_prefixed(path: str, prefix: str) -> dict[str, torch.Tensor]:
     return out
 
 
+# The tensors a quantized linear layer is stored as (raycluster.model.quant.formats), in place of `weight`.
+_QUANTIZED_PARTS = frozenset({"weight_packed", "weight_shape", "weight_scale", "weight_zero_point", "weight_g_idx",
+                              "qweight", "qzeros", "scales", "g_idx", "weight_scale_inv"})
+
+
 def copy_into(params: dict[str, torch.Tensor], tensors: dict[str, torch.Tensor], where: str, dtype: torch.dtype,
               as_stored: tuple[str, ...] = ()) -> None:
     """Each of `tensors` into the parameter (or buffer) of its name, cast to `dtype` (those named
@@ -119,6 +124,9 @@ def copy_into(params: dict[str, torch.Tensor], tensors: dict[str, torch.Tensor],
     for a name `params` lacks or a shape that differs."""
     for name, tensor in tensors.items():
         p = params.get(name)
+        if p is None and name.rsplit(".", 1)[-1] in _QUANTIZED_PARTS:
+            raise CheckpointError(f"{where} is stored quantized ({name!r}); only its text model may be: a "
+                                  "quantized tower is not served")
         if p is None:
             raise CheckpointError(f"unexpected tensor {name!r} in {where}")
         if tuple(tensor.shape) != tuple(p.shape):

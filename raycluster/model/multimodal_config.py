@@ -72,8 +72,6 @@ def text_config_of(arch: str, d: dict[str, Any], error: Callable[[str], Exceptio
     text = {k: v for k, v in d.items() if k not in _WRAPPER_FIELDS} if flat else d.get("text_config")
     if not isinstance(text, dict):
         raise error(f"config field 'text_config' must be an object describing {arch}'s text model, got {text!r}")
-    if d.get("quantization_config") is not None:
-        raise error(f"config field 'quantization_config': quantized {arch} checkpoints are not supported")
     named = text.get("architectures")
     text_arch = _FIXED_TEXT.get(arch) or \
         (named[0] if isinstance(named, list) and named else _TEXT_ARCHITECTURES.get(text.get("model_type", "llama")))
@@ -84,6 +82,8 @@ def text_config_of(arch: str, d: dict[str, Any], error: Callable[[str], Exceptio
     out.update({k: d[k] for k in _INHERITED if d.get(k) is not None})
     out.update({k: v for k, v in text.items() if v is not None or k not in out})
     out["architectures"] = [text_arch]
+    if isinstance(d.get("quantization_config"), dict):      # the text model's weights are what is quantized
+        out["quantization_config"] = text_quant_config(d["quantization_config"])
     for key in ("rope_parameters", "rope_scaling"):
         rope = out.get(key)
         if isinstance(rope, dict) and "mrope_section" in rope:     # on text alone: plain RoPE
@@ -92,6 +92,32 @@ def text_config_of(arch: str, d: dict[str, Any], error: Callable[[str], Exceptio
             if out[key] is not None:
                 out[key]["rope_type"] = "default"
     return text_arch, out
+
+
+# Where released files and transformers 5 keep the text model, as the names its layers go by.
+_TEXT_MODULE_PREFIXES = (("language_model.model.", "model."), ("language_model.", ""), ("model.language_model.", "model."))
+_IGNORE_KEYS = ("ignore", "modules_to_not_convert", "ignored_layers")
+
+
+def text_quant_config(raw: dict[str, Any]) -> dict[str, Any]:
+    """An image-text checkpoint's `quantization_config` for its text model: module names its
+    ignore lists give under the wrapper's text prefix (`language_model.model.layers.0...`,
+    `model.language_model.layers.0...`) as the text model calls them (`model.layers.0...`);
+    patterns (`re:`) and other names as they are (the tower's entries then match nothing)."""
+    out = dict(raw)
+    for key in _IGNORE_KEYS:
+        if isinstance(raw.get(key), list):
+            out[key] = [n if not isinstance(n, str) or n.startswith("re:") else text_module_name(n) for n in raw[key]]
+    return out
+
+
+def text_module_name(name: str) -> str:
+    """A stored module name under the wrapper's text prefix as the text model calls it; other
+    names (the tower's, Qwen-VL's flat `model.layers...`) as they are."""
+    for prefix, into in _TEXT_MODULE_PREFIXES:
+        if name.startswith(prefix):
+            return into + name[len(prefix):]
+    return name
 
 
 def mrope_of(arch: str, d: dict[str, Any]) -> MRopeSpec | None:

@@ -85,10 +85,15 @@ def test_a_tp_rank_reads_its_shard_under_the_prefix(checkpoint):
                         shard_model(model, rank, 2, expert_parallel=True))
 
 
-def test_raycluster_quantize_refuses_it(checkpoint, tmp_path):
+def test_raycluster_quantize_writes_its_text_model_quantized(checkpoint, tmp_path):
+    """Every wrapper and layout: the text model's decoder layers come back quantized from
+    wherever the layout stores them (the tower, if any, stays as it was)."""
     from raycluster.model.quant.write import quantize_checkpoint
-    with pytest.raises(ValueError, match="ForConditionalGeneration checkpoint"):
-        quantize_checkpoint(checkpoint[0], str(tmp_path / "q"), "w4a16", 32)
+    quantize_checkpoint(checkpoint[0], str(tmp_path / "q"), "w8a16", 32)
+    model, cfg = load_model(str(tmp_path / "q"))
+    assert cfg.quant is not None and cfg.multimodal is not None
+    layer = model.model.layers[0]
+    assert type(layer.self_attn.q_proj).__name__ == "QuantLinear"
 
 
 def test_gemma3s_sparse_release_config_takes_transformers_defaults():
@@ -108,7 +113,7 @@ def test_gemma3s_sparse_release_config_takes_transformers_defaults():
 
 @pytest.mark.parametrize("over, field", [
     (dict(text_config=None), "text_config"),
-    (dict(quantization_config={"quant_method": "fp8"}), "quantization_config"),
+    (dict(quantization_config={"quant_method": "bitsandbytes"}), "quantization_config"),
     (dict(text_config={"model_type": "phi3_v"}), "text_config.model_type"),
     (dict(text_config={**tiny_config(), "num_key_value_heads": 3}), "text_config.num_key_value_heads"),
 ])

@@ -32,7 +32,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from raycluster.model.config import FP8_ONLY, UNQUANTIZABLE
-from raycluster.model.multimodal_config import MULTIMODAL_ARCHITECTURES
+from raycluster.model.multimodal_config import MULTIMODAL_ARCHITECTURES, text_module_name
 from raycluster.model.quant.config import QuantConfig, parse_quant_config
 from raycluster.model.quant.formats import AWQ_ORDER
 
@@ -55,8 +55,26 @@ def _int_weights(bits: int, group: int | None, symmetric: bool = True) -> dict:
 _TOKEN_ACTS = {"dynamic": True, "strategy": "token", "symmetric": True}
 
 
-def scheme_config(scheme: str, group_size: int = 128) -> dict:
-    """The config.json `quantization_config` a scheme writes."""
+def scheme_config(scheme: str, group_size: int = 128, multimodal: bool = False) -> dict:
+    """The config.json `quantization_config` a scheme writes; `multimodal`: it also names the
+    vision tower and projector (and the wrapper's output head) as left dense."""
+    raw = _scheme_config(scheme, group_size)
+    if multimodal:
+        key = {"compressed-tensors": "ignore", "fp8": "modules_to_not_convert",
+               "awq": "modules_to_not_convert"}.get(raw["quant_method"])
+        if key is not None:
+            dense = _VISION_IGNORE if key == "ignore" else ("visual", "vision_tower", "multi_modal_projector", "lm_head")
+            raw[key] = list(raw.get(key) or []) + list(dense)
+    return raw
+
+
+# compressed-tensors' ignore entries (regexes over transformers' module names) for what an
+# image-text checkpoint keeps dense: Qwen-VL's `visual`, LLaVA's / Gemma 3's `vision_tower` and
+# `multi_modal_projector`, the wrapper's `lm_head` (`language_model.lm_head` in some layouts).
+_VISION_IGNORE = ("re:.*visual.*", "re:.*vision_tower.*", "re:.*multi_modal_projector.*", "re:.*lm_head$")
+
+
+def _scheme_config(scheme: str, group_size: int) -> dict:
     if scheme == "w4a16":
         return _ct(_int_weights(4, group_size), "pack-quantized")
     if scheme == "w4a16-asym":
@@ -192,17 +210,20 @@ def quantize_checkpoint(src: str, dst: str, scheme: str, group_size: int = 128) 
     if config.get("quantization_config"):
         raise ValueError(f"{src!r} is already quantized ({config['quantization_config'].get('quant_method')})")
     arch = next(iter(config.get("architectures") or ()), None)
-    raw = scheme_config(scheme, group_size)
+    multimodal = arch in MULTIMODAL_ARCHITECTURES
+    raw = scheme_config(scheme, group_size, multimodal)
     qc = parse_quant_config(raw)
-    if (arch in UNQUANTIZABLE and not (arch in FP8_ONLY and not qc.integer)) or arch in MULTIMODAL_ARCHITECTURES:
+    if arch in UNQUANTIZABLE and not (arch in FP8_ONLY and not qc.integer):
         raise ValueError(f"{src!r} is a {arch} checkpoint: its quantized form is not served (Phi-3's fused "
-                         "projections, DeepSeek's latent attention beyond FP8, gpt-oss's stacked experts, "
-                         "image-text models)")
+                         "projections, DeepSeek's latent attention beyond FP8, gpt-oss's stacked experts)")
     tensors = _read_all(src)
     out = {}
     for name, t in tensors.items():
         prefix, _, param = name.rpartition(".")
-        if (param == "weight" and t.dim() == 2 and prefix.startswith("model.layers.") and qc.quantizes(prefix)):
+        # An image-text checkpoint's text layers only (their names as the text model's): the tower
+        # and projector stay dense, as released quantized image-text checkpoints keep them.
+        local = text_module_name(prefix) if multimodal else prefix
+        if param == "weight" and t.dim() == 2 and local.startswith("model.layers.") and qc.quantizes(local):
             try:
                 packed = quantize_weight(t, qc, t.dtype)
             except ValueError as e:
