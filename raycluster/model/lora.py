@@ -14,7 +14,9 @@ punica's SGMV): the set keeps every adapter's A rows and B columns side by side 
 per projection, and y[rows] += ((x[rows] A_all^T) * M) B_all^T, M masking each token to its own
 adapter's columns: a handful of tensor ops per projection however many adapters the step mixes. Projections a LoRA can target: q/k/v/o_proj and gate/up/down_proj (a dense layer's: not
 the experts of a mixture-of-experts layer); an adapter for anything else (embeddings, lm_head,
-experts), with DoRA, biases or fan_in_fan_out is refused.
+experts, an image-text model's vision tower), with DoRA, biases or fan_in_fan_out is refused.
+An image-text checkpoint's adapter names the text model's layers as its wrapper does
+(`model.language_model.layers...`, `language_model.model.layers...`, Qwen-VL's `model.layers...`).
 """
 
 from __future__ import annotations
@@ -36,8 +38,12 @@ TARGETS = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", 
 # on one is served as adapters on its pieces: the same A, B's rows for each (B A x, row by row).
 FUSED_TARGETS = {"qkv_proj": ("self_attn", ("q_proj", "k_proj", "v_proj")),
                  "gate_up_proj": ("mlp", ("gate_proj", "up_proj"))}
-_KEY = re.compile(r"^(?:base_model\.model\.)?model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+_proj)\.lora_([AB])"
-                  r"(?:\.default)?\.weight$")
+# The text model's layers under an image-text wrapper's names too: transformers 5's
+# `model.language_model.layers`, the released LLaVA / Gemma 3 files' `language_model.model.layers`.
+_KEY = re.compile(r"^(?:base_model\.model\.)?(?:model\.language_model\.|language_model\.model\.|model\.)layers\.(\d+)\."
+                  r"(self_attn|mlp)\.(\w+_proj)\.lora_([AB])(?:\.default)?\.weight$")
+# An image-text model's tower and projector: LoRA is served on the text model only.
+_VISION = re.compile(r"^(?:base_model\.model\.)?(?:model\.)?(?:visual|vision_tower|vision_model|multi_modal_projector)\.")
 
 
 class AdapterError(ValueError):
@@ -117,6 +123,10 @@ def load_adapter(path: str | os.PathLike, cfg: ModelConfig, name: str, dtype: to
     shapes, parts = _shapes(cfg), {}
     for key, tensor in load_file(file).items():
         m = _KEY.match(key)
+        if m is None and _VISION.match(key):
+            raise AdapterError(f"{name}: tensor {key!r} targets the vision tower or projector; LoRA is served on "
+                               "the text model's projections only (train the adapter with target_modules limited "
+                               "to the language model)")
         if m is None:
             raise AdapterError(f"{name}: tensor {key!r} is not a LoRA A/B of a q/k/v/o or gate/up/down projection")
         layer, group, module, ab = int(m[1]), m[2], m[3], m[4]

@@ -357,11 +357,13 @@ def write_tiny_model(path: str | os.PathLike, seed: int = 0, nulls: tuple[str, .
 
 def write_tiny_lora(path: str | os.PathLike, model_dir: str | os.PathLike, seed: int = 0, rank: int = 8,
                     alpha: float = 16.0, targets: tuple[str, ...] = ("q_proj", "v_proj", "o_proj", "down_proj"),
-                    std: float = 0.05, use_rslora: bool = False) -> str:
+                    std: float = 0.05, use_rslora: bool = False, layers_prefix: str = "model.layers") -> str:
     """A seeded LoRA adapter for the checkpoint in `model_dir`, in PEFT's format
     (adapter_config.json, adapter_model.safetensors with `base_model.model.` keys). Unlike PEFT's
     initialisation (B = 0), both A and B are random, so the adapter changes the output. The MLP
-    targets are left out of a mixture-of-experts layer."""
+    targets are left out of a mixture-of-experts layer. `layers_prefix`: where the decoder layers
+    are named (an image-text model's `model.language_model.layers`, whose adapter config then
+    targets the language model's projections only, by a regex, as PEFT users restrict it)."""
     from raycluster.model.loader import load_config
     from raycluster.model.lora import _shapes, target_group
 
@@ -374,14 +376,15 @@ def write_tiny_lora(path: str | os.PathLike, model_dir: str | os.PathLike, seed:
             if target_group(module) == "mlp" and cfg.is_moe_layer(layer):
                 continue        # a sparse layer's experts take no adapter
             out_dim, in_dim = shapes[module]        # a fused model's fused projections too (Phi-3)
-            key = f"base_model.model.model.layers.{layer}.{target_group(module)}.{module}"
+            key = f"base_model.model.{layers_prefix}.{layer}.{target_group(module)}.{module}"
             tensors[f"{key}.lora_A.weight"] = torch.randn(rank, in_dim, generator=gen) * std
             tensors[f"{key}.lora_B.weight"] = torch.randn(out_dim, rank, generator=gen) * std
     path = os.fspath(path)
     os.makedirs(path, exist_ok=True)
     save_file(tensors, os.path.join(path, "adapter_model.safetensors"))
     with open(os.path.join(path, "adapter_config.json"), "w") as f:
-        json.dump({"peft_type": "LORA", "r": rank, "lora_alpha": alpha, "target_modules": list(targets),
+        chosen = list(targets) if layers_prefix == "model.layers" else rf".*language_model.*\.({'|'.join(targets)})"
+        json.dump({"peft_type": "LORA", "r": rank, "lora_alpha": alpha, "target_modules": chosen,
                    "lora_dropout": 0.0, "bias": "none", "fan_in_fan_out": False, "use_rslora": use_rslora,
                    "use_dora": False, "task_type": "CAUSAL_LM", "base_model_name_or_path": os.fspath(model_dir)},
                   f, indent=2, sort_keys=True)
