@@ -105,7 +105,7 @@ def bidirectional_spans(sp: SamplingParams, encoder, runner, max_chunk: int) -> 
         return ()
     if not runner.runs_bidirectional_spans:
         raise InvalidRequestError("messages", f"this model's images attend both ways inside an image, which a "
-                                  f"{runner.layout} group does not run (serve it on one process or a tp group)")
+                                  f"{runner.layout} group does not run (serve it on one process, or a tp or spp group)")
     for k, image in enumerate(sp.images):
         if image.length > max_chunk:
             raise InvalidRequestError("messages", f"image {k} holds {image.length} tokens, more than a step's "

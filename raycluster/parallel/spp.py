@@ -92,8 +92,9 @@ def stage_layers(num_layers: int, spp: int) -> list[tuple[int, int]]:
 def split_plan(plan: StepPlan, micro_tokens: int) -> list[StepPlan]:
     """Micro-batches of `plan`: each prefill chunk cut into sub-chunks of <= micro_tokens tokens
     (one sub-chunk per micro-batch, in token order), then all decodes as one last micro-batch.
-    Concatenating the micro-batches' tokens gives plan.input_ids, and their sampled rows (local
-    row numbers) give plan.sample_rows in order."""
+    A cut never falls inside a bidirectional span (Gemma 3's images, whose rows attend each other
+    both ways): that sub-chunk runs on to the span's end. Concatenating the micro-batches' tokens
+    gives plan.input_ids, and their sampled rows (local row numbers) give plan.sample_rows in order."""
     if micro_tokens < 1:
         raise ValueError(f"micro_tokens must be >= 1, got {micro_tokens}")
     if any(b <= a for a, b in zip(plan.sample_rows, plan.sample_rows[1:])):
@@ -103,16 +104,21 @@ def split_plan(plan: StepPlan, micro_tokens: int) -> list[StepPlan]:
     out: list[StepPlan] = []
     off = 0         # row of the current prefill chunk's first token in the plan
     for start, n, table in zip(plan.prefill_starts, plan.prefill_lens, plan.prefill_tables):
-        for s in range(0, n, micro_tokens):
-            m = min(micro_tokens, n - s)
-            a = off + s
+        spans = [(lo - off, hi - off) for lo, hi in plan.bidirectional_rows if off <= lo < off + n]
+        s = 0
+        while s < n:
+            e = min(s + micro_tokens, n)
+            e = next((hi for lo, hi in spans if lo < e < hi), e)
+            m, a = e - s, off + s
             # step_plan samples only a chunk's last row; any row is kept (the profiler samples
             # trailing rows) so the group returns exactly len(plan.sample_rows) rows.
             rows = [r - a for r in plan.sample_rows if a <= r < a + m]
             out.append(StepPlan(ids[a:a + m], [start + s], [m], [table], [], [], rows,
                                 runs_within(plan.lora_runs, a, a + m),
                                 image_rows=rows_within(plan.image_rows, a, a + m),
-                                rope_rows=rows_within(plan.rope_rows, a, a + m)))
+                                rope_rows=rows_within(plan.rope_rows, a, a + m),
+                                bidirectional_rows=[(lo - s, hi - s) for lo, hi in spans if s <= lo < e]))
+            s = e
         off += n
     if plan.decode_positions:
         rows = [r - off for r in plan.sample_rows if r >= off]
@@ -356,13 +362,14 @@ class SPPRunner:
 
     image_encoder = None    # as ModelRunner's: on the leader; the plan carries its output to the first stage
     image_cache = None
-    runs_bidirectional_spans = False    # micro-batches would split an image
 
     def __init__(self, model: LlamaForCausalLM | Checkpoint, kv: KVCacheManager, coll: Collective | None, spp: int,
                  dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
                  micro_tokens: int = 512, ranks=None, tp: int = 1, kvp: int = 1, expert_parallel: bool = False) -> None:
         """`ranks`: the handle of ranks 1..spp*kvp*tp-1 (`join(timeout)`), stopped by `close`."""
         self.kv, self.coll, self.spp, self.tp, self.kvp, self.ranks = kv, coll, spp, tp, kvp, ranks
+        # Micro-batches keep each bidirectional span whole (split_plan); KVP attention does not mask by one.
+        self.runs_bidirectional_spans = kvp == 1
         self.world = spp * kvp * tp
         self.dtype = dtype
         self.device = torch.device(device)

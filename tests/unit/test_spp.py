@@ -110,6 +110,17 @@ def test_split_plan_exact():
         split_plan(plan2, 0)
 
 
+def test_split_plan_keeps_bidirectional_spans_whole():
+    """Spans (Gemma 3's images) at rows [2, 7) of the first chunk and [11, 13) (the second chunk's
+    rows 1-3): a cut that would fall inside one moves to its end."""
+    ids = list(range(100, 116))
+    plan = StepPlan(ids, [0, 30], [10, 6], [[1], [2]], [], [], [9, 15], bidirectional_rows=[(2, 7), (11, 13)])
+    mbs = split_plan(plan, 4)
+    assert [(m.prefill_starts, m.prefill_lens, m.bidirectional_rows) for m in mbs] == [
+        ([0], [7], [(2, 7)]), ([7], [3], []), ([30], [4], [(1, 3)]), ([34], [2], [])]
+    assert [t for m in mbs for t in m.input_ids] == ids and [m.sample_rows for m in mbs] == [[], [2], [], [1]]
+
+
 def test_split_plan_metadata_matches_plan():
     """Each micro-batch's positions/slots are the plan's, sliced in order."""
     plan = _plans()[2]
