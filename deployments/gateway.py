@@ -71,7 +71,7 @@ def build_gateway_app():
                     allow_runtime_lora=cfg.allow_runtime_lora_updating, lora_resolver_dir=cfg.lora_resolver_dir,
                     lora_resolver_max_loaded=cfg.lora_resolver_max_loaded, model_config=mcfg, images=images,
                     max_images=image_limit(cfg.limit_mm_per_prompt),
-                    max_videos=image_limit(cfg.limit_mm_per_prompt, "video"),
+                    max_videos=image_limit(cfg.limit_mm_per_prompt, "video"), mm_embeds=cfg.enable_mm_embeds,
                     allowed_local_media_path=cfg.allowed_local_media_path,
                     response_store=RemoteResponses(
                         put=lambda rid, record: router.put_response.remote(rid, record),

@@ -66,6 +66,8 @@ def detach_command(args: argparse.Namespace) -> list[str]:
             cmd += ["--" + flag.replace("_", "-"), str(getattr(args, flag))]
     if getattr(args, "served_model_name", None):
         cmd += ["--served-model-name", *args.served_model_name]
+    if getattr(args, "enable_mm_embeds", False):
+        cmd.append("--enable-mm-embeds")
     if getattr(args, "limit_mm_per_prompt", None) is not None:
         cmd += ["--limit-mm-per-prompt", json.dumps(args.limit_mm_per_prompt)]
     for name, value in engine_overrides(args).items():
@@ -334,6 +336,9 @@ def build_parser() -> argparse.ArgumentParser:
     es.add_argument("--limit-mm-per-prompt", type=json.loads, default=None, metavar="JSON",
                     help='the most images and videos a request may carry, as vLLM\'s: \'{"image": 4, "video": 1}\' '
                          '(defaults 16 and 2)')
+    es.add_argument("--enable-mm-embeds", action="store_true",
+                    help="chat messages may give images as precomputed embeddings (image_embeds parts, vLLM's; "
+                         "only for trusted clients)")
     es.add_argument("--allowed-local-media-path", default=None, metavar="DIR",
                     help="file: image URLs may read files under DIR (vLLM's; default: refused)")
     es.add_argument("--enable-log-requests", action="store_true",

@@ -56,7 +56,7 @@ def serve_engine(args: argparse.Namespace) -> int:
                         response_store=LocalResponses(ResponseStore(args.max_stored_responses)),
                         images=image_spec_for(resolve_model_path(cfg.model, cfg.hf_overrides), engine.tokenizer)
                         if engine.image_encoder else None, max_images=image_limit(args.limit_mm_per_prompt),
-                        max_videos=image_limit(args.limit_mm_per_prompt, "video"),
+                        max_videos=image_limit(args.limit_mm_per_prompt, "video"), mm_embeds=args.enable_mm_embeds,
                         allowed_local_media_path=args.allowed_local_media_path)
     except ValueError as e:             # a setting that does not hold together, named in the message
         async_engine.shutdown()

@@ -40,6 +40,9 @@ class ImageInput:
     pixel_values: Any
     digest: bytes               # hash of pixels and size: prefix-cache keys of blocks it starts in include it
     size: tuple[int, int] = (0, 0)     # the image's (height, width) before processing (LLaVA-NeXT's tiling)
+    # `pixel_values` are the image's embeddings [length, width] as the encoder would give them
+    # (a client's image_embeds part, vLLM's --enable-mm-embeds): no encoder runs for it.
+    embeds: bool = False
 
 
 @dataclass

@@ -200,6 +200,9 @@ class ClusterConfig(BaseModel):
     limit_mm_per_prompt: dict[str, int] | None = Field(
         None, description="vLLM's --limit-mm-per-prompt: the most images and videos a request may carry, "
         "{image: N, video: M} (defaults 16 and 2; 0 refuses them)")
+    enable_mm_embeds: bool = Field(
+        False, description="vLLM's --enable-mm-embeds: chat messages may give images as precomputed embeddings "
+        "(image_embeds parts; only for trusted clients)")
     allowed_local_media_path: str | None = Field(
         None, description="vLLM's --allowed-local-media-path: file: image URLs may read files under this directory "
         "(on every gateway's node; default: refused)")

@@ -35,6 +35,10 @@ def check_images(ids: list[int], sp: SamplingParams, encoder) -> None:
     for k, image in enumerate(sp.images):
         if not isinstance(image.pixel_values, torch.Tensor):
             raise InvalidRequestError("messages", f"image {k}'s pixels are not a tensor")
+        if image.embeds:
+            _check_embeds(k, image, encoder, ids)
+            end = image.offset + image.length
+            continue
         if len(image.size) == 3 and not getattr(encoder, "takes_video", False):
             raise InvalidRequestError("messages", "this model takes no videos (video_url parts need Qwen2-VL, "
                                       "Qwen2.5-VL or LLaVA-OneVision)")
@@ -52,8 +56,32 @@ def check_images(ids: list[int], sp: SamplingParams, encoder) -> None:
         end = image.offset + image.length
     marks = {"image": encoder.image_token_id, "video": getattr(encoder, "video_token_id", None)}
     for kind, token in marks.items():
-        if token is not None and ids.count(token) != sum(span_ids(encoder, im.size).count(token) for im in sp.images):
+        if token is not None and ids.count(token) != sum(placeholders(encoder, im).count(token) for im in sp.images):
             raise InvalidRequestError("messages", f"the prompt holds {kind} tokens that no {kind} fills")
+
+
+def _check_embeds(k: int, image: ImageInput, encoder, ids: list[int]) -> None:
+    """InvalidRequestError unless image `k`'s given embeddings can stand for an encoder output here."""
+    if not getattr(encoder, "takes_embeds", False):
+        raise InvalidRequestError("messages", "image embeddings are served on LLaVA, LLaVA-NeXT, LLaVA-OneVision and "
+                                  "Gemma 3 here (this model lays an image out by its size, or adds more than the "
+                                  "embeddings)")
+    # A fixed count (LLaVA-1.5's, Gemma 3's) is the count; tiled layouts' counts vary by image.
+    rows = getattr(encoder, "tokens_per_image", None) or image.length
+    want = (rows, encoder.text_hidden_size)
+    if tuple(image.pixel_values.shape) != want or image.length != rows or not image.pixel_values.is_floating_point():
+        raise InvalidRequestError("messages", f"image {k}'s embeddings are {tuple(image.pixel_values.shape)}; "
+                                  f"this model's are [{rows if rows != image.length else 'tokens'}, "
+                                  f"{encoder.text_hidden_size}] floats")
+    if image.offset < 0 or image.offset + image.length > len(ids) or \
+            ids[image.offset:image.offset + image.length] != placeholders(encoder, image):
+        raise InvalidRequestError("messages", f"image {k}'s positions do not hold its placeholder tokens")
+
+
+def placeholders(encoder, image: ImageInput) -> list[int]:
+    """The prompt tokens an image takes: its span (`span_ids`), or for given embeddings the image
+    token once per row."""
+    return [encoder.image_token_id] * image.length if image.embeds else span_ids(encoder, image.size)
 
 
 def check_request_images(ids: list[int], sp: SamplingParams, encoder, encoder_budget: int | None) -> None:
@@ -78,7 +106,7 @@ def request_image_fields(sp: SamplingParams, encoder, runner, mrope: bool, max_c
 def check_encoder_budget(sp: SamplingParams, budget: int) -> None:
     """InvalidRequestError for an image longer than a step may encode (it would never be scheduled)."""
     for k, image in enumerate(sp.images):
-        if image.length > budget:
+        if image.length > budget and not image.embeds:
             raise InvalidRequestError("messages", f"image {k} holds {image.length} tokens, more than a step may encode "
                                       f"({budget}: max_num_encoder_tokens)")
 
@@ -162,6 +190,10 @@ def encode_images(encoder, prefills: list[tuple[Request, int]], cache: EncoderCa
     todo: list[tuple[Request, int, ImageInput]] = [
         (req, k, image) for req, n in prefills if req.sampling.images
         for k, image in _overlapping(req, req.num_computed_tokens, n) if k not in req.image_embeds]
+    for req, k, image in todo:          # given embeddings stand for the encoder's output
+        if image.embeds:
+            req.image_embeds[k] = image.pixel_values.to(encoder.device, encoder.dtype)
+    todo = [(req, k, image) for req, k, image in todo if k not in req.image_embeds]
     if cache is not None:
         for req, k, image in todo:
             e = cache.get(image.digest)

@@ -39,7 +39,7 @@ def within_encoder_budget(prefills: list[tuple[Request, int]], budget: int, poli
         for k, image in enumerate(req.sampling.images):
             if k in req.image_embeds or image.offset + image.length <= start or image.offset >= end:
                 continue
-            if image.digest in cached:
+            if image.embeds or image.digest in cached:      # nothing to encode
                 continue
             if image.length > budget:
                 end = max(start, image.offset)

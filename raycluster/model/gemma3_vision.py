@@ -89,6 +89,7 @@ class Gemma3ImageEncoder(nn.Module):
     # Gemma 3's text model attends an image's tokens to each other both ways (transformers'
     # token_type_ids mask): the engine computes each image in one step (Request.bidirectional_spans).
     bidirectional = True
+    takes_embeds = True         # a client's embeddings [256, text hidden] may stand for an image's output
 
     ARCHITECTURE = ARCHITECTURE
 

@@ -90,6 +90,7 @@ class LlavaOnevisionImageEncoder(nn.Module):
 
     ARCHITECTURE = ARCHITECTURE
     bidirectional = False       # the text model attends an image's tokens causally
+    takes_embeds = True         # a client's embeddings [tokens, text hidden] may stand for an image's output
     takes_video = True
 
     def __init__(self, config: dict, text_hidden: int):

@@ -79,6 +79,7 @@ class ClipProjectorEncoder(nn.Module):
 
     # A subclass's parameters outside the tower and projector: name -> the stored names to try.
     EXTRA_TENSORS: dict[str, tuple[str, ...]] = {}
+    takes_embeds = True         # a client's embeddings [tokens, text hidden] may stand for an image's output
     bidirectional = False       # the text model attends an image's tokens causally
 
     def __init__(self, config: dict, text_hidden: int):

@@ -97,7 +97,7 @@ def build_app(engine, tokenizer, model_names: str | Sequence[str], api_keys: Seq
               lora_resolver_max_loaded: int | None = None, model_config: ModelConfig | None = None,
               response_store=None, images: ImageSpec | None = None,
               max_images: int = MAX_IMAGES_PER_PROMPT, allowed_local_media_path: str | None = None,
-              max_videos: int = MAX_VIDEOS_PER_PROMPT) -> FastAPI:
+              max_videos: int = MAX_VIDEOS_PER_PROMPT, mm_embeds: bool = False) -> FastAPI:
     """`model_names`: the names a request's `model` may give (vLLM's --served-model-name); a
     response names the one its request gave, else the first. `sampling_defaults`: the model's
     default sampling parameters (its generation_config.json: raycluster.model.generation_config)
@@ -124,7 +124,9 @@ def build_app(engine, tokenizer, model_names: str | Sequence[str], api_keys: Seq
     (raycluster.server.response_store; None: nothing is stored). `images`: how the model takes
     images (raycluster.server.images; None: chat requests with image parts are refused);
     `max_images` / `max_videos`: the most a request may carry (vLLM's limit_mm_per_prompt);
-    `allowed_local_media_path` (vLLM's): a directory file: image URLs may read (None: refused)."""
+    `allowed_local_media_path` (vLLM's): a directory file: image URLs may read (None: refused).
+    `mm_embeds` (vLLM's --enable-mm-embeds): chat messages may give images as precomputed
+    embeddings (image_embeds parts; for trusted clients)."""
     names = [model_names] if isinstance(model_names, str) else list(model_names)
     lora_names = getattr(engine, "lora_adapters", dict)      # a backend without adapters may omit it
 
@@ -417,7 +419,7 @@ def build_app(engine, tokenizer, model_names: str | Sequence[str], api_keys: Seq
     async def _chat_prompt(body) -> tuple[list[int], list]:
         """The chat request's prompt ids, its image tokens expanded, and its images on them."""
         loaded = await load_images(body.messages, images, max_images, local_root=allowed_local_media_path,
-                                   video_limit=max_videos)
+                                   video_limit=max_videos, embeds=mm_embeds)
         ids = _chat_ids(body, with_images=True, loaded=loaded)
         return place_images(ids, loaded, images) if loaded else (ids, [])
 
@@ -427,8 +429,8 @@ def build_app(engine, tokenizer, model_names: str | Sequence[str], api_keys: Seq
         marker, expanded in the text for the `loaded` images before tokenizing. A template that
         refuses the messages (e.g. roles that do not alternate) is the client's error."""
         if not with_images and any(m.media() for m in body.messages):
-            raise InvalidRequestError("messages", "image_url and video_url parts are taken by /v1/chat/completions "
-                                      "and /tokenize only")
+            raise InvalidRequestError("messages", "image_url, video_url and image_embeds parts are taken by "
+                                      "/v1/chat/completions and /tokenize only")
         parts = takes_parts(tokenizer.chat_template)
         image_text, video_text = (images.token_text, images.video_text) if images is not None else (None, None)
         try:

@@ -38,6 +38,7 @@ from raycluster.engine.outputs import InvalidRequestError
 from raycluster.model.image_processor import decode_image
 from raycluster.model.llava import ImageFacts, image_facts
 from raycluster.request import ImageInput
+from raycluster.server.embeds import decode_embeds
 from raycluster.server.videos import MAX_VIDEOS_PER_PROMPT, video_frames
 
 MAX_IMAGES_PER_PROMPT = 16           # default of vLLM's --limit-mm-per-prompt {"image": N} here
@@ -125,35 +126,42 @@ def template_content(message, parts: bool, image_text: str | None, video_text: s
     if parts:
         if isinstance(message.content, str) or message.content is None:
             return [{"type": "text", "text": message.text()}]
-        kinds = {"image_url": "image", "video_url": "video"}
+        kinds = {"image_url": "image", "video_url": "video", "image_embeds": "image"}
         return [{"type": "text", "text": p.text} if p.type == "text" else {"type": kinds[p.type]}
                 for p in message.content]
     media = message.media()
     if not media:
         return message.text()
-    return "\n".join([image_text if kind == "image" else video_text for kind, _ in media] + [message.text()])
+    return "\n".join([video_text if kind == "video" else image_text for kind, _ in media] + [message.text()])
 
 
 async def load_images(messages, spec: ImageSpec | None, limit: int = MAX_IMAGES_PER_PROMPT,
                       client: httpx.AsyncClient | None = None, local_root: str | None = None,
-                      video_limit: int = MAX_VIDEOS_PER_PROMPT) -> list[tuple[torch.Tensor, tuple, int]]:
+                      video_limit: int = MAX_VIDEOS_PER_PROMPT, embeds: bool = False
+                      ) -> list[tuple[torch.Tensor, tuple | None, int]]:
     """(pixels, size, placeholder tokens) of the messages' image and video parts, in order (an
     image's size (height, width), a video's (frames, height, width)); InvalidRequestError for what
     the client got wrong (no images or videos on this model, more than `limit` images or
     `video_limit` videos, a URL, image or video that does not load). `local_root` (vLLM's
-    --allowed-local-media-path): file:// image URLs under that directory are read too (None: refused)."""
-    media = [(kind, u.url) for m in messages for kind, u in m.media()]
+    --allowed-local-media-path): file:// image URLs under that directory are read too (None: refused).
+    `embeds` (vLLM's --enable-mm-embeds): image_embeds parts are taken (raycluster.server.embeds),
+    each (embeddings, None, their token count) and counted as an image."""
+    media = [(kind, u if kind == "image_embeds" else u.url) for m in messages for kind, u in m.media()]
     if not media:
         return []
     if spec is None:
         raise InvalidRequestError("messages", "this model takes no images (image_url parts need an image-text "
                                   "checkpoint whose vision tower is served)")
+    if not embeds and any(kind == "image_embeds" for kind, _ in media):
+        raise InvalidRequestError("messages", "image_embeds parts are not taken by this server (vLLM's "
+                                  "--enable-mm-embeds; only for trusted clients)")
     urls = [url for kind, url in media if kind == "image"]
     videos = [url for kind, url in media if kind == "video"]
     if videos and spec.video_token_id is None:
         raise InvalidRequestError("messages", "this model takes no videos (video_url parts need Qwen2-VL, Qwen2.5-VL "
                                   "or LLaVA-OneVision)")
-    for n, most, what in ((len(urls), limit, "images"), (len(videos), video_limit, "videos")):
+    images = len(media) - len(videos)
+    for n, most, what in ((images, limit, "images"), (len(videos), video_limit, "videos")):
         if n > most:
             raise InvalidRequestError("messages", f"{n} {what}; this server takes at most {most} per request "
                                       "(limit_mm_per_prompt)")
@@ -162,15 +170,19 @@ async def load_images(messages, spec: ImageSpec | None, limit: int = MAX_IMAGES_
                                                  for kind, url in media], spec.facts)
 
 
-def _preprocess(items: list[tuple[str, bytes | str]], facts: ImageFacts) -> list[tuple[torch.Tensor, tuple, int]]:
-    """Each image's bytes or video's URL, processed, in order."""
-    out, counts = [], {"image": 0, "video": 0}
+def _preprocess(items: list[tuple[str, bytes | str]], facts: ImageFacts) -> list[tuple[torch.Tensor, tuple | None, int]]:
+    """Each image's bytes, video's URL or embeddings' payload, processed, in order."""
+    out, counts = [], {"image": 0, "video": 0, "image_embeds": 0}
     for kind, data in items:
         k = counts[kind]
         counts[kind] += 1
         try:
-            out.append(facts.prepare(decode_image(data)) if kind == "image" else
-                       facts.prepare_video(video_frames(data)))
+            if kind == "image_embeds":
+                e = decode_embeds(data)
+                out.append((e, None, e.shape[0]))
+            else:
+                out.append(facts.prepare(decode_image(data)) if kind == "image" else
+                           facts.prepare_video(video_frames(data)))
         except ValueError as e:
             raise InvalidRequestError("messages", f"{kind} {k}: {e}") from None
     return out
@@ -247,11 +259,11 @@ def place_images(ids: list[int], loaded: list[tuple[torch.Tensor, tuple[int, int
     marks = {spec.token_id, spec.video_token_id}
     at = [i for i, t in enumerate(ids) if t in marks]
     kinds = [ids[i] == spec.token_id for i in at]
-    if kinds != [len(size) == 2 for _, size, _ in loaded]:
+    videos = [size is not None and len(size) == 3 for _, size, _ in loaded]
+    if kinds != [not v for v in videos]:
         raise InvalidRequestError("messages", f"the prompt holds {sum(kinds)} image tokens ({spec.token_text!r}) and "
                                   f"{len(kinds) - sum(kinds)} video tokens, in another order than its "
-                                  f"{sum(len(s) == 2 for _, s, _ in loaded)} images and "
-                                  f"{sum(len(s) == 3 for _, s, _ in loaded)} videos")
+                                  f"{len(videos) - sum(videos)} images and {sum(videos)} videos")
     if not loaded:
         return ids, []
     out: list[int] = []
@@ -259,8 +271,8 @@ def place_images(ids: list[int], loaded: list[tuple[torch.Tensor, tuple[int, int
     last = 0
     for pos, (px, size, n) in zip(at, loaded):
         out.extend(ids[last:pos])
-        images.append(ImageInput(offset=len(out), length=n, pixel_values=px, digest=image_digest(px, size), size=size))
-        out.extend(spec.facts.span_ids(size))
+        images.append(_input(len(out), n, px, size))
+        out.extend([spec.token_id] * n if size is None else spec.facts.span_ids(size))
         last = pos + 1
     out.extend(ids[last:])
     return out, images
@@ -278,8 +290,14 @@ def _place_on_runs(ids: list[int], loaded, spec: ImageSpec) -> tuple[list[int], 
     if [b - a for a, b in runs] != [n for _, _, n in loaded]:
         raise InvalidRequestError("messages", f"the prompt holds runs of {[b - a for a, b in runs]} image tokens "
                                   f"({spec.placeholder_text!r}) for images of {[n for _, _, n in loaded]}")
-    return ids, [ImageInput(offset=a, length=n, pixel_values=px, digest=image_digest(px, size), size=size)
-                 for (a, _), (px, size, n) in zip(runs, loaded)]
+    return ids, [_input(a, n, px, size) for (a, _), (px, size, n) in zip(runs, loaded)]
+
+
+def _input(offset: int, n: int, px: torch.Tensor, size: tuple | None) -> ImageInput:
+    """The `ImageInput` of a loaded image, video or (size None) image embeddings."""
+    if size is None:
+        return ImageInput(offset=offset, length=n, pixel_values=px, digest=image_digest(px, (0, 0)), embeds=True)
+    return ImageInput(offset=offset, length=n, pixel_values=px, digest=image_digest(px, size), size=size)
 
 
 def image_digest(pixels: torch.Tensor, size: tuple[int, int]) -> bytes:

@@ -275,10 +275,20 @@ class VideoPart(BaseModel):
     video_url: ImageURL
 
 
+class ImageEmbedsPart(BaseModel):
+    """vLLM's precomputed image embeddings: base64 of a torch.save'd float tensor [tokens, hidden]
+    (raycluster.server.embeds; served with --enable-mm-embeds)."""
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["image_embeds"]
+    image_embeds: str | dict = Field(..., description="base64 of torch.save(tensor)")
+    uuid: str | None = None
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
     role: Literal["system", "user", "assistant", "tool", "developer"]
-    content: str | list[Annotated[TextPart | ImagePart | VideoPart, Field(discriminator="type")]] | None = None
+    content: str | list[Annotated[TextPart | ImagePart | VideoPart | ImageEmbedsPart,
+                                  Field(discriminator="type")]] | None = None
     tool_calls: list[ToolCall] | None = None       # an assistant's earlier calls
     tool_call_id: str | None = None                # a tool message: the call it answers
     name: str | None = None
@@ -295,16 +305,18 @@ class ChatMessage(BaseModel):
     @classmethod
     def _known_parts(cls, v):
         if isinstance(v, list):
-            kinds = {p.get("type") for p in v if isinstance(p, dict)} - {"text", "image_url", "video_url"}
+            kinds = {p.get("type") for p in v if isinstance(p, dict)} - {"text", "image_url", "video_url",
+                                                                          "image_embeds"}
             if kinds:
-                raise ValueError(f"only text, image_url and video_url content parts are supported, got "
-                                 f"{sorted(map(str, kinds))}")
+                raise ValueError(f"only text, image_url, video_url and image_embeds content parts are supported, "
+                                 f"got {sorted(map(str, kinds))}")
         return v
 
     @model_validator(mode="after")
     def _images_from_users(self) -> "ChatMessage":
         if self.media() and self.role != "user":
-            raise ValueError(f"image_url and video_url parts belong in user messages, not {self.role!r} ones")
+            raise ValueError(f"image_url, video_url and image_embeds parts belong in user messages, not "
+                             f"{self.role!r} ones")
         return self
 
     def text(self) -> str:
@@ -317,12 +329,14 @@ class ChatMessage(BaseModel):
     def images(self) -> list[ImageURL]:
         return [url for kind, url in self.media() if kind == "image"]
 
-    def media(self) -> list[tuple[str, ImageURL]]:
-        """The message's images and videos in order: ("image" | "video", URL) each."""
+    def media(self) -> list[tuple[str, ImageURL | str | dict]]:
+        """The message's images, videos and image embeddings in order: ("image" | "video", URL),
+        ("image_embeds", the part's payload) each."""
         if isinstance(self.content, (str, type(None))):
             return []
-        return [("image", p.image_url) if isinstance(p, ImagePart) else ("video", p.video_url)
-                for p in self.content if isinstance(p, (ImagePart, VideoPart))]
+        kinds = {ImagePart: ("image", "image_url"), VideoPart: ("video", "video_url"),
+                 ImageEmbedsPart: ("image_embeds", "image_embeds")}
+        return [(kinds[type(p)][0], getattr(p, kinds[type(p)][1])) for p in self.content if type(p) in kinds]
 
 
 class ChatCompletionRequest(_GenerationFields):

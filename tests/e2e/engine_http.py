@@ -30,11 +30,12 @@ def serve_engine(config: EngineConfig, model, tok, log_level: str = "warning", a
                  log_requests: bool = False, reasoning_parser: str | None = None,
                  allow_runtime_lora: bool | None = None, lora_resolver_dir: str | None = None,
                  lora_resolver_max_loaded: int | None = None, response_store=None, image_encoder=None,
-                 images=None, max_images: int = 16, allowed_local_media_path: str | None = None):
+                 images=None, max_images: int = 16, allowed_local_media_path: str | None = None,
+                 mm_embeds: bool = False):
     """Yields (base URL, the AsyncEngine) while the server runs (`api_keys`, `tool_call_parser`,
     `names`, `sampling_defaults`, `log_requests`, `reasoning_parser`, `allow_runtime_lora`,
     `lora_resolver_dir`, `lora_resolver_max_loaded`, `response_store`, `images`, `max_images`,
-    `allowed_local_media_path`: build_app's;
+    `allowed_local_media_path`, `mm_embeds`: build_app's;
     `image_encoder`: the engine's)."""
     engine = LLMEngine(config, model, tok, image_encoder=image_encoder)
     aeng = AsyncEngine(engine)
@@ -44,7 +45,7 @@ def serve_engine(config: EngineConfig, model, tok, log_level: str = "warning", a
                     reasoning_parser=reasoning_parser, allow_runtime_lora=allow_runtime_lora,
                     lora_resolver_dir=lora_resolver_dir, lora_resolver_max_loaded=lora_resolver_max_loaded,
                     model_config=model.config, response_store=response_store, images=images, max_images=max_images,
-                    allowed_local_media_path=allowed_local_media_path)
+                    allowed_local_media_path=allowed_local_media_path, mm_embeds=mm_embeds)
     srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level=log_level))
     th = threading.Thread(target=srv.run, daemon=True)
     th.start()

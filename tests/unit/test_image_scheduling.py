@@ -122,3 +122,13 @@ def test_an_image_the_encoder_cache_holds_costs_no_budget():
     out = s.schedule()
     # "new" (12) fits the budget, "held" is free, "other" (12 more than the 8 left) is not.
     assert [(r.request_id, n) for r, n in out.prefills] == [("a", 40)]
+
+
+def test_given_embeddings_cost_no_encoder_budget():
+    s = _sched(chunk=96, budget=96, encoder=20)
+    s.add_request(Request("a", [1] * 60, SamplingParams(max_tokens=2, ignore_eos=True, images=[
+        ImageInput(4, 12, None, b"new"), ImageInput(20, 30, None, b"given", embeds=True),
+        ImageInput(50, 9, None, b"other")])))
+    # 12 of the 20 go to the first image; the given embeddings (30 rows) cost none; the last
+    # image (9 more than the 8 left) does not fit: the chunk stops before it.
+    assert [(r.request_id, n) for r, n in s.schedule().prefills] == [("a", 50)]
