@@ -63,7 +63,8 @@ class ImageSpec:
     facts: ImageFacts
     wrap: tuple[str, str] | None = None
     placeholder_text: str | None = None
-    # Videos (Qwen2-VL, Qwen2.5-VL): their token, and its text between the vision start / end tokens.
+    # Videos (Qwen2-VL, Qwen2.5-VL, LLaVA-OneVision): their token, and its text (Qwen-VL: between
+    # the vision start / end tokens).
     video_token_id: int | None = None
     video_text: str | None = None
 
