@@ -63,11 +63,22 @@ def check_images(ids: list[int], sp: SamplingParams, encoder) -> None:
 def _check_embeds(k: int, image: ImageInput, encoder, ids: list[int]) -> None:
     """InvalidRequestError unless image `k`'s given embeddings can stand for an encoder output here."""
     if not getattr(encoder, "takes_embeds", False):
-        raise InvalidRequestError("messages", "image embeddings are served on LLaVA, LLaVA-NeXT, LLaVA-OneVision and "
-                                  "Gemma 3 here (this model lays an image out by its size, or adds more than the "
-                                  "embeddings)")
-    # A fixed count (LLaVA-1.5's, Gemma 3's) is the count; tiled layouts' counts vary by image.
-    rows = getattr(encoder, "tokens_per_image", None) or image.length
+        raise InvalidRequestError("messages", "image embeddings are served on LLaVA, LLaVA-NeXT, LLaVA-OneVision, "
+                                  "Gemma 3, Qwen2-VL and Qwen2.5-VL here (this model lays an image out by its size, "
+                                  "or adds more than the embeddings)")
+    if getattr(encoder, "grid_for", None) is not None:
+        # Qwen-VL: the grid given with the embeddings (as the size whose grid it is) lays out the
+        # rotary positions; it must be one the processor makes.
+        if tuple(image.size) == (0, 0):
+            raise InvalidRequestError("messages", f"image {k}: Qwen-VL's embeddings come with their image_grid_thw")
+        why = encoder.grid.check(image.size)
+        if why is not None or encoder.grid.resized(tuple(image.size)) != tuple(image.size):
+            raise InvalidRequestError("messages", f"image {k}: its image_grid_thw is not a grid this model's "
+                                      "processor makes (multiples of the merge size within its pixel limits)")
+        rows = encoder.tokens_for(image.size)
+    else:
+        # A fixed count (LLaVA-1.5's, Gemma 3's) is the count; tiled layouts' counts vary by image.
+        rows = getattr(encoder, "tokens_per_image", None) or image.length
     want = (rows, encoder.text_hidden_size)
     if tuple(image.pixel_values.shape) != want or image.length != rows or not image.pixel_values.is_floating_point():
         raise InvalidRequestError("messages", f"image {k}'s embeddings are {tuple(image.pixel_values.shape)}; "

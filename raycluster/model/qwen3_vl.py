@@ -38,6 +38,7 @@ class Qwen3VLImageEncoder(QwenVLImageEncoder):
 
     NAME = "Qwen3-VL"
     takes_video = False         # its videos interleave timestamps with the frames: not served here
+    takes_embeds = False        # its outputs carry DeepStack levels beside the embeddings
 
     def __init__(self, config: dict, *args, **kwargs):
         super().__init__(config, *args, **kwargs)

@@ -61,6 +61,7 @@ class QwenVLImageEncoder(nn.Module):
 
     bidirectional = False       # the text model attends an image's tokens causally
     takes_video = True
+    takes_embeds = True         # a client's embeddings with their grid may stand for an image's output
     NAME = "Qwen-VL"
 
     def __init__(self, config: dict, pixel_limits: tuple[int, int] = (DEFAULT_MIN_PIXELS, DEFAULT_MAX_PIXELS),

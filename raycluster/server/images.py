@@ -30,6 +30,7 @@ import os
 import re
 import urllib.parse
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import httpx
 import torch
@@ -37,9 +38,20 @@ import torch
 from raycluster.engine.outputs import InvalidRequestError
 from raycluster.model.image_processor import decode_image
 from raycluster.model.llava import ImageFacts, image_facts
+from raycluster.model.qwen_vl_processor import QwenVLGrid
 from raycluster.request import ImageInput
 from raycluster.server.embeds import decode_embeds
 from raycluster.server.videos import MAX_VIDEOS_PER_PROMPT, video_frames
+
+class Loaded(NamedTuple):
+    """One image, video or image's given embeddings of a request, ready to place: its pixels (or
+    embeddings), its size ((height, width); a video's (frames, height, width); given embeddings:
+    the size their grid stands for on Qwen-VL, else (0, 0)), its placeholder tokens."""
+    pixels: torch.Tensor
+    size: tuple
+    tokens: int
+    embeds: bool = False
+
 
 MAX_IMAGES_PER_PROMPT = 16           # default of vLLM's --limit-mm-per-prompt {"image": N} here
 MAX_IMAGE_BYTES = 20 * 2 ** 20       # an image's encoded bytes, fetched or inline
@@ -68,7 +80,7 @@ class ImageSpec:
     video_token_id: int | None = None
     video_text: str | None = None
 
-    def expand_text(self, prompt: str, loaded: list[tuple[torch.Tensor, tuple[int, int], int]]) -> str:
+    def expand_text(self, prompt: str, loaded: list[Loaded]) -> str:
         """`prompt` with its k-th image marker expanded for the k-th image (`wrap`); unchanged
         without `wrap`. InvalidRequestError when the markers are not one per image."""
         if self.wrap is None:
@@ -78,8 +90,8 @@ class ImageSpec:
             raise InvalidRequestError("messages", f"the prompt holds {len(pieces) - 1} image markers "
                                       f"({self.token_text!r}) for {len(loaded)} images")
         out = [pieces[0]]
-        for piece, (_, _, n) in zip(pieces[1:], loaded):
-            out += [self.wrap[0], self.placeholder_text * n, self.wrap[1], piece]
+        for piece, item in zip(pieces[1:], loaded):
+            out += [self.wrap[0], self.placeholder_text * item.tokens, self.wrap[1], piece]
         return "".join(out)
 
 
@@ -138,15 +150,14 @@ def template_content(message, parts: bool, image_text: str | None, video_text: s
 
 async def load_images(messages, spec: ImageSpec | None, limit: int = MAX_IMAGES_PER_PROMPT,
                       client: httpx.AsyncClient | None = None, local_root: str | None = None,
-                      video_limit: int = MAX_VIDEOS_PER_PROMPT, embeds: bool = False
-                      ) -> list[tuple[torch.Tensor, tuple | None, int]]:
+                      video_limit: int = MAX_VIDEOS_PER_PROMPT, embeds: bool = False) -> list[Loaded]:
     """(pixels, size, placeholder tokens) of the messages' image and video parts, in order (an
     image's size (height, width), a video's (frames, height, width)); InvalidRequestError for what
     the client got wrong (no images or videos on this model, more than `limit` images or
     `video_limit` videos, a URL, image or video that does not load). `local_root` (vLLM's
     --allowed-local-media-path): file:// image URLs under that directory are read too (None: refused).
     `embeds` (vLLM's --enable-mm-embeds): image_embeds parts are taken (raycluster.server.embeds),
-    each (embeddings, None, their token count) and counted as an image."""
+    each counted as an image."""
     media = [(kind, u if kind == "image_embeds" else u.url) for m in messages for kind, u in m.media()]
     if not media:
         return []
@@ -171,7 +182,7 @@ async def load_images(messages, spec: ImageSpec | None, limit: int = MAX_IMAGES_
                                                  for kind, url in media], spec.facts)
 
 
-def _preprocess(items: list[tuple[str, bytes | str]], facts: ImageFacts) -> list[tuple[torch.Tensor, tuple | None, int]]:
+def _preprocess(items: list[tuple[str, bytes | str]], facts: ImageFacts) -> list[Loaded]:
     """Each image's bytes, video's URL or embeddings' payload, processed, in order."""
     out, counts = [], {"image": 0, "video": 0, "image_embeds": 0}
     for kind, data in items:
@@ -179,11 +190,11 @@ def _preprocess(items: list[tuple[str, bytes | str]], facts: ImageFacts) -> list
         counts[kind] += 1
         try:
             if kind == "image_embeds":
-                e = decode_embeds(data)
-                out.append((e, None, e.shape[0]))
+                e, grid = decode_embeds(data)
+                out.append(Loaded(e, embeds_size(grid, facts), e.shape[0], embeds=True))
             else:
-                out.append(facts.prepare(decode_image(data)) if kind == "image" else
-                           facts.prepare_video(video_frames(data)))
+                out.append(Loaded(*(facts.prepare(decode_image(data)) if kind == "image" else
+                                    facts.prepare_video(video_frames(data)))))
         except ValueError as e:
             raise InvalidRequestError("messages", f"{kind} {k}: {e}") from None
     return out
@@ -250,7 +261,7 @@ async def _fetch(client: httpx.AsyncClient, url: str, k: int) -> bytes:
     return b"".join(chunks)
 
 
-def place_images(ids: list[int], loaded: list[tuple[torch.Tensor, tuple[int, int], int]], spec: ImageSpec
+def place_images(ids: list[int], loaded: list[Loaded], spec: ImageSpec
                  ) -> tuple[list[int], list[ImageInput]]:
     """The prompt with each image token expanded to that image's placeholder tokens, and the
     images (`load_images`' output) laid on those runs in order. InvalidRequestError when the
@@ -260,7 +271,7 @@ def place_images(ids: list[int], loaded: list[tuple[torch.Tensor, tuple[int, int
     marks = {spec.token_id, spec.video_token_id}
     at = [i for i, t in enumerate(ids) if t in marks]
     kinds = [ids[i] == spec.token_id for i in at]
-    videos = [size is not None and len(size) == 3 for _, size, _ in loaded]
+    videos = [len(item.size) == 3 for item in loaded]
     if kinds != [not v for v in videos]:
         raise InvalidRequestError("messages", f"the prompt holds {sum(kinds)} image tokens ({spec.token_text!r}) and "
                                   f"{len(kinds) - sum(kinds)} video tokens, in another order than its "
@@ -270,10 +281,10 @@ def place_images(ids: list[int], loaded: list[tuple[torch.Tensor, tuple[int, int
     out: list[int] = []
     images: list[ImageInput] = []
     last = 0
-    for pos, (px, size, n) in zip(at, loaded):
+    for pos, item in zip(at, loaded):
         out.extend(ids[last:pos])
-        images.append(_input(len(out), n, px, size))
-        out.extend([spec.token_id] * n if size is None else spec.facts.span_ids(size))
+        images.append(_input(len(out), item))
+        out.extend([spec.token_id] * item.tokens if item.embeds else spec.facts.span_ids(item.size))
         last = pos + 1
     out.extend(ids[last:])
     return out, images
@@ -288,17 +299,31 @@ def _place_on_runs(ids: list[int], loaded, spec: ImageSpec) -> tuple[list[int], 
                 runs[-1][1] = i + 1
             else:
                 runs.append([i, i + 1])
-    if [b - a for a, b in runs] != [n for _, _, n in loaded]:
+    if [b - a for a, b in runs] != [item.tokens for item in loaded]:
         raise InvalidRequestError("messages", f"the prompt holds runs of {[b - a for a, b in runs]} image tokens "
-                                  f"({spec.placeholder_text!r}) for images of {[n for _, _, n in loaded]}")
-    return ids, [_input(a, n, px, size) for (a, _), (px, size, n) in zip(runs, loaded)]
+                                  f"({spec.placeholder_text!r}) for images of {[item.tokens for item in loaded]}")
+    return ids, [_input(a, item) for (a, _), item in zip(runs, loaded)]
 
 
-def _input(offset: int, n: int, px: torch.Tensor, size: tuple | None) -> ImageInput:
-    """The `ImageInput` of a loaded image, video or (size None) image embeddings."""
-    if size is None:
-        return ImageInput(offset=offset, length=n, pixel_values=px, digest=image_digest(px, (0, 0)), embeds=True)
-    return ImageInput(offset=offset, length=n, pixel_values=px, digest=image_digest(px, size), size=size)
+def _input(offset: int, item: Loaded) -> ImageInput:
+    """The `ImageInput` of a loaded image, video or image's given embeddings."""
+    digest = image_digest(item.pixels, (*item.size, "embeds") if item.embeds else item.size)
+    return ImageInput(offset=offset, length=item.tokens, pixel_values=item.pixels, digest=digest, size=item.size,
+                      embeds=item.embeds)
+
+
+def embeds_size(grid: tuple[int, int, int] | None, facts: ImageFacts) -> tuple[int, int]:
+    """The image size given embeddings stand for: on Qwen-VL the size whose patch grid is `grid`
+    (its rotary layout comes from it), else (0, 0). ValueError for a grid the model does not lay
+    images on."""
+    if grid is None:
+        return (0, 0)
+    if not isinstance(facts.grid, QwenVLGrid):
+        raise ValueError("image_grid_thw is Qwen-VL's; this model takes the embeddings tensor alone")
+    t, h, w = grid
+    if t != 1:
+        raise ValueError(f"image_grid_thw {list(grid)}: an image's temporal grid is 1 (video embeddings are not served)")
+    return h * facts.grid.patch_size, w * facts.grid.patch_size
 
 
 def image_digest(pixels: torch.Tensor, size: tuple[int, int]) -> bytes:

@@ -1,7 +1,8 @@
 """Precomputed image embeddings over real HTTP (vLLM's image_embeds parts, --enable-mm-embeds): the
 encoder's own output for a picture, given as base64 of torch.save(tensor), gets the reply the
-picture itself gets (LLaVA-1.5, LLaVA-NeXT, Gemma 3, whose image attends itself both ways); what a
-client gets wrong is a 400 naming `messages`; a server without the flag refuses them."""
+picture itself gets (LLaVA-1.5, LLaVA-NeXT, Gemma 3, whose image attends itself both ways; Qwen2-VL
+with its image_grid_thw, which lays out its rotary positions); what a client gets wrong is a 400
+naming `messages`; a server without the flag, and Qwen3-VL (DeepStack), refuse them."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from raycluster.engine.config import EngineConfig
 from raycluster.model.llava import image_encoder_for, image_facts
 from raycluster.model.tiny_gemma3_vl import write_tiny_gemma3_vl
 from raycluster.model.tiny_multimodal import write_tiny_multimodal
+from raycluster.model.tiny_qwen3_vl import write_tiny_qwen3_vl
 from raycluster.server.images import image_spec_for
 
 pytest.importorskip("transformers")
@@ -46,7 +48,9 @@ def _ask(url: str, part: dict, **extra) -> httpx.Response:
 WRITERS = {"llava": lambda p: write_tiny_multimodal(p, "LlavaForConditionalGeneration", seed=1, vision_weights=True),
            "llava-next": lambda p: write_tiny_multimodal(p, "LlavaNextForConditionalGeneration", seed=3,
                                                          vision_weights=True),
-           "gemma3": lambda p: write_tiny_gemma3_vl(p, seed=3)}
+           "gemma3": lambda p: write_tiny_gemma3_vl(p, seed=3),
+           "qwen2-vl": lambda p: write_tiny_multimodal(p, "Qwen2VLForConditionalGeneration", seed=5,
+                                                       vision_weights=True)}
 
 
 @pytest.mark.parametrize("name", list(WRITERS))
@@ -57,6 +61,12 @@ def test_embeddings_stand_for_their_picture(tmp_path, name):
     png, picture = _png(4, (30, 40))
     px, size, _ = image_facts(path).prepare(picture)
     embeds = enc.encode_images([(px, size)])[0]
+    qwen = name == "qwen2-vl"
+    grid = _b64_tensor(torch.tensor(enc.grid.grid_thw(size))) if qwen else None
+
+    def payload(e):         # Qwen-VL's mapping form carries the grid
+        return {"image_embeds": _b64_tensor(e), "image_grid_thw": grid} if qwen else _b64_tensor(e)
+
     cfg = EngineConfig(kv_cache_tokens=2048, policy="fcfs", packer="token", chunk_size=16)
     with serve_engine(cfg, model, tok, image_encoder=enc, images=image_spec_for(path, tok), mm_embeds=True) \
             as (url, aeng):
@@ -64,7 +74,7 @@ def test_embeddings_stand_for_their_picture(tmp_path, name):
                                                                         base64.b64encode(png).decode()}})
         assert by_url.status_code == 200, by_url.text
         for given in (embeds, embeds[None], embeds.to(torch.bfloat16).float()):
-            r = _ask(url, {"type": "image_embeds", "image_embeds": _b64_tensor(given)})
+            r = _ask(url, {"type": "image_embeds", "image_embeds": payload(given)})
             assert r.status_code == 200, r.text
             if given.dtype == torch.float32 and given.dim() == 2:
                 assert r.json()["choices"][0]["message"]["content"] == \
@@ -76,15 +86,21 @@ def test_embeddings_stand_for_their_picture(tmp_path, name):
             assert r.status_code == 400 and r.json()["error"]["param"] == "messages", r.text
             assert why in r.json()["error"]["message"], r.text
 
-        refused(_b64_tensor(embeds[:, :-1]), "embeddings are")
-        refused(_b64_tensor(embeds.long()), "expected a float tensor")
-        refused(_b64_tensor(torch.full_like(embeds, float("nan"))), "NaN")
+        refused(payload(embeds[:, :-1]), "embeddings are")
+        refused(payload(embeds.long()), "expected a float tensor")
+        refused(payload(torch.full_like(embeds, float("nan"))), "NaN")
         refused("@@", "not base64")
         refused(base64.b64encode(pickle.dumps({"x": print}, protocol=2)).decode(), "not a torch.save'd tensor")
-        refused({"image_embeds": _b64_tensor(embeds), "image_grid_thw": _b64_tensor(torch.tensor([1, 2, 2]))},
-                "Qwen-VL's")
         if name == "llava":         # a fixed count: embeddings of another length do not fit
             refused(_b64_tensor(torch.cat([embeds, embeds])), "embeddings are")
+            refused({"image_embeds": _b64_tensor(embeds), "image_grid_thw": _b64_tensor(torch.tensor([1, 2, 2]))},
+                    "image_grid_thw is Qwen-VL's")
+        if qwen:
+            refused(_b64_tensor(embeds), "come with their image_grid_thw")
+            t, h, w = enc.grid.grid_thw(size)
+            for bad, why in (([2, h, w], "temporal grid is 1"), ([1, h + 1, w], "not a grid this model's"),
+                             ([1, h, w, 1], "3 positive ints")):
+                refused({"image_embeds": _b64_tensor(embeds), "image_grid_thw": _b64_tensor(torch.tensor(bad))}, why)
         assert all_free(aeng)
 
 
@@ -97,11 +113,12 @@ def test_a_server_without_the_flag_and_a_model_without_embeddings_refuse_them(tm
             as (url, aeng):
         r = _ask(url, part)
         assert r.status_code == 400 and "--enable-mm-embeds" in r.json()["error"]["message"], r.text
-    qwen = write_tiny_multimodal(tmp_path / "qwen", "Qwen2VLForConditionalGeneration", seed=5, vision_weights=True)
-    model, tok = tiny_parts(qwen)
-    with serve_engine(cfg, model, tok, image_encoder=image_encoder_for(qwen), images=image_spec_for(qwen, tok),
+    qwen3 = write_tiny_qwen3_vl(tmp_path / "qwen3", seed=5)
+    model, tok = tiny_parts(qwen3)
+    with serve_engine(cfg, model, tok, image_encoder=image_encoder_for(qwen3), images=image_spec_for(qwen3, tok),
                       mm_embeds=True) as (url, aeng):
-        r = _ask(url, {"type": "image_embeds", "image_embeds": _b64_tensor(torch.zeros(4, 256))})
+        r = _ask(url, {"type": "image_embeds", "image_embeds": {
+            "image_embeds": _b64_tensor(torch.zeros(4, 256)), "image_grid_thw": _b64_tensor(torch.tensor([1, 4, 4]))}})
         assert r.status_code == 400 and "served on LLaVA" in r.json()["error"]["message"], r.text
         assert all_free(aeng)
 
