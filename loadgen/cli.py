@@ -104,6 +104,10 @@ def add_image_args(g) -> None:
     g.add_argument("--image-size", type=_size, default=(640, 480), metavar="WxH", help="the pictures' size")
     g.add_argument("--distinct-images", type=int, default=64, metavar="N",
                    help="pictures in the pool requests draw from (repeats are prefix-cache hits)")
+    g.add_argument("--videos", type=int, default=0, metavar="K",
+                   help="K synthetic videos in each request (frame lists, as vLLM takes them; a video model such "
+                        "as Qwen2-VL): --video-frames pictures of --image-size each, from a pool of --distinct-images")
+    g.add_argument("--video-frames", type=int, default=8, metavar="F", help="pictures in each video")
 
 
 def _size(text: str) -> tuple[int, int]:
@@ -125,9 +129,10 @@ def _run_one(args: argparse.Namespace, qps: float) -> dict:
                        send_extras=not args.no_extras, prompt_format=args.prompt_format,
                        id_range=args.id_range, keep_token_times=True, progress=not args.quiet,
                        api_key=args.api_key, lora_modules=tuple(args.lora_modules),
-                       images=ImageLoad(args.images, *args.image_size, args.distinct_images))
-    if args.images and cfg.prompt_format == "ids":
-        raise SystemExit("loadgen: --images sends chat messages; it needs --prompt-format text")
+                       images=ImageLoad(args.images, *args.image_size, args.distinct_images, args.videos,
+                                        args.video_frames))
+    if (args.images or args.videos) and cfg.prompt_format == "ids":
+        raise SystemExit("loadgen: --images / --videos send chat messages; they need --prompt-format text")
     if cfg.model is None:
         import asyncio
         from loadgen.client import fetch_model

@@ -98,11 +98,12 @@ def build_payload(req: WorkloadRequest, cfg: ClientConfig, model: str, pool: Ima
     of the pictures and the prompt's text."""
     common = {"model": request_model(req, cfg, model), "max_tokens": req.output_tokens, "ignore_eos": True,
               "temperature": 0.0, "stream": True, "stream_options": {"include_usage": True}}
-    if pool is not None and cfg.images.per_request:
+    if pool is not None and (cfg.images.per_request or cfg.images.videos):
         if cfg.prompt_format == "ids":
             raise ValueError("requests with images are chat messages: use prompt_format text")
-        # Pictures first, then the question (as LLaVA's template lays a turn out).
-        parts = [{"type": "image_url", "image_url": {"url": url}} for url in pool.urls_for(req.request_id)]
+        # Videos and pictures first, then the question (as LLaVA's and Qwen's templates lay a turn out).
+        parts = [{"type": "video_url", "video_url": {"url": url}} for url in pool.video_urls_for(req.request_id)]
+        parts += [{"type": "image_url", "image_url": {"url": url}} for url in pool.urls_for(req.request_id)]
         parts.append({"type": "text", "text": req.prompt_text()})
         body = {**common, "messages": [{"role": "user", "content": parts}]}
     else:
@@ -173,7 +174,7 @@ async def _stream(client: httpx.AsyncClient, body: dict, rec: RequestRecord, cfg
 async def run_workload(workload: Workload, cfg: ClientConfig) -> list[RequestRecord]:
     """Send every request of `workload`; returns records in workload order."""
     model = cfg.model or await fetch_model(cfg.url, headers=cfg.headers())
-    pool = ImagePool(cfg.images) if cfg.images.per_request else None
+    pool = ImagePool(cfg.images) if cfg.images.per_request or cfg.images.videos else None
     reqs = list(workload)
     records = {r.request_id: RequestRecord(
         r.request_id, arrival_s=r.arrival_s, klass=r.klass, tenant=r.tenant, app_id=r.app_id,

@@ -1,5 +1,6 @@
 """Synthetic pictures for load on image-text models: each request carries `per_request` images
-as data URLs in a chat message (the client then posts /v1/chat/completions).
+as data URLs in a chat message (the client then posts /v1/chat/completions), and `videos` videos
+of `frames` such pictures each, as vLLM's frame lists (data:video/jpeg;base64,<frame>,...).
 
 `synthetic_jpeg(width, height, seed)` draws smooth gradients with noise (it compresses like a
 photo, not like noise). `ImagePool` holds `distinct` such images, made on first use, and gives a
@@ -37,14 +38,19 @@ class ImageLoad:
     width: int = 640
     height: int = 480
     distinct: int = 64                    # pictures in the pool the requests draw from
+    videos: int = 0                       # videos in each request's message
+    frames: int = 8                       # pictures in each video
 
 
 class ImagePool:
     def __init__(self, load: ImageLoad, seed: int = 0) -> None:
-        if load.per_request < 0 or load.distinct < 1 or min(load.width, load.height) < 1:
-            raise ValueError(f"images: per_request >= 0, distinct >= 1 and a positive size needed, got {load}")
+        if load.per_request < 0 or load.distinct < 1 or min(load.width, load.height) < 1 or load.videos < 0 \
+                or load.frames < 1:
+            raise ValueError(f"images: per_request >= 0, distinct >= 1, a positive size, videos >= 0 and frames "
+                             f">= 1 needed, got {load}")
         self.load, self.seed = load, seed
         self._urls: dict[int, str] = {}
+        self._videos: dict[int, str] = {}
 
     def _url(self, i: int) -> str:
         if i not in self._urls:
@@ -54,6 +60,17 @@ class ImagePool:
 
     def urls_for(self, request_id: str) -> list[str]:
         return [self._url(i) for i in image_indices(request_id, self.load.per_request, self.load.distinct)]
+
+    def _video(self, i: int) -> str:
+        if i not in self._videos:
+            first = (self.seed * 100_003 + i) * 1_009 + 500_000_000      # frames apart from the pictures
+            frames = [synthetic_jpeg(self.load.width, self.load.height, first + f) for f in range(self.load.frames)]
+            self._videos[i] = "data:video/jpeg;base64," + ",".join(base64.b64encode(f).decode() for f in frames)
+        return self._videos[i]
+
+    def video_urls_for(self, request_id: str) -> list[str]:
+        """The request's videos, from the pool of `distinct` by the same rule as its pictures."""
+        return [self._video(i) for i in image_indices(request_id + "#video", self.load.videos, self.load.distinct)]
 
 
 def image_indices(request_id: str, per_request: int, distinct: int) -> list[int]:

@@ -60,6 +60,9 @@ def main(argv: list[str] | None = None) -> int:
 
     wl = workload_from_args(args)
     images = ImageLoad(args.images, *args.image_size, args.distinct_images)
+    if args.videos:
+        print("raycluster sim: --videos are not simulated (pictures are: --images)", file=sys.stderr)
+        return 2
     if args.images and spec.vision is None:
         print(f"raycluster sim: --images needs a vision tower in {args.cluster} (vision: clip-vit-l-336 | "
               "siglip-so400m-896)", file=sys.stderr)

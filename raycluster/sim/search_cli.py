@@ -54,6 +54,9 @@ def main(argv: list[str] | None = None) -> int:
     say = None if args.quiet else (lambda line: print(line, file=sys.stderr, flush=True))
     from loadgen.images import ImageLoad
 
+    if args.videos:
+        print("raycluster sim-search: --videos are not simulated (pictures are: --images)", file=sys.stderr)
+        return 2
     images = ImageLoad(args.images, *args.image_size, args.distinct_images) if args.images else None
     if images is not None and any(s.vision is None for _, s in expand(spec, base)):
         print("raycluster sim-search: --images needs a vision tower in every candidate's spec (vision: "

@@ -182,7 +182,8 @@ def test_loadgen_sends_pictures_to_an_image_model(tmp_path):
         assert all_free(aeng)
     res = json.loads(out.read_text())
     assert res["summary"]["completed"] == 8 and res["summary"]["failed"] == 0
-    assert res["meta"]["images"] == {"per_request": 2, "width": 64, "height": 48, "distinct": 3}
+    assert res["meta"]["images"] == {"per_request": 2, "width": 64, "height": 48, "distinct": 3, "videos": 0,
+                                     "frames": 8}
     assert hits > 0
 
 

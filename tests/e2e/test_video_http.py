@@ -151,3 +151,35 @@ def test_llava_onevision_chat_with_a_video_and_an_image(tmp_path):
         assert r.status_code == 200, r.text
         assert r.json()["choices"][0]["message"]["content"] == tok.decode(want)
         assert all_free(aeng)
+
+
+def test_loadgen_sends_videos_to_a_video_model(tmp_path):
+    """`loadgen run --videos 1 --images 1`: chat messages with a frame-list video and a picture,
+    drawn from a pool of 2, all answered; the results record the load; repeated videos are
+    prefix-cache hits. `raycluster sim` refuses --videos (it simulates pictures only)."""
+    import json
+
+    from loadgen.cli import main as loadgen
+    from raycluster.sim.cli import main as sim_main
+
+    path = write_tiny_multimodal(tmp_path / "q", "Qwen2VLForConditionalGeneration", seed=6, vision_weights=True,
+                                 num_hidden_layers=2)
+    model, tok = tiny_parts(path)
+    cfg = EngineConfig(kv_cache_tokens=4096, policy="fcfs", packer="token", enable_prefix_caching=True, block_size=4)
+    out = tmp_path / "run.json"
+    with serve_engine(cfg, model, tok, image_encoder=image_encoder_for(path), images=image_spec_for(path, tok)) \
+            as (url, aeng):
+        assert loadgen(["run", "--url", url, "--workload", "chat", "--num-requests", "6", "--qps", "20", "--seed", "1",
+                        "--max-output-tokens", "3", "--videos", "1", "--video-frames", "3", "--images", "1",
+                        "--image-size", "56x28", "--distinct-images", "2", "--quiet", "--out", str(out)]) == 0
+        hits = aeng.engine.kv.hit_tokens
+        assert all_free(aeng)
+    res = json.loads(out.read_text())
+    assert res["summary"]["completed"] == 6 and res["summary"]["failed"] == 0
+    assert res["meta"]["images"] == {"per_request": 1, "width": 56, "height": 28, "distinct": 2, "videos": 1,
+                                     "frames": 3}
+    assert hits > 0
+    spec = tmp_path / "s.yaml"
+    spec.write_text(json.dumps({"gpu": "a100", "model": "llama-3-8b", "vision": "clip-vit-l-336"}))
+    assert sim_main(["--cluster", str(spec), "--workload", "chat", "--num-requests", "2", "--videos", "1",
+                     "--out", str(tmp_path / "o.json"), "--quiet"]) == 2
