@@ -1,9 +1,10 @@
 """What a prompt's image costs, side by side in one engine: the time to first token of a prompt
 with an image against a text prompt of the same length, of the same image prompt again (its
 blocks found in the prefix cache, keyed on the pixels), and of the same text with another image
-(only the blocks before the image found), and of other text before the same image (no block
-found, the image's encoding found in the encoder cache); plus the encoder alone and the HTTP server's part
-(decoding a photo and running the image processor).
+(only the blocks before the image found), of other text before the same image (no block
+found, the image's encoding found in the encoder cache), and of a new image given as its embeddings
+(vLLM's image_embeds: no encoder runs); plus the encoder alone and the HTTP server's part (decoding
+a photo and running the image processor).
 
     raycluster bench images [--image-size 336] [--tower-layers 4] [--text-tokens 24]
                             [--photo 1024x768] [--repeats 7] [--threads 1] --out FILE.json
@@ -70,7 +71,7 @@ def run(args: argparse.Namespace) -> dict:
     rng = random.Random(0)
     text = lambda: [rng.randrange(6, 4000) for _ in range(args.text_tokens)]     # noqa: E731
     cases = {k: [] for k in ("text", "image", "same_image_again", "other_image_same_text", "same_image_other_text",
-                             "encode", "preprocess")}
+                             "given_embeddings", "encode", "preprocess")}
     cached = {k: [] for k in ("same_image_again", "other_image_same_text")}
     for r in range(args.repeats + 1):              # repeat 0 warms up and is left out
         jpegs = [synthetic_jpeg(width, height, 2 * r), synthetic_jpeg(width, height, 2 * r + 1)]
@@ -92,6 +93,10 @@ def run(args: argparse.Namespace) -> dict:
         times["other_image_same_text"], hit_other = _ttft(eng, f"o{r}", ids, images(other))
         # Other text before the same picture: no block found, the encoder's output is (encoder cache).
         times["same_image_other_text"], _ = _ttft(eng, f"x{r}", text() + [IMAGE_TOKEN_ID] * per + tail, images(pixels))
+        # A picture seen nowhere before, given as the encoder's output (computed outside the timing).
+        given = encoder.encode_images([(processor(decode_image(synthetic_jpeg(width, height, 10_000 + r))), (0, 0))])[0]
+        embeds = [ImageInput(len(head), per, given, hashlib.sha256(given.numpy().tobytes()).digest(), embeds=True)]
+        times["given_embeddings"], _ = _ttft(eng, f"e{r}", text() + [IMAGE_TOKEN_ID] * per + text(), embeds)
         if r:
             for k, v in times.items():
                 cases[k].append(v)
@@ -105,7 +110,8 @@ def run(args: argparse.Namespace) -> dict:
             "ratio_image_over_text": med["image"] / med["text"],
             "ratio_same_image_again_over_image": med["same_image_again"] / med["image"],
             "ratio_other_image_over_image": med["other_image_same_text"] / med["image"],
-            "ratio_same_image_other_text_over_image": med["same_image_other_text"] / med["image"]}
+            "ratio_same_image_other_text_over_image": med["same_image_other_text"] / med["image"],
+            "ratio_given_embeddings_over_image": med["given_embeddings"] / med["image"]}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -128,5 +134,6 @@ def main(argv: list[str] | None = None) -> int:
     print(f"image / text TTFT {res['ratio_image_over_text']:.2f}x; same image again / first "
           f"{res['ratio_same_image_again_over_image']:.2f}x; other image, same text / first "
           f"{res['ratio_other_image_over_image']:.2f}x; same image, other text / first "
-          f"{res['ratio_same_image_other_text_over_image']:.2f}x")
+          f"{res['ratio_same_image_other_text_over_image']:.2f}x; a new image's embeddings given / first "
+          f"{res['ratio_given_embeddings_over_image']:.2f}x")
     return 0

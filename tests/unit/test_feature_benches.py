@@ -144,3 +144,4 @@ def test_image_bench_finds_the_same_image_in_the_prefix_cache(tmp_path):
     assert res["tokens_per_image"] == 16 and res["prompt_tokens"] == 56
     assert res["cached_tokens"] == {"same_image_again": [48], "other_image_same_text": [16]}
     assert res["ratio_image_over_text"] > 0 and set(res["median_s"]) == set(res["seconds"])
+    assert len(res["seconds"]["given_embeddings"]) == 1 and res["ratio_given_embeddings_over_image"] > 0
