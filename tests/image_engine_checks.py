@@ -8,9 +8,31 @@ from __future__ import annotations
 
 from raycluster.engine.config import EngineConfig
 from raycluster.engine.engine import LLMEngine
-from raycluster.request import Request, SamplingParams
+from raycluster.request import ImageInput, Request, SamplingParams
 
 BASE = dict(policy="fcfs", packer="token", predictor="none", block_size=4, num_threads=1, group_timeout_s=30)
+
+
+def laid_out_prompt(path, content: list[dict], pictures) -> tuple[list[int], list[ImageInput], str]:
+    """A user message of `content` (its {"type": "image"} parts taking `pictures` in order) laid
+    out as the server does it (the checkpoint's image facts): (expanded ids, their `ImageInput`s,
+    the rendered template text)."""
+    import hashlib
+
+    from raycluster.model.llava import image_facts
+    from raycluster.model.tokenizer import Tokenizer
+
+    tok, facts = Tokenizer(path), image_facts(path)
+    text = tok.apply_chat_template([{"role": "user", "content": content}])
+    ids, inputs, loaded = [], [], iter([facts.prepare(p) for p in pictures])
+    for t in tok.encode(text, add_special_tokens=False):
+        if t != facts.image_token_id:
+            ids.append(t)
+            continue
+        px, size, n = next(loaded)
+        inputs.append(ImageInput(len(ids), n, px, hashlib.sha256(px.numpy().tobytes()).digest(), size))
+        ids.extend([t] * n)
+    return ids, inputs, text
 
 
 def image_sp(images, n: int = 10) -> SamplingParams:

@@ -57,23 +57,10 @@ def compare_prompt(model_dir, images, hf_processor) -> tuple[list[int], list, di
     """The tiny Qwen-VL chat prompt "<image>Compare<image>these." with `images` (PIL) as the server
     lays it out (raycluster.model.llava's facts): (expanded ids, their `ImageInput`s, and
     transformers' `hf_processor(model_dir)` output for the same, whose ids must be equal)."""
-    import hashlib
+    from image_engine_checks import laid_out_prompt
 
-    from raycluster.model.llava import image_facts
-    from raycluster.model.tokenizer import Tokenizer
-    from raycluster.request import ImageInput
-
-    tok, facts = Tokenizer(model_dir), image_facts(model_dir)
-    text = tok.apply_chat_template([{"role": "user", "content": [
-        {"type": "image"}, {"type": "text", "text": "Compare"}, {"type": "image"}, {"type": "text", "text": "these."}]}])
-    ids, inputs, loaded = [], [], iter([facts.prepare(im) for im in images])
-    for t in tok.encode(text, add_special_tokens=False):
-        if t != facts.image_token_id:
-            ids.append(t)
-            continue
-        px, size, n = next(loaded)
-        inputs.append(ImageInput(len(ids), n, px, hashlib.sha256(px.numpy().tobytes()).digest(), size))
-        ids.extend([t] * n)
+    ids, inputs, text = laid_out_prompt(model_dir, [{"type": "image"}, {"type": "text", "text": "Compare"},
+                                                    {"type": "image"}, {"type": "text", "text": "these."}], images)
     hf = hf_processor(model_dir)(images=images, text=[text.replace("<|bos|>", "", 1)], return_tensors="pt")
     assert hf["input_ids"][0].tolist() == ids
     return ids, inputs, hf

@@ -6,22 +6,19 @@ and on a tp group."""
 
 from __future__ import annotations
 
-import hashlib
 
 import numpy as np
 import pytest
 import torch
-from image_engine_checks import BASE, check_group, check_prefix_hit, image_sp, run_to_end
+from image_engine_checks import BASE, check_group, check_prefix_hit, image_sp, laid_out_prompt, run_to_end
 from llava_reference import _greedy
 from PIL import Image
 
 from raycluster.engine.config import EngineConfig
 from raycluster.engine.engine import LLMEngine
-from raycluster.model.llava import image_encoder_for, image_facts
+from raycluster.model.llava import image_encoder_for
 from raycluster.model.loader import load_model
 from raycluster.model.tiny_llava_onevision import IMAGE_TOKEN_ID, write_tiny_llava_onevision
-from raycluster.model.tokenizer import Tokenizer
-from raycluster.request import ImageInput
 
 pytest.importorskip("transformers")
 
@@ -32,17 +29,9 @@ def _image(h: int, w: int, seed: int) -> Image.Image:
 
 def _prompt(path, images):
     """The chat prompt "<image>Compare<image>these." laid out as the server does (image_facts)."""
-    tok, facts = Tokenizer(path), image_facts(path)
-    text = tok.apply_chat_template([{"role": "user", "content": [
-        {"type": "image"}, {"type": "text", "text": "Compare"}, {"type": "image"}, {"type": "text", "text": "these."}]}])
-    ids, inputs, loaded = [], [], iter([facts.prepare(im) for im in images])
-    for t in tok.encode(text, add_special_tokens=False):
-        if t != IMAGE_TOKEN_ID:
-            ids.append(t)
-            continue
-        px, size, n = next(loaded)
-        inputs.append(ImageInput(len(ids), n, px, hashlib.sha256(px.numpy().tobytes()).digest(), size))
-        ids.extend([t] * n)
+    ids, inputs, _ = laid_out_prompt(path, [{"type": "image"}, {"type": "text", "text": "Compare"}, {"type": "image"},
+                                            {"type": "text", "text": "these."}], images)
+    assert IMAGE_TOKEN_ID in ids
     return ids, inputs
 
 

@@ -6,26 +6,23 @@ wrapper's layout reach the text model's layers; a quantized tower is refused nam
 
 from __future__ import annotations
 
-import hashlib
 import json
 
 import numpy as np
 import pytest
 import torch
-from image_engine_checks import BASE, image_sp, run_to_end
+from image_engine_checks import BASE, image_sp, laid_out_prompt, run_to_end
 from llava_reference import _greedy
 from PIL import Image
 
 from raycluster.engine.config import EngineConfig
 from raycluster.engine.engine import LLMEngine
 from raycluster.model.checkpoint_files import CheckpointError
-from raycluster.model.llava import image_encoder_for, image_facts
+from raycluster.model.llava import image_encoder_for
 from raycluster.model.loader import load_model
 from raycluster.model.multimodal_config import text_quant_config
 from raycluster.model.quant.write import quantize_checkpoint
 from raycluster.model.tiny_multimodal import write_tiny_multimodal
-from raycluster.model.tokenizer import Tokenizer
-from raycluster.request import ImageInput
 
 transformers = pytest.importorskip("transformers")
 GROUP = 32
@@ -33,17 +30,8 @@ GROUP = 32
 
 def _prompt(path, pictures):
     """A chat prompt with the pictures before "describe", laid out as the server does."""
-    tok, facts = Tokenizer(path), image_facts(path)
-    text = tok.apply_chat_template([{"role": "user", "content": [
-        *({"type": "image"} for _ in pictures), {"type": "text", "text": "describe"}]}])
-    ids, inputs, loaded = [], [], iter([facts.prepare(p) for p in pictures])
-    for t in tok.encode(text, add_special_tokens=False):
-        if t != facts.image_token_id:
-            ids.append(t)
-            continue
-        px, size, n = next(loaded)
-        inputs.append(ImageInput(len(ids), n, px, hashlib.sha256(px.numpy().tobytes()).digest(), size))
-        ids.extend([t] * n)
+    ids, inputs, _ = laid_out_prompt(path, [*({"type": "image"} for _ in pictures),
+                                            {"type": "text", "text": "describe"}], pictures)
     return ids, inputs
 
 
