@@ -80,11 +80,12 @@ class ImageSpec:
     video_token_id: int | None = None
     video_text: str | None = None
 
-    def expand_text(self, prompt: str, loaded: list[Loaded]) -> str:
+    def expand_text(self, prompt: str, loaded: list[Loaded | tuple]) -> str:
         """`prompt` with its k-th image marker expanded for the k-th image (`wrap`); unchanged
         without `wrap`. InvalidRequestError when the markers are not one per image."""
         if self.wrap is None:
             return prompt
+        loaded = [item if isinstance(item, Loaded) else Loaded(*item) for item in loaded]
         pieces = prompt.split(self.token_text)
         if len(pieces) - 1 != len(loaded):
             raise InvalidRequestError("messages", f"the prompt holds {len(pieces) - 1} image markers "
@@ -261,11 +262,12 @@ async def _fetch(client: httpx.AsyncClient, url: str, k: int) -> bytes:
     return b"".join(chunks)
 
 
-def place_images(ids: list[int], loaded: list[Loaded], spec: ImageSpec
+def place_images(ids: list[int], loaded: list[Loaded | tuple], spec: ImageSpec
                  ) -> tuple[list[int], list[ImageInput]]:
     """The prompt with each image token expanded to that image's placeholder tokens, and the
-    images (`load_images`' output) laid on those runs in order. InvalidRequestError when the
+    images (`load_images`' output, or (pixels, size, tokens) tuples) laid on those runs in order. InvalidRequestError when the
     template placed another number of image tokens than there are images."""
+    loaded = [item if isinstance(item, Loaded) else Loaded(*item) for item in loaded]
     if spec.wrap is not None:
         return _place_on_runs(ids, loaded, spec)
     marks = {spec.token_id, spec.video_token_id}

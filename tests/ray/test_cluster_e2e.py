@@ -714,11 +714,19 @@ def test_a_killed_instance_resumes_its_streams_elsewhere(cluster, restart_worklo
 
     prompts, params, expected = restart_workload
     role = "mixed" if name == "mixed" else "decode"
-    before = {i["id"] for i in httpx.get(url + "/v1/cluster/status", timeout=10).json()["instances"]}
+    # Every instance of the topology registered (after an earlier test's restart one may still be
+    # re-registering: a CI run once took the status without its decode instance).
+    want = sum(p["instances"] for p in TOPOLOGIES[name]["pools"])
+    deadline = time.monotonic() + 60
+    while True:
+        before = {i["id"] for i in httpx.get(url + "/v1/cluster/status", timeout=10).json()["instances"]}
+        if len(before) >= want or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    assert len(before) == want, before
 
     def kill_the_busiest() -> str:
-        # An instance of the role running requests. A CI run once found no decode instance in
-        # the status at this point (cause not found; not reproduced in isolation): wait for one.
+        # An instance of the role running requests (bounded wait: the streams have just started).
         deadline = time.monotonic() + 30
         while True:
             status = httpx.get(url + "/v1/cluster/status", timeout=10).json()
